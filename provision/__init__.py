@@ -1,0 +1,1 @@
+"""moe-tpu control plane: config, catalogue, rendering, cloud adapters, emulator, CLI."""

@@ -1,0 +1,1 @@
+"""moe-tpu trainer: a JAX/Flax Mixture-of-Experts language model and its train loop."""
