@@ -1,0 +1,94 @@
+"""The state of one CLI invocation: options, the console, the cloud session, the call log.
+
+Commands get it as `ctx.obj`. It is the only place that decides between the real
+cloud and the emulator; everything below it receives an endpoint and a clock.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import Any
+
+from provision.console import Console
+from provision.errors import ConfigError, MoeTpuError
+
+STATE_DIR = ".moe-tpu"
+
+
+class App:
+    current: "App | None" = None
+
+    def __init__(self, *, dry_run: bool = False, scenario: str = "happy", output: str = "text",
+                 verbose: int = 0, templates_dir: str | None = None, workdir: Path | None = None) -> None:
+        self.dry_run = dry_run
+        self.scenario = scenario
+        self.output = output
+        self.verbose = verbose
+        self.templates_dir = Path(templates_dir) if templates_dir else None
+        self.workdir = Path(workdir) if workdir else Path.cwd()
+        self.console = Console(output=output, verbose=verbose)
+        self.calls: list[dict[str, Any]] = []
+        self.command: str | None = None
+        self._session = None
+        App.current = self
+
+    @property
+    def state_dir(self) -> Path:
+        """Where dry-run state lives: one emulated world per working directory."""
+        return self.workdir / STATE_DIR
+
+    def load_config(self, path: str):
+        from provision.config import load_config
+
+        return load_config(Path(path))
+
+    def session(self):
+        """The cloud session (real, or the emulator in dry run), opened on first use."""
+        if self._session is None:
+            from provision.cloud import Session
+
+            self._session = Session.open(self)
+        return self._session
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    # --- reporting -------------------------------------------------------
+    def document(self, result: str, **fields: Any) -> dict[str, Any]:
+        doc: dict[str, Any] = {"command": self.command, "dry_run": self.dry_run}
+        if self.dry_run:
+            doc["scenario"] = self.scenario
+        doc["calls"] = self.calls
+        doc.update(fields)
+        doc["result"] = result
+        return doc
+
+    @classmethod
+    def report_error(cls, exc: MoeTpuError) -> None:
+        app = cls.current
+        console = app.console if app else Console()
+        if app is not None:
+            app.close()
+            if console.json_mode and app.command:
+                extra: dict[str, Any] = {"error": exc.message, "exit_code": exc.exit_code}
+                if isinstance(exc, ConfigError):
+                    extra["problems"] = [p.__dict__ for p in exc.problems]
+                console.emit(app.document("error", resources=[], **extra))
+        console.error(exc.message, exc.hint)
+
+    @classmethod
+    def report_unexpected(cls, exc: BaseException) -> None:
+        app = cls.current
+        console = app.console if app else Console()
+        if app is not None:
+            try:
+                app.close()
+            except Exception:  # noqa: BLE001 - already failing; report the first error
+                pass
+        if console.verbose:
+            console.info("".join(traceback.format_exception(exc)))
+        console.error(f"internal error: {type(exc).__name__}: {exc}",
+                      "this is a bug in moe-tpu; rerun with -v for details and report it")

@@ -1,0 +1,110 @@
+"""The `moe-tpu` command. Subcommands load lazily so `--help` imports neither jax nor google.cloud."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from provision.app import App
+from provision.errors import MoeTpuError
+
+# name -> "module:attribute"; a command appears here only once it is built.
+COMMANDS: dict[str, str] = {
+    "init": "provision.cli.config_cmds:init",
+    "validate": "provision.cli.config_cmds:validate",
+    "render": "provision.cli.config_cmds:render",
+    "slice": "provision.cli.slice_cmds:slice_group",
+    "list": "provision.cli.slice_cmds:list_cmd",
+    "down": "provision.cli.slice_cmds:down",
+    "emulator": "provision.cli.emulator_cmd:emulator",
+    "train": "provision.cli.train_cmd:train",
+}
+
+SHORT_HELP = {
+    "init": "Write a commented starter moe-tpu.yaml.",
+    "validate": "Check the config and render every template; list all problems.",
+    "render": "Write every rendered template and request body to a directory.",
+    "slice": "TPU v5e queued-resource lifecycle: up, status, down.",
+    "list": "Every resource this tool manages, with state, age and cost so far.",
+    "down": "Delete every resource of the run, also after a crash, and verify.",
+    "emulator": "The embedded Cloud TPU API emulator as a standalone server.",
+    "train": "Run the MoE trainer locally (the container's entry point).",
+}
+
+
+def _available(name: str) -> bool:
+    module = COMMANDS[name].split(":")[0]
+    return importlib.util.find_spec(module) is not None
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(n for n in COMMANDS if _available(n))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS or not _available(name):
+            return None
+        module, attr = COMMANDS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(n, SHORT_HELP.get(n, "")) for n in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+EPILOG = """\b
+Examples:
+  moe-tpu init                                   # write moe-tpu.yaml
+  moe-tpu --dry-run slice up -c examples/v5e-64.yaml
+  moe-tpu --dry-run --output json slice status -c examples/v5e-64.yaml
+  moe-tpu --dry-run --scenario stockout slice up -c examples/v5e-64.yaml
+  moe-tpu --dry-run down -c examples/v5e-64.yaml
+"""
+
+
+@click.group(cls=LazyGroup, context_settings={"auto_envvar_prefix": "MOE_TPU",
+                                               "help_option_names": ["-h", "--help"]},
+             epilog=EPILOG)
+@click.option("--dry-run", is_flag=True, envvar="MOE_TPU_DRY_RUN",
+              help="Talk to the embedded emulator instead of Google Cloud (no account, no network).")
+@click.option("--scenario", default="happy", envvar="MOE_TPU_SCENARIO", show_default=True,
+              help="Dry run only: happy, stockout, long-queue, quota, flaky, preempt.")
+@click.option("--output", type=click.Choice(["text", "json"]), default="text", envvar="MOE_TPU_OUTPUT",
+              show_default=True, help="json: one JSON document on stdout, progress on stderr.")
+@click.option("-v", "--verbose", count=True, help="More detail; -vv shows every RPC.")
+@click.option("--templates", "templates_dir", type=click.Path(file_okay=False), envvar="MOE_TPU_TEMPLATES",
+              help="Use your own copies of the templates from this directory.")
+@click.version_option(package_name="moe-tpu")
+@click.pass_context
+def cli(ctx: click.Context, dry_run: bool, scenario: str, output: str, verbose: int,
+        templates_dir: str | None) -> None:
+    """moe-tpu: train Mixture-of-Experts models on Cloud TPU v5e from one config file."""
+    ctx.obj = App(dry_run=dry_run, scenario=scenario, output=output, verbose=verbose,
+                  templates_dir=templates_dir)
+    ctx.call_on_close(ctx.obj.close)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: every failure becomes a message and an exit code, never a traceback."""
+    try:
+        rv = cli.main(args=argv, prog_name="moe-tpu", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except MoeTpuError as exc:
+        App.report_error(exc)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted; run `moe-tpu down` to delete anything this run created", err=True)
+        sys.exit(130)
+    except Exception as exc:  # the last line of defence: a message, not a traceback
+        App.report_unexpected(exc)
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,66 @@
+"""The errors the CLI turns into messages and exit codes (never tracebacks).
+
+Exit 2: the user's input is wrong (flags, config). Exit 1: the cloud or the run failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MoeTpuError(Exception):
+    """An error with a message for the user and, where we know one, a fix."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class UsageError(MoeTpuError):
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a config file: where, and what."""
+
+    file: str
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}: {self.key}" if self.key else self.file
+        return f"{where}: {self.message}"
+
+
+class ConfigError(UsageError):
+    """Every problem found in a config, reported together."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''} in the config"
+        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in self.problems))
+
+
+class CloudError(MoeTpuError):
+    """The cloud (or the emulator) refused or failed; exit 1."""
+
+
+class QuotaError(CloudError):
+    pass
+
+
+class StockoutError(CloudError):
+    pass
+
+
+class MissingDependency(UsageError):
+    def __init__(self, package: str, extra: str) -> None:
+        super().__init__(
+            f"this command needs the Python package {package!r}, which is not installed",
+            hint=f"install it with: pip install 'moe-tpu[{extra}]'",
+        )
