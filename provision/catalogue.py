@@ -1,0 +1,133 @@
+"""The TPU v5e hardware catalogue: plain data, tested with `==`.
+
+Sources: Cloud TPU docs (v5e system architecture, "TPU regions and zones", pricing) and the
+Vertex AI docs for the ct5lp machine types, as summarised in SPEC.md. Nothing here imports a
+cloud library: the CLI's `--help` and the planner read it cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+V5E_RUNTIME = "v2-alpha-tpuv5-lite"
+
+# Per chip, from the v5e system architecture page: 197 TFLOP/s bf16, 16 GB HBM2 at about
+# 819 GB/s, 1600 Gbps of ICI per chip, 2D torus, at most 256 chips per pod.
+_PEAK_BF16_TFLOPS = 197.0
+_HBM_GIB = 16.0
+_HBM_GBPS = 819.0
+_ICI_GBPS = 1600.0
+
+
+@dataclass(frozen=True)
+class AcceleratorType:
+    """One TPU accelerator type (a slice shape) and what it is made of."""
+
+    name: str
+    generation: str
+    topology: str
+    chips: int
+    vms: int
+    chips_per_vm: int
+    hbm_gib_per_chip: float
+    hbm_gbps_per_chip: float
+    peak_bf16_tflops_per_chip: float
+    ici_gbps_per_chip: float
+    vertex_machine_type: str
+    runtime_versions: tuple[str, ...]
+
+    @property
+    def multi_host(self) -> bool:
+        return self.vms > 1
+
+    @property
+    def peak_bf16_flops(self) -> float:
+        """Peak bf16 FLOP/s of the whole slice."""
+        return self.chips * self.peak_bf16_tflops_per_chip * 1e12
+
+    @property
+    def hbm_gib(self) -> float:
+        return self.chips * self.hbm_gib_per_chip
+
+
+def _v5e(name: str, topology: str, chips: int, vms: int, vertex_machine_type: str) -> AcceleratorType:
+    return AcceleratorType(
+        name=name, generation="v5e", topology=topology, chips=chips, vms=vms,
+        chips_per_vm=chips // vms, hbm_gib_per_chip=_HBM_GIB, hbm_gbps_per_chip=_HBM_GBPS,
+        peak_bf16_tflops_per_chip=_PEAK_BF16_TFLOPS, ici_gbps_per_chip=_ICI_GBPS,
+        vertex_machine_type=vertex_machine_type, runtime_versions=(V5E_RUNTIME,),
+    )
+
+
+# Single-host shapes: 1, 4 and 8 chips on one VM. Multi-host slices are VMs of 4 chips.
+ACCELERATORS: dict[str, AcceleratorType] = {
+    a.name: a
+    for a in (
+        _v5e("v5litepod-1", "1x1", 1, 1, "ct5lp-hightpu-1t"),
+        _v5e("v5litepod-4", "2x2", 4, 1, "ct5lp-hightpu-4t"),
+        _v5e("v5litepod-8", "2x4", 8, 1, "ct5lp-hightpu-8t"),
+        _v5e("v5litepod-16", "4x4", 16, 4, "ct5lp-hightpu-4t"),
+        _v5e("v5litepod-32", "4x8", 32, 8, "ct5lp-hightpu-4t"),
+        _v5e("v5litepod-64", "8x8", 64, 16, "ct5lp-hightpu-4t"),
+        _v5e("v5litepod-128", "8x16", 128, 32, "ct5lp-hightpu-4t"),
+        _v5e("v5litepod-256", "16x16", 256, 64, "ct5lp-hightpu-4t"),
+    )
+}
+
+# Vertex AI machine type -> the TPU topologies it accepts. ct5lp-hightpu-4t runs 2x2 on one
+# host and the multi-host topologies 2x4 to 16x16 (hosts of 4 chips); 2x4 on one host is -8t.
+VERTEX_MACHINE_TOPOLOGIES: dict[str, tuple[str, ...]] = {
+    "ct5lp-hightpu-1t": ("1x1",),
+    "ct5lp-hightpu-4t": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "ct5lp-hightpu-8t": ("2x4",),
+}
+
+# Zones that offer v5e ("TPU regions and zones", Cloud TPU docs). us-east5-a/b/c are listed
+# there for single-tenant capacity; they are kept so such users are not refused.
+V5E_ZONES: tuple[str, ...] = (
+    "us-central1-a",
+    "us-east5-a",
+    "us-east5-b",
+    "us-east5-c",
+    "us-south1-a",
+    "us-west1-c",
+    "us-west4-a",
+    "europe-west4-b",
+    "asia-southeast1-b",
+)
+
+ON_DEMAND_PRICE_PER_CHIP_HOUR = 1.20
+# Spot v5e is quoted at $0.21 to $0.47 per chip-hour depending on region; we take the top of
+# the range so cost estimates never promise less than the bill.
+SPOT_PRICE_PER_CHIP_HOUR = 0.47
+# A reservation is billed at its committed rate, which the tool cannot know; the on-demand
+# price is the upper bound used for estimates.
+RESERVED_PRICE_PER_CHIP_HOUR = ON_DEMAND_PRICE_PER_CHIP_HOUR
+
+_PRICES = {
+    "on-demand": ON_DEMAND_PRICE_PER_CHIP_HOUR,
+    "spot": SPOT_PRICE_PER_CHIP_HOUR,
+    "reserved": RESERVED_PRICE_PER_CHIP_HOUR,
+}
+
+
+def accelerator(name: str) -> AcceleratorType:
+    """The catalogue entry for an accelerator type; KeyError if unknown."""
+    return ACCELERATORS[name]
+
+
+def accelerator_for_topology(topology: str) -> AcceleratorType | None:
+    for acc in ACCELERATORS.values():
+        if acc.topology == topology:
+            return acc
+    return None
+
+
+def price_per_chip_hour(capacity: str) -> float:
+    """USD per chip-hour for "on-demand", "spot" or "reserved"; KeyError otherwise."""
+    return _PRICES[capacity]
+
+
+def zone_region(zone: str) -> str:
+    """"us-west4-a" -> "us-west4"."""
+    return zone.rsplit("-", 1)[0]
