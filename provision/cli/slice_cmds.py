@@ -1,0 +1,145 @@
+"""`slice up|status|down`, `list` and `down`: thin wrappers over provision.slices."""
+
+from __future__ import annotations
+
+import click
+
+from provision.cli.options import config_option
+
+
+def _print_resources(app, resources) -> None:
+    now = app.session().clock.now()
+    if not resources:
+        app.console.text("no resources")
+        return
+    for res in resources:
+        doc = res.as_dict(now)
+        extra = []
+        if "age_s" in doc:
+            from provision.waiting import format_duration
+
+            extra.append(f"age {format_duration(doc['age_s'])}")
+        if "cost_usd" in doc:
+            extra.append(f"${doc['cost_usd']:.2f} so far")
+        if res.workers:
+            extra.append(f"{len(res.workers)} workers")
+        if res.error:
+            extra.append(res.error)
+        app.console.text(f"{res.kind:16} {res.name}  {res.state}" + (f"  ({', '.join(extra)})" if extra else ""))
+
+
+def _finish(app, resources, result: str = "ok", **fields) -> None:
+    now = app.session().clock.now()
+    app.console.emit(app.document(result, resources=[r.as_dict(now) for r in resources], **fields))
+
+
+@click.group("slice")
+def slice_group() -> None:
+    """TPU v5e slices on queued resources.
+
+    \b
+    Examples:
+      moe-tpu slice up -c examples/v5e-64.yaml
+      moe-tpu slice status -c examples/v5e-64.yaml
+      moe-tpu slice down -c examples/v5e-64.yaml
+      moe-tpu --dry-run --scenario stockout slice up -c examples/v5e-64.yaml
+    """
+
+
+@slice_group.command("up")
+@config_option
+@click.pass_obj
+def up(app, config_path: str) -> None:
+    """Provision the slice and wait until every node is READY.
+
+    Tries each zone of `zones:` in order when one has no capacity. A re-run after
+    a crash adopts the queued resource it already made instead of making another.
+    """
+    from provision.slices import slice_up
+
+    app.command = "slice up"
+    cfg = app.load_config(config_path)
+    accel = cfg.accelerator_type()
+    app.console.info(f"slice up: run {cfg.run}, {cfg.slice.count} x {accel.name} "
+                     f"({accel.topology}, {accel.chips} chips, {accel.vms} VMs), {cfg.slice.capacity}"
+                     + (" [dry run]" if app.dry_run else ""))
+    resources = slice_up(cfg, app.session(), app.console, app.templates_dir)
+    qr = resources[0]
+    app.console.text(f"slice ready: {qr.name.rsplit('/', 1)[-1]} in {qr.zone}")
+    for node in resources[1:]:
+        app.console.text(f"  node {node.name.rsplit('/', 1)[-1]} {node.state}: "
+                         f"{len(node.workers)} workers: {' '.join(node.workers)}")
+    _finish(app, resources)
+
+
+@slice_group.command("status")
+@config_option
+@click.pass_obj
+def status(app, config_path: str) -> None:
+    """Show the run's queued resource and nodes, with state, age and cost so far."""
+    from provision.slices import slice_status
+
+    app.command = "slice status"
+    cfg = app.load_config(config_path)
+    resources = slice_status(cfg, app.session())
+    _print_resources(app, resources)
+    _finish(app, resources)
+
+
+def _down(app, config_path: str, command: str) -> None:
+    from provision.slices import slice_down
+
+    app.command = command
+    cfg = app.load_config(config_path)
+    app.console.info(f"{command}: deleting every resource of run {cfg.run} in {', '.join(cfg.zones)}"
+                     + (" [dry run]" if app.dry_run else ""))
+    deleted = slice_down(cfg, app.session(), app.console)
+    app.console.text(f"deleted {len(deleted)} resource(s); nothing of run {cfg.run} is left"
+                     if deleted else f"nothing to delete; nothing of run {cfg.run} is left")
+    _finish(app, [], deleted=[r.as_dict(app.session().clock.now()) for r in deleted])
+
+
+@slice_group.command("down")
+@config_option
+@click.pass_obj
+def slice_down_cmd(app, config_path: str) -> None:
+    """Delete the slice (force: its nodes go with it) and wait until it is gone."""
+    _down(app, config_path, "slice down")
+
+
+@click.command("down")
+@config_option
+@click.pass_obj
+def down(app, config_path: str) -> None:
+    """Delete every resource of the run, also after a crash, and verify nothing is left.
+
+    \b
+    Examples:
+      moe-tpu down -c examples/v5e-64.yaml
+      moe-tpu --dry-run down
+    """
+    _down(app, config_path, "down")
+
+
+@click.command("list")
+@config_option
+@click.option("--all-zones", is_flag=True, help="Look in every zone that offers v5e, not only the config's.")
+@click.option("--run", "run_filter", default=None, help="Only this run's resources.")
+@click.pass_obj
+def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None) -> None:
+    """Every resource this tool manages (found by its labels), with state, age and cost so far.
+
+    \b
+    Examples:
+      moe-tpu list
+      moe-tpu --output json list --all-zones
+    """
+    from provision import catalogue
+    from provision.slices import managed_resources, project_of
+
+    app.command = "list"
+    cfg = app.load_config(config_path)
+    zones = list(catalogue.V5E_ZONES) if all_zones else list(cfg.zones)
+    resources = managed_resources(app.session(), project_of(cfg, app.session()), zones, run=run_filter)
+    _print_resources(app, resources)
+    _finish(app, resources)

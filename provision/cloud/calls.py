@@ -1,0 +1,35 @@
+"""Records every RPC a client sends (polls included) for `--output json` and `-vv`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+
+def request_as_dict(request: Any) -> dict[str, Any]:
+    """A request as proto JSON with the proto's own field names (proto-plus or raw protobuf)."""
+    pb = type(request).pb(request) if hasattr(type(request), "pb") else request
+    if not isinstance(pb, Message):
+        return {}
+    return json_format.MessageToDict(pb, preserving_proto_field_name=True)
+
+
+class CallRecorder(grpc.UnaryUnaryClientInterceptor):
+    """A client interceptor that appends {"rpc", "request", "status"} for each unary call."""
+
+    def __init__(self, calls: list[dict[str, Any]], on_call: Callable[[dict[str, Any]], None] | None = None):
+        self.calls = calls
+        self._on_call = on_call
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        entry = {"rpc": client_call_details.method.lstrip("/"), "request": request_as_dict(request)}
+        self.calls.append(entry)
+        outcome = continuation(client_call_details, request)
+        code = outcome.code() if hasattr(outcome, "code") else None
+        entry["status"] = code.name if code is not None else "OK"
+        if self._on_call:
+            self._on_call(entry)
+        return outcome

@@ -1,0 +1,286 @@
+"""The TPU v5e slice lifecycle on queued resources: up (with zone fallback), status, down, list.
+
+Everything here talks to `session.tpu` and waits on `session.clock`; it does not
+know whether the other end is Google Cloud or the emulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from provision.errors import CloudError, StockoutError, UsageError
+from provision.waiting import format_duration, poll
+
+MANAGED_BY = ("managed-by", "moe-tpu")
+RUN_LABEL = "moe-tpu-run"
+# FAILED codes that mean "no capacity here": RESOURCE_EXHAUSTED (8), and FAILED_PRECONDITION (9)
+# for insufficient reserved capacity; both are worth another zone.
+STOCKOUT_CODES = {8, 9}
+SETTLED_QR_STATES = {"ACTIVE", "FAILED", "SUSPENDED"}
+
+
+@dataclass
+class Resource:
+    """One cloud resource as `list`, `status` and the JSON document show it."""
+
+    kind: str
+    name: str
+    state: str
+    zone: str
+    run: str | None = None
+    accelerator: str | None = None
+    created: float | None = None
+    chips: int = 0
+    price_per_chip_hour: float = 0.0
+    workers: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        doc: dict[str, Any] = {"kind": self.kind, "name": self.name, "state": self.state, "zone": self.zone}
+        if self.run:
+            doc["run"] = self.run
+        if self.accelerator:
+            doc["accelerator"] = self.accelerator
+        if self.created is not None:
+            age = max(0.0, now - self.created)
+            doc["age_s"] = round(age, 1)
+            if self.chips:
+                doc["cost_usd"] = round(self.chips * self.price_per_chip_hour * age / 3600.0, 2)
+        if self.workers:
+            doc["workers"] = self.workers
+        if self.error:
+            doc["error"] = self.error
+        return doc
+
+
+# --- names -------------------------------------------------------------------
+def project_of(cfg, session) -> str:
+    project = cfg.project or session.default_project
+    if not project:
+        raise UsageError("no project: set `project:` in the config",
+                         hint="or run `gcloud config set project ID` so Application Default Credentials name one")
+    return project
+
+
+def zone_parent(project: str, zone: str) -> str:
+    return f"projects/{project}/locations/{zone}"
+
+
+def queued_resource_name(cfg, project: str, zone: str) -> str:
+    from provision.rendering import queued_resource_id
+
+    return f"{zone_parent(project, zone)}/queuedResources/{queued_resource_id(cfg)}"
+
+
+def short(name: str) -> str:
+    return name.rsplit("/", 1)[-1]
+
+
+def state_name(qr) -> str:
+    return qr.state.state.name
+
+
+def failure_of(qr) -> tuple[int | None, str]:
+    error = qr.state.failed_data.error if qr.state.failed_data else None
+    if error is None or (not error.code and not error.message):
+        return None, ""
+    return error.code, error.message
+
+
+# --- reading resources -------------------------------------------------------
+def _node_labels_of(qr) -> dict[str, str]:
+    for spec in qr.tpu.node_spec:
+        if spec.node.labels:
+            return dict(spec.node.labels)
+    return {}
+
+
+def _is_managed(labels: dict[str, str]) -> bool:
+    return labels.get(MANAGED_BY[0]) == MANAGED_BY[1]
+
+
+def _node_resource(node, zone: str) -> Resource:
+    from provision import catalogue
+
+    accel = catalogue.ACCELERATORS.get(node.accelerator_type)
+    spot = bool(node.scheduling_config.spot or node.scheduling_config.preemptible)
+    created = node.create_time.timestamp() if node.create_time else None
+    return Resource(
+        kind="node", name=node.name, state=node.state.name, zone=zone, run=node.labels.get(RUN_LABEL),
+        accelerator=node.accelerator_type, created=created, chips=accel.chips if accel else 0,
+        price_per_chip_hour=catalogue.price_per_chip_hour("spot" if spot else "on-demand"),
+        workers=[e.ip_address for e in node.network_endpoints if e.ip_address],
+    )
+
+
+def _qr_resource(qr, zone: str) -> Resource:
+    accel = qr.tpu.node_spec[0].node.accelerator_type if qr.tpu.node_spec else None
+    code, message = failure_of(qr)
+    created = qr.create_time.timestamp() if qr.create_time else None
+    return Resource(kind="queued_resource", name=qr.name, state=state_name(qr), zone=zone,
+                    run=_node_labels_of(qr).get(RUN_LABEL), accelerator=accel, created=created,
+                    error=f"code {code}: {message}" if message else None)
+
+
+def managed_resources(session, project: str, zones: Iterable[str], run: str | None = None) -> list[Resource]:
+    """Every queued resource and node this tool made (by label, filtered here), optionally one run's."""
+    found: list[Resource] = []
+    for zone in zones:
+        parent = zone_parent(project, zone)
+        for qr in session.tpu.list_queued_resources(parent):
+            labels = _node_labels_of(qr)
+            if _is_managed(labels) and (run is None or labels.get(RUN_LABEL) == run):
+                found.append(_qr_resource(qr, zone))
+        for node in session.tpu.list_nodes(parent):
+            labels = dict(node.labels)
+            if _is_managed(labels) and (run is None or labels.get(RUN_LABEL) == run):
+                found.append(_node_resource(node, zone))
+    return found
+
+
+# --- up ----------------------------------------------------------------------
+def _describe_qr(zone: str):
+    def describe(qr, elapsed: float) -> str:
+        return f"  {short(qr.name)} in {zone}: {state_name(qr)} (waited {format_duration(elapsed)})"
+
+    return describe
+
+
+def _wait_settled(cfg, session, console, name: str, zone: str):
+    """Poll the queued resource until ACTIVE, FAILED or SUSPENDED (or slice.max_wait passes)."""
+    def fetch():
+        qr = session.tpu.get_queued_resource(name)
+        if qr is None:
+            raise CloudError(f"queued resource {name} disappeared while waiting for it",
+                             hint="someone deleted it; run `moe-tpu slice up` again")
+        return qr
+
+    with console.progress(f"  waiting for {short(name)} in {zone}") as bar:
+        return poll(fetch, lambda qr: state_name(qr) in SETTLED_QR_STATES, session.clock,
+                    timeout_s=cfg.slice.max_wait.total_seconds(), describe=_describe_qr(zone),
+                    progress=bar, what=f"queued resource {short(name)} in {zone}")
+
+
+def _nodes_of(session, project: str, zone: str, qr) -> list:
+    """The nodes a queued resource made: by back-reference, else by the ids in its node spec."""
+    ids: set[str] = set()
+    prefixes: list[str] = []
+    for spec in qr.tpu.node_spec:
+        if spec.node_id:
+            ids.add(spec.node_id)
+        elif spec.multislice_params.node_id_prefix:
+            prefixes.append(spec.multislice_params.node_id_prefix + "-")
+    nodes = []
+    for node in session.tpu.list_nodes(zone_parent(project, zone)):
+        node_short = short(node.name)
+        if node.queued_resource == qr.name or node_short in ids or any(node_short.startswith(p) for p in prefixes):
+            nodes.append(node)
+    return sorted(nodes, key=lambda n: n.name)
+
+
+def _wait_nodes_ready(cfg, session, console, project: str, zone: str, qr) -> list:
+    expected = max(1, cfg.slice.count)
+
+    def ready(nodes) -> bool:
+        return len(nodes) >= expected and all(n.state.name == "READY" for n in nodes)
+
+    def describe(nodes, elapsed: float) -> str:
+        states = ", ".join(f"{short(n.name)} {n.state.name}" for n in nodes) or "no nodes yet"
+        return f"  nodes: {states}"
+
+    with console.progress("  waiting for the nodes") as bar:
+        return poll(lambda: _nodes_of(session, project, zone, qr), ready, session.clock,
+                    timeout_s=1800, describe=describe, progress=bar, what="the slice's nodes")
+
+
+def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: str, name: str):
+    from provision.rendering import create_queued_resource_request
+
+    existing = session.tpu.get_queued_resource(name)
+    if existing is not None and state_name(existing) in ("FAILED", "SUSPENDED"):
+        console.info(f"  {short(name)} in {zone} is {state_name(existing)} from an earlier attempt; "
+                     "deleting it first (it still counts against quota)")
+        _delete_and_wait(session, console, name)
+        existing = None
+    if existing is not None:
+        console.info(f"  adopting existing queued resource {short(name)} in {zone} ({state_name(existing)})")
+        return
+    request = create_queued_resource_request(cfg, zone, templates_dir)
+    if project != cfg.project:
+        request.parent = zone_parent(project, zone)
+    console.info(f"  creating queued resource {short(name)} in {zone}: "
+                 f"{cfg.slice.count} x {cfg.slice.accelerator}, {cfg.slice.capacity}")
+    operation = session.tpu.create_queued_resource(request)
+    if operation is None:
+        console.info(f"  {short(name)} already exists (an earlier attempt created it); adopting it")
+        return
+    session.tpu.wait_operation(operation, f"create {short(name)}", timeout_s=600)
+
+
+def slice_up(cfg, session, console, templates_dir=None) -> list[Resource]:
+    """Provision the run's slice, trying each zone in order on stockout. Returns its resources."""
+    project = project_of(cfg, session)
+    tried: list[str] = []
+    for zone in cfg.zones:
+        name = queued_resource_name(cfg, project, zone)
+        _create_or_adopt(cfg, session, console, templates_dir, project, zone, name)
+        qr = _wait_settled(cfg, session, console, name, zone)
+        state = state_name(qr)
+        if state == "ACTIVE":
+            nodes = _wait_nodes_ready(cfg, session, console, project, zone, qr)
+            return [_qr_resource(qr, zone)] + [_node_resource(n, zone) for n in nodes]
+        code, message = failure_of(qr)
+        if state == "FAILED" and code in STOCKOUT_CODES:
+            tried.append(zone)
+            console.warn(f"no capacity in {zone}: {message}")
+            _delete_and_wait(session, console, name)
+            continue
+        raise CloudError(f"queued resource {short(name)} in {zone} ended {state}"
+                         + (f" (code {code}: {message})" if message else ""),
+                         hint="run `moe-tpu down` to clean up, then `moe-tpu slice up` to try again")
+    raise StockoutError(
+        f"no capacity for {cfg.slice.count} x {cfg.slice.accelerator} ({cfg.slice.capacity}) "
+        f"in any zone tried: {', '.join(tried)}",
+        hint="add zones to `zones:`, try `slice.capacity: spot`, or use a reservation "
+             "(`slice.capacity: reserved` with `slice.reservation`)")
+
+
+# --- down --------------------------------------------------------------------
+def _delete_and_wait(session, console, name: str) -> bool:
+    """Delete a queued resource with force=true (its nodes go too); True if there was one."""
+    operation = session.tpu.delete_queued_resource(name, force=True)
+    if operation is None:
+        return False
+    console.info(f"  deleting {short(name)} (force: its nodes go with it)")
+    session.tpu.wait_operation(operation, f"delete {short(name)}", timeout_s=3600)
+    return True
+
+
+def slice_down(cfg, session, console) -> list[Resource]:
+    """Delete every queued resource and node of this run in all its zones, then verify none is left."""
+    project = project_of(cfg, session)
+    deleted: list[Resource] = []
+    for zone in cfg.zones:
+        for res in managed_resources(session, project, [zone], run=cfg.run):
+            if res.kind == "queued_resource" and _delete_and_wait(session, console, res.name):
+                deleted.append(res)
+        # Nodes left without a queued resource (e.g. made by hand with our labels).
+        for res in managed_resources(session, project, [zone], run=cfg.run):
+            if res.kind == "node":
+                operation = session.tpu.delete_node(res.name)
+                if operation is not None:
+                    console.info(f"  deleting node {short(res.name)}")
+                    session.tpu.wait_operation(operation, f"delete {short(res.name)}", timeout_s=3600)
+                    deleted.append(res)
+    left = managed_resources(session, project, cfg.zones, run=cfg.run)
+    if left:
+        names = ", ".join(f"{r.kind} {short(r.name)} ({r.state})" for r in left)
+        raise CloudError(f"resources still exist after delete: {names}",
+                         hint="run `moe-tpu down` again; if it persists, delete them in the console")
+    return deleted
+
+
+def slice_status(cfg, session) -> list[Resource]:
+    project = project_of(cfg, session)
+    return managed_resources(session, project, cfg.zones, run=cfg.run)

@@ -1,0 +1,104 @@
+"""Retrying RPCs and polling long waits, on an injected clock.
+
+Retries: transient gRPC failures (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, and
+RESOURCE_EXHAUSTED from a request-rate quota) back off exponentially with full
+jitter. A chip quota is not transient: it fails at once.
+
+Polling: the interval grows geometrically to a cap (about a minute) and the
+loop stops at the first terminal state, so nothing is polled after the end.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from provision.errors import CloudError
+
+T = TypeVar("T")
+
+RATE_LIMIT_MARKERS = ("qps", "rate limit", "requests per", "/qps/", "per minute")
+
+
+def is_rate_limit(exc: BaseException) -> bool:
+    """RESOURCE_EXHAUSTED from a request-rate quota (worth retrying), not a chip quota."""
+    text = str(exc).lower()
+    return any(marker in text for marker in RATE_LIMIT_MARKERS)
+
+
+def is_transient(exc: BaseException) -> bool:
+    from google.api_core import exceptions as gexc
+
+    if isinstance(exc, (gexc.ServiceUnavailable, gexc.DeadlineExceeded, gexc.InternalServerError,
+                        gexc.GatewayTimeout, gexc.BadGateway)):
+        return True
+    return isinstance(exc, gexc.ResourceExhausted) and is_rate_limit(exc)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 8
+    initial_s: float = 1.0
+    max_s: float = 60.0
+
+
+def call_with_retry(fn: Callable[[], T], clock, policy: RetryPolicy = RetryPolicy(),
+                    on_retry: Callable[[int, BaseException], None] | None = None) -> T:
+    """Run fn, retrying transient failures with exponential backoff and full jitter (tenacity)."""
+    import tenacity
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        if on_retry and state.outcome is not None:
+            on_retry(state.attempt_number, state.outcome.exception())
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_transient),
+        wait=tenacity.wait_random_exponential(multiplier=policy.initial_s, max=policy.max_s),
+        stop=tenacity.stop_after_attempt(policy.attempts),
+        sleep=clock.sleep,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    return retrying(fn)
+
+
+@dataclass(frozen=True)
+class PollPolicy:
+    initial_s: float = 5.0
+    factor: float = 1.5
+    cap_s: float = 60.0
+    jitter: float = 0.1
+
+
+def poll(fetch: Callable[[], T], done: Callable[[T], bool], clock, *, timeout_s: float,
+         describe: Callable[[T, float], str] | None = None, progress=None,
+         policy: PollPolicy = PollPolicy(), what: str = "the resource") -> T:
+    """Fetch until done(value) or timeout_s passes on `clock`; returns the last value fetched."""
+    start = clock.now()
+    interval = policy.initial_s
+    rng = random.Random(0)
+    while True:
+        value = fetch()
+        elapsed = clock.now() - start
+        if progress is not None and describe is not None:
+            progress.update(describe(value, elapsed))
+        if done(value):
+            return value
+        if elapsed >= timeout_s:
+            raise CloudError(f"gave up waiting for {what} after {format_duration(elapsed)}",
+                             hint="raise slice.max_wait, or run `moe-tpu down` to stop paying for it")
+        step = min(interval, policy.cap_s) * (1 + rng.uniform(-policy.jitter, policy.jitter))
+        clock.sleep(min(step, max(0.0, timeout_s - elapsed) + 0.001))
+        interval = min(interval * policy.factor, policy.cap_s)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
