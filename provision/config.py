@@ -1,0 +1,509 @@
+"""The config file: YAML in, one frozen, validated `Config` out.
+
+Every problem is collected and reported together (`ConfigError`, exit 2), each naming the
+file and the dotted key. Field rules live on the models; rules that tie two keys together
+(zone inside region, runtime fits accelerator, ...) run afterwards on the raw values, and a
+key that already failed its own rule is skipped there, so one mistake is reported once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from provision import catalogue
+from provision.errors import ConfigError, Problem
+
+DEFAULT_CONFIG = "moe-tpu.yaml"
+
+# The run name becomes resource ids (queued resource, node, job) and label values. Ids are
+# RFC 1035 labels of at most 63 characters; suffixes such as "-node" and the "-N" that the
+# service appends to multislice nodes must still fit, hence the margin.
+MAX_ID_LENGTH = 63
+MAX_RUN_LENGTH = 50
+
+_RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+_REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
+_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+_IMAGE_REPOSITORY = re.compile(
+    r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)+(:[0-9]+)?"  # host
+    r"(/[a-z0-9]([a-z0-9._-]*[a-z0-9])?){3,}$"  # /project/repository/image[/...]
+)
+_IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _fail(message: str) -> PydanticCustomError:
+    return PydanticCustomError("moe_tpu", message)  # type: ignore[arg-type]
+
+
+def parse_duration(value: Any) -> timedelta:
+    """"2h", "30m", "90s", "1h30m" -> timedelta. Bare numbers are refused: their unit is a guess."""
+    if isinstance(value, timedelta):
+        return value
+    text = value.strip() if isinstance(value, str) else None
+    match = _DURATION.match(text) if text else None
+    if not match:
+        raise ValueError(f"duration {value!r} must look like 2h, 30m, 90s or 1h30m")
+    hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return timedelta(hours=hours, minutes=minutes, seconds=seconds)
+
+
+def format_duration(delta: timedelta) -> str:
+    """timedelta -> "1h30m" (the inverse of parse_duration)."""
+    total = int(delta.total_seconds())
+    hours, rest = divmod(total, 3600)
+    minutes, seconds = divmod(rest, 60)
+    text = (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "") + (f"{seconds}s" if seconds else "")
+    return text or "0s"
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _zone_name(zone: str) -> str:
+    if not _ZONE.match(zone):
+        raise _fail(f"zone {zone!r} is not a zone name like us-west4-a")
+    if zone not in catalogue.V5E_ZONES:
+        raise _fail(f"zone {zone!r} does not offer TPU v5e (v5e zones: {', '.join(catalogue.V5E_ZONES)})")
+    return zone
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SliceConfig(_Section):
+    accelerator: str = "v5litepod-64"
+    runtime_version: str = catalogue.V5E_RUNTIME
+    count: int = 1
+    capacity: Literal["on-demand", "spot", "reserved"] = "spot"
+    reservation: str | None = None
+    max_wait: timedelta = timedelta(hours=2)
+    network: str = "default"
+    subnetwork: str | None = None
+    service_account: str | None = None
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known_accelerator(cls, value: str) -> str:
+        if value not in catalogue.ACCELERATORS:
+            names = list(catalogue.ACCELERATORS)
+            raise _fail(f"unknown accelerator type {value!r}{_did_you_mean(value, names)} "
+                        f"(v5e types: {', '.join(names)})")
+        return value
+
+    @field_validator("count")
+    @classmethod
+    def _positive_count(cls, value: int) -> int:
+        if value < 1:
+            raise _fail(f"slice count must be at least 1, got {value}")
+        return value
+
+    @field_validator("max_wait", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> timedelta:
+        try:
+            delta = parse_duration(value)
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
+        if delta <= timedelta(0):
+            raise _fail(f"duration {value!r} must be longer than 0s")
+        return delta
+
+
+class VertexConfig(_Section):
+    machine_type: str = "ct5lp-hightpu-4t"
+    topology: str = "8x8"
+    scheduling: Literal["STANDARD", "SPOT", "FLEX_START"] = "STANDARD"
+
+    @field_validator("machine_type")
+    @classmethod
+    def _known_machine_type(cls, value: str) -> str:
+        names = list(catalogue.VERTEX_MACHINE_TOPOLOGIES)
+        if value not in names:
+            raise _fail(f"unknown Vertex machine type {value!r}{_did_you_mean(value, names)} "
+                        f"(v5e machine types: {', '.join(names)})")
+        return value
+
+    @field_validator("topology")
+    @classmethod
+    def _known_topology(cls, value: str) -> str:
+        topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
+        if value not in topologies:
+            raise _fail(f"unknown v5e topology {value!r} (v5e topologies: {', '.join(topologies)})")
+        return value
+
+
+class ImageConfig(_Section):
+    repository: str
+    tag: str = "latest"
+
+    @field_validator("repository")
+    @classmethod
+    def _repository_shape(cls, value: str) -> str:
+        if not _IMAGE_REPOSITORY.match(value):
+            raise _fail(f"image repository {value!r} does not look like HOST/PROJECT/REPOSITORY/IMAGE "
+                        "(e.g. us-west4-docker.pkg.dev/my-project/moe/trainer; the tag goes in image.tag)")
+        return value
+
+    @field_validator("tag")
+    @classmethod
+    def _tag_shape(cls, value: str) -> str:
+        if not _IMAGE_TAG.match(value):
+            raise _fail(f"image tag {value!r} is not a valid tag (letters, digits, '_', '.', '-'; "
+                        "at most 128 characters)")
+        return value
+
+    @property
+    def uri(self) -> str:
+        return f"{self.repository}:{self.tag}"
+
+    @property
+    def registry_host(self) -> str:
+        return self.repository.split("/", 1)[0]
+
+
+class TrainerConfig(_Section):
+    config: str = "tiny"
+    output_dir: str
+    steps: int | None = None
+    overrides: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+    @field_validator("config", "output_dir")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise _fail("must not be empty")
+        return value
+
+    @field_validator("steps")
+    @classmethod
+    def _positive_steps(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise _fail(f"steps must be at least 1, got {value}")
+        return value
+
+    @field_validator("overrides")
+    @classmethod
+    def _override_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = [k for k in value if not _OVERRIDE_KEY.match(k)]
+        if bad:
+            raise _fail(f"override key {bad[0]!r} must be a dotted name like model.num_experts")
+        return value
+
+    def set_flags(self) -> list[str]:
+        """The overrides as `--set key=value` arguments of `python -m trainer`."""
+        flags: list[str] = []
+        for key, value in self.overrides.items():
+            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            flags += ["--set", f"{key}={text}"]
+        return flags
+
+
+class RecoveryConfig(_Section):
+    max_restarts: int = 3
+
+    @field_validator("max_restarts")
+    @classmethod
+    def _not_negative(cls, value: int) -> int:
+        if value < 0:
+            raise _fail(f"max_restarts must be 0 or more, got {value}")
+        return value
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    "slice": SliceConfig, "vertex": VertexConfig, "image": ImageConfig,
+    "trainer": TrainerConfig, "recovery": RecoveryConfig,
+}
+
+
+class Config(BaseModel):
+    """One run, as the config file describes it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    project: str | None = None
+    region: str
+    zones: list[Annotated[str, AfterValidator(_zone_name)]]
+    run: str
+    target: Literal["tpu-vm", "vertex"] = "tpu-vm"
+    slice: SliceConfig = Field(default_factory=SliceConfig)
+    vertex: VertexConfig = Field(default_factory=VertexConfig)
+    image: ImageConfig
+    trainer: TrainerConfig
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    source: Path = Field(default=Path(DEFAULT_CONFIG), exclude=True)
+
+    @field_validator("slice", "vertex", "recovery", mode="before")
+    @classmethod
+    def _empty_section(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @field_validator("project")
+    @classmethod
+    def _project_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _PROJECT.match(value):
+            raise _fail(f"project id {value!r} must be 6 to 30 lowercase letters, digits or hyphens, "
+                        "start with a letter and not end with a hyphen")
+        return value
+
+    @field_validator("region")
+    @classmethod
+    def _region_shape(cls, value: str) -> str:
+        if not _REGION.match(value):
+            raise _fail(f"region {value!r} is not a region name like us-west4")
+        return value
+
+    @field_validator("zones")
+    @classmethod
+    def _zones(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise _fail("list at least one zone, e.g. [us-west4-a]")
+        return value
+
+    @field_validator("run")
+    @classmethod
+    def _run_name(cls, value: str) -> str:
+        if not _RFC1035.match(value):
+            raise _fail(f"run name {value!r} must be lowercase letters, digits and hyphens, start with a "
+                        "letter and not end with a hyphen (it becomes resource ids: RFC 1035)")
+        if len(value) > MAX_RUN_LENGTH:
+            raise _fail(f"run name {value!r} is {len(value)} characters; at most {MAX_RUN_LENGTH}, so that "
+                        f"the resource ids derived from it stay within {MAX_ID_LENGTH}")
+        return value
+
+    def accelerator_type(self) -> catalogue.AcceleratorType:
+        return catalogue.accelerator(self.slice.accelerator)
+
+
+# --- loading ---------------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that records duplicate keys instead of silently keeping the last one."""
+
+    duplicates: list[tuple[str, int]]
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, str) and key in seen:
+                self.duplicates.append((key, key_node.start_mark.line + 1))
+            seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse_yaml(text: str, file: str) -> tuple[Any, list[Problem]]:
+    loader = _Loader(text)
+    loader.duplicates = []
+    try:
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return None, [Problem(file, "", f"YAML syntax error{where}: {exc.problem or exc.context}")]
+    except yaml.YAMLError as exc:
+        return None, [Problem(file, "", f"YAML syntax error: {exc}")]
+    finally:
+        loader.dispose()
+    problems = [Problem(file, key, f"key appears twice (again at line {line})") for key, line in loader.duplicates]
+    return data, problems
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    if not loc:
+        return Config
+    if len(loc) == 1 and loc[0] in _SECTIONS:
+        return _SECTIONS[loc[0]]
+    return None
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind, loc = err["type"], err["loc"]
+    if kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        names = [n for n in (model.model_fields if model else {}) if n != "source"]
+        hint = _did_you_mean(str(loc[-1]), names) or (f"; valid keys: {', '.join(names)}" if names else "")
+        return f"unknown key {loc[-1]!r}{hint}"
+    if kind == "missing":
+        return "missing required key"
+    if kind == "literal_error":
+        return f"must be one of {err['ctx']['expected']}, got {err['input']!r}"
+    if kind == "model_type":
+        return f"expected a mapping of keys, got {err['input']!r}"
+    if kind == "moe_tpu":
+        return err["msg"]
+    return f"{err['msg'][0].lower()}{err['msg'][1:]}, got {err['input']!r}"
+
+
+def _get(raw: dict[str, Any], failed: set[str], key: str) -> Any:
+    """The raw value of a dotted key (or its schema default); _BAD where that key failed."""
+    parts = key.split(".")
+    if any(".".join(parts[:i]) in failed for i in range(1, len(parts) + 1)):
+        return _BAD
+    node: Any = raw
+    model: type[BaseModel] = Config
+    for part in parts:
+        field = model.model_fields[part]
+        if isinstance(node, dict) and node.get(part) is not None:
+            node = node[part]
+        else:
+            node = None if field.is_required() else field.get_default(call_default_factory=True)
+            if isinstance(node, BaseModel):
+                node = node.model_dump()
+        model = _SECTIONS.get(part, model)
+    return node
+
+
+_BAD = object()
+
+
+def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
+    """Rules between keys, as (dotted key, message)."""
+    found: list[tuple[str, str]] = []
+    region, zones = get("region"), get("zones")
+    if isinstance(region, str) and isinstance(zones, list):
+        for i, zone in enumerate(zones):
+            if zone in catalogue.V5E_ZONES and catalogue.zone_region(zone) != region:
+                found.append((f"zones[{i}]", f"zone {zone!r} is not in region {region!r}"))
+    acc_name, runtime = get("slice.accelerator"), get("slice.runtime_version")
+    if isinstance(acc_name, str) and isinstance(runtime, str) and acc_name in catalogue.ACCELERATORS:
+        fits = catalogue.accelerator(acc_name).runtime_versions
+        if runtime not in fits:
+            found.append(("slice.runtime_version", f"runtime version {runtime!r} does not fit {acc_name}; "
+                                                   f"use {', '.join(fits)}"))
+    capacity, reservation = get("slice.capacity"), get("slice.reservation")
+    if capacity == "reserved" and reservation is None:
+        found.append(("slice.reservation", "capacity 'reserved' needs slice.reservation (the reservation's name)"))
+    if capacity in ("spot", "on-demand") and isinstance(reservation, str):
+        found.append(("slice.reservation", f"a reservation is only used with capacity 'reserved' "
+                                           f"(capacity is {capacity!r})"))
+    machine, topology = get("vertex.machine_type"), get("vertex.topology")
+    allowed = catalogue.VERTEX_MACHINE_TOPOLOGIES.get(machine) if isinstance(machine, str) else None
+    if allowed and isinstance(topology, str) and topology not in allowed:
+        found.append(("vertex.topology", f"topology {topology!r} does not fit machine type {machine!r}; "
+                                         f"it takes {', '.join(allowed)}"))
+    scheduling = get("vertex.scheduling")
+    if (get("target") == "vertex" and scheduling == "SPOT" and isinstance(topology, str)
+            and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host):
+        found.append(("vertex.scheduling", f"Vertex AI does not offer SPOT for multi-host TPU topologies "
+                                           f"({topology}); use STANDARD or FLEX_START"))
+    return found
+
+
+def config_from_dict(raw: Any, source: Path | str = DEFAULT_CONFIG) -> Config:
+    """Validate already-parsed YAML; ConfigError lists every problem."""
+    file = str(source)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem(file, "", "the config must be a YAML mapping of keys "
+                                             "(project, region, zones, run, ...)")])
+    return _validate(dict(raw), file, [])
+
+
+def _validate(raw: dict[str, Any], file: str, problems: list[Problem]) -> Config:
+    if "source" in raw:
+        raw.pop("source")
+        problems.append(Problem(file, "source", "unknown key 'source'"))
+    config: Config | None = None
+    failed: set[str] = set()
+    try:
+        config = Config.model_validate({**raw, "source": Path(file)})
+    except ValidationError as exc:
+        for err in exc.errors():
+            key = _dotted(err["loc"])
+            failed.add(key)
+            problems.append(Problem(file, key, _message(err)))
+    problems += [Problem(file, key, msg) for key, msg in _cross_checks(lambda k: _get(raw, failed, k))]
+    if problems or config is None:
+        raise ConfigError(problems)
+    return config
+
+
+def load_config(path: Path | str) -> Config:
+    """Read and validate a config file. ConfigError (exit 2) lists every problem at once."""
+    path = Path(path)
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([Problem(file, "", "file not found (write a starter config with `moe-tpu init`)")]) from None
+    except IsADirectoryError:
+        raise ConfigError([Problem(file, "", "is a directory, not a config file")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([Problem(file, "", f"cannot read the file: {exc}")]) from None
+    raw, problems = _parse_yaml(text, file)
+    if raw is None and problems:
+        raise ConfigError(problems)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(problems + [Problem(file, "", "the config must be a YAML mapping of keys "
+                                                        "(project, region, zones, run, ...)")])
+    return _validate(raw, file, problems)
+
+
+def starter_config() -> str:
+    """The commented YAML that `moe-tpu init` writes."""
+    return STARTER
+
+
+STARTER = """\
+# moe-tpu run config. Check it with `moe-tpu validate`; see every rendered request and
+# script with `moe-tpu render --out rendered/`; rehearse without a cloud account with
+# `moe-tpu --dry-run slice up`.
+
+project: my-project            # Google Cloud project id
+region: us-west4
+zones: [us-west4-a]            # tried in order on stockout; each must offer TPU v5e
+run: moe-demo                  # resource names and labels derive from it (lowercase, <= 50 chars)
+target: tpu-vm                 # tpu-vm (queued resource) or vertex (Vertex AI custom job)
+
+slice:
+  accelerator: v5litepod-64    # 8x8: 16 VMs of 4 chips
+  runtime_version: v2-alpha-tpuv5-lite
+  count: 1                     # more than 1: multislice
+  capacity: spot               # on-demand | spot | reserved (reserved needs `reservation:`)
+  max_wait: 2h                 # give up queueing after this long (2h, 30m, 1h30m, 90s)
+  network: default
+  # subnetwork: my-subnet
+  # service_account: trainer@my-project.iam.gserviceaccount.com
+
+vertex:                        # used when target is vertex
+  machine_type: ct5lp-hightpu-4t
+  topology: 8x8
+  scheduling: STANDARD         # STANDARD | SPOT | FLEX_START
+
+image:
+  repository: us-west4-docker.pkg.dev/my-project/moe/trainer
+  tag: latest
+
+trainer:
+  config: tiny                 # a named trainer config, or a path
+  output_dir: gs://my-bucket/moe-demo
+  # steps: 1000
+  overrides: {}                # become `--set key=value` flags, e.g. {model.num_experts: 8}
+
+recovery:
+  max_restarts: 3              # recreate the slice at most this often after preemption
+"""
