@@ -1,0 +1,120 @@
+"""The `moe-tpu` command from the outside: exit codes, the JSON document, no tracebacks, no network."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
+
+
+def moe(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, NO_COLOR="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "provision", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env=full_env)
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    shutil.copy(EXAMPLE, tmp_path / "moe-tpu.yaml")
+    return tmp_path
+
+
+def test_dry_run_lifecycle_json_documents(workdir):
+    up = moe(["--dry-run", "--output", "json", "slice", "up"], workdir)
+    assert up.returncode == 0, up.stderr
+    doc = json.loads(up.stdout)
+    assert doc["command"] == "slice up" and doc["dry_run"] is True and doc["result"] == "ok"
+    creates = [c for c in doc["calls"] if c["rpc"] == "google.cloud.tpu.v2.Tpu/CreateQueuedResource"]
+    assert len(creates) == 1
+    node = creates[0]["request"]["queued_resource"]["tpu"]["node_spec"][0]["node"]
+    assert (node["accelerator_type"], node["runtime_version"]) == ("v5litepod-64", "v2-alpha-tpuv5-lite")
+    assert node["labels"] == {"managed-by": "moe-tpu", "moe-tpu-run": "moe-demo"}
+    assert node["metadata"]["startup-script"].startswith("#!")
+    assert any(c["rpc"].endswith("Tpu/GetQueuedResource") for c in doc["calls"])  # polls are listed
+    assert [r["kind"] for r in doc["resources"]] == ["queued_resource", "node"]
+    assert doc["resources"][0]["state"] == "ACTIVE" and len(doc["resources"][1]["workers"]) == 16
+
+    status = moe(["--dry-run", "--output", "json", "slice", "status"], workdir)
+    assert status.returncode == 0, status.stderr
+    assert {r["kind"]: r["state"] for r in json.loads(status.stdout)["resources"]} == {
+        "queued_resource": "ACTIVE", "node": "READY"}
+
+    down = moe(["--dry-run", "--output", "json", "down"], workdir)
+    assert down.returncode == 0, down.stderr
+    assert json.loads(down.stdout)["result"] == "ok"
+    listed = moe(["--dry-run", "--output", "json", "list"], workdir)
+    assert listed.returncode == 0 and json.loads(listed.stdout)["resources"] == []
+
+
+def test_text_mode_reports_the_slice_and_its_workers(workdir):
+    up = moe(["--dry-run", "slice", "up"], workdir)
+    assert up.returncode == 0, up.stderr
+    lines = up.stdout.splitlines()
+    assert lines[0].startswith("slice ready: ") and lines[0].endswith(" in us-west4-a")
+    assert "16 workers: 10." in lines[1]
+    assert "WAITING_FOR_RESOURCES" in up.stderr  # progress while it waits
+
+
+def test_quota_exits_1_with_the_quota_named_and_a_json_error(workdir):
+    res = moe(["--dry-run", "--scenario", "quota", "--output", "json", "slice", "up"], workdir)
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr + res.stdout
+    doc = json.loads(res.stdout)
+    assert doc["result"] == "error" and "TPUV5sPreemptibleLitepodPerProjectPerZoneForTPUAPI" in doc["error"]
+    assert "TPUV5sPreemptibleLitepodPerProjectPerZoneForTPUAPI" in res.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--dry-run", "--scenario", "nope", "slice", "up"], "nope"),
+    (["--dry-run", "slice", "up", "--config", "missing.yaml"], "missing.yaml"),
+    (["--output", "xml", "list"], "xml"),
+    (["slice", "sideways"], "sideways"),
+])
+def test_bad_input_exits_2_with_a_message_and_no_traceback(workdir, args, needle):
+    res = moe(args, workdir)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert needle in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+
+
+AUDIT = textwrap.dedent("""
+    import json, os, sys
+    seen = {"connect": [], "open": []}
+    def hook(event, args):
+        if event == "socket.connect":
+            seen["connect"].append(repr(args[1]))
+        elif event == "open" and isinstance(args[0], str):
+            seen["open"].append(args[0])
+    sys.addaudithook(hook)
+    import atexit
+    atexit.register(lambda: open(os.environ["AUDIT_OUT"], "w").write(json.dumps(seen)))
+    from provision.cli import main
+    sys.argv = ["moe-tpu"] + sys.argv[1:]
+    main()
+""")
+
+
+def test_dry_run_touches_only_loopback_and_never_reads_credentials(workdir, tmp_path):
+    # Python-level sockets (google.auth probing the metadata server, HTTP clients) raise audit
+    # events; the gRPC channel itself is built on the emulator's 127.0.0.1 address by Session.open.
+    creds = tmp_path / "creds.json"
+    creds.write_text("{}")
+    audit_out = tmp_path / "audit.json"
+    env = dict(os.environ, NO_COLOR="1", AUDIT_OUT=str(audit_out), GOOGLE_APPLICATION_CREDENTIALS=str(creds),
+               CLOUDSDK_CONFIG=str(tmp_path / "gcloud"))
+    for args in (["--dry-run", "slice", "up"], ["--dry-run", "down"]):
+        res = subprocess.run([sys.executable, "-c", AUDIT, *args], cwd=workdir, capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert res.returncode == 0, res.stderr
+        seen = json.loads(audit_out.read_text())
+        assert all("127.0.0.1" in addr for addr in seen["connect"]), seen["connect"]
+        assert not [p for p in seen["open"] if p == str(creds) or "gcloud" in p or "credentials" in p]
