@@ -195,12 +195,18 @@ class TrainerConfig(_Section):
             raise _fail(f"steps must be at least 1, got {value}")
         return value
 
-    @field_validator("overrides")
+    @field_validator("overrides", mode="before")
     @classmethod
-    def _override_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
-        bad = [k for k in value if not _OVERRIDE_KEY.match(k)]
-        if bad:
-            raise _fail(f"override key {bad[0]!r} must be a dotted name like model.num_experts")
+    def _override_items(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise _fail(f"overrides must be a mapping of key: value, got {value!r}")
+        for key, item in value.items():
+            if not isinstance(key, str) or not _OVERRIDE_KEY.match(key):
+                raise _fail(f"override key {key!r} must be a dotted name like model.num_experts")
+            if not isinstance(item, (str, int, float, bool)):
+                raise _fail(f"override {key!r} must be a string, a number or true/false, got {item!r}")
         return value
 
     def set_flags(self) -> list[str]:

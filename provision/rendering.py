@@ -1,0 +1,255 @@
+"""Pure rendering: config -> ids, labels, the TPU VM startup script and the QueuedResource request.
+
+No file writes and no cloud calls here. Templates are Jinja, rendered by one Environment with
+StrictUndefined and a `shquote` filter; they receive a typed spec, never a raw dict. The request
+body is parsed into the real `google.cloud.tpu_v2` message, so a field the API does not know is
+an error here rather than at the API. google.cloud is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import provision
+from provision import catalogue
+from provision.config import Config
+from provision.errors import UsageError
+
+TOOL = "moe-tpu"
+LABEL_MANAGED_BY = "managed-by"
+LABEL_RUN = "moe-tpu-run"
+
+QUEUED_RESOURCE_TEMPLATE = "queued_resource.yaml.j2"
+STARTUP_TEMPLATE = "startup.sh.j2"
+
+# Fixed namespace for request ids: the same config always yields the same id, so a create
+# re-sent after a crash is recognised by the API as the same request.
+_REQUEST_NAMESPACE = uuid.UUID("6f1c3a52-5d1e-4c7e-9a43-1e0b7d6a2f10")
+
+_CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+
+
+# --- names ---------------------------------------------------------------------------
+
+def labels(cfg: Config) -> dict[str, str]:
+    """Labels on everything created: the tool and the run (valid GCP label values by construction)."""
+    return {LABEL_MANAGED_BY: TOOL, LABEL_RUN: cfg.run}
+
+
+def queued_resource_id(cfg: Config) -> str:
+    return cfg.run
+
+
+def node_id(cfg: Config) -> str:
+    """The node id (one slice) or node_id_prefix (multislice; the service appends -0, -1, ...)."""
+    return f"{cfg.run}-tpu"
+
+
+def request_id(cfg: Config, zone: str, attempt: int = 0) -> str:
+    """Deterministic request id for CreateQueuedResource. `attempt` > 0 for a deliberate re-create."""
+    key = f"{cfg.project}/{zone}/{cfg.run}/{cfg.slice.accelerator}"
+    if attempt:
+        key += f"/{attempt}"
+    return str(uuid.uuid5(_REQUEST_NAMESPACE, key))
+
+
+def parent(cfg: Config, zone: str) -> str:
+    return f"projects/{_project(cfg)}/locations/{zone}"
+
+
+def _project(cfg: Config) -> str:
+    if not cfg.project:
+        raise UsageError(f"{cfg.source}: project: the config names no project, and every request needs one",
+                         hint="set `project: YOUR-PROJECT-ID` in the config")
+    return cfg.project
+
+
+def trainer_argv(cfg: Config) -> list[str]:
+    """The command the container runs: `python -m trainer ...` with the config's overrides as --set."""
+    argv = ["python", "-m", "trainer", "--config", cfg.trainer.config,
+            "--output-dir", cfg.trainer.output_dir, "--resume", "auto"]
+    if cfg.trainer.steps is not None:
+        argv += ["--steps", str(cfg.trainer.steps)]
+    return argv + cfg.trainer.set_flags()
+
+
+# --- specs the templates receive --------------------------------------------------------
+
+@dataclass(frozen=True)
+class StartupSpec:
+    """What the TPU VM startup script needs."""
+
+    config: Config
+    run: str
+    image_uri: str
+    registry_host: str
+    container_name: str
+    log_file: str
+    trainer_log_file: str
+    trainer_argv: tuple[str, ...]
+    labels: dict[str, str]
+
+    @property
+    def trainer_argv_lines(self) -> list[tuple[str, ...]]:
+        """The argv split for display: the program, then each option with its value."""
+        lines: list[list[str]] = []
+        for arg in self.trainer_argv:
+            if not lines or arg.startswith("--"):
+                lines.append([arg])
+            else:
+                lines[-1].append(arg)
+        return [tuple(line) for line in lines]
+
+
+@dataclass(frozen=True)
+class QueuedResourceSpec:
+    """What the QueuedResource body needs, for one zone."""
+
+    config: Config
+    accelerator: catalogue.AcceleratorType
+    project: str
+    zone: str
+    parent: str
+    queued_resource_id: str
+    node_id: str
+    multislice: bool
+    node_count: int
+    labels: dict[str, str]
+    reservation_name: str | None
+    max_wait_seconds: int
+    startup_script: str
+    service_account_scopes: tuple[str, ...]
+
+
+def startup_spec(cfg: Config) -> StartupSpec:
+    return StartupSpec(
+        config=cfg, run=cfg.run, image_uri=cfg.image.uri, registry_host=cfg.image.registry_host,
+        container_name="moe-tpu-trainer", log_file="/var/log/moe-tpu/startup.log",
+        trainer_log_file="/var/log/moe-tpu/trainer.log", trainer_argv=tuple(trainer_argv(cfg)),
+        labels=labels(cfg),
+    )
+
+
+def queued_resource_spec(cfg: Config, zone: str, templates_dir: Path | None = None) -> QueuedResourceSpec:
+    reservation = cfg.slice.reservation if cfg.slice.capacity == "reserved" else None
+    if reservation and "/" not in reservation:
+        reservation = f"{parent(cfg, zone)}/reservations/{reservation}"
+    return QueuedResourceSpec(
+        config=cfg, accelerator=cfg.accelerator_type(), project=_project(cfg), zone=zone,
+        parent=parent(cfg, zone), queued_resource_id=queued_resource_id(cfg), node_id=node_id(cfg),
+        multislice=cfg.slice.count > 1, node_count=cfg.slice.count, labels=labels(cfg),
+        reservation_name=reservation, max_wait_seconds=int(cfg.slice.max_wait.total_seconds()),
+        startup_script=startup_script(cfg, templates_dir),
+        service_account_scopes=(_CLOUD_PLATFORM_SCOPE,),
+    )
+
+
+# --- templates ---------------------------------------------------------------------------
+
+def builtin_templates_dir() -> Path:
+    """templates/ of the checkout, or provision/_templates inside an installed wheel."""
+    packaged = Path(provision.__file__).resolve().parent / "_templates"
+    if packaged.is_dir():
+        return packaged
+    return Path(provision.__file__).resolve().parent.parent / "templates"
+
+
+@functools.lru_cache(maxsize=8)
+def _environment(templates_dir: str | None) -> Any:
+    import jinja2
+
+    search = [builtin_templates_dir()]
+    if templates_dir is not None:
+        search.insert(0, Path(templates_dir))
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader([str(p) for p in search]),
+        undefined=jinja2.StrictUndefined, autoescape=False,
+        keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
+    )
+    env.filters["shquote"] = lambda value: shlex.quote(str(value))
+    # A JSON string is a valid YAML scalar: the safe way to put any text into a YAML template.
+    env.filters["json"] = lambda value: json.dumps(value, ensure_ascii=False)
+    return env
+
+
+def render(name: str, spec: object, templates_dir: Path | None = None) -> str:
+    """Render one template with `spec`; any template problem becomes a UsageError naming it."""
+    import jinja2
+
+    if templates_dir is not None and not Path(templates_dir).is_dir():
+        raise UsageError(f"templates directory {templates_dir} does not exist",
+                         hint="point --templates at a directory holding your copies of the templates")
+    env = _environment(str(templates_dir) if templates_dir is not None else None)
+    try:
+        return env.get_template(name).render(spec=spec)
+    except jinja2.TemplateNotFound:
+        raise UsageError(f"template {name} not found", hint=_where(templates_dir)) from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise UsageError(f"template {name}, line {exc.lineno}: {exc.message}", hint=_where(templates_dir)) from None
+    except jinja2.TemplateError as exc:
+        raise UsageError(f"template {name}: {exc}", hint=_where(templates_dir)) from None
+
+
+def _where(templates_dir: Path | None) -> str:
+    where = f"{templates_dir}, then {builtin_templates_dir()}" if templates_dir else str(builtin_templates_dir())
+    return f"templates are read from {where}"
+
+
+def startup_script(cfg: Config, templates_dir: Path | None = None) -> str:
+    """The script every TPU VM worker runs as root at boot (metadata key startup-script)."""
+    return render(STARTUP_TEMPLATE, startup_spec(cfg), templates_dir)
+
+
+def queued_resource_body(cfg: Config, zone: str, templates_dir: Path | None = None) -> str:
+    """The rendered QueuedResource body (YAML text) for one zone."""
+    return render(QUEUED_RESOURCE_TEMPLATE, queued_resource_spec(cfg, zone, templates_dir), templates_dir)
+
+
+def create_queued_resource_request(cfg: Config, zone: str, templates_dir: Path | None = None,
+                                   attempt: int = 0) -> Any:
+    """The CreateQueuedResourceRequest for one zone, body parsed strictly into the real message."""
+    import yaml
+    from google.cloud import tpu_v2
+    from google.protobuf import json_format
+
+    text = queued_resource_body(cfg, zone, templates_dir)
+    try:
+        body = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"template {QUEUED_RESOURCE_TEMPLATE} does not render valid YAML: {exc}") from None
+    if not isinstance(body, dict):
+        raise UsageError(f"template {QUEUED_RESOURCE_TEMPLATE} must render a mapping (a QueuedResource)")
+    pb = tpu_v2.QueuedResource.pb(tpu_v2.QueuedResource())
+    try:
+        json_format.ParseDict(body, pb, ignore_unknown_fields=False)
+    except json_format.ParseError as exc:
+        raise UsageError(f"template {QUEUED_RESOURCE_TEMPLATE} does not render a valid "
+                         f"google.cloud.tpu.v2.QueuedResource: {exc}") from None
+    return tpu_v2.CreateQueuedResourceRequest(
+        parent=parent(cfg, zone), queued_resource_id=queued_resource_id(cfg),
+        request_id=request_id(cfg, zone, attempt), queued_resource=tpu_v2.QueuedResource.wrap(pb),
+    )
+
+
+def proto_dict(message: Any) -> dict[str, Any]:
+    """A proto-plus message as proto JSON with the proto's field names (for calls logs and files)."""
+    from google.protobuf import json_format
+
+    pb = type(message).pb(message)
+    return json_format.MessageToDict(pb, preserving_proto_field_name=True)
+
+
+def render_all(cfg: Config, templates_dir: Path | None = None) -> dict[str, str]:
+    """Every rendered file, by file name: the startup script and, per zone, the body and request."""
+    files = {"startup.sh": startup_script(cfg, templates_dir)}
+    for zone in cfg.zones:
+        files[f"queued_resource.{zone}.yaml"] = queued_resource_body(cfg, zone, templates_dir)
+        request = create_queued_resource_request(cfg, zone, templates_dir)
+        files[f"create_queued_resource.{zone}.json"] = json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"
+    return files
