@@ -1,0 +1,102 @@
+"""`init`, `validate` and `render`: thin wrappers over provision.config and provision.rendering."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from provision.cli.options import config_option
+from provision.errors import UsageError
+
+
+@click.command("init")
+@config_option
+@click.option("--force", is_flag=True, help="Overwrite the file if it exists.")
+@click.pass_obj
+def init(app, config_path: str, force: bool) -> None:
+    """Write a commented starter config.
+
+    \b
+    Examples:
+      moe-tpu init                       # writes moe-tpu.yaml
+      moe-tpu init -c runs/big.yaml      # somewhere else
+      moe-tpu init --force               # replace an existing file
+    """
+    from provision.config import starter_config
+
+    app.command = "init"
+    path = Path(config_path)
+    if path.exists() and not force:
+        raise UsageError(f"{path} already exists; not overwriting it", hint="pass --force to replace it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(starter_config(), encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+    app.console.text(f"wrote {path}")
+    app.console.info("next: set project, zones, image and trainer in it, then run `moe-tpu validate`")
+    app.console.emit(app.document("ok", config=str(path)))
+
+
+@click.command("validate")
+@config_option
+@click.pass_obj
+def validate(app, config_path: str) -> None:
+    """Check the config and render every template; list every problem at once.
+
+    Exit code 0 when all is well, 2 when the config or a template has a problem.
+
+    \b
+    Examples:
+      moe-tpu validate                           # moe-tpu.yaml
+      moe-tpu validate -c examples/v5e-64.yaml
+      moe-tpu --templates my-templates/ validate # check your own template copies
+    """
+    from provision.rendering import render_all
+
+    app.command = "validate"
+    cfg = app.load_config(config_path)
+    files = render_all(cfg, app.templates_dir)
+    accel = cfg.accelerator_type()
+    app.console.text(f"config OK: {cfg.source}")
+    app.console.text(f"  run {cfg.run}: {cfg.slice.count} x {accel.name} ({accel.topology}, {accel.chips} chips, "
+                     f"{accel.vms} VMs), {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
+    app.console.text(f"  rendered {len(files)} files: {', '.join(files)}")
+    app.console.emit(app.document("ok", config=str(cfg.source), files=list(files)))
+
+
+@click.command("render")
+@config_option
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Directory to write the rendered files to (created if missing).")
+@click.pass_obj
+def render(app, config_path: str, out_dir: str) -> None:
+    """Write every rendered template and request body to a directory.
+
+    Writes the TPU VM startup script, and for each zone the QueuedResource body
+    and the CreateQueuedResource request as proto JSON: exactly what would be sent.
+
+    \b
+    Examples:
+      moe-tpu render --out rendered/
+      moe-tpu render -c examples/v5e-64.yaml --out /tmp/moe
+      moe-tpu --templates my-templates/ render --out rendered/
+    """
+    from provision.rendering import render_all
+
+    app.command = "render"
+    cfg = app.load_config(config_path)
+    files = render_all(cfg, app.templates_dir)
+    out = Path(out_dir)
+    written = []
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (out / name).write_text(text, encoding="utf-8")
+            written.append(str(out / name))
+    except OSError as exc:
+        raise UsageError(f"cannot write to {out}: {exc.strerror or exc}") from None
+    for path in written:
+        app.console.text(path)
+    app.console.emit(app.document("ok", config=str(cfg.source), files=written))
