@@ -1,0 +1,70 @@
+"""`moe-tpu emulator serve`: the Cloud TPU API emulator as a standalone loopback gRPC server."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import click
+
+from provision.errors import MissingDependency, UsageError
+
+
+@click.group("emulator")
+def emulator() -> None:
+    """The embedded Cloud TPU v2 API emulator, as a standalone server."""
+
+
+@emulator.command("serve")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Port on 127.0.0.1 (0 picks a free one).")
+@click.option("--state", "state_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Keep the emulated world in this JSON file (loaded if it exists, saved after every RPC).")
+@click.option("--speed", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
+              help="Simulated seconds per real second (60: a minute of queueing per second).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the `flaky` scenario.")
+@click.pass_obj
+def serve(app, port: int, state_path: Path | None, speed: float, seed: int) -> None:
+    """Serve google.cloud.tpu.v2.Tpu and google.longrunning.Operations on 127.0.0.1 until Ctrl-C.
+
+    The scenario is the global --scenario. Point a TpuClient at the printed address with
+    grpc.insecure_channel(ADDRESS) and anonymous credentials.
+
+    \b
+    Examples:
+      moe-tpu emulator serve --port 8470
+      moe-tpu --scenario stockout emulator serve --port 8470 --speed 60
+      moe-tpu --scenario flaky emulator serve --state world.json --seed 3
+    """
+    try:
+        from provision.emulator import Emulator, ScaledClock
+    except ImportError as exc:
+        raise MissingDependency(exc.name or "grpcio", "control") from exc
+    try:
+        emu = Emulator(state_path=state_path, scenario=app.scenario, clock=ScaledClock(speed), seed=seed)
+    except ValueError as exc:
+        raise UsageError(str(exc), hint="pick one with --scenario") from exc
+    try:
+        emu.start(host="127.0.0.1", port=port)
+    except OSError as exc:
+        raise UsageError(str(exc), hint="pick a free port with --port, or --port 0") from exc
+    _serve_until_stopped(app, emu, speed)
+
+
+def _serve_until_stopped(app, emu, speed: float) -> None:
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    app.command = "emulator serve"
+    app.console.text(f"emulator listening on {emu.address} (scenario {emu.scenario}, speed x{speed:g}); "
+                     "Ctrl-C stops it")
+    app.console.emit(app.document("serving", address=emu.address, resources=[]))
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        emu.stop()
+    app.console.info("emulator stopped")

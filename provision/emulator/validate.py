@@ -1,0 +1,113 @@
+"""Request validation as the Cloud TPU API does it, with its messages (see API-FACTS.md).
+
+Messages marked "unconfirmed" have no public record; they are the most plausible shape.
+"""
+
+from __future__ import annotations
+
+import re
+
+from provision.catalogue import ACCELERATORS, V5E_ZONES, AcceleratorType
+
+
+class ApiError(Exception):
+    """An RPC error: a gRPC status code name, a message, and optional google.rpc detail messages."""
+
+    def __init__(self, code: str, message: str, details: list | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.details = list(details or [])
+
+
+LOCATION_RE = re.compile(r"^projects/([^/]+)/locations/([^/]+)$")
+ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+# Unconfirmed for queued resources; the node proto documents ^[A-Za-z0-9_.~+%-]+$ for node ids.
+QR_ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.~+%-]+$")
+LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+LABEL_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def location(parent: str) -> tuple[str, str]:
+    """(project, zone) of "projects/P/locations/Z"; INVALID_ARGUMENT or PERMISSION_DENIED otherwise."""
+    match = LOCATION_RE.match(parent or "")
+    if not match:
+        raise ApiError("INVALID_ARGUMENT",
+                       f"Invalid resource field value in the request: parent {parent!r} is not of the form "
+                       "'projects/{project}/locations/{zone}'")
+    project, zone = match.groups()
+    if zone == "-":
+        # Unconfirmed: the v2 API serves one zone per call; we refuse the wildcard.
+        raise ApiError("INVALID_ARGUMENT", f"Location '-' is not supported in {parent!r}; name a zone")
+    if not ZONE_RE.match(zone):
+        raise ApiError("PERMISSION_DENIED", f"Permission denied on 'locations/{zone}' (or it may not exist).")
+    return project, zone
+
+
+def resource(name: str, collection: str) -> tuple[str, str, str]:
+    """(project, zone, id) of "projects/P/locations/Z/{collection}/ID"."""
+    head, sep, rid = (name or "").rpartition(f"/{collection}/")
+    if not sep or not rid or "/" in rid:
+        raise ApiError("INVALID_ARGUMENT",
+                       f"Invalid resource field value in the request: name {name!r} is not of the form "
+                       f"'projects/{{project}}/locations/{{zone}}/{collection}/{{id}}'")
+    project, zone = location(head)
+    return project, zone, rid
+
+
+def queued_resource_id(qr_id: str) -> None:
+    if not QR_ID_RE.match(qr_id or ""):
+        raise ApiError("INVALID_ARGUMENT",
+                       f"Invalid queued_resource_id {qr_id!r}: it must be 1 to 63 characters, start with a "
+                       "lowercase letter, and contain only lowercase letters, digits and '-'")
+
+
+def node_id(value: str) -> None:
+    if not NODE_ID_RE.match(value or ""):
+        raise ApiError("INVALID_ARGUMENT",
+                       f"Invalid node_id {value!r}: it must match ^[A-Za-z0-9_.~+%-]+$")
+
+
+def accelerator(zone: str, accelerator_type: str) -> AcceleratorType:
+    """The catalogue entry if `zone` offers it; the API's INVALID_ARGUMENT message otherwise."""
+    if zone in V5E_ZONES and accelerator_type in ACCELERATORS:
+        return ACCELERATORS[accelerator_type]
+    raise ApiError(
+        "INVALID_ARGUMENT",
+        "Cloud TPU received a bad request. The requested accelerator configuration for accelerator type, "
+        f'"{accelerator_type}", could not be found in the zonal accelerator configurations for "{zone}".; '
+        f"the accelerator {accelerator_type} was not found in zone {zone}")
+
+
+def accelerator_from_config(topology: str) -> str:
+    for acc in ACCELERATORS.values():
+        if acc.topology == topology:
+            return acc.name
+    return f"v5litepod-{topology}"  # not in the catalogue: accelerator() refuses it with the API's message
+
+
+def runtime_version(acc: AcceleratorType, version: str) -> None:
+    if version not in acc.runtime_versions:
+        # Unconfirmed message shape.
+        raise ApiError("INVALID_ARGUMENT",
+                       f'Cloud TPU received a bad request. runtime version "{version}" is not supported for '
+                       f'accelerator type "{acc.name}"; supported: {", ".join(acc.runtime_versions)}')
+
+
+def labels(values: dict[str, str]) -> None:
+    """GCE label rules: keys start with a lowercase letter; lowercase letters, digits, - and _; <= 63."""
+    for key, value in values.items():
+        for what, text in (("key", key), ("value", value)):
+            for index, char in enumerate(text):
+                if char not in LABEL_CHARS:
+                    raise ApiError("INVALID_ARGUMENT",
+                                   f'resource labels are invalid: {what} "{text}" contains invalid character '
+                                   f"'{char}' at index {index} for key \"{key}\"")
+            if len(text) > 63:
+                raise ApiError("INVALID_ARGUMENT",
+                               f'resource labels are invalid: {what} "{text}" is longer than 63 characters '
+                               f'for key "{key}"')
+        if not LABEL_KEY_RE.match(key):
+            raise ApiError("INVALID_ARGUMENT",
+                           f'resource labels are invalid: key "{key}" must start with a lowercase letter')
