@@ -1,0 +1,139 @@
+"""`python -m trainer` / `moe-train` / `moe-tpu train`: parse flags, build a RunSpec, run, report.
+
+jax is imported only inside the command body, after `--devices` has set XLA_FLAGS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import click
+
+EXIT_USAGE = 2
+EXIT_RUNTIME = 1
+
+
+def set_fake_devices(n: int, env=os.environ) -> None:
+    """N fake CPU devices: must happen before jax starts (replaces any count already in XLA_FLAGS)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+
+
+def parse_profile_steps(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise click.BadParameter(f"expected A:B with 1 <= A <= B (steps to trace), got '{text}'",
+                                 param_hint="--profile-steps")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _jax_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
+@click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_name", default="tiny", show_default=True, metavar="NAME|PATH",
+              help="A named config (tiny, switch-base-8, glam-small, v5e-64, moe-1b) or a YAML file.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key, e.g. --set moe.top_k=1 (repeatable).")
+@click.option("--steps", type=click.IntRange(min=0), default=None, help="Train up to this step [config].")
+@click.option("--devices", type=click.IntRange(min=1), default=None,
+              help="CPU only: run on N fake XLA devices.")
+@click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E",
+              help="Device mesh; the product is the device count [all devices on data].")
+@click.option("--output-dir", envvar="AIP_CHECKPOINT_DIR", default=None, metavar="DIR",
+              help="Checkpoints (and profiles): a local path or gs:// [$AIP_CHECKPOINT_DIR; none].")
+@click.option("--resume", type=click.Choice(["auto", "never"]), default="auto", show_default=True,
+              help="auto: continue from the latest checkpoint in --output-dir.")
+@click.option("--metrics", "metrics_path", default=None, metavar="FILE",
+              help="Write JSON-lines metrics here [stdout].")
+@click.option("--seed", type=int, default=None, help="Seed for parameters and data [config].")
+@click.option("--profile-steps", default=None, metavar="A:B",
+              help="Write a jax profiler trace of steps A..B to OUTPUT_DIR/profile.")
+def train_command(config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
+                  profile_steps):
+    """Train the MoE language model (the container's entry point; runs on CPU, GPU and TPU)."""
+    profile = parse_profile_steps(profile_steps)
+    num_devices = None
+    if devices is not None:
+        if _jax_started():
+            num_devices = devices  # jax already runs (in-process use): take the first N devices
+        else:
+            set_fake_devices(devices)
+    else:
+        _initialize_distributed()
+    spec = _build_spec(config_name, overrides, steps, num_devices or devices, mesh_text, output_dir, resume,
+                       metrics_path, seed, profile, in_process=num_devices is not None)
+    _run(spec)
+
+
+def _initialize_distributed() -> None:
+    from trainer import distributed
+
+    try:
+        distributed.initialize()
+    except Exception as e:  # noqa: BLE001 - any start-up failure is reported, not traced back
+        raise click.ClickException(f"multi-host start-up failed: {e}") from None
+
+
+def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
+                profile, in_process):
+    from trainer.config import ConfigError, load_config
+
+    import jax
+
+    from trainer import sharding
+    from trainer.train import RunSpec
+
+    extra = [f"train.seed={seed}"] if seed is not None else []
+    try:
+        cfg = load_config(config_name, [*overrides, *extra])
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    available = len(jax.devices())
+    if devices is not None and devices > available:
+        raise click.UsageError(f"--devices {devices}: jax already runs with {available} devices")
+    count = devices if devices is not None else available
+    try:
+        mesh_shape = sharding.parse_mesh(mesh_text, count)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return RunSpec(config=cfg, steps=cfg.train.steps if steps is None else steps, mesh_shape=mesh_shape,
+                   output_dir=output_dir or None, resume=resume, metrics_path=metrics_path,
+                   profile_steps=profile, num_devices=devices if in_process else None)
+
+
+def _run(spec) -> None:
+    import jax
+
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.metrics import Reporter
+    from trainer.train import run
+
+    reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0)
+    try:
+        run(spec, reporter)
+    except (ConfigError, DataError) as e:
+        raise click.UsageError(str(e)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted") from None
+    except Exception as e:  # noqa: BLE001 - no traceback for users; MOE_TRAIN_DEBUG=1 shows it
+        if os.environ.get("MOE_TRAIN_DEBUG") == "1":
+            raise
+        raise click.ClickException(f"training failed: {type(e).__name__}: {e}") from None
+    finally:
+        reporter.close()
+
+
+def main() -> None:
+    train_command(prog_name=os.environ.get("MOE_TRAIN_PROG", "moe-train"))

@@ -1,0 +1,272 @@
+"""The trainer's typed config: YAML (a named config or a path) plus `--set` overrides -> frozen dataclasses.
+
+Nothing downstream sees raw dicts: `load_config` returns a `Config`, and every problem (an unknown key,
+a wrong type, a bad value) raises `ConfigError` naming the key and, for unknown keys, the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from trainer.moe import MoEConfig
+
+CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 0  # 0: as many as num_heads (plain multi-head attention)
+    head_dim: int = 0  # 0: d_model // num_heads
+    d_ff: int = 256  # hidden size of the dense gated FFN layers
+    moe_every: int = 2  # layer i is MoE when (i + 1) % moe_every == 0; 0: no MoE layers
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    remat: bool = False  # rematerialise each block in the backward pass
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be at least 1, got {getattr(self, name)}")
+        if self.moe_every < 0:
+            raise ValueError(f"model.moe_every must be 0 (no MoE) or more, got {self.moe_every}")
+        if self.head_dim == 0 and self.d_model % self.num_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
+                             f"({self.num_heads}), or set model.head_dim")
+        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
+            raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_size % 2:
+            raise ValueError(f"the head size must be even for rotary positions, got {self.head_size}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe_every > 0 and (i + 1) % self.moe_every == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    seq_len: int = 64
+    global_batch_size: int = 16
+    path: str = ""  # text: a glob of local files; tokens: a .npy or raw .bin file, local or gs://
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # raw .bin token files
+    synthetic_vocab: int = 32  # states of the Markov source (token ids 0..synthetic_vocab-1)
+    synthetic_branching: int = 4  # successors per state with non-zero probability
+    synthetic_concentration: float = 1.0  # Dirichlet concentration of each state's successor weights
+
+    def __post_init__(self):
+        if self.seq_len < 2 or self.global_batch_size < 1:
+            raise ValueError("data.seq_len must be at least 2 and data.global_batch_size at least 1")
+        if self.source in ("text", "tokens") and not self.path:
+            raise ValueError(f"data.source={self.source} needs data.path (set it with --set data.path=...)")
+        if not 1 <= self.synthetic_branching <= self.synthetic_vocab:
+            raise ValueError("data.synthetic_branching must be between 1 and data.synthetic_vocab")
+        if self.synthetic_concentration <= 0:
+            raise ValueError("data.synthetic_concentration must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    decay_steps: int = 0  # 0: decay over the run's --steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # 0: no clipping
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ValueError("optim.lr must be positive, optim.warmup_steps and optim.decay_steps not negative")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    seed: int = 0
+    log_every: int = 1
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    fsdp: bool = False  # shard the non-expert weights' embed axis over the data axis
+
+    def __post_init__(self):
+        if self.steps < 0 or self.log_every < 1 or self.checkpoint_every < 1 or self.keep_checkpoints < 1:
+            raise ValueError("train.steps must be >= 0; log_every, checkpoint_every, keep_checkpoints >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str = "custom"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # master weights
+    model: ModelConfig = ModelConfig()
+    moe: MoEConfig = MoEConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+
+    def __post_init__(self):
+        if self.data.source == "synthetic" and self.data.synthetic_vocab > self.model.vocab_size:
+            raise ValueError(f"data.synthetic_vocab ({self.data.synthetic_vocab}) exceeds model.vocab_size "
+                             f"({self.model.vocab_size})")
+        if self.data.source == "text" and self.model.vocab_size < 256:
+            raise ValueError(f"byte-level text needs model.vocab_size >= 256, got {self.model.vocab_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def named_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:
+    """Reads a named config (e.g. `tiny`) or a YAML path, applies `key.sub=value` overrides, validates."""
+    raw = _read_yaml(name_or_path, seen=())
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_path(raw, key, value)
+    name = raw.pop("name", None) or pathlib.Path(name_or_path).stem
+    return build(Config, {**raw, "name": name}, prefix="")
+
+
+def _read_yaml(name_or_path: str, seen: tuple[str, ...]) -> dict[str, Any]:
+    path = pathlib.Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") or path.exists()):
+        path = CONFIG_DIR / f"{name_or_path}.yaml"
+        if not path.exists():
+            close = difflib.get_close_matches(name_or_path, named_configs(), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown config '{name_or_path}'{hint}; named configs: "
+                              f"{', '.join(named_configs())}, or give a path to a YAML file")
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    if str(path.resolve()) in seen:
+        raise ConfigError(f"config {path} inherits from itself via 'base'")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path} must be a mapping of keys to values")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    merged = _read_yaml(str(base), seen + (str(path.resolve()),))
+    merged.pop("name", None)
+    _deep_update(merged, raw)
+    return merged
+
+
+def _deep_update(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_update(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key.sub=value, got '{item}'")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
+
+
+def _set_path(raw: dict, key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def build(cls: type, raw: Any, prefix: str) -> Any:
+    """Builds dataclass `cls` from a mapping, checking keys and types; errors name the dotted key."""
+    where = prefix.rstrip(".") or "the config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"invalid config ({where}): {e}") from None
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value if value is not None else {}, f"{key}.")
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            choices = ", ".join(map(str, typing.get_args(hint)))
+            raise ConfigError(f"{key} must be one of {choices}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, key) if len(args) == 1 else value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    return value

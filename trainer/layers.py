@@ -1,0 +1,81 @@
+"""Dense building blocks of the decoder: RMSNorm, rotary positions, causal attention, gated FFN.
+
+Every parameter carries the logical names of its axes (`out_sharding=`); trainer.sharding maps them to
+the mesh. Parameters are stored in `param_dtype` (float32 master weights) and cast to the compute `dtype`
+at use.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+lecun = nnx.initializers.lecun_normal()
+
+
+def named_param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...], dtype) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",))
+        self.eps, self.dtype = eps, dtype
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x = x_BxLxD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def rotary(x_BxLxNxH: jax.Array, theta: float) -> jax.Array:
+    """Rotates feature pairs (i, i + H/2) by position-dependent angles (RoFormer), in float32."""
+    length, half = x_BxLxNxH.shape[1], x_BxLxNxH.shape[-1] // 2
+    inv_freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_LxK = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq_K[None, :]
+    sin, cos = jnp.sin(angle_LxK)[None, :, None, :], jnp.cos(angle_LxK)[None, :, None, :]
+    x = x_BxLxNxH.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxLxNxH.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head (or grouped-query) self-attention with rotary positions."""
+
+    def __init__(self, d_model: int, num_heads: int, kv_heads: int, head_dim: int, *, rope_theta: float,
+                 dtype, param_dtype, rngs: nnx.Rngs):
+        D, N, K, H = d_model, num_heads, kv_heads, head_dim
+        self.wq = named_param(rngs, lecun, (D, N, H), ("embed", "heads", "kv"), param_dtype)
+        self.wk = named_param(rngs, lecun, (D, K, H), ("embed", "kv_heads", "kv"), param_dtype)
+        self.wv = named_param(rngs, lecun, (D, K, H), ("embed", "kv_heads", "kv"), param_dtype)
+        out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=(0, 1),
+                                                     out_axis=2)
+        self.wo = named_param(rngs, out_init, (N, H, D), ("heads", "kv", "embed"), param_dtype)
+        self.rope_theta, self.dtype = rope_theta, dtype
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x = x_BxLxD.astype(self.dtype)
+        q_BxLxNxH = jnp.einsum("bld,dnh->blnh", x, self.wq[...].astype(self.dtype))
+        k_BxLxKxH = jnp.einsum("bld,dkh->blkh", x, self.wk[...].astype(self.dtype))
+        v_BxLxKxH = jnp.einsum("bld,dkh->blkh", x, self.wv[...].astype(self.dtype))
+        q_BxLxNxH = rotary(q_BxLxNxH, self.rope_theta)
+        k_BxLxKxH = rotary(k_BxLxKxH, self.rope_theta)
+        o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True)
+        return jnp.einsum("blnh,nhd->bld", o_BxLxNxH, self.wo[...].astype(self.dtype))
+
+
+class DenseFFN(nnx.Module):
+    """Gated (SwiGLU) feed-forward: (silu(x W_gate) * x W_in) W_out."""
+
+    def __init__(self, d_model: int, d_ff: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.w_in = named_param(rngs, lecun, (d_model, d_ff), ("embed", "mlp"), param_dtype)
+        self.w_gate = named_param(rngs, lecun, (d_model, d_ff), ("embed", "mlp"), param_dtype)
+        self.w_out = named_param(rngs, lecun, (d_ff, d_model), ("mlp", "embed"), param_dtype)
+        self.dtype = dtype
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x = x_BxLxD.astype(self.dtype)
+        gate_BxLxF = jax.nn.silu(x @ self.w_gate[...].astype(self.dtype))
+        h_BxLxF = gate_BxLxF * (x @ self.w_in[...].astype(self.dtype))
+        return h_BxLxF @ self.w_out[...].astype(self.dtype)

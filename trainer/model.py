@@ -1,0 +1,135 @@
+"""The decoder-only MoE language model: embedding, pre-norm blocks (attention + dense or MoE FFN), head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from trainer import sharding
+from trainer.config import Config
+from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
+from trainer.moe import MoEBlock
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: Config, layer: int, *, mesh: Mesh | None, rngs: nnx.Rngs):
+        m, dtype, pdtype = cfg.model, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
+        self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_size, rope_theta=m.rope_theta,
+                              dtype=dtype, param_dtype=pdtype, rngs=rngs)
+        self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
+        self.is_moe = m.is_moe_layer(layer)
+        if self.is_moe:
+            self.ffn = MoEBlock(cfg.moe, m.d_model, mesh=mesh, dtype=dtype, param_dtype=pdtype, rngs=rngs)
+        else:
+            self.ffn = DenseFFN(m.d_model, m.d_ff, dtype=dtype, param_dtype=pdtype, rngs=rngs)
+
+    def __call__(self, x_BxLxD: jax.Array, *, train: bool) -> tuple[jax.Array, dict | None]:
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD))
+        h_BxLxD = self.ffn_norm(x_BxLxD)
+        if self.is_moe:
+            y_BxLxD, aux = self.ffn(h_BxLxD, train=train)
+        else:
+            y_BxLxD, aux = self.ffn(h_BxLxD), None
+        return x_BxLxD + y_BxLxD.astype(x_BxLxD.dtype), aux
+
+
+class Transformer(nnx.Module):
+    """`model(tokens_BxL, train=...) -> (logits_BxLxV float32, aux)`; aux sums/averages the MoE layers'."""
+
+    def __init__(self, cfg: Config, *, mesh: Mesh | None = None, rngs: nnx.Rngs):
+        m, pdtype = cfg.model, jnp.dtype(cfg.param_dtype)
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.mesh = mesh
+        self.remat = m.remat
+        self.num_experts = cfg.moe.num_experts
+        self.embed = named_param(rngs, nnx.initializers.normal(1.0), (m.vocab_size, m.d_model),
+                                 ("vocab", "embed"), pdtype)
+        self.blocks = nnx.List([Block(cfg, i, mesh=mesh, rngs=rngs) for i in range(m.num_layers)])
+        self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=self.dtype, param_dtype=pdtype, rngs=rngs)
+        self.head = None if m.tie_embeddings else named_param(
+            rngs, lecun, (m.d_model, m.vocab_size), ("embed", "vocab"), pdtype)
+
+    def __call__(self, tokens_BxL: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict]:
+        x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
+        x_BxLxD = self._constrain(x_BxLxD)
+        auxes = []
+        for block in self.blocks:
+            if self.remat:
+                x_BxLxD, aux = nnx.remat(lambda blk, x: blk(x, train=train))(block, x_BxLxD)
+            else:
+                x_BxLxD, aux = block(x_BxLxD, train=train)
+            x_BxLxD = self._constrain(x_BxLxD)
+            if aux is not None:
+                auxes.append(aux)
+        x_BxLxD = self.final_norm(x_BxLxD)
+        if self.head is None:
+            w_DxV = self.embed[...].T
+        else:
+            w_DxV = self.head[...]
+        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype),
+                                  preferred_element_type=jnp.float32)
+        return logits_BxLxV, combine_aux(auxes, self.num_experts)
+
+    def _constrain(self, x_BxLxD: jax.Array) -> jax.Array:
+        spec = sharding.activation_spec(self.mesh)
+        return x_BxLxD if spec is None else jax.lax.with_sharding_constraint(x_BxLxD, spec)
+
+
+def combine_aux(auxes: list[dict], num_experts: int) -> dict[str, jax.Array]:
+    """Losses add up over the MoE layers; drop fraction and expert load are averaged over them."""
+    if not auxes:
+        zero = jnp.zeros((), jnp.float32)
+        return {"aux_loss": zero, "z_loss": zero, "drop_fraction": zero,
+                "expert_load": jnp.zeros((num_experts,), jnp.float32)}
+    return {
+        "aux_loss": sum(jnp.asarray(a["aux_loss"], jnp.float32) for a in auxes),
+        "z_loss": sum(jnp.asarray(a["z_loss"], jnp.float32) for a in auxes),
+        "drop_fraction": jnp.mean(jnp.stack([jnp.asarray(a["drop_fraction"], jnp.float32) for a in auxes])),
+        "expert_load": jnp.mean(jnp.stack([jnp.asarray(a["expert_load"], jnp.float32) for a in auxes]), 0),
+    }
+
+
+def build_model(cfg: Config, *, mesh: Mesh | None = None, seed: int = 0) -> Transformer:
+    """Builds the model eagerly and unsharded (tests, small runs); train.init_state does it sharded."""
+    with nnx.use_eager_sharding(False):
+        return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
+
+
+def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats, in float32."""
+    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1))
+
+
+def _path_name(path) -> str:
+    parts = []
+    for key in path:
+        name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", None)))
+        parts.append(str(name))
+    return ".".join(parts)
+
+
+class ParamCodec:
+    """Converts an nnx.State of Params to a flat {"blocks.0.attn.wq": array} dict and back.
+
+    Flat string-keyed dicts are what the optimizer, the checkpoints and the sharding specs see; the
+    codec keeps the nnx tree structure (and the Params' metadata) to rebuild the model inside jit.
+    """
+
+    def __init__(self, params: nnx.State):
+        is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        with_path, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)
+        self.variables = {_path_name(path): var for path, var in with_path}
+        self.names = list(self.variables)
+        leaves, self.treedef = jax.tree_util.tree_flatten(params)
+        if len(leaves) != len(self.names):
+            raise ValueError("every Param must hold exactly one array")
+
+    def flatten(self, params: nnx.State) -> dict[str, jax.Array]:
+        return dict(zip(self.names, jax.tree_util.tree_leaves(params)))
+
+    def unflatten(self, flat: dict[str, jax.Array]) -> nnx.State:
+        return jax.tree_util.tree_unflatten(self.treedef, [flat[n] for n in self.names])

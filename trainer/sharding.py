@@ -1,0 +1,133 @@
+"""The one place where logical axis names meet the device mesh.
+
+Layers name their parameter axes ("embed", "mlp", "vocab", "heads", "kv", "expert", ...); this module maps
+those names to the mesh axes "data" and "expert". Experts go over `expert`, the batch over both axes, and
+the rest is replicated, or with FSDP the `embed` axis is sharded over `data`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "expert")
+BATCH_AXES = ("data", "expert")
+
+# Logical name -> mesh axis (or axes, or None: replicated).
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": BATCH_AXES,
+    "expert": "expert",
+    "embed": None,
+    "mlp": None,
+    "vocab": None,
+    "heads": None,
+    "kv_heads": None,
+    "kv": None,
+    "norm": None,
+    "length": None,
+}
+FSDP_RULES = {**RULES, "embed": "data"}
+
+
+def rules(fsdp: bool) -> dict[str, str | tuple[str, ...] | None]:
+    return FSDP_RULES if fsdp else RULES
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, fsdp: bool = False) -> P:
+    """The PartitionSpec for an array with logical axis `names`; a dim the mesh cannot divide stays whole."""
+    table = rules(fsdp)
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(names, shape):
+        axes = table.get(name) if name is not None else None
+        axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        if axes_t and not used.intersection(axes_t):
+            ways = int(np.prod([mesh.shape[a] for a in axes_t]))
+            if ways > 1 and size % ways == 0:
+                spec.append(axes_t[0] if len(axes_t) == 1 else axes_t)
+                used.update(axes_t)
+                continue
+        spec.append(None)
+    return P(*spec)
+
+
+def variable_names(var: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical names a Param was created with (`out_sharding=`, or the older `sharding=`)."""
+    meta = var.get_metadata()
+    names = meta.get("out_sharding", meta.get("sharding", meta.get("sharding_names")))
+    return tuple(names) if names is not None else None
+
+
+def param_specs(variables: Mapping[str, nnx.Variable], mesh: Mesh, fsdp: bool = False) -> dict[str, P]:
+    """PartitionSpecs for named Params (name -> Variable); a Param without logical names replicates."""
+    specs = {}
+    for name, var in variables.items():
+        names = variable_names(var)
+        shape = var.value.shape
+        if names is not None and len(names) != len(shape):
+            raise ValueError(f"param {name}: logical names {names} do not match shape {shape}")
+        specs[name] = P() if names is None else logical_to_spec(names, shape, mesh, fsdp)
+    return specs
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch rows over data and expert (the MoE block's shard_map expects this), sequence whole."""
+    return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def activation_spec(mesh: Mesh | None) -> NamedSharding | None:
+    return None if mesh is None else NamedSharding(mesh, P(BATCH_AXES, None, None))
+
+
+def parse_mesh(text: str | None, num_devices: int) -> dict[str, int]:
+    """`data=D,expert=E` -> {"data": D, "expert": E}; default all devices on data. Raises ValueError."""
+    shape = {"data": num_devices, "expert": 1}
+    if not text:
+        return shape
+    given: dict[str, int] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in MESH_AXES:
+            raise ValueError(f"--mesh expects data=D,expert=E; got '{text}'")
+        if key in given:
+            raise ValueError(f"--mesh names '{key}' twice")
+        try:
+            given[key] = int(value)
+        except ValueError:
+            raise ValueError(f"--mesh {key} must be an integer, got '{value}'") from None
+        if given[key] < 1:
+            raise ValueError(f"--mesh {key} must be at least 1")
+    if "data" not in given:
+        given["data"] = num_devices // given.get("expert", 1)
+    shape = {"data": given["data"], "expert": given.get("expert", 1)}
+    if shape["data"] * shape["expert"] != num_devices:
+        raise ValueError(f"--mesh data={shape['data']},expert={shape['expert']} needs "
+                         f"{shape['data'] * shape['expert']} devices, but there are {num_devices}")
+    return shape
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ("data", "expert") mesh. With several slices (multislice), data spans slices over DCN."""
+    devices = list(devices if devices is not None else jax.devices())
+    data, expert = shape["data"], shape["expert"]
+    num_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if num_slices > 1 and data % num_slices == 0:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_hybrid_device_mesh(
+            (data // num_slices, expert), (num_slices, 1), devices=devices)
+        return Mesh(grid, MESH_AXES)
+    if len(devices) > 1 and devices[0].platform == "tpu":
+        from jax.experimental import mesh_utils
+
+        return Mesh(mesh_utils.create_device_mesh((data, expert), devices=devices), MESH_AXES)
+    return Mesh(np.asarray(devices).reshape(data, expert), MESH_AXES)

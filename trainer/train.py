@@ -1,0 +1,333 @@
+"""The train step (pure, jitted once with explicit shardings) and the loop around it (all the I/O)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from trainer import flops, sharding
+from trainer.checkpoint import Checkpointer
+from trainer.config import Config, ConfigError, OptimConfig
+from trainer.data import DataIterator, make_source
+from trainer.metrics import Reporter
+from trainer.model import ParamCodec, Transformer, cross_entropy
+
+State = dict[str, Any]  # {"step": int32 [], "params": {name: array}, "opt_state": optax state}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything one training run needs, built by the CLI (or a test) from flags and the config."""
+
+    config: Config
+    steps: int
+    mesh_shape: dict[str, int] | None = None  # None: all devices on data
+    output_dir: str | None = None
+    resume: Literal["auto", "never"] = "auto"
+    metrics_path: str | None = None
+    profile_steps: tuple[int, int] | None = None
+    num_devices: int | None = None  # use the first N devices (None: all)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    step: int
+    loss: float | None
+    stopped_by_signal: bool
+    checkpoint_step: int | None
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def lr_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[jax.Array], jax.Array]:
+    """Linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at `decay_steps`."""
+    decay_steps = cfg.decay_steps or total_steps
+    warmup = cfg.warmup_steps
+
+    def schedule(step):
+        s = jnp.asarray(step, jnp.float32)
+        warm = cfg.lr * jnp.minimum(1.0, (s + 1.0) / max(warmup, 1))
+        progress = jnp.clip((s - warmup) / max(decay_steps - warmup, 1), 0.0, 1.0)
+        cosine = cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
+        return jnp.where(s < warmup, warm, cfg.lr * cosine)
+
+    return schedule
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW (no decay on vectors: norms) after global-norm clipping."""
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    adamw = optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=decay_mask)
+    clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity()
+    return optax.chain(clip, adamw)
+
+
+# ----------------------------------------------------------------------------- model state
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The jitted pieces of a run: state init, train step, and their shardings."""
+
+    cfg: Config
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    codec: ParamCodec
+    optimizer: optax.GradientTransformation
+    schedule: Callable
+    state_shardings: Any
+    abstract_state: Any
+    batch_sharding: NamedSharding
+    init_fn: Callable[[], State]
+    step_fn: Callable[[State, jax.Array], tuple[State, dict]]
+
+
+def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
+    def make_model():
+        with nnx.use_eager_sharding(False):
+            return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
+
+    abstract_model = nnx.eval_shape(make_model)
+    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    codec = ParamCodec(abstract_params)
+    optimizer = make_optimizer(cfg.optim, total_steps)
+
+    def init() -> State:
+        _, params = nnx.split(make_model(), nnx.Param)
+        flat = codec.flatten(params)
+        return {"step": jnp.zeros((), jnp.int32), "params": flat, "opt_state": optimizer.init(flat)}
+
+    abstract_state = jax.eval_shape(init)
+    state_shardings = _state_shardings(abstract_state, codec, optimizer, mesh, cfg.train.fsdp)
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  abstract_state, state_shardings)
+    batch_sharding = sharding.batch_sharding(mesh)
+    step = make_train_step(cfg, graphdef, codec, optimizer, lr_schedule(cfg.optim, total_steps))
+    return Trainer(
+        cfg=cfg, mesh=mesh, graphdef=graphdef, codec=codec, optimizer=optimizer,
+        schedule=lr_schedule(cfg.optim, total_steps), state_shardings=state_shardings,
+        abstract_state=abstract_state, batch_sharding=batch_sharding,
+        init_fn=jax.jit(init, out_shardings=state_shardings),
+        step_fn=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                        out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
+    )
+
+
+def _state_shardings(abstract_state: State, codec: ParamCodec, optimizer, mesh: Mesh, fsdp: bool) -> State:
+    specs = sharding.param_specs(codec.variables, mesh, fsdp)
+    params = {name: NamedSharding(mesh, specs[name]) for name in codec.names}
+    replicated = sharding.replicated(mesh)
+    opt_state = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state["opt_state"], params,
+                                      transform_non_params=lambda _: replicated)
+    return {"step": replicated, "params": params, "opt_state": opt_state}
+
+
+def make_train_step(cfg: Config, graphdef: nnx.GraphDef, codec: ParamCodec,
+                    optimizer: optax.GradientTransformation, schedule: Callable):
+    """train_step(state, batch_BxT) -> (state, metrics); pure, for jax.jit."""
+
+    def loss_fn(params: dict, tokens_BxT: jax.Array):
+        model = nnx.merge(graphdef, codec.unflatten(params))
+        logits_BxLxV, aux = model(tokens_BxT[:, :-1], train=True)
+        ce = cross_entropy(logits_BxLxV, tokens_BxT[:, 1:])
+        return ce + aux["aux_loss"] + aux["z_loss"], (ce, aux)
+
+    def train_step(state: State, tokens_BxT: jax.Array) -> tuple[State, dict]:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (total, (ce, aux)), grads = grad_fn(state["params"], tokens_BxT)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": ce, "total_loss": total, "grad_norm": optax.global_norm(grads),
+                   "lr": schedule(state["step"]), **aux}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    return train_step
+
+
+def model_from_state(trainer: Trainer, state: State) -> Transformer:
+    return nnx.merge(trainer.graphdef, trainer.codec.unflatten(state["params"]))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class StopSignal:
+    """Set by SIGTERM (the preemption notice on TPU VMs and Vertex); the loop saves and exits."""
+
+    def __init__(self):
+        self.requested = False
+
+    def install(self) -> Callable[[], None]:
+        def handler(signum, frame):
+            self.requested = True
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def should_stop(stop: StopSignal, step: int) -> bool:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return bool(multihost_utils.reached_preemption_sync_point(step)) or stop.requested
+    return stop.requested
+
+
+def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None) -> RunResult:
+    """Trains up to step `spec.steps` (resuming past ones), checkpointing and reporting as it goes."""
+    stop = stop or StopSignal()
+    restore_handler = stop.install() if jax.process_count() == 1 else (lambda: None)
+    ckpt = None
+    try:
+        cfg = spec.config
+        devices = jax.devices()[: spec.num_devices] if spec.num_devices else jax.devices()
+        mesh_shape = spec.mesh_shape or {"data": len(devices), "expert": 1}
+        check_divisibility(cfg, mesh_shape)
+        mesh = sharding.make_mesh(mesh_shape, devices)
+        trainer = build_trainer(cfg, mesh, spec.steps)
+        source = make_source(cfg, cfg.train.seed)
+        data = DataIterator(source, cfg.data.global_batch_size, cfg.model.vocab_size,
+                            process_index=jax.process_index(), process_count=jax.process_count())
+        if spec.output_dir:
+            ckpt = Checkpointer(os.path.join(spec.output_dir, "checkpoints"),
+                                every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
+        state = _initial_state(trainer, ckpt, data, spec, reporter)
+        return _loop(trainer, state, data, ckpt, spec, reporter, stop, entropy_floor=source.entropy_floor)
+    finally:
+        restore_handler()
+        if ckpt is not None:
+            ckpt.close()
+
+
+def check_divisibility(cfg: Config, mesh_shape: dict[str, int]) -> None:
+    ways = mesh_shape["data"] * mesh_shape["expert"]
+    if cfg.data.global_batch_size % ways:
+        raise ConfigError(f"data.global_batch_size ({cfg.data.global_batch_size}) must be divisible by the "
+                         f"mesh size data x expert = {ways}")
+    if cfg.model.num_moe_layers and cfg.moe.num_experts % mesh_shape["expert"]:
+        raise ConfigError(f"moe.num_experts ({cfg.moe.num_experts}) must be divisible by the mesh's expert "
+                         f"axis ({mesh_shape['expert']})")
+
+
+def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterator, spec: RunSpec,
+                   reporter: Reporter) -> State:
+    latest = ckpt.latest_step() if ckpt else None
+    if latest is not None and spec.resume == "never":
+        raise ConfigError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); use "
+                         "--resume auto to continue, or another --output-dir")
+    if latest is None:
+        return trainer.init_fn()
+    state, data_state = ckpt.restore(latest, trainer.abstract_state)
+    data.restore(data_state)
+    reporter.info(f"resumed from {ckpt.directory} at step {latest}")
+    return state
+
+
+def global_batch(trainer: Trainer, rows_BxT: np.ndarray) -> jax.Array:
+    global_shape = (trainer.cfg.data.global_batch_size, rows_BxT.shape[1])
+    return jax.make_array_from_process_local_data(trainer.batch_sharding, rows_BxT, global_shape)
+
+
+def compile_step(trainer: Trainer):
+    """The train step compiled ahead of the loop, so that no logged step time includes compilation."""
+    batch = jax.ShapeDtypeStruct((trainer.cfg.data.global_batch_size, trainer.cfg.data.seq_len + 1),
+                                 jnp.int32, sharding=trainer.batch_sharding)
+    return trainer.step_fn.lower(trainer.abstract_state, batch).compile()
+
+
+def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
+          reporter: Reporter, stop: StopSignal, entropy_floor: float | None) -> RunResult:
+    cfg = trainer.cfg
+    step = saved = int(jax.device_get(state["step"]))
+    start = time.perf_counter()
+    step_fn = compile_step(trainer)
+    reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
+                  f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}")
+    timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind)
+    profiler = _Profiler(spec.profile_steps, spec.output_dir)
+    last_loss, stopped = None, False
+    try:
+        while step < spec.steps:
+            if should_stop(stop, step):
+                stopped = True
+                break
+            profiler.before(step)
+            state, metrics = step_fn(state, global_batch(trainer, next(data)))
+            step += 1
+            if step % cfg.train.log_every == 0 or step == spec.steps:
+                row = timer.row(step, jax.device_get(metrics), entropy_floor)
+                last_loss = row["loss"]
+                reporter.metrics(row)
+                reporter.progress(row, spec.steps)
+            profiler.after(step)
+            if ckpt is not None and step % cfg.train.checkpoint_every == 0:
+                ckpt.save(step, state, data.state(), force=True)
+                saved = step
+    finally:
+        profiler.close()
+    if ckpt is not None:
+        if saved != step or ckpt.latest_step() is None:
+            ckpt.save(step, state, data.state(), force=True)
+        ckpt.wait()
+        reporter.info(f"{'stopped by SIGTERM; ' if stopped else ''}checkpoint at step {step} in "
+                      f"{ckpt.directory}")
+    return RunResult(step=step, loss=last_loss, stopped_by_signal=stopped,
+                     checkpoint_step=step if ckpt is not None else None)
+
+
+class _StepTimer:
+    """Turns the train step's device metrics into a logged row with throughput and MFU."""
+
+    def __init__(self, cfg: Config, num_devices: int, device_kind: str):
+        self.cfg, self.num_devices, self.device_kind = cfg, num_devices, device_kind
+        self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+        self.last_time, self.last_step = time.perf_counter(), None
+
+    def row(self, step: int, metrics: dict, entropy_floor: float | None) -> dict:
+        now = time.perf_counter()
+        steps = step - self.last_step if self.last_step is not None else 1
+        step_time = (now - self.last_time) / max(steps, 1)
+        self.last_time, self.last_step = now, step
+        row = {"step": step, **{k: float(v) for k, v in metrics.items() if k != "expert_load"},
+               "expert_load": np.asarray(metrics["expert_load"]).tolist(),
+               "tokens_per_s": self.tokens_per_step / step_time, "step_time_s": step_time,
+               "mfu": flops.mfu(self.cfg, step_time, self.num_devices, self.device_kind)}
+        if entropy_floor is not None:
+            row["entropy_floor"] = entropy_floor
+        return row
+
+
+class _Profiler:
+    """Writes a jax profiler trace of steps A..B (1-based, inclusive) to OUTPUT_DIR/profile."""
+
+    def __init__(self, steps: tuple[int, int] | None, output_dir: str | None):
+        self.steps, self.active = steps, False
+        self.directory = os.path.join(output_dir or ".", "profile")
+
+    def before(self, step: int) -> None:
+        if self.steps and not self.active and step + 1 == self.steps[0]:
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+
+    def after(self, step: int) -> None:
+        if self.active and step >= self.steps[1]:
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
