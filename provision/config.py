@@ -296,36 +296,35 @@ class Config(BaseModel):
 
 # --- loading ---------------------------------------------------------------------------
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that records duplicate keys instead of silently keeping the last one."""
-
-    duplicates: list[tuple[str, int]]
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            if isinstance(key, str) and key in seen:
-                self.duplicates.append((key, key_node.start_mark.line + 1))
-            seen.add(key) if isinstance(key, (str, int, float, bool)) else None
-        return super().construct_mapping(node, deep=deep)
+def _duplicate_keys(node: yaml.Node | None, path: str = "") -> list[tuple[str, int]]:
+    """(dotted key, line) for every key that appears twice in one mapping (YAML keeps the last)."""
+    found: list[tuple[str, int]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            dotted = f"{path}.{key}" if path else key
+            if key in seen:
+                found.append((dotted, key_node.start_mark.line + 1))
+            seen.add(key)
+            found += _duplicate_keys(value_node, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, f"{path}[{i}]")
+    return found
 
 
 def _parse_yaml(text: str, file: str) -> tuple[Any, list[Problem]]:
-    loader = _Loader(text)
-    loader.duplicates = []
     try:
-        data = loader.get_single_data()
+        duplicates = _duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         return None, [Problem(file, "", f"YAML syntax error{where}: {exc.problem or exc.context}")]
     except yaml.YAMLError as exc:
         return None, [Problem(file, "", f"YAML syntax error: {exc}")]
-    finally:
-        loader.dispose()
-    problems = [Problem(file, key, f"key appears twice (again at line {line})") for key, line in loader.duplicates]
-    return data, problems
+    return data, [Problem(file, key, f"key appears twice (again at line {line})") for key, line in duplicates]
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:

@@ -58,12 +58,28 @@ def validate(app, config_path: str) -> None:
     app.command = "validate"
     cfg = app.load_config(config_path)
     files = render_all(cfg, app.templates_dir)
-    accel = cfg.accelerator_type()
     app.console.text(f"config OK: {cfg.source}")
-    app.console.text(f"  run {cfg.run}: {cfg.slice.count} x {accel.name} ({accel.topology}, {accel.chips} chips, "
-                     f"{accel.vms} VMs), {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
+    app.console.text(f"  run {cfg.run}: {_summary(cfg)}")
     app.console.text(f"  rendered {len(files)} files: {', '.join(files)}")
     app.console.emit(app.document("ok", config=str(cfg.source), files=list(files)))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _summary(cfg) -> str:
+    """One line on what the config asks for."""
+    from provision import catalogue
+
+    if cfg.target == "vertex":
+        acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
+        size = f" ({_plural(acc.chips, 'chip')})" if acc else ""
+        return (f"Vertex AI job on {cfg.vertex.machine_type}, topology {cfg.vertex.topology}{size}, "
+                f"{cfg.vertex.scheduling}, region {cfg.region}")
+    acc = cfg.accelerator_type()
+    return (f"{cfg.slice.count} x {acc.name} ({acc.topology}, {_plural(acc.chips, 'chip')}, "
+            f"{_plural(acc.vms, 'VM')}), {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
 
 
 @click.command("render")
