@@ -1,0 +1,196 @@
+"""Rendering: golden files, shell quoting, the strict QueuedResource message, ids and labels.
+
+The goldens in tests/control/goldens/ are the files `render_all` makes for examples/v5e-64.yaml.
+After a deliberate change to a template, regenerate them with
+
+    MOE_TPU_UPDATE_GOLDENS=1 python -m pytest tests/control/test_rendering.py
+
+and review the diff before committing.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shlex
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from provision import rendering
+from provision.config import config_from_dict, load_config
+from provision.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDENS = Path(__file__).resolve().parent / "goldens"
+EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
+UPDATE = os.environ.get("MOE_TPU_UPDATE_GOLDENS") == "1"
+
+
+def example_raw() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def cfg_with(**slice_changes):
+    raw = example_raw()
+    raw["slice"].update(slice_changes)
+    return config_from_dict(raw)
+
+
+@pytest.mark.parametrize("name", ["startup.sh", "queued_resource.us-west4-a.yaml",
+                                  "create_queued_resource.us-west4-a.json"])
+def test_golden(name):
+    files = rendering.render_all(load_config(EXAMPLE))
+    assert list(files) == ["startup.sh", "queued_resource.us-west4-a.yaml", "create_queued_resource.us-west4-a.json"]
+    golden = GOLDENS / f"{name}.golden"
+    if UPDATE:
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(files[name])
+    assert files[name] == golden.read_text(), f"{name} differs from its golden; see this file's docstring"
+
+
+def test_rendering_is_deterministic():
+    cfg = load_config(EXAMPLE)
+    assert rendering.render_all(cfg) == rendering.render_all(cfg)
+
+
+def test_ids_and_labels():
+    cfg = load_config(EXAMPLE)
+    assert rendering.labels(cfg) == {"managed-by": "moe-tpu", "moe-tpu-run": "moe-demo"}
+    assert (rendering.queued_resource_id(cfg), rendering.node_id(cfg)) == ("moe-demo", "moe-demo-tpu")
+    rid = rendering.request_id(cfg, "us-west4-a")
+    assert uuid.UUID(rid).version == 5 and rid == rendering.request_id(cfg, "us-west4-a")
+    assert rid != rendering.request_id(cfg, "us-central1-a") != rendering.request_id(cfg, "us-west4-a", attempt=1)
+
+
+def test_longest_run_keeps_ids_within_63():
+    raw = example_raw()
+    raw["run"] = "r" * 50
+    cfg = config_from_dict(raw)
+    assert max(len(rendering.node_id(cfg)) + len("-99"), len(rendering.queued_resource_id(cfg))) <= 63
+
+
+def test_request_is_the_real_message():
+    from google.cloud import tpu_v2
+
+    req = rendering.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a")
+    assert isinstance(req, tpu_v2.CreateQueuedResourceRequest)
+    assert (req.parent, req.queued_resource_id) == ("projects/my-project/locations/us-west4-a", "moe-demo")
+    qr = req.queued_resource
+    spec = qr.tpu.node_spec[0]
+    assert (spec.parent, spec.node_id) == ("projects/my-project/locations/us-west4-a", "moe-demo-tpu")
+    assert (spec.node.accelerator_type, spec.node.runtime_version) == ("v5litepod-64", "v2-alpha-tpuv5-lite")
+    assert dict(spec.node.labels) == {"managed-by": "moe-tpu", "moe-tpu-run": "moe-demo"}
+    assert spec.node.metadata["startup-script"] == rendering.startup_script(load_config(EXAMPLE))
+    assert "spot" in qr and "guaranteed" not in qr
+    assert qr.queueing_policy.valid_until_duration.total_seconds() == 7200
+
+
+def test_multislice_reserved_with_service_account():
+    cfg = cfg_with(count=4, capacity="reserved", reservation="my-res", subnetwork="tpu-subnet",
+                   service_account="trainer@my-project.iam.gserviceaccount.com", max_wait="1h30m")
+    qr = rendering.create_queued_resource_request(cfg, "us-west4-a").queued_resource
+    spec = qr.tpu.node_spec[0]
+    assert (spec.node_id, spec.multislice_params.node_count, spec.multislice_params.node_id_prefix) == (
+        "", 4, "moe-demo-tpu")
+    assert "guaranteed" in qr and "spot" not in qr
+    assert qr.reservation_name == "projects/my-project/locations/us-west4-a/reservations/my-res"
+    assert (spec.node.network_config.subnetwork, spec.node.service_account.email,
+            list(spec.node.service_account.scope)) == (
+        "tpu-subnet", "trainer@my-project.iam.gserviceaccount.com", ["https://www.googleapis.com/auth/cloud-platform"])
+    assert qr.queueing_policy.valid_until_duration.total_seconds() == 5400
+
+
+def test_on_demand_is_guaranteed_without_reservation():
+    qr = rendering.create_queued_resource_request(cfg_with(capacity="on-demand"), "us-west4-a").queued_resource
+    assert "guaranteed" in qr and "spot" not in qr and qr.reservation_name == ""
+
+
+def test_no_project_is_a_usage_error():
+    raw = example_raw()
+    del raw["project"]
+    with pytest.raises(UsageError, match="names no project"):
+        rendering.create_queued_resource_request(config_from_dict(raw), "us-west4-a")
+
+
+NASTY = "$(touch /tmp/moe-pwned) `id` 'single' \"double\" spaces;&| \\ $HOME *"
+
+
+def _run_docker_args(script: str, env: dict[str, str]) -> list[str]:
+    """The arguments bash really passes to `docker run` in the script, evaluated by bash."""
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("docker run "))
+    end = start
+    while lines[end].endswith("\\"):
+        end += 1
+    command = "\n".join(lines[start:end + 1]).replace("docker run ", "printf '%s\\0' ", 1)
+    out = subprocess.run(["bash", "-c", command], env=env, capture_output=True, check=True).stdout
+    return out.decode().split("\0")[:-1]
+
+
+def test_config_values_reach_the_script_only_quoted(tmp_path):
+    raw = example_raw()
+    raw["trainer"].update(config=NASTY, output_dir=f"gs://b/{NASTY}", overrides={"model.note": NASTY})
+    cfg = config_from_dict(raw)
+    script = rendering.startup_script(cfg)
+    subprocess.run(["bash", "-n"], input=script.encode(), check=True)
+    env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "moe-demo", "IMAGE": "img:v1"}
+    args = _run_docker_args(script, env)
+    assert args[args.index("img:v1") + 1:] == rendering.trainer_argv(cfg)
+    assert args[args.index("img:v1") + 1:] == [
+        "python", "-m", "trainer", "--config", NASTY, "--output-dir", f"gs://b/{NASTY}", "--resume", "auto",
+        "--steps", "2000", "--set", f"model.note={NASTY}"]
+    assert not Path("/tmp/moe-pwned").exists()
+    # The variables at the top are single words for the shell too.
+    for line in script.splitlines():
+        if line.split("=", 1)[0] in ("RUN", "IMAGE", "REGISTRY", "CONTAINER", "LOG", "TRAINER_LOG"):
+            assert len(shlex.split(line)) == 1
+
+
+def test_startup_script_shape():
+    script = rendering.startup_script(load_config(EXAMPLE))
+    assert script.startswith("#!/bin/bash\n")
+    for needle in ["set -euo pipefail", 'exec >>"$LOG" 2>&1', "flock -n 9",
+                   'gcloud auth configure-docker "$REGISTRY" --quiet', 'docker pull "$IMAGE"',
+                   "--net=host --privileged", "--resume auto"]:
+        assert needle in script
+
+
+def test_own_templates_override_the_builtin_ones(tmp_path):
+    (tmp_path / "startup.sh.j2").write_text("#!/bin/sh\necho {{ spec.run | shquote }}\n")
+    cfg = load_config(EXAMPLE)
+    assert rendering.startup_script(cfg, tmp_path) == "#!/bin/sh\necho moe-demo\n"
+    # queued_resource.yaml.j2 is not there: the builtin one is used, with the user's script inside.
+    req = rendering.create_queued_resource_request(cfg, "us-west4-a", tmp_path)
+    assert req.queued_resource.tpu.node_spec[0].node.metadata["startup-script"] == "#!/bin/sh\necho moe-demo\n"
+
+
+@pytest.mark.parametrize("template, text, message", [
+    ("startup.sh.j2", "{{ spec.nope }}", "template startup.sh.j2: 'provision.rendering.StartupSpec object' "
+                                        "has no attribute 'nope'"),
+    ("startup.sh.j2", "{% if %}", "template startup.sh.j2, line 1: Expected an expression, got 'end of statement "
+                                  "block'"),
+    ("queued_resource.yaml.j2", "tpu: {}\ncolour: blue\n",
+     'template queued_resource.yaml.j2 does not render a valid google.cloud.tpu.v2.QueuedResource: Message type '
+     '"google.cloud.tpu.v2.QueuedResource" has no field named "colour" at "QueuedResource".\n Available Fields'),
+    ("queued_resource.yaml.j2", "tpu: [", "template queued_resource.yaml.j2 does not render valid YAML"),
+])
+def test_template_problems_are_usage_errors(tmp_path, template, text, message):
+    (tmp_path / template).write_text(text)
+    with pytest.raises(UsageError) as info:
+        rendering.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a", tmp_path)
+    assert info.value.message.startswith(message)
+    assert info.value.exit_code == 2
+
+
+def test_missing_templates_dir_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        rendering.startup_script(load_config(EXAMPLE), tmp_path / "nope")
+
+
+def test_builtin_templates_are_found():
+    assert (rendering.builtin_templates_dir() / rendering.STARTUP_TEMPLATE).is_file()
+    assert (rendering.builtin_templates_dir() / rendering.QUEUED_RESOURCE_TEMPLATE).is_file()
