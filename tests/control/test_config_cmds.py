@@ -1,0 +1,177 @@
+"""`init`, `validate` and `render`: exact output and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from provision.cli import main
+from provision.config import starter_config
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
+GOLDENS = Path(__file__).resolve().parent / "goldens"
+
+
+def moe(*args: str) -> tuple[int, str, str]:
+    """Run `moe-tpu ARGS` in-process through the real entry point: (exit code, stdout, stderr)."""
+    runner = CliRunner()
+    with runner.isolation(env={"NO_COLOR": "1", "MOE_TPU_CONFIG": None, "MOE_TPU_OUTPUT": None,
+                               "MOE_TPU_TEMPLATES": None}) as (out, err, _):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        return code, out.getvalue().decode(), err.getvalue().decode()
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_init_writes_the_starter(workdir):
+    assert moe("init") == (0, "wrote moe-tpu.yaml\n",
+                           "next: set project, zones, image and trainer in it, then run `moe-tpu validate`\n")
+    assert (workdir / "moe-tpu.yaml").read_text() == starter_config()
+
+
+def test_init_refuses_to_overwrite(workdir):
+    (workdir / "moe-tpu.yaml").write_text("mine\n")
+    assert moe("init") == (2, "", "error: moe-tpu.yaml already exists; not overwriting it\n"
+                                  "hint: pass --force to replace it\n")
+    assert (workdir / "moe-tpu.yaml").read_text() == "mine\n"
+    assert moe("init", "--force")[0] == 0
+    assert (workdir / "moe-tpu.yaml").read_text() == starter_config()
+
+
+def test_init_elsewhere_in_json(workdir):
+    code, out, _ = moe("--output", "json", "init", "-c", "runs/a.yaml")
+    assert code == 0
+    assert json.loads(out) == {"command": "init", "dry_run": False, "calls": [], "config": "runs/a.yaml",
+                               "result": "ok"}
+    assert (workdir / "runs" / "a.yaml").is_file()
+
+
+def test_validate_ok(workdir):
+    shutil.copy(EXAMPLE, workdir / "moe-tpu.yaml")
+    assert moe("validate") == (0, (
+        "config OK: moe-tpu.yaml\n"
+        "  run moe-demo: 1 x v5litepod-64 (8x8, 64 chips, 16 VMs), spot, zones us-west4-a\n"
+        "  rendered 3 files: startup.sh, queued_resource.us-west4-a.yaml, create_queued_resource.us-west4-a.json\n"
+    ), "")
+
+
+def test_validate_vertex_example(workdir):
+    code, out, _ = moe("validate", "-c", str(ROOT / "examples" / "vertex.yaml"))
+    assert code == 0
+    assert out.splitlines()[1] == ("  run moe-vertex: Vertex AI job on ct5lp-hightpu-4t, topology 8x8 (64 chips), "
+                                   "STANDARD, region us-west4")
+
+
+def test_validate_json(workdir):
+    shutil.copy(EXAMPLE, workdir / "moe-tpu.yaml")
+    code, out, err = moe("--output", "json", "validate")
+    assert (code, err) == (0, "config OK: moe-tpu.yaml\n"
+                              "  run moe-demo: 1 x v5litepod-64 (8x8, 64 chips, 16 VMs), spot, zones us-west4-a\n"
+                              "  rendered 3 files: startup.sh, queued_resource.us-west4-a.yaml, "
+                              "create_queued_resource.us-west4-a.json\n")
+    assert json.loads(out) == {"command": "validate", "dry_run": False, "calls": [], "config": "moe-tpu.yaml",
+                               "files": ["startup.sh", "queued_resource.us-west4-a.yaml",
+                                         "create_queued_resource.us-west4-a.json"], "result": "ok"}
+
+
+BAD = """\
+project: my-project
+region: us-west4
+zones: [us-central1-a]
+run: Moe_Demo
+slice:
+  acelerator: v5litepod-64
+  max_wait: soon
+image:
+  repository: us-west4-docker.pkg.dev/my-project/moe/trainer
+trainer:
+  output_dir: gs://b/x
+"""
+
+
+def test_validate_lists_every_problem(workdir):
+    (workdir / "moe-tpu.yaml").write_text(BAD)
+    assert moe("validate") == (2, "", (
+        "error: 4 problems in the config:\n"
+        "  moe-tpu.yaml: run: run name 'Moe_Demo' must be lowercase letters, digits and hyphens, start with a "
+        "letter and not end with a hyphen (it becomes resource ids: RFC 1035)\n"
+        "  moe-tpu.yaml: slice.max_wait: duration 'soon' must look like 2h, 30m, 90s or 1h30m\n"
+        "  moe-tpu.yaml: slice.acelerator: unknown key 'acelerator'; did you mean 'accelerator'?\n"
+        "  moe-tpu.yaml: zones[0]: zone 'us-central1-a' is not in region 'us-west4'\n"))
+
+
+def test_validate_problems_in_json(workdir):
+    (workdir / "moe-tpu.yaml").write_text(BAD)
+    code, out, _ = moe("--output", "json", "validate")
+    doc = json.loads(out)
+    assert (code, doc["result"], doc["exit_code"]) == (2, "error", 2)
+    assert doc["problems"][2] == {"file": "moe-tpu.yaml", "key": "slice.acelerator",
+                                  "message": "unknown key 'acelerator'; did you mean 'accelerator'?"}
+
+
+def test_validate_missing_config(workdir):
+    assert moe("validate") == (2, "", "error: 1 problem in the config:\n"
+                                      "  moe-tpu.yaml: file not found (write a starter config with `moe-tpu init`)\n")
+
+
+def test_validate_a_broken_template(workdir):
+    shutil.copy(EXAMPLE, workdir / "moe-tpu.yaml")
+    (workdir / "tpl").mkdir()
+    (workdir / "tpl" / "startup.sh.j2").write_text("{{ spec.image }}\n")
+    code, out, err = moe("--templates", "tpl", "validate")
+    assert (code, out) == (2, "")
+    assert err.startswith("error: template startup.sh.j2: 'provision.rendering.StartupSpec object' "
+                          "has no attribute 'image'\nhint: templates are read from tpl, then ")
+
+
+def test_render_writes_the_goldens(workdir):
+    shutil.copy(EXAMPLE, workdir / "moe-tpu.yaml")
+    assert moe("render", "--out", "out/r") == (0, "out/r/startup.sh\nout/r/queued_resource.us-west4-a.yaml\n"
+                                                  "out/r/create_queued_resource.us-west4-a.json\n", "")
+    for path in (workdir / "out" / "r").iterdir():
+        assert path.read_text() == (GOLDENS / f"{path.name}.golden").read_text()
+
+
+def test_render_needs_out(workdir):
+    code, out, err = moe("render")
+    assert (code, out) == (2, "")
+    assert "Missing option '--out'" in err
+
+
+def test_render_into_a_file_is_a_usage_error(workdir):
+    shutil.copy(EXAMPLE, workdir / "moe-tpu.yaml")
+    (workdir / "f").write_text("")
+    code, out, err = moe("render", "--out", "f")
+    assert (code, out) == (2, "")
+    assert "Traceback" not in err
+
+
+def test_help_shows_examples():
+    code, out, _ = moe("validate", "--help")
+    assert code == 0 and "moe-tpu validate -c examples/v5e-64.yaml" in out and "MOE_TPU_CONFIG" not in out
+
+
+def test_bad_config_from_the_outside_has_no_traceback(tmp_path):
+    (tmp_path / "moe-tpu.yaml").write_text("run: [unclosed\n")
+    proc = subprocess.run([sys.executable, "-m", "provision", "validate"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, NO_COLOR="1", PYTHONPATH=str(ROOT)))
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == ("error: 1 problem in the config:\n"
+                           "  moe-tpu.yaml: YAML syntax error at line 2, column 1: expected ',' or ']', "
+                           "but got '<stream end>'\n")
