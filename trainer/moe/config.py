@@ -1,0 +1,98 @@
+"""The MoE block's configuration: one frozen dataclass, validated where it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ROUTINGS = ("token_choice", "expert_choice")
+DROP_PRIORITIES = ("probability", "position")
+DISPATCHES = ("sort", "einsum")
+EXCHANGES = ("auto", "ragged", "padded")
+GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Routing, capacity and expert sizes of one MoE feed-forward block.
+
+    capacity_factor <= 0 selects the dropless mode (every assignment is computed).
+    Capacity is counted per routing group of tokens, as in GShard: with a mesh a
+    group is one device's token shard, so a sharded and an unsharded block with the
+    same `routing_groups` drop exactly the same assignments.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    d_ff: int = 512
+    capacity_factor: float = 1.25
+    eval_capacity_factor: float = 2.0
+    min_capacity: int = 4
+    routing: str = "token_choice"
+    softmax_before_topk: bool = True
+    renormalize: bool = True
+    jitter: float = 0.0
+    drop_priority: str = "probability"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    num_shared_experts: int = 0
+    # Hidden size of each shared expert; 0 means d_ff.
+    shared_d_ff: int = 0
+    # Token groups that capacity is counted in; 0 means one per token shard of the
+    # mesh (data * expert devices), or 1 without a mesh.
+    routing_groups: int = 0
+    # "einsum" is the GShard one-hot dispatch, kept as a baseline for tests and benchmarks.
+    dispatch: str = "sort"
+    # Dropless token exchange: ragged_all_to_all ("ragged") or a padded all_to_all
+    # ("padded"); "auto" picks ragged on TPU/GPU and padded on CPU.
+    exchange: str = "auto"
+    # Dropless grouped matmul: jax.lax.ragged_dot, or token blocks per expert ("tiled");
+    # "auto" picks tiled on CPU, where ragged_dot is a masked dense product.
+    grouped_matmul: str = "auto"
+    # Rows per block of the tiled grouped matmul; expert groups are padded to it.
+    block_rows: int = 64
+
+    def __post_init__(self) -> None:
+        _check(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
+        _check(self.d_ff >= 1, f"d_ff must be >= 1, got {self.d_ff}")
+        _check(
+            1 <= self.top_k <= self.num_experts,
+            f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}",
+        )
+        _check(self.min_capacity >= 0, f"min_capacity must be >= 0, got {self.min_capacity}")
+        _check_choice("routing", self.routing, ROUTINGS)
+        _check_choice("drop_priority", self.drop_priority, DROP_PRIORITIES)
+        _check_choice("dispatch", self.dispatch, DISPATCHES)
+        _check_choice("exchange", self.exchange, EXCHANGES)
+        _check_choice("grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
+        _check(0.0 <= self.jitter < 1.0, f"jitter must be in [0, 1), got {self.jitter}")
+        _check(self.aux_loss_coef >= 0, f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        _check(self.z_loss_coef >= 0, f"z_loss_coef must be >= 0, got {self.z_loss_coef}")
+        _check(self.num_shared_experts >= 0, f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        _check(self.shared_d_ff >= 0, f"shared_d_ff must be >= 0, got {self.shared_d_ff}")
+        _check(self.routing_groups >= 0, f"routing_groups must be >= 0, got {self.routing_groups}")
+        _check(self.block_rows >= 1, f"block_rows must be >= 1, got {self.block_rows}")
+        if self.routing == "expert_choice":
+            _check(
+                self.capacity_factor > 0 and self.eval_capacity_factor > 0,
+                "expert_choice routing needs capacity_factor > 0 and eval_capacity_factor > 0 "
+                "(each expert takes its top-C tokens; there is no dropless expert choice)",
+            )
+            _check(self.dispatch == "sort", "dispatch='einsum' is only a baseline for token_choice routing")
+
+    def capacity_factor_for(self, train: bool) -> float:
+        return self.capacity_factor if train else self.eval_capacity_factor
+
+    def is_dropless(self, train: bool) -> bool:
+        # A dropless model stays dropless in evaluation whatever eval_capacity_factor says.
+        if self.routing != "token_choice":
+            return False
+        return self.capacity_factor <= 0 or self.capacity_factor_for(train) <= 0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"MoEConfig: {message}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{name} must be one of {list(choices)}, got {value!r}")

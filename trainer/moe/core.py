@@ -1,0 +1,167 @@
+"""The MoE computation on one device's tokens, written once for both layouts.
+
+`Topology` says whether the experts are spread over a mesh axis. Without one the
+exchange steps are the identity and the statistics are local; inside shard_map
+the same code exchanges tokens with all_to_all over the expert axis and sums
+the statistics over every token axis. Shapes: G routing groups of T tokens, D
+model width, E experts (E_l = E / n_ep held here), K = top_k, C capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from trainer.moe import capacity as cap
+from trainer.moe import dispatch, routing
+from trainer.moe.config import MoEConfig
+from trainer.moe.exchange import dropless_experts, exchange_to_experts, exchange_from_experts
+from trainer.moe.experts import ExpertWeights, batched_ffn
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where the experts live. expert_axis None: all experts are local, nothing moves."""
+
+    expert_axis: str | None = None
+    num_expert_shards: int = 1
+    token_axes: tuple[str, ...] = ()
+    exchange: str = "padded"
+    grouped_matmul: str = "tiled"
+
+
+class Stats(NamedTuple):
+    """Sums over tokens, so that shards add them before the ratios are formed."""
+
+    counts_E: jax.Array
+    prob_sums_E: jax.Array
+    num_tokens: jax.Array
+    z_sum: jax.Array
+    num_assignments: jax.Array
+    num_dropped: jax.Array
+
+
+def route_tokens(x_GxTxD, router_DxE, cfg: MoEConfig, train: bool, key):
+    """Router logits per group (float32), with multiplicative jitter when training."""
+    if train and cfg.jitter > 0 and key is not None:
+        x_GxTxD = routing.multiplicative_jitter(x_GxTxD, key, cfg.jitter)
+    return jax.vmap(routing.router_logits, in_axes=(0, None))(x_GxTxD, router_DxE)
+
+
+def token_choice(logits_GxTxE, cfg: MoEConfig):
+    fn = lambda logits: routing.top_k_routing(
+        logits, cfg.top_k, softmax_before_topk=cfg.softmax_before_topk, renormalize=cfg.renormalize
+    )
+    return jax.vmap(fn)(logits_GxTxE)
+
+
+def capacity_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capacity: int, topo: Topology):
+    """Token choice with C slots per expert and group; overflow assignments are dropped."""
+    num_groups, num_tokens, d_model = x_GxTxD.shape
+    k, num_experts = cfg.top_k, cfg.num_experts
+    experts_GxTxK, weights_GxTxK, priority_GxTxK, probs_GxTxE = token_choice(logits_GxTxE, cfg)
+    assign = lambda e, p: cap.assign_slots(e, p, num_experts, capacity, cfg.drop_priority)
+    slot_GxN, keep_GxN = jax.vmap(assign)(experts_GxTxK, priority_GxTxK)
+    gate_GxN = jax.vmap(cap.flatten_choices)(weights_GxTxK) * keep_GxN
+    if cfg.dispatch == "einsum":
+        tensors = lambda s, g: dispatch.einsum_dispatch_combine_tensors(s, g, num_tokens, num_experts, capacity, k)
+        dispatch_GxTxExC, combine_GxTxExC = jax.vmap(tensors)(slot_GxN, gate_GxN)
+        buf_GxExCxD = jax.vmap(dispatch.einsum_dispatch)(x_GxTxD, dispatch_GxTxExC)
+    else:
+        to_slots = lambda x, s: dispatch.dispatch_to_slots(x, s, num_experts * capacity, k)
+        buf_GxExCxD = jax.vmap(to_slots)(x_GxTxD, slot_GxN).reshape(num_groups, num_experts, capacity, d_model)
+    out_GxExCxD = experts_on_buffers(buf_GxExCxD, w, topo)
+    if cfg.dispatch == "einsum":
+        y_GxTxD = jax.vmap(dispatch.einsum_combine)(out_GxExCxD, combine_GxTxExC)
+    else:
+        out_GxSxD = out_GxExCxD.reshape(num_groups, num_experts * capacity, d_model)
+        combine = lambda o, s, g: dispatch.combine_from_slots(o, s, g, k)
+        y_GxTxD = jax.vmap(combine)(out_GxSxD, slot_GxN, gate_GxN)
+    stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN)
+    return y_GxTxD, stats
+
+
+def experts_on_buffers(buf_GxExCxD, w: ExpertWeights, topo: Topology):
+    """Sends each expert its [G, C] rows, runs the local experts, brings the rows back."""
+    num_groups, num_experts, capacity, d_model = buf_GxExCxD.shape
+    recv_ElxRxD = exchange_to_experts(buf_GxExCxD, topo.expert_axis, topo.num_expert_shards)
+    out_ElxRxD = batched_ffn(recv_ElxRxD, w)
+    return exchange_from_experts(out_ElxRxD, buf_GxExCxD.shape, topo.expert_axis, topo.num_expert_shards)
+
+
+def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: Topology):
+    """Token choice that computes every assignment: rows sorted by expert, grouped matmul."""
+    num_groups, num_tokens, d_model = x_GxTxD.shape
+    k = cfg.top_k
+    experts_GxTxK, weights_GxTxK, _, probs_GxTxE = token_choice(logits_GxTxE, cfg)
+    x_TxD = x_GxTxD.reshape(num_groups * num_tokens, d_model)
+    experts_N = cap.flatten_choices(experts_GxTxK.reshape(-1, k))
+    gate_N = cap.flatten_choices(weights_GxTxK.reshape(-1, k))
+    order_N, counts_E = dispatch.sort_by_expert(experts_N, cfg.num_experts)
+    token_N = jnp.tile(jnp.arange(x_TxD.shape[0], dtype=jnp.int32), k)
+    x_sorted_NxD = x_TxD[token_N[order_N]]
+    out_sorted_NxD = dropless_experts(x_sorted_NxD, counts_E, w, cfg.block_rows, topo)
+    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=jnp.int32))
+    y_NxD = out_sorted_NxD[inverse_N].astype(jnp.float32) * gate_N[:, None]
+    y_TxD = jnp.sum(y_NxD.reshape(k, -1, d_model), axis=0)
+    keep_GxN = jnp.ones((num_groups, num_tokens * k), bool)
+    stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN)
+    return y_TxD.reshape(num_groups, num_tokens, d_model), stats
+
+
+def expert_choice_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capacity: int, topo: Topology):
+    """Expert choice: each expert takes its top-C tokens of the group; no expert is ever over."""
+    num_groups, num_tokens, d_model = x_GxTxD.shape
+    choose = lambda logits: routing.expert_choice_routing(logits, capacity)
+    tokens_GxExC, weights_GxExC, probs_GxTxE = jax.vmap(choose)(logits_GxTxE)
+    buf_GxExCxD = jax.vmap(lambda x, t: x[t])(x_GxTxD, tokens_GxExC)
+    out_GxExCxD = experts_on_buffers(buf_GxExCxD, w, topo)
+
+    def combine(out_ExCxD, tokens_ExC, weights_ExC):
+        y_ExCxD = out_ExCxD.astype(jnp.float32) * weights_ExC[..., None]
+        return jnp.zeros((num_tokens, d_model), jnp.float32).at[tokens_ExC.reshape(-1)].add(
+            y_ExCxD.reshape(-1, d_model)
+        )
+
+    y_GxTxD = jax.vmap(combine)(out_GxExCxD, tokens_GxExC, weights_GxExC)
+    chosen_GxT = jax.vmap(lambda t: jnp.zeros((num_tokens,), bool).at[t.reshape(-1)].set(True))(tokens_GxExC)
+    counts_E = jnp.full((cfg.num_experts,), num_groups * capacity, jnp.float32)
+    stats = Stats(
+        counts_E=counts_E,
+        prob_sums_E=jnp.sum(probs_GxTxE, axis=(0, 1)),
+        num_tokens=jnp.float32(num_groups * num_tokens),
+        z_sum=jnp.sum(jax.vmap(routing.router_z_loss_sum)(logits_GxTxE)),
+        num_assignments=jnp.float32(num_groups * num_tokens),
+        num_dropped=jnp.sum(~chosen_GxT).astype(jnp.float32),
+    )
+    return y_GxTxD, stats
+
+
+def token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN) -> Stats:
+    counts_E, prob_sums_E = routing.balance_stats(experts_GxTxK, probs_GxTxE.reshape(-1, probs_GxTxE.shape[-1]))
+    return Stats(
+        counts_E=counts_E,
+        prob_sums_E=prob_sums_E,
+        num_tokens=jnp.float32(probs_GxTxE.shape[0] * probs_GxTxE.shape[1]),
+        z_sum=jnp.sum(jax.vmap(routing.router_z_loss_sum)(logits_GxTxE)),
+        num_assignments=jnp.float32(keep_GxN.size),
+        num_dropped=jnp.sum(~keep_GxN).astype(jnp.float32),
+    )
+
+
+def finish_stats(stats: Stats, cfg: MoEConfig, token_axes: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Sums the statistics over all token shards, then forms the losses and metrics."""
+    if token_axes:
+        stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
+    balance = routing.load_balancing_loss(stats.counts_E, stats.prob_sums_E, stats.num_tokens)
+    if cfg.routing == "expert_choice":
+        balance = jnp.zeros_like(balance)  # balanced by construction; nothing to learn
+    return {
+        "aux_loss": cfg.aux_loss_coef * balance,
+        "z_loss": cfg.z_loss_coef * stats.z_sum / stats.num_tokens,
+        "drop_fraction": stats.num_dropped / stats.num_assignments,
+        "expert_load": stats.counts_E / jnp.sum(stats.counts_E),
+    }

@@ -1,0 +1,108 @@
+"""Moving tokens into per-expert buffers and back, by gathers instead of one-hot tensors.
+
+The fast path never builds a [tokens, experts, capacity] tensor: slot indices are
+scattered as integers, rows are moved with gathers (whose gradients are
+scatter-adds). The GShard one-hot einsum dispatch/combine at the end of the
+module is the baseline that tests and the benchmark compare against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _with_zero_row(x_MxD: jax.Array) -> jax.Array:
+    """Appends a zero row that out-of-range indices point at."""
+    return jnp.concatenate([x_MxD, jnp.zeros((1,) + x_MxD.shape[1:], x_MxD.dtype)], axis=0)
+
+
+def gather_rows(x_MxD: jax.Array, index_R: jax.Array) -> jax.Array:
+    """x[index], where index == M yields a zero row."""
+    return _with_zero_row(x_MxD)[index_R]
+
+
+def inverse_index(dest_N: jax.Array, num_rows: int) -> jax.Array:
+    """For rows[dest[n]] = x[n]: the source of each destination row, num_sources where none."""
+    num = dest_N.shape[0]
+    src_R = jnp.full((num_rows + 1,), num, jnp.int32)
+    return src_R.at[dest_N].set(jnp.arange(num, dtype=jnp.int32), mode="drop")[:num_rows]
+
+
+def dispatch_to_slots(x_TxD: jax.Array, slot_N: jax.Array, num_slots: int, top_k: int) -> jax.Array:
+    """Buffer [num_slots, D] whose row s holds the token assigned to slot s (zeros if none).
+
+    slot_N is choice-major (n = r * T + t); dropped assignments carry slot == num_slots.
+    """
+    num_tokens = x_TxD.shape[0]
+    # One extra entry maps "no source" to the zero row past the last token.
+    token_N1 = jnp.append(jnp.tile(jnp.arange(num_tokens, dtype=jnp.int32), top_k), num_tokens)
+    token_S = token_N1[inverse_index(slot_N, num_slots)]
+    return gather_rows(x_TxD, token_S)
+
+
+def combine_from_slots(out_SxD: jax.Array, slot_N: jax.Array, gate_N: jax.Array, top_k: int) -> jax.Array:
+    """y[t] = sum_r gate[r, t] * out[slot[r, t]], in float32; dropped slots read the zero row."""
+    y_NxD = gather_rows(out_SxD, slot_N).astype(jnp.float32) * gate_N[:, None]
+    return jnp.sum(y_NxD.reshape(top_k, -1, out_SxD.shape[-1]), axis=0)
+
+
+def sort_by_expert(experts_N: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(order_N, group_sizes_E): assignments in expert order, and how many per expert."""
+    order_N = jnp.argsort(experts_N, stable=True).astype(jnp.int32)
+    return order_N, jnp.bincount(experts_N, length=num_experts).astype(jnp.int32)
+
+
+def aligned_layout(counts_SxG: jax.Array, chunk_rows: int, block_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Regroups S chunks of expert-sorted rows into one buffer, grouped by expert, each group
+    starting on a multiple of block_rows (so a block of rows belongs to one expert).
+
+    Chunk s holds counts[s, g] rows of group g, in group order, then padding, chunk_rows in all.
+    Returns (dest_SxR, block_group_NB, num_blocks): the buffer row of every chunk row
+    (num_rows for padding), the group of each block, and how many blocks are in use.
+    The buffer has num_rows = (ceil(S * R / B) + G) * B rows, enough for any counts.
+    """
+    num_chunks, num_groups = counts_SxG.shape
+    total_blocks = -(-num_chunks * chunk_rows // block_rows) + num_groups
+    sizes_G = jnp.sum(counts_SxG, axis=0)
+    blocks_G = -(-sizes_G // block_rows)
+    block_start_G = jnp.cumsum(blocks_G) - blocks_G
+    # Where chunk s's rows of group g land inside group g: after those of chunks < s.
+    before_SxG = jnp.cumsum(counts_SxG, axis=0) - counts_SxG
+    chunk_start_SxG = jnp.cumsum(counts_SxG, axis=1) - counts_SxG
+    rows_R = jnp.arange(chunk_rows, dtype=jnp.int32)
+
+    def dest_of_chunk(counts_G, before_G, chunk_start_G):
+        group_R = jnp.searchsorted(jnp.cumsum(counts_G), rows_R, side="right").astype(jnp.int32)
+        valid_R = group_R < num_groups
+        group_R = jnp.minimum(group_R, num_groups - 1)
+        dest_R = block_start_G[group_R] * block_rows + before_G[group_R] + rows_R - chunk_start_G[group_R]
+        return jnp.where(valid_R, dest_R, total_blocks * block_rows)
+
+    dest_SxR = jax.vmap(dest_of_chunk)(counts_SxG, before_SxG, chunk_start_SxG)
+    block_ids = jnp.arange(total_blocks, dtype=jnp.int32)
+    block_group_NB = jnp.searchsorted(jnp.cumsum(blocks_G), block_ids, side="right")
+    block_group_NB = jnp.minimum(block_group_NB, num_groups - 1).astype(jnp.int32)
+    return dest_SxR.astype(jnp.int32), block_group_NB, jnp.sum(blocks_G).astype(jnp.int32)
+
+
+# --- GShard baseline: one-hot [T, E, C] dispatch and combine tensors (tests and benchmark only).
+
+
+def einsum_dispatch_combine_tensors(
+    slot_N: jax.Array, gate_N: jax.Array, num_tokens: int, num_experts: int, capacity: int, top_k: int
+) -> tuple[jax.Array, jax.Array]:
+    """GShard's dispatch mask and combine weights, [T, E, C] each, from the same slots."""
+    one_hot_NxS = jax.nn.one_hot(slot_N, num_experts * capacity + 1, dtype=jnp.float32)[:, :-1]
+    dispatch_TxS = jnp.sum(one_hot_NxS.reshape(top_k, num_tokens, -1), axis=0)
+    combine_TxS = jnp.sum((one_hot_NxS * gate_N[:, None]).reshape(top_k, num_tokens, -1), axis=0)
+    shape = (num_tokens, num_experts, capacity)
+    return dispatch_TxS.reshape(shape), combine_TxS.reshape(shape)
+
+
+def einsum_dispatch(x_TxD: jax.Array, dispatch_TxExC: jax.Array) -> jax.Array:
+    return jnp.einsum("td,tec->ecd", x_TxD, dispatch_TxExC.astype(x_TxD.dtype))
+
+
+def einsum_combine(out_ExCxD: jax.Array, combine_TxExC: jax.Array) -> jax.Array:
+    return jnp.einsum("ecd,tec->td", out_ExCxD.astype(jnp.float32), combine_TxExC)

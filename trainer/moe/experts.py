@@ -1,0 +1,44 @@
+"""Gated SiLU experts: batched over capacity buffers, or grouped over expert-sorted rows.
+
+Parameters stay float32; matmuls run in the compute dtype (bfloat16 on TPU).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from trainer.moe.gmm import grouped_matmul
+
+
+class ExpertWeights(NamedTuple):
+    w_in_ExDxF: jax.Array
+    w_gate_ExDxF: jax.Array
+    w_out_ExFxD: jax.Array
+
+    def cast(self, dtype) -> "ExpertWeights":
+        return ExpertWeights(*(w.astype(dtype) for w in self))
+
+
+def batched_ffn(x_ExCxD: jax.Array, w: ExpertWeights) -> jax.Array:
+    """Each expert's FFN on its own [C, D] buffer: silu(x W_gate) * (x W_in) W_out."""
+    h_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w.w_in_ExDxF)
+    g_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w.w_gate_ExDxF)
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(g_ExCxF) * h_ExCxF, w.w_out_ExFxD)
+
+
+def grouped_ffn(
+    x_MxD: jax.Array, w: ExpertWeights, block_group_NB: jax.Array, num_blocks: jax.Array, *, impl: str
+) -> jax.Array:
+    """The same FFN over rows sorted by expert in the aligned block layout."""
+    h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, block_group_NB, num_blocks, impl=impl)
+    g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, block_group_NB, num_blocks, impl=impl)
+    return grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, block_group_NB, num_blocks, impl=impl)
+
+
+def shared_ffn(x_TxD: jax.Array, w_in_DxF: jax.Array, w_gate_DxF: jax.Array, w_out_FxD: jax.Array) -> jax.Array:
+    """A dense expert every token goes through (DeepSeekMoE's shared experts, concatenated)."""
+    h_TxF = x_TxD @ w_in_DxF
+    return (jax.nn.silu(x_TxD @ w_gate_DxF) * h_TxF) @ w_out_FxD

@@ -1,0 +1,67 @@
+"""MoEBlock: the Flax NNX module that owns the parameters and wires routing, dispatch, experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from trainer.moe.config import MoEConfig
+from trainer.moe.experts import ExpertWeights, shared_ffn
+from trainer.moe.parallel import expert_shards, moe_apply
+
+
+def _param(rngs: nnx.Rngs, shape, fan_in: int, names: tuple[str, ...], dtype) -> nnx.Param:
+    """Truncated-normal init scaled by 1/sqrt(fan_in); `out_sharding` carries logical axis names
+    (not applied here: the trainer's sharding module maps them onto the mesh)."""
+    init = jax.nn.initializers.truncated_normal(stddev=fan_in**-0.5)
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+class MoEBlock(nnx.Module):
+    """Mixture-of-Experts feed-forward block.
+
+    __call__(x_BxLxD, train=...) returns (y_BxLxD, aux): y is the routed (plus shared)
+    experts' output without the residual; aux holds "aux_loss" and "z_loss" (already
+    times their coefficients), "drop_fraction" and "expert_load" ([E] float32, sums to 1).
+    """
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        d_model: int,
+        *,
+        mesh: Mesh | None = None,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        shards = expert_shards(mesh)
+        if cfg.num_experts % shards:
+            raise ValueError(
+                f"MoEBlock: num_experts={cfg.num_experts} must divide over the mesh's expert axis of size {shards}"
+            )
+        self.cfg, self.d_model, self.mesh, self.dtype = cfg, d_model, mesh, dtype
+        e, d, f = cfg.num_experts, d_model, cfg.d_ff
+        self.router = _param(rngs, (d, e), d, ("embed", "expert"), param_dtype)
+        self.w_in = _param(rngs, (e, d, f), d, ("expert", "embed", "mlp"), param_dtype)
+        self.w_gate = _param(rngs, (e, d, f), d, ("expert", "embed", "mlp"), param_dtype)
+        self.w_out = _param(rngs, (e, f, d), f, ("expert", "mlp", "embed"), param_dtype)
+        if cfg.num_shared_experts:
+            fs = cfg.num_shared_experts * (cfg.shared_d_ff or cfg.d_ff)
+            self.shared_w_in = _param(rngs, (d, fs), d, ("embed", "mlp"), param_dtype)
+            self.shared_w_gate = _param(rngs, (d, fs), d, ("embed", "mlp"), param_dtype)
+            self.shared_w_out = _param(rngs, (fs, d), fs, ("mlp", "embed"), param_dtype)
+        # Jitter needs fresh noise every call, so only then does the block keep an RNG stream.
+        self.jitter_rngs = rngs.fork() if cfg.jitter > 0 else None
+
+    def __call__(self, x_BxLxD: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x_BxLxD = x_BxLxD.astype(self.dtype)
+        key = self.jitter_rngs.default() if (train and self.jitter_rngs is not None) else None
+        weights = ExpertWeights(self.w_in[...], self.w_gate[...], self.w_out[...])
+        y_BxLxD, aux = moe_apply(x_BxLxD, self.router[...], weights, self.cfg, self.mesh, train=train, key=key)
+        if self.cfg.num_shared_experts:
+            shared = (self.shared_w_in[...], self.shared_w_gate[...], self.shared_w_out[...])
+            y_BxLxD = y_BxLxD + shared_ffn(x_BxLxD, *(w.astype(self.dtype) for w in shared))
+        return y_BxLxD, aux

@@ -1,0 +1,92 @@
+"""The naive reference: one expert at a time, over every token, in plain jnp and numpy.
+
+Written independently of the fast path (no sorting, no slots, no buffers) so
+that agreeing with it means something. Which assignments survive capacity is
+decided by a plain Python loop over groups and experts, in the documented
+priority order; the arithmetic after that is differentiable jnp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainer.moe.config import MoEConfig
+
+
+def oracle_routing(x_TxD, router_DxE, cfg: MoEConfig):
+    """(logits, probs, experts_TxK, weights_TxK, priority_TxK) for token choice."""
+    logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32), precision="highest")
+    probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+    scores_TxE = probs_TxE if cfg.softmax_before_topk else logits_TxE
+    _, experts_TxK = jax.lax.top_k(scores_TxE, cfg.top_k)
+    chosen_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
+    priority_TxK = chosen_TxK if cfg.softmax_before_topk else jax.nn.softmax(chosen_TxK, axis=-1)
+    weights_TxK = priority_TxK
+    if cfg.softmax_before_topk and cfg.renormalize:
+        weights_TxK = priority_TxK / priority_TxK.sum(-1, keepdims=True)
+    return logits_TxE, probs_TxE, experts_TxK, weights_TxK, priority_TxK
+
+
+def oracle_keep(experts_TxK, priority_TxK, cfg: MoEConfig, num_groups: int, capacity: int | None) -> np.ndarray:
+    """bool [T, K]: which assignments get a slot. capacity None keeps everything."""
+    experts = np.asarray(experts_TxK)
+    priority = np.asarray(priority_TxK)
+    num_tokens, k = experts.shape
+    keep = np.ones((num_tokens, k), bool)
+    if capacity is None:
+        return keep
+    per_group = num_tokens // num_groups
+    for g in range(num_groups):
+        for e in range(cfg.num_experts):
+            # (choice rank, position) is the "position" order and the probability tie-break.
+            mine = [(r, t) for r in range(k) for t in range(g * per_group, (g + 1) * per_group) if experts[t, r] == e]
+            if cfg.drop_priority == "probability":
+                mine.sort(key=lambda rt: -priority[rt[1], rt[0]])
+            for r, t in mine[capacity:]:
+                keep[t, r] = False
+    return keep
+
+
+def oracle_capacity(num_group_tokens: int, cfg: MoEConfig, train: bool) -> int | None:
+    factor = cfg.capacity_factor if train else cfg.eval_capacity_factor
+    if cfg.capacity_factor <= 0 or factor <= 0:
+        return None
+    c = math.ceil(num_group_tokens * cfg.top_k * factor / cfg.num_experts)
+    return max(1, min(num_group_tokens, max(cfg.min_capacity, c)))
+
+
+def expert_ffn(x_TxD, w_in_DxF, w_gate_DxF, w_out_FxD):
+    return (jax.nn.silu(x_TxD @ w_gate_DxF) * (x_TxD @ w_in_DxF)) @ w_out_FxD
+
+
+def oracle_moe(x_TxD, params: dict, cfg: MoEConfig, keep_TxK=None, dtype=jnp.float32):
+    """Routed-experts output [T, D] (float32) of token-choice routing: a loop over experts.
+
+    params: router, w_in, w_gate, w_out (unsharded). keep_TxK: from oracle_keep, computed
+    outside any jax.grad trace since it is a discrete decision (None keeps all).
+    """
+    _, _, experts_TxK, weights_TxK, _ = oracle_routing(x_TxD, params["router"], cfg)
+    if keep_TxK is not None:
+        weights_TxK = weights_TxK * jnp.asarray(keep_TxK, jnp.float32)
+    y_TxD = jnp.zeros(x_TxD.shape, jnp.float32)
+    x = x_TxD.astype(dtype)
+    for e in range(cfg.num_experts):
+        gate_T = jnp.sum(jnp.where(experts_TxK == e, weights_TxK, 0.0), axis=-1)
+        ws = (params["w_in"][e], params["w_gate"][e], params["w_out"][e])
+        out_TxD = expert_ffn(x, *(w.astype(dtype) for w in ws)).astype(jnp.float32)
+        y_TxD = y_TxD + gate_T[:, None] * out_TxD
+    return y_TxD
+
+
+def oracle_aux(x_TxD, params: dict, cfg: MoEConfig) -> dict:
+    """The losses from their formulas, over all tokens (token choice)."""
+    logits_TxE, probs_TxE, experts_TxK, _, _ = oracle_routing(x_TxD, params["router"], cfg)
+    e = cfg.num_experts
+    f_E = jnp.stack([jnp.mean(experts_TxK == i) for i in range(e)])
+    p_E = probs_TxE.mean(0)
+    z = jnp.mean(jax.nn.logsumexp(logits_TxE, axis=-1) ** 2)
+    return {"aux_loss": cfg.aux_loss_coef * e * jnp.sum(f_E * p_E), "z_loss": cfg.z_loss_coef * z}

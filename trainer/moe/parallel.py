@@ -1,0 +1,102 @@
+"""The expert-parallel wrapper: picks the layout, and under shard_map only moves data.
+
+With a mesh whose `expert` axis has more than one device, tokens are split over
+("data", "expert") and experts over "expert"; core.py runs per device with the
+exchanges switched on. Otherwise the same code runs once over all tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from trainer.moe import core
+from trainer.moe.capacity import expert_capacity
+from trainer.moe.config import MoEConfig
+from trainer.moe.experts import ExpertWeights
+from trainer.moe.gmm import default_impl
+
+TOKEN_AXES = ("data", "expert")
+
+
+def token_axes(mesh: Mesh | None) -> tuple[str, ...]:
+    if mesh is None:
+        return ()
+    return tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+
+
+def expert_shards(mesh: Mesh | None) -> int:
+    return 1 if mesh is None or "expert" not in mesh.axis_names else mesh.shape["expert"]
+
+
+def routing_groups(cfg: MoEConfig, mesh: Mesh | None, num_tokens: int) -> int:
+    """Groups that capacity is counted in over the whole batch; see MoEConfig.routing_groups."""
+    shards = 1
+    for axis in token_axes(mesh):
+        shards *= mesh.shape[axis]
+    groups = cfg.routing_groups or shards
+    if groups % shards or num_tokens % groups:
+        raise ValueError(
+            f"MoE: routing_groups={groups} must be a multiple of the {shards} token shards "
+            f"and divide the {num_tokens} tokens of the batch"
+        )
+    return groups
+
+
+def make_topology(cfg: MoEConfig, mesh: Mesh | None) -> core.Topology:
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    exchange = cfg.exchange if cfg.exchange != "auto" else ("padded" if platform == "cpu" else "ragged")
+    gmm = cfg.grouped_matmul if cfg.grouped_matmul != "auto" else default_impl(platform)
+    shards = expert_shards(mesh)
+    return core.Topology(
+        expert_axis="expert" if shards > 1 else None,
+        num_expert_shards=shards,
+        token_axes=token_axes(mesh) if shards > 1 else (),
+        exchange=exchange,
+        grouped_matmul=gmm,
+    )
+
+
+def moe_groups(x_GxTxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, topo: core.Topology, train: bool, key):
+    """Routed-expert output (float32) and aux for the token groups this device holds."""
+    logits_GxTxE = core.route_tokens(x_GxTxD, router_DxE, cfg, train, key)
+    if cfg.is_dropless(train):
+        y_GxTxD, stats = core.dropless_moe(x_GxTxD, logits_GxTxE, w, cfg, topo)
+    else:
+        capacity = expert_capacity(
+            x_GxTxD.shape[1], cfg.top_k, cfg.capacity_factor_for(train), cfg.num_experts, cfg.min_capacity
+        )
+        moe = core.expert_choice_moe if cfg.routing == "expert_choice" else core.capacity_moe
+        y_GxTxD, stats = moe(x_GxTxD, logits_GxTxE, w, cfg, capacity, topo)
+    return y_GxTxD, core.finish_stats(stats, cfg, topo.token_axes)
+
+
+def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh | None, *, train: bool, key=None):
+    """The routed experts' output [B, L, D] in x's dtype, and the aux dict.
+
+    Expert weights are cast to x's dtype where they are used (on their shard).
+    """
+    batch, length, d_model = x_BxLxD.shape
+    groups = routing_groups(cfg, mesh, batch * length)
+    topo = make_topology(cfg, mesh)
+
+    def local(x_bxLxD, router, w_local, key):
+        num_groups = groups // (jax.lax.axis_size(topo.token_axes) if topo.token_axes else 1)
+        x_GxTxD = x_bxLxD.reshape(num_groups, -1, d_model)
+        if key is not None and topo.token_axes:
+            key = jax.random.fold_in(key, jax.lax.axis_index(topo.token_axes))
+        y_GxTxD, aux = moe_groups(x_GxTxD, router, w_local.cast(x_bxLxD.dtype), cfg, topo, train, key)
+        return y_GxTxD.reshape(x_bxLxD.shape).astype(x_bxLxD.dtype), aux
+
+    if topo.expert_axis is None:
+        return local(x_BxLxD, router_DxE, w, key)
+    expert_spec = P("expert", None, None)
+    args = (x_BxLxD, router_DxE, w) + ((key,) if key is not None else ())
+    specs = (P(topo.token_axes), P(), ExpertWeights(expert_spec, expert_spec, expert_spec), P())[: len(args)]
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        # Explicit-sharding meshes want arguments already laid out as the specs say.
+        args = jax.tree.map(lambda a, s: jax.sharding.reshard(a, NamedSharding(mesh, s)), args, specs)
+    run = local if key is not None else (lambda x, r, w_local: local(x, r, w_local, None))
+    sharded = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=(P(topo.token_axes), P()))
+    return sharded(*args)
