@@ -268,3 +268,31 @@ def test_starter_config_is_valid(tmp_path):
 @pytest.mark.parametrize("name", ["v5e-64.yaml", "vertex.yaml", "local.yaml"])
 def test_examples_are_valid(name):
     assert isinstance(load_config(ROOT / "examples" / name), Config)
+
+
+# --- no input, however bad, escapes as anything but ConfigError ---------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3)
+                       | st.dictionaries(st.text(max_size=8) | st.integers(), inner, max_size=3), max_leaves=8)
+_keys = st.sampled_from(["project", "region", "zones", "run", "target", "slice", "vertex", "image", "trainer",
+                         "recovery", "source", "other", 3])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(_keys, _values, max_size=6), st.dictionaries(_keys, _values, max_size=3))
+def test_any_structure_gives_config_error_or_config(extra, replace):
+    raw = copy.deepcopy(VALID)
+    raw.update(replace)
+    for section in ("slice", "image", "trainer"):
+        if isinstance(raw.get(section), dict) and extra:
+            raw[section] = {**raw[section], **{str(k): v for k, v in extra.items()}}
+    try:
+        cfg = config_from_dict(raw)
+    except ConfigError as exc:
+        assert exc.problems and all(isinstance(p.message, str) and p.message for p in exc.problems)
+    else:
+        assert isinstance(cfg, Config)

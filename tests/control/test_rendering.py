@@ -121,12 +121,9 @@ NASTY = "$(touch /tmp/moe-pwned) `id` 'single' \"double\" spaces;&| \\ $HOME *"
 
 def _run_docker_args(script: str, env: dict[str, str]) -> list[str]:
     """The arguments bash really passes to `docker run` in the script, evaluated by bash."""
-    lines = script.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("docker run "))
-    end = start
-    while lines[end].endswith("\\"):
-        end += 1
-    command = "\n".join(lines[start:end + 1]).replace("docker run ", "printf '%s\\0' ", 1)
+    start = script.index("\ndocker run ") + 1
+    end = script.index("\nnohup docker logs ", start)
+    command = script[start:end].replace("docker run ", "printf '%s\\0' ", 1)
     out = subprocess.run(["bash", "-c", command], env=env, capture_output=True, check=True).stdout
     return out.decode().split("\0")[:-1]
 
@@ -194,3 +191,21 @@ def test_missing_templates_dir_is_a_usage_error(tmp_path):
 def test_builtin_templates_are_found():
     assert (rendering.builtin_templates_dir() / rendering.STARTUP_TEMPLATE).is_file()
     assert (rendering.builtin_templates_dir() / rendering.QUEUED_RESOURCE_TEMPLATE).is_file()
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_shell_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1,
+                      max_size=30).filter(lambda s: s.strip())
+
+
+@settings(max_examples=25, deadline=None)
+@given(_shell_text, _shell_text)
+def test_any_value_comes_back_intact(output_dir, note):
+    raw = example_raw()
+    raw["trainer"].update(output_dir=output_dir, overrides={"model.note": note})
+    cfg = config_from_dict(raw)
+    env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "r", "IMAGE": "img:v1"}
+    args = _run_docker_args(rendering.startup_script(cfg), env)
+    assert args[args.index("img:v1") + 1:] == rendering.trainer_argv(cfg)
