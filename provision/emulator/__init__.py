@@ -16,7 +16,7 @@ from provision.emulator.scenarios import SCENARIOS
 if TYPE_CHECKING:
     from provision.emulator.server import Emulator
 
-__all__ = ["Emulator", "SCENARIOS", "ScaledClock"]
+__all__ = ["SCENARIOS", "Emulator", "ScaledClock"]
 
 
 def __getattr__(name: str):

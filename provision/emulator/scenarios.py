@@ -65,7 +65,7 @@ class Timeline:
         return {"phases": [list(p) for p in self.phases], "failure": self.failure}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Timeline":
+    def from_json(cls, data: dict) -> Timeline:
         return cls(tuple((float(a), str(s)) for a, s in data["phases"]), data.get("failure"))
 
 

@@ -7,9 +7,10 @@ import json
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Self
 
 import grpc
 
@@ -76,12 +77,12 @@ class Emulator:
             with self._lock:
                 self._save(self.clock.now())
 
-    def __enter__(self) -> "Emulator":
+    def __enter__(self) -> Self:
         if self._server is None:
             self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     @property

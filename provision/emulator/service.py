@@ -6,7 +6,8 @@ so the real TpuClient (and api_core's OperationsClient) talk to it unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from google.cloud import tpu_v2
@@ -15,7 +16,8 @@ from google.protobuf import empty_pb2
 from google.rpc import status_pb2
 from grpc_status import rpc_status
 
-from provision.emulator import validate, world as w
+from provision.emulator import validate
+from provision.emulator import world as w
 from provision.emulator.validate import ApiError
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ def page(items: list, page_size: int, page_token: str) -> tuple[list, str]:
 class TpuService:
     """The RPC implementations; each runs under the emulator's lock with `now` fixed."""
 
-    def __init__(self, emulator: "Emulator") -> None:
+    def __init__(self, emulator: Emulator) -> None:
         self.emu = emulator
 
     @property
@@ -87,8 +89,9 @@ class TpuService:
 
     def ListNodes(self, req, now):
         validate.location(req.parent)
-        nodes = sorted((n, i, r) for r in self.world.queued.values() for n, i in r.nodes
-                       if n.startswith(req.parent + "/") and r.node_state_at(n, now) is not None)
+        nodes = sorted(((n, i, r) for r in self.world.queued.values() for n, i in r.nodes
+                        if n.startswith(req.parent + "/") and r.node_state_at(n, now) is not None),
+                       key=lambda item: item[0])
         items, token = page(nodes, req.page_size, req.page_token)
         return tpu_v2.ListNodesResponse(nodes=[self.world.node_view(r, n, i, now) for n, i, r in items],
                                         next_page_token=token)
@@ -219,7 +222,7 @@ def abort(context: grpc.ServicerContext, error: ApiError) -> None:
     context.abort_with_status(rpc_status.to_status(status))
 
 
-def handlers(emulator: "Emulator") -> list[grpc.GenericRpcHandler]:
+def handlers(emulator: Emulator) -> list[grpc.GenericRpcHandler]:
     service = TpuService(emulator)
 
     def unary(full_name: str, impl: Callable | None, des: Callable, ser: Callable):
@@ -247,7 +250,7 @@ def handlers(emulator: "Emulator") -> list[grpc.GenericRpcHandler]:
             grpc.method_handlers_generic_handler(OPERATIONS_SERVICE, ops)]
 
 
-def _wait_operation(emulator: "Emulator", service: TpuService):
+def _wait_operation(emulator: Emulator, service: TpuService):
     """WaitOperation: the server waits on the emulator's clock until done or the timeout."""
     name = f"{OPERATIONS_SERVICE}/WaitOperation"
 

@@ -18,7 +18,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from provision.catalogue import ACCELERATORS, V5E_ZONES
 from provision.emulator import validate
-from provision.emulator.scenarios import (DELETING_S, NODE_DELETING_S, Timeline, timeline)
+from provision.emulator.scenarios import DELETING_S, NODE_DELETING_S, Timeline, timeline
 from provision.emulator.validate import ApiError
 
 QR = tpu_v2.QueuedResource
@@ -33,13 +33,14 @@ STATE_DATA_FIELD = {
 }
 SERVICE_INITIATED = ("FAILED", "SUSPENDING", "SUSPENDED")
 DELETABLE_WITH_NODES = ("ACCEPTED", "FAILED", "SUSPENDED")
+PENDING_STATES = ("CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES")
 TPU_PORT = 8470
 STATE_VERSION = 1
 
 
 def timestamp(t: float) -> timestamp_pb2.Timestamp:
     ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(int(round(t * 1e9)))
+    ts.FromNanoseconds(round(t * 1e9))
     return ts
 
 
@@ -94,7 +95,7 @@ class QueuedRecord:
                 "node_deleted_at": self.node_deleted_at}
 
     @classmethod
-    def from_json(cls, d: dict) -> "QueuedRecord":
+    def from_json(cls, d: dict) -> QueuedRecord:
         return cls(name=d["name"], request=d["request"], create_time=float(d["create_time"]),
                    timeline=Timeline.from_json(d["timeline"]),
                    nodes=[(str(n), int(i)) for n, i in d["nodes"]], multislice=bool(d["multislice"]),
@@ -126,7 +127,7 @@ class World:
                 "lost_creates": self.lost_creates}
 
     @classmethod
-    def from_json(cls, d: dict) -> "World":
+    def from_json(cls, d: dict) -> World:
         if d.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported emulator state version {d.get('version')!r}")
         world = cls(seed=int(d.get("seed", 0)))
@@ -158,8 +159,12 @@ class World:
         raise not_found(name)
 
     def node_names_in_use(self, now: float) -> set[str]:
-        return {n for r in self.queued.values() if r.state_at(now) is not None for n, _ in r.nodes
-                if r.node_deleted_at.get(n) is None or now < r.node_deleted_at[n] + NODE_DELETING_S}
+        """Node names taken: nodes that exist, and those a queued resource still waits to create."""
+        taken = set()
+        for rec in self.queued.values():
+            pending = rec.state_at(now) in PENDING_STATES
+            taken.update(n for n, _ in rec.nodes if pending or rec.node_state_at(n, now) is not None)
+        return taken
 
     # --- views ---------------------------------------------------------------
     def queued_view(self, rec: QueuedRecord, now: float) -> QR:
@@ -271,7 +276,7 @@ class World:
                                   req.request_id)
 
     def delete_queued_resource(self, req: tpu_v2.DeleteQueuedResourceRequest, now: float) -> dict:
-        _, zone, _ = validate.resource(req.name, "queuedResources")
+        _, _zone, _ = validate.resource(req.name, "queuedResources")
         if req.request_id and req.request_id in self.request_ids:
             return self.operations[self.request_ids[req.request_id]]
         rec = self.live_queued(req.name, now)

@@ -11,13 +11,13 @@ import pytest
 pytest.importorskip("grpc")
 tpu_v2 = pytest.importorskip("google.cloud.tpu_v2")
 
-from google.api_core import exceptions as gexc  # noqa: E402
-from google.protobuf import duration_pb2  # noqa: E402
-from google.longrunning import operations_pb2  # noqa: E402
+from google.api_core import exceptions as gexc
+from google.longrunning import operations_pb2
+from google.protobuf import duration_pb2
 
-from provision.clock import SimClock  # noqa: E402
-from provision.emulator import SCENARIOS, Emulator  # noqa: E402
-from provision.emulator import scenarios as sc  # noqa: E402
+from provision.clock import SimClock
+from provision.emulator import SCENARIOS, Emulator
+from provision.emulator import scenarios as sc
 
 PROJECT = "my-project"
 ZONE = "us-west4-a"

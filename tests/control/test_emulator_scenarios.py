@@ -7,11 +7,11 @@ import pytest
 pytest.importorskip("grpc")
 tpu_v2 = pytest.importorskip("google.cloud.tpu_v2")
 
-from google.api_core import exceptions as gexc  # noqa: E402
-from google.rpc import error_details_pb2  # noqa: E402
+from google.api_core import exceptions as gexc
+from google.rpc import error_details_pb2
 
-from provision.emulator import Emulator  # noqa: E402
-from provision.emulator import scenarios as sc  # noqa: E402
+from provision.emulator import Emulator
+from provision.emulator import scenarios as sc
 
 PROJECT = "my-project"
 ZONE_A = "us-west4-a"
@@ -148,9 +148,8 @@ def test_quota_is_resource_exhausted_at_once_with_a_quota_failure(spot, quota_id
 
 
 def test_quota_still_validates_first():
-    with Emulator(scenario="quota") as emu:
-        with pytest.raises(gexc.InvalidArgument):
-            emu.client().create_queued_resource(request=request(accelerator="v5litepod-3"))
+    with Emulator(scenario="quota") as emu, pytest.raises(gexc.InvalidArgument):
+        emu.client().create_queued_resource(request=request(accelerator="v5litepod-3"))
 
 
 # --- flaky -------------------------------------------------------------------------------------
@@ -271,3 +270,16 @@ def test_a_world_created_under_one_scenario_keeps_its_timelines_under_another(tm
     with Emulator(state_path=path, scenario="happy") as emu:
         emu.clock.advance(HAPPY_ACTIVE_SPOT_S + sc.PREEMPT_AFTER_ACTIVE_S + sc.SUSPENDING_S)
         assert get(emu.client()).state.state.name == "SUSPENDED"
+
+
+def test_a_preempted_node_name_is_free_for_the_replacement():
+    with Emulator(scenario="preempt") as emu:
+        client = emu.client()
+        client.create_queued_resource(request=request(qr_id="moe-demo")).result()
+        emu.clock.advance(HAPPY_ACTIVE_SPOT_S + sc.PREEMPT_AFTER_ACTIVE_S)
+        replacement = request(qr_id="moe-demo-r1")
+        replacement.queued_resource.tpu.node_spec[0].node_id = "moe-demo"
+        with pytest.raises(gexc.AlreadyExists):  # the preempted node is still there
+            client.create_queued_resource(request=replacement)
+        emu.clock.advance(sc.SUSPENDING_S)
+        client.create_queued_resource(request=replacement).result()
