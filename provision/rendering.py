@@ -51,19 +51,22 @@ def node_id(cfg: Config) -> str:
     return f"{cfg.run}-tpu"
 
 
-def request_id(cfg: Config, zone: str, attempt: int = 0) -> str:
+def request_id(cfg: Config, zone: str, attempt: int = 0, project: str | None = None) -> str:
     """Deterministic request id for CreateQueuedResource. `attempt` > 0 for a deliberate re-create."""
-    key = f"{cfg.project}/{zone}/{cfg.run}/{cfg.slice.accelerator}"
+    key = f"{project or cfg.project}/{zone}/{cfg.run}/{cfg.slice.accelerator}"
     if attempt:
         key += f"/{attempt}"
     return str(uuid.uuid5(_REQUEST_NAMESPACE, key))
 
 
-def parent(cfg: Config, zone: str) -> str:
-    return f"projects/{_project(cfg)}/locations/{zone}"
+def parent(cfg: Config, zone: str, project: str | None = None) -> str:
+    return f"projects/{_project(cfg, project)}/locations/{zone}"
 
 
-def _project(cfg: Config) -> str:
+def _project(cfg: Config, project: str | None = None) -> str:
+    """The project a request goes to: the caller's (e.g. from credentials), else the config's."""
+    if project:
+        return project
     if not cfg.project:
         raise UsageError(f"{cfg.source}: project: the config names no project, and every request needs one",
                          hint="set `project: YOUR-PROJECT-ID` in the config")
@@ -136,13 +139,14 @@ def startup_spec(cfg: Config) -> StartupSpec:
     )
 
 
-def queued_resource_spec(cfg: Config, zone: str, templates_dir: Path | None = None) -> QueuedResourceSpec:
+def queued_resource_spec(cfg: Config, zone: str, templates_dir: Path | None = None,
+                         project: str | None = None) -> QueuedResourceSpec:
     reservation = cfg.slice.reservation if cfg.slice.capacity == "reserved" else None
     if reservation and "/" not in reservation:
-        reservation = f"{parent(cfg, zone)}/reservations/{reservation}"
+        reservation = f"{parent(cfg, zone, project)}/reservations/{reservation}"
     return QueuedResourceSpec(
-        config=cfg, accelerator=cfg.accelerator_type(), project=_project(cfg), zone=zone,
-        parent=parent(cfg, zone), queued_resource_id=queued_resource_id(cfg), node_id=node_id(cfg),
+        config=cfg, accelerator=cfg.accelerator_type(), project=_project(cfg, project), zone=zone,
+        parent=parent(cfg, zone, project), queued_resource_id=queued_resource_id(cfg), node_id=node_id(cfg),
         multislice=cfg.slice.count > 1, node_count=cfg.slice.count, labels=labels(cfg),
         reservation_name=reservation, max_wait_seconds=int(cfg.slice.max_wait.total_seconds()),
         startup_script=startup_script(cfg, templates_dir),
@@ -206,19 +210,25 @@ def startup_script(cfg: Config, templates_dir: Path | None = None) -> str:
     return render(STARTUP_TEMPLATE, startup_spec(cfg), templates_dir)
 
 
-def queued_resource_body(cfg: Config, zone: str, templates_dir: Path | None = None) -> str:
+def queued_resource_body(cfg: Config, zone: str, templates_dir: Path | None = None,
+                         project: str | None = None) -> str:
     """The rendered QueuedResource body (YAML text) for one zone."""
-    return render(QUEUED_RESOURCE_TEMPLATE, queued_resource_spec(cfg, zone, templates_dir), templates_dir)
+    spec = queued_resource_spec(cfg, zone, templates_dir, project)
+    return render(QUEUED_RESOURCE_TEMPLATE, spec, templates_dir)
 
 
 def create_queued_resource_request(cfg: Config, zone: str, templates_dir: Path | None = None,
-                                   attempt: int = 0) -> Any:
-    """The CreateQueuedResourceRequest for one zone, body parsed strictly into the real message."""
+                                   attempt: int = 0, project: str | None = None) -> Any:
+    """The CreateQueuedResourceRequest for one zone, body parsed strictly into the real message.
+
+    `project` overrides cfg.project (for a config without one, the credentials' project);
+    without either it is a UsageError.
+    """
     import yaml
     from google.cloud import tpu_v2
     from google.protobuf import json_format
 
-    text = queued_resource_body(cfg, zone, templates_dir)
+    text = queued_resource_body(cfg, zone, templates_dir, project)
     try:
         body = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -232,8 +242,8 @@ def create_queued_resource_request(cfg: Config, zone: str, templates_dir: Path |
         raise UsageError(f"template {QUEUED_RESOURCE_TEMPLATE} does not render a valid "
                          f"google.cloud.tpu.v2.QueuedResource: {exc}") from None
     return tpu_v2.CreateQueuedResourceRequest(
-        parent=parent(cfg, zone), queued_resource_id=queued_resource_id(cfg),
-        request_id=request_id(cfg, zone, attempt), queued_resource=tpu_v2.QueuedResource.wrap(pb),
+        parent=parent(cfg, zone, project), queued_resource_id=queued_resource_id(cfg),
+        request_id=request_id(cfg, zone, attempt, project), queued_resource=tpu_v2.QueuedResource.wrap(pb),
     )
 
 
@@ -245,11 +255,17 @@ def proto_dict(message: Any) -> dict[str, Any]:
     return json_format.MessageToDict(pb, preserving_proto_field_name=True)
 
 
+# Stands in for the project in rendered files when the config names none (the real one
+# comes from the credentials at run time).
+PROJECT_PLACEHOLDER = "PROJECT"
+
+
 def render_all(cfg: Config, templates_dir: Path | None = None) -> dict[str, str]:
     """Every rendered file, by file name: the startup script and, per zone, the body and request."""
     files = {"startup.sh": startup_script(cfg, templates_dir)}
+    project = cfg.project or PROJECT_PLACEHOLDER
     for zone in cfg.zones:
-        files[f"queued_resource.{zone}.yaml"] = queued_resource_body(cfg, zone, templates_dir)
-        request = create_queued_resource_request(cfg, zone, templates_dir)
+        files[f"queued_resource.{zone}.yaml"] = queued_resource_body(cfg, zone, templates_dir, project)
+        request = create_queued_resource_request(cfg, zone, templates_dir, project=project)
         files[f"create_queued_resource.{zone}.json"] = json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"
     return files

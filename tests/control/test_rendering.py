@@ -116,6 +116,17 @@ def test_no_project_is_a_usage_error():
         rendering.create_queued_resource_request(config_from_dict(raw), "us-west4-a")
 
 
+def test_project_from_elsewhere_when_the_config_names_none():
+    raw = example_raw()
+    del raw["project"]
+    cfg = config_from_dict(raw)
+    req = rendering.create_queued_resource_request(cfg, "us-west4-a", project="adc-project")
+    assert req.parent == req.queued_resource.tpu.node_spec[0].parent == "projects/adc-project/locations/us-west4-a"
+    assert req.request_id == rendering.request_id(cfg, "us-west4-a", project="adc-project")
+    files = rendering.render_all(cfg)
+    assert '"parent": "projects/PROJECT/locations/us-west4-a"' in files["create_queued_resource.us-west4-a.json"]
+
+
 NASTY = "$(touch /tmp/moe-pwned) `id` 'single' \"double\" spaces;&| \\ $HOME *"
 
 
