@@ -36,6 +36,10 @@ FLAKY_MAX_IN_A_ROW = 2
 STOCKOUT_CODE = 8  # google.rpc.Code.RESOURCE_EXHAUSTED
 STOCKOUT_MESSAGE = ('There is no more capacity in the zone "{zone}"; you can try in another zone '
                     'where Cloud TPU Nodes are offered')
+# A reservation that cannot hold the request (API-FACTS: code 9, seen as 8 too).
+RESERVED_STOCKOUT_CODE = 9  # FAILED_PRECONDITION
+RESERVED_STOCKOUT_MESSAGE = ("Insufficient reserved capacity. Contact customer support to increase your "
+                             "reservation.")
 # Unconfirmed: the message the API gives when queueing_policy.valid_until passes first.
 VALID_UNTIL_CODE = 4  # DEADLINE_EXCEEDED
 VALID_UNTIL_MESSAGE = "The queued resource could not be provisioned before its valid_until time"
@@ -77,13 +81,14 @@ def _phases(wait_s: float) -> list[tuple[float, str]]:
             (t_provisioning, "PROVISIONING"), (t_provisioning + PROVISIONING_S, "ACTIVE")]
 
 
-def timeline(scenario: str, *, zone: str, spot: bool, stocked_out: bool,
+def timeline(scenario: str, *, zone: str, spot: bool, stocked_out: bool, reserved: bool = False,
              valid_until_s: float | None = None) -> Timeline:
     """The timeline of a queued resource created now under `scenario`."""
     if stocked_out:
         phases = _phases(STOCKOUT_WAIT_S)[:3]
         phases.append((CREATING_S + ACCEPTED_S + STOCKOUT_WAIT_S, "FAILED"))
-        failure = {"code": STOCKOUT_CODE, "message": STOCKOUT_MESSAGE.format(zone=zone)}
+        failure = ({"code": RESERVED_STOCKOUT_CODE, "message": RESERVED_STOCKOUT_MESSAGE} if reserved
+                   else {"code": STOCKOUT_CODE, "message": STOCKOUT_MESSAGE.format(zone=zone)})
         return _cap(Timeline(tuple(phases), failure), valid_until_s)
     wait = WAIT_SPOT_S if spot else WAIT_ON_DEMAND_S
     if scenario == "long-queue":

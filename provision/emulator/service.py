@@ -136,14 +136,14 @@ class TpuService:
         return _by_name(w.runtime_versions(parent, zone), req.name)
 
     # --- google.longrunning.Operations -----------------------------------------
-    def _operation(self, name: str) -> dict:
+    def operation(self, name: str) -> dict:
         op = self.world.operations.get(name)
         if op is None:
             raise w.not_found(name)
         return op
 
     def GetOperation(self, req, now):
-        return self.world.operation_view(self._operation(req.name), now)
+        return self.world.operation_view(self.operation(req.name), now)
 
     def ListOperations(self, req, now):
         validate.location(req.name)
@@ -154,13 +154,13 @@ class TpuService:
             operations=[self.world.operation_view(o, now) for o in items], next_page_token=token)
 
     def DeleteOperation(self, req, now):
-        self._operation(req.name)
+        self.operation(req.name)
         del self.world.operations[req.name]
         return empty_pb2.Empty()
 
     def CancelOperation(self, req, now):
         # Unconfirmed: the TPU API records the request; the operation runs to its end anyway.
-        self._operation(req.name)["cancel_requested"] = True
+        self.operation(req.name)["cancel_requested"] = True
         return empty_pb2.Empty()
 
 
@@ -255,15 +255,16 @@ def _wait_operation(emulator: Emulator, service: TpuService):
     name = f"{OPERATIONS_SERVICE}/WaitOperation"
 
     def behaviour(request: operations_pb2.WaitOperationRequest, context: grpc.ServicerContext):
+        def look(now: float) -> tuple[operations_pb2.Operation, float]:
+            return service.GetOperation(request, now), service.operation(request.name)["done_at"] - now
+
         try:
-            op = emulator.handle(name, lambda now: service.GetOperation(request, now))
+            op, wait = emulator.handle(name, look)
             if not op.done:
-                done_at = emulator.world.operations[request.name]["done_at"]
-                wait = done_at - emulator.clock.now()
                 if request.HasField("timeout"):
                     wait = min(wait, request.timeout.ToTimedelta().total_seconds())
                 emulator.clock.sleep(max(wait, 0.0))
-                op = emulator.handle(name, lambda now: service.GetOperation(request, now), count=False)
+                op, _ = emulator.handle(name, look, count=False)
             return op
         except ApiError as error:
             abort(context, error)

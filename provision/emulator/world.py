@@ -204,7 +204,7 @@ class World:
         digest = _digest(node)
         view.id = int.from_bytes(digest[:7], "big")
         view.cidr_block = f"10.{digest[0]}.0.0/20"
-        if "spot" in QR.from_json(json.dumps(rec.request), ignore_unknown_fields=True):
+        if capacity(QR.from_json(json.dumps(rec.request), ignore_unknown_fields=True))[0]:
             view.scheduling_config.spot = True
         if state != "CREATING":
             view.network_endpoints = [
@@ -253,7 +253,8 @@ class World:
         validate.queued_resource_id(req.queued_resource_id)
         name = f"{req.parent}/queuedResources/{req.queued_resource_id}"
         qr = QR(req.queued_resource)
-        nodes, multislice, spot = _check_node_specs(qr, req.parent, zone, req.queued_resource_id)
+        nodes, multislice = _check_node_specs(qr, req.parent, zone, req.queued_resource_id)
+        spot, reserved = capacity(qr)
         if name in self.queued and self.queued[name].state_at(now) is not None:
             raise ApiError("ALREADY_EXISTS", f"Resource '{name}' already exists")
         in_use = self.node_names_in_use(now)
@@ -264,7 +265,7 @@ class World:
             raise quota_error(project, zone, spot)
         if self.first_zone is None:
             self.first_zone = zone
-        tl = timeline(scenario, zone=zone, spot=spot,
+        tl = timeline(scenario, zone=zone, spot=spot, reserved=reserved,
                       stocked_out=scenario == "stockout" and zone == self.first_zone,
                       valid_until_s=_valid_until_s(qr, now))
         qr.name = ""
@@ -303,8 +304,8 @@ class World:
             raise ApiError("FAILED_PRECONDITION",
                            f"Cannot reset queued resource '{rec.name}' in state {state}; "
                            "delete it and create it again")
-        spot = "spot" in QR.from_json(json.dumps(rec.request), ignore_unknown_fields=True)
-        fresh = timeline(scenario, zone=zone, spot=spot,
+        spot, reserved = capacity(QR.from_json(json.dumps(rec.request), ignore_unknown_fields=True))
+        fresh = timeline(scenario, zone=zone, spot=spot, reserved=reserved,
                          stocked_out=scenario == "stockout" and zone == self.first_zone)
         offset = now - rec.create_time
         shifted = tuple((offset + at - fresh.phases[1][0], s) for at, s in fresh.phases[1:])
@@ -335,13 +336,20 @@ def _accelerator_name(node: Node) -> str:
     return ""
 
 
-def _check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[tuple[str, int]], bool, bool]:
-    """Validate every node spec; (node names with their spec index, multislice?, spot?)."""
+def capacity(qr: QR) -> tuple[bool, bool]:
+    """(spot?, reserved?) of a queued resource request: its tier or its nodes' scheduling config."""
+    scheduling = [spec.node.scheduling_config for spec in qr.tpu.node_spec]
+    spot = "spot" in qr or any(s.spot or s.preemptible for s in scheduling)
+    reserved = bool(qr.reservation_name) or "guaranteed" in qr or any(s.reserved for s in scheduling)
+    return spot, reserved and not spot
+
+
+def _check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[tuple[str, int]], bool]:
+    """Validate every node spec; (node names with their spec index, multislice?)."""
     if not qr.tpu.node_spec:
         raise ApiError("INVALID_ARGUMENT", "queued_resource.tpu.node_spec must name at least one node")
     nodes: list[tuple[str, int]] = []
     multislice = False
-    spot = "spot" in qr
     for index, spec in enumerate(qr.tpu.node_spec):
         if spec.parent != parent:
             raise ApiError("INVALID_ARGUMENT",
@@ -365,12 +373,10 @@ def _check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[
         acc = validate.accelerator(zone, _accelerator_name(spec.node))
         validate.runtime_version(acc, spec.node.runtime_version)
         validate.labels(dict(spec.node.labels))
-        sched = spec.node.scheduling_config
-        spot = spot or sched.spot or sched.preemptible
         nodes.extend((f"{parent}/nodes/{i}", index) for i in ids)
     if len({n for n, _ in nodes}) != len(nodes):
         raise ApiError("INVALID_ARGUMENT", "node ids in queued_resource.tpu.node_spec must be unique")
-    return nodes, multislice, spot
+    return nodes, multislice
 
 
 def _valid_until_s(qr: QR, now: float) -> float | None:

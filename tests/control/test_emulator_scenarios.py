@@ -283,3 +283,15 @@ def test_a_preempted_node_name_is_free_for_the_replacement():
             client.create_queued_resource(request=replacement)
         emu.clock.advance(sc.SUSPENDING_S)
         client.create_queued_resource(request=replacement).result()
+
+
+def test_stockout_of_a_reservation_is_insufficient_reserved_capacity():
+    with Emulator(scenario="stockout") as emu:
+        client = emu.client()
+        create = request(spot=False)
+        create.queued_resource.guaranteed = tpu_v2.QueuedResource.Guaranteed()
+        client.create_queued_resource(request=create).result()
+        emu.clock.advance(3600)
+        error = get(client).state.failed_data.error
+        assert (error.code, error.message) == (
+            9, "Insufficient reserved capacity. Contact customer support to increase your reservation.")
