@@ -1,7 +1,7 @@
 """The config file: YAML in, one frozen, validated `Config` out.
 
 Every problem is collected and reported together (`ConfigError`, exit 2), each naming the
-file and the dotted key. Field rules live on the models; rules that tie two keys together
+file and the dotted key, in the order the keys appear in the file. Field rules live on the models; rules that tie two keys together
 (zone inside region, runtime fits accelerator, ...) run afterwards on the raw values, and a
 key that already failed its own rule is skipped there, so one mistake is reported once.
 """
@@ -296,27 +296,26 @@ class Config(BaseModel):
 
 # --- loading ---------------------------------------------------------------------------
 
-def _duplicate_keys(node: yaml.Node | None, path: str = "") -> list[tuple[str, int]]:
-    """(dotted key, line) for every key that appears twice in one mapping (YAML keeps the last)."""
-    found: list[tuple[str, int]] = []
+def _key_lines(node: yaml.Node | None, path: str, lines: dict[str, int]) -> list[tuple[str, int]]:
+    """Fill `lines` (dotted key -> line) and return (dotted key, line) of every key given twice."""
+    duplicates: list[tuple[str, int]] = []
     if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
         for key_node, value_node in node.value:
-            key = str(key_node.value)
-            dotted = f"{path}.{key}" if path else key
-            if key in seen:
-                found.append((dotted, key_node.start_mark.line + 1))
-            seen.add(key)
-            found += _duplicate_keys(value_node, dotted)
+            dotted = f"{path}.{key_node.value}" if path else str(key_node.value)
+            if dotted in lines:
+                duplicates.append((dotted, key_node.start_mark.line + 1))
+            lines[dotted] = key_node.start_mark.line + 1
+            duplicates += _key_lines(value_node, dotted, lines)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            found += _duplicate_keys(item, f"{path}[{i}]")
-    return found
+            lines[f"{path}[{i}]"] = item.start_mark.line + 1
+            duplicates += _key_lines(item, f"{path}[{i}]", lines)
+    return duplicates
 
 
-def _parse_yaml(text: str, file: str) -> tuple[Any, list[Problem]]:
+def _parse_yaml(text: str, file: str, lines: dict[str, int]) -> tuple[Any, list[Problem]]:
     try:
-        duplicates = _duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        duplicates = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader), "", lines)
         data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -423,10 +422,22 @@ def config_from_dict(raw: Any, source: Path | str = DEFAULT_CONFIG) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError([Problem(file, "", "the config must be a YAML mapping of keys "
                                              "(project, region, zones, run, ...)")])
-    return _validate(dict(raw), file, [])
+    return _validate(dict(raw), file, [], {})
 
 
-def _validate(raw: dict[str, Any], file: str, problems: list[Problem]) -> Config:
+def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Problem]:
+    """Problems sorted by where their key is in the file; keys not in it (missing) go last."""
+    def line(problem: Problem) -> int:
+        key = problem.key
+        while key:
+            if key in lines:
+                return lines[key]
+            key = key.rsplit(".", 1)[0] if "." in key else (key.rsplit("[", 1)[0] if "[" in key else "")
+        return 0 if not problem.key else 1 << 30
+    return sorted(problems, key=line)
+
+
+def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: dict[str, int]) -> Config:
     if "source" in raw:
         raw.pop("source")
         problems.append(Problem(file, "source", "unknown key 'source'"))
@@ -441,7 +452,7 @@ def _validate(raw: dict[str, Any], file: str, problems: list[Problem]) -> Config
             problems.append(Problem(file, key, _message(err)))
     problems += [Problem(file, key, msg) for key, msg in _cross_checks(lambda k: _get(raw, failed, k))]
     if problems or config is None:
-        raise ConfigError(problems)
+        raise ConfigError(_in_file_order(problems, lines))
     return config
 
 
@@ -457,7 +468,8 @@ def load_config(path: Path | str) -> Config:
         raise ConfigError([Problem(file, "", "is a directory, not a config file")]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([Problem(file, "", f"cannot read the file: {exc}")]) from None
-    raw, problems = _parse_yaml(text, file)
+    lines: dict[str, int] = {}
+    raw, problems = _parse_yaml(text, file, lines)
     if raw is None and problems:
         raise ConfigError(problems)
     if raw is None:
@@ -465,7 +477,7 @@ def load_config(path: Path | str) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(problems + [Problem(file, "", "the config must be a YAML mapping of keys "
                                                         "(project, region, zones, run, ...)")])
-    return _validate(raw, file, problems)
+    return _validate(raw, file, problems, lines)
 
 
 def starter_config() -> str:

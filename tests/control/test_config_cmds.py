@@ -109,11 +109,11 @@ def test_validate_lists_every_problem(workdir):
     (workdir / "moe-tpu.yaml").write_text(BAD)
     assert moe("validate") == (2, "", (
         "error: 4 problems in the config:\n"
+        "  moe-tpu.yaml: zones[0]: zone 'us-central1-a' is not in region 'us-west4'\n"
         "  moe-tpu.yaml: run: run name 'Moe_Demo' must be lowercase letters, digits and hyphens, start with a "
         "letter and not end with a hyphen (it becomes resource ids: RFC 1035)\n"
-        "  moe-tpu.yaml: slice.max_wait: duration 'soon' must look like 2h, 30m, 90s or 1h30m\n"
         "  moe-tpu.yaml: slice.acelerator: unknown key 'acelerator'; did you mean 'accelerator'?\n"
-        "  moe-tpu.yaml: zones[0]: zone 'us-central1-a' is not in region 'us-west4'\n"))
+        "  moe-tpu.yaml: slice.max_wait: duration 'soon' must look like 2h, 30m, 90s or 1h30m\n"))
 
 
 def test_validate_problems_in_json(workdir):
