@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from trainer.moe import capacity as cap
 from trainer.moe import dispatch, routing
 from trainer.moe.config import MoEConfig
-from trainer.moe.exchange import dropless_experts, exchange_to_experts, exchange_from_experts
+from trainer.moe.exchange import Assignments, dropless_experts, exchange_from_experts, exchange_to_experts
 from trainer.moe.experts import ExpertWeights, batched_ffn
 
 
@@ -93,19 +93,18 @@ def experts_on_buffers(buf_GxExCxD, w: ExpertWeights, topo: Topology):
 
 
 def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: Topology):
-    """Token choice that computes every assignment: rows sorted by expert, grouped matmul."""
+    """Token choice that computes every assignment: rows grouped by expert, grouped matmul."""
     num_groups, num_tokens, d_model = x_GxTxD.shape
     k = cfg.top_k
     experts_GxTxK, weights_GxTxK, _, probs_GxTxE = token_choice(logits_GxTxE, cfg)
-    x_TxD = x_GxTxD.reshape(num_groups * num_tokens, d_model)
     experts_N = cap.flatten_choices(experts_GxTxK.reshape(-1, k))
     gate_N = cap.flatten_choices(weights_GxTxK.reshape(-1, k))
     order_N, counts_E = dispatch.sort_by_expert(experts_N, cfg.num_experts)
-    token_N = jnp.tile(jnp.arange(x_TxD.shape[0], dtype=jnp.int32), k)
-    x_sorted_NxD = x_TxD[token_N[order_N]]
-    out_sorted_NxD = dropless_experts(x_sorted_NxD, counts_E, w, cfg.block_rows, topo)
-    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=jnp.int32))
-    y_NxD = out_sorted_NxD[inverse_N].astype(jnp.float32) * gate_N[:, None]
+    rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
+    assignments = Assignments(order_N=order_N, rank_N=rank_N, counts_E=counts_E, top_k=k)
+    x_TxD = x_GxTxD.reshape(num_groups * num_tokens, d_model)
+    out_NxD = dropless_experts(x_TxD, assignments, w, cfg.block_rows, topo)
+    y_NxD = out_NxD.astype(jnp.float32) * gate_N[:, None]
     y_TxD = jnp.sum(y_NxD.reshape(k, -1, d_model), axis=0)
     keep_GxN = jnp.ones((num_groups, num_tokens * k), bool)
     stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN)

@@ -29,6 +29,31 @@ def inverse_index(dest_N: jax.Array, num_rows: int) -> jax.Array:
     return src_R.at[dest_N].set(jnp.arange(num, dtype=jnp.int32), mode="drop")[:num_rows]
 
 
+@jax.custom_vjp
+def take_rows(x_AxD: jax.Array, index_B: jax.Array, inverse_KxA: jax.Array) -> jax.Array:
+    """y[b] = x[index[b]] (zeros where index[b] == A), with a gather for a gradient too.
+
+    inverse lists, for every row a of x, the up-to-K rows b that read it (B where
+    fewer): the gradient dx[a] = sum_k dy[inverse[k, a]] is then another gather.
+    Autodiff of a gather would scatter-add instead, which the CPU backend runs
+    row by row. Every b reading a valid row must appear in inverse exactly once.
+    """
+    return gather_rows(x_AxD, index_B)
+
+
+def _take_rows_fwd(x_AxD, index_B, inverse_KxA):
+    return gather_rows(x_AxD, index_B), (index_B, inverse_KxA)
+
+
+def _take_rows_bwd(res, dy_BxD):
+    index_B, inverse_KxA = res
+    dx_AxD = jnp.sum(gather_rows(dy_BxD, inverse_KxA), axis=0)
+    return dx_AxD, None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
 def dispatch_to_slots(x_TxD: jax.Array, slot_N: jax.Array, num_slots: int, top_k: int) -> jax.Array:
     """Buffer [num_slots, D] whose row s holds the token assigned to slot s (zeros if none).
 
@@ -38,12 +63,13 @@ def dispatch_to_slots(x_TxD: jax.Array, slot_N: jax.Array, num_slots: int, top_k
     # One extra entry maps "no source" to the zero row past the last token.
     token_N1 = jnp.append(jnp.tile(jnp.arange(num_tokens, dtype=jnp.int32), top_k), num_tokens)
     token_S = token_N1[inverse_index(slot_N, num_slots)]
-    return gather_rows(x_TxD, token_S)
+    return take_rows(x_TxD, token_S, slot_N.reshape(top_k, num_tokens))
 
 
 def combine_from_slots(out_SxD: jax.Array, slot_N: jax.Array, gate_N: jax.Array, top_k: int) -> jax.Array:
     """y[t] = sum_r gate[r, t] * out[slot[r, t]], in float32; dropped slots read the zero row."""
-    y_NxD = gather_rows(out_SxD, slot_N).astype(jnp.float32) * gate_N[:, None]
+    source_1xS = inverse_index(slot_N, out_SxD.shape[0])[None]
+    y_NxD = take_rows(out_SxD, slot_N, source_1xS).astype(jnp.float32) * gate_N[:, None]
     return jnp.sum(y_NxD.reshape(top_k, -1, out_SxD.shape[-1]), axis=0)
 
 

@@ -9,6 +9,8 @@ buffer holding source s's rows, so everything after the exchange is shared.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -36,89 +38,103 @@ def exchange_from_experts(out_ElxRxD: jax.Array, shape, axis: str | None, num_sh
     return out_SGxElxCxD
 
 
-def dropless_experts(x_NxD, counts_E, w: ExpertWeights, block_rows: int, topo) -> jax.Array:
-    """Rows sorted by expert in, each row's expert output out, in the same order."""
+class Assignments(NamedTuple):
+    """Token choice assignments of this device's T tokens, choice-major (n = r * T + t)."""
+
+    order_N: jax.Array  # assignments sorted by expert (stable)
+    rank_N: jax.Array  # each assignment's place in that order
+    counts_E: jax.Array  # assignments per expert
+    top_k: int
+
+
+def dropless_experts(x_TxD, a: Assignments, w: ExpertWeights, block_rows: int, topo) -> jax.Array:
+    """Every assignment's expert output, [N, D] choice-major."""
     if topo.expert_axis is None or topo.num_expert_shards == 1:
-        dest_1xN, block_group, num_blocks = dispatch.aligned_layout(counts_E[None], x_NxD.shape[0], block_rows)
-        return _grouped_on_layout(x_NxD, dest_1xN.reshape(-1), block_group, num_blocks, w, block_rows, topo)
-    return _dropless_parallel(x_NxD, counts_E, w, block_rows, topo)
+        dest_1xN, block_group, num_blocks = dispatch.aligned_layout(a.counts_E[None], a.order_N.shape[0], block_rows)
+        dest_N = dest_1xN[0][a.rank_N]
+        return _grouped_from_tokens(x_TxD, dest_N, a.top_k, block_group, num_blocks, w, block_rows, topo)
+    if topo.exchange == "ragged":
+        return _dropless_ragged(x_TxD, a, w, block_rows, topo)
+    return _dropless_padded(x_TxD, a, w, block_rows, topo)
 
 
-def _grouped_on_layout(x_RxD, dest_R, block_group_NB, num_blocks, w, block_rows: int, topo) -> jax.Array:
-    """Moves rows into the block-aligned layout, runs the grouped FFN, moves them back."""
+def _grouped_from_tokens(x_AxD, dest_N, top_k, block_group_NB, num_blocks, w, block_rows, topo):
+    """Rows of x (row a read by the K entries dest[r * A + a], or fewer where dest == M) go into
+    the block-aligned layout, through the grouped FFN, and back out in dest's order."""
     num_rows = block_group_NB.shape[0] * block_rows
-    x_MxD = dispatch.gather_rows(x_RxD, dispatch.inverse_index(dest_R, num_rows))
+    num_src = x_AxD.shape[0]
+    source_M = dispatch.inverse_index(dest_N, num_rows)
+    row_M = jnp.where(source_M < dest_N.shape[0], source_M % num_src, num_src)
+    x_MxD = dispatch.take_rows(x_AxD, row_M, dest_N.reshape(top_k, num_src))
     out_MxD = grouped_ffn(x_MxD, w, block_group_NB, num_blocks, impl=topo.grouped_matmul)
-    return dispatch.gather_rows(out_MxD, dest_R)
+    return dispatch.take_rows(out_MxD, dest_N, source_M[None])
 
 
-def _dropless_parallel(x_NxD, counts_E, w: ExpertWeights, block_rows: int, topo) -> jax.Array:
-    """Each device's sorted rows go to the owners of their experts and come back processed.
-
-    The per-expert counts of every device are all-gathered first (E integers a
-    device), so each side knows what it sends and receives without a third all_to_all.
-    """
+def _exchange_plan(a: Assignments, topo):
+    """All-gathers every device's per-expert counts (E integers each), so that each side
+    knows what it sends and receives without a third all_to_all."""
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
-    num_rows, d_model = x_NxD.shape
-    local = counts_E.shape[0] // num_shards
+    local = a.counts_E.shape[0] // num_shards
     me = jax.lax.axis_index(axis)
-    counts_SxE = jax.lax.all_gather(counts_E, axis)
+    counts_SxE = jax.lax.all_gather(a.counts_E, axis)
     sizes_SxJ = counts_SxE.reshape(num_shards, num_shards, local).sum(axis=2)
     recv_counts_SxEl = jax.lax.dynamic_slice_in_dim(counts_SxE, me * local, local, axis=1)
-    if topo.exchange == "ragged":
-        recv_SNxD = _ragged_there(x_NxD, sizes_SxJ, me, axis)
-    else:
-        recv_SNxD = _padded_there(x_NxD, sizes_SxJ[me], axis)
+    return me, sizes_SxJ, recv_counts_SxEl
+
+
+def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo):
+    """Received chunks (source-major, each sorted by local expert) through the local experts."""
+    num_rows = recv_SNxD.shape[0] // recv_counts_SxEl.shape[0]
     dest_SxN, block_group, num_blocks = dispatch.aligned_layout(recv_counts_SxEl, num_rows, block_rows)
-    out_SNxD = _grouped_on_layout(recv_SNxD, dest_SxN.reshape(-1), block_group, num_blocks, w, block_rows, topo)
-    if topo.exchange == "ragged":
-        return _ragged_back(out_SNxD, sizes_SxJ, me, axis)
-    return _padded_back(out_SNxD.reshape(num_shards, num_rows, d_model), sizes_SxJ[me], axis)
+    return _grouped_from_tokens(recv_SNxD, dest_SxN.reshape(-1), 1, block_group, num_blocks, w, block_rows, topo)
+
+
+def _dropless_padded(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
+    """Chunk j of the send buffer holds the rows for device j, zero-padded to N rows."""
+    axis, num_shards = topo.expert_axis, topo.num_expert_shards
+    num_rows = a.order_N.shape[0]
+    me, sizes_SxJ, recv_counts_SxEl = _exchange_plan(a, topo)
+    send_J = sizes_SxJ[me]
+    start_J = _starts(send_J)
+    # Where each sorted row sits in the [J, N] send buffer, and each assignment's send row.
+    dest_device_N = jnp.searchsorted(jnp.cumsum(send_J), jnp.arange(num_rows), side="right").astype(jnp.int32)
+    send_row_N = (dest_device_N * num_rows + jnp.arange(num_rows, dtype=jnp.int32) - start_J[dest_device_N])[a.rank_N]
+    send_JNxD = _take_tokens(x_TxD, send_row_N, num_shards * num_rows, a.top_k)
+    recv_SNxD = jax.lax.all_to_all(send_JNxD, axis, split_axis=0, concat_axis=0, tiled=True)
+    out_SNxD = _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo)
+    back_JNxD = jax.lax.all_to_all(out_SNxD, axis, split_axis=0, concat_axis=0, tiled=True)
+    source_JN = dispatch.inverse_index(send_row_N, num_shards * num_rows)
+    return dispatch.take_rows(back_JNxD, send_row_N, source_JN[None])
+
+
+def _take_tokens(x_TxD, row_N, num_out_rows, top_k):
+    """[num_out_rows, D] with assignment n's token at row_N[n], zeros elsewhere."""
+    num_tokens = x_TxD.shape[0]
+    source = dispatch.inverse_index(row_N, num_out_rows)
+    token = jnp.where(source < row_N.shape[0], source % num_tokens, num_tokens)
+    return dispatch.take_rows(x_TxD, token, row_N.reshape(top_k, num_tokens))
+
+
+def _dropless_ragged(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
+    """Only the assigned rows travel: source s's rows land in chunk s (offset s * N) of the
+    receiver, the same layout as the padded exchange, and come back to where they left."""
+    axis, num_shards = topo.expert_axis, topo.num_expert_shards
+    num_rows = a.order_N.shape[0]
+    me, sizes_SxJ, recv_counts_SxEl = _exchange_plan(a, topo)
+    x_sorted_NxD = _take_tokens(x_TxD, a.rank_N, num_rows, a.top_k)
+    recv_SNxD = jax.lax.ragged_all_to_all(
+        x_sorted_NxD, jnp.zeros((num_shards * num_rows, x_TxD.shape[1]), x_TxD.dtype),
+        _starts(sizes_SxJ[me]), sizes_SxJ[me], jnp.full((num_shards,), me * num_rows, jnp.int32),
+        sizes_SxJ[:, me], axis_name=axis,
+    )
+    out_SNxD = _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo)
+    out_sorted_NxD = jax.lax.ragged_all_to_all(
+        out_SNxD, jnp.zeros((num_rows, x_TxD.shape[1]), out_SNxD.dtype),
+        jnp.arange(num_shards, dtype=jnp.int32) * num_rows, sizes_SxJ[:, me],
+        _starts(sizes_SxJ)[:, me], sizes_SxJ[me], axis_name=axis,
+    )
+    return dispatch.take_rows(out_sorted_NxD, a.rank_N, a.order_N[None])
 
 
 def _starts(sizes):
     return (jnp.cumsum(sizes, axis=-1) - sizes).astype(jnp.int32)
-
-
-def _padded_there(x_NxD, send_J, axis):
-    """Chunk j of the send buffer holds the rows for device j, zero-padded to N rows."""
-    num_rows = x_NxD.shape[0]
-    rows_N = jnp.arange(num_rows, dtype=jnp.int32)
-    index_JxN = jnp.where(rows_N < send_J[:, None], _starts(send_J)[:, None] + rows_N, num_rows)
-    send_JxNxD = dispatch.gather_rows(x_NxD, index_JxN)
-    recv_SxNxD = jax.lax.all_to_all(send_JxNxD, axis, split_axis=0, concat_axis=0, tiled=True)
-    return recv_SxNxD.reshape(-1, x_NxD.shape[1])
-
-
-def _padded_back(out_SxNxD, send_J, axis):
-    """Returns every chunk to its source, then puts each row back where it was sent from."""
-    num_rows = out_SxNxD.shape[1]
-    back_JxNxD = jax.lax.all_to_all(out_SxNxD, axis, split_axis=0, concat_axis=0, tiled=True)
-    rows_N = jnp.arange(num_rows, dtype=jnp.int32)
-    dest_N = jnp.searchsorted(jnp.cumsum(send_J), rows_N, side="right").astype(jnp.int32)
-    index_N = dest_N * num_rows + rows_N - _starts(send_J)[dest_N]
-    return back_JxNxD.reshape(-1, out_SxNxD.shape[2])[index_N]
-
-
-def _ragged_there(x_NxD, sizes_SxJ, me, axis):
-    """Only the assigned rows travel; source s's rows land at chunk s (offset s * N)."""
-    num_rows = x_NxD.shape[0]
-    num_shards = sizes_SxJ.shape[0]
-    out_SNxD = jnp.zeros((num_shards * num_rows, x_NxD.shape[1]), x_NxD.dtype)
-    return jax.lax.ragged_all_to_all(
-        x_NxD, out_SNxD, _starts(sizes_SxJ[me]), sizes_SxJ[me].astype(jnp.int32),
-        jnp.full((num_shards,), me * num_rows, jnp.int32), sizes_SxJ[:, me].astype(jnp.int32),
-        axis_name=axis,
-    )
-
-
-def _ragged_back(out_SNxD, sizes_SxJ, me, axis):
-    """Chunk s goes back to source s, to the offset its rows for this device started at."""
-    num_shards = sizes_SxJ.shape[0]
-    num_rows = out_SNxD.shape[0] // num_shards
-    back_NxD = jnp.zeros((num_rows, out_SNxD.shape[1]), out_SNxD.dtype)
-    return jax.lax.ragged_all_to_all(
-        out_SNxD, back_NxD, jnp.arange(num_shards, dtype=jnp.int32) * num_rows,
-        sizes_SxJ[:, me].astype(jnp.int32), _starts(sizes_SxJ)[:, me], sizes_SxJ[me].astype(jnp.int32),
-        axis_name=axis,
-    )

@@ -1,0 +1,136 @@
+"""MoE layer benchmark: the expert-parallel block against its ideal and the GShard einsum, in one run.
+
+    python benchmarks/moe_layer.py --json
+
+Runs on 8 fake CPU devices (mesh expert=8) unless XLA_FLAGS already says otherwise.
+For every case and mode it prints one JSON object per line with moe_ms (median
+fwd+bwd of the expert-parallel block), ideal_ms (the same expert matmuls as plain
+batched einsums of the capacity-mode shapes, sharded over the same devices),
+einsum_ms (the same block with GShard's one-hot dispatch and combine) and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if "jax" not in sys.modules:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from trainer.moe.capacity import expert_capacity  # noqa: E402
+from trainer.moe.config import MoEConfig  # noqa: E402
+from trainer.moe.experts import ExpertWeights, batched_ffn  # noqa: E402
+from trainer.moe.parallel import moe_apply  # noqa: E402
+
+# (experts, top_k, d_model, d_ff, tokens, capacity_factor)
+CASES = [
+    (16, 2, 256, 512, 2048, 1.25),
+    (8, 2, 512, 1024, 8192, 1.25),
+    (64, 2, 512, 1024, 8192, 1.25),
+]
+MODES = ("capacity", "dropless")
+SEQ_LEN = 128
+
+
+def median_ms(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def make_inputs(mesh, experts, d_model, d_ff, tokens, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    x = put(jax.random.normal(keys[0], (tokens // SEQ_LEN, SEQ_LEN, d_model)), P(("data", "expert")))
+    router = put(jax.random.normal(keys[1], (d_model, experts)) * d_model**-0.5, P())
+    w = ExpertWeights(
+        put(jax.random.normal(keys[2], (experts, d_model, d_ff)) * d_model**-0.5, P("expert")),
+        put(jax.random.normal(keys[3], (experts, d_model, d_ff)) * d_model**-0.5, P("expert")),
+        put(jax.random.normal(keys[4], (experts, d_ff, d_model)) * d_ff**-0.5, P("expert")),
+    )
+    return x, router, w
+
+
+def block_step(cfg: MoEConfig, mesh):
+    """fwd+bwd of the block: gradients for the input, the router and every expert weight."""
+
+    def loss(x, router, w):
+        y, aux = moe_apply(x, router, w, cfg, mesh, train=True)
+        return jnp.mean(jnp.square(y.astype(jnp.float32))) + aux["aux_loss"] + aux["z_loss"]
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def ideal_step():
+    """The expert matmuls alone, fwd+bwd, as batched einsums over [E, rows, D]."""
+
+    def loss(x_ExRxD, w):
+        return jnp.mean(jnp.square(batched_ffn(x_ExRxD, w)))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def run_case(mesh, case, modes, reps):
+    experts, k, d_model, d_ff, tokens, cf = case
+    devices = mesh.devices.size
+    x, router, w = make_inputs(mesh, experts, d_model, d_ff, tokens)
+    capacity = expert_capacity(tokens // devices, k, cf, experts, 4)
+    rows = jax.device_put(
+        jax.random.normal(jax.random.key(7), (experts, devices * capacity, d_model)), NamedSharding(mesh, P("expert"))
+    )
+    ideal_ms = median_ms(ideal_step(), (rows, w), reps)
+    base = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=cf)
+    einsum_cfg = MoEConfig(**{**base.__dict__, "dispatch": "einsum"})
+    einsum_ms = median_ms(block_step(einsum_cfg, mesh), (x, router, w), reps)
+    for mode in modes:
+        cfg = base if mode == "capacity" else MoEConfig(**{**base.__dict__, "capacity_factor": 0.0})
+        moe_ms = median_ms(block_step(cfg, mesh), (x, router, w), reps)
+        yield {
+            "experts": experts, "top_k": k, "d_model": d_model, "d_ff": d_ff, "tokens": tokens,
+            "capacity_factor": cf, "devices": devices, "mode": mode, "dtype": "float32",
+            "moe_ms": round(moe_ms, 2), "ideal_ms": round(ideal_ms, 2),
+            "ratio_to_ideal": round(moe_ms / ideal_ms, 3),
+            "einsum_ms": round(einsum_ms, 2), "speedup_vs_einsum": round(einsum_ms / moe_ms, 3),
+        }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
+    parser.add_argument("--case", type=int, action="append", help="run only these case indices (0-based)")
+    parser.add_argument("--mode", choices=MODES, action="append", help="run only these modes")
+    args = parser.parse_args(argv)
+    devices = jax.devices()
+    mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    cases = [CASES[i] for i in args.case] if args.case else CASES
+    for case in cases:
+        for row in run_case(mesh, case, tuple(args.mode or MODES), args.reps):
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(
+                    f"E={row['experts']:3d} k={row['top_k']} D={row['d_model']} F={row['d_ff']} "
+                    f"T={row['tokens']} {row['mode']:9s} moe {row['moe_ms']:9.2f} ms  ideal {row['ideal_ms']:9.2f} ms  "
+                    f"ratio {row['ratio_to_ideal']:.2f}  einsum {row['einsum_ms']:9.2f} ms  "
+                    f"speedup {row['speedup_vs_einsum']:.2f}",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
