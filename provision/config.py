@@ -1,18 +1,20 @@
 """The config file: YAML in, one frozen, validated `Config` out.
 
 Every problem is collected and reported together (`ConfigError`, exit 2), each naming the
-file and the dotted key, in the order the keys appear in the file. Field rules live on the models; rules that tie two keys together
-(zone inside region, runtime fits accelerator, ...) run afterwards on the raw values, and a
-key that already failed its own rule is skipped there, so one mistake is reported once.
+file and the dotted key, in the order the keys appear in the file. Field rules live on the
+models; rules that tie two keys together (zone inside region, runtime fits accelerator, ...)
+run afterwards on the raw values, and a key that already failed its own rule is skipped
+there, so one mistake is reported once.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -63,8 +65,8 @@ def format_duration(delta: timedelta) -> str:
     total = int(delta.total_seconds())
     hours, rest = divmod(total, 3600)
     minutes, seconds = divmod(rest, 60)
-    text = (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "") + (f"{seconds}s" if seconds else "")
-    return text or "0s"
+    parts = [f"{n}{unit}" for n, unit in ((hours, "h"), (minutes, "m"), (seconds, "s")) if n]
+    return "".join(parts) or "0s"
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
@@ -397,7 +399,8 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
                                                    f"use {', '.join(fits)}"))
     capacity, reservation = get("slice.capacity"), get("slice.reservation")
     if capacity == "reserved" and reservation is None:
-        found.append(("slice.reservation", "capacity 'reserved' needs slice.reservation (the reservation's name)"))
+        found.append(("slice.reservation",
+                      "capacity 'reserved' needs slice.reservation (the reservation's name)"))
     if capacity in ("spot", "on-demand") and isinstance(reservation, str):
         found.append(("slice.reservation", f"a reservation is only used with capacity 'reserved' "
                                            f"(capacity is {capacity!r})"))
@@ -463,7 +466,8 @@ def load_config(path: Path | str) -> Config:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError([Problem(file, "", "file not found (write a starter config with `moe-tpu init`)")]) from None
+        missing = Problem(file, "", "file not found (write a starter config with `moe-tpu init`)")
+        raise ConfigError([missing]) from None
     except IsADirectoryError:
         raise ConfigError([Problem(file, "", "is a directory, not a config file")]) from None
     except (OSError, UnicodeDecodeError) as exc:

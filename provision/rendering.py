@@ -195,13 +195,15 @@ def render(name: str, spec: object, templates_dir: Path | None = None) -> str:
     except jinja2.TemplateNotFound:
         raise UsageError(f"template {name} not found", hint=_where(templates_dir)) from None
     except jinja2.TemplateSyntaxError as exc:
-        raise UsageError(f"template {name}, line {exc.lineno}: {exc.message}", hint=_where(templates_dir)) from None
+        raise UsageError(f"template {name}, line {exc.lineno}: {exc.message}",
+                         hint=_where(templates_dir)) from None
     except jinja2.TemplateError as exc:
         raise UsageError(f"template {name}: {exc}", hint=_where(templates_dir)) from None
 
 
 def _where(templates_dir: Path | None) -> str:
-    where = f"{templates_dir}, then {builtin_templates_dir()}" if templates_dir else str(builtin_templates_dir())
+    builtin = builtin_templates_dir()
+    where = f"{templates_dir}, then {builtin}" if templates_dir else str(builtin)
     return f"templates are read from {where}"
 
 
@@ -267,5 +269,6 @@ def render_all(cfg: Config, templates_dir: Path | None = None) -> dict[str, str]
     for zone in cfg.zones:
         files[f"queued_resource.{zone}.yaml"] = queued_resource_body(cfg, zone, templates_dir, project)
         request = create_queued_resource_request(cfg, zone, templates_dir, project=project)
-        files[f"create_queued_resource.{zone}.json"] = json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"
+        text = json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"
+        files[f"create_queued_resource.{zone}.json"] = text
     return files

@@ -21,7 +21,8 @@ TABLE = {
 
 
 def test_the_accelerator_table():
-    got = {a.name: (a.topology, a.chips, a.vms, a.chips_per_vm, a.vertex_machine_type) for a in ACCELERATORS.values()}
+    got = {a.name: (a.topology, a.chips, a.vms, a.chips_per_vm, a.vertex_machine_type)
+           for a in ACCELERATORS.values()}
     assert got == TABLE
 
 

@@ -9,9 +9,17 @@ from pathlib import Path
 import pydantic
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from provision.config import (Config, config_from_dict, format_duration, load_config, parse_duration,
-                              starter_config)
+from provision.config import (
+    Config,
+    config_from_dict,
+    format_duration,
+    load_config,
+    parse_duration,
+    starter_config,
+)
 from provision.errors import ConfigError, Problem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +74,8 @@ def test_valid_config_loads(tmp_path):
         1, "spot", timedelta(hours=2), "v2-alpha-tpuv5-lite")
     assert cfg.image.uri == "us-west4-docker.pkg.dev/my-project/moe/trainer:latest"
     assert cfg.image.registry_host == "us-west4-docker.pkg.dev"
-    assert (cfg.trainer.config, cfg.recovery.max_restarts, cfg.vertex.machine_type) == ("tiny", 3, "ct5lp-hightpu-4t")
+    assert (cfg.trainer.config, cfg.recovery.max_restarts, cfg.vertex.machine_type) == (
+        "tiny", 3, "ct5lp-hightpu-4t")
     assert cfg.accelerator_type().chips == 64
     assert cfg.source == path
     assert "source" not in cfg.model_dump()
@@ -91,7 +100,8 @@ def test_config_is_frozen():
                  id="zone-shape"),
     pytest.param(with_(zones=["us-west4-a", "us-west4-b"]), [("zones[1]",
         f"zone 'us-west4-b' does not offer TPU v5e (v5e zones: {V5E_ZONES})")], id="zone-without-v5e"),
-    pytest.param(with_(zones=["us-central1-a"]), [("zones[0]", "zone 'us-central1-a' is not in region 'us-west4'")],
+    pytest.param(with_(zones=["us-central1-a"]),
+                 [("zones[0]", "zone 'us-central1-a' is not in region 'us-west4'")],
                  id="zone-outside-region"),
     pytest.param(with_(zones=[]), [("zones", "list at least one zone, e.g. [us-west4-a]")], id="no-zones"),
     pytest.param(with_(run="Moe_Demo"), [("run",
@@ -111,13 +121,16 @@ def test_config_is_frozen():
     pytest.param(with_(slice__runtime_version="tpu-ubuntu2204-base"), [("slice.runtime_version",
         "runtime version 'tpu-ubuntu2204-base' does not fit v5litepod-64; use v2-alpha-tpuv5-lite")],
                  id="runtime-mismatch"),
-    pytest.param(with_(slice__count=0), [("slice.count", "slice count must be at least 1, got 0")], id="count"),
+    pytest.param(with_(slice__count=0), [("slice.count", "slice count must be at least 1, got 0")],
+                 id="count"),
     pytest.param(with_(slice__capacity="preemptible"), [("slice.capacity",
         "must be one of 'on-demand', 'spot' or 'reserved', got 'preemptible'")], id="capacity"),
     pytest.param(with_(slice__capacity="reserved"), [("slice.reservation",
-        "capacity 'reserved' needs slice.reservation (the reservation's name)")], id="reserved-needs-reservation"),
+        "capacity 'reserved' needs slice.reservation (the reservation's name)")],
+                 id="reserved-needs-reservation"),
     pytest.param(with_(slice__reservation="r1"), [("slice.reservation",
-        "a reservation is only used with capacity 'reserved' (capacity is 'spot')")], id="reservation-unused"),
+        "a reservation is only used with capacity 'reserved' (capacity is 'spot')")],
+                 id="reservation-unused"),
     pytest.param(with_(slice__max_wait="2 hours"), [("slice.max_wait",
         "duration '2 hours' must look like 2h, 30m, 90s or 1h30m")], id="duration-words"),
     pytest.param(with_(slice__max_wait=90), [("slice.max_wait",
@@ -137,7 +150,8 @@ def test_config_is_frozen():
                  id="vertex-spot-pod"),
     pytest.param(with_(image__repository="trainer:latest"), [("image.repository",
         "image repository 'trainer:latest' does not look like HOST/PROJECT/REPOSITORY/IMAGE "
-        "(e.g. us-west4-docker.pkg.dev/my-project/moe/trainer; the tag goes in image.tag)")], id="image-shape"),
+        "(e.g. us-west4-docker.pkg.dev/my-project/moe/trainer; the tag goes in image.tag)")],
+                 id="image-shape"),
     pytest.param(with_(image__repository="us-west4-docker.pkg.dev/my-project/trainer"), [("image.repository",
         "image repository 'us-west4-docker.pkg.dev/my-project/trainer' does not look like "
         "HOST/PROJECT/REPOSITORY/IMAGE (e.g. us-west4-docker.pkg.dev/my-project/moe/trainer; the tag goes in "
@@ -160,8 +174,8 @@ def test_config_is_frozen():
     pytest.param(with_(slice__acelerator="v5litepod-8"), [("slice.acelerator",
         "unknown key 'acelerator'; did you mean 'accelerator'?")], id="unknown-key-close"),
     pytest.param(with_(colour="blue"), [("colour",
-        "unknown key 'colour'; valid keys: project, region, zones, run, target, slice, vertex, image, trainer, "
-        "recovery")], id="unknown-key-far"),
+        "unknown key 'colour'; valid keys: project, region, zones, run, target, slice, vertex, image, "
+        "trainer, recovery")], id="unknown-key-far"),
     pytest.param(with_(source="x.yaml"), [("source", "unknown key 'source'")], id="source-is-not-a-key"),
 ])
 def test_each_rule_has_its_message(raw, expected, tmp_path):
@@ -173,8 +187,8 @@ def test_every_problem_is_reported_at_once(tmp_path):
                 slice__count=0, slice__max_wait="soon", image__repository="trainer")
     keys = [key for key, _ in problems_of(raw, tmp_path)]
     # In file order (safe_dump sorts the keys).
-    assert keys == ["image.repository", "project", "run", "slice.count", "slice.max_wait", "targt", "zones[0]",
-                    "zones[1]"]
+    assert keys == ["image.repository", "project", "run", "slice.count", "slice.max_wait", "targt",
+                    "zones[0]", "zones[1]"]
 
 
 def test_a_field_that_failed_is_not_reported_again_by_a_cross_check(tmp_path):
@@ -189,7 +203,8 @@ def test_problem_text_names_file_and_key(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.problems == [Problem(str(path), "slice.count", "slice count must be at least 1, got 0")]
-    assert str(info.value) == f"1 problem in the config:\n  {path}: slice.count: slice count must be at least 1, got 0"
+    assert str(info.value) == (f"1 problem in the config:\n"
+                               f"  {path}: slice.count: slice count must be at least 1, got 0")
 
 
 def test_missing_file(tmp_path):
@@ -205,7 +220,8 @@ def test_yaml_syntax_error(tmp_path):
 
 
 def test_duplicate_keys_are_problems(tmp_path):
-    text = "run: moe-demo\nslice:\n  count: 2\n  count: 3\n" + yaml.safe_dump(with_(run=None, slice=None)) + "run: b\n"
+    rest = yaml.safe_dump(with_(run=None, slice=None))
+    text = "run: moe-demo\nslice:\n  count: 2\n  count: 3\n" + rest + "run: b\n"
     last = len(text.splitlines())
     assert problems_of(text, tmp_path) == [("slice.count", "key appears twice (again at line 4)"),
                                            ("run", f"key appears twice (again at line {last})")]
@@ -273,12 +289,13 @@ def test_examples_are_valid(name):
 
 # --- no input, however bad, escapes as anything but ConfigError ---------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 _scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
-_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3)
-                       | st.dictionaries(st.text(max_size=8) | st.integers(), inner, max_size=3), max_leaves=8)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8) | st.integers(), inner,
+                                                                max_size=3),
+    max_leaves=8)
 _keys = st.sampled_from(["project", "region", "zones", "run", "target", "slice", "vertex", "image", "trainer",
                          "recovery", "source", "other", 3])
 

@@ -67,22 +67,24 @@ def test_validate_ok(workdir):
     assert moe("validate") == (0, (
         "config OK: moe-tpu.yaml\n"
         "  run moe-demo: 1 x v5litepod-64 (8x8, 64 chips, 16 VMs), spot, zones us-west4-a\n"
-        "  rendered 3 files: startup.sh, queued_resource.us-west4-a.yaml, create_queued_resource.us-west4-a.json\n"
+        "  rendered 3 files: startup.sh, queued_resource.us-west4-a.yaml, "
+        "create_queued_resource.us-west4-a.json\n"
     ), "")
 
 
 def test_validate_vertex_example(workdir):
     code, out, _ = moe("validate", "-c", str(ROOT / "examples" / "vertex.yaml"))
     assert code == 0
-    assert out.splitlines()[1] == ("  run moe-vertex: Vertex AI job on ct5lp-hightpu-4t, topology 8x8 (64 chips), "
-                                   "STANDARD, region us-west4")
+    assert out.splitlines()[1] == ("  run moe-vertex: Vertex AI job on ct5lp-hightpu-4t, topology 8x8 "
+                                   "(64 chips), STANDARD, region us-west4")
 
 
 def test_validate_json(workdir):
     shutil.copy(EXAMPLE, workdir / "moe-tpu.yaml")
     code, out, err = moe("--output", "json", "validate")
     assert (code, err) == (0, "config OK: moe-tpu.yaml\n"
-                              "  run moe-demo: 1 x v5litepod-64 (8x8, 64 chips, 16 VMs), spot, zones us-west4-a\n"
+                              "  run moe-demo: 1 x v5litepod-64 (8x8, 64 chips, 16 VMs), spot, "
+                              "zones us-west4-a\n"
                               "  rendered 3 files: startup.sh, queued_resource.us-west4-a.yaml, "
                               "create_queued_resource.us-west4-a.json\n")
     assert json.loads(out) == {"command": "validate", "dry_run": False, "calls": [], "config": "moe-tpu.yaml",
@@ -110,8 +112,8 @@ def test_validate_lists_every_problem(workdir):
     assert moe("validate") == (2, "", (
         "error: 4 problems in the config:\n"
         "  moe-tpu.yaml: zones[0]: zone 'us-central1-a' is not in region 'us-west4'\n"
-        "  moe-tpu.yaml: run: run name 'Moe_Demo' must be lowercase letters, digits and hyphens, start with a "
-        "letter and not end with a hyphen (it becomes resource ids: RFC 1035)\n"
+        "  moe-tpu.yaml: run: run name 'Moe_Demo' must be lowercase letters, digits and hyphens, "
+        "start with a letter and not end with a hyphen (it becomes resource ids: RFC 1035)\n"
         "  moe-tpu.yaml: slice.acelerator: unknown key 'acelerator'; did you mean 'accelerator'?\n"
         "  moe-tpu.yaml: slice.max_wait: duration 'soon' must look like 2h, 30m, 90s or 1h30m\n"))
 
@@ -126,8 +128,9 @@ def test_validate_problems_in_json(workdir):
 
 
 def test_validate_missing_config(workdir):
-    assert moe("validate") == (2, "", "error: 1 problem in the config:\n"
-                                      "  moe-tpu.yaml: file not found (write a starter config with `moe-tpu init`)\n")
+    assert moe("validate") == (2, "", (
+        "error: 1 problem in the config:\n"
+        "  moe-tpu.yaml: file not found (write a starter config with `moe-tpu init`)\n"))
 
 
 def test_validate_a_broken_template(workdir):

@@ -10,7 +10,6 @@ and review the diff before committing.
 
 from __future__ import annotations
 
-import copy
 import os
 import shlex
 import subprocess
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from provision import rendering
 from provision.config import config_from_dict, load_config
@@ -44,7 +45,8 @@ def cfg_with(**slice_changes):
                                   "create_queued_resource.us-west4-a.json"])
 def test_golden(name):
     files = rendering.render_all(load_config(EXAMPLE))
-    assert list(files) == ["startup.sh", "queued_resource.us-west4-a.yaml", "create_queued_resource.us-west4-a.json"]
+    assert list(files) == ["startup.sh", "queued_resource.us-west4-a.yaml",
+                           "create_queued_resource.us-west4-a.json"]
     golden = GOLDENS / f"{name}.golden"
     if UPDATE:
         golden.parent.mkdir(exist_ok=True)
@@ -63,7 +65,8 @@ def test_ids_and_labels():
     assert (rendering.queued_resource_id(cfg), rendering.node_id(cfg)) == ("moe-demo", "moe-demo-tpu")
     rid = rendering.request_id(cfg, "us-west4-a")
     assert uuid.UUID(rid).version == 5 and rid == rendering.request_id(cfg, "us-west4-a")
-    assert rid != rendering.request_id(cfg, "us-central1-a") != rendering.request_id(cfg, "us-west4-a", attempt=1)
+    assert rid != rendering.request_id(cfg, "us-central1-a")
+    assert rid != rendering.request_id(cfg, "us-west4-a", attempt=1)
 
 
 def test_longest_run_keeps_ids_within_63():
@@ -105,7 +108,8 @@ def test_multislice_reserved_with_service_account():
 
 
 def test_on_demand_is_guaranteed_without_reservation():
-    qr = rendering.create_queued_resource_request(cfg_with(capacity="on-demand"), "us-west4-a").queued_resource
+    request = rendering.create_queued_resource_request(cfg_with(capacity="on-demand"), "us-west4-a")
+    qr = request.queued_resource
     assert "guaranteed" in qr and "spot" not in qr and qr.reservation_name == ""
 
 
@@ -121,10 +125,12 @@ def test_project_from_elsewhere_when_the_config_names_none():
     del raw["project"]
     cfg = config_from_dict(raw)
     req = rendering.create_queued_resource_request(cfg, "us-west4-a", project="adc-project")
-    assert req.parent == req.queued_resource.tpu.node_spec[0].parent == "projects/adc-project/locations/us-west4-a"
+    assert req.parent == "projects/adc-project/locations/us-west4-a"
+    assert req.queued_resource.tpu.node_spec[0].parent == req.parent
     assert req.request_id == rendering.request_id(cfg, "us-west4-a", project="adc-project")
     files = rendering.render_all(cfg)
-    assert '"parent": "projects/PROJECT/locations/us-west4-a"' in files["create_queued_resource.us-west4-a.json"]
+    request_json = files["create_queued_resource.us-west4-a.json"]
+    assert '"parent": "projects/PROJECT/locations/us-west4-a"' in request_json
 
 
 NASTY = "$(touch /tmp/moe-pwned) `id` 'single' \"double\" spaces;&| \\ $HOME *"
@@ -173,17 +179,19 @@ def test_own_templates_override_the_builtin_ones(tmp_path):
     assert rendering.startup_script(cfg, tmp_path) == "#!/bin/sh\necho moe-demo\n"
     # queued_resource.yaml.j2 is not there: the builtin one is used, with the user's script inside.
     req = rendering.create_queued_resource_request(cfg, "us-west4-a", tmp_path)
-    assert req.queued_resource.tpu.node_spec[0].node.metadata["startup-script"] == "#!/bin/sh\necho moe-demo\n"
+    node = req.queued_resource.tpu.node_spec[0].node
+    assert node.metadata["startup-script"] == "#!/bin/sh\necho moe-demo\n"
 
 
 @pytest.mark.parametrize("template, text, message", [
     ("startup.sh.j2", "{{ spec.nope }}", "template startup.sh.j2: 'provision.rendering.StartupSpec object' "
                                         "has no attribute 'nope'"),
-    ("startup.sh.j2", "{% if %}", "template startup.sh.j2, line 1: Expected an expression, got 'end of statement "
-                                  "block'"),
+    ("startup.sh.j2", "{% if %}",
+     "template startup.sh.j2, line 1: Expected an expression, got 'end of statement block'"),
     ("queued_resource.yaml.j2", "tpu: {}\ncolour: blue\n",
-     'template queued_resource.yaml.j2 does not render a valid google.cloud.tpu.v2.QueuedResource: Message type '
-     '"google.cloud.tpu.v2.QueuedResource" has no field named "colour" at "QueuedResource".\n Available Fields'),
+     'template queued_resource.yaml.j2 does not render a valid google.cloud.tpu.v2.QueuedResource: '
+     'Message type "google.cloud.tpu.v2.QueuedResource" has no field named "colour" at "QueuedResource".'
+     '\n Available Fields'),
     ("queued_resource.yaml.j2", "tpu: [", "template queued_resource.yaml.j2 does not render valid YAML"),
 ])
 def test_template_problems_are_usage_errors(tmp_path, template, text, message):
@@ -204,8 +212,6 @@ def test_builtin_templates_are_found():
     assert (rendering.builtin_templates_dir() / rendering.QUEUED_RESOURCE_TEMPLATE).is_file()
 
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 _shell_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1,
                       max_size=30).filter(lambda s: s.strip())
