@@ -6,6 +6,7 @@ know whether the other end is Google Cloud or the emulator.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -14,9 +15,12 @@ from provision.waiting import format_duration, poll
 
 MANAGED_BY = ("managed-by", "moe-tpu")
 RUN_LABEL = "moe-tpu-run"
-# FAILED codes that mean "no capacity here": RESOURCE_EXHAUSTED (8), and FAILED_PRECONDITION (9)
-# for insufficient reserved capacity; both are worth another zone.
-STOCKOUT_CODES = {8, 9}
+# FAILED codes that mean "no capacity here in time", each worth another zone: RESOURCE_EXHAUSTED (8,
+# a stockout), FAILED_PRECONDITION (9, insufficient reserved capacity), DEADLINE_EXCEEDED (4, not
+# provisioned before queueing_policy's valid-until, which slice.max_wait sets).
+STOCKOUT_CODES = {4, 8, 9}
+# Polls go on a little past slice.max_wait so that the API's own valid-until verdict is seen.
+MAX_WAIT_GRACE_S = 600
 SETTLED_QR_STATES = {"ACTIVE", "FAILED", "SUSPENDED"}
 
 
@@ -158,7 +162,7 @@ def _wait_settled(cfg, session, console, name: str, zone: str):
 
     with console.progress(f"  waiting for {short(name)} in {zone}") as bar:
         return poll(fetch, lambda qr: state_name(qr) in SETTLED_QR_STATES, session.clock,
-                    timeout_s=cfg.slice.max_wait.total_seconds(), describe=_describe_qr(zone),
+                    timeout_s=cfg.slice.max_wait.total_seconds() + MAX_WAIT_GRACE_S, describe=_describe_qr(zone),
                     progress=bar, what=f"queued resource {short(name)} in {zone}")
 
 
@@ -216,6 +220,15 @@ def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: s
         console.info(f"  {short(name)} already exists (an earlier attempt created it); adopting it")
         return
     session.tpu.wait_operation(operation, f"create {short(name)}", timeout_s=600)
+    if session.tpu.get_queued_resource(name) is None:
+        # The deterministic request_id was spent on an earlier incarnation that has since been
+        # deleted (down, or recovery from a stockout or preemption): the API answered with that
+        # old operation. Ask again under a fresh id derived from this moment.
+        request.request_id = str(uuid.uuid5(uuid.UUID(request.request_id), repr(session.clock.now())))
+        console.detail(f"  request id already used by a deleted {short(name)}; creating with a new one")
+        operation = session.tpu.create_queued_resource(request)
+        if operation is not None:
+            session.tpu.wait_operation(operation, f"create {short(name)}", timeout_s=600)
 
 
 def slice_up(cfg, session, console, templates_dir=None) -> list[Resource]:
@@ -232,8 +245,10 @@ def slice_up(cfg, session, console, templates_dir=None) -> list[Resource]:
             return [_qr_resource(qr, zone)] + [_node_resource(n, zone) for n in nodes]
         code, message = failure_of(qr)
         if state == "FAILED" and code in STOCKOUT_CODES:
-            tried.append(zone)
-            console.warn(f"no capacity in {zone}: {message}")
+            why = (f"not provisioned within slice.max_wait ({format_duration(cfg.slice.max_wait.total_seconds())})"
+                   if code == 4 else "no capacity")
+            tried.append(f"{zone} ({why})")
+            console.warn(f"{why} in {zone}: {message}")
             _delete_and_wait(session, console, name)
             continue
         raise CloudError(f"queued resource {short(name)} in {zone} ended {state}"
@@ -242,8 +257,8 @@ def slice_up(cfg, session, console, templates_dir=None) -> list[Resource]:
     raise StockoutError(
         f"no capacity for {cfg.slice.count} x {cfg.slice.accelerator} ({cfg.slice.capacity}) "
         f"in any zone tried: {', '.join(tried)}",
-        hint="add zones to `zones:`, try `slice.capacity: spot`, or use a reservation "
-             "(`slice.capacity: reserved` with `slice.reservation`)")
+        hint="add zones to `zones:`, raise `slice.max_wait`, try `slice.capacity: spot`, or use a "
+             "reservation (`slice.capacity: reserved` with `slice.reservation`)")
 
 
 # --- down --------------------------------------------------------------------

@@ -90,14 +90,14 @@ def test_state_persists_between_invocations(tmp_path, run_in):
 
 
 def test_stockout_falls_back_to_the_next_zone_and_cleans_up(tmp_path, run_in):
-    cfg = make_config(tmp_path, zones=["us-west4-a", "us-west4-b"])
+    cfg = make_config(tmp_path, region="us-east5", zones=["us-east5-a", "us-east5-b"])
     run = run_in("stockout")
     resources = slice_up(cfg, run.session, run.app.console)
-    assert resources[0].zone == "us-west4-b" and resources[0].state == "ACTIVE"
+    assert resources[0].zone == "us-east5-b" and resources[0].state == "ACTIVE"
     parents = [c["request"]["parent"] for c in run.creates()]
-    assert parents == ["projects/my-project/locations/us-west4-a", "projects/my-project/locations/us-west4-b"]
+    assert parents == ["projects/my-project/locations/us-east5-a", "projects/my-project/locations/us-east5-b"]
     # The FAILED queued resource in the first zone was deleted: it would keep counting against quota.
-    assert managed_resources(run.session, "my-project", ["us-west4-a"]) == []
+    assert managed_resources(run.session, "my-project", ["us-east5-a"]) == []
 
 
 def test_stockout_everywhere_fails_with_advice_and_leaves_nothing(tmp_path, run_in):
@@ -105,7 +105,8 @@ def test_stockout_everywhere_fails_with_advice_and_leaves_nothing(tmp_path, run_
     run = run_in("stockout")
     with pytest.raises(StockoutError) as info:
         slice_up(cfg, run.session, run.app.console)
-    assert info.value.message == "no capacity for 1 x v5litepod-64 (spot) in any zone tried: us-west4-a"
+    assert info.value.message == ("no capacity for 1 x v5litepod-64 (spot) in any zone tried: "
+                                  "us-west4-a (no capacity)")
     assert "zones" in info.value.hint and "reservation" in info.value.hint
     assert info.value.exit_code == 1
     assert managed_resources(run.session, "my-project", cfg.zones) == []
@@ -180,13 +181,17 @@ def test_long_queue_waits_hours_in_simulated_time(tmp_path, run_in):
     assert len(polls) < 3 * 3600 / 60 + 20  # backed off to about a minute, not a tight loop
 
 
-def test_long_queue_past_max_wait_gives_up_with_a_hint(tmp_path, run_in):
-    cfg = make_config(tmp_path, slice__max_wait="30m")
+def test_long_queue_past_max_wait_moves_on_and_then_gives_up_with_a_hint(tmp_path, run_in):
+    cfg = make_config(tmp_path, region="us-east5", zones=["us-east5-a", "us-east5-b"], slice__max_wait="30m")
     run = run_in("long-queue")
-    with pytest.raises(CloudError) as info:
+    with pytest.raises(StockoutError) as info:
         slice_up(cfg, run.session, run.app.console)
-    assert info.value.message.startswith("gave up waiting for queued resource")
-    assert "moe-tpu down" in info.value.hint
+    assert info.value.message == (
+        "no capacity for 1 x v5litepod-64 (spot) in any zone tried: "
+        "us-east5-a (not provisioned within slice.max_wait (30m00s)), "
+        "us-east5-b (not provisioned within slice.max_wait (30m00s))")
+    assert "slice.max_wait" in info.value.hint
+    assert managed_resources(run.session, "my-project", cfg.zones) == []
 
 
 def test_preempted_spot_slice_is_seen_and_recreated(tmp_path, run_in):
@@ -200,4 +205,13 @@ def test_preempted_spot_slice_is_seen_and_recreated(tmp_path, run_in):
     # Recovery: a SUSPENDED queued resource cannot be reset; up deletes it and creates it again.
     resources = slice_up(cfg, run.session, run.app.console)
     assert resources[0].state == "ACTIVE"
-    assert len(run.creates()) == 2
+    assert len(run.creates()) >= 2
+
+
+def test_up_after_down_creates_a_fresh_slice(tmp_path, run_in):
+    cfg = make_config(tmp_path)
+    run = run_in()
+    slice_up(cfg, run.session, run.app.console)
+    slice_down(cfg, run.session, run.app.console)
+    resources = slice_up(cfg, run.session, run.app.console)
+    assert resources[0].state == "ACTIVE" and resources[1].state == "READY"
