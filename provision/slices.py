@@ -210,9 +210,7 @@ def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: s
     if existing is not None:
         console.info(f"  adopting existing queued resource {short(name)} in {zone} ({state_name(existing)})")
         return
-    request = create_queued_resource_request(cfg, zone, templates_dir)
-    if project != cfg.project:
-        request.parent = zone_parent(project, zone)
+    request = create_queued_resource_request(cfg, zone, templates_dir, project=project)
     console.info(f"  creating queued resource {short(name)} in {zone}: "
                  f"{cfg.slice.count} x {cfg.slice.accelerator}, {cfg.slice.capacity}")
     operation = session.tpu.create_queued_resource(request)
