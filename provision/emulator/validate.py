@@ -22,9 +22,10 @@ class ApiError(Exception):
 
 LOCATION_RE = re.compile(r"^projects/([^/]+)/locations/([^/]+)$")
 ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
-# Unconfirmed for queued resources; the node proto documents ^[A-Za-z0-9_.~+%-]+$ for node ids.
-QR_ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
-NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.~+%-]+$")
+# The protos document ^[A-Za-z0-9_.~+%-]+$ for queued_resource_id and node_id alike; a stricter
+# server-side rule is unconfirmed, so the emulator checks what is documented.
+QR_ID_RE = re.compile(r"^[A-Za-z0-9_.~+%-]+$")
+NODE_ID_RE = QR_ID_RE
 LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 LABEL_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 
@@ -59,8 +60,7 @@ def resource(name: str, collection: str) -> tuple[str, str, str]:
 def queued_resource_id(qr_id: str) -> None:
     if not QR_ID_RE.match(qr_id or ""):
         raise ApiError("INVALID_ARGUMENT",
-                       f"Invalid queued_resource_id {qr_id!r}: it must be 1 to 63 characters, start with a "
-                       "lowercase letter, and contain only lowercase letters, digits and '-'")
+                       f"Invalid queued_resource_id {qr_id!r}: it must match ^[A-Za-z0-9_.~+%-]+$")
 
 
 def node_id(value: str) -> None:

@@ -35,6 +35,8 @@ SERVICE_INITIATED = ("FAILED", "SUSPENDING", "SUSPENDED")
 DELETABLE_WITH_NODES = ("ACCEPTED", "FAILED", "SUSPENDED")
 PENDING_STATES = ("CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES")
 TPU_PORT = 8470
+# Unconfirmed for the TPU API: Google APIs commonly honour a request_id for at least 60 minutes.
+REQUEST_ID_TTL_S = 3600.0
 STATE_VERSION = 1
 
 
@@ -140,9 +142,18 @@ class World:
         return world
 
     def prune(self, now: float) -> None:
-        """Forget queued resources that are gone (their operations keep their own snapshots)."""
+        """Forget queued resources that are gone (their operations keep their own snapshots) and
+        request ids past their idempotency window."""
         for name in [n for n, r in self.queued.items() if r.state_at(now) is None]:
             del self.queued[name]
+        for rid in [r for r, op in self.request_ids.items()
+                    if op not in self.operations or now >= self.operations[op]["create_time"] + REQUEST_ID_TTL_S]:
+            del self.request_ids[rid]
+
+    def replayed(self, request_id: str, now: float) -> dict | None:
+        """The operation a request id already started within its idempotency window, if any."""
+        self.prune(now)
+        return self.operations[self.request_ids[request_id]] if request_id in self.request_ids else None
 
     # --- lookups -------------------------------------------------------------
     def live_queued(self, name: str, now: float) -> QueuedRecord:
@@ -248,8 +259,8 @@ class World:
                                scenario: str) -> dict:
         """Validate and accept a create; returns the operation record."""
         project, zone = validate.location(req.parent)
-        if req.request_id and req.request_id in self.request_ids:
-            return self.operations[self.request_ids[req.request_id]]
+        if req.request_id and (replayed := self.replayed(req.request_id, now)) is not None:
+            return replayed
         validate.queued_resource_id(req.queued_resource_id)
         name = f"{req.parent}/queuedResources/{req.queued_resource_id}"
         qr = QR(req.queued_resource)
@@ -278,8 +289,8 @@ class World:
 
     def delete_queued_resource(self, req: tpu_v2.DeleteQueuedResourceRequest, now: float) -> dict:
         _, _zone, _ = validate.resource(req.name, "queuedResources")
-        if req.request_id and req.request_id in self.request_ids:
-            return self.operations[self.request_ids[req.request_id]]
+        if req.request_id and (replayed := self.replayed(req.request_id, now)) is not None:
+            return replayed
         rec = self.live_queued(req.name, now)
         state = rec.state_at(now)
         parent = req.name.rsplit("/queuedResources/", 1)[0]

@@ -322,7 +322,8 @@ def test_node_name_in_use_is_already_exists(client):
     ({"runtime": "tpu-vm-tf-2.15.0"}, 'runtime version "tpu-vm-tf-2.15.0" is not supported'),
     ({"node_id": None}, "exactly one of node_id or multislice_params"),
     ({"node_id": "bad/id"}, "Invalid node_id"),
-    ({"qr_id": "Bad_Name"}, "Invalid queued_resource_id"),
+    ({"qr_id": "bad name"}, "Invalid queued_resource_id"),
+    ({"qr_id": ""}, "Invalid queued_resource_id"),
     ({"labels": {"Run": "x"}}, "resource labels are invalid: key \"Run\" contains invalid character 'R'"),
     ({"labels": {"run": "x" * 64}}, "is longer than 63 characters"),
 ])
@@ -380,6 +381,24 @@ def test_same_request_id_returns_the_same_operation(emu, client):
     assert len(list(client.list_queued_resources(parent=PARENT))) == 1
     with pytest.raises(gexc.AlreadyExists):
         create(client, request_id="4f6c0e1e-1b1a-4c0a-9b7e-000000000002")
+
+
+def test_a_request_id_is_honoured_for_an_hour(emu, client):
+    first = create(client, request_id="rid")
+    emu.clock.advance(3600 - 1)
+    assert create(client, request_id="rid").operation.name == first.operation.name
+    emu.clock.advance(1)
+    with pytest.raises(gexc.AlreadyExists):
+        create(client, request_id="rid")
+
+
+def test_a_request_id_replayed_after_its_resource_was_deleted_returns_the_old_operation(emu, client):
+    first = create(client, request_id="rid")
+    delete(client)
+    emu.clock.advance(sc.DELETING_S)
+    again = create(client, request_id="rid")
+    assert again.operation.name == first.operation.name
+    assert list(client.list_queued_resources(parent=PARENT)) == []
 
 
 def test_unknown_scenario_names_the_valid_ones():
