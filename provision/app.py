@@ -17,7 +17,7 @@ STATE_DIR = ".moe-tpu"
 
 
 class App:
-    current: "App | None" = None
+    current: App | None = None
 
     def __init__(self, *, dry_run: bool = False, scenario: str = "happy", output: str = "text",
                  verbose: int = 0, templates_dir: str | None = None, workdir: Path | None = None) -> None:

@@ -10,7 +10,8 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any, Iterator, TextIO
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 
 class Console:
@@ -56,7 +57,7 @@ class Console:
             self._out.flush()
 
     @contextlib.contextmanager
-    def progress(self, message: str) -> Iterator["Progress"]:
+    def progress(self, message: str) -> Iterator[Progress]:
         """A status line for a long wait; updated in place on a terminal, else one line per change."""
         bar = Progress(self, message)
         try:

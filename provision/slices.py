@@ -7,8 +7,9 @@ know whether the other end is Google Cloud or the emulator.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from provision.errors import CloudError, StockoutError, UsageError
 from provision.waiting import format_duration, poll

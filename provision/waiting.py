@@ -11,8 +11,9 @@ loop stops at the first terminal state, so nothing is polled after the end.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from provision.errors import CloudError
 

@@ -47,10 +47,8 @@ class Session:
         self.tpu = TpuApi(client, clock, console)
 
     @classmethod
-    def open(cls, app: "App") -> "Session":
+    def open(cls, app: App) -> Session:
         _require_control_deps()
-        import grpc
-
         from provision.cloud.calls import CallRecorder
 
         def show(entry: dict[str, Any]) -> None:
@@ -63,7 +61,7 @@ class Session:
         return cls._open_google(app, recorder)
 
     @classmethod
-    def _open_emulator(cls, app: "App", recorder) -> "Session":
+    def _open_emulator(cls, app: App, recorder) -> Session:
         import grpc
 
         from provision.emulator import Emulator
@@ -82,7 +80,7 @@ class Session:
         return cls(channel, emulator.clock, app.calls, app.console, emulator=emulator)
 
     @classmethod
-    def _open_google(cls, app: "App", recorder) -> "Session":
+    def _open_google(cls, app: App, recorder) -> Session:
         import google.auth
         import grpc
         from google.auth import exceptions as auth_exceptions

@@ -8,7 +8,8 @@ with a message that says what to do.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from provision.errors import CloudError, QuotaError, UsageError
 from provision.waiting import call_with_retry, is_rate_limit, poll

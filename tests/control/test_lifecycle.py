@@ -9,7 +9,7 @@ import yaml
 
 from provision.app import App
 from provision.config import load_config
-from provision.errors import CloudError, QuotaError, StockoutError
+from provision.errors import QuotaError, StockoutError
 from provision.slices import managed_resources, slice_down, slice_status, slice_up
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "v5e-64.yaml"

@@ -1,5 +1,7 @@
 """Retry and polling policy, on the simulated clock (no real sleeping)."""
 
+import itertools
+
 import pytest
 from google.api_core import exceptions as gexc
 
@@ -21,11 +23,11 @@ def test_poll_backs_off_to_the_cap_and_stops_at_the_terminal_state():
                   policy=PollPolicy(initial_s=5, factor=1.5, cap_s=60, jitter=0.0))
     assert result == "ACTIVE"
     assert len(fetch_times) == 31  # not one poll after the terminal state
-    gaps = [b - a for a, b in zip(fetch_times, fetch_times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(fetch_times)]
     assert gaps[0] == pytest.approx(5.0, abs=0.01)
     assert gaps[1] == pytest.approx(7.5, abs=0.01)
     assert max(gaps) == pytest.approx(60.0, abs=0.01)
-    assert all(b >= a - 1e-6 for a, b in zip(gaps, gaps[1:]))  # never shrinks
+    assert all(b >= a - 1e-6 for a, b in itertools.pairwise(gaps))  # never shrinks
 
 
 def test_poll_gives_up_after_the_timeout_with_a_hint():
