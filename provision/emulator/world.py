@@ -329,9 +329,11 @@ class World:
         rec, _ = self.find_node(name, now)
         if rec.node_state_at(name, now) != "DELETING":
             rec.node_deleted_at[name] = now
-        done_at = rec.node_deleted_at[name] + NODE_DELETING_S
+        # Already going, on its own or with its queued resource: done when the first of those ends.
+        ends = [rec.node_deleted_at[name] + NODE_DELETING_S] if name in rec.node_deleted_at else []
         if rec.deleted_at is not None:
-            done_at = min(done_at, rec.deleted_at + DELETING_S)
+            ends.append(rec.deleted_at + DELETING_S)
+        done_at = min(ends)
         return self.new_operation(name.rsplit("/nodes/", 1)[0], "delete", name, now, done_at, None)
 
 

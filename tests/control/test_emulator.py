@@ -249,6 +249,16 @@ def test_delete_node_then_queued_resource_without_force(emu, client):
     assert list(client.list_queued_resources(parent=PARENT)) == []
 
 
+def test_delete_node_while_its_queued_resource_is_deleting(emu, client):
+    create(client)
+    emu.clock.advance(3600)
+    delete(client)
+    emu.clock.advance(10)
+    operation = client.delete_node(name=f"{PARENT}/nodes/moe-demo")
+    emu.clock.advance(sc.DELETING_S - 10)
+    assert operation.done() and nodes(client) == []
+
+
 # --- operations --------------------------------------------------------------------------
 
 

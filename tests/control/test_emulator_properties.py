@@ -1,0 +1,113 @@
+"""Invariants of the emulated world under random sequences of creates, deletes and waiting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+tpu_v2 = pytest.importorskip("google.cloud.tpu_v2")
+
+from provision.emulator.validate import ApiError  # noqa: E402
+from provision.emulator.world import World  # noqa: E402
+
+ZONES = ("us-west4-a", "us-east5-a")
+IDS = ("a", "b", "c")
+START = 1_767_225_600.0
+# The order a queued resource moves through on its own (deletes aside).
+ORDER = ("CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE", "SUSPENDING", "SUSPENDED")
+
+
+def parent(zone: str) -> str:
+    return f"projects/p/locations/{zone}"
+
+
+def create_request(zone: str, qr_id: str, spot: bool, count: int) -> tpu_v2.CreateQueuedResourceRequest:
+    node = tpu_v2.Node(accelerator_type="v5litepod-16", runtime_version="v2-alpha-tpuv5-lite")
+    spec = tpu_v2.QueuedResource.Tpu.NodeSpec(parent=parent(zone), node=node)
+    if count > 1:
+        spec.multislice_params = tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(node_count=count)
+    else:
+        spec.node_id = qr_id
+    qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]))
+    if spot:
+        qr.spot = tpu_v2.QueuedResource.Spot()
+    return tpu_v2.CreateQueuedResourceRequest(parent=parent(zone), queued_resource_id=qr_id, queued_resource=qr)
+
+
+actions = st.lists(st.one_of(
+    st.tuples(st.just("create"), st.sampled_from(ZONES), st.sampled_from(IDS), st.booleans(),
+              st.integers(1, 3), st.sampled_from(("happy", "stockout", "long-queue", "preempt"))),
+    st.tuples(st.just("delete"), st.sampled_from(ZONES), st.sampled_from(IDS), st.booleans()),
+    st.tuples(st.just("delete_node"), st.sampled_from(ZONES), st.sampled_from(IDS)),
+    st.tuples(st.just("wait"), st.floats(0, 4 * 3600)),
+), max_size=15)
+
+
+def snapshot(world: World, now: float) -> dict:
+    """Everything a client could read: queued resources, nodes and operations, as JSON."""
+    out = {}
+    for rec in world.queued.values():
+        if rec.state_at(now) is None:
+            continue
+        out[rec.name] = tpu_v2.QueuedResource.to_json(world.queued_view(rec, now))
+        for node, index in rec.nodes:
+            if rec.node_state_at(node, now) is not None:
+                out[node] = tpu_v2.Node.to_json(world.node_view(rec, node, index, now))
+    for op in world.operations.values():
+        out[op["name"]] = str(world.operation_view(op, now))
+    return out
+
+
+def apply(world: World, action: tuple, now: float) -> float:
+    kind = action[0]
+    try:
+        if kind == "create":
+            _, zone, qr_id, spot, count, scenario = action
+            world.create_queued_resource(create_request(zone, qr_id, spot, count), now, scenario)
+        elif kind == "delete":
+            _, zone, qr_id, force = action
+            world.delete_queued_resource(tpu_v2.DeleteQueuedResourceRequest(
+                name=f"{parent(zone)}/queuedResources/{qr_id}", force=force), now)
+        elif kind == "delete_node":
+            _, zone, qr_id = action
+            world.delete_node(f"{parent(zone)}/nodes/{qr_id}", now)
+        else:
+            return now + action[1]
+    except ApiError as error:
+        assert error.code in ("ALREADY_EXISTS", "NOT_FOUND", "FAILED_PRECONDITION"), error
+    return now
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions)
+def test_world_invariants(steps):
+    world = World()
+    now = START
+    last_state: dict[str, str] = {}
+    for action in steps:
+        now = apply(world, action, now)
+        world.prune(now)
+        # 1. a save and load changes nothing a client can see, now or later
+        reloaded = World.from_json(json.loads(json.dumps(world.to_json(now))))
+        for later in (now, now + 600, now + 10 * 3600):
+            assert snapshot(reloaded, later) == snapshot(world, later)
+        live_nodes = []
+        for rec in world.queued.values():
+            state = rec.state_at(now)
+            # 2. left alone, a queued resource only moves forward (FAILED and DELETING end it)
+            previous = last_state.get(rec.name + str(rec.create_time))
+            if previous in ORDER and state in ORDER:
+                assert ORDER.index(state) >= ORDER.index(previous)
+            last_state[rec.name + str(rec.create_time)] = state
+            for node, _ in rec.nodes:
+                node_state = rec.node_state_at(node, now)
+                if node_state is not None:
+                    live_nodes.append(node)
+                # 3. nodes are READY only while their queued resource is ACTIVE
+                if node_state == "READY":
+                    assert state == "ACTIVE"
+        # 4. node names are unique among live nodes
+        assert len(live_nodes) == len(set(live_nodes))
