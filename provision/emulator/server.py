@@ -49,6 +49,8 @@ class Emulator:
     # --- lifecycle -------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Load the saved world (if any), bind to a loopback address and serve; returns the port."""
+        if self._server is not None:
+            raise RuntimeError(f"the emulator is already serving on {self.address}")
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"the emulator binds to loopback only, not {host!r}")
         self._load()

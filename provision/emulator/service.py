@@ -112,6 +112,9 @@ class TpuService:
                 tpu_v2.GuestAttributesEntry(namespace="tpu", key="ip-address",
                                             value=node.network_endpoints[int(x)].ip_address),
                 tpu_v2.GuestAttributesEntry(namespace="tpu", key="state", value=node.state.name),
+                # what the VM's metadata server says under instance/preempted (API-FACTS)
+                tpu_v2.GuestAttributesEntry(namespace="instance", key="preempted",
+                                            value="TRUE" if node.state.name == "PREEMPTED" else "FALSE"),
             ])) for x in wanted])
 
     # --- catalogue ---------------------------------------------------------------
@@ -225,10 +228,10 @@ def abort(context: grpc.ServicerContext, error: ApiError) -> None:
 def handlers(emulator: Emulator) -> list[grpc.GenericRpcHandler]:
     service = TpuService(emulator)
 
-    def unary(full_name: str, impl: Callable | None, des: Callable, ser: Callable):
+    def unary(full_name: str, impl: Callable, des: Callable, ser: Callable):
         def behaviour(request, context: grpc.ServicerContext):
             try:
-                return emulator.handle(full_name, lambda now: impl(request, now) if impl else None)
+                return emulator.handle(full_name, lambda now: impl(request, now))
             except ApiError as error:
                 abort(context, error)
         return grpc.unary_unary_rpc_method_handler(behaviour, request_deserializer=des,
@@ -241,7 +244,7 @@ def handlers(emulator: Emulator) -> list[grpc.GenericRpcHandler]:
 
     tpu = {m: unary(f"{TPU_SERVICE}/{m}", getattr(service, m), *io) for m, io in _TPU_METHODS.items()}
     tpu.update({m: unimplemented(f"{TPU_SERVICE}/{m}") for m in _TPU_UNIMPLEMENTED})
-    ops = {m: unary(f"{OPERATIONS_SERVICE}/{m}", getattr(service, m, None), *io)
+    ops = {m: unary(f"{OPERATIONS_SERVICE}/{m}", getattr(service, m), *io)
            for m, io in _OPERATIONS_METHODS.items() if m != "WaitOperation"}
     ops["WaitOperation"] = grpc.unary_unary_rpc_method_handler(
         _wait_operation(emulator, service), request_deserializer=_OPERATIONS_METHODS["WaitOperation"][0],

@@ -7,11 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("grpc")
-tpu_v2 = pytest.importorskip("google.cloud.tpu_v2")
-
 from google.api_core import exceptions as gexc
+from google.cloud import tpu_v2
 from google.longrunning import operations_pb2
 from google.protobuf import duration_pb2
 
@@ -512,6 +509,8 @@ def test_bound_to_loopback_only(emu):
     assert listening == {"127.0.0.1"}
     with pytest.raises(ValueError, match="loopback"):
         Emulator().start(host="0.0.0.0")
+    with pytest.raises(RuntimeError, match="already serving"):
+        emu.start()
 
 
 def _listening_addresses(port: int) -> set[str] | None:

@@ -9,13 +9,12 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
+from google.cloud import tpu_v2
 
 from provision.cli import main
 from provision.emulator import ScaledClock
-
-tpu_v2 = pytest.importorskip("google.cloud.tpu_v2")
-grpc = pytest.importorskip("grpc")
 
 PARENT = "projects/p/locations/us-west4-a"
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
+from google.cloud import tpu_v2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-tpu_v2 = pytest.importorskip("google.cloud.tpu_v2")
-
-from provision.emulator.validate import ApiError  # noqa: E402
-from provision.emulator.world import World  # noqa: E402
+from provision.emulator.validate import ApiError
+from provision.emulator.world import World
 
 ZONES = ("us-west4-a", "us-east5-a")
 IDS = ("a", "b", "c")

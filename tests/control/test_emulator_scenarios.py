@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("grpc")
-tpu_v2 = pytest.importorskip("google.cloud.tpu_v2")
-
 from google.api_core import exceptions as gexc
+from google.cloud import tpu_v2
 from google.rpc import error_details_pb2
 
 from provision.emulator import Emulator
@@ -229,6 +226,9 @@ def test_preempt_suspends_a_spot_slice_after_it_was_ready():
         assert suspending.state.name == "SUSPENDING"
         assert suspending.state_initiator == tpu_v2.QueuedResourceState.StateInitiator.SERVICE
         assert node_states(client) == ["PREEMPTED"]
+        attributes = client.get_guest_attributes(request=tpu_v2.GetGuestAttributesRequest(
+            name=f"{parent()}/nodes/moe-demo")).guest_attributes
+        assert {e.value for a in attributes for e in a.query_value.items if e.key == "preempted"} == {"TRUE"}
         emu.clock.advance(sc.SUSPENDING_S)
         suspended = get(client)
         assert suspended.state.state.name == "SUSPENDED"
