@@ -248,7 +248,7 @@ class World:
         name = f"{parent}/operations/operation-{int(now * 1000)}-{tag[:13]}-{tag[13:21]}-{tag[21:29]}"
         op = {"name": name, "verb": verb, "target": target, "create_time": now, "done_at": done_at,
               "response_type": "QueuedResource" if response is not None else "Empty",
-              "response": json.loads(QR.to_json(response)) if response is not None else None,
+              "response": _as_json(response) if response is not None else None,
               "cancel_requested": False}
         self.operations[name] = op
         if request_id:
@@ -280,7 +280,7 @@ class World:
                       stocked_out=scenario == "stockout" and zone == self.first_zone,
                       valid_until_s=_valid_until_s(qr, now))
         qr.name = ""
-        rec = QueuedRecord(name=name, request=json.loads(QR.to_json(qr)), create_time=now, timeline=tl,
+        rec = QueuedRecord(name=name, request=_as_json(qr), create_time=now, timeline=tl,
                            nodes=nodes, multislice=multislice)
         self.queued[name] = rec
         # The create operation is done at its first poll; its response is the queued resource then.
@@ -335,6 +335,11 @@ class World:
             ends.append(rec.deleted_at + DELETING_S)
         done_at = min(ends)
         return self.new_operation(name.rsplit("/nodes/", 1)[0], "delete", name, now, done_at, None)
+
+
+def _as_json(qr: QR) -> dict:
+    """A queued resource as proto JSON for the state file: set fields only, enums by name."""
+    return json.loads(QR.to_json(qr, use_integers_for_enums=False, always_print_fields_with_no_presence=False))
 
 
 def _class_name(data_field: str) -> str:
