@@ -95,8 +95,33 @@ def runtime_version(acc: AcceleratorType, version: str) -> None:
                        f'accelerator type "{acc.name}"; supported: {", ".join(acc.runtime_versions)}')
 
 
+MAX_LABELS = 64
+# GCE metadata limits: 256 KiB per value, 512 KiB in all.
+MAX_METADATA_VALUE_BYTES = 256 * 1024
+MAX_METADATA_BYTES = 512 * 1024
+
+
+def metadata(values: dict[str, str]) -> None:
+    """GCE metadata limits (the message is unconfirmed for the TPU API)."""
+    total = 0
+    for key, value in values.items():
+        size = len(key.encode()) + len(value.encode())
+        total += size
+        if len(value.encode()) > MAX_METADATA_VALUE_BYTES:
+            raise ApiError("INVALID_ARGUMENT",
+                           f'metadata value for key "{key}" is {len(value.encode())} bytes; the limit is '
+                           f"{MAX_METADATA_VALUE_BYTES} bytes")
+    if total > MAX_METADATA_BYTES:
+        raise ApiError("INVALID_ARGUMENT",
+                       f"metadata is {total} bytes in all; the limit is {MAX_METADATA_BYTES} bytes")
+
+
 def labels(values: dict[str, str]) -> None:
     """GCE label rules: keys start with a lowercase letter; lowercase letters, digits, - and _; <= 63."""
+    if len(values) > MAX_LABELS:
+        # Unconfirmed message shape.
+        raise ApiError("INVALID_ARGUMENT",
+                       f"resource labels are invalid: {len(values)} labels; at most {MAX_LABELS} are allowed")
     for key, value in values.items():
         for what, text in (("key", key), ("value", value)):
             for index, char in enumerate(text):

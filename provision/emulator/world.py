@@ -391,6 +391,7 @@ def _check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[
         acc = validate.accelerator(zone, _accelerator_name(spec.node))
         validate.runtime_version(acc, spec.node.runtime_version)
         validate.labels(dict(spec.node.labels))
+        validate.metadata(dict(spec.node.metadata))
         nodes.extend((f"{parent}/nodes/{i}", index) for i in ids)
     if len({n for n, _ in nodes}) != len(nodes):
         raise ApiError("INVALID_ARGUMENT", "node ids in queued_resource.tpu.node_spec must be unique")

@@ -25,11 +25,12 @@ QRState = tpu_v2.QueuedResourceState.State
 
 def queued_resource(parent: str = PARENT, node_id: str | None = "moe-demo", accelerator: str = "v5litepod-16",
                     runtime: str = RUNTIME, spot: bool = True, count: int = 1,
-                    labels: dict[str, str] | None = None) -> tpu_v2.QueuedResource:
+                    labels: dict[str, str] | None = None,
+                    metadata: dict[str, str] | None = None) -> tpu_v2.QueuedResource:
     """A queued resource request like the lifecycle sends: one node, or `count` for multislice."""
     node = tpu_v2.Node(accelerator_type=accelerator, runtime_version=runtime,
                        labels=labels if labels is not None else {"moe-tpu-run": "moe-demo"},
-                       metadata={"startup-script": "echo hi"})
+                       metadata=metadata if metadata is not None else {"startup-script": "echo hi"})
     spec = tpu_v2.QueuedResource.Tpu.NodeSpec(parent=parent, node=node)
     if count > 1:
         spec.multislice_params = tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
@@ -333,6 +334,8 @@ def test_node_name_in_use_is_already_exists(client):
     ({"qr_id": ""}, "Invalid queued_resource_id"),
     ({"labels": {"Run": "x"}}, "resource labels are invalid: key \"Run\" contains invalid character 'R'"),
     ({"labels": {"run": "x" * 64}}, "is longer than 63 characters"),
+    ({"labels": {f"k{i}": "v" for i in range(65)}}, "65 labels; at most 64"),
+    ({"metadata": {"startup-script": "x" * (256 * 1024 + 1)}}, 'metadata value for key "startup-script"'),
 ])
 def test_invalid_requests_are_invalid_argument(client, kwargs, fragment):
     with pytest.raises(gexc.InvalidArgument) as info:
