@@ -87,6 +87,7 @@ class Trainer:
     mesh: Mesh
     graphdef: nnx.GraphDef
     codec: ParamCodec
+    rest: nnx.State
     optimizer: optax.GradientTransformation
     schedule: Callable
     state_shardings: Any
@@ -101,27 +102,28 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
         with nnx.use_eager_sharding(False):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
-    abstract_model = nnx.eval_shape(make_model)
-    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
     codec = ParamCodec(abstract_params)
     optimizer = make_optimizer(cfg.optim, total_steps)
 
     def init() -> State:
-        _, params = nnx.split(make_model(), nnx.Param)
+        _, params, _ = nnx.split(make_model(), nnx.Param, ...)
         flat = codec.flatten(params)
         return {"step": jnp.zeros((), jnp.int32), "params": flat, "opt_state": optimizer.init(flat)}
 
+    # Non-parameter state: only RNG streams (MoE router jitter); the step folds into their keys.
+    rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ...)[2])()
     abstract_state = jax.eval_shape(init)
     state_shardings = _state_shardings(abstract_state, codec, optimizer, mesh, cfg.train.fsdp)
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   abstract_state, state_shardings)
     batch_sharding = sharding.batch_sharding(mesh)
-    step = make_train_step(cfg, graphdef, codec, optimizer, lr_schedule(cfg.optim, total_steps))
+    schedule = lr_schedule(cfg.optim, total_steps)
+    step = make_train_step(graphdef, codec, rest, optimizer, schedule)
     return Trainer(
-        cfg=cfg, mesh=mesh, graphdef=graphdef, codec=codec, optimizer=optimizer,
-        schedule=lr_schedule(cfg.optim, total_steps), state_shardings=state_shardings,
-        abstract_state=abstract_state, batch_sharding=batch_sharding,
-        init_fn=jax.jit(init, out_shardings=state_shardings),
+        cfg=cfg, mesh=mesh, graphdef=graphdef, codec=codec, rest=rest, optimizer=optimizer,
+        schedule=schedule, state_shardings=state_shardings, abstract_state=abstract_state,
+        batch_sharding=batch_sharding, init_fn=jax.jit(init, out_shardings=state_shardings),
         step_fn=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                         out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
     )
@@ -136,19 +138,30 @@ def _state_shardings(abstract_state: State, codec: ParamCodec, optimizer, mesh: 
     return {"step": replicated, "params": params, "opt_state": opt_state}
 
 
-def make_train_step(cfg: Config, graphdef: nnx.GraphDef, codec: ParamCodec,
+def step_rngs(rest: nnx.State, step: jax.Array) -> nnx.State:
+    """RNG streams with the step folded into their keys: fresh noise every step, the same on resume."""
+
+    def fold(var):  # new Variables: nnx mutates them (the count), which needs this trace's objects
+        if isinstance(var, nnx.RngKey):
+            return var.replace(jax.random.fold_in(var[...], step))
+        return var.replace(var[...])
+
+    return jax.tree.map(fold, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
                     optimizer: optax.GradientTransformation, schedule: Callable):
     """train_step(state, batch_BxT) -> (state, metrics); pure, for jax.jit."""
 
-    def loss_fn(params: dict, tokens_BxT: jax.Array):
-        model = nnx.merge(graphdef, codec.unflatten(params))
+    def loss_fn(params: dict, tokens_BxT: jax.Array, step: jax.Array):
+        model = nnx.merge(graphdef, codec.unflatten(params), step_rngs(rest, step))
         logits_BxLxV, aux = model(tokens_BxT[:, :-1], train=True)
         ce = cross_entropy(logits_BxLxV, tokens_BxT[:, 1:])
         return ce + aux["aux_loss"] + aux["z_loss"], (ce, aux)
 
     def train_step(state: State, tokens_BxT: jax.Array) -> tuple[State, dict]:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (total, (ce, aux)), grads = grad_fn(state["params"], tokens_BxT)
+        (total, (ce, aux)), grads = grad_fn(state["params"], tokens_BxT, state["step"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": ce, "total_loss": total, "grad_norm": optax.global_norm(grads),
@@ -159,7 +172,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, codec: ParamCodec,
 
 
 def model_from_state(trainer: Trainer, state: State) -> Transformer:
-    return nnx.merge(trainer.graphdef, trainer.codec.unflatten(state["params"]))
+    return nnx.merge(trainer.graphdef, trainer.codec.unflatten(state["params"]), trainer.rest)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -198,8 +211,8 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None) -> Ru
         mesh_shape = spec.mesh_shape or {"data": len(devices), "expert": 1}
         check_divisibility(cfg, mesh_shape)
         mesh = sharding.make_mesh(mesh_shape, devices)
-        trainer = build_trainer(cfg, mesh, spec.steps)
         source = make_source(cfg, cfg.train.seed)
+        trainer = build_trainer(cfg, mesh, spec.steps)
         data = DataIterator(source, cfg.data.global_batch_size, cfg.model.vocab_size,
                             process_index=jax.process_index(), process_count=jax.process_count())
         if spec.output_dir:

@@ -1,0 +1,82 @@
+"""The trainer's typed config: named configs, overrides, and errors that name the key."""
+
+import dataclasses
+
+import pytest
+
+from trainer import flops
+from trainer.config import Config, ConfigError, load_config, named_configs
+
+
+def test_named_configs_ship_and_load():
+    assert {"tiny", "switch-base-8", "glam-small", "v5e-64", "moe-1b"} <= set(named_configs())
+    for name in named_configs():
+        cfg = load_config(name)
+        assert isinstance(cfg, Config) and cfg.name == name
+
+
+def test_overrides_reach_typed_fields():
+    cfg = load_config("tiny", ["dtype=bfloat16", "moe.num_experts=4", "moe.top_k=1",
+                               "moe.capacity_factor=0", "data.source=synthetic", "train.seed=7"])
+    assert (cfg.dtype, cfg.moe.num_experts, cfg.moe.top_k) == ("bfloat16", 4, 1)
+    assert cfg.moe.capacity_factor == 0.0 and isinstance(cfg.moe.capacity_factor, float)
+    assert cfg.train.seed == 7
+
+
+def test_a_yaml_file_can_inherit_a_named_config(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: tiny\nmodel:\n  num_layers: 3\n")
+    cfg = load_config(str(path))
+    assert cfg.name == "mine" and cfg.model.num_layers == 3 and cfg.model.d_model == 64
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["moe.num_expert=4"], "did you mean 'moe.num_experts'"),
+    (["modle.d_model=4"], "did you mean 'model'"),
+    (["dtype=float8"], "dtype must be one of"),
+    (["model.num_layers=two"], "model.num_layers must be an integer"),
+    (["moe.top_k=9"], "moe"),
+    (["data.source=text"], "needs data.path"),
+    (["model.d_model=65"], "divisible"),
+    (["nonsense"], "key.sub=value"),
+])
+def test_bad_configs_raise_config_error_naming_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config("tiny", overrides)
+    assert needle in str(err.value)
+
+
+def test_unknown_named_config_suggests_the_closest():
+    with pytest.raises(ConfigError, match="did you mean 'tiny'"):
+        load_config("tiyn")
+
+
+def test_param_counts_match_the_built_model():
+    import jax
+    from flax import nnx
+
+    from trainer.model import build_model
+
+    for overrides in ([], ["model.tie_embeddings=true", "model.moe_every=2", "model.num_kv_heads=2"]):
+        cfg = load_config("tiny", overrides)
+        params = nnx.state(build_model(cfg), nnx.Param)
+        assert sum(x.size for x in jax.tree.leaves(params)) == flops.param_counts(cfg)["total"]
+
+
+def test_flops_and_peaks():
+    cfg = load_config("v5e-64")
+    counts = flops.param_counts(cfg)
+    assert 12e9 < counts["total"] < 15e9 and 1.0e9 < counts["active"] < 1.4e9
+    assert flops.device_peak_flops("TPU v5 lite") == 197e12
+    assert flops.device_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert flops.device_peak_flops("cpu") is None
+    tiny = load_config("tiny")
+    assert flops.mfu(tiny, 1.0, 1, "cpu") is None
+    assert flops.mfu(tiny, 1.0, 2, "TPU v5 lite") == flops.flops_per_step(tiny) / (2 * 197e12)
+    assert flops.flops_per_step(tiny) == flops.flops_per_token(tiny) * 16 * 64
+
+
+def test_config_is_frozen():
+    cfg = load_config("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.dtype = "bfloat16"

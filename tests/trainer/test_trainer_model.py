@@ -1,0 +1,102 @@
+"""Model invariants: causality, jit equals no-jit, logical names on every parameter, sharding rules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from trainer import sharding
+from trainer.config import load_config
+from trainer.model import ParamCodec, build_model
+
+DROPLESS = ["moe.capacity_factor=0"]
+
+
+def tokens(batch=2, length=16, seed=0):
+    """Random token ids [batch, length]."""
+    return jax.random.randint(jax.random.key(seed), (batch, length), 0, 256)
+
+
+@pytest.mark.parametrize("overrides", [DROPLESS, DROPLESS + ["model.moe_every=2", "model.num_kv_heads=2"]])
+def test_causality(overrides):
+    """Changing token t never changes the outputs at positions before t."""
+    model = build_model(load_config("tiny", overrides))
+    forward = nnx.jit(lambda m, x: m(x, train=False)[0])
+    x = tokens()
+    logits = forward(model, x)
+    for t in (0, 7, 15):
+        changed = x.at[:, t].set((x[:, t] + 1) % 256)
+        logits2 = forward(model, changed)
+        np.testing.assert_array_equal(logits[:, :t], logits2[:, :t])
+        assert not np.allclose(logits[:, t], logits2[:, t])
+
+
+def test_jit_equals_no_jit_forward():
+    model = build_model(load_config("tiny"))
+    x = tokens()
+    eager, aux = model(x)
+    jitted, aux_j = nnx.jit(lambda m, x: m(x))(model, x)
+    np.testing.assert_allclose(eager, jitted, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(aux["expert_load"], aux_j["expert_load"], atol=1e-6)
+    assert eager.shape == (2, 16, 256) and eager.dtype == jnp.float32
+    assert aux["expert_load"].shape == (8,) and float(aux["expert_load"].sum()) == pytest.approx(1.0)
+
+
+def test_remat_and_bfloat16_compute_keep_float32_master_weights():
+    x = tokens()
+    loss = nnx.jit(lambda m, x: jnp.mean(nnx.grad(lambda m: m(x)[0].std())(m)["embed"][...] ** 2))
+    base = build_model(load_config("tiny"))
+    remat = build_model(load_config("tiny", ["model.remat=true"]))
+    np.testing.assert_allclose(loss(base, x), loss(remat, x), rtol=1e-5)
+    bf16 = build_model(load_config("tiny", ["dtype=bfloat16"]))
+    logits = nnx.jit(lambda m, x: m(x)[0])(bf16, x)
+    assert logits.dtype == jnp.float32
+    assert {p.dtype for p in jax.tree.leaves(nnx.state(bf16, nnx.Param))} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x)[0])(base, x), logits, atol=0.1)
+
+
+def test_every_param_has_logical_names_and_codec_round_trips():
+    model = build_model(load_config("tiny", ["model.moe_every=2"]))
+    params = nnx.state(model, nnx.Param)
+    codec = ParamCodec(params)
+    assert all(sharding.variable_names(v) is not None for v in codec.variables.values())
+    flat = codec.flatten(params)
+    assert "blocks.0.attn.wq" in flat and "blocks.1.ffn.w_in" in flat and "blocks.0.ffn.w_in" in flat
+    back = codec.flatten(codec.unflatten(flat))
+    assert all(back[k] is flat[k] for k in flat)
+
+
+def test_sharding_rules_map_names_to_the_mesh():
+    mesh = sharding.make_mesh({"data": 2, "expert": 4}, jax.devices()[:8])
+    variables = ParamCodec(nnx.state(build_model(load_config("tiny")), nnx.Param)).variables
+    specs = sharding.param_specs(variables, mesh)
+    assert specs["blocks.0.ffn.w_in"] == P("expert", None, None)
+    assert specs["blocks.0.ffn.w_out"] == P("expert", None, None)
+    assert specs["blocks.0.attn.wq"] == P(None, None, None)
+    assert specs["embed"] == P(None, None)
+    fsdp = sharding.param_specs(variables, mesh, fsdp=True)
+    assert fsdp["blocks.0.attn.wq"] == P("data", None, None)
+    assert fsdp["blocks.0.ffn.w_in"] == P("expert", "data", None)
+    assert fsdp["blocks.0.attn_norm.scale"] == P(None)
+    assert sharding.batch_sharding(mesh).spec == P(("data", "expert"), None)
+    # A dimension the mesh cannot divide stays whole.
+    assert sharding.logical_to_spec(("expert", "embed"), (6, 64), mesh) == P(None, None)
+
+
+@pytest.mark.parametrize("text, count, expected", [
+    (None, 8, {"data": 8, "expert": 1}),
+    ("data=2,expert=4", 8, {"data": 2, "expert": 4}),
+    ("expert=8", 8, {"data": 1, "expert": 8}),
+])
+def test_parse_mesh(text, count, expected):
+    assert sharding.parse_mesh(text, count) == expected
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("data=3,expert=2", "needs 6 devices"), ("data=2,model=4", "data=D,expert=E"), ("data=x", "integer"),
+])
+def test_parse_mesh_errors(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        sharding.parse_mesh(text, 8)

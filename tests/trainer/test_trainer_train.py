@@ -1,0 +1,78 @@
+"""The train loop in-process: it learns (synthetic floor, byte text), the schedule, multi-host detection."""
+
+import json
+import math
+import pathlib
+
+import numpy as np
+import pytest
+
+from trainer import distributed
+from trainer.config import load_config
+from trainer.metrics import Reporter
+from trainer.train import RunSpec, lr_schedule, run
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def train(tmp_path, steps, overrides=(), **spec):
+    """Runs the loop on one device; returns the metric rows."""
+    metrics = tmp_path / "metrics.jsonl"
+    reporter = Reporter(str(metrics))
+    try:
+        result = run(RunSpec(config=load_config("tiny", list(overrides)), steps=steps, num_devices=1,
+                             mesh_shape={"data": 1, "expert": 1}, **spec), reporter)
+    finally:
+        reporter.close()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert result.step == steps and [r["step"] for r in rows] == list(range(1, steps + 1))
+    return rows
+
+
+def test_tiny_approaches_the_entropy_floor_of_the_markov_source(tmp_path):
+    rows = train(tmp_path, 120)
+    floor = rows[-1]["entropy_floor"]
+    final = np.mean([r["loss"] for r in rows[-10:]])
+    assert rows[0]["loss"] > floor + 3
+    assert floor - 0.1 < final < floor + 0.15, (final, floor)
+    keys = {"step", "loss", "aux_loss", "z_loss", "drop_fraction", "expert_load", "tokens_per_s",
+            "step_time_s", "mfu", "grad_norm", "lr", "entropy_floor"}
+    assert keys <= set(rows[-1])
+    assert rows[-1]["mfu"] is None  # the CPU's peak is unknown
+    assert len(rows[-1]["expert_load"]) == 8 and sum(rows[-1]["expert_load"]) == pytest.approx(1.0)
+
+
+def test_byte_level_text_loss_falls_well_below_uniform(tmp_path):
+    rows = train(tmp_path, 60, [f"data.source=text", f"data.path={ROOT}/trainer/*.py"])
+    assert "entropy_floor" not in rows[-1]
+    assert np.mean([r["loss"] for r in rows[-5:]]) < math.log(256) - 2.0
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = load_config("tiny", ["optim.lr=1.0", "optim.warmup_steps=4", "optim.min_lr_ratio=0.1"]).optim
+    lr = lr_schedule(cfg, total_steps=14)
+    values = [float(lr(s)) for s in range(16)]
+    assert values[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert values[4] == pytest.approx(1.0) and values[9] == pytest.approx(0.55)
+    assert values[14:] == pytest.approx([0.1, 0.1])
+    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, False),
+    ({"TPU_WORKER_HOSTNAMES": "t1k-w-0"}, False),
+    ({"TPU_WORKER_HOSTNAMES": "w-0,w-1,w-2,w-3"}, True),
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234"}, True),
+    ({"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2"}, True),
+    ({"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["a:1"], "workerpool1": ["b:1"]}})}, True),
+    ({"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["a:1"]}})}, False),
+    ({"TPU_WORKER_HOSTNAMES": "w-0,w-1", "MOE_TRAIN_DISTRIBUTED": "0"}, False),
+])
+def test_multi_host_detection(env, expected):
+    assert distributed.wants_distributed(env) is expected
+    assert distributed.initialize({}) == "single-host"
+
+
+def test_pathways_detection():
+    assert distributed.wants_pathways({"JAX_PLATFORMS": "proxy"})
+    assert not distributed.wants_pathways({"JAX_PLATFORMS": "cpu"})
