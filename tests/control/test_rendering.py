@@ -89,7 +89,7 @@ def test_request_is_the_real_message():
     assert dict(spec.node.labels) == {"managed-by": "moe-tpu", "moe-tpu-run": "moe-demo"}
     assert spec.node.metadata["startup-script"] == rendering.startup_script(load_config(EXAMPLE))
     assert "spot" in qr and "guaranteed" not in qr
-    assert qr.queueing_policy.valid_until_duration.total_seconds() == 7200
+    assert qr.queueing_policy.valid_until_duration.total_seconds() == 6 * 3600  # slice.max_wait: 6h
 
 
 def test_multislice_reserved_with_service_account():
