@@ -142,14 +142,18 @@ def test_flaky_api_is_retried_and_makes_exactly_one_slice(tmp_path, run_in):
     assert managed_resources(run.session, "my-project", cfg.zones) == []
 
 
-def test_rerun_after_a_crash_adopts_instead_of_duplicating(tmp_path, run_in):
+def crash_after_create(cfg, run_in) -> None:
+    """An invocation that sent its create and died before waiting for anything."""
     from provision.rendering import create_queued_resource_request
 
-    cfg = make_config(tmp_path)
     crashed = run_in()
-    # The process sent its create and died before waiting for anything.
     crashed.session.tpu.client.create_queued_resource(request=create_queued_resource_request(cfg, "us-west4-a"))
     crashed.close()
+
+
+def test_rerun_after_a_crash_adopts_instead_of_duplicating(tmp_path, run_in):
+    cfg = make_config(tmp_path)
+    crash_after_create(cfg, run_in)
     rerun = run_in()
     resources = slice_up(cfg, rerun.session, rerun.app.console)
     assert resources[0].state == "ACTIVE"
@@ -158,12 +162,8 @@ def test_rerun_after_a_crash_adopts_instead_of_duplicating(tmp_path, run_in):
 
 
 def test_down_after_a_killed_up_leaves_nothing(tmp_path, run_in):
-    from provision.rendering import create_queued_resource_request
-
     cfg = make_config(tmp_path)
-    crashed = run_in()
-    crashed.session.tpu.client.create_queued_resource(request=create_queued_resource_request(cfg, "us-west4-a"))
-    crashed.close()
+    crash_after_create(cfg, run_in)
     cleanup = run_in()
     deleted = slice_down(cfg, cleanup.session, cleanup.app.console)
     assert len(deleted) == 1
