@@ -41,14 +41,10 @@ MODES = ("capacity", "dropless")
 SEQ_LEN = 128
 
 
-def median_ms(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def time_ms(fn, args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) * 1e3
 
 
 def make_inputs(mesh, experts, d_model, d_ff, tokens, seed=0):
@@ -84,6 +80,8 @@ def ideal_step():
 
 
 def run_case(mesh, case, modes, reps):
+    """Times the ideal, the einsum baseline and every mode in interleaved rounds, so that load
+    from other processes hits them alike; reports medians over the rounds."""
     experts, k, d_model, d_ff, tokens, cf = case
     devices = mesh.devices.size
     x, router, w = make_inputs(mesh, experts, d_model, d_ff, tokens)
@@ -91,19 +89,25 @@ def run_case(mesh, case, modes, reps):
     rows = jax.device_put(
         jax.random.normal(jax.random.key(7), (experts, devices * capacity, d_model)), NamedSharding(mesh, P("expert"))
     )
-    ideal_ms = median_ms(ideal_step(), (rows, w), reps)
     base = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=cf)
-    einsum_cfg = MoEConfig(**{**base.__dict__, "dispatch": "einsum"})
-    einsum_ms = median_ms(block_step(einsum_cfg, mesh), (x, router, w), reps)
+    configs = {"einsum": MoEConfig(**{**base.__dict__, "dispatch": "einsum"})}
+    configs.update({m: base if m == "capacity" else MoEConfig(**{**base.__dict__, "capacity_factor": 0.0}) for m in modes})
+    steps = {"ideal": (ideal_step(), (rows, w))}
+    steps.update({name: (block_step(cfg, mesh), (x, router, w)) for name, cfg in configs.items()})
+    for fn, args in steps.values():
+        jax.block_until_ready(fn(*args))  # compile and warm up
+    times = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, (fn, args) in steps.items():
+            times[name].append(time_ms(fn, args))
+    ms = {name: statistics.median(t) for name, t in times.items()}
     for mode in modes:
-        cfg = base if mode == "capacity" else MoEConfig(**{**base.__dict__, "capacity_factor": 0.0})
-        moe_ms = median_ms(block_step(cfg, mesh), (x, router, w), reps)
         yield {
             "experts": experts, "top_k": k, "d_model": d_model, "d_ff": d_ff, "tokens": tokens,
             "capacity_factor": cf, "devices": devices, "mode": mode, "dtype": "float32",
-            "moe_ms": round(moe_ms, 2), "ideal_ms": round(ideal_ms, 2),
-            "ratio_to_ideal": round(moe_ms / ideal_ms, 3),
-            "einsum_ms": round(einsum_ms, 2), "speedup_vs_einsum": round(einsum_ms / moe_ms, 3),
+            "moe_ms": round(ms[mode], 2), "ideal_ms": round(ms["ideal"], 2),
+            "ratio_to_ideal": round(ms[mode] / ms["ideal"], 3),
+            "einsum_ms": round(ms["einsum"], 2), "speedup_vs_einsum": round(ms["einsum"] / ms[mode], 3),
         }
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from trainer.moe.gmm import grouped_matmul
+from trainer.moe.tiled import tiled_ffn
 
 
 class ExpertWeights(NamedTuple):
@@ -32,7 +33,9 @@ def batched_ffn(x_ExCxD: jax.Array, w: ExpertWeights) -> jax.Array:
 def grouped_ffn(
     x_MxD: jax.Array, w: ExpertWeights, block_group_NB: jax.Array, num_blocks: jax.Array, *, impl: str
 ) -> jax.Array:
-    """The same FFN over rows sorted by expert in the aligned block layout."""
+    """The same FFN over rows sorted by expert in the aligned block layout (see gmm.py)."""
+    if impl == "tiled":
+        return tiled_ffn(x_MxD, *w, block_group_NB, num_blocks)
     h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, block_group_NB, num_blocks, impl=impl)
     g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, block_group_NB, num_blocks, impl=impl)
     return grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, block_group_NB, num_blocks, impl=impl)

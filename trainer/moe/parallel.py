@@ -21,9 +21,11 @@ TOKEN_AXES = ("data", "expert")
 
 
 def token_axes(mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh axes tokens are split over; size-1 axes are left out so that no gradient
+    takes a (not optimised away) all-reduce over one device."""
     if mesh is None:
         return ()
-    return tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+    return tuple(a for a in TOKEN_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
 
 
 def expert_shards(mesh: Mesh | None) -> int:
