@@ -65,8 +65,8 @@ class Transformer(nnx.Module):
             if aux is not None:
                 auxes.append(aux)
         x_BxLxD = self.final_norm(x_BxLxD)
-        if self.head is None:
-            w_DxV = self.embed[...].T
+        if self.head is None:  # tied: scaled so that unit-variance embeddings give unit-variance logits
+            w_DxV = self.embed[...].T * (self.embed.shape[-1] ** -0.5)
         else:
             w_DxV = self.head[...]
         logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype),

@@ -67,7 +67,7 @@ def param_specs(variables: Mapping[str, nnx.Variable], mesh: Mesh, fsdp: bool = 
     specs = {}
     for name, var in variables.items():
         names = variable_names(var)
-        shape = var.value.shape
+        shape = var.get_value().shape
         if names is not None and len(names) != len(shape):
             raise ValueError(f"param {name}: logical names {names} do not match shape {shape}")
         specs[name] = P() if names is None else logical_to_spec(names, shape, mesh, fsdp)

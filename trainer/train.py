@@ -164,7 +164,7 @@ def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
         (total, (ce, aux)), grads = grad_fn(state["params"], tokens_BxT, state["step"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": ce, "total_loss": total, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": ce, "total_loss": total, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state["step"]), **aux}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 

@@ -43,9 +43,15 @@ def test_tiny_approaches_the_entropy_floor_of_the_markov_source(tmp_path):
 
 
 def test_byte_level_text_loss_falls_well_below_uniform(tmp_path):
-    rows = train(tmp_path, 60, [f"data.source=text", f"data.path={ROOT}/trainer/*.py"])
+    """Also: checkpoints every N steps keep the last K, and --profile-steps writes a trace."""
+    out = tmp_path / "out"
+    rows = train(tmp_path, 60, ["data.source=text", f"data.path={ROOT}/trainer/*.py",
+                                "train.checkpoint_every=20", "train.keep_checkpoints=2"],
+                 output_dir=str(out), profile_steps=(2, 3))
     assert "entropy_floor" not in rows[-1]
     assert np.mean([r["loss"] for r in rows[-5:]]) < math.log(256) - 2.0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["40", "60"]
+    assert list((out / "profile").rglob("*.xplane.pb"))
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
