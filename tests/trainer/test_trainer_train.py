@@ -4,13 +4,16 @@ import json
 import math
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
-from trainer import distributed
+from trainer import distributed, sharding
+from trainer.checkpoint import Checkpointer
 from trainer.config import load_config
+from trainer.data import DataIterator, make_source
 from trainer.metrics import Reporter
-from trainer.train import RunSpec, lr_schedule, run
+from trainer.train import RunSpec, build_trainer, global_batch, lr_schedule, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -45,13 +48,24 @@ def test_tiny_approaches_the_entropy_floor_of_the_markov_source(tmp_path):
 def test_byte_level_text_loss_falls_well_below_uniform(tmp_path):
     """Also: checkpoints every N steps keep the last K, and --profile-steps writes a trace."""
     out = tmp_path / "out"
-    rows = train(tmp_path, 60, ["data.source=text", f"data.path={ROOT}/trainer/*.py",
-                                "train.checkpoint_every=20", "train.keep_checkpoints=2"],
-                 output_dir=str(out), profile_steps=(2, 3))
+    overrides = ["data.source=text", f"data.path={ROOT}/trainer/*.py", "train.checkpoint_every=20",
+                 "train.keep_checkpoints=2"]
+    rows = train(tmp_path, 60, overrides, output_dir=str(out), profile_steps=(2, 3))
     assert "entropy_floor" not in rows[-1]
     assert np.mean([r["loss"] for r in rows[-5:]]) < math.log(256) - 2.0
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["40", "60"]
     assert list((out / "profile").rglob("*.xplane.pb"))
+    # The periodic (asynchronous) checkpoint at 40 holds exactly the state that made step 41's loss.
+    cfg = load_config("tiny", overrides)
+    trainer = build_trainer(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]), 60)
+    ckpt = Checkpointer(str(out / "checkpoints"), every=20, keep=2)
+    state, data_state = ckpt.restore(40, trainer.abstract_state)
+    ckpt.close()
+    data = DataIterator(make_source(cfg, cfg.train.seed), cfg.data.global_batch_size, 256)
+    data.restore(data_state)
+    assert data.position == 40 and int(state["step"]) == 40
+    _, metrics = trainer.step_fn(state, global_batch(trainer, next(data)))
+    assert float(metrics["loss"]) == pytest.approx(rows[40]["loss"], rel=1e-6)
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
