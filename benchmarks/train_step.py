@@ -58,7 +58,8 @@ def main() -> int:
         cases = [(f"{args.config}, default backend", args.config, [])]
     else:
         cases = CPU_CASES
-    results = {name: measure(config, flags, args.steps, args.overrides) for name, config, flags in cases}
+    overrides = (["train.log_every=1"] if args.accelerator else []) + args.overrides
+    results = {name: measure(config, flags, args.steps, overrides) for name, config, flags in cases}
     if not args.accelerator:
         base = results[CPU_CASES[0][0]]["tokens_per_s"]
         for r in results.values():

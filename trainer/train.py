@@ -212,7 +212,10 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None) -> Ru
         check_divisibility(cfg, mesh_shape)
         mesh = sharding.make_mesh(mesh_shape, devices)
         source = make_source(cfg, cfg.train.seed)
-        trainer = build_trainer(cfg, mesh, spec.steps)
+        try:
+            trainer = build_trainer(cfg, mesh, spec.steps)
+        except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
+            raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
         data = DataIterator(source, cfg.data.global_batch_size, cfg.model.vocab_size,
                             process_index=jax.process_index(), process_count=jax.process_count())
         if spec.output_dir:
@@ -245,6 +248,8 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     if latest is None:
         return trainer.init_fn()
     state, data_state = ckpt.restore(latest, trainer.abstract_state)
+    if data_state.get("source") != data.source.fingerprint:
+        reporter.info(f"note: the data source differs from the checkpoint's ({data_state.get('source')})")
     data.restore(data_state)
     reporter.info(f"resumed from {ckpt.directory} at step {latest}")
     return state
@@ -267,7 +272,10 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
     cfg = trainer.cfg
     step = saved = int(jax.device_get(state["step"]))
     start = time.perf_counter()
-    step_fn = compile_step(trainer)
+    try:
+        step_fn = compile_step(trainer)
+    except ValueError as e:  # shape checks at trace time reject configs that cannot work
+        raise ConfigError(f"the train step cannot be built for this config and mesh: {e}") from None
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
                   f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}")
     timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind)

@@ -77,7 +77,7 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(tmp_path):
                                          "--metrics", str(tmp_path / "b2.jsonl")),
                              capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from" in resumed.stderr
+    assert "resumed from" in resumed.stderr
     finish(straight)
     a, b2 = rows(tmp_path / "a.jsonl"), rows(tmp_path / "b2.jsonl")
     assert [r["step"] for r in b2] == list(range(stopped_at + 1, 11))
@@ -110,6 +110,7 @@ def test_bad_config_from_the_command_line_exits_2_without_traceback():
     (["--mesh", "data=2,expert=4", "--set", "moe.num_experts=6"], "moe.num_experts (6) must be divisible"),
     (["--mesh", "data=8", "--set", "data.global_batch_size=12"], "must be divisible by the mesh size"),
     (["--set", "data.source=text", "--set", "data.path=/nonexistent/*.txt"], "matches no files"),
+    (["--mesh", "data=2,expert=4", "--set", "moe.routing_groups=3"], "cannot be built for this config"),
     (["--steps", "-1"], "--steps"),
     (["--profile-steps", "5:2"], "--profile-steps"),
     (["--resume", "sometimes"], "--resume"),
