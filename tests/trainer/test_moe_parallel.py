@@ -1,0 +1,194 @@
+"""The expert-parallel block against the naive per-expert oracle: forward, gradients, drops.
+
+Every case runs without a mesh, on mesh expert=8 and on mesh data=2 x expert=4
+(8 fake CPU devices, tests/conftest.py). Capacity is counted per routing group
+(8 groups of 16 tokens everywhere), so all three layouts and the oracle must
+keep and drop exactly the same assignments.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from trainer.moe import MoEConfig
+from trainer.moe.experts import ExpertWeights
+from trainer.moe.oracle import oracle_aux, oracle_capacity, oracle_keep, oracle_moe, oracle_routing
+from trainer.moe.parallel import moe_apply
+
+B, L, D, F, E, GROUPS = 16, 8, 16, 32, 8, 8
+MESHES = {"none": None, "expert8": (1, 8), "data2_expert4": (2, 4)}
+CASES = {
+    "top1": dict(top_k=1, capacity_factor=4.0),
+    "top2": dict(top_k=2, capacity_factor=4.0),
+    "top2_tight_probability": dict(top_k=2, capacity_factor=1.0, drop_priority="probability"),
+    "top1_tight_position": dict(top_k=1, capacity_factor=1.0, drop_priority="position"),
+    "top2_dropless": dict(top_k=2, capacity_factor=0.0, block_rows=8),
+}
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def make_config(case: str) -> MoEConfig:
+    return MoEConfig(num_experts=E, d_ff=F, min_capacity=1, routing_groups=GROUPS, **CASES[case])
+
+
+@functools.cache
+def make_mesh(name: str):
+    shape = MESHES[name]
+    return None if shape is None else jax.make_mesh(shape, ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+
+
+@functools.cache
+def inputs():
+    keys = jax.random.split(jax.random.key(0), 6)
+    params = {
+        "router": jax.random.normal(keys[0], (D, E)) * 0.5,
+        "w_in": jax.random.normal(keys[1], (E, D, F)) * D**-0.5,
+        "w_gate": jax.random.normal(keys[2], (E, D, F)) * D**-0.5,
+        "w_out": jax.random.normal(keys[3], (E, F, D)) * F**-0.5,
+    }
+    x = jax.random.normal(keys[4], (B, L, D))
+    ct = jax.random.normal(keys[5], (B, L, D))
+    return x, params, ct
+
+
+def place(mesh, x, params):
+    """Lays inputs out as the trainer does: batch over (data, expert), experts over expert."""
+    if mesh is None:
+        return x, params
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    experts = {n: put(params[n], P("expert")) for n in ("w_in", "w_gate", "w_out")}
+    return put(x, P(("data", "expert"))), {"router": put(params["router"], P()), **experts}
+
+
+def block_loss(x, params, ct, cfg, mesh):
+    """A scalar that reaches every output and both losses, so gradients cover the router too."""
+    w = ExpertWeights(params["w_in"], params["w_gate"], params["w_out"])
+    y, aux = moe_apply(x, params["router"], w, cfg, mesh, train=True)
+    loss = jnp.sum(y.astype(jnp.float32) * ct) + aux["aux_loss"] + aux["z_loss"]
+    return loss, (y, aux)
+
+
+@functools.cache
+def run_block(case: str, mesh_name: str):
+    cfg, mesh = make_config(case), make_mesh(mesh_name)
+    x, params, ct = inputs()
+    x, params = place(mesh, x, params)
+    step = jax.jit(jax.grad(block_loss, argnums=(0, 1), has_aux=True), static_argnums=(3, 4))
+    (dx, dparams), (y, aux) = step(x, params, ct, cfg, mesh)
+    return jax.device_get((y, aux, dx, dparams))
+
+
+@functools.cache
+def run_oracle(case: str):
+    cfg = make_config(case)
+    x, params, ct = inputs()
+    x_TxD = x.reshape(-1, D)
+    _, _, experts, _, priority = oracle_routing(x_TxD, params["router"], cfg)
+    keep = oracle_keep(experts, priority, cfg, GROUPS, oracle_capacity(B * L // GROUPS, cfg, True))
+
+    def loss(x, params):
+        y = oracle_moe(x.reshape(-1, D), params, cfg, keep).reshape(B, L, D)
+        aux = oracle_aux(x.reshape(-1, D), params, cfg)
+        return jnp.sum(y * ct) + aux["aux_loss"] + aux["z_loss"], (y, aux)
+
+    (dx, dparams), (y, aux) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+    return y, aux, dx, dparams, keep
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_gradients_equal_the_oracle_in_float32(case, mesh_name):
+    y, aux, dx, dparams = run_block(case, mesh_name)
+    y_ref, aux_ref, dx_ref, dparams_ref, _ = run_oracle(case)
+    np.testing.assert_allclose(y, y_ref, **F32_TOL)
+    np.testing.assert_allclose(dx, dx_ref, **F32_TOL)
+    for name in ("router", "w_in", "w_gate", "w_out"):
+        np.testing.assert_allclose(dparams[name], dparams_ref[name], **F32_TOL, err_msg=name)
+    np.testing.assert_allclose(aux["aux_loss"], aux_ref["aux_loss"], rtol=1e-5)
+    np.testing.assert_allclose(aux["z_loss"], aux_ref["z_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_drop_fraction_and_expert_load_match_the_oracle(case, mesh_name):
+    _, aux, _, _ = run_block(case, mesh_name)
+    *_, keep = run_oracle(case)
+    np.testing.assert_allclose(aux["drop_fraction"], 1.0 - keep.mean(), rtol=1e-6)
+    cfg = make_config(case)
+    x, params, _ = inputs()
+    _, _, experts, _, _ = oracle_routing(x.reshape(-1, D), params["router"], cfg)
+    load = np.bincount(np.asarray(experts).ravel(), minlength=E) / experts.size
+    np.testing.assert_allclose(aux["expert_load"], load, rtol=1e-6)
+    assert aux["expert_load"].shape == (E,) and aux["expert_load"].dtype == np.float32
+
+
+def test_tight_capacity_really_drops_and_ample_capacity_and_dropless_do_not():
+    for case in ("top2_tight_probability", "top1_tight_position"):
+        assert 0.05 < run_oracle(case)[-1].size - run_oracle(case)[-1].sum()
+    for case in ("top1", "top2", "top2_dropless"):
+        assert run_oracle(case)[-1].all()
+        assert float(run_block(case, "expert8")[1]["drop_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("case", ["top2_tight_probability", "top1_tight_position"])
+def test_the_same_tokens_are_dropped_with_and_without_expert_parallelism(case):
+    """A dropped assignment contributes nothing, so equal outputs token by token on a
+    mask that differs from the no-drop routing show the same assignments were dropped."""
+    y_local = run_block(case, "none")[0]
+    for mesh_name in ("expert8", "data2_expert4"):
+        np.testing.assert_allclose(run_block(case, mesh_name)[0], y_local, **F32_TOL)
+    keep = run_oracle(case)[-1]
+    dropped_tokens = ~keep.all(axis=1)
+    y_no_drops = run_oracle(case.split("_")[0])[0].reshape(-1, D)
+    differs = np.abs(y_local.reshape(-1, D) - y_no_drops).max(axis=1) > 1e-4
+    np.testing.assert_array_equal(differs, dropped_tokens)
+
+
+def test_bfloat16_block_is_within_rounding_of_the_float32_oracle():
+    """Tolerance: bf16 keeps 8 significant bits (unit roundoff u = 2^-8). The expert path
+    rounds x, the weights, the hidden activations and the output, each by at most u/2
+    relative; errors in length-D and length-F sums largely cancel, so each output element is
+    off by a few u times the output scale. We allow 4u of the largest |y| (gradients: 8u of
+    the largest gradient, one more rounding per backward product). Routing is not part of the
+    error: the oracle gets the same bf16-rounded x, and router logits are float32 in both."""
+    cfg = make_config("top2")
+    mesh = make_mesh("expert8")
+    x, params, ct = inputs()
+    x16 = x.astype(jnp.bfloat16)
+    xs, ps = place(mesh, x16, params)
+    step = jax.jit(jax.grad(block_loss, argnums=(0, 1), has_aux=True), static_argnums=(3, 4))
+    (dx, dparams), (y, _) = step(xs, ps, ct, cfg, mesh)
+    assert y.dtype == jnp.bfloat16 and dparams["w_in"].dtype == jnp.float32
+    keep = np.ones((B * L, 2), bool)
+
+    def loss(x, params):
+        return jnp.sum(oracle_moe(x.reshape(-1, D), params, cfg, keep).reshape(B, L, D) * ct)
+
+    x32 = x16.astype(jnp.float32)
+    y_ref = oracle_moe(x32.reshape(-1, D), params, cfg, keep).reshape(B, L, D)
+    u = 2.0**-8
+    err = np.abs(np.asarray(y, np.float32) - y_ref).max()
+    assert err <= 4 * u * np.abs(y_ref).max(), err
+    dx_ref, dparams_ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(x32, params)
+    assert np.abs(np.asarray(dx, np.float32) - dx_ref).max() <= 8 * u * np.abs(dx_ref).max()
+    for name in ("w_in", "w_gate", "w_out"):
+        g, g_ref = np.asarray(dparams[name]), np.asarray(dparams_ref[name])
+        assert np.abs(g - g_ref).max() <= 8 * u * np.abs(g_ref).max(), name
+
+
+@pytest.mark.parametrize("case,mesh_name", [("top2_tight_probability", "none"), ("top2_dropless", "none")])
+def test_jit_equals_no_jit(case, mesh_name):
+    """Eagerly, op by op (shard_map would run each op on 8 devices: slow, and the layouts are
+    already pinned to the unsharded path by the tests above)."""
+    cfg, mesh = make_config(case), make_mesh(mesh_name)
+    x, params, ct = inputs()
+    x, params = place(mesh, x, params)
+    eager_loss, (eager_y, eager_aux) = block_loss(x, params, ct, cfg, mesh)
+    jit_y, jit_aux = run_block(case, mesh_name)[:2]
+    np.testing.assert_allclose(eager_y, jit_y, **F32_TOL)
+    for key in jit_aux:
+        np.testing.assert_allclose(eager_aux[key], jit_aux[key], rtol=1e-5, err_msg=key)

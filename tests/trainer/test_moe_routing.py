@@ -1,0 +1,196 @@
+"""Routing, capacity and the aux losses as pure functions, on hand-computed inputs."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from trainer.moe import MoEConfig
+from trainer.moe import capacity as cap
+from trainer.moe import dispatch, routing
+from trainer.moe.oracle import oracle_keep
+
+
+def test_top1_picks_the_argmax_and_weights_are_its_probability_renormalised_to_one():
+    logits_TxE = jnp.array([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    experts, weights, priority, probs = routing.top_k_routing(logits_TxE, 1)
+    np.testing.assert_array_equal(experts, [[1], [0]])
+    np.testing.assert_allclose(weights, [[1.0], [1.0]])
+    np.testing.assert_allclose(priority[:, 0], probs.max(-1), rtol=1e-6)
+
+
+def test_top1_without_renormalisation_keeps_the_raw_probability_as_in_switch():
+    logits_TxE = jnp.array([[0.0, 2.0, 1.0]])
+    _, weights, _, _ = routing.top_k_routing(logits_TxE, 1, renormalize=False)
+    expected = math.exp(2) / (1 + math.exp(2) + math.exp(1))
+    np.testing.assert_allclose(weights, [[expected]], rtol=1e-6)
+
+
+def test_top2_softmax_before_topk_renormalises_the_two_chosen_probabilities():
+    logits_TxE = jnp.log(jnp.array([[0.1, 0.5, 0.3, 0.1]]))
+    experts, weights, priority, _ = routing.top_k_routing(logits_TxE, 2)
+    np.testing.assert_array_equal(experts, [[1, 2]])
+    np.testing.assert_allclose(priority, [[0.5, 0.3]], rtol=1e-6)
+    np.testing.assert_allclose(weights, [[0.5 / 0.8, 0.3 / 0.8]], rtol=1e-6)
+
+
+def test_top2_softmax_after_topk_is_a_softmax_over_the_chosen_logits():
+    logits_TxE = jnp.array([[1.0, 4.0, 3.0, -2.0]])
+    experts, weights, _, _ = routing.top_k_routing(logits_TxE, 2, softmax_before_topk=False)
+    np.testing.assert_array_equal(experts, [[1, 2]])
+    e = math.exp(1.0)
+    np.testing.assert_allclose(weights, [[e / (e + 1), 1 / (e + 1)]], rtol=1e-6)
+
+
+def test_router_logits_are_float32_whatever_the_input_dtype():
+    x = jnp.ones((2, 4), jnp.bfloat16)
+    assert routing.router_logits(x, jnp.ones((4, 3))).dtype == jnp.float32
+
+
+def test_balancing_loss_equals_num_experts_times_sum_of_f_times_p_by_hand():
+    # 4 tokens, 2 experts, top-1: experts chosen 0, 0, 0, 1 -> f = (3/4, 1/4).
+    probs_TxE = jnp.array([[0.9, 0.1], [0.6, 0.4], [0.7, 0.3], [0.2, 0.8]])
+    experts_TxK = jnp.array([[0], [0], [0], [1]])
+    counts, prob_sums = routing.balance_stats(experts_TxK, probs_TxE)
+    loss = routing.load_balancing_loss(counts, prob_sums, jnp.float32(4))
+    p = np.array([0.9 + 0.6 + 0.7 + 0.2, 0.1 + 0.4 + 0.3 + 0.8]) / 4
+    np.testing.assert_allclose(loss, 2 * (0.75 * p[0] + 0.25 * p[1]), rtol=1e-6)
+
+
+def test_balancing_loss_is_one_for_a_uniform_router():
+    probs_TxE = jnp.full((4, 4), 0.25)
+    experts_TxK = jnp.array([[0, 1], [2, 3], [0, 1], [2, 3]])
+    counts, prob_sums = routing.balance_stats(experts_TxK, probs_TxE)
+    np.testing.assert_allclose(routing.load_balancing_loss(counts, prob_sums, jnp.float32(4)), 1.0, rtol=1e-6)
+
+
+def test_z_loss_is_the_mean_squared_logsumexp_by_hand():
+    logits_TxE = jnp.array([[0.0, 0.0], [math.log(3.0), 0.0]])
+    expected = (math.log(2.0) ** 2 + math.log(4.0) ** 2) / 2
+    np.testing.assert_allclose(routing.router_z_loss(logits_TxE), expected, rtol=1e-6)
+
+
+def test_jitter_scales_inputs_within_one_plus_minus_eps_and_is_off_at_zero():
+    x = jnp.ones((64, 8))
+    jittered = routing.multiplicative_jitter(x, jax.random.key(0), 0.1)
+    assert float(jittered.min()) >= 0.9 and float(jittered.max()) <= 1.1
+    assert float(jnp.std(jittered)) > 0
+
+
+def test_expert_choice_gives_every_expert_exactly_its_capacity_of_distinct_tokens():
+    logits_TxE = jax.random.normal(jax.random.key(0), (32, 4))
+    tokens_ExC, weights_ExC, probs_TxE = routing.expert_choice_routing(logits_TxE, 6)
+    assert tokens_ExC.shape == (4, 6)
+    for e in range(4):
+        chosen = np.asarray(tokens_ExC[e])
+        assert len(set(chosen.tolist())) == 6
+        best = np.argsort(-np.asarray(probs_TxE[:, e]), kind="stable")[:6]
+        np.testing.assert_array_equal(np.sort(chosen), np.sort(best))
+    np.testing.assert_allclose(weights_ExC, jnp.take_along_axis(probs_TxE.T, tokens_ExC, axis=1))
+
+
+@pytest.mark.parametrize(
+    "tokens,k,factor,experts,minimum,expected",
+    [
+        (2048, 2, 1.25, 16, 4, 320),  # ceil(2048 * 2 * 1.25 / 16)
+        (100, 1, 1.0, 8, 4, 13),  # ceil(12.5)
+        (16, 1, 0.1, 8, 4, 4),  # the minimum wins
+        (8, 2, 8.0, 2, 4, 8),  # never more than the tokens
+    ],
+)
+def test_capacity_formula(tokens, k, factor, experts, minimum, expected):
+    assert cap.expert_capacity(tokens, k, factor, experts, minimum) == expected
+
+
+# Hand-built routing for the priority orders: 4 tokens, 2 experts, top-2 (every
+# token uses both experts), capacity 3, so each expert drops one of its 4 assignments.
+EXPERTS_TxK = jnp.array([[0, 1], [1, 0], [0, 1], [1, 0]])
+PRIORITY_TxK = jnp.array([[0.6, 0.4], [0.9, 0.1], [0.55, 0.45], [0.7, 0.3]])
+
+
+def test_position_priority_serves_first_choices_then_second_choices_in_token_order():
+    slot_N, keep_N = cap.assign_slots(EXPERTS_TxK, PRIORITY_TxK, 2, 3, "position")
+    keep_TxK = np.asarray(keep_N).reshape(2, 4).T
+    # Expert 0 sees first choices of tokens 0, 2, then second choices of 1, 3: token 3's is dropped.
+    # Expert 1 sees first choices of tokens 1, 3, then second choices of 0, 2: token 2's is dropped.
+    np.testing.assert_array_equal(keep_TxK, [[1, 1], [1, 1], [1, 0], [1, 0]])
+    np.testing.assert_array_equal(np.asarray(slot_N).reshape(2, 4).T, [[0, 5], [3, 2], [1, 6], [4, 6]])
+    assert 1 - keep_TxK.mean() == 0.25
+
+
+def test_probability_priority_drops_the_least_probable_assignment_of_each_expert():
+    _, keep_N = cap.assign_slots(EXPERTS_TxK, PRIORITY_TxK, 2, 3, "probability")
+    keep_TxK = np.asarray(keep_N).reshape(2, 4).T
+    # Expert 0 probabilities: t0 .6, t1 .1, t2 .55, t3 .3 -> t1 dropped; expert 1: t0 .4, t1 .9,
+    # t2 .45, t3 .7 -> t0 dropped.
+    np.testing.assert_array_equal(keep_TxK, [[1, 0], [1, 0], [1, 1], [1, 1]])
+
+
+_assign_slots = jax.jit(cap.assign_slots, static_argnums=(2, 3, 4))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.sampled_from([(16, 1, 4), (16, 2, 4), (12, 3, 5)]), st.integers(1, 6),
+    st.sampled_from(["position", "probability"]), st.integers(0, 2**31 - 1),
+)
+def test_slots_match_the_naive_loop_and_never_collide(shape, capacity, priority, seed):
+    tokens, k, experts = shape
+    key_e, key_p = jax.random.split(jax.random.key(seed))
+    experts_TxK = jnp.argsort(jax.random.uniform(key_e, (tokens, experts)), axis=-1)[:, :k].astype(jnp.int32)
+    priority_TxK = jax.random.uniform(key_p, (tokens, k))
+    slot_N, keep_N = _assign_slots(experts_TxK, priority_TxK, experts, capacity, priority)
+    cfg = MoEConfig(num_experts=experts, top_k=k, drop_priority=priority)
+    expected = oracle_keep(experts_TxK, priority_TxK, cfg, 1, capacity)
+    np.testing.assert_array_equal(np.asarray(keep_N).reshape(k, tokens).T, expected)
+    kept_slots = np.asarray(slot_N)[np.asarray(keep_N)]
+    assert len(set(kept_slots.tolist())) == len(kept_slots)
+    assert np.all(kept_slots // capacity == np.asarray(cap.flatten_choices(experts_TxK))[np.asarray(keep_N)])
+
+
+def test_dispatch_and_combine_move_rows_without_one_hot_and_match_the_gshard_einsum():
+    x_TxD = jax.random.normal(jax.random.key(1), (4, 3))
+    slot_N, keep_N = cap.assign_slots(EXPERTS_TxK, PRIORITY_TxK, 2, 3, "position")
+    gate_N = cap.flatten_choices(PRIORITY_TxK) * keep_N
+    buf_SxD = dispatch.dispatch_to_slots(x_TxD, slot_N, 6, 2)
+    dispatch_TxExC, combine_TxExC = dispatch.einsum_dispatch_combine_tensors(slot_N, gate_N, 4, 2, 3, 2)
+    np.testing.assert_allclose(buf_SxD.reshape(2, 3, 3), dispatch.einsum_dispatch(x_TxD, dispatch_TxExC), rtol=1e-6)
+    out_SxD = buf_SxD * 2.0
+    y = dispatch.combine_from_slots(out_SxD, slot_N, gate_N, 2)
+    np.testing.assert_allclose(y, dispatch.einsum_combine(out_SxD.reshape(2, 3, 3), combine_TxExC), rtol=1e-6)
+
+
+def test_take_rows_gradient_is_the_gather_transpose():
+    x = jax.random.normal(jax.random.key(2), (5, 3))
+    index = jnp.array([4, 0, 5, 0, 2])  # 5 reads the zero row; row 0 is read twice
+    inverse = jnp.array([[1, 5, 4, 5, 0], [3, 5, 5, 5, 5]])
+    ct = jax.random.normal(jax.random.key(3), (5, 3))
+    fast = jax.grad(lambda x: jnp.sum(dispatch.take_rows(x, index, inverse) * ct))(x)
+    plain = jax.grad(lambda x: jnp.sum(dispatch.gather_rows(x, index) * ct))(x)
+    np.testing.assert_allclose(fast, plain, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"top_k": 0}, "top_k"),
+        ({"num_experts": 4, "top_k": 5}, "top_k"),
+        ({"routing": "hash"}, "routing"),
+        ({"drop_priority": "random"}, "drop_priority"),
+        ({"jitter": 1.5}, "jitter"),
+        ({"routing": "expert_choice", "capacity_factor": 0.0}, "expert_choice"),
+        ({"min_capacity": -1}, "min_capacity"),
+    ],
+)
+def test_config_rejects_bad_values_with_a_message_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MoEConfig(**kwargs)
+
+
+def test_dropless_config_stays_dropless_in_evaluation():
+    cfg = MoEConfig(capacity_factor=0.0)
+    assert cfg.is_dropless(True) and cfg.is_dropless(False)
+    assert not MoEConfig().is_dropless(True)
