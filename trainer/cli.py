@@ -87,11 +87,10 @@ def _initialize_distributed() -> None:
 
 def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
                 profile, in_process):
-    from trainer.config import ConfigError, load_config
-
     import jax
 
     from trainer import sharding
+    from trainer.config import ConfigError, load_config
     from trainer.train import RunSpec
 
     extra = [f"train.seed={seed}"] if seed is not None else []

@@ -129,7 +129,7 @@ class ParamCodec:
             raise ValueError("every Param must hold exactly one array")
 
     def flatten(self, params: nnx.State) -> dict[str, jax.Array]:
-        return dict(zip(self.names, jax.tree_util.tree_leaves(params)))
+        return dict(zip(self.names, jax.tree_util.tree_leaves(params), strict=True))
 
     def unflatten(self, flat: dict[str, jax.Array]) -> nnx.State:
         return jax.tree_util.tree_unflatten(self.treedef, [flat[n] for n in self.names])

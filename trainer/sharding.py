@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "expert")
 BATCH_AXES = ("data", "expert")
@@ -42,7 +43,7 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mes
     table = rules(fsdp)
     used: set[str] = set()
     spec = []
-    for name, size in zip(names, shape):
+    for name, size in zip(names, shape, strict=True):
         axes = table.get(name) if name is not None else None
         axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
         if axes_t and not used.intersection(axes_t):

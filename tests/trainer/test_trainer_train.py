@@ -75,7 +75,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert values[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert values[4] == pytest.approx(1.0) and values[9] == pytest.approx(0.55)
     assert values[14:] == pytest.approx([0.1, 0.1])
-    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+    assert all(a >= b for a, b in zip(values[4:], values[5:], strict=False))
 
 
 @pytest.mark.parametrize("env, expected", [
