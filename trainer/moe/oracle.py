@@ -90,3 +90,20 @@ def oracle_aux(x_TxD, params: dict, cfg: MoEConfig) -> dict:
     p_E = probs_TxE.mean(0)
     z = jnp.mean(jax.nn.logsumexp(logits_TxE, axis=-1) ** 2)
     return {"aux_loss": cfg.aux_loss_coef * e * jnp.sum(f_E * p_E), "z_loss": cfg.z_loss_coef * z}
+
+
+def oracle_expert_choice(x_TxD, params: dict, cfg: MoEConfig, num_groups: int, capacity: int):
+    """Expert choice, naively: in each group each expert takes its C most probable tokens."""
+    logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), params["router"], precision="highest")
+    probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+    per_group = x_TxD.shape[0] // num_groups
+    y_TxD = jnp.zeros(x_TxD.shape, jnp.float32)
+    for e in range(cfg.num_experts):
+        out_TxD = expert_ffn(x_TxD, params["w_in"][e], params["w_gate"][e], params["w_out"][e])
+        gate_T = jnp.zeros((x_TxD.shape[0],), jnp.float32)
+        for g in range(num_groups):
+            rows = slice(g * per_group, (g + 1) * per_group)
+            chosen = np.argsort(-np.asarray(probs_TxE[rows, e]), kind="stable")[:capacity] + g * per_group
+            gate_T = gate_T.at[chosen].set(probs_TxE[chosen, e])
+        y_TxD = y_TxD + gate_T[:, None] * out_TxD
+    return y_TxD

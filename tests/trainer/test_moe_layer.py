@@ -1,0 +1,158 @@
+"""MoEBlock, the Flax NNX module: its interface, layouts, expert choice, shared experts, jitter."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from trainer.moe import MoEBlock, MoEConfig
+from trainer.moe.capacity import expert_capacity
+from trainer.moe.oracle import expert_ffn, oracle_expert_choice, oracle_moe
+
+B, L, D = 8, 8, 16
+SMALL = dict(num_experts=8, d_ff=32, min_capacity=1)
+
+
+@functools.cache
+def mesh(shape=(2, 4)):
+    return jax.make_mesh(shape, ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+
+
+def x_BxLxD(seed=1, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), (B, L, D), dtype)
+
+
+def params_of(block: MoEBlock) -> dict:
+    return {n: getattr(block, n)[...] for n in ("router", "w_in", "w_gate", "w_out")}
+
+
+@functools.cache
+def apply_block(cfg: MoEConfig, mesh_shape, train: bool = True, seed: int = 0):
+    m = None if mesh_shape is None else mesh(mesh_shape)
+    block = MoEBlock(cfg, D, mesh=m, rngs=nnx.Rngs(seed))
+    x = x_BxLxD()
+    if m is not None:
+        x = jax.device_put(x, NamedSharding(m, P(("data", "expert"))))
+    y, aux = nnx.jit(lambda blk, x: blk(x, train=train))(block, x)
+    return block, y, aux
+
+
+def test_interface_shapes_dtypes_and_aux_keys():
+    cfg = MoEConfig(**SMALL)
+    block, y, aux = apply_block(cfg, None)
+    assert y.shape == (B, L, D) and y.dtype == jnp.float32
+    assert set(aux) == {"aux_loss", "z_loss", "drop_fraction", "expert_load"}
+    assert aux["expert_load"].shape == (8,) and aux["expert_load"].dtype == jnp.float32
+    np.testing.assert_allclose(float(aux["expert_load"].sum()), 1.0, rtol=1e-6)
+    for key in ("aux_loss", "z_loss", "drop_fraction"):
+        assert aux[key].shape == () and float(aux[key]) >= 0
+
+
+def test_parameters_carry_logical_axis_names():
+    block = MoEBlock(MoEConfig(**SMALL, num_shared_experts=1), D, rngs=nnx.Rngs(0))
+    expected = {
+        "router": ("embed", "expert"), "w_in": ("expert", "embed", "mlp"), "w_gate": ("expert", "embed", "mlp"),
+        "w_out": ("expert", "mlp", "embed"), "shared_w_in": ("embed", "mlp"), "shared_w_gate": ("embed", "mlp"),
+        "shared_w_out": ("mlp", "embed"),
+    }
+    for name, names in expected.items():
+        param = getattr(block, name)
+        assert isinstance(param, nnx.Param)
+        assert tuple(param.get_metadata()["out_sharding"]) == names, name
+        assert param[...].dtype == jnp.float32
+
+
+def test_losses_are_already_scaled_by_their_coefficients():
+    base = MoEConfig(**SMALL)
+    doubled = MoEConfig(**{**base.__dict__, "aux_loss_coef": 0.02, "z_loss_coef": 0.002})
+    _, _, aux = apply_block(base, None)
+    _, _, aux2 = apply_block(doubled, None)
+    np.testing.assert_allclose(aux2["aux_loss"], 2 * aux["aux_loss"], rtol=1e-6)
+    np.testing.assert_allclose(aux2["z_loss"], 2 * aux["z_loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("capacity_factor", [8.0, 0.0])
+def test_sharded_block_equals_the_unsharded_block(capacity_factor):
+    """With room for every assignment the routing groups do not matter, so no mesh, the
+    (data=2, expert=4) mesh and a data-only mesh (no shard_map) all agree."""
+    cfg = MoEConfig(**SMALL, capacity_factor=capacity_factor)
+    _, y, aux = apply_block(cfg, None)
+    for shape in ((2, 4), (8, 1)):
+        _, y_mesh, aux_mesh = apply_block(cfg, shape)
+        np.testing.assert_allclose(y_mesh, y, rtol=1e-5, atol=1e-5)
+        for key in aux:
+            np.testing.assert_allclose(aux_mesh[key], aux[key], rtol=1e-5, err_msg=key)
+
+
+def test_the_block_output_is_the_oracle_and_excludes_the_residual():
+    cfg = MoEConfig(**SMALL, capacity_factor=8.0)
+    block, y, _ = apply_block(cfg, None)
+    y_ref = oracle_moe(x_BxLxD().reshape(-1, D), params_of(block), cfg)
+    np.testing.assert_allclose(y.reshape(-1, D), y_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 4)])
+def test_expert_choice_block_equals_its_oracle_and_each_expert_is_full(mesh_shape):
+    cfg = MoEConfig(**SMALL, routing="expert_choice", capacity_factor=1.0, routing_groups=8)
+    block, y, aux = apply_block(cfg, mesh_shape)
+    capacity = expert_capacity(B * L // 8, cfg.top_k, 1.0, 8, 1)
+    x = x_BxLxD().reshape(-1, D)
+    y_ref = oracle_expert_choice(x, params_of(block), cfg, 8, capacity)
+    np.testing.assert_allclose(y.reshape(-1, D), y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(aux["expert_load"], np.full(8, 1 / 8), rtol=1e-6)
+    chosen = np.abs(np.asarray(y_ref)).max(axis=1) > 0
+    np.testing.assert_allclose(aux["drop_fraction"], 1 - chosen.mean(), rtol=1e-6)
+    assert float(aux["aux_loss"]) == 0.0
+
+
+def test_shared_expert_adds_a_dense_ffn_for_every_token():
+    cfg = MoEConfig(**SMALL, capacity_factor=8.0, num_shared_experts=1, shared_d_ff=24)
+    block, y, _ = apply_block(cfg, None)
+    x = x_BxLxD().reshape(-1, D)
+    shared = expert_ffn(x, block.shared_w_in[...], block.shared_w_gate[...], block.shared_w_out[...])
+    routed = oracle_moe(x, params_of(block), cfg)
+    np.testing.assert_allclose(y.reshape(-1, D), routed + shared, rtol=1e-5, atol=1e-5)
+    assert block.shared_w_in[...].shape == (D, 24)
+
+
+def test_jitter_perturbs_routing_in_training_only():
+    cfg = MoEConfig(**SMALL, capacity_factor=8.0, jitter=0.5)
+    block = MoEBlock(cfg, D, rngs=nnx.Rngs(0))
+    x = x_BxLxD()
+    y_eval, _ = block(x, train=False)
+    y_eval2, _ = block(x, train=False)
+    y_train, _ = block(x, train=True)
+    np.testing.assert_array_equal(y_eval, y_eval2)
+    plain = MoEBlock(MoEConfig(**SMALL, capacity_factor=8.0), D, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(y_eval, plain(x, train=False)[0], rtol=1e-6)
+    assert float(jnp.abs(y_train - y_eval).max()) > 1e-4
+
+
+def test_eval_uses_the_eval_capacity_factor():
+    cfg = MoEConfig(**SMALL, capacity_factor=0.25, eval_capacity_factor=8.0)
+    _, _, aux_train = apply_block(cfg, None, True)
+    _, _, aux_eval = apply_block(cfg, None, False)
+    assert float(aux_train["drop_fraction"]) > 0.1
+    assert float(aux_eval["drop_fraction"]) == 0.0
+
+
+def test_bfloat16_compute_keeps_float32_parameters():
+    block = MoEBlock(MoEConfig(**SMALL), D, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    y, aux = block(x_BxLxD())
+    assert y.dtype == jnp.bfloat16 and block.w_in[...].dtype == jnp.float32
+    assert aux["aux_loss"].dtype == jnp.float32
+
+
+def test_experts_must_divide_over_the_expert_axis():
+    with pytest.raises(ValueError, match="num_experts"):
+        MoEBlock(MoEConfig(num_experts=6, d_ff=8), D, mesh=mesh((2, 4)), rngs=nnx.Rngs(0))
+
+
+def test_routing_groups_must_fit_the_mesh_and_the_batch():
+    block = MoEBlock(MoEConfig(**SMALL, routing_groups=3), D, mesh=mesh((2, 4)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="routing_groups"):
+        block(x_BxLxD())

@@ -1,0 +1,80 @@
+"""Structure of the compiled expert-parallel block, read from the HLO text: exactly two
+all-to-all collectives per MoE block, and no all-gather of expert weights."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from trainer.moe import MoEConfig
+from trainer.moe.experts import ExpertWeights
+from trainer.moe.parallel import moe_apply
+
+B, L, D, F, E = 16, 8, 16, 32, 8
+# "%name = <shape, maybe a tuple> <op>(operands...)", one instruction per line.
+COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*(.*?)\s(all-to-all|all-gather-start|all-gather|ragged-all-to-all)\(")
+
+
+@functools.cache
+def mesh(shape):
+    return jax.make_mesh(shape, ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+
+
+def sharded_inputs(m, num_blocks):
+    keys = jax.random.split(jax.random.key(0), 2 + 3 * num_blocks)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(m, spec))
+    x = put(jax.random.normal(keys[0], (B, L, D)), P(("data", "expert")))
+    router = put(jax.random.normal(keys[1], (D, E)), P())
+    shapes = ((E, D, F), (E, D, F), (E, F, D))
+    weights = [
+        ExpertWeights(*(put(jax.random.normal(keys[2 + 3 * i + j], s) * 0.1, P("expert")) for j, s in enumerate(shapes)))
+        for i in range(num_blocks)
+    ]
+    return x, router, weights
+
+
+def stacked_blocks(x, router, weights, cfg, m):
+    """num_blocks MoE blocks with residuals, as a model stacks them."""
+    for w in weights:
+        y, _ = moe_apply(x, router, w, cfg, m, train=True)
+        x = x + y
+    return x
+
+
+def collectives(cfg, mesh_shape, num_blocks=1, grad=False):
+    m = mesh(mesh_shape)
+    x, router, weights = sharded_inputs(m, num_blocks)
+    fn = lambda x, w: stacked_blocks(x, router, w, cfg, m)
+    if grad:
+        fn = jax.grad(lambda x, w: jnp.sum(stacked_blocks(x, router, w, cfg, m)), argnums=(0, 1))
+    hlo = jax.jit(fn).lower(x, weights).compile().as_text()
+    found = [COLLECTIVE.match(line) for line in hlo.splitlines()]
+    return [(m.group(2), m.group(1)) for m in found if m]
+
+
+CONFIGS = {
+    "capacity": MoEConfig(num_experts=E, d_ff=F),
+    "dropless": MoEConfig(num_experts=E, d_ff=F, capacity_factor=0.0, block_rows=8),
+}
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
+@pytest.mark.parametrize("mode", list(CONFIGS))
+def test_forward_has_exactly_two_all_to_all_per_block(mode, mesh_shape):
+    for num_blocks in (1, 2):
+        found = collectives(CONFIGS[mode], mesh_shape, num_blocks)
+        assert [k for k, _ in found].count("all-to-all") == 2 * num_blocks, found
+
+
+@pytest.mark.parametrize("mode", list(CONFIGS))
+def test_expert_weights_are_never_all_gathered(mode):
+    """Forward and backward: the only all-gather allowed is the dropless mode's per-expert
+    token counts (int32, E per device); nothing float, nothing of a weight's size."""
+    for grad in (False, True):
+        gathers = [shape for kind, shape in collectives(CONFIGS[mode], (2, 4), grad=grad) if "all-gather" in kind]
+        for shape in gathers:
+            assert re.fullmatch(r"s32\[[\d,]+\](\{[\d,]*\})?", shape), gathers
+        assert len(gathers) == (1 if mode == "dropless" else 0), gathers
