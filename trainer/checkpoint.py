@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
 import orbax.checkpoint as ocp
 
+from trainer.config import ConfigError
+
 
 def _directory(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
+    """Absolute local path, or a gs:// URL once the file-system layer for it is importable."""
+    if "://" not in path:
+        return os.path.abspath(path)
+    if path.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+        raise ConfigError(f"checkpoints in {path} need the gcsfs package (pip install gcsfs): orbax reaches "
+                          "gs:// through etils.epath and fsspec")
+    return path
 
 
 class Checkpointer:

@@ -119,7 +119,10 @@ def _run(spec) -> None:
     from trainer.metrics import Reporter
     from trainer.train import run
 
-    reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0)
+    try:
+        reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0)
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {spec.metrics_path}: {e.strerror}", param_hint="--metrics") from None
     try:
         run(spec, reporter)
     except (ConfigError, DataError) as e:

@@ -1,5 +1,6 @@
 """The command line from the outside: expert-parallel invariance, SIGTERM and exact resume, usage errors."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -112,6 +113,9 @@ def test_bad_config_from_the_command_line_exits_2_without_traceback():
     (["--set", "data.source=text", "--set", "data.path=/nonexistent/*.txt"], "matches no files"),
     (["--mesh", "data=2,expert=4", "--set", "moe.routing_groups=3"], "cannot be built for this config"),
     (["--steps", "-1"], "--steps"),
+    (["--metrics", "/nonexistent/dir/m.jsonl"], "--metrics"),
+    *([(["--output-dir", "gs://bucket/run"], "need the gcsfs package")]
+      if not importlib.util.find_spec("gcsfs") and not importlib.util.find_spec("tensorflow") else []),
     (["--profile-steps", "5:2"], "--profile-steps"),
     (["--resume", "sometimes"], "--resume"),
     (["--devices", "9"], "--devices 9"),
