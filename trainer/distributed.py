@@ -6,6 +6,7 @@ tests can check them without a cluster.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Mapping
@@ -35,8 +36,17 @@ def wants_distributed(env: Mapping[str, str]) -> bool:
     return False
 
 
-def initialize(env: Mapping[str, str] | None = None) -> str:
-    """Initialises what the environment asks for; returns "pathways", "multi-host" or "single-host"."""
+def on_tpu_vm(exists=os.path.exists) -> bool:
+    """A Cloud TPU VM (chips under /dev and libtpu installed): jax can find its slice from metadata."""
+    return any(exists(p) for p in ("/dev/accel0", "/dev/vfio/0")) and importlib.util.find_spec("libtpu") is not None
+
+
+def initialize(env: Mapping[str, str] | None = None, *, tpu_vm: bool | None = None) -> str:
+    """Initialises what the environment asks for; returns "pathways", "multi-host" or "single-host".
+
+    On a TPU VM without explicit settings jax.distributed.initialize() finds the slice's workers in the
+    VM metadata; where it finds no cluster (ValueError) the VM trains alone.
+    """
     env = os.environ if env is None else env
     if wants_pathways(env):
         try:
@@ -51,4 +61,12 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
 
         jax.distributed.initialize()
         return "multi-host"
+    if env.get("MOE_TRAIN_DISTRIBUTED") != "0" and (on_tpu_vm() if tpu_vm is None else tpu_vm):
+        import jax
+
+        try:
+            jax.distributed.initialize()
+        except ValueError:  # no cluster detected: a single-host TPU VM
+            return "single-host"
+        return "multi-host" if jax.process_count() > 1 else "single-host"
     return "single-host"

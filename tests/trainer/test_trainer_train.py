@@ -90,7 +90,8 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 ])
 def test_multi_host_detection(env, expected):
     assert distributed.wants_distributed(env) is expected
-    assert distributed.initialize({}) == "single-host"
+    assert distributed.initialize({}, tpu_vm=False) == "single-host"
+    assert not distributed.on_tpu_vm(exists=lambda path: False)
 
 
 def test_pathways_detection():
