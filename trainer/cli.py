@@ -37,8 +37,8 @@ def _jax_started() -> bool:
         return False
     try:
         from jax._src import xla_bridge
-    except ImportError:  # a private module: assume started, so that --devices never mis-sets flags
-        return True
+    except ImportError:  # a private module; if jax did start, the device-count check still catches it
+        return False
     return bool(getattr(xla_bridge, "_backends", None))
 
 
