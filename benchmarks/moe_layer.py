@@ -70,11 +70,18 @@ def block_step(cfg: MoEConfig, mesh):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def ideal_step():
-    """The expert matmuls alone, fwd+bwd, as batched einsums over [E, rows, D]."""
+def ideal_step(mesh):
+    """The expert matmuls alone, fwd+bwd: each device runs batched einsums over its experts'
+    [E_l, rows, D] buffers (rows = every device's capacity), exactly the shapes the
+    capacity-mode block hands its experts, with nothing around them."""
+    spec = P("expert")
 
     def loss(x_ExRxD, w):
-        return jnp.mean(jnp.square(batched_ffn(x_ExRxD, w)))
+        local = jax.shard_map(
+            lambda x, w: jnp.sum(jnp.square(batched_ffn(x, w)))[None],
+            mesh=mesh, in_specs=(spec, ExpertWeights(spec, spec, spec)), out_specs=spec,
+        )
+        return jnp.sum(local(x_ExRxD, w))
 
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
@@ -92,7 +99,7 @@ def run_case(mesh, case, modes, reps):
     base = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=cf)
     configs = {"einsum": MoEConfig(**{**base.__dict__, "dispatch": "einsum"})}
     configs.update({m: base if m == "capacity" else MoEConfig(**{**base.__dict__, "capacity_factor": 0.0}) for m in modes})
-    steps = {"ideal": (ideal_step(), (rows, w))}
+    steps = {"ideal": (ideal_step(mesh), (rows, w))}
     steps.update({name: (block_step(cfg, mesh), (x, router, w)) for name, cfg in configs.items()})
     for fn, args in steps.values():
         jax.block_until_ready(fn(*args))  # compile and warm up
