@@ -5,6 +5,7 @@ jax is imported only inside the command body, after `--devices` has set XLA_FLAG
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -113,6 +114,13 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
                    profile_steps=profile, num_devices=devices if in_process else None)
 
 
+def _quiet_library_logs() -> None:
+    """File-system libraries log each retry with a traceback; the user gets one message from us instead."""
+    if os.environ.get("MOE_TRAIN_DEBUG") != "1":
+        for name in ("gcsfs", "fsspec"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def _run(spec) -> None:
     import jax
 
@@ -121,6 +129,7 @@ def _run(spec) -> None:
     from trainer.metrics import Reporter
     from trainer.train import run
 
+    _quiet_library_logs()
     try:
         reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0)
     except OSError as e:
