@@ -16,8 +16,8 @@ def _directory(path: str) -> str:
     if "://" not in path:
         return os.path.abspath(path)
     if path.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
-        raise ConfigError(f"checkpoints in {path} need the gcsfs package (pip install 'moe-tpu[trainer]'): orbax reaches "
-                          "gs:// through etils.epath and fsspec")
+        raise ConfigError(f"checkpoints in {path} need the gcsfs package (pip install 'moe-tpu[trainer]'): "
+                          "orbax reaches gs:// through etils.epath and fsspec")
     return path
 
 
