@@ -1,0 +1,27 @@
+"""The trainer is what goes into the container: it must run without the control plane's dependencies."""
+
+import subprocess
+import sys
+import textwrap
+
+BLOCKED = textwrap.dedent("""
+    import importlib.abc, sys
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("provision", "grpc", "jinja2", "tenacity") or name.startswith("google.cloud"):
+                raise ImportError(f"blocked: {name}")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    import trainer.cli, trainer.train, trainer.model, trainer.data, trainer.checkpoint  # noqa: F401
+    # (the bare google.cloud namespace may come from a .pth file at start-up; no client library does)
+    assert not [m for m in sys.modules if m.startswith(("provision", "google.cloud.", "grpc"))]
+    print("trainer imports alone")
+""")
+
+
+def test_trainer_imports_without_the_control_plane_or_google_cloud():
+    res = subprocess.run([sys.executable, "-c", BLOCKED], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "trainer imports alone"
