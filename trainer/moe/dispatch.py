@@ -8,18 +8,15 @@ module is the baseline that tests and the benchmark compare against.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 
-def _with_zero_row(x_MxD: jax.Array) -> jax.Array:
-    """Appends a zero row that out-of-range indices point at."""
-    return jnp.concatenate([x_MxD, jnp.zeros((1,) + x_MxD.shape[1:], x_MxD.dtype)], axis=0)
-
-
 def gather_rows(x_MxD: jax.Array, index_R: jax.Array) -> jax.Array:
-    """x[index], where index == M yields a zero row."""
-    return _with_zero_row(x_MxD)[index_R]
+    """x[index], where index == M yields a zero row (a filled gather, not a padded copy of x)."""
+    return x_MxD.at[index_R].get(mode="fill", fill_value=0)
 
 
 def inverse_index(dest_N: jax.Array, num_rows: int) -> jax.Array:
@@ -77,6 +74,37 @@ def sort_by_expert(experts_N: jax.Array, num_experts: int) -> tuple[jax.Array, j
     """(order_N, group_sizes_E): assignments in expert order, and how many per expert."""
     order_N = jnp.argsort(experts_N, stable=True).astype(jnp.int32)
     return order_N, jnp.bincount(experts_N, length=num_experts).astype(jnp.int32)
+
+
+class BlockLayout(NamedTuple):
+    """Rows grouped by expert, each expert's rows starting a block of B rows (M rows in all).
+
+    src_M: the source row each layout row reads (num_src where padding); dst_M: the output
+    row it writes (num_out where padding); src_rows_KxS: for each source row the up-to-K
+    layout rows reading it (M where fewer); block_group_NB: each block's expert; num_blocks:
+    how many leading blocks hold rows.
+    """
+
+    src_M: jax.Array
+    dst_M: jax.Array
+    src_rows_KxS: jax.Array
+    block_group_NB: jax.Array
+    num_blocks: jax.Array
+    num_out: int
+
+
+def block_layout(dest_KxS, block_group_NB, num_blocks, block_rows: int, num_out: int | None = None) -> BlockLayout:
+    """The layout where source row s is read by layout rows dest[:, s] (M where not).
+
+    Output rows: with num_out None, one per source row (dst = src); otherwise one per
+    (k, s) reading, numbered k * S + s (the choice-major assignment index).
+    """
+    num_reads, num_src = dest_KxS.shape
+    num_rows = block_group_NB.shape[0] * block_rows
+    reader_M = inverse_index(dest_KxS.reshape(-1), num_rows)
+    src_M = jnp.where(reader_M < dest_KxS.size, reader_M % num_src, num_src)
+    dst_M = src_M if num_out is None else reader_M
+    return BlockLayout(src_M, dst_M, dest_KxS, block_group_NB, num_blocks, num_out or num_src)
 
 
 def aligned_layout(counts_SxG: jax.Array, chunk_rows: int, block_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:

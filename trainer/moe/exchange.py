@@ -51,23 +51,12 @@ def dropless_experts(x_TxD, a: Assignments, w: ExpertWeights, block_rows: int, t
     """Every assignment's expert output, [N, D] choice-major."""
     if topo.expert_axis is None or topo.num_expert_shards == 1:
         dest_1xN, block_group, num_blocks = dispatch.aligned_layout(a.counts_E[None], a.order_N.shape[0], block_rows)
-        dest_N = dest_1xN[0][a.rank_N]
-        return _grouped_from_tokens(x_TxD, dest_N, a.top_k, block_group, num_blocks, w, block_rows, topo)
+        dest_KxT = dest_1xN[0][a.rank_N].reshape(a.top_k, -1)
+        layout = dispatch.block_layout(dest_KxT, block_group, num_blocks, block_rows, num_out=dest_KxT.size)
+        return grouped_ffn(x_TxD, w, layout, impl=topo.grouped_matmul)
     if topo.exchange == "ragged":
         return _dropless_ragged(x_TxD, a, w, block_rows, topo)
     return _dropless_padded(x_TxD, a, w, block_rows, topo)
-
-
-def _grouped_from_tokens(x_AxD, dest_N, top_k, block_group_NB, num_blocks, w, block_rows, topo):
-    """Rows of x (row a read by the K entries dest[r * A + a], or fewer where dest == M) go into
-    the block-aligned layout, through the grouped FFN, and back out in dest's order."""
-    num_rows = block_group_NB.shape[0] * block_rows
-    num_src = x_AxD.shape[0]
-    source_M = dispatch.inverse_index(dest_N, num_rows)
-    row_M = jnp.where(source_M < dest_N.shape[0], source_M % num_src, num_src)
-    x_MxD = dispatch.take_rows(x_AxD, row_M, dest_N.reshape(top_k, num_src))
-    out_MxD = grouped_ffn(x_MxD, w, block_group_NB, num_blocks, impl=topo.grouped_matmul)
-    return dispatch.take_rows(out_MxD, dest_N, source_M[None])
 
 
 def _exchange_plan(a: Assignments, topo):
@@ -86,7 +75,8 @@ def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo):
     """Received chunks (source-major, each sorted by local expert) through the local experts."""
     num_rows = recv_SNxD.shape[0] // recv_counts_SxEl.shape[0]
     dest_SxN, block_group, num_blocks = dispatch.aligned_layout(recv_counts_SxEl, num_rows, block_rows)
-    return _grouped_from_tokens(recv_SNxD, dest_SxN.reshape(-1), 1, block_group, num_blocks, w, block_rows, topo)
+    layout = dispatch.block_layout(dest_SxN.reshape(1, -1), block_group, num_blocks, block_rows)
+    return grouped_ffn(recv_SNxD, w, layout, impl=topo.grouped_matmul)
 
 
 def _dropless_padded(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from trainer.moe.dispatch import BlockLayout, inverse_index, take_rows
 from trainer.moe.gmm import grouped_matmul
 from trainer.moe.tiled import tiled_ffn
 
@@ -30,15 +31,22 @@ def batched_ffn(x_ExCxD: jax.Array, w: ExpertWeights) -> jax.Array:
     return jnp.einsum("ecf,efd->ecd", jax.nn.silu(g_ExCxF) * h_ExCxF, w.w_out_ExFxD)
 
 
-def grouped_ffn(
-    x_MxD: jax.Array, w: ExpertWeights, block_group_NB: jax.Array, num_blocks: jax.Array, *, impl: str
-) -> jax.Array:
-    """The same FFN over rows sorted by expert in the aligned block layout (see gmm.py)."""
+def grouped_ffn(x_SxD, w: ExpertWeights, layout: BlockLayout, *, impl: str) -> jax.Array:
+    """The FFN over rows grouped by expert in a block layout (dispatch.BlockLayout): layout
+    row m is source row src[m] of x, its output lands in row dst[m] of the [num_out, D] result.
+
+    "tiled" moves rows inside its block loop; "ragged_dot" gathers the layout first. Either
+    way the gradients are gathers or block-local updates, never a full-size scatter-add.
+    """
     if impl == "tiled":
-        return tiled_ffn(x_MxD, *w, block_group_NB, num_blocks)
-    h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, block_group_NB, num_blocks, impl=impl)
-    g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, block_group_NB, num_blocks, impl=impl)
-    return grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, block_group_NB, num_blocks, impl=impl)
+        return tiled_ffn(x_SxD, *w, layout.src_M, layout.dst_M, layout.block_group_NB, layout.num_blocks,
+                         layout.num_out)
+    x_MxD = take_rows(x_SxD, layout.src_M, layout.src_rows_KxS)
+    h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, layout.block_group_NB, layout.num_blocks, impl=impl)
+    g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, layout.block_group_NB, layout.num_blocks, impl=impl)
+    out_MxD = grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, layout.block_group_NB, layout.num_blocks,
+                             impl=impl)
+    return take_rows(out_MxD, inverse_index(layout.dst_M, layout.num_out), layout.dst_M[None])
 
 
 def shared_ffn(x_TxD: jax.Array, w_in_DxF: jax.Array, w_gate_DxF: jax.Array, w_out_FxD: jax.Array) -> jax.Array:

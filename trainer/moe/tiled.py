@@ -3,11 +3,13 @@
 Fusing the three products per block keeps the [rows, d_ff] intermediates out of
 full-size elementwise passes, and the loop runs only over the blocks in use
 (a dynamic trip count), so the worst-case row buffer of the dropless exchange
-costs memory, not compute. The backward pass is a second loop with the saved
-hidden activations; weight gradients accumulate per expert.
+costs memory, not compute. The backward pass is a second loop that recomputes
+the hidden activations; weight gradients accumulate per expert.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,80 +44,90 @@ def _sum_to_axes_of(grad: jax.Array, primal: jax.Array) -> jax.Array:
     return jax.lax.psum(grad, extra) if extra else grad
 
 
-def _rows(a, i, block_rows):
-    return jax.lax.dynamic_slice_in_dim(a, i * block_rows, block_rows)
-
-
-def _put_rows(a, rows, i, block_rows):
-    return jax.lax.dynamic_update_slice_in_dim(a, rows.astype(a.dtype), i * block_rows, 0)
-
-
 def _add_expert(dw_GxKxN, e, dw_KxN):
     """dw[e] += dw_KxN as a slice update (an indexed add would lower to a scatter)."""
     old = jax.lax.dynamic_index_in_dim(dw_GxKxN, e, keepdims=True)
     return jax.lax.dynamic_update_index_in_dim(dw_GxKxN, old + dw_KxN[None], e, 0)
 
 
-def _forward(x_MxD, w_in, w_gate, w_out, block_group_NB, num_blocks):
-    block_rows = x_MxD.shape[0] // block_group_NB.shape[0]
-    d_ff = w_in.shape[-1]
-    ins = (x_MxD, w_in, w_gate, w_out, block_group_NB)
+def _block_index(index_M, i, block_rows):
+    return jax.lax.dynamic_slice_in_dim(index_M, i * block_rows, block_rows)
 
-    def body(i, carry):
-        out_MxD, h_MxF, g_MxF = carry
+
+def _hidden(x_BxD, w_in, w_gate, e, dtype):
+    h_BxF = _dot(x_BxD, w_in[e], _MM).astype(dtype)
+    g_BxF = _dot(x_BxD, w_gate[e], _MM).astype(dtype)
+    return h_BxF, g_BxF
+
+
+def _forward(x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks, num_out):
+    """Block i reads rows src[i*B:(i+1)*B] of x and writes rows dst[...] of the output;
+    indices past the end stand for padding (read as zeros, never written)."""
+    block_rows = src_M.shape[0] // block_group_NB.shape[0]
+    ins = (x_SxD, w_in, w_gate, w_out, src_M, block_group_NB)
+
+    def body(i, out_OxD):
         e = block_group_NB[i]
-        x_BxD = _rows(x_MxD, i, block_rows)
-        h_BxF = _dot(x_BxD, w_in[e], _MM).astype(x_MxD.dtype)
-        g_BxF = _dot(x_BxD, w_gate[e], _MM).astype(x_MxD.dtype)
-        y_BxD = _dot(jax.nn.silu(g_BxF) * h_BxF, w_out[e], _MM)
-        return (_put_rows(out_MxD, y_BxD, i, block_rows), _put_rows(h_MxF, h_BxF, i, block_rows),
-                _put_rows(g_MxF, g_BxF, i, block_rows))
+        x_BxD = x_SxD.at[_block_index(src_M, i, block_rows)].get(mode="fill", fill_value=0)
+        h_BxF, g_BxF = _hidden(x_BxD, w_in, w_gate, e, x_SxD.dtype)
+        y_BxD = _dot(jax.nn.silu(g_BxF) * h_BxF, w_out[e], _MM).astype(x_SxD.dtype)
+        return out_OxD.at[_block_index(dst_M, i, block_rows)].set(y_BxD, mode="drop", unique_indices=True)
 
-    init = tuple(_zeros_like_all((x_MxD.shape[0], n), x_MxD.dtype, *ins) for n in (x_MxD.shape[1], d_ff, d_ff))
+    init = _zeros_like_all((num_out, x_SxD.shape[1]), x_SxD.dtype, *ins)
     return jax.lax.fori_loop(0, num_blocks, body, init)
 
 
-@jax.custom_vjp
-def tiled_ffn(x_MxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, block_group_NB, num_blocks):
-    """silu(x W_gate[g]) * (x W_in[g]) W_out[g] for each row block of group g; zero rows after
-    the first num_blocks blocks."""
-    return _forward(x_MxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, block_group_NB, num_blocks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def tiled_ffn(x_SxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, src_M, dst_M, block_group_NB, num_blocks, num_out):
+    """Grouped gated FFN straight from source rows to destination rows.
+
+    Row m of the block layout (blocks of B rows, block i of expert block_group[i], only the
+    first num_blocks in use) is source row src[m] of x; its output goes to row dst[m] of the
+    [num_out, D] result. Each destination row is written at most once; rows never written are 0.
+    """
+    args = (x_SxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, src_M, dst_M, block_group_NB, num_blocks)
+    return _forward(*args, num_out)
 
 
-def _tiled_ffn_fwd(x_MxD, w_in, w_gate, w_out, block_group_NB, num_blocks):
-    out_MxD, h_MxF, g_MxF = _forward(x_MxD, w_in, w_gate, w_out, block_group_NB, num_blocks)
-    return out_MxD, (x_MxD, w_in, w_gate, w_out, block_group_NB, num_blocks, h_MxF, g_MxF)
+def _tiled_ffn_fwd(x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks, num_out):
+    out_OxD = _forward(x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks, num_out)
+    return out_OxD, (x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks)
 
 
-def _tiled_ffn_bwd(res, dout_MxD):
-    x_MxD, w_in, w_gate, w_out, block_group_NB, num_blocks, h_MxF, g_MxF = res
-    block_rows = x_MxD.shape[0] // block_group_NB.shape[0]
-    dout_MxD = dout_MxD.astype(x_MxD.dtype)
+def _tiled_ffn_bwd(num_out, res, dout_OxD):
+    x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks = res
+    block_rows = src_M.shape[0] // block_group_NB.shape[0]
+    dout_OxD = dout_OxD.astype(x_SxD.dtype)
 
     def body(i, carry):
-        dx_MxD, dw_in, dw_gate, dw_out = carry
+        dx_SxD, dw_in, dw_gate, dw_out = carry
         e = block_group_NB[i]
-        x_BxD, dy_BxD = _rows(x_MxD, i, block_rows), _rows(dout_MxD, i, block_rows)
-        h_BxF = _rows(h_MxF, i, block_rows).astype(jnp.float32)
-        g_BxF = _rows(g_MxF, i, block_rows).astype(jnp.float32)
+        src_B = _block_index(src_M, i, block_rows)
+        x_BxD = x_SxD.at[src_B].get(mode="fill", fill_value=0)
+        dy_BxD = dout_OxD.at[_block_index(dst_M, i, block_rows)].get(mode="fill", fill_value=0)
+        # Recomputed rather than saved: a saved [rows, d_ff] buffer must be sized (and zeroed)
+        # for the worst case of the dropless exchange, which costs more than two block products.
+        h_BxF, g_BxF = (a.astype(jnp.float32) for a in _hidden(x_BxD, w_in, w_gate, e, x_SxD.dtype))
         sig_BxF = jax.nn.sigmoid(g_BxF)
         silu_BxF = g_BxF * sig_BxF
-        dw_out = _add_expert(dw_out, e, _dot((silu_BxF * h_BxF).astype(x_MxD.dtype), dy_BxD, _T_MM))
+        dw_out = _add_expert(dw_out, e, _dot((silu_BxF * h_BxF).astype(x_SxD.dtype), dy_BxD, _T_MM))
         da_BxF = _dot(dy_BxD, w_out[e], _MM_T)
-        dh_BxF = (da_BxF * silu_BxF).astype(x_MxD.dtype)
-        dg_BxF = (da_BxF * h_BxF * sig_BxF * (1.0 + g_BxF * (1.0 - sig_BxF))).astype(x_MxD.dtype)
-        dx_BxD = _dot(dh_BxF, w_in[e], _MM_T) + _dot(dg_BxF, w_gate[e], _MM_T)
+        dh_BxF = (da_BxF * silu_BxF).astype(x_SxD.dtype)
+        dg_BxF = (da_BxF * h_BxF * sig_BxF * (1.0 + g_BxF * (1.0 - sig_BxF))).astype(x_SxD.dtype)
+        dx_BxD = (_dot(dh_BxF, w_in[e], _MM_T) + _dot(dg_BxF, w_gate[e], _MM_T)).astype(x_SxD.dtype)
+        # A source row may feed several blocks (a token's k experts): accumulate.
+        dx_SxD = dx_SxD.at[src_B].add(dx_BxD, mode="drop")
         dw_in = _add_expert(dw_in, e, _dot(x_BxD, dh_BxF, _T_MM))
         dw_gate = _add_expert(dw_gate, e, _dot(x_BxD, dg_BxF, _T_MM))
-        return _put_rows(dx_MxD, dx_BxD, i, block_rows), dw_in, dw_gate, dw_out
+        return dx_SxD, dw_in, dw_gate, dw_out
 
-    ins = (x_MxD, dout_MxD, block_group_NB)
-    init = (_zeros_like_all(x_MxD.shape, x_MxD.dtype, *ins),) + tuple(
+    ins = (x_SxD, dout_OxD, src_M, block_group_NB)
+    init = (_zeros_like_all(x_SxD.shape, x_SxD.dtype, *ins),) + tuple(
         _zeros_like_all(w.shape, jnp.float32, *ins) for w in (w_in, w_gate, w_out)
     )
-    dx_MxD, *dws = jax.lax.fori_loop(0, num_blocks, body, init)
+    dx_SxD, *dws = jax.lax.fori_loop(0, num_blocks, body, init)
     dws = [_sum_to_axes_of(dw.astype(w.dtype), w) for dw, w in zip(dws, (w_in, w_gate, w_out))]
-    return (_sum_to_axes_of(dx_MxD, x_MxD), *dws, None, None)
+    return (_sum_to_axes_of(dx_SxD, x_SxD), *dws, None, None, None, None)
 
 
 tiled_ffn.defvjp(_tiled_ffn_fwd, _tiled_ffn_bwd)
