@@ -78,3 +78,13 @@ def test_expert_weights_are_never_all_gathered(mode):
         for shape in gathers:
             assert re.fullmatch(r"s32\[[\d,]+\](\{[\d,]*\})?", shape), gathers
         assert len(gathers) == (1 if mode == "dropless" else 0), gathers
+
+
+def test_ragged_exchange_lowers_to_two_ragged_all_to_all_per_block():
+    """What TPU and GPU get in dropless mode; lowered only, as the CPU backend cannot compile it."""
+    cfg = MoEConfig(num_experts=E, d_ff=F, capacity_factor=0.0, block_rows=8, exchange="ragged")
+    m = mesh((2, 4))
+    x, router, weights = sharded_inputs(m, 2)
+    text = jax.jit(lambda x, w: stacked_blocks(x, router, w, cfg, m)).lower(x, weights).as_text()
+    assert len(re.findall(r"ragged_all_to_all", text)) == 4
+    assert len(re.findall(r"\ball_to_all", text)) == 0

@@ -10,6 +10,7 @@ model width, E experts (E_l = E / n_ep held here), K = top_k, C capacity.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -31,6 +32,9 @@ class Topology:
     token_axes: tuple[str, ...] = ()
     exchange: str = "padded"
     grouped_matmul: str = "tiled"
+    # The ragged exchange's collective; tests substitute oracle.emulated_ragged_all_to_all,
+    # since the CPU backend cannot compile the real one.
+    ragged_all_to_all: Callable = jax.lax.ragged_all_to_all
 
 
 class Stats(NamedTuple):

@@ -107,3 +107,23 @@ def oracle_expert_choice(x_TxD, params: dict, cfg: MoEConfig, num_groups: int, c
             gate_T = gate_T.at[chosen].set(probs_TxE[chosen, e])
         y_TxD = y_TxD + gate_T[:, None] * out_TxD
     return y_TxD
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """jax.lax.ragged_all_to_all's documented semantics, from all_gather and selects, to test
+    the ragged exchange on CPU (whose backend cannot compile the real one). One slice per
+    device: slice j of every caller goes to device j, at that caller's output_offsets[j]."""
+    del recv_sizes  # the senders' send_sizes, gathered below, say the same
+    num_devices = jax.lax.axis_size(axis_name)
+    assert input_offsets.shape == (num_devices,), "one slice per device"
+    me = jax.lax.axis_index(axis_name)
+    operand_SxNxD = jax.lax.all_gather(operand, axis_name)
+    starts_SxJ, sizes_SxJ, dests_SxJ = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))
+    rows_R = jnp.arange(output.shape[0])
+    result = output
+    for src in range(num_devices):
+        start, size, dest = starts_SxJ[src, me], sizes_SxJ[src, me], dests_SxJ[src, me]
+        inside_R = (rows_R >= dest) & (rows_R < dest + size)
+        values = operand_SxNxD[src].at[start + rows_R - dest].get(mode="fill", fill_value=0)
+        result = jnp.where(inside_R[:, None], values, result)
+    return result
