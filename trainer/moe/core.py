@@ -10,6 +10,7 @@ model width, E experts (E_l = E / n_ep held here), K = top_k, C capacity.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -107,12 +108,19 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
     rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
     assignments = Assignments(order_N=order_N, rank_N=rank_N, counts_E=counts_E, top_k=k)
     x_TxD = x_GxTxD.reshape(num_groups * num_tokens, d_model)
-    out_NxD = dropless_experts(x_TxD, assignments, w, cfg.block_rows, topo)
+    block_rows = cfg.block_rows or auto_block_rows(order_N.shape[0] * topo.num_expert_shards / cfg.num_experts)
+    out_NxD = dropless_experts(x_TxD, assignments, w, block_rows, topo)
     y_NxD = out_NxD.astype(jnp.float32) * gate_N[:, None]
     y_TxD = jnp.sum(y_NxD.reshape(k, -1, d_model), axis=0)
     keep_GxN = jnp.ones((num_groups, num_tokens * k), bool)
     stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN)
     return y_TxD.reshape(num_groups, num_tokens, d_model), stats
+
+
+def auto_block_rows(rows_per_expert: float) -> int:
+    """Half the rows an expert expects, as a power of two in [8, 512]."""
+    target = max(rows_per_expert / 2, 1.0)
+    return int(min(512, max(8, 2 ** math.floor(math.log2(target)))))
 
 
 def expert_choice_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capacity: int, topo: Topology):

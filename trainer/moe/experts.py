@@ -42,10 +42,9 @@ def grouped_ffn(x_SxD, w: ExpertWeights, layout: BlockLayout, *, impl: str) -> j
         return tiled_ffn(x_SxD, *w, layout.src_M, layout.dst_M, layout.block_group_NB, layout.num_blocks,
                          layout.num_out)
     x_MxD = take_rows(x_SxD, layout.src_M, layout.src_rows_KxS)
-    h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, layout.block_group_NB, layout.num_blocks, impl=impl)
-    g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, layout.block_group_NB, layout.num_blocks, impl=impl)
-    out_MxD = grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, layout.block_group_NB, layout.num_blocks,
-                             impl=impl)
+    h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, layout.block_group_NB, layout.num_blocks)
+    g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, layout.block_group_NB, layout.num_blocks)
+    out_MxD = grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, layout.block_group_NB, layout.num_blocks)
     return take_rows(out_MxD, inverse_index(layout.dst_M, layout.num_out), layout.dst_M[None])
 
 
