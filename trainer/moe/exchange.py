@@ -33,9 +33,10 @@ def exchange_from_experts(out_ElxRxD: jax.Array, shape, axis: str | None, num_sh
     num_groups, num_experts, capacity, d_model = shape
     local = out_ElxRxD.shape[0]
     out_SGxElxCxD = out_ElxRxD.reshape(local, -1, capacity, d_model).transpose(1, 0, 2, 3)
-    if axis is not None and num_shards > 1:
-        out_SGxElxCxD = jax.lax.all_to_all(out_SGxElxCxD, axis, split_axis=0, concat_axis=1, tiled=True)
-    return out_SGxElxCxD
+    if axis is None or num_shards == 1:
+        return out_SGxElxCxD  # S = 1 and E_l = E: already [G, E, C, D]
+    # Source-major chunks go home; what comes back stacks on the expert dim.
+    return jax.lax.all_to_all(out_SGxElxCxD, axis, split_axis=0, concat_axis=1, tiled=True)
 
 
 class Assignments(NamedTuple):
