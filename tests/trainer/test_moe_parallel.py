@@ -153,14 +153,18 @@ def test_the_same_tokens_are_dropped_with_and_without_expert_parallelism(case):
     np.testing.assert_array_equal(differs, dropped_tokens)
 
 
-def test_bfloat16_block_is_within_rounding_of_the_float32_oracle():
-    """Tolerance: bf16 keeps 8 significant bits (unit roundoff u = 2^-8). The expert path
-    rounds x, the weights, the hidden activations and the output, each by at most u/2
-    relative; errors in length-D and length-F sums largely cancel, so each output element is
-    off by a few u times the output scale. We allow 4u of the largest |y| (gradients: 8u of
-    the largest gradient, one more rounding per backward product). Routing is not part of the
-    error: the oracle gets the same bf16-rounded x, and router logits are float32 in both."""
-    cfg = make_config("top2")
+@pytest.mark.parametrize("case", ["top2", "top2_dropless"])
+def test_bfloat16_block_is_within_rounding_of_the_float32_oracle(case):
+    """Tolerance 8u of the largest reference magnitude, u = 2^-8 the bf16 unit roundoff.
+
+    Why: in bf16 the expert path rounds about six times before the output (x, the weights,
+    h = x W_in, g = x W_gate, silu(g) * h, the output), each by at most u/2 relative to the
+    terms of the next sum; sums with cancellation (sum of |terms| about 2-3x |sum| here)
+    scale that, so 6 * u/2 * 2.5 ~ 7.5u bounds the forward error; the backward products
+    round about as often. Observed: y 3.1u, dx 1.4u, weight gradients <= 3.0u. Routing is
+    not part of the error: the oracle gets the same bf16-rounded x and router logits are
+    float32 in both, so every token picks the same experts."""
+    cfg = make_config(case)
     mesh = make_mesh("expert8")
     x, params, ct = inputs()
     x16 = x.astype(jnp.bfloat16)
@@ -177,7 +181,7 @@ def test_bfloat16_block_is_within_rounding_of_the_float32_oracle():
     y_ref = oracle_moe(x32.reshape(-1, D), params, cfg, keep).reshape(B, L, D)
     u = 2.0**-8
     err = np.abs(np.asarray(y, np.float32) - y_ref).max()
-    assert err <= 4 * u * np.abs(y_ref).max(), err
+    assert err <= 8 * u * np.abs(y_ref).max(), err
     dx_ref, dparams_ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(x32, params)
     assert np.abs(np.asarray(dx, np.float32) - dx_ref).max() <= 8 * u * np.abs(dx_ref).max()
     for name in ("w_in", "w_gate", "w_out"):
