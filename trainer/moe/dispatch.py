@@ -91,20 +91,26 @@ class BlockLayout(NamedTuple):
     block_group_NB: jax.Array
     num_blocks: jax.Array
     num_out: int
+    save_blocks: int  # blocks whose hidden activations the tiled backward pass reuses
 
 
-def block_layout(dest_KxS, block_group_NB, num_blocks, block_rows: int, num_out: int | None = None) -> BlockLayout:
+def block_layout(
+    dest_KxS, block_group_NB, num_blocks, block_rows: int, num_out: int | None = None, save_rows: int | None = None
+) -> BlockLayout:
     """The layout where source row s is read by layout rows dest[:, s] (M where not).
 
     Output rows: with num_out None, one per source row (dst = src); otherwise one per
-    (k, s) reading, numbered k * S + s (the choice-major assignment index).
+    (k, s) reading, numbered k * S + s (the choice-major assignment index). save_rows
+    (default: all) bounds the rows whose hidden activations the backward pass reuses.
     """
     num_reads, num_src = dest_KxS.shape
     num_rows = block_group_NB.shape[0] * block_rows
     reader_M = inverse_index(dest_KxS.reshape(-1), num_rows)
     src_M = jnp.where(reader_M < dest_KxS.size, reader_M % num_src, num_src)
     dst_M = src_M if num_out is None else reader_M
-    return BlockLayout(src_M, dst_M, dest_KxS, block_group_NB, num_blocks, num_out or num_src)
+    total_blocks = block_group_NB.shape[0]
+    save_blocks = total_blocks if save_rows is None else min(total_blocks, -(-save_rows // block_rows))
+    return BlockLayout(src_M, dst_M, dest_KxS, block_group_NB, num_blocks, num_out or num_src, save_blocks)
 
 
 def aligned_layout(counts_SxG: jax.Array, chunk_rows: int, block_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:

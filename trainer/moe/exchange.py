@@ -54,7 +54,7 @@ def dropless_experts(x_TxD, a: Assignments, w: ExpertWeights, block_rows: int, t
         dest_1xN, block_group, num_blocks = dispatch.aligned_layout(a.counts_E[None], a.order_N.shape[0], block_rows)
         dest_KxT = dest_1xN[0][a.rank_N].reshape(a.top_k, -1)
         layout = dispatch.block_layout(dest_KxT, block_group, num_blocks, block_rows, num_out=dest_KxT.size)
-        return grouped_ffn(x_TxD, w, layout, impl=topo.grouped_matmul)
+        return grouped_ffn(x_TxD, w, layout, impl=topo.grouped_matmul)  # saves all: no worst case here
     if topo.exchange == "ragged":
         return _dropless_ragged(x_TxD, a, w, block_rows, topo)
     return _dropless_padded(x_TxD, a, w, block_rows, topo)
@@ -76,7 +76,10 @@ def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo):
     """Received chunks (source-major, each sorted by local expert) through the local experts."""
     num_rows = recv_SNxD.shape[0] // recv_counts_SxEl.shape[0]
     dest_SxN, block_group, num_blocks = dispatch.aligned_layout(recv_counts_SxEl, num_rows, block_rows)
-    layout = dispatch.block_layout(dest_SxN.reshape(1, -1), block_group, num_blocks, block_rows)
+    # The buffer holds the worst case (every source's rows for these experts); balanced
+    # routing brings about num_rows. Activations are kept for 1.5x that, padding included.
+    save_rows = 3 * num_rows // 2 + recv_counts_SxEl.shape[1] * block_rows
+    layout = dispatch.block_layout(dest_SxN.reshape(1, -1), block_group, num_blocks, block_rows, save_rows=save_rows)
     return grouped_ffn(recv_SNxD, w, layout, impl=topo.grouped_matmul)
 
 

@@ -40,7 +40,7 @@ def grouped_ffn(x_SxD, w: ExpertWeights, layout: BlockLayout, *, impl: str) -> j
     """
     if impl == "tiled":
         return tiled_ffn(x_SxD, *w, layout.src_M, layout.dst_M, layout.block_group_NB, layout.num_blocks,
-                         layout.num_out)
+                         layout.num_out, layout.save_blocks)
     x_MxD = take_rows(x_SxD, layout.src_M, layout.src_rows_KxS)
     h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, layout.block_group_NB, layout.num_blocks)
     g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, layout.block_group_NB, layout.num_blocks)

@@ -3,8 +3,9 @@
 Fusing the three products per block keeps the [rows, d_ff] intermediates out of
 full-size elementwise passes, and the loop runs only over the blocks in use
 (a dynamic trip count), so the worst-case row buffer of the dropless exchange
-costs memory, not compute. The backward pass is a second loop that recomputes
-the hidden activations; weight gradients accumulate per expert.
+costs memory, not compute. The backward pass is a second loop; it reuses the
+hidden activations of the blocks that usually arrive and recomputes any beyond;
+weight gradients accumulate per expert.
 """
 
 from __future__ import annotations
@@ -60,44 +61,65 @@ def _hidden(x_BxD, w_in, w_gate, e, dtype):
     return h_BxF, g_BxF
 
 
-def _forward(x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks, num_out):
+def _forward(x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks, num_out, save_blocks):
     """Block i reads rows src[i*B:(i+1)*B] of x and writes rows dst[...] of the output;
-    indices past the end stand for padding (read as zeros, never written)."""
+    indices past the end stand for padding (read as zeros, never written). With save_blocks
+    > 0 it also returns the hidden activations of the first save_blocks blocks (plus one
+    scratch block that later blocks overwrite), for the backward pass."""
     block_rows = src_M.shape[0] // block_group_NB.shape[0]
     ins = (x_SxD, w_in, w_gate, w_out, src_M, block_group_NB)
 
-    def body(i, out_OxD):
+    def body(i, carry):
+        out_OxD, saved = carry
         e = block_group_NB[i]
         x_BxD = x_SxD.at[_block_index(src_M, i, block_rows)].get(mode="fill", fill_value=0)
         h_BxF, g_BxF = _hidden(x_BxD, w_in, w_gate, e, x_SxD.dtype)
         y_BxD = _dot(jax.nn.silu(g_BxF) * h_BxF, w_out[e], _MM).astype(x_SxD.dtype)
-        return out_OxD.at[_block_index(dst_M, i, block_rows)].set(y_BxD, mode="drop", unique_indices=True)
+        out_OxD = out_OxD.at[_block_index(dst_M, i, block_rows)].set(y_BxD, mode="drop", unique_indices=True)
+        if save_blocks:
+            row = jnp.minimum(i, save_blocks) * block_rows
+            saved = tuple(jax.lax.dynamic_update_slice_in_dim(s, a, row, 0) for s, a in zip(saved, (h_BxF, g_BxF)))
+        return out_OxD, saved
 
-    init = _zeros_like_all((num_out, x_SxD.shape[1]), x_SxD.dtype, *ins)
-    return jax.lax.fori_loop(0, num_blocks, body, init)
+    out = _zeros_like_all((num_out, x_SxD.shape[1]), x_SxD.dtype, *ins)
+    saved_shape = ((save_blocks + 1) * block_rows, w_in.shape[-1])
+    saved = tuple(_zeros_like_all(saved_shape, x_SxD.dtype, *ins) for _ in range(2)) if save_blocks else ()
+    return jax.lax.fori_loop(0, num_blocks, body, (out, saved))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def tiled_ffn(x_SxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, src_M, dst_M, block_group_NB, num_blocks, num_out):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def tiled_ffn(x_SxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, src_M, dst_M, block_group_NB, num_blocks, num_out,
+              save_blocks=0):
     """Grouped gated FFN straight from source rows to destination rows.
 
     Row m of the block layout (blocks of B rows, block i of expert block_group[i], only the
     first num_blocks in use) is source row src[m] of x; its output goes to row dst[m] of the
     [num_out, D] result. Each destination row is written at most once; rows never written are 0.
+    The backward pass reuses the hidden activations of the first save_blocks blocks and
+    recomputes the rest: saving all would take a buffer sized (and zeroed) for the worst
+    case of the dropless exchange, several times the rows that usually arrive.
     """
     args = (x_SxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, src_M, dst_M, block_group_NB, num_blocks)
-    return _forward(*args, num_out)
+    return _forward(*args, num_out, 0)[0]
 
 
-def _tiled_ffn_fwd(x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks, num_out):
-    out_OxD = _forward(x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks, num_out)
-    return out_OxD, (x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks)
+def _tiled_ffn_fwd(x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks, num_out, save_blocks):
+    args = (x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks)
+    out_OxD, saved = _forward(*args, num_out, save_blocks)
+    return out_OxD, args + (saved,)
 
 
-def _tiled_ffn_bwd(num_out, res, dout_OxD):
-    x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks = res
+def _tiled_ffn_bwd(num_out, save_blocks, res, dout_OxD):
+    x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_blocks, saved = res
     block_rows = src_M.shape[0] // block_group_NB.shape[0]
     dout_OxD = dout_OxD.astype(x_SxD.dtype)
+
+    def hidden(i, x_BxD, e):
+        recompute = lambda: _hidden(x_BxD, w_in, w_gate, e, x_SxD.dtype)
+        if not save_blocks:
+            return recompute()
+        load = lambda: tuple(jax.lax.dynamic_slice_in_dim(s, i * block_rows, block_rows) for s in saved)
+        return jax.lax.cond(i < save_blocks, load, recompute)
 
     def body(i, carry):
         dx_SxD, dw_in, dw_gate, dw_out = carry
@@ -105,9 +127,7 @@ def _tiled_ffn_bwd(num_out, res, dout_OxD):
         src_B = _block_index(src_M, i, block_rows)
         x_BxD = x_SxD.at[src_B].get(mode="fill", fill_value=0)
         dy_BxD = dout_OxD.at[_block_index(dst_M, i, block_rows)].get(mode="fill", fill_value=0)
-        # Recomputed rather than saved: a saved [rows, d_ff] buffer must be sized (and zeroed)
-        # for the worst case of the dropless exchange, which costs more than two block products.
-        h_BxF, g_BxF = (a.astype(jnp.float32) for a in _hidden(x_BxD, w_in, w_gate, e, x_SxD.dtype))
+        h_BxF, g_BxF = (a.astype(jnp.float32) for a in hidden(i, x_BxD, e))
         sig_BxF = jax.nn.sigmoid(g_BxF)
         silu_BxF = g_BxF * sig_BxF
         dw_out = _add_expert(dw_out, e, _dot((silu_BxF * h_BxF).astype(x_SxD.dtype), dy_BxD, _T_MM))
