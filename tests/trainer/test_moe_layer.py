@@ -122,14 +122,15 @@ def test_shared_expert_adds_a_dense_ffn_for_every_token():
 def test_jitter_perturbs_routing_in_training_only():
     cfg = MoEConfig(**SMALL, capacity_factor=8.0, jitter=0.5)
     block = MoEBlock(cfg, D, rngs=nnx.Rngs(0))
-    x = x_BxLxD()
-    y_eval, _ = block(x, train=False)
-    y_eval2, _ = block(x, train=False)
-    y_train, _ = block(x, train=True)
-    np.testing.assert_array_equal(y_eval, y_eval2)
     plain = MoEBlock(MoEConfig(**SMALL, capacity_factor=8.0), D, rngs=nnx.Rngs(0))
-    np.testing.assert_allclose(y_eval, plain(x, train=False)[0], rtol=1e-6)
+    run = nnx.jit(lambda blk, x, train: blk(x, train=train)[0], static_argnums=2)
+    x = x_BxLxD()
+    y_eval = run(block, x, False)
+    np.testing.assert_array_equal(y_eval, run(block, x, False))
+    np.testing.assert_allclose(y_eval, run(plain, x, False), rtol=1e-6)
+    y_train, y_train2 = run(block, x, True), run(block, x, True)
     assert float(jnp.abs(y_train - y_eval).max()) > 1e-4
+    assert float(jnp.abs(y_train - y_train2).max()) > 1e-4  # fresh noise on every call
 
 
 def test_eval_uses_the_eval_capacity_factor():
@@ -142,7 +143,7 @@ def test_eval_uses_the_eval_capacity_factor():
 
 def test_bfloat16_compute_keeps_float32_parameters():
     block = MoEBlock(MoEConfig(**SMALL), D, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    y, aux = block(x_BxLxD())
+    y, aux = nnx.jit(lambda blk, x: blk(x))(block, x_BxLxD())
     assert y.dtype == jnp.bfloat16 and block.w_in[...].dtype == jnp.float32
     assert aux["aux_loss"].dtype == jnp.float32
 

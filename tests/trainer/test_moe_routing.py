@@ -132,7 +132,7 @@ def test_probability_priority_drops_the_least_probable_assignment_of_each_expert
 _assign_slots = jax.jit(cap.assign_slots, static_argnums=(2, 3, 4))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     st.sampled_from([(16, 1, 4), (16, 2, 4), (12, 3, 5)]), st.integers(1, 6),
     st.sampled_from(["position", "probability"]), st.integers(0, 2**31 - 1),
