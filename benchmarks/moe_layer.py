@@ -24,7 +24,8 @@ if "jax" not in sys.modules:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from trainer.moe.capacity import expert_capacity  # noqa: E402
 from trainer.moe.config import MoEConfig  # noqa: E402
@@ -98,7 +99,8 @@ def run_case(mesh, case, modes, reps):
     )
     base = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=cf)
     configs = {"einsum": MoEConfig(**{**base.__dict__, "dispatch": "einsum"})}
-    configs.update({m: base if m == "capacity" else MoEConfig(**{**base.__dict__, "capacity_factor": 0.0}) for m in modes})
+    dropless = MoEConfig(**{**base.__dict__, "capacity_factor": 0.0})
+    configs.update({m: base if m == "capacity" else dropless for m in modes})
     steps = {"ideal": (ideal_step(mesh), (rows, w))}
     steps.update({name: (block_step(cfg, mesh), (x, router, w)) for name, cfg in configs.items()})
     for fn, args in steps.values():

@@ -13,12 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trainer.moe import MoEConfig
 from trainer.moe.experts import ExpertWeights
 from trainer.moe.oracle import (
-    emulated_ragged_all_to_all, oracle_aux, oracle_capacity, oracle_keep, oracle_moe, oracle_routing,
+    emulated_ragged_all_to_all,
+    oracle_aux,
+    oracle_capacity,
+    oracle_keep,
+    oracle_moe,
+    oracle_routing,
 )
 from trainer.moe.parallel import make_topology, moe_apply, moe_groups
 
@@ -223,7 +229,7 @@ def test_ragged_exchange_equals_the_padded_exchange():
         fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), ExpertWeights(*(P("expert"),) * 3)), out_specs=spec)
         return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2)))(x, params["router"], w)
 
-    for a, b in zip(jax.tree.leaves(grads(padded)), jax.tree.leaves(grads(ragged))):
+    for a, b in zip(jax.tree.leaves(grads(padded)), jax.tree.leaves(grads(ragged)), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

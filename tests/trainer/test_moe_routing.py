@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from trainer.moe import MoEConfig
+from trainer.moe import MoEConfig, dispatch, routing
 from trainer.moe import capacity as cap
-from trainer.moe import dispatch, routing
 from trainer.moe.oracle import oracle_keep
 
 

@@ -7,7 +7,8 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trainer.moe import MoEConfig
 from trainer.moe.experts import ExpertWeights
@@ -15,7 +16,9 @@ from trainer.moe.parallel import moe_apply
 
 B, L, D, F, E = 16, 8, 16, 32, 8
 # "%name = <shape, maybe a tuple> <op>(operands...)", one instruction per line.
-COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*(.*?)\s(all-to-all|all-gather-start|all-gather|ragged-all-to-all)\(")
+COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT\s+)?\S+\s*=\s*(.*?)\s(all-to-all|all-gather-start|all-gather|ragged-all-to-all)\("
+)
 
 
 @functools.cache
@@ -29,8 +32,9 @@ def sharded_inputs(m, num_blocks):
     x = put(jax.random.normal(keys[0], (B, L, D)), P(("data", "expert")))
     router = put(jax.random.normal(keys[1], (D, E)), P())
     shapes = ((E, D, F), (E, D, F), (E, F, D))
+    normal = lambda i, j, shape: jax.random.normal(keys[2 + 3 * i + j], shape) * 0.1
     weights = [
-        ExpertWeights(*(put(jax.random.normal(keys[2 + 3 * i + j], s) * 0.1, P("expert")) for j, s in enumerate(shapes)))
+        ExpertWeights(*(put(normal(i, j, shape), P("expert")) for j, shape in enumerate(shapes)))
         for i in range(num_blocks)
     ]
     return x, router, weights

@@ -1,9 +1,10 @@
 """Moving tokens into per-expert buffers and back, by gathers instead of one-hot tensors.
 
 The fast path never builds a [tokens, experts, capacity] tensor: slot indices are
-scattered as integers, rows are moved with gathers (whose gradients are
-scatter-adds). The GShard one-hot einsum dispatch/combine at the end of the
-module is the baseline that tests and the benchmark compare against.
+scattered as integers and rows move with gathers whose gradients are gathers too
+(take_rows), since XLA:CPU runs a row scatter-add row by row. The GShard one-hot
+einsum dispatch/combine at the end of the module is the baseline that tests and
+the benchmark compare against.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def block_layout(
     (k, s) reading, numbered k * S + s (the choice-major assignment index). save_rows
     (default: all) bounds the rows whose hidden activations the backward pass reuses.
     """
-    num_reads, num_src = dest_KxS.shape
+    num_src = dest_KxS.shape[1]
     num_rows = block_group_NB.shape[0] * block_rows
     reader_M = inverse_index(dest_KxS.reshape(-1), num_rows)
     src_M = jnp.where(reader_M < dest_KxS.size, reader_M % num_src, num_src)

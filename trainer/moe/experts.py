@@ -20,7 +20,7 @@ class ExpertWeights(NamedTuple):
     w_gate_ExDxF: jax.Array
     w_out_ExFxD: jax.Array
 
-    def cast(self, dtype) -> "ExpertWeights":
+    def cast(self, dtype) -> ExpertWeights:
         return ExpertWeights(*(w.astype(dtype) for w in self))
 
 

@@ -118,7 +118,8 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     assert input_offsets.shape == (num_devices,), "one slice per device"
     me = jax.lax.axis_index(axis_name)
     operand_SxNxD = jax.lax.all_gather(operand, axis_name)
-    starts_SxJ, sizes_SxJ, dests_SxJ = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))
+    plan = (input_offsets, send_sizes, output_offsets)
+    starts_SxJ, sizes_SxJ, dests_SxJ = (jax.lax.all_gather(a, axis_name) for a in plan)
     rows_R = jnp.arange(output.shape[0])
     result = output
     for src in range(num_devices):

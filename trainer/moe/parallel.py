@@ -8,8 +8,8 @@ exchanges switched on. Otherwise the same code runs once over all tokens.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trainer.moe import core
 from trainer.moe.capacity import expert_capacity

@@ -78,7 +78,8 @@ def _forward(x_SxD, w_in, w_gate, w_out, src_M, dst_M, block_group_NB, num_block
         out_OxD = out_OxD.at[_block_index(dst_M, i, block_rows)].set(y_BxD, mode="drop", unique_indices=True)
         if save_blocks:
             row = jnp.minimum(i, save_blocks) * block_rows
-            saved = tuple(jax.lax.dynamic_update_slice_in_dim(s, a, row, 0) for s, a in zip(saved, (h_BxF, g_BxF)))
+            hidden = (h_BxF, g_BxF)
+            saved = tuple(jax.lax.dynamic_update_slice_in_dim(s, a, row, 0) for s, a in zip(saved, hidden, strict=True))
         return out_OxD, saved
 
     out = _zeros_like_all((num_out, x_SxD.shape[1]), x_SxD.dtype, *ins)
@@ -146,7 +147,7 @@ def _tiled_ffn_bwd(num_out, save_blocks, res, dout_OxD):
         _zeros_like_all(w.shape, jnp.float32, *ins) for w in (w_in, w_gate, w_out)
     )
     dx_SxD, *dws = jax.lax.fori_loop(0, num_blocks, body, init)
-    dws = [_sum_to_axes_of(dw.astype(w.dtype), w) for dw, w in zip(dws, (w_in, w_gate, w_out))]
+    dws = [_sum_to_axes_of(dw.astype(w.dtype), w) for dw, w in zip(dws, (w_in, w_gate, w_out), strict=True)]
     return (_sum_to_axes_of(dx_SxD, x_SxD), *dws, None, None, None, None)
 
 
