@@ -56,7 +56,7 @@ def test_interface_shapes_dtypes_and_aux_keys():
 def test_parameters_carry_logical_axis_names():
     block = MoEBlock(MoEConfig(**SMALL, num_shared_experts=1), D, rngs=nnx.Rngs(0))
     expected = {
-        "router": ("embed", "expert"), "w_in": ("expert", "embed", "mlp"), "w_gate": ("expert", "embed", "mlp"),
+        "router": ("embed", None), "w_in": ("expert", "embed", "mlp"), "w_gate": ("expert", "embed", "mlp"),
         "w_out": ("expert", "mlp", "embed"), "shared_w_in": ("embed", "mlp"), "shared_w_gate": ("embed", "mlp"),
         "shared_w_out": ("mlp", "embed"),
     }

@@ -44,7 +44,8 @@ class MoEBlock(nnx.Module):
             )
         self.cfg, self.d_model, self.mesh, self.dtype = cfg, d_model, mesh, dtype
         e, d, f = cfg.num_experts, d_model, cfg.d_ff
-        self.router = _param(rngs, (d, e), d, ("embed", "expert"), param_dtype)
+        # Replicated, not split over `expert`: every device routes its tokens to all experts.
+        self.router = _param(rngs, (d, e), d, ("embed", None), param_dtype)
         self.w_in = _param(rngs, (e, d, f), d, ("expert", "embed", "mlp"), param_dtype)
         self.w_gate = _param(rngs, (e, d, f), d, ("expert", "embed", "mlp"), param_dtype)
         self.w_out = _param(rngs, (e, f, d), f, ("expert", "mlp", "embed"), param_dtype)
