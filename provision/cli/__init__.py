@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -90,6 +91,9 @@ def cli(ctx: click.Context, dry_run: bool, scenario: str, output: str, verbose: 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every failure becomes a message and an exit code, never a traceback."""
+    # gRPC's C core logs connection events (e.g. GOAWAY when the emulator stops) at INFO on
+    # stderr; the console reports what matters. Set before grpc is imported; a user's value wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         rv = cli.main(args=argv, prog_name="moe-tpu", standalone_mode=False)
     except click.exceptions.Abort:

@@ -9,7 +9,6 @@ control plane's logic.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from provision.clock import RealClock, SimClock
@@ -19,10 +18,6 @@ if TYPE_CHECKING:
     from provision.app import App
 
 TPU_HOST = "tpu.googleapis.com"
-
-# gRPC's C core logs connection events (e.g. GOAWAY when the emulator stops) at INFO on stderr;
-# our console reports what matters. Set before grpc is first imported; a user's value wins.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def _require_control_deps() -> None:
