@@ -17,7 +17,7 @@ from provision.errors import CloudError, MissingDependency
 if TYPE_CHECKING:
     from provision.app import App
 
-TPU_HOST = "tpu.googleapis.com"
+TPU_HOST = "tpu.googleapis.com:443"
 
 
 def _require_control_deps() -> None:
