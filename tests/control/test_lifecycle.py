@@ -215,3 +215,16 @@ def test_up_after_down_creates_a_fresh_slice(tmp_path, run_in):
     slice_down(cfg, run.session, run.app.console)
     resources = slice_up(cfg, run.session, run.app.console)
     assert resources[0].state == "ACTIVE" and resources[1].state == "READY"
+
+
+def test_multislice_waits_for_every_slice(tmp_path, run_in):
+    cfg = make_config(tmp_path, slice__count=2)
+    run = run_in()
+    qr, *nodes = slice_up(cfg, run.session, run.app.console)
+    assert qr.state == "ACTIVE"
+    assert [n.state for n in nodes] == ["READY", "READY"]
+    assert [len(n.workers) for n in nodes] == [16, 16]
+    spec = run.creates()[0]["request"]["queued_resource"]["tpu"]["node_spec"][0]
+    assert spec["multislice_params"]["node_count"] == 2
+    slice_down(cfg, run.session, run.app.console)
+    assert managed_resources(run.session, "my-project", cfg.zones) == []
