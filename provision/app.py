@@ -14,6 +14,7 @@ from provision.console import Console
 from provision.errors import ConfigError, MoeTpuError
 
 STATE_DIR = ".moe-tpu"
+LAST_CONFIG = "last-config"
 
 
 class App:
@@ -39,9 +40,20 @@ class App:
         return self.workdir / STATE_DIR
 
     def load_config(self, path: str):
-        from provision.config import load_config
+        """Load and validate the config. Without `--config` and with no moe-tpu.yaml here, the
+        config that the last command in this directory used is taken (so `down` after
+        `slice up -c examples/v5e-64.yaml` finds the run); each load records itself for that."""
+        from provision.config import DEFAULT_CONFIG, load_config
 
-        return load_config(Path(path))
+        config_path = Path(path)
+        remembered = self.state_dir / LAST_CONFIG
+        if path == DEFAULT_CONFIG and not config_path.exists() and remembered.exists():
+            config_path = Path(remembered.read_text().strip())
+            self.console.info(f"using {config_path} (the config last used in this directory)")
+        cfg = load_config(config_path)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        remembered.write_text(str(config_path.resolve()) + "\n")
+        return cfg
 
     def session(self):
         """The cloud session (real, or the emulator in dry run), opened on first use."""

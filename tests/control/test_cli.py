@@ -128,3 +128,17 @@ def test_dry_run_touches_only_loopback_and_never_reads_credentials(workdir, tmp_
     res, _, reads = audited(["slice", "status"])
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert str(creds) in reads
+
+
+def test_down_without_config_finds_the_run_that_slice_up_started(tmp_path):
+    example = tmp_path / "configs" / "v5e-64.yaml"
+    example.parent.mkdir()
+    shutil.copy(EXAMPLE, example)
+    up = moe(["--dry-run", "slice", "up", "--config", str(example)], tmp_path)
+    assert up.returncode == 0, up.stderr
+    down = moe(["--dry-run", "--output", "json", "down"], tmp_path)  # no moe-tpu.yaml here
+    assert down.returncode == 0, down.stderr
+    assert f"using {example} (the config last used in this directory)" in down.stderr
+    assert [d["kind"] for d in json.loads(down.stdout)["deleted"]] == ["queued_resource"]
+    listed = moe(["--dry-run", "--output", "json", "list"], tmp_path)
+    assert json.loads(listed.stdout)["resources"] == []
