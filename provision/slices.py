@@ -232,6 +232,8 @@ def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: s
 
 def slice_up(cfg, session, console, templates_dir=None) -> list[Resource]:
     """Provision the run's slice, trying each zone in order on stockout. Returns its resources."""
+    from provision.config import format_duration as config_duration
+
     project = project_of(cfg, session)
     tried: list[str] = []
     for zone in cfg.zones:
@@ -244,7 +246,8 @@ def slice_up(cfg, session, console, templates_dir=None) -> list[Resource]:
             return [_qr_resource(qr, zone)] + [_node_resource(n, zone) for n in nodes]
         code, message = failure_of(qr)
         if state == "FAILED" and code in STOCKOUT_CODES:
-            why = (f"not provisioned within slice.max_wait ({format_duration(cfg.slice.max_wait.total_seconds())})"
+            # In the config's own syntax (its parser's inverse), as the user wrote it.
+            why = (f"not provisioned within slice.max_wait ({config_duration(cfg.slice.max_wait)})"
                    if code == 4 else "no capacity")
             tried.append(f"{zone} ({why})")
             console.warn(f"{why} in {zone}: {message}")

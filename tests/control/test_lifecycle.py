@@ -188,8 +188,8 @@ def test_long_queue_past_max_wait_moves_on_and_then_gives_up_with_a_hint(tmp_pat
         slice_up(cfg, run.session, run.app.console)
     assert info.value.message == (
         "no capacity for 1 x v5litepod-64 (spot) in any zone tried: "
-        "us-east5-a (not provisioned within slice.max_wait (30m00s)), "
-        "us-east5-b (not provisioned within slice.max_wait (30m00s))")
+        "us-east5-a (not provisioned within slice.max_wait (30m)), "
+        "us-east5-b (not provisioned within slice.max_wait (30m))")
     assert "slice.max_wait" in info.value.hint
     assert managed_resources(run.session, "my-project", cfg.zones) == []
 
