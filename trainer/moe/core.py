@@ -111,7 +111,7 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
     block_rows = cfg.block_rows or auto_block_rows(order_N.shape[0] * topo.num_expert_shards / cfg.num_experts)
     out_NxD = dropless_experts(x_TxD, assignments, w, block_rows, topo)
     y_NxD = out_NxD.astype(jnp.float32) * gate_N[:, None]
-    y_TxD = jnp.sum(y_NxD.reshape(k, -1, d_model), axis=0)
+    y_TxD = dispatch.sum_leading(y_NxD.reshape(k, -1, d_model))
     keep_GxN = jnp.ones((num_groups, num_tokens * k), bool)
     stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN)
     return y_TxD.reshape(num_groups, num_tokens, d_model), stats

@@ -20,6 +20,15 @@ def gather_rows(x_MxD: jax.Array, index_R: jax.Array) -> jax.Array:
     return x_MxD.at[index_R].get(mode="fill", fill_value=0)
 
 
+def sum_leading(x_KxAxD: jax.Array) -> jax.Array:
+    """Sum over the leading axis as a chain of adds: XLA:CPU runs a reduction over a short
+    major axis as a slow generic reduce, where K - 1 elementwise adds fuse into one pass."""
+    total = x_KxAxD[0]
+    for i in range(1, x_KxAxD.shape[0]):
+        total = total + x_KxAxD[i]
+    return total
+
+
 def inverse_index(dest_N: jax.Array, num_rows: int) -> jax.Array:
     """For rows[dest[n]] = x[n]: the source of each destination row, num_sources where none."""
     num = dest_N.shape[0]
@@ -45,7 +54,7 @@ def _take_rows_fwd(x_AxD, index_B, inverse_KxA):
 
 def _take_rows_bwd(res, dy_BxD):
     index_B, inverse_KxA = res
-    dx_AxD = jnp.sum(gather_rows(dy_BxD, inverse_KxA), axis=0)
+    dx_AxD = sum_leading(gather_rows(dy_BxD, inverse_KxA))
     return dx_AxD, None, None
 
 
@@ -68,7 +77,7 @@ def combine_from_slots(out_SxD: jax.Array, slot_N: jax.Array, gate_N: jax.Array,
     """y[t] = sum_r gate[r, t] * out[slot[r, t]], in float32; dropped slots read the zero row."""
     source_1xS = inverse_index(slot_N, out_SxD.shape[0])[None]
     y_NxD = take_rows(out_SxD, slot_N, source_1xS).astype(jnp.float32) * gate_N[:, None]
-    return jnp.sum(y_NxD.reshape(top_k, -1, out_SxD.shape[-1]), axis=0)
+    return sum_leading(y_NxD.reshape(top_k, -1, out_SxD.shape[-1]))
 
 
 def sort_by_expert(experts_N: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -155,8 +164,8 @@ def einsum_dispatch_combine_tensors(
 ) -> tuple[jax.Array, jax.Array]:
     """GShard's dispatch mask and combine weights, [T, E, C] each, from the same slots."""
     one_hot_NxS = jax.nn.one_hot(slot_N, num_experts * capacity + 1, dtype=jnp.float32)[:, :-1]
-    dispatch_TxS = jnp.sum(one_hot_NxS.reshape(top_k, num_tokens, -1), axis=0)
-    combine_TxS = jnp.sum((one_hot_NxS * gate_N[:, None]).reshape(top_k, num_tokens, -1), axis=0)
+    dispatch_TxS = sum_leading(one_hot_NxS.reshape(top_k, num_tokens, -1))
+    combine_TxS = sum_leading((one_hot_NxS * gate_N[:, None]).reshape(top_k, num_tokens, -1))
     shape = (num_tokens, num_experts, capacity)
     return dispatch_TxS.reshape(shape), combine_TxS.reshape(shape)
 
