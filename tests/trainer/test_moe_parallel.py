@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainer.moe import MoEConfig
+from trainer.moe import MoEConfig, exchange
+from trainer.moe.exchange import padded_chunk_rows
 from trainer.moe.experts import ExpertWeights
 from trainer.moe.oracle import (
     emulated_ragged_all_to_all,
@@ -257,4 +258,54 @@ def test_dropless_stays_exact_when_every_token_goes_to_two_experts():
     close(y, y_ref)
     close(dx, dx_ref)
     for name in ("w_in", "w_gate", "w_out"):
+        close(dparams[name], dparams_ref[name], name)
+
+
+def test_padded_exchange_chunks_are_twice_the_fair_share_in_multiples_of_8():
+    assert padded_chunk_rows(2048, 8) == 512
+    assert padded_chunk_rows(32, 4) == 16
+    assert padded_chunk_rows(36, 4) == 24
+    assert padded_chunk_rows(32, 8) == 8
+    assert padded_chunk_rows(8, 2) == 8  # never more than all N rows
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
+def test_padded_exchange_sends_short_chunks_unless_a_send_would_not_fit(monkeypatch, skewed):
+    """The CPU dropless exchange pads each destination's rows to twice its fair share when
+    every device's sends fit (here 16 of a device's 32 rows), else to all 32 rows. Which one
+    ran is seen from inside the branch; either way the block equals the oracle."""
+    ran = []
+    real = exchange._padded_exchange
+
+    def spy(*args):
+        chunk = args[-1]
+        jax.debug.callback(lambda: ran.append(chunk))
+        return real(*args)
+
+    monkeypatch.setattr(exchange, "_padded_exchange", spy)
+    cfg, mesh = make_config("top2_dropless"), make_mesh("data2_expert4")
+    x, params, ct = inputs()
+    if skewed:  # every token picks experts 0 and 1, both on one device: 32 rows from each source
+        x = jnp.abs(x) + 1.0
+        params = {**params, "router": params["router"].at[:, :2].set(2.0)}
+    else:  # token t picks experts t % 8 and (t + 1) % 8: 8 rows from each source to each device
+        t = jnp.arange(B * L)
+        x = 0.01 * x + (3 * jax.nn.one_hot(t % E, D) + 2 * jax.nn.one_hot((t + 1) % E, D)).reshape(B, L, D)
+        params = {**params, "router": jnp.eye(D, E)}
+    xs, ps = place(mesh, x, params)
+    step = jax.jit(jax.grad(block_loss, argnums=(0, 1), has_aux=True), static_argnums=(3, 4))
+    (dx, dparams), (y, _) = step(xs, ps, ct, cfg, mesh)
+    jax.effects_barrier()
+    assert set(ran) == ({32} if skewed else {16}), ran
+
+    def loss(x, params):
+        y = oracle_moe(x.reshape(-1, D), params, cfg).reshape(B, L, D)
+        aux = oracle_aux(x.reshape(-1, D), params, cfg)
+        return jnp.sum(y * ct) + aux["aux_loss"] + aux["z_loss"], y
+
+    (dx_ref, dparams_ref), y_ref = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+    close = lambda a, b, msg="": np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=msg)
+    close(y, y_ref)
+    close(dx, dx_ref)
+    for name in ("router", "w_in", "w_gate", "w_out"):
         close(dparams[name], dparams_ref[name], name)

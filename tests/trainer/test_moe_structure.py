@@ -1,5 +1,10 @@
 """Structure of the compiled expert-parallel block, read from the HLO text: exactly two
-all-to-all collectives per MoE block, and no all-gather of expert weights."""
+all-to-all collectives per MoE block, and no all-gather of expert weights.
+
+Collectives are counted along one execution path: a conditional (the CPU dropless
+exchange picks its chunk size with one) runs one of its branches, so its branches
+must hold the same collectives and count once.
+"""
 
 import functools
 import re
@@ -48,15 +53,44 @@ def stacked_blocks(x, router, weights, cfg, m):
     return x
 
 
+COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s.*\{$")
+BRANCHES = re.compile(r"\bconditional\(.*branch_computations=\{([^}]*)\}")
+CALLED = re.compile(r"\b(?:calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+
+
+def executed_collectives(hlo: str) -> list[tuple[str, str]]:
+    """(kind, shape) of the collectives one execution of the module runs, in program order."""
+    computations, entry, current = {}, None, None
+    for line in hlo.splitlines():
+        if (m := COMPUTATION.match(line)) is not None:
+            current = computations.setdefault(m.group(1), [])
+            entry = m.group(1) if line.startswith("ENTRY") else entry
+        elif current is not None:
+            current.append(line)
+
+    def walk(name: str) -> list[tuple[str, str]]:
+        found = []
+        for line in computations[name]:
+            if (m := COLLECTIVE.match(line)) is not None:
+                found.append((m.group(2), m.group(1)))
+            if (b := BRANCHES.search(line)) is not None:
+                paths = [walk(branch.strip().lstrip("%")) for branch in b.group(1).split(",")]
+                assert all([k for k, _ in p] == [k for k, _ in paths[0]] for p in paths), paths
+                found += paths[0]
+            for called in CALLED.findall(line):
+                found += walk(called)
+        return found
+
+    return walk(entry)
+
+
 def collectives(cfg, mesh_shape, num_blocks=1, grad=False):
     m = mesh(mesh_shape)
     x, router, weights = sharded_inputs(m, num_blocks)
     fn = lambda x, w: stacked_blocks(x, router, w, cfg, m)
     if grad:
         fn = jax.grad(lambda x, w: jnp.sum(stacked_blocks(x, router, w, cfg, m)), argnums=(0, 1))
-    hlo = jax.jit(fn).lower(x, weights).compile().as_text()
-    found = [COLLECTIVE.match(line) for line in hlo.splitlines()]
-    return [(m.group(2), m.group(1)) for m in found if m]
+    return executed_collectives(jax.jit(fn).lower(x, weights).compile().as_text())
 
 
 CONFIGS = {

@@ -21,22 +21,20 @@ from trainer.moe.experts import ExpertWeights, grouped_ffn
 def exchange_to_experts(buf_GxExCxD: jax.Array, axis: str | None, num_shards: int) -> jax.Array:
     """[G, E, C, D] rows per expert -> [E_l, S * G * C, D] rows of the local experts from all S sources."""
     num_groups, num_experts, capacity, d_model = buf_GxExCxD.shape
-    if axis is not None and num_shards > 1:
-        # Split the expert dim over destinations; received chunks stack on the group dim.
-        buf_GxExCxD = jax.lax.all_to_all(buf_GxExCxD, axis, split_axis=1, concat_axis=0, tiled=True)
-    local = buf_GxExCxD.shape[1]
-    return buf_GxExCxD.transpose(1, 0, 2, 3).reshape(local, -1, d_model)
+    buf_ExRxD = buf_GxExCxD.transpose(1, 0, 2, 3).reshape(num_experts, num_groups * capacity, d_model)
+    if axis is None or num_shards == 1:
+        return buf_ExRxD
+    # Expert chunks go to their devices; what arrives stacks source-major on the row dim.
+    return jax.lax.all_to_all(buf_ExRxD, axis, split_axis=0, concat_axis=1, tiled=True)
 
 
 def exchange_from_experts(out_ElxRxD: jax.Array, shape, axis: str | None, num_shards: int) -> jax.Array:
     """The inverse of exchange_to_experts: back to [G, E, C, D] on the devices the rows came from."""
     num_groups, num_experts, capacity, d_model = shape
-    local = out_ElxRxD.shape[0]
-    out_SGxElxCxD = out_ElxRxD.reshape(local, -1, capacity, d_model).transpose(1, 0, 2, 3)
-    if axis is None or num_shards == 1:
-        return out_SGxElxCxD  # S = 1 and E_l = E: already [G, E, C, D]
-    # Source-major chunks go home; what comes back stacks on the expert dim.
-    return jax.lax.all_to_all(out_SGxElxCxD, axis, split_axis=0, concat_axis=1, tiled=True)
+    if axis is not None and num_shards > 1:
+        # Each source's rows go home; what comes back stacks on the expert dim.
+        out_ElxRxD = jax.lax.all_to_all(out_ElxRxD, axis, split_axis=1, concat_axis=0, tiled=True)
+    return out_ElxRxD.reshape(num_experts, num_groups, capacity, d_model).transpose(1, 0, 2, 3)
 
 
 class Assignments(NamedTuple):
@@ -72,33 +70,55 @@ def _exchange_plan(a: Assignments, topo):
     return me, sizes_SxJ, recv_counts_SxEl
 
 
-def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo):
+def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, expected_rows):
     """Received chunks (source-major, each sorted by local expert) through the local experts."""
     num_rows = recv_SNxD.shape[0] // recv_counts_SxEl.shape[0]
     dest_SxN, block_group, num_blocks = dispatch.aligned_layout(recv_counts_SxEl, num_rows, block_rows)
-    # The buffer holds the worst case (every source's rows for these experts); balanced
-    # routing brings about num_rows. Activations are kept for 1.5x that, padding included.
-    save_rows = 3 * num_rows // 2 + recv_counts_SxEl.shape[1] * block_rows
+    # The buffer holds every row that may arrive; balanced routing brings expected_rows
+    # (as many as each device sends). Activations are kept for 1.5x that, padding included.
+    save_rows = 3 * expected_rows // 2 + recv_counts_SxEl.shape[1] * block_rows
     layout = dispatch.block_layout(dest_SxN.reshape(1, -1), block_group, num_blocks, block_rows, save_rows=save_rows)
     return grouped_ffn(recv_SNxD, w, layout, impl=topo.grouped_matmul)
 
 
 def _dropless_padded(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
-    """Chunk j of the send buffer holds the rows for device j, zero-padded to N rows."""
+    """Chunk j of the send buffer holds the rows for device j, zero-padded to a fixed size.
+
+    Every device of an expert group learns every send size of the group from the plan, so
+    all of them take the same branch: chunks of `padded_chunk_rows` (a bound that balanced
+    routing keeps under) when every send fits, else chunks of N rows, which always fit.
+    Both branches hold the same two all_to_alls over that group; one of them runs.
+    """
+    num_rows = a.order_N.shape[0]
+    plan = _exchange_plan(a, topo)
+    chunk = padded_chunk_rows(num_rows, topo.num_expert_shards)
+    exchange = lambda rows: lambda: _padded_exchange(x_TxD, a, w, block_rows, topo, plan, rows)
+    if chunk >= num_rows:
+        return exchange(num_rows)()
+    return jax.lax.cond(jnp.max(plan[1]) <= chunk, exchange(chunk), exchange(num_rows))
+
+
+def padded_chunk_rows(num_rows: int, num_shards: int) -> int:
+    """Rows per destination of the padded exchange when routing is not too skewed: twice a
+    device's fair share of its N rows, in multiples of 8."""
+    return min(num_rows, 8 * -(-2 * num_rows // (8 * num_shards)))
+
+
+def _padded_exchange(x_TxD, a: Assignments, w, block_rows, topo, plan, chunk):
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
     num_rows = a.order_N.shape[0]
-    me, sizes_SxJ, recv_counts_SxEl = _exchange_plan(a, topo)
+    me, sizes_SxJ, recv_counts_SxEl = plan
     send_J = sizes_SxJ[me]
     start_J = _starts(send_J)
-    # Where each sorted row sits in the [J, N] send buffer, and each assignment's send row.
+    # Where each sorted row sits in the [J, chunk] send buffer, and each assignment's send row.
     dest_device_N = jnp.searchsorted(jnp.cumsum(send_J), jnp.arange(num_rows), side="right").astype(jnp.int32)
-    send_row_N = (dest_device_N * num_rows + jnp.arange(num_rows, dtype=jnp.int32) - start_J[dest_device_N])[a.rank_N]
-    send_JNxD = _take_tokens(x_TxD, send_row_N, num_shards * num_rows, a.top_k)
-    recv_SNxD = jax.lax.all_to_all(send_JNxD, axis, split_axis=0, concat_axis=0, tiled=True)
-    out_SNxD = _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo)
-    back_JNxD = jax.lax.all_to_all(out_SNxD, axis, split_axis=0, concat_axis=0, tiled=True)
-    source_JN = dispatch.inverse_index(send_row_N, num_shards * num_rows)
-    return dispatch.take_rows(back_JNxD, send_row_N, source_JN[None])
+    send_row_N = (dest_device_N * chunk + jnp.arange(num_rows, dtype=jnp.int32) - start_J[dest_device_N])[a.rank_N]
+    send_JCxD = _take_tokens(x_TxD, send_row_N, num_shards * chunk, a.top_k)
+    recv_SCxD = jax.lax.all_to_all(send_JCxD, axis, split_axis=0, concat_axis=0, tiled=True)
+    out_SCxD = _on_receiver(recv_SCxD, recv_counts_SxEl, w, block_rows, topo, num_rows)
+    back_JCxD = jax.lax.all_to_all(out_SCxD, axis, split_axis=0, concat_axis=0, tiled=True)
+    source_JC = dispatch.inverse_index(send_row_N, num_shards * chunk)
+    return dispatch.take_rows(back_JCxD, send_row_N, source_JC[None])
 
 
 def _take_tokens(x_TxD, row_N, num_out_rows, top_k):
@@ -121,7 +141,7 @@ def _dropless_ragged(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
         _starts(sizes_SxJ[me]), sizes_SxJ[me], jnp.full((num_shards,), me * num_rows, jnp.int32),
         sizes_SxJ[:, me], axis_name=axis,
     )
-    out_SNxD = _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo)
+    out_SNxD = _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, num_rows)
     out_sorted_NxD = topo.ragged_all_to_all(
         out_SNxD, jnp.zeros((num_rows, x_TxD.shape[1]), out_SNxD.dtype),
         jnp.arange(num_shards, dtype=jnp.int32) * num_rows, sizes_SxJ[:, me],
