@@ -2,8 +2,8 @@
 
 Capacity buffers go with one tiled all_to_all each way. Dropless rows go either
 with ragged_all_to_all (only the assigned rows travel; TPU and GPU) or with a
-padded all_to_all (every destination gets a full chunk; the CPU backend cannot
-compile ragged_all_to_all). Both land in the same layout, chunk s of the receive
+padded all_to_all (every destination gets a chunk of one fixed size; the CPU
+backend cannot compile ragged_all_to_all). Both land in the same layout, chunk s of the receive
 buffer holding source s's rows, so everything after the exchange is shared.
 """
 
