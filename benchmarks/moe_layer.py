@@ -1,8 +1,10 @@
 """MoE layer benchmark: the expert-parallel block against its ideal and the GShard einsum, in one run.
 
-    python benchmarks/moe_layer.py --json
+    python benchmarks/moe_layer.py --json                 # 8 fake CPU devices
+    python benchmarks/moe_layer.py --json --accelerator   # the GPU/TPU devices jax finds
 
-Runs on 8 fake CPU devices (mesh expert=8) unless XLA_FLAGS already says otherwise.
+Runs on 8 fake CPU devices (mesh expert=8) unless XLA_FLAGS already says otherwise, or with
+--accelerator on every device of the default backend (mesh expert=<device count>).
 For every case and mode it prints one JSON object per line with moe_ms (median
 fwd+bwd of the expert-parallel block), ideal_ms (the same expert matmuls as plain
 batched einsums of the capacity-mode shapes, sharded over the same devices),
@@ -23,7 +25,7 @@ import statistics
 import sys
 import time
 
-if "jax" not in sys.modules:
+if "jax" not in sys.modules and "--accelerator" not in sys.argv:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -122,7 +124,8 @@ def run_case(mesh, case, modes, reps):
     for mode in modes:
         yield {
             "experts": experts, "top_k": k, "d_model": d_model, "d_ff": d_ff, "tokens": tokens,
-            "capacity_factor": cf, "devices": devices, "mode": mode, "dtype": "float32",
+            "capacity_factor": cf, "devices": devices, "platform": mesh.devices.flat[0].platform,
+            "mode": mode, "dtype": "float32",
             "moe_ms": round(ms[mode], 2), "ideal_ms": round(ms["ideal"], 2),
             "ratio_to_ideal": round(ms[mode] / ms["ideal"], 3),
             "einsum_ms": round(ms["einsum"], 2), "speedup_vs_einsum": round(ms["einsum"] / ms[mode], 3),
@@ -137,6 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
     parser.add_argument("--case", type=int, action="append", help="run only these case indices (0-based)")
     parser.add_argument("--mode", choices=MODES, action="append", help="run only these modes")
+    parser.add_argument("--accelerator", action="store_true", help="use the default backend's devices")
     args = parser.parse_args(argv)
     devices = jax.devices()
     mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
