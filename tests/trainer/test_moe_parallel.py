@@ -234,18 +234,17 @@ def test_ragged_exchange_equals_the_padded_exchange():
         np.testing.assert_array_equal(a, b)
 
 
-def test_dropless_stays_exact_when_every_token_goes_to_two_experts():
-    """The worst case of the dropless exchange: every device sends all its rows to the two
-    devices that hold experts 0 and 1, far beyond the rows whose activations the tiled
-    backward pass keeps, so it recomputes the rest. Still equal to the oracle."""
-    cfg, mesh = make_config("top2_dropless"), make_mesh("expert8")
+def skewed_inputs():
+    """Every token picks experts 0 and 1."""
     x, params, ct = inputs()
-    x = jnp.abs(x) + 1.0
-    params = {**params, "router": params["router"].at[:, :2].set(2.0)}
-    xs, ps = place(mesh, x, params)
+    return jnp.abs(x) + 1.0, {**params, "router": params["router"].at[:, :2].set(2.0)}, ct
+
+
+def assert_block_equals_oracle(x, params, ct, cfg, mesh, names=("router", "w_in", "w_gate", "w_out")):
+    """Outputs and gradients of the sharded block against the oracle; returns the block's aux.
+    Tolerances are relative to each array's scale (these inputs can be several times larger)."""
     step = jax.jit(jax.grad(block_loss, argnums=(0, 1), has_aux=True), static_argnums=(3, 4))
-    (dx, dparams), (y, aux) = step(xs, ps, ct, cfg, mesh)
-    np.testing.assert_allclose(aux["expert_load"][:2], [0.5, 0.5], rtol=1e-6)
+    (dx, dparams), (y, aux) = step(*place(mesh, x, params), ct, cfg, mesh)
 
     def loss(x, params):
         y = oracle_moe(x.reshape(-1, D), params, cfg).reshape(B, L, D)
@@ -253,12 +252,21 @@ def test_dropless_stays_exact_when_every_token_goes_to_two_experts():
         return jnp.sum(y * ct) + aux["aux_loss"] + aux["z_loss"], y
 
     (dx_ref, dparams_ref), y_ref = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(x, params)
-    # Inputs and per-expert sums are several times larger here: compare relative to the scale.
     close = lambda a, b, msg="": np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=msg)
     close(y, y_ref)
     close(dx, dx_ref)
-    for name in ("w_in", "w_gate", "w_out"):
+    for name in names:
         close(dparams[name], dparams_ref[name], name)
+    return aux
+
+
+def test_dropless_stays_exact_when_every_token_goes_to_two_experts():
+    """The worst case of the dropless exchange: every device sends all its rows to the two
+    devices that hold experts 0 and 1, far beyond the rows whose activations the tiled
+    backward pass keeps, so it recomputes the rest. Still equal to the oracle."""
+    cfg, mesh = make_config("top2_dropless"), make_mesh("expert8")
+    aux = assert_block_equals_oracle(*skewed_inputs(), cfg, mesh, names=("w_in", "w_gate", "w_out"))
+    np.testing.assert_allclose(aux["expert_load"][:2], [0.5, 0.5], rtol=1e-6)
 
 
 def test_padded_exchange_chunks_are_twice_the_fair_share_in_multiples_of_8():
@@ -283,29 +291,13 @@ def test_padded_exchange_sends_short_chunks_unless_a_send_would_not_fit(monkeypa
         return real(*args)
 
     monkeypatch.setattr(exchange, "_padded_exchange", spy)
-    cfg, mesh = make_config("top2_dropless"), make_mesh("data2_expert4")
-    x, params, ct = inputs()
-    if skewed:  # every token picks experts 0 and 1, both on one device: 32 rows from each source
-        x = jnp.abs(x) + 1.0
-        params = {**params, "router": params["router"].at[:, :2].set(2.0)}
+    if skewed:  # experts 0 and 1 are both on one device: 32 rows from each source
+        x, params, ct = skewed_inputs()
     else:  # token t picks experts t % 8 and (t + 1) % 8: 8 rows from each source to each device
+        x, params, ct = inputs()
         t = jnp.arange(B * L)
         x = 0.01 * x + (3 * jax.nn.one_hot(t % E, D) + 2 * jax.nn.one_hot((t + 1) % E, D)).reshape(B, L, D)
         params = {**params, "router": jnp.eye(D, E)}
-    xs, ps = place(mesh, x, params)
-    step = jax.jit(jax.grad(block_loss, argnums=(0, 1), has_aux=True), static_argnums=(3, 4))
-    (dx, dparams), (y, _) = step(xs, ps, ct, cfg, mesh)
+    assert_block_equals_oracle(x, params, ct, make_config("top2_dropless"), make_mesh("data2_expert4"))
     jax.effects_barrier()
     assert set(ran) == ({32} if skewed else {16}), ran
-
-    def loss(x, params):
-        y = oracle_moe(x.reshape(-1, D), params, cfg).reshape(B, L, D)
-        aux = oracle_aux(x.reshape(-1, D), params, cfg)
-        return jnp.sum(y * ct) + aux["aux_loss"] + aux["z_loss"], y
-
-    (dx_ref, dparams_ref), y_ref = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(x, params)
-    close = lambda a, b, msg="": np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=msg)
-    close(y, y_ref)
-    close(dx, dx_ref)
-    for name in ("router", "w_in", "w_gate", "w_out"):
-        close(dparams[name], dparams_ref[name], name)
