@@ -32,6 +32,9 @@ class App:
         self.calls: list[dict[str, Any]] = []
         self.command: str | None = None
         self._session = None
+        self._emulator = None
+        # extra Emulator(...) arguments a command asks for before the session opens (dry run only)
+        self.emulator_options: dict[str, Any] = {}
         App.current = self
 
     @property
@@ -56,17 +59,54 @@ class App:
         return cfg
 
     def session(self):
-        """The cloud session (real, or the emulator in dry run), opened on first use."""
+        """The cloud session, opened on first use on the endpoint `endpoint()` chooses."""
         if self._session is None:
             from provision.cloud import Session
 
-            self._session = Session.open(self)
+            self._session = Session(self.endpoint(), self.calls, self.console)
         return self._session
 
+    def endpoint(self):
+        """The one place that decides dry run: Google Cloud, or the emulator started here."""
+        from provision.cloud import Endpoint, require_control_deps
+
+        if not self.dry_run:
+            from provision.clock import RealClock
+
+            return Endpoint.google(RealClock())
+        if self._emulator is None:
+            require_control_deps()
+            self._emulator = self._start_emulator()
+            self.console.detail(f"dry run: emulator on {self._emulator.address}, scenario {self.scenario}")
+        return Endpoint(clock=self._emulator.clock, address=self._emulator.address)
+
+    def _start_emulator(self):
+        from provision.clock import SimClock
+        from provision.emulator import Emulator
+        from provision.errors import UsageError
+
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create {self.state_dir}: {exc.strerror or exc}",
+                             hint="run dry runs in a directory you can write to") from None
+        try:
+            emulator = Emulator(state_path=self.state_dir / "emulator.json", scenario=self.scenario,
+                                clock=SimClock(), **self.emulator_options)
+        except ValueError as exc:
+            raise UsageError(str(exc), hint="pick one with --scenario") from exc
+        emulator.start(host="127.0.0.1", port=0)
+        return emulator
+
     def close(self) -> None:
-        if self._session is not None:
-            self._session.close()
-            self._session = None
+        try:
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+        finally:
+            if self._emulator is not None:
+                self._emulator.stop()
+                self._emulator = None
 
     # --- reporting -------------------------------------------------------
     def document(self, result: str, **fields: Any) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """The one object that prints: messages and progress on stderr, the result on stdout.
 
-In JSON mode stdout holds exactly one JSON document, written by `emit`; everything
-else goes to stderr so scripts can parse stdout.
+Output goes through `rich`: on a terminal, colours and a live status line for long waits;
+piped, plain lines (one per change of a progress line), so logs and tests read the same.
+In JSON mode stdout holds exactly one JSON document, written by `emit`; everything else goes
+to stderr so scripts can parse stdout. rich is imported on first output, not at start-up.
 """
 
 from __future__ import annotations
@@ -21,33 +23,55 @@ class Console:
         self.verbose = verbose
         self._out = out or sys.stdout
         self._err = err or sys.stderr
-        self._color = "NO_COLOR" not in os.environ and self._err.isatty()
+        self._rich_err = None
 
     @property
     def json_mode(self) -> bool:
         return self.output == "json"
 
-    def _style(self, text: str, code: str) -> str:
-        return f"\x1b[{code}m{text}\x1b[0m" if self._color else text
+    @property
+    def interactive(self) -> bool:
+        """A person watches stderr: live status lines instead of one line per change."""
+        return self._err.isatty() and os.environ.get("TERM") != "dumb"
+
+    def _stderr(self):
+        if self._rich_err is None:
+            from rich.console import Console as RichConsole
+
+            self._rich_err = RichConsole(file=self._err, highlight=False, soft_wrap=True,
+                                         no_color="NO_COLOR" in os.environ or None)
+        return self._rich_err
+
+    def _print(self, message: str, style: str | None = None, prefix: tuple[str, str] | None = None) -> None:
+        from rich.text import Text
+
+        text = Text()
+        if prefix:
+            text.append(prefix[0], style=prefix[1])
+        text.append(message, style=style)
+        self._stderr().print(text)
 
     def info(self, message: str) -> None:
-        print(message, file=self._err, flush=True)
+        self._print(message)
 
     def detail(self, message: str) -> None:
         if self.verbose:
-            print(self._style(message, "2"), file=self._err, flush=True)
+            self._print(message, style="dim")
 
     def warn(self, message: str) -> None:
-        print(self._style("warning: ", "33") + message, file=self._err, flush=True)
+        self._print(message, prefix=("warning: ", "yellow"))
 
     def error(self, message: str, hint: str | None = None) -> None:
-        print(self._style("error: ", "31;1") + message, file=self._err, flush=True)
+        self._print(message, prefix=("error: ", "bold red"))
         if hint:
-            print(self._style("hint: ", "36") + hint, file=self._err, flush=True)
+            self._print(hint, prefix=("hint: ", "cyan"))
 
     def text(self, message: str) -> None:
         """A line of the command's result: stdout in text mode, stderr in JSON mode."""
-        print(message, file=self._err if self.json_mode else self._out, flush=True)
+        if self.json_mode:
+            self._print(message)
+        else:
+            print(message, file=self._out, flush=True)
 
     def emit(self, document: dict[str, Any]) -> None:
         """The JSON document of a command (JSON mode only)."""
@@ -58,7 +82,7 @@ class Console:
 
     @contextlib.contextmanager
     def progress(self, message: str) -> Iterator[Progress]:
-        """A status line for a long wait; updated in place on a terminal, else one line per change."""
+        """A status line for a long wait: live on a terminal, else one line per change."""
         bar = Progress(self, message)
         try:
             yield bar
@@ -67,27 +91,29 @@ class Console:
 
 
 class Progress:
+    """A status line: a rich spinner on a terminal, plain lines when piped."""
+
     def __init__(self, console: Console, message: str) -> None:
         self._console = console
-        self._live = console._err.isatty() and not console.json_mode
         self._last = ""
-        self._width = 0
+        self._status = None
+        if console.interactive and not console.json_mode:
+            self._status = console._stderr().status(message, spinner="dots")
+            self._status.start()
         self.update(message)
 
     def update(self, message: str) -> None:
         if message == self._last:
             return
         self._last = message
-        err = self._console._err
-        if self._live:
-            pad = max(0, self._width - len(message))
-            err.write("\r" + message + " " * pad)
-            err.flush()
-            self._width = len(message)
+        if self._status is not None:
+            self._status.update(message)
         else:
-            print(message, file=err, flush=True)
+            self._console.info(message)
 
     def close(self) -> None:
-        if self._live and self._width:
-            self._console._err.write("\n")
-            self._console._err.flush()
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+            if self._last:  # leave the last state on screen
+                self._console.info(self._last)

@@ -1,105 +1,127 @@
 """The cloud behind one small interface.
 
-`Session.open(app)` is the only place that decides where requests go: Google Cloud
-(Application Default Credentials) or, in dry run, the embedded emulator on
-127.0.0.1 with anonymous credentials. Everything after that is the same code.
-The Google client libraries are imported here, lazily, and nowhere else in the
-control plane's logic.
+A `Session` talks to an `Endpoint`: Google Cloud (Application Default Credentials, the
+services' own hosts) or any address given to it (the emulator, in dry run, with an
+insecure loopback channel). It never asks which: `provision.app.App` decides and hands
+over the endpoint. The Google client libraries are imported here and in the adapters,
+lazily, and nowhere else in the control plane's logic.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import os
+from dataclasses import dataclass
+from typing import Any
 
-from provision.clock import RealClock, SimClock
 from provision.errors import CloudError, MissingDependency
 
-if TYPE_CHECKING:
-    from provision.app import App
-
 TPU_HOST = "tpu.googleapis.com:443"
+VERTEX_HOST = "{region}-aiplatform.googleapis.com:443"
+CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 
-def _require_control_deps() -> None:
+def require_control_deps() -> None:
     try:
         import grpc  # noqa: F401
         from google.cloud import tpu_v2  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the install
+    except ImportError as exc:  # depends on the install
         raise MissingDependency(exc.name or "google-cloud-tpu", "control") from exc
 
 
-class Session:
-    """An open channel to the TPU API, with the clock that waits on it and the call log."""
+@dataclass(frozen=True)
+class Endpoint:
+    """Where requests go and on which clock the caller waits.
 
-    def __init__(self, channel, clock, calls: list[dict[str, Any]], console, emulator=None,
-                 default_project: str | None = None) -> None:
-        from google.cloud import tpu_v2
-        from google.cloud.tpu_v2.services.tpu.transports import TpuGrpcTransport
+    `address` None means Google's own hosts (TLS, `credentials`); an address means every
+    service is served there on a plain channel (loopback only: the emulator).
+    """
 
-        from provision.cloud.tpu import TpuApi
-
-        self.channel = channel
-        self.clock = clock
-        self.calls = calls
-        self.emulator = emulator
-        self.default_project = default_project
-        client = tpu_v2.TpuClient(transport=TpuGrpcTransport(channel=channel))
-        self.tpu = TpuApi(client, clock, console)
+    clock: Any
+    address: str | None = None
+    credentials: Any = None
+    default_project: str | None = None
 
     @classmethod
-    def open(cls, app: App) -> Session:
-        _require_control_deps()
+    def google(cls, clock) -> Endpoint:
+        """Google Cloud with Application Default Credentials."""
+        require_control_deps()
+        import google.auth
+        from google.auth import exceptions as auth_exceptions
+
+        try:
+            credentials, project = google.auth.default(scopes=[CLOUD_PLATFORM_SCOPE])
+        except auth_exceptions.DefaultCredentialsError as exc:
+            path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+            if path:
+                raise CloudError(f"cannot use the credentials file {path} (GOOGLE_APPLICATION_CREDENTIALS): {exc}",
+                                 hint="point GOOGLE_APPLICATION_CREDENTIALS at a valid key file, or unset it") from exc
+            raise CloudError("no Google Cloud credentials found",
+                             hint="run `gcloud auth application-default login`, or use --dry-run") from exc
+        return cls(clock=clock, credentials=credentials, default_project=project)
+
+
+class Session:
+    """Open channels to the TPU API and Vertex AI, the clock that waits on them, and the call log."""
+
+    def __init__(self, endpoint: Endpoint, calls: list[dict[str, Any]], console) -> None:
+        require_control_deps()
         from provision.cloud.calls import CallRecorder
 
         def show(entry: dict[str, Any]) -> None:
-            if app.verbose >= 2:
-                app.console.detail(f"rpc {entry['rpc']} -> {entry['status']}")
+            if console.verbose >= 2:
+                console.detail(f"rpc {entry['rpc']} -> {entry['status']}")
 
-        recorder = CallRecorder(app.calls, show)
-        if app.dry_run:
-            return cls._open_emulator(app, recorder)
-        return cls._open_google(app, recorder)
+        self.endpoint = endpoint
+        self.clock = endpoint.clock
+        self.default_project = endpoint.default_project
+        self.calls = calls
+        self.console = console
+        self._recorder = CallRecorder(calls, show)
+        self._channels: list[Any] = []
+        self._tpu = None
+        self._vertex: dict[str, Any] = {}
 
-    @classmethod
-    def _open_emulator(cls, app: App, recorder) -> Session:
+    def _channel(self, google_host: str, create):
         import grpc
 
-        from provision.emulator import Emulator
+        if self.endpoint.address is not None:
+            channel = grpc.insecure_channel(self.endpoint.address)
+        else:
+            channel = create(google_host, credentials=self.endpoint.credentials)
+        self._channels.append(channel)
+        return grpc.intercept_channel(channel, self._recorder)
 
-        app.state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            emulator = Emulator(state_path=app.state_dir / "emulator.json", scenario=app.scenario,
-                                clock=SimClock())
-        except ValueError as exc:
-            from provision.errors import UsageError
+    @property
+    def tpu(self):
+        """The Cloud TPU v2 API (provision.cloud.tpu.TpuApi)."""
+        if self._tpu is None:
+            from google.cloud import tpu_v2
+            from google.cloud.tpu_v2.services.tpu.transports import TpuGrpcTransport
 
-            raise UsageError(str(exc), hint="pick one with --scenario") from exc
-        emulator.start(host="127.0.0.1", port=0)
-        channel = grpc.intercept_channel(grpc.insecure_channel(emulator.address), recorder)
-        app.console.detail(f"dry run: emulator on {emulator.address}, scenario {app.scenario}")
-        return cls(channel, emulator.clock, app.calls, app.console, emulator=emulator)
+            from provision.cloud.tpu import TpuApi
 
-    @classmethod
-    def _open_google(cls, app: App, recorder) -> Session:
-        import google.auth
-        import grpc
-        from google.auth import exceptions as auth_exceptions
-        from google.cloud.tpu_v2.services.tpu.transports import TpuGrpcTransport
+            channel = self._channel(TPU_HOST, TpuGrpcTransport.create_channel)
+            client = tpu_v2.TpuClient(transport=TpuGrpcTransport(channel=channel))
+            self._tpu = TpuApi(client, self.clock, self.console)
+        return self._tpu
 
-        try:
-            credentials, project = google.auth.default(
-                scopes=["https://www.googleapis.com/auth/cloud-platform"])
-        except auth_exceptions.DefaultCredentialsError as exc:
-            raise CloudError("no Google Cloud credentials found",
-                             hint="run `gcloud auth application-default login`, or use --dry-run") from exc
-        channel = TpuGrpcTransport.create_channel(TPU_HOST, credentials=credentials)
-        channel = grpc.intercept_channel(channel, recorder)
-        return cls(channel, RealClock(), app.calls, app.console, default_project=project)
+    def vertex(self, region: str):
+        """Vertex AI's JobService on the region's endpoint (provision.cloud.vertex.VertexApi)."""
+        if region not in self._vertex:
+            try:
+                from google.cloud.aiplatform_v1.services.job_service import JobServiceClient
+                from google.cloud.aiplatform_v1.services.job_service.transports import JobServiceGrpcTransport
+            except ImportError as exc:  # depends on the install
+                raise MissingDependency(exc.name or "google-cloud-aiplatform", "control") from exc
+
+            from provision.cloud.vertex import VertexApi
+
+            channel = self._channel(VERTEX_HOST.format(region=region), JobServiceGrpcTransport.create_channel)
+            client = JobServiceClient(transport=JobServiceGrpcTransport(channel=channel))
+            self._vertex[region] = VertexApi(client, self.clock, self.console)
+        return self._vertex[region]
 
     def close(self) -> None:
-        try:
-            self.channel.close()
-        finally:
-            if self.emulator is not None:
-                self.emulator.stop()
-                self.emulator = None
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
