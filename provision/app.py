@@ -33,7 +33,8 @@ class App:
         self.command: str | None = None
         self._session = None
         self._emulator = None
-        # extra Emulator(...) arguments a command asks for before the session opens (dry run only)
+        # what a command asks of the emulator before the session opens (dry run only): "workloads",
+        # a provision.emulator.local_trainer.LocalTrainer that runs the trainer while a slice or job is up
         self.emulator_options: dict[str, Any] = {}
         App.current = self
 
@@ -42,7 +43,7 @@ class App:
         """Where dry-run state lives: one emulated world per working directory."""
         return self.workdir / STATE_DIR
 
-    def load_config(self, path: str):
+    def load_config(self, path: str, check_trainer: bool = False):
         """Load and validate the config. Without `--config` and with no moe-tpu.yaml here, the
         config that the last command in this directory used is taken (so `down` after
         `slice up -c examples/v5e-64.yaml` finds the run); each load records itself for that."""
@@ -53,10 +54,23 @@ class App:
         if path == DEFAULT_CONFIG and not config_path.exists() and remembered.exists():
             config_path = Path(remembered.read_text().strip())
             self.console.info(f"using {config_path} (the config last used in this directory)")
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, check_trainer=check_trainer)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         remembered.write_text(str(config_path.resolve()) + "\n")
         return cfg
+
+    def trainer_output_dir(self, cfg, train_locally: bool = False) -> str:
+        """Where the run's trainer writes: trainer.output_dir, or in a dry run a directory under
+        .moe-tpu/ where the trainer runs on this machine. `train_locally` makes the emulator run
+        it there whenever an emulated slice or job is up (what `run` does)."""
+        if not self.dry_run:
+            return cfg.trainer.output_dir
+        from provision.emulator.local_trainer import LocalTrainer, local_output_dir
+
+        output_dir = local_output_dir(self.state_dir, cfg.run)
+        if train_locally:
+            self.emulator_options["workloads"] = LocalTrainer(cfg, output_dir, console=self.console)
+        return str(output_dir)
 
     def session(self):
         """The cloud session, opened on first use on the endpoint `endpoint()` chooses."""
@@ -90,12 +104,15 @@ class App:
         except OSError as exc:
             raise UsageError(f"cannot create {self.state_dir}: {exc.strerror or exc}",
                              hint="run dry runs in a directory you can write to") from None
+        workloads = self.emulator_options.get("workloads")
         try:
             emulator = Emulator(state_path=self.state_dir / "emulator.json", scenario=self.scenario,
-                                clock=SimClock(), **self.emulator_options)
+                                clock=SimClock(), external_workloads=workloads is not None)
         except ValueError as exc:
             raise UsageError(str(exc), hint="pick one with --scenario") from exc
         emulator.start(host="127.0.0.1", port=0)
+        if workloads is not None:
+            workloads.attach(emulator)
         return emulator
 
     def close(self) -> None:
@@ -105,8 +122,13 @@ class App:
                 self._session = None
         finally:
             if self._emulator is not None:
-                self._emulator.stop()
-                self._emulator = None
+                workloads = self.emulator_options.get("workloads")
+                try:
+                    if workloads is not None:
+                        workloads.stop()
+                finally:
+                    self._emulator.stop()
+                    self._emulator = None
 
     # --- reporting -------------------------------------------------------
     def document(self, result: str, **fields: Any) -> dict[str, Any]:
@@ -124,7 +146,7 @@ class App:
         console = app.console if app else Console()
         if app is not None:
             app.close()
-            if console.json_mode and app.command:
+            if console.json_mode and app.command and not console.emitted:
                 extra: dict[str, Any] = {"error": exc.message, "exit_code": exc.exit_code}
                 if isinstance(exc, ConfigError):
                     extra["problems"] = [p.__dict__ for p in exc.problems]

@@ -22,17 +22,30 @@ class RealClock:
 
 
 class SimClock:
-    """Simulated time: sleep advances now() at once. Thread-safe."""
+    """Simulated time: sleep advances now() at once. Thread-safe.
+
+    While real work runs beside the simulation (the trainer run locally in a dry run), a
+    `gate` ties the two together: then sleep waits in real time (at most `gate.wait(s)`
+    seconds, returning early when the work reports) and advances now() by the time that
+    really passed, so the emulated clock and the real process agree.
+    """
 
     def __init__(self, start: float = 1_767_225_600.0) -> None:  # 2026-01-01T00:00:00Z
         self._now = float(start)
         self._lock = threading.Lock()
+        self.gate = None  # an object with active() -> bool and wait(seconds) -> None
 
     def now(self) -> float:
         with self._lock:
             return self._now
 
     def sleep(self, seconds: float) -> None:
+        gate = self.gate
+        if gate is not None and seconds > 0 and gate.active():
+            start = time.monotonic()
+            gate.wait(seconds)
+            self.advance(time.monotonic() - start)
+            return
         self.advance(seconds)
 
     def advance(self, seconds: float) -> None:

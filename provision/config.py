@@ -41,6 +41,10 @@ _IMAGE_REPOSITORY = re.compile(
     r"(/[a-z0-9]([a-z0-9._-]*[a-z0-9])?){3,}$"  # /project/repository/image[/...]
 )
 _IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_SERVICE_ACCOUNT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[a-z0-9.-]+\.iam\.gserviceaccount\.com$"
+                              r"|^[0-9]+-compute@developer\.gserviceaccount\.com$")
+_VERTEX_NETWORK = re.compile(r"^projects/[0-9]+/global/networks/[a-z]([-a-z0-9]*[a-z0-9])?$")
+_MESH = re.compile(r"^[a-z]+=[0-9]+(,[a-z]+=[0-9]+)*$")
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -67,6 +71,17 @@ def format_duration(delta: timedelta) -> str:
     minutes, seconds = divmod(rest, 60)
     parts = [f"{n}{unit}" for n, unit in ((hours, "h"), (minutes, "m"), (seconds, "s")) if n]
     return "".join(parts) or "0s"
+
+
+def _positive_duration(value: Any) -> timedelta:
+    """A config duration longer than 0s, as a validator error otherwise."""
+    try:
+        delta = parse_duration(value)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    if delta <= timedelta(0):
+        raise _fail(f"duration {value!r} must be longer than 0s")
+    return delta
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
@@ -116,19 +131,40 @@ class SliceConfig(_Section):
     @field_validator("max_wait", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> timedelta:
-        try:
-            delta = parse_duration(value)
-        except ValueError as exc:
-            raise _fail(str(exc)) from None
-        if delta <= timedelta(0):
-            raise _fail(f"duration {value!r} must be longer than 0s")
-        return delta
+        return _positive_duration(value)
 
 
 class VertexConfig(_Section):
     machine_type: str = "ct5lp-hightpu-4t"
     topology: str = "8x8"
     scheduling: Literal["STANDARD", "SPOT", "FLEX_START"] = "STANDARD"
+    # How long the job may run in all (Scheduling.timeout), and, for FLEX_START, how long it may
+    # wait for capacity (Scheduling.max_wait_duration).
+    timeout: timedelta = timedelta(days=7)
+    max_wait: timedelta | None = None
+    # Restart every worker when one restarts (keeps a multi-host JAX job consistent).
+    restart_job_on_worker_restart: bool = True
+    service_account: str | None = None
+    network: str | None = None  # projects/NUMBER/global/networks/NAME (VPC peering)
+
+    @field_validator("timeout", "max_wait", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> timedelta | None:
+        return None if value is None else _positive_duration(value)
+
+    @field_validator("service_account")
+    @classmethod
+    def _service_account_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _SERVICE_ACCOUNT.match(value):
+            raise _fail(f"service account {value!r} must be an email like trainer@my-project.iam.gserviceaccount.com")
+        return value
+
+    @field_validator("network")
+    @classmethod
+    def _network_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _VERTEX_NETWORK.match(value):
+            raise _fail(f"network {value!r} must look like projects/PROJECT_NUMBER/global/networks/NAME")
+        return value
 
     @field_validator("machine_type")
     @classmethod
@@ -150,7 +186,13 @@ class VertexConfig(_Section):
 
 class ImageConfig(_Section):
     repository: str
-    tag: str = "latest"
+    # None: the content-hash tag that `moe-tpu image build` gives this source tree (see provision.image).
+    tag: str | None = None
+    # Where Cloud Build's source archive goes (gs://BUCKET[/PREFIX]); None: the staging/ prefix of
+    # trainer.output_dir's bucket.
+    staging: str | None = None
+    # The service account Cloud Build runs as (terraform/ makes one); None: the project's default.
+    build_service_account: str | None = None
 
     @field_validator("repository")
     @classmethod
@@ -162,15 +204,35 @@ class ImageConfig(_Section):
 
     @field_validator("tag")
     @classmethod
-    def _tag_shape(cls, value: str) -> str:
-        if not _IMAGE_TAG.match(value):
+    def _tag_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _IMAGE_TAG.match(value):
             raise _fail(f"image tag {value!r} is not a valid tag (letters, digits, '_', '.', '-'; "
                         "at most 128 characters)")
         return value
 
+    @field_validator("staging")
+    @classmethod
+    def _staging_shape(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$", value):
+            raise _fail(f"image staging {value!r} must be a Cloud Storage location like gs://my-bucket/staging")
+        return value.rstrip("/") if value is not None else None
+
+    @field_validator("build_service_account")
+    @classmethod
+    def _build_account_shape(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[a-z0-9][a-z0-9-]{4,61}@[a-z0-9.-]+\.gserviceaccount\.com$", value):
+            raise _fail(f"service account {value!r} must be an email like builder@my-project.iam.gserviceaccount.com")
+        return value
+
     @property
     def uri(self) -> str:
-        return f"{self.repository}:{self.tag}"
+        """REPOSITORY:TAG; without image.tag, the content-hash tag of the builtin Dockerfile and this
+        source tree (provision.rendering.image_uri also honours --templates)."""
+        if self.tag is not None:
+            return f"{self.repository}:{self.tag}"
+        from provision.image import content_tag
+
+        return f"{self.repository}:{content_tag()}"
 
     @property
     def registry_host(self) -> str:
@@ -231,9 +293,33 @@ class RecoveryConfig(_Section):
         return value
 
 
+class DryRunConfig(_Section):
+    """How `run --dry-run` trains for real on this machine: the trainer made small enough for a CPU."""
+
+    trainer_config: str = "tiny"
+    steps: int = 40
+    devices: int = 8
+    mesh: str = "data=2,expert=4"
+    checkpoint_every: int = 10
+
+    @field_validator("steps", "devices", "checkpoint_every")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise _fail(f"must be at least 1, got {value}")
+        return value
+
+    @field_validator("mesh")
+    @classmethod
+    def _mesh_shape(cls, value: str) -> str:
+        if not _MESH.match(value):
+            raise _fail(f"mesh {value!r} must look like data=2,expert=4")
+        return value
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     "slice": SliceConfig, "vertex": VertexConfig, "image": ImageConfig,
-    "trainer": TrainerConfig, "recovery": RecoveryConfig,
+    "trainer": TrainerConfig, "recovery": RecoveryConfig, "dry_run": DryRunConfig,
 }
 
 
@@ -252,9 +338,10 @@ class Config(BaseModel):
     image: ImageConfig
     trainer: TrainerConfig
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    dry_run: DryRunConfig = Field(default_factory=DryRunConfig)
     source: Path = Field(default=Path(DEFAULT_CONFIG), exclude=True)
 
-    @field_validator("slice", "vertex", "recovery", mode="before")
+    @field_validator("slice", "vertex", "recovery", "dry_run", mode="before")
     @classmethod
     def _empty_section(cls, value: Any) -> Any:
         return {} if value is None else value
@@ -414,7 +501,29 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
             and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host):
         found.append(("vertex.scheduling", f"Vertex AI does not offer SPOT for multi-host TPU topologies "
                                            f"({topology}); use STANDARD or FLEX_START"))
+    output_dir = get("trainer.output_dir")
+    if get("target") == "vertex" and isinstance(output_dir, str) and not output_dir.startswith("gs://"):
+        found.append(("trainer.output_dir", f"a Vertex AI job keeps its checkpoints in Cloud Storage: use a gs:// "
+                                            f"path, not {output_dir!r} (a local path vanishes with the job)"))
     return found
+
+
+def trainer_problems(cfg: Config) -> list[Problem]:
+    """The trainer section checked by the trainer's own config code (which imports no jax)."""
+    try:
+        from trainer import config as trainer_config
+    except ImportError:  # an install without the trainer package: the container will check it
+        return []
+    overrides = [flag for flag in cfg.trainer.set_flags() if flag != "--set"]
+    try:
+        trainer_config.check(cfg.trainer.config, overrides, cfg.trainer.steps)
+    except trainer_config.ConfigError as exc:
+        message = str(exc)
+        key = next((f"trainer.overrides.{k}" for k in cfg.trainer.overrides if k in message), None)
+        if key is None:
+            key = "trainer.steps" if "steps" in message and cfg.trainer.steps is not None else "trainer.config"
+        return [Problem(str(cfg.source), key, f"the trainer rejects it: {message}")]
+    return []
 
 
 def config_from_dict(raw: Any, source: Path | str = DEFAULT_CONFIG) -> Config:
@@ -459,8 +568,11 @@ def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: di
     return config
 
 
-def load_config(path: Path | str) -> Config:
-    """Read and validate a config file. ConfigError (exit 2) lists every problem at once."""
+def load_config(path: Path | str, check_trainer: bool = False) -> Config:
+    """Read and validate a config file. ConfigError (exit 2) lists every problem at once.
+
+    `check_trainer` also runs the trainer's own checks on the trainer section (commands that
+    start training ask for it; `down` and `list` must work whatever the trainer thinks)."""
     path = Path(path)
     file = str(path)
     try:
@@ -481,7 +593,10 @@ def load_config(path: Path | str) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(problems + [Problem(file, "", "the config must be a YAML mapping of keys "
                                                         "(project, region, zones, run, ...)")])
-    return _validate(raw, file, problems, lines)
+    cfg = _validate(raw, file, problems, lines)
+    if check_trainer and (trainer := trainer_problems(cfg)):
+        raise ConfigError(trainer)
+    return cfg
 
 
 def starter_config() -> str:

@@ -24,6 +24,7 @@ class Console:
         self._out = out or sys.stdout
         self._err = err or sys.stderr
         self._rich_err = None
+        self.emitted = False  # the command's JSON document is out; an error must not print another
 
     @property
     def json_mode(self) -> bool:
@@ -76,6 +77,7 @@ class Console:
     def emit(self, document: dict[str, Any]) -> None:
         """The JSON document of a command (JSON mode only)."""
         if self.json_mode:
+            self.emitted = True
             json.dump(document, self._out, indent=2, sort_keys=False, default=str)
             self._out.write("\n")
             self._out.flush()

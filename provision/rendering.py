@@ -9,6 +9,7 @@ an error here rather than at the API. google.cloud is imported inside functions 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import shlex
 import uuid
@@ -27,6 +28,9 @@ LABEL_RUN = "moe-tpu-run"
 
 QUEUED_RESOURCE_TEMPLATE = "queued_resource.yaml.j2"
 STARTUP_TEMPLATE = "startup.sh.j2"
+CUSTOM_JOB_TEMPLATE = "custom_job.yaml.j2"
+# The trainer's entry point; the rest of trainer_argv are its arguments.
+TRAINER_COMMAND = ("python", "-m", "trainer")
 
 # Fixed namespace for request ids: the same config always yields the same id, so a create
 # re-sent after a crash is recognised by the API as the same request.
@@ -51,9 +55,13 @@ def node_id(cfg: Config) -> str:
     return f"{cfg.run}-tpu"
 
 
-def request_id(cfg: Config, zone: str, attempt: int = 0, project: str | None = None) -> str:
-    """Deterministic request id for CreateQueuedResource. `attempt` > 0 for a deliberate re-create."""
+def request_id(cfg: Config, zone: str, attempt: int = 0, project: str | None = None, content: Any = None) -> str:
+    """Deterministic request id for CreateQueuedResource: the same request (project, zone, run, body)
+    always gets the same id, so a create re-sent after a crash is recognised as the same request; a
+    changed body, or `attempt` > 0 (a deliberate re-create), gets another."""
     key = f"{project or cfg.project}/{zone}/{cfg.run}/{cfg.slice.accelerator}"
+    if content is not None:
+        key += "/" + hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     if attempt:
         key += f"/{attempt}"
     return str(uuid.uuid5(_REQUEST_NAMESPACE, key))
@@ -73,13 +81,26 @@ def _project(cfg: Config, project: str | None = None) -> str:
     return cfg.project
 
 
-def trainer_argv(cfg: Config) -> list[str]:
-    """The command the container runs: `python -m trainer ...` with the config's overrides as --set."""
-    argv = ["python", "-m", "trainer", "--config", cfg.trainer.config,
+def trainer_argv(cfg: Config, status_file: str | None = None) -> list[str]:
+    """The command the container runs: `python -m trainer ...` with the config's overrides as --set
+    (and `--status-file PATH` where the host watches the trainer's state there)."""
+    argv = [*TRAINER_COMMAND, "--config", cfg.trainer.config,
             "--output-dir", cfg.trainer.output_dir, "--resume", "auto"]
     if cfg.trainer.steps is not None:
         argv += ["--steps", str(cfg.trainer.steps)]
+    if status_file is not None:
+        argv += ["--status-file", status_file]
     return argv + cfg.trainer.set_flags()
+
+
+def image_uri(cfg: Config, templates_dir: Path | None = None) -> str:
+    """The trainer image: REPOSITORY:TAG, where a config without image.tag gets the content-hash
+    tag that `moe-tpu image build` gives this source tree (with these templates)."""
+    if cfg.image.tag is not None:
+        return f"{cfg.image.repository}:{cfg.image.tag}"
+    from provision.image import content_tag
+
+    return f"{cfg.image.repository}:{content_tag(templates_dir=templates_dir)}"
 
 
 # --- specs the templates receive --------------------------------------------------------
@@ -97,12 +118,28 @@ class StartupSpec:
     trainer_log_file: str
     trainer_argv: tuple[str, ...]
     labels: dict[str, str]
+    # The host directory mounted at the same path in the container: the trainer's status file
+    # (read by the watcher, which sets the guest attributes) and its working directory, so a
+    # relative trainer.output_dir lives on the VM's disk, not in the container.
+    state_dir: str
+    status_file: str
+    work_dir: str
+    watcher_file: str
+    watch_interval_s: int
+    trainer_uid: int
+    # An absolute local trainer.output_dir, mounted at the same path (None: gs:// or relative).
+    output_mount: str | None
+
+    @property
+    def trainer_args(self) -> tuple[str, ...]:
+        """The arguments after the image: the image's entry point is the trainer command itself."""
+        return self.trainer_argv[len(TRAINER_COMMAND):]
 
     @property
     def trainer_argv_lines(self) -> list[tuple[str, ...]]:
-        """The argv split for display: the program, then each option with its value."""
+        """The trainer's arguments split for display: each option with its value."""
         lines: list[list[str]] = []
-        for arg in self.trainer_argv:
+        for arg in self.trainer_args:
             if not lines or arg.startswith("--"):
                 lines.append([arg])
             else:
@@ -130,12 +167,53 @@ class QueuedResourceSpec:
     service_account_scopes: tuple[str, ...]
 
 
-def startup_spec(cfg: Config) -> StartupSpec:
+@dataclass(frozen=True)
+class CustomJobSpec:
+    """What the Vertex AI CustomJob body needs."""
+
+    config: Config
+    display_name: str
+    labels: dict[str, str]
+    image_uri: str
+    command: tuple[str, ...]
+    args: tuple[str, ...]
+    env: dict[str, str]
+    timeout_seconds: int
+    max_wait_seconds: int | None
+
+
+def region_parent(cfg: Config, project: str | None = None) -> str:
+    """The parent of Vertex AI resources: projects/P/locations/REGION."""
+    return f"projects/{_project(cfg, project)}/locations/{cfg.region}"
+
+
+def custom_job_spec(cfg: Config) -> CustomJobSpec:
+    argv = trainer_argv(cfg)
+    max_wait = cfg.vertex.max_wait
+    return CustomJobSpec(
+        config=cfg, display_name=cfg.run, labels=labels(cfg), image_uri=cfg.image.uri,
+        command=tuple(argv[: len(TRAINER_COMMAND)]), args=tuple(argv[len(TRAINER_COMMAND):]),
+        env={"MOE_TPU_RUN": cfg.run}, timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
+        max_wait_seconds=int(max_wait.total_seconds()) if max_wait is not None else None,
+    )
+
+
+STATE_DIR = "/var/lib/moe-tpu"
+STATUS_FILE = f"{STATE_DIR}/status.json"
+
+
+def startup_spec(cfg: Config, templates_dir: Path | None = None) -> StartupSpec:
+    from provision.image import TRAINER_UID
+
+    output_dir = cfg.trainer.output_dir
     return StartupSpec(
-        config=cfg, run=cfg.run, image_uri=cfg.image.uri, registry_host=cfg.image.registry_host,
+        config=cfg, run=cfg.run, image_uri=image_uri(cfg, templates_dir), registry_host=cfg.image.registry_host,
         container_name="moe-tpu-trainer", log_file="/var/log/moe-tpu/startup.log",
-        trainer_log_file="/var/log/moe-tpu/trainer.log", trainer_argv=tuple(trainer_argv(cfg)),
-        labels=labels(cfg),
+        trainer_log_file="/var/log/moe-tpu/trainer.log",
+        trainer_argv=tuple(trainer_argv(cfg, status_file=STATUS_FILE)), labels=labels(cfg),
+        state_dir=STATE_DIR, status_file=STATUS_FILE, work_dir=f"{STATE_DIR}/work",
+        watcher_file=f"{STATE_DIR}/watch-status.py", watch_interval_s=10, trainer_uid=TRAINER_UID,
+        output_mount=output_dir if output_dir.startswith("/") else None,
     )
 
 
@@ -209,7 +287,7 @@ def _where(templates_dir: Path | None) -> str:
 
 def startup_script(cfg: Config, templates_dir: Path | None = None) -> str:
     """The script every TPU VM worker runs as root at boot (metadata key startup-script)."""
-    return render(STARTUP_TEMPLATE, startup_spec(cfg), templates_dir)
+    return render(STARTUP_TEMPLATE, startup_spec(cfg, templates_dir), templates_dir)
 
 
 def queued_resource_body(cfg: Config, zone: str, templates_dir: Path | None = None,
@@ -219,6 +297,25 @@ def queued_resource_body(cfg: Config, zone: str, templates_dir: Path | None = No
     return render(QUEUED_RESOURCE_TEMPLATE, spec, templates_dir)
 
 
+def _parse_body(text: str, template: str, message_type: Any) -> Any:
+    """Rendered YAML parsed strictly into a proto-plus message: an unknown field is an error here."""
+    import yaml
+    from google.protobuf import json_format
+
+    try:
+        body = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"template {template} does not render valid YAML: {exc}") from None
+    if not isinstance(body, dict):
+        raise UsageError(f"template {template} must render a mapping (a {message_type.__name__})")
+    pb = message_type.pb(message_type())
+    try:
+        json_format.ParseDict(body, pb, ignore_unknown_fields=False)
+    except json_format.ParseError as exc:
+        raise UsageError(f"template {template} does not render a valid {pb.DESCRIPTOR.full_name}: {exc}") from None
+    return message_type.wrap(pb)
+
+
 def create_queued_resource_request(cfg: Config, zone: str, templates_dir: Path | None = None,
                                    attempt: int = 0, project: str | None = None) -> Any:
     """The CreateQueuedResourceRequest for one zone, body parsed strictly into the real message.
@@ -226,27 +323,27 @@ def create_queued_resource_request(cfg: Config, zone: str, templates_dir: Path |
     `project` overrides cfg.project (for a config without one, the credentials' project);
     without either it is a UsageError.
     """
-    import yaml
     from google.cloud import tpu_v2
-    from google.protobuf import json_format
 
-    text = queued_resource_body(cfg, zone, templates_dir, project)
-    try:
-        body = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"template {QUEUED_RESOURCE_TEMPLATE} does not render valid YAML: {exc}") from None
-    if not isinstance(body, dict):
-        raise UsageError(f"template {QUEUED_RESOURCE_TEMPLATE} must render a mapping (a QueuedResource)")
-    pb = tpu_v2.QueuedResource.pb(tpu_v2.QueuedResource())
-    try:
-        json_format.ParseDict(body, pb, ignore_unknown_fields=False)
-    except json_format.ParseError as exc:
-        raise UsageError(f"template {QUEUED_RESOURCE_TEMPLATE} does not render a valid "
-                         f"google.cloud.tpu.v2.QueuedResource: {exc}") from None
+    body = _parse_body(queued_resource_body(cfg, zone, templates_dir, project), QUEUED_RESOURCE_TEMPLATE,
+                       tpu_v2.QueuedResource)
     return tpu_v2.CreateQueuedResourceRequest(
         parent=parent(cfg, zone, project), queued_resource_id=queued_resource_id(cfg),
-        request_id=request_id(cfg, zone, attempt, project), queued_resource=tpu_v2.QueuedResource.wrap(pb),
+        request_id=request_id(cfg, zone, attempt, project, content=proto_dict(body)), queued_resource=body,
     )
+
+
+def custom_job_body(cfg: Config, templates_dir: Path | None = None) -> str:
+    """The rendered CustomJob body (YAML text)."""
+    return render(CUSTOM_JOB_TEMPLATE, custom_job_spec(cfg), templates_dir)
+
+
+def create_custom_job_request(cfg: Config, templates_dir: Path | None = None, project: str | None = None) -> Any:
+    """The CreateCustomJobRequest, body parsed strictly into google.cloud.aiplatform.v1.CustomJob."""
+    from google.cloud.aiplatform_v1.types import custom_job, job_service
+
+    body = _parse_body(custom_job_body(cfg, templates_dir), CUSTOM_JOB_TEMPLATE, custom_job.CustomJob)
+    return job_service.CreateCustomJobRequest(parent=region_parent(cfg, project), custom_job=body)
 
 
 def proto_dict(message: Any) -> dict[str, Any]:
@@ -263,9 +360,15 @@ PROJECT_PLACEHOLDER = "PROJECT"
 
 
 def render_all(cfg: Config, templates_dir: Path | None = None) -> dict[str, str]:
-    """Every rendered file, by file name: the startup script and, per zone, the body and request."""
-    files = {"startup.sh": startup_script(cfg, templates_dir)}
+    """Every rendered file of the config's target, by file name: for a TPU VM slice the startup
+    script and, per zone, the QueuedResource body and request; for Vertex AI the CustomJob body
+    and request."""
     project = cfg.project or PROJECT_PLACEHOLDER
+    if cfg.target == "vertex":
+        request = create_custom_job_request(cfg, templates_dir, project=project)
+        return {"custom_job.yaml": custom_job_body(cfg, templates_dir),
+                "create_custom_job.json": json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"}
+    files = {"startup.sh": startup_script(cfg, templates_dir)}
     for zone in cfg.zones:
         files[f"queued_resource.{zone}.yaml"] = queued_resource_body(cfg, zone, templates_dir, project)
         request = create_queued_resource_request(cfg, zone, templates_dir, project=project)

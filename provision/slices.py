@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
-from provision.errors import CloudError, StockoutError, UsageError
+from provision.errors import CloudError, StockoutError
+from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
 from provision.waiting import format_duration, poll
 
-MANAGED_BY = ("managed-by", "moe-tpu")
-RUN_LABEL = "moe-tpu-run"
 # FAILED codes that mean "no capacity here in time", each worth another zone: RESOURCE_EXHAUSTED (8,
 # a stockout), FAILED_PRECONDITION (9, insufficient reserved capacity), DEADLINE_EXCEEDED (4, not
 # provisioned before queueing_policy's valid-until, which slice.max_wait sets).
@@ -25,49 +22,7 @@ MAX_WAIT_GRACE_S = 600
 SETTLED_QR_STATES = {"ACTIVE", "FAILED", "SUSPENDED"}
 
 
-@dataclass
-class Resource:
-    """One cloud resource as `list`, `status` and the JSON document show it."""
-
-    kind: str
-    name: str
-    state: str
-    zone: str
-    run: str | None = None
-    accelerator: str | None = None
-    created: float | None = None
-    chips: int = 0
-    price_per_chip_hour: float = 0.0
-    workers: list[str] = field(default_factory=list)
-    error: str | None = None
-
-    def as_dict(self, now: float) -> dict[str, Any]:
-        doc: dict[str, Any] = {"kind": self.kind, "name": self.name, "state": self.state, "zone": self.zone}
-        if self.run:
-            doc["run"] = self.run
-        if self.accelerator:
-            doc["accelerator"] = self.accelerator
-        if self.created is not None:
-            age = max(0.0, now - self.created)
-            doc["age_s"] = round(age, 1)
-            if self.chips:
-                doc["cost_usd"] = round(self.chips * self.price_per_chip_hour * age / 3600.0, 2)
-        if self.workers:
-            doc["workers"] = self.workers
-        if self.error:
-            doc["error"] = self.error
-        return doc
-
-
 # --- names -------------------------------------------------------------------
-def project_of(cfg, session) -> str:
-    project = cfg.project or session.default_project
-    if not project:
-        raise UsageError("no project: set `project:` in the config",
-                         hint="or run `gcloud config set project ID` so Application Default Credentials name one")
-    return project
-
-
 def zone_parent(project: str, zone: str) -> str:
     return f"projects/{project}/locations/{zone}"
 
@@ -76,10 +31,6 @@ def queued_resource_name(cfg, project: str, zone: str) -> str:
     from provision.rendering import queued_resource_id
 
     return f"{zone_parent(project, zone)}/queuedResources/{queued_resource_id(cfg)}"
-
-
-def short(name: str) -> str:
-    return name.rsplit("/", 1)[-1]
 
 
 def state_name(qr) -> str:
@@ -99,10 +50,6 @@ def _node_labels_of(qr) -> dict[str, str]:
         if spec.node.labels:
             return dict(spec.node.labels)
     return {}
-
-
-def _is_managed(labels: dict[str, str]) -> bool:
-    return labels.get(MANAGED_BY[0]) == MANAGED_BY[1]
 
 
 def _node_resource(node, zone: str) -> Resource:
@@ -135,11 +82,11 @@ def managed_resources(session, project: str, zones: Iterable[str], run: str | No
         parent = zone_parent(project, zone)
         for qr in session.tpu.list_queued_resources(parent):
             labels = _node_labels_of(qr)
-            if _is_managed(labels) and (run is None or labels.get(RUN_LABEL) == run):
+            if is_managed(labels, run):
                 found.append(_qr_resource(qr, zone))
         for node in session.tpu.list_nodes(parent):
             labels = dict(node.labels)
-            if _is_managed(labels) and (run is None or labels.get(RUN_LABEL) == run):
+            if is_managed(labels, run):
                 found.append(_node_resource(node, zone))
     return found
 
@@ -199,7 +146,8 @@ def _wait_nodes_ready(cfg, session, console, project: str, zone: str, qr) -> lis
                     timeout_s=1800, describe=describe, progress=bar, what="the slice's nodes")
 
 
-def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: str, name: str):
+def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: str, name: str,
+                     attempt: int = 0):
     from provision.rendering import create_queued_resource_request
 
     existing = session.tpu.get_queued_resource(name)
@@ -211,7 +159,7 @@ def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: s
     if existing is not None:
         console.info(f"  adopting existing queued resource {short(name)} in {zone} ({state_name(existing)})")
         return
-    request = create_queued_resource_request(cfg, zone, templates_dir, project=project)
+    request = create_queued_resource_request(cfg, zone, templates_dir, attempt=attempt, project=project)
     console.info(f"  creating queued resource {short(name)} in {zone}: "
                  f"{cfg.slice.count} x {cfg.slice.accelerator}, {cfg.slice.capacity}")
     operation = session.tpu.create_queued_resource(request)
@@ -230,15 +178,18 @@ def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: s
             session.tpu.wait_operation(operation, f"create {short(name)}", timeout_s=600)
 
 
-def slice_up(cfg, session, console, templates_dir=None) -> list[Resource]:
-    """Provision the run's slice, trying each zone in order on stockout. Returns its resources."""
+def slice_up(cfg, session, console, templates_dir=None, attempt: int = 0) -> list[Resource]:
+    """Provision the run's slice, trying each zone in order on stockout. Returns its resources.
+
+    `attempt` counts deliberate re-creations (recovery after a preemption): each gets its own
+    request id, so the API never answers a new create with an earlier incarnation's operation."""
     from provision.config import format_duration as config_duration
 
     project = project_of(cfg, session)
     tried: list[str] = []
     for zone in cfg.zones:
         name = queued_resource_name(cfg, project, zone)
-        _create_or_adopt(cfg, session, console, templates_dir, project, zone, name)
+        _create_or_adopt(cfg, session, console, templates_dir, project, zone, name, attempt)
         qr = _wait_settled(cfg, session, console, name, zone)
         state = state_name(qr)
         if state == "ACTIVE":

@@ -1,6 +1,6 @@
 """`python -m trainer`: the container's entry point."""
 
-from trainer.cli import train_command
+from trainer.cli import main
 
 if __name__ == "__main__":
-    train_command(prog_name="python -m trainer")
+    main(prog_name="python -m trainer")

@@ -1,6 +1,10 @@
 """`python -m trainer` / `moe-train` / `moe-tpu train`: parse flags, build a RunSpec, run, report.
 
 jax is imported only inside the command body, after `--devices` has set XLA_FLAGS.
+
+Exit codes: 0 finished every step; 143 stopped by SIGTERM or SIGINT (or a preemption notice) after saving
+a checkpoint, not finished; 2 a usage or config error; 1 any other failure. The status file
+(trainer/status.py) says the same with its final state and exit code.
 """
 
 from __future__ import annotations
@@ -9,11 +13,15 @@ import logging
 import os
 import re
 import sys
+import threading
+import time
 
 import click
 
-EXIT_USAGE = 2
-EXIT_RUNTIME = 1
+from trainer.status import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, RunStatus, StatusError
+
+EXIT_RUNTIME = EXIT_FAILED
+__all__ = ["EXIT_FINISHED", "EXIT_RUNTIME", "EXIT_STOPPED", "EXIT_USAGE", "main", "train_command"]
 
 
 def set_fake_devices(n: int, env=os.environ) -> None:
@@ -62,9 +70,40 @@ def _jax_started() -> bool:
 @click.option("--seed", type=int, default=None, help="Seed for parameters and data [config].")
 @click.option("--profile-steps", default=None, metavar="A:B",
               help="Write a jax profiler trace of steps A..B to OUTPUT_DIR/profile.")
-def train_command(config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
-                  profile_steps):
-    """Train the MoE language model (the container's entry point; runs on CPU, GPU and TPU)."""
+@click.option("--status-file", envvar="MOE_TPU_STATUS_FILE", default=None, metavar="PATH",
+              help="Also write this process's status JSON here (every process; OUTPUT_DIR/status.json is "
+                   "process 0's) [$MOE_TPU_STATUS_FILE].")
+@click.pass_context
+def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
+                  profile_steps, status_file):
+    """Train the MoE language model (the container's entry point; runs on CPU, GPU and TPU).
+
+    Exits 0 when every step is done, 143 when SIGTERM or Ctrl-C stopped it after saving a checkpoint (run
+    the same command again to continue), 2 on a usage or config error, 1 on any other failure.
+    """
+    status = RunStatus()
+    try:
+        if status_file:
+            _add_status_target(status, status_file, param_hint="--status-file")
+        result = _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume,
+                        metrics_path, seed, profile_steps)
+    except click.ClickException as e:
+        status.end("failed", e.exit_code, e.format_message())
+        raise
+    except KeyboardInterrupt:  # before the loop's own handler is in place
+        status.end("failed", EXIT_RUNTIME, "interrupted")
+        raise
+    except Exception as e:  # only with MOE_TRAIN_DEBUG=1, which shows the traceback
+        status.end("failed", EXIT_RUNTIME, f"{type(e).__name__}: {e}")
+        raise
+    if result.stopped_by_signal:
+        status.end("stopped", EXIT_STOPPED, step=result.step)
+        ctx.exit(EXIT_STOPPED)
+    status.end("finished", EXIT_FINISHED, step=result.step)
+
+
+def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
+           profile_steps):
     profile = parse_profile_steps(profile_steps)
     num_devices = None
     if devices is not None:
@@ -74,9 +113,41 @@ def train_command(config_name, overrides, steps, devices, mesh_text, output_dir,
             set_fake_devices(devices)
     else:
         _initialize_distributed()
+    output_dir = _check_output_dir(output_dir, status)
     spec = _build_spec(config_name, overrides, steps, num_devices or devices, mesh_text, output_dir, resume,
                        metrics_path, seed, profile, in_process=num_devices is not None)
-    _run(spec)
+    try:
+        status.start(spec.steps)
+    except StatusError as e:
+        raise click.ClickException(str(e)) from None
+    return _run(spec, status)
+
+
+def _add_status_target(status: RunStatus, path: str, param_hint: str) -> None:
+    try:
+        status.add(path)
+    except StatusError as e:
+        raise click.BadParameter(str(e), param_hint=param_hint) from None
+
+
+def _check_output_dir(output_dir: str | None, status: RunStatus) -> str | None:
+    """The output directory, checked before anything is built; process 0 keeps its status.json there."""
+    if not output_dir:
+        return None
+    import jax
+
+    from trainer.checkpoint import check_directory
+    from trainer.config import ConfigError
+
+    try:
+        output_dir = check_directory(output_dir)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--output-dir") from None
+    if jax.process_index() == 0:
+        name = f"{output_dir.rstrip('/')}/status.json" if "://" in output_dir else \
+            os.path.join(output_dir, "status.json")
+        _add_status_target(status, name, param_hint="--output-dir")
+    return output_dir
 
 
 def _initialize_distributed() -> None:
@@ -121,9 +192,10 @@ def _quiet_library_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _run(spec) -> None:
+def _run(spec, status: RunStatus):
     import jax
 
+    from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
     from trainer.metrics import Reporter
@@ -131,15 +203,19 @@ def _run(spec) -> None:
 
     _quiet_library_logs()
     try:
-        reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0)
+        reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0, output_dir=spec.output_dir)
+    except StatusError as e:  # OUTPUT_DIR/metrics.jsonl
+        raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.BadParameter(f"cannot write {spec.metrics_path}: {e.strerror}", param_hint="--metrics") from None
     try:
-        run(spec, reporter)
+        return run(spec, reporter, status=status)
     except (ConfigError, DataError) as e:
         raise click.UsageError(str(e)) from None
+    except CheckpointError as e:
+        raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        raise click.ClickException("interrupted") from None
+        raise click.ClickException("interrupted twice: stopped without waiting for a checkpoint") from None
     except Exception as e:  # noqa: BLE001 - no traceback for users; MOE_TRAIN_DEBUG=1 shows it
         if os.environ.get("MOE_TRAIN_DEBUG") == "1":
             raise
@@ -148,5 +224,27 @@ def _run(spec) -> None:
         reporter.close()
 
 
-def main() -> None:
-    train_command(prog_name=os.environ.get("MOE_TRAIN_PROG", "moe-train"))
+def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
+    """The `moe-train` script and `python -m trainer`: the command, then an exit that never hangs.
+
+    After a failure, a library thread may still wait on work that will never come (orbax waits up to
+    five minutes for a checkpoint directory that could not be made): the process exits without it.
+    """
+    try:
+        train_command.main(args=args, prog_name=prog_name or os.environ.get("MOE_TRAIN_PROG", "moe-train"))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_RUNTIME)
+        if code != EXIT_FINISHED:
+            _exit_now_if_threads_linger(code)
+        raise
+
+
+def _exit_now_if_threads_linger(code: int, grace_s: float = 3.0) -> None:
+    deadline = time.monotonic() + grace_s
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

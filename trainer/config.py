@@ -2,12 +2,15 @@
 
 Nothing downstream sees raw dicts: `load_config` returns a `Config`, and every problem (an unknown key,
 a wrong type, a bad value) raises `ConfigError` naming the key and, for unknown keys, the closest valid one.
+`check` is the same validation for the control plane, which checks a run's `trainer:` section before it
+creates anything. This module imports neither jax nor flax, so that check stays cheap.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import pathlib
 import types
 import typing
@@ -15,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from trainer.moe import MoEConfig
+from trainer.moe.config import MoEConfig
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -83,14 +86,17 @@ class DataConfig:
     synthetic_concentration: float = 1.0  # Dirichlet concentration of each state's successor weights
 
     def __post_init__(self):
-        if self.seq_len < 2 or self.global_batch_size < 1:
-            raise ValueError("data.seq_len must be at least 2 and data.global_batch_size at least 1")
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
+        if self.global_batch_size < 1:
+            raise ValueError(f"data.global_batch_size must be at least 1, got {self.global_batch_size}")
         if self.source in ("text", "tokens") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path (set it with --set data.path=...)")
         if not 1 <= self.synthetic_branching <= self.synthetic_vocab:
-            raise ValueError("data.synthetic_branching must be between 1 and data.synthetic_vocab")
+            raise ValueError(f"data.synthetic_branching must be between 1 and data.synthetic_vocab "
+                             f"({self.synthetic_vocab}), got {self.synthetic_branching}")
         if self.synthetic_concentration <= 0:
-            raise ValueError("data.synthetic_concentration must be positive")
+            raise ValueError(f"data.synthetic_concentration must be positive, got {self.synthetic_concentration}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +112,14 @@ class OptimConfig:
     clip_norm: float = 1.0  # 0: no clipping
 
     def __post_init__(self):
-        if self.lr <= 0 or self.warmup_steps < 0 or self.decay_steps < 0:
-            raise ValueError("optim.lr must be positive, optim.warmup_steps and optim.decay_steps not negative")
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be positive, got {self.lr}")
+        for name in ("warmup_steps", "decay_steps", "weight_decay", "eps", "clip_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"optim.{name} must not be negative, got {getattr(self, name)}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
@@ -122,8 +134,11 @@ class TrainConfig:
     fsdp: bool = False  # shard the non-expert weights' embed axis over the data axis
 
     def __post_init__(self):
-        if self.steps < 0 or self.log_every < 1 or self.checkpoint_every < 1 or self.keep_checkpoints < 1:
-            raise ValueError("train.steps must be >= 0; log_every, checkpoint_every, keep_checkpoints >= 1")
+        if self.steps < 0:
+            raise ValueError(f"train.steps must not be negative, got {self.steps}")
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +165,25 @@ class Config:
 
 def named_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+NAMED_CONFIGS: tuple[str, ...] = tuple(named_configs())
+
+
+def check(config: str, overrides: list[str], steps: int | None = None) -> None:
+    """Raises `ConfigError` for anything `load_config` rejects, and for fewer than one step to train.
+
+    `config` is a named config or a YAML path (relative paths from the working directory), `overrides`
+    are `--set` items (`key.sub=value`), `steps` is the run's `--steps` (None: the config's train.steps).
+    Imports neither jax nor flax: the control plane calls it before it creates anything.
+    """
+    cfg = load_config(config, list(overrides))
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
+        raise ConfigError(f"steps must be an integer, got {steps!r}")
+    if steps is None and cfg.train.steps < 1:
+        raise ConfigError(f"train.steps must be at least 1 for a run, got {cfg.train.steps}")
+    if steps is not None and steps < 1:
+        raise ConfigError(f"steps must be at least 1, got {steps}")
 
 
 def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:
@@ -179,6 +213,8 @@ def _read_yaml(name_or_path: str, seen: tuple[str, ...]) -> dict[str, Any]:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config {path}: {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path} must be a mapping of keys to values")
     base = raw.pop("base", None)
@@ -236,7 +272,16 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"invalid config ({where}): {e}") from None
+        raise ConfigError(f"invalid config: {_qualify(str(e), cls, prefix)}") from None
+
+
+def _qualify(message: str, cls: type, prefix: str) -> str:
+    """A section's own check names its field bare ('top_k must be ...'): name it in full ('moe.top_k')."""
+    message = message.removeprefix(f"{cls.__name__}: ")
+    first = message.split(" ", 1)[0]
+    if prefix and first in {f.name for f in dataclasses.fields(cls)}:
+        return prefix + message
+    return message if not prefix or message.startswith(prefix) else f"{prefix.rstrip('.')}: {message}"
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:
@@ -262,11 +307,28 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be an integer, got {value!r}")
         return value
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        number = _number(value)
+        if number is None:
             raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
+        if not math.isfinite(number):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return number
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return str(value)
     return value
+
+
+def _number(value: Any) -> float | None:
+    """A float from a number, or from text YAML 1.1 leaves as a string ('1e-3' has no dot)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None

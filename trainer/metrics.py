@@ -1,14 +1,20 @@
 """The one object that prints: JSON-lines metrics (a file or stdout) and a progress line on stderr.
 
-Only the writer process (jax.process_index() == 0) prints anything; the others stay silent.
+Only the writer process (jax.process_index() == 0) prints anything; the others stay silent. With an
+output directory the writer also keeps every metrics row in `{output_dir}/metrics.jsonl`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
+from collections.abc import Callable
 from typing import IO, Any
+
+from trainer.status import StatusError, is_remote, reason, write_whole
 
 
 def _clean(value: Any) -> Any:
@@ -22,9 +28,70 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def metrics_log_path(output_dir: str) -> str:
+    if is_remote(output_dir):
+        return f"{output_dir.rstrip('/')}/metrics.jsonl"
+    return os.path.join(os.path.abspath(output_dir), "metrics.jsonl")
+
+
+class MetricsLog:
+    """Metrics rows kept beside the checkpoints: appended to a local file; for gs:// the whole object is
+    rewritten (it cannot be appended to), at most every `remote_every_s` and at `close`."""
+
+    def __init__(self, path: str, *, warn: Callable[[str], None], remote_every_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.path, self.warn, self.remote_every_s, self.clock = path, warn, remote_every_s, clock
+        self._file: IO[str] | None = None
+        self._text, self._dirty, self._last, self._failed = "", False, -math.inf, False
+        try:
+            if is_remote(path):
+                from etils import epath
+
+                if epath.Path(path).exists():  # a resumed run continues the file
+                    self._text = epath.Path(path).read_text()
+            else:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                self._file = open(path, "a", buffering=1)
+        except Exception as e:  # noqa: BLE001 - OSError locally; gcsfs and google-auth errors remotely
+            raise StatusError(f"cannot write the metrics file {path}: {reason(e)}") from None
+
+    def write(self, line: str) -> None:
+        if self._file is not None:
+            try:
+                self._file.write(line)
+            except OSError as e:
+                self._warn(e)
+            return
+        self._text += line
+        self._dirty = True
+        if self.clock() - self._last >= self.remote_every_s:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._dirty:
+            return
+        try:
+            write_whole(self.path, self._text)
+            self._dirty, self._last = False, self.clock()
+        except Exception as e:  # noqa: BLE001 - the log is a copy: training goes on
+            self._warn(e)
+
+    def _warn(self, error: BaseException) -> None:
+        if not self._failed:
+            self._failed = True
+            self.warn(f"warning: cannot write the metrics file {self.path}: {reason(error)}")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        else:
+            self._flush()
+
+
 class Reporter:
     def __init__(self, metrics_path: str | None = None, *, is_writer: bool = True,
-                 stderr: IO[str] | None = None, stdout: IO[str] | None = None):
+                 stderr: IO[str] | None = None, stdout: IO[str] | None = None, output_dir: str | None = None):
         self.is_writer = is_writer
         self.err = stderr or sys.stderr
         self._own = None
@@ -34,12 +101,24 @@ class Reporter:
             self._own = self.out = open(metrics_path, "a", buffering=1)
         else:
             self.out = stdout or sys.stdout
+        self.log = None
+        path = metrics_log_path(output_dir) if output_dir else None
+        same = path and metrics_path and not is_remote(path) and os.path.abspath(metrics_path) == path
+        if is_writer and path and not same:
+            try:
+                self.log = MetricsLog(path, warn=self.info)
+            except StatusError:
+                self.close()
+                raise
 
     def metrics(self, row: dict[str, Any]) -> None:
         if self.out is None:
             return
-        self.out.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        line = json.dumps({k: _clean(v) for k, v in row.items()}) + "\n"
+        self.out.write(line)
         self.out.flush()
+        if self.log is not None:
+            self.log.write(line)
 
     def progress(self, row: dict[str, Any], total_steps: int) -> None:
         if not self.is_writer:
@@ -61,3 +140,6 @@ class Reporter:
         if self._own is not None:
             self._own.close()
             self._own = None
+        if self.log is not None:
+            self.log.close()
+            self.log = None

@@ -23,6 +23,7 @@ from trainer.config import Config, ConfigError, OptimConfig
 from trainer.data import DataIterator, make_source
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy
+from trainer.status import RunStatus
 
 State = dict[str, Any]  # {"step": int32 [], "params": {name: array}, "opt_state": optax state}
 
@@ -43,10 +44,12 @@ class RunSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
-    step: int
+    step: int  # the last step trained
     loss: float | None
-    stopped_by_signal: bool
+    stopped_by_signal: bool  # stopped before spec.steps (SIGTERM, SIGINT, a preemption notice)
     checkpoint_step: int | None
+    start_step: int = 0  # the checkpoint it resumed from (0: fresh)
+    stop_reason: str | None = None  # "SIGTERM", "SIGINT" or "a preemption notice"
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -171,38 +174,56 @@ def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
     return train_step
 
 
-def model_from_state(trainer: Trainer, state: State) -> Transformer:
-    return nnx.merge(trainer.graphdef, trainer.codec.unflatten(state["params"]), trainer.rest)
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
 class StopSignal:
-    """Set by SIGTERM (the preemption notice on TPU VMs and Vertex); the loop saves and exits."""
+    """Set by SIGTERM (the preemption notice on TPU VMs and Vertex) or SIGINT; the loop saves and stops.
+
+    A second SIGINT stops at once (KeyboardInterrupt), for a user who will not wait for the checkpoint.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
+        self.reason: str | None = None
 
     def install(self) -> Callable[[], None]:
         def handler(signum, frame):
+            if self.requested and signum == signal.SIGINT:
+                raise KeyboardInterrupt
             self.requested = True
+            self.reason = self.reason or signal.Signals(signum).name
 
-        previous = signal.signal(signal.SIGTERM, handler)
-        return lambda: signal.signal(signal.SIGTERM, previous)
+        previous = {sig: signal.signal(sig, handler) for sig in self.SIGNALS}
+
+        def restore() -> None:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+        return restore
 
 
 def should_stop(stop: StopSignal, step: int) -> bool:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        return bool(multihost_utils.reached_preemption_sync_point(step)) or stop.requested
+        if multihost_utils.reached_preemption_sync_point(step):
+            stop.reason = stop.reason or "a preemption notice"
+            return True
     return stop.requested
 
 
-def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None) -> RunResult:
-    """Trains up to step `spec.steps` (resuming past ones), checkpointing and reporting as it goes."""
+def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
+        status: RunStatus | None = None) -> RunResult:
+    """Trains up to step `spec.steps` (resuming past ones), checkpointing and reporting as it goes.
+
+    Returns when done or stopped by a signal (a checkpoint saved either way, given an output directory);
+    `status` hears of the resumed step and every logged step.
+    """
     stop = stop or StopSignal()
+    status = status or RunStatus()
     restore_handler = stop.install() if jax.process_count() == 1 else (lambda: None)
     ckpt = None
     try:
@@ -222,7 +243,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None) -> Ru
             ckpt = Checkpointer(os.path.join(spec.output_dir, "checkpoints"),
                                 every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
         state = _initial_state(trainer, ckpt, data, spec, reporter)
-        return _loop(trainer, state, data, ckpt, spec, reporter, stop, entropy_floor=source.entropy_floor)
+        return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=source.entropy_floor)
     finally:
         restore_handler()
         if ckpt is not None:
@@ -245,14 +266,17 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     if latest is not None and spec.resume == "never":
         raise ConfigError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); use "
                          "--resume auto to continue, or another --output-dir")
-    if latest is None:
+    restored = ckpt.restore_latest(trainer.abstract_state) if latest is not None else None
+    if restored is None:
         return trainer.init_fn()
-    state, data_state = ckpt.restore(latest, trainer.abstract_state)
-    if data_state.get("source") != data.source.fingerprint:
-        reporter.info(f"note: the data source differs from the checkpoint's ({data_state.get('source')})")
-    data.restore(data_state)
-    reporter.info(f"resumed from {ckpt.directory} at step {latest}")
-    return state
+    for step, why, moved_to in restored.unreadable:
+        reporter.info(f"the checkpoint at step {step} ({ckpt.step_path(step)}) cannot be restored: {why}; "
+                      f"moved it to {moved_to} and resumed from step {restored.step} instead")
+    if restored.data_state.get("source") != data.source.fingerprint:
+        reporter.info(f"note: the data source differs from the checkpoint's ({restored.data_state.get('source')})")
+    data.restore(restored.data_state)
+    reporter.info(f"resumed from {ckpt.directory} at step {restored.step}")
+    return restored.state
 
 
 def global_batch(trainer: Trainer, rows_BxT: np.ndarray) -> jax.Array:
@@ -268,9 +292,11 @@ def compile_step(trainer: Trainer):
 
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
-          reporter: Reporter, stop: StopSignal, entropy_floor: float | None) -> RunResult:
+          reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None) -> RunResult:
     cfg = trainer.cfg
-    step = saved = int(jax.device_get(state["step"]))
+    step = saved = start_step = int(jax.device_get(state["step"]))
+    if start_step:
+        status.resumed(start_step)
     start = time.perf_counter()
     try:
         step_fn = compile_step(trainer)
@@ -294,6 +320,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
                 last_loss = row["loss"]
                 reporter.metrics(row)
                 reporter.progress(row, spec.steps)
+                status.running(step, row["loss"], row["tokens_per_s"])
             profiler.after(step)
             if ckpt is not None and step % cfg.train.checkpoint_every == 0:
                 ckpt.save(step, state, data.state(), force=True)
@@ -304,10 +331,22 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
         if saved != step or ckpt.latest_step() is None:
             ckpt.save(step, state, data.state(), force=True)
         ckpt.wait()
-        reporter.info(f"{'stopped by SIGTERM; ' if stopped else ''}checkpoint at step {step} in "
-                      f"{ckpt.directory}")
+        ckpt.verify(step)
+    _report_end(reporter, ckpt, step, spec.steps, stop.reason if stopped else None)
     return RunResult(step=step, loss=last_loss, stopped_by_signal=stopped,
-                     checkpoint_step=step if ckpt is not None else None)
+                     checkpoint_step=step if ckpt is not None else None, start_step=start_step,
+                     stop_reason=stop.reason if stopped else None)
+
+
+def _report_end(reporter: Reporter, ckpt: Checkpointer | None, step: int, total: int, stop_reason: str | None):
+    where = f"checkpoint at step {step} in {ckpt.step_path(step)}" if ckpt is not None else "no checkpoint " \
+        "(no --output-dir)"
+    if stop_reason is None:
+        if ckpt is not None:
+            reporter.info(where)
+        return
+    again = "; run the same command again (--resume auto) to continue" if ckpt is not None else ""
+    reporter.info(f"stopped by {stop_reason} at step {step} of {total}, not finished; {where}{again}")
 
 
 class _StepTimer:

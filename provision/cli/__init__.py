@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -16,7 +17,12 @@ COMMANDS: dict[str, str] = {
     "init": "provision.cli.config_cmds:init",
     "validate": "provision.cli.config_cmds:validate",
     "render": "provision.cli.config_cmds:render",
+    "plan": "provision.cli.plan_cmd:plan",
+    "image": "provision.cli.image_cmd:image",
     "slice": "provision.cli.slice_cmds:slice_group",
+    "job": "provision.cli.job_cmds:job_group",
+    "run": "provision.cli.run_cmd:run",
+    "logs": "provision.cli.logs_cmd:logs",
     "list": "provision.cli.slice_cmds:list_cmd",
     "down": "provision.cli.slice_cmds:down",
     "emulator": "provision.cli.emulator_cmd:emulator",
@@ -27,7 +33,12 @@ SHORT_HELP = {
     "init": "Write a commented starter moe-tpu.yaml.",
     "validate": "Check the config and render every template; list all problems.",
     "render": "Write every rendered template and request body to a directory.",
+    "plan": "Memory per chip, step-time bound, MFU ceiling, cost per hour and per run.",
+    "image": "The trainer's container image: build (local docker or Cloud Build) and push.",
     "slice": "TPU v5e queued-resource lifecycle: up, status, down.",
+    "job": "Vertex AI custom job lifecycle: submit, status, wait, cancel.",
+    "run": "The main job: provision, train, follow, recover from preemption, tear down.",
+    "logs": "The run's trainer output and metrics, from wherever they are.",
     "list": "Every resource this tool manages, with state, age and cost so far.",
     "down": "Delete every resource of the run, also after a crash, and verify.",
     "emulator": "The embedded Cloud TPU API emulator as a standalone server.",

@@ -13,15 +13,24 @@ from provision.errors import UsageError
 @click.command("init")
 @config_option
 @click.option("--force", is_flag=True, help="Overwrite the file if it exists.")
+@click.option("--from-terraform", "terraform_path", type=click.Path(exists=True), default=None,
+              help="Fill it from terraform/'s outputs: a directory (runs `terraform output -json` there) "
+                   "or a file saved from that command.")
 @click.pass_obj
-def init(app, config_path: str, force: bool) -> None:
+def init(app, config_path: str, force: bool, terraform_path: str | None) -> None:
     """Write a commented starter config.
+
+    With --from-terraform, the project, zones, network, service accounts, image
+    repository, staging and output locations come from the foundation that
+    terraform/ made (the run's output_dir is RUNS-DIRECTORY/RUN).
 
     \b
     Examples:
       moe-tpu init                       # writes moe-tpu.yaml
       moe-tpu init -c runs/big.yaml      # somewhere else
       moe-tpu init --force               # replace an existing file
+      moe-tpu init --from-terraform terraform/
+      moe-tpu init --from-terraform outputs.json   # saved `terraform output -json`
     """
     from provision.config import starter_config
 
@@ -29,13 +38,24 @@ def init(app, config_path: str, force: bool) -> None:
     path = Path(config_path)
     if path.exists() and not force:
         raise UsageError(f"{path} already exists; not overwriting it", hint="pass --force to replace it")
+    text = starter_config()
+    if terraform_path is not None:
+        from provision import foundation
+
+        outputs = foundation.read_outputs(Path(terraform_path))
+        for name in foundation.config_keys(outputs)[1]:
+            app.console.warn(f"terraform output {name!r} is not a config key; left out")
+        text = foundation.config_text(outputs, path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(starter_config(), encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
     app.console.text(f"wrote {path}")
-    app.console.info("next: set project, zones, image and trainer in it, then run `moe-tpu validate`")
+    if terraform_path is None:
+        app.console.info("next: set project, zones, image and trainer in it, then run `moe-tpu validate`")
+    else:
+        app.console.info("next: choose the run's name, slice and trainer in it, then run `moe-tpu validate`")
     app.console.emit(app.document("ok", config=str(path)))
 
 
@@ -56,7 +76,7 @@ def validate(app, config_path: str) -> None:
     from provision.rendering import render_all
 
     app.command = "validate"
-    cfg = app.load_config(config_path)
+    cfg = app.load_config(config_path, check_trainer=True)
     files = render_all(cfg, app.templates_dir)
     app.console.text(f"config OK: {cfg.source}")
     app.console.text(f"  run {cfg.run}: {_summary(cfg)}")

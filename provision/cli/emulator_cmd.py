@@ -1,4 +1,4 @@
-"""`moe-tpu emulator serve`: the Cloud TPU API emulator as a standalone loopback gRPC server."""
+"""`moe-tpu emulator serve`: the Cloud TPU and Vertex AI API emulator as a standalone loopback gRPC server."""
 
 from __future__ import annotations
 
@@ -13,23 +13,25 @@ from provision.errors import MissingDependency, UsageError
 
 @click.group("emulator")
 def emulator() -> None:
-    """The embedded Cloud TPU v2 API emulator, as a standalone server."""
+    """The embedded Cloud TPU v2 and Vertex AI JobService emulator, as a standalone server."""
 
 
 @emulator.command("serve")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="Port on 127.0.0.1 (0 picks a free one).")
 @click.option("--state", "state_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Keep the emulated world in this JSON file (loaded if it exists, saved after every RPC).")
+              help="Keep the emulated world in this JSON file (shared with other processes: every RPC locks it, "
+                   "reloads it and saves it).")
 @click.option("--speed", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
               help="Simulated seconds per real second (60: a minute of queueing per second).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the `flaky` scenario.")
 @click.pass_obj
 def serve(app, port: int, state_path: Path | None, speed: float, seed: int) -> None:
-    """Serve google.cloud.tpu.v2.Tpu and google.longrunning.Operations on 127.0.0.1 until Ctrl-C.
+    """Serve google.cloud.tpu.v2.Tpu, google.cloud.aiplatform.v1.JobService (custom jobs) and
+    google.longrunning.Operations on 127.0.0.1 until Ctrl-C.
 
-    The scenario is the global --scenario. Point a TpuClient at the printed address with
-    grpc.insecure_channel(ADDRESS) and anonymous credentials.
+    The scenario is the global --scenario. Point a TpuClient or a JobServiceClient at the printed
+    address with grpc.insecure_channel(ADDRESS) and anonymous credentials.
 
     \b
     Examples:

@@ -4,33 +4,9 @@ from __future__ import annotations
 
 import click
 
+from provision.cli.common import finish, print_resources
 from provision.cli.options import config_option
-
-
-def _print_resources(app, resources) -> None:
-    now = app.session().clock.now()
-    if not resources:
-        app.console.text("no resources")
-        return
-    for res in resources:
-        doc = res.as_dict(now)
-        extra = []
-        if "age_s" in doc:
-            from provision.waiting import format_duration
-
-            extra.append(f"age {format_duration(doc['age_s'])}")
-        if "cost_usd" in doc:
-            extra.append(f"${doc['cost_usd']:.2f} so far")
-        if res.workers:
-            extra.append(f"{len(res.workers)} workers")
-        if res.error:
-            extra.append(res.error)
-        app.console.text(f"{res.kind:16} {res.name}  {res.state}" + (f"  ({', '.join(extra)})" if extra else ""))
-
-
-def _finish(app, resources, result: str = "ok", **fields) -> None:
-    now = app.session().clock.now()
-    app.console.emit(app.document(result, resources=[r.as_dict(now) for r in resources], **fields))
+from provision.errors import UsageError
 
 
 @click.group("slice")
@@ -58,7 +34,10 @@ def up(app, config_path: str) -> None:
     from provision.slices import slice_up
 
     app.command = "slice up"
-    cfg = app.load_config(config_path)
+    cfg = app.load_config(config_path, check_trainer=True)
+    if cfg.target != "tpu-vm":
+        raise UsageError(f"{cfg.source}: target is {cfg.target!r}: a Vertex AI job, not a slice you manage",
+                         hint=f"use `moe-tpu job submit -c {cfg.source}`, or set `target: tpu-vm`")
     accel = cfg.accelerator_type()
     app.console.info(f"slice up: run {cfg.run}, {cfg.slice.count} x {accel.name} "
                      f"({accel.topology}, {accel.chips} chips, {accel.vms} VMs), {cfg.slice.capacity}"
@@ -69,7 +48,7 @@ def up(app, config_path: str) -> None:
     for node in resources[1:]:
         app.console.text(f"  node {node.name.rsplit('/', 1)[-1]} {node.state}: "
                          f"{len(node.workers)} workers: {' '.join(node.workers)}")
-    _finish(app, resources)
+    finish(app, resources)
 
 
 @slice_group.command("status")
@@ -82,21 +61,25 @@ def status(app, config_path: str) -> None:
     app.command = "slice status"
     cfg = app.load_config(config_path)
     resources = slice_status(cfg, app.session())
-    _print_resources(app, resources)
-    _finish(app, resources)
+    print_resources(app, resources)
+    finish(app, resources)
 
 
-def _down(app, config_path: str, command: str) -> None:
+def _down(app, config_path: str, command: str, services: tuple[str, ...] = ("tpu", "vertex")) -> None:
+    from provision.jobs import jobs_down
     from provision.slices import slice_down
 
     app.command = command
     cfg = app.load_config(config_path)
-    app.console.info(f"{command}: deleting every resource of run {cfg.run} in {', '.join(cfg.zones)}"
+    where = ", ".join(cfg.zones) + (f" and region {cfg.region}" if "vertex" in services else "")
+    app.console.info(f"{command}: deleting every resource of run {cfg.run} in {where}"
                      + (" [dry run]" if app.dry_run else ""))
-    deleted = slice_down(cfg, app.session(), app.console)
+    deleted = slice_down(cfg, app.session(), app.console) if "tpu" in services else []
+    if "vertex" in services:
+        deleted += jobs_down(cfg, app.session(), app.console)
     app.console.text(f"deleted {len(deleted)} resource(s); nothing of run {cfg.run} is left"
                      if deleted else f"nothing to delete; nothing of run {cfg.run} is left")
-    _finish(app, [], deleted=[r.as_dict(app.session().clock.now()) for r in deleted])
+    finish(app, [], deleted=[r.as_dict(app.session().clock.now()) for r in deleted])
 
 
 @slice_group.command("down")
@@ -104,7 +87,7 @@ def _down(app, config_path: str, command: str) -> None:
 @click.pass_obj
 def slice_down_cmd(app, config_path: str) -> None:
     """Delete the slice (force: its nodes go with it) and wait until it is gone."""
-    _down(app, config_path, "slice down")
+    _down(app, config_path, "slice down", services=("tpu",))
 
 
 @click.command("down")
@@ -127,7 +110,8 @@ def down(app, config_path: str) -> None:
 @click.option("--run", "run_filter", default=None, help="Only this run's resources.")
 @click.pass_obj
 def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None) -> None:
-    """Every resource this tool manages (found by its labels), with state, age and cost so far.
+    """Every resource this tool manages (found by its labels): queued resources and nodes in the
+    config's zones, custom jobs in its region; with state, age and cost so far.
 
     \b
     Examples:
@@ -135,11 +119,17 @@ def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None) -> 
       moe-tpu --output json list --all-zones
     """
     from provision import catalogue
-    from provision.slices import managed_resources, project_of
+    from provision.jobs import managed_jobs
+    from provision.resources import project_of
+    from provision.slices import managed_resources
 
     app.command = "list"
     cfg = app.load_config(config_path)
     zones = list(catalogue.V5E_ZONES) if all_zones else list(cfg.zones)
-    resources = managed_resources(app.session(), project_of(cfg, app.session()), zones, run=run_filter)
-    _print_resources(app, resources)
-    _finish(app, resources)
+    regions = sorted({catalogue.zone_region(z) for z in zones} | {cfg.region})
+    project = project_of(cfg, app.session())
+    resources = managed_resources(app.session(), project, zones, run=run_filter)
+    for region in regions:
+        resources += managed_jobs(app.session(), project, region, run=run_filter)
+    print_resources(app, resources)
+    finish(app, resources)

@@ -44,3 +44,15 @@ class TpuApi(RetryingApi):
 
     def delete_node(self, name: str):
         return self._get_or_none("delete node", lambda: self.client.delete_node(name=name))
+
+    def get_guest_attributes(self, name: str, query_path: str) -> list[dict[str, str]] | None:
+        """Per worker (in worker order), the guest attributes under `query_path` as {key: value};
+        None when the node is gone."""
+        from google.cloud import tpu_v2
+
+        request = tpu_v2.GetGuestAttributesRequest(name=name, query_path=query_path)
+        answer = self._get_or_none("get guest attributes", lambda: self.client.get_guest_attributes(request=request))
+        if answer is None:
+            return None
+        return [{entry.key: entry.value for entry in attrs.query_value.items}
+                for attrs in answer.guest_attributes]

@@ -1,8 +1,8 @@
 """Scenarios and their timelines: plain data, no gRPC.
 
-A queued resource stores, when it is created, the list of (seconds after create, state) it
-will go through and how it ends. Its state at any time is read off that list, so the
-emulator needs no background thread and a persisted world replays exactly.
+A queued resource or a custom job stores, when it is created, the list of (seconds after
+create, state) it will go through and how it ends. Its state at any time is read off that
+list, so the emulator needs no background thread and a persisted world replays exactly.
 
 All durations are simulated seconds. They are plausible, not measured: real queues vary
 from seconds to days.
@@ -10,8 +10,6 @@ from seconds to days.
 
 from __future__ import annotations
 
-import hashlib
-import random
 from dataclasses import dataclass, field
 
 SCENARIOS: tuple[str, ...] = ("happy", "stockout", "long-queue", "quota", "flaky", "preempt")
@@ -45,6 +43,35 @@ VALID_UNTIL_CODE = 4  # DEADLINE_EXCEEDED
 VALID_UNTIL_MESSAGE = "The queued resource could not be provisioned before its valid_until time"
 
 
+# --- Vertex AI custom jobs (JobState names) -------------------------------------------
+JOB_QUEUED_S = 10.0
+JOB_PENDING_S = 240.0  # the service provisions the TPU hosts
+JOB_RUN_S = 3600.0  # how long a job runs before it succeeds, when nothing drives it
+LONG_QUEUE_JOB_QUEUED_S = 2 * 3600.0
+LONG_QUEUE_JOB_PENDING_S = 3600.0
+JOB_CANCELLING_S = 30.0
+JOB_DELETING_S = 10.0
+JOB_TERMINAL = ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED",
+                "JOB_STATE_PARTIALLY_SUCCEEDED")
+# The proto says a cancelled job gets an error with code 1 (CANCELLED); the message is unconfirmed.
+JOB_CANCELLED_ERROR = {"code": 1, "message": "CANCELED"}
+# A job that waits for capacity and gives up: code 8 (API-FACTS: "later the job FAILED with code 8").
+# The first sentence is the one public reports quote; the second is unconfirmed.
+JOB_STOCKOUT_CODE = 8
+JOB_STOCKOUT_MESSAGE = "Resources are insufficient in region: {region}. Please try a different region."
+# A preempted job: the Vertex docs say preempted Spot VMs fail a prediction job with a STOCKOUT
+# error; nothing public shows a training job's. Code 8 follows the prediction docs; the message is
+# unconfirmed (shaped like the confirmed "The replica workerpool0-0 exited ..." messages).
+JOB_PREEMPTED_ERROR = {"code": 8, "message": "The replica workerpool0-0 was preempted: its VMs were reclaimed by "
+                                             "Compute Engine. Termination reason: Preempted."}
+
+
+def replica_exit_error(exit_code: int, pool: int = 0, replica: int = 0) -> dict:
+    """The error of a job whose container exited non-zero (code 3 and this text, as seen publicly)."""
+    return {"code": 3, "message": f"The replica workerpool{pool}-{replica} exited with a non-zero status of "
+                                  f"{exit_code}. Termination reason: Error."}
+
+
 def check_scenario(name: str) -> str:
     if name not in SCENARIOS:
         raise ValueError(f"unknown emulator scenario {name!r}; valid scenarios: {', '.join(SCENARIOS)}")
@@ -53,7 +80,8 @@ def check_scenario(name: str) -> str:
 
 @dataclass(frozen=True)
 class Timeline:
-    """What a queued resource will do: phases (offset_s, state) and, if it fails, the error."""
+    """What a queued resource or a custom job will do: phases (offset_s, state) and, if it fails,
+    the error ({"code": google.rpc.Code, "message": ...})."""
 
     phases: tuple[tuple[float, str], ...]
     failure: dict | None = field(default=None)
@@ -64,6 +92,18 @@ class Timeline:
             if offset_s >= at:
                 state = name
         return state
+
+    def entered_at(self, offset_s: float) -> float:
+        """The offset at which the state in effect at `offset_s` began."""
+        start = self.phases[0][0]
+        for at, _ in self.phases:
+            if offset_s >= at:
+                start = at
+        return start
+
+    def first(self, state: str, offset_s: float) -> float | None:
+        """The offset at which `state` was first entered, if it was by `offset_s`."""
+        return next((at for at, s in self.phases if s == state and at <= offset_s), None)
 
     def to_json(self) -> dict:
         return {"phases": [list(p) for p in self.phases], "failure": self.failure}
@@ -82,8 +122,11 @@ def _phases(wait_s: float) -> list[tuple[float, str]]:
 
 
 def timeline(scenario: str, *, zone: str, spot: bool, stocked_out: bool, reserved: bool = False,
-             valid_until_s: float | None = None) -> Timeline:
-    """The timeline of a queued resource created now under `scenario`."""
+             valid_until_s: float | None = None, held: bool = False) -> Timeline:
+    """The timeline of a queued resource created now under `scenario`.
+
+    `held`: once ACTIVE it stays so (no timed preemption); only World.preempt_queued_resource ends it.
+    """
     if stocked_out:
         phases = _phases(STOCKOUT_WAIT_S)[:3]
         phases.append((CREATING_S + ACCEPTED_S + STOCKOUT_WAIT_S, "FAILED"))
@@ -94,7 +137,7 @@ def timeline(scenario: str, *, zone: str, spot: bool, stocked_out: bool, reserve
     if scenario == "long-queue":
         wait = LONG_QUEUE_WAIT_S
     phases = _phases(wait)
-    if scenario == "preempt" and spot:
+    if scenario == "preempt" and spot and not held:
         t_active = phases[-1][0]
         phases.append((t_active + PREEMPT_AFTER_ACTIVE_S, "SUSPENDING"))
         phases.append((t_active + PREEMPT_AFTER_ACTIVE_S + SUSPENDING_S, "SUSPENDED"))
@@ -113,7 +156,32 @@ def _cap(tl: Timeline, valid_until_s: float | None) -> Timeline:
     return Timeline(tuple(kept), {"code": VALID_UNTIL_CODE, "message": VALID_UNTIL_MESSAGE})
 
 
-def flaky_roll(seed: int, n: int) -> bool:
-    """Whether RPC number n fails in `flaky`: deterministic for a seed."""
-    digest = hashlib.sha256(f"{seed}/{n}".encode()).digest()
-    return random.Random(digest).random() < FLAKY_SHARE
+def job_timeline(scenario: str, *, region: str, stocked_out: bool, held: bool = False) -> Timeline:
+    """The timeline of a custom job created now under `scenario`: QUEUED -> PENDING -> RUNNING -> end.
+
+    `held`: once RUNNING it stays so; only World.end_custom_job (or a cancel) ends it.
+    Every job is preempted under `preempt` (spot or not): the scenario rehearses recovery.
+    """
+    queued, pending = JOB_QUEUED_S, JOB_PENDING_S
+    if scenario == "long-queue":
+        queued, pending = LONG_QUEUE_JOB_QUEUED_S, LONG_QUEUE_JOB_PENDING_S
+    phases = [(0.0, "JOB_STATE_QUEUED"), (queued, "JOB_STATE_PENDING")]
+    if stocked_out:
+        phases.append((queued + STOCKOUT_WAIT_S, "JOB_STATE_FAILED"))
+        return Timeline(tuple(phases), {"code": JOB_STOCKOUT_CODE,
+                                        "message": JOB_STOCKOUT_MESSAGE.format(region=region)})
+    t_running = queued + pending
+    phases.append((t_running, "JOB_STATE_RUNNING"))
+    if held:
+        return Timeline(tuple(phases))
+    if scenario == "preempt":
+        phases.append((t_running + PREEMPT_AFTER_ACTIVE_S, "JOB_STATE_FAILED"))
+        return Timeline(tuple(phases), dict(JOB_PREEMPTED_ERROR))
+    phases.append((t_running + JOB_RUN_S, "JOB_STATE_SUCCEEDED"))
+    return Timeline(tuple(phases))
+
+
+def ended(tl: Timeline, offset_s: float, final: tuple[tuple[float, str], ...], failure: dict | None) -> Timeline:
+    """`tl` up to `offset_s`, then `final` (offsets from create): a state change decided at that moment."""
+    kept = tuple((at, s) for at, s in tl.phases if at < offset_s)
+    return Timeline(kept + final, failure)

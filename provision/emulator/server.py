@@ -1,49 +1,61 @@
-"""The Emulator: a loopback gRPC server over the emulated world, persisted after every RPC."""
+"""The Emulator: a loopback gRPC server over the emulated world, one transaction per RPC.
+
+Services: google.cloud.tpu.v2.Tpu (tpu.py), google.cloud.aiplatform.v1.JobService (vertex.py,
+loaded on its first call) and google.longrunning.Operations (operations.py), behind the `flaky`
+fault injector (faults.py). With a state file every transaction locks it, reloads what other
+processes saved, applies, and saves (store.py), so concurrent commands share one world.
+"""
 
 from __future__ import annotations
 
 import ipaddress
-import json
-import os
-import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Self
+from typing import Self, TypeVar
 
 import grpc
 
 from provision.clock import SimClock
-from provision.emulator import scenarios
-from provision.emulator.scenarios import FLAKY_MAX_IN_A_ROW, check_scenario, flaky_roll
-from provision.emulator.service import UNAVAILABLE_MESSAGE, Lost, handlers
+from provision.emulator import operations, rpc, scenarios
+from provision.emulator.faults import FaultInjector
+from provision.emulator.scenarios import check_scenario
+from provision.emulator.store import Store
 from provision.emulator.validate import ApiError
-from provision.emulator.world import World
-from provision.errors import UsageError
+from provision.emulator.world import RunningJob, RunningNode, World
 
-CREATE_METHOD = "google.cloud.tpu.v2.Tpu/CreateQueuedResource"
+T = TypeVar("T")
 
 
 class Emulator:
-    """The Cloud TPU v2 API (and its Operations service) on 127.0.0.1, on a given clock.
+    """Cloud TPU v2, Vertex AI custom jobs and their Operations on 127.0.0.1, on a given clock.
 
     >>> with Emulator(scenario="happy") as emu:
     ...     client = emu.client()       # a real google.cloud.tpu_v2.TpuClient
+    ...     jobs = emu.job_client()     # a real google.cloud.aiplatform_v1.JobServiceClient
     ...     emu.clock.advance(600)      # simulated time moves only when someone waits
+
+    `external_workloads=True`: queued resources and custom jobs created through this emulator stay
+    ACTIVE / RUNNING once they get there, until `preempt_queued_resource` or `end_custom_job` (or
+    the user's own delete or cancel) ends them: a dry run's local trainer plays the workload.
     """
 
-    def __init__(self, state_path: Path | None = None, scenario: str = "happy", clock=None,
-                 seed: int = 0) -> None:
+    def __init__(self, state_path: Path | None = None, scenario: str = "happy", clock=None, seed: int = 0,
+                 external_workloads: bool = False) -> None:
         self.scenario = check_scenario(scenario)
         self.state_path = Path(state_path) if state_path is not None else None
         self.clock = clock if clock is not None else SimClock()
         self.seed = seed
+        self.external_workloads = external_workloads
         self.world = World(seed=seed)
         self.port: int | None = None
+        self._host = "127.0.0.1"
         self._server: grpc.Server | None = None
+        self._store = Store(self.state_path)
         self._lock = threading.RLock()
-        self._lose_create = False
+        self._now: float | None = None  # set while a transaction runs
         self._channels: list[grpc.Channel] = []
 
     # --- lifecycle -------------------------------------------------------------
@@ -53,9 +65,11 @@ class Emulator:
             raise RuntimeError(f"the emulator is already serving on {self.address}")
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"the emulator binds to loopback only, not {host!r}")
-        self._load()
+        with self._lock, self._store.locked():
+            self._reload()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="emulator"),
-                             handlers=handlers(self), options=[("grpc.so_reuseport", 0)])
+                             handlers=self._handlers(), interceptors=[FaultInjector(self)],
+                             options=[("grpc.so_reuseport", 0)])
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             self.port = server.add_insecure_port(bind)
@@ -68,16 +82,20 @@ class Emulator:
         self._server = server
         return self.port
 
+    def _handlers(self) -> list[grpc.GenericRpcHandler]:
+        return [rpc.Service(self, "google.cloud.tpu.v2.Tpu", "provision.emulator.tpu"),
+                rpc.Service(self, "google.cloud.aiplatform.v1.JobService", "provision.emulator.vertex"),
+                operations.handler(self)]
+
     def stop(self) -> None:
-        """Save the world and stop serving. Safe to call twice."""
+        """Save the world (with the clock's time) and stop serving. Safe to call twice."""
         for channel in self._channels:
             channel.close()
         self._channels.clear()
         if self._server is not None:
             self._server.stop(grace=None).wait()
             self._server = None
-            with self._lock:
-                self._save(self.clock.now())
+            self.world_call(lambda world, now: None)
 
     def __enter__(self) -> Self:
         if self._server is None:
@@ -94,82 +112,101 @@ class Emulator:
         host = self._host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
+    def _channel(self) -> grpc.Channel:
+        channel = grpc.insecure_channel(self.address)
+        self._channels.append(channel)
+        return channel
+
     def client(self):
         """A real google.cloud.tpu_v2.TpuClient on an insecure channel to this emulator."""
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import tpu_v2
         from google.cloud.tpu_v2.services.tpu.transports import TpuGrpcTransport
 
-        channel = grpc.insecure_channel(self.address)
-        self._channels.append(channel)
-        return tpu_v2.TpuClient(transport=TpuGrpcTransport(channel=channel, credentials=AnonymousCredentials()))
+        transport = TpuGrpcTransport(channel=self._channel(), credentials=AnonymousCredentials())
+        return tpu_v2.TpuClient(transport=transport)
 
-    # --- one RPC ---------------------------------------------------------------
-    def handle(self, method: str, fn: Callable[[float], Any], count: bool = True) -> Any:
-        """Run one RPC under the lock at a fixed `now`, then persist; flaky failures happen here."""
+    def job_client(self):
+        """A real google.cloud.aiplatform_v1.JobServiceClient on an insecure channel to this emulator.
+        The emulator serves every region on its one address (the real API: one endpoint per region)."""
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import aiplatform_v1
+        from google.cloud.aiplatform_v1.services.job_service.transports import JobServiceGrpcTransport
+
+        transport = JobServiceGrpcTransport(channel=self._channel(), credentials=AnonymousCredentials())
+        return aiplatform_v1.JobServiceClient(transport=transport)
+
+    # --- transactions ----------------------------------------------------------
+    @contextmanager
+    def _transaction(self) -> Iterator[tuple[World, float]]:
+        """The world under the lock at a fixed `now`: reloaded if another process saved it, pruned
+        and saved afterwards. Reentrant: a nested transaction joins the outer one."""
         with self._lock:
-            now = self.clock.now()
-            try:
-                if count and self.scenario == "flaky" and self._flaky_fails(method):
-                    raise ApiError("UNAVAILABLE", UNAVAILABLE_MESSAGE)
-                return fn(now)
-            except Lost:
-                raise ApiError("UNAVAILABLE", UNAVAILABLE_MESSAGE) from None
-            finally:
-                self.world.prune(now)
-                self._save(now)
+            if self._now is not None:
+                yield self.world, self._now
+                return
+            with self._store.locked():
+                self._reload()
+                now = self._now = self.clock.now()
+                try:
+                    yield self.world, now
+                except ApiError:
+                    self._save(now)
+                    raise
+                except BaseException:
+                    self._store.forget()  # half-applied: the saved world is the truth
+                    raise
+                else:
+                    self._save(now)
+                finally:
+                    self._now = None
 
-    def _flaky_fails(self, method: str) -> bool:
-        """Roll for this RPC. A create picked to fail may instead be applied and its answer lost:
-        always the world's first create, then half of the failing ones."""
-        world = self.world
-        world.rpc_count += 1
-        fails = flaky_roll(self.seed, world.rpc_count) and world.failures_in_a_row < FLAKY_MAX_IN_A_ROW
-        self._lose_create = False
-        if method == CREATE_METHOD and (world.lost_creates == 0 or
-                                        (fails and flaky_roll(self.seed + 1, world.rpc_count))):
-            self._lose_create = True
-            fails = False
-        world.failures_in_a_row = world.failures_in_a_row + 1 if fails else 0
-        return fails
-
-    def lose_this_create(self) -> bool:
-        """Called after a create was applied: whether its answer is lost (flaky)."""
-        if not self._lose_create:
-            return False
-        self._lose_create = False
-        self.world.lost_creates += 1
-        self.world.failures_in_a_row += 1
-        return True
-
-    # --- persistence -----------------------------------------------------------
-    def _load(self) -> None:
-        if self.state_path is None or not self.state_path.exists():
+    def _reload(self) -> None:
+        if not self._store.changed():
             return
-        try:
-            data = json.loads(self.state_path.read_text())
+        saved: list[float] = []
+
+        def parse(data: dict) -> World:
             world = World.from_json(data)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"cannot read the emulator state {self.state_path}: {exc}",
-                             hint=f"delete {self.state_path} to start a fresh emulated world") from exc
-        self.world = world
-        if hasattr(self.clock, "set"):
-            self.clock.set(float(data["now"]))
+            saved.append(float(data["now"]))
+            return world
+
+        world = self._store.load(parse)
+        self.world = world if world is not None else World(seed=self.seed)
+        if saved and hasattr(self.clock, "set"):
+            self.clock.set(max(self.clock.now(), saved[0]))
 
     def _save(self, now: float) -> None:
-        """Write the world atomically (temp file + os.replace): a kill never leaves half a file."""
-        if self.state_path is None:
-            return
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.world.to_json(max(now, self.clock.now())), indent=1, sort_keys=True)
-        fd, tmp = tempfile.mkstemp(prefix=".emulator-", suffix=".tmp", dir=self.state_path.parent)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
-            os.replace(tmp, self.state_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        self.world.prune(now)
+        self._store.save(self.world.to_json(max(now, self.clock.now())))
+
+    def world_call(self, fn: Callable[[World, float], T]) -> T:
+        """fn(world, now) as one transaction: under the lock, on the freshest world, saved after."""
+        with self._transaction() as (world, now):
+            return fn(world, now)
+
+    def call(self, fn: Callable[[rpc.Call], T]) -> T:
+        """fn(call) as one transaction, with what an RPC needs to know (see rpc.Call)."""
+        with self._transaction() as (world, now):
+            return fn(rpc.Call(world=world, now=now, scenario=self.scenario, held=self.external_workloads))
+
+    # --- hooks for a dry run's local workload (see World) --------------------------
+    def running_nodes(self) -> list[RunningNode]:
+        return self.world_call(lambda world, now: world.running_nodes(now))
+
+    def running_jobs(self) -> list[RunningJob]:
+        return self.world_call(lambda world, now: world.running_jobs(now))
+
+    def preempt_queued_resource(self, name: str) -> bool:
+        return self.world_call(lambda world, now: world.preempt_queued_resource(name, now))
+
+    def end_custom_job(self, name: str, succeeded: bool, error: tuple[int, str] | None = None,
+                       preempted: bool = False) -> bool:
+        return self.world_call(lambda world, now: world.end_custom_job(name, now, succeeded, error, preempted))
+
+    def set_guest_attributes(self, node_name: str, worker_id: int, namespace: str,
+                             values: Mapping[str, str | int | float]) -> None:
+        self.world_call(lambda world, now: world.set_guest_attributes(node_name, worker_id, namespace, values, now))
 
 
 __all__ = ["Emulator", "scenarios"]

@@ -1,4 +1,5 @@
-"""Request validation as the Cloud TPU API does it, with its messages (see API-FACTS.md).
+"""Request validation shared by the emulated services, and the Cloud TPU API's own checks, with the
+API's messages (see API-FACTS.md). Vertex AI's checks live in vertex.py.
 
 Messages marked "unconfirmed" have no public record; they are the most plausible shape.
 """
@@ -44,6 +45,22 @@ def location(parent: str) -> tuple[str, str]:
     if not ZONE_RE.match(zone):
         raise ApiError("PERMISSION_DENIED", f"Permission denied on 'locations/{zone}' (or it may not exist).")
     return project, zone
+
+
+REGION_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
+
+
+def any_location(name: str) -> tuple[str, str]:
+    """(project, location) of "projects/P/locations/L" where L is a zone or a region."""
+    match = LOCATION_RE.match(name or "")
+    if not match:
+        raise ApiError("INVALID_ARGUMENT",
+                       f"Invalid resource field value in the request: name {name!r} is not of the form "
+                       "'projects/{project}/locations/{location}'")
+    project, where = match.groups()
+    if not (ZONE_RE.match(where) or REGION_RE.match(where)):
+        raise ApiError("PERMISSION_DENIED", f"Permission denied on 'locations/{where}' (or it may not exist).")
+    return project, where
 
 
 def resource(name: str, collection: str) -> tuple[str, str, str]:
@@ -136,3 +153,7 @@ def labels(values: dict[str, str]) -> None:
         if not LABEL_KEY_RE.match(key):
             raise ApiError("INVALID_ARGUMENT",
                            f'resource labels are invalid: key "{key}" must start with a lowercase letter')
+
+
+def not_found(name: str) -> ApiError:
+    return ApiError("NOT_FOUND", f"Resource '{name}' was not found")

@@ -1,71 +1,56 @@
-"""The emulated Cloud TPU world: queued resources, their nodes, operations. No gRPC here.
+"""The emulated world's state: per-service records, operations, and their JSON form. No gRPC here.
 
 Records hold what was asked and when; every state is computed from the clock when read
-(`state_at`), so the world only changes on create/delete/reset and persists as JSON.
+(`state_at`), so the world changes only when something is created, deleted, cancelled or ended,
+and persists as JSON. The proto views and the RPCs live in tpu.py and vertex.py; reading and
+writing the file, in store.py.
+
+The hooks at the end (`running_nodes`, `running_jobs`, `preempt_queued_resource`,
+`end_custom_job`, `set_guest_attributes`) let a dry run's local trainer play the workload:
+call them through `Emulator.world_call` (or the Emulator's methods of the same names), which
+hold the world's lock and save it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from google.cloud import tpu_v2
-from google.longrunning import operations_pb2
-from google.protobuf import any_pb2, empty_pb2, timestamp_pb2
-from google.rpc import error_details_pb2, status_pb2
+from provision.catalogue import ACCELERATORS, VERTEX_MACHINE_TOPOLOGIES, accelerator_for_topology
+from provision.emulator import scenarios
+from provision.emulator.operations import Operation
+from provision.emulator.scenarios import DELETING_S, JOB_DELETING_S, NODE_DELETING_S, Timeline
 
-from provision.catalogue import ACCELERATORS, V5E_ZONES
-from provision.emulator import validate
-from provision.emulator.scenarios import DELETING_S, NODE_DELETING_S, Timeline, timeline
-from provision.emulator.validate import ApiError
-
-QR = tpu_v2.QueuedResource
-QRState = tpu_v2.QueuedResourceState
-Node = tpu_v2.Node
-
+STATE_VERSION = 2
 NODE_STATE_BY_QR_STATE = {"PROVISIONING": "CREATING", "ACTIVE": "READY", "SUSPENDING": "PREEMPTED"}
-STATE_DATA_FIELD = {
-    "CREATING": "creating_data", "ACCEPTED": "accepted_data", "PROVISIONING": "provisioning_data",
-    "FAILED": "failed_data", "DELETING": "deleting_data", "ACTIVE": "active_data",
-    "SUSPENDING": "suspending_data", "SUSPENDED": "suspended_data",
-}
-SERVICE_INITIATED = ("FAILED", "SUSPENDING", "SUSPENDED")
-DELETABLE_WITH_NODES = ("ACCEPTED", "FAILED", "SUSPENDED")
 PENDING_STATES = ("CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES")
-TPU_PORT = 8470
 # Unconfirmed for the TPU API: Google APIs commonly honour a request_id for at least 60 minutes.
 REQUEST_ID_TTL_S = 3600.0
-STATE_VERSION = 1
+RUN_LABEL = "moe-tpu-run"
+# Guest attribute namespaces and keys: letters, digits, - and _ (GCE's rule; the length is unconfirmed).
+GUEST_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def timestamp(t: float) -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(round(t * 1e9))
-    return ts
-
-
-def _digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
-
-
-def not_found(name: str) -> ApiError:
-    return ApiError("NOT_FOUND", f"Resource '{name}' was not found")
+class WorldError(ValueError):
+    """A hook was asked for something the world cannot do (unknown resource, wrong state)."""
 
 
 @dataclass
 class QueuedRecord:
-    """One queued resource as created, plus the deletes applied to it."""
+    """One queued resource as created, plus what happened to it since."""
 
     name: str
-    request: dict  # the QueuedResource as submitted (proto JSON)
+    request: dict  # the QueuedResource as submitted (proto JSON, proto field names)
     create_time: float
     timeline: Timeline
     nodes: list[tuple[str, int]]  # (node name, index of its node_spec)
     multislice: bool
     deleted_at: float | None = None
     node_deleted_at: dict[str, float] = field(default_factory=dict)
+    # node name -> worker id -> "namespace/key" -> value: what the VMs' guests wrote
+    guest_attributes: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
 
     def state_at(self, now: float) -> str | None:
         """The queued resource's state at `now`; None once it is gone."""
@@ -90,84 +75,204 @@ class QueuedRecord:
     def live_nodes(self, now: float) -> list[str]:
         return [n for n, _ in self.nodes if self.node_state_at(n, now) is not None]
 
+    def node_request(self, index: int) -> dict:
+        """The Node of node_spec[index] as submitted (proto JSON)."""
+        return self.request["tpu"]["node_spec"][index].get("node", {})
+
+    def accelerator(self, index: int):
+        """The catalogue entry of node_spec[index] (validated at create)."""
+        node = self.node_request(index)
+        if node.get("accelerator_type"):
+            return ACCELERATORS[node["accelerator_type"]]
+        return accelerator_for_topology(node["accelerator_config"]["topology"])
+
     def to_json(self) -> dict:
         return {"name": self.name, "request": self.request, "create_time": self.create_time,
                 "timeline": self.timeline.to_json(), "nodes": [list(n) for n in self.nodes],
                 "multislice": self.multislice, "deleted_at": self.deleted_at,
-                "node_deleted_at": self.node_deleted_at}
+                "node_deleted_at": self.node_deleted_at, "guest_attributes": self.guest_attributes}
 
     @classmethod
     def from_json(cls, d: dict) -> QueuedRecord:
         return cls(name=d["name"], request=d["request"], create_time=float(d["create_time"]),
                    timeline=Timeline.from_json(d["timeline"]),
                    nodes=[(str(n), int(i)) for n, i in d["nodes"]], multislice=bool(d["multislice"]),
-                   deleted_at=d.get("deleted_at"), node_deleted_at=dict(d.get("node_deleted_at", {})))
+                   deleted_at=d.get("deleted_at"), node_deleted_at=dict(d.get("node_deleted_at", {})),
+                   guest_attributes=dict(d.get("guest_attributes", {})))
+
+
+@dataclass
+class JobRecord:
+    """One Vertex AI custom job as created, plus what happened to it since."""
+
+    name: str
+    request: dict  # the CustomJob as submitted (proto JSON, proto field names)
+    create_time: float
+    timeline: Timeline  # JobState names
+    deleted_at: float | None = None
+
+    def state_at(self, now: float) -> str | None:
+        """The job's state at `now`; None once deleted."""
+        if self.deleted_at is not None and now >= self.deleted_at + JOB_DELETING_S:
+            return None
+        return self.timeline.state_at(now - self.create_time)
+
+    def pool(self) -> dict:
+        """The (only) worker pool spec as submitted."""
+        return self.request["job_spec"]["worker_pool_specs"][0]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "request": self.request, "create_time": self.create_time,
+                "timeline": self.timeline.to_json(), "deleted_at": self.deleted_at}
+
+    @classmethod
+    def from_json(cls, d: dict) -> JobRecord:
+        return cls(name=d["name"], request=d["request"], create_time=float(d["create_time"]),
+                   timeline=Timeline.from_json(d["timeline"]), deleted_at=d.get("deleted_at"))
+
+
+def vertex_hosts(machine_type: str, topology: str) -> int:
+    """TPU VMs behind a Vertex worker: one for -1t and -8t, one per 4 chips for -4t."""
+    if machine_type != "ct5lp-hightpu-4t":
+        return 1
+    rows, cols = (int(x) for x in topology.split("x"))
+    return max(1, rows * cols // 4)
+
+
+def job_topology(pool: dict) -> str:
+    """The pool's tpu_topology, or the machine type's own when it sets none."""
+    spec = pool.get("machine_spec", {})
+    return spec.get("tpu_topology") or VERTEX_MACHINE_TOPOLOGIES[spec["machine_type"]][0]
+
+
+@dataclass(frozen=True)
+class RunningNode:
+    """A TPU node that is READY now: where a dry run's trainer would run."""
+
+    node: str
+    queued_resource: str
+    run: str | None  # the moe-tpu-run label
+    labels: dict[str, str]
+    metadata: dict[str, str]
+    accelerator_type: str
+    workers: int  # TPU VMs (network endpoints)
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A Vertex AI custom job that is RUNNING now, with its container as submitted."""
+
+    name: str
+    display_name: str
+    run: str | None  # the moe-tpu-run label
+    labels: dict[str, str]
+    image_uri: str
+    command: tuple[str, ...]
+    args: tuple[str, ...]
+    env: dict[str, str]
+    machine_type: str
+    tpu_topology: str
+    workers: int  # TPU VMs
+
+
+@dataclass
+class FaultState:
+    """`flaky` bookkeeping, persisted so a sequence of commands stays deterministic."""
+
+    rpc_count: int = 0
+    failures_in_a_row: int = 0
+    lost_creates: dict[str, int] = field(default_factory=dict)  # method -> answers lost
 
 
 class World:
-    """Everything the emulator knows; mutated only under the emulator's lock."""
+    """Everything the emulator knows; changed only inside an Emulator transaction (or a test)."""
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self.queued: dict[str, QueuedRecord] = {}
-        self.operations: dict[str, dict[str, Any]] = {}
-        self.request_ids: dict[str, str] = {}
-        self.first_zone: str | None = None
-        self.op_counter = 0
-        # flaky bookkeeping, persisted so a sequence of commands stays deterministic
-        self.rpc_count = 0
-        self.failures_in_a_row = 0
-        self.lost_creates = 0
+        self.first_zone: str | None = None  # the zone `stockout` keeps out of capacity
+        self.jobs: dict[str, JobRecord] = {}
+        self.first_region: str | None = None  # the region `stockout` keeps out of capacity
+        self.operations: dict[str, Operation] = {}
+        self.request_ids: dict[str, str] = {}  # request id -> operation name
+        self.id_counter = 0
+        self.faults = FaultState()
 
     # --- persistence -------------------------------------------------------
     def to_json(self, now: float) -> dict:
         return {"version": STATE_VERSION, "now": now, "seed": self.seed,
-                "queued_resources": [r.to_json() for r in self.queued.values()],
-                "operations": list(self.operations.values()), "request_ids": self.request_ids,
-                "first_zone": self.first_zone, "op_counter": self.op_counter,
-                "rpc_count": self.rpc_count, "failures_in_a_row": self.failures_in_a_row,
-                "lost_creates": self.lost_creates}
+                "tpu": {"queued_resources": [r.to_json() for r in self.queued.values()],
+                        "first_zone": self.first_zone},
+                "vertex": {"custom_jobs": [j.to_json() for j in self.jobs.values()],
+                           "first_region": self.first_region},
+                "operations": [op.to_json() for op in self.operations.values()],
+                "request_ids": self.request_ids, "id_counter": self.id_counter,
+                "faults": {"rpc_count": self.faults.rpc_count, "failures_in_a_row": self.faults.failures_in_a_row,
+                           "lost_creates": self.faults.lost_creates}}
 
     @classmethod
     def from_json(cls, d: dict) -> World:
-        if d.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported emulator state version {d.get('version')!r}")
+        """The world saved by to_json; ValueError (or KeyError, TypeError) when it is not one."""
+        if not isinstance(d, dict) or d.get("version") != STATE_VERSION:
+            version = d.get("version") if isinstance(d, dict) else None
+            raise ValueError(f"it holds emulator state version {version!r}; this moe-tpu reads version "
+                             f"{STATE_VERSION}")
         world = cls(seed=int(d.get("seed", 0)))
-        world.queued = {r["name"]: QueuedRecord.from_json(r) for r in d["queued_resources"]}
-        world.operations = {op["name"]: op for op in d["operations"]}
-        world.request_ids = dict(d["request_ids"])
-        world.first_zone = d.get("first_zone")
-        for key in ("op_counter", "rpc_count", "failures_in_a_row", "lost_creates"):
-            setattr(world, key, int(d.get(key, 0)))
+        world.queued = {r["name"]: QueuedRecord.from_json(r) for r in d["tpu"]["queued_resources"]}
+        world.first_zone = d["tpu"].get("first_zone")
+        world.jobs = {j["name"]: JobRecord.from_json(j) for j in d["vertex"]["custom_jobs"]}
+        world.first_region = d["vertex"].get("first_region")
+        world.operations = {op["name"]: Operation.from_json(op) for op in d["operations"]}
+        world.request_ids = {str(k): str(v) for k, v in d["request_ids"].items()}
+        world.id_counter = int(d["id_counter"])
+        faults = d["faults"]
+        world.faults = FaultState(int(faults["rpc_count"]), int(faults["failures_in_a_row"]),
+                                  {str(k): int(v) for k, v in faults["lost_creates"].items()})
         return world
 
     def prune(self, now: float) -> None:
-        """Forget queued resources that are gone (their operations keep their own snapshots) and
-        request ids past their idempotency window."""
+        """Forget resources that are gone (their operations keep their own snapshots) and request
+        ids past their idempotency window."""
         for name in [n for n, r in self.queued.items() if r.state_at(now) is None]:
             del self.queued[name]
+        for name in [n for n, j in self.jobs.items() if j.state_at(now) is None]:
+            del self.jobs[name]
         for rid in [r for r, op in self.request_ids.items()
-                    if op not in self.operations or now >= self.operations[op]["create_time"] + REQUEST_ID_TTL_S]:
+                    if op not in self.operations or now >= self.operations[op].create_time + REQUEST_ID_TTL_S]:
             del self.request_ids[rid]
 
-    def replayed(self, request_id: str, now: float) -> dict | None:
+    # --- operations and ids ----------------------------------------------------
+    def next_token(self) -> str:
+        """A fresh hex token, deterministic for the world's seed and history."""
+        self.id_counter += 1
+        return hashlib.sha256(f"{self.seed}/{self.id_counter}".encode()).hexdigest()
+
+    def add_operation(self, op: Operation, request_id: str = "") -> Operation:
+        self.operations[op.name] = op
+        if request_id:
+            self.request_ids[request_id] = op.name
+        return op
+
+    def replayed(self, request_id: str, now: float) -> Operation | None:
         """The operation a request id already started within its idempotency window, if any."""
         self.prune(now)
         return self.operations[self.request_ids[request_id]] if request_id in self.request_ids else None
 
-    # --- lookups -------------------------------------------------------------
-    def live_queued(self, name: str, now: float) -> QueuedRecord:
+    # --- lookups (None or WorldError rather than an RPC status: the services map them) ----
+    def queued_at(self, name: str, now: float) -> QueuedRecord | None:
         rec = self.queued.get(name)
-        if rec is None or rec.state_at(now) is None:
-            raise not_found(name)
-        return rec
+        return rec if rec is not None and rec.state_at(now) is not None else None
 
-    def find_node(self, name: str, now: float) -> tuple[QueuedRecord, int]:
+    def node_at(self, name: str, now: float) -> tuple[QueuedRecord, int] | None:
         for rec in self.queued.values():
             for node, index in rec.nodes:
                 if node == name and rec.node_state_at(node, now) is not None:
                     return rec, index
-        raise not_found(name)
+        return None
+
+    def job_at(self, name: str, now: float) -> JobRecord | None:
+        job = self.jobs.get(name)
+        return job if job is not None and job.state_at(now) is not None else None
 
     def node_names_in_use(self, now: float) -> set[str]:
         """Node names taken: nodes that exist, and those a queued resource still waits to create."""
@@ -177,266 +282,100 @@ class World:
             taken.update(n for n, _ in rec.nodes if pending or rec.node_state_at(n, now) is not None)
         return taken
 
-    # --- views ---------------------------------------------------------------
-    def queued_view(self, rec: QueuedRecord, now: float) -> QR:
-        qr = QR.from_json(json.dumps(rec.request), ignore_unknown_fields=True)
-        qr.name = rec.name
-        qr.create_time = timestamp(rec.create_time)
-        state = rec.state_at(now) or "DELETING"
-        qr_state = QRState(state=QRState.State[state])
-        qr_state.state_initiator = (QRState.StateInitiator.SERVICE if state in SERVICE_INITIATED
-                                    else QRState.StateInitiator.USER)
-        data_field = STATE_DATA_FIELD.get(state)
-        if state == "FAILED":
-            failure = rec.timeline.failure or {"code": 13, "message": "an internal error has occurred"}
-            qr_state.failed_data = QRState.FailedData(
-                error=status_pb2.Status(code=failure["code"], message=failure["message"]))
-        elif data_field:
-            setattr(qr_state, data_field, getattr(QRState, _class_name(data_field))())
-        qr.state = qr_state
-        return qr
+    # --- hooks for a dry run's local workload ------------------------------------
+    def running_nodes(self, now: float) -> list[RunningNode]:
+        """Every TPU node READY at `now`, by name."""
+        found = []
+        for rec in self.queued.values():
+            for node, index in rec.nodes:
+                if rec.node_state_at(node, now) != "READY":
+                    continue
+                spec = rec.node_request(index)
+                labels = dict(spec.get("labels", {}))
+                found.append(RunningNode(node=node, queued_resource=rec.name, run=labels.get(RUN_LABEL),
+                                         labels=labels, metadata=dict(spec.get("metadata", {})),
+                                         accelerator_type=rec.accelerator(index).name,
+                                         workers=rec.accelerator(index).vms))
+        return sorted(found, key=lambda n: n.node)
 
-    def node_view(self, rec: QueuedRecord, node: str, index: int, now: float) -> Node:
-        spec = QR.from_json(json.dumps(rec.request), ignore_unknown_fields=True).tpu.node_spec[index]
-        view = Node(spec.node)
-        acc = ACCELERATORS[_accelerator_name(spec.node)]
-        state = rec.node_state_at(node, now) or "DELETING"
-        view.name = node
-        view.accelerator_type = acc.name
-        view.accelerator_config = tpu_v2.AcceleratorConfig(
-            type_=tpu_v2.AcceleratorConfig.Type.V5LITE_POD, topology=acc.topology)
-        view.state = Node.State[state]
-        view.health = Node.Health.HEALTHY if state == "READY" else Node.Health.HEALTH_UNSPECIFIED
-        view.api_version = Node.ApiVersion.V2
-        view.queued_resource = rec.name
-        view.multislice_node = rec.multislice
-        provisioning = [at for at, s in rec.timeline.phases if s == "PROVISIONING"]
-        view.create_time = timestamp(rec.create_time + (provisioning[0] if provisioning else 0.0))
-        digest = _digest(node)
-        view.id = int.from_bytes(digest[:7], "big")
-        view.cidr_block = f"10.{digest[0]}.0.0/20"
-        if capacity(QR.from_json(json.dumps(rec.request), ignore_unknown_fields=True))[0]:
-            view.scheduling_config.spot = True
-        if state != "CREATING":
-            view.network_endpoints = [
-                tpu_v2.NetworkEndpoint(ip_address=f"10.{digest[0]}.{digest[1]}.{2 + i}", port=TPU_PORT)
-                for i in range(acc.vms)]
-        return view
+    def running_jobs(self, now: float) -> list[RunningJob]:
+        """Every custom job RUNNING at `now`, by name."""
+        found = []
+        for job in self.jobs.values():
+            if job.state_at(now) != "JOB_STATE_RUNNING":
+                continue
+            pool = job.pool()
+            container = pool.get("container_spec", {})
+            labels = dict(job.request.get("labels", {}))
+            machine_type = pool["machine_spec"]["machine_type"]
+            topology = job_topology(pool)
+            found.append(RunningJob(
+                name=job.name, display_name=job.request.get("display_name", ""), run=labels.get(RUN_LABEL),
+                labels=labels, image_uri=container.get("image_uri", ""),
+                command=tuple(container.get("command", ())), args=tuple(container.get("args", ())),
+                env={e["name"]: e.get("value", "") for e in container.get("env", ())},
+                machine_type=machine_type, tpu_topology=topology, workers=vertex_hosts(machine_type, topology)))
+        return sorted(found, key=lambda j: j.name)
 
-    def operation_view(self, op: dict, now: float) -> operations_pb2.Operation:
-        done = now >= op["done_at"]
-        metadata = tpu_v2.OperationMetadata(create_time=timestamp(op["create_time"]), target=op["target"],
-                                            verb=op["verb"], api_version="v2",
-                                            cancel_requested=op.get("cancel_requested", False))
-        if done:
-            metadata.end_time = timestamp(op["done_at"])
-        result = operations_pb2.Operation(name=op["name"], done=done)
-        result.metadata.Pack(tpu_v2.OperationMetadata.pb(metadata))
-        if done:
-            if op["response_type"] == "QueuedResource":
-                qr = QR.from_json(json.dumps(op["response"]), ignore_unknown_fields=True)
-                result.response.Pack(QR.pb(qr))
-            else:
-                result.response.Pack(empty_pb2.Empty())
-        return result
-
-    # --- mutations -----------------------------------------------------------
-    def new_operation(self, parent: str, verb: str, target: str, now: float, done_at: float,
-                      response: QR | None, request_id: str = "") -> dict:
-        self.op_counter += 1
-        tag = hashlib.sha256(f"{self.seed}/{self.op_counter}".encode()).hexdigest()
-        name = f"{parent}/operations/operation-{int(now * 1000)}-{tag[:13]}-{tag[13:21]}-{tag[21:29]}"
-        op = {"name": name, "verb": verb, "target": target, "create_time": now, "done_at": done_at,
-              "response_type": "QueuedResource" if response is not None else "Empty",
-              "response": _as_json(response) if response is not None else None,
-              "cancel_requested": False}
-        self.operations[name] = op
-        if request_id:
-            self.request_ids[request_id] = name
-        return op
-
-    def create_queued_resource(self, req: tpu_v2.CreateQueuedResourceRequest, now: float,
-                               scenario: str) -> dict:
-        """Validate and accept a create; returns the operation record."""
-        project, zone = validate.location(req.parent)
-        if req.request_id and (replayed := self.replayed(req.request_id, now)) is not None:
-            return replayed
-        validate.queued_resource_id(req.queued_resource_id)
-        name = f"{req.parent}/queuedResources/{req.queued_resource_id}"
-        qr = QR(req.queued_resource)
-        nodes, multislice = _check_node_specs(qr, req.parent, zone, req.queued_resource_id)
-        spot, reserved = capacity(qr)
-        if name in self.queued and self.queued[name].state_at(now) is not None:
-            raise ApiError("ALREADY_EXISTS", f"Resource '{name}' already exists")
-        in_use = self.node_names_in_use(now)
-        for node, _ in nodes:
-            if node in in_use:
-                raise ApiError("ALREADY_EXISTS", f"Resource '{node}' already exists")
-        if scenario == "quota":
-            raise quota_error(project, zone, spot)
-        if self.first_zone is None:
-            self.first_zone = zone
-        tl = timeline(scenario, zone=zone, spot=spot, reserved=reserved,
-                      stocked_out=scenario == "stockout" and zone == self.first_zone,
-                      valid_until_s=_valid_until_s(qr, now))
-        qr.name = ""
-        rec = QueuedRecord(name=name, request=_as_json(qr), create_time=now, timeline=tl,
-                           nodes=nodes, multislice=multislice)
-        self.queued[name] = rec
-        # The create operation is done at its first poll; its response is the queued resource then.
-        return self.new_operation(req.parent, "create", name, now, now, self.queued_view(rec, now),
-                                  req.request_id)
-
-    def delete_queued_resource(self, req: tpu_v2.DeleteQueuedResourceRequest, now: float) -> dict:
-        _, _zone, _ = validate.resource(req.name, "queuedResources")
-        if req.request_id and (replayed := self.replayed(req.request_id, now)) is not None:
-            return replayed
-        rec = self.live_queued(req.name, now)
-        state = rec.state_at(now)
-        parent = req.name.rsplit("/queuedResources/", 1)[0]
-        if state == "DELETING":
-            return self.new_operation(parent, "delete", rec.name, now, rec.deleted_at + DELETING_S, None,
-                                      req.request_id)
-        if not req.force and rec.live_nodes(now) and state not in DELETABLE_WITH_NODES:
-            # Unconfirmed message; the code is the natural one (API-FACTS).
-            raise ApiError("FAILED_PRECONDITION",
-                           f"Cannot delete queued resource '{rec.name}' in state {state} while it has nodes; "
-                           "delete its nodes first or set force=true")
-        rec.deleted_at = now
-        return self.new_operation(parent, "delete", rec.name, now, now + DELETING_S, None, req.request_id)
-
-    def reset_queued_resource(self, req: tpu_v2.ResetQueuedResourceRequest, now: float,
-                              scenario: str) -> dict:
-        """Only a FAILED queued resource can be reset (unconfirmed); SUSPENDED must be deleted."""
-        _, zone, _ = validate.resource(req.name, "queuedResources")
-        rec = self.live_queued(req.name, now)
-        state = rec.state_at(now)
-        if state != "FAILED":
-            raise ApiError("FAILED_PRECONDITION",
-                           f"Cannot reset queued resource '{rec.name}' in state {state}; "
-                           "delete it and create it again")
-        spot, reserved = capacity(QR.from_json(json.dumps(rec.request), ignore_unknown_fields=True))
-        fresh = timeline(scenario, zone=zone, spot=spot, reserved=reserved,
-                         stocked_out=scenario == "stockout" and zone == self.first_zone)
+    def preempt_queued_resource(self, name: str, now: float) -> bool:
+        """Preempt a queued resource at `now`: SUSPENDING (its nodes PREEMPTED) for SUSPENDING_S, then
+        SUSPENDED with its nodes gone, whatever its timeline said. False when it is not PROVISIONING
+        or ACTIVE (nothing to preempt); WorldError when there is no such queued resource."""
+        rec = self.queued_at(name, now)
+        if rec is None:
+            raise WorldError(f"no queued resource {name!r} in the emulated world")
+        if rec.state_at(now) not in ("PROVISIONING", "ACTIVE"):
+            return False
         offset = now - rec.create_time
-        shifted = tuple((offset + at - fresh.phases[1][0], s) for at, s in fresh.phases[1:])
-        rec.timeline = Timeline(rec.timeline.phases + shifted, fresh.failure)
-        parent = req.name.rsplit("/queuedResources/", 1)[0]
-        return self.new_operation(parent, "reset", rec.name, now, now, self.queued_view(rec, now))
+        rec.timeline = scenarios.ended(rec.timeline, offset, (
+            (offset, "SUSPENDING"), (offset + scenarios.SUSPENDING_S, "SUSPENDED")), None)
+        return True
 
-    def delete_node(self, name: str, now: float) -> dict:
-        validate.resource(name, "nodes")
-        rec, _ = self.find_node(name, now)
-        if rec.node_state_at(name, now) != "DELETING":
-            rec.node_deleted_at[name] = now
-        # Already going, on its own or with its queued resource: done when the first of those ends.
-        ends = [rec.node_deleted_at[name] + NODE_DELETING_S] if name in rec.node_deleted_at else []
-        if rec.deleted_at is not None:
-            ends.append(rec.deleted_at + DELETING_S)
-        done_at = min(ends)
-        return self.new_operation(name.rsplit("/nodes/", 1)[0], "delete", name, now, done_at, None)
-
-
-def _as_json(qr: QR) -> dict:
-    """A queued resource as proto JSON for the state file: set fields only, enums by name."""
-    return json.loads(QR.to_json(qr, use_integers_for_enums=False, always_print_fields_with_no_presence=False))
-
-
-def _class_name(data_field: str) -> str:
-    return "".join(part.capitalize() for part in data_field.split("_"))
-
-
-def _accelerator_name(node: Node) -> str:
-    if node.accelerator_type:
-        return node.accelerator_type
-    if "accelerator_config" in node and node.accelerator_config.topology:
-        return validate.accelerator_from_config(node.accelerator_config.topology)
-    return ""
-
-
-def capacity(qr: QR) -> tuple[bool, bool]:
-    """(spot?, reserved?) of a queued resource request: its tier or its nodes' scheduling config."""
-    scheduling = [spec.node.scheduling_config for spec in qr.tpu.node_spec]
-    spot = "spot" in qr or any(s.spot or s.preemptible for s in scheduling)
-    reserved = bool(qr.reservation_name) or "guaranteed" in qr or any(s.reserved for s in scheduling)
-    return spot, reserved and not spot
-
-
-def _check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[tuple[str, int]], bool]:
-    """Validate every node spec; (node names with their spec index, multislice?)."""
-    if not qr.tpu.node_spec:
-        raise ApiError("INVALID_ARGUMENT", "queued_resource.tpu.node_spec must name at least one node")
-    nodes: list[tuple[str, int]] = []
-    multislice = False
-    for index, spec in enumerate(qr.tpu.node_spec):
-        if spec.parent != parent:
-            raise ApiError("INVALID_ARGUMENT",
-                           f"node_spec[{index}].parent {spec.parent!r} must equal the request parent {parent!r}")
-        strategy = QR.Tpu.NodeSpec.pb(spec).WhichOneof("name_strategy")
-        if strategy is None:
-            raise ApiError("INVALID_ARGUMENT",
-                           f"node_spec[{index}]: exactly one of node_id or multislice_params must be set")
-        if strategy == "node_id":
-            validate.node_id(spec.node_id)
-            ids = [spec.node_id]
+    def end_custom_job(self, name: str, now: float, succeeded: bool,
+                       error: tuple[int, str] | None = None, preempted: bool = False) -> bool:
+        """End a custom job at `now`: SUCCEEDED, or FAILED with `error` (google.rpc code, message), or
+        FAILED as the `preempt` scenario fails a job. Without an error a failure is a replica's
+        non-zero exit. False when the job has already ended or is being cancelled; WorldError when
+        there is no such job or both `succeeded` and a failure are asked for."""
+        job = self.job_at(name, now)
+        if job is None:
+            raise WorldError(f"no custom job {name!r} in the emulated world")
+        if succeeded and (error is not None or preempted):
+            raise WorldError("a job that succeeded has no error and was not preempted")
+        if job.state_at(now) in (*scenarios.JOB_TERMINAL, "JOB_STATE_CANCELLING"):
+            return False
+        if succeeded:
+            final, failure = "JOB_STATE_SUCCEEDED", None
+        elif preempted:
+            final, failure = "JOB_STATE_FAILED", dict(scenarios.JOB_PREEMPTED_ERROR)
         else:
-            count = spec.multislice_params.node_count
-            if count < 2:
-                raise ApiError("INVALID_ARGUMENT",
-                               f"node_spec[{index}].multislice_params.node_count must be > 1, got {count}")
-            prefix = spec.multislice_params.node_id_prefix or qr_id
-            validate.node_id(prefix)
-            ids = [f"{prefix}-{i}" for i in range(count)]
-            multislice = True
-        acc = validate.accelerator(zone, _accelerator_name(spec.node))
-        validate.runtime_version(acc, spec.node.runtime_version)
-        validate.labels(dict(spec.node.labels))
-        validate.metadata(dict(spec.node.metadata))
-        nodes.extend((f"{parent}/nodes/{i}", index) for i in ids)
-    if len({n for n, _ in nodes}) != len(nodes):
-        raise ApiError("INVALID_ARGUMENT", "node ids in queued_resource.tpu.node_spec must be unique")
-    return nodes, multislice
+            final = "JOB_STATE_FAILED"
+            failure = ({"code": int(error[0]), "message": str(error[1])} if error is not None
+                       else scenarios.replica_exit_error(1))
+        offset = now - job.create_time
+        job.timeline = scenarios.ended(job.timeline, offset, ((offset, final),), failure)
+        return True
 
-
-def _valid_until_s(qr: QR, now: float) -> float | None:
-    if "queueing_policy" not in qr:
-        return None
-    policy = qr.queueing_policy
-    if "valid_until_duration" in policy:
-        return policy.valid_until_duration.total_seconds()
-    if "valid_until_time" in policy:
-        return policy.valid_until_time.timestamp() - now
-    return None
-
-
-def quota_error(project: str, zone: str, spot: bool) -> ApiError:
-    quota_id = ("TPUV5sPreemptibleLitepodPerProjectPerZoneForTPUAPI" if spot
-                else "TPUV5sLitepodPerProjectPerZoneForTPUAPI")
-    message = f"Quota limit '{quota_id}' has been exceeded. Limit: 0 in zone {zone}."
-    failure = error_details_pb2.QuotaFailure(violations=[error_details_pb2.QuotaFailure.Violation(
-        subject=f"project:{project}", description=message, api_service="tpu.googleapis.com",
-        quota_id=quota_id, quota_dimensions={"zone": zone}, quota_value=0)])
-    return ApiError("RESOURCE_EXHAUSTED", message, [failure])
-
-
-def accelerator_types(parent: str, zone: str) -> list[tpu_v2.AcceleratorType]:
-    if zone not in V5E_ZONES:
-        return []
-    return [tpu_v2.AcceleratorType(
-        name=f"{parent}/acceleratorTypes/{a.name}", type_=a.name,
-        accelerator_configs=[tpu_v2.AcceleratorConfig(type_=tpu_v2.AcceleratorConfig.Type.V5LITE_POD,
-                                                       topology=a.topology)])
-        for a in ACCELERATORS.values()]
-
-
-def runtime_versions(parent: str, zone: str) -> list[tpu_v2.RuntimeVersion]:
-    if zone not in V5E_ZONES:
-        return []
-    versions = sorted({v for a in ACCELERATORS.values() for v in a.runtime_versions})
-    return [tpu_v2.RuntimeVersion(name=f"{parent}/runtimeVersions/{v}", version=v) for v in versions]
-
-
-def pack_any(message) -> any_pb2.Any:
-    packed = any_pb2.Any()
-    packed.Pack(message)
-    return packed
+    def set_guest_attributes(self, node_name: str, worker_id: int, namespace: str,
+                             values: Mapping[str, str | int | float], now: float) -> None:
+        """Write guest attributes as a TPU VM's guest would (PUT .../guest-attributes/NAMESPACE/KEY):
+        `values` are merged into what worker `worker_id` of `node_name` already wrote. The node must
+        be READY or PREEMPTED (a guest writes while its VM runs)."""
+        found = self.node_at(node_name, now)
+        if found is None:
+            raise WorldError(f"no TPU node {node_name!r} in the emulated world")
+        rec, index = found
+        if rec.node_state_at(node_name, now) not in ("READY", "PREEMPTED"):
+            raise WorldError(f"TPU node {node_name!r} is {rec.node_state_at(node_name, now)}: no guest runs on it")
+        workers = rec.accelerator(index).vms
+        if not 0 <= worker_id < workers:
+            raise WorldError(f"TPU node {node_name!r} has workers 0 to {workers - 1}, not {worker_id}")
+        for what, text in (("namespace", namespace), *(("key", k) for k in values)):
+            if not isinstance(text, str) or not GUEST_NAME_RE.match(text):
+                raise WorldError(f"guest attribute {what} {text!r}: use 1 to 64 letters, digits, - and _")
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
+                raise WorldError(f"guest attribute {namespace}/{key}: a value is a string or a number, "
+                                 f"not {type(value).__name__}")
+        entries = rec.guest_attributes.setdefault(node_name, {}).setdefault(str(worker_id), {})
+        entries.update({f"{namespace}/{key}": str(value) for key, value in values.items()})

@@ -438,14 +438,65 @@ def test_accelerator_types_and_runtime_versions(client):
         client.get_accelerator_type(name=f"{PARENT}/acceleratorTypes/v4-8")
 
 
-def test_guest_attributes_one_per_worker(emu, client):
+def test_guest_attributes_answer_only_what_the_guests_wrote(emu, client):
     create(client, accelerator="v5litepod-32")
     emu.clock.advance(3600)
-    response = client.get_guest_attributes(request=tpu_v2.GetGuestAttributesRequest(
-        name=f"{PARENT}/nodes/moe-demo"))
-    assert len(response.guest_attributes) == 8
-    entries = {e.key: e.value for e in response.guest_attributes[3].query_value.items}
-    assert entries["worker-id"] == "3" and entries["state"] == "READY"
+    node = f"{PARENT}/nodes/moe-demo"
+
+    def read(query_path: str = "", worker_ids: tuple[str, ...] = ()) -> list[dict[str, str]]:
+        response = client.get_guest_attributes(request=tpu_v2.GetGuestAttributesRequest(
+            name=node, query_path=query_path, worker_ids=list(worker_ids)))
+        assert all(a.query_path == query_path for a in response.guest_attributes)
+        return [{f"{e.namespace}/{e.key}": e.value for e in a.query_value.items} for a in response.guest_attributes]
+
+    assert read() == [{}] * 8  # nothing invented: no guest wrote anything yet
+    emu.set_guest_attributes(node, 3, "moe-tpu", {"state": "running", "step": 12, "loss": 2.5})
+    emu.set_guest_attributes(node, 3, "other", {"state": "x"})
+    emu.set_guest_attributes(node, 0, "moe-tpu", {"state": "starting"})
+    emu.set_guest_attributes(node, 3, "moe-tpu", {"step": 13})  # merged into what worker 3 wrote
+    everything = read()
+    assert len(everything) == 8
+    assert everything[3] == {"moe-tpu/state": "running", "moe-tpu/step": "13", "moe-tpu/loss": "2.5",
+                             "other/state": "x"}
+    assert read("moe-tpu/")[3] == {"moe-tpu/state": "running", "moe-tpu/step": "13", "moe-tpu/loss": "2.5"}
+    assert read("moe-tpu/state") == [{"moe-tpu/state": "starting"}] + [{}] * 2 + [{"moe-tpu/state": "running"}] + [
+        {}] * 4
+    assert read("moe-tpu/state", worker_ids=("3",)) == [{"moe-tpu/state": "running"}]
+    with pytest.raises(gexc.InvalidArgument):
+        read("moe-tpu/state", worker_ids=("8",))
+    with pytest.raises(gexc.InvalidArgument):
+        read("a/b/c")
+
+
+def test_guest_attributes_are_checked_and_go_with_the_node(tmp_path):
+    from provision.emulator.world import WorldError
+
+    path = tmp_path / "emulator.json"
+    with Emulator(state_path=path) as emu:
+        client = emu.client()
+        node = f"{PARENT}/nodes/moe-demo"
+        create(client)  # v5litepod-16: workers 0 to 3
+        with pytest.raises(WorldError, match="no TPU node"):
+            emu.set_guest_attributes(node, 0, "moe-tpu", {"state": "running"})
+        emu.clock.advance(3600)
+        for worker, namespace, values, message in [
+                (4, "moe-tpu", {"state": "x"}, "workers 0 to 3, not 4"),
+                (0, "moe tpu", {"state": "x"}, "namespace 'moe tpu'"),
+                (0, "moe-tpu", {"a/b": "x"}, "key 'a/b'"),
+                (0, "moe-tpu", {"state": None}, "a string or a number")]:
+            with pytest.raises(WorldError, match=message):
+                emu.set_guest_attributes(node, worker, namespace, values)
+        emu.set_guest_attributes(node, 1, "moe-tpu", {"state": "running"})
+    with Emulator(state_path=path) as emu:  # persisted
+        client = emu.client()
+        response = client.get_guest_attributes(request=tpu_v2.GetGuestAttributesRequest(name=node))
+        assert [len(a.query_value.items) for a in response.guest_attributes] == [0, 1, 0, 0]
+        delete(client)
+        emu.clock.advance(sc.DELETING_S)
+        create(client).result()  # the same node name again: a new node, no attributes
+        emu.clock.advance(3600)
+        response = client.get_guest_attributes(request=tpu_v2.GetGuestAttributesRequest(name=node))
+        assert [len(a.query_value.items) for a in response.guest_attributes] == [0, 0, 0, 0]
 
 
 # --- persistence ------------------------------------------------------------------------
@@ -478,7 +529,7 @@ def test_every_mutation_is_saved_before_the_answer(tmp_path: Path):
     killed.start()
     create(killed.client())
     document = json.loads(path.read_text())  # complete JSON at once
-    assert [q["name"] for q in document["queued_resources"]] == [f"{PARENT}/queuedResources/moe-demo"]
+    assert [q["name"] for q in document["tpu"]["queued_resources"]] == [f"{PARENT}/queuedResources/moe-demo"]
     with Emulator(state_path=path) as emu:
         client = emu.client()
         assert state(client) == "CREATING"
@@ -486,7 +537,7 @@ def test_every_mutation_is_saved_before_the_answer(tmp_path: Path):
         emu.clock.advance(sc.DELETING_S)
         assert operation.done()
         assert list(client.list_queued_resources(parent=PARENT)) == []
-    assert json.loads(path.read_text())["queued_resources"] == []
+    assert json.loads(path.read_text())["tpu"]["queued_resources"] == []
     assert not list(tmp_path.glob(".emulator-*"))
     killed.stop()
 

@@ -1,4 +1,5 @@
-"""`moe-tpu emulator serve`: a real process serving the real TpuClient on loopback; Ctrl-C exits 0."""
+"""`moe-tpu emulator serve`: a real process serving the real TpuClient and JobServiceClient on loopback;
+Ctrl-C exits 0."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 
 import grpc
 import pytest
+from google.cloud import aiplatform_v1 as v1
 from google.cloud import tpu_v2
 
 from provision.cli import main
@@ -39,6 +41,13 @@ def _client(address: str):
     return tpu_v2.TpuClient(transport=TpuGrpcTransport(channel=channel, credentials=AnonymousCredentials())), channel
 
 
+def _job_client(channel):
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud.aiplatform_v1.services.job_service.transports import JobServiceGrpcTransport
+
+    return v1.JobServiceClient(transport=JobServiceGrpcTransport(channel=channel, credentials=AnonymousCredentials()))
+
+
 def test_serve_answers_the_real_client_and_stops_cleanly_on_ctrl_c(tmp_path):
     state = tmp_path / "world.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -61,6 +70,12 @@ def test_serve_answers_the_real_client_and_stops_cleanly_on_ctrl_c(tmp_path):
         while client.get_queued_resource(name=f"{PARENT}/queuedResources/q").state.state.name != "ACTIVE":
             assert time.monotonic() < deadline, "an hour of simulated time per second should be plenty"
             time.sleep(0.05)
+        jobs = _job_client(channel)
+        pool = v1.WorkerPoolSpec(machine_spec=v1.MachineSpec(machine_type="ct5lp-hightpu-1t"), replica_count=1,
+                                 container_spec=v1.ContainerSpec(image_uri="img"))
+        job = jobs.create_custom_job(parent="projects/p/locations/us-west4", custom_job=v1.CustomJob(
+            display_name="j", job_spec=v1.CustomJobSpec(worker_pool_specs=[pool])))
+        assert jobs.get_custom_job(name=job.name).display_name == "j"
         channel.close()
     finally:
         proc.send_signal(signal.SIGINT)
@@ -68,7 +83,8 @@ def test_serve_answers_the_real_client_and_stops_cleanly_on_ctrl_c(tmp_path):
     assert proc.returncode == 0, err
     assert "emulator stopped" in err
     saved = json.loads(state.read_text())
-    assert [q["name"] for q in saved["queued_resources"]] == [f"{PARENT}/queuedResources/q"]
+    assert [q["name"] for q in saved["tpu"]["queued_resources"]] == [f"{PARENT}/queuedResources/q"]
+    assert [j["request"]["display_name"] for j in saved["vertex"]["custom_jobs"]] == ["j"]
 
 
 def test_unknown_scenario_is_a_usage_error(capsys):

@@ -8,6 +8,7 @@ from google.cloud import tpu_v2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from provision.emulator import operations, tpu
 from provision.emulator.validate import ApiError
 from provision.emulator.world import World
 
@@ -50,12 +51,12 @@ def snapshot(world: World, now: float) -> dict:
     for rec in world.queued.values():
         if rec.state_at(now) is None:
             continue
-        out[rec.name] = tpu_v2.QueuedResource.to_json(world.queued_view(rec, now))
+        out[rec.name] = tpu_v2.QueuedResource.to_json(tpu.queued_view(rec, now))
         for node, index in rec.nodes:
             if rec.node_state_at(node, now) is not None:
-                out[node] = tpu_v2.Node.to_json(world.node_view(rec, node, index, now))
+                out[node] = tpu_v2.Node.to_json(tpu.node_view(rec, node, index, now))
     for op in world.operations.values():
-        out[op["name"]] = str(world.operation_view(op, now))
+        out[op.name] = str(operations.view(op, now))
     return out
 
 
@@ -64,14 +65,14 @@ def apply(world: World, action: tuple, now: float) -> float:
     try:
         if kind == "create":
             _, zone, qr_id, spot, count, scenario = action
-            world.create_queued_resource(create_request(zone, qr_id, spot, count), now, scenario)
+            tpu.create_queued_resource(world, create_request(zone, qr_id, spot, count), now, scenario)
         elif kind == "delete":
             _, zone, qr_id, force = action
-            world.delete_queued_resource(tpu_v2.DeleteQueuedResourceRequest(
+            tpu.delete_queued_resource(world, tpu_v2.DeleteQueuedResourceRequest(
                 name=f"{parent(zone)}/queuedResources/{qr_id}", force=force), now)
         elif kind == "delete_node":
             _, zone, qr_id = action
-            world.delete_node(f"{parent(zone)}/nodes/{qr_id}", now)
+            tpu.delete_node(world, f"{parent(zone)}/nodes/{qr_id}", now)
         else:
             return now + action[1]
     except ApiError as error:

@@ -69,6 +69,16 @@ def test_ids_and_labels():
     assert rid != rendering.request_id(cfg, "us-west4-a", attempt=1)
 
 
+def test_request_id_changes_with_the_request_body_and_only_with_it():
+    """A changed capacity, label or startup script is a different request: it must not reuse the id an
+    earlier body was sent under (the API could answer with that earlier operation)."""
+    same = rendering.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a").request_id
+    assert same == rendering.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a").request_id
+    for change in ({"capacity": "on-demand"}, {"runtime_version": "v2-alpha-tpuv5-lite", "count": 2}):
+        changed = rendering.create_queued_resource_request(cfg_with(**change), "us-west4-a").request_id
+        assert changed != same, change
+
+
 def test_longest_run_keeps_ids_within_63():
     raw = example_raw()
     raw["run"] = "r" * 50
@@ -127,7 +137,9 @@ def test_project_from_elsewhere_when_the_config_names_none():
     req = rendering.create_queued_resource_request(cfg, "us-west4-a", project="adc-project")
     assert req.parent == "projects/adc-project/locations/us-west4-a"
     assert req.queued_resource.tpu.node_spec[0].parent == req.parent
-    assert req.request_id == rendering.request_id(cfg, "us-west4-a", project="adc-project")
+    assert req.request_id == rendering.create_queued_resource_request(cfg, "us-west4-a",
+                                                                      project="adc-project").request_id
+    assert req.request_id != rendering.create_queued_resource_request(cfg, "us-west4-a", project="other-one").request_id
     files = rendering.render_all(cfg)
     request_json = files["create_queued_resource.us-west4-a.json"]
     assert '"parent": "projects/PROJECT/locations/us-west4-a"' in request_json

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from trainer import flops
-from trainer.config import Config, ConfigError, load_config, named_configs
+from trainer.config import NAMED_CONFIGS, Config, ConfigError, check, load_config, named_configs
 
 
 def test_named_configs_ship_and_load():
@@ -44,6 +44,37 @@ def test_bad_configs_raise_config_error_naming_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=None) as err:
         load_config("tiny", overrides)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("config, overrides, steps, message", [
+    ("tiny", ["moe.num_expert=4"], None, "unknown config key 'moe.num_expert'; did you mean 'moe.num_experts'?"),
+    ("tiny", ["optim.lr=nan"], None, "optim.lr must be a finite number, got 'nan'"),
+    ("tiny", ["optim.lr=.inf"], None, "optim.lr must be a finite number, got inf"),
+    ("tiny", ["moe.capacity_factor=-.inf"], None, "moe.capacity_factor must be a finite number, got -inf"),
+    ("tiny", ["moe.top_k=9"], None, "invalid config: moe.top_k must be in [1, num_experts=8], got 9"),
+    ("tiny", ["train.log_every=0"], None, "invalid config: train.log_every must be at least 1, got 0"),
+    ("tiny", [], 0, "steps must be at least 1, got 0"),
+    ("tiny", ["train.steps=0"], None, "train.steps must be at least 1 for a run, got 0"),
+    ("tiny", ["model=3"], None, "model must be a mapping, got 3"),
+])
+def test_check_rejects_what_load_config_rejects_naming_the_key(config, overrides, steps, message):
+    with pytest.raises(ConfigError) as err:
+        check(config, overrides, steps)
+    assert str(err.value) == message
+
+
+def test_check_lists_the_named_configs_and_accepts_a_good_one(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        check("glam-smal", [], 10)
+    assert str(err.value).startswith("unknown config 'glam-smal' (did you mean 'glam-small'?); named configs: ")
+    assert all(name in str(err.value) for name in NAMED_CONFIGS)
+    assert {"tiny", "glam-small", "v5e-64"} <= set(NAMED_CONFIGS) and NAMED_CONFIGS == tuple(named_configs())
+    check("tiny", ["optim.lr=1e-3", "moe.top_k=1"], 40)  # 1e-3: YAML 1.1 reads it as text; still a number
+    assert load_config("tiny", ["optim.lr=1e-3"]).optim.lr == 0.001
+    (tmp_path / "mine.yaml").write_text("base: tiny\ntrain:\n  steps: 5\n")
+    check(str(tmp_path / "mine.yaml"), [])
+    with pytest.raises(ConfigError, match=f"cannot read config {tmp_path}: Is a directory"):
+        check(str(tmp_path), [])
 
 
 def test_unknown_named_config_suggests_the_closest():

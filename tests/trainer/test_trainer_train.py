@@ -1,19 +1,28 @@
-"""The train loop in-process: it learns (synthetic floor, byte text), the schedule, multi-host detection."""
+"""The train loop in-process: it learns (synthetic floor, byte text), stops on a signal and resumes exactly,
+survives a damaged checkpoint, fails fast when it cannot save; the schedule, multi-host detection."""
 
+import io
 import json
 import math
+import os
 import pathlib
+import shutil
+import signal
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from click.testing import CliRunner
 
 from trainer import distributed, sharding
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, CheckpointError
+from trainer.cli import train_command
 from trainer.config import load_config
 from trainer.data import DataIterator, make_source
 from trainer.metrics import Reporter
-from trainer.train import RunSpec, build_trainer, global_batch, lr_schedule, run
+from trainer.status import RunStatus
+from trainer.train import RunSpec, StopSignal, build_trainer, global_batch, lr_schedule, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -30,6 +39,40 @@ def train(tmp_path, steps, overrides=(), **spec):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert result.step == steps and [r["step"] for r in rows] == list(range(1, steps + 1))
     return rows
+
+
+class At(Reporter):
+    """Reports as usual, and runs `action` once step `step` is reported: a signal or a failing disk, on cue."""
+
+    def __init__(self, metrics_path, step, action):
+        super().__init__(str(metrics_path), stderr=io.StringIO())
+        self.step, self.action = step, action
+
+    def metrics(self, row):
+        super().metrics(row)
+        if row["step"] == self.step:
+            self.action()
+
+    @property
+    def messages(self):
+        return self.err.getvalue()
+
+
+def run_tiny(reporter, steps, overrides=(), **spec):
+    try:
+        return run(RunSpec(config=load_config("tiny", list(overrides)), steps=steps, num_devices=1,
+                           mesh_shape={"data": 1, "expert": 1}, **spec), reporter)
+    finally:
+        reporter.close()
+
+
+def read_rows(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def restore_params(output_dir, step):
+    path = os.path.join(output_dir, "checkpoints", str(step), "state")
+    return ocp.StandardCheckpointer().restore(path)["params"]
 
 
 def test_tiny_approaches_the_entropy_floor_of_the_markov_source(tmp_path):
@@ -66,6 +109,111 @@ def test_byte_level_text_loss_falls_well_below_uniform(tmp_path):
     assert data.position == 40 and int(state["step"]) == 40
     _, metrics = trainer.step_fn(state, global_batch(trainer, next(data)))
     assert float(metrics["loss"]) == pytest.approx(rows[40]["loss"], rel=1e-6)
+
+
+def test_ctrl_c_stops_at_that_step_with_a_checkpoint_and_resume_continues_exactly(tmp_path):
+    """10 steps straight == 3 steps, SIGINT (Ctrl-C), then `--resume auto` to 10: the same losses and
+    parameters. (SIGTERM takes the same path; test_trainer_cli sends it to a real process.)"""
+    overrides = ["optim.decay_steps=10", "train.checkpoint_every=4"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    straight = run_tiny(Reporter(str(tmp_path / "a.jsonl")), 10, overrides, output_dir=str(a))
+    assert (straight.step, straight.stopped_by_signal) == (10, False)
+    status = RunStatus([str(tmp_path / "b-status.json")])
+    reporter = At(tmp_path / "b.jsonl", 3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        stopped = run(RunSpec(config=load_config("tiny", overrides), steps=10, num_devices=1,
+                              mesh_shape={"data": 1, "expert": 1}, output_dir=str(b)), reporter, status=status)
+    finally:
+        reporter.close()
+    assert (stopped.step, stopped.stopped_by_signal, stopped.stop_reason, stopped.checkpoint_step) == \
+        (3, True, "SIGINT", 3)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the loop's handler is gone again
+    assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["3"]
+    assert "stopped by SIGINT at step 3 of 10, not finished; checkpoint at step 3 in" in reporter.messages
+    assert json.loads((tmp_path / "b-status.json").read_text())["step"] == 3
+
+    result = CliRunner().invoke(train_command, [
+        "--config", "tiny", "--devices", "1", "--steps", "10", *[f"--set={o}" for o in overrides],
+        "--output-dir", str(b), "--metrics", str(tmp_path / "b2.jsonl"),
+        "--status-file", str(tmp_path / "b2-status.json")])
+    assert result.exit_code == 0, result.output
+    assert f"resumed from {b / 'checkpoints'} at step 3" in result.output
+    rows_a, rows_b, rows_b2 = (read_rows(tmp_path / f"{n}.jsonl") for n in ("a", "b", "b2"))
+    assert [r["step"] for r in rows_b] == [1, 2, 3] and [r["step"] for r in rows_b2] == list(range(4, 11))
+    np.testing.assert_allclose([r["loss"] for r in rows_b + rows_b2], [r["loss"] for r in rows_a], rtol=1e-6)
+    params_a, params_b = restore_params(a, 10), restore_params(b, 10)
+    assert params_a.keys() == params_b.keys()
+    for name in params_a:
+        np.testing.assert_allclose(params_a[name], params_b[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    for path in (b / "status.json", tmp_path / "b2-status.json"):
+        status = json.loads(path.read_text())
+        assert {k: status[k] for k in ("state", "step", "total_steps", "start_step", "exit_code", "error")} == \
+            {"state": "finished", "step": 10, "total_steps": 10, "start_step": 3, "exit_code": 0, "error": None}
+        assert status["loss"] == pytest.approx(rows_a[-1]["loss"], rel=1e-6)
+    assert [r["step"] for r in read_rows(b / "metrics.jsonl")] == list(range(4, 11))
+    # --resume never refuses a directory that holds checkpoints.
+    result = CliRunner().invoke(train_command, ["--config", "tiny", "--devices", "1", "--resume", "never",
+                                                "--output-dir", str(b)])
+    assert result.exit_code == 2 and "already holds checkpoints" in result.output
+
+
+def test_a_damaged_latest_checkpoint_is_reported_and_the_one_before_it_resumes(tmp_path):
+    out = tmp_path / "out"
+    run_tiny(Reporter(str(tmp_path / "a.jsonl")), 4, ["train.checkpoint_every=2"], output_dir=str(out))
+    rows_a = read_rows(tmp_path / "a.jsonl")
+    arrays = out / "checkpoints" / "4" / "state" / "ocdbt.process_0" / "d"
+    largest = max(arrays.iterdir(), key=lambda p: p.stat().st_size)
+    with open(largest, "r+b") as f:  # a write cut short
+        f.truncate(100)
+
+    reporter = At(tmp_path / "b.jsonl", 0, lambda: None)
+    result = run_tiny(reporter, 6, ["train.checkpoint_every=2"], output_dir=str(out))
+    assert f"the checkpoint at step 4 ({out / 'checkpoints' / '4'}) cannot be restored" in reporter.messages
+    assert f"moved it to {out / 'checkpoints' / '4'}.unreadable-" in reporter.messages
+    assert "and resumed from step 2 instead" in reporter.messages
+    assert result.start_step == 2 and result.step == 6
+    rows_b = read_rows(tmp_path / "b.jsonl")
+    assert [r["step"] for r in rows_b] == [3, 4, 5, 6]
+    np.testing.assert_allclose([r["loss"] for r in rows_b[:2]], [r["loss"] for r in rows_a[2:]], rtol=1e-6)
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert [n for n in names if n.isdigit()] == ["2", "4", "6"]
+    assert [n.split("-")[0] for n in names if not n.isdigit()] == ["4.unreadable"]
+
+    # A config that fits no checkpoint is not damage: nothing moves, and the error lists each step.
+    reporter = Reporter(str(tmp_path / "c.jsonl"), stderr=io.StringIO())
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be restored with this config: step 6 "):
+        run_tiny(reporter, 8, ["train.checkpoint_every=2", "model.d_model=32"], output_dir=str(out))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == names
+
+
+def test_a_checkpoint_that_cannot_be_saved_fails_at_once_naming_the_path(tmp_path):
+    """The checkpoint directory turns into a file mid-run: the save raises at once, naming step and path."""
+    checkpoints = tmp_path / "out" / "checkpoints"
+
+    def break_the_disk():
+        shutil.rmtree(checkpoints)
+        checkpoints.write_text("")
+
+    with pytest.raises(CheckpointError) as err:
+        run_tiny(At(tmp_path / "m.jsonl", 2, break_the_disk), 6, ["train.checkpoint_every=3"],
+                 output_dir=str(tmp_path / "out"))
+    assert str(err.value).startswith(f"cannot save the checkpoint at step 3 to {checkpoints}: ")
+    assert "Not a directory" in str(err.value)
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    stop = StopSignal()
+    restore = stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert (stop.requested, stop.reason) == (True, "SIGINT")
+        os.kill(os.getpid(), signal.SIGTERM)  # a later signal does not rename the first
+        assert stop.reason == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

@@ -1,0 +1,77 @@
+"""`moe-tpu logs`: the run's trainer output and metrics, read from its output directory."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from provision.cli.options import config_option
+
+FOLLOW_INTERVAL_S = 2.0
+
+
+@click.command("logs")
+@config_option
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the trainer ends.")
+@click.option("--tail", "tail", type=click.IntRange(min=0), default=20, show_default=True,
+              help="How many metric rows to show first (0: all).")
+@click.pass_obj
+def logs(app, config_path: str, follow: bool, tail: int) -> None:
+    """The trainer's state, metrics and output, from the run's output directory.
+
+    Reads status.json and metrics.jsonl that the trainer writes to trainer.output_dir
+    (gs:// or local), and the trainer's console output where it is kept (a dry run keeps
+    it under .moe-tpu/).
+
+    \b
+    Examples:
+      moe-tpu logs -c examples/v5e-64.yaml
+      moe-tpu --dry-run logs --follow
+    """
+    from provision import storage
+    from provision.targets import ENDED
+
+    app.command = "logs"
+    cfg = app.load_config(config_path)
+    out = app.trainer_output_dir(cfg)
+    credentials = None if app.dry_run or not out.startswith("gs://") else app.session().endpoint.credentials
+
+    def read(name: str, reader):
+        return reader(storage.join(out, name), credentials, cfg.project)
+
+    shown_rows, shown_lines = 0, 0
+    rows = read("metrics.jsonl", storage.read_jsonl)
+    if tail and len(rows) > tail:
+        shown_rows = len(rows) - tail
+    while True:
+        rows = read("metrics.jsonl", storage.read_jsonl)
+        for row in rows[shown_rows:]:
+            app.console.text(_row_line(row))
+        shown_rows = len(rows)
+        text = read("trainer.log", storage.read_text) or ""
+        lines = text.splitlines()
+        for line in lines[shown_lines:] if follow else []:
+            app.console.info(line)
+        shown_lines = len(lines)
+        status = read("status.json", storage.read_json) or {}
+        if not follow or status.get("state") in ENDED:
+            break
+        time.sleep(FOLLOW_INTERVAL_S)
+    if not follow and text:
+        for line in text.splitlines()[-tail or None:]:
+            app.console.info(line)
+    state = status.get("state", "no status yet")
+    app.console.text(f"trainer: {state}" + (f" at step {status['step']}/{status.get('total_steps')}"
+                                            if status.get("step") is not None else ""))
+    app.console.emit(app.document("ok", output_dir=out, status=status or None, metrics=rows))
+
+
+def _row_line(row: dict) -> str:
+    parts = [f"step {row.get('step')}"]
+    for key, fmt in (("loss", "{:.4f}"), ("aux_loss", "{:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"),
+                     ("step_time_s", "{:.3f} s/step")):
+        if isinstance(row.get(key), (int, float)):
+            parts.append(f"{key.split('_')[0] if key != 'aux_loss' else 'aux'} " + fmt.format(row[key])
+                         if key in ("loss", "aux_loss") else fmt.format(row[key]))
+    return "  ".join(parts)

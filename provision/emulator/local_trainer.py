@@ -1,0 +1,282 @@
+"""The workload of a dry run: the trainer, really run on this machine while an emulated slice or job is up.
+
+What a TPU VM's startup script or a Vertex AI container does in the cloud, this does here:
+when the run's emulated nodes are READY (or its custom job is RUNNING) it starts the same
+trainer argv as a subprocess, made small enough for a CPU by the config's `dry_run` section;
+it publishes the trainer's status file as the guest attributes the startup script's watcher
+would write (namespace `moe-tpu`), and ends the emulated job with the trainer's exit code.
+Under `--scenario preempt` it plays a spot preemption once: SIGTERM to the trainer (which saves
+a checkpoint and exits 143), then the queued resource is suspended or the job fails as
+preempted. While the trainer runs, the emulated clock follows real time (SimClock.gate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RUNS_DIR = "runs"
+GUEST_NAMESPACE = "moe-tpu"
+SYNC_INTERVAL_S = 0.05
+GATE_MAX_WAIT_S = 0.5
+KILL_GRACE_S = 10.0
+# What the trainer's exit code means (trainer/status.py).
+EXIT_STOPPED = 143
+LOG_TAIL_LINES = 12
+
+
+def local_output_dir(state_dir: Path, run: str) -> Path:
+    """Where a dry run's trainer writes checkpoints, status.json, metrics.jsonl and trainer.log."""
+    return Path(state_dir) / RUNS_DIR / run / "output"
+
+
+def local_argv(argv: list[str] | tuple[str, ...], cfg, output_dir: Path) -> list[str]:
+    """The container's trainer argv made small by the config's dry_run section, for this machine."""
+    small = cfg.dry_run
+    replace = {"--config": small.trainer_config, "--output-dir": str(output_dir), "--steps": str(small.steps)}
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        if args[i] in replace and i + 1 < len(args):
+            out += [args[i], replace.pop(args[i])]
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    for flag, value in replace.items():
+        out += [flag, value]
+    if out[:1] == ["python"]:
+        out[0] = sys.executable
+    return out + ["--devices", str(small.devices), "--mesh", small.mesh,
+                  "--set", f"train.checkpoint_every={small.checkpoint_every}"]
+
+
+@dataclass
+class _Workload:
+    """One trainer process and the emulated resource it runs for."""
+
+    key: str  # the queued resource or custom job it runs for
+    kind: str  # "tpu-vm" or "vertex"
+    nodes: tuple[tuple[str, int], ...]  # (node name, workers) for a slice
+    proc: subprocess.Popen
+    preempting: bool = False
+    published: str = ""
+
+
+class LocalTrainer:
+    """Runs the run's trainer beside an emulator started with external_workloads=True."""
+
+    def __init__(self, cfg, output_dir: Path, console=None) -> None:
+        self.cfg = cfg
+        self.output_dir = Path(output_dir)
+        self.console = console
+        self.emulator = None
+        self.current: _Workload | None = None
+        self.done: set[str] = set()  # resources whose trainer has ended (until they are gone)
+        self.preempted_once = False
+        self.expecting = False  # the run's slice or job is up and its trainer is about to start
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # --- wiring ----------------------------------------------------------------------
+    def attach(self, emulator) -> None:
+        """Watch `emulator` (started, external_workloads=True) and tie its clock to the trainer."""
+        self.emulator = emulator
+        if hasattr(emulator.clock, "gate"):
+            emulator.clock.gate = self
+        self._thread = threading.Thread(target=self._loop, name="moe-tpu-local-trainer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching and stop the trainer if it still runs (SIGTERM, then SIGKILL)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with self._lock:
+            if self.current is not None:
+                _terminate(self.current.proc)
+                self.current = None
+        if self.emulator is not None and getattr(self.emulator.clock, "gate", None) is self:
+            self.emulator.clock.gate = None
+
+    # --- the clock gate --------------------------------------------------------------
+    def active(self) -> bool:
+        """Real time counts while the run's slice or job is up to run a trainer, or one runs. Asked
+        before every sleep of the emulated clock, so it looks at the world first: a slice that just
+        came up starts its trainer now, not after simulated minutes."""
+        self._sync_once()
+        return self.current is not None or self.expecting
+
+    def wait(self, seconds: float) -> None:
+        """Wait in real time until the trainer reports (or ends), at most `seconds`."""
+        self._changed.wait(min(seconds, GATE_MAX_WAIT_S))
+        self._changed.clear()
+
+    # --- watching --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._sync_once()
+            self._stop.wait(SYNC_INTERVAL_S)
+
+    def _sync_once(self) -> None:
+        if self.emulator is None or self._stop.is_set():
+            return
+        try:
+            with self._lock:
+                self.sync()
+        except Exception as exc:  # noqa: BLE001 - a dry run's workload never takes the command down
+            self._say(f"local trainer: {type(exc).__name__}: {exc}")
+
+    def sync(self) -> None:
+        """One look: start the trainer where the run's slice or job is up, report, end, preempt."""
+        emu, run = self.emulator, self.cfg.run
+        nodes = [n for n in emu.running_nodes() if n.run == run]
+        jobs = [j for j in emu.running_jobs() if j.run == run]
+        up = {n.queued_resource for n in nodes} | {j.name for j in jobs}
+        self.done &= up  # a resource that is gone may come back under the same name: run it again then
+        self.expecting = bool(up - self.done)
+        current = self.current
+        if current is None:
+            self._start(nodes, jobs)
+            return
+        code = current.proc.poll()
+        if current.key not in up and code is None:
+            _terminate(current.proc)  # torn down under it, as a deleted VM stops its container
+            code = current.proc.poll()
+        status = self._status()
+        if code is None:
+            self._publish(current, status)
+            self._maybe_preempt(current, status)
+            return
+        self._finish(current, code, status, still_up=current.key in up)
+
+    def _start(self, nodes, jobs) -> None:
+        if nodes and nodes[0].queued_resource not in self.done:
+            key, kind = nodes[0].queued_resource, "tpu-vm"
+            slice_nodes = tuple((n.node, n.workers) for n in nodes if n.queued_resource == key)
+            from provision.rendering import trainer_argv
+
+            argv = trainer_argv(self.cfg)
+        elif jobs and jobs[0].name not in self.done:
+            key, kind, slice_nodes = jobs[0].name, "vertex", ()
+            argv = [*jobs[0].command, *jobs[0].args]
+        else:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("status.json",):
+            (self.output_dir / stale).unlink(missing_ok=True)
+        command = local_argv(argv, self.cfg, self.output_dir)
+        log = open(self.output_dir / "trainer.log", "a")  # noqa: SIM115 - the child holds it
+        env = dict(os.environ, JAX_PLATFORMS="cpu", MOE_TPU_RUN=self.cfg.run)
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        log.close()
+        self.current = _Workload(key=key, kind=kind, nodes=slice_nodes, proc=proc)
+        self._say(f"  [dry run] trainer started on this machine (pid {proc.pid}): "
+                  f"{' '.join(command[1:])}")
+        self._changed.set()
+
+    def _status(self) -> dict:
+        try:
+            value = json.loads((self.output_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    def _publish(self, current: _Workload, status: dict) -> None:
+        """The guest attributes each worker's watcher would write (a slice), once per change."""
+        text = json.dumps(status, sort_keys=True)
+        if not status or text == current.published:
+            return
+        current.published = text
+        self._changed.set()
+        if current.kind != "tpu-vm":
+            return
+        values = {key.replace("_", "-"): _text(status.get(key)) for key in
+                  ("state", "step", "total_steps", "start_step", "loss", "tokens_per_s", "exit_code", "error")
+                  if status.get(key) is not None}
+        values["updated"] = _text(status.get("time") or time.time())
+
+        def write(world, now) -> None:
+            for node, workers in current.nodes:
+                if world.node_at(node, now) is None:
+                    continue
+                for worker in range(workers):
+                    world.set_guest_attributes(node, worker, GUEST_NAMESPACE, values, now)
+
+        self.emulator.world_call(write)
+
+    def _maybe_preempt(self, current: _Workload, status: dict) -> None:
+        """`--scenario preempt`: once, after the first checkpoint, the spot VM's notice: SIGTERM."""
+        if self.emulator.scenario != "preempt" or self.preempted_once or current.preempting:
+            return
+        step = status.get("step") if status.get("state") == "running" else None
+        if isinstance(step, int) and step >= self.cfg.dry_run.checkpoint_every + 1:
+            self._say(f"  [dry run] preempting at step {step}: SIGTERM to the trainer")
+            current.preempting = True
+            self.preempted_once = True
+            current.proc.send_signal(signal.SIGTERM)
+
+    def _finish(self, current: _Workload, code: int, status: dict, still_up: bool) -> None:
+        """The trainer ended: say so where the target reports, then the emulated resource follows."""
+        self.current = None
+        self.done.add(current.key)
+        self._changed.set()
+        if not still_up:
+            return
+        final = dict(status)
+        if final.get("state") not in ("finished", "stopped", "failed"):
+            final.update(state="failed", exit_code=code, error=self._log_tail() or f"exit code {code}")
+        elif final.get("state") == "failed" and not final.get("error"):
+            final["error"] = self._log_tail()
+        current.published = ""
+        if current.kind == "tpu-vm":
+            self._publish(current, final)
+            if current.preempting:
+                self.emulator.preempt_queued_resource(current.key)
+            return
+        if current.preempting:
+            self.emulator.end_custom_job(current.key, succeeded=False, preempted=True)
+        elif code == 0:
+            self.emulator.end_custom_job(current.key, succeeded=True)
+        else:
+            self.emulator.end_custom_job(current.key, succeeded=False,
+                                         error=(13, f"The replica workerpool0-0 exited with a non-zero status "
+                                                    f"of {code}. {final.get('error') or ''}".strip()))
+
+    def _log_tail(self) -> str:
+        try:
+            lines = (self.output_dir / "trainer.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-LOG_TAIL_LINES:])
+
+    def _say(self, message: str) -> None:
+        if self.console is not None:
+            self.console.detail(message)
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

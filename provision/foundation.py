@@ -1,0 +1,137 @@
+"""The Terraform foundation's outputs as a new config (`moe-tpu init --from-terraform`).
+
+terraform/outputs.tf names each output after the config key it fills: `project`, `zones`,
+`slice_service_account` for slice.service_account, `image_repository` for image.repository.
+The starter config gets those values in place, its comments kept; `trainer_output_dir` is the
+runs' directory, and the run's own directory below it becomes trainer.output_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from provision.config import Config, config_from_dict, starter_config
+from provision.errors import UsageError
+
+# Outputs that are a directory under which the run gets its own.
+_RUN_DIRECTORIES = {"trainer.output_dir"}
+
+
+def read_outputs(path: Path) -> dict[str, Any]:
+    """name -> value, from a saved `terraform output -json` file or by running it in a directory."""
+    if path.is_dir():
+        text = _terraform_output(path)
+        where = f"`terraform output -json` in {path}"
+    else:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read {path}: {exc}") from None
+        where = str(path)
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{where} is not JSON ({exc})",
+                         hint="save them with `terraform -chdir=terraform output -json > outputs.json`") from None
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) and "value" in v for v in raw.values()):
+        raise UsageError(f"{where} is not what `terraform output -json` prints (a mapping of name to "
+                         '{"value": ...})')
+    if not raw:
+        raise UsageError(f"{where} has no outputs", hint="run `terraform apply` in terraform/ first")
+    return {name: item["value"] for name, item in raw.items()}
+
+
+def _terraform_output(directory: Path) -> str:
+    terraform = shutil.which("terraform")
+    if terraform is None:
+        raise UsageError("terraform is not installed here, and reading the outputs of a directory runs it",
+                         hint=f"save them where terraform runs: `terraform -chdir={directory} output -json "
+                              "> outputs.json`, and pass that file")
+    result = subprocess.run([terraform, f"-chdir={directory}", "output", "-json"], capture_output=True,
+                            text=True, check=False)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        raise UsageError(f"`terraform output -json` in {directory} failed: {' '.join(lines[-3:])}",
+                         hint="run `terraform init` and `terraform apply` there first")
+    return result.stdout
+
+
+def config_keys(outputs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(dotted config key -> value for the outputs named after one, the names that are not)."""
+    sections = {name: field.annotation for name, field in Config.model_fields.items()
+                if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields")}
+    keys: dict[str, Any] = {}
+    other: list[str] = []
+    for name, value in outputs.items():
+        section = next((s for s in sections if name.startswith(f"{s}_")), None)
+        if section is not None and name[len(section) + 1:] in sections[section].model_fields:
+            keys[f"{section}.{name[len(section) + 1:]}"] = value
+        elif section is None and name in Config.model_fields and name not in sections and name != "source":
+            keys[name] = value
+        else:
+            other.append(name)
+    return keys, other
+
+
+def config_text(outputs: dict[str, Any], source: Path | str) -> str:
+    """The starter config with the values of the outputs named after config keys, checked
+    (ConfigError names every bad value)."""
+    keys, _ = config_keys(outputs)
+    run = keys.get("run") or yaml.safe_load(starter_config())["run"]
+    for key in _RUN_DIRECTORIES & keys.keys():
+        keys[key] = f"{str(keys[key]).rstrip('/')}/{run}"
+    text = _set_keys(starter_config(), keys)
+    config_from_dict(yaml.safe_load(text), source)
+    return text
+
+
+def _set_keys(text: str, keys: dict[str, Any]) -> str:
+    """`text` (YAML) with each dotted key set to its value: in place where the key is, else added
+    at the end of its section (replacing a commented-out example of it). Comments stay."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    edits: list[tuple[int, int, str]] = []
+    added: list[str] = []
+    for dotted, value in keys.items():
+        *parents, key = dotted.split(".")
+        mapping = _mapping_at(root, parents)
+        flow = json.dumps(value, ensure_ascii=False)  # JSON is valid YAML, scalars and lists alike
+        node = _value_node(mapping, key) if mapping is not None else None
+        if node is not None:
+            edits.append((node.start_mark.index, node.end_mark.index, flow))
+        elif mapping is not None and mapping.value:
+            first_key, last_value = mapping.value[0][0], mapping.value[-1][1]
+            at = text.find("\n", last_value.end_mark.index)
+            at = len(text) if at < 0 else at
+            edits.append((at, at, f"\n{' ' * first_key.start_mark.column}{key}: {flow}"))
+            added.append(key)
+        else:
+            edits.append((len(text), len(text), f"{parents[0]}:\n  {key}: {flow}\n" if parents
+                          else f"{key}: {flow}\n"))
+    for start, end, new in sorted(edits, reverse=True):
+        text = text[:start] + new + text[end:]
+    for key in added:  # the commented-out example of a key that is now set
+        text = re.sub(rf"(?m)^ +# {re.escape(key)}: .*\n", "", text, count=1)
+    return text
+
+
+def _mapping_at(root: Any, parents: list[str]) -> Any:
+    node = root
+    for part in parents:
+        node = _value_node(node, part)
+        if not isinstance(node, yaml.MappingNode):
+            return None
+    return node if isinstance(node, yaml.MappingNode) else None
+
+
+def _value_node(mapping: Any, key: str) -> Any:
+    for key_node, value_node in mapping.value:
+        if key_node.value == key:
+            return value_node
+    return None

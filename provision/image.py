@@ -1,0 +1,570 @@
+"""The trainer's container image: what goes in, its content-hash tag, the build context, and the
+two ways to build it: local docker, or Cloud Build from a source archive in Cloud Storage.
+
+The image is made from the project's wheel (`python -m build`) and the rendered Dockerfile. Its
+tag hashes exactly the files the wheel is built from (pyproject.toml, README.md, provision/,
+trainer/, templates/: sorted paths and file contents, never mtimes) together with the rendered
+Dockerfile, so an unchanged tree gives the same tag on any checkout and is neither rebuilt nor
+pushed again, and any change that would reach the image gives a new one. `run` and `slice up`
+use that tag when the config sets none (provision.rendering.image_uri).
+
+The Google client libraries (Cloud Build, Cloud Storage, google-auth) are imported inside the
+functions that use them; docker and `python -m build` run as subprocesses.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import io
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import provision
+from provision import rendering
+from provision.errors import CloudError, MissingDependency, MoeTpuError, UsageError
+
+DOCKERFILE_TEMPLATE = "Dockerfile.j2"
+DOCKERIGNORE_TEMPLATE = "dockerignore.j2"
+
+# The image's base and its JAX stack, pinned: the wheel's own dependencies float (pyproject.toml),
+# these do not. jax[tpu] 0.10.2 asks for libtpu 0.0.42.*.
+BASE_IMAGE = "python:3.11-slim-bookworm"
+JAX_VERSION = "0.10.2"
+LIBTPU_VERSION = "0.0.42.1"
+# The unprivileged user the trainer runs as (the startup script gives it the host directories).
+TRAINER_USER = "trainer"
+TRAINER_UID = 1000
+VENV = "/opt/moe-tpu"
+# TPU VMs are x86-64, whatever machine builds the image.
+PLATFORM = "linux/amd64"
+
+# What the wheel is built from (hatch: the packages provision and trainer, templates/ forced in as
+# provision/_templates, README.md as the long description, pyproject.toml for the metadata).
+WHEEL_INPUTS = ("pyproject.toml", "README.md", "provision", "trainer", "templates")
+_SKIP_PARTS = {"__pycache__"}
+_SKIP_SUFFIXES = (".pyc", ".pyo")
+
+DOCKER_BUILDER = "docker"
+CLOUD_BUILDER = "cloud-build"
+CLOUD_BUILD_STEP_IMAGE = "gcr.io/cloud-builders/docker"
+CLOUD_BUILD_TIMEOUT_S = 3600
+CLOUD_BUILD_DONE = {"SUCCESS", "FAILURE", "INTERNAL_ERROR", "TIMEOUT", "CANCELLED", "EXPIRED"}
+_CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+
+
+@dataclass(frozen=True)
+class DockerfileSpec:
+    """What templates/Dockerfile.j2 needs."""
+
+    base_image: str
+    wheel: str
+    extra: str
+    jax_version: str
+    libtpu_version: str
+    user: str
+    uid: int
+    venv: str
+    entrypoint: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """One image build, decided before anything runs: tags, inputs, context files, destinations."""
+
+    root: Path
+    repository: str
+    tag: str
+    extra_tags: tuple[str, ...]
+    inputs: tuple[str, ...]
+    wheel: str
+    files: dict[str, str] = field(repr=False)
+    staging: str | None
+    build_service_account: str | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"{self.repository}:{self.tag}"
+
+    @property
+    def uris(self) -> list[str]:
+        """Every name the image gets: the content-hash tag first, then image.tag if the config sets one."""
+        return [self.uri] + [f"{self.repository}:{t}" for t in self.extra_tags]
+
+    @property
+    def archive_uri(self) -> str | None:
+        """Where Cloud Build's source archive goes (None: nowhere to stage it)."""
+        if self.staging is None:
+            return None
+        return f"{self.staging}/moe-tpu/images/{self.tag}.tar.gz"
+
+
+# --- what goes in, and the tag -------------------------------------------------------------
+
+def source_root() -> Path:
+    """The source tree this moe-tpu runs from (a checkout or an editable install)."""
+    root = Path(provision.__file__).resolve().parent.parent
+    check_source_root(root)
+    return root
+
+
+def check_source_root(root: Path) -> None:
+    if not (root / "pyproject.toml").is_file() or not (root / "trainer").is_dir():
+        raise UsageError(f"{root} is not a moe-tpu source tree (it needs pyproject.toml and trainer/): the image "
+                         "is built from the project's source",
+                         hint="run moe-tpu from a clone of the project (pip install -e .), or set image.tag "
+                              "to an image that is already built")
+
+
+def image_inputs(root: Path) -> list[str]:
+    """Every file the wheel is built from, as sorted POSIX paths relative to `root`."""
+    found: list[str] = []
+    for top in WHEEL_INPUTS:
+        path = root / top
+        if path.is_file():
+            found.append(top)
+        elif path.is_dir():
+            for file in path.rglob("*"):
+                rel = file.relative_to(root)
+                if (file.is_file() and not file.name.endswith(_SKIP_SUFFIXES)
+                        and not any(p in _SKIP_PARTS or p.startswith(".") for p in rel.parts)):
+                    found.append(rel.as_posix())
+    return sorted(found)
+
+
+def wheel_name(root: Path) -> str:
+    """The file name `python -m build --wheel` gives the project's wheel."""
+    try:
+        project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+        name, version = project["name"], project["version"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
+        raise UsageError(f"{root / 'pyproject.toml'}: cannot read the project's name and version ({exc})") from None
+    return f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-py3-none-any.whl"
+
+
+def dockerfile_spec(root: Path) -> DockerfileSpec:
+    return DockerfileSpec(
+        base_image=BASE_IMAGE, wheel=wheel_name(root), extra="trainer", jax_version=JAX_VERSION,
+        libtpu_version=LIBTPU_VERSION, user=TRAINER_USER, uid=TRAINER_UID, venv=VENV,
+        entrypoint=rendering.TRAINER_COMMAND,
+    )
+
+
+def context_files(root: Path, templates_dir: Path | None = None) -> dict[str, str]:
+    """The rendered files of the build context, by name (the wheel joins them under dist/)."""
+    spec = dockerfile_spec(root)
+    return {"Dockerfile": rendering.render(DOCKERFILE_TEMPLATE, spec, templates_dir),
+            ".dockerignore": rendering.render(DOCKERIGNORE_TEMPLATE, spec, templates_dir)}
+
+
+def content_hash(root: Path, inputs: list[str], files: dict[str, str]) -> str:
+    """sha256 over each input's path and bytes, then each context file's name and text."""
+    digest = hashlib.sha256()
+
+    def add(name: str, data: bytes) -> None:
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+
+    for rel in inputs:
+        add(rel, (root / rel).read_bytes())
+    for name in sorted(files):
+        add(f"context/{name}", files[name].encode())
+    return digest.hexdigest()
+
+
+def _version(wheel: str) -> str:
+    return wheel.split("-")[1]
+
+
+def content_tag(root: Path | None = None, templates_dir: Path | None = None) -> str:
+    """The tag `image build` gives the image of this tree: VERSION-HASH16, e.g. 0.1.0-3f9c2a...."""
+    root = source_root() if root is None else root
+    check_source_root(root)
+    files = context_files(root, templates_dir)
+    return f"{_version(wheel_name(root))}-{content_hash(root, image_inputs(root), files)[:16]}"
+
+
+def plan_image(cfg: Any, templates_dir: Path | None = None, root: Path | None = None) -> ImagePlan:
+    """Everything about the build of `cfg`'s image that needs neither docker nor the network."""
+    root = source_root() if root is None else root
+    check_source_root(root)
+    inputs = image_inputs(root)
+    files = context_files(root, templates_dir)
+    wheel = wheel_name(root)
+    tag = f"{_version(wheel)}-{content_hash(root, inputs, files)[:16]}"
+    extra = (cfg.image.tag,) if cfg.image.tag is not None and cfg.image.tag != tag else ()
+    return ImagePlan(root=root, repository=cfg.image.repository, tag=tag, extra_tags=extra, inputs=tuple(inputs),
+                     wheel=wheel, files=files, staging=staging_location(cfg),
+                     build_service_account=cfg.image.build_service_account)
+
+
+def staging_location(cfg: Any) -> str | None:
+    """image.staging, else the staging/ prefix of trainer.output_dir's bucket, else None."""
+    if cfg.image.staging:
+        return cfg.image.staging
+    match = re.match(r"^gs://([^/]+)", cfg.trainer.output_dir)
+    return f"gs://{match.group(1)}/staging" if match else None
+
+
+# --- the context -------------------------------------------------------------------------------
+
+def write_context(plan: ImagePlan, context: Path, wheel: Path | None = None) -> list[str]:
+    """Write the context's files into `context` (and dist/WHEEL when given); returns their names.
+
+    Only these files are the context: its .dockerignore lets nothing else through, and the
+    Cloud Build archive holds only them.
+    """
+    try:
+        context.mkdir(parents=True, exist_ok=True)
+        dist = context / "dist"
+        if dist.is_dir():
+            shutil.rmtree(dist)
+        names = []
+        for name, text in plan.files.items():
+            (context / name).write_text(text, encoding="utf-8")
+            names.append(name)
+        if wheel is not None:
+            dist.mkdir()
+            shutil.copyfile(wheel, dist / plan.wheel)
+            names.append(f"dist/{plan.wheel}")
+    except OSError as exc:
+        raise UsageError(f"cannot write the build context to {context}: {exc.strerror or exc}") from None
+    return names
+
+
+def source_archive(context: Path, names: list[str]) -> bytes:
+    """The context as a .tar.gz that is the same bytes for the same files (no mtimes, owners, modes)."""
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as zipped, \
+            tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(names):
+            data = (context / name).read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def build_wheel(root: Path, outdir: Path, console: Any, isolation: bool = True) -> Path:
+    """`python -m build --wheel` of the tree into `outdir`; the path of the wheel."""
+    if importlib.util.find_spec("build") is None:
+        raise MissingDependency("build", "image")
+    command = [sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(root)]
+    if not isolation:
+        command.insert(4, "--no-isolation")
+    code, tail = _stream(command, console, "building the wheel")
+    wheel = outdir / wheel_name(root)
+    if code != 0 or not wheel.is_file():
+        raise MoeTpuError("`python -m build` could not build the wheel:\n" + "\n".join(tail),
+                          hint="run `python -m build --wheel` in the checkout to see the whole output")
+    return wheel
+
+
+def _stream(command: list[str], console: Any, label: str) -> tuple[int, list[str]]:
+    """Run `command`, its output shown as progress (every line with -v); exit code and last lines."""
+    tail: deque[str] = deque(maxlen=30)
+    try:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace")
+    except OSError as exc:
+        raise MoeTpuError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
+    with console.progress(f"{label} ...") as bar:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line:
+                tail.append(line)
+                console.detail(line)
+                bar.update(f"{label}: {line[:100]}")
+        code = proc.wait()
+        bar.update(f"{label}: {'done' if code == 0 else f'failed (exit {code})'}")
+    return code, list(tail)
+
+
+# --- which builder -------------------------------------------------------------------------------
+
+def docker_status() -> tuple[bool, str]:
+    """Whether a docker daemon answers here, and why not."""
+    docker = shutil.which("docker")
+    if docker is None:
+        return False, "docker is not installed (no `docker` on PATH)"
+    try:
+        probe = subprocess.run([docker, "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                               text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"`docker info` did not answer ({exc})"
+    if probe.returncode != 0:
+        lines = [line.strip() for line in (probe.stderr or probe.stdout).splitlines() if line.strip()]
+        return False, f"the docker daemon is not reachable ({lines[-1] if lines else f'exit {probe.returncode}'})"
+    return True, f"docker {probe.stdout.strip()}"
+
+
+def cloud_credentials() -> tuple[Any, str | None, str]:
+    """(credentials, their project, why not): Application Default Credentials, or None and the reason."""
+    try:
+        import google.auth
+        from google.auth import exceptions as auth_exceptions
+    except ImportError:
+        return None, None, "google-auth is not installed (pip install 'moe-tpu[image]')"
+    try:
+        credentials, project = google.auth.default(scopes=[_CLOUD_PLATFORM_SCOPE])
+    except auth_exceptions.DefaultCredentialsError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, None, f"no Google Cloud credentials ({first})"
+    return credentials, project, "Application Default Credentials"
+
+
+def choose_builder(requested: str) -> tuple[str, Any, str | None]:
+    """(builder, credentials, project) for --builder auto|docker|cloud-build; exit 1 when neither works."""
+    docker_ok, docker_why = docker_status() if requested in ("auto", DOCKER_BUILDER) else (False, "")
+    if docker_ok:
+        return DOCKER_BUILDER, None, None
+    if requested == DOCKER_BUILDER:
+        raise MoeTpuError(f"cannot build with docker: {docker_why}",
+                          hint="start the docker daemon, or build with Cloud Build: --builder cloud-build")
+    credentials, project, cloud_why = cloud_credentials()
+    if credentials is not None:
+        return CLOUD_BUILDER, credentials, project
+    if requested == CLOUD_BUILDER:
+        raise MoeTpuError(f"cannot submit a Cloud Build: {cloud_why}",
+                          hint="log in with `gcloud auth application-default login`")
+    raise MoeTpuError(
+        "cannot build the image: neither docker nor Google Cloud credentials are available here:\n"
+        f"  docker: {docker_why}\n  Cloud Build: {cloud_why}",
+        hint="either start docker (the image is built locally), or log in with "
+             "`gcloud auth application-default login` (the image is built by Cloud Build); "
+             "`moe-tpu --dry-run image build` shows the plan without either")
+
+
+# --- docker ------------------------------------------------------------------------------------------
+
+def _docker_ok(*args: str) -> bool:
+    try:
+        return subprocess.run(["docker", *args], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def docker_build(plan: ImagePlan, context: Path, console: Any) -> None:
+    command = ["docker", "build", "--platform", PLATFORM]
+    for uri in plan.uris:
+        command += ["--tag", uri]
+    code, tail = _stream([*command, str(context)], console, "docker build")
+    if code != 0:
+        raise MoeTpuError(f"docker build failed (exit {code}):\n" + "\n".join(tail),
+                          hint=f"rerun with -v to see the whole build, or `docker build {context}`")
+
+
+def docker_push(plan: ImagePlan, console: Any) -> list[str]:
+    """Push every tag the registry lacks; returns the pushed URIs."""
+    pushed = []
+    for uri in plan.uris:
+        if _docker_ok("manifest", "inspect", uri):
+            console.info(f"{uri} is already in the registry; not pushing it again")
+            continue
+        code, tail = _stream(["docker", "push", uri], console, f"docker push {uri}")
+        if code != 0:
+            raise CloudError(f"docker push {uri} failed (exit {code}):\n" + "\n".join(tail[-10:]),
+                             hint=f"let docker log in to Artifact Registry: gcloud auth configure-docker "
+                                  f"{plan.repository.split('/', 1)[0]}")
+        pushed.append(uri)
+    return pushed
+
+
+def tag_existing(plan: ImagePlan) -> None:
+    """Give a locally built content-hash image the config's own tag too."""
+    for uri in plan.uris[1:]:
+        subprocess.run(["docker", "tag", plan.uri, uri], capture_output=True, check=False)
+
+
+# --- Cloud Build -----------------------------------------------------------------------------------
+
+def split_gs(location: str) -> tuple[str, str]:
+    """gs://BUCKET/OBJECT -> (BUCKET, OBJECT)."""
+    bucket, _, name = location.removeprefix("gs://").partition("/")
+    return bucket, name
+
+
+def cloud_build_request(plan: ImagePlan, project: str) -> Any:
+    """The CreateBuildRequest: build the archived context with docker, push every tag, log to staging."""
+    from google.cloud.devtools import cloudbuild_v1
+    from google.protobuf import duration_pb2
+
+    if plan.archive_uri is None or plan.staging is None:
+        raise UsageError("Cloud Build needs a Cloud Storage location for the source archive, and the config "
+                         "gives none (trainer.output_dir is not in gs://)",
+                         hint="set image.staging: gs://YOUR-BUCKET/staging")
+    bucket, name = split_gs(plan.archive_uri)
+    args = ["build", "--platform", PLATFORM]
+    for uri in plan.uris:
+        args += ["--tag", uri]
+    build = cloudbuild_v1.Build(
+        source=cloudbuild_v1.Source(storage_source=cloudbuild_v1.StorageSource(bucket=bucket, object_=name)),
+        steps=[cloudbuild_v1.BuildStep(name=CLOUD_BUILD_STEP_IMAGE, args=[*args, "."])],
+        images=plan.uris, timeout=duration_pb2.Duration(seconds=CLOUD_BUILD_TIMEOUT_S),
+        logs_bucket=f"{plan.staging}/cloud-build-logs", tags=["moe-tpu", "trainer-image"],
+    )
+    if plan.build_service_account:
+        build.service_account = f"projects/{project}/serviceAccounts/{plan.build_service_account}"
+    return cloudbuild_v1.CreateBuildRequest(project_id=project, build=build)
+
+
+def registry_has(uri: str, credentials: Any) -> bool | None:
+    """Whether Artifact Registry holds `uri` (HEAD on its manifest); None when it cannot tell."""
+    import urllib.error
+    import urllib.request
+
+    from google.auth.transport.requests import Request
+
+    repository, _, tag = uri.rpartition(":")
+    host, _, path = repository.partition("/")
+    try:
+        if not credentials.valid:
+            credentials.refresh(Request())
+        request = urllib.request.Request(
+            f"https://{host}/v2/{path}/manifests/{tag}", method="HEAD",
+            headers={"Authorization": f"Bearer {credentials.token}",
+                     "Accept": "application/vnd.oci.image.index.v1+json, "
+                               "application/vnd.docker.distribution.manifest.v2+json"})
+        with urllib.request.urlopen(request, timeout=30):
+            return True
+    except urllib.error.HTTPError as exc:
+        return False if exc.code == 404 else None
+    except Exception:  # noqa: BLE001 - unknown: the build goes ahead
+        return None
+
+
+def upload_archive(plan: ImagePlan, data: bytes, credentials: Any, project: str, console: Any) -> None:
+    from google.api_core import exceptions as api_exceptions
+    from google.cloud import storage
+
+    assert plan.archive_uri is not None
+    bucket, name = split_gs(plan.archive_uri)
+    blob = storage.Client(project=project, credentials=credentials).bucket(bucket).blob(name)
+    console.info(f"uploading the source archive ({len(data) / 1e6:.1f} MB) to {plan.archive_uri}")
+    try:
+        blob.upload_from_string(data, content_type="application/gzip", if_generation_match=0)
+    except api_exceptions.PreconditionFailed:
+        console.info("the same archive is already there")
+    except api_exceptions.GoogleAPICallError as exc:
+        raise CloudError(f"cannot upload to {plan.archive_uri}: {exc.message}",
+                         hint="check that the bucket exists and that you may write to it (terraform/ makes it)") \
+            from None
+
+
+def cloud_build(plan: ImagePlan, context: Path, names: list[str], credentials: Any, project: str,
+                console: Any, calls: list[dict[str, Any]]) -> str:
+    """Upload the context, submit the build, stream its log until it ends; the build's id."""
+    from google.api_core import exceptions as api_exceptions
+    from google.cloud.devtools import cloudbuild_v1
+
+    request = cloud_build_request(plan, project)
+    upload_archive(plan, source_archive(context, names), credentials, project, console)
+    client = cloudbuild_v1.CloudBuildClient(credentials=credentials)
+    calls.append({"rpc": "google.devtools.cloudbuild.v1.CloudBuild/CreateBuild",
+                  "request": rendering.proto_dict(request)})
+    try:
+        operation = client.create_build(request=request)
+    except api_exceptions.GoogleAPICallError as exc:
+        raise CloudError(f"Cloud Build refused the build: {exc.message}",
+                         hint="enable the Cloud Build API (terraform/ does) and check your roles") from None
+    build_id = operation.metadata.build.id
+    console.info(f"Cloud Build {build_id}: {operation.metadata.build.log_url}")
+    build = _follow_build(client, project, build_id, f"{plan.staging}/cloud-build-logs/log-{build_id}.txt",
+                          credentials, console, calls)
+    if build.status.name != "SUCCESS":
+        raise CloudError(f"Cloud Build {build_id} ended {build.status.name}: {build.status_detail or 'see its log'}",
+                         hint=f"its whole log: {build.log_url}")
+    return build_id
+
+
+def _follow_build(client: Any, project: str, build_id: str, log_uri: str, credentials: Any, console: Any,
+                  calls: list[dict[str, Any]], poll_s: float = 3.0) -> Any:
+    from google.cloud import storage
+
+    bucket, name = split_gs(log_uri)
+    blob = storage.Client(project=project, credentials=credentials).bucket(bucket).blob(name)
+    offset = 0
+    while True:
+        calls.append({"rpc": "google.devtools.cloudbuild.v1.CloudBuild/GetBuild",
+                      "request": {"project_id": project, "id": build_id}})
+        build = client.get_build(project_id=project, id=build_id)
+        offset = _print_new_log(blob, offset, console)
+        if build.status.name in CLOUD_BUILD_DONE:
+            _print_new_log(blob, offset, console)
+            return build
+        time.sleep(poll_s)
+
+
+def _print_new_log(blob: Any, offset: int, console: Any) -> int:
+    """Print the log's bytes after `offset` to stderr; the new offset."""
+    from google.api_core import exceptions as api_exceptions
+
+    try:
+        data = blob.download_as_bytes(start=offset)
+    except (api_exceptions.NotFound, api_exceptions.RequestRangeNotSatisfiable):
+        return offset
+    except api_exceptions.GoogleAPICallError:
+        return offset
+    for line in data.decode(errors="replace").splitlines():
+        console.info(f"  | {line}")
+    return offset + len(data)
+
+
+# --- the whole build ---------------------------------------------------------------------------------
+
+@dataclass
+class BuildResult:
+    builder: str
+    built: bool
+    pushed: list[str]
+    build_id: str | None = None
+    files: list[str] = field(default_factory=list)
+
+
+def build_image(plan: ImagePlan, context: Path, *, push: bool, requested: str, project: str | None, console: Any,
+                calls: list[dict[str, Any]]) -> BuildResult:
+    """Build (and push) the image unless what it would make is already there."""
+    builder, credentials, adc_project = choose_builder(requested)
+    if builder == DOCKER_BUILDER:
+        return _build_with_docker(plan, context, push, console)
+    project = project or adc_project
+    if not project:
+        raise UsageError("Cloud Build needs a project, and neither the config nor the credentials name one",
+                         hint="set `project:` in the config")
+    if all(registry_has(uri, credentials) for uri in plan.uris):
+        console.info(f"{plan.uri} is already in the registry; nothing to build")
+        return BuildResult(CLOUD_BUILDER, built=False, pushed=[])
+    names = write_context(plan, context, _wheel(plan, context, console))
+    build_id = cloud_build(plan, context, names, credentials, project, console, calls)
+    return BuildResult(CLOUD_BUILDER, built=True, pushed=plan.uris, build_id=build_id, files=names)
+
+
+def _wheel(plan: ImagePlan, context: Path, console: Any) -> Path:
+    outdir = context.parent / f"{context.name}-wheel"
+    shutil.rmtree(outdir, ignore_errors=True)
+    return build_wheel(plan.root, outdir, console)
+
+
+def _build_with_docker(plan: ImagePlan, context: Path, push: bool, console: Any) -> BuildResult:
+    built = False
+    names = write_context(plan, context)
+    if _docker_ok("image", "inspect", plan.uri):
+        tag_existing(plan)
+        console.info(f"{plan.uri} is already built here; not building it again")
+    else:
+        names = write_context(plan, context, _wheel(plan, context, console))
+        docker_build(plan, context, console)
+        built = True
+    pushed = docker_push(plan, console) if push else []
+    return BuildResult(DOCKER_BUILDER, built=built, pushed=pushed, files=names)

@@ -1,0 +1,189 @@
+"""The Vertex AI custom job lifecycle: submit (exactly once), status, wait, cancel, down.
+
+Everything here talks to `session.vertex(region)` and waits on `session.clock`; it does
+not know whether the other end is Google Cloud or the emulator.
+"""
+
+from __future__ import annotations
+
+from provision import catalogue
+from provision.errors import CloudError, UsageError
+from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
+from provision.waiting import format_duration, poll
+
+ACTIVE_STATES = {"JOB_STATE_QUEUED", "JOB_STATE_PENDING", "JOB_STATE_RUNNING", "JOB_STATE_CANCELLING",
+                 "JOB_STATE_UPDATING", "JOB_STATE_PAUSED"}
+TERMINAL_STATES = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED",
+                   "JOB_STATE_PARTIALLY_SUCCEEDED"}
+# Vertex bills a job's machines from its start until its end; FLEX_START and STANDARD at the
+# on-demand rate (an upper bound for FLEX_START), SPOT at the spot rate.
+CAPACITY_OF_STRATEGY = {"STANDARD": "on-demand", "FLEX_START": "on-demand", "SPOT": "spot"}
+
+
+def region_parent(project: str, region: str) -> str:
+    return f"projects/{project}/locations/{region}"
+
+
+def state_name(job) -> str:
+    return job.state.name
+
+
+def error_of(job) -> str | None:
+    error = job.error
+    if error is None or (not error.code and not error.message):
+        return None
+    return f"code {error.code}: {error.message}"
+
+
+def job_resource(job, region: str) -> Resource:
+    """A custom job as a Resource; cost accrues while its machines run (start to end)."""
+    pools = job.job_spec.worker_pool_specs
+    topology = pools[0].machine_spec.tpu_topology if pools else ""
+    accel = catalogue.accelerator_for_topology(topology) if topology else None
+    strategy = job.job_spec.scheduling.strategy.name if job.job_spec.scheduling else "STANDARD"
+
+    def seconds(ts) -> float | None:
+        return ts.timestamp() if ts else None
+
+    return Resource(
+        kind="custom_job", name=job.name, state=state_name(job), zone=region, run=job.labels.get(RUN_LABEL),
+        accelerator=f"{pools[0].machine_spec.machine_type} {topology}".strip() if pools else None,
+        created=seconds(job.create_time), chips=accel.chips if accel else 0,
+        price_per_chip_hour=catalogue.price_per_chip_hour(CAPACITY_OF_STRATEGY.get(strategy, "on-demand")),
+        error=error_of(job), billed_from=seconds(job.start_time) or float("inf"), ended=seconds(job.end_time),
+    )
+
+
+def run_jobs(session, project: str, region: str, run: str | None = None) -> list:
+    """The custom jobs this tool made in `region` (by label), oldest first.
+
+    The API filters on the display name (the run's name); labels are checked here, which
+    spares the filter any question of how label keys with hyphens are quoted."""
+    server_filter = f'display_name="{run}"' if run is not None else ""
+    jobs = session.vertex(region).list_custom_jobs(region_parent(project, region), server_filter)
+    jobs = [j for j in jobs if is_managed(dict(j.labels), run)]
+    return sorted(jobs, key=lambda j: (j.create_time.timestamp() if j.create_time else 0.0, j.name))
+
+
+def managed_jobs(session, project: str, region: str, run: str | None = None) -> list[Resource]:
+    return [job_resource(j, region) for j in run_jobs(session, project, region, run)]
+
+
+def active_job(cfg, session, project: str):
+    """The run's job that is still queued or running (the newest), or None."""
+    jobs = [j for j in run_jobs(session, project, cfg.region, cfg.run)
+            if state_name(j) in ACTIVE_STATES and j.display_name == cfg.run]
+    return jobs[-1] if jobs else None
+
+
+def check_target(cfg) -> None:
+    if cfg.target != "vertex":
+        raise UsageError(f"{cfg.source}: target is {cfg.target!r}, not a Vertex AI job",
+                         hint="use `moe-tpu slice up` for a TPU VM slice, or set `target: vertex`")
+
+
+# --- submit -----------------------------------------------------------------------------
+def job_submit(cfg, session, console, templates_dir=None) -> Resource:
+    """Submit the run's custom job, or adopt the one an earlier attempt submitted."""
+    from provision.rendering import create_custom_job_request
+
+    check_target(cfg)
+    project = project_of(cfg, session)
+    existing = active_job(cfg, session, project)
+    if existing is not None:
+        console.info(f"  following job {short(existing.name)} that an earlier attempt submitted "
+                     f"({state_name(existing)})")
+        return job_resource(existing, cfg.region)
+    request = create_custom_job_request(cfg, templates_dir, project=project)
+    console.info(f"  submitting custom job {cfg.run} in {cfg.region}: {cfg.vertex.machine_type}, "
+                 f"topology {cfg.vertex.topology}, {cfg.vertex.scheduling}")
+    job = session.vertex(cfg.region).create_custom_job(request, lambda: active_job(cfg, session, project))
+    console.info(f"  submitted {short(job.name)} ({state_name(job)})")
+    return job_resource(job, cfg.region)
+
+
+# --- wait -------------------------------------------------------------------------------
+def _fetch(session, region: str, name: str):
+    job = session.vertex(region).get_custom_job(name)
+    if job is None:
+        raise CloudError(f"custom job {name} disappeared while waiting for it",
+                         hint="someone deleted it; run `moe-tpu job submit` again")
+    return job
+
+
+def wait_job(cfg, session, console, name: str, timeout_s: float | None = None):
+    """Poll the job until it ends; returns the last CustomJob read."""
+    timeout = timeout_s if timeout_s is not None else cfg.vertex.timeout.total_seconds() + 86400
+    if cfg.vertex.max_wait is not None:
+        timeout += cfg.vertex.max_wait.total_seconds()
+
+    def describe(job, elapsed: float) -> str:
+        return f"  job {short(job.name)}: {state_name(job)} (waited {format_duration(elapsed)})"
+
+    with console.progress(f"  waiting for job {short(name)}") as bar:
+        return poll(lambda: _fetch(session, cfg.region, name), lambda j: state_name(j) in TERMINAL_STATES,
+                    session.clock, timeout_s=timeout, describe=describe, progress=bar,
+                    what=f"custom job {short(name)}")
+
+
+def job_wait(cfg, session, console, name: str | None = None) -> Resource:
+    """Wait for the run's job (or `name`) to end: the Resource when it SUCCEEDED, CloudError otherwise."""
+    check_target(cfg)
+    project = project_of(cfg, session)
+    if name is None:
+        job = active_job(cfg, session, project)
+        if job is None:
+            jobs = run_jobs(session, project, cfg.region, cfg.run)
+            if not jobs:
+                raise UsageError(f"run {cfg.run} has no custom job in {cfg.region}",
+                                 hint="submit one with `moe-tpu job submit`")
+            job = jobs[-1]
+        name = job.name
+    job = wait_job(cfg, session, console, name)
+    resource = job_resource(job, cfg.region)
+    if state_name(job) != "JOB_STATE_SUCCEEDED":
+        raise CloudError(f"custom job {short(job.name)} ended {state_name(job)}"
+                         + (f" ({resource.error})" if resource.error else ""),
+                         hint="see its logs in the console (Vertex AI > Training > Custom jobs); "
+                              "`moe-tpu down` deletes it")
+    return resource
+
+
+# --- cancel and down --------------------------------------------------------------------
+def job_cancel(cfg, session, console) -> list[Resource]:
+    """Cancel every queued or running job of the run and wait until each has ended."""
+    check_target(cfg)
+    project = project_of(cfg, session)
+    ended = []
+    for job in run_jobs(session, project, cfg.region, cfg.run):
+        if state_name(job) not in ACTIVE_STATES:
+            continue
+        if state_name(job) != "JOB_STATE_CANCELLING":
+            console.info(f"  cancelling job {short(job.name)} ({state_name(job)})")
+            session.vertex(cfg.region).cancel_custom_job(job.name)
+        ended.append(job_resource(wait_job(cfg, session, console, job.name, timeout_s=3600), cfg.region))
+    return ended
+
+
+def jobs_down(cfg, session, console, region: str | None = None) -> list[Resource]:
+    """Cancel the run's active jobs, delete all of them, and verify none is left."""
+    project = project_of(cfg, session)
+    region = region or cfg.region
+    deleted = []
+    for job in run_jobs(session, project, region, cfg.run):
+        if state_name(job) in ACTIVE_STATES:
+            if state_name(job) != "JOB_STATE_CANCELLING":
+                console.info(f"  cancelling job {short(job.name)} ({state_name(job)})")
+                session.vertex(region).cancel_custom_job(job.name)
+            job = wait_job(cfg, session, console, job.name, timeout_s=3600)
+        operation = session.vertex(region).delete_custom_job(job.name)
+        if operation is not None:
+            console.info(f"  deleting job {short(job.name)} ({state_name(job)})")
+            session.vertex(region).wait_operation(operation, f"delete {short(job.name)}", timeout_s=3600)
+            deleted.append(job_resource(job, region))
+    left = run_jobs(session, project, region, cfg.run)
+    if left:
+        names = ", ".join(f"custom_job {short(j.name)} ({state_name(j)})" for j in left)
+        raise CloudError(f"custom jobs still exist after delete: {names}",
+                         hint="run `moe-tpu down` again; if it persists, delete them in the console")
+    return deleted

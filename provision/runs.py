@@ -1,0 +1,255 @@
+"""`moe-tpu run`: provision, follow training, recover from preemption, tear down.
+
+The loop holds a target (provision/targets.py) and never asks which kind it is. Every
+step lands on a timeline with its time and the cost so far; the trainer's own reports
+(step, loss, tokens/s) drive the progress line and the ETA.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from provision import storage
+from provision.errors import CloudError, MoeTpuError
+from provision.resources import Resource, short
+from provision.targets import Report
+from provision.waiting import PollPolicy, format_duration
+
+# While a trainer runs, its reports are read this often (and more often at first).
+FOLLOW_POLICY = PollPolicy(initial_s=2.0, factor=1.5, cap_s=30.0, jitter=0.0)
+# Time for the trainer to appear after the slice or job is up (image pull, start-up, compile).
+START_TIMEOUT_S = 3 * 3600.0
+
+
+class RunFailed(CloudError):
+    """Training failed, or preemptions outnumbered recovery.max_restarts (exit 1)."""
+
+
+class Interrupted(MoeTpuError):
+    exit_code = 130
+
+
+@dataclass
+class Timeline:
+    """What happened when, and what it had cost by then."""
+
+    clock: Any
+    usd_per_hour: float
+    events: list[dict[str, Any]] = field(default_factory=list)
+    start: float = 0.0
+    _billed_s: float = 0.0
+    _billing_since: float | None = None
+
+    def __post_init__(self) -> None:
+        self.start = self.clock.now()
+
+    def cost(self) -> float:
+        running = self.clock.now() - self._billing_since if self._billing_since is not None else 0.0
+        return (self._billed_s + running) * self.usd_per_hour / 3600.0
+
+    def billing(self, on: bool) -> None:
+        now = self.clock.now()
+        if on and self._billing_since is None:
+            self._billing_since = now
+        elif not on and self._billing_since is not None:
+            self._billed_s += now - self._billing_since
+            self._billing_since = None
+
+    def add(self, event: str, console=None, **details: Any) -> dict[str, Any]:
+        now = self.clock.now()
+        entry = {"event": event,
+                 "at": dt.datetime.fromtimestamp(now, dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+                 "elapsed_s": round(now - self.start, 1), "cost_usd": round(self.cost(), 2), **details}
+        self.events.append(entry)
+        if console is not None:
+            text = " ".join(f"{k}={v}" for k, v in details.items() if v is not None)
+            console.info(f"[{format_duration(entry['elapsed_s']):>7}] {event}" + (f": {text}" if text else ""))
+        return entry
+
+
+@dataclass
+class Training:
+    """The training figures of the whole run, across restarts."""
+
+    first_loss: float | None = None
+    final_loss: float | None = None
+    steps: int = 0
+    total_steps: int | None = None
+    restarts: int = 0
+    resumed_from_step: int | None = None
+
+    def see(self, report: Report, attempt: int) -> None:
+        if report.loss is not None:
+            if self.first_loss is None:
+                self.first_loss = report.loss
+            self.final_loss = report.loss
+        if report.step is not None:
+            self.steps = max(self.steps, report.step)
+        if report.total_steps:
+            self.total_steps = report.total_steps
+        if attempt > 0 and report.start_step and self.resumed_from_step is None:
+            self.resumed_from_step = report.start_step
+
+    def from_metrics(self, rows: list[dict]) -> None:
+        """The exact figures from the trainer's metrics file, when it can be read."""
+        losses = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float))
+                  and isinstance(r.get("step"), int)]
+        if losses:
+            self.first_loss = min(losses)[1]
+            self.final_loss = max(losses)[1]
+            self.steps = max(self.steps, max(losses)[0])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "first_loss": self.first_loss, "final_loss": self.final_loss,
+                "restarts": self.restarts, "resumed_from_step": self.resumed_from_step}
+
+
+@dataclass
+class RunResult:
+    ok: bool
+    timeline: Timeline
+    training: Training
+    resources: list[Resource]
+    error: str | None = None
+
+
+class Runner:
+    """One run of training on a target, start to end."""
+
+    def __init__(self, cfg, target, session, console, *, output_dir: str, keep: bool = False,
+                 confirm_teardown=None) -> None:
+        self.cfg = cfg
+        self.target = target
+        self.session = session
+        self.clock = session.clock
+        self.console = console
+        self.output_dir = output_dir
+        self.keep = keep
+        self.confirm_teardown = confirm_teardown or (lambda: True)
+        self.timeline = Timeline(self.clock, target.usd_per_hour)
+        self.training = Training()
+        self.resources: list[Resource] = []
+
+    # --- the loop --------------------------------------------------------------------
+    def run(self) -> RunResult:
+        try:
+            return self._attempts()
+        except KeyboardInterrupt:
+            self.timeline.add("interrupted", self.console)
+            if self.confirm_teardown():
+                self._teardown("deleted after interrupt")
+                raise Interrupted("interrupted; everything this run created is deleted") from None
+            raise Interrupted("interrupted; the run's resources are left as they are",
+                              hint="run `moe-tpu down` to delete them") from None
+
+    def _attempts(self) -> RunResult:
+        max_restarts = self.cfg.recovery.max_restarts
+        attempt = 0
+        while True:
+            self.timeline.add("provisioning", self.console, target=self.target.describe(), attempt=attempt + 1)
+            try:
+                self.resources = self.target.provision(attempt)
+            except MoeTpuError as exc:
+                self._teardown("deleted")
+                return self._failed(f"provisioning failed: {exc.message}")
+            self.timeline.billing(True)
+            where = ", ".join(f"{r.kind} {short(r.name)}" for r in self.resources[:2])
+            self.timeline.add("provisioned" if attempt == 0 else "recovered", self.console, resources=where)
+            outcome = self._follow(attempt)
+            if outcome.phase == "finished":
+                self.timeline.add("finished", self.console, step=outcome.step, loss=_round(outcome.loss))
+                self._read_metrics()
+                if not self.keep:
+                    self._teardown("deleted")
+                return RunResult(True, self.timeline, self.training, self.resources)
+            if outcome.phase == "preempted":
+                self.timeline.add("preempted", self.console, detail=outcome.detail, step=outcome.step)
+                self._teardown("deleted")
+                if attempt >= max_restarts:
+                    return self._failed(f"preempted {attempt + 1} time(s); recovery.max_restarts is {max_restarts}")
+                attempt += 1
+                self.training.restarts = attempt
+                continue
+            self.timeline.add("failed", self.console, worker=outcome.worker, detail=outcome.detail)
+            self._teardown("deleted")
+            where = f" on {outcome.worker}" if outcome.worker else ""
+            return self._failed(f"training failed{where}: {outcome.detail or 'no detail'}")
+
+    def _failed(self, message: str) -> RunResult:
+        self._read_metrics()
+        return RunResult(False, self.timeline, self.training, self.resources, error=message)
+
+    # --- following ---------------------------------------------------------------------
+    def _follow(self, attempt: int) -> Report:
+        """Read the target's reports until training ends on it; show step, loss, tokens/s, ETA."""
+        started = False
+        interval = FOLLOW_POLICY.initial_s
+        waited_since = self.clock.now()
+        rate = _Rate()
+        with self.console.progress("  waiting for the trainer to start") as bar:
+            while True:
+                report = self.target.report()
+                self.training.see(report, attempt)
+                if report.phase in ("running", "finished") and not started:
+                    started = True
+                    self.timeline.add("training started", self.console, step=report.start_step or report.step)
+                if report.phase in ("finished", "failed", "preempted"):
+                    return report
+                if report.phase == "running":
+                    bar.update(self._progress_line(report, rate))
+                elif self.clock.now() - waited_since > START_TIMEOUT_S:
+                    return Report("failed", detail=f"the trainer did not start within "
+                                                   f"{format_duration(START_TIMEOUT_S)}")
+                self.clock.sleep(interval)
+                interval = min(interval * FOLLOW_POLICY.factor, FOLLOW_POLICY.cap_s)
+
+    def _progress_line(self, report: Report, rate: _Rate) -> str:
+        parts = [f"  step {report.step}/{report.total_steps or '?'}"]
+        if report.loss is not None:
+            parts.append(f"loss {report.loss:.4f}")
+        if report.tokens_per_s:
+            parts.append(f"{report.tokens_per_s:,.0f} tok/s")
+        eta = rate.eta(self.clock.now(), report.step, report.total_steps)
+        if eta is not None:
+            parts.append(f"ETA {format_duration(eta)}")
+        parts.append(f"${self.timeline.cost():.2f} so far")
+        return "  ".join(parts)
+
+    # --- the end -------------------------------------------------------------------------
+    def _teardown(self, event: str) -> None:
+        deleted = self.target.teardown()
+        self.timeline.billing(False)
+        self.timeline.add(event, self.console, resources=len(deleted))
+
+    def _read_metrics(self) -> None:
+        try:
+            rows = storage.read_jsonl(storage.join(self.output_dir, "metrics.jsonl"),
+                                      self.session.endpoint.credentials, self.cfg.project)
+        except MoeTpuError as exc:
+            self.console.detail(f"could not read the trainer's metrics: {exc.message}")
+            return
+        self.training.from_metrics(rows)
+
+
+class _Rate:
+    """Steps per second from the reports seen, for an ETA."""
+
+    def __init__(self) -> None:
+        self.first: tuple[float, int] | None = None
+
+    def eta(self, now: float, step: int | None, total: int | None) -> float | None:
+        if step is None or not total:
+            return None
+        if self.first is None or step < self.first[1]:
+            self.first = (now, step)
+            return None
+        t0, s0 = self.first
+        if step == s0 or now <= t0:
+            return None
+        return (total - step) * (now - t0) / (step - s0)
+
+
+def _round(value: float | None) -> float | None:
+    return round(value, 4) if value is not None else None
