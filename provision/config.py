@@ -243,6 +243,8 @@ class TrainerConfig(_Section):
     config: str = "tiny"
     output_dir: str
     steps: int | None = None
+    # The device mesh (`--mesh`), e.g. data=8,expert=8; unset: the trainer puts every chip on data.
+    mesh: str | None = None
     overrides: dict[str, str | int | float | bool] = Field(default_factory=dict)
 
     @field_validator("config", "output_dir")
@@ -250,6 +252,13 @@ class TrainerConfig(_Section):
     def _not_empty(cls, value: str) -> str:
         if not value.strip():
             raise _fail("must not be empty")
+        return value
+
+    @field_validator("mesh")
+    @classmethod
+    def _mesh_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _MESH.match(value):
+            raise _fail(f"mesh {value!r} must look like data=8,expert=8")
         return value
 
     @field_validator("steps")
@@ -502,6 +511,14 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
         found.append(("vertex.scheduling", f"Vertex AI does not offer SPOT for multi-host TPU topologies "
                                            f"({topology}); use STANDARD or FLEX_START"))
     output_dir = get("trainer.output_dir")
+    count = get("slice.count")
+    multi_host = (isinstance(acc_name, str) and acc_name in catalogue.ACCELERATORS
+                  and (catalogue.accelerator(acc_name).multi_host or (isinstance(count, int) and count > 1)))
+    if (get("target") == "tpu-vm" and multi_host and isinstance(output_dir, str)
+            and not output_dir.startswith("gs://")):
+        found.append(("trainer.output_dir", f"{acc_name} x {count} has several TPU VMs, each with its own disk: "
+                                            f"checkpoints in {output_dir!r} would be split between them; use a "
+                                            "gs:// path"))
     if get("target") == "vertex" and isinstance(output_dir, str) and not output_dir.startswith("gs://"):
         found.append(("trainer.output_dir", f"a Vertex AI job keeps its checkpoints in Cloud Storage: use a gs:// "
                                             f"path, not {output_dir!r} (a local path vanishes with the job)"))
@@ -638,6 +655,7 @@ trainer:
   config: tiny                 # a named trainer config, or a path
   output_dir: gs://my-bucket/moe-demo
   # steps: 1000
+  # mesh: data=8,expert=8      # the device mesh; `moe-tpu plan` suggests one (unset: all chips on data)
   overrides: {}                # become `--set key=value` flags, e.g. {model.num_experts: 8}
 
 recovery:

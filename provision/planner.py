@@ -592,13 +592,20 @@ def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None =
     try:
         model_cfg = load_model_config(cfg, model)
         target = target_of(cfg, accelerator, slices)
+        mesh_text = mesh_text or cfg.trainer.mesh
         mesh = parse_mesh(mesh_text, target.chips, target.slices) if mesh_text else None
         params = param_inventory(model_cfg)
     except (ConfigError, ValueError) as exc:
         raise UsageError(f"cannot plan {model or cfg.trainer.config}: {exc}",
                          hint="check trainer.config and trainer.overrides in the config, and --mesh") from None
     steps = cfg.trainer.steps or model_cfg.train.steps
-    return make_plan(params, model_cfg, target, steps, mesh)
+    plan = make_plan(params, model_cfg, target, steps, mesh)
+    if mesh_text is None and model_cfg.model.num_moe_layers:
+        # Planned with the mesh it picked; the trainer runs with trainer.mesh, or all chips on data.
+        plan = dataclasses.replace(plan, warnings=(*plan.warnings, (
+            f"trainer.mesh is not set, so the trainer puts every chip on data; set `trainer.mesh: "
+            f"{plan.mesh.text()}` to train with this plan's mesh")))
+    return plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,6 +88,8 @@ def trainer_argv(cfg: Config, status_file: str | None = None) -> list[str]:
             "--output-dir", cfg.trainer.output_dir, "--resume", "auto"]
     if cfg.trainer.steps is not None:
         argv += ["--steps", str(cfg.trainer.steps)]
+    if cfg.trainer.mesh is not None:
+        argv += ["--mesh", cfg.trainer.mesh]
     if status_file is not None:
         argv += ["--status-file", status_file]
     return argv + cfg.trainer.set_flags()
@@ -187,11 +189,11 @@ def region_parent(cfg: Config, project: str | None = None) -> str:
     return f"projects/{_project(cfg, project)}/locations/{cfg.region}"
 
 
-def custom_job_spec(cfg: Config) -> CustomJobSpec:
+def custom_job_spec(cfg: Config, templates_dir: Path | None = None) -> CustomJobSpec:
     argv = trainer_argv(cfg)
     max_wait = cfg.vertex.max_wait
     return CustomJobSpec(
-        config=cfg, display_name=cfg.run, labels=labels(cfg), image_uri=cfg.image.uri,
+        config=cfg, display_name=cfg.run, labels=labels(cfg), image_uri=image_uri(cfg, templates_dir),
         command=tuple(argv[: len(TRAINER_COMMAND)]), args=tuple(argv[len(TRAINER_COMMAND):]),
         env={"MOE_TPU_RUN": cfg.run}, timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
         max_wait_seconds=int(max_wait.total_seconds()) if max_wait is not None else None,
@@ -267,7 +269,7 @@ def render(name: str, spec: object, templates_dir: Path | None = None) -> str:
     if templates_dir is not None and not Path(templates_dir).is_dir():
         raise UsageError(f"templates directory {templates_dir} does not exist",
                          hint="point --templates at a directory holding your copies of the templates")
-    env = _environment(str(templates_dir) if templates_dir is not None else None)
+    env = _environment(str(Path(templates_dir).resolve()) if templates_dir is not None else None)
     try:
         return env.get_template(name).render(spec=spec)
     except jinja2.TemplateNotFound:
@@ -335,7 +337,7 @@ def create_queued_resource_request(cfg: Config, zone: str, templates_dir: Path |
 
 def custom_job_body(cfg: Config, templates_dir: Path | None = None) -> str:
     """The rendered CustomJob body (YAML text)."""
-    return render(CUSTOM_JOB_TEMPLATE, custom_job_spec(cfg), templates_dir)
+    return render(CUSTOM_JOB_TEMPLATE, custom_job_spec(cfg, templates_dir), templates_dir)
 
 
 def create_custom_job_request(cfg: Config, templates_dir: Path | None = None, project: str | None = None) -> Any:

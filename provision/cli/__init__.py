@@ -41,7 +41,7 @@ SHORT_HELP = {
     "logs": "The run's trainer output and metrics, from wherever they are.",
     "list": "Every resource this tool manages, with state, age and cost so far.",
     "down": "Delete every resource of the run, also after a crash, and verify.",
-    "emulator": "The embedded Cloud TPU API emulator as a standalone server.",
+    "emulator": "The embedded Cloud TPU and Vertex AI API emulator as a standalone server.",
     "train": "Run the MoE trainer locally (the container's entry point).",
 }
 

@@ -47,9 +47,14 @@ def build(app, config_path: str, push: bool, builder: str, context_dir: str | No
       moe-tpu image build --push -c examples/v5e-64.yaml
       moe-tpu image build --builder cloud-build -c examples/v5e-64.yaml
     """
+    import importlib.util
+
     from provision import image as images
+    from provision.errors import MissingDependency
 
     app.command = "image build"
+    if importlib.util.find_spec("jinja2") is None:  # the Dockerfile is rendered
+        raise MissingDependency("jinja2", "control")
     cfg = app.load_config(config_path)
     plan = images.plan_image(cfg, app.templates_dir, Path(source_dir).resolve() if source_dir else None)
     context = Path(context_dir).resolve() if context_dir else (app.state_dir / "image").resolve()

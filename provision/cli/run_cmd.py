@@ -35,7 +35,7 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
       moe-tpu run -c moe-tpu.yaml --yes
     """
     from provision.errors import MoeTpuError
-    from provision.runs import Interrupted, Runner, RunFailed
+    from provision.runs import Interrupted, RunFailed, Runner
     from provision.targets import JobTarget, SliceTarget
 
     app.command = "run"
@@ -67,11 +67,15 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
 
 def _check_plan(app, cfg, force: bool) -> None:
     """The planner's one-line verdict before anything is created; refuse a model that cannot fit."""
+    from provision import planner
+    from provision.errors import MissingDependency
+
     try:
-        from provision import planner
-    except ImportError:
+        verdict = planner.verdict(cfg)
+    except MissingDependency:
+        app.console.warn("no plan: checking that the model fits needs the trainer's packages "
+                         "(pip install 'moe-tpu[trainer]')")
         return
-    verdict = planner.verdict(cfg)
     app.console.info(f"plan: {verdict.line}")
     if not verdict.fits and not force:
         from provision.errors import UsageError

@@ -40,7 +40,8 @@ def local_output_dir(state_dir: Path, run: str) -> Path:
 def local_argv(argv: list[str] | tuple[str, ...], cfg, output_dir: Path) -> list[str]:
     """The container's trainer argv made small by the config's dry_run section, for this machine."""
     small = cfg.dry_run
-    replace = {"--config": small.trainer_config, "--output-dir": str(output_dir), "--steps": str(small.steps)}
+    replace = {"--config": small.trainer_config, "--output-dir": str(output_dir), "--steps": str(small.steps),
+               "--devices": str(small.devices), "--mesh": small.mesh}
     out: list[str] = []
     args = list(argv)
     i = 0
@@ -55,8 +56,7 @@ def local_argv(argv: list[str] | tuple[str, ...], cfg, output_dir: Path) -> list
         out += [flag, value]
     if out[:1] == ["python"]:
         out[0] = sys.executable
-    return out + ["--devices", str(small.devices), "--mesh", small.mesh,
-                  "--set", f"train.checkpoint_every={small.checkpoint_every}"]
+    return out + ["--set", f"train.checkpoint_every={small.checkpoint_every}"]
 
 
 @dataclass

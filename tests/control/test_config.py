@@ -72,7 +72,11 @@ def test_valid_config_loads(tmp_path):
         "my-project", "us-west4", ["us-west4-a"], "moe-demo", "tpu-vm")
     assert (cfg.slice.count, cfg.slice.capacity, cfg.slice.max_wait, cfg.slice.runtime_version) == (
         1, "spot", timedelta(hours=2), "v2-alpha-tpuv5-lite")
-    assert cfg.image.uri == "us-west4-docker.pkg.dev/my-project/moe/trainer:latest"
+    # no image.tag: the content-hash tag that `image build` gives this tree
+    from provision.image import content_tag
+
+    assert cfg.image.tag is None
+    assert cfg.image.uri == f"us-west4-docker.pkg.dev/my-project/moe/trainer:{content_tag()}"
     assert cfg.image.registry_host == "us-west4-docker.pkg.dev"
     assert (cfg.trainer.config, cfg.recovery.max_restarts, cfg.vertex.machine_type) == (
         "tiny", 3, "ct5lp-hightpu-4t")
@@ -175,8 +179,17 @@ def test_config_is_frozen():
         "unknown key 'acelerator'; did you mean 'accelerator'?")], id="unknown-key-close"),
     pytest.param(with_(colour="blue"), [("colour",
         "unknown key 'colour'; valid keys: project, region, zones, run, target, slice, vertex, image, "
-        "trainer, recovery")], id="unknown-key-far"),
+        "trainer, recovery, dry_run")], id="unknown-key-far"),
     pytest.param(with_(source="x.yaml"), [("source", "unknown key 'source'")], id="source-is-not-a-key"),
+    pytest.param(with_(slice__accelerator="v5litepod-16", trainer__output_dir="runs/x"), [("trainer.output_dir",
+        "v5litepod-16 x 1 has several TPU VMs, each with its own disk: checkpoints in 'runs/x' would be split "
+        "between them; use a gs:// path")], id="local-output-dir-on-many-hosts"),
+    pytest.param(with_(target="vertex", trainer__output_dir="/data/x"), [("trainer.output_dir",
+        "a Vertex AI job keeps its checkpoints in Cloud Storage: use a gs:// path, not '/data/x' (a local path "
+        "vanishes with the job)")], id="local-output-dir-on-vertex"),
+    pytest.param(with_(vertex__timeout="soon", dry_run__mesh="2x4"), [
+        ("dry_run.mesh", "mesh '2x4' must look like data=2,expert=4"),
+        ("vertex.timeout", "duration 'soon' must look like 2h, 30m, 90s or 1h30m")], id="vertex-and-dry-run-keys"),
 ])
 def test_each_rule_has_its_message(raw, expected, tmp_path):
     assert problems_of(raw, tmp_path) == expected

@@ -183,7 +183,7 @@ def test_pyproject_and_the_dockerfile_count(tmp_path):
     tag = image.content_tag(copy)
     (copy / "pyproject.toml").write_text((copy / "pyproject.toml").read_text() + "\n# pinned something\n")
     assert image.content_tag(copy) != tag
-    own = tmp_path / "tpl"
+    own = tmp_path / "own-templates"
     own.mkdir()
     (own / "Dockerfile.j2").write_text((ROOT / "templates" / "Dockerfile.j2").read_text() + "LABEL a=b\n")
     assert image.content_tag(ROOT, own) != image.content_tag(ROOT)
@@ -226,12 +226,15 @@ def test_own_dockerfile_template_gives_its_own_tag_everywhere(workdir):
     raw = yaml.safe_load(EXAMPLE.read_text())
     del raw["image"]["tag"]
     (workdir / "c.yaml").write_text(yaml.safe_dump(raw))
-    (workdir / "tpl").mkdir()
-    (workdir / "tpl" / "Dockerfile.j2").write_text(
+    # An absolute path: the rendering environment is cached by the --templates text.
+    own = workdir / "own-dockerfile"
+    own.mkdir()
+    (own / "Dockerfile.j2").write_text(
         (ROOT / "templates" / "Dockerfile.j2").read_text().replace("PYTHONUNBUFFERED=1", "PYTHONUNBUFFERED=1 A=1"))
-    built = json.loads(moe("--dry-run", "--output", "json", "--templates", "tpl", "image", "build", "-c", "c.yaml")[1])
+    built = json.loads(moe("--dry-run", "--output", "json", "--templates", str(own), "image", "build",
+                           "-c", "c.yaml")[1])
     assert built["tag"] != image.content_tag()
-    code, _, _ = moe("--templates", "tpl", "render", "-c", "c.yaml", "--out", "out")
+    code, _, _ = moe("--templates", str(own), "render", "-c", "c.yaml", "--out", "out")
     assert code == 0
     assert f"IMAGE={built['image']}\n" in (workdir / "out" / "startup.sh").read_text()
 

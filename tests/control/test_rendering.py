@@ -28,6 +28,7 @@ from provision.errors import UsageError
 ROOT = Path(__file__).resolve().parents[2]
 GOLDENS = Path(__file__).resolve().parent / "goldens"
 EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
+VERTEX = ROOT / "examples" / "vertex.yaml"
 UPDATE = os.environ.get("MOE_TPU_UPDATE_GOLDENS") == "1"
 
 
@@ -52,6 +53,35 @@ def test_golden(name):
         golden.parent.mkdir(exist_ok=True)
         golden.write_text(files[name])
     assert files[name] == golden.read_text(), f"{name} differs from its golden; see this file's docstring"
+
+
+@pytest.mark.parametrize("name", ["custom_job.yaml", "create_custom_job.json"])
+def test_vertex_golden(name):
+    files = rendering.render_all(load_config(VERTEX))
+    assert list(files) == ["custom_job.yaml", "create_custom_job.json"]
+    golden = GOLDENS / f"{name}.golden"
+    if UPDATE:
+        golden.write_text(files[name])
+    assert files[name] == golden.read_text(), f"{name} differs from its golden; see this file's docstring"
+
+
+def test_custom_job_request_is_the_real_message_with_the_trainer_argv():
+    cfg = load_config(VERTEX)
+    request = rendering.create_custom_job_request(cfg)
+    assert request.parent == "projects/my-project/locations/us-west4"
+    pool = request.custom_job.job_spec.worker_pool_specs[0]
+    assert (pool.machine_spec.machine_type, pool.machine_spec.tpu_topology, pool.replica_count) == (
+        "ct5lp-hightpu-4t", "8x8", 1)
+    assert [*pool.container_spec.command, *pool.container_spec.args] == rendering.trainer_argv(cfg)
+    assert request.custom_job.job_spec.base_output_directory.output_uri_prefix == cfg.trainer.output_dir
+    assert request.custom_job.job_spec.scheduling.strategy.name == "STANDARD"
+    assert dict(request.custom_job.labels) == rendering.labels(cfg)
+
+
+def test_a_template_field_the_custom_job_does_not_know_is_an_error(tmp_path):
+    (tmp_path / rendering.CUSTOM_JOB_TEMPLATE).write_text("display_name: x\nno_such_field: 1\n")
+    with pytest.raises(UsageError, match="google.cloud.aiplatform.v1.CustomJob"):
+        rendering.create_custom_job_request(load_config(VERTEX), tmp_path)
 
 
 def test_rendering_is_deterministic():
@@ -165,10 +195,10 @@ def test_config_values_reach_the_script_only_quoted(tmp_path):
     subprocess.run(["bash", "-n"], input=script.encode(), check=True)
     env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "moe-demo", "IMAGE": "img:v1"}
     args = _run_docker_args(script, env)
-    assert args[args.index("img:v1") + 1:] == rendering.trainer_argv(cfg)
+    assert args[args.index("img:v1") + 1:] == list(rendering.startup_spec(cfg).trainer_args)
     assert args[args.index("img:v1") + 1:] == [
-        "python", "-m", "trainer", "--config", NASTY, "--output-dir", f"gs://b/{NASTY}", "--resume", "auto",
-        "--steps", "2000", "--set", f"model.note={NASTY}"]
+        "--config", NASTY, "--output-dir", f"gs://b/{NASTY}", "--resume", "auto", "--steps", "2000",
+        "--mesh", "data=8,expert=8", "--status-file", "/var/lib/moe-tpu/status.json", "--set", f"model.note={NASTY}"]
     assert not Path("/tmp/moe-pwned").exists()
     # The variables at the top are single words for the shell too.
     for line in script.splitlines():
@@ -237,4 +267,4 @@ def test_any_value_comes_back_intact(output_dir, note):
     cfg = config_from_dict(raw)
     env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "r", "IMAGE": "img:v1"}
     args = _run_docker_args(rendering.startup_script(cfg), env)
-    assert args[args.index("img:v1") + 1:] == rendering.trainer_argv(cfg)
+    assert args[args.index("img:v1") + 1:] == list(rendering.startup_spec(cfg).trainer_args)

@@ -74,6 +74,12 @@ def test_run_trains_and_tears_down(tmp_path, target):
     assert training["final_loss"] < training["first_loss"]
     assert sum(c["rpc"].endswith(CREATES) for c in doc["calls"]) == 1
     assert nothing_left(tmp_path)
+    logs = moe(["--dry-run", "logs", "--tail", "3"], tmp_path)
+    assert logs.returncode == 0, logs.stderr
+    lines = logs.stdout.splitlines()
+    assert lines[-1] == f"trainer: finished at step {SMALL['steps']}/{SMALL['steps']}"
+    assert [line.split()[:2] for line in lines[:-1]] == [["step", str(n)] for n in range(SMALL["steps"] - 2,
+                                                                                          SMALL["steps"] + 1)]
 
 
 @pytest.mark.parametrize("target", ["tpu-vm", "vertex"])
