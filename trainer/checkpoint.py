@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -43,23 +44,48 @@ def _reason(error: BaseException) -> str:
     while error.__cause__ is not None:
         error = error.__cause__
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    head, dot, _ = text.partition(". ")
+    if len(text) > 120 and dot and len(head) >= 20:  # the first sentence: orbax's advice names its own API
+        text = head + "."
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _unretrieved(record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in str(record.msg)
+
+
+def _dropping_closed_loops(previous):
+    """An unraisable-exception hook that drops the reads of a failed restore finishing after orbax closed
+    their event loop (they arrive until the process exits) and passes on everything else."""
+
+    def hook(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_closed_loops = True
+    return hook
 
 
 @contextlib.contextmanager
 def _failures_reported_once():
-    """A failed restore leaves orbax's other reads failing unobserved: asyncio logs each one and each
-    coroutine's collection prints a traceback. The caller reports the failure once, by step and path."""
+    """A failed restore leaves orbax's other reads failing unobserved: asyncio logs each one as it is
+    collected (now or at exit) and each coroutine's collection prints a traceback. The caller reports the
+    failure once, by step and path; from the first restore on, asyncio's "never retrieved" logs are dropped."""
     log = logging.getLogger("asyncio")
-    level, hook = log.level, sys.unraisablehook
-    log.setLevel(logging.CRITICAL)
+    if _unretrieved not in log.filters:
+        log.addFilter(_unretrieved)
+    if not getattr(sys.unraisablehook, "drops_closed_loops", False):
+        sys.unraisablehook = _dropping_closed_loops(sys.unraisablehook)
+    hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "coroutine ... was never awaited"
+            yield
+            gc.collect()  # the failed reads go now, while nobody listens
     finally:
-        gc.collect()  # the failed reads go now, while nobody listens
         sys.unraisablehook = hook
-        log.setLevel(level)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +109,8 @@ class Checkpointer:
             save_interval_steps=every, max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+                "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
         except Exception as e:  # noqa: BLE001 - any file-system error: one message naming the path
             raise CheckpointError(f"cannot use {self.directory} for checkpoints: {_reason(e)}") from None
         self._pending: int | None = None  # the step whose asynchronous write is in flight
@@ -144,31 +171,45 @@ class Checkpointer:
         """
         unreadable: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
-            reason = self._try_restore(step, abstract_state)
-            if isinstance(reason, tuple):
-                (state, data_state), reason = reason, None
+            restored, reason = self._try_restore(step, abstract_state)
             if not _everywhere(reason is None):  # each process reads its own shards: all must succeed
                 unreadable.append((step, reason or "another process could not read its part"))
                 continue
             moved = self._move_aside([bad for bad, _ in unreadable]) if unreadable else []
-            return Restored(step, state, data_state,
+            return Restored(step, *restored,
                             tuple((bad, why, to) for (bad, why), to in zip(unreadable, moved, strict=True)))
         if unreadable:
             reasons = "; ".join(f"step {s} ({self.step_path(s)}): {r}" for s, r in unreadable)
-            raise CheckpointError(f"no checkpoint in {self.directory} can be restored with this config: {reasons}")
+            raise CheckpointError(f"no checkpoint in {self.directory} can be restored (were they written with "
+                                  f"another config?): {reasons}")
         return None
 
-    def _try_restore(self, step: int, abstract_state: Any) -> tuple[Any, dict] | str:
-        """The state and data state at `step`, or why they cannot be read."""
+    def _mismatch(self, step: int, abstract_state: Any) -> str | None:
+        """How the arrays saved at `step` differ from `abstract_state` (None: they match), read from the
+        checkpoint's metadata: a full restore of another model's checkpoint fails read by read."""
+        saved = jax.tree.leaves(self.manager.item_metadata(step)["state"])
+        wanted = jax.tree.leaves(abstract_state)
+        if len(saved) != len(wanted):
+            return f"it holds {len(saved)} arrays, this config's state has {len(wanted)}"
+        for meta, want in zip(saved, wanted, strict=True):  # dtypes may differ: restoring casts
+            if tuple(meta.shape) != tuple(want.shape):
+                return f"it holds {meta.name} of shape {list(meta.shape)}, this config needs {list(want.shape)}"
+        return None
+
+    def _try_restore(self, step: int, abstract_state: Any) -> tuple[tuple[Any, dict] | None, str | None]:
+        """((state, data state), None) at `step`, or (None, why they cannot be read)."""
         with _failures_reported_once():
             try:
+                mismatch = self._mismatch(step, abstract_state)
+                if mismatch:
+                    return None, mismatch
                 state, data_state = self.restore(step, abstract_state)
                 if int(state["step"]) != step:
-                    raise ValueError(f"it holds step {int(state['step'])}")
-                return state, data_state
+                    return None, f"it holds step {int(state['step'])}"
+                return (state, data_state), None
             except Exception as e:  # noqa: BLE001 - tensorstore, JSON and file errors alike
                 reason = _reason(e)
-        return reason
+        return None, reason
 
     def _move_aside(self, steps: list[int]) -> list[str]:
         """Renames each step's directory (process 0 does, the others wait); returns the new paths."""

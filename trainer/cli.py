@@ -18,6 +18,7 @@ import time
 
 import click
 
+from trainer.config import NAMED_CONFIGS
 from trainer.status import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, RunStatus, StatusError
 
 EXIT_RUNTIME = EXIT_FAILED
@@ -53,7 +54,7 @@ def _jax_started() -> bool:
 
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_name", default="tiny", show_default=True, metavar="NAME|PATH",
-              help="A named config (tiny, switch-base-8, glam-small, v5e-64, moe-1b) or a YAML file.")
+              help=f"A named config ({', '.join(NAMED_CONFIGS)}) or a YAML file.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config key, e.g. --set moe.top_k=1 (repeatable).")
 @click.option("--steps", type=click.IntRange(min=0), default=None, help="Train up to this step [config].")

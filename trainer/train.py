@@ -339,8 +339,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
 
 
 def _report_end(reporter: Reporter, ckpt: Checkpointer | None, step: int, total: int, stop_reason: str | None):
-    where = f"checkpoint at step {step} in {ckpt.step_path(step)}" if ckpt is not None else "no checkpoint " \
-        "(no --output-dir)"
+    """One line: where the checkpoint is; after a stop also that the run is not finished and how to go on."""
+    where = f"checkpoint at step {step} in {ckpt.step_path(step)}" if ckpt else "no checkpoint (no --output-dir)"
     if stop_reason is None:
         if ckpt is not None:
             reporter.info(where)

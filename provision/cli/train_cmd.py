@@ -17,9 +17,9 @@ def train(args: tuple[str, ...]) -> None:
       moe-tpu train --config tiny --devices 8 --mesh data=2,expert=4 --steps 5
     """
     try:
-        from trainer.cli import train_command
+        from trainer.cli import main
     except ImportError as exc:
         from provision.errors import MissingDependency
 
         raise MissingDependency(exc.name or "jax", "trainer") from exc
-    train_command.main(args=list(args), prog_name="moe-tpu train", standalone_mode=True)
+    main(list(args), prog_name="moe-tpu train")

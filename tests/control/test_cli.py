@@ -11,15 +11,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_process
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
 
 
 def moe(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, NO_COLOR="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "provision", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, env=full_env)
+    return run_process(args, cwd, env)
 
 
 @pytest.fixture

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import invoke
 
-from provision.cli import main
 from provision.config import starter_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,16 +20,7 @@ GOLDENS = Path(__file__).resolve().parent / "goldens"
 
 
 def moe(*args: str) -> tuple[int, str, str]:
-    """Run `moe-tpu ARGS` in-process through the real entry point: (exit code, stdout, stderr)."""
-    runner = CliRunner()
-    with runner.isolation(env={"NO_COLOR": "1", "MOE_TPU_CONFIG": None, "MOE_TPU_OUTPUT": None,
-                               "MOE_TPU_TEMPLATES": None}) as (out, err, _):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        return code, out.getvalue().decode(), err.getvalue().decode()
+    return invoke(*args)
 
 
 @pytest.fixture

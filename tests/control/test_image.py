@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from click.testing import CliRunner
+from cli_helpers import invoke
 
 from provision import image, rendering
-from provision.cli import main
 from provision.config import config_from_dict, load_config
 from provision.console import Console
 from provision.errors import UsageError
@@ -37,18 +36,8 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 TAG = re.compile(rf"^{re.escape(VERSION)}-[0-9a-f]{{16}}$")
 
 
-def moe(*args: str, env: dict[str, str | None] | None = None) -> tuple[int, str, str]:
-    """`moe-tpu ARGS` in-process through the real entry point: (exit code, stdout, stderr)."""
-    runner = CliRunner()
-    base = {"NO_COLOR": "1", "MOE_TPU_CONFIG": None, "MOE_TPU_OUTPUT": None, "MOE_TPU_TEMPLATES": None,
-            "MOE_TPU_DRY_RUN": None}
-    with runner.isolation(env={**base, **(env or {})}) as (out, err, _):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        return code, out.getvalue().decode(), err.getvalue().decode()
+def moe(*args: str, env: dict | None = None) -> tuple[int, str, str]:
+    return invoke(*args, env=env)
 
 
 def tool(name: str) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_helpers import run_process
 
 from provision.app import App
 from provision.config import load_config
@@ -33,8 +34,7 @@ def make_config(tmp_path: Path, name: str = "moe-tpu.yaml", **top):
 
 
 def moe(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "provision", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, NO_COLOR="1"))
+    return run_process(args, cwd)
 
 
 @pytest.fixture

@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import invoke
 
 from provision import catalogue, planner
-from provision.cli import main
 from provision.config import load_config as load_run_config
 from trainer.config import load_config, named_configs
 from trainer.params import ParamInfo, param_inventory, shard_ways
@@ -38,15 +37,7 @@ def inventory(name: str, *overrides: str) -> tuple[ParamInfo, ...]:
 
 
 def moe(*args: str) -> tuple[int, str, str]:
-    """`moe-tpu ARGS` in-process through the real entry point: (exit code, stdout, stderr)."""
-    runner = CliRunner()
-    with runner.isolation(env={"NO_COLOR": "1", "MOE_TPU_CONFIG": None, "MOE_TPU_OUTPUT": None}) as (out, err, _):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        return code, out.getvalue().decode(), err.getvalue().decode()
+    return invoke(*args)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_helpers import run_process
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"tpu-vm": ROOT / "examples" / "v5e-64.yaml", "vertex": ROOT / "examples" / "vertex.yaml"}
@@ -38,8 +39,7 @@ def write_config(tmp_path: Path, target: str, **changes) -> Path:
 
 
 def moe(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "provision", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, NO_COLOR="1"))
+    return run_process(args, cwd, timeout=timeout)
 
 
 def run_json(tmp_path: Path, scenario: str = "happy") -> tuple[int, dict, str]:

@@ -46,8 +46,9 @@ def shellcheck(script: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("cfg", [
     pytest.param(lambda: load_config(EXAMPLES / "v5e-64.yaml"), id="v5e-64"),
     pytest.param(lambda: load_config(EXAMPLES / "local.yaml"), id="local-relative-output"),
-    pytest.param(lambda: cfg_with(output_dir="/mnt/disks/ckpt/run 1"), id="absolute-output"),
-    pytest.param(lambda: cfg_with(config=NASTY, output_dir=f"/tmp/{NASTY}", overrides={"a.b": NASTY}), id="nasty"),
+    pytest.param(lambda: cfg_with("local.yaml", output_dir="/mnt/disks/ckpt/run 1"), id="absolute-output"),
+    pytest.param(lambda: cfg_with("local.yaml", config=NASTY, output_dir=f"/tmp/{NASTY}", overrides={"a.b": NASTY}),
+                 id="nasty"),
 ])
 def test_shellcheck_has_nothing_to_say(cfg):
     result = shellcheck(rendering.startup_script(cfg()))
@@ -104,7 +105,7 @@ def test_a_local_output_dir_outlives_the_container():
     assert args[args.index("--output-dir") + 1] == "runs/moe-local"
     assert "OUTPUT_DIR=" not in script
     # Absolute: mounted at the same path, and owned by the trainer's user.
-    script = rendering.startup_script(cfg_with(output_dir="/mnt/disks/ckpt/run 1"))
+    script = rendering.startup_script(cfg_with("local.yaml", output_dir="/mnt/disks/ckpt/run 1"))
     assert "OUTPUT_DIR='/mnt/disks/ckpt/run 1'\n" in script
     assert 'chown "$TRAINER_UID:$TRAINER_UID" "$OUTPUT_DIR"' in script
     args = docker_run_args(script, OUTPUT_DIR="/mnt/disks/ckpt/run 1")

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import hcl2
 import pytest
-from click.testing import CliRunner
+from cli_helpers import invoke
 
 from provision import foundation
-from provision.cli import main
 from provision.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,15 +23,7 @@ TF = ROOT / "terraform"
 
 
 def moe(*args: str, env: dict | None = None) -> tuple[int, str, str]:
-    runner = CliRunner()
-    with runner.isolation(env={"NO_COLOR": "1", "MOE_TPU_CONFIG": None, "MOE_TPU_OUTPUT": None,
-                               "MOE_TPU_TEMPLATES": None, **(env or {})}) as (out, err, _):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        return code, out.getvalue().decode(), err.getvalue().decode()
+    return invoke(*args, env=env)
 
 
 def one(value):

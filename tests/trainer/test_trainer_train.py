@@ -157,6 +157,8 @@ def test_ctrl_c_stops_at_that_step_with_a_checkpoint_and_resume_continues_exactl
     assert result.exit_code == 2 and "already holds checkpoints" in result.output
 
 
+# orbax's background event loop, closed after the failure, still hears from a finished read
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_damaged_latest_checkpoint_is_reported_and_the_one_before_it_resumes(tmp_path):
     out = tmp_path / "out"
     run_tiny(Reporter(str(tmp_path / "a.jsonl")), 4, ["train.checkpoint_every=2"], output_dir=str(out))
@@ -181,11 +183,14 @@ def test_a_damaged_latest_checkpoint_is_reported_and_the_one_before_it_resumes(t
 
     # A config that fits no checkpoint is not damage: nothing moves, and the error lists each step.
     reporter = Reporter(str(tmp_path / "c.jsonl"), stderr=io.StringIO())
-    with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be restored with this config: step 6 "):
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be restored \(were they written with "
+                                              r"another config\?\): step 6 \(.*/6\): it holds .* of shape "):
         run_tiny(reporter, 8, ["train.checkpoint_every=2", "model.d_model=32"], output_dir=str(out))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == names
 
 
+# orbax's background event loop, closed after the failure, still hears from a finished read
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_checkpoint_that_cannot_be_saved_fails_at_once_naming_the_path(tmp_path):
     """The checkpoint directory turns into a file mid-run: the save raises at once, naming step and path."""
     checkpoints = tmp_path / "out" / "checkpoints"

@@ -1,0 +1,35 @@
+"""Running `moe-tpu` from tests: in this process through the real entry point, or as a real process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from provision.cli import main
+
+# Variables a developer's shell may set that would change what a test sees.
+CLEAN_ENV = {"NO_COLOR": "1", "MOE_TPU_CONFIG": None, "MOE_TPU_OUTPUT": None, "MOE_TPU_TEMPLATES": None,
+             "MOE_TPU_DRY_RUN": None, "MOE_TPU_SCENARIO": None}
+
+
+def invoke(*args: str, env: dict[str, str | None] | None = None) -> tuple[int, str, str]:
+    """`moe-tpu ARGS` in-process through the real entry point: (exit code, stdout, stderr)."""
+    with CliRunner().isolation(env={**CLEAN_ENV, **(env or {})}) as (out, err, _):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        return code, out.getvalue().decode(), err.getvalue().decode()
+
+
+def run_process(args: list[str], cwd: Path, env: dict | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+    """`moe-tpu ARGS` as its own process in `cwd` (for signals, concurrency and a fresh interpreter)."""
+    full_env = {k: v for k, v in {**os.environ, **CLEAN_ENV, **(env or {})}.items() if v is not None}
+    return subprocess.run([sys.executable, "-m", "provision", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
