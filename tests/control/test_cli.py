@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 from cli_helpers import run_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,3 +142,21 @@ def test_down_without_config_finds_the_run_that_slice_up_started(tmp_path):
     assert [d["kind"] for d in json.loads(down.stdout)["deleted"]] == ["queued_resource"]
     listed = moe(["--dry-run", "--output", "json", "list"], tmp_path)
     assert json.loads(listed.stdout)["resources"] == []
+
+
+def test_two_runs_provisioned_at_once_in_one_directory_both_keep_their_resources(tmp_path):
+    """Each command runs its own emulator on the shared world file; none may lose the other's update."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    for run in ("run-a", "run-b"):
+        (tmp_path / f"{run}.yaml").write_text(yaml.safe_dump({**doc, "run": run}))
+    env = {k: v for k, v in dict(os.environ, NO_COLOR="1").items() if not k.startswith("MOE_TPU_")}
+    procs = [subprocess.Popen([sys.executable, "-m", "provision", "--dry-run", "slice", "up", "-c", f"{run}.yaml"],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for run in ("run-a", "run-b")]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert "slice ready" in out
+    listed = moe(["--dry-run", "--output", "json", "list", "-c", "run-a.yaml"], tmp_path)
+    runs = sorted({r["run"] for r in json.loads(listed.stdout)["resources"]})
+    assert runs == ["run-a", "run-b"]

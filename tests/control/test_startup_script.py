@@ -195,9 +195,11 @@ def status(state: str, step: int, loss: float | None, exit_code: int | None = No
 @pytest.mark.parametrize("code, final", [(0, "finished"), (143, "stopped"), (1, "failed"), (137, "failed")])
 def test_watcher_sets_the_guest_attributes(tmp_path, metadata, code, final):
     out = run_watcher(tmp_path, metadata, code, [status("starting", 10, None), status("running", 15, 2.5)])
-    assert metadata.attributes == {"state": final, "step": "15", "total-steps": "20", "start-step": "10",
-                                   "loss": "2.5", "exit-code": str(code),
-                                   "updated": metadata.attributes["updated"]}
+    expected = {"state": final, "step": "15", "total-steps": "20", "start-step": "10", "loss": "2.5",
+                "exit-code": str(code), "updated": metadata.attributes["updated"]}
+    if final == "failed":  # the container's last words (none here: no docker), else the exit code
+        expected["error"] = f"exit code {code}"
+    assert metadata.attributes == expected
     assert int(metadata.attributes["updated"]) >= 1700000015
     states = [value for key, value in metadata.puts if key == "state"]
     assert states == ["starting", "running", final]
@@ -209,7 +211,7 @@ def test_watcher_reports_failed_when_the_wait_itself_fails(tmp_path, metadata):
     env = {**os.environ, "GCE_METADATA_HOST": metadata.host}
     subprocess.run([sys.executable, str(tmp_path / "watch.py"), str(tmp_path / "none.json"), "0.02",
                     sys.executable, "-c", "import sys; sys.exit(1)"], env=env, check=True, timeout=60)
-    assert metadata.attributes.keys() == {"state", "updated"} and metadata.attributes["state"] == "failed"
+    assert metadata.attributes.keys() == {"state", "error", "updated"} and metadata.attributes["state"] == "failed"
 
 
 def test_watcher_survives_a_missing_metadata_server(tmp_path):
