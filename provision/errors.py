@@ -58,9 +58,24 @@ class StockoutError(CloudError):
     pass
 
 
+# Top-level modules of each extra's packages: a command that needs one of them names the extra.
+EXTRA_OF_MODULE = {
+    "jinja2": "control", "tenacity": "control", "grpc": "control", "grpc_status": "control",
+    "google": "control", "jax": "trainer", "jaxlib": "trainer", "flax": "trainer", "optax": "trainer",
+    "orbax": "trainer", "numpy": "trainer", "etils": "trainer", "gcsfs": "trainer",
+}
+
+
 class MissingDependency(UsageError):
     def __init__(self, package: str, extra: str) -> None:
         super().__init__(
             f"this command needs the Python package {package!r}, which is not installed",
             hint=f"install it with: pip install 'moe-tpu[{extra}]'",
         )
+
+    @classmethod
+    def of(cls, exc: ModuleNotFoundError) -> MissingDependency | None:
+        """The error to show for a module an extra would have installed; None for any other module."""
+        name = exc.name or ""
+        extra = EXTRA_OF_MODULE.get(name.split(".", 1)[0])
+        return cls(name, extra) if extra else None

@@ -114,7 +114,7 @@ def _wait_settled(cfg, session, console, name: str, zone: str):
                     progress=bar, what=f"queued resource {short(name)} in {zone}")
 
 
-def _nodes_of(session, project: str, zone: str, qr) -> list:
+def nodes_of(session, project: str, zone: str, qr) -> list:
     """The nodes a queued resource made: by back-reference, else by the ids in its node spec."""
     ids: set[str] = set()
     prefixes: list[str] = []
@@ -142,7 +142,7 @@ def _wait_nodes_ready(cfg, session, console, project: str, zone: str, qr) -> lis
         return f"  nodes: {states}"
 
     with console.progress("  waiting for the nodes") as bar:
-        return poll(lambda: _nodes_of(session, project, zone, qr), ready, session.clock,
+        return poll(lambda: nodes_of(session, project, zone, qr), ready, session.clock,
                     timeout_s=1800, describe=describe, progress=bar, what="the slice's nodes")
 
 

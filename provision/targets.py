@@ -105,7 +105,7 @@ class SliceTarget:
         return resources
 
     def report(self) -> Report:
-        from provision.slices import _nodes_of, failure_of, state_name
+        from provision.slices import failure_of, nodes_of, state_name
 
         tpu = self.session.tpu
         qr = tpu.get_queued_resource(self.queued_resource)
@@ -119,7 +119,7 @@ class SliceTarget:
                                               + (f": code {code}: {message}" if message else ""))
         project = project_of(self.cfg, self.session)
         reports = []
-        for node in _nodes_of(self.session, project, self.zone, qr):
+        for node in nodes_of(self.session, project, self.zone, qr):
             if node.state.name != "READY":
                 return Report("preempted", detail=f"node {short(node.name)} is {node.state.name}")
             workers = tpu.get_guest_attributes(node.name, GUEST_NAMESPACE)

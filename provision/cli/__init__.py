@@ -10,7 +10,7 @@ import sys
 import click
 
 from provision.app import App
-from provision.errors import MoeTpuError
+from provision.errors import MissingDependency, MoeTpuError
 
 # name -> "module:attribute"; a command appears here only once it is built.
 COMMANDS: dict[str, str] = {
@@ -116,6 +116,13 @@ def main(argv: list[str] | None = None) -> None:
     except MoeTpuError as exc:
         App.report_error(exc)
         sys.exit(exc.exit_code)
+    except ModuleNotFoundError as exc:  # an extra that this install lacks
+        missing = MissingDependency.of(exc)
+        if missing is None:
+            App.report_unexpected(exc)
+            sys.exit(1)
+        App.report_error(missing)
+        sys.exit(missing.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted; run `moe-tpu down` to delete anything this run created", err=True)
         sys.exit(130)
