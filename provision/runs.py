@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from provision import storage
-from provision.errors import CloudError, MoeTpuError
+from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
 from provision.targets import Report
 from provision.waiting import PollPolicy, format_duration
@@ -152,7 +152,10 @@ class Runner:
             try:
                 self.resources = self.target.provision(attempt)
             except MoeTpuError as exc:
+                self.timeline.add("failed", self.console, detail=exc.message)
                 self._teardown("deleted")
+                if isinstance(exc, UsageError):  # the API refused the request: a config problem (exit 2)
+                    raise
                 return self._failed(f"provisioning failed: {exc.message}")
             self.timeline.billing(True)
             where = ", ".join(f"{r.kind} {short(r.name)}" for r in self.resources[:2])

@@ -131,3 +131,22 @@ def test_sigint_with_yes_tears_everything_down(tmp_path):
     doc = json.loads(out)
     assert doc["result"] == "interrupted" and "interrupted" in events(doc)
     assert nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("target", ["tpu-vm", "vertex"])
+def test_quota_fails_the_run_before_any_training(tmp_path, target):
+    write_config(tmp_path, target)
+    rc, doc, err = run_json(tmp_path, "quota")
+    assert rc == 1 and doc["result"] == "error" and "quota" in doc["error"]
+    assert events(doc)[:2] == ["provisioning", "failed"] and "training started" not in events(doc)
+    assert doc["training"]["steps"] == 0 and not (tmp_path / ".moe-tpu" / "runs").exists()
+    assert nothing_left(tmp_path)
+
+
+def test_a_model_that_does_not_fit_is_refused_before_anything_is_created(tmp_path):
+    doc = yaml.safe_load((ROOT / "examples" / "moe-1.2t.yaml").read_text())
+    (tmp_path / "moe-tpu.yaml").write_text(yaml.safe_dump(doc))
+    out = moe(["--dry-run", "--output", "json", "run"], tmp_path)
+    assert out.returncode == 2 and "does not fit" in out.stderr and "--force" in out.stderr
+    assert "DOES NOT FIT" in out.stderr and "Traceback" not in out.stderr
+    assert not any(c["rpc"].endswith(CREATES) for c in json.loads(out.stdout)["calls"])
