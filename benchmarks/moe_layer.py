@@ -105,8 +105,8 @@ def run_case(mesh, case, modes, reps):
         jax.random.normal(jax.random.key(7), (experts, devices * capacity, d_model)), NamedSharding(mesh, P("expert"))
     )
     base = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=cf)
-    configs = {"einsum": MoEConfig(**{**base.__dict__, "dispatch": "einsum"})}
-    dropless = MoEConfig(**{**base.__dict__, "capacity_factor": 0.0})
+    configs = {"einsum": MoEConfig(**{**base.model_dump(), "dispatch": "einsum"})}
+    dropless = MoEConfig(**{**base.model_dump(), "capacity_factor": 0.0})
     configs.update({m: base if m == "capacity" else dropless for m in modes})
     # Share of the ideal's rows (experts * devices * capacity) each mode fills with assignments.
     assigned = tokens * k / (experts * devices * capacity)

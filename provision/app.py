@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from provision.console import Console
-from provision.errors import ConfigError, MoeTpuError
+from provision.errors import ConfigError, MoeTpuError, UsageError
 
 STATE_DIR = ".moe-tpu"
 LAST_CONFIG = "last-config"
@@ -36,6 +36,8 @@ class App:
         # what a command asks of the emulator before the session opens (dry run only): "workloads",
         # a provision.emulator.local_trainer.LocalTrainer that runs the trainer while a slice or job is up
         self.emulator_options: dict[str, Any] = {}
+        self.config = None  # the config this command loaded, once loaded
+        self.used_cloud = False  # a cloud session was opened (an interrupt may have left resources)
         App.current = self
 
     @property
@@ -50,14 +52,41 @@ class App:
         from provision.config import DEFAULT_CONFIG, load_config
 
         config_path = Path(path)
-        remembered = self.state_dir / LAST_CONFIG
-        if path == DEFAULT_CONFIG and not config_path.exists() and remembered.exists():
-            config_path = Path(remembered.read_text().strip())
-            self.console.info(f"using {config_path} (the config last used in this directory)")
+        if path == DEFAULT_CONFIG and not config_path.exists():
+            remembered_path = self.remembered_config()
+            if remembered_path is not None:
+                config_path = remembered_path
+                self.console.info(f"using {config_path} (the config last used in this directory)")
         cfg = load_config(config_path, check_trainer=check_trainer)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        remembered.write_text(str(config_path.resolve()) + "\n")
+        self.remember_config(config_path)
+        self.config = cfg
         return cfg
+
+    def remembered_config(self) -> Path | None:
+        """The config the last command here used, from .moe-tpu/last-config; None when there is
+        none. A file that cannot be read as a path is a usage error that says how to fix it."""
+        remembered = self.state_dir / LAST_CONFIG
+        try:
+            text = remembered.read_text(encoding="utf-8").strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{remembered}: cannot read the remembered config path: "
+                             f"{getattr(exc, 'strerror', None) or exc}",
+                             hint=f"delete {remembered}, or name the config with --config") from None
+        if not text or "\n" in text or "\0" in text or not text.isprintable():
+            raise UsageError(f"{remembered}: does not hold a config path",
+                             hint=f"delete {remembered}, or name the config with --config")
+        return Path(text)
+
+    def remember_config(self, config_path: Path) -> None:
+        """Record the config for later commands here; a directory that cannot take it only loses that."""
+        remembered = self.state_dir / LAST_CONFIG
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            remembered.write_text(str(config_path.resolve()) + "\n", encoding="utf-8")
+        except (OSError, UnicodeEncodeError) as exc:
+            self.console.detail(f"not remembering the config in {remembered}: {getattr(exc, 'strerror', None) or exc}")
 
     def trainer_output_dir(self, cfg, train_locally: bool = False) -> str:
         """Where the run's trainer writes: trainer.output_dir, or in a dry run a directory under
@@ -78,6 +107,7 @@ class App:
             from provision.cloud import Session
 
             self._session = Session(self.endpoint(), self.calls, self.console)
+            self.used_cloud = True
         return self._session
 
     def endpoint(self):
@@ -97,10 +127,12 @@ class App:
     def _start_emulator(self):
         from provision.clock import SimClock
         from provision.emulator import Emulator
-        from provision.errors import UsageError
 
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise UsageError(f"{self.state_dir} is a file, not the directory where dry runs keep their state",
+                             hint=f"move or delete the file {self.state_dir}") from None
         except OSError as exc:
             raise UsageError(f"cannot create {self.state_dir}: {exc.strerror or exc}",
                              hint="run dry runs in a directory you can write to") from None
@@ -152,6 +184,47 @@ class App:
                     extra["problems"] = [p.__dict__ for p in exc.problems]
                 console.emit(app.document("error", resources=[], **extra))
         console.error(exc.message, exc.hint)
+
+    def _what_exists(self) -> list[dict[str, Any]]:
+        """The run's resources as they stand (after an interrupt); [] when none can be read."""
+        cfg = self.config
+        if cfg is None or not self.used_cloud:
+            return []
+        try:
+            from provision.resources import project_of
+
+            session = self.session()  # the command's own may be closed already
+            if cfg.target == "vertex":
+                from provision.jobs import managed_jobs
+
+                found = managed_jobs(session, project_of(cfg, session), cfg.region, run=cfg.run)
+            else:
+                from provision.slices import slice_status
+
+                found = slice_status(cfg, session)
+            now = session.clock.now()
+            return [r.as_dict(now) for r in found]
+        except BaseException:  # noqa: BLE001 - interrupted again, or the cloud is gone: report what we know
+            return []
+
+    @classmethod
+    def report_interrupt(cls) -> None:
+        """Ctrl-C: keep the documented promises (the hint to run `down`; in JSON mode, one document
+        with result "interrupted" and what exists)."""
+        app = cls.current
+        console = app.console if app else Console()
+        touched_cloud = app is not None and app.used_cloud
+        hint = "run `moe-tpu down` to delete anything this run created" if touched_cloud else None
+        if app is not None:
+            resources = app._what_exists()
+            try:
+                app.close()
+            except BaseException:  # noqa: BLE001 - already interrupted; report what we know
+                pass
+            if console.json_mode and app.command and not console.emitted:
+                console.emit(app.document("interrupted", resources=resources, error="interrupted", hint=hint,
+                                          exit_code=130))
+        console.error("interrupted" if touched_cloud else "aborted", hint)
 
     @classmethod
     def report_unexpected(cls, exc: BaseException) -> None:

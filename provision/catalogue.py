@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 V5E_RUNTIME = "v2-alpha-tpuv5-lite"
+# TPU VM images that run v5e. v2-alpha-tpuv5-lite: "TPU software versions" page. v2-tpuv5-litepod:
+# Google's own samples (python-docs-samples tpu/create_tpu.py, java-docs-samples tpu/ with
+# v5litepod-4). tpu-ubuntu2204-base: the base Ubuntu image, used with v5litepod in public setup
+# scripts (gcloud ... --accelerator-type=v5litepod-4 --version=tpu-ubuntu2204-base).
+V5E_RUNTIMES: tuple[str, ...] = (V5E_RUNTIME, "v2-tpuv5-litepod", "tpu-ubuntu2204-base")
 
 # Per chip, from the v5e system architecture page: 197 TFLOP/s bf16, 16 GB HBM2 at about
 # 819 GB/s, 1600 Gbps of ICI per chip, 2D torus, at most 256 chips per pod.
@@ -55,7 +60,7 @@ def _v5e(name: str, topology: str, chips: int, vms: int, vertex_machine_type: st
         name=name, generation="v5e", topology=topology, chips=chips, vms=vms,
         chips_per_vm=chips // vms, hbm_gib_per_chip=_HBM_GIB, hbm_gbps_per_chip=_HBM_GBPS,
         peak_bf16_tflops_per_chip=_PEAK_BF16_TFLOPS, ici_gbps_per_chip=_ICI_GBPS,
-        vertex_machine_type=vertex_machine_type, runtime_versions=(V5E_RUNTIME,),
+        vertex_machine_type=vertex_machine_type, runtime_versions=V5E_RUNTIMES,
     )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
 from provision import catalogue
@@ -46,6 +46,10 @@ _SERVICE_ACCOUNT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[a-z0-9.-]+\.iam\.
 _VERTEX_NETWORK = re.compile(r"^projects/[0-9]+/global/networks/[a-z]([-a-z0-9]*[a-z0-9])?$")
 _MESH = re.compile(r"^[a-z]+=[0-9]+(,[a-z]+=[0-9]+)*$")
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+# Config durations stay far below what a request's Duration can hold; nobody queues or trains for longer.
+MAX_DURATION = timedelta(days=30)
+# Slices in one multislice queued resource; more is no quota anyone has, and no longer a valid request.
+MAX_SLICE_COUNT = 256
 
 
 def _fail(message: str) -> PydanticCustomError:
@@ -61,7 +65,10 @@ def parse_duration(value: Any) -> timedelta:
     if not match:
         raise ValueError(f"duration {value!r} must look like 2h, 30m, 90s or 1h30m")
     hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    return timedelta(hours=hours, minutes=minutes, seconds=seconds)
+    try:
+        return timedelta(hours=hours, minutes=minutes, seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"duration {value!r} is too long (at most {format_duration(MAX_DURATION)})") from None
 
 
 def format_duration(delta: timedelta) -> str:
@@ -81,6 +88,8 @@ def _positive_duration(value: Any) -> timedelta:
         raise _fail(str(exc)) from None
     if delta <= timedelta(0):
         raise _fail(f"duration {value!r} must be longer than 0s")
+    if delta > MAX_DURATION:
+        raise _fail(f"duration {value!r} is too long: at most {format_duration(MAX_DURATION)} (30 days)")
     return delta
 
 
@@ -104,7 +113,7 @@ class _Section(BaseModel):
 class SliceConfig(_Section):
     accelerator: str = "v5litepod-64"
     runtime_version: str = catalogue.V5E_RUNTIME
-    count: int = 1
+    count: StrictInt = 1
     capacity: Literal["on-demand", "spot", "reserved"] = "spot"
     reservation: str | None = None
     max_wait: timedelta = timedelta(hours=2)
@@ -126,6 +135,25 @@ class SliceConfig(_Section):
     def _positive_count(cls, value: int) -> int:
         if value < 1:
             raise _fail(f"slice count must be at least 1, got {value}")
+        if value > MAX_SLICE_COUNT:
+            raise _fail(f"slice count must be at most {MAX_SLICE_COUNT}, got {value}")
+        return value
+
+    @field_validator("reservation")
+    @classmethod
+    def _reservation_name(cls, value: str | None) -> str | None:
+        """A reservation's name (RFC 1035, like every Compute Engine resource name) or its full
+        name projects/PROJECT/locations/ZONE/reservations/NAME (the API's reservation_name)."""
+        if value is None:
+            return value
+        parts = value.split("/")
+        full = (len(parts) == 6 and parts[0] == "projects" and parts[2] == "locations"
+                and parts[4] == "reservations" and bool(_PROJECT.match(parts[1])) and bool(_ZONE.match(parts[3])))
+        name = parts[5] if full else value
+        if (len(parts) != 1 and not full) or not _RFC1035.match(name) or len(name) > MAX_ID_LENGTH:
+            raise _fail(f"reservation {value!r} is not a reservation name (lowercase letters, digits and "
+                        "hyphens, starting with a letter, at most 63) nor "
+                        "projects/PROJECT/locations/ZONE/reservations/NAME")
         return value
 
     @field_validator("max_wait", mode="before")
@@ -242,7 +270,7 @@ class ImageConfig(_Section):
 class TrainerConfig(_Section):
     config: str = "tiny"
     output_dir: str
-    steps: int | None = None
+    steps: StrictInt | None = None
     # The device mesh (`--mesh`), e.g. data=8,expert=8; unset: the trainer puts every chip on data.
     mesh: str | None = None
     overrides: dict[str, str | int | float | bool] = Field(default_factory=dict)
@@ -292,7 +320,7 @@ class TrainerConfig(_Section):
 
 
 class RecoveryConfig(_Section):
-    max_restarts: int = 3
+    max_restarts: StrictInt = 3
 
     @field_validator("max_restarts")
     @classmethod
@@ -306,10 +334,10 @@ class DryRunConfig(_Section):
     """How `run --dry-run` trains for real on this machine: the trainer made small enough for a CPU."""
 
     trainer_config: str = "tiny"
-    steps: int = 40
-    devices: int = 8
+    steps: StrictInt = 40
+    devices: StrictInt = 8
     mesh: str = "data=2,expert=4"
-    checkpoint_every: int = 10
+    checkpoint_every: StrictInt = 10
 
     @field_validator("steps", "devices", "checkpoint_every")
     @classmethod
@@ -375,6 +403,9 @@ class Config(BaseModel):
     def _zones(cls, value: list[str]) -> list[str]:
         if not value:
             raise _fail("list at least one zone, e.g. [us-west4-a]")
+        twice = sorted({zone for zone in value if value.count(zone) > 1})
+        if twice:
+            raise _fail(f"zone {twice[0]!r} is listed twice; list each zone once (they are tried in order)")
         return value
 
     @field_validator("run")
@@ -394,27 +425,129 @@ class Config(BaseModel):
 
 # --- loading ---------------------------------------------------------------------------
 
-def _key_lines(node: yaml.Node | None, path: str, lines: dict[str, int]) -> list[tuple[str, int]]:
-    """Fill `lines` (dotted key -> line) and return (dotted key, line) of every key given twice."""
-    duplicates: list[tuple[str, int]] = []
+# Bounds on what a config's YAML may make us do, so that a small file cannot make a long walk:
+# nesting deeper than this is no config (and deep nesting overflows the YAML composer's stack);
+# aliases may not make the document much bigger than its text (a few kilobytes of nested aliases
+# expand to billions of nodes).
+MAX_NESTING = 64
+MAX_NODES_PER_CHAR = 2
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Unbounded(Exception):
+    """The YAML is well formed but no config: too deep, too big once aliases expand, or cyclic."""
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            dotted = f"{path}.{key_node.value}" if path else str(key_node.value)
-            if dotted in lines:
-                duplicates.append((dotted, key_node.start_mark.line + 1))
-            lines[dotted] = key_node.start_mark.line + 1
-            duplicates += _key_lines(value_node, dotted, lines)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            lines[f"{path}[{i}]"] = item.start_mark.line + 1
-            duplicates += _key_lines(item, f"{path}[{i}]", lines)
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_nesting(text: str) -> None:
+    """Read the event stream (cheap, no tree) and stop at the first level past MAX_NESTING."""
+    loader = _Loader(text)
+    depth = 0
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                depth += 1
+                if depth > MAX_NESTING:
+                    line = event.start_mark.line + 1 if event.start_mark else 0
+                    raise _Unbounded(f"nested more than {MAX_NESTING} levels deep (at line {line}); "
+                                     "a config is a few levels of keys")
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                depth -= 1
+    finally:
+        loader.dispose()
+
+
+def _check_nesting_python(text: str) -> None:
+    """The pure-Python parser's syntax error for `text` (events only: no stack to overflow)."""
+    for _ in yaml.parse(text, Loader=yaml.SafeLoader):
+        pass
+
+
+def _check_expansion(root: yaml.Node | None, limit: int) -> None:
+    """Count the nodes the document has once every alias is expanded, each shared node once per
+    use, without expanding anything: a size per distinct node, children first. Stops past `limit`
+    and at an alias that contains itself."""
+    if root is None:
+        return
+    sizes: dict[int, int] = {}
+    path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+            if sizes[key] > limit:
+                raise _Unbounded(f"its aliases expand to more than {limit} values (a config this long has "
+                                 "far fewer); write the values out or use fewer nested aliases")
+            continue
+        if key in sizes:
+            continue
+        if key in path:
+            line = node.start_mark.line + 1 if node.start_mark else 0
+            raise _Unbounded(f"an alias refers to the value that contains it (at line {line}); "
+                             "a config cannot be recursive")
+        path.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+
+
+def _key_lines(root: yaml.Node | None, lines: dict[str, int]) -> list[tuple[str, int]]:
+    """Fill `lines` (dotted key -> line) and return (dotted key, line) of every key given twice.
+
+    Walks the document as aliases expand it (bounded by _check_expansion first)."""
+    duplicates: list[tuple[str, int]] = []
+    stack: list[tuple[yaml.Node | None, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                dotted = f"{path}.{key_node.value}" if path else str(key_node.value)
+                if dotted in lines:
+                    duplicates.append((dotted, key_node.start_mark.line + 1))
+                lines[dotted] = key_node.start_mark.line + 1
+                stack.append((value_node, dotted))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[f"{path}[{i}]"] = item.start_mark.line + 1
+                stack.append((item, f"{path}[{i}]"))
     return duplicates
+
+
+def _load_yaml(text: str, lines: dict[str, int]) -> tuple[Any, list[tuple[str, int]]]:
+    """Parse once: the events for nesting, the node graph for alias expansion, then the data."""
+    try:
+        _check_nesting(text)
+        loader = _Loader(text)
+        try:
+            root = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError:
+        if _Loader is not yaml.SafeLoader:  # the pure-Python parser words syntax errors better
+            _check_nesting_python(text)
+            yaml.compose(text, Loader=yaml.SafeLoader)
+        raise
+    _check_expansion(root, MAX_NODES_PER_CHAR * len(text) + 1000)
+    duplicates = _key_lines(root, lines)
+    data = yaml.SafeLoader("").construct_document(root) if root is not None else None
+    return data, duplicates
 
 
 def _parse_yaml(text: str, file: str, lines: dict[str, int]) -> tuple[Any, list[Problem]]:
     try:
-        duplicates = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader), "", lines)
-        data = yaml.safe_load(text)
+        data, duplicates = _load_yaml(text, lines)
+    except _Unbounded as exc:
+        return None, [Problem(file, "", f"YAML is not a config: {exc}")]
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -449,12 +582,18 @@ def _message(err: dict[str, Any]) -> str:
     if kind == "missing":
         return "missing required key"
     if kind == "literal_error":
-        return f"must be one of {err['ctx']['expected']}, got {err['input']!r}"
+        return f"must be one of {err['ctx']['expected']}, got {_brief(err['input'])}"
     if kind == "model_type":
-        return f"expected a mapping of keys, got {err['input']!r}"
+        return f"expected a mapping of keys, got {_brief(err['input'])}"
     if kind == "moe_tpu":
         return err["msg"]
-    return f"{err['msg'][0].lower()}{err['msg'][1:]}, got {err['input']!r}"
+    return f"{err['msg'][0].lower()}{err['msg'][1:]}, got {_brief(err['input'])}"
+
+
+def _brief(value: Any, width: int = 80) -> str:
+    """repr() of a value from the file, cut short: a message names it, it does not print it all."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _get(raw: dict[str, Any], failed: set[str], key: str) -> Any:
@@ -500,6 +639,13 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
     if capacity in ("spot", "on-demand") and isinstance(reservation, str):
         found.append(("slice.reservation", f"a reservation is only used with capacity 'reserved' "
                                            f"(capacity is {capacity!r})"))
+    if isinstance(reservation, str) and reservation.count("/") == 5 and isinstance(zones, list):
+        res_zone = reservation.split("/")[3]
+        others = [z for z in zones if isinstance(z, str) and z != res_zone]
+        if others:  # a TPU consumes a reservation in its own zone only
+            found.append(("slice.reservation", f"reservation {reservation!r} is in {res_zone}; it cannot serve "
+                                               f"zone(s) {', '.join(others)} (list only {res_zone} in `zones:`, "
+                                               "or give the reservation's short name)"))
     machine, topology = get("vertex.machine_type"), get("vertex.topology")
     allowed = catalogue.VERTEX_MACHINE_TOPOLOGIES.get(machine) if isinstance(machine, str) else None
     if allowed and isinstance(topology, str) and topology not in allowed:

@@ -82,6 +82,21 @@ def check_target(cfg) -> None:
                          hint="use `moe-tpu slice up` for a TPU VM slice, or set `target: vertex`")
 
 
+def _job_shape(job) -> dict[str, object]:
+    pools = list(job.job_spec.worker_pool_specs)
+    pool = pools[0] if pools else None
+    return {"machine type": pool.machine_spec.machine_type if pool else None,
+            "topology": pool.machine_spec.tpu_topology if pool else None,
+            "image": pool.container_spec.image_uri if pool else None,
+            "scheduling": job.job_spec.scheduling.strategy.name if job.job_spec.scheduling else None}
+
+
+def job_differences(wanted, existing) -> list[str]:
+    """How an existing custom job differs from the one the config asks for (empty when it matches)."""
+    want, have = _job_shape(wanted), _job_shape(existing)
+    return [f"{key} is {have[key]} (the config asks for {want[key]})" for key in want if want[key] != have[key]]
+
+
 # --- submit -----------------------------------------------------------------------------
 def job_submit(cfg, session, console, templates_dir=None) -> Resource:
     """Submit the run's custom job, or adopt the one an earlier attempt submitted."""
@@ -89,12 +104,16 @@ def job_submit(cfg, session, console, templates_dir=None) -> Resource:
 
     check_target(cfg)
     project = project_of(cfg, session)
+    request = create_custom_job_request(cfg, templates_dir, project=project)
     existing = active_job(cfg, session, project)
     if existing is not None:
+        if differences := job_differences(request.custom_job, existing):
+            raise CloudError(f"custom job {short(existing.name)} ({state_name(existing)}) of run {cfg.run} is still "
+                             f"active but no longer matches the config: {'; '.join(differences)}",
+                             hint=f"run `moe-tpu job cancel -c {cfg.source}` (or `moe-tpu down`) first, then submit")
         console.info(f"  following job {short(existing.name)} that an earlier attempt submitted "
                      f"({state_name(existing)})")
         return job_resource(existing, cfg.region)
-    request = create_custom_job_request(cfg, templates_dir, project=project)
     console.info(f"  submitting custom job {cfg.run} in {cfg.region}: {cfg.vertex.machine_type}, "
                  f"topology {cfg.vertex.topology}, {cfg.vertex.scheduling}")
     job = session.vertex(cfg.region).create_custom_job(request, lambda: active_job(cfg, session, project))

@@ -20,11 +20,10 @@ from typing import Any
 import provision
 from provision import catalogue
 from provision.config import Config
-from provision.errors import UsageError
+from provision.errors import ConfigError, Problem, UsageError
+from provision.resources import MANAGED_BY, RUN_LABEL, resolve_project
 
-TOOL = "moe-tpu"
-LABEL_MANAGED_BY = "managed-by"
-LABEL_RUN = "moe-tpu-run"
+TOOL = MANAGED_BY[1]
 
 QUEUED_RESOURCE_TEMPLATE = "queued_resource.yaml.j2"
 STARTUP_TEMPLATE = "startup.sh.j2"
@@ -41,9 +40,12 @@ _CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 # --- names ---------------------------------------------------------------------------
 
+# A metadata value (the startup script) holds at most 256 KiB.
+MAX_METADATA_VALUE_BYTES = 256 * 1024
+
 def labels(cfg: Config) -> dict[str, str]:
     """Labels on everything created: the tool and the run (valid GCP label values by construction)."""
-    return {LABEL_MANAGED_BY: TOOL, LABEL_RUN: cfg.run}
+    return {MANAGED_BY[0]: MANAGED_BY[1], RUN_LABEL: cfg.run}
 
 
 def queued_resource_id(cfg: Config) -> str:
@@ -72,13 +74,8 @@ def parent(cfg: Config, zone: str, project: str | None = None) -> str:
 
 
 def _project(cfg: Config, project: str | None = None) -> str:
-    """The project a request goes to: the caller's (e.g. from credentials), else the config's."""
-    if project:
-        return project
-    if not cfg.project:
-        raise UsageError(f"{cfg.source}: project: the config names no project, and every request needs one",
-                         hint="set `project: YOUR-PROJECT-ID` in the config")
-    return cfg.project
+    """The project a request goes to (see provision.resources.resolve_project)."""
+    return resolve_project(cfg, project)
 
 
 def trainer_argv(cfg: Config, status_file: str | None = None) -> list[str]:
@@ -289,7 +286,21 @@ def _where(templates_dir: Path | None) -> str:
 
 def startup_script(cfg: Config, templates_dir: Path | None = None) -> str:
     """The script every TPU VM worker runs as root at boot (metadata key startup-script)."""
-    return render(STARTUP_TEMPLATE, startup_spec(cfg, templates_dir), templates_dir)
+    script = render(STARTUP_TEMPLATE, startup_spec(cfg, templates_dir), templates_dir)
+    size = len(script.encode("utf-8"))
+    if size > MAX_METADATA_VALUE_BYTES:
+        overrides = len(" ".join(cfg.trainer.set_flags()).encode("utf-8"))
+        limit_kib = MAX_METADATA_VALUE_BYTES // 1024
+        head = f"the startup script it renders is {size / 1024:.0f} KiB; a TPU VM metadata value holds at most " \
+               f"{limit_kib} KiB"
+        if overrides > MAX_METADATA_VALUE_BYTES // 2:
+            problem = Problem(str(cfg.source), "trainer.overrides", f"{head} (the overrides take {overrides // 1024} "
+                              "KiB of it: put them in a trainer config file named by trainer.config)")
+        else:
+            problem = Problem(str(cfg.source), "", f"{head} ({STARTUP_TEMPLATE} makes most of it; "
+                              f"{_where(templates_dir)})")
+        raise ConfigError([problem])
+    return script
 
 
 def queued_resource_body(cfg: Config, zone: str, templates_dir: Path | None = None,
@@ -349,10 +360,14 @@ def create_custom_job_request(cfg: Config, templates_dir: Path | None = None, pr
 
 
 def proto_dict(message: Any) -> dict[str, Any]:
-    """A proto-plus message as proto JSON with the proto's field names (for calls logs and files)."""
+    """A message (proto-plus or raw protobuf) as proto JSON with the proto's field names (for calls
+    logs and files); {} for anything that is not a message."""
     from google.protobuf import json_format
+    from google.protobuf.message import Message
 
-    pb = type(message).pb(message)
+    pb = type(message).pb(message) if hasattr(type(message), "pb") else message
+    if not isinstance(pb, Message):
+        return {}
     return json_format.MessageToDict(pb, preserving_proto_field_name=True)
 
 

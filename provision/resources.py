@@ -66,8 +66,15 @@ def short(name: str) -> str:
 
 
 def project_of(cfg, session) -> str:
-    project = cfg.project or session.default_project
+    """The project a run's requests go to: the config's, else the one the credentials name."""
+    return resolve_project(cfg, session.default_project)
+
+
+def resolve_project(cfg, fallback: str | None = None) -> str:
+    """The config's project, else `fallback` (from credentials, or a placeholder for rendered files)."""
+    project = cfg.project or fallback
     if not project:
-        raise UsageError("no project: set `project:` in the config",
-                         hint="or run `gcloud config set project ID` so Application Default Credentials name one")
+        raise UsageError(f"{cfg.source}: project: the config names no project, and every request needs one",
+                         hint="set `project: YOUR-PROJECT-ID` in the config, or run `gcloud config set project "
+                              "ID` so Application Default Credentials name one")
     return project

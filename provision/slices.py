@@ -13,10 +13,11 @@ from provision.errors import CloudError, StockoutError
 from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
 from provision.waiting import format_duration, poll
 
-# FAILED codes that mean "no capacity here in time", each worth another zone: RESOURCE_EXHAUSTED (8,
-# a stockout), FAILED_PRECONDITION (9, insufficient reserved capacity), DEADLINE_EXCEEDED (4, not
-# provisioned before queueing_policy's valid-until, which slice.max_wait sets).
-STOCKOUT_CODES = {4, 8, 9}
+# FAILED codes that mean "no capacity here", each worth another zone: RESOURCE_EXHAUSTED (8, a
+# stockout), FAILED_PRECONDITION (9, insufficient reserved capacity). A request that outlived
+# queueing_policy's valid-until (slice.max_wait) is recognised by its times instead (`expired`): the
+# code it ends with is undocumented (13 has been seen).
+STOCKOUT_CODES = {8, 9}
 # Polls go on a little past slice.max_wait so that the API's own valid-until verdict is seen.
 MAX_WAIT_GRACE_S = 600
 SETTLED_QR_STATES = {"ACTIVE", "FAILED", "SUSPENDED"}
@@ -35,6 +36,22 @@ def queued_resource_name(cfg, project: str, zone: str) -> str:
 
 def state_name(qr) -> str:
     return qr.state.state.name
+
+
+def expired(qr, now: float) -> bool:
+    """Whether the service failed a queued resource because its valid-until passed: FAILED by the
+    service (state_initiator SERVICE) at or after create_time + valid_until_duration (or
+    valid_until_time), whatever error code it carries."""
+    if state_name(qr) != "FAILED" or qr.state.state_initiator.name != "SERVICE" or "queueing_policy" not in qr:
+        return False
+    policy = qr.queueing_policy
+    if "valid_until_time" in policy:
+        deadline = policy.valid_until_time.timestamp()
+    elif "valid_until_duration" in policy and "create_time" in qr:
+        deadline = qr.create_time.timestamp() + policy.valid_until_duration.total_seconds()
+    else:
+        return False
+    return now >= deadline
 
 
 def failure_of(qr) -> tuple[int | None, str]:
@@ -156,10 +173,14 @@ def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: s
                      "deleting it first (it still counts against quota)")
         _delete_and_wait(session, console, name)
         existing = None
+    request = create_queued_resource_request(cfg, zone, templates_dir, attempt=attempt, project=project)
     if existing is not None:
+        if differences := qr_differences(request.queued_resource, existing):
+            raise CloudError(f"queued resource {short(name)} in {zone} ({state_name(existing)}) exists but no longer "
+                             f"matches the config: {'; '.join(differences)}",
+                             hint=f"run `moe-tpu down -c {cfg.source}` to delete it, then `moe-tpu slice up` again")
         console.info(f"  adopting existing queued resource {short(name)} in {zone} ({state_name(existing)})")
         return
-    request = create_queued_resource_request(cfg, zone, templates_dir, attempt=attempt, project=project)
     console.info(f"  creating queued resource {short(name)} in {zone}: "
                  f"{cfg.slice.count} x {cfg.slice.accelerator}, {cfg.slice.capacity}")
     operation = session.tpu.create_queued_resource(request)
@@ -176,6 +197,25 @@ def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: s
         operation = session.tpu.create_queued_resource(request)
         if operation is not None:
             session.tpu.wait_operation(operation, f"create {short(name)}", timeout_s=600)
+
+
+def _shape(qr) -> dict[str, object]:
+    """What a queued resource provisions: the fields a config change can alter."""
+    specs = list(qr.tpu.node_spec)
+    node = specs[0].node if specs else None
+    multislice = specs[0].multislice_params.node_count if specs else 0
+    capacity = ("spot" if "spot" in qr else "reserved" if qr.reservation_name
+                else "on-demand" if "guaranteed" in qr else "default")
+    return {"accelerator": node.accelerator_type if node else None,
+            "runtime version": node.runtime_version if node else None,
+            "slice count": multislice or len(specs), "capacity": capacity,
+            "reservation": qr.reservation_name or None}
+
+
+def qr_differences(wanted, existing) -> list[str]:
+    """How an existing queued resource differs from the one the config asks for ("" when it matches)."""
+    want, have = _shape(wanted), _shape(existing)
+    return [f"{key} is {have[key]} (the config asks for {want[key]})" for key in want if want[key] != have[key]]
 
 
 def slice_up(cfg, session, console, templates_dir=None, attempt: int = 0) -> list[Resource]:
@@ -196,10 +236,11 @@ def slice_up(cfg, session, console, templates_dir=None, attempt: int = 0) -> lis
             nodes = _wait_nodes_ready(cfg, session, console, project, zone, qr)
             return [_qr_resource(qr, zone)] + [_node_resource(n, zone) for n in nodes]
         code, message = failure_of(qr)
-        if state == "FAILED" and code in STOCKOUT_CODES:
+        timed_out = expired(qr, session.clock.now())
+        if state == "FAILED" and (timed_out or code in STOCKOUT_CODES):
             # In the config's own syntax (its parser's inverse), as the user wrote it.
             why = (f"not provisioned within slice.max_wait ({config_duration(cfg.slice.max_wait)})"
-                   if code == 4 else "no capacity")
+                   if timed_out else "no capacity")
             tried.append(f"{zone} ({why})")
             console.warn(f"{why} in {zone}: {message}")
             _delete_and_wait(session, console, name)
@@ -210,8 +251,19 @@ def slice_up(cfg, session, console, templates_dir=None, attempt: int = 0) -> lis
     raise StockoutError(
         f"no capacity for {cfg.slice.count} x {cfg.slice.accelerator} ({cfg.slice.capacity}) "
         f"in any zone tried: {', '.join(tried)}",
-        hint="add zones to `zones:`, raise `slice.max_wait`, try `slice.capacity: spot`, or use a "
-             "reservation (`slice.capacity: reserved` with `slice.reservation`)")
+        hint=_stockout_hint(cfg))
+
+
+def _stockout_hint(cfg) -> str:
+    """What else to try, leaving out what the config already does."""
+    tries = ["add zones to `zones:`", "raise `slice.max_wait`"]
+    if cfg.slice.capacity != "spot":
+        tries.append("try `slice.capacity: spot`")
+    if cfg.slice.capacity != "reserved":
+        tries.append("use a reservation (`slice.capacity: reserved` with `slice.reservation`)")
+    else:
+        tries.append("check that the reservation `slice.reservation` has room for this slice")
+    return ", ".join(tries[:-1]) + ", or " + tries[-1]
 
 
 # --- down --------------------------------------------------------------------

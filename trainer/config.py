@@ -1,4 +1,4 @@
-"""The trainer's typed config: YAML (a named config or a path) plus `--set` overrides -> frozen dataclasses.
+"""The trainer's typed config: YAML (a named config or a path) plus `--set` overrides -> frozen pydantic models.
 
 Nothing downstream sees raw dicts: `load_config` returns a `Config`, and every problem (an unknown key,
 a wrong type, a bad value) raises `ConfigError` naming the key and, for unknown keys, the closest valid one.
@@ -8,17 +8,17 @@ creates anything. This module imports neither jax nor flax, so that check stays 
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import math
 import pathlib
-import types
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
+import pydantic
 import yaml
+from pydantic import field_validator, model_validator
 
 from trainer.moe.config import MoEConfig
+from trainer.schema import Flag, Integer, Number, Section
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -28,22 +28,22 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the key and how to fix it."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 0  # 0: as many as num_heads (plain multi-head attention)
-    head_dim: int = 0  # 0: d_model // num_heads
-    d_ff: int = 256  # hidden size of the dense gated FFN layers
-    moe_every: int = 2  # layer i is MoE when (i + 1) % moe_every == 0; 0: no MoE layers
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    remat: bool = False  # rematerialise each block in the backward pass
+class ModelConfig(Section):
+    vocab_size: Integer = 256
+    d_model: Integer = 64
+    num_layers: Integer = 2
+    num_heads: Integer = 4
+    num_kv_heads: Integer = 0  # 0: as many as num_heads (plain multi-head attention)
+    head_dim: Integer = 0  # 0: d_model // num_heads
+    d_ff: Integer = 256  # hidden size of the dense gated FFN layers
+    moe_every: Integer = 2  # layer i is MoE when (i + 1) % moe_every == 0; 0: no MoE layers
+    rope_theta: Number = 10_000.0
+    norm_eps: Number = 1e-6
+    tie_embeddings: Flag = False
+    remat: Flag = False  # rematerialise each block in the backward pass
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _valid(self) -> Self:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be at least 1, got {getattr(self, name)}")
@@ -57,6 +57,7 @@ class ModelConfig:
                              f"({self.num_kv_heads})")
         if self.head_size % 2:
             raise ValueError(f"the head size must be even for rotary positions, got {self.head_size}")
+        return self
 
     @property
     def kv_heads(self) -> int:
@@ -74,18 +75,18 @@ class ModelConfig:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Section):
     source: Literal["synthetic", "text", "tokens"] = "synthetic"
-    seq_len: int = 64
-    global_batch_size: int = 16
+    seq_len: Integer = 64
+    global_batch_size: Integer = 16
     path: str = ""  # text: a glob of local files; tokens: a .npy or raw .bin file, local or gs://
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # raw .bin token files
-    synthetic_vocab: int = 32  # states of the Markov source (token ids 0..synthetic_vocab-1)
-    synthetic_branching: int = 4  # successors per state with non-zero probability
-    synthetic_concentration: float = 1.0  # Dirichlet concentration of each state's successor weights
+    synthetic_vocab: Integer = 32  # states of the Markov source (token ids 0..synthetic_vocab-1)
+    synthetic_branching: Integer = 4  # successors per state with non-zero probability
+    synthetic_concentration: Number = 1.0  # Dirichlet concentration of each state's successor weights
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _valid(self) -> Self:
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
         if self.global_batch_size < 1:
@@ -97,21 +98,22 @@ class DataConfig:
                              f"({self.synthetic_vocab}), got {self.synthetic_branching}")
         if self.synthetic_concentration <= 0:
             raise ValueError(f"data.synthetic_concentration must be positive, got {self.synthetic_concentration}")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    decay_steps: int = 0  # 0: decay over the run's --steps
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0  # 0: no clipping
+class OptimConfig(Section):
+    lr: Number = 3e-3
+    warmup_steps: Integer = 10
+    decay_steps: Integer = 0  # 0: decay over the run's --steps
+    min_lr_ratio: Number = 0.1
+    weight_decay: Number = 0.1
+    b1: Number = 0.9
+    b2: Number = 0.95
+    eps: Number = 1e-8
+    clip_norm: Number = 1.0  # 0: no clipping
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _valid(self) -> Self:
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be positive, got {self.lr}")
         for name in ("warmup_steps", "decay_steps", "weight_decay", "eps", "clip_norm"):
@@ -122,27 +124,28 @@ class OptimConfig:
                 raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 200
-    seed: int = 0
-    log_every: int = 1
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    fsdp: bool = False  # shard the non-expert weights' embed axis over the data axis
+class TrainConfig(Section):
+    steps: Integer = 200
+    seed: Integer = 0
+    log_every: Integer = 1
+    checkpoint_every: Integer = 100
+    keep_checkpoints: Integer = 3
+    fsdp: Flag = False  # shard the non-expert weights' embed axis over the data axis
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _valid(self) -> Self:
         if self.steps < 0:
             raise ValueError(f"train.steps must not be negative, got {self.steps}")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Section):
     name: str = "custom"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # master weights
@@ -152,15 +155,22 @@ class Config:
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
 
-    def __post_init__(self):
+    @field_validator("model", "moe", "data", "optim", "train", mode="before")
+    @classmethod
+    def _empty_section(cls, value: Any) -> Any:
+        return {} if value is None else value  # a YAML section with no keys under it
+
+    @model_validator(mode="after")
+    def _valid(self) -> Self:
         if self.data.source == "synthetic" and self.data.synthetic_vocab > self.model.vocab_size:
             raise ValueError(f"data.synthetic_vocab ({self.data.synthetic_vocab}) exceeds model.vocab_size "
                              f"({self.model.vocab_size})")
         if self.data.source == "text" and self.model.vocab_size < 256:
             raise ValueError(f"byte-level text needs model.vocab_size >= 256, got {self.model.vocab_size}")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
 
 def named_configs() -> list[str]:
@@ -193,7 +203,10 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
         key, value = _parse_override(item)
         _set_path(raw, key, value)
     name = raw.pop("name", None) or pathlib.Path(name_or_path).stem
-    return build(Config, {**raw, "name": name}, prefix="")
+    try:
+        return Config.model_validate({**raw, "name": name})
+    except pydantic.ValidationError as e:
+        raise ConfigError(describe(e.errors()[0])) from None
 
 
 def _read_yaml(name_or_path: str, seen: tuple[str, ...]) -> dict[str, Any]:
@@ -255,80 +268,40 @@ def _set_path(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def build(cls: type, raw: Any, prefix: str) -> Any:
-    """Builds dataclass `cls` from a mapping, checking keys and types; errors name the dotted key."""
-    where = prefix.rstrip(".") or "the config"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
-        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"invalid config: {_qualify(str(e), cls, prefix)}") from None
+def describe(error: Any) -> str:
+    """One pydantic error in the project's words, naming the dotted key."""
+    loc = tuple(str(part) for part in error["loc"])
+    key, kind, value = ".".join(loc), error["type"], error.get("input")
+    if kind == "extra_forbidden":
+        fields = list(_section(loc[:-1]).model_fields)
+        prefix = "".join(f"{part}." for part in loc[:-1])
+        close = difflib.get_close_matches(loc[-1], fields, n=1)
+        hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+        return f"unknown config key '{key}'{hint}"
+    if kind == "value_error":
+        return f"invalid config: {_qualify(str(error['ctx']['error']), loc)}"
+    if kind == "literal_error":
+        return f"{key} must be one of {error['ctx']['expected']}; got {value!r}"
+    what = _TYPE_ERRORS.get(kind.removesuffix("_parsing").removesuffix("_type").removesuffix("_from_float"))
+    return f"{key or 'the config'} must be {what}, got {value!r}" if what else f"{key}: {error['msg']}"
 
 
-def _qualify(message: str, cls: type, prefix: str) -> str:
-    """A section's own check names its field bare ('top_k must be ...'): name it in full ('moe.top_k')."""
+_TYPE_ERRORS = {"int": "an integer", "bool": "true or false", "float": "a number", "finite_number": "a finite number",
+                "string": "a string", "model": "a mapping", "dict": "a mapping"}
+
+
+def _section(loc: tuple[str, ...]) -> type[Section]:
+    cls: type[Section] = Config
+    for part in loc:
+        cls = cls.model_fields[part].annotation
+    return cls
+
+
+def _qualify(message: str, loc: tuple[str, ...]) -> str:
+    """A section's own check may name its field bare ('top_k must be ...'): name it in full ('moe.top_k')."""
+    cls = _section(loc)
     message = message.removeprefix(f"{cls.__name__}: ")
-    first = message.split(" ", 1)[0]
-    if prefix and first in {f.name for f in dataclasses.fields(cls)}:
+    prefix = "".join(f"{part}." for part in loc)
+    if prefix and message.split(" ", 1)[0] in cls.model_fields:
         return prefix + message
     return message if not prefix or message.startswith(prefix) else f"{prefix.rstrip('.')}: {message}"
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        return build(hint, value if value is not None else {}, f"{key}.")
-    if origin is Literal:
-        if value not in typing.get_args(hint):
-            choices = ", ".join(map(str, typing.get_args(hint)))
-            raise ConfigError(f"{key} must be one of {choices}; got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(args[0], value, key) if len(args) == 1 else value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return value
-    if hint is float:
-        number = _number(value)
-        if number is None:
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        if not math.isfinite(number):
-            raise ConfigError(f"{key} must be a finite number, got {value!r}")
-        return number
-    if hint is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
-        return str(value)
-    return value
-
-
-def _number(value: Any) -> float | None:
-    """A float from a number, or from text YAML 1.1 leaves as a string ('1e-3' has no dot)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None

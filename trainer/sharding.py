@@ -90,9 +90,25 @@ def activation_spec(mesh: Mesh | None) -> NamedSharding | None:
 
 def parse_mesh(text: str | None, num_devices: int) -> dict[str, int]:
     """`data=D,expert=E` -> {"data": D, "expert": E}; default all devices on data. Raises ValueError."""
-    shape = {"data": num_devices, "expert": 1}
     if not text:
-        return shape
+        return {"data": num_devices, "expert": 1}
+    given = _mesh_axes(text)
+    if "data" not in given:
+        given["data"] = num_devices // given.get("expert", 1)
+    shape = {"data": given["data"], "expert": given.get("expert", 1)}
+    if shape["data"] * shape["expert"] != num_devices:
+        raise ValueError(f"--mesh data={shape['data']},expert={shape['expert']} needs "
+                         f"{shape['data'] * shape['expert']} devices, but there are {num_devices}")
+    return shape
+
+
+def mesh_size(text: str | None) -> int | None:
+    """The device count a `--mesh` asks for; None when it leaves data to fill the devices."""
+    given = _mesh_axes(text) if text else {}
+    return given["data"] * given.get("expert", 1) if "data" in given else None
+
+
+def _mesh_axes(text: str) -> dict[str, int]:
     given: dict[str, int] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
@@ -107,13 +123,7 @@ def parse_mesh(text: str | None, num_devices: int) -> dict[str, int]:
             raise ValueError(f"--mesh {key} must be an integer, got '{value}'") from None
         if given[key] < 1:
             raise ValueError(f"--mesh {key} must be at least 1")
-    if "data" not in given:
-        given["data"] = num_devices // given.get("expert", 1)
-    shape = {"data": given["data"], "expert": given.get("expert", 1)}
-    if shape["data"] * shape["expert"] != num_devices:
-        raise ValueError(f"--mesh data={shape['data']},expert={shape['expert']} needs "
-                         f"{shape['data'] * shape['expert']} devices, but there are {num_devices}")
-    return shape
+    return given
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -233,15 +233,18 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         check_divisibility(cfg, mesh_shape)
         mesh = sharding.make_mesh(mesh_shape, devices)
         source = make_source(cfg, cfg.train.seed)
+        if spec.output_dir:
+            ckpt = Checkpointer(os.path.join(spec.output_dir, "checkpoints"),
+                                every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
+            done = _already_finished(ckpt, spec, reporter, status)
+            if done is not None:
+                return done
         try:
             trainer = build_trainer(cfg, mesh, spec.steps)
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
             raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
         data = DataIterator(source, cfg.data.global_batch_size, cfg.model.vocab_size,
                             process_index=jax.process_index(), process_count=jax.process_count())
-        if spec.output_dir:
-            ckpt = Checkpointer(os.path.join(spec.output_dir, "checkpoints"),
-                                every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
         state = _initial_state(trainer, ckpt, data, spec, reporter)
         return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=source.entropy_floor)
     finally:
@@ -258,6 +261,19 @@ def check_divisibility(cfg: Config, mesh_shape: dict[str, int]) -> None:
     if cfg.model.num_moe_layers and cfg.moe.num_experts % mesh_shape["expert"]:
         raise ConfigError(f"moe.num_experts ({cfg.moe.num_experts}) must be divisible by the mesh's expert "
                          f"axis ({mesh_shape['expert']})")
+
+
+def _already_finished(ckpt: Checkpointer, spec: RunSpec, reporter: Reporter,
+                      status: RunStatus) -> RunResult | None:
+    """A run whose latest checkpoint is at (or past) the last step has nothing to train: one line, and a
+    result, before anything is built or compiled. None: there is training to do."""
+    latest = ckpt.latest_step()
+    if latest is None or latest < spec.steps or spec.resume != "auto":
+        return None
+    status.resumed(latest)
+    reporter.info(f"already finished: the latest checkpoint in {ckpt.directory} is at step {latest} of "
+                  f"{spec.steps}; nothing to train")
+    return RunResult(step=latest, loss=None, stopped_by_signal=False, checkpoint_step=latest, start_step=latest)
 
 
 def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterator, spec: RunSpec,

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 
 import click
+from click.core import ParameterSource
 
 from provision.app import App
-from provision.errors import MissingDependency, MoeTpuError
+from provision.errors import MissingDependency, MoeTpuError, UsageError
 
 # name -> "module:attribute"; a command appears here only once it is built.
 COMMANDS: dict[str, str] = {
@@ -46,17 +46,12 @@ SHORT_HELP = {
 }
 
 
-def _available(name: str) -> bool:
-    module = COMMANDS[name].split(":")[0]
-    return importlib.util.find_spec(module) is not None
-
-
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(n for n in COMMANDS if _available(n))
+        return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in COMMANDS or not _available(name):
+        if name not in COMMANDS:
             return None
         module, attr = COMMANDS[name].split(":")
         return getattr(importlib.import_module(module), attr)
@@ -98,18 +93,43 @@ def cli(ctx: click.Context, dry_run: bool, scenario: str, output: str, verbose: 
     ctx.obj = App(dry_run=dry_run, scenario=scenario, output=output, verbose=verbose,
                   templates_dir=templates_dir)
     ctx.call_on_close(ctx.obj.close)
+    # The emulator's own commands take the scenario as is; every other command only in a dry run.
+    scenario_given = ctx.get_parameter_source("scenario") not in (None, ParameterSource.DEFAULT)
+    if scenario_given and not dry_run and ctx.invoked_subcommand != "emulator":
+        raise UsageError(f"--scenario {scenario} only applies to a dry run",
+                         hint="add --dry-run (or MOE_TPU_DRY_RUN=1), or drop --scenario / MOE_TPU_SCENARIO")
+
+
+def _name_the_variable(exc: click.BadParameter, args: list[str]) -> None:
+    """A bad value that came from an environment variable names the variable, not the flag."""
+    ctx, param = exc.ctx, exc.param
+    if ctx is None or not isinstance(param, click.Option) or not param.name:
+        return
+    on_command_line = any(arg == opt or arg.startswith(f"{opt}=") for arg in args for opt in param.opts)
+    if not on_command_line:
+        names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])
+        if not names and ctx.auto_envvar_prefix:
+            names = [f"{ctx.auto_envvar_prefix}_{param.name.upper()}"]
+        envvar = next((name for name in names if os.environ.get(name) is not None), None)
+        if envvar:
+            exc.param_hint = f"environment variable {envvar}"
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every failure becomes a message and an exit code, never a traceback."""
-    # gRPC's C core logs connection events (e.g. GOAWAY when the emulator stops) at INFO on
-    # stderr; the console reports what matters. Set before grpc is imported; a user's value wins.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    # gRPC's C core logs on stderr past the console (connection events at INFO, a busy port at
+    # ERROR); every failure it logs also reaches us as an exception that the console reports with
+    # a fix. Set before grpc is imported; a user's value (e.g. GRPC_VERBOSITY=debug) wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         rv = cli.main(args=argv, prog_name="moe-tpu", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        App.report_interrupt()
         sys.exit(130)
+    except click.BadParameter as exc:
+        _name_the_variable(exc, list(sys.argv[1:] if argv is None else argv))
+        exc.show()
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
@@ -123,9 +143,6 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
         App.report_error(missing)
         sys.exit(missing.exit_code)
-    except KeyboardInterrupt:
-        click.echo("interrupted; run `moe-tpu down` to delete anything this run created", err=True)
-        sys.exit(130)
     except Exception as exc:  # the last line of defence: a message, not a traceback
         App.report_unexpected(exc)
         sys.exit(1)

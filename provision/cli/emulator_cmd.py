@@ -33,6 +33,10 @@ def serve(app, port: int, state_path: Path | None, speed: float, seed: int) -> N
     The scenario is the global --scenario. Point a TpuClient or a JobServiceClient at the printed
     address with grpc.insecure_channel(ADDRESS) and anonymous credentials.
 
+    The emulated project holds no TPU reservation unless MOE_TPU_EMULATOR_RESERVATIONS declares
+    some, as ZONE/NAME=CHIPS[,...] (dry runs read it too). Every emulated behaviour and its source:
+    docs/emulator-fidelity.md.
+
     \b
     Examples:
       moe-tpu emulator serve --port 8470
@@ -46,7 +50,8 @@ def serve(app, port: int, state_path: Path | None, speed: float, seed: int) -> N
     try:
         emu = Emulator(state_path=state_path, scenario=app.scenario, clock=ScaledClock(speed), seed=seed)
     except ValueError as exc:
-        raise UsageError(str(exc), hint="pick one with --scenario") from exc
+        hint = ("set it as ZONE/NAME=CHIPS[,...]" if "RESERVATIONS" in str(exc) else "pick one with --scenario")
+        raise UsageError(str(exc), hint=hint) from exc
     try:
         emu.start(host="127.0.0.1", port=port)
     except OSError as exc:
@@ -70,3 +75,35 @@ def _serve_until_stopped(app, emu, speed: float) -> None:
         signal.signal(signal.SIGTERM, previous)
         emu.stop()
     app.console.info("emulator stopped")
+
+
+@emulator.command("reset")
+@click.option("--state", "state_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="The emulated world's file (default: this directory's dry-run world, .moe-tpu/emulator.json).")
+@click.pass_obj
+def reset(app, state_path: Path | None) -> None:
+    """Clear the emulated world: every emulated queued resource, node and custom job is gone.
+
+    Takes the lock that every emulator process takes for each RPC, so a server or a dry run
+    that is running reloads an empty world on its next call.
+
+    \b
+    Examples:
+      moe-tpu emulator reset
+      moe-tpu emulator reset --state world.json
+    """
+    from provision.emulator.store import Store
+
+    app.command = "emulator reset"
+    path = state_path if state_path is not None else app.state_dir / "emulator.json"
+    if path.parent.is_file() or path.is_dir():
+        raise UsageError(f"{path} is not an emulator state file", hint="name the state file with --state")
+    existed = path.exists()
+    try:
+        with Store(path).locked():
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot clear {path}: {exc.strerror or exc}",
+                         hint="check the file's permissions, or delete it by hand") from None
+    app.console.text(f"emulated world cleared ({path})" if existed else f"emulated world already empty ({path})")
+    app.console.emit(app.document("ok", state=str(path), cleared=existed, resources=[]))

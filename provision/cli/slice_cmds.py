@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from provision.cli.common import finish, print_resources
@@ -108,28 +110,67 @@ def down(app, config_path: str) -> None:
 @config_option
 @click.option("--all-zones", is_flag=True, help="Look in every zone that offers v5e, not only the config's.")
 @click.option("--run", "run_filter", default=None, help="Only this run's resources.")
+@click.option("--project", default=None, help="The project to look in (default: the config's).")
+@click.option("--zone", "zones_option", multiple=True,
+              help="A zone to look in (repeatable; default: the config's zones). Its region's jobs are listed too.")
 @click.pass_obj
-def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None) -> None:
+def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None, project: str | None,
+             zones_option: tuple[str, ...]) -> None:
     """Every resource this tool manages (found by its labels): queued resources and nodes in the
-    config's zones, custom jobs in its region; with state, age and cost so far.
+    config's zones, custom jobs in its region; with state, age and cost so far. Without a config
+    here, --project and --zone (or --all-zones) say where to look.
 
     \b
     Examples:
       moe-tpu list
       moe-tpu --output json list --all-zones
+      moe-tpu list --project my-project --zone us-west4-a
     """
     from provision import catalogue
     from provision.jobs import managed_jobs
-    from provision.resources import project_of
     from provision.slices import managed_resources
 
     app.command = "list"
-    cfg = app.load_config(config_path)
-    zones = list(catalogue.V5E_ZONES) if all_zones else list(cfg.zones)
-    regions = sorted({catalogue.zone_region(z) for z in zones} | {cfg.region})
-    project = project_of(cfg, app.session())
+    cfg = _config_if_any(app, config_path, project, zones_option or all_zones)
+    for zone in zones_option:
+        if zone not in catalogue.V5E_ZONES:
+            raise UsageError(f"--zone {zone}: not a zone that offers TPU v5e",
+                             hint=f"v5e zones: {', '.join(catalogue.V5E_ZONES)}")
+    zones = (list(catalogue.V5E_ZONES) if all_zones else list(dict.fromkeys(zones_option))
+             or list(cfg.zones))
+    regions = sorted({catalogue.zone_region(z) for z in zones} | ({cfg.region} if cfg and not zones_option else set()))
+    project = _list_project(app, cfg, project)
     resources = managed_resources(app.session(), project, zones, run=run_filter)
     for region in regions:
         resources += managed_jobs(app.session(), project, region, run=run_filter)
     print_resources(app, resources)
     finish(app, resources)
+
+
+def _config_if_any(app, config_path: str, project: str | None, where_given: bool):
+    """The config, unless there is none here and --project/--zone say where to look."""
+    from provision.config import DEFAULT_CONFIG
+
+    has_config = (config_path != DEFAULT_CONFIG or Path(config_path).exists()
+                  or app.remembered_config() is not None)
+    if has_config:
+        return app.load_config(config_path)
+    if project is None or not where_given:
+        missing = " and ".join(name for name, given in (("--project", project), ("--zone", where_given)) if not given)
+        raise UsageError(f"no {DEFAULT_CONFIG} here, so `list` needs {missing} to know where to look",
+                         hint="e.g. `moe-tpu list --project my-project --zone us-west4-a` (or --all-zones), "
+                              "or name a config with --config")
+    return None
+
+
+def _list_project(app, cfg, project: str | None) -> str:
+    from provision.resources import project_of
+
+    if project is not None:
+        from provision.config import _PROJECT
+
+        if not _PROJECT.match(project):
+            raise UsageError(f"--project {project}: not a project id",
+                             hint="6 to 30 lowercase letters, digits or hyphens, starting with a letter")
+        return project
+    return project_of(cfg, app.session())

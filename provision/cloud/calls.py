@@ -6,16 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
-from google.protobuf.message import Message
 
-
-def request_as_dict(request: Any) -> dict[str, Any]:
-    """A request as proto JSON with the proto's own field names (proto-plus or raw protobuf)."""
-    pb = type(request).pb(request) if hasattr(type(request), "pb") else request
-    if not isinstance(pb, Message):
-        return {}
-    return json_format.MessageToDict(pb, preserving_proto_field_name=True)
+from provision.rendering import proto_dict
 
 
 class CallRecorder(grpc.UnaryUnaryClientInterceptor):
@@ -26,7 +18,7 @@ class CallRecorder(grpc.UnaryUnaryClientInterceptor):
         self._on_call = on_call
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
-        entry = {"rpc": client_call_details.method.lstrip("/"), "request": request_as_dict(request)}
+        entry = {"rpc": client_call_details.method.lstrip("/"), "request": proto_dict(request)}
         self.calls.append(entry)
         outcome = continuation(client_call_details, request)
         code = outcome.code() if hasattr(outcome, "code") else None

@@ -38,9 +38,12 @@ STOCKOUT_MESSAGE = ('There is no more capacity in the zone "{zone}"; you can try
 RESERVED_STOCKOUT_CODE = 9  # FAILED_PRECONDITION
 RESERVED_STOCKOUT_MESSAGE = ("Insufficient reserved capacity. Contact customer support to increase your "
                              "reservation.")
-# Unconfirmed: the message the API gives when queueing_policy.valid_until passes first.
-VALID_UNTIL_CODE = 4  # DEADLINE_EXCEEDED
-VALID_UNTIL_MESSAGE = "The queued resource could not be provisioned before its valid_until time"
+# Unconfirmed what the API does when queueing_policy.valid_until passes first. The one public record
+# of the service giving up on a queued request is SUSPENDING (state_initiator SERVICE) -> FAILED with
+# code 13 (API-FACTS), so the emulator does that; clients must recognise expiry by the resource's
+# state, initiator and times, not by this code (slices.expired).
+VALID_UNTIL_CODE = 13  # INTERNAL
+VALID_UNTIL_MESSAGE = "an internal error has occurred"
 
 
 # --- Vertex AI custom jobs (JobState names) -------------------------------------------
@@ -152,7 +155,7 @@ def _cap(tl: Timeline, valid_until_s: float | None) -> Timeline:
     if starts and starts[0] <= valid_until_s:
         return tl
     kept = [(at, s) for at, s in tl.phases if at < valid_until_s]
-    kept.append((valid_until_s, "FAILED"))
+    kept += [(valid_until_s, "SUSPENDING"), (valid_until_s + SUSPENDING_S, "FAILED")]
     return Timeline(tuple(kept), {"code": VALID_UNTIL_CODE, "message": VALID_UNTIL_MESSAGE})
 
 

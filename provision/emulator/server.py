@@ -9,6 +9,8 @@ processes saved, applies, and saves (store.py), so concurrent commands share one
 from __future__ import annotations
 
 import ipaddress
+import os
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
@@ -43,8 +45,12 @@ class Emulator:
     """
 
     def __init__(self, state_path: Path | None = None, scenario: str = "happy", clock=None, seed: int = 0,
-                 external_workloads: bool = False) -> None:
+                 external_workloads: bool = False, reservations: dict[str, int] | None = None) -> None:
         self.scenario = check_scenario(scenario)
+        # The project's TPU reservations, "ZONE/NAME" -> chips; by default from the environment
+        # (MOE_TPU_EMULATOR_RESERVATIONS); none when unset, as in a project without one.
+        self.reservations = (parse_reservations(os.environ.get(RESERVATIONS_ENV, "")) if reservations is None
+                             else dict(reservations))
         self.state_path = Path(state_path) if state_path is not None else None
         self.clock = clock if clock is not None else SimClock()
         self.seed = seed
@@ -147,6 +153,7 @@ class Emulator:
                 return
             with self._store.locked():
                 self._reload()
+                self.world.reservations = self.reservations
                 now = self._now = self.clock.now()
                 try:
                     yield self.world, now
@@ -209,4 +216,22 @@ class Emulator:
         self.world_call(lambda world, now: world.set_guest_attributes(node_name, worker_id, namespace, values, now))
 
 
-__all__ = ["Emulator", "scenarios"]
+RESERVATIONS_ENV = "MOE_TPU_EMULATOR_RESERVATIONS"
+_RESERVATION_ENTRY = re.compile(r"^([a-z]+-[a-z]+[0-9]+-[a-z])/([a-z](?:[-a-z0-9]{0,61}[a-z0-9])?)=([0-9]+)$")
+
+
+def parse_reservations(text: str) -> dict[str, int]:
+    """"ZONE/NAME=CHIPS,..." -> {"ZONE/NAME": chips}; ValueError naming the bad entry."""
+    found: dict[str, int] = {}
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        match = _RESERVATION_ENTRY.match(entry)
+        if not match:
+            raise ValueError(f"{RESERVATIONS_ENV}: {entry!r} is not ZONE/NAME=CHIPS "
+                             "(for example us-west4-a/my-res=64)")
+        found[f"{match.group(1)}/{match.group(2)}"] = int(match.group(3))
+    return found
+
+
+__all__ = ["Emulator", "parse_reservations", "scenarios"]

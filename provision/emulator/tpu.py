@@ -14,8 +14,7 @@ from google.cloud import tpu_v2
 from google.longrunning import operations_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from provision.catalogue import ACCELERATORS, V5E_ZONES
-from provision.emulator import rpc, validate
+from provision.emulator import offerings, rpc, scenarios, validate
 from provision.emulator.operations import Operation, started, view
 from provision.emulator.scenarios import DELETING_S, NODE_DELETING_S, Timeline, timeline
 from provision.emulator.validate import ApiError, not_found
@@ -40,10 +39,11 @@ def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
-def as_json(qr: QR) -> dict:
-    """A queued resource as proto JSON for the state file: set fields only, enums by name."""
-    return json.loads(QR.to_json(qr, use_integers_for_enums=False, preserving_proto_field_name=True,
-                                 always_print_fields_with_no_presence=False))
+def as_json(message: QR | Node) -> dict:
+    """A queued resource (or node) as proto JSON for the state file: set fields only, enums by name."""
+    return json.loads(type(message).to_json(message, use_integers_for_enums=False,
+                                            preserving_proto_field_name=True,
+                                            always_print_fields_with_no_presence=False))
 
 
 def _request(rec: QueuedRecord) -> QR:
@@ -79,12 +79,12 @@ def node_view(rec: QueuedRecord, node: str, index: int, now: float) -> Node:
     state = rec.node_state_at(node, now) or "DELETING"
     view.name = node
     view.accelerator_type = acc.name
-    view.accelerator_config = tpu_v2.AcceleratorConfig(type_=tpu_v2.AcceleratorConfig.Type.V5LITE_POD,
-                                                       topology=acc.topology)
+    view.accelerator_config = tpu_v2.AcceleratorConfig(
+        type_=tpu_v2.AcceleratorConfig.Type[offerings.CONFIG_TYPE[acc.generation]], topology=acc.topology)
     view.state = Node.State[state]
     view.health = Node.Health.HEALTHY if state == "READY" else Node.Health.HEALTH_UNSPECIFIED
     view.api_version = Node.ApiVersion.V2
-    view.queued_resource = rec.name
+    view.queued_resource = "" if rec.standalone else rec.name
     view.multislice_node = rec.multislice
     provisioning = [at for at, s in rec.timeline.phases if s == "PROVISIONING"]
     view.create_time = rpc.timestamp(rec.create_time + (provisioning[0] if provisioning else 0.0))
@@ -109,6 +109,8 @@ def operation_metadata(op: Operation, now: float):
 
 
 def operation_response(op: Operation):
+    if op.verb == "create" and "/nodes/" in op.target:  # CreateNode answers the Node
+        return Node.pb(Node.from_json(json.dumps(op.response), ignore_unknown_fields=True))
     return QR.pb(QR.from_json(json.dumps(op.response), ignore_unknown_fields=True))
 
 
@@ -130,7 +132,7 @@ def new_operation(world: World, parent: str, verb: str, target: str, now: float,
 
 def live_queued(world: World, name: str, now: float) -> QueuedRecord:
     rec = world.queued_at(name, now)
-    if rec is None:
+    if rec is None or rec.standalone:
         raise not_found(name)
     return rec
 
@@ -153,6 +155,8 @@ def create_queued_resource(world: World, req: tpu_v2.CreateQueuedResourceRequest
     qr = QR(req.queued_resource)
     nodes, multislice = _check_node_specs(qr, req.parent, zone, req.queued_resource_id)
     spot, reserved = capacity(qr)
+    chips = sum(offerings.accelerator_type(qr.tpu.node_spec[i].node.accelerator_type).chips for _, i in nodes)
+    too_big = _check_reservation(world, qr, project, zone, spot, chips)
     if world.queued_at(name, now) is not None:
         raise ApiError("ALREADY_EXISTS", f"Resource '{name}' already exists")
     in_use = world.node_names_in_use(now)
@@ -164,7 +168,7 @@ def create_queued_resource(world: World, req: tpu_v2.CreateQueuedResourceRequest
     if world.first_zone is None:
         world.first_zone = zone
     tl = timeline(scenario, zone=zone, spot=spot, reserved=reserved,
-                  stocked_out=scenario == "stockout" and zone == world.first_zone,
+                  stocked_out=too_big or (scenario == "stockout" and zone == world.first_zone),
                   valid_until_s=_valid_until_s(qr, now), held=held)
     qr.name = ""
     rec = QueuedRecord(name=name, request=as_json(qr), create_time=now, timeline=tl, nodes=nodes,
@@ -172,6 +176,36 @@ def create_queued_resource(world: World, req: tpu_v2.CreateQueuedResourceRequest
     world.queued[name] = rec
     # The create operation is done at its first poll; its response is the queued resource then.
     return new_operation(world, req.parent, "create", name, now, now, queued_view(rec, now), req.request_id)
+
+
+def create_node(world: World, req: tpu_v2.CreateNodeRequest, now: float, scenario: str) -> Operation:
+    """CreateNode: a TPU VM without a queued resource (Google's samples create v5e this way). It is
+    CREATING for PROVISIONING_S, then READY; under `stockout` (first zone) the operation fails with
+    the stockout error and no node remains. Kept as a hidden QueuedRecord (standalone)."""
+    project, zone = validate.location(req.parent)
+    validate.node_id(req.node_id)
+    node = Node(req.node)
+    acc = _check_node(node, zone)
+    node.accelerator_type = acc.name
+    name = f"{req.parent}/nodes/{req.node_id}"
+    if name in world.node_names_in_use(now):
+        raise ApiError("ALREADY_EXISTS", f"Resource '{name}' already exists")
+    spot = node.scheduling_config.spot or node.scheduling_config.preemptible
+    if scenario == "quota":
+        raise quota_error(project, zone, spot)
+    if world.first_zone is None:
+        world.first_zone = zone
+    if scenario == "stockout" and zone == world.first_zone:
+        op = new_operation(world, req.parent, "create", name, now, now + scenarios.CREATING_S, None)
+        op.error = {"code": scenarios.STOCKOUT_CODE, "message": scenarios.STOCKOUT_MESSAGE.format(zone=zone)}
+        return op
+    qr = QR(tpu=QR.Tpu(node_spec=[QR.Tpu.NodeSpec(parent=req.parent, node_id=req.node_id, node=node)]))
+    tl = Timeline(((0.0, "PROVISIONING"), (scenarios.PROVISIONING_S, "ACTIVE")))
+    rec = QueuedRecord(name=f"{name}#node", request=as_json(qr), create_time=now, timeline=tl,
+                       nodes=[(name, 0)], multislice=False, standalone=True)
+    world.queued[rec.name] = rec
+    done_at = now + scenarios.PROVISIONING_S
+    return new_operation(world, req.parent, "create", name, now, done_at, node_view(rec, name, 0, done_at))
 
 
 def delete_queued_resource(world: World, req: tpu_v2.DeleteQueuedResourceRequest, now: float) -> Operation:
@@ -227,11 +261,12 @@ def delete_node(world: World, name: str, now: float) -> Operation:
 # --- request checks ----------------------------------------------------------------------
 
 
-def _accelerator_name(node: Node) -> str:
+def _accelerator_name(zone: str, node: Node) -> str:
     if node.accelerator_type:
         return node.accelerator_type
     if "accelerator_config" in node and node.accelerator_config.topology:
-        return validate.accelerator_from_config(node.accelerator_config.topology)
+        config = node.accelerator_config
+        return validate.accelerator_from_config(zone, config.type_.name, config.topology)
     return ""
 
 
@@ -273,14 +308,39 @@ def _check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[
                            f"node_spec[{index}].parent {spec.parent!r} must equal the request parent {parent!r}")
         ids, many = _node_ids(spec, index, qr_id)
         multislice = multislice or many
-        acc = validate.accelerator(zone, _accelerator_name(spec.node))
-        validate.runtime_version(acc, spec.node.runtime_version)
-        validate.labels(dict(spec.node.labels))
-        validate.metadata(dict(spec.node.metadata))
+        acc = _check_node(spec.node, zone)
+        spec.node.accelerator_type = acc.name  # recorded: the world reads the type back by name
         nodes.extend((f"{parent}/nodes/{i}", index) for i in ids)
     if len({n for n, _ in nodes}) != len(nodes):
         raise ApiError("INVALID_ARGUMENT", "node ids in queued_resource.tpu.node_spec must be unique")
     return nodes, multislice
+
+
+def _check_node(node: Node, zone: str):
+    """A node's own checks, for queued resources and CreateNode alike; its accelerator type."""
+    acc = validate.accelerator(zone, _accelerator_name(zone, node))
+    validate.runtime_version(acc, node.runtime_version)
+    validate.labels(dict(node.labels))
+    validate.metadata(dict(node.metadata))
+    return acc
+
+
+def _check_reservation(world: World, qr: QR, project: str, zone: str, spot: bool, chips: int) -> bool:
+    """Check reservation_name against the emulated world's reservations (World.reservations, set with
+    MOE_TPU_EMULATOR_RESERVATIONS); True when the request is too big for the reservation (it queues,
+    then fails with insufficient reserved capacity). Sources and confirmation: docs/emulator-fidelity.md."""
+    if not qr.reservation_name:
+        return False
+    if spot:
+        # Unconfirmed message: Spot VMs cannot consume reservations (Compute Engine docs).
+        raise ApiError("INVALID_ARGUMENT", f"Invalid reservation_name {qr.reservation_name!r}: spot capacity "
+                                           "cannot consume a reservation")
+    res_project, res_zone, res_id = validate.reservation(qr.reservation_name, project, zone)
+    size = world.reservations.get(f"{res_zone}/{res_id}") if res_project == project else None
+    if size is None:
+        # Unconfirmed: NOT_FOUND at create, as Compute Engine answers for a named reservation it lacks.
+        raise ApiError("NOT_FOUND", f"Reservation '{qr.reservation_name}' was not found")
+    return chips > size
 
 
 def _valid_until_s(qr: QR, now: float) -> float | None:
@@ -305,19 +365,15 @@ def quota_error(project: str, zone: str, spot: bool) -> ApiError:
 
 
 def accelerator_types(parent: str, zone: str) -> list[tpu_v2.AcceleratorType]:
-    if zone not in V5E_ZONES:
-        return []
     return [tpu_v2.AcceleratorType(
         name=f"{parent}/acceleratorTypes/{a.name}", type_=a.name,
-        accelerator_configs=[tpu_v2.AcceleratorConfig(type_=tpu_v2.AcceleratorConfig.Type.V5LITE_POD,
-                                                       topology=a.topology)])
-        for a in ACCELERATORS.values()]
+        accelerator_configs=[tpu_v2.AcceleratorConfig(
+            type_=tpu_v2.AcceleratorConfig.Type[offerings.CONFIG_TYPE[a.generation]], topology=a.topology)])
+        for a in offerings.types_in(zone)]
 
 
 def runtime_versions(parent: str, zone: str) -> list[tpu_v2.RuntimeVersion]:
-    if zone not in V5E_ZONES:
-        return []
-    versions = sorted({v for a in ACCELERATORS.values() for v in a.runtime_versions})
+    versions = offerings.runtime_versions_in(zone)
     return [tpu_v2.RuntimeVersion(name=f"{parent}/runtimeVersions/{v}", version=v) for v in versions]
 
 
@@ -343,8 +399,8 @@ def GetQueuedResource(call: rpc.Call, req: tpu_v2.GetQueuedResourceRequest):
 
 def ListQueuedResources(call: rpc.Call, req: tpu_v2.ListQueuedResourcesRequest):
     validate.location(req.parent)
-    recs = sorted((r for r in call.world.queued.values()
-                   if r.name.startswith(req.parent + "/") and r.state_at(call.now) is not None),
+    recs = sorted((r for r in call.world.queued.values() if r.name.startswith(req.parent + "/")
+                   and not r.standalone and r.state_at(call.now) is not None),
                   key=lambda r: r.name)
     items, token = rpc.page(recs, req.page_size, req.page_token)
     return tpu_v2.ListQueuedResourcesResponse(queued_resources=[queued_view(r, call.now) for r in items],
@@ -357,6 +413,10 @@ def DeleteQueuedResource(call: rpc.Call, req: tpu_v2.DeleteQueuedResourceRequest
 
 def ResetQueuedResource(call: rpc.Call, req: tpu_v2.ResetQueuedResourceRequest):
     return started(reset_queued_resource(call.world, req, call.now, call.scenario, call.held), call.now)
+
+
+def CreateNode(call: rpc.Call, req: tpu_v2.CreateNodeRequest):
+    return started(create_node(call.world, req, call.now, call.scenario), call.now)
 
 
 def GetNode(call: rpc.Call, req: tpu_v2.GetNodeRequest):
@@ -435,7 +495,7 @@ def GetRuntimeVersion(call: rpc.Call, req: tpu_v2.GetRuntimeVersionRequest):
 
 _OPERATION = operations_pb2.Operation.SerializeToString
 # name -> (impl, request deserializer, response serializer); the other Tpu methods
-# (CreateNode, StopNode, StartNode, UpdateNode, GenerateServiceIdentity) answer UNIMPLEMENTED.
+# (StopNode, StartNode, UpdateNode, GenerateServiceIdentity) answer UNIMPLEMENTED.
 METHODS: dict[str, tuple[Callable, Callable, Callable]] = {
     "CreateQueuedResource": (CreateQueuedResource, tpu_v2.CreateQueuedResourceRequest.deserialize, _OPERATION),
     "GetQueuedResource": (GetQueuedResource, tpu_v2.GetQueuedResourceRequest.deserialize, QR.serialize),
@@ -443,6 +503,7 @@ METHODS: dict[str, tuple[Callable, Callable, Callable]] = {
                             tpu_v2.ListQueuedResourcesResponse.serialize),
     "DeleteQueuedResource": (DeleteQueuedResource, tpu_v2.DeleteQueuedResourceRequest.deserialize, _OPERATION),
     "ResetQueuedResource": (ResetQueuedResource, tpu_v2.ResetQueuedResourceRequest.deserialize, _OPERATION),
+    "CreateNode": (CreateNode, tpu_v2.CreateNodeRequest.deserialize, _OPERATION),
     "GetNode": (GetNode, tpu_v2.GetNodeRequest.deserialize, Node.serialize),
     "ListNodes": (ListNodes, tpu_v2.ListNodesRequest.deserialize, tpu_v2.ListNodesResponse.serialize),
     "DeleteNode": (DeleteNode, tpu_v2.DeleteNodeRequest.deserialize, _OPERATION),

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 
-from provision.catalogue import ACCELERATORS, V5E_ZONES, AcceleratorType
+from provision.catalogue import AcceleratorType
+from provision.emulator import offerings
 
 
 class ApiError(Exception):
@@ -23,10 +24,15 @@ class ApiError(Exception):
 
 LOCATION_RE = re.compile(r"^projects/([^/]+)/locations/([^/]+)$")
 ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
-# The protos document ^[A-Za-z0-9_.~+%-]+$ for queued_resource_id and node_id alike; a stricter
-# server-side rule is unconfirmed, so the emulator checks what is documented.
-QR_ID_RE = re.compile(r"^[A-Za-z0-9_.~+%-]+$")
-NODE_ID_RE = QR_ID_RE
+# Queued resource and node ids are Google Cloud resource names (RFC 1035 labels, as Compute Engine
+# names are): a lowercase letter, then lowercase letters, digits and hyphens, not ending in a hyphen,
+# 1 to 63 characters. The protos' looser ^[A-Za-z0-9_.~+%-]+$ is the URL-safe set, not the server's
+# rule (see docs/emulator-fidelity.md); the message is unconfirmed.
+RESOURCE_ID_RE = re.compile(r"^[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?$")
+QR_ID_RE = NODE_ID_RE = RESOURCE_ID_RE
+RESOURCE_ID_RULE = ("a lowercase letter, then up to 62 lowercase letters, digits or hyphens, not ending "
+                    "in a hyphen")
+RESERVATION_RE = re.compile(r"^projects/([^/]+)/locations/([^/]+)/reservations/([a-z](?:[-a-z0-9]{0,61}[a-z0-9])?)$")
 LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 LABEL_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 
@@ -77,19 +83,34 @@ def resource(name: str, collection: str) -> tuple[str, str, str]:
 def queued_resource_id(qr_id: str) -> None:
     if not QR_ID_RE.match(qr_id or ""):
         raise ApiError("INVALID_ARGUMENT",
-                       f"Invalid queued_resource_id {qr_id!r}: it must match ^[A-Za-z0-9_.~+%-]+$")
+                       f"Invalid queued_resource_id {qr_id!r}: a resource id is {RESOURCE_ID_RULE}")
 
 
-def node_id(value: str) -> None:
+def node_id(value: str, what: str = "node_id") -> None:
     if not NODE_ID_RE.match(value or ""):
+        raise ApiError("INVALID_ARGUMENT", f"Invalid {what} {value!r}: a resource id is {RESOURCE_ID_RULE}")
+
+
+def reservation(name: str, project: str, zone: str) -> tuple[str, str, str]:
+    """(project, zone, id) of a reservation_name; INVALID_ARGUMENT (unconfirmed messages) when it is
+    malformed or names another zone: a TPU consumes a reservation in its own zone."""
+    match = RESERVATION_RE.match(name)
+    if not match:
         raise ApiError("INVALID_ARGUMENT",
-                       f"Invalid node_id {value!r}: it must match ^[A-Za-z0-9_.~+%-]+$")
+                       f"Invalid reservation_name {name!r}: it must be of the form "
+                       "'projects/{project}/locations/{zone}/reservations/{reservation}'")
+    if match.group(2) != zone:
+        raise ApiError("INVALID_ARGUMENT",
+                       f"Invalid reservation_name {name!r}: the reservation is in {match.group(2)}, "
+                       f"the queued resource in {zone}")
+    return match.groups()
 
 
 def accelerator(zone: str, accelerator_type: str) -> AcceleratorType:
     """The catalogue entry if `zone` offers it; the API's INVALID_ARGUMENT message otherwise."""
-    if zone in V5E_ZONES and accelerator_type in ACCELERATORS:
-        return ACCELERATORS[accelerator_type]
+    for acc in offerings.types_in(zone):
+        if acc.name == accelerator_type:
+            return acc
     raise ApiError(
         "INVALID_ARGUMENT",
         "Cloud TPU received a bad request. The requested accelerator configuration for accelerator type, "
@@ -97,11 +118,11 @@ def accelerator(zone: str, accelerator_type: str) -> AcceleratorType:
         f"the accelerator {accelerator_type} was not found in zone {zone}")
 
 
-def accelerator_from_config(topology: str) -> str:
-    for acc in ACCELERATORS.values():
-        if acc.topology == topology:
-            return acc.name
-    return f"v5litepod-{topology}"  # not in the catalogue: accelerator() refuses it with the API's message
+def accelerator_from_config(zone: str, config_type: str, topology: str) -> str:
+    acc = offerings.by_config(zone, config_type, topology)
+    if acc is not None:
+        return acc.name
+    return f"v5litepod-{topology}"  # not offered: accelerator() refuses it with the API's message
 
 
 def runtime_version(acc: AcceleratorType, version: str) -> None:

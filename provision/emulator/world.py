@@ -18,8 +18,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from provision.catalogue import ACCELERATORS, VERTEX_MACHINE_TOPOLOGIES, accelerator_for_topology
-from provision.emulator import scenarios
+from provision.catalogue import VERTEX_MACHINE_TOPOLOGIES
+from provision.emulator import offerings, scenarios
 from provision.emulator.operations import Operation
 from provision.emulator.scenarios import DELETING_S, JOB_DELETING_S, NODE_DELETING_S, Timeline
 
@@ -51,9 +51,13 @@ class QueuedRecord:
     node_deleted_at: dict[str, float] = field(default_factory=dict)
     # node name -> worker id -> "namespace/key" -> value: what the VMs' guests wrote
     guest_attributes: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
+    # A node made by CreateNode: no queued resource is visible; the record ends with its node.
+    standalone: bool = False
 
     def state_at(self, now: float) -> str | None:
         """The queued resource's state at `now`; None once it is gone."""
+        if self.standalone and any(now >= t + NODE_DELETING_S for t in self.node_deleted_at.values()):
+            return None
         if self.deleted_at is not None and now >= self.deleted_at:
             return None if now >= self.deleted_at + DELETING_S else "DELETING"
         return self.timeline.state_at(now - self.create_time)
@@ -70,6 +74,8 @@ class QueuedRecord:
             return "DELETING" if before in NODE_STATE_BY_QR_STATE and not gone_before else None
         if t_del is not None and now >= t_del:
             return "DELETING"
+        if state == "SUSPENDING" and self.timeline.first("PROVISIONING", now - self.create_time) is None:
+            return None  # suspended while still queued (valid_until passed): no node was ever made
         return NODE_STATE_BY_QR_STATE.get(state)
 
     def live_nodes(self, now: float) -> list[str]:
@@ -80,17 +86,15 @@ class QueuedRecord:
         return self.request["tpu"]["node_spec"][index].get("node", {})
 
     def accelerator(self, index: int):
-        """The catalogue entry of node_spec[index] (validated at create)."""
-        node = self.node_request(index)
-        if node.get("accelerator_type"):
-            return ACCELERATORS[node["accelerator_type"]]
-        return accelerator_for_topology(node["accelerator_config"]["topology"])
+        """The accelerator type of node_spec[index] (validated at create, which records its name)."""
+        return offerings.accelerator_type(self.node_request(index)["accelerator_type"])
 
     def to_json(self) -> dict:
         return {"name": self.name, "request": self.request, "create_time": self.create_time,
                 "timeline": self.timeline.to_json(), "nodes": [list(n) for n in self.nodes],
                 "multislice": self.multislice, "deleted_at": self.deleted_at,
-                "node_deleted_at": self.node_deleted_at, "guest_attributes": self.guest_attributes}
+                "node_deleted_at": self.node_deleted_at, "guest_attributes": self.guest_attributes,
+                "standalone": self.standalone}
 
     @classmethod
     def from_json(cls, d: dict) -> QueuedRecord:
@@ -98,7 +102,7 @@ class QueuedRecord:
                    timeline=Timeline.from_json(d["timeline"]),
                    nodes=[(str(n), int(i)) for n, i in d["nodes"]], multislice=bool(d["multislice"]),
                    deleted_at=d.get("deleted_at"), node_deleted_at=dict(d.get("node_deleted_at", {})),
-                   guest_attributes=dict(d.get("guest_attributes", {})))
+                   guest_attributes=dict(d.get("guest_attributes", {})), standalone=bool(d.get("standalone")))
 
 
 @dataclass
@@ -197,6 +201,9 @@ class World:
         self.request_ids: dict[str, str] = {}  # request id -> operation name
         self.id_counter = 0
         self.faults = FaultState()
+        # "ZONE/NAME" -> chips: the reservations the emulated project holds. Not saved with the world:
+        # the emulator sets them from its own configuration (MOE_TPU_EMULATOR_RESERVATIONS).
+        self.reservations: dict[str, int] = {}
 
     # --- persistence -------------------------------------------------------
     def to_json(self, now: float) -> dict:

@@ -30,7 +30,7 @@ def test_every_entry_is_a_v5e_chip():
     for acc in ACCELERATORS.values():
         assert (acc.generation, acc.hbm_gib_per_chip, acc.hbm_gbps_per_chip, acc.peak_bf16_tflops_per_chip,
                 acc.ici_gbps_per_chip, acc.runtime_versions) == (
-            "v5e", 16.0, 819.0, 197.0, 1600.0, ("v2-alpha-tpuv5-lite",))
+            "v5e", 16.0, 819.0, 197.0, 1600.0, ("v2-alpha-tpuv5-lite", "v2-tpuv5-litepod", "tpu-ubuntu2204-base"))
 
 
 def test_one_entry_in_full():
@@ -38,7 +38,7 @@ def test_one_entry_in_full():
         name="v5litepod-64", generation="v5e", topology="8x8", chips=64, vms=16, chips_per_vm=4,
         hbm_gib_per_chip=16.0, hbm_gbps_per_chip=819.0, peak_bf16_tflops_per_chip=197.0,
         ici_gbps_per_chip=1600.0, vertex_machine_type="ct5lp-hightpu-4t",
-        runtime_versions=("v2-alpha-tpuv5-lite",))
+        runtime_versions=("v2-alpha-tpuv5-lite", "v2-tpuv5-litepod", "tpu-ubuntu2204-base"))
 
 
 def test_slice_totals():

@@ -122,8 +122,9 @@ def test_config_is_frozen():
                  id="accelerator-unknown"),
     pytest.param(with_(slice__accelerator="v4-8"), [("slice.accelerator",
         f"unknown accelerator type 'v4-8' (v5e types: {V5E_TYPES})")], id="accelerator-other-generation"),
-    pytest.param(with_(slice__runtime_version="tpu-ubuntu2204-base"), [("slice.runtime_version",
-        "runtime version 'tpu-ubuntu2204-base' does not fit v5litepod-64; use v2-alpha-tpuv5-lite")],
+    pytest.param(with_(slice__runtime_version="v2-alpha-tpuv5"), [("slice.runtime_version",
+        "runtime version 'v2-alpha-tpuv5' does not fit v5litepod-64; use v2-alpha-tpuv5-lite, "
+        "v2-tpuv5-litepod, tpu-ubuntu2204-base")],
                  id="runtime-mismatch"),
     pytest.param(with_(slice__count=0), [("slice.count", "slice count must be at least 1, got 0")],
                  id="count"),

@@ -431,7 +431,8 @@ def test_accelerator_types_and_runtime_versions(client):
     assert types["v5litepod-64"] == "8x8" and len(types) == 8
     one = client.get_accelerator_type(name=f"{PARENT}/acceleratorTypes/v5litepod-256")
     assert one.accelerator_configs[0].topology == "16x16"
-    assert [v.version for v in client.list_runtime_versions(parent=PARENT)] == [RUNTIME]
+    assert [v.version for v in client.list_runtime_versions(parent=PARENT)] == sorted(
+        ["v2-alpha-tpuv5-lite", "v2-tpuv5-litepod", "tpu-ubuntu2204-base"])
     assert client.get_runtime_version(name=f"{PARENT}/runtimeVersions/{RUNTIME}").version == RUNTIME
     assert list(client.list_accelerator_types(parent="projects/p/locations/us-central1-b")) == []
     with pytest.raises(gexc.NotFound):

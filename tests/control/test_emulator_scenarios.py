@@ -117,8 +117,13 @@ def test_valid_until_fails_a_request_still_queued():
         emu.clock.advance(3600 - 1)
         assert get(client).state.state.name == "WAITING_FOR_RESOURCES"
         emu.clock.advance(1)
+        suspending = get(client).state
+        assert (suspending.state.name, suspending.state_initiator.name) == ("SUSPENDING", "SERVICE")
+        assert node_states(client) == []  # never provisioned: no node
+        emu.clock.advance(sc.SUSPENDING_S)
         failed = get(client).state
-        assert failed.state.name == "FAILED" and failed.failed_data.error.code == sc.VALID_UNTIL_CODE
+        assert (failed.state.name, failed.state_initiator.name) == ("FAILED", "SERVICE")
+        assert failed.failed_data.error.code == sc.VALID_UNTIL_CODE == 13
 
 
 # --- quota -------------------------------------------------------------------------------------

@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from moe_oracle import expert_ffn, oracle_expert_choice, oracle_moe
 
 from trainer.moe import MoEBlock, MoEConfig
 from trainer.moe.capacity import expert_capacity
-from trainer.moe.oracle import expert_ffn, oracle_expert_choice, oracle_moe
 
 B, L, D = 8, 8, 16
 SMALL = dict(num_experts=8, d_ff=32, min_capacity=1)
@@ -69,7 +69,7 @@ def test_parameters_carry_logical_axis_names():
 
 def test_losses_are_already_scaled_by_their_coefficients():
     base = MoEConfig(**SMALL)
-    doubled = MoEConfig(**{**base.__dict__, "aux_loss_coef": 0.02, "z_loss_coef": 0.002})
+    doubled = MoEConfig(**{**base.model_dump(), "aux_loss_coef": 0.02, "z_loss_coef": 0.002})
     _, _, aux = apply_block(base, None)
     _, _, aux2 = apply_block(doubled, None)
     np.testing.assert_allclose(aux2["aux_loss"], 2 * aux["aux_loss"], rtol=1e-6)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_oracle import oracle_keep
 
 from trainer.moe import MoEConfig, dispatch, routing
 from trainer.moe import capacity as cap
-from trainer.moe.oracle import oracle_keep
 
 
 def test_top1_picks_the_argmax_and_weights_are_its_probability_renormalised_to_one():

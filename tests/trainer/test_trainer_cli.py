@@ -117,11 +117,20 @@ def test_bad_config_from_the_command_line_exits_2_without_traceback():
     assert "did you mean 'moe.num_experts'" in p.stderr
 
 
+def test_a_mesh_larger_than_the_devices_suggests_the_devices_flag():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    p = subprocess.run(trainer_cmd("--mesh", "data=2,expert=4"), capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "--mesh data=2,expert=4 needs 8 devices, but there are 1; on CPU, add --devices 8" in p.stderr
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--config", "no-such-config"], "unknown config 'no-such-config'"),
     (["--set", "model.d_modle=8"], "did you mean 'model.d_model'"),
     (["--set", "moe.top_k=0"], "top_k"),
-    (["--mesh", "data=3"], "needs 3 devices"),
+    (["--mesh", "data=3"], "needs 3 devices, but there are 8; on CPU, add --devices 3"),
+    (["--mesh", "data=2,expert=8"], "add --devices 16 to run on 16 fake devices"),
     (["--mesh", "data=2,expert=4", "--set", "moe.num_experts=6"], "moe.num_experts (6) must be divisible"),
     (["--mesh", "data=8", "--set", "data.global_batch_size=12"], "must be divisible by the mesh size"),
     (["--set", "data.source=text", "--set", "data.path=/nonexistent/*.txt"], "matches no files"),

@@ -1,11 +1,11 @@
 """The trainer's typed config: named configs, overrides, and errors that name the key."""
 
-import dataclasses
-
+import pydantic
 import pytest
 
 from trainer import flops
 from trainer.config import NAMED_CONFIGS, Config, ConfigError, check, load_config, named_configs
+from trainer.moe import MoEConfig
 
 
 def test_named_configs_ship_and_load():
@@ -109,5 +109,44 @@ def test_flops_and_peaks():
 
 def test_config_is_frozen():
     cfg = load_config("tiny")
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         cfg.dtype = "bfloat16"
+
+
+def test_config_models_are_frozen_pydantic_models_that_refuse_unknown_keys():
+    """One validation across the project: pydantic, as the control plane's config. Frozen models hash by
+    value, so a MoEConfig stays a static argument of jitted code."""
+    cfg = load_config("tiny", ["moe.top_k=1"])
+    assert isinstance(cfg, pydantic.BaseModel) and isinstance(cfg.moe, MoEConfig)
+    assert cfg.moe == MoEConfig(**cfg.moe.model_dump()) and hash(cfg.moe) == hash(MoEConfig(**cfg.moe.model_dump()))
+    assert cfg == load_config("tiny", ["moe.top_k=1"]) and hash(cfg) == hash(load_config("tiny", ["moe.top_k=1"]))
+    assert cfg.to_dict()["moe"]["top_k"] == 1 and cfg.model.d_model == 64 and cfg.train.steps > 0
+    with pytest.raises(pydantic.ValidationError, match="num_expert"):
+        MoEConfig(num_expert=4)
+    with pytest.raises(pydantic.ValidationError, match="routing"):
+        MoEConfig(routing="hash")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["moe.routing=hash"], "moe.routing must be one of 'token_choice' or 'expert_choice'; got 'hash'"),
+    (["moe.top_k=true"], "moe.top_k must be an integer, got True"),
+    (["model.d_model=64.0"], "model.d_model must be an integer, got 64.0"),
+    (["optim.lr=true"], "optim.lr must be a number, got True"),
+    (["train.fsdp=1"], "train.fsdp must be true or false, got 1"),
+    (["nonsense_key=1"], "unknown config key 'nonsense_key'; valid keys: name, dtype, param_dtype, model, moe, data, "
+                         "optim, train"),
+    (["moe.routing=expert_choice", "moe.capacity_factor=0"], "invalid config: moe: expert_choice routing needs "
+     "capacity_factor > 0 and eval_capacity_factor > 0 (each expert takes its top-C tokens; there is no dropless "
+     "expert choice)"),
+])
+def test_type_and_choice_errors_name_the_dotted_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides)
+    assert str(err.value) == message
+
+
+def test_an_empty_section_takes_the_defaults_and_numbers_may_be_yaml_text(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("moe:\noptim:\n  lr: 1e-3\n")
+    cfg = load_config(str(path))
+    assert cfg.moe == MoEConfig() and cfg.optim.lr == 0.001

@@ -25,3 +25,15 @@ def test_trainer_imports_without_the_control_plane_or_google_cloud():
     res = subprocess.run([sys.executable, "-c", BLOCKED], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "trainer imports alone"
+
+
+def test_test_code_stays_out_of_the_package():
+    """The naive oracle and the emulated collective live in tests/; the MoE topology has no seam for them."""
+    import dataclasses
+    import importlib.util
+
+    from trainer.moe.core import Topology
+
+    assert importlib.util.find_spec("trainer.moe.oracle") is None
+    assert [f.name for f in dataclasses.fields(Topology)] == \
+        ["expert_axis", "num_expert_shards", "token_axes", "exchange", "grouped_matmul"]

@@ -250,3 +250,22 @@ def test_multi_host_detection(env, expected):
 def test_pathways_detection():
     assert distributed.wants_pathways({"JAX_PLATFORMS": "proxy"})
     assert not distributed.wants_pathways({"JAX_PLATFORMS": "cpu"})
+
+
+def test_rerunning_a_finished_run_says_so_without_compiling(tmp_path):
+    """The latest checkpoint is at the last step: one line, status "finished" with exit code 0, no train step
+    built or compiled, no new metrics and no new checkpoint."""
+    args = ["--config", "tiny", "--devices", "1", "--steps", "2", "--set", "train.checkpoint_every=1",
+            "--output-dir", str(tmp_path)]
+    first = CliRunner().invoke(train_command, [*args, "--metrics", str(tmp_path / "first.jsonl")])
+    assert first.exit_code == 0, first.output
+    assert "compiled the train step" in first.output
+    again = CliRunner().invoke(train_command, [*args, "--metrics", str(tmp_path / "again.jsonl")])
+    assert again.exit_code == 0, again.output
+    assert again.output == (f"already finished: the latest checkpoint in {tmp_path / 'checkpoints'} is at "
+                            "step 2 of 2; nothing to train\n")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+    assert (tmp_path / "again.jsonl").read_text() == ""
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert {k: status[k] for k in ("state", "step", "total_steps", "start_step", "exit_code", "error")} == \
+        {"state": "finished", "step": 2, "total_steps": 2, "start_step": 2, "exit_code": 0, "error": None}

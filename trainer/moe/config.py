@@ -1,18 +1,19 @@
-"""The MoE block's configuration: one frozen dataclass, validated where it is built."""
+"""The MoE block's configuration: one frozen pydantic model, validated where it is built.
+
+Frozen models hash by value, so a config is a static argument of jitted functions. Errors raise
+`pydantic.ValidationError` (a ValueError); trainer/config.py turns them into messages naming the key.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Literal
 
-ROUTINGS = ("token_choice", "expert_choice")
-DROP_PRIORITIES = ("probability", "position")
-DISPATCHES = ("sort", "einsum")
-EXCHANGES = ("auto", "ragged", "padded")
-GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+from pydantic import model_validator
+
+from trainer.schema import Flag, Integer, Number, Section
 
 
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
+class MoEConfig(Section):
     """Routing, capacity and expert sizes of one MoE feed-forward block.
 
     capacity_factor <= 0 selects the dropless mode (every assignment is computed).
@@ -21,39 +22,40 @@ class MoEConfig:
     same `routing_groups` drop exactly the same assignments.
     """
 
-    num_experts: int = 8
-    top_k: int = 2
-    d_ff: int = 512
-    capacity_factor: float = 1.25
-    eval_capacity_factor: float = 2.0
-    min_capacity: int = 4
-    routing: str = "token_choice"
-    softmax_before_topk: bool = True
-    renormalize: bool = True
-    jitter: float = 0.0
-    drop_priority: str = "probability"
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
-    num_shared_experts: int = 0
+    num_experts: Integer = 8
+    top_k: Integer = 2
+    d_ff: Integer = 512
+    capacity_factor: Number = 1.25
+    eval_capacity_factor: Number = 2.0
+    min_capacity: Integer = 4
+    routing: Literal["token_choice", "expert_choice"] = "token_choice"
+    softmax_before_topk: Flag = True
+    renormalize: Flag = True
+    jitter: Number = 0.0
+    drop_priority: Literal["probability", "position"] = "probability"
+    aux_loss_coef: Number = 0.01
+    z_loss_coef: Number = 0.001
+    num_shared_experts: Integer = 0
     # Hidden size of each shared expert; 0 means d_ff.
-    shared_d_ff: int = 0
+    shared_d_ff: Integer = 0
     # Token groups that capacity is counted in; 0 means one per token shard of the
     # mesh (data * expert devices), or 1 without a mesh.
-    routing_groups: int = 0
+    routing_groups: Integer = 0
     # "einsum" is the GShard one-hot dispatch, kept as a baseline for tests and benchmarks.
-    dispatch: str = "sort"
+    dispatch: Literal["sort", "einsum"] = "sort"
     # Dropless token exchange: ragged_all_to_all ("ragged") or a padded all_to_all
     # ("padded"); "auto" picks ragged on TPU/GPU and padded on CPU.
-    exchange: str = "auto"
+    exchange: Literal["auto", "ragged", "padded"] = "auto"
     # Dropless grouped matmul: jax.lax.ragged_dot, or token blocks per expert ("tiled");
     # "auto" picks tiled on CPU, where ragged_dot is a masked dense product.
-    grouped_matmul: str = "auto"
+    grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = "auto"
     # Rows per block of the grouped matmul; each expert's rows are padded to a multiple.
     # 0 picks half the expected rows per expert, a power of two in [8, 512]: bigger blocks
     # run faster matmuls, smaller ones waste less padding.
-    block_rows: int = 0
+    block_rows: Integer = 0
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _valid(self) -> MoEConfig:
         _check(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
         _check(self.d_ff >= 1, f"d_ff must be >= 1, got {self.d_ff}")
         _check(
@@ -61,11 +63,6 @@ class MoEConfig:
             f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}",
         )
         _check(self.min_capacity >= 0, f"min_capacity must be >= 0, got {self.min_capacity}")
-        _check_choice("routing", self.routing, ROUTINGS)
-        _check_choice("drop_priority", self.drop_priority, DROP_PRIORITIES)
-        _check_choice("dispatch", self.dispatch, DISPATCHES)
-        _check_choice("exchange", self.exchange, EXCHANGES)
-        _check_choice("grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
         _check(0.0 <= self.jitter < 1.0, f"jitter must be in [0, 1), got {self.jitter}")
         _check(self.aux_loss_coef >= 0, f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
         _check(self.z_loss_coef >= 0, f"z_loss_coef must be >= 0, got {self.z_loss_coef}")
@@ -80,6 +77,7 @@ class MoEConfig:
                 "(each expert takes its top-C tokens; there is no dropless expert choice)",
             )
             _check(self.dispatch == "sort", "dispatch='einsum' is only a baseline for token_choice routing")
+        return self
 
     def capacity_factor_for(self, train: bool) -> float:
         return self.capacity_factor if train else self.eval_capacity_factor
@@ -95,6 +93,3 @@ def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"MoEConfig: {message}")
 
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    _check(value in choices, f"{name} must be one of {list(choices)}, got {value!r}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -33,9 +32,6 @@ class Topology:
     token_axes: tuple[str, ...] = ()
     exchange: str = "padded"
     grouped_matmul: str = "tiled"
-    # The ragged exchange's collective; tests substitute oracle.emulated_ragged_all_to_all,
-    # since the CPU backend cannot compile the real one.
-    ragged_all_to_all: Callable = jax.lax.ragged_all_to_all
 
 
 class Stats(NamedTuple):

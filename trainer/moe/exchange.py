@@ -136,13 +136,13 @@ def _dropless_ragged(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
     num_rows = a.order_N.shape[0]
     me, sizes_SxJ, recv_counts_SxEl = _exchange_plan(a, topo)
     x_sorted_NxD = _take_tokens(x_TxD, a.rank_N, num_rows, a.top_k)
-    recv_SNxD = topo.ragged_all_to_all(
+    recv_SNxD = jax.lax.ragged_all_to_all(
         x_sorted_NxD, jnp.zeros((num_shards * num_rows, x_TxD.shape[1]), x_TxD.dtype),
         _starts(sizes_SxJ[me]), sizes_SxJ[me], jnp.full((num_shards,), me * num_rows, jnp.int32),
         sizes_SxJ[:, me], axis_name=axis,
     )
     out_SNxD = _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, num_rows)
-    out_sorted_NxD = topo.ragged_all_to_all(
+    out_sorted_NxD = jax.lax.ragged_all_to_all(
         out_SNxD, jnp.zeros((num_rows, x_TxD.shape[1]), out_SNxD.dtype),
         jnp.arange(num_shards, dtype=jnp.int32) * num_rows, sizes_SxJ[:, me],
         _starts(sizes_SxJ)[:, me], sizes_SxJ[me], axis_name=axis,

@@ -1,13 +1,18 @@
-"""The naive reference: one expert at a time, over every token, in plain jnp and numpy.
+"""Test code: the naive MoE reference, and ragged_all_to_all for the CPU backend.
 
+The reference computes one expert at a time, over every token, in plain jnp and numpy.
 Written independently of the fast path (no sorting, no slots, no buffers) so
 that agreeing with it means something. Which assignments survive capacity is
 decided by a plain Python loop over groups and experts, in the documented
 priority order; the arithmetic after that is differentiable jnp.
+
+Tests import it as `moe_oracle` (pytest puts tests/trainer on sys.path); the package never
+imports it (a benchmark that wants it would add tests/trainer to sys.path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -128,3 +133,31 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
         values = operand_SxNxD[src].at[start + rows_R - dest].get(mode="fill", fill_value=0)
         result = jnp.where(inside_R[:, None], values, result)
     return result
+
+
+@contextlib.contextmanager
+def ragged_all_to_all_on_cpu():
+    """Lets XLA:CPU compile jax.lax.ragged_all_to_all, lowered as the emulation above.
+
+    The production code calls the real primitive; only its CPU lowering is supplied here, so its own
+    JVP and transpose rules (the backward exchange) are what run. The lowered emulation carries no
+    varying-axes types: trace the shard_map around it with check_vma=False.
+    """
+    from jax._src.interpreters import mlir as mlir_internal  # the table, to remove the rule afterwards
+    from jax.interpreters import mlir
+
+    def lowering(ctx, *args, axis_name, axis_index_groups):
+        assert axis_index_groups is None, "the emulation covers the whole axis"
+        emulate = lambda *a: emulated_ragged_all_to_all(*a, axis_name=axis_name)
+        return mlir.lower_fun(emulate, multiple_results=False)(ctx, *args)
+
+    rules = mlir_internal._platform_specific_lowerings["cpu"]
+    previous = rules.get(jax.lax.ragged_all_to_all_p)
+    mlir.register_lowering(jax.lax.ragged_all_to_all_p, lowering, platform="cpu")
+    try:
+        yield
+    finally:
+        if previous is None:
+            rules.pop(jax.lax.ragged_all_to_all_p, None)
+        else:
+            rules[jax.lax.ragged_all_to_all_p] = previous

@@ -1,0 +1,253 @@
+"""Hardening: no input, local state or fault ends in a traceback, an internal error, a hang or a
+silently wrong result. One test per class of failure, driven through the real entry point (and the
+real client libraries against the emulator)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from provision.app import App
+from provision.config import load_config
+from provision.errors import CloudError, ConfigError, StockoutError
+from provision.jobs import job_submit
+from provision.slices import slice_up
+from tests.control.cli_helpers import invoke
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _config(tmp_path: Path, example: str = "v5e-64.yaml", **changes) -> Path:
+    """A copy of an example with dotted__keys changed (None deletes a key), written to tmp_path."""
+    doc = yaml.safe_load((EXAMPLES / example).read_text())
+    for dotted, value in changes.items():
+        node = doc
+        *parents, last = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    path = tmp_path / "moe-tpu.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _no_traceback(code: int, err: str, expected_code: int = 2) -> None:
+    assert code == expected_code, err
+    assert "Traceback" not in err and "internal error" not in err, err
+
+
+# --- 1. work bounded by the size of the input ------------------------------------------------
+
+def _alias_bomb(levels: int = 25) -> str:
+    text = "region: &a0 [x, x, x, x, x, x, x, x, x]\n"
+    for i in range(1, levels):
+        text += f"k{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]\n"
+    return text
+
+
+@pytest.mark.parametrize("text, needle", [
+    (_alias_bomb(), "aliases expand to more than"),
+    ("region: &a [1, *a]\n", "an alias refers to the value that contains it"),
+    ("region: " + "[" * 200_000 + "\n", "nested more than 64 levels deep"),
+    ("region: " + "[" * 500 + "]" * 500 + "\n", "nested more than 64 levels deep"),
+])
+def test_small_hostile_yaml_fails_fast_with_a_message(workdir, text, needle):
+    (workdir / "moe-tpu.yaml").write_text(text)
+    start = time.monotonic()
+    code, out, err = invoke("validate")
+    assert time.monotonic() - start < 5
+    _no_traceback(code, err)
+    assert needle in err and "moe-tpu.yaml" in err
+
+
+def test_a_huge_file_of_comments_is_read_quickly(workdir):
+    path = _config(workdir)
+    text = path.read_text()
+    path.write_text(("# " + "x" * 78 + "\n") * (20 * 1024 * 1024 // 80) + text)
+    start = time.monotonic()
+    cfg = load_config(path)
+    assert time.monotonic() - start < 10 and cfg.run == "moe-demo"
+
+
+# --- 2. local state and out-of-range values are usage errors, not internal errors ------------
+
+def test_a_duration_too_long_for_python_names_the_key(workdir):
+    _config(workdir, slice__max_wait="99999999999h")
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert "moe-tpu.yaml: slice.max_wait: duration '99999999999h' is too long" in err
+
+
+def test_state_dir_that_is_a_file_is_named_with_the_fix(workdir):
+    _config(workdir)
+    (workdir / ".moe-tpu").write_text("not a directory")
+    code, out, err = invoke("--dry-run", "slice", "status")
+    _no_traceback(code, err)
+    assert ".moe-tpu is a file" in err and "move or delete" in err
+    code, out, err = invoke("validate")  # read-only: needs no state directory
+    assert code == 0, err
+
+
+def test_garbage_in_the_remembered_config_is_named_with_the_fix(workdir):
+    (workdir / ".moe-tpu").mkdir()
+    (workdir / ".moe-tpu" / "last-config").write_bytes(b"\xff\xfe\x00garbage\x00\n")
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert "last-config" in err and "--config" in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_validate_works_in_a_directory_it_cannot_write(workdir):
+    _config(workdir)
+    workdir.chmod(0o555)
+    try:
+        code, out, err = invoke("validate")
+    finally:
+        workdir.chmod(0o755)
+    assert code == 0, err
+    assert not (workdir / ".moe-tpu").exists()
+
+
+# --- 3. messages name the key that is wrong --------------------------------------------------
+
+@pytest.mark.parametrize("changes, key", [
+    ({"slice__count": 10**12}, "slice.count: slice count must be at most 256"),
+    ({"slice__max_wait": "100000h"}, "slice.max_wait: duration '100000h' is too long"),
+    ({"vertex__timeout": "9999h"}, "vertex.timeout: duration '9999h' is too long"),
+])
+def test_out_of_range_values_name_their_key_at_validate(workdir, changes, key):
+    _config(workdir, **changes)
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert key in err and "does not render" not in err
+
+
+def test_a_startup_script_over_the_metadata_limit_fails_validate(workdir):
+    from provision.rendering import builtin_templates_dir
+
+    _config(workdir)
+    mine = workdir / "templates"
+    mine.mkdir()
+    startup = (builtin_templates_dir() / "startup.sh.j2").read_text()
+    (mine / "startup.sh.j2").write_text(startup + ("# " + "x" * 98 + "\n") * 3000)
+    code, out, err = invoke("--templates", str(mine), "validate")
+    _no_traceback(code, err)
+    assert "startup script it renders is 303 KiB" in err and "at most 256 KiB" in err
+    assert "startup.sh.j2" in err
+
+
+def test_a_bad_environment_variable_is_named_not_the_flag(workdir):
+    code, out, err = invoke("validate", env={"MOE_TPU_OUTPUT": "yaml"})
+    assert code == 2
+    assert "MOE_TPU_OUTPUT" in err and "'--output'" not in err
+
+
+def test_stockout_hint_does_not_suggest_what_the_config_already_does(tmp_path):
+    cfg = load_config(_config(tmp_path))  # capacity: spot
+    app = App(dry_run=True, scenario="stockout", output="json", workdir=tmp_path)
+    try:
+        with pytest.raises(StockoutError) as info:
+            slice_up(cfg, app.session(), app.console)
+    finally:
+        app.close()
+    assert "capacity: spot" not in info.value.hint and "reservation" in info.value.hint
+
+
+# --- 4. nothing silently accepted ------------------------------------------------------------
+
+def test_scenario_without_dry_run_is_an_error(workdir):
+    _config(workdir)
+    code, out, err = invoke("--scenario", "stockout", "slice", "status")
+    _no_traceback(code, err)
+    assert "--scenario" in err and "--dry-run" in err
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"slice__count": True}, "slice.count: input should be a valid integer"),
+    ({"recovery__max_restarts": False}, "recovery.max_restarts: input should be a valid integer"),
+    ({"zones": ["us-west4-a", "us-west4-a"]}, "zone 'us-west4-a' is listed twice"),
+    ({"slice__capacity": "reserved", "slice__reservation": "r; rm -rf /"}, "slice.reservation: reservation"),
+])
+def test_values_that_were_silently_taken_are_errors(workdir, changes, needle):
+    _config(workdir, **changes)
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert needle in err
+
+
+# --- 5. an existing resource that no longer matches the config is not adopted -----------------
+
+@pytest.mark.parametrize("changes, difference", [
+    ({"slice__accelerator": "v5litepod-16", "trainer__mesh": "data=4,expert=4"},
+     "accelerator is v5litepod-64 (the config asks for v5litepod-16)"),
+    ({"slice__capacity": "on-demand"}, "capacity is spot (the config asks for on-demand)"),
+    ({"slice__count": 2}, "slice count is 1 (the config asks for 2)"),
+])
+def test_slice_up_refuses_to_adopt_a_queued_resource_that_differs(tmp_path, changes, difference):
+    app = App(dry_run=True, output="json", workdir=tmp_path)
+    try:
+        slice_up(load_config(_config(tmp_path)), app.session(), app.console)
+        changed = load_config(_config(tmp_path, **changes))
+        with pytest.raises(CloudError) as info:
+            slice_up(changed, app.session(), app.console)
+    finally:
+        app.close()
+    assert difference in info.value.message and "moe-tpu down" in info.value.hint
+    assert info.value.exit_code == 1
+
+
+def test_job_submit_refuses_to_follow_a_running_job_that_differs(tmp_path):
+    app = App(dry_run=True, output="json", workdir=tmp_path)
+    try:
+        job_submit(load_config(_config(tmp_path, "vertex.yaml")), app.session(), app.console)
+        changed = load_config(_config(tmp_path, "vertex.yaml", image__tag="v2"))
+        with pytest.raises(CloudError) as info:
+            job_submit(changed, app.session(), app.console)
+    finally:
+        app.close()
+    assert "image is" in info.value.message and ":v2)" in info.value.message
+    assert "job cancel" in info.value.hint
+
+
+# --- 7. Ctrl-C keeps its promises --------------------------------------------------------------
+
+@pytest.mark.parametrize("example, args, marker", [
+    ("v5e-64.yaml", ["slice", "up"], "creating queued resource"),
+    ("vertex.yaml", ["job", "submit", "--wait"], "submitting custom job"),
+])
+def test_ctrl_c_prints_the_hint_and_a_json_document(tmp_path, example, args, marker):
+    import signal
+    import subprocess
+    import sys
+
+    _config(tmp_path, example)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_TPU_")}
+    proc = subprocess.Popen([sys.executable, "-m", "provision", "--dry-run", "--scenario", "long-queue",
+                             "--output", "json", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**env, "NO_COLOR": "1"})
+    seen = ""
+    while marker not in seen:
+        line = proc.stderr.readline()
+        assert line, f"exited before {marker!r}: {seen}"
+        seen += line
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, seen + err
+    assert "moe-tpu down" in err and "Traceback" not in err
+    doc = json.loads(out)
+    assert doc["result"] == "interrupted" and doc["command"] == " ".join(args[:2])
+    assert isinstance(doc["resources"], list)
