@@ -141,7 +141,8 @@ class App:
             emulator = Emulator(state_path=self.state_dir / "emulator.json", scenario=self.scenario,
                                 clock=SimClock(), external_workloads=workloads is not None)
         except ValueError as exc:
-            raise UsageError(str(exc), hint="pick one with --scenario") from exc
+            hint = ("set it as ZONE/NAME=CHIPS[,...]" if "RESERVATIONS" in str(exc) else "pick one with --scenario")
+            raise UsageError(str(exc), hint=hint) from exc
         emulator.start(host="127.0.0.1", port=0)
         if workloads is not None:
             workloads.attach(emulator)

@@ -73,11 +73,9 @@ def parse_duration(value: Any) -> timedelta:
 
 def format_duration(delta: timedelta) -> str:
     """timedelta -> "1h30m" (the inverse of parse_duration)."""
-    total = int(delta.total_seconds())
-    hours, rest = divmod(total, 3600)
-    minutes, seconds = divmod(rest, 60)
-    parts = [f"{n}{unit}" for n, unit in ((hours, "h"), (minutes, "m"), (seconds, "s")) if n]
-    return "".join(parts) or "0s"
+    from provision.waiting import format_duration as format_seconds
+
+    return format_seconds(delta.total_seconds(), exact=True)
 
 
 def _positive_duration(value: Any) -> timedelta:
@@ -206,8 +204,8 @@ class VertexConfig(_Section):
     @field_validator("topology")
     @classmethod
     def _known_topology(cls, value: str) -> str:
-        topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
-        if value not in topologies:
+        if catalogue.accelerator_for_topology(value) is None:
+            topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
             raise _fail(f"unknown v5e topology {value!r} (v5e topologies: {', '.join(topologies)})")
         return value
 

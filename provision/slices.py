@@ -164,7 +164,7 @@ def _wait_nodes_ready(cfg, session, console, project: str, zone: str, qr) -> lis
 
 
 def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: str, name: str,
-                     attempt: int = 0):
+                     attempt: int = 0, recreate: bool = False):
     from provision.rendering import create_queued_resource_request
 
     existing = session.tpu.get_queued_resource(name)
@@ -175,12 +175,20 @@ def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: s
         existing = None
     request = create_queued_resource_request(cfg, zone, templates_dir, attempt=attempt, project=project)
     if existing is not None:
-        if differences := qr_differences(request.queued_resource, existing):
+        differences = qr_differences(request.queued_resource, existing)
+        if differences and recreate:
+            console.info(f"  {short(name)} in {zone} differs from the config ({'; '.join(differences)}); "
+                         "deleting it to create it anew (--recreate)")
+            _delete_and_wait(session, console, name)
+            existing = None
+        elif differences:
             raise CloudError(f"queued resource {short(name)} in {zone} ({state_name(existing)}) exists but no longer "
                              f"matches the config: {'; '.join(differences)}",
-                             hint=f"run `moe-tpu down -c {cfg.source}` to delete it, then `moe-tpu slice up` again")
-        console.info(f"  adopting existing queued resource {short(name)} in {zone} ({state_name(existing)})")
-        return
+                             hint=f"run `moe-tpu down -c {cfg.source}` to delete it, then `moe-tpu slice up` again "
+                                  "(or `moe-tpu slice up --recreate`)")
+        else:
+            console.info(f"  adopting existing queued resource {short(name)} in {zone} ({state_name(existing)})")
+            return
     console.info(f"  creating queued resource {short(name)} in {zone}: "
                  f"{cfg.slice.count} x {cfg.slice.accelerator}, {cfg.slice.capacity}")
     operation = session.tpu.create_queued_resource(request)
@@ -218,18 +226,20 @@ def qr_differences(wanted, existing) -> list[str]:
     return [f"{key} is {have[key]} (the config asks for {want[key]})" for key in want if want[key] != have[key]]
 
 
-def slice_up(cfg, session, console, templates_dir=None, attempt: int = 0) -> list[Resource]:
+def slice_up(cfg, session, console, templates_dir=None, attempt: int = 0, recreate: bool = False) -> list[Resource]:
     """Provision the run's slice, trying each zone in order on stockout. Returns its resources.
 
     `attempt` counts deliberate re-creations (recovery after a preemption): each gets its own
-    request id, so the API never answers a new create with an earlier incarnation's operation."""
+    request id, so the API never answers a new create with an earlier incarnation's operation.
+    `recreate` deletes a queued resource of the run that no longer matches the config instead of
+    failing on it."""
     from provision.config import format_duration as config_duration
 
     project = project_of(cfg, session)
     tried: list[str] = []
     for zone in cfg.zones:
         name = queued_resource_name(cfg, project, zone)
-        _create_or_adopt(cfg, session, console, templates_dir, project, zone, name, attempt)
+        _create_or_adopt(cfg, session, console, templates_dir, project, zone, name, attempt, recreate)
         qr = _wait_settled(cfg, session, console, name, zone)
         state = state_name(qr)
         if state == "ACTIVE":

@@ -94,10 +94,14 @@ def poll(fetch: Callable[[], T], done: Callable[[T], bool], clock, *, timeout_s:
         interval = min(interval * policy.factor, policy.cap_s)
 
 
-def format_duration(seconds: float) -> str:
+def format_duration(seconds: float, *, exact: bool = False) -> str:
+    """Seconds for people: "1h05m", "3m04s", "42s" (to the minute past an hour). `exact`: the config
+    file's syntax, every unit that is not zero ("1h5m", "90s" -> "1m30s"), which parse_duration reads back."""
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
+    if exact:
+        return "".join(f"{n}{unit}" for n, unit in ((hours, "h"), (minutes, "m"), (secs, "s")) if n) or "0s"
     if hours:
         return f"{hours}h{minutes:02d}m"
     if minutes:

@@ -26,8 +26,10 @@ def slice_group() -> None:
 
 @slice_group.command("up")
 @config_option
+@click.option("--recreate", is_flag=True,
+              help="Delete a queued resource of the run that no longer matches the config, and create it anew.")
 @click.pass_obj
-def up(app, config_path: str) -> None:
+def up(app, config_path: str, recreate: bool) -> None:
     """Provision the slice and wait until every node is READY.
 
     Tries each zone of `zones:` in order when one has no capacity. A re-run after
@@ -44,7 +46,7 @@ def up(app, config_path: str) -> None:
     app.console.info(f"slice up: run {cfg.run}, {cfg.slice.count} x {accel.name} "
                      f"({accel.topology}, {accel.chips} chips, {accel.vms} VMs), {cfg.slice.capacity}"
                      + (" [dry run]" if app.dry_run else ""))
-    resources = slice_up(cfg, app.session(), app.console, app.templates_dir)
+    resources = slice_up(cfg, app.session(), app.console, app.templates_dir, recreate=recreate)
     qr = resources[0]
     app.console.text(f"slice ready: {qr.name.rsplit('/', 1)[-1]} in {qr.zone}")
     for node in resources[1:]:

@@ -13,7 +13,7 @@ from provision.cli import main
 
 # Variables a developer's shell may set that would change what a test sees.
 CLEAN_ENV = {"NO_COLOR": "1", "MOE_TPU_CONFIG": None, "MOE_TPU_OUTPUT": None, "MOE_TPU_TEMPLATES": None,
-             "MOE_TPU_DRY_RUN": None, "MOE_TPU_SCENARIO": None}
+             "MOE_TPU_DRY_RUN": None, "MOE_TPU_SCENARIO": None, "MOE_TPU_EMULATOR_RESERVATIONS": None}
 
 
 def invoke(*args: str, env: dict[str, str | None] | None = None) -> tuple[int, str, str]:

@@ -14,7 +14,7 @@ import yaml
 
 from provision.app import App
 from provision.config import load_config
-from provision.errors import CloudError, ConfigError, StockoutError
+from provision.errors import CloudError, StockoutError
 from provision.jobs import job_submit
 from provision.slices import slice_up
 from tests.control.cli_helpers import invoke
@@ -204,10 +204,13 @@ def test_slice_up_refuses_to_adopt_a_queued_resource_that_differs(tmp_path, chan
         changed = load_config(_config(tmp_path, **changes))
         with pytest.raises(CloudError) as info:
             slice_up(changed, app.session(), app.console)
+        recreated = slice_up(changed, app.session(), app.console, recreate=True)
     finally:
         app.close()
     assert difference in info.value.message and "moe-tpu down" in info.value.hint
     assert info.value.exit_code == 1
+    nodes = [r for r in recreated if r.kind == "node"]
+    assert len(nodes) == changed.slice.count and {n.accelerator for n in nodes} == {changed.slice.accelerator}
 
 
 def test_job_submit_refuses_to_follow_a_running_job_that_differs(tmp_path):
@@ -251,3 +254,47 @@ def test_ctrl_c_prints_the_hint_and_a_json_document(tmp_path, example, args, mar
     doc = json.loads(out)
     assert doc["result"] == "interrupted" and doc["command"] == " ".join(args[:2])
     assert isinstance(doc["resources"], list)
+
+
+# --- 8. gRPC core log lines stay off the console -----------------------------------------------
+
+def test_a_busy_port_is_one_message_without_grpc_core_lines(tmp_path):
+    import socket
+
+    from tests.control.cli_helpers import run_process
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {"GRPC_VERBOSITY": None}
+        proc = run_process(["emulator", "serve", "--port", str(port)], cwd=tmp_path, env=env, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: cannot bind the emulator to 127.0.0.1:{port}")
+    assert "add_port.cc" not in proc.stderr
+
+
+# --- 9. list without a config; emulator reset --------------------------------------------------
+
+def test_list_without_a_config_says_what_it_needs_then_lists(workdir):
+    code, out, err = invoke("--dry-run", "list")
+    _no_traceback(code, err)
+    assert "--project and --zone" in err
+    _config(workdir)
+    assert invoke("--dry-run", "slice", "up")[0] == 0
+    (workdir / "moe-tpu.yaml").unlink()
+    (workdir / ".moe-tpu" / "last-config").unlink()
+    code, out, err = invoke("--dry-run", "--output", "json", "list", "--project", "my-project",
+                            "--zone", "us-west4-a")
+    assert code == 0, err
+    kinds = sorted(r["kind"] for r in json.loads(out)["resources"])
+    assert kinds == ["node", "queued_resource"]
+
+
+def test_emulator_reset_clears_the_world(workdir):
+    _config(workdir)
+    assert invoke("--dry-run", "slice", "up")[0] == 0
+    code, out, err = invoke("emulator", "reset")
+    assert code == 0 and "emulated world cleared" in out, err
+    code, out, err = invoke("--dry-run", "--output", "json", "slice", "status")
+    assert code == 0 and json.loads(out)["resources"] == []

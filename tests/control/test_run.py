@@ -121,8 +121,9 @@ def test_sigint_with_yes_tears_everything_down(tmp_path):
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, NO_COLOR="1"))
     status = tmp_path / ".moe-tpu" / "runs" / "moe-demo" / "output" / "status.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (status.exists() and '"running"' in status.read_text()):
+    deadline = time.monotonic() + 300
+    running = lambda: status.exists() and '"running"' in status.read_text()  # noqa: E731
+    while time.monotonic() < deadline and proc.poll() is None and not running():
         time.sleep(0.1)
     assert status.exists(), "the trainer never started"
     proc.send_signal(signal.SIGINT)
