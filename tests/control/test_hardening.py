@@ -4,20 +4,22 @@ real client libraries against the emulator)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from cli_helpers import invoke
 
 from provision.app import App
 from provision.config import load_config
 from provision.errors import CloudError, StockoutError
 from provision.jobs import job_submit
 from provision.slices import slice_up
-from tests.control.cli_helpers import invoke
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -110,14 +112,30 @@ def test_garbage_in_the_remembered_config_is_named_with_the_fix(workdir):
     assert "last-config" in err and "--config" in err
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+@contextlib.contextmanager
+def unwritable(path: Path):
+    """A directory nobody can write to: read-only bits, and for root (who ignores them, as CI runs)
+    the immutable attribute."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.chmod(0o755)
+        return
+    subprocess.run(["chattr", "+i", str(path)], check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True, capture_output=True)
+
+
 def test_validate_works_in_a_directory_it_cannot_write(workdir):
     _config(workdir)
-    workdir.chmod(0o555)
-    try:
+    with unwritable(workdir):
+        with pytest.raises(OSError):
+            (workdir / "probe").touch()  # the directory really is unwritable
         code, out, err = invoke("validate")
-    finally:
-        workdir.chmod(0o755)
     assert code == 0, err
     assert not (workdir / ".moe-tpu").exists()
 
