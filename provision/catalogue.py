@@ -7,6 +7,7 @@ cloud library: the CLI's `--help` and the planner read it cheaply.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 V5E_RUNTIME = "v2-alpha-tpuv5-lite"
@@ -131,6 +132,10 @@ def accelerator_for_topology(topology: str) -> AcceleratorType | None:
 def price_per_chip_hour(capacity: str) -> float:
     """USD per chip-hour for "on-demand", "spot" or "reserved"; KeyError otherwise."""
     return _PRICES[capacity]
+
+
+# A Google Cloud zone name (us-west4-a): what a zone looks like, whether or not it offers v5e.
+ZONE_NAME = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 
 
 def zone_region(zone: str) -> str:

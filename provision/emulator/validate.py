@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from provision import catalogue
 from provision.catalogue import AcceleratorType
 from provision.emulator import offerings
 
@@ -23,7 +24,7 @@ class ApiError(Exception):
 
 
 LOCATION_RE = re.compile(r"^projects/([^/]+)/locations/([^/]+)$")
-ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+ZONE_RE = catalogue.ZONE_NAME
 # Queued resource and node ids are Google Cloud resource names (RFC 1035 labels, as Compute Engine
 # names are): a lowercase letter, then lowercase letters, digits and hyphens, not ending in a hyphen,
 # 1 to 63 characters. The protos' looser ^[A-Za-z0-9_.~+%-]+$ is the URL-safe set, not the server's

@@ -95,7 +95,13 @@ def _dropless_padded(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
     exchange = lambda rows: lambda: _padded_exchange(x_TxD, a, w, block_rows, topo, plan, rows)
     if chunk >= num_rows:
         return exchange(num_rows)()
-    return jax.lax.cond(jnp.max(plan[1]) <= chunk, exchange(chunk), exchange(num_rows))
+    return jax.lax.cond(short_chunks_fit(plan[1], chunk), exchange(chunk), exchange(num_rows))
+
+
+def short_chunks_fit(sizes_SxJ, chunk: int):
+    """Whether every send of the expert group (rows from source S to device J) fits a chunk of
+    `chunk` rows: then the padded exchange moves the short chunks, else all N rows each."""
+    return jnp.max(sizes_SxJ) <= chunk
 
 
 def padded_chunk_rows(num_rows: int, num_shards: int) -> int:
