@@ -33,9 +33,9 @@ class App:
         self.command: str | None = None
         self._session = None
         self._emulator = None
-        # what a command asks of the emulator before the session opens (dry run only): "workloads",
-        # a provision.emulator.local_trainer.LocalTrainer that runs the trainer while a slice or job is up
-        self.emulator_options: dict[str, Any] = {}
+        # dry run only: a provision.emulator.local_trainer.LocalTrainer that runs the trainer while
+        # the run's slice or job is up (`run` sets it before the session opens)
+        self.workloads = None
         self.config = None  # the config this command loaded, once loaded
         self.used_cloud = False  # a cloud session was opened (an interrupt may have left resources)
         App.current = self
@@ -98,7 +98,7 @@ class App:
 
         output_dir = local_output_dir(self.state_dir, cfg.run)
         if train_locally:
-            self.emulator_options["workloads"] = LocalTrainer(cfg, output_dir, console=self.console)
+            self.workloads = LocalTrainer(cfg, output_dir, console=self.console)
         return str(output_dir)
 
     def session(self):
@@ -136,7 +136,7 @@ class App:
         except OSError as exc:
             raise UsageError(f"cannot create {self.state_dir}: {exc.strerror or exc}",
                              hint="run dry runs in a directory you can write to") from None
-        workloads = self.emulator_options.get("workloads")
+        workloads = self.workloads
         try:
             emulator = Emulator(state_path=self.state_dir / "emulator.json", scenario=self.scenario,
                                 clock=SimClock(), external_workloads=workloads is not None)
@@ -155,7 +155,7 @@ class App:
                 self._session = None
         finally:
             if self._emulator is not None:
-                workloads = self.emulator_options.get("workloads")
+                workloads = self.workloads
                 try:
                     if workloads is not None:
                         workloads.stop()

@@ -48,9 +48,9 @@ def job_resource(job, region: str) -> Resource:
     return Resource(
         kind="custom_job", name=job.name, state=state_name(job), zone=region, run=job.labels.get(RUN_LABEL),
         accelerator=f"{pools[0].machine_spec.machine_type} {topology}".strip() if pools else None,
-        created=seconds(job.create_time), chips=accel.chips if accel else 0,
+        created=seconds(job.create_time), chips=accel.chips if accel and job.start_time else 0,
         price_per_chip_hour=catalogue.price_per_chip_hour(CAPACITY_OF_STRATEGY.get(strategy, "on-demand")),
-        error=error_of(job), billed_from=seconds(job.start_time) or float("inf"), ended=seconds(job.end_time),
+        error=error_of(job), billed_from=seconds(job.start_time), ended=seconds(job.end_time),
     )
 
 
@@ -169,38 +169,36 @@ def job_wait(cfg, session, console, name: str | None = None) -> Resource:
 
 
 # --- cancel and down --------------------------------------------------------------------
+def _cancel_and_wait(cfg, session, console, job):
+    """Cancel a queued or running job (unless it is already cancelling); the job once it has ended."""
+    if state_name(job) != "JOB_STATE_CANCELLING":
+        console.info(f"  cancelling job {short(job.name)} ({state_name(job)})")
+        session.vertex(cfg.region).cancel_custom_job(job.name)
+    return wait_job(cfg, session, console, job.name, timeout_s=3600)
+
+
 def job_cancel(cfg, session, console) -> list[Resource]:
     """Cancel every queued or running job of the run and wait until each has ended."""
     check_target(cfg)
     project = project_of(cfg, session)
-    ended = []
-    for job in run_jobs(session, project, cfg.region, cfg.run):
-        if state_name(job) not in ACTIVE_STATES:
-            continue
-        if state_name(job) != "JOB_STATE_CANCELLING":
-            console.info(f"  cancelling job {short(job.name)} ({state_name(job)})")
-            session.vertex(cfg.region).cancel_custom_job(job.name)
-        ended.append(job_resource(wait_job(cfg, session, console, job.name, timeout_s=3600), cfg.region))
-    return ended
+    return [job_resource(_cancel_and_wait(cfg, session, console, job), cfg.region)
+            for job in run_jobs(session, project, cfg.region, cfg.run) if state_name(job) in ACTIVE_STATES]
 
 
-def jobs_down(cfg, session, console, region: str | None = None) -> list[Resource]:
+def jobs_down(cfg, session, console) -> list[Resource]:
     """Cancel the run's active jobs, delete all of them, and verify none is left."""
     project = project_of(cfg, session)
-    region = region or cfg.region
+    vertex = session.vertex(cfg.region)
     deleted = []
-    for job in run_jobs(session, project, region, cfg.run):
+    for job in run_jobs(session, project, cfg.region, cfg.run):
         if state_name(job) in ACTIVE_STATES:
-            if state_name(job) != "JOB_STATE_CANCELLING":
-                console.info(f"  cancelling job {short(job.name)} ({state_name(job)})")
-                session.vertex(region).cancel_custom_job(job.name)
-            job = wait_job(cfg, session, console, job.name, timeout_s=3600)
-        operation = session.vertex(region).delete_custom_job(job.name)
+            job = _cancel_and_wait(cfg, session, console, job)
+        operation = vertex.delete_custom_job(job.name)
         if operation is not None:
             console.info(f"  deleting job {short(job.name)} ({state_name(job)})")
-            session.vertex(region).wait_operation(operation, f"delete {short(job.name)}", timeout_s=3600)
-            deleted.append(job_resource(job, region))
-    left = run_jobs(session, project, region, cfg.run)
+            vertex.wait_operation(operation, f"delete {short(job.name)}", timeout_s=3600)
+            deleted.append(job_resource(job, cfg.region))
+    left = run_jobs(session, project, cfg.region, cfg.run)
     if left:
         names = ", ".join(f"custom_job {short(j.name)} ({state_name(j)})" for j in left)
         raise CloudError(f"custom jobs still exist after delete: {names}",

@@ -67,11 +67,11 @@ def logs(app, config_path: str, follow: bool, tail: int) -> None:
     app.console.emit(app.document("ok", output_dir=out, status=status or None, metrics=rows))
 
 
+ROW_FIELDS = (("loss", "loss {:.4f}"), ("aux_loss", "aux {:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"),
+              ("step_time_s", "{:.3f} s/step"))
+
+
 def _row_line(row: dict) -> str:
     parts = [f"step {row.get('step')}"]
-    for key, fmt in (("loss", "{:.4f}"), ("aux_loss", "{:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"),
-                     ("step_time_s", "{:.3f} s/step")):
-        if isinstance(row.get(key), (int, float)):
-            parts.append(f"{key.split('_')[0] if key != 'aux_loss' else 'aux'} " + fmt.format(row[key])
-                         if key in ("loss", "aux_loss") else fmt.format(row[key]))
+    parts += [fmt.format(row[key]) for key, fmt in ROW_FIELDS if isinstance(row.get(key), (int, float))]
     return "  ".join(parts)

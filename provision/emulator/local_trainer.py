@@ -141,8 +141,9 @@ class LocalTrainer:
     def sync(self) -> None:
         """One look: start the trainer where the run's slice or job is up, report, end, preempt."""
         emu, run = self.emulator, self.cfg.run
-        nodes = [n for n in emu.running_nodes() if n.run == run]
-        jobs = [j for j in emu.running_jobs() if j.run == run]
+        nodes, jobs = emu.world_call(lambda world, now: (  # one transaction for both looks
+            [n for n in world.running_nodes(now) if n.run == run],
+            [j for j in world.running_jobs(now) if j.run == run]))
         up = {n.queued_resource for n in nodes} | {j.name for j in jobs}
         self.done &= up  # a resource that is gone may come back under the same name: run it again then
         self.expecting = bool(up - self.done)

@@ -31,6 +31,7 @@ class Store:
         self.lock_path = path.with_name(path.name + ".lock") if path is not None else None
         self._fd: int | None = None
         self._seen: tuple | None = None  # the version this process holds; None: reload
+        self._text: str | None = None  # that version's text
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -54,7 +55,7 @@ class Store:
 
     def forget(self) -> None:
         """The world in memory is not the saved one any more: reload on the next transaction."""
-        self._seen = None
+        self._seen, self._text = None, None
 
     def load(self, parse: Callable[[dict], T]) -> T | None:
         """parse(the saved JSON), or None when there is no file; a UsageError naming the file when it
@@ -72,13 +73,15 @@ class Store:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UsageError(f"cannot read the emulator state {self.path}: {exc}",
                              hint=f"delete {self.path} to start a fresh emulated world") from exc
-        self._seen = version
+        self._seen, self._text = version, text
         return world
 
     def save(self, data: dict) -> None:
         if self.path is None:
             return
         text = json.dumps(data, indent=1, sort_keys=True)
+        if text == self._text and not self.changed():
+            return  # a transaction that only read: the file already holds this world
         fd, tmp = tempfile.mkstemp(prefix=".emulator-", suffix=".tmp", dir=self.path.parent)
         try:
             with os.fdopen(fd, "w") as handle:
@@ -91,7 +94,7 @@ class Store:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, os.urandom(TOKEN_BYTES // 2).hex().encode(), 0)
-        self._seen = self._version()
+        self._seen, self._text = self._version(), text
 
     def _version(self) -> tuple:
         token = os.pread(self._fd, TOKEN_BYTES, 0) if self._fd is not None else b""
