@@ -1,16 +1,16 @@
 """A TPU v5e slice on a queued resource (`target: tpu-vm`).
 
 The startup script runs the trainer on every worker; each worker publishes the trainer's
-state as guest attributes under GUEST_NAMESPACE, which `report` reads and combines.
+state as guest attributes (provision/guest_attributes.py), which `report` reads and combines.
 """
 
 from __future__ import annotations
 
-from provision import catalogue
+from provision import catalogue, guest_attributes
 from provision.resources import Resource, project_of, short
 from provision.targets.base import Report, combine, report_from_status
 
-GUEST_NAMESPACE = "moe-tpu/"
+GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
 
 
 class SliceTarget:
