@@ -251,16 +251,6 @@ class ImageConfig(_Section):
         return value
 
     @property
-    def uri(self) -> str:
-        """REPOSITORY:TAG; without image.tag, the content-hash tag of the builtin Dockerfile and this
-        source tree (provision.rendering.image_uri also honours --templates)."""
-        if self.tag is not None:
-            return f"{self.repository}:{self.tag}"
-        from provision.image import content_tag
-
-        return f"{self.repository}:{content_tag()}"
-
-    @property
     def registry_host(self) -> str:
         return self.repository.split("/", 1)[0]
 
