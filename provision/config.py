@@ -786,11 +786,12 @@ image:
   tag: latest
 
 trainer:
-  config: tiny                 # a named trainer config, or a path
+  config: v5e-64               # a named trainer config (this one is sized for v5litepod-64), or a path
   output_dir: gs://my-bucket/moe-demo
+  mesh: data=8,expert=8        # the device mesh; `moe-tpu plan` suggests one (unset: all chips on data)
   # steps: 1000
-  # mesh: data=8,expert=8      # the device mesh; `moe-tpu plan` suggests one (unset: all chips on data)
-  overrides: {}                # become `--set key=value` flags, e.g. {model.num_experts: 8}
+  # overrides:                 # trainer config keys, passed as `--set key=value`
+  #   moe.num_experts: 32
 
 recovery:
   max_restarts: 3              # recreate the slice at most this often after preemption
