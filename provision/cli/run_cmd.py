@@ -43,7 +43,8 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
     cfg = app.load_config(config_path, check_trainer=True)
     _check_plan(app, cfg, force)
     output_dir = app.trainer_output_dir(cfg, train_locally=True)
-    app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {image_uri(cfg, app.templates_dir)}"
+    image = image_uri(cfg, app.templates_dir)
+    app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {image}"
                      + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
     session = app.session()
     target = for_config(cfg, session, app.console, templates_dir=app.templates_dir, output_dir=output_dir)
