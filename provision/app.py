@@ -58,6 +58,8 @@ class App:
                 config_path = remembered_path
                 self.console.info(f"using {config_path} (the config last used in this directory)")
         cfg = load_config(config_path, check_trainer=check_trainer)
+        for warning in cfg.warnings():
+            self.console.warn(warning)
         self.remember_config(config_path)
         self.config = cfg
         return cfg
