@@ -98,13 +98,13 @@ def job_differences(wanted, existing) -> list[str]:
 
 
 # --- submit -----------------------------------------------------------------------------
-def job_submit(cfg, session, console, templates_dir=None) -> Resource:
+def job_submit(cfg, session, console, renderer=None) -> Resource:
     """Submit the run's custom job, or adopt the one an earlier attempt submitted."""
     from provision.rendering import create_custom_job_request
 
     check_target(cfg)
     project = project_of(cfg, session)
-    request = create_custom_job_request(cfg, templates_dir, project=project)
+    request = create_custom_job_request(cfg, renderer, project=project)
     existing = active_job(cfg, session, project)
     if existing is not None:
         if differences := job_differences(request.custom_job, existing):

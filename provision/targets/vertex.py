@@ -19,11 +19,11 @@ class JobTarget:
 
     kind = "vertex"
 
-    def __init__(self, cfg, session, console, *, templates_dir=None, output_dir: str | None = None) -> None:
+    def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
         self.cfg = cfg
         self.session = session
         self.console = console
-        self.templates_dir = templates_dir
+        self.renderer = renderer
         self.output_dir = output_dir or cfg.trainer.output_dir
         self.job: str | None = None
         acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
@@ -43,7 +43,7 @@ class JobTarget:
         from provision.jobs import TERMINAL_STATES, job_resource, job_submit
         from provision.waiting import poll
 
-        resource = job_submit(self.cfg, self.session, self.console, self.templates_dir)
+        resource = job_submit(self.cfg, self.session, self.console, self.renderer)
         self.job = resource.name
         vertex = self.session.vertex(self.cfg.region)
         wait = (self.cfg.vertex.max_wait.total_seconds() if self.cfg.vertex.max_wait else 0) + 7 * 86400

@@ -158,7 +158,7 @@ def test_out_of_range_values_name_their_key_at_validate(workdir, changes, key):
 
 
 def test_a_startup_script_over_the_metadata_limit_fails_validate(workdir):
-    from provision.rendering import builtin_templates_dir
+    from provision.templates import builtin_templates_dir
 
     _config(workdir)
     mine = workdir / "templates"
