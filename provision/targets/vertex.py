@@ -33,10 +33,8 @@ class JobTarget:
         return f"{self.cfg.vertex.machine_type} {self.cfg.vertex.topology} ({self.cfg.vertex.scheduling})"
 
     def price(self) -> float:
-        from provision.jobs import CAPACITY_OF_STRATEGY
-
-        return self.chips * catalogue.price_per_chip_hour(CAPACITY_OF_STRATEGY.get(self.cfg.vertex.scheduling,
-                                                                                    "on-demand"))
+        strategy = self.cfg.vertex.scheduling
+        return self.chips * catalogue.price_per_chip_hour(catalogue.CAPACITY_OF_VERTEX_STRATEGY[strategy])
 
     def provision(self, attempt: int = 0) -> list[Resource]:
         """Submit the job (or follow the one already submitted) and wait until it runs or ends."""
