@@ -264,7 +264,7 @@ def test_init_from_outputs_with_a_bad_value_names_it(tmp_path, monkeypatch):
     code, _, err = moe("init", "--from-terraform", "o.json")
     assert code == 2
     assert "warning: terraform output 'extra_thing' is not a config key; left out" in err
-    assert "moe-tpu.yaml: zones[0]: zone 'mars-north1-a' does not offer TPU v5e" in err
+    assert "moe-tpu.yaml: zones[0]: zone 'mars-north1-a' is not in region 'us-west4'" in err
     assert not (tmp_path / "moe-tpu.yaml").exists()
 
 
