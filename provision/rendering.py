@@ -213,8 +213,10 @@ def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
     )
 
 
-STATE_DIR = "/var/lib/moe-tpu"
-STATUS_FILE = f"{STATE_DIR}/status.json"
+# On every TPU VM (not the dry run's .moe-tpu/ here, provision.app.STATE_DIR): the trainer's status
+# file, the watcher and the trainer's working directory.
+VM_STATE_DIR = "/var/lib/moe-tpu"
+STATUS_FILE = f"{VM_STATE_DIR}/status.json"
 
 
 def startup_spec(cfg: Config, image: str) -> StartupSpec:
@@ -227,8 +229,8 @@ def startup_spec(cfg: Config, image: str) -> StartupSpec:
         container_name="moe-tpu-trainer", log_file="/var/log/moe-tpu/startup.log",
         trainer_log_file="/var/log/moe-tpu/trainer.log",
         trainer_argv=tuple(trainer_argv(cfg, status_file=STATUS_FILE)), labels=labels(cfg),
-        state_dir=STATE_DIR, status_file=STATUS_FILE, work_dir=f"{STATE_DIR}/work",
-        watcher_file=f"{STATE_DIR}/watch-status.py", watch_interval_s=10, trainer_uid=TRAINER_UID,
+        state_dir=VM_STATE_DIR, status_file=STATUS_FILE, work_dir=f"{VM_STATE_DIR}/work",
+        watcher_file=f"{VM_STATE_DIR}/watch-status.py", watch_interval_s=10, trainer_uid=TRAINER_UID,
         guest_namespace=guest_attributes.NAMESPACE, guest_fields=guest_attributes.pairs(),
         output_mount=output_dir if output_dir.startswith("/") else None,
     )

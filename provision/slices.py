@@ -250,7 +250,7 @@ def slice_up(cfg, session, console, renderer=None, attempt: int = 0, recreate: b
     request id, so the API never answers a new create with an earlier incarnation's operation.
     `recreate` deletes a queued resource of the run that no longer matches the config instead of
     failing on it."""
-    from provision.config import format_duration as config_duration
+    from provision.config import duration_text as config_duration
 
     check_zones_offer(cfg, session)
     project = project_of(cfg, session)

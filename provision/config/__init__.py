@@ -32,7 +32,7 @@ from provision.config.sections import (  # noqa: F401 - the config's API, one im
     SliceConfig,
     TrainerConfig,
     VertexConfig,
-    format_duration,
+    duration_text,
     parse_duration,
 )
 from provision.config.starter import (  # noqa: F401 - the config's API, one import away

@@ -59,10 +59,10 @@ def parse_duration(value: Any) -> timedelta:
     try:
         return timedelta(hours=hours, minutes=minutes, seconds=seconds)
     except OverflowError:
-        raise ValueError(f"duration {value!r} is too long (at most {format_duration(MAX_DURATION)})") from None
+        raise ValueError(f"duration {value!r} is too long (at most {duration_text(MAX_DURATION)})") from None
 
 
-def format_duration(delta: timedelta) -> str:
+def duration_text(delta: timedelta) -> str:
     """timedelta -> "1h30m" (the inverse of parse_duration)."""
     from provision.waiting import format_duration as format_seconds
 
@@ -78,7 +78,7 @@ def _positive_duration(value: Any) -> timedelta:
     if delta <= timedelta(0):
         raise _fail(f"duration {value!r} must be longer than 0s")
     if delta > MAX_DURATION:
-        raise _fail(f"duration {value!r} is too long: at most {format_duration(MAX_DURATION)} (30 days)")
+        raise _fail(f"duration {value!r} is too long: at most {duration_text(MAX_DURATION)} (30 days)")
     return delta
 
 
