@@ -40,12 +40,6 @@ def _config(tmp_path: Path, example: str = "v5e-64.yaml", **changes) -> Path:
     return path
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def _no_traceback(code: int, err: str, expected_code: int = 2) -> None:
     assert code == expected_code, err
     assert "Traceback" not in err and "internal error" not in err, err

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import invoke
+from cli_helpers import invoke as moe
 
 from provision import catalogue, planner
 from provision.config import load_config as load_run_config
@@ -34,16 +34,6 @@ V5E_64 = catalogue.accelerator("v5litepod-64")
 @functools.cache
 def inventory(name: str, *overrides: str) -> tuple[ParamInfo, ...]:
     return param_inventory(load_config(name, overrides))
-
-
-def moe(*args: str) -> tuple[int, str, str]:
-    return invoke(*args)
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 # ----------------------------------------------------------------------------- parameters

@@ -13,17 +13,13 @@ from pathlib import Path
 import hcl2
 import isolated_tools
 import pytest
-from cli_helpers import invoke
+from cli_helpers import invoke as moe
 
 from provision import foundation
 from provision.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TF = ROOT / "terraform"
-
-
-def moe(*args: str, env: dict | None = None) -> tuple[int, str, str]:
-    return invoke(*args, env=env)
 
 
 def one(value):
