@@ -274,3 +274,22 @@ def test_an_ep8_run_trains_as_a_one_device_run_with_the_bias_on(tmp_path):
     for name in bias_one:
         np.testing.assert_array_equal(bias_ep8[name], bias_one[name], err_msg=name)
     assert any(np.abs(v).max() > 0 for v in bias_one.values())
+
+
+def test_deepseek_tiny_trains_to_the_entropy_floor_as_tiny_does(tmp_path):
+    """The named config: sigmoid gating, bias balancing, a shared expert, 2 of 4 groups, dropless."""
+    cfg = load_config("deepseek-tiny")
+    assert (cfg.moe.score, cfg.moe.balance, cfg.moe.num_shared_experts, cfg.moe.routing_groups_limit) == \
+        ("sigmoid", "bias", 1, 2)
+    path = tmp_path / "m.jsonl"
+    reporter = Reporter(str(path))
+    try:
+        run(RunSpec(config=cfg, steps=120, num_devices=1, mesh_shape={"data": 1, "expert": 1}), reporter)
+    finally:
+        reporter.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    floor = rows[-1]["entropy_floor"]
+    final = np.mean([r["loss"] for r in rows[-10:]])
+    assert rows[0]["loss"] > floor + 3
+    assert floor - 0.1 < final < floor + 0.15, (final, floor)
+    assert all(r[f"moe.{i}.groups_per_token"] <= 2.0 for r in rows for i in (0, 1))

@@ -53,6 +53,11 @@ class MoEConfig(Section):
     # 0 picks half the expected rows per expert, a power of two in [8, 512]: bigger blocks
     # run faster matmuls, smaller ones waste less padding.
     block_rows: Integer = 0
+    # Rows of the dropless exchange under expert parallelism: one per assignment, or one per
+    # (token, device holding any of its experts), expanded to those experts there and their
+    # outputs summed there. "auto" takes "device" when a token can reach fewer devices than it
+    # has experts (routing_groups_limit over groups that tile the devices, or k > devices).
+    exchange_rows: Literal["auto", "assignment", "device"] = "auto"
     # Router scores: softmax over the experts, or each expert's own sigmoid (DeepSeek-V3). With
     # sigmoid and top_k > 1 the k chosen scores are normalised to sum to 1 (with renormalize).
     score: Literal["softmax", "sigmoid"] = "softmax"

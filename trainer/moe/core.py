@@ -19,7 +19,14 @@ import jax.numpy as jnp
 from trainer.moe import capacity as cap
 from trainer.moe import dispatch, routing
 from trainer.moe.config import MoEConfig
-from trainer.moe.exchange import Assignments, dropless_experts, exchange_from_experts, exchange_to_experts
+from trainer.moe.exchange import (
+    Assignments,
+    dropless_experts,
+    dropless_once_per_device,
+    exchange_from_experts,
+    exchange_to_experts,
+    max_devices_per_token,
+)
 from trainer.moe.experts import ExpertWeights, batched_ffn
 
 
@@ -108,18 +115,25 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
     num_groups, num_tokens, d_model = x_GxTxD.shape
     k = cfg.top_k
     experts_GxTxK, weights_GxTxK, _, probs_GxTxE = token_choice(logits_GxTxE, cfg, bias_E)
+    x_TxD = x_GxTxD.reshape(num_groups * num_tokens, d_model)
+    keep_GxN = jnp.ones((num_groups, num_tokens * k), bool)
+    stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, experts_per_group(cfg))
+    num_rows = num_groups * num_tokens * k
+    block_rows = cfg.block_rows or auto_block_rows(num_rows * topo.num_expert_shards / cfg.num_experts)
+    devices = max_devices_per_token(k, topo.num_expert_shards, cfg.expert_groups, cfg.routing_groups_limit)
+    once = cfg.exchange_rows == "device" or (cfg.exchange_rows == "auto" and devices < k)
+    if once and topo.expert_axis is not None and topo.num_expert_shards > 1:
+        y_TxD = dropless_once_per_device(x_TxD, experts_GxTxK.reshape(-1, k), weights_GxTxK.reshape(-1, k), w,
+                                         block_rows, topo, devices)
+        return y_TxD.reshape(num_groups, num_tokens, d_model), stats
     experts_N = cap.flatten_choices(experts_GxTxK.reshape(-1, k))
     gate_N = cap.flatten_choices(weights_GxTxK.reshape(-1, k))
     order_N, counts_E = dispatch.sort_by_expert(experts_N, cfg.num_experts)
     rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
     assignments = Assignments(order_N=order_N, rank_N=rank_N, counts_E=counts_E, top_k=k)
-    x_TxD = x_GxTxD.reshape(num_groups * num_tokens, d_model)
-    block_rows = cfg.block_rows or auto_block_rows(order_N.shape[0] * topo.num_expert_shards / cfg.num_experts)
     out_NxD = dropless_experts(x_TxD, assignments, w, block_rows, topo)
     y_NxD = out_NxD.astype(jnp.float32) * gate_N[:, None]
     y_TxD = dispatch.sum_leading(y_NxD.reshape(k, -1, d_model))
-    keep_GxN = jnp.ones((num_groups, num_tokens * k), bool)
-    stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, experts_per_group(cfg))
     return y_TxD.reshape(num_groups, num_tokens, d_model), stats
 
 
