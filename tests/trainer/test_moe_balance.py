@@ -293,3 +293,23 @@ def test_deepseek_tiny_trains_to_the_entropy_floor_as_tiny_does(tmp_path):
     assert rows[0]["loss"] > floor + 3
     assert floor - 0.1 < final < floor + 0.15, (final, floor)
     assert all(r[f"moe.{i}.groups_per_token"] <= 2.0 for r in rows for i in (0, 1))
+
+
+def test_rematerialised_blocks_step_the_bias_as_plain_ones_do():
+    """nnx.remat recomputes the block in the backward pass; the stepped bias still comes out of it."""
+    from trainer import sharding
+    from trainer.data import DataIterator, make_source
+    from trainer.train import build_trainer, global_batch
+
+    states = []
+    for remat in ("false", "true"):
+        cfg = load_config("tiny", BIAS_RUN + ["moe.bias_rate=0.01", f"model.remat={remat}"])
+        trainer = build_trainer(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]), 4)
+        data = DataIterator(make_source(cfg, cfg.train.seed), cfg.data.global_batch_size, cfg.model.vocab_size)
+        state = trainer.init_fn()
+        for _ in range(2):
+            state, _ = trainer.step_fn(state, global_batch(trainer, next(data)))
+        states.append(jax.device_get(state["moe_bias"]))
+    for name in states[0]:
+        assert np.abs(states[0][name]).max() > 0
+        np.testing.assert_array_equal(states[1][name], states[0][name], err_msg=name)

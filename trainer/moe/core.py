@@ -132,8 +132,7 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
     rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
     assignments = Assignments(order_N=order_N, rank_N=rank_N, counts_E=counts_E, top_k=k)
     out_NxD = dropless_experts(x_TxD, assignments, w, block_rows, topo)
-    y_NxD = out_NxD.astype(jnp.float32) * gate_N[:, None]
-    y_TxD = dispatch.sum_leading(y_NxD.reshape(k, -1, d_model))
+    y_TxD = dispatch.weighted_sum(out_NxD.reshape(k, -1, d_model), gate_N.reshape(k, -1))
     return y_TxD.reshape(num_groups, num_tokens, d_model), stats
 
 

@@ -241,8 +241,7 @@ def _expand_on_receiver(recv_RxD, meta_RxK2, w, block_rows, topo, expected_rows)
     layout = dispatch.block_layout(dest_KxR, block_group, num_blocks, block_rows, num_out=dest_KxR.size,
                                    save_rows=save_rows)
     out_NxD = grouped_ffn(recv_RxD, w, layout, impl=topo.grouped_matmul)
-    y_NxD = out_NxD.astype(jnp.float32) * gates_KxR.reshape(-1)[:, None]
-    return dispatch.sum_leading(y_NxD.reshape(k, num_rows, -1))
+    return dispatch.weighted_sum(out_NxD.reshape(k, num_rows, -1), gates_KxR)
 
 
 def _combine_pairs(back_RxD, send_row_P, num_tokens):
