@@ -184,7 +184,7 @@ def test_once_per_device_exchange_moves_devices_per_token_over_k_of_the_bytes(li
     base = dict(num_experts=64, top_k=8, d_ff=32, capacity_factor=0.0, score="sigmoid", expert_groups=8,
                 routing_groups_limit=limit, block_rows=8)
     today, today_meta = exchange_bytes(MoEConfig(**base, exchange_rows="assignment"))
-    once, meta = exchange_bytes(MoEConfig(**base, exchange_rows="auto"))
+    once, meta = exchange_bytes(MoEConfig(**base, exchange_rows="device"))
     assert today_meta == 0 and meta > 0
     devices = expected_devices_per_token(MoEConfig(**base))
     assert limit - 0.1 < devices <= limit

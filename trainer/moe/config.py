@@ -55,8 +55,9 @@ class MoEConfig(Section):
     block_rows: Integer = 0
     # Rows of the dropless exchange under expert parallelism: one per assignment, or one per
     # (token, device holding any of its experts), expanded to those experts there and their
-    # outputs summed there. "auto" takes "device" when a token can reach fewer devices than it
-    # has experts (routing_groups_limit over groups that tile the devices, or k > devices).
+    # outputs summed there. "auto" takes "device" with the ragged exchange (TPU/GPU) when a token
+    # can reach fewer devices than it has experts (routing_groups_limit over groups that tile the
+    # devices, or k > devices), and "assignment" with the padded one (CPU), where it is faster.
     exchange_rows: Literal["auto", "assignment", "device"] = "auto"
     # Router scores: softmax over the experts, or each expert's own sigmoid (DeepSeek-V3). With
     # sigmoid and top_k > 1 the k chosen scores are normalised to sum to 1 (with renormalize).

@@ -121,7 +121,11 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
     num_rows = num_groups * num_tokens * k
     block_rows = cfg.block_rows or auto_block_rows(num_rows * topo.num_expert_shards / cfg.num_experts)
     devices = max_devices_per_token(k, topo.num_expert_shards, cfg.expert_groups, cfg.routing_groups_limit)
-    once = cfg.exchange_rows == "device" or (cfg.exchange_rows == "auto" and devices < k)
+    # auto: once per device where rows cross an interconnect (the ragged exchange) and a token reaches
+    # fewer devices than it has experts; the CPU's padded exchange copies memory, where the receiver's
+    # k slots per row cost more than the rows saved (benchmarks/moe_layer.py, trainer/moe/README.md).
+    auto = topo.exchange == "ragged" and devices < k
+    once = cfg.exchange_rows == "device" or (cfg.exchange_rows == "auto" and auto)
     if once and topo.expert_axis is not None and topo.num_expert_shards > 1:
         y_TxD = dropless_once_per_device(x_TxD, experts_GxTxK.reshape(-1, k), weights_GxTxK.reshape(-1, k), w,
                                          block_rows, topo, devices)

@@ -162,12 +162,13 @@ def _starts(sizes):
 
 # --- Once per device: a token travels at most once to each device that holds one of its experts.
 #
-# Pairs (device j, token t) are numbered p = j * T + t. The sender lays out one row per pair
-# that holds an assignment, grouped by destination; beside the rows travel the pair's gates and
-# local expert ids ([rows, 2K] float32: gate of choice r, or 0, then its local expert, or E_l when
-# choice r is on another device). The receiver expands each row to its experts, runs them, and
-# sums their gated outputs into one row per pair, which goes back; the sender adds each token's
-# rows from its devices. Both gradients run the same exchanges transposed.
+# Pairs (slot s, token t), p = s * T + t: slot s of token t is the s-th distinct device its experts
+# lie on (of at most d). The sender lays out one row per pair that holds a device, grouped by
+# device; beside the rows travel the pair's gates and local expert ids ([rows, 2K] float32: gate
+# of choice r, or 0, then its local expert, or E_l when choice r is on another device). The
+# receiver expands each row to its experts, runs them, and sums their gated outputs into one row
+# per pair, which goes back; the sender adds each token's rows from its devices. Both gradients
+# run the same exchanges transposed.
 
 
 def max_devices_per_token(top_k: int, num_shards: int, expert_groups: int, groups_limit: int) -> int:
@@ -189,20 +190,32 @@ def once_per_device_chunk_rows(num_tokens: int, num_shards: int, devices_per_tok
 
 def dropless_once_per_device(x_TxD, experts_TxK, gate_TxK, w: ExpertWeights, block_rows: int, topo,
                              devices_per_token: int) -> jax.Array:
-    """The routed output [T, D] (float32) of every assignment, each token sent at most once per device."""
+    """The routed output [T, D] (float32) of every assignment, each token sent at most once per device.
+
+    devices_per_token (d) bounds the distinct devices of a token's experts (max_devices_per_token):
+    a token's devices fill its first slots of d, so the pairs are p = slot * T + t, d * T in all.
+    """
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
     num_tokens, k = experts_TxK.shape
-    local = w.w_in_ExDxF.shape[0]
-    on_SxTxK = (experts_TxK // local)[None] == jnp.arange(num_shards, dtype=experts_TxK.dtype)[:, None, None]
-    present_SxT = jnp.any(on_SxTxK, axis=-1)
-    gates_PxK = jnp.where(on_SxTxK, gate_TxK[None], 0.0).reshape(-1, k)
-    ids_PxK = jnp.where(on_SxTxK, (experts_TxK % local)[None], local).reshape(-1, k)
+    slots, local = devices_per_token, w.w_in_ExDxF.shape[0]
+    device_TxK = experts_TxK // local
+    sorted_TxK = jnp.sort(device_TxK, axis=-1)
+    first_TxK = jnp.concatenate([jnp.ones((num_tokens, 1), bool), sorted_TxK[:, 1:] != sorted_TxK[:, :-1]], axis=1)
+    slot_TxK = jnp.where(first_TxK, jnp.cumsum(first_TxK, axis=1) - 1, slots)
+    device_TxD = jnp.full((num_tokens, slots), num_shards, jnp.int32).at[
+        jnp.arange(num_tokens)[:, None], slot_TxK].set(sorted_TxK.astype(jnp.int32), mode="drop")
+    device_P = device_TxD.T.reshape(-1)  # num_shards: the slot is empty
+    on_PxK = jnp.tile(device_TxK, (slots, 1)) == device_P[:, None]
+    gates_PxK = jnp.where(on_PxK, jnp.tile(gate_TxK, (slots, 1)), 0.0)
+    ids_PxK = jnp.where(on_PxK, jnp.tile(experts_TxK % local, (slots, 1)), local)
     meta_PxK2 = jnp.concatenate([gates_PxK, jax.lax.stop_gradient(ids_PxK.astype(jnp.float32))], axis=1)
-    send_J = jnp.sum(present_SxT, axis=1, dtype=jnp.int32)
+    to_PxS = device_P[:, None] == jnp.arange(num_shards, dtype=jnp.int32)
+    send_J = jnp.sum(to_PxS, axis=0, dtype=jnp.int32)
     sizes_SxJ = jax.lax.all_gather(send_J, axis)
-    place_SxT = jnp.cumsum(present_SxT, axis=1, dtype=jnp.int32) - 1  # the pair's place among device j's
+    # The pair's place among the pairs for its device.
+    place_P = jnp.sum(jnp.where(to_PxS, jnp.cumsum(to_PxS, axis=0, dtype=jnp.int32) - 1, 0), axis=1)
     me = jax.lax.axis_index(axis)
-    parts = (x_TxD, meta_PxK2, present_SxT, place_SxT, sizes_SxJ, me, w, block_rows, topo)
+    parts = (x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo)
     if topo.exchange == "ragged":
         return _once_ragged(*parts)
     chunk = once_per_device_chunk_rows(num_tokens, num_shards, devices_per_token)
@@ -252,11 +265,10 @@ def _combine_pairs(back_RxD, send_row_P, num_tokens):
     return dispatch.sum_leading(y_PxD.reshape(-1, num_tokens, back_RxD.shape[1]))
 
 
-def _once_padded(x_TxD, meta_PxK2, present_SxT, place_SxT, sizes_SxJ, me, w, block_rows, topo, chunk):
+def _once_padded(x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo, chunk):
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
     num_tokens, k = x_TxD.shape[0], meta_PxK2.shape[1] // 2
-    device_S = jnp.arange(num_shards, dtype=jnp.int32)[:, None]
-    send_row_P = jnp.where(present_SxT, device_S * chunk + place_SxT, num_shards * chunk).reshape(-1)
+    send_row_P = jnp.where(device_P < num_shards, device_P * chunk + place_P, num_shards * chunk)
     send_RxD, meta_RxK2 = _pair_rows(x_TxD, meta_PxK2, send_row_P, num_shards * chunk, w.w_in_ExDxF.shape[0])
     recv_RxD = jax.lax.all_to_all(send_RxD, axis, split_axis=0, concat_axis=0, tiled=True)
     recv_meta = jax.lax.all_to_all(meta_RxK2, axis, split_axis=0, concat_axis=0, tiled=True)
@@ -265,16 +277,17 @@ def _once_padded(x_TxD, meta_PxK2, present_SxT, place_SxT, sizes_SxJ, me, w, blo
     return _combine_pairs(back_RxD, send_row_P, num_tokens)
 
 
-def _once_ragged(x_TxD, meta_PxK2, present_SxT, place_SxT, sizes_SxJ, me, w, block_rows, topo):
+def _once_ragged(x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo):
     """Only the pair rows travel; source s's rows land at offset s * T of the receiver."""
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
     num_tokens, d_model, k = x_TxD.shape[0], x_TxD.shape[1], meta_PxK2.shape[1] // 2
     send_J, recv_S = sizes_SxJ[me], sizes_SxJ[:, me]
     start_J = _starts(send_J)
-    total = num_shards * num_tokens
-    send_row_P = jnp.where(present_SxT, start_J[:, None] + place_SxT, total).reshape(-1)
+    total, num_pairs = num_shards * num_tokens, device_P.shape[0]
+    present_P = device_P < num_shards
+    send_row_P = jnp.where(present_P, start_J[jnp.minimum(device_P, num_shards - 1)] + place_P, num_pairs)
     local = w.w_in_ExDxF.shape[0]
-    send_RxD, meta_RxK2 = _pair_rows(x_TxD, meta_PxK2, send_row_P, total, local)
+    send_RxD, meta_RxK2 = _pair_rows(x_TxD, meta_PxK2, send_row_P, num_pairs, local)
     offsets_J = jnp.full((num_shards,), me * num_tokens, jnp.int32)
     to_experts = lambda rows, init: jax.lax.ragged_all_to_all(
         rows, init, start_J, send_J, offsets_J, recv_S, axis_name=axis)
@@ -283,7 +296,7 @@ def _once_ragged(x_TxD, meta_PxK2, present_SxT, place_SxT, sizes_SxJ, me, w, blo
     recv_meta = to_experts(meta_RxK2, empty_meta.astype(meta_RxK2.dtype))
     y_RxD = _expand_on_receiver(recv_RxD, recv_meta, w, block_rows, topo, num_tokens * k)
     back_RxD = jax.lax.ragged_all_to_all(
-        y_RxD.astype(x_TxD.dtype), jnp.zeros((total, d_model), x_TxD.dtype),
+        y_RxD.astype(x_TxD.dtype), jnp.zeros((num_pairs, d_model), x_TxD.dtype),
         jnp.arange(num_shards, dtype=jnp.int32) * num_tokens, recv_S, _starts(sizes_SxJ)[:, me], send_J,
         axis_name=axis,
     )
