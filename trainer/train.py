@@ -23,9 +23,12 @@ from trainer.config import Config, ConfigError, OptimConfig
 from trainer.data import DataIterator, make_source
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy
+from trainer.moe.layer import ExpertBias
 from trainer.status import RunStatus
 
-State = dict[str, Any]  # {"step": int32 [], "params": {name: array}, "opt_state": optax state}
+# {"step": int32 [], "params": {name: array}, "opt_state": optax state}, and "moe_bias": {name: float32 [E]}
+# when MoE layers balance with a bias (moe.balance: bias or both).
+State = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,24 +108,28 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
         with nnx.use_eager_sharding(False):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
-    graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+    graphdef, abstract_params, abstract_biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
     codec = ParamCodec(abstract_params)
+    bias_codec = ParamCodec(abstract_biases)  # no names unless moe.balance uses the bias
     optimizer = make_optimizer(cfg.optim, total_steps)
 
     def init() -> State:
-        _, params, _ = nnx.split(make_model(), nnx.Param, ...)
+        _, params, biases, _ = nnx.split(make_model(), nnx.Param, ExpertBias, ...)
         flat = codec.flatten(params)
-        return {"step": jnp.zeros((), jnp.int32), "params": flat, "opt_state": optimizer.init(flat)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": flat, "opt_state": optimizer.init(flat)}
+        if bias_codec.names:
+            state["moe_bias"] = bias_codec.flatten(biases)
+        return state
 
     # Non-parameter state: only RNG streams (MoE router jitter); the step folds into their keys.
-    rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ...)[2])()
+    rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
     abstract_state = jax.eval_shape(init)
     state_shardings = _state_shardings(abstract_state, codec, optimizer, mesh, cfg.train.fsdp)
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   abstract_state, state_shardings)
     batch_sharding = sharding.batch_sharding(mesh)
     schedule = lr_schedule(cfg.optim, total_steps)
-    step = make_train_step(graphdef, codec, rest, optimizer, schedule)
+    step = make_train_step(graphdef, codec, rest, optimizer, schedule, bias_codec)
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=graphdef, codec=codec, rest=rest, optimizer=optimizer,
         schedule=schedule, state_shardings=state_shardings, abstract_state=abstract_state,
@@ -138,7 +145,10 @@ def _state_shardings(abstract_state: State, codec: ParamCodec, optimizer, mesh: 
     replicated = sharding.replicated(mesh)
     opt_state = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state["opt_state"], params,
                                       transform_non_params=lambda _: replicated)
-    return {"step": replicated, "params": params, "opt_state": opt_state}
+    shardings = {"step": replicated, "params": params, "opt_state": opt_state}
+    if "moe_bias" in abstract_state:
+        shardings["moe_bias"] = {name: replicated for name in abstract_state["moe_bias"]}
+    return shardings
 
 
 def step_rngs(rest: nnx.State, step: jax.Array) -> nnx.State:
@@ -153,23 +163,34 @@ def step_rngs(rest: nnx.State, step: jax.Array) -> nnx.State:
 
 
 def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
-                    optimizer: optax.GradientTransformation, schedule: Callable):
-    """train_step(state, batch_BxT) -> (state, metrics); pure, for jax.jit."""
+                    optimizer: optax.GradientTransformation, schedule: Callable, bias_codec: ParamCodec | None = None):
+    """train_step(state, batch_BxT) -> (state, metrics); pure, for jax.jit.
 
-    def loss_fn(params: dict, tokens_BxT: jax.Array, step: jax.Array):
-        model = nnx.merge(graphdef, codec.unflatten(params), step_rngs(rest, step))
+    The MoE balancing biases (state["moe_bias"]) are no argument of the gradient: the forward
+    pass routes with them and returns them moved towards that step's load (trainer/moe/layer.py).
+    """
+    bias_states = (bias_codec,) if bias_codec is not None and bias_codec.names else ()
+
+    def loss_fn(params: dict, tokens_BxT: jax.Array, step: jax.Array, biases: dict):
+        model = nnx.merge(graphdef, codec.unflatten(params), *(c.unflatten(biases) for c in bias_states),
+                          step_rngs(rest, step))
         logits_BxLxV, aux = model(tokens_BxT[:, :-1], train=True)
         ce = cross_entropy(logits_BxLxV, tokens_BxT[:, 1:])
-        return ce + aux["aux_loss"] + aux["z_loss"], (ce, aux)
+        new_biases = {n: v for c in bias_states for n, v in c.flatten(nnx.state(model, ExpertBias)).items()}
+        return ce + aux["aux_loss"] + aux["z_loss"], (ce, aux, new_biases)
 
     def train_step(state: State, tokens_BxT: jax.Array) -> tuple[State, dict]:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (total, (ce, aux)), grads = grad_fn(state["params"], tokens_BxT, state["step"])
+        (total, (ce, aux, biases)), grads = grad_fn(state["params"], tokens_BxT, state["step"],
+                                                    state.get("moe_bias", {}))
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": ce, "total_loss": total, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state["step"]), **aux}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if bias_states:
+            new_state["moe_bias"] = biases
+        return new_state, metrics
 
     return train_step
 
