@@ -35,11 +35,12 @@ def set_fake_devices(n: int, env=os.environ) -> None:
 def parse_profile_steps(text: str | None) -> tuple[int, int] | None:
     if not text:
         return None
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
-    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise click.BadParameter(f"expected A:B with 1 <= A <= B (steps to trace), got '{text}'",
-                                 param_hint="--profile-steps")
-    return int(m.group(1)), int(m.group(2))
+    from trainer.config import parse_steps_range
+
+    try:
+        return parse_steps_range(text, "--profile-steps")
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix("--profile-steps: "), param_hint="--profile-steps") from None
 
 
 def _jax_started() -> bool:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from trainer import flops, sharding
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, OptimConfig
-from trainer.data import DataIterator, make_source
+from trainer.data import DataIterator, open_data
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy
 from trainer.status import RunStatus
@@ -232,7 +232,8 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         mesh_shape = spec.mesh_shape or {"data": len(devices), "expert": 1}
         check_divisibility(cfg, mesh_shape)
         mesh = sharding.make_mesh(mesh_shape, devices)
-        source = make_source(cfg, cfg.train.seed)
+        data, eval_data = open_data(cfg, cfg.train.seed, process_index=jax.process_index(),
+                                    process_count=jax.process_count(), with_eval=cfg.train.eval_every > 0)
         if spec.output_dir:
             ckpt = Checkpointer(os.path.join(spec.output_dir, "checkpoints"),
                                 every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
@@ -243,10 +244,8 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             trainer = build_trainer(cfg, mesh, spec.steps)
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
             raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
-        data = DataIterator(source, cfg.data.global_batch_size, cfg.model.vocab_size,
-                            process_index=jax.process_index(), process_count=jax.process_count())
         state = _initial_state(trainer, ckpt, data, spec, reporter)
-        return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=source.entropy_floor)
+        return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=data.entropy_floor)
     finally:
         restore_handler()
         if ckpt is not None:
@@ -288,7 +287,7 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     for step, why, moved_to in restored.unreadable:
         reporter.info(f"the checkpoint at step {step} ({ckpt.step_path(step)}) cannot be restored: {why}; "
                       f"moved it to {moved_to} and resumed from step {restored.step} instead")
-    if restored.data_state.get("source") != data.source.fingerprint:
+    if restored.data_state.get("source") != data.fingerprint:
         reporter.info(f"note: the data source differs from the checkpoint's ({restored.data_state.get('source')})")
     data.restore(restored.data_state)
     reporter.info(f"resumed from {ckpt.directory} at step {restored.step}")
