@@ -166,7 +166,7 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
     import jax
 
     from trainer import sharding
-    from trainer.config import ConfigError, load_config
+    from trainer.config import ConfigError, load_config, parse_steps_range
     from trainer.train import RunSpec
 
     extra = [f"train.seed={seed}"] if seed is not None else []
@@ -182,6 +182,8 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
         mesh_shape = sharding.parse_mesh(mesh_text, count)
     except ValueError as e:
         raise click.UsageError(f"{e}{_devices_hint(mesh_text, count)}") from None
+    if profile is None and cfg.train.profile_steps:
+        profile = parse_steps_range(cfg.train.profile_steps, "train.profile_steps")
     return RunSpec(config=cfg, steps=cfg.train.steps if steps is None else steps, mesh_shape=mesh_shape,
                    output_dir=output_dir or None, resume=resume, metrics_path=metrics_path,
                    profile_steps=profile, num_devices=devices if in_process else None)
@@ -220,7 +222,8 @@ def _run(spec, status: RunStatus):
 
     _quiet_library_logs()
     try:
-        reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0, output_dir=spec.output_dir)
+        reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0, output_dir=spec.output_dir,
+                            tensorboard=spec.config.train.tensorboard)
     except StatusError as e:  # OUTPUT_DIR/metrics.jsonl
         raise click.ClickException(str(e)) from None
     except OSError as e:

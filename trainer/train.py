@@ -245,7 +245,14 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
             raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
         state = _initial_state(trainer, ckpt, data, spec, reporter)
-        return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=data.entropy_floor)
+        evaluator = None
+        if eval_data is not None:
+            from trainer.evaluation import Evaluator
+
+            evaluator = Evaluator(trainer, eval_data, every=cfg.train.eval_every, batches=cfg.train.eval_batches,
+                                  total_steps=spec.steps)
+        return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=data.entropy_floor,
+                     evaluator=evaluator)
     finally:
         restore_handler()
         if ckpt is not None:
@@ -307,7 +314,8 @@ def compile_step(trainer: Trainer):
 
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
-          reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None) -> RunResult:
+          reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None,
+          evaluator=None) -> RunResult:
     cfg = trainer.cfg
     step = saved = start_step = int(jax.device_get(state["step"]))
     if start_step:
@@ -330,8 +338,13 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             profiler.before(step)
             state, metrics = step_fn(state, global_batch(trainer, next(data)))
             step += 1
-            if step % cfg.train.log_every == 0 or step == spec.steps:
+            evaluate = evaluator is not None and evaluator.due(step)
+            if step % cfg.train.log_every == 0 or step == spec.steps or evaluate:
                 row = timer.row(step, jax.device_get(metrics), entropy_floor)
+                if evaluate:
+                    row.update(evaluator(state))
+                    status.evaluated(step, row["eval_loss"])
+                    timer.restart()  # the evaluation's time is no step's
                 last_loss = row["loss"]
                 reporter.metrics(row)
                 reporter.progress(row, spec.steps)
@@ -372,6 +385,9 @@ class _StepTimer:
         self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
         self.last_time, self.last_step = time.perf_counter(), None
 
+    def restart(self) -> None:
+        self.last_time = time.perf_counter()
+
     def row(self, step: int, metrics: dict, entropy_floor: float | None) -> dict:
         now = time.perf_counter()
         steps = step - self.last_step if self.last_step is not None else 1
@@ -387,14 +403,14 @@ class _StepTimer:
 
 
 class _Profiler:
-    """Writes a jax profiler trace of steps A..B (1-based, inclusive) to OUTPUT_DIR/profile."""
+    """Writes a jax profiler trace of steps A..B (1-based, inclusive) to OUTPUT_DIR/profile, on process 0."""
 
     def __init__(self, steps: tuple[int, int] | None, output_dir: str | None):
         self.steps, self.active = steps, False
         self.directory = os.path.join(output_dir or ".", "profile")
 
     def before(self, step: int) -> None:
-        if self.steps and not self.active and step + 1 == self.steps[0]:
+        if self.steps and not self.active and step + 1 == self.steps[0] and jax.process_index() == 0:
             jax.profiler.start_trace(self.directory)
             self.active = True
 
