@@ -244,7 +244,9 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             trainer = build_trainer(cfg, mesh, spec.steps)
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
             raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
+        started = time.perf_counter()
         state = _initial_state(trainer, ckpt, data, spec, reporter)
+        restore_s = time.perf_counter() - started if int(jax.device_get(state["step"])) else 0.0
         evaluator = None
         if eval_data is not None:
             from trainer.evaluation import Evaluator
@@ -252,7 +254,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             evaluator = Evaluator(trainer, eval_data, every=cfg.train.eval_every, batches=cfg.train.eval_batches,
                                   total_steps=spec.steps)
         return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=data.entropy_floor,
-                     evaluator=evaluator)
+                     evaluator=evaluator, restore_s=restore_s)
     finally:
         restore_handler()
         if ckpt is not None:
@@ -315,7 +317,7 @@ def compile_step(trainer: Trainer):
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
           reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None,
-          evaluator=None) -> RunResult:
+          evaluator=None, restore_s: float = 0.0) -> RunResult:
     cfg = trainer.cfg
     step = saved = start_step = int(jax.device_get(state["step"]))
     if start_step:
@@ -328,6 +330,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
                   f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}")
     timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind)
+    timer.last_step = start_step
+    first_row = {"start_step": start_step, "restore_s": restore_s}  # for goodput: this process's start
     profiler = _Profiler(spec.profile_steps, spec.output_dir)
     last_loss, stopped = None, False
     try:
@@ -345,6 +349,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
                     row.update(evaluator(state))
                     status.evaluated(step, row["eval_loss"])
                     timer.restart()  # the evaluation's time is no step's
+                row.update(first_row)
+                first_row = {}
                 last_loss = row["loss"]
                 reporter.metrics(row)
                 reporter.progress(row, spec.steps)
