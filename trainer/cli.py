@@ -120,9 +120,28 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
                        metrics_path, seed, profile, in_process=num_devices is not None)
     try:
         status.start(spec.steps)
+        _save_config(spec)
     except StatusError as e:
         raise click.ClickException(str(e)) from None
     return _run(spec, status)
+
+
+def _save_config(spec) -> None:
+    """OUTPUT_DIR/config.json (process 0): the config that trained the checkpoints, for trainer.sample."""
+    import json
+
+    import jax
+
+    from trainer.status import reason, write_whole
+
+    if not spec.output_dir or jax.process_index() != 0:
+        return
+    path = f"{spec.output_dir.rstrip('/')}/config.json" if "://" in spec.output_dir else \
+        os.path.join(spec.output_dir, "config.json")
+    try:
+        write_whole(path, json.dumps(spec.config.to_dict(), indent=1) + "\n")
+    except Exception as e:  # noqa: BLE001 - OSError locally; gcsfs and google-auth errors remotely
+        raise StatusError(f"cannot write {path}: {reason(e)}") from None
 
 
 def _add_status_target(status: RunStatus, path: str, param_hint: str) -> None:
