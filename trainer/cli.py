@@ -38,9 +38,9 @@ def parse_profile_steps(text: str | None) -> tuple[int, int] | None:
     from trainer.config import parse_steps_range
 
     try:
-        return parse_steps_range(text, "--profile-steps")
+        return parse_steps_range(text)
     except ValueError as e:
-        raise click.BadParameter(str(e).removeprefix("--profile-steps: "), param_hint="--profile-steps") from None
+        raise click.BadParameter(str(e), param_hint="--profile-steps") from None
 
 
 def _jax_started() -> bool:
@@ -185,7 +185,7 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
     import jax
 
     from trainer import sharding
-    from trainer.config import ConfigError, load_config, parse_steps_range
+    from trainer.config import ConfigError, load_config
     from trainer.train import RunSpec
 
     extra = [f"train.seed={seed}"] if seed is not None else []
@@ -201,8 +201,7 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
         mesh_shape = sharding.parse_mesh(mesh_text, count)
     except ValueError as e:
         raise click.UsageError(f"{e}{_devices_hint(mesh_text, count)}") from None
-    if profile is None and cfg.train.profile_steps:
-        profile = parse_steps_range(cfg.train.profile_steps, "train.profile_steps")
+    profile = profile or cfg.train.profile_steps
     return RunSpec(config=cfg, steps=cfg.train.steps if steps is None else steps, mesh_shape=mesh_shape,
                    output_dir=output_dir or None, resume=resume, metrics_path=metrics_path,
                    profile_steps=profile, num_devices=devices if in_process else None)

@@ -17,6 +17,7 @@ from typing import Any, Literal, Self
 import pydantic
 import yaml
 from pydantic import field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from trainer.moe.config import MoEConfig
 from trainer.schema import Flag, Integer, Number, Section
@@ -148,16 +149,31 @@ class TrainConfig(Section):
     fsdp: Flag = False  # shard the non-expert weights' embed axis over the data axis
     eval_every: Integer = 0  # evaluate every N steps (and at the last step); 0: never
     eval_batches: Integer = 4  # global batches per evaluation (the same ones every time)
-    profile_steps: str = ""  # "A:B": a jax profiler trace of steps A..B in OUTPUT_DIR/profile (--profile-steps)
+    profile_steps: tuple[Integer, Integer] | None = None  # [A, B]: a jax profiler trace of steps A..B (1-based)
+    # in OUTPUT_DIR/profile, as --profile-steps A:B does
     tensorboard: Flag = True  # event files in OUTPUT_DIR/tensorboard (or $AIP_TENSORBOARD_LOG_DIR)
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _steps_range(cls, value: Any) -> Any:
+        # (errors of their own kind: describe() words them "train.profile_steps: ...")
+        if isinstance(value, str):
+            try:
+                return parse_steps_range(value)
+            except ValueError as e:
+                raise PydanticCustomError("steps_range", str(e)) from None
+        if isinstance(value, int) and not isinstance(value, bool):  # YAML 1.1 reads 3:5 as 185
+            raise PydanticCustomError("steps_range", "expected [A, B] (YAML reads A:B unquoted as a number), "
+                                      "got {value}", {"value": value})
+        return value
 
     @model_validator(mode="after")
     def _valid(self) -> Self:
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ValueError(f"train.eval_every must be 0 or more and train.eval_batches at least 1, got "
                              f"{self.eval_every} and {self.eval_batches}")
-        if self.profile_steps:
-            parse_steps_range(self.profile_steps, "train.profile_steps")
+        if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ValueError(f"train.profile_steps must be [A, B] with 1 <= A <= B, got {list(self.profile_steps)}")
         if self.steps < 0:
             raise ValueError(f"train.steps must not be negative, got {self.steps}")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
@@ -194,11 +210,11 @@ class Config(Section):
         return self.model_dump()
 
 
-def parse_steps_range(text: str, key: str) -> tuple[int, int]:
-    """"A:B" with 1 <= A <= B (steps to trace) -> (A, B); `key` names the setting in the error."""
+def parse_steps_range(text: str) -> tuple[int, int]:
+    """"A:B" with 1 <= A <= B (steps to trace) -> (A, B)."""
     m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
     if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise ValueError(f"{key}: expected A:B with 1 <= A <= B (steps to trace), got '{text}'")
+        raise ValueError(f"expected A:B with 1 <= A <= B (steps to trace), got '{text}'")
     return int(m.group(1)), int(m.group(2))
 
 

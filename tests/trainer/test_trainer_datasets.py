@@ -89,8 +89,21 @@ def test_a_resumed_iterator_sees_exactly_the_next_batches_from_a_small_state(tmp
         next(stopped)
     state = json.loads(json.dumps(stopped.state()))  # as the checkpoint keeps it
     assert len(json.dumps(state["hosts"][0]).encode()) < 1024
+    # Through a checkpoint (the state rides in the checkpoint's JSON item), the same.
+    import jax
+    import jax.numpy as jnp
+
+    from trainer.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), every=1, keep=1, async_save=False)
+    ckpt.save(37, {"step": jnp.asarray(37, jnp.int32)}, stopped.state(), force=True)
+    ckpt.wait()
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    _, saved = ckpt.restore(37, {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)})
+    ckpt.close()
+    assert saved == state
     resumed, _ = open_data(cfg, seed=0)
-    resumed.restore(state)
+    resumed.restore(saved)
     for expected in batches[37:]:
         assert np.array_equal(next(resumed), expected)
     with pytest.raises(DataError, match="for 1 hosts, this run has 2"):

@@ -1,5 +1,6 @@
 """trainer.prepare: text, JSON lines and Parquet into ArrayRecord shards and a manifest; bad input exits 2;
-a prepared corpus trains (eval loss under the tokens' unigram entropy) and the evaluation reaches every report."""
+a prepared corpus trains (eval loss under the tokens' unigram entropy), the evaluation reaches every report,
+TensorBoard holds the metrics, and train.profile_steps leaves one trace."""
 
 import json
 import math
@@ -114,9 +115,10 @@ def test_a_prepared_corpus_trains_below_its_unigram_entropy_and_the_evaluation_i
     out = tmp_path / "out"
     result = CliRunner().invoke(train_command, [
         *common, "--set", "model.vocab_size=320", "--set", "train.eval_every=50", "--set", "train.eval_batches=2",
-        "--set", "train.log_every=10", "--steps", "150", "--output-dir", str(out),
-        "--metrics", str(tmp_path / "m.jsonl")])
+        "--set", "train.log_every=10", "--set", "train.profile_steps=[3, 5]", "--steps", "150",
+        "--output-dir", str(out), "--metrics", str(tmp_path / "m.jsonl")])
     assert result.exit_code == 0, result.output
+    assert len(list((out / "profile").rglob("*.xplane.pb"))) == 1  # train.profile_steps: one trace
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [50, 100, 150]

@@ -39,6 +39,7 @@ def test_a_trained_tiny_continues_the_source_with_allowed_transitions(tmp_path):
                                                  "--output-dir", str(out), "--metrics", str(tmp_path / "m.jsonl")])
     assert trained.exit_code == 0, trained.output
     assert json.loads((out / "config.json").read_text())["name"] == "tiny"
+    assert not (out / "profile").exists()  # no trace without --profile-steps
     source = make_source(load_config("tiny"), seed=0)
     prompt = source.rows(7, [0])[0][:16]
     result = CliRunner().invoke(sample_command, ["--checkpoint", str(out), "--prompt", " ".join(map(str, prompt)),
