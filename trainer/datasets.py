@@ -96,6 +96,7 @@ class TokenRows:
                             f"{seq_len + 1}")
         self.num_tokens = n
         self._rows = (n - 1) // seq_len
+        self._remote = None  # (fsspec file system, path in it), made at the first remote read
         self._local = None if is_remote(path) else np.memmap(path, dtype=self.dtype, mode="r",
                                                               offset=self.offset, shape=(n,))
 
@@ -128,16 +129,18 @@ class TokenRows:
         start = int(row) * self.seq_len
         if self._local is not None:
             return np.asarray(self._local[start:start + self.seq_len + 1], np.int32)
-        import fsspec
+        if self._remote is None:
+            import fsspec
 
-        fs, target = fsspec.core.url_to_fs(self.path)
+            self._remote = fsspec.core.url_to_fs(self.path)
+        fs, target = self._remote
         size = self.dtype.itemsize
         raw = fs.cat_file(target, start=self.offset + start * size,
                           end=self.offset + (start + self.seq_len + 1) * size)
         return np.frombuffer(raw, self.dtype).astype(np.int32)
 
-    def __getstate__(self):  # memory maps are reopened, not pickled
-        return {**self.__dict__, "_local": None}
+    def __getstate__(self):  # memory maps and file-system clients are reopened, not pickled
+        return {**self.__dict__, "_local": None, "_remote": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -193,7 +196,7 @@ def read_options(remote: bool):
     for local files (Grain's default of 16 threads and 500 records costs more than it saves on a small host)."""
     import grain
 
-    return grain.ReadOptions(num_threads=32, prefetch_buffer_size=1024) if remote else \
+    return grain.ReadOptions(num_threads=16, prefetch_buffer_size=256) if remote else \
         grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
 
 
@@ -228,6 +231,10 @@ class GrainIterator:
             raise DataError(f"{self.name}: token id {int(rows_BxT.max())} is outside the model's vocabulary "
                             f"(model.vocab_size={self.vocab_size})")
         return rows_BxT
+
+    def close(self) -> None:
+        """Stops the reader threads (they prefetch until then)."""
+        self._iterator.close()
 
     def host_state(self) -> dict:
         return self._iterator.get_state()
