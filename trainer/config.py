@@ -202,6 +202,10 @@ class Config(Section):
         if self.data.source == "synthetic" and self.data.synthetic_vocab > self.model.vocab_size:
             raise ValueError(f"data.synthetic_vocab ({self.data.synthetic_vocab}) exceeds model.vocab_size "
                              f"({self.model.vocab_size})")
+        if self.train.eval_every and self.data.source != "synthetic" and not (self.data.eval_path
+                                                                              or self.data.eval_share):
+            raise ValueError(f"train.eval_every needs evaluation data: set data.eval_path"
+                             f"{'' if self.data.source == 'text' else ' or data.eval_share'}")
         if self.data.source == "text" and self.model.vocab_size < 256:
             raise ValueError(f"byte-level text needs model.vocab_size >= 256, got {self.model.vocab_size}")
         return self

@@ -329,8 +329,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
         raise ConfigError(f"the train step cannot be built for this config and mesh: {e}") from None
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
                   f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}")
-    timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind)
-    timer.last_step = start_step
+    timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
     first_row = {"start_step": start_step, "restore_s": restore_s}  # for goodput: this process's start
     profiler = _Profiler(spec.profile_steps, spec.output_dir)
     last_loss, stopped = None, False
@@ -386,17 +385,17 @@ def _report_end(reporter: Reporter, ckpt: Checkpointer | None, step: int, total:
 class _StepTimer:
     """Turns the train step's device metrics into a logged row with throughput and MFU."""
 
-    def __init__(self, cfg: Config, num_devices: int, device_kind: str):
+    def __init__(self, cfg: Config, num_devices: int, device_kind: str, start_step: int = 0):
         self.cfg, self.num_devices, self.device_kind = cfg, num_devices, device_kind
         self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-        self.last_time, self.last_step = time.perf_counter(), None
+        self.last_time, self.last_step = time.perf_counter(), start_step
 
     def restart(self) -> None:
         self.last_time = time.perf_counter()
 
     def row(self, step: int, metrics: dict, entropy_floor: float | None) -> dict:
         now = time.perf_counter()
-        steps = step - self.last_step if self.last_step is not None else 1
+        steps = step - self.last_step
         step_time = (now - self.last_time) / max(steps, 1)
         self.last_time, self.last_step = now, step
         row = {"step": step, **{k: float(v) for k, v in metrics.items() if k != "expert_load"},

@@ -47,6 +47,8 @@ def test_a_yaml_file_can_inherit_a_named_config(tmp_path):
     (["train.profile_steps=3:5"], "train.profile_steps: expected [A, B] (YAML reads A:B unquoted as a number)"),
     (["train.profile_steps='5:2'"], "train.profile_steps: expected A:B with 1 <= A <= B"),
     (["train.eval_every=-1"], "train.eval_every must be 0 or more"),
+    (["data.source=tokens", "data.path=t.bin", "train.eval_every=10"],
+     "train.eval_every needs evaluation data: set data.eval_path or data.eval_share"),
 ])
 def test_bad_configs_raise_config_error_naming_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=None) as err:
