@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from trainer import flops, sharding
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, OptimConfig
-from trainer.data import DataIterator, make_source
+from trainer.data import DataIterator, open_data
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy
 from trainer.moe.layer import ExpertBias
@@ -253,7 +253,8 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         mesh_shape = spec.mesh_shape or {"data": len(devices), "expert": 1}
         check_divisibility(cfg, mesh_shape)
         mesh = sharding.make_mesh(mesh_shape, devices)
-        source = make_source(cfg, cfg.train.seed)
+        data, eval_data = open_data(cfg, cfg.train.seed, process_index=jax.process_index(),
+                                    process_count=jax.process_count(), with_eval=cfg.train.eval_every > 0)
         if spec.output_dir:
             ckpt = Checkpointer(os.path.join(spec.output_dir, "checkpoints"),
                                 every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
@@ -264,10 +265,17 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             trainer = build_trainer(cfg, mesh, spec.steps)
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
             raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
-        data = DataIterator(source, cfg.data.global_batch_size, cfg.model.vocab_size,
-                            process_index=jax.process_index(), process_count=jax.process_count())
+        started = time.perf_counter()
         state = _initial_state(trainer, ckpt, data, spec, reporter)
-        return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=source.entropy_floor)
+        restore_s = time.perf_counter() - started if int(jax.device_get(state["step"])) else 0.0
+        evaluator = None
+        if eval_data is not None:
+            from trainer.evaluation import Evaluator
+
+            evaluator = Evaluator(trainer, eval_data, every=cfg.train.eval_every, batches=cfg.train.eval_batches,
+                                  total_steps=spec.steps)
+        return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=data.entropy_floor,
+                     evaluator=evaluator, restore_s=restore_s)
     finally:
         restore_handler()
         if ckpt is not None:
@@ -309,7 +317,7 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     for step, why, moved_to in restored.unreadable:
         reporter.info(f"the checkpoint at step {step} ({ckpt.step_path(step)}) cannot be restored: {why}; "
                       f"moved it to {moved_to} and resumed from step {restored.step} instead")
-    if restored.data_state.get("source") != data.source.fingerprint:
+    if restored.data_state.get("source") != data.fingerprint:
         reporter.info(f"note: the data source differs from the checkpoint's ({restored.data_state.get('source')})")
     data.restore(restored.data_state)
     reporter.info(f"resumed from {ckpt.directory} at step {restored.step}")
@@ -329,7 +337,8 @@ def compile_step(trainer: Trainer):
 
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
-          reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None) -> RunResult:
+          reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None,
+          evaluator=None, restore_s: float = 0.0) -> RunResult:
     cfg = trainer.cfg
     step = saved = start_step = int(jax.device_get(state["step"]))
     if start_step:
@@ -341,7 +350,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
         raise ConfigError(f"the train step cannot be built for this config and mesh: {e}") from None
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
                   f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}")
-    timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind)
+    timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
+    first_row = {"start_step": start_step, "restore_s": restore_s}  # for goodput: this process's start
     profiler = _Profiler(spec.profile_steps, spec.output_dir)
     last_loss, stopped = None, False
     try:
@@ -352,8 +362,15 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             profiler.before(step)
             state, metrics = step_fn(state, global_batch(trainer, next(data)))
             step += 1
-            if step % cfg.train.log_every == 0 or step == spec.steps:
+            evaluate = evaluator is not None and evaluator.due(step)
+            if step % cfg.train.log_every == 0 or step == spec.steps or evaluate:
                 row = timer.row(step, jax.device_get(metrics), entropy_floor)
+                if evaluate:
+                    row.update(evaluator(state))
+                    status.evaluated(step, row["eval_loss"])
+                    timer.restart()  # the evaluation's time is no step's
+                row.update(first_row)
+                first_row = {}
                 last_loss = row["loss"]
                 reporter.metrics(row)
                 reporter.progress(row, spec.steps)
@@ -389,14 +406,17 @@ def _report_end(reporter: Reporter, ckpt: Checkpointer | None, step: int, total:
 class _StepTimer:
     """Turns the train step's device metrics into a logged row with throughput and MFU."""
 
-    def __init__(self, cfg: Config, num_devices: int, device_kind: str):
+    def __init__(self, cfg: Config, num_devices: int, device_kind: str, start_step: int = 0):
         self.cfg, self.num_devices, self.device_kind = cfg, num_devices, device_kind
         self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-        self.last_time, self.last_step = time.perf_counter(), None
+        self.last_time, self.last_step = time.perf_counter(), start_step
+
+    def restart(self) -> None:
+        self.last_time = time.perf_counter()
 
     def row(self, step: int, metrics: dict, entropy_floor: float | None) -> dict:
         now = time.perf_counter()
-        steps = step - self.last_step if self.last_step is not None else 1
+        steps = step - self.last_step
         step_time = (now - self.last_time) / max(steps, 1)
         self.last_time, self.last_step = now, step
         row = {"step": step, **{k: float(v) for k, v in metrics.items() if k != "expert_load"},
@@ -409,14 +429,14 @@ class _StepTimer:
 
 
 class _Profiler:
-    """Writes a jax profiler trace of steps A..B (1-based, inclusive) to OUTPUT_DIR/profile."""
+    """Writes a jax profiler trace of steps A..B (1-based, inclusive) to OUTPUT_DIR/profile, on process 0."""
 
     def __init__(self, steps: tuple[int, int] | None, output_dir: str | None):
         self.steps, self.active = steps, False
         self.directory = os.path.join(output_dir or ".", "profile")
 
     def before(self, step: int) -> None:
-        if self.steps and not self.active and step + 1 == self.steps[0]:
+        if self.steps and not self.active and step + 1 == self.steps[0] and jax.process_index() == 0:
             jax.profiler.start_trace(self.directory)
             self.active = True
 
