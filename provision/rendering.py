@@ -379,7 +379,11 @@ PROJECT_PLACEHOLDER = "PROJECT"
 def render_all(cfg: Config, templates_dir: Path | None = None) -> dict[str, str]:
     """Every rendered file of the config's target, by file name: for a TPU VM slice the startup
     script and, per zone, the QueuedResource body and request; for Vertex AI the CustomJob body
-    and request."""
+    and request; for GKE the node pools, the cluster and the JobSet (provision.gke_render)."""
+    if cfg.target == "gke":
+        from provision.gke_render import render_files
+
+        return render_files(cfg, templates_dir)
     project = cfg.project or PROJECT_PLACEHOLDER
     if cfg.target == "vertex":
         request = create_custom_job_request(cfg, templates_dir, project=project)

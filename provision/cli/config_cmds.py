@@ -98,6 +98,10 @@ def _summary(cfg) -> str:
         return (f"Vertex AI job on {cfg.vertex.machine_type}, topology {cfg.vertex.topology}{size}, "
                 f"{cfg.vertex.scheduling}, region {cfg.region}")
     acc = cfg.accelerator_type()
+    if cfg.target == "gke":
+        return (f"GKE cluster {cfg.gke.cluster} ({cfg.gke.location}), runtime {cfg.gke.runtime}: "
+                f"{cfg.slice.count} x {acc.name} ({acc.topology}, {_plural(acc.vms, 'VM')}) as node pools, "
+                f"{cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
     return (f"{cfg.slice.count} x {acc.name} ({acc.topology}, {_plural(acc.chips, 'chip')}, "
             f"{_plural(acc.vms, 'VM')}), {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
 
