@@ -28,8 +28,15 @@ def is_rate_limit(exc: BaseException) -> bool:
     return any(marker in text for marker in RATE_LIMIT_MARKERS)
 
 
+# Kubernetes API answers worth another try (the kubernetes client's ApiException.status).
+TRANSIENT_HTTP = (429, 500, 502, 503, 504)
+
+
 def is_transient(exc: BaseException) -> bool:
     from google.api_core import exceptions as gexc
+
+    if type(exc).__module__.startswith("kubernetes.") and getattr(exc, "status", None) in TRANSIENT_HTTP:
+        return True
 
     if isinstance(exc, (gexc.ServiceUnavailable, gexc.DeadlineExceeded, gexc.InternalServerError,
                         gexc.GatewayTimeout, gexc.BadGateway)):
