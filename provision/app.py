@@ -195,7 +195,11 @@ class App:
             from provision.resources import project_of
 
             session = self.session()  # the command's own may be closed already
-            if cfg.target == "vertex":
+            if cfg.target == "gke":
+                from provision.gke import gke_status
+
+                found = gke_status(cfg, session)
+            elif cfg.target == "vertex":
                 from provision.jobs import managed_jobs
 
                 found = managed_jobs(session, project_of(cfg, session), cfg.region, run=cfg.run)

@@ -23,7 +23,8 @@ PREEMPTION_MARKERS = ("preempt", "spot vm", "was reclaimed")
 class Report:
     """What a target says about training right now.
 
-    phase: waiting (no trainer yet), starting, running, finished, failed, preempted.
+    phase: waiting (no trainer yet), starting, running, finished, failed, preempted, or restarted
+    (the target recovered from a preemption in place, as a JobSet's failure policy does).
     """
 
     phase: str

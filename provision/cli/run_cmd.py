@@ -35,6 +35,7 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
       moe-tpu run -c moe-tpu.yaml --yes
     """
     from provision.errors import MoeTpuError
+    from provision.gke_target import GkeTarget
     from provision.runs import Interrupted, RunFailed, Runner
     from provision.targets import JobTarget, SliceTarget
 
@@ -42,8 +43,8 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
     cfg = app.load_config(config_path, check_trainer=True)
     _check_plan(app, cfg, force)
     output_dir = app.trainer_output_dir(cfg, train_locally=True)
-    target_type = JobTarget if cfg.target == "vertex" else SliceTarget
-    kwargs = {"output_dir": output_dir} if cfg.target == "vertex" else {}
+    target_type = {"vertex": JobTarget, "gke": GkeTarget}.get(cfg.target, SliceTarget)
+    kwargs = {"output_dir": output_dir} if cfg.target in ("vertex", "gke") else {}
     app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {cfg.image.uri}"
                      + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
     session = app.session()

@@ -538,6 +538,27 @@ class GkeWorld:
                     self._end_pod(other, now, 0, "Completed", "")
         self.reconcile(now)
 
+    def preempt_trainer(self, namespace: str, name: str, code: int, now: float) -> None:
+        """`preempt` under a trainer pod: a spot TPU node of its JobSet is reclaimed (the trainer's own
+        node for multi-controller JAX; slice 0's first worker for Pathways, whose trainer then exits
+        with `code` as it loses its workers)."""
+        pod = self.pods.get(f"{namespace}/{name}")
+        if pod is None:
+            return
+        tpu_pods = [p for p in self._pods_of(self.jobsets[f"{namespace}/{pod.jobset}"], pod.attempt)
+                    if self._is_tpu_node(p.node) and p.ended_at is None]
+        target = pod if self._is_tpu_node(pod.node) else min(tpu_pods, key=lambda p: (p.job_index, p.pod_index),
+                                                             default=None)
+        if target is not None:
+            self.preempt_node(target.node, now)
+        if pod.ended_at is None:
+            self._end_pod(pod, now, code, "Error", f"the trainer exited with code {code} (its TPU workers "
+                                                   "were lost to a spot preemption)")
+        self.reconcile(now)
+
+    def _is_tpu_node(self, node: str) -> bool:
+        return any(node in p.node_names() and tpu_accelerator(p.request) is not None for p in self.pools.values())
+
     def set_log(self, namespace: str, name: str, path: str) -> None:
         pod = self.pods.get(f"{namespace}/{name}")
         if pod is not None:

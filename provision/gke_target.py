@@ -1,0 +1,113 @@
+"""GKE node pools with the run as a JobSet: a target like the others (provision, report, teardown).
+
+The trainer reports through the status file in its output directory, as on Vertex AI; the JobSet
+says the rest: a job that failed makes its failure policy recreate every job in place (the
+`restarted` phase: the run loop records the preemption and follows on, no re-provisioning), a
+JobSet out of restarts or complete ends the run.
+"""
+
+from __future__ import annotations
+
+from provision import catalogue, gke_render, storage
+from provision.resources import Resource
+
+# Trainer states, as the status file carries them (trainer/status.py).
+ENDED = {"finished", "failed", "stopped"}
+TRAINER_START_WAIT_S = 7 * 86400.0
+
+
+class GkeTarget:
+    """TPU v5e node pools on a GKE cluster, the trainer as a JobSet (multi-controller JAX or Pathways)."""
+
+    kind = "gke"
+
+    def __init__(self, cfg, session, console, templates_dir=None, output_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.console = console
+        self.templates_dir = templates_dir
+        self.output_dir = output_dir or cfg.trainer.output_dir
+        self.zone: str | None = None
+        self.restarts_seen = 0
+        acc = cfg.accelerator_type()
+        self.chips = acc.chips * cfg.slice.count
+        self.usd_per_hour = self.chips * catalogue.price_per_chip_hour(cfg.slice.capacity)
+
+    def describe(self) -> str:
+        return (f"{self.cfg.slice.count} x {self.cfg.slice.accelerator} ({self.cfg.slice.capacity}) on GKE "
+                f"{self.cfg.gke.cluster}, {self.cfg.gke.runtime}")
+
+    def price(self) -> float:
+        return self.usd_per_hour
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        """Node pools (the zone it last ran in first), then the JobSet; waits until the trainer's pod runs."""
+        from provision.gke import gke_up, submit_jobset
+
+        zones = list(self.cfg.zones)
+        if self.zone in zones:
+            zones.remove(self.zone)
+            zones.insert(0, self.zone)
+        resources = gke_up(self.cfg, self.session, self.console, self.templates_dir, zones)
+        pools = [r for r in resources if r.kind == "node_pool" and r.chips]
+        self.zone = pools[0].zone if pools else self.zone
+        jobset = submit_jobset(self.cfg, self.session, self.console, self.templates_dir)
+        self.restarts_seen = int((jobset.get("status") or {}).get("restarts", 0))
+        from provision.gke import _jobset_resource
+
+        return [_jobset_resource(jobset, self.cfg), *resources]
+
+    def _kube(self):
+        from provision.gke import cluster_of
+
+        cluster = cluster_of(self.cfg, self.session)
+        return self.session.kube(cluster) if cluster is not None and cluster.endpoint else None
+
+    def _status(self) -> dict | None:
+        return storage.read_json(storage.join(self.output_dir, "status.json"),
+                                 self.session.endpoint.credentials, self.cfg.project)
+
+    def _why(self, kube, jobset: dict) -> str:
+        """The latest reason the JobSet gave (its Restarting or terminal event), else its condition."""
+        events = kube.list_events(self.cfg.gke.namespace, jobset["metadata"]["name"])
+        reasons = [e for e in events if e.reason not in ("Created", "Deleted")]
+        if reasons:
+            return reasons[-1].message
+        conditions = (jobset.get("status") or {}).get("conditions") or []
+        return conditions[-1].get("message", "") if conditions else ""
+
+    def report(self):
+        from provision.targets import Report, report_from_status
+
+        kube = self._kube()
+        jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg)) if kube else None
+        if jobset is None:
+            return Report("failed", detail="the JobSet is gone")
+        status = jobset.get("status") or {}
+        restarts = int(status.get("restarts", 0))
+        status_file = self._status()
+        trainer = report_from_status(status_file) if status_file else Report("starting")
+        if restarts > self.restarts_seen:
+            self.restarts_seen = restarts
+            return Report(**{**trainer.__dict__, "phase": "restarted",
+                             "detail": f"JobSet restart {restarts}: {self._why(kube, jobset)}"})
+        terminal = status.get("terminalState")
+        if terminal == "Completed":
+            return Report(**{**trainer.__dict__, "phase": "finished"})
+        if terminal == "Failed":
+            phase = "preempted" if trainer.phase == "preempted" else "failed"
+            detail = self._why(kube, jobset) + (f"; trainer: {trainer.detail}" if trainer.detail else "")
+            return Report(**{**trainer.__dict__, "phase": phase, "detail": detail})
+        if trainer.phase in ENDED or trainer.phase == "preempted":
+            return Report("starting")  # a status left by the attempt before a restart: the JobSet decides
+        return trainer
+
+    def teardown(self) -> list[Resource]:
+        from provision.gke import gke_down
+
+        return gke_down(self.cfg, self.session, self.console)
+
+    def left(self) -> list[Resource]:
+        from provision.gke import gke_status
+
+        return gke_status(self.cfg, self.session)
