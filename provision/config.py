@@ -381,7 +381,7 @@ class PathwaysConfig(_Section):
     gcs_scratch: str | None = None
     cpu_machine_type: str = "n2-standard-64"
     # How long the trainer waits for the proxy before it gives up (PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS).
-    proxy_timeout: timedelta = timedelta(minutes=5)
+    proxy_timeout: timedelta = timedelta(minutes=1)
 
     @field_validator("server_image", "proxy_image")
     @classmethod

@@ -273,6 +273,24 @@ def delete_jobset(cfg, session, console) -> bool:
     return True
 
 
+def trainer_log(cfg, session, tail: int | None = None) -> str | None:
+    """The trainer container's log from the run's trainer pod (the latest attempt's: the Pathways
+    head, or slice 0's pod 0); None when there is no such pod."""
+    cluster = cluster_of(cfg, session)
+    if cluster is None or not cluster.endpoint:
+        return None
+    kube = session.kube(cluster)
+    job = gke_render.HEAD_JOB if cfg.gke.runtime == "pathways" else gke_render.SLICE_JOB
+    selector = (f"jobset.sigs.k8s.io/jobset-name={gke_render.jobset_name(cfg)},"
+                f"jobset.sigs.k8s.io/replicatedjob-name={job},jobset.sigs.k8s.io/job-index=0,"
+                "batch.kubernetes.io/job-completion-index=0")
+    pods = [p for p in kube.list_pods(cfg.gke.namespace, selector) if p.status.phase != "Pending"]
+    if not pods:
+        return None
+    latest = max(pods, key=lambda p: int(p.metadata.labels.get("jobset.sigs.k8s.io/restart-attempt", "0")))
+    return kube.pod_log(cfg.gke.namespace, latest.metadata.name, "trainer", tail)
+
+
 # --- down and status -----------------------------------------------------------------------------------
 
 def gke_down(cfg, session, console) -> list[Resource]:

@@ -67,14 +67,18 @@ class GkeTarget:
         return storage.read_json(storage.join(self.output_dir, "status.json"),
                                  self.session.endpoint.credentials, self.cfg.project)
 
-    def _why(self, kube, jobset: dict) -> str:
-        """The latest reason the JobSet gave (its Restarting or terminal event), else its condition."""
-        events = kube.list_events(self.cfg.gke.namespace, jobset["metadata"]["name"])
-        reasons = [e for e in events if e.reason not in ("Created", "Deleted")]
-        if reasons:
-            return reasons[-1].message
+    def _why(self, kube, jobset: dict, attempt: int) -> str:
+        """The JobSet's latest word (its Restarting or terminal event, else its condition) and the
+        pods of `attempt` that failed, with their reasons."""
+        name = jobset["metadata"]["name"]
+        events = [e for e in kube.list_events(self.cfg.gke.namespace, name) if e.reason not in ("Created", "Deleted")]
         conditions = (jobset.get("status") or {}).get("conditions") or []
-        return conditions[-1].get("message", "") if conditions else ""
+        said = events[-1].message if events else (conditions[-1].get("message", "") if conditions else "")
+        selector = f"jobset.sigs.k8s.io/jobset-name={name},jobset.sigs.k8s.io/restart-attempt={attempt}"
+        failed = [p for p in kube.list_pods(self.cfg.gke.namespace, selector)
+                  if p.status.phase == "Failed" and p.status.reason not in (None, "Killed")]
+        pods = "; ".join(f"pod {p.metadata.name}: {p.status.reason}: {p.status.message}" for p in failed[:2])
+        return f"{said} ({pods})" if pods else said
 
     def report(self):
         from provision.targets import Report, report_from_status
@@ -90,13 +94,13 @@ class GkeTarget:
         if restarts > self.restarts_seen:
             self.restarts_seen = restarts
             return Report(**{**trainer.__dict__, "phase": "restarted",
-                             "detail": f"JobSet restart {restarts}: {self._why(kube, jobset)}"})
+                             "detail": self._why(kube, jobset, restarts - 1)})
         terminal = status.get("terminalState")
         if terminal == "Completed":
             return Report(**{**trainer.__dict__, "phase": "finished"})
         if terminal == "Failed":
             phase = "preempted" if trainer.phase == "preempted" else "failed"
-            detail = self._why(kube, jobset) + (f"; trainer: {trainer.detail}" if trainer.detail else "")
+            detail = self._why(kube, jobset, restarts) + (f"; trainer: {trainer.detail}" if trainer.detail else "")
             return Report(**{**trainer.__dict__, "phase": phase, "detail": detail})
         if trainer.phase in ENDED or trainer.phase == "preempted":
             return Report("starting")  # a status left by the attempt before a restart: the JobSet decides

@@ -22,7 +22,7 @@ def logs(app, config_path: str, follow: bool, tail: int) -> None:
 
     Reads status.json and metrics.jsonl that the trainer writes to trainer.output_dir
     (gs:// or local), and the trainer's console output where it is kept (a dry run keeps
-    it under .moe-tpu/).
+    it under .moe-tpu/; on GKE it is the trainer pod's log while the JobSet exists).
 
     \b
     Examples:
@@ -49,7 +49,7 @@ def logs(app, config_path: str, follow: bool, tail: int) -> None:
         for row in rows[shown_rows:]:
             app.console.text(_row_line(row))
         shown_rows = len(rows)
-        text = read("trainer.log", storage.read_text) or ""
+        text = (_pod_log(app, cfg) if cfg.target == "gke" else None) or read("trainer.log", storage.read_text) or ""
         lines = text.splitlines()
         for line in lines[shown_lines:] if follow else []:
             app.console.info(line)
@@ -65,6 +65,12 @@ def logs(app, config_path: str, follow: bool, tail: int) -> None:
     app.console.text(f"trainer: {state}" + (f" at step {status['step']}/{status.get('total_steps')}"
                                             if status.get("step") is not None else ""))
     app.console.emit(app.document("ok", output_dir=out, status=status or None, metrics=rows))
+
+
+def _pod_log(app, cfg) -> str | None:
+    from provision.gke import trainer_log
+
+    return trainer_log(cfg, app.session())
 
 
 ROW_FIELDS = (("loss", "loss {:.4f}"), ("aux_loss", "aux {:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"),

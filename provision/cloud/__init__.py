@@ -152,7 +152,7 @@ class Session:
                 raise MissingDependency(exc.name or "kubernetes", "control") from exc
             from provision.cloud.kube import KubeApi
 
-            self._kube[key] = KubeApi(cluster, self.endpoint.credentials, self.clock, self.console)
+            self._kube[key] = KubeApi(cluster, self.endpoint.credentials, self.clock, self.console, self.calls)
         return self._kube[key]
 
     def close(self) -> None:

@@ -21,10 +21,11 @@ JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 class KubeApi:
     """One cluster's API server (close() removes the CA file the client reads)."""
 
-    def __init__(self, cluster, credentials, clock, console) -> None:
+    def __init__(self, cluster, credentials, clock, console, calls: list | None = None) -> None:
         from kubernetes import client
 
         self.clock, self.console = clock, console
+        self.calls = calls if calls is not None else []
         self.cluster = cluster.name
         if not cluster.endpoint or not cluster.master_auth.cluster_ca_certificate:
             raise CloudError(f"cluster {cluster.name} has no endpoint yet (status {cluster.status.name})",
@@ -48,7 +49,10 @@ class KubeApi:
         if os.path.exists(self._ca_path):
             os.unlink(self._ca_path)
 
-    def _call(self, action: str, fn: Callable[[], T], missing_ok: bool = False, exists_ok: bool = False) -> T | None:
+    def _call(self, action: str, fn: Callable[[], T], missing_ok: bool = False, exists_ok: bool = False,
+              request: dict | None = None) -> T | None:
+        """fn() retried on our clock, logged in the calls as "k8s ACTION" (like the RPCs), its errors
+        as ours; None for a 404 (`missing_ok`) or a 409 (`exists_ok`)."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
@@ -56,9 +60,12 @@ class KubeApi:
             self.console.detail(f"{action}: transient error ({getattr(exc, 'status', type(exc).__name__)}), "
                                 f"retry {attempt}")
 
+        entry = {"rpc": f"k8s {action}", "request": request or {}, "status": "OK"}
+        self.calls.append(entry)
         try:
             return call_with_retry(fn, self.clock, on_retry=on_retry)
         except ApiException as exc:
+            entry["status"] = f"{exc.status} {exc.reason}"
             if (missing_ok and exc.status == 404) or (exists_ok and exc.status == 409):
                 return None
             message = _status_message(exc)
@@ -76,15 +83,16 @@ class KubeApi:
     def create_jobset(self, namespace: str, body: dict) -> dict | None:
         """Create; None when one of that name exists (409: the caller adopts or refuses it)."""
         return self._call("create JobSet", lambda: self.custom.create_namespaced_custom_object(
-            *JOBSET[:2], namespace, JOBSET[2], body), exists_ok=True)
+            *JOBSET[:2], namespace, JOBSET[2], body), exists_ok=True, request=body)
 
     def get_jobset(self, namespace: str, name: str) -> dict | None:
         return self._call("get JobSet", lambda: self.custom.get_namespaced_custom_object(
-            *JOBSET[:2], namespace, JOBSET[2], name), missing_ok=True)
+            *JOBSET[:2], namespace, JOBSET[2], name), missing_ok=True, request={"namespace": namespace, "name": name})
 
     def list_jobsets(self, namespace: str, label_selector: str) -> list[dict]:
         answer = self._call("list JobSets", lambda: self.custom.list_namespaced_custom_object(
-            *JOBSET[:2], namespace, JOBSET[2], label_selector=label_selector))
+            *JOBSET[:2], namespace, JOBSET[2], label_selector=label_selector),
+            request={"namespace": namespace, "labelSelector": label_selector})
         return list(answer.get("items", []))
 
     def delete_jobset(self, namespace: str, name: str) -> bool:
@@ -93,24 +101,29 @@ class KubeApi:
 
         options = client.V1DeleteOptions(propagation_policy="Foreground")
         answer = self._call("delete JobSet", lambda: self.custom.delete_namespaced_custom_object(
-            *JOBSET[:2], namespace, JOBSET[2], name, body=options), missing_ok=True)
+            *JOBSET[:2], namespace, JOBSET[2], name, body=options), missing_ok=True,
+            request={"namespace": namespace, "name": name, "propagationPolicy": "Foreground"})
         return answer is not None
 
     # --- pods, logs, events, nodes ------------------------------------------------------------
     def list_pods(self, namespace: str, label_selector: str) -> list[Any]:
         return list(self._call("list pods", lambda: self.core.list_namespaced_pod(
-            namespace, label_selector=label_selector)).items)
+            namespace, label_selector=label_selector),
+            request={"namespace": namespace, "labelSelector": label_selector}).items)
 
     def pod_log(self, namespace: str, name: str, container: str, tail_lines: int | None = None) -> str:
         kwargs = {"container": container} | ({"tail_lines": tail_lines} if tail_lines else {})
-        return self._call("read pod log", lambda: self.core.read_namespaced_pod_log(name, namespace, **kwargs)) or ""
+        return self._call("read pod log", lambda: self.core.read_namespaced_pod_log(name, namespace, **kwargs),
+                          request={"namespace": namespace, "name": name, **kwargs}) or ""
 
     def list_events(self, namespace: str, involved: str) -> list[Any]:
+        selector = f"involvedObject.name={involved}"
         return list(self._call("list events", lambda: self.core.list_namespaced_event(
-            namespace, field_selector=f"involvedObject.name={involved}")).items)
+            namespace, field_selector=selector), request={"namespace": namespace, "fieldSelector": selector}).items)
 
     def list_nodes(self, label_selector: str = "") -> list[Any]:
-        return list(self._call("list nodes", lambda: self.core.list_node(label_selector=label_selector)).items)
+        return list(self._call("list nodes", lambda: self.core.list_node(label_selector=label_selector),
+                               request={"labelSelector": label_selector}).items)
 
 
 def _token(credentials) -> str:

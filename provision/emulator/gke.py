@@ -43,7 +43,8 @@ STOCKOUT_MESSAGE = ("Google Compute Engine: Not enough resources available to fu
 # A pod on a spot node that is reclaimed: GKE's graceful node shutdown ends it with these.
 PREEMPTED_REASON = "Terminated"
 PREEMPTED_MESSAGE = "Pod was terminated in response to imminent node shutdown."
-# JobSet's own condition reasons and messages (jobset pkg/constants).
+# JobSet's own condition reasons and messages (jobset pkg/constants; the Restarting event's
+# message is the controller's "restarting jobset, attempt N").
 REACHED_MAX_RESTARTS = ("ReachedMaxRestarts", "jobset failed due to reaching max number of restarts")
 ALL_JOBS_COMPLETED = ("AllJobsCompleted", "jobset completed successfully")
 
@@ -485,9 +486,7 @@ class GkeWorld:
         jobset.restarts += 1
         jobset.attempt_start = at
         self.event(jobset.namespace, "JobSet", jobset.name, "Restarting",
-                   f"job {jobset.name}-{pod.replicated_job}-{pod.job_index} failed (pod {pod.name}: "
-                   f"{pod.reason}: {pod.message}); restart {jobset.restarts} of {jobset.max_restarts()}", at,
-                   "Warning")
+                   f"restarting jobset, attempt {jobset.restarts}", at, "Warning")
 
     def _finish(self, jobset: JobSetRecord, at: float, state: str, reason: str, message: str) -> None:
         jobset.terminal, jobset.terminal_at, jobset.reason, jobset.message = state, at, reason, message

@@ -238,7 +238,7 @@ def handle(gke: GkeWorld, now: float, method: str, path: str, query: dict[str, s
             pods = [pod_view(gke, p, now) for p in sorted(gke.pods.values(), key=lambda p: p.created_at)
                     if p.namespace == namespace]
             pods = [p for p in pods if selector_matches(query.get("labelSelector", ""), p["metadata"]["labels"])]
-            if query.get("watch") in ("true", "1"):
+            if query.get("watch", "").lower() in ("true", "1"):
                 return 200, [{"type": "ADDED", "object": p} for p in pods]
             return 200, _list("PodList", pods, gke)
         pod = gke.pods.get(f"{namespace}/{name}")

@@ -211,5 +211,5 @@ def test_pathways_jobset_for_two_v5litepod_32():
     assert "--instance_count=2" in roles["rm"]["args"] and "--instance_type=tpuv5e:4x8" in roles["rm"]["args"]
     env = _env(roles["trainer"])
     assert env["JAX_PLATFORMS"] == "proxy" and "PATHWAYS_HEAD" in env
-    assert env["PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"] == "300"
+    assert env["PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"] == "60"
     assert json.dumps(roles["head_pod"]["nodeSelector"]) == '{"cloud.google.com/gke-nodepool": "cpu-np"}'
