@@ -1,7 +1,7 @@
 """The TPU v5e hardware catalogue: plain data, tested with `==`.
 
 Sources: Cloud TPU docs (v5e system architecture, "TPU regions and zones", pricing) and the
-Vertex AI docs for the ct5lp machine types, as summarised in SPEC.md. Nothing here imports a
+Vertex AI docs for the ct5lp machine types ("Configure compute resources for custom training"). Nothing here imports a
 cloud library: the CLI's `--help` and the planner read it cheaply.
 """
 

@@ -251,16 +251,6 @@ class ImageConfig(_Section):
         return value
 
     @property
-    def uri(self) -> str:
-        """REPOSITORY:TAG; without image.tag, the content-hash tag of the builtin Dockerfile and this
-        source tree (provision.rendering.image_uri also honours --templates)."""
-        if self.tag is not None:
-            return f"{self.repository}:{self.tag}"
-        from provision.image import content_tag
-
-        return f"{self.repository}:{content_tag()}"
-
-    @property
     def registry_host(self) -> str:
         return self.repository.split("/", 1)[0]
 
@@ -925,7 +915,7 @@ project: my-project            # Google Cloud project id
 region: us-west4
 zones: [us-west4-a]            # tried in order on stockout; each must offer TPU v5e
 run: moe-demo                  # resource names and labels derive from it (lowercase, <= 50 chars)
-target: tpu-vm                 # tpu-vm (queued resource), vertex (Vertex AI custom job) or gke
+target: tpu-vm                 # tpu-vm (queued resource) or vertex (Vertex AI custom job)
 
 slice:
   accelerator: v5litepod-64    # 8x8: 16 VMs of 4 chips
@@ -947,11 +937,12 @@ image:
   tag: latest
 
 trainer:
-  config: tiny                 # a named trainer config, or a path
+  config: v5e-64               # a named trainer config (this one is sized for v5litepod-64), or a path
   output_dir: gs://my-bucket/moe-demo
+  mesh: data=8,expert=8        # the device mesh; `moe-tpu plan` suggests one (unset: all chips on data)
   # steps: 1000
-  # mesh: data=8,expert=8      # the device mesh; `moe-tpu plan` suggests one (unset: all chips on data)
-  overrides: {}                # become `--set key=value` flags, e.g. {model.num_experts: 8}
+  # overrides:                 # trainer config keys, passed as `--set key=value`
+  #   moe.num_experts: 32
 
 recovery:
   max_restarts: 3              # recreate the slice at most this often after preemption

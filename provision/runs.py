@@ -1,6 +1,6 @@
 """`moe-tpu run`: provision, follow training, recover from preemption, tear down.
 
-The loop holds a target (provision/targets.py) and never asks which kind it is. Every
+The loop holds a target (provision/targets/) and calls only what `Target` declares. Every
 step lands on a timeline with its time and the cost so far; the trainer's own reports
 (step, loss, tokens/s) drive the progress line and the ETA.
 """
@@ -14,7 +14,7 @@ from typing import Any
 from provision import storage
 from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
-from provision.targets import Report
+from provision.targets.base import Report, Target
 from provision.waiting import PollPolicy, format_duration
 
 # While a trainer runs, its reports are read this often (and more often at first).
@@ -118,7 +118,7 @@ class RunResult:
 class Runner:
     """One run of training on a target, start to end."""
 
-    def __init__(self, cfg, target, session, console, *, output_dir: str, keep: bool = False,
+    def __init__(self, cfg, target: Target, session, console, *, output_dir: str, keep: bool = False,
                  confirm_teardown=None) -> None:
         self.cfg = cfg
         self.target = target
@@ -128,7 +128,7 @@ class Runner:
         self.output_dir = output_dir
         self.keep = keep
         self.confirm_teardown = confirm_teardown or (lambda: True)
-        self.timeline = Timeline(self.clock, target.usd_per_hour)
+        self.timeline = Timeline(self.clock, target.price())
         self.training = Training()
         self.resources: list[Resource] = []
 

@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from provision import guest_attributes
+
 RUNS_DIR = "runs"
-GUEST_NAMESPACE = "moe-tpu"
 SYNC_INTERVAL_S = 0.05
 GATE_MAX_WAIT_S = 0.5
 KILL_GRACE_S = 10.0
@@ -215,9 +216,8 @@ class LocalTrainer:
         self._changed.set()
         if current.kind != "tpu-vm":
             return
-        values = {key.replace("_", "-"): _text(status.get(key)) for key in
-                  ("state", "step", "total_steps", "start_step", "loss", "tokens_per_s", "exit_code", "error")
-                  if status.get(key) is not None}
+        values = {key: _text(status.get(field)) for field, key in guest_attributes.pairs()
+                  if status.get(field) is not None}
         values["updated"] = _text(status.get("time") or time.time())
 
         def write(world, now) -> None:
@@ -225,7 +225,7 @@ class LocalTrainer:
                 if world.node_at(node, now) is None:
                     continue
                 for worker in range(workers):
-                    world.set_guest_attributes(node, worker, GUEST_NAMESPACE, values, now)
+                    world.set_guest_attributes(node, worker, guest_attributes.NAMESPACE, values, now)
 
         self.emulator.world_call(write)
 

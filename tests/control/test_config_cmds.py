@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,36 @@ def test_init_writes_the_starter(workdir):
     assert moe("init") == (0, "wrote moe-tpu.yaml\n",
                            "next: set project, zones, image and trainer in it, then run `moe-tpu validate`\n")
     assert (workdir / "moe-tpu.yaml").read_text() == starter_config()
+
+
+def test_the_starter_is_its_golden(workdir):
+    """The file `init` writes, reviewed as a whole (regenerate with MOE_TPU_UPDATE_GOLDENS=1)."""
+    golden = GOLDENS / "moe-tpu.yaml.golden"
+    assert moe("init")[0] == 0
+    if os.environ.get("MOE_TPU_UPDATE_GOLDENS") == "1":
+        golden.write_text((workdir / "moe-tpu.yaml").read_text())
+    assert (workdir / "moe-tpu.yaml").read_text() == golden.read_text()
+
+
+def uncommented(text: str) -> str:
+    """Every commented example of a key (an indented `# key: value` line) made real."""
+    return re.sub(r"(?m)^( +)# ", r"\1", text)
+
+
+@pytest.mark.parametrize("examples", ["as written", "every example uncommented"])
+def test_the_starter_validates_and_plans_without_a_refused_mesh(workdir, examples):
+    assert moe("init")[0] == 0
+    path = workdir / "moe-tpu.yaml"
+    if examples != "as written":
+        text = uncommented(path.read_text())
+        assert "moe.num_experts: " in text and "\n  steps: " in text and "\n  subnetwork: " in text
+        path.write_text(text)
+    code, out, err = moe("validate")
+    assert (code, err) == (0, ""), out
+    code, out, err = moe("--output", "json", "plan")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["fits"] and not [w for w in doc["warnings"] if "refuses" in w or "not set" in w], doc["warnings"]
 
 
 def test_init_refuses_to_overwrite(workdir):

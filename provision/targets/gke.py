@@ -1,4 +1,4 @@
-"""GKE node pools with the run as a JobSet: a target like the others (provision, report, teardown).
+"""TPU v5e node pools on a GKE cluster with the run as a JobSet (`target: gke`).
 
 The trainer reports through the status file in its output directory, as on Vertex AI; the JobSet
 says the rest: a job that failed makes its failure policy recreate every job in place (the
@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from provision import catalogue, gke_render, storage
 from provision.resources import Resource
-
-# Trainer states, as the status file carries them (trainer/status.py).
-ENDED = {"finished", "failed", "stopped"}
-TRAINER_START_WAIT_S = 7 * 86400.0
+from provision.targets.base import ENDED, Report, report_from_status
 
 
 class GkeTarget:
@@ -21,7 +18,7 @@ class GkeTarget:
 
     kind = "gke"
 
-    def __init__(self, cfg, session, console, templates_dir=None, output_dir: str | None = None) -> None:
+    def __init__(self, cfg, session, console, *, templates_dir=None, output_dir: str | None = None) -> None:
         self.cfg = cfg
         self.session = session
         self.console = console
@@ -31,14 +28,13 @@ class GkeTarget:
         self.restarts_seen = 0
         acc = cfg.accelerator_type()
         self.chips = acc.chips * cfg.slice.count
-        self.usd_per_hour = self.chips * catalogue.price_per_chip_hour(cfg.slice.capacity)
 
     def describe(self) -> str:
         return (f"{self.cfg.slice.count} x {self.cfg.slice.accelerator} ({self.cfg.slice.capacity}) on GKE "
                 f"{self.cfg.gke.cluster}, {self.cfg.gke.runtime}")
 
     def price(self) -> float:
-        return self.usd_per_hour
+        return self.chips * catalogue.price_per_chip_hour(self.cfg.slice.capacity)
 
     def provision(self, attempt: int = 0) -> list[Resource]:
         """Node pools (the zone it last ran in first), then the JobSet; waits until the trainer's pod runs."""
@@ -80,9 +76,7 @@ class GkeTarget:
         pods = "; ".join(f"pod {p.metadata.name}: {p.status.reason}: {p.status.message}" for p in failed[:2])
         return f"{said} ({pods})" if pods else said
 
-    def report(self):
-        from provision.targets import Report, report_from_status
-
+    def report(self) -> Report:
         kube = self._kube()
         jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg)) if kube else None
         if jobset is None:
