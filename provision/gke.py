@@ -172,13 +172,20 @@ def _pool_in_zone(cfg, session, console, project: str, spec, templates_dir, exis
             console.info(f"  {spec.name} already exists (an earlier attempt created it); adopting it")
             pool = _wait_pool(session, console, name)
         else:
+            # A TPU pool that is not made within slice.max_wait counts as no capacity in this zone.
+            wait = cfg.slice.max_wait.total_seconds() if spec.name != gke_render.CPU_POOL else 3600.0
             with console.progress(f"  creating node pool {spec.name}") as bar:
                 try:
                     session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
-                                           f"create node pool {spec.name}", progress=bar)
+                                           f"create node pool {spec.name}", progress=bar, timeout_s=wait)
                 except StockoutError:
                     raise
-                except CloudError:
+                except CloudError as exc:
+                    if exc.message.startswith("gave up waiting"):
+                        from provision.config import format_duration as config_duration
+
+                        raise StockoutError(f"node pool {spec.name} was not made within slice.max_wait "
+                                            f"({config_duration(cfg.slice.max_wait)})") from exc
                     pool = session.container.get_node_pool(name)
                     if pool is None or pool.status.name != "ERROR":
                         raise

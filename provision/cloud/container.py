@@ -44,11 +44,11 @@ class ContainerApi(RetryingApi):
     def delete_node_pool(self, name: str):
         return self._get_or_none("delete node pool", lambda: self.client.delete_node_pool(name=name))
 
-    def wait(self, operation, location: str, what: str, progress=None) -> Any:
+    def wait(self, operation, location: str, what: str, progress=None, timeout_s: float = OPERATION_TIMEOUT_S) -> Any:
         """Poll an operation (GetOperation) until DONE; its error as StockoutError or CloudError."""
         name = f"{location}/operations/{operation.name}"
         done = poll(lambda: self._call(f"poll {what}", lambda: self.client.get_operation(name=name)),
-                    lambda op: op.status.name == "DONE", self.clock, timeout_s=OPERATION_TIMEOUT_S,
+                    lambda op: op.status.name == "DONE", self.clock, timeout_s=timeout_s,
                     progress=progress, what=what,
                     describe=lambda op, t: f"  {what}: {op.status.name}")
         if done.error.code or done.error.message:

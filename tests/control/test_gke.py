@@ -15,7 +15,7 @@ from cli_helpers import run_process
 
 from provision import gke_render
 from provision.config import load_config
-from provision.errors import CloudError, QuotaError, UsageError
+from provision.errors import CloudError, QuotaError, StockoutError, UsageError
 from provision.gke import cluster_of, gke_down, gke_status, gke_up, managed_gke, submit_jobset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,6 +127,15 @@ def test_quota_names_the_quota_and_creates_nothing(tmp_path, emulated):
     proc = run_process(["--dry-run", "--scenario", "quota", "gke", "up", "-c", str(tmp_path / "moe-tpu.yaml")],
                        tmp_path)
     assert proc.returncode == 1 and "quota exceeded (PREEMPTIBLE_TPU_LITE_PODSLICE_V5)" in proc.stderr
+
+
+def test_a_pool_not_made_within_max_wait_counts_as_no_capacity(tmp_path, emulated):
+    app = emulated("long-queue")
+    with pytest.raises(StockoutError, match=r"not made within slice.max_wait \(2h\)"):
+        gke_up(make_config(tmp_path), app.session, app.console)
+    assert gke_status(make_config(tmp_path), app.session) == []
+    patient = make_config(tmp_path, name="patient.yaml", slice__max_wait="4h")
+    assert {r.zone for r in gke_up(patient, app.session, app.console)} == {"us-east5-a"}
 
 
 def test_flaky_adopts_a_pool_whose_create_answer_was_lost(tmp_path, emulated):
