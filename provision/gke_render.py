@@ -39,8 +39,6 @@ JOBSET_PLURAL = "jobsets"
 # The CPU pool the Pathways head runs on (the name Google's tools select it by).
 CPU_POOL = "cpu-np"
 CPU_POOL_NODES = 1
-# The GKE node label value of TPU v5e node pools (cloud.google.com/gke-tpu-accelerator).
-V5E_ACCELERATOR_LABEL = "tpu-v5-lite-podslice"
 # The Pathways resource manager's name for v5e (its --instance_type is tpuv5e:TOPOLOGY).
 PATHWAYS_V5E = "tpuv5e"
 HEAD_JOB = "pathways-head"
@@ -186,7 +184,7 @@ def jobset_spec(cfg: Config, templates_dir: Path | None = None) -> JobSetSpec:
         labels=job_labels, image_uri=image_uri(cfg, templates_dir),
         command=tuple(argv[:len(TRAINER_COMMAND)]), args=tuple(argv[len(TRAINER_COMMAND):]), env=env,
         slices=cfg.slice.count, vms=acc.vms, chips_per_vm=acc.chips_per_vm, topology=topology(cfg),
-        accelerator_label=V5E_ACCELERATOR_LABEL, max_restarts=cfg.recovery.max_restarts, **pathways)
+        accelerator_label=catalogue.GKE_V5E_ACCELERATOR, max_restarts=cfg.recovery.max_restarts, **pathways)
 
 
 # --- node pools and the cluster ---------------------------------------------------------------
@@ -356,10 +354,5 @@ def render_files(cfg: Config, templates_dir: Path | None = None) -> dict[str, st
 
 
 def accelerator_of_pool(pool) -> catalogue.AcceleratorType | None:
-    """The v5e accelerator type a node pool holds (by machine type and topology), None for CPU."""
-    placement = pool.placement_policy.tpu_topology if pool.placement_policy else ""
-    machine = pool.config.machine_type
-    for acc in catalogue.ACCELERATORS.values():
-        if acc.vertex_machine_type == machine and (acc.topology == placement or (not placement and acc.vms == 1)):
-            return acc
-    return None
+    """The v5e accelerator type a node pool (container_v1.NodePool) holds; None for a CPU pool."""
+    return catalogue.accelerator_for_machine(pool.config.machine_type, pool.placement_policy.tpu_topology)

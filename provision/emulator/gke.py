@@ -131,19 +131,15 @@ class PoolRecord:
             labels["cloud.google.com/gke-spot"] = "true"
         acc = tpu_accelerator(self.request)
         if acc is not None:
-            labels["cloud.google.com/gke-tpu-accelerator"] = "tpu-v5-lite-podslice"
+            labels["cloud.google.com/gke-tpu-accelerator"] = catalogue.GKE_V5E_ACCELERATOR
             labels["cloud.google.com/gke-tpu-topology"] = acc.topology
         return labels
 
 
 def tpu_accelerator(pool_request: dict) -> catalogue.AcceleratorType | None:
-    """The v5e slice a node pool request holds (machine type and placement topology), or None."""
-    machine = pool_request.get("config", {}).get("machine_type", "")
-    topology = pool_request.get("placement_policy", {}).get("tpu_topology", "")
-    for acc in catalogue.ACCELERATORS.values():
-        if acc.vertex_machine_type == machine and (acc.topology == topology or (not topology and not acc.multi_host)):
-            return acc
-    return None
+    """The v5e slice a node pool request (proto JSON) holds, or None."""
+    return catalogue.accelerator_for_machine(pool_request.get("config", {}).get("machine_type", ""),
+                                             pool_request.get("placement_policy", {}).get("tpu_topology", ""))
 
 
 @dataclass

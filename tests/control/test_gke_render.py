@@ -213,3 +213,13 @@ def test_pathways_jobset_for_two_v5litepod_32():
     assert env["JAX_PLATFORMS"] == "proxy" and "PATHWAYS_HEAD" in env
     assert env["PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"] == "60"
     assert json.dumps(roles["head_pod"]["nodeSelector"]) == '{"cloud.google.com/gke-nodepool": "cpu-np"}'
+
+
+def test_the_catalogue_names_the_slice_of_a_gke_machine_type():
+    from provision import catalogue
+
+    assert catalogue.accelerator_for_machine("ct5lp-hightpu-4t", "4x8").name == "v5litepod-32"
+    assert catalogue.accelerator_for_machine("ct5lp-hightpu-4t").name == "v5litepod-4"
+    assert catalogue.accelerator_for_machine("ct5lp-hightpu-8t").name == "v5litepod-8"
+    assert catalogue.accelerator_for_machine("ct5lp-hightpu-4t", "4x5") is None
+    assert catalogue.accelerator_for_machine("n2-standard-64") is None
