@@ -39,6 +39,9 @@ def up(app, config_path: str, recreate: bool) -> None:
 
     app.command = "slice up"
     cfg = app.load_config(config_path, check_trainer=True)
+    if cfg.target == "gke":
+        raise UsageError(f"{cfg.source}: target is 'gke': GKE node pools, not a queued-resource slice",
+                         hint=f"use `moe-tpu gke up -c {cfg.source}`, or set `target: tpu-vm`")
     if cfg.target != "tpu-vm":
         raise UsageError(f"{cfg.source}: target is {cfg.target!r}: a Vertex AI job, not a slice you manage",
                          hint=f"use `moe-tpu job submit -c {cfg.source}`, or set `target: tpu-vm`")
