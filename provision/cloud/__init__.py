@@ -144,7 +144,8 @@ class Session:
     def kube(self, cluster):
         """The Kubernetes API of a GKE cluster (a container_v1.Cluster from GetCluster), through the
         official client configured from its endpoint and CA (provision.cloud.kube.KubeApi)."""
-        key = cluster.self_link or cluster.name
+        # A cluster made anew under the same name has another endpoint and CA: another client.
+        key = (cluster.self_link or cluster.name, cluster.endpoint, cluster.master_auth.cluster_ca_certificate)
         if key not in self._kube:
             try:
                 import kubernetes  # noqa: F401
