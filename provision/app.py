@@ -32,6 +32,7 @@ class App:
         self.calls: list[dict[str, Any]] = []
         self.command: str | None = None
         self._session = None
+        self._renderers: dict[int, Any] = {}  # id(config) -> (the config, kept alive, its Renderer)
         self._emulator = None
         # dry run only: a provision.emulator.local_trainer.LocalTrainer that runs the trainer while
         # the run's slice or job is up (`run` sets it before the session opens)
@@ -58,6 +59,8 @@ class App:
                 config_path = remembered_path
                 self.console.info(f"using {config_path} (the config last used in this directory)")
         cfg = load_config(config_path, check_trainer=check_trainer)
+        for warning in cfg.warnings():
+            self.console.warn(warning)
         self.remember_config(config_path)
         self.config = cfg
         return cfg
@@ -87,6 +90,15 @@ class App:
             remembered.write_text(str(config_path.resolve()) + "\n", encoding="utf-8")
         except (OSError, UnicodeEncodeError) as exc:
             self.console.detail(f"not remembering the config in {remembered}: {getattr(exc, 'strerror', None) or exc}")
+
+    def renderer(self, cfg):
+        """The templates (`--templates` first) and the image `cfg` runs, resolved once per config in
+        this invocation (without image.tag that hashes the source tree: once, here)."""
+        if id(cfg) not in self._renderers:
+            from provision.rendering import Renderer
+
+            self._renderers[id(cfg)] = (cfg, Renderer.resolve(cfg, self.templates_dir))
+        return self._renderers[id(cfg)][1]
 
     def trainer_output_dir(self, cfg, train_locally: bool = False) -> str:
         """Where the run's trainer writes: trainer.output_dir, or in a dry run a directory under

@@ -87,7 +87,7 @@ def _wait_cluster(cfg, session, console, path: str):
                     describe=lambda c, t: f"  cluster {short(path)}: {c.status.name} ({format_duration(t)})")
 
 
-def ensure_cluster(cfg, session, console, templates_dir=None) -> tuple[object, bool]:
+def ensure_cluster(cfg, session, console, renderer=None) -> tuple[object, bool]:
     """The run's cluster, RUNNING: the existing one, or (gke.create_cluster) one made now.
     Returns (cluster, made_now)."""
     project = project_of(cfg, session)
@@ -100,7 +100,7 @@ def ensure_cluster(cfg, session, console, templates_dir=None) -> tuple[object, b
                              f"{cfg.gke.location} (project {project})",
                              hint="name an existing GKE Standard cluster, or set `gke.create_cluster: true`")
         console.info(f"  creating cluster {cfg.gke.cluster} in {cfg.gke.location}")
-        operation = session.container.create_cluster(gke_render.create_cluster_request(cfg, project, templates_dir))
+        operation = session.container.create_cluster(gke_render.create_cluster_request(cfg, project, renderer))
         if operation is not None:
             with console.progress(f"  creating cluster {cfg.gke.cluster}") as bar:
                 session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
@@ -143,12 +143,12 @@ def _wait_pool(session, console, name: str):
                     describe=lambda p, t: f"  node pool {short(name)}: {p.status.name if p else 'gone'}")
 
 
-def _pool_in_zone(cfg, session, console, project: str, spec, templates_dir, existing: dict) -> None:
+def _pool_in_zone(cfg, session, console, project: str, spec, renderer, existing: dict) -> None:
     """Create one node pool in its zone and wait until it runs (or adopt the one that matches).
     StockoutError when the zone has no capacity for it."""
     path = gke_render.cluster_path(cfg, project)
     name = f"{path}/nodePools/{spec.name}"
-    request = gke_render.create_node_pool_request(cfg, spec, project, templates_dir)
+    request = gke_render.create_node_pool_request(cfg, spec, project, renderer)
     pool = existing.get(spec.name)
     if pool is not None and spec.name == gke_render.CPU_POOL and not is_managed(_labels(pool), cfg.run):
         console.info(f"  using the cluster's own node pool {spec.name} for the Pathways head")
@@ -182,7 +182,7 @@ def _pool_in_zone(cfg, session, console, project: str, spec, templates_dir, exis
                     raise
                 except CloudError as exc:
                     if exc.message.startswith("gave up waiting"):
-                        from provision.config import format_duration as config_duration
+                        from provision.config import duration_text as config_duration
 
                         raise StockoutError(f"node pool {spec.name} was not made within slice.max_wait "
                                             f"({config_duration(cfg.slice.max_wait)})") from exc
@@ -196,7 +196,7 @@ def _pool_in_zone(cfg, session, console, project: str, spec, templates_dir, exis
         raise error(f"node pool {spec.name} in {spec.zone} is {pool.status.name if pool else 'gone'}: {message}")
 
 
-def pools_up(cfg, session, console, templates_dir=None, zones: list[str] | None = None) -> tuple[str, list]:
+def pools_up(cfg, session, console, renderer=None, zones: list[str] | None = None) -> tuple[str, list]:
     """The run's node pools, zone by zone on stockout (every slice in one zone, for DCN). Returns the
     zone and the pools. A zone that had no capacity loses the run's pools again before the next."""
     project = project_of(cfg, session)
@@ -209,7 +209,7 @@ def pools_up(cfg, session, console, templates_dir=None, zones: list[str] | None 
             continue  # the run's pools are already in another zone: that zone comes first
         try:
             for spec in gke_render.node_pool_specs(cfg, zone):
-                _pool_in_zone(cfg, session, console, project, spec, templates_dir, existing)
+                _pool_in_zone(cfg, session, console, project, spec, renderer, existing)
         except StockoutError as exc:
             tried.append(f"{zone} ({exc.message})")
             console.warn(f"no capacity in {zone}: {exc.message}")
@@ -225,12 +225,12 @@ def pools_up(cfg, session, console, templates_dir=None, zones: list[str] | None 
                         hint="add zones to `zones:`, try another capacity type, or use a reservation")
 
 
-def gke_up(cfg, session, console, templates_dir=None, zones: list[str] | None = None) -> list[Resource]:
+def gke_up(cfg, session, console, renderer=None, zones: list[str] | None = None) -> list[Resource]:
     """The cluster (created only with gke.create_cluster) and the run's node pools, all RUNNING."""
-    cluster, _ = ensure_cluster(cfg, session, console, templates_dir)
+    cluster, _ = ensure_cluster(cfg, session, console, renderer)
     project = project_of(cfg, session)
     path = gke_render.cluster_path(cfg, project)
-    _, pools = pools_up(cfg, session, console, templates_dir, zones)
+    _, pools = pools_up(cfg, session, console, renderer, zones)
     resources = [_pool_resource(p, cfg.gke.location, path) for p in pools]
     if is_managed(dict(cluster.resource_labels), cfg.run):
         resources.insert(0, _cluster_resource(cluster, path))
@@ -239,13 +239,13 @@ def gke_up(cfg, session, console, templates_dir=None, zones: list[str] | None = 
 
 # --- the JobSet --------------------------------------------------------------------------------------
 
-def submit_jobset(cfg, session, console, templates_dir=None) -> dict:
+def submit_jobset(cfg, session, console, renderer=None) -> dict:
     """Create the run's JobSet (or adopt the one this run already submitted and that still runs)."""
     cluster = cluster_of(cfg, session)
     if cluster is None:
         raise CloudError(f"cluster {cfg.gke.cluster} is gone", hint="run `moe-tpu gke up` first")
     kube = session.kube(cluster)
-    manifest = gke_render.jobset_manifest(cfg, templates_dir)
+    manifest = gke_render.jobset_manifest(cfg, renderer)
     name, namespace = manifest["metadata"]["name"], cfg.gke.namespace
     existing = kube.get_jobset(namespace, name)
     if existing is not None:

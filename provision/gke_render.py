@@ -1,9 +1,9 @@
 """Pure rendering for target: gke: names, the node pool and cluster requests, the JobSet manifest.
 
 Like provision/rendering.py: typed specs go into Jinja templates; the node pool and cluster bodies
-are parsed strictly into the real `google.cloud.container_v1` messages, and the JobSet's pod
-templates are checked against the `kubernetes` client's models (a field Kubernetes does not know
-is an error here, not at the API server). Cloud libraries are imported inside functions only.
+are parsed strictly into the real `google.cloud.container_v1` messages (provision.cloud.messages),
+and the JobSet's pod templates are checked against the `kubernetes` client's models
+(provision.cloud.kube): a field Kubernetes does not know is an error here, not at the API server.
 """
 
 from __future__ import annotations
@@ -11,23 +11,17 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from provision import catalogue
+from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
+from provision.cloud.messages import proto_dict
 from provision.config import Config
 from provision.errors import UsageError
-from provision.rendering import (
-    PROJECT_PLACEHOLDER,
-    TRAINER_COMMAND,
-    _parse_body,
-    image_uri,
-    labels,
-    proto_dict,
-    render,
-    trainer_argv,
-)
+from provision.image import TRAINER_COMMAND
+from provision.rendering import PROJECT_PLACEHOLDER, Renderer, _bound, labels, trainer_argv
 from provision.resources import resolve_project
+from provision.templates import render
 
 NODE_POOL_TEMPLATE = "gke_node_pool.yaml.j2"
 CLUSTER_TEMPLATE = "gke_cluster.yaml.j2"
@@ -51,7 +45,6 @@ WORKER_PORT = 29005
 WORKER_RESTARTS_PER_VM = 4
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PROXY_TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"
-_CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 
 # --- names -------------------------------------------------------------------------------
@@ -152,7 +145,7 @@ def node_pool_specs(cfg: Config, zone: str) -> list[NodePoolSpec]:
     reservation = cfg.slice.reservation if cfg.slice.capacity == "reserved" else None
     if reservation and "/" in reservation:
         reservation = reservation.rsplit("/", 1)[-1]
-    common = dict(zone=zone, service_account=cfg.slice.service_account, oauth_scopes=(_CLOUD_PLATFORM_SCOPE,),
+    common = dict(zone=zone, service_account=cfg.slice.service_account, oauth_scopes=(CLOUD_PLATFORM_SCOPE,),
                   labels=labels(cfg))
     specs = [NodePoolSpec(name=name, machine_type=acc.vertex_machine_type, node_count=acc.vms,
                           topology=topology(cfg) if acc.multi_host else None,
@@ -165,7 +158,7 @@ def node_pool_specs(cfg: Config, zone: str) -> list[NodePoolSpec]:
     return specs
 
 
-def jobset_spec(cfg: Config, templates_dir: Path | None = None) -> JobSetSpec:
+def jobset_spec(cfg: Config, image: str) -> JobSetSpec:
     acc = cfg.accelerator_type()
     argv = trainer_argv(cfg)
     job_labels = labels(cfg)
@@ -181,7 +174,7 @@ def jobset_spec(cfg: Config, templates_dir: Path | None = None) -> JobSetSpec:
                         worker_backoff_limit=acc.vms * WORKER_RESTARTS_PER_VM)
     return JobSetSpec(
         config=cfg, runtime=cfg.gke.runtime, name=jobset_name(cfg), namespace=cfg.gke.namespace,
-        labels=job_labels, image_uri=image_uri(cfg, templates_dir),
+        labels=job_labels, image_uri=image,
         command=tuple(argv[:len(TRAINER_COMMAND)]), args=tuple(argv[len(TRAINER_COMMAND):]), env=env,
         slices=cfg.slice.count, vms=acc.vms, chips_per_vm=acc.chips_per_vm, topology=topology(cfg),
         accelerator_label=catalogue.GKE_V5E_ACCELERATOR, max_restarts=cfg.recovery.max_restarts, **pathways)
@@ -189,22 +182,17 @@ def jobset_spec(cfg: Config, templates_dir: Path | None = None) -> JobSetSpec:
 
 # --- node pools and the cluster ---------------------------------------------------------------
 
-def node_pool_body(spec: NodePoolSpec, templates_dir: Path | None = None) -> str:
-    return render(NODE_POOL_TEMPLATE, spec, templates_dir)
+def node_pool_body(spec: NodePoolSpec, renderer: Renderer | None = None) -> str:
+    return render(NODE_POOL_TEMPLATE, spec, renderer.templates_dir if renderer else None)
 
 
-def node_pool_message(spec: NodePoolSpec, templates_dir: Path | None = None):
+def node_pool_message(spec: NodePoolSpec, renderer: Renderer | None = None):
     """The NodePool parsed strictly into google.cloud.container_v1.NodePool."""
-    from google.cloud import container_v1
-
-    return _parse_body(node_pool_body(spec, templates_dir), NODE_POOL_TEMPLATE, container_v1.NodePool)
+    return messages.node_pool(node_pool_body(spec, renderer), NODE_POOL_TEMPLATE)
 
 
-def create_node_pool_request(cfg: Config, spec: NodePoolSpec, project: str, templates_dir: Path | None = None):
-    from google.cloud import container_v1
-
-    return container_v1.CreateNodePoolRequest(parent=cluster_path(cfg, project),
-                                              node_pool=node_pool_message(spec, templates_dir))
+def create_node_pool_request(cfg: Config, spec: NodePoolSpec, project: str, renderer: Renderer | None = None):
+    return messages.create_node_pool_request(cluster_path(cfg, project), node_pool_message(spec, renderer))
 
 
 def cluster_spec(cfg: Config) -> ClusterSpec:
@@ -212,30 +200,29 @@ def cluster_spec(cfg: Config) -> ClusterSpec:
                        labels=labels(cfg))
 
 
-def cluster_body(cfg: Config, templates_dir: Path | None = None) -> str:
-    return render(CLUSTER_TEMPLATE, cluster_spec(cfg), templates_dir)
+def cluster_body(cfg: Config, renderer: Renderer | None = None) -> str:
+    return render(CLUSTER_TEMPLATE, cluster_spec(cfg), renderer.templates_dir if renderer else None)
 
 
-def create_cluster_request(cfg: Config, project: str, templates_dir: Path | None = None):
-    from google.cloud import container_v1
-
-    body = _parse_body(cluster_body(cfg, templates_dir), CLUSTER_TEMPLATE, container_v1.Cluster)
-    return container_v1.CreateClusterRequest(parent=location_path(project, cfg.gke.location), cluster=body)
+def create_cluster_request(cfg: Config, project: str, renderer: Renderer | None = None):
+    return messages.create_cluster_request(location_path(project, cfg.gke.location), cluster_body(cfg, renderer),
+                                           CLUSTER_TEMPLATE)
 
 
 # --- the JobSet ------------------------------------------------------------------------------
 
-def jobset_text(cfg: Config, templates_dir: Path | None = None) -> str:
-    return render(JOBSET_TEMPLATE, jobset_spec(cfg, templates_dir), templates_dir)
+def jobset_text(cfg: Config, renderer: Renderer | None = None) -> str:
+    renderer = _bound(cfg, renderer)
+    return render(JOBSET_TEMPLATE, jobset_spec(cfg, renderer.image), renderer.templates_dir)
 
 
-def jobset_manifest(cfg: Config, templates_dir: Path | None = None) -> dict[str, Any]:
+def jobset_manifest(cfg: Config, renderer: Renderer | None = None) -> dict[str, Any]:
     """The JobSet as a dict, its pod templates checked against the Kubernetes models and every
     $(VAR) a container uses defined in that container's env."""
     import yaml
 
     try:
-        manifest = yaml.safe_load(jobset_text(cfg, templates_dir))
+        manifest = yaml.safe_load(jobset_text(cfg, renderer))
     except yaml.YAMLError as exc:
         raise UsageError(f"template {JOBSET_TEMPLATE} does not render valid YAML: {exc}") from None
     check_jobset(manifest)
@@ -253,9 +240,8 @@ _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 def check_jobset(manifest: Any) -> None:
     """Refuse a JobSet with a field its schema does not have (JobSet's own keys here; the pod
-    templates against the kubernetes client's models), or a container using an undefined $(VAR).
-    Hand-written because the kubernetes client's own deserialiser drops unknown fields silently."""
-    from kubernetes import client
+    templates against the kubernetes client's models), or a container using an undefined $(VAR)."""
+    from provision.cloud.kube import model_problem
 
     def bad(where: str, message: str) -> UsageError:
         return UsageError(f"template {JOBSET_TEMPLATE}: {where}: {message}")
@@ -267,7 +253,9 @@ def check_jobset(manifest: Any) -> None:
     for i, job in enumerate(manifest["spec"].get("replicatedJobs") or []):
         where = f"spec.replicatedJobs[{i}]"
         _known_keys(job, _JOBSET_KEYS["replicatedJob"], where, bad)
-        _check_model(job.get("template"), client.V1JobTemplateSpec, f"{where}.template", bad)
+        problem = model_problem(job.get("template"), "V1JobTemplateSpec", f"{where}.template")
+        if problem is not None:
+            raise bad(*problem)
         pod = ((job.get("template") or {}).get("spec") or {}).get("template", {}).get("spec") or {}
         for kind in ("initContainers", "containers"):
             for container in pod.get(kind) or []:
@@ -282,45 +270,6 @@ def _known_keys(node: Any, keys: set[str], where: str, bad) -> None:
         raise bad(where or "the manifest", f"unknown field {unknown[0]!r}")
 
 
-def _check_model(node: Any, klass: Any, where: str, bad) -> None:
-    """`node` (camelCase JSON) against a kubernetes client model: known fields, of the right shape."""
-    if node is None:
-        return
-    if not isinstance(node, dict):
-        raise bad(where, f"must be a mapping (a {klass.__name__})")
-    by_json = {json_key: attr for attr, json_key in klass.attribute_map.items()}
-    for key, value in node.items():
-        if key not in by_json:
-            raise bad(where, f"unknown field {key!r} (not in {klass.__name__})")
-        _check_value(value, klass.openapi_types[by_json[key]], f"{where}.{key}", bad)
-
-
-def _check_value(value: Any, type_name: str, where: str, bad) -> None:
-    from kubernetes import client
-
-    if value is None:
-        return
-    if type_name.startswith("list["):
-        if not isinstance(value, list):
-            raise bad(where, "must be a list")
-        for i, item in enumerate(value):
-            _check_value(item, type_name[5:-1], f"{where}[{i}]", bad)
-    elif type_name.startswith("dict["):
-        if not isinstance(value, dict):
-            raise bad(where, "must be a mapping")
-        inner = type_name[5:-1].split(", ", 1)[1]
-        for key, item in value.items():
-            _check_value(item, inner, f"{where}.{key}", bad)
-    elif hasattr(client, type_name):
-        _check_model(value, getattr(client, type_name), where, bad)
-    elif type_name == "str" and not isinstance(value, str):
-        raise bad(where, f"must be a string, got {value!r}")
-    elif type_name == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-        raise bad(where, f"must be an integer, got {value!r}")
-    elif type_name == "bool" and not isinstance(value, bool):
-        raise bad(where, f"must be true or false, got {value!r}")
-
-
 def _check_vars(container: dict, where: str, bad) -> None:
     defined = {env.get("name") for env in container.get("env") or []}
     texts = [*(container.get("args") or []), *(container.get("command") or []),
@@ -333,23 +282,24 @@ def _check_vars(container: dict, where: str, bad) -> None:
 
 # --- every rendered file -----------------------------------------------------------------------
 
-def render_files(cfg: Config, templates_dir: Path | None = None) -> dict[str, str]:
+def render_files(cfg: Config, renderer: Renderer | None = None) -> dict[str, str]:
     """The files `render` writes for target: gke: per zone each node pool body and request, the
     cluster (with create_cluster), the JobSet manifest."""
+    renderer = _bound(cfg, renderer)
     project = resolve_project(cfg, PROJECT_PLACEHOLDER)
     files: dict[str, str] = {}
     if cfg.gke.create_cluster:
-        files["cluster.yaml"] = cluster_body(cfg, templates_dir)
-        request = create_cluster_request(cfg, project, templates_dir)
+        files["cluster.yaml"] = cluster_body(cfg, renderer)
+        request = create_cluster_request(cfg, project, renderer)
         files["create_cluster.json"] = json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"
     for zone in cfg.zones:
         for spec in node_pool_specs(cfg, zone):
-            files[f"node_pool.{spec.name}.{zone}.yaml"] = node_pool_body(spec, templates_dir)
-            request = create_node_pool_request(cfg, spec, project, templates_dir)
+            files[f"node_pool.{spec.name}.{zone}.yaml"] = node_pool_body(spec, renderer)
+            request = create_node_pool_request(cfg, spec, project, renderer)
             files[f"create_node_pool.{spec.name}.{zone}.json"] = json.dumps(proto_dict(request), indent=2,
                                                                              sort_keys=True) + "\n"
-    jobset_manifest(cfg, templates_dir)  # checked before it is written
-    files["jobset.yaml"] = jobset_text(cfg, templates_dir)
+    jobset_manifest(cfg, renderer)  # checked before it is written
+    files["jobset.yaml"] = jobset_text(cfg, renderer)
     return files
 
 

@@ -66,6 +66,8 @@ def validate(app, config_path: str) -> None:
     """Check the config and render every template; list every problem at once.
 
     Exit code 0 when all is well, 2 when the config or a template has a problem.
+    A zone Google does not document for TPU v5e is a warning; the API's list of
+    accelerator types in that zone decides (with --dry-run, the emulator's, here).
 
     \b
     Examples:
@@ -73,15 +75,28 @@ def validate(app, config_path: str) -> None:
       moe-tpu validate -c examples/v5e-64.yaml
       moe-tpu --templates my-templates/ validate # check your own template copies
     """
-    from provision.rendering import render_all
-
     app.command = "validate"
     cfg = app.load_config(config_path, check_trainer=True)
-    files = render_all(cfg, app.templates_dir)
+    files = _rendered(app, cfg)
+    if app.dry_run and cfg.warnings():  # zones the catalogue does not list: the emulator's answer decides
+        from provision.slices import check_zones_offer
+
+        check_zones_offer(cfg, app.session())
     app.console.text(f"config OK: {cfg.source}")
     app.console.text(f"  run {cfg.run}: {_summary(cfg)}")
     app.console.text(f"  rendered {len(files)} files: {', '.join(files)}")
     app.console.emit(app.document("ok", config=str(cfg.source), files=list(files)))
+
+
+def _rendered(app, cfg) -> dict[str, str]:
+    """Every rendered file of the config's target, by name."""
+    if cfg.target == "gke":
+        from provision.gke_render import render_files
+
+        return render_files(cfg, app.renderer(cfg))
+    from provision.rendering import render_all
+
+    return render_all(cfg, app.renderer(cfg))
 
 
 def _plural(n: int, word: str) -> str:
@@ -123,11 +138,9 @@ def render(app, config_path: str, out_dir: str) -> None:
       moe-tpu render -c examples/v5e-64.yaml --out /tmp/moe
       moe-tpu --templates my-templates/ render --out rendered/
     """
-    from provision.rendering import render_all
-
     app.command = "render"
     cfg = app.load_config(config_path)
-    files = render_all(cfg, app.templates_dir)
+    files = _rendered(app, cfg)
     out = Path(out_dir)
     written = []
     try:

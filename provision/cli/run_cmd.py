@@ -35,7 +35,6 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
       moe-tpu run -c moe-tpu.yaml --yes
     """
     from provision.errors import MoeTpuError
-    from provision.rendering import image_uri
     from provision.runs import Interrupted, RunFailed, Runner
     from provision.targets import for_config
 
@@ -43,11 +42,11 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
     cfg = app.load_config(config_path, check_trainer=True)
     _check_plan(app, cfg, force)
     output_dir = app.trainer_output_dir(cfg, train_locally=True)
-    image = image_uri(cfg, app.templates_dir)
-    app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {image}"
+    renderer = app.renderer(cfg)
+    app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {renderer.image}"
                      + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
     session = app.session()
-    target = for_config(cfg, session, app.console, templates_dir=app.templates_dir, output_dir=output_dir)
+    target = for_config(cfg, session, app.console, renderer=renderer, output_dir=output_dir)
     confirm = (lambda: True) if yes else _ask_teardown(app)
     runner = Runner(cfg, target, session, app.console, output_dir=output_dir, keep=keep, confirm_teardown=confirm)
     try:

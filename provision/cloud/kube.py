@@ -16,6 +16,64 @@ from provision.waiting import call_with_retry
 
 T = TypeVar("T")
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+# Kubernetes API answers worth another try (ApiException.status).
+TRANSIENT_HTTP = (429, 500, 502, 503, 504)
+
+
+def is_transient(exc: BaseException) -> bool:
+    from kubernetes.client.exceptions import ApiException
+
+    return isinstance(exc, ApiException) and exc.status in TRANSIENT_HTTP
+
+
+def model_problem(node: Any, model: str, where: str) -> tuple[str, str] | None:
+    """(where, what) of the first field of `node` (camelCase JSON) that the kubernetes client's
+    model `model` (e.g. V1JobTemplateSpec) does not have or cannot hold; None when it fits.
+    Hand-written because the client's own deserialiser drops unknown fields silently."""
+    from kubernetes import client
+
+    if node is None:
+        return None
+    klass = getattr(client, model)
+    if not isinstance(node, dict):
+        return where, f"must be a mapping (a {model})"
+    by_json = {json_key: attr for attr, json_key in klass.attribute_map.items()}
+    for key, value in node.items():
+        if key not in by_json:
+            return where, f"unknown field {key!r} (not in {model})"
+        problem = _value_problem(value, klass.openapi_types[by_json[key]], f"{where}.{key}")
+        if problem is not None:
+            return problem
+    return None
+
+
+def _value_problem(value: Any, type_name: str, where: str) -> tuple[str, str] | None:
+    from kubernetes import client
+
+    if value is None:
+        return None
+    if type_name.startswith("list["):
+        if not isinstance(value, list):
+            return where, "must be a list"
+        for i, item in enumerate(value):
+            if (problem := _value_problem(item, type_name[5:-1], f"{where}[{i}]")) is not None:
+                return problem
+    elif type_name.startswith("dict["):
+        if not isinstance(value, dict):
+            return where, "must be a mapping"
+        inner = type_name[5:-1].split(", ", 1)[1]
+        for key, item in value.items():
+            if (problem := _value_problem(item, inner, f"{where}.{key}")) is not None:
+                return problem
+    elif hasattr(client, type_name):
+        return model_problem(value, type_name, where)
+    elif type_name == "str" and not isinstance(value, str):
+        return where, f"must be a string, got {value!r}"
+    elif type_name == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        return where, f"must be an integer, got {value!r}"
+    elif type_name == "bool" and not isinstance(value, bool):
+        return where, f"must be true or false, got {value!r}"
+    return None
 
 
 class KubeApi:
@@ -63,7 +121,7 @@ class KubeApi:
         entry = {"rpc": f"k8s {action}", "request": request or {}, "status": "OK"}
         self.calls.append(entry)
         try:
-            return call_with_retry(fn, self.clock, on_retry=on_retry)
+            return call_with_retry(fn, self.clock, on_retry=on_retry, transient=is_transient)
         except ApiException as exc:
             entry["status"] = f"{exc.status} {exc.reason}"
             if (missing_ok and exc.status == 404) or (exists_ok and exc.status == 409):

@@ -16,7 +16,7 @@ from google.cloud import container_v1 as v1
 from google.rpc import error_details_pb2, status_pb2
 
 from provision import catalogue
-from provision.emulator import rpc
+from provision.emulator import offerings, rpc
 from provision.emulator.gke import (
     CLUSTER_CREATING_S,
     CLUSTER_DELETING_S,
@@ -122,7 +122,7 @@ def _check_pool(pool: v1.NodePool, cluster: ClusterRecord) -> tuple[catalogue.Ac
         raise ApiError("INVALID_ARGUMENT", "Spot VMs cannot consume a specific reservation")  # unconfirmed
     if pool.config.machine_type not in TPU_MACHINE_TYPES:
         return None, zone
-    if zone not in catalogue.V5E_ZONES:
+    if zone not in offerings.V5E_SERVED_ZONES:
         raise ApiError("INVALID_ARGUMENT", f"Machine type {pool.config.machine_type!r} is not available in zone "
                                            f"{zone!r}")  # unconfirmed message
     acc = tpu_accelerator(as_json(pool))

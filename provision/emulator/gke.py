@@ -564,7 +564,9 @@ def preexisting_clusters() -> set[str]:
     """"LOCATION/NAME" of every cluster the emulated project has before any run (CLUSTERS_ENV)."""
     text = os.environ.get(CLUSTERS_ENV)
     if text is None:
-        regions = sorted({catalogue.zone_region(z) for z in catalogue.V5E_ZONES})
+        from provision.emulator.offerings import V5E_SERVED_ZONES
+
+        regions = sorted({catalogue.zone_region(z) for z in V5E_SERVED_ZONES})
         return {f"{region}/{DEFAULT_CLUSTER}" for region in regions}
     entries = {e.strip() for e in text.split(",") if e.strip()}
     bad = [e for e in entries if not re.match(r"^[a-z]+-[a-z]+[0-9]+(-[a-z])?/[a-z][-a-z0-9]{0,38}[a-z0-9]$", e)]

@@ -8,7 +8,8 @@ JobSet out of restarts or complete ends the run.
 
 from __future__ import annotations
 
-from provision import catalogue, gke_render, storage
+from provision import catalogue, gke_render
+from provision.cloud import storage
 from provision.resources import Resource
 from provision.targets.base import ENDED, Report, report_from_status
 
@@ -18,11 +19,11 @@ class GkeTarget:
 
     kind = "gke"
 
-    def __init__(self, cfg, session, console, *, templates_dir=None, output_dir: str | None = None) -> None:
+    def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
         self.cfg = cfg
         self.session = session
         self.console = console
-        self.templates_dir = templates_dir
+        self.renderer = renderer
         self.output_dir = output_dir or cfg.trainer.output_dir
         self.zone: str | None = None
         self.restarts_seen = 0
@@ -44,10 +45,10 @@ class GkeTarget:
         if self.zone in zones:
             zones.remove(self.zone)
             zones.insert(0, self.zone)
-        resources = gke_up(self.cfg, self.session, self.console, self.templates_dir, zones)
+        resources = gke_up(self.cfg, self.session, self.console, self.renderer, zones)
         pools = [r for r in resources if r.kind == "node_pool" and r.chips]
         self.zone = pools[0].zone if pools else self.zone
-        jobset = submit_jobset(self.cfg, self.session, self.console, self.templates_dir)
+        jobset = submit_jobset(self.cfg, self.session, self.console, self.renderer)
         self.restarts_seen = int((jobset.get("status") or {}).get("restarts", 0))
         from provision.gke import _jobset_resource
 

@@ -11,23 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import invoke
+from cli_helpers import invoke as moe
 
 from provision.config import starter_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
 GOLDENS = Path(__file__).resolve().parent / "goldens"
-
-
-def moe(*args: str) -> tuple[int, str, str]:
-    return invoke(*args)
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def test_init_writes_the_starter(workdir):
@@ -111,6 +101,35 @@ def test_validate_json(workdir):
     assert json.loads(out) == {"command": "validate", "dry_run": False, "calls": [], "config": "moe-tpu.yaml",
                                "files": ["startup.sh", "queued_resource.us-west4-a.yaml",
                                          "create_queued_resource.us-west4-a.json"], "result": "ok"}
+
+
+def zone_config(workdir, region: str, zone: str) -> None:
+    text = EXAMPLE.read_text().replace("region: us-west4", f"region: {region}")
+    (workdir / "moe-tpu.yaml").write_text(text.replace("zones: [us-west4-a]", f"zones: [{zone}]"))
+
+
+def test_a_zone_google_does_not_document_for_v5e_is_a_warning(workdir):
+    zone_config(workdir, "us-east5", "us-east5-a")
+    code, out, err = moe("validate")
+    assert code == 0 and out.startswith("config OK")
+    assert err == ("warning: zone 'us-east5-a' is not one of the zones Google documents for TPU v5e "
+                   "(us-central1-a, us-south1-a, us-west1-c, us-west4-a, europe-west4-b, asia-southeast1-b); "
+                   "the API's list of accelerator types in that zone decides\n")
+
+
+def test_in_a_dry_run_the_emulators_accelerator_types_decide(workdir):
+    zone_config(workdir, "us-east5", "us-east5-a")  # the emulated API lists v5e there
+    code, out, err = moe("--dry-run", "--output", "json", "validate")
+    assert code == 0, err
+    assert [c["rpc"].rsplit("/", 1)[1] for c in json.loads(out)["calls"]] == ["ListAcceleratorTypes"]
+    zone_config(workdir, "us-west4", "us-west4-b")  # and not there
+    code, out, err = moe("--dry-run", "validate")
+    assert code == 2 and out == ""
+    assert err.endswith("error: zone us-west4-b does not offer v5litepod-64: the API lists no TPU v5e type there\n"
+                        "hint: use a zone Google documents for v5e: us-central1-a, us-south1-a, us-west1-c, "
+                        "us-west4-a, europe-west4-b, asia-southeast1-b\n")
+    code, out, err = moe("--dry-run", "slice", "up")  # slice up asks before it creates anything
+    assert code == 2 and "zone us-west4-b does not offer v5litepod-64" in err and "CreateQueuedResource" not in err
 
 
 BAD = """\

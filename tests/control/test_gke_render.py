@@ -17,6 +17,7 @@ from cli_helpers import invoke
 from provision import gke_render
 from provision.config import load_config
 from provision.errors import UsageError
+from provision.rendering import Renderer
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHWAYS = ROOT / "examples" / "gke-pathways.yaml"
@@ -109,17 +110,19 @@ def test_a_field_the_api_does_not_know_is_refused(tmp_path):
     templates.mkdir()
     source = (ROOT / "templates" / "gke_node_pool.yaml.j2").read_text()
     (templates / "gke_node_pool.yaml.j2").write_text(source.replace("initial_node_count:", "node_count_typo:"))
-    spec = gke_render.node_pool_specs(load_config(PATHWAYS), "us-east5-a")[0]
+    cfg = load_config(PATHWAYS)
+    renderer = Renderer.resolve(cfg, templates)
+    spec = gke_render.node_pool_specs(cfg, cfg.zones[0])[0]
     with pytest.raises(UsageError, match="google.container.v1.NodePool"):
-        gke_render.node_pool_message(spec, templates)
+        gke_render.node_pool_message(spec, renderer)
     jobset = (ROOT / "templates" / "jobset.yaml.j2").read_text()
     (templates / "jobset.yaml.j2").write_text(jobset.replace("imagePullPolicy:", "imagePulPolicy:", 1))
     with pytest.raises(UsageError, match="unknown field 'imagePulPolicy'"):
-        gke_render.jobset_manifest(load_config(PATHWAYS), templates)
+        gke_render.jobset_manifest(cfg, renderer)
     (templates / "jobset.yaml.j2").write_text(jobset.replace("$(PATHWAYS_HEAD):{{ spec.rm_port }}",
                                                              "$(PATHWAYS_HAED):{{ spec.rm_port }}", 1))
     with pytest.raises(UsageError, match=r"uses \$\(PATHWAYS_HAED\)"):
-        gke_render.jobset_manifest(load_config(PATHWAYS), templates)
+        gke_render.jobset_manifest(cfg, renderer)
 
 
 def test_jax_jobset_has_one_pod_per_vm_and_the_multislice_environment(tmp_path):
@@ -146,7 +149,7 @@ def test_jax_jobset_has_one_pod_per_vm_and_the_multislice_environment(tmp_path):
 
 def _pathwaysutils_jobset(cfg):
     jobset = pytest.importorskip("pathwaysutils.experimental.gke.jobset")
-    spec = gke_render.jobset_spec(cfg)
+    spec = gke_render.jobset_spec(cfg, Renderer.resolve(cfg).image)
     js = jobset.PathwaysJobSet(name=spec.name, namespace=spec.namespace, pathways_dir=spec.gcs_scratch,
                                tpu_type="ct5lp-hightpu-4t", topology=spec.topology, num_slices=spec.slices,
                                max_restarts=spec.max_restarts)

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import invoke
+from cli_helpers import invoke as moe
 
 from provision import image, rendering
+from provision.cloud import build as cloud_build
 from provision.config import config_from_dict, load_config
 from provision.console import Console
 from provision.errors import UsageError
@@ -36,21 +37,11 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 TAG = re.compile(rf"^{re.escape(VERSION)}-[0-9a-f]{{16}}$")
 
 
-def moe(*args: str, env: dict | None = None) -> tuple[int, str, str]:
-    return invoke(*args, env=env)
-
-
 def tool(name: str) -> str:
     beside = Path(sys.executable).parent / name
     found = str(beside) if beside.is_file() else shutil.which(name)
     assert found, f"{name} is missing: pip install -e '.[test]' installs it"
     return found
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def copy_tree(dest: Path) -> Path:
@@ -283,7 +274,7 @@ def test_cloud_build_request():
     from google.cloud.devtools import cloudbuild_v1
 
     plan = image.plan_image(config(build_service_account="moe-tpu-builder@my-project.iam.gserviceaccount.com"))
-    request = image.cloud_build_request(plan, "my-project")
+    request = cloud_build.build_request(plan, "my-project")
     assert isinstance(request, cloudbuild_v1.CreateBuildRequest) and request.project_id == "my-project"
     build = request.build
     assert (build.source.storage_source.bucket, build.source.storage_source.object_) == (
@@ -304,7 +295,7 @@ def test_cloud_build_needs_a_staging_location():
     plan = image.plan_image(load_config(ROOT / "examples" / "local.yaml"))  # output_dir runs/moe-local
     assert plan.archive_uri is None
     with pytest.raises(UsageError, match="Cloud Build needs a Cloud Storage location") as info:
-        image.cloud_build_request(plan, "my-project")
+        cloud_build.build_request(plan, "my-project")
     assert info.value.hint == "set image.staging: gs://YOUR-BUCKET/staging"
 
 
