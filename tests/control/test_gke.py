@@ -302,3 +302,16 @@ def test_run_preempt_restarts_the_jobset_and_resumes_from_a_checkpoint(tmp_path)
     assert doc["training"]["restarts"] == 1 and doc["training"]["resumed_from_step"] > 0
     listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
     assert json.loads(listed.stdout)["resources"] == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the local trainer runs as a subprocess")
+def test_run_preempt_without_restarts_fails_and_leaves_nothing(tmp_path):
+    doc = yaml.safe_load(PATHWAYS.read_text())
+    doc["recovery"]["max_restarts"] = 0
+    (tmp_path / "moe-tpu.yaml").write_text(yaml.safe_dump(doc))
+    code, result, err = _run(tmp_path, "--scenario", "preempt")
+    assert code == 1, err[-2000:]
+    assert "recovery.max_restarts is 0" in result["error"]
+    assert [e["event"] for e in result["timeline"]].count("preempted") == 1
+    listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
+    assert json.loads(listed.stdout)["resources"] == []
