@@ -130,6 +130,21 @@ def accelerator_for_topology(topology: str) -> AcceleratorType | None:
     return None
 
 
+# GKE's node label value for TPU v5e (cloud.google.com/gke-tpu-accelerator); the machine types are
+# the ct5lp ones above, with the slice's topology as the node pool's placement tpu_topology.
+GKE_V5E_ACCELERATOR = "tpu-v5-lite-podslice"
+
+
+def accelerator_for_machine(machine_type: str, tpu_topology: str = "") -> AcceleratorType | None:
+    """The v5e slice a GKE node pool of `machine_type` holds (its placement topology, none for a
+    single-host slice), or None (a CPU machine type)."""
+    for acc in ACCELERATORS.values():
+        if acc.vertex_machine_type == machine_type and (acc.topology == tpu_topology
+                                                        or (not tpu_topology and not acc.multi_host)):
+            return acc
+    return None
+
+
 # Vertex AI scheduling strategy -> the catalogue price it is billed at: a job's machines are billed
 # from its start to its end, STANDARD and FLEX_START at the on-demand rate (an upper bound for
 # FLEX_START), SPOT at the spot rate.

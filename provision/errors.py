@@ -67,6 +67,7 @@ EXTRA_OF_MODULE = {
     "jax": "trainer", "jaxlib": "trainer", "flax": "trainer", "optax": "trainer", "orbax": "trainer",
     "numpy": "trainer", "etils": "trainer", "tensorstore": "trainer", "gcsfs": "trainer",
     "pathwaysutils": "pathways",
+    "kubernetes": "control", "urllib3": "control", "cryptography": "control",
 }
 
 

@@ -76,8 +76,10 @@ def active_job(cfg, session, project: str):
 
 def check_target(cfg) -> None:
     if cfg.target != "vertex":
+        other = ("`moe-tpu gke up` for GKE node pools" if cfg.target == "gke"
+                 else "`moe-tpu slice up` for a TPU VM slice")
         raise UsageError(f"{cfg.source}: target is {cfg.target!r}, not a Vertex AI job",
-                         hint="use `moe-tpu slice up` for a TPU VM slice, or set `target: vertex`")
+                         hint=f"use {other}, or set `target: vertex`")
 
 
 def _job_shape(job) -> dict[str, object]:

@@ -315,7 +315,7 @@ PROJECT_PLACEHOLDER = "PROJECT"
 def render_all(cfg: Config, renderer: Renderer | None = None) -> dict[str, str]:
     """Every rendered file of the config's target, by file name: for a TPU VM slice the startup
     script and, per zone, the QueuedResource body and request; for Vertex AI the CustomJob body
-    and request."""
+    and request (GKE's files: provision.gke_render.render_files)."""
     project = cfg.project or PROJECT_PLACEHOLDER
     renderer = _bound(cfg, renderer)
     if cfg.target == "vertex":

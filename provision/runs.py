@@ -167,6 +167,15 @@ class Runner:
             where = ", ".join(f"{r.kind} {short(r.name)}" for r in self.resources[:2])
             self.timeline.add("provisioned" if attempt == 0 else "recovered", self.console, resources=where)
             outcome = self._follow(attempt)
+            while outcome.phase == "restarted":  # the target recovered in place (a JobSet's failure policy)
+                self.timeline.add("preempted", self.console, detail=outcome.detail, step=outcome.step)
+                if attempt >= max_restarts:
+                    self._teardown("deleted")
+                    return self._failed(f"preempted {attempt + 1} time(s); recovery.max_restarts is {max_restarts}")
+                attempt += 1
+                self.training.restarts = attempt
+                self.timeline.add("restarted", self.console, attempt=attempt + 1)
+                outcome = self._follow(attempt)
             if outcome.phase == "finished":
                 self.timeline.add("finished", self.console, step=outcome.step, loss=_round(outcome.loss))
                 self._read_metrics()
@@ -204,7 +213,7 @@ class Runner:
                 if report.phase in ("running", "finished") and not started:
                     started = True
                     self.timeline.add("training started", self.console, step=report.start_step or report.step)
-                if report.phase in ("finished", "failed", "preempted"):
+                if report.phase in ("finished", "failed", "preempted", "restarted"):
                     return report
                 if report.phase == "running":
                     bar.update(self._progress_line(report, rate))

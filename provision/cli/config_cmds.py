@@ -75,11 +75,9 @@ def validate(app, config_path: str) -> None:
       moe-tpu validate -c examples/v5e-64.yaml
       moe-tpu --templates my-templates/ validate # check your own template copies
     """
-    from provision.rendering import render_all
-
     app.command = "validate"
     cfg = app.load_config(config_path, check_trainer=True)
-    files = render_all(cfg, app.renderer(cfg))
+    files = _rendered(app, cfg)
     if app.dry_run and cfg.warnings():  # zones the catalogue does not list: the emulator's answer decides
         from provision.slices import check_zones_offer
 
@@ -88,6 +86,17 @@ def validate(app, config_path: str) -> None:
     app.console.text(f"  run {cfg.run}: {_summary(cfg)}")
     app.console.text(f"  rendered {len(files)} files: {', '.join(files)}")
     app.console.emit(app.document("ok", config=str(cfg.source), files=list(files)))
+
+
+def _rendered(app, cfg) -> dict[str, str]:
+    """Every rendered file of the config's target, by name."""
+    if cfg.target == "gke":
+        from provision.gke_render import render_files
+
+        return render_files(cfg, app.renderer(cfg))
+    from provision.rendering import render_all
+
+    return render_all(cfg, app.renderer(cfg))
 
 
 def _plural(n: int, word: str) -> str:
@@ -104,6 +113,10 @@ def _summary(cfg) -> str:
         return (f"Vertex AI job on {cfg.vertex.machine_type}, topology {cfg.vertex.topology}{size}, "
                 f"{cfg.vertex.scheduling}, region {cfg.region}")
     acc = cfg.accelerator_type()
+    if cfg.target == "gke":
+        return (f"GKE cluster {cfg.gke.cluster} ({cfg.gke.location}), runtime {cfg.gke.runtime}: "
+                f"{cfg.slice.count} x {acc.name} ({acc.topology}, {_plural(acc.vms, 'VM')}) as node pools, "
+                f"{cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
     return (f"{cfg.slice.count} x {acc.name} ({acc.topology}, {_plural(acc.chips, 'chip')}, "
             f"{_plural(acc.vms, 'VM')}), {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
 
@@ -125,11 +138,9 @@ def render(app, config_path: str, out_dir: str) -> None:
       moe-tpu render -c examples/v5e-64.yaml --out /tmp/moe
       moe-tpu --templates my-templates/ render --out rendered/
     """
-    from provision.rendering import render_all
-
     app.command = "render"
     cfg = app.load_config(config_path)
-    files = render_all(cfg, app.renderer(cfg))
+    files = _rendered(app, cfg)
     out = Path(out_dir)
     written = []
     try:

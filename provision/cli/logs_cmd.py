@@ -24,7 +24,7 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
 
     Reads status.json and metrics.jsonl that the trainer writes to trainer.output_dir
     (gs:// or local), and the trainer's console output where it is kept (a dry run keeps
-    it under .moe-tpu/).
+    it under .moe-tpu/; on GKE it is the trainer pod's log while the JobSet exists).
 
     \b
     Examples:
@@ -52,7 +52,7 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
         for row in rows[shown_rows:]:
             app.console.text(_row_line(row))
         shown_rows = len(rows)
-        text = read("trainer.log", storage.read_text) or ""
+        text = (_pod_log(app, cfg) if cfg.target == "gke" else None) or read("trainer.log", storage.read_text) or ""
         lines = text.splitlines()
         for line in lines[shown_lines:] if follow else []:
             app.console.info(line)
@@ -92,6 +92,12 @@ def _plot(app, cfg, rows: list, path: str) -> None:
     except OSError as e:
         raise UsageError(f"cannot write the plot {path}: {e.strerror or e}") from None
     app.console.info(f"plot: {path}")
+
+
+def _pod_log(app, cfg) -> str | None:
+    from provision.gke import trainer_log
+
+    return trainer_log(cfg, app.session())
 
 
 ROW_FIELDS = (("loss", "loss {:.4f}"), ("eval_loss", "eval loss {:.4f}"), ("eval_perplexity", "ppl {:.2f}"),

@@ -39,6 +39,9 @@ def up(app, config_path: str, recreate: bool) -> None:
 
     app.command = "slice up"
     cfg = app.load_config(config_path, check_trainer=True)
+    if cfg.target == "gke":
+        raise UsageError(f"{cfg.source}: target is 'gke': GKE node pools, not a queued-resource slice",
+                         hint=f"use `moe-tpu gke up -c {cfg.source}`, or set `target: tpu-vm`")
     if cfg.target != "tpu-vm":
         raise UsageError(f"{cfg.source}: target is {cfg.target!r}: a Vertex AI job, not a slice you manage",
                          hint=f"use `moe-tpu job submit -c {cfg.source}`, or set `target: tpu-vm`")
@@ -69,18 +72,24 @@ def status(app, config_path: str) -> None:
     finish(app, resources)
 
 
-def _down(app, config_path: str, command: str, services: tuple[str, ...] = ("tpu", "vertex")) -> None:
+def _down(app, config_path: str, command: str, services: tuple[str, ...] = ("tpu", "vertex", "gke")) -> None:
     from provision.jobs import jobs_down
     from provision.slices import slice_down
 
     app.command = command
     cfg = app.load_config(config_path)
     where = ", ".join(cfg.zones) + (f" and region {cfg.region}" if "vertex" in services else "")
+    if "gke" in services and cfg.gke is not None:
+        where += f" and GKE cluster {cfg.gke.cluster}"
     app.console.info(f"{command}: deleting every resource of run {cfg.run} in {where}"
                      + (" [dry run]" if app.dry_run else ""))
     deleted = slice_down(cfg, app.session(), app.console) if "tpu" in services else []
     if "vertex" in services:
         deleted += jobs_down(cfg, app.session(), app.console)
+    if "gke" in services and cfg.gke is not None:
+        from provision.gke import gke_down
+
+        deleted += gke_down(cfg, app.session(), app.console)
     app.console.text(f"deleted {len(deleted)} resource(s); nothing of run {cfg.run} is left"
                      if deleted else f"nothing to delete; nothing of run {cfg.run} is left")
     finish(app, [], deleted=[r.as_dict(app.session().clock.now()) for r in deleted])
@@ -119,7 +128,8 @@ def down(app, config_path: str) -> None:
 def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None, project: str | None,
              zones_option: tuple[str, ...]) -> None:
     """Every resource this tool manages (found by its labels): queued resources and nodes in the
-    config's zones, custom jobs in its region; with state, age and cost so far. Without a config
+    config's zones, custom jobs in its region, and with a gke section the JobSets, node pools and
+    cluster it made on that cluster; with state, age and cost so far. Without a config
     here, --project and --zone (or --all-zones) say where to look.
 
     \b
@@ -145,6 +155,10 @@ def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None, pro
     resources = managed_resources(app.session(), project, zones, run=run_filter)
     for region in regions:
         resources += managed_jobs(app.session(), project, region, run=run_filter)
+    if cfg is not None and cfg.gke is not None:
+        from provision.gke import managed_gke
+
+        resources += managed_gke(cfg, app.session(), run=run_filter, project=project)
     print_resources(app, resources)
     finish(app, resources)
 

@@ -18,6 +18,7 @@ from provision.errors import CloudError, MissingDependency
 
 TPU_HOST = "tpu.googleapis.com:443"
 VERTEX_HOST = "{region}-aiplatform.googleapis.com:443"
+CONTAINER_HOST = "container.googleapis.com:443"
 CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 
@@ -81,6 +82,8 @@ class Session:
         self._channels: list[Any] = []
         self._tpu = None
         self._vertex: dict[str, Any] = {}
+        self._container = None
+        self._kube: dict[str, Any] = {}
 
     def _channel(self, google_host: str, create):
         import grpc
@@ -122,7 +125,42 @@ class Session:
             self._vertex[region] = VertexApi(client, self.clock, self.console)
         return self._vertex[region]
 
+    @property
+    def container(self):
+        """GKE's ClusterManager (provision.cloud.container.ContainerApi)."""
+        if self._container is None:
+            try:
+                from google.cloud import container_v1
+                from google.cloud.container_v1.services.cluster_manager.transports import ClusterManagerGrpcTransport
+            except ImportError as exc:  # depends on the install
+                raise MissingDependency(exc.name or "google-cloud-container", "control") from exc
+
+            from provision.cloud.container import ContainerApi
+
+            channel = self._channel(CONTAINER_HOST, ClusterManagerGrpcTransport.create_channel)
+            client = container_v1.ClusterManagerClient(transport=ClusterManagerGrpcTransport(channel=channel))
+            self._container = ContainerApi(client, self.clock, self.console)
+        return self._container
+
+    def kube(self, cluster):
+        """The Kubernetes API of a GKE cluster (a container_v1.Cluster from GetCluster), through the
+        official client configured from its endpoint and CA (provision.cloud.kube.KubeApi)."""
+        # A cluster made anew under the same name has another endpoint and CA: another client.
+        key = (cluster.self_link or cluster.name, cluster.endpoint, cluster.master_auth.cluster_ca_certificate)
+        if key not in self._kube:
+            try:
+                import kubernetes  # noqa: F401
+            except ImportError as exc:  # depends on the install
+                raise MissingDependency(exc.name or "kubernetes", "control") from exc
+            from provision.cloud.kube import KubeApi
+
+            self._kube[key] = KubeApi(cluster, self.endpoint.credentials, self.clock, self.console, self.calls)
+        return self._kube[key]
+
     def close(self) -> None:
+        for api in self._kube.values():
+            api.close()
+        self._kube.clear()
         for channel in self._channels:
             channel.close()
         self._channels.clear()

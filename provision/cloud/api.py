@@ -37,6 +37,7 @@ def is_transient(exc: BaseException) -> bool:
 
 QUOTA_RE = re.compile(r"Quota limit '([^']+)'")
 QUOTA_METRIC_RE = re.compile(r"exceed quota limits?: ?([\w./-]+)")
+QUOTA_COMPUTE_RE = re.compile(r"Quota '([A-Za-z0-9_]+)' exceeded")  # Compute Engine's (GKE node pools)
 
 
 def quota_name(exc: BaseException) -> str | None:
@@ -45,13 +46,14 @@ def quota_name(exc: BaseException) -> str | None:
         for violation in getattr(detail, "violations", []) or []:
             subject = getattr(violation, "subject", "") or ""
             description = getattr(violation, "description", "") or ""
-            match = QUOTA_RE.search(description) or QUOTA_METRIC_RE.search(description)
+            match = (QUOTA_RE.search(description) or QUOTA_METRIC_RE.search(description)
+                     or QUOTA_COMPUTE_RE.search(description))
             if match:
                 return match.group(1)
             if subject:
                 return subject.rsplit("/", 1)[-1]
     text = str(exc)
-    match = QUOTA_RE.search(text) or QUOTA_METRIC_RE.search(text)
+    match = QUOTA_RE.search(text) or QUOTA_METRIC_RE.search(text) or QUOTA_COMPUTE_RE.search(text)
     return match.group(1) if match else None
 
 

@@ -1,6 +1,6 @@
 """The API messages the rendered files become: parsed strictly into the real protobuf types.
 
-A rendered body (YAML text) is parsed into google.cloud.tpu_v2 or aiplatform_v1 messages with
+A rendered body (YAML text) is parsed into google.cloud.tpu_v2, aiplatform_v1 or container_v1 messages with
 unknown fields refused, so a template that renders a field the API does not know fails here,
 before any call. `proto_dict` is how a message appears in the calls log and rendered files.
 """
@@ -51,6 +51,26 @@ def create_custom_job_request(parent: str, text: str, template: str) -> Any:
 
     return job_service.CreateCustomJobRequest(parent=parent, custom_job=parse_body(text, template,
                                                                                    custom_job.CustomJob))
+
+
+def node_pool(text: str, template: str) -> Any:
+    """A rendered NodePool body as google.cloud.container_v1.NodePool."""
+    from google.cloud import container_v1
+
+    return parse_body(text, template, container_v1.NodePool)
+
+
+def create_node_pool_request(parent: str, body: Any) -> Any:
+    from google.cloud import container_v1
+
+    return container_v1.CreateNodePoolRequest(parent=parent, node_pool=body)
+
+
+def create_cluster_request(parent: str, text: str, template: str) -> Any:
+    """The CreateClusterRequest with a rendered body parsed into container.v1.Cluster."""
+    from google.cloud import container_v1
+
+    return container_v1.CreateClusterRequest(parent=parent, cluster=parse_body(text, template, container_v1.Cluster))
 
 
 def proto_dict(message: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from provision import catalogue
-from provision.config.sections import _SECTIONS, _ZONE, DEFAULT_CONFIG, Config, _did_you_mean
+from provision.config.sections import _SECTIONS, _ZONE, DEFAULT_CONFIG, MAX_GKE_NAME, Config, _did_you_mean
 from provision.errors import ConfigError, Problem
 from trainer import safeyaml
 
@@ -66,8 +66,8 @@ def _dotted(loc: tuple[Any, ...]) -> str:
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     if not loc:
         return Config
-    if len(loc) == 1 and loc[0] in _SECTIONS:
-        return _SECTIONS[loc[0]]
+    if loc[-1] in _SECTIONS and all(isinstance(part, str) for part in loc):
+        return _SECTIONS[loc[-1]]
     return None
 
 
@@ -167,6 +167,44 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
     if get("target") == "vertex" and isinstance(output_dir, str) and not output_dir.startswith("gs://"):
         found.append(("trainer.output_dir", f"a Vertex AI job keeps its checkpoints in Cloud Storage: use a gs:// "
                                             f"path, not {output_dir!r} (a local path vanishes with the job)"))
+    found += _gke_checks(get)
+    return found
+
+
+def _gke_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
+    """Rules of target: gke (the gke section against the slice, the region and the trainer)."""
+    if get("target") != "gke":
+        return []
+    if get("gke") is None:
+        return [("gke", "target 'gke' needs a gke section (at least cluster and location)")]
+    found: list[tuple[str, str]] = []
+    runtime, pathways = get("gke.runtime"), get("gke.pathways")
+    if runtime == "jax" and pathways is not None and pathways is not _BAD:
+        found.append(("gke.pathways", "a pathways section is only used with runtime 'pathways' (runtime is 'jax')"))
+    region, location, zones = get("region"), get("gke.location"), get("zones")
+    if isinstance(location, str) and isinstance(region, str) and location.rsplit("-", 1)[0] != region \
+            and location != region:
+        found.append(("gke.location", f"location {location!r} is not in region {region!r}"))
+    elif isinstance(location, str) and location != region and isinstance(zones, list):
+        others = [z for z in zones if isinstance(z, str) and z != location]
+        if others:  # a zonal cluster has its node pools in its own zone
+            found.append(("zones", f"the cluster is zonal ({location}): its node pools cannot go in "
+                                   f"{', '.join(others)}; list only {location} in `zones:`"))
+    acc_name, topology = get("slice.accelerator"), get("gke.topology")
+    acc = catalogue.ACCELERATORS.get(acc_name) if isinstance(acc_name, str) else None
+    if acc is not None and isinstance(topology, str) and topology != acc.topology:
+        found.append(("gke.topology", f"topology {topology!r} is not that of slice.accelerator {acc_name} "
+                                      f"({acc.topology}); set one of them"))
+    run, count = get("run"), get("slice.count")
+    if isinstance(run, str) and isinstance(count, int):
+        longest = len(run) + len(f"-s{count - 1}")
+        if longest > MAX_GKE_NAME:
+            found.append(("run", f"run name {run!r} is too long for GKE: node pools are named RUN-sN, at most "
+                                 f"{MAX_GKE_NAME} characters (use at most {len(run) - longest + MAX_GKE_NAME})"))
+    output_dir = get("trainer.output_dir")
+    if isinstance(output_dir, str) and not output_dir.startswith("gs://"):
+        found.append(("trainer.output_dir", f"pods on GKE keep nothing when they end: use a gs:// path, not "
+                                            f"{output_dir!r}"))
     return found
 
 

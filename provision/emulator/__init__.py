@@ -1,5 +1,6 @@
-"""An emulator of the Cloud TPU v2 and Vertex AI JobService APIs that the real google-cloud-tpu and
-google-cloud-aiplatform clients talk to over gRPC.
+"""An emulator of the Cloud TPU v2, Vertex AI JobService and GKE ClusterManager APIs that the real
+google-cloud-tpu, google-cloud-aiplatform and google-cloud-container clients talk to over gRPC, and
+of a GKE cluster's Kubernetes API (the subset a run uses) for the official kubernetes client.
 
 Dry runs and tests point the real `TpuClient` and `JobServiceClient` at it on 127.0.0.1; it
 validates requests, answers with the real status codes and long-running operations, and runs
@@ -8,7 +9,8 @@ the queued resource and custom job state machines on a simulated clock. `SCENARI
 google-cloud-aiplatform on the first Vertex AI call.
 
 Modules: server (Emulator, transactions), store (the state file and its lock), world (state and
-JSON), tpu / vertex / operations (one per service: checks, views, RPCs), faults (`flaky`),
+JSON), tpu / vertex / container / operations (one per service: checks, views, RPCs), gke (GKE's
+records and the JobSet controller), kube (the Kubernetes API over HTTPS), faults (`flaky`),
 scenarios (timelines, plain data), validate (shared request checks), rpc (shared gRPC plumbing).
 """
 

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from provision.emulator.world import FaultState
 
 UNAVAILABLE_MESSAGE = "The service is currently unavailable."
-CREATES = ("google.cloud.tpu.v2.Tpu/CreateQueuedResource", "google.cloud.aiplatform.v1.JobService/CreateCustomJob")
+CREATES = ("google.cloud.tpu.v2.Tpu/CreateQueuedResource", "google.cloud.aiplatform.v1.JobService/CreateCustomJob",
+           "google.container.v1.ClusterManager/CreateNodePool")
 
 
 class Verdict(Enum):

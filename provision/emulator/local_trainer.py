@@ -1,13 +1,16 @@
 """The workload of a dry run: the trainer, really run on this machine while an emulated slice or job is up.
 
-What a TPU VM's startup script or a Vertex AI container does in the cloud, this does here:
-when the run's emulated nodes are READY (or its custom job is RUNNING) it starts the same
-trainer argv as a subprocess, made small enough for a CPU by the config's `dry_run` section;
-it publishes the trainer's status file as the guest attributes the startup script's watcher
-would write (namespace `moe-tpu`), and ends the emulated job with the trainer's exit code.
-Under `--scenario preempt` it plays a spot preemption once: SIGTERM to the trainer (which saves
-a checkpoint and exits 143), then the queued resource is suspended or the job fails as
-preempted. While the trainer runs, the emulated clock follows real time (SimClock.gate).
+What a TPU VM's startup script, a Vertex AI container or a GKE trainer pod does in the cloud,
+this does here: when the run's emulated nodes are READY (or its custom job is RUNNING, or its
+JobSet's trainer pod is Running: the head's trainer for Pathways, slice 0's pod 0 for
+multi-controller JAX) it starts the same trainer argv as a subprocess, made small enough for a
+CPU by the config's `dry_run` section; it publishes the trainer's status file as the guest
+attributes the startup script's watcher would write (namespace `moe-tpu`), and ends the
+emulated job or pod with the trainer's exit code. Under `--scenario preempt` it plays a spot
+preemption once: SIGTERM to the trainer (which saves a checkpoint and exits 143), then the
+queued resource is suspended, the job fails as preempted, or a spot node of the JobSet's pools
+goes (its pods fail, the JobSet restarts). While the trainer runs, the emulated clock follows
+real time (SimClock.gate).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class _Workload:
     """One trainer process and the emulated resource it runs for."""
 
     key: str  # the queued resource or custom job it runs for
-    kind: str  # "tpu-vm" or "vertex"
+    kind: str  # "tpu-vm", "vertex" or "gke"
     nodes: tuple[tuple[str, int], ...]  # (node name, workers) for a slice
     proc: subprocess.Popen
     preempting: bool = False
@@ -140,15 +143,16 @@ class LocalTrainer:
     def sync(self) -> None:
         """One look: start the trainer where the run's slice or job is up, report, end, preempt."""
         emu, run = self.emulator, self.cfg.run
-        nodes, jobs = emu.world_call(lambda world, now: (  # one transaction for both looks
+        nodes, jobs, pods = emu.world_call(lambda world, now: (  # one transaction for all looks
             [n for n in world.running_nodes(now) if n.run == run],
-            [j for j in world.running_jobs(now) if j.run == run]))
-        up = {n.queued_resource for n in nodes} | {j.name for j in jobs}
+            [j for j in world.running_jobs(now) if j.run == run],
+            [p for p in world.gke.trainer_pods(now) if p.run == run]))
+        up = {n.queued_resource for n in nodes} | {j.name for j in jobs} | {_pod_key(p) for p in pods}
         self.done &= up  # a resource that is gone may come back under the same name: run it again then
         self.expecting = bool(up - self.done)
         current = self.current
         if current is None:
-            self._start(nodes, jobs)
+            self._start(nodes, jobs, pods)
             return
         code = current.proc.poll()
         if current.key not in up and code is None:
@@ -161,8 +165,11 @@ class LocalTrainer:
             return
         self._finish(current, code, status, still_up=current.key in up)
 
-    def _start(self, nodes, jobs) -> None:
-        if nodes and nodes[0].queued_resource not in self.done:
+    def _start(self, nodes, jobs, pods=()) -> None:
+        if pods and _pod_key(pods[0]) not in self.done:
+            key, kind, slice_nodes = _pod_key(pods[0]), "gke", ()
+            argv = [*pods[0].command, *pods[0].args]
+        elif nodes and nodes[0].queued_resource not in self.done:
             key, kind = nodes[0].queued_resource, "tpu-vm"
             slice_nodes = tuple((n.node, n.workers) for n in nodes if n.queued_resource == key)
             from provision.rendering import trainer_argv
@@ -183,6 +190,10 @@ class LocalTrainer:
                                 env=env, start_new_session=True)
         log.close()
         self.current = _Workload(key=key, kind=kind, nodes=slice_nodes, proc=proc)
+        if kind == "gke":  # the pod's log is the trainer's output
+            namespace, name = key.split("/", 2)[1:]
+            log_path = str(self.output_dir / "trainer.log")
+            self.emulator.world_call(lambda world, now: world.gke.set_log(namespace, name, log_path))
         self._say(f"  [dry run] trainer started on this machine (pid {proc.pid}): "
                   f"{' '.join(command[1:])}")
         self._changed.set()
@@ -245,6 +256,14 @@ class LocalTrainer:
             if current.preempting:
                 self.emulator.preempt_queued_resource(current.key)
             return
+        if current.kind == "gke":
+            namespace, name = current.key.split("/", 2)[1:]
+            if current.preempting:  # the spot node under the run goes; the trainer's pod fails with it
+                self.emulator.world_call(lambda world, now: world.gke.preempt_trainer(namespace, name, code, now))
+            else:
+                self.emulator.end_trainer_pod(namespace, name, code, message=final.get("error") or "",
+                                              log_path=str(self.output_dir / "trainer.log"))
+            return
         if current.preempting:
             self.emulator.end_custom_job(current.key, succeeded=False, preempted=True)
         elif code == 0:
@@ -264,6 +283,11 @@ class LocalTrainer:
     def _say(self, message: str) -> None:
         if self.console is not None:
             self.console.detail(message)
+
+
+def _pod_key(pod) -> str:
+    """A GKE trainer pod as a workload key: pod/NAMESPACE/NAME."""
+    return f"pod/{pod.namespace}/{pod.name}"
 
 
 def _text(value) -> str:

@@ -1,8 +1,10 @@
 """The Emulator: a loopback gRPC server over the emulated world, one transaction per RPC.
 
 Services: google.cloud.tpu.v2.Tpu (tpu.py), google.cloud.aiplatform.v1.JobService (vertex.py,
-loaded on its first call) and google.longrunning.Operations (operations.py), behind the `flaky`
-fault injector (faults.py). With a state file every transaction locks it, reloads what other
+loaded on its first call), google.container.v1.ClusterManager (container.py, also loaded on its
+first call) and google.longrunning.Operations (operations.py), behind the `flaky` fault injector
+(faults.py); GKE clusters' Kubernetes API on its own HTTPS port (kube.py, started when GetCluster
+first names its endpoint). With a state file every transaction locks it, reloads what other
 processes saved, applies, and saves (store.py), so concurrent commands share one world.
 """
 
@@ -63,6 +65,7 @@ class Emulator:
         self._lock = threading.RLock()
         self._now: float | None = None  # set while a transaction runs
         self._channels: list[grpc.Channel] = []
+        self._kube = None  # the Kubernetes API server (kube.py), started on first use
 
     # --- lifecycle -------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -91,6 +94,7 @@ class Emulator:
     def _handlers(self) -> list[grpc.GenericRpcHandler]:
         return [rpc.Service(self, "google.cloud.tpu.v2.Tpu", "provision.emulator.tpu"),
                 rpc.Service(self, "google.cloud.aiplatform.v1.JobService", "provision.emulator.vertex"),
+                rpc.Service(self, "google.container.v1.ClusterManager", "provision.emulator.container"),
                 operations.handler(self)]
 
     def stop(self) -> None:
@@ -98,6 +102,9 @@ class Emulator:
         for channel in self._channels:
             channel.close()
         self._channels.clear()
+        if self._kube is not None:
+            self._kube.stop()
+            self._kube = None
         if self._server is not None:
             self._server.stop(grace=None).wait()
             self._server = None
@@ -142,6 +149,27 @@ class Emulator:
         transport = JobServiceGrpcTransport(channel=self._channel(), credentials=AnonymousCredentials())
         return aiplatform_v1.JobServiceClient(transport=transport)
 
+    def container_client(self):
+        """A real google.cloud.container_v1.ClusterManagerClient on an insecure channel to this emulator."""
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import container_v1
+        from google.cloud.container_v1.services.cluster_manager.transports import ClusterManagerGrpcTransport
+
+        transport = ClusterManagerGrpcTransport(channel=self._channel(), credentials=AnonymousCredentials())
+        return container_v1.ClusterManagerClient(transport=transport)
+
+    def kube_endpoint(self) -> tuple[str, str]:
+        """(host:port, base64 of the CA certificate PEM) of the emulator's Kubernetes API server, as
+        GetCluster gives a cluster's endpoint and master_auth.cluster_ca_certificate."""
+        import base64
+
+        with self._lock:
+            if self._kube is None:
+                from provision.emulator.kube import KubeServer
+
+                self._kube = KubeServer(self)
+        return self._kube.endpoint, base64.b64encode(self._kube.ca_pem).decode()
+
     # --- transactions ----------------------------------------------------------
     @contextmanager
     def _transaction(self) -> Iterator[tuple[World, float]]:
@@ -154,6 +182,8 @@ class Emulator:
             with self._store.locked():
                 self._reload()
                 self.world.reservations = self.reservations
+                self.world.gke.kube_info = self.kube_endpoint
+                self.world.gke.held = self.external_workloads
                 now = self._now = self.clock.now()
                 try:
                     yield self.world, now
@@ -210,6 +240,16 @@ class Emulator:
     def end_custom_job(self, name: str, succeeded: bool, error: tuple[int, str] | None = None,
                        preempted: bool = False) -> bool:
         return self.world_call(lambda world, now: world.end_custom_job(name, now, succeeded, error, preempted))
+
+    def trainer_pods(self):
+        return self.world_call(lambda world, now: world.gke.trainer_pods(now))
+
+    def end_trainer_pod(self, namespace: str, name: str, code: int, message: str = "",
+                        log_path: str | None = None) -> None:
+        self.world_call(lambda world, now: world.gke.end_trainer(namespace, name, code, now, message, log_path))
+
+    def preempt_gke_node(self, node: str) -> bool:
+        return self.world_call(lambda world, now: world.gke.preempt_node(node, now))
 
     def set_guest_attributes(self, node_name: str, worker_id: int, namespace: str,
                              values: Mapping[str, str | int | float]) -> None:

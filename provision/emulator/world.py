@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from provision.catalogue import VERTEX_MACHINE_TOPOLOGIES
 from provision.emulator import offerings, scenarios
+from provision.emulator.gke import GkeWorld
 from provision.emulator.operations import Operation
 from provision.emulator.scenarios import DELETING_S, JOB_DELETING_S, NODE_DELETING_S, Timeline
 
@@ -204,6 +205,7 @@ class World:
         # "ZONE/NAME" -> chips: the reservations the emulated project holds. Not saved with the world:
         # the emulator sets them from its own configuration (MOE_TPU_EMULATOR_RESERVATIONS).
         self.reservations: dict[str, int] = {}
+        self.gke = GkeWorld()
 
     # --- persistence -------------------------------------------------------
     def to_json(self, now: float) -> dict:
@@ -213,6 +215,7 @@ class World:
                 "vertex": {"custom_jobs": [j.to_json() for j in self.jobs.values()],
                            "first_region": self.first_region},
                 "operations": [op.to_json() for op in self.operations.values()],
+                "gke": self.gke.to_json(),
                 "request_ids": self.request_ids, "id_counter": self.id_counter,
                 "faults": {"rpc_count": self.faults.rpc_count, "failures_in_a_row": self.faults.failures_in_a_row,
                            "lost_creates": self.faults.lost_creates}}
@@ -230,6 +233,7 @@ class World:
         world.jobs = {j["name"]: JobRecord.from_json(j) for j in d["vertex"]["custom_jobs"]}
         world.first_region = d["vertex"].get("first_region")
         world.operations = {op["name"]: Operation.from_json(op) for op in d["operations"]}
+        world.gke = GkeWorld.from_json(d.get("gke"))
         world.request_ids = {str(k): str(v) for k, v in d["request_ids"].items()}
         world.id_counter = int(d["id_counter"])
         faults = d["faults"]
@@ -244,6 +248,7 @@ class World:
             del self.queued[name]
         for name in [n for n, j in self.jobs.items() if j.state_at(now) is None]:
             del self.jobs[name]
+        self.gke.prune(now)
         for rid in [r for r, op in self.request_ids.items()
                     if op not in self.operations or now >= self.operations[op].create_time + REQUEST_ID_TTL_S]:
             del self.request_ids[rid]

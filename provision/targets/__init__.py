@@ -1,19 +1,20 @@
 """The places a run can train, behind one declared interface (`Target`, in base.py).
 
 One module per kind: tpu_vm.py (a TPU VM slice on a queued resource), vertex.py (a Vertex
-AI custom job). `for_config` is the one place that picks the kind from the config's
-`target`; a new kind is a module here and one line in KINDS.
+AI custom job), gke.py (GKE node pools and a JobSet). `for_config` is the one place that
+picks the kind from the config's `target`; a new kind is a module here and one line in KINDS.
 """
 
 from __future__ import annotations
 
-from provision.targets import tpu_vm, vertex
+from provision.targets import gke, tpu_vm, vertex
 from provision.targets.base import ENDED, Report, Target, combine, report_from_status
 
 # The config's `target` -> the class that implements it.
 KINDS: dict[str, type] = {
     "tpu-vm": tpu_vm.SliceTarget,
     "vertex": vertex.JobTarget,
+    "gke": gke.GkeTarget,
 }
 
 

@@ -20,7 +20,9 @@ ENDED = {"finished", "failed", "stopped"}
 class Report:
     """What a target says about training right now.
 
-    phase: waiting (no trainer yet), starting, running, finished, failed, preempted.
+    phase: waiting (no trainer yet), starting, running, finished, failed, preempted, or restarted
+    (the target recovered from a preemption in place, as a JobSet's failure policy does: the run
+    loop records it and follows on without provisioning again).
     """
 
     phase: str

@@ -164,7 +164,7 @@ def test_config_is_frozen():
     pytest.param(with_(trainer__steps=0), [("trainer.steps", "steps must be at least 1, got 0")], id="steps"),
     pytest.param(with_(recovery={"max_restarts": -1}), [("recovery.max_restarts",
         "max_restarts must be 0 or more, got -1")], id="max-restarts"),
-    pytest.param(with_(target="k8s"), [("target", "must be one of 'tpu-vm' or 'vertex', got 'k8s'")],
+    pytest.param(with_(target="k8s"), [("target", "must be one of 'tpu-vm', 'vertex' or 'gke', got 'k8s'")],
                  id="target"),
     pytest.param(with_(trainer=None), [("trainer", "missing required key")], id="missing-section"),
     pytest.param(with_(region=None), [("region", "missing required key")], id="missing-key"),
@@ -173,7 +173,7 @@ def test_config_is_frozen():
         "unknown key 'acelerator'; did you mean 'accelerator'?")], id="unknown-key-close"),
     pytest.param(with_(colour="blue"), [("colour",
         "unknown key 'colour'; valid keys: project, region, zones, run, target, slice, vertex, image, "
-        "trainer, recovery, dry_run")], id="unknown-key-far"),
+        "trainer, recovery, dry_run, gke")], id="unknown-key-far"),
     pytest.param(with_(source="x.yaml"), [("source", "unknown key 'source'")], id="source-is-not-a-key"),
     pytest.param(with_(slice__accelerator="v5litepod-16", trainer__output_dir="runs/x"), [("trainer.output_dir",
         "v5litepod-16 x 1 has several TPU VMs, each with its own disk: checkpoints in 'runs/x' would be split "

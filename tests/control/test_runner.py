@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -185,7 +186,32 @@ def test_the_factory_builds_the_configs_target(cfg, tmp_path):
     vertex = cfg.model_copy(update={"target": "vertex"})
     job = targets.for_config(vertex, session, Console(), output_dir="gs://b/out")
     assert (job.kind, job.output_dir) == ("vertex", "gs://b/out")
-    assert set(targets.KINDS) == {"tpu-vm", "vertex"}
-    for target in (slice_target, job, ScriptedTarget([Report("finished")], clock=SimClock())):
+    assert set(targets.KINDS) == {"tpu-vm", "vertex", "gke"}
+    gke_cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "gke-pathways.yaml")
+    gke = targets.for_config(gke_cfg, session, Console())
+    assert (gke.kind, gke.chips) == ("gke", 64) and gke.price() == pytest.approx(64 * 0.47)
+    for target in (slice_target, job, gke, ScriptedTarget([Report("finished")], clock=SimClock())):
         assert isinstance(target, Target)  # every member the Protocol declares
     assert not isinstance(SimpleNamespace(kind="x", chips=1, describe=str, price=float), Target)
+
+
+def test_a_target_that_restarts_in_place_is_followed_on_without_provisioning_again(cfg, tmp_path):
+    clock = SimClock(start=0.0)
+    target = ScriptedTarget([running(3, 4.0), Report("restarted", step=3, detail="restarting jobset, attempt 1"),
+                             Report("starting"), running(5, 3.0, start=3), Report("finished", step=10, loss=2.0)],
+                            clock=clock)
+    runner, _ = runner_for(cfg, target, tmp_path)
+    result = runner.run()
+    assert result.ok and target.calls.count("provision 0") == 1 and "provision 1" not in target.calls
+    assert names(runner)[3:5] == ["preempted", "restarted"]
+    assert result.training.restarts == 1 and result.training.resumed_from_step == 3
+
+
+def test_restarts_in_place_past_max_restarts_fail_the_run(cfg, tmp_path):
+    clock = SimClock(start=0.0)
+    restart = Report("restarted", detail="restarting jobset")
+    target = ScriptedTarget([running(1, 4.0), restart, running(2, 3.0), restart], clock=clock)
+    runner, _ = runner_for(cfg, target, tmp_path)
+    result = runner.run()
+    assert not result.ok and "recovery.max_restarts is 1" in result.error
+    assert target.calls[-1] == "teardown" and not target.left()

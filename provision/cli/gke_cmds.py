@@ -1,0 +1,78 @@
+"""`gke up|status|down`: thin wrappers over provision.gke."""
+
+from __future__ import annotations
+
+import click
+
+from provision.cli.common import finish, print_resources
+from provision.cli.options import config_option
+from provision.errors import UsageError
+
+
+@click.group("gke")
+def gke_group() -> None:
+    """GKE node pools for target: gke (and the cluster, with gke.create_cluster: true).
+
+    \b
+    Examples:
+      moe-tpu gke up -c examples/gke-pathways.yaml
+      moe-tpu gke status -c examples/gke-pathways.yaml
+      moe-tpu gke down -c examples/gke-pathways.yaml
+      moe-tpu --dry-run --scenario stockout gke up -c examples/gke-pathways.yaml
+    """
+
+
+def _gke_config(app, config_path: str, check_trainer: bool = False):
+    cfg = app.load_config(config_path, check_trainer=check_trainer)
+    if cfg.target != "gke":
+        raise UsageError(f"{cfg.source}: target is {cfg.target!r}, not 'gke'",
+                         hint="set `target: gke` and a gke section, or use `moe-tpu slice` / `moe-tpu job`")
+    return cfg
+
+
+@gke_group.command("up")
+@config_option
+@click.pass_obj
+def up(app, config_path: str) -> None:
+    """Create the node pools (one per slice, and cpu-np for a Pathways head) and wait until they run.
+
+    Tries each zone of `zones:` in order when one has no capacity. A re-run adopts the pools it
+    already made; a pool of the run that no longer matches the config is refused.
+    """
+    from provision.gke import gke_up
+
+    app.command = "gke up"
+    cfg = _gke_config(app, config_path, check_trainer=True)
+    acc = cfg.accelerator_type()
+    app.console.info(f"gke up: run {cfg.run}, cluster {cfg.gke.cluster} ({cfg.gke.location}), {cfg.slice.count} x "
+                     f"{acc.name} ({acc.topology}, {acc.vms} VMs), {cfg.slice.capacity}, runtime {cfg.gke.runtime}"
+                     + (" [dry run]" if app.dry_run else ""))
+    resources = gke_up(cfg, app.session(), app.console, app.renderer(cfg))
+    for res in resources:
+        app.console.text(f"  {res.kind} {res.name.rsplit('/', 1)[-1]} {res.state} in {res.zone}")
+    finish(app, resources)
+
+
+@gke_group.command("status")
+@config_option
+@click.pass_obj
+def status(app, config_path: str) -> None:
+    """Show the run's JobSet, node pools and (when this tool made it) cluster, with state and cost."""
+    from provision.gke import gke_status
+
+    app.command = "gke status"
+    cfg = _gke_config(app, config_path)
+    resources = gke_status(cfg, app.session())
+    print_resources(app, resources)
+    finish(app, resources)
+
+
+@gke_group.command("down")
+@config_option
+@click.pass_obj
+def down(app, config_path: str) -> None:
+    """Delete the run's JobSet and node pools, and the cluster only when this tool created it."""
+    from provision.cli.slice_cmds import _down
+
+    _gke_config(app, config_path)
+    _down(app, config_path, "gke down", services=("gke",))

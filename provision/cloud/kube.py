@@ -1,0 +1,202 @@
+"""A GKE cluster's Kubernetes API as a run needs it: the official `kubernetes` client, configured from
+the cluster itself (GetCluster's endpoint and CA certificate) and the session's google-auth
+credentials, never from kubectl or a kubeconfig. JobSets through CustomObjectsApi; pods, their logs,
+events and nodes through CoreV1Api; transient answers retried on our clock."""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from provision.errors import CloudError, UsageError
+from provision.waiting import call_with_retry
+
+T = TypeVar("T")
+JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+# Kubernetes API answers worth another try (ApiException.status).
+TRANSIENT_HTTP = (429, 500, 502, 503, 504)
+
+
+def is_transient(exc: BaseException) -> bool:
+    from kubernetes.client.exceptions import ApiException
+
+    return isinstance(exc, ApiException) and exc.status in TRANSIENT_HTTP
+
+
+def model_problem(node: Any, model: str, where: str) -> tuple[str, str] | None:
+    """(where, what) of the first field of `node` (camelCase JSON) that the kubernetes client's
+    model `model` (e.g. V1JobTemplateSpec) does not have or cannot hold; None when it fits.
+    Hand-written because the client's own deserialiser drops unknown fields silently."""
+    from kubernetes import client
+
+    if node is None:
+        return None
+    klass = getattr(client, model)
+    if not isinstance(node, dict):
+        return where, f"must be a mapping (a {model})"
+    by_json = {json_key: attr for attr, json_key in klass.attribute_map.items()}
+    for key, value in node.items():
+        if key not in by_json:
+            return where, f"unknown field {key!r} (not in {model})"
+        problem = _value_problem(value, klass.openapi_types[by_json[key]], f"{where}.{key}")
+        if problem is not None:
+            return problem
+    return None
+
+
+def _value_problem(value: Any, type_name: str, where: str) -> tuple[str, str] | None:
+    from kubernetes import client
+
+    if value is None:
+        return None
+    if type_name.startswith("list["):
+        if not isinstance(value, list):
+            return where, "must be a list"
+        for i, item in enumerate(value):
+            if (problem := _value_problem(item, type_name[5:-1], f"{where}[{i}]")) is not None:
+                return problem
+    elif type_name.startswith("dict["):
+        if not isinstance(value, dict):
+            return where, "must be a mapping"
+        inner = type_name[5:-1].split(", ", 1)[1]
+        for key, item in value.items():
+            if (problem := _value_problem(item, inner, f"{where}.{key}")) is not None:
+                return problem
+    elif hasattr(client, type_name):
+        return model_problem(value, type_name, where)
+    elif type_name == "str" and not isinstance(value, str):
+        return where, f"must be a string, got {value!r}"
+    elif type_name == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        return where, f"must be an integer, got {value!r}"
+    elif type_name == "bool" and not isinstance(value, bool):
+        return where, f"must be true or false, got {value!r}"
+    return None
+
+
+class KubeApi:
+    """One cluster's API server (close() removes the CA file the client reads)."""
+
+    def __init__(self, cluster, credentials, clock, console, calls: list | None = None) -> None:
+        from kubernetes import client
+
+        self.clock, self.console = clock, console
+        self.calls = calls if calls is not None else []
+        self.cluster = cluster.name
+        if not cluster.endpoint or not cluster.master_auth.cluster_ca_certificate:
+            raise CloudError(f"cluster {cluster.name} has no endpoint yet (status {cluster.status.name})",
+                             hint="wait until the cluster is RUNNING (`moe-tpu gke status`)")
+        handle, self._ca_path = tempfile.mkstemp(prefix="moe-tpu-ca-", suffix=".pem")
+        with os.fdopen(handle, "wb") as ca:
+            ca.write(base64.b64decode(cluster.master_auth.cluster_ca_certificate))
+        conf = client.Configuration()
+        conf.host = f"https://{cluster.endpoint}"
+        conf.ssl_ca_cert = self._ca_path
+        if credentials is not None:
+            conf.api_key_prefix = {"authorization": "Bearer"}
+            conf.refresh_api_key_hook = lambda c: c.api_key.update(authorization=_token(credentials))
+            conf.api_key = {"authorization": _token(credentials)}
+        self._client = client.ApiClient(conf)
+        self.custom = client.CustomObjectsApi(self._client)
+        self.core = client.CoreV1Api(self._client)
+
+    def close(self) -> None:
+        self._client.close()
+        if os.path.exists(self._ca_path):
+            os.unlink(self._ca_path)
+
+    def _call(self, action: str, fn: Callable[[], T], missing_ok: bool = False, exists_ok: bool = False,
+              request: dict | None = None) -> T | None:
+        """fn() retried on our clock, logged in the calls as "k8s ACTION" (like the RPCs), its errors
+        as ours; None for a 404 (`missing_ok`) or a 409 (`exists_ok`)."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        def on_retry(attempt: int, exc: BaseException | None) -> None:
+            self.console.detail(f"{action}: transient error ({getattr(exc, 'status', type(exc).__name__)}), "
+                                f"retry {attempt}")
+
+        entry = {"rpc": f"k8s {action}", "request": request or {}, "status": "OK"}
+        self.calls.append(entry)
+        try:
+            return call_with_retry(fn, self.clock, on_retry=on_retry, transient=is_transient)
+        except ApiException as exc:
+            entry["status"] = f"{exc.status} {exc.reason}"
+            if (missing_ok and exc.status == 404) or (exists_ok and exc.status == 409):
+                return None
+            message = _status_message(exc)
+            if exc.status in (400, 422):
+                raise UsageError(f"{action}: the cluster rejected it: {message}",
+                                 hint="check the config against `moe-tpu validate`") from exc
+            if exc.status in (401, 403):
+                raise CloudError(f"{action}: {exc.status} {exc.reason}: {message}",
+                                 hint="your account needs the Kubernetes Engine Developer role on the cluster") from exc
+            raise CloudError(f"{action}: {exc.status} {exc.reason}: {message}") from exc
+        except HTTPError as exc:
+            raise CloudError(f"{action}: cannot reach the cluster's API server: {exc}") from exc
+
+    # --- JobSets ----------------------------------------------------------------------------
+    def create_jobset(self, namespace: str, body: dict) -> dict | None:
+        """Create; None when one of that name exists (409: the caller adopts or refuses it)."""
+        return self._call("create JobSet", lambda: self.custom.create_namespaced_custom_object(
+            *JOBSET[:2], namespace, JOBSET[2], body), exists_ok=True, request=body)
+
+    def get_jobset(self, namespace: str, name: str) -> dict | None:
+        return self._call("get JobSet", lambda: self.custom.get_namespaced_custom_object(
+            *JOBSET[:2], namespace, JOBSET[2], name), missing_ok=True, request={"namespace": namespace, "name": name})
+
+    def list_jobsets(self, namespace: str, label_selector: str) -> list[dict]:
+        answer = self._call("list JobSets", lambda: self.custom.list_namespaced_custom_object(
+            *JOBSET[:2], namespace, JOBSET[2], label_selector=label_selector),
+            request={"namespace": namespace, "labelSelector": label_selector})
+        return list(answer.get("items", []))
+
+    def delete_jobset(self, namespace: str, name: str) -> bool:
+        """Delete it with its pods (foreground); False when it was already gone."""
+        from kubernetes import client
+
+        options = client.V1DeleteOptions(propagation_policy="Foreground")
+        answer = self._call("delete JobSet", lambda: self.custom.delete_namespaced_custom_object(
+            *JOBSET[:2], namespace, JOBSET[2], name, body=options), missing_ok=True,
+            request={"namespace": namespace, "name": name, "propagationPolicy": "Foreground"})
+        return answer is not None
+
+    # --- pods, logs, events, nodes ------------------------------------------------------------
+    def list_pods(self, namespace: str, label_selector: str) -> list[Any]:
+        return list(self._call("list pods", lambda: self.core.list_namespaced_pod(
+            namespace, label_selector=label_selector),
+            request={"namespace": namespace, "labelSelector": label_selector}).items)
+
+    def pod_log(self, namespace: str, name: str, container: str, tail_lines: int | None = None) -> str:
+        kwargs = {"container": container} | ({"tail_lines": tail_lines} if tail_lines else {})
+        return self._call("read pod log", lambda: self.core.read_namespaced_pod_log(name, namespace, **kwargs),
+                          request={"namespace": namespace, "name": name, **kwargs}) or ""
+
+    def list_events(self, namespace: str, involved: str) -> list[Any]:
+        selector = f"involvedObject.name={involved}"
+        return list(self._call("list events", lambda: self.core.list_namespaced_event(
+            namespace, field_selector=selector), request={"namespace": namespace, "fieldSelector": selector}).items)
+
+    def list_nodes(self, label_selector: str = "") -> list[Any]:
+        return list(self._call("list nodes", lambda: self.core.list_node(label_selector=label_selector),
+                               request={"labelSelector": label_selector}).items)
+
+
+def _token(credentials) -> str:
+    """A current access token from google-auth credentials (refreshed when it has expired)."""
+    import google.auth.transport.requests
+
+    if not credentials.valid:
+        credentials.refresh(google.auth.transport.requests.Request())
+    return credentials.token
+
+
+def _status_message(exc) -> str:
+    import json
+
+    try:
+        return json.loads(exc.body).get("message") or str(exc.reason)
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.reason)
