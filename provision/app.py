@@ -81,12 +81,19 @@ class App:
 
     def remember_config(self, config_path: Path) -> None:
         """Record the config for later commands here; a directory that cannot take it only loses that."""
+        from provision.statefiles import check_regular, write_atomic
+
         remembered = self.state_dir / LAST_CONFIG
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            remembered.write_text(str(config_path.resolve()) + "\n", encoding="utf-8")
-        except (OSError, UnicodeEncodeError) as exc:
-            self.console.detail(f"not remembering the config in {remembered}: {getattr(exc, 'strerror', None) or exc}")
+            check_regular(remembered)
+        except UsageError as exc:  # a symlink, a FIFO, a directory...: never written through
+            self.console.warn(f"not remembering the config: {exc.message}")
+            return
+        try:
+            write_atomic(remembered, str(config_path.resolve()) + "\n")
+        except (UsageError, OSError, UnicodeEncodeError) as exc:
+            why = exc.message if isinstance(exc, UsageError) else getattr(exc, "strerror", None) or exc
+            self.console.detail(f"not remembering the config in {remembered}: {why}")
 
     def trainer_output_dir(self, cfg, train_locally: bool = False) -> str:
         """Where the run's trainer writes: trainer.output_dir, or in a dry run a directory under
@@ -139,7 +146,8 @@ class App:
         workloads = self.workloads
         try:
             emulator = Emulator(state_path=self.state_dir / "emulator.json", scenario=self.scenario,
-                                clock=SimClock(), external_workloads=workloads is not None)
+                                clock=SimClock(), external_workloads=workloads is not None,
+                                lock_notice=self.console.warn)
         except ValueError as exc:
             hint = ("set it as ZONE/NAME=CHIPS[,...]" if "RESERVATIONS" in str(exc) else "pick one with --scenario")
             raise UsageError(str(exc), hint=hint) from exc

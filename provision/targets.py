@@ -23,7 +23,8 @@ PREEMPTION_MARKERS = ("preempt", "spot vm", "was reclaimed")
 class Report:
     """What a target says about training right now.
 
-    phase: waiting (no trainer yet), starting, running, finished, failed, preempted.
+    phase: waiting (no trainer yet), starting, running, finished, failed, preempted, deleted (by a
+    person: a deletion or cancellation that the service did not initiate; never recovered from).
     """
 
     phase: str
@@ -109,9 +110,12 @@ class SliceTarget:
 
         tpu = self.session.tpu
         qr = tpu.get_queued_resource(self.queued_resource)
-        if qr is None:
-            return Report("preempted", detail="the queued resource is gone")
+        if qr is None:  # the service suspends a preempted queued resource; only a delete removes one
+            return Report("deleted", detail=f"queued resource {short(self.queued_resource)} is gone")
         state = state_name(qr)
+        if state == "DELETING":
+            return Report("deleted", detail=f"queued resource {short(self.queued_resource)} is DELETING "
+                                            f"(by {qr.state.state_initiator.name})")
         if state != "ACTIVE":
             code, message = failure_of(qr)
             initiator = qr.state.state_initiator.name
@@ -184,7 +188,7 @@ class JobTarget:
 
         job = self.session.vertex(self.cfg.region).get_custom_job(self.job)
         if job is None:
-            return Report("failed", detail="the custom job is gone")
+            return Report("deleted", detail=f"custom job {short(self.job)} is gone")
         state = job.state.name
         if state in ("JOB_STATE_QUEUED", "JOB_STATE_PENDING"):
             return Report("waiting")
@@ -195,6 +199,8 @@ class JobTarget:
         if state in ("JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED"):
             error = error_of(job) or state
             preempted = any(marker in error.lower() for marker in PREEMPTION_MARKERS)
+            if state == "JOB_STATE_CANCELLED" and not preempted:
+                return Report("deleted", detail=f"custom job {short(self.job)} was cancelled")
             return Report(**{**trainer.__dict__, "phase": "preempted" if preempted else "failed",
                              "detail": error + (f"; trainer: {trainer.detail}" if trainer.detail else "")})
         if trainer.phase in ENDED or trainer.phase == "preempted":

@@ -316,3 +316,65 @@ def test_emulator_reset_clears_the_world(workdir):
     assert code == 0 and "emulated world cleared" in out, err
     code, out, err = invoke("--dry-run", "--output", "json", "slice", "status")
     assert code == 0 and json.loads(out)["resources"] == []
+
+
+# --- 10. a run's lifecycle: teardown cut short, a lock held by a stuck command ----------------
+
+def test_slice_up_after_a_teardown_cut_short_waits_it_out_and_creates_anew(tmp_path):
+    from provision.slices import queued_resource_name, slice_down, state_name
+
+    cfg = load_config(_config(tmp_path))
+    app = App(dry_run=True, output="json", workdir=tmp_path)
+    try:
+        session = app.session()
+        slice_up(cfg, session, app.console)
+        name = queued_resource_name(cfg, cfg.project, cfg.zones[0])
+        session.tpu.delete_queued_resource(name, force=True)  # a kill during `down`: never waited for
+        assert state_name(session.tpu.get_queued_resource(name)) == "DELETING"
+        resources = slice_up(cfg, session, app.console)
+        assert resources[0].state == "ACTIVE" and resources[0].name == name
+        slice_down(cfg, session, app.console)
+        session.tpu.delete_queued_resource(name, force=True) if session.tpu.get_queued_resource(name) else None
+    finally:
+        app.close()
+
+
+def test_down_after_a_teardown_cut_short_ends_clean(workdir):
+    _config(workdir)
+    assert invoke("--dry-run", "slice", "up")[0] == 0
+    cfg = load_config(workdir / "moe-tpu.yaml")
+    app = App(dry_run=True, output="json", workdir=workdir)
+    try:
+        from provision.slices import queued_resource_name
+
+        app.session().tpu.delete_queued_resource(queued_resource_name(cfg, cfg.project, cfg.zones[0]), force=True)
+    finally:
+        app.close()
+    code, out, err = invoke("--dry-run", "down")
+    assert code == 0, err
+    code, out, err = invoke("--dry-run", "--output", "json", "slice", "status")
+    assert code == 0 and json.loads(out)["resources"] == []
+
+
+def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, monkeypatch):
+    import fcntl
+
+    from provision.emulator import store
+
+    _config(workdir)
+    (workdir / ".moe-tpu").mkdir()
+    lock = workdir / ".moe-tpu" / "emulator.json.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    os.pwrite(fd, b"0" * store.TOKEN_BYTES + b"4242\n", 0)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a suspended `moe-tpu` holds mid-transaction
+    monkeypatch.setattr(store, "LOCK_WAIT_S", 2.0)
+    try:
+        start = time.monotonic()
+        code, out, err = invoke("--dry-run", "slice", "status")
+        took = time.monotonic() - start
+    finally:
+        os.close(fd)
+    _no_traceback(code, err, expected_code=1)
+    assert "waiting for another moe-tpu command (pid 4242) that holds" in err and "emulator.json.lock" in err
+    assert "gave up after 2s" in err and took < 10
+    assert invoke("--dry-run", "slice", "status")[0] == 0  # once it lets go, all is well
