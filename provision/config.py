@@ -22,6 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from provision import catalogue
 from provision.errors import ConfigError, Problem
+from trainer import safeyaml
 
 DEFAULT_CONFIG = "moe-tpu.yaml"
 
@@ -423,86 +424,10 @@ class Config(BaseModel):
 
 # --- loading ---------------------------------------------------------------------------
 
-# Bounds on what a config's YAML may make us do, so that a small file cannot make a long walk:
-# nesting deeper than this is no config (and deep nesting overflows the YAML composer's stack);
-# aliases may not make the document much bigger than its text (a few kilobytes of nested aliases
-# expand to billions of nodes).
-MAX_NESTING = 64
-MAX_NODES_PER_CHAR = 2
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class _Unbounded(Exception):
-    """The YAML is well formed but no config: too deep, too big once aliases expand, or cyclic."""
-
-
-def _children(node: yaml.Node) -> list[yaml.Node]:
-    if isinstance(node, yaml.MappingNode):
-        return [part for pair in node.value for part in pair]
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    return []
-
-
-def _check_nesting(text: str) -> None:
-    """Read the event stream (cheap, no tree) and stop at the first level past MAX_NESTING."""
-    loader = _Loader(text)
-    depth = 0
-    try:
-        while loader.check_event():
-            event = loader.get_event()
-            if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-                depth += 1
-                if depth > MAX_NESTING:
-                    line = event.start_mark.line + 1 if event.start_mark else 0
-                    raise _Unbounded(f"nested more than {MAX_NESTING} levels deep (at line {line}); "
-                                     "a config is a few levels of keys")
-            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-                depth -= 1
-    finally:
-        loader.dispose()
-
-
-def _check_nesting_python(text: str) -> None:
-    """The pure-Python parser's syntax error for `text` (events only: no stack to overflow)."""
-    for _ in yaml.parse(text, Loader=yaml.SafeLoader):
-        pass
-
-
-def _check_expansion(root: yaml.Node | None, limit: int) -> None:
-    """Count the nodes the document has once every alias is expanded, each shared node once per
-    use, without expanding anything: a size per distinct node, children first. Stops past `limit`
-    and at an alias that contains itself."""
-    if root is None:
-        return
-    sizes: dict[int, int] = {}
-    path: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, children_done = stack.pop()
-        key = id(node)
-        if children_done:
-            path.discard(key)
-            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
-            if sizes[key] > limit:
-                raise _Unbounded(f"its aliases expand to more than {limit} values (a config this long has "
-                                 "far fewer); write the values out or use fewer nested aliases")
-            continue
-        if key in sizes:
-            continue
-        if key in path:
-            line = node.start_mark.line + 1 if node.start_mark else 0
-            raise _Unbounded(f"an alias refers to the value that contains it (at line {line}); "
-                             "a config cannot be recursive")
-        path.add(key)
-        stack.append((node, True))
-        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
-
-
 def _key_lines(root: yaml.Node | None, lines: dict[str, int]) -> list[tuple[str, int]]:
     """Fill `lines` (dotted key -> line) and return (dotted key, line) of every key given twice.
 
-    Walks the document as aliases expand it (bounded by _check_expansion first)."""
+    Walks the document as aliases expand it (safeyaml.compose bounded its size first)."""
     duplicates: list[tuple[str, int]] = []
     stack: list[tuple[yaml.Node | None, str]] = [(root, "")]
     while stack:
@@ -522,36 +447,19 @@ def _key_lines(root: yaml.Node | None, lines: dict[str, int]) -> list[tuple[str,
 
 
 def _load_yaml(text: str, lines: dict[str, int]) -> tuple[Any, list[tuple[str, int]]]:
-    """Parse once: the events for nesting, the node graph for alias expansion, then the data."""
-    try:
-        _check_nesting(text)
-        loader = _Loader(text)
-        try:
-            root = loader.get_single_node()
-        finally:
-            loader.dispose()
-    except yaml.YAMLError:
-        if _Loader is not yaml.SafeLoader:  # the pure-Python parser words syntax errors better
-            _check_nesting_python(text)
-            yaml.compose(text, Loader=yaml.SafeLoader)
-        raise
-    _check_expansion(root, MAX_NODES_PER_CHAR * len(text) + 1000)
+    """Parse once, every bound checked first (trainer/safeyaml.py), then the keys' lines."""
+    root = safeyaml.compose(text)
     duplicates = _key_lines(root, lines)
-    data = yaml.SafeLoader("").construct_document(root) if root is not None else None
-    return data, duplicates
+    return safeyaml.construct(root), duplicates
 
 
 def _parse_yaml(text: str, file: str, lines: dict[str, int]) -> tuple[Any, list[Problem]]:
     try:
         data, duplicates = _load_yaml(text, lines)
-    except _Unbounded as exc:
+    except safeyaml.Unbounded as exc:
         return None, [Problem(file, "", f"YAML is not a config: {exc}")]
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        return None, [Problem(file, "", f"YAML syntax error{where}: {exc.problem or exc.context}")]
     except yaml.YAMLError as exc:
-        return None, [Problem(file, "", f"YAML syntax error: {exc}")]
+        return None, [Problem(file, "", safeyaml.describe(exc))]
     return data, [Problem(file, key, f"key appears twice (again at line {line})") for key, line in duplicates]
 
 

@@ -17,6 +17,7 @@ import pydantic
 import yaml
 from pydantic import field_validator, model_validator
 
+from trainer import safeyaml
 from trainer.moe.config import MoEConfig
 from trainer.schema import Flag, Integer, Number, Section
 
@@ -223,9 +224,11 @@ def _read_yaml(name_or_path: str, seen: tuple[str, ...]) -> dict[str, Any]:
     if str(path.resolve()) in seen:
         raise ConfigError(f"config {path} inherits from itself via 'base'")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = safeyaml.load(path.read_text(encoding="utf-8")) or {}
+    except safeyaml.Unbounded as e:
+        raise ConfigError(f"config {path} is not a config: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config {path} is not valid YAML: {safeyaml.describe(e)}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config {path}: {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(raw, dict):
@@ -252,7 +255,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"--set expects key.sub=value, got '{item}'")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = safeyaml.load(text) if text.strip() else ""
+    except safeyaml.Unbounded as e:
+        raise ConfigError(f"--set {key.strip()}: the value is not a config value: {e}") from None
     except yaml.YAMLError:
         value = text
     return key.strip(), value

@@ -66,7 +66,7 @@ def test_serve_answers_the_real_client_and_stops_cleanly_on_ctrl_c(tmp_path):
         client.create_queued_resource(request=tpu_v2.CreateQueuedResourceRequest(
             parent=PARENT, queued_resource_id="q",
             queued_resource=tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]))))
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 300
         while client.get_queued_resource(name=f"{PARENT}/queuedResources/q").state.state.name != "ACTIVE":
             assert time.monotonic() < deadline, "an hour of simulated time per second should be plenty"
             time.sleep(0.05)
@@ -107,7 +107,8 @@ def test_scaled_clock_runs_at_its_speed():
     clock = ScaledClock(speed=1000.0, start=0.0)
     before = time.monotonic()
     clock.sleep(50.0)  # 50 simulated seconds: 0.05 real
-    assert 0.04 <= time.monotonic() - before < 1.0
+    # It slept (not 0) and scaled (not 50 real seconds); the slack is the loaded machine's.
+    assert 0.04 <= time.monotonic() - before < 25.0
     assert clock.now() >= 50.0
     clock.set(10_000.0)
     assert 10_000.0 <= clock.now() < 11_000.0

@@ -8,10 +8,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import hcl2
+import isolated_tools
 import pytest
 from cli_helpers import invoke
 
@@ -272,8 +272,8 @@ def test_init_from_outputs_with_a_bad_value_names_it(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def checkov_report(tmp_path_factory) -> dict:
-    checkov = Path(sys.executable).parent / "checkov"
-    command = [str(checkov) if checkov.is_file() else (shutil.which("checkov") or "checkov")]
+    # checkov in an environment of its own (its pins fight the project's: tests/isolated_tools.py)
+    command = [str(isolated_tools.executable("checkov", isolated_tools.CHECKOV))]
     result = subprocess.run([*command, "--directory", str(TF), "--framework", "terraform", "--skip-download",
                              "--compact", "--output", "json"], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "BC_SKIP_MAPPING": "TRUE"})
