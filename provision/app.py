@@ -15,6 +15,8 @@ from provision.errors import ConfigError, MoeTpuError, UsageError
 
 STATE_DIR = ".moe-tpu"
 LAST_CONFIG = "last-config"
+# A config is a few kilobytes; past this a file is not one (and is not read whole).
+MAX_CONFIG_BYTES = 64 * 1024 * 1024
 
 
 class App:
@@ -50,6 +52,8 @@ class App:
         config that the last command in this directory used is taken (so `down` after
         `slice up -c examples/v5e-64.yaml` finds the run); each load records itself for that."""
         from provision.config import DEFAULT_CONFIG, load_config
+        from provision.errors import Problem
+        from provision.statefiles import echo, input_problem
 
         config_path = Path(path)
         if path == DEFAULT_CONFIG and not config_path.exists():
@@ -57,6 +61,9 @@ class App:
             if remembered_path is not None:
                 config_path = remembered_path
                 self.console.info(f"using {config_path} (the config last used in this directory)")
+        problem = input_problem(config_path, MAX_CONFIG_BYTES)
+        if problem is not None:
+            raise ConfigError([Problem(echo(config_path), "", problem)])
         cfg = load_config(config_path, check_trainer=check_trainer)
         self.remember_config(config_path)
         self.config = cfg
@@ -65,8 +72,12 @@ class App:
     def remembered_config(self) -> Path | None:
         """The config the last command here used, from .moe-tpu/last-config; None when there is
         none. A file that cannot be read as a path is a usage error that says how to fix it."""
+        from provision.statefiles import check_regular
+
         remembered = self.state_dir / LAST_CONFIG
         try:
+            if not check_regular(remembered, "remembered config path"):
+                return None
             text = remembered.read_text(encoding="utf-8").strip()
         except (FileNotFoundError, NotADirectoryError):
             return None

@@ -59,6 +59,26 @@ def check_regular(path: Path, what: str = "state file") -> bool:
     return True
 
 
+def input_problem(path: Path, max_bytes: int) -> str | None:
+    """What keeps a file that is to be read from being read at once and whole (a FIFO waits for a writer,
+    a device never ends, a directory is no file, a huge file is no config); None when nothing does, or
+    when there is no file (the reader says so)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror or exc}"
+    kind = _kind(st.st_mode)
+    if kind is not None:
+        return f"is {kind}, not a file"
+    if st.st_size > max_bytes:
+        return f"is {st.st_size >> 20} MiB; a config file is at most {max_bytes >> 20} MiB"
+    if not os.access(path, os.R_OK):
+        return "cannot read it: permission denied"
+    return None
+
+
 def ensure_dir(path: Path) -> None:
     """Create the directory (and its parents); a UsageError naming it when it cannot be one."""
     try:

@@ -18,7 +18,7 @@ import time
 
 import click
 
-from trainer.config import NAMED_CONFIGS
+from trainer.config import MAX_SEED, NAMED_CONFIGS
 from trainer.status import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, RunStatus, StatusError
 
 EXIT_RUNTIME = EXIT_FAILED
@@ -68,7 +68,8 @@ def _jax_started() -> bool:
               help="auto: continue from the latest checkpoint in --output-dir.")
 @click.option("--metrics", "metrics_path", default=None, metavar="FILE",
               help="Write JSON-lines metrics here [stdout].")
-@click.option("--seed", type=int, default=None, help="Seed for parameters and data [config].")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
+              help=f"Seed for parameters and data, 0 to {MAX_SEED} [config].")
 @click.option("--profile-steps", default=None, metavar="A:B",
               help="Write a jax profiler trace of steps A..B to OUTPUT_DIR/profile.")
 @click.option("--status-file", envvar="MOE_TPU_STATUS_FILE", default=None, metavar="PATH",
@@ -115,6 +116,9 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
     else:
         _initialize_distributed()
     output_dir = _check_output_dir(output_dir, status)
+    _check_path(metrics_path, "--metrics", writes=True)
+    if os.sep in config_name or os.path.exists(config_name):
+        _check_path(config_name, "--config", writes=False)
     spec = _build_spec(config_name, overrides, steps, num_devices or devices, mesh_text, output_dir, resume,
                        metrics_path, seed, profile, in_process=num_devices is not None)
     try:
@@ -122,6 +126,29 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
     except StatusError as e:
         raise click.ClickException(str(e)) from None
     return _run(spec, status)
+
+
+def _check_path(path: str | None, param_hint: str, writes: bool) -> None:
+    """A local file argument that would hang or never end (a FIFO waits for a peer, /dev/zero never ends,
+    a directory is no file) is a usage error naming it, before anything starts. A device is fine to
+    write to (/dev/null; a full /dev/full fails at its first write, with a message)."""
+    import stat
+
+    if not path or "://" in path:
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise click.BadParameter(f"cannot use {path}: {e.strerror}", param_hint=param_hint) from None
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if not writes and (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else None)
+    if kind:
+        raise click.BadParameter(f"{path} is {kind}, not a file", param_hint=param_hint)
+    if not writes and not os.access(path, os.R_OK):
+        raise click.BadParameter(f"{path} cannot be read (permission denied)", param_hint=param_hint)
 
 
 def _add_status_target(status: RunStatus, path: str, param_hint: str) -> None:
@@ -215,7 +242,7 @@ def _run(spec, status: RunStatus):
     from trainer.config import ConfigError
     from trainer.data import DataError
     from trainer.metrics import Reporter
-    from trainer.train import run
+    from trainer.train import Diverged, run
 
     _quiet_library_logs()
     try:
@@ -228,7 +255,7 @@ def _run(spec, status: RunStatus):
         return run(spec, reporter, status=status)
     except (ConfigError, DataError) as e:
         raise click.UsageError(str(e)) from None
-    except CheckpointError as e:
+    except (CheckpointError, Diverged, StatusError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         raise click.ClickException("interrupted twice: stopped without waiting for a checkpoint") from None

@@ -128,6 +128,10 @@ class OptimConfig(Section):
         return self
 
 
+# Seeds become 32-bit PRNG keys and numpy generators: past this, jax cannot take them.
+MAX_SEED = 2**31 - 1
+
+
 class TrainConfig(Section):
     steps: Integer = 200
     seed: Integer = 0
@@ -140,6 +144,9 @@ class TrainConfig(Section):
     def _valid(self) -> Self:
         if self.steps < 0:
             raise ValueError(f"train.steps must not be negative, got {self.steps}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"train.seed must be between 0 and {MAX_SEED} (it becomes a 32-bit PRNG key), "
+                             f"got {self.seed}")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")

