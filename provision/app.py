@@ -65,6 +65,8 @@ class App:
         if problem is not None:
             raise ConfigError([Problem(echo(config_path), "", problem)])
         cfg = load_config(config_path, check_trainer=check_trainer)
+        for warning in cfg.warnings():
+            self.console.warn(warning)
         self.remember_config(config_path)
         self.config = cfg
         return cfg
@@ -211,17 +213,10 @@ class App:
         if cfg is None or not self.used_cloud:
             return []
         try:
-            from provision.resources import project_of
+            from provision.targets import for_config
 
             session = self.session()  # the command's own may be closed already
-            if cfg.target == "vertex":
-                from provision.jobs import managed_jobs
-
-                found = managed_jobs(session, project_of(cfg, session), cfg.region, run=cfg.run)
-            else:
-                from provision.slices import slice_status
-
-                found = slice_status(cfg, session)
+            found = for_config(cfg, session, self.console).left()
             now = session.clock.now()
             return [r.as_dict(now) for r in found]
         except BaseException:  # noqa: BLE001 - interrupted again, or the cloud is gone: report what we know

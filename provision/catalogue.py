@@ -1,7 +1,7 @@
 """The TPU v5e hardware catalogue: plain data, tested with `==`.
 
 Sources: Cloud TPU docs (v5e system architecture, "TPU regions and zones", pricing) and the
-Vertex AI docs for the ct5lp machine types, as summarised in SPEC.md. Nothing here imports a
+Vertex AI docs for the ct5lp machine types ("Configure compute resources for custom training"). Nothing here imports a
 cloud library: the CLI's `--help` and the planner read it cheaply.
 """
 
@@ -88,19 +88,20 @@ VERTEX_MACHINE_TOPOLOGIES: dict[str, tuple[str, ...]] = {
     "ct5lp-hightpu-8t": ("2x4",),
 }
 
-# Zones that offer v5e ("TPU regions and zones", Cloud TPU docs). us-east5-a/b/c are listed
-# there for single-tenant capacity; they are kept so such users are not refused.
+# Zones that Google's "TPU regions and zones" page (cloud.google.com/tpu/docs/regions-zones) lists
+# for v5e capacity open to every project. The page lists us-east5-a/b/c for single-tenant
+# capacity only, and other catalogues list more zones where the API serves v5e, so a zone not
+# here is a warning (`zone_warning`), not a refusal: the API's list of accelerator types in that
+# zone decides (provision/zones.py).
 V5E_ZONES: tuple[str, ...] = (
     "us-central1-a",
-    "us-east5-a",
-    "us-east5-b",
-    "us-east5-c",
     "us-south1-a",
     "us-west1-c",
     "us-west4-a",
     "europe-west4-b",
     "asia-southeast1-b",
 )
+
 
 ON_DEMAND_PRICE_PER_CHIP_HOUR = 1.20
 # Spot v5e is quoted at $0.21 to $0.47 per chip-hour depending on region; we take the top of
@@ -136,6 +137,14 @@ def price_per_chip_hour(capacity: str) -> float:
 
 # A Google Cloud zone name (us-west4-a): what a zone looks like, whether or not it offers v5e.
 ZONE_NAME = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+
+
+def zone_warning(zone: str) -> str | None:
+    """The warning for a zone the catalogue does not list for v5e; None for one it lists."""
+    if zone in V5E_ZONES:
+        return None
+    return (f"zone {zone!r} is not one of the zones Google documents for TPU v5e ({', '.join(V5E_ZONES)}); "
+            "the API's list of accelerator types in that zone decides")
 
 
 def zone_region(zone: str) -> str:

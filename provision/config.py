@@ -100,9 +100,7 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
 def _zone_name(zone: str) -> str:
     if not _ZONE.match(zone):
         raise _fail(f"zone {zone!r} is not a zone name like us-west4-a")
-    if zone not in catalogue.V5E_ZONES:
-        raise _fail(f"zone {zone!r} does not offer TPU v5e (v5e zones: {', '.join(catalogue.V5E_ZONES)})")
-    return zone
+    return zone  # one the catalogue does not list for v5e is a warning (Config.warnings)
 
 
 class _Section(BaseModel):
@@ -250,16 +248,6 @@ class ImageConfig(_Section):
         if value is not None and not re.match(r"^[a-z0-9][a-z0-9-]{4,61}@[a-z0-9.-]+\.gserviceaccount\.com$", value):
             raise _fail(f"service account {value!r} must be an email like builder@my-project.iam.gserviceaccount.com")
         return value
-
-    @property
-    def uri(self) -> str:
-        """REPOSITORY:TAG; without image.tag, the content-hash tag of the builtin Dockerfile and this
-        source tree (provision.rendering.image_uri also honours --templates)."""
-        if self.tag is not None:
-            return f"{self.repository}:{self.tag}"
-        from provision.image import content_tag
-
-        return f"{self.repository}:{content_tag()}"
 
     @property
     def registry_host(self) -> str:
@@ -421,6 +409,12 @@ class Config(BaseModel):
     def accelerator_type(self) -> catalogue.AcceleratorType:
         return catalogue.accelerator(self.slice.accelerator)
 
+    def warnings(self) -> list[str]:
+        """What is allowed but worth saying: zones the catalogue does not list for v5e (a TPU VM slice)."""
+        if self.target != "tpu-vm":
+            return []
+        return [w for w in map(catalogue.zone_warning, self.zones) if w]
+
 
 # --- loading ---------------------------------------------------------------------------
 
@@ -530,7 +524,7 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
     region, zones = get("region"), get("zones")
     if isinstance(region, str) and isinstance(zones, list):
         for i, zone in enumerate(zones):
-            if zone in catalogue.V5E_ZONES and catalogue.zone_region(zone) != region:
+            if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != region:
                 found.append((f"zones[{i}]", f"zone {zone!r} is not in region {region!r}"))
     acc_name, runtime = get("slice.accelerator"), get("slice.runtime_version")
     if isinstance(acc_name, str) and isinstance(runtime, str) and acc_name in catalogue.ACCELERATORS:
@@ -704,11 +698,12 @@ image:
   tag: latest
 
 trainer:
-  config: tiny                 # a named trainer config, or a path
+  config: v5e-64               # a named trainer config (this one is sized for v5litepod-64), or a path
   output_dir: gs://my-bucket/moe-demo
+  mesh: data=8,expert=8        # the device mesh; `moe-tpu plan` suggests one (unset: all chips on data)
   # steps: 1000
-  # mesh: data=8,expert=8      # the device mesh; `moe-tpu plan` suggests one (unset: all chips on data)
-  overrides: {}                # become `--set key=value` flags, e.g. {model.num_experts: 8}
+  # overrides:                 # trainer config keys, passed as `--set key=value`
+  #   moe.num_experts: 32
 
 recovery:
   max_restarts: 3              # recreate the slice at most this often after preemption

@@ -58,12 +58,26 @@ class StockoutError(CloudError):
     pass
 
 
-# Top-level modules of each extra's packages: a command that needs one of them names the extra.
+# Modules of each extra's packages (a dotted prefix: the longest one that matches a missing
+# module wins), so a command that needs one names the extra that installs it. Google's packages
+# share the `google` namespace: [control] installs most of them, [image] Cloud Build.
 EXTRA_OF_MODULE = {
     "jinja2": "control", "tenacity": "control", "grpc": "control", "grpc_status": "control",
-    "google": "control", "jax": "trainer", "jaxlib": "trainer", "flax": "trainer", "optax": "trainer",
-    "orbax": "trainer", "numpy": "trainer", "etils": "trainer", "gcsfs": "trainer",
+    "google": "control", "google.cloud.devtools": "image", "build": "image",
+    "jax": "trainer", "jaxlib": "trainer", "flax": "trainer", "optax": "trainer", "orbax": "trainer",
+    "numpy": "trainer", "etils": "trainer", "tensorstore": "trainer", "gcsfs": "trainer",
+    "pathwaysutils": "pathways",
 }
+
+
+def extra_of(module: str) -> str | None:
+    """The extra that installs `module` (a dotted name), or None when no extra does."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        extra = EXTRA_OF_MODULE.get(".".join(parts[:end]))
+        if extra is not None:
+            return extra
+    return None
 
 
 class MissingDependency(UsageError):
@@ -77,5 +91,5 @@ class MissingDependency(UsageError):
     def of(cls, exc: ModuleNotFoundError) -> MissingDependency | None:
         """The error to show for a module an extra would have installed; None for any other module."""
         name = exc.name or ""
-        extra = EXTRA_OF_MODULE.get(name.split(".", 1)[0])
+        extra = extra_of(name)
         return cls(name, extra) if extra else None

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from provision import catalogue
 from provision.errors import MissingDependency, UsageError
+from trainer.flops import ParamCounts, attention_flops_per_token, count_params
+from trainer.flops import model_flops_per_token as flops_per_token
 from trainer.params import DTYPE_BYTES, ParamInfo, shard_ways
 
 if TYPE_CHECKING:
@@ -44,31 +46,7 @@ DROP_WARNING = 0.1
 # ----------------------------------------------------------------------------- parameters
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamCounts:
-    total: int
-    active: int  # all but the routed experts a token does not visit
-    per_expert: int  # one routed expert of one MoE layer
-    embedding: int  # embedding table and output head
-    experts: int  # every routed expert of every layer
-    matmul_active: int  # the weights one token multiplies by (FLOPs: 6 per weight per token)
-
-
-def count_params(params: Sequence[ParamInfo], cfg: ModelConfig) -> ParamCounts:
-    """Counts from the trainer's own parameter list."""
-    total = sum(p.size for p in params)
-    experts = sum(p.size for p in params if p.is_expert)
-    num_experts, top_k = cfg.moe.num_experts, cfg.moe.top_k
-    n_moe = cfg.model.num_moe_layers
-    unvisited = experts * (num_experts - top_k) // num_experts
-    # The embedding lookup is a gather, not a matmul; tied, the table is also the head (one matmul).
-    lookup = 0 if cfg.model.tie_embeddings else sum(p.size for p in params if p.name == "embed")
-    dense = sum(p.size for p in params if len(p.shape) >= 2 and not p.is_expert)
-    return ParamCounts(
-        total=total, active=total - unvisited, per_expert=experts // (num_experts * n_moe) if n_moe else 0,
-        embedding=sum(p.size for p in params if p.is_vocab), experts=experts,
-        matmul_active=dense - lookup + experts * top_k // num_experts,
-    )
+# ParamCounts and count_params live with the trainer's MFU (trainer/flops.py): one count for both.
 
 
 # ----------------------------------------------------------------------------- mesh
@@ -267,18 +245,6 @@ def memory_per_chip(params: Sequence[ParamInfo], cfg: ModelConfig, mesh: Mesh,
 
 
 # ----------------------------------------------------------------------------- speed
-
-
-def attention_flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs of the attention scores and their weighted sum: 12 x layers x seq_len x heads x
-    head_size (the PaLM convention trainer.flops reports MFU in)."""
-    m = cfg.model
-    return 12.0 * m.num_layers * cfg.data.seq_len * m.num_heads * m.head_size
-
-
-def flops_per_token(counts: ParamCounts, cfg: ModelConfig) -> float:
-    """Model FLOPs per token for training: 6 per active matmul weight (forward 2, backward 4), plus attention."""
-    return 6.0 * counts.matmul_active + attention_flops_per_token(cfg)
 
 
 def hardware_flops_per_chip(counts: ParamCounts, cfg: ModelConfig, layout: Layout, chips: int) -> float:

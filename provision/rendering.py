@@ -126,6 +126,9 @@ class StartupSpec:
     watcher_file: str
     watch_interval_s: int
     trainer_uid: int
+    # The guest attributes the watcher sets: (status field, key) pairs, under guest_namespace.
+    guest_namespace: str
+    guest_fields: tuple[tuple[str, str], ...]
     # An absolute local trainer.output_dir, mounted at the same path (None: gs:// or relative).
     output_mount: str | None
 
@@ -202,6 +205,7 @@ STATUS_FILE = f"{STATE_DIR}/status.json"
 
 
 def startup_spec(cfg: Config, templates_dir: Path | None = None) -> StartupSpec:
+    from provision import guest_attributes
     from provision.image import TRAINER_UID
 
     output_dir = cfg.trainer.output_dir
@@ -212,6 +216,7 @@ def startup_spec(cfg: Config, templates_dir: Path | None = None) -> StartupSpec:
         trainer_argv=tuple(trainer_argv(cfg, status_file=STATUS_FILE)), labels=labels(cfg),
         state_dir=STATE_DIR, status_file=STATUS_FILE, work_dir=f"{STATE_DIR}/work",
         watcher_file=f"{STATE_DIR}/watch-status.py", watch_interval_s=10, trainer_uid=TRAINER_UID,
+        guest_namespace=guest_attributes.NAMESPACE, guest_fields=guest_attributes.pairs(),
         output_mount=output_dir if output_dir.startswith("/") else None,
     )
 

@@ -1,6 +1,6 @@
 """`moe-tpu run`: provision, follow training, recover from preemption, tear down.
 
-The loop holds a target (provision/targets.py) and never asks which kind it is. Every
+The loop holds a target (provision/targets/) and calls only what `Target` declares. Every
 step lands on a timeline with its time and the cost so far; the trainer's own reports
 (step, loss, tokens/s) drive the progress line and the ETA.
 """
@@ -16,7 +16,7 @@ from typing import Any
 from provision import storage
 from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
-from provision.targets import Report
+from provision.targets.base import Report, Target
 from provision.waiting import PollPolicy, format_duration
 
 # While a trainer runs, its reports are read this often (and more often at first).
@@ -159,7 +159,7 @@ class RunResult:
 class Runner:
     """One run of training on a target, start to end."""
 
-    def __init__(self, cfg, target, session, console, *, output_dir: str, keep: bool = False,
+    def __init__(self, cfg, target: Target, session, console, *, output_dir: str, keep: bool = False,
                  confirm_teardown=None) -> None:
         self.cfg = cfg
         self.target = target
@@ -169,7 +169,7 @@ class Runner:
         self.output_dir = output_dir
         self.keep = keep
         self.confirm_teardown = confirm_teardown or (lambda: True)
-        self.timeline = Timeline(self.clock, target.usd_per_hour)
+        self.timeline = Timeline(self.clock, target.price())
         self.training = Training()
         self.resources: list[Resource] = []
         self.trained = False  # a trainer of this run reported running at least once
@@ -220,8 +220,8 @@ class Runner:
             if outcome.phase == "deleted":  # by a person (`moe-tpu down`, the console), not by the service
                 self.timeline.add("deleted elsewhere", self.console, detail=outcome.detail)
                 self._teardown("deleted")
-                return self._failed(f"the run's {self.target.kind} was deleted while it ran ({outcome.detail}); "
-                                    "a deletion somebody asked for is not a preemption, so nothing is recreated")
+                return self._failed(f"the run's resources were deleted while it ran ({outcome.detail}); a "
+                                    "deletion somebody asked for is not a preemption, so nothing is recreated")
             if outcome.phase == "preempted":
                 self.timeline.add("preempted", self.console, detail=outcome.detail, step=outcome.step)
                 self._teardown("deleted")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 
-from provision.errors import CloudError, StockoutError
+from provision import catalogue
+from provision.errors import CloudError, StockoutError, UsageError
 from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
 from provision.waiting import format_duration, poll
 
@@ -232,6 +233,22 @@ def qr_differences(wanted, existing) -> list[str]:
     return [f"{key} is {have[key]} (the config asks for {want[key]})" for key in want if want[key] != have[key]]
 
 
+def check_zones_offer(cfg, session) -> None:
+    """Each zone the catalogue does not list for v5e must offer the slice's accelerator type by the
+    API's own list (ListAcceleratorTypes); a zone that does not is a UsageError naming what it offers."""
+    unknown = [zone for zone in cfg.zones if zone not in catalogue.V5E_ZONES]
+    if not unknown:
+        return
+    project = project_of(cfg, session)
+    for zone in unknown:
+        offered = session.tpu.list_accelerator_types(zone_parent(project, zone))
+        if cfg.slice.accelerator not in offered:
+            v5e = [name for name in offered if name in catalogue.ACCELERATORS]
+            raise UsageError(f"zone {zone} does not offer {cfg.slice.accelerator}: the API lists "
+                             + (", ".join(v5e) if v5e else "no TPU v5e type") + " there",
+                             hint=f"use a zone Google documents for v5e: {', '.join(catalogue.V5E_ZONES)}")
+
+
 def slice_up(cfg, session, console, templates_dir=None, attempt: int = 0, recreate: bool = False) -> list[Resource]:
     """Provision the run's slice, trying each zone in order on stockout. Returns its resources.
 
@@ -241,6 +258,7 @@ def slice_up(cfg, session, console, templates_dir=None, attempt: int = 0, recrea
     failing on it."""
     from provision.config import format_duration as config_duration
 
+    check_zones_offer(cfg, session)
     project = project_of(cfg, session)
     tried: list[str] = []
     for zone in cfg.zones:

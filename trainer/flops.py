@@ -1,8 +1,20 @@
-"""Parameter counts and training FLOPs from the model config, and peak FLOP/s per device for MFU."""
+"""Parameter counts and training FLOPs of the model, and peak FLOP/s per device for MFU.
+
+Every count comes from the parameters the trainer itself creates (trainer.params.param_inventory),
+so the MFU the trainer logs and the FLOPs `moe-tpu plan` bounds the step time with are one count.
+"""
 
 from __future__ import annotations
 
-from trainer.config import Config
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from trainer.params import ParamInfo, param_inventory
+
+if TYPE_CHECKING:  # the control plane imports this module without the trainer's config loader
+    from trainer.config import Config
 
 # Dense bf16 peak FLOP/s per chip, by the start of jax's device_kind. Longest matching prefix wins.
 PEAK_FLOPS_PER_DEVICE: dict[str, float] = {
@@ -30,36 +42,61 @@ def device_peak_flops(device_kind: str) -> float | None:
     return PEAK_FLOPS_PER_DEVICE[max(matches, key=len)] if matches else None
 
 
-def _layer_params(cfg: Config) -> tuple[int, int, int]:
-    """(attention, dense FFN, one expert) matmul parameters of one layer."""
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int  # all but the routed experts a token does not visit
+    per_expert: int  # one routed expert of one MoE layer
+    embedding: int  # embedding table and output head
+    experts: int  # every routed expert of every layer
+    matmul_active: int  # the weights one token multiplies by (FLOPs: 6 per weight per token)
+
+
+def count_params(params: Sequence[ParamInfo], cfg: Config) -> ParamCounts:
+    """Counts from the trainer's own parameter list (trainer.params.param_inventory): the one place
+    both the MFU and `moe-tpu plan` take their parameter and FLOP counts from."""
+    total = sum(p.size for p in params)
+    experts = sum(p.size for p in params if p.is_expert)
+    num_experts, top_k = cfg.moe.num_experts, cfg.moe.top_k
+    n_moe = cfg.model.num_moe_layers
+    unvisited = experts * (num_experts - top_k) // num_experts
+    # The embedding lookup is a gather, not a matmul; tied, the table is also the head (one matmul).
+    lookup = 0 if cfg.model.tie_embeddings else sum(p.size for p in params if p.name == "embed")
+    dense = sum(p.size for p in params if len(p.shape) >= 2 and not p.is_expert)
+    return ParamCounts(
+        total=total, active=total - unvisited, per_expert=experts // (num_experts * n_moe) if n_moe else 0,
+        embedding=sum(p.size for p in params if p.is_vocab), experts=experts,
+        matmul_active=dense - lookup + experts * top_k // num_experts,
+    )
+
+
+def attention_flops_per_token(cfg: Config) -> float:
+    """Training FLOPs of the attention scores and their weighted sum: 12 x layers x seq_len x heads x
+    head_size (the PaLM convention)."""
     m = cfg.model
-    attn = m.d_model * m.head_size * (2 * m.num_heads + 2 * m.kv_heads)
-    return attn, 3 * m.d_model * m.d_ff, 3 * m.d_model * cfg.moe.d_ff
+    return 12.0 * m.num_layers * cfg.data.seq_len * m.num_heads * m.head_size
+
+
+def model_flops_per_token(counts: ParamCounts, cfg: Config) -> float:
+    """Model FLOPs per token for training: 6 per active matmul weight (forward 2, backward 4), plus attention."""
+    return 6.0 * counts.matmul_active + attention_flops_per_token(cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def counts_of(cfg: Config) -> ParamCounts:
+    """The counts of the model `cfg` builds (its parameters listed abstractly, once per config)."""
+    return count_params(param_inventory(cfg), cfg)
 
 
 def param_counts(cfg: Config) -> dict[str, int]:
-    """Total parameters and the matmul parameters one token passes through ("active")."""
-    m, e = cfg.model, cfg.moe
-    attn, dense, expert = _layer_params(cfg)
-    shared = getattr(e, "num_shared_experts", 0)
-    n_moe = m.num_moe_layers
-    n_dense = m.num_layers - n_moe
-    embed = m.vocab_size * m.d_model
-    head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
-    norms = (2 * m.num_layers + 1) * m.d_model
-    router = m.d_model * e.num_experts
-    total = (embed + head + norms + m.num_layers * attn + n_dense * dense
-             + n_moe * (router + (e.num_experts + shared) * expert))
-    active = (m.vocab_size * m.d_model + m.num_layers * attn + n_dense * dense
-              + n_moe * (router + (e.top_k + shared) * expert))
-    return {"total": total, "active": active}
+    """Total parameters and the parameters one token passes through ("active")."""
+    counts = counts_of(cfg)
+    return {"total": counts.total, "active": counts.active}
 
 
 def flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token: 6 x active matmul params + 12 x layers x seq x attention width (PaLM)."""
-    m = cfg.model
-    attention = 12 * m.num_layers * cfg.data.seq_len * m.num_heads * m.head_size
-    return 6.0 * param_counts(cfg)["active"] + attention
+    """Training FLOPs per token of the model `cfg` builds."""
+    return model_flops_per_token(counts_of(cfg), cfg)
 
 
 def flops_per_step(cfg: Config) -> float:

@@ -43,8 +43,9 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
       moe-tpu run -c moe-tpu.yaml --yes
     """
     from provision.errors import MoeTpuError
+    from provision.rendering import image_uri
     from provision.runs import Interrupted, RunFailed, Runner, Terminated, run_lock, terminate_on_signals
-    from provision.targets import JobTarget, SliceTarget
+    from provision.targets import for_config
 
     app.command = "run"
     cfg = app.load_config(config_path, check_trainer=True)
@@ -53,12 +54,11 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
         if _already_finished(app, cfg, restart):
             return
         output_dir = app.trainer_output_dir(cfg, train_locally=True)
-        target_type = JobTarget if cfg.target == "vertex" else SliceTarget
-        kwargs = {"output_dir": output_dir} if cfg.target == "vertex" else {}
-        app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {cfg.image.uri}"
+        image = image_uri(cfg, app.templates_dir)
+        app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {image}"
                          + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
         session = app.session()
-        target = target_type(cfg, session, app.console, app.templates_dir, **kwargs)
+        target = for_config(cfg, session, app.console, templates_dir=app.templates_dir, output_dir=output_dir)
         confirm = (lambda: True) if yes else _ask_teardown(app)
         runner = Runner(cfg, target, session, app.console, output_dir=output_dir, keep=keep,
                         confirm_teardown=confirm)

@@ -35,6 +35,12 @@ class TpuApi(RetryingApi):
         return self._get_or_none("delete queued resource",
                                  lambda: self.client.delete_queued_resource(request=request))
 
+    # --- what a zone offers -----------------------------------------------
+    def list_accelerator_types(self, parent: str) -> list[str]:
+        """The names of the accelerator types the zone `parent` (projects/P/locations/Z) offers."""
+        return self._call("list accelerator types", lambda: [
+            t.type_ for t in self.client.list_accelerator_types(parent=parent)])
+
     # --- nodes -----------------------------------------------------------
     def get_node(self, name: str):
         return self._get_or_none("get node", lambda: self.client.get_node(name=name))

@@ -22,11 +22,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from provision import guest_attributes
+
 RUNS_DIR = "runs"
 # Beside the output directory: the pid of the trainer that a run started, so that a re-run after a
 # kill follows it (instead of starting a second one on the same checkpoints) and `down` stops it.
 TRAINER_RECORD = "trainer.json"
-GUEST_NAMESPACE = "moe-tpu"
 SYNC_INTERVAL_S = 0.05
 GATE_MAX_WAIT_S = 0.5
 KILL_GRACE_S = 10.0
@@ -319,9 +320,8 @@ class LocalTrainer:
         self._changed.set()
         if current.kind != "tpu-vm":
             return
-        values = {key.replace("_", "-"): _text(status.get(key)) for key in
-                  ("state", "step", "total_steps", "start_step", "loss", "tokens_per_s", "exit_code", "error")
-                  if status.get(key) is not None}
+        values = {key: _text(status.get(field)) for field, key in guest_attributes.pairs()
+                  if status.get(field) is not None}
         values["updated"] = _text(status.get("time") or time.time())
 
         def write(world, now) -> None:
@@ -329,7 +329,7 @@ class LocalTrainer:
                 if world.node_at(node, now) is None:
                     continue
                 for worker in range(workers):
-                    world.set_guest_attributes(node, worker, GUEST_NAMESPACE, values, now)
+                    world.set_guest_attributes(node, worker, guest_attributes.NAMESPACE, values, now)
 
         self.emulator.world_call(write)
 

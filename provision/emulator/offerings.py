@@ -1,7 +1,9 @@
 """What the emulated world's zones offer: TPU accelerator types of every generation, and runtime
 versions. Plain data; sources in docs/emulator-fidelity.md.
 
-moe-tpu itself provisions v5e only (provision/catalogue.py; `validate` refuses the rest). The
+moe-tpu itself provisions v5e only (provision/catalogue.py; `validate` refuses the rest). v5e is
+served in the zones Google documents for it (catalogue.V5E_ZONES) and, as by the real API, in more:
+V5E_SERVED_ZONES. The
 emulated world is not smaller than the real one for that: a zone that offers other generations lists
 them, serves them by name and accepts nodes of them, as the real API does. The other generations are
 a representative subset of the "TPU regions and zones" page, not the whole of it.
@@ -10,6 +12,11 @@ a representative subset of the "TPU regions and zones" page, not the whole of it
 from __future__ import annotations
 
 from provision.catalogue import ACCELERATORS, V5E_ZONES, AcceleratorType
+
+# us-east5-a/b/c: listed by the "TPU regions and zones" page for single-tenant v5e capacity; the
+# API lists v5e there. A zone here and not in the catalogue is what `validate` warns about and asks
+# the API (the emulator, in a dry run) about.
+V5E_SERVED_ZONES: tuple[str, ...] = (*V5E_ZONES, "us-east5-a", "us-east5-b", "us-east5-c")
 
 
 def _tpu(name: str, generation: str, topology: str, chips: int, vms: int, runtimes: tuple[str, ...]) -> AcceleratorType:
@@ -48,7 +55,7 @@ CONFIG_TYPE = {"v4": "V4", "v5e": "V5LITE_POD", "v5p": "V5P", "v6e": "V6E"}
 
 def types_in(zone: str) -> list[AcceleratorType]:
     """The accelerator types `zone` offers, v5e first, each generation in catalogue order."""
-    found = list(ACCELERATORS.values()) if zone in V5E_ZONES else []
+    found = list(ACCELERATORS.values()) if zone in V5E_SERVED_ZONES else []
     generations = OTHER_GENERATIONS_BY_ZONE.get(zone, ())
     return found + [a for a in OTHER_TYPES.values() if a.generation in generations]
 

@@ -34,13 +34,13 @@ FLAKY_MAX_IN_A_ROW = 2
 STOCKOUT_CODE = 8  # google.rpc.Code.RESOURCE_EXHAUSTED
 STOCKOUT_MESSAGE = ('There is no more capacity in the zone "{zone}"; you can try in another zone '
                     'where Cloud TPU Nodes are offered')
-# A reservation that cannot hold the request (API-FACTS: code 9, seen as 8 too).
+# A reservation that cannot hold the request (docs/api-facts.md: code 9, seen as 8 too).
 RESERVED_STOCKOUT_CODE = 9  # FAILED_PRECONDITION
 RESERVED_STOCKOUT_MESSAGE = ("Insufficient reserved capacity. Contact customer support to increase your "
                              "reservation.")
 # Unconfirmed what the API does when queueing_policy.valid_until passes first. The one public record
 # of the service giving up on a queued request is SUSPENDING (state_initiator SERVICE) -> FAILED with
-# code 13 (API-FACTS), so the emulator does that; clients must recognise expiry by the resource's
+# code 13 (docs/api-facts.md), so the emulator does that; clients must recognise expiry by the resource's
 # state, initiator and times, not by this code (slices.expired).
 VALID_UNTIL_CODE = 13  # INTERNAL
 VALID_UNTIL_MESSAGE = "an internal error has occurred"
@@ -58,7 +58,7 @@ JOB_TERMINAL = ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"
                 "JOB_STATE_PARTIALLY_SUCCEEDED")
 # The proto says a cancelled job gets an error with code 1 (CANCELLED); the message is unconfirmed.
 JOB_CANCELLED_ERROR = {"code": 1, "message": "CANCELED"}
-# A job that waits for capacity and gives up: code 8 (API-FACTS: "later the job FAILED with code 8").
+# A job that waits for capacity and gives up: code 8 (docs/api-facts.md: "later the job FAILED with code 8").
 # The first sentence is the one public reports quote; the second is unconfirmed.
 JOB_STOCKOUT_CODE = 8
 JOB_STOCKOUT_MESSAGE = "Resources are insufficient in region: {region}. Please try a different region."

@@ -219,7 +219,7 @@ def delete_queued_resource(world: World, req: tpu_v2.DeleteQueuedResourceRequest
         return new_operation(world, parent, "delete", rec.name, now, rec.deleted_at + DELETING_S, None,
                              req.request_id)
     if not req.force and rec.live_nodes(now) and state not in DELETABLE_WITH_NODES:
-        # Unconfirmed message; the code is the natural one (API-FACTS).
+        # Unconfirmed message; the code is the natural one (docs/api-facts.md).
         raise ApiError("FAILED_PRECONDITION",
                        f"Cannot delete queued resource '{rec.name}' in state {state} while it has nodes; "
                        "delete its nodes first or set force=true")

@@ -1,5 +1,5 @@
 """Request validation shared by the emulated services, and the Cloud TPU API's own checks, with the
-API's messages (see API-FACTS.md). Vertex AI's checks live in vertex.py.
+API's messages (see docs/api-facts.md). Vertex AI's checks live in vertex.py.
 
 Messages marked "unconfirmed" have no public record; they are the most plausible shape.
 """

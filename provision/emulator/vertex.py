@@ -100,7 +100,7 @@ def _code(pool: v1.WorkerPoolSpec) -> None:
 
 
 def check_job(job: CustomJob) -> None:
-    """What the API refuses in a CustomJob (messages unconfirmed unless API-FACTS lists them)."""
+    """What the API refuses in a CustomJob (messages unconfirmed unless docs/api-facts.md lists them)."""
     if not job.display_name:
         raise ApiError("INVALID_ARGUMENT", "custom_job.display_name is required")
     if len(job.display_name) > MAX_DISPLAY_NAME:

@@ -59,8 +59,13 @@ def test_unknown_accelerator_is_a_key_error():
 
 
 def test_zones_and_regions():
-    assert catalogue.V5E_ZONES == ("us-central1-a", "us-east5-a", "us-east5-b", "us-east5-c", "us-south1-a",
-                                   "us-west1-c", "us-west4-a", "europe-west4-b", "asia-southeast1-b")
+    assert catalogue.V5E_ZONES == ("us-central1-a", "us-south1-a", "us-west1-c", "us-west4-a", "europe-west4-b",
+                                   "asia-southeast1-b")
+    assert catalogue.zone_warning("us-west4-a") is None
+    assert catalogue.zone_warning("us-east5-a") == (
+        "zone 'us-east5-a' is not one of the zones Google documents for TPU v5e (us-central1-a, us-south1-a, "
+        "us-west1-c, us-west4-a, europe-west4-b, asia-southeast1-b); the API's list of accelerator types in "
+        "that zone decides")
     assert catalogue.zone_region("us-west4-a") == "us-west4"
     assert catalogue.zone_region("asia-southeast1-b") == "asia-southeast1"
 

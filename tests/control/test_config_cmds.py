@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,36 @@ def test_init_writes_the_starter(workdir):
     assert moe("init") == (0, "wrote moe-tpu.yaml\n",
                            "next: set project, zones, image and trainer in it, then run `moe-tpu validate`\n")
     assert (workdir / "moe-tpu.yaml").read_text() == starter_config()
+
+
+def test_the_starter_is_its_golden(workdir):
+    """The file `init` writes, reviewed as a whole (regenerate with MOE_TPU_UPDATE_GOLDENS=1)."""
+    golden = GOLDENS / "moe-tpu.yaml.golden"
+    assert moe("init")[0] == 0
+    if os.environ.get("MOE_TPU_UPDATE_GOLDENS") == "1":
+        golden.write_text((workdir / "moe-tpu.yaml").read_text())
+    assert (workdir / "moe-tpu.yaml").read_text() == golden.read_text()
+
+
+def uncommented(text: str) -> str:
+    """Every commented example of a key (an indented `# key: value` line) made real."""
+    return re.sub(r"(?m)^( +)# ", r"\1", text)
+
+
+@pytest.mark.parametrize("examples", ["as written", "every example uncommented"])
+def test_the_starter_validates_and_plans_without_a_refused_mesh(workdir, examples):
+    assert moe("init")[0] == 0
+    path = workdir / "moe-tpu.yaml"
+    if examples != "as written":
+        text = uncommented(path.read_text())
+        assert "moe.num_experts: " in text and "\n  steps: " in text and "\n  subnetwork: " in text
+        path.write_text(text)
+    code, out, err = moe("validate")
+    assert (code, err) == (0, ""), out
+    code, out, err = moe("--output", "json", "plan")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["fits"] and not [w for w in doc["warnings"] if "refuses" in w or "not set" in w], doc["warnings"]
 
 
 def test_init_refuses_to_overwrite(workdir):
@@ -80,6 +111,35 @@ def test_validate_json(workdir):
     assert json.loads(out) == {"command": "validate", "dry_run": False, "calls": [], "config": "moe-tpu.yaml",
                                "files": ["startup.sh", "queued_resource.us-west4-a.yaml",
                                          "create_queued_resource.us-west4-a.json"], "result": "ok"}
+
+
+def zone_config(workdir, region: str, zone: str) -> None:
+    text = EXAMPLE.read_text().replace("region: us-west4", f"region: {region}")
+    (workdir / "moe-tpu.yaml").write_text(text.replace("zones: [us-west4-a]", f"zones: [{zone}]"))
+
+
+def test_a_zone_google_does_not_document_for_v5e_is_a_warning(workdir):
+    zone_config(workdir, "us-east5", "us-east5-a")
+    code, out, err = moe("validate")
+    assert code == 0 and out.startswith("config OK")
+    assert err == ("warning: zone 'us-east5-a' is not one of the zones Google documents for TPU v5e "
+                   "(us-central1-a, us-south1-a, us-west1-c, us-west4-a, europe-west4-b, asia-southeast1-b); "
+                   "the API's list of accelerator types in that zone decides\n")
+
+
+def test_in_a_dry_run_the_emulators_accelerator_types_decide(workdir):
+    zone_config(workdir, "us-east5", "us-east5-a")  # the emulated API lists v5e there
+    code, out, err = moe("--dry-run", "--output", "json", "validate")
+    assert code == 0, err
+    assert [c["rpc"].rsplit("/", 1)[1] for c in json.loads(out)["calls"]] == ["ListAcceleratorTypes"]
+    zone_config(workdir, "us-west4", "us-west4-b")  # and not there
+    code, out, err = moe("--dry-run", "validate")
+    assert code == 2 and out == ""
+    assert err.endswith("error: zone us-west4-b does not offer v5litepod-64: the API lists no TPU v5e type there\n"
+                        "hint: use a zone Google documents for v5e: us-central1-a, us-south1-a, us-west1-c, "
+                        "us-west4-a, europe-west4-b, asia-southeast1-b\n")
+    code, out, err = moe("--dry-run", "slice", "up")  # slice up asks before it creates anything
+    assert code == 2 and "zone us-west4-b does not offer v5litepod-64" in err and "CreateQueuedResource" not in err
 
 
 BAD = """\

@@ -95,7 +95,7 @@ def test_create_node_in_a_stocked_out_zone_fails_its_operation_with_the_stockout
         emu.clock.advance(sc.CREATING_S)
         with pytest.raises(gexc.ResourceExhausted) as info:
             op.result()
-        assert info.value.message == sc.STOCKOUT_MESSAGE.format(zone=ZONE)  # confirmed (API-FACTS)
+        assert info.value.message == sc.STOCKOUT_MESSAGE.format(zone=ZONE)  # confirmed (docs/api-facts.md)
         assert list(client.list_nodes(parent=PARENT)) == []
 
 
@@ -156,7 +156,7 @@ def test_a_reservation_smaller_than_the_request_fails_with_insufficient_reserved
         emu.clock.advance(sc.CREATING_S + sc.ACCEPTED_S + sc.STOCKOUT_WAIT_S)
         failed = client.get_queued_resource(name=f"{PARENT}/queuedResources/moe-demo").state
         assert failed.state.name == "FAILED"
-        # Confirmed message (API-FACTS, skypilot-org/skypilot#4579).
+        # Confirmed message (docs/api-facts.md, skypilot-org/skypilot#4579).
         assert (failed.failed_data.error.code, failed.failed_data.error.message) == (
             9, "Insufficient reserved capacity. Contact customer support to increase your reservation.")
         client.delete_queued_resource(request=tpu_v2.DeleteQueuedResourceRequest(

@@ -117,6 +117,16 @@ def test_flops_per_token_agree_with_the_trainers_mfu(name):
     assert planner.flops_per_token(counts, cfg) == flops.flops_per_token(cfg)
 
 
+def test_the_planner_and_the_mfu_count_shared_experts_alike():
+    from trainer import flops
+
+    overrides = ("moe.num_shared_experts=1", "moe.shared_d_ff=40")
+    cfg = load_config("tiny", overrides)
+    counts = planner.count_params(inventory("tiny", *overrides), cfg)
+    assert planner.flops_per_token(counts, cfg) == flops.flops_per_token(cfg)
+    assert counts.total == flops.param_counts(cfg)["total"]
+
+
 def test_tiny_flops_by_hand():
     cfg = load_config("tiny")
     counts = planner.count_params(inventory("tiny"), cfg)

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from provision import rendering
+from provision import guest_attributes, rendering
 from provision.config import config_from_dict, load_config
+from provision.targets.base import report_from_status
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -196,7 +197,7 @@ def status(state: str, step: int, loss: float | None, exit_code: int | None = No
 def test_watcher_sets_the_guest_attributes(tmp_path, metadata, code, final):
     out = run_watcher(tmp_path, metadata, code, [status("starting", 10, None), status("running", 15, 2.5)])
     expected = {"state": final, "step": "15", "total-steps": "20", "start-step": "10", "loss": "2.5",
-                "exit-code": str(code), "updated": metadata.attributes["updated"]}
+                "tokens-per-s": "100.0", "exit-code": str(code), "updated": metadata.attributes["updated"]}
     if final == "failed":  # the container's last words (none here: no docker), else the exit code
         expected["error"] = f"exit code {code}"
     assert metadata.attributes == expected
@@ -204,6 +205,17 @@ def test_watcher_sets_the_guest_attributes(tmp_path, metadata, code, final):
     states = [value for key, value in metadata.puts if key == "state"]
     assert states == ["starting", "running", final]
     assert f"exited with {code}: {final}" in out
+
+
+def test_a_real_slice_reports_tokens_per_s_as_the_dry_run_does(tmp_path, metadata):
+    """What the watcher publishes reads back with tokens/s (the progress line's figure and the ETA's
+    companion), and the emulator's local trainer publishes the very same keys."""
+    run_watcher(tmp_path, metadata, 0, [status("running", 15, 2.5)])
+    published = [value for key, value in metadata.puts if key == "tokens-per-s"]
+    assert published == ["100.0"]
+    assert report_from_status(metadata.attributes).tokens_per_s == 100.0
+    keys = {key for key, _ in metadata.puts} - {"updated"}
+    assert keys == {guest_attributes.key(f) for f in guest_attributes.FIELDS} - {"error"}
 
 
 def test_watcher_reports_failed_when_the_wait_itself_fails(tmp_path, metadata):

@@ -88,7 +88,8 @@ def test_param_counts_match_the_built_model():
 
     from trainer.model import build_model
 
-    for overrides in ([], ["model.tie_embeddings=true", "model.moe_every=2", "model.num_kv_heads=2"]):
+    for overrides in ([], ["model.tie_embeddings=true", "model.moe_every=2", "model.num_kv_heads=2"],
+                      ["moe.num_shared_experts=2", "moe.shared_d_ff=24"]):
         cfg = load_config("tiny", overrides)
         params = nnx.state(nnx.eval_shape(lambda cfg=cfg: build_model(cfg)), nnx.Param)
         assert sum(x.size for x in jax.tree.leaves(params)) == flops.param_counts(cfg)["total"]
@@ -105,6 +106,16 @@ def test_flops_and_peaks():
     assert flops.mfu(tiny, 1.0, 1, "cpu") is None
     assert flops.mfu(tiny, 1.0, 2, "TPU v5 lite") == flops.flops_per_step(tiny) / (2 * 197e12)
     assert flops.flops_per_step(tiny) == flops.flops_per_token(tiny) * 16 * 64
+
+
+def test_shared_experts_are_sized_by_shared_d_ff_in_the_mfu():
+    """Two shared experts of width 24 (not moe.d_ff=64): every token passes through both, in each
+    of tiny's two MoE layers, so the MFU's FLOPs grow by exactly 6 x 2 layers x 2 x 3 x 64 x 24."""
+    plain = load_config("tiny")
+    shared = load_config("tiny", ["moe.num_shared_experts=2", "moe.shared_d_ff=24"])
+    assert flops.param_counts(shared)["active"] - flops.param_counts(plain)["active"] == 2 * 2 * 3 * 64 * 24
+    assert flops.flops_per_token(shared) - flops.flops_per_token(plain) == 6 * 2 * 2 * 3 * 64 * 24
+    assert flops.mfu(shared, 1.0, 1, "TPU v5 lite") > flops.mfu(plain, 1.0, 1, "TPU v5 lite")
 
 
 def test_config_is_frozen():

@@ -1,0 +1,100 @@
+"""What every target declares, and the trainer's reports that every target reads.
+
+A target is one place a run can train. `provision.runs.Runner` holds one and calls only
+what `Target` declares, so a new kind of target is a module under provision/targets/ and
+one line in `provision.targets.KINDS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from provision.resources import Resource
+
+# Trainer states, as the status file and the guest attributes carry them (trainer/status.py).
+ENDED = {"finished", "failed", "stopped"}
+
+
+@dataclass
+class Report:
+    """What a target says about training right now.
+
+    phase: waiting (no trainer yet), starting, running, finished, failed, preempted, deleted (by a
+    person: a deletion or cancellation that the service did not initiate; never recovered from).
+    """
+
+    phase: str
+    step: int | None = None
+    total_steps: int | None = None
+    start_step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    worker: str | None = None
+    detail: str | None = None
+
+
+@runtime_checkable
+class Target(Protocol):
+    """One place a run trains, as the run loop sees it.
+
+    kind: the config's `target` value; chips: the chips it bills for while it runs.
+    """
+
+    kind: str
+    chips: int
+
+    def describe(self) -> str:
+        """One line on what is provisioned (the timeline's `target`)."""
+
+    def price(self) -> float:
+        """US dollars per hour while it is up (the catalogue's upper bound)."""
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        """Create (or adopt) what the run trains on and wait until the trainer can start on it.
+        A refusal by the API is a UsageError; any other failure a MoeTpuError."""
+
+    def report(self) -> Report:
+        """The trainer's state on it now; `preempted` when the capacity went away."""
+
+    def teardown(self) -> list[Resource]:
+        """Delete everything of the run on it; the resources deleted."""
+
+    def left(self) -> list[Resource]:
+        """What of the run exists on it now (what an interrupt or a failed teardown left)."""
+
+
+def _number(value, kind=float):
+    try:
+        return kind(value) if value not in (None, "", "null", "None") else None
+    except (TypeError, ValueError):
+        return None
+
+
+def report_from_status(status: dict, worker: str | None = None) -> Report:
+    """A Report from one trainer status (status.json fields, or guest attributes with dashes)."""
+    get = lambda key: status.get(key, status.get(key.replace("_", "-")))  # noqa: E731
+    state = str(get("state") or "starting")
+    phase = {"stopped": "preempted"}.get(state, state)
+    detail = get("error") or (f"exit code {get('exit_code')}" if state == "failed" else None)
+    if state == "stopped" and not detail:
+        detail = f"the trainer was stopped by a signal at step {get('step')} (a preemption notice)"
+    return Report(phase=phase, step=_number(get("step"), int), total_steps=_number(get("total_steps"), int),
+                  start_step=_number(get("start_step"), int), loss=_number(get("loss")),
+                  tokens_per_s=_number(get("tokens_per_s")), worker=worker, detail=detail)
+
+
+def combine(reports: list[Report]) -> Report:
+    """One run's report from its workers': any failure fails it, all must finish, worker 0 speaks."""
+    if not reports:
+        return Report("starting")
+    for phase in ("failed", "preempted"):
+        bad = [r for r in reports if r.phase == phase]
+        if bad:
+            return bad[0]
+    if all(r.phase == "finished" for r in reports):
+        return reports[0]
+    lead = reports[0]
+    if lead.phase == "finished":  # worker 0 is done, others are still writing their last checkpoint
+        lead = Report(**{**lead.__dict__, "phase": "running"})
+    return lead

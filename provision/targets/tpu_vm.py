@@ -1,0 +1,87 @@
+"""A TPU v5e slice on a queued resource (`target: tpu-vm`).
+
+The startup script runs the trainer on every worker; each worker publishes the trainer's
+state as guest attributes (provision/guest_attributes.py), which `report` reads and combines.
+"""
+
+from __future__ import annotations
+
+from provision import catalogue, guest_attributes
+from provision.resources import Resource, project_of, short
+from provision.targets.base import Report, combine, report_from_status
+
+GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
+
+
+class SliceTarget:
+    """A TPU v5e slice on a queued resource; the startup script runs the trainer on every worker."""
+
+    kind = "tpu-vm"
+
+    def __init__(self, cfg, session, console, *, templates_dir=None, output_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.console = console
+        self.templates_dir = templates_dir
+        self.output_dir = output_dir or cfg.trainer.output_dir
+        self.zone: str | None = None
+        self.queued_resource: str | None = None
+        self.chips = cfg.accelerator_type().chips * cfg.slice.count
+
+    def describe(self) -> str:
+        return f"{self.cfg.slice.count} x {self.cfg.slice.accelerator} ({self.cfg.slice.capacity})"
+
+    def price(self) -> float:
+        return self.chips * catalogue.price_per_chip_hour(self.cfg.slice.capacity)
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        """Provision the slice: the zone it last ran in first, then the others in config order."""
+        from provision.slices import slice_up
+
+        zones = list(self.cfg.zones)
+        if self.zone in zones:
+            zones.remove(self.zone)
+            zones.insert(0, self.zone)
+        resources = slice_up(self.cfg.model_copy(update={"zones": zones}), self.session, self.console,
+                             self.templates_dir, attempt=attempt)
+        self.zone, self.queued_resource = resources[0].zone, resources[0].name
+        return resources
+
+    def report(self) -> Report:
+        from provision.slices import failure_of, nodes_of, state_name
+
+        tpu = self.session.tpu
+        qr = tpu.get_queued_resource(self.queued_resource)
+        if qr is None:  # the service suspends a preempted queued resource; only a delete removes one
+            return Report("deleted", detail=f"queued resource {short(self.queued_resource)} is gone")
+        state = state_name(qr)
+        if state == "DELETING":
+            return Report("deleted", detail=f"queued resource {short(self.queued_resource)} is DELETING "
+                                            f"(by {qr.state.state_initiator.name})")
+        if state != "ACTIVE":
+            code, message = failure_of(qr)
+            initiator = qr.state.state_initiator.name
+            return Report("preempted", detail=f"queued resource {state} (by {initiator})"
+                                              + (f": code {code}: {message}" if message else ""))
+        project = project_of(self.cfg, self.session)
+        reports = []
+        for node in nodes_of(self.session, project, self.zone, qr):
+            if node.state.name != "READY":
+                return Report("preempted", detail=f"node {short(node.name)} is {node.state.name}")
+            workers = tpu.get_guest_attributes(node.name, GUEST_NAMESPACE)
+            if workers is None:
+                return Report("preempted", detail=f"node {short(node.name)} is gone")
+            for index, attrs in enumerate(workers):
+                if attrs:
+                    reports.append(report_from_status(attrs, worker=f"{short(node.name)} worker {index}"))
+        return combine(reports) if reports else Report("waiting")
+
+    def teardown(self) -> list[Resource]:
+        from provision.slices import slice_down
+
+        return slice_down(self.cfg, self.session, self.console)
+
+    def left(self) -> list[Resource]:
+        from provision.slices import slice_status
+
+        return slice_status(self.cfg, self.session)

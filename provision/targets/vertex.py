@@ -1,0 +1,95 @@
+"""A Vertex AI custom job (`target: vertex`).
+
+The trainer reports through the status file it writes to its output directory; the job's
+own state decides how the run ended.
+"""
+
+from __future__ import annotations
+
+from provision import catalogue, storage
+from provision.resources import Resource, project_of, short
+from provision.targets.base import ENDED, Report, report_from_status
+
+PREEMPTION_MARKERS = ("preempt", "spot vm", "was reclaimed")
+
+
+class JobTarget:
+    """A Vertex AI custom job; the trainer reports through the status file in its output directory."""
+
+    kind = "vertex"
+
+    def __init__(self, cfg, session, console, *, templates_dir=None, output_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.console = console
+        self.templates_dir = templates_dir
+        self.output_dir = output_dir or cfg.trainer.output_dir
+        self.job: str | None = None
+        acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
+        self.chips = acc.chips if acc else 0
+
+    def describe(self) -> str:
+        return f"{self.cfg.vertex.machine_type} {self.cfg.vertex.topology} ({self.cfg.vertex.scheduling})"
+
+    def price(self) -> float:
+        from provision.jobs import CAPACITY_OF_STRATEGY
+
+        return self.chips * catalogue.price_per_chip_hour(CAPACITY_OF_STRATEGY.get(self.cfg.vertex.scheduling,
+                                                                                    "on-demand"))
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        """Submit the job (or follow the one already submitted) and wait until it runs or ends."""
+        from provision.jobs import TERMINAL_STATES, job_resource, job_submit
+        from provision.waiting import poll
+
+        resource = job_submit(self.cfg, self.session, self.console, self.templates_dir)
+        self.job = resource.name
+        vertex = self.session.vertex(self.cfg.region)
+        wait = (self.cfg.vertex.max_wait.total_seconds() if self.cfg.vertex.max_wait else 0) + 7 * 86400
+        with self.console.progress(f"  waiting for job {short(self.job)} to start") as bar:
+            job = poll(lambda: vertex.get_custom_job(self.job),
+                       lambda j: j is None or j.state.name == "JOB_STATE_RUNNING" or j.state.name in TERMINAL_STATES,
+                       self.session.clock, timeout_s=wait, progress=bar,
+                       describe=lambda j, t: f"  job {short(self.job)}: {j.state.name if j else 'gone'}",
+                       what=f"custom job {short(self.job)} to start")
+        return [job_resource(job, self.cfg.region)] if job is not None else [resource]
+
+    def _status(self) -> dict | None:
+        return storage.read_json(storage.join(self.output_dir, "status.json"),
+                                 self.session.endpoint.credentials, self.cfg.project)
+
+    def report(self) -> Report:
+        from provision.jobs import error_of
+
+        job = self.session.vertex(self.cfg.region).get_custom_job(self.job)
+        if job is None:
+            return Report("deleted", detail=f"custom job {short(self.job)} is gone")
+        state = job.state.name
+        if state in ("JOB_STATE_QUEUED", "JOB_STATE_PENDING"):
+            return Report("waiting")
+        status = self._status()
+        trainer = report_from_status(status) if status else Report("starting")
+        if state == "JOB_STATE_SUCCEEDED":
+            return Report(**{**trainer.__dict__, "phase": "finished"})
+        if state in ("JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED"):
+            error = error_of(job) or state
+            preempted = any(marker in error.lower() for marker in PREEMPTION_MARKERS)
+            if state == "JOB_STATE_CANCELLED" and not preempted:
+                return Report("deleted", detail=f"custom job {short(self.job)} was cancelled")
+            return Report(**{**trainer.__dict__, "phase": "preempted" if preempted else "failed",
+                             "detail": error + (f"; trainer: {trainer.detail}" if trainer.detail else "")})
+        if trainer.phase in ENDED or trainer.phase == "preempted":
+            # An ended trainer in a running job: a status left by an earlier attempt, or a replica
+            # that Vertex is restarting. Either way the job's own state decides; wait for it.
+            return Report("starting")
+        return trainer
+
+    def teardown(self) -> list[Resource]:
+        from provision.jobs import jobs_down
+
+        return jobs_down(self.cfg, self.session, self.console)
+
+    def left(self) -> list[Resource]:
+        from provision.jobs import managed_jobs
+
+        return managed_jobs(self.session, project_of(self.cfg, self.session), self.cfg.region, run=self.cfg.run)
