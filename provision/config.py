@@ -45,6 +45,19 @@ _IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _SERVICE_ACCOUNT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[a-z0-9.-]+\.iam\.gserviceaccount\.com$"
                               r"|^[0-9]+-compute@developer\.gserviceaccount\.com$")
 _VERTEX_NETWORK = re.compile(r"^projects/[0-9]+/global/networks/[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Compute Engine network and subnetwork names (RFC 1035, at most 63), or their resource names.
+_NETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/global/networks/)?[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_SUBNETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/regions/[a-z]+-[a-z]+[0-9]+/subnetworks/)?"
+                         r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Cloud Storage: gs://BUCKET[/PATH]; bucket names are 3 to 63 lowercase letters, digits, '-', '_' and '.'
+# (up to 222 with dots), starting and ending with a letter or digit; the path has no spaces or control
+# characters (it reaches a shell script and a container's flags).
+_GCS_URL = re.compile(r"^gs://(?=[a-z0-9._-]{3,222}(/|$))[a-z0-9]([a-z0-9_-]|\.(?!\.))*[a-z0-9](/[^\s]*)?$")
+# Where a local trainer.output_dir must never be: the startup script chowns it and mounts it into
+# the container.
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc",
+               "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+_SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 _MESH = re.compile(r"^[a-z]+=[0-9]+(,[a-z]+=[0-9]+)*$")
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # Config durations stay far below what a request's Duration can hold; nobody queues or trains for longer.
@@ -158,6 +171,31 @@ class SliceConfig(_Section):
     def _duration(cls, value: Any) -> timedelta:
         return _positive_duration(value)
 
+    @field_validator("network")
+    @classmethod
+    def _network_name(cls, value: str) -> str:
+        if not _NETWORK.match(value):
+            raise _fail(f"network {_brief(value)} is not a network name (lowercase letters, digits and hyphens, "
+                        "starting with a letter, at most 63) nor projects/PROJECT/global/networks/NAME")
+        return value
+
+    @field_validator("subnetwork")
+    @classmethod
+    def _subnetwork_name(cls, value: str | None) -> str | None:
+        if value is not None and not _SUBNETWORK.match(value):
+            raise _fail(f"subnetwork {_brief(value)} is not a subnetwork name (lowercase letters, digits and "
+                        "hyphens, starting with a letter, at most 63) nor "
+                        "projects/PROJECT/regions/REGION/subnetworks/NAME")
+        return value
+
+    @field_validator("service_account")
+    @classmethod
+    def _service_account_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _SERVICE_ACCOUNT.match(value):
+            raise _fail(f"service account {_brief(value)} must be an email like "
+                        "trainer@my-project.iam.gserviceaccount.com")
+        return value
+
 
 class VertexConfig(_Section):
     machine_type: str = "ct5lp-hightpu-4t"
@@ -267,6 +305,26 @@ class TrainerConfig(_Section):
     def _not_empty(cls, value: str) -> str:
         if not value.strip():
             raise _fail("must not be empty")
+        return value
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_location(cls, value: str) -> str:
+        """A Cloud Storage location with a valid bucket name, or a local directory that is not a system one."""
+        if "://" in value or value.startswith("gs:"):
+            if not _GCS_URL.match(value):
+                raise _fail(f"output_dir {_brief(value)} is not a Cloud Storage location like gs://my-bucket/run "
+                            "(bucket names: 3 to 63 lowercase letters, digits, '-', '_' or '.', starting and "
+                            "ending with a letter or digit; no spaces)")
+            return value
+        if any(not ch.isprintable() for ch in value) or value != value.strip():
+            raise _fail(f"output_dir {_brief(value)} holds control characters or surrounding spaces")
+        normal = "/" + "/".join(part for part in value.split("/") if part and part != ".") if value.startswith("/") \
+            else None
+        if normal is not None and (normal in SYSTEM_DIRS or normal.startswith(tuple(t + "/" for t in _SYSTEM_TREES))
+                                   or ".." in normal.split("/")):
+            raise _fail(f"output_dir {_brief(value)} is a system directory (or inside one): the trainer's VM "
+                        "would take it over; use gs://BUCKET/PATH, or a directory of its own such as /mnt/moe")
         return value
 
     @field_validator("mesh")
@@ -586,7 +644,11 @@ def trainer_problems(cfg: Config) -> list[Problem]:
         if key is None:
             key = "trainer.steps" if "steps" in message and cfg.trainer.steps is not None else "trainer.config"
         return [Problem(str(cfg.source), key, f"the trainer rejects it: {message}")]
-    return []
+    try:
+        from provision.planner import mesh_problems
+    except ImportError:  # the planner needs the trainer's packages too
+        return []
+    return [Problem(str(cfg.source), key, message) for key, message in mesh_problems(cfg)]
 
 
 def config_from_dict(raw: Any, source: Path | str = DEFAULT_CONFIG) -> Config:
@@ -598,6 +660,27 @@ def config_from_dict(raw: Any, source: Path | str = DEFAULT_CONFIG) -> Config:
         raise ConfigError([Problem(file, "", "the config must be a YAML mapping of keys "
                                              "(project, region, zones, run, ...)")])
     return _validate(dict(raw), file, [], {})
+
+
+def _control_characters(raw: Any, path: str = "") -> list[tuple[str, str]]:
+    """(dotted key, message) for every string value (or key) holding a NUL or another control character:
+    values reach templates, a shell script and request bodies, where such a character is never meant."""
+    found: list[tuple[str, str]] = []
+    stack: list[tuple[Any, str]] = [(raw, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                dotted = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and not key.isprintable():
+                    found.append((dotted, f"key {_brief(key)} holds control characters"))
+                stack.append((value, dotted))
+        elif isinstance(node, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(node))
+        elif isinstance(node, str) and not node.isprintable():
+            found.append((where, f"{_brief(node)} holds a control character (NUL, a newline, an escape...); "
+                                 "values reach templates and a shell script, so they must be plain text"))
+    return found
 
 
 def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Problem]:
@@ -625,6 +708,7 @@ def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: di
             key = _dotted(err["loc"])
             failed.add(key)
             problems.append(Problem(file, key, _message(err)))
+    problems += [Problem(file, key, msg) for key, msg in _control_characters(raw) if key not in failed]
     problems += [Problem(file, key, msg) for key, msg in _cross_checks(lambda k: _get(raw, failed, k))]
     if problems or config is None:
         raise ConfigError(_in_file_order(problems, lines))

@@ -379,3 +379,44 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
     assert "waiting for another moe-tpu command (pid 4242) that holds" in err and "emulator.json.lock" in err
     assert "gave up after 2s" in err
     assert invoke("--dry-run", "slice", "status")[0] == 0  # once it lets go, all is well
+
+
+# --- 11. caught at validate, not after provisioning --------------------------------------------
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"trainer__mesh": "data=4,expert=4"}, "trainer.mesh: the trainer refuses it: mesh data=4,expert=4 covers "
+                                           "16 chips, but the target (v5litepod-64) has 64"),
+    ({"slice__count": 2}, "covers 64 chips, but the target (v5litepod-64 x 2) has 128"),
+    ({"trainer__mesh": "data=8,model=8"}, "trainer.mesh: the trainer refuses it: mesh expects data=D,expert=E"),
+    ({"trainer__mesh": "data=4,expert=16", "trainer__overrides": {"moe.num_experts": 24}},
+     "moe.num_experts (24) is not divisible by the mesh's expert axis (16)"),
+    ({"dry_run": {"devices": 4, "mesh": "data=2,expert=4"}}, "dry_run.mesh: the trainer refuses it: mesh "
+                                                            "data=2,expert=4 covers 8 chips, but dry_run.devices is 4"),
+    ({"dry_run": {"trainer_config": "nosuch"}}, "dry_run.trainer_config: the trainer rejects it: unknown config"),
+    ({"slice__network": "My Net"}, "slice.network: network 'My Net' is not a network name"),
+    ({"slice__subnetwork": "sub net"}, "slice.subnetwork: subnetwork 'sub net' is not a subnetwork name"),
+    ({"slice__service_account": "nobody"}, "slice.service_account: service account 'nobody' must be an email"),
+    ({"trainer__output_dir": "gs://"}, "trainer.output_dir: output_dir 'gs://' is not a Cloud Storage location"),
+    ({"trainer__output_dir": "gs://My-Bucket/x"}, "output_dir 'gs://My-Bucket/x' is not a Cloud Storage location"),
+    ({"trainer__output_dir": "gs://my-bucket/a b"}, "output_dir 'gs://my-bucket/a b' is not a Cloud Storage"),
+    ({"trainer__overrides": {"data.path": "a\x00b"}}, "trainer.overrides.data.path: 'a\\x00b' holds a control"),
+    ({"image__staging": "gs://my-bucket/\x1b[2J"}, "image.staging: 'gs://my-bucket/\\x1b[2J' holds a control"),
+])
+def test_mistakes_a_run_would_hit_after_provisioning_fail_validate_and_run(workdir, changes, needle):
+    _config(workdir, **changes)
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert needle in err and "\x1b" not in err and "\x00" not in err
+    code, out, err = invoke("--dry-run", "--output", "json", "run")
+    _no_traceback(code, err)
+    assert not any(c["rpc"].endswith("Create" + "QueuedResource") for c in json.loads(out)["calls"])
+
+
+@pytest.mark.parametrize("output_dir", ["/", "/etc/moe", "/usr", "//", "/proc/self"])
+def test_a_system_directory_is_no_output_dir(workdir, output_dir):
+    _config(workdir, "local.yaml", trainer__output_dir=output_dir)
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert "is a system directory" in err
+    _config(workdir, "local.yaml", trainer__output_dir="/mnt/moe")
+    assert invoke("validate")[0] == 0
