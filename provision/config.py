@@ -50,9 +50,9 @@ _NETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/global/networks/
 _SUBNETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/regions/[a-z]+-[a-z]+[0-9]+/subnetworks/)?"
                          r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 # Cloud Storage: gs://BUCKET[/PATH]; bucket names are 3 to 63 lowercase letters, digits, '-', '_' and '.'
-# (up to 222 with dots), starting and ending with a letter or digit; the path has no spaces or control
-# characters (it reaches a shell script and a container's flags).
-_GCS_URL = re.compile(r"^gs://(?=[a-z0-9._-]{3,222}(/|$))[a-z0-9]([a-z0-9_-]|\.(?!\.))*[a-z0-9](/[^\s]*)?$")
+# (up to 222 with dots), starting and ending with a letter or digit (the path: any object name; control
+# characters are refused for every value).
+_GCS_URL = re.compile(r"^gs://(?=[a-z0-9._-]{3,222}(/|$))[a-z0-9]([a-z0-9_-]|\.(?!\.))*[a-z0-9](/.*)?$")
 # Where a local trainer.output_dir must never be: the startup script chowns it and mounts it into
 # the container.
 SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc",
@@ -77,12 +77,12 @@ def parse_duration(value: Any) -> timedelta:
     text = value.strip() if isinstance(value, str) else None
     match = _DURATION.match(text) if text else None
     if not match:
-        raise ValueError(f"duration {value!r} must look like 2h, 30m, 90s or 1h30m")
+        raise ValueError(f"duration {_brief(value)} must look like 2h, 30m, 90s or 1h30m")
     hours, minutes, seconds = (int(g or 0) for g in match.groups())
     try:
         return timedelta(hours=hours, minutes=minutes, seconds=seconds)
     except OverflowError:
-        raise ValueError(f"duration {value!r} is too long (at most {format_duration(MAX_DURATION)})") from None
+        raise ValueError(f"duration {_brief(value)} is too long (at most {format_duration(MAX_DURATION)})") from None
 
 
 def format_duration(delta: timedelta) -> str:
@@ -99,9 +99,9 @@ def _positive_duration(value: Any) -> timedelta:
     except ValueError as exc:
         raise _fail(str(exc)) from None
     if delta <= timedelta(0):
-        raise _fail(f"duration {value!r} must be longer than 0s")
+        raise _fail(f"duration {_brief(value)} must be longer than 0s")
     if delta > MAX_DURATION:
-        raise _fail(f"duration {value!r} is too long: at most {format_duration(MAX_DURATION)} (30 days)")
+        raise _fail(f"duration {_brief(value)} is too long: at most {format_duration(MAX_DURATION)} (30 days)")
     return delta
 
 
@@ -112,7 +112,7 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
 
 def _zone_name(zone: str) -> str:
     if not _ZONE.match(zone):
-        raise _fail(f"zone {zone!r} is not a zone name like us-west4-a")
+        raise _fail(f"zone {_brief(zone)} is not a zone name like us-west4-a")
     return zone  # one the catalogue does not list for v5e is a warning (Config.warnings)
 
 
@@ -136,7 +136,7 @@ class SliceConfig(_Section):
     def _known_accelerator(cls, value: str) -> str:
         if value not in catalogue.ACCELERATORS:
             names = list(catalogue.ACCELERATORS)
-            raise _fail(f"unknown accelerator type {value!r}{_did_you_mean(value, names)} "
+            raise _fail(f"unknown accelerator type {_brief(value)}{_did_you_mean(value, names)} "
                         f"(v5e types: {', '.join(names)})")
         return value
 
@@ -161,7 +161,7 @@ class SliceConfig(_Section):
                 and parts[4] == "reservations" and bool(_PROJECT.match(parts[1])) and bool(_ZONE.match(parts[3])))
         name = parts[5] if full else value
         if (len(parts) != 1 and not full) or not _RFC1035.match(name) or len(name) > MAX_ID_LENGTH:
-            raise _fail(f"reservation {value!r} is not a reservation name (lowercase letters, digits and "
+            raise _fail(f"reservation {_brief(value)} is not a reservation name (lowercase letters, digits and "
                         "hyphens, starting with a letter, at most 63) nor "
                         "projects/PROJECT/locations/ZONE/reservations/NAME")
         return value
@@ -219,14 +219,15 @@ class VertexConfig(_Section):
     @classmethod
     def _service_account_shape(cls, value: str | None) -> str | None:
         if value is not None and not _SERVICE_ACCOUNT.match(value):
-            raise _fail(f"service account {value!r} must be an email like trainer@my-project.iam.gserviceaccount.com")
+            raise _fail(f"service account {_brief(value)} must be an email like "
+                        "trainer@my-project.iam.gserviceaccount.com")
         return value
 
     @field_validator("network")
     @classmethod
     def _network_shape(cls, value: str | None) -> str | None:
         if value is not None and not _VERTEX_NETWORK.match(value):
-            raise _fail(f"network {value!r} must look like projects/PROJECT_NUMBER/global/networks/NAME")
+            raise _fail(f"network {_brief(value)} must look like projects/PROJECT_NUMBER/global/networks/NAME")
         return value
 
     @field_validator("machine_type")
@@ -234,7 +235,7 @@ class VertexConfig(_Section):
     def _known_machine_type(cls, value: str) -> str:
         names = list(catalogue.VERTEX_MACHINE_TOPOLOGIES)
         if value not in names:
-            raise _fail(f"unknown Vertex machine type {value!r}{_did_you_mean(value, names)} "
+            raise _fail(f"unknown Vertex machine type {_brief(value)}{_did_you_mean(value, names)} "
                         f"(v5e machine types: {', '.join(names)})")
         return value
 
@@ -243,7 +244,7 @@ class VertexConfig(_Section):
     def _known_topology(cls, value: str) -> str:
         if catalogue.accelerator_for_topology(value) is None:
             topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
-            raise _fail(f"unknown v5e topology {value!r} (v5e topologies: {', '.join(topologies)})")
+            raise _fail(f"unknown v5e topology {_brief(value)} (v5e topologies: {', '.join(topologies)})")
         return value
 
 
@@ -261,7 +262,7 @@ class ImageConfig(_Section):
     @classmethod
     def _repository_shape(cls, value: str) -> str:
         if not _IMAGE_REPOSITORY.match(value):
-            raise _fail(f"image repository {value!r} does not look like HOST/PROJECT/REPOSITORY/IMAGE "
+            raise _fail(f"image repository {_brief(value)} does not look like HOST/PROJECT/REPOSITORY/IMAGE "
                         "(e.g. us-west4-docker.pkg.dev/my-project/moe/trainer; the tag goes in image.tag)")
         return value
 
@@ -269,7 +270,7 @@ class ImageConfig(_Section):
     @classmethod
     def _tag_shape(cls, value: str | None) -> str | None:
         if value is not None and not _IMAGE_TAG.match(value):
-            raise _fail(f"image tag {value!r} is not a valid tag (letters, digits, '_', '.', '-'; "
+            raise _fail(f"image tag {_brief(value)} is not a valid tag (letters, digits, '_', '.', '-'; "
                         "at most 128 characters)")
         return value
 
@@ -277,14 +278,15 @@ class ImageConfig(_Section):
     @classmethod
     def _staging_shape(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$", value):
-            raise _fail(f"image staging {value!r} must be a Cloud Storage location like gs://my-bucket/staging")
+            raise _fail(f"image staging {_brief(value)} must be a Cloud Storage location like gs://my-bucket/staging")
         return value.rstrip("/") if value is not None else None
 
     @field_validator("build_service_account")
     @classmethod
     def _build_account_shape(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^[a-z0-9][a-z0-9-]{4,61}@[a-z0-9.-]+\.gserviceaccount\.com$", value):
-            raise _fail(f"service account {value!r} must be an email like builder@my-project.iam.gserviceaccount.com")
+            raise _fail(f"service account {_brief(value)} must be an email like "
+                        "builder@my-project.iam.gserviceaccount.com")
         return value
 
     @property
@@ -315,10 +317,8 @@ class TrainerConfig(_Section):
             if not _GCS_URL.match(value):
                 raise _fail(f"output_dir {_brief(value)} is not a Cloud Storage location like gs://my-bucket/run "
                             "(bucket names: 3 to 63 lowercase letters, digits, '-', '_' or '.', starting and "
-                            "ending with a letter or digit; no spaces)")
+                            "ending with a letter or digit)")
             return value
-        if any(not ch.isprintable() for ch in value) or value != value.strip():
-            raise _fail(f"output_dir {_brief(value)} holds control characters or surrounding spaces")
         normal = "/" + "/".join(part for part in value.split("/") if part and part != ".") if value.startswith("/") \
             else None
         if normal is not None and (normal in SYSTEM_DIRS or normal.startswith(tuple(t + "/" for t in _SYSTEM_TREES))
@@ -331,7 +331,7 @@ class TrainerConfig(_Section):
     @classmethod
     def _mesh_shape(cls, value: str | None) -> str | None:
         if value is not None and not _MESH.match(value):
-            raise _fail(f"mesh {value!r} must look like data=8,expert=8")
+            raise _fail(f"mesh {_brief(value)} must look like data=8,expert=8")
         return value
 
     @field_validator("steps")
@@ -347,12 +347,12 @@ class TrainerConfig(_Section):
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise _fail(f"overrides must be a mapping of key: value, got {value!r}")
+            raise _fail(f"overrides must be a mapping of key: value, got {_brief(value)}")
         for key, item in value.items():
             if not isinstance(key, str) or not _OVERRIDE_KEY.match(key):
-                raise _fail(f"override key {key!r} must be a dotted name like model.num_experts")
+                raise _fail(f"override key {_brief(key)} must be a dotted name like model.num_experts")
             if not isinstance(item, (str, int, float, bool)):
-                raise _fail(f"override {key!r} must be a string, a number or true/false, got {item!r}")
+                raise _fail(f"override {_brief(key)} must be a string, a number or true/false, got {_brief(item)}")
         return value
 
     def set_flags(self) -> list[str]:
@@ -395,7 +395,7 @@ class DryRunConfig(_Section):
     @classmethod
     def _mesh_shape(cls, value: str) -> str:
         if not _MESH.match(value):
-            raise _fail(f"mesh {value!r} must look like data=2,expert=4")
+            raise _fail(f"mesh {_brief(value)} must look like data=2,expert=4")
         return value
 
 
@@ -432,7 +432,7 @@ class Config(BaseModel):
     @classmethod
     def _project_shape(cls, value: str | None) -> str | None:
         if value is not None and not _PROJECT.match(value):
-            raise _fail(f"project id {value!r} must be 6 to 30 lowercase letters, digits or hyphens, "
+            raise _fail(f"project id {_brief(value)} must be 6 to 30 lowercase letters, digits or hyphens, "
                         "start with a letter and not end with a hyphen")
         return value
 
@@ -440,7 +440,7 @@ class Config(BaseModel):
     @classmethod
     def _region_shape(cls, value: str) -> str:
         if not _REGION.match(value):
-            raise _fail(f"region {value!r} is not a region name like us-west4")
+            raise _fail(f"region {_brief(value)} is not a region name like us-west4")
         return value
 
     @field_validator("zones")
@@ -457,10 +457,10 @@ class Config(BaseModel):
     @classmethod
     def _run_name(cls, value: str) -> str:
         if not _RFC1035.match(value):
-            raise _fail(f"run name {value!r} must be lowercase letters, digits and hyphens, start with a "
+            raise _fail(f"run name {_brief(value)} must be lowercase letters, digits and hyphens, start with a "
                         "letter and not end with a hyphen (it becomes resource ids: RFC 1035)")
         if len(value) > MAX_RUN_LENGTH:
-            raise _fail(f"run name {value!r} is {len(value)} characters; at most {MAX_RUN_LENGTH}, so that "
+            raise _fail(f"run name {_brief(value)} is {len(value)} characters; at most {MAX_RUN_LENGTH}, so that "
                         f"the resource ids derived from it stay within {MAX_ID_LENGTH}")
         return value
 
@@ -583,12 +583,12 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
     if isinstance(region, str) and isinstance(zones, list):
         for i, zone in enumerate(zones):
             if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != region:
-                found.append((f"zones[{i}]", f"zone {zone!r} is not in region {region!r}"))
+                found.append((f"zones[{i}]", f"zone {_brief(zone)} is not in region {_brief(region)}"))
     acc_name, runtime = get("slice.accelerator"), get("slice.runtime_version")
     if isinstance(acc_name, str) and isinstance(runtime, str) and acc_name in catalogue.ACCELERATORS:
         fits = catalogue.accelerator(acc_name).runtime_versions
         if runtime not in fits:
-            found.append(("slice.runtime_version", f"runtime version {runtime!r} does not fit {acc_name}; "
+            found.append(("slice.runtime_version", f"runtime version {_brief(runtime)} does not fit {acc_name}; "
                                                    f"use {', '.join(fits)}"))
     capacity, reservation = get("slice.capacity"), get("slice.reservation")
     if capacity == "reserved" and reservation is None:
@@ -601,7 +601,7 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
         res_zone = reservation.split("/")[3]
         others = [z for z in zones if isinstance(z, str) and z != res_zone]
         if others:  # a TPU consumes a reservation in its own zone only
-            found.append(("slice.reservation", f"reservation {reservation!r} is in {res_zone}; it cannot serve "
+            found.append(("slice.reservation", f"reservation {_brief(reservation)} is in {res_zone}; it cannot serve "
                                                f"zone(s) {', '.join(others)} (list only {res_zone} in `zones:`, "
                                                "or give the reservation's short name)"))
     machine, topology = get("vertex.machine_type"), get("vertex.topology")

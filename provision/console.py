@@ -49,7 +49,7 @@ class Console:
         text = Text()
         if prefix:
             text.append(prefix[0], style=prefix[1])
-        text.append(message, style=style)
+        text.append(_printable(message), style=style)
         self._stderr().print(text)
 
     def info(self, message: str) -> None:
@@ -90,6 +90,15 @@ class Console:
             yield bar
         finally:
             bar.close()
+
+
+def _printable(message: str) -> str:
+    """The message with terminal control characters escaped (a value from a file or the command line
+    never moves the cursor, clears the screen or rings the bell); line breaks stay."""
+    if message.isprintable():
+        return message
+    return "".join(ch if ch.isprintable() or ch in "\n" else ch.encode("unicode_escape").decode("ascii")
+                   for ch in message)
 
 
 class Progress:

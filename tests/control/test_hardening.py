@@ -398,7 +398,7 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
     ({"slice__service_account": "nobody"}, "slice.service_account: service account 'nobody' must be an email"),
     ({"trainer__output_dir": "gs://"}, "trainer.output_dir: output_dir 'gs://' is not a Cloud Storage location"),
     ({"trainer__output_dir": "gs://My-Bucket/x"}, "output_dir 'gs://My-Bucket/x' is not a Cloud Storage location"),
-    ({"trainer__output_dir": "gs://my-bucket/a b"}, "output_dir 'gs://my-bucket/a b' is not a Cloud Storage"),
+    ({"trainer__output_dir": "gs://my bucket/a"}, "output_dir 'gs://my bucket/a' is not a Cloud Storage"),
     ({"trainer__overrides": {"data.path": "a\x00b"}}, "trainer.overrides.data.path: 'a\\x00b' holds a control"),
     ({"image__staging": "gs://my-bucket/\x1b[2J"}, "image.staging: 'gs://my-bucket/\\x1b[2J' holds a control"),
 ])
@@ -420,3 +420,67 @@ def test_a_system_directory_is_no_output_dir(workdir, output_dir):
     assert "is a system directory" in err
     _config(workdir, "local.yaml", trainer__output_dir="/mnt/moe")
     assert invoke("validate")[0] == 0
+
+
+# --- 12. state files and what the user owns -------------------------------------------------------
+
+def test_emulator_reset_deletes_only_an_emulated_world(workdir):
+    config = _config(workdir)
+    before = config.read_text()
+    code, out, err = invoke("emulator", "reset", "--state", str(config))
+    _no_traceback(code, err)
+    assert "is not an emulated world" in err and config.read_text() == before
+
+
+def test_emulator_reset_clears_the_dry_runs_too_and_says_so(workdir):
+    _config(workdir)
+    runs = workdir / ".moe-tpu" / "runs" / "moe-demo" / "output"
+    runs.mkdir(parents=True)
+    (runs / "status.json").write_text('{"state": "finished", "step": 40, "total_steps": 40}')
+    code, out, err = invoke("emulator", "reset")
+    assert code == 0, err
+    assert "dry-run runs cleared: moe-demo" in out and not (workdir / ".moe-tpu" / "runs" / "moe-demo").exists()
+
+
+@pytest.mark.parametrize("name", ["last-config", "emulator.json", "emulator.json.lock"])
+def test_no_state_file_is_written_through_a_symlink(workdir, name):
+    _config(workdir)
+    victim = workdir / "precious.txt"
+    victim.write_text("mine\n")
+    (workdir / ".moe-tpu").mkdir()
+    (workdir / ".moe-tpu" / name).symlink_to(victim)
+    code, out, err = invoke("--dry-run", "slice", "status")
+    assert victim.read_text() == "mine\n"
+    assert "Traceback" not in err and "internal error" not in err
+    assert f".moe-tpu/{name} is a symbolic link" in err
+    if name != "last-config":  # the world or its lock: the command cannot go on (exit 2)
+        assert code == 2, err
+
+
+def test_render_out_never_writes_through_a_symlink(workdir):
+    _config(workdir)
+    victim = workdir / "precious.txt"
+    victim.write_text("mine\n")
+    out_dir = workdir / "rendered"
+    out_dir.mkdir()
+    (out_dir / "startup.sh").symlink_to(victim)
+    code, out, err = invoke("render", "--out", str(out_dir))
+    _no_traceback(code, err)
+    assert "startup.sh is a symbolic link" in err and victim.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_a_config_or_state_path_that_is_no_file_is_exit_2_naming_it(workdir, kind):
+    path = workdir / "odd"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path = Path("/dev/zero")
+    code, out, err = invoke("validate", "-c", str(path))
+    _no_traceback(code, err)
+    assert str(path) in err and ("FIFO" in err or "device" in err or "directory" in err)
+    code, out, err = invoke("emulator", "reset", "--state", str(path))
+    _no_traceback(code, err)
+    assert str(path) in err
