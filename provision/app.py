@@ -6,6 +6,7 @@ cloud and the emulator; everything below it receives an endpoint and a clock.
 
 from __future__ import annotations
 
+import re
 import traceback
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,12 @@ STATE_DIR = ".moe-tpu"
 LAST_CONFIG = "last-config"
 # A config is a few kilobytes; past this a file is not one (and is not read whole).
 MAX_CONFIG_BYTES = 64 * 1024 * 1024
+
+
+def dry_run_commands(text: str) -> str:
+    """A message for a dry run: every `moe-tpu ...` command it suggests carries --dry-run, so that
+    following the hint acts on the emulated world, not on Google Cloud."""
+    return re.sub(r"`moe-tpu (?!--dry-run)", "`moe-tpu --dry-run ", text)
 
 
 class App:
@@ -205,7 +212,9 @@ class App:
                 if isinstance(exc, ConfigError):
                     extra["problems"] = [p.__dict__ for p in exc.problems]
                 console.emit(app.document("error", resources=[], **extra))
-        console.error(exc.message, exc.hint)
+        dry = app is not None and app.dry_run
+        console.error(dry_run_commands(exc.message) if dry else exc.message,
+                      dry_run_commands(exc.hint) if dry and exc.hint else exc.hint)
 
     def _what_exists(self) -> list[dict[str, Any]]:
         """The run's resources as they stand (after an interrupt); [] when none can be read."""
@@ -239,7 +248,8 @@ class App:
             if console.json_mode and app.command and not console.emitted:
                 console.emit(app.document("interrupted", resources=resources, error="interrupted", hint=hint,
                                           exit_code=130))
-        console.error("interrupted" if touched_cloud else "aborted", hint)
+        console.error("interrupted" if touched_cloud else "aborted",
+                      dry_run_commands(hint) if hint and app is not None and app.dry_run else hint)
 
     @classmethod
     def report_unexpected(cls, exc: BaseException) -> None:

@@ -98,6 +98,8 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
     except Exception as e:  # only with MOE_TRAIN_DEBUG=1, which shows the traceback
         status.end("failed", EXIT_RUNTIME, f"{type(e).__name__}: {e}")
         raise
+    finally:
+        _release_output_dir()
     if result.stopped_by_signal:
         status.end("stopped", EXIT_STOPPED, step=result.step)
         ctx.exit(EXIT_STOPPED)
@@ -172,10 +174,43 @@ def _check_output_dir(output_dir: str | None, status: RunStatus) -> str | None:
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="--output-dir") from None
     if jax.process_index() == 0:
+        if "://" not in output_dir:
+            _hold_output_dir(output_dir)
         name = f"{output_dir.rstrip('/')}/status.json" if "://" in output_dir else \
             os.path.join(output_dir, "status.json")
         _add_status_target(status, name, param_hint="--output-dir")
     return output_dir
+
+
+_held: list[int] = []  # the output directory's lock, held while the command trains
+
+
+def _release_output_dir() -> None:
+    while _held:
+        os.close(_held.pop())
+
+
+def _hold_output_dir(output_dir: str) -> None:
+    """One trainer per local output directory: a second one would write over the first one's checkpoints.
+    The lock (an flock on OUTPUT_DIR/.lock) goes when the command ends, or with the process when it is killed."""
+    import fcntl
+
+    path = os.path.join(output_dir, ".lock")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise click.BadParameter(f"cannot use {output_dir}: {e.strerror}", param_hint="--output-dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise click.UsageError(f"another trainer (pid {holder}) is training in {output_dir}; a second one would "
+                               "write over its checkpoints. Wait for it, or use another --output-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held.append(fd)
 
 
 def _initialize_distributed() -> None:

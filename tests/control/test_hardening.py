@@ -484,3 +484,11 @@ def test_a_config_or_state_path_that_is_no_file_is_exit_2_naming_it(workdir, kin
     code, out, err = invoke("emulator", "reset", "--state", str(path))
     _no_traceback(code, err)
     assert str(path) in err
+
+
+def test_hints_of_a_dry_run_suggest_dry_run_commands(workdir):
+    _config(workdir)
+    assert invoke("--dry-run", "slice", "up")[0] == 0
+    _config(workdir, slice__capacity="on-demand")
+    code, out, err = invoke("--dry-run", "slice", "up")
+    assert code == 1 and "`moe-tpu --dry-run down -c" in err and "`moe-tpu --dry-run slice up" in err, err

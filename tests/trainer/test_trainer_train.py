@@ -316,3 +316,22 @@ def test_bad_arguments_are_messages_never_tracebacks(tmp_path, args, code, needl
     assert result.exit_code == code, result.output
     assert needle in result.output and "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_second_trainer_on_the_same_output_directory_is_refused_naming_the_first(tmp_path):
+    import fcntl
+
+    from trainer import cli
+
+    lock = tmp_path / ".lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    os.pwrite(fd, b"4242\n", 0)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the first trainer, still running
+    try:
+        result = CliRunner().invoke(train_command, ["--config", "tiny", "--devices", "1", "--steps", "1",
+                                                    "--output-dir", str(tmp_path)])
+    finally:
+        os.close(fd)
+    assert result.exit_code == 2, result.output
+    assert f"another trainer (pid 4242) is training in {tmp_path}" in result.output
+    assert not (tmp_path / "checkpoints").exists() and not cli._held
