@@ -8,8 +8,8 @@ Dockerfile, so an unchanged tree gives the same tag on any checkout and is neith
 pushed again, and any change that would reach the image gives a new one. `run` and `slice up`
 use that tag when the config sets none (provision.rendering.image_uri).
 
-The Google client libraries (Cloud Build, Cloud Storage, google-auth) are imported inside the
-functions that use them; docker and `python -m build` run as subprocesses.
+Cloud Build, its upload and its credentials live in provision/cloud/build.py (the Google client
+libraries stay under provision/cloud/); docker and `python -m build` run as subprocesses.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 import tomllib
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,10 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import provision
-from provision import rendering
+from provision.cloud import build as cloud_build
 from provision.errors import CloudError, MissingDependency, MoeTpuError, UsageError
+from provision.templates import render
 
 DOCKERFILE_TEMPLATE = "Dockerfile.j2"
+# The image's entry point: the trainer. The container's arguments (provision.rendering.trainer_argv
+# after these) follow it.
+TRAINER_COMMAND = ("python", "-m", "trainer")
 DOCKERIGNORE_TEMPLATE = "dockerignore.j2"
 
 # The image's base and its JAX stack, pinned: the wheel's own dependencies float (pyproject.toml),
@@ -57,10 +60,6 @@ _SKIP_SUFFIXES = (".pyc", ".pyo")
 
 DOCKER_BUILDER = "docker"
 CLOUD_BUILDER = "cloud-build"
-CLOUD_BUILD_STEP_IMAGE = "gcr.io/cloud-builders/docker"
-CLOUD_BUILD_TIMEOUT_S = 3600
-CLOUD_BUILD_DONE = {"SUCCESS", "FAILURE", "INTERNAL_ERROR", "TIMEOUT", "CANCELLED", "EXPIRED"}
-_CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,11 @@ class ImagePlan:
     def uris(self) -> list[str]:
         """Every name the image gets: the content-hash tag first, then image.tag if the config sets one."""
         return [self.uri] + [f"{self.repository}:{t}" for t in self.extra_tags]
+
+    @property
+    def docker_build_args(self) -> list[str]:
+        """`docker build` for the image's platform with every tag (docker here, or Cloud Build's step)."""
+        return ["build", "--platform", PLATFORM, *[arg for uri in self.uris for arg in ("--tag", uri)]]
 
     @property
     def archive_uri(self) -> str | None:
@@ -156,15 +160,15 @@ def dockerfile_spec(root: Path) -> DockerfileSpec:
     return DockerfileSpec(
         base_image=BASE_IMAGE, wheel=wheel_name(root), extra="trainer", jax_version=JAX_VERSION,
         libtpu_version=LIBTPU_VERSION, user=TRAINER_USER, uid=TRAINER_UID, venv=VENV,
-        entrypoint=rendering.TRAINER_COMMAND,
+        entrypoint=TRAINER_COMMAND,
     )
 
 
 def context_files(root: Path, templates_dir: Path | None = None) -> dict[str, str]:
     """The rendered files of the build context, by name (the wheel joins them under dist/)."""
     spec = dockerfile_spec(root)
-    return {"Dockerfile": rendering.render(DOCKERFILE_TEMPLATE, spec, templates_dir),
-            ".dockerignore": rendering.render(DOCKERIGNORE_TEMPLATE, spec, templates_dir)}
+    return {"Dockerfile": render(DOCKERFILE_TEMPLATE, spec, templates_dir),
+            ".dockerignore": render(DOCKERIGNORE_TEMPLATE, spec, templates_dir)}
 
 
 def content_hash(root: Path, inputs: list[str], files: dict[str, str]) -> str:
@@ -309,21 +313,6 @@ def docker_status() -> tuple[bool, str]:
     return True, f"docker {probe.stdout.strip()}"
 
 
-def cloud_credentials() -> tuple[Any, str | None, str]:
-    """(credentials, their project, why not): Application Default Credentials, or None and the reason."""
-    try:
-        import google.auth
-        from google.auth import exceptions as auth_exceptions
-    except ImportError:
-        return None, None, "google-auth is not installed (pip install 'moe-tpu[image]')"
-    try:
-        credentials, project = google.auth.default(scopes=[_CLOUD_PLATFORM_SCOPE])
-    except auth_exceptions.DefaultCredentialsError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return None, None, f"no Google Cloud credentials ({first})"
-    return credentials, project, "Application Default Credentials"
-
-
 def choose_builder(requested: str) -> tuple[str, Any, str | None]:
     """(builder, credentials, project) for --builder auto|docker|cloud-build; exit 1 when neither works."""
     docker_ok, docker_why = docker_status() if requested in ("auto", DOCKER_BUILDER) else (False, "")
@@ -332,7 +321,7 @@ def choose_builder(requested: str) -> tuple[str, Any, str | None]:
     if requested == DOCKER_BUILDER:
         raise MoeTpuError(f"cannot build with docker: {docker_why}",
                           hint="start the docker daemon, or build with Cloud Build: --builder cloud-build")
-    credentials, project, cloud_why = cloud_credentials()
+    credentials, project, cloud_why = cloud_build.credentials()
     if credentials is not None:
         return CLOUD_BUILDER, credentials, project
     if requested == CLOUD_BUILDER:
@@ -356,10 +345,7 @@ def _docker_ok(*args: str) -> bool:
 
 
 def docker_build(plan: ImagePlan, context: Path, console: Any) -> None:
-    command = ["docker", "build", "--platform", PLATFORM]
-    for uri in plan.uris:
-        command += ["--tag", uri]
-    code, tail = _stream([*command, str(context)], console, "docker build")
+    code, tail = _stream(["docker", *plan.docker_build_args, str(context)], console, "docker build")
     if code != 0:
         raise MoeTpuError(f"docker build failed (exit {code}):\n" + "\n".join(tail),
                           hint=f"rerun with -v to see the whole build, or `docker build {context}`")
@@ -387,140 +373,6 @@ def tag_existing(plan: ImagePlan) -> None:
         subprocess.run(["docker", "tag", plan.uri, uri], capture_output=True, check=False)
 
 
-# --- Cloud Build -----------------------------------------------------------------------------------
-
-def split_gs(location: str) -> tuple[str, str]:
-    """gs://BUCKET/OBJECT -> (BUCKET, OBJECT)."""
-    bucket, _, name = location.removeprefix("gs://").partition("/")
-    return bucket, name
-
-
-def cloud_build_request(plan: ImagePlan, project: str) -> Any:
-    """The CreateBuildRequest: build the archived context with docker, push every tag, log to staging."""
-    from google.cloud.devtools import cloudbuild_v1
-    from google.protobuf import duration_pb2
-
-    if plan.archive_uri is None or plan.staging is None:
-        raise UsageError("Cloud Build needs a Cloud Storage location for the source archive, and the config "
-                         "gives none (trainer.output_dir is not in gs://)",
-                         hint="set image.staging: gs://YOUR-BUCKET/staging")
-    bucket, name = split_gs(plan.archive_uri)
-    args = ["build", "--platform", PLATFORM]
-    for uri in plan.uris:
-        args += ["--tag", uri]
-    build = cloudbuild_v1.Build(
-        source=cloudbuild_v1.Source(storage_source=cloudbuild_v1.StorageSource(bucket=bucket, object_=name)),
-        steps=[cloudbuild_v1.BuildStep(name=CLOUD_BUILD_STEP_IMAGE, args=[*args, "."])],
-        images=plan.uris, timeout=duration_pb2.Duration(seconds=CLOUD_BUILD_TIMEOUT_S),
-        logs_bucket=f"{plan.staging}/cloud-build-logs", tags=["moe-tpu", "trainer-image"],
-    )
-    if plan.build_service_account:
-        build.service_account = f"projects/{project}/serviceAccounts/{plan.build_service_account}"
-    return cloudbuild_v1.CreateBuildRequest(project_id=project, build=build)
-
-
-def registry_has(uri: str, credentials: Any) -> bool | None:
-    """Whether Artifact Registry holds `uri` (HEAD on its manifest); None when it cannot tell."""
-    import urllib.error
-    import urllib.request
-
-    from google.auth.transport.requests import Request
-
-    repository, _, tag = uri.rpartition(":")
-    host, _, path = repository.partition("/")
-    try:
-        if not credentials.valid:
-            credentials.refresh(Request())
-        request = urllib.request.Request(
-            f"https://{host}/v2/{path}/manifests/{tag}", method="HEAD",
-            headers={"Authorization": f"Bearer {credentials.token}",
-                     "Accept": "application/vnd.oci.image.index.v1+json, "
-                               "application/vnd.docker.distribution.manifest.v2+json"})
-        with urllib.request.urlopen(request, timeout=30):
-            return True
-    except urllib.error.HTTPError as exc:
-        return False if exc.code == 404 else None
-    except Exception:  # noqa: BLE001 - unknown: the build goes ahead
-        return None
-
-
-def upload_archive(plan: ImagePlan, data: bytes, credentials: Any, project: str, console: Any) -> None:
-    from google.api_core import exceptions as api_exceptions
-    from google.cloud import storage
-
-    assert plan.archive_uri is not None
-    bucket, name = split_gs(plan.archive_uri)
-    blob = storage.Client(project=project, credentials=credentials).bucket(bucket).blob(name)
-    console.info(f"uploading the source archive ({len(data) / 1e6:.1f} MB) to {plan.archive_uri}")
-    try:
-        blob.upload_from_string(data, content_type="application/gzip", if_generation_match=0)
-    except api_exceptions.PreconditionFailed:
-        console.info("the same archive is already there")
-    except api_exceptions.GoogleAPICallError as exc:
-        raise CloudError(f"cannot upload to {plan.archive_uri}: {exc.message}",
-                         hint="check that the bucket exists and that you may write to it (terraform/ makes it)") \
-            from None
-
-
-def cloud_build(plan: ImagePlan, context: Path, names: list[str], credentials: Any, project: str,
-                console: Any, calls: list[dict[str, Any]]) -> str:
-    """Upload the context, submit the build, stream its log until it ends; the build's id."""
-    from google.api_core import exceptions as api_exceptions
-    from google.cloud.devtools import cloudbuild_v1
-
-    request = cloud_build_request(plan, project)
-    upload_archive(plan, source_archive(context, names), credentials, project, console)
-    client = cloudbuild_v1.CloudBuildClient(credentials=credentials)
-    calls.append({"rpc": "google.devtools.cloudbuild.v1.CloudBuild/CreateBuild",
-                  "request": rendering.proto_dict(request)})
-    try:
-        operation = client.create_build(request=request)
-    except api_exceptions.GoogleAPICallError as exc:
-        raise CloudError(f"Cloud Build refused the build: {exc.message}",
-                         hint="enable the Cloud Build API (terraform/ does) and check your roles") from None
-    build_id = operation.metadata.build.id
-    console.info(f"Cloud Build {build_id}: {operation.metadata.build.log_url}")
-    build = _follow_build(client, project, build_id, f"{plan.staging}/cloud-build-logs/log-{build_id}.txt",
-                          credentials, console, calls)
-    if build.status.name != "SUCCESS":
-        raise CloudError(f"Cloud Build {build_id} ended {build.status.name}: {build.status_detail or 'see its log'}",
-                         hint=f"its whole log: {build.log_url}")
-    return build_id
-
-
-def _follow_build(client: Any, project: str, build_id: str, log_uri: str, credentials: Any, console: Any,
-                  calls: list[dict[str, Any]], poll_s: float = 3.0) -> Any:
-    from google.cloud import storage
-
-    bucket, name = split_gs(log_uri)
-    blob = storage.Client(project=project, credentials=credentials).bucket(bucket).blob(name)
-    offset = 0
-    while True:
-        calls.append({"rpc": "google.devtools.cloudbuild.v1.CloudBuild/GetBuild",
-                      "request": {"project_id": project, "id": build_id}})
-        build = client.get_build(project_id=project, id=build_id)
-        offset = _print_new_log(blob, offset, console)
-        if build.status.name in CLOUD_BUILD_DONE:
-            _print_new_log(blob, offset, console)
-            return build
-        time.sleep(poll_s)
-
-
-def _print_new_log(blob: Any, offset: int, console: Any) -> int:
-    """Print the log's bytes after `offset` to stderr; the new offset."""
-    from google.api_core import exceptions as api_exceptions
-
-    try:
-        data = blob.download_as_bytes(start=offset)
-    except (api_exceptions.NotFound, api_exceptions.RequestRangeNotSatisfiable):
-        return offset
-    except api_exceptions.GoogleAPICallError:
-        return offset
-    for line in data.decode(errors="replace").splitlines():
-        console.info(f"  | {line}")
-    return offset + len(data)
-
-
 # --- the whole build ---------------------------------------------------------------------------------
 
 @dataclass
@@ -542,11 +394,11 @@ def build_image(plan: ImagePlan, context: Path, *, push: bool, requested: str, p
     if not project:
         raise UsageError("Cloud Build needs a project, and neither the config nor the credentials name one",
                          hint="set `project:` in the config")
-    if all(registry_has(uri, credentials) for uri in plan.uris):
+    if all(cloud_build.registry_has(uri, credentials) for uri in plan.uris):
         console.info(f"{plan.uri} is already in the registry; nothing to build")
         return BuildResult(CLOUD_BUILDER, built=False, pushed=[])
     names = write_context(plan, context, _wheel(plan, context, console))
-    build_id = cloud_build(plan, context, names, credentials, project, console, calls)
+    build_id = cloud_build.submit(plan, source_archive(context, names), credentials, project, console, calls)
     return BuildResult(CLOUD_BUILDER, built=True, pushed=plan.uris, build_id=build_id, files=names)
 
 

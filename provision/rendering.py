@@ -2,40 +2,35 @@
 
 No file writes and no cloud calls here. Templates are Jinja, rendered by one Environment with
 StrictUndefined and a `shquote` filter; they receive a typed spec, never a raw dict. The request
-body is parsed into the real `google.cloud.tpu_v2` message, so a field the API does not know is
-an error here rather than at the API. google.cloud is imported inside functions only.
+body is parsed into the real `google.cloud.tpu_v2` message (provision/cloud/messages.py), so a field
+the API does not know is an error here rather than at the API.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import shlex
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import provision
 from provision import catalogue
+from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
+from provision.cloud.messages import proto_dict
 from provision.config import Config
-from provision.errors import ConfigError, Problem, UsageError
+from provision.errors import ConfigError, Problem
+from provision.image import TRAINER_COMMAND
 from provision.resources import MANAGED_BY, RUN_LABEL, resolve_project
-
-TOOL = MANAGED_BY[1]
+from provision.templates import render, where
 
 QUEUED_RESOURCE_TEMPLATE = "queued_resource.yaml.j2"
 STARTUP_TEMPLATE = "startup.sh.j2"
 CUSTOM_JOB_TEMPLATE = "custom_job.yaml.j2"
-# The trainer's entry point; the rest of trainer_argv are its arguments.
-TRAINER_COMMAND = ("python", "-m", "trainer")
 
 # Fixed namespace for request ids: the same config always yields the same id, so a create
 # re-sent after a crash is recognised by the API as the same request.
 _REQUEST_NAMESPACE = uuid.UUID("6f1c3a52-5d1e-4c7e-9a43-1e0b7d6a2f10")
-
-_CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 
 # --- names ---------------------------------------------------------------------------
@@ -232,62 +227,11 @@ def queued_resource_spec(cfg: Config, zone: str, templates_dir: Path | None = No
         multislice=cfg.slice.count > 1, node_count=cfg.slice.count, labels=labels(cfg),
         reservation_name=reservation, max_wait_seconds=int(cfg.slice.max_wait.total_seconds()),
         startup_script=startup_script(cfg, templates_dir),
-        service_account_scopes=(_CLOUD_PLATFORM_SCOPE,),
+        service_account_scopes=(CLOUD_PLATFORM_SCOPE,),
     )
 
 
 # --- templates ---------------------------------------------------------------------------
-
-def builtin_templates_dir() -> Path:
-    """templates/ of the checkout, or provision/_templates inside an installed wheel."""
-    packaged = Path(provision.__file__).resolve().parent / "_templates"
-    if packaged.is_dir():
-        return packaged
-    return Path(provision.__file__).resolve().parent.parent / "templates"
-
-
-@functools.lru_cache(maxsize=8)
-def _environment(templates_dir: str | None) -> Any:
-    import jinja2
-
-    search = [builtin_templates_dir()]
-    if templates_dir is not None:
-        search.insert(0, Path(templates_dir))
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader([str(p) for p in search]),
-        undefined=jinja2.StrictUndefined, autoescape=False,
-        keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
-    )
-    env.filters["shquote"] = lambda value: shlex.quote(str(value))
-    # A JSON string is a valid YAML scalar: the safe way to put any text into a YAML template.
-    env.filters["json"] = lambda value: json.dumps(value, ensure_ascii=False)
-    return env
-
-
-def render(name: str, spec: object, templates_dir: Path | None = None) -> str:
-    """Render one template with `spec`; any template problem becomes a UsageError naming it."""
-    import jinja2
-
-    if templates_dir is not None and not Path(templates_dir).is_dir():
-        raise UsageError(f"templates directory {templates_dir} does not exist",
-                         hint="point --templates at a directory holding your copies of the templates")
-    env = _environment(str(Path(templates_dir).resolve()) if templates_dir is not None else None)
-    try:
-        return env.get_template(name).render(spec=spec)
-    except jinja2.TemplateNotFound:
-        raise UsageError(f"template {name} not found", hint=_where(templates_dir)) from None
-    except jinja2.TemplateSyntaxError as exc:
-        raise UsageError(f"template {name}, line {exc.lineno}: {exc.message}",
-                         hint=_where(templates_dir)) from None
-    except jinja2.TemplateError as exc:
-        raise UsageError(f"template {name}: {exc}", hint=_where(templates_dir)) from None
-
-
-def _where(templates_dir: Path | None) -> str:
-    builtin = builtin_templates_dir()
-    where = f"{templates_dir}, then {builtin}" if templates_dir else str(builtin)
-    return f"templates are read from {where}"
-
 
 def startup_script(cfg: Config, templates_dir: Path | None = None) -> str:
     """The script every TPU VM worker runs as root at boot (metadata key startup-script)."""
@@ -303,7 +247,7 @@ def startup_script(cfg: Config, templates_dir: Path | None = None) -> str:
                               "KiB of it: put them in a trainer config file named by trainer.config)")
         else:
             problem = Problem(str(cfg.source), "", f"{head} ({STARTUP_TEMPLATE} makes most of it; "
-                              f"{_where(templates_dir)})")
+                              f"{where(templates_dir)})")
         raise ConfigError([problem])
     return script
 
@@ -315,25 +259,6 @@ def queued_resource_body(cfg: Config, zone: str, templates_dir: Path | None = No
     return render(QUEUED_RESOURCE_TEMPLATE, spec, templates_dir)
 
 
-def _parse_body(text: str, template: str, message_type: Any) -> Any:
-    """Rendered YAML parsed strictly into a proto-plus message: an unknown field is an error here."""
-    import yaml
-    from google.protobuf import json_format
-
-    try:
-        body = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"template {template} does not render valid YAML: {exc}") from None
-    if not isinstance(body, dict):
-        raise UsageError(f"template {template} must render a mapping (a {message_type.__name__})")
-    pb = message_type.pb(message_type())
-    try:
-        json_format.ParseDict(body, pb, ignore_unknown_fields=False)
-    except json_format.ParseError as exc:
-        raise UsageError(f"template {template} does not render a valid {pb.DESCRIPTOR.full_name}: {exc}") from None
-    return message_type.wrap(pb)
-
-
 def create_queued_resource_request(cfg: Config, zone: str, templates_dir: Path | None = None,
                                    attempt: int = 0, project: str | None = None) -> Any:
     """The CreateQueuedResourceRequest for one zone, body parsed strictly into the real message.
@@ -341,14 +266,10 @@ def create_queued_resource_request(cfg: Config, zone: str, templates_dir: Path |
     `project` overrides cfg.project (for a config without one, the credentials' project);
     without either it is a UsageError.
     """
-    from google.cloud import tpu_v2
-
-    body = _parse_body(queued_resource_body(cfg, zone, templates_dir, project), QUEUED_RESOURCE_TEMPLATE,
-                       tpu_v2.QueuedResource)
-    return tpu_v2.CreateQueuedResourceRequest(
-        parent=parent(cfg, zone, project), queued_resource_id=queued_resource_id(cfg),
-        request_id=request_id(cfg, zone, attempt, project, content=proto_dict(body)), queued_resource=body,
-    )
+    body = messages.queued_resource(queued_resource_body(cfg, zone, templates_dir, project), QUEUED_RESOURCE_TEMPLATE)
+    return messages.create_queued_resource_request(
+        parent(cfg, zone, project), queued_resource_id(cfg),
+        request_id(cfg, zone, attempt, project, content=proto_dict(body)), body)
 
 
 def custom_job_body(cfg: Config, templates_dir: Path | None = None) -> str:
@@ -358,22 +279,8 @@ def custom_job_body(cfg: Config, templates_dir: Path | None = None) -> str:
 
 def create_custom_job_request(cfg: Config, templates_dir: Path | None = None, project: str | None = None) -> Any:
     """The CreateCustomJobRequest, body parsed strictly into google.cloud.aiplatform.v1.CustomJob."""
-    from google.cloud.aiplatform_v1.types import custom_job, job_service
-
-    body = _parse_body(custom_job_body(cfg, templates_dir), CUSTOM_JOB_TEMPLATE, custom_job.CustomJob)
-    return job_service.CreateCustomJobRequest(parent=region_parent(cfg, project), custom_job=body)
-
-
-def proto_dict(message: Any) -> dict[str, Any]:
-    """A message (proto-plus or raw protobuf) as proto JSON with the proto's field names (for calls
-    logs and files); {} for anything that is not a message."""
-    from google.protobuf import json_format
-    from google.protobuf.message import Message
-
-    pb = type(message).pb(message) if hasattr(type(message), "pb") else message
-    if not isinstance(pb, Message):
-        return {}
-    return json_format.MessageToDict(pb, preserving_proto_field_name=True)
+    return messages.create_custom_job_request(region_parent(cfg, project), custom_job_body(cfg, templates_dir),
+                                              CUSTOM_JOB_TEMPLATE)
 
 
 # Stands in for the project in rendered files when the config names none (the real one

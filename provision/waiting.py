@@ -1,8 +1,8 @@
-"""Retrying RPCs and polling long waits, on an injected clock.
+"""Retrying calls and polling long waits, on an injected clock.
 
-Retries: transient gRPC failures (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, and
-RESOURCE_EXHAUSTED from a request-rate quota) back off exponentially with full
-jitter. A chip quota is not transient: it fails at once.
+Retries: the failures the caller's predicate calls transient (for the Google APIs,
+provision.cloud.api.is_transient) back off exponentially with full jitter; any other
+fails at once.
 
 Polling: the interval grows geometrically to a cap (about a minute) and the
 loop stops at the first terminal state, so nothing is polled after the end.
@@ -19,24 +19,6 @@ from provision.errors import CloudError
 
 T = TypeVar("T")
 
-RATE_LIMIT_MARKERS = ("qps", "rate limit", "requests per", "/qps/", "per minute")
-
-
-def is_rate_limit(exc: BaseException) -> bool:
-    """RESOURCE_EXHAUSTED from a request-rate quota (worth retrying), not a chip quota."""
-    text = str(exc).lower()
-    return any(marker in text for marker in RATE_LIMIT_MARKERS)
-
-
-def is_transient(exc: BaseException) -> bool:
-    from google.api_core import exceptions as gexc
-
-    if isinstance(exc, (gexc.ServiceUnavailable, gexc.DeadlineExceeded, gexc.InternalServerError,
-                        gexc.GatewayTimeout, gexc.BadGateway)):
-        return True
-    return isinstance(exc, gexc.ResourceExhausted) and is_rate_limit(exc)
-
-
 @dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 8
@@ -45,8 +27,9 @@ class RetryPolicy:
 
 
 def call_with_retry(fn: Callable[[], T], clock, policy: RetryPolicy = RetryPolicy(),
-                    on_retry: Callable[[int, BaseException], None] | None = None) -> T:
-    """Run fn, retrying transient failures with exponential backoff and full jitter (tenacity)."""
+                    on_retry: Callable[[int, BaseException], None] | None = None, *,
+                    transient: Callable[[BaseException], bool]) -> T:
+    """Run fn, retrying the failures `transient` accepts with exponential backoff and full jitter (tenacity)."""
     import tenacity
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
@@ -54,7 +37,7 @@ def call_with_retry(fn: Callable[[], T], clock, policy: RetryPolicy = RetryPolic
             on_retry(state.attempt_number, state.outcome.exception())
 
     retrying = tenacity.Retrying(
-        retry=tenacity.retry_if_exception(is_transient),
+        retry=tenacity.retry_if_exception(transient),
         wait=tenacity.wait_random_exponential(multiplier=policy.initial_s, max=policy.max_s),
         stop=tenacity.stop_after_attempt(policy.attempts),
         sleep=clock.sleep,

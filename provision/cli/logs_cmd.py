@@ -29,7 +29,7 @@ def logs(app, config_path: str, follow: bool, tail: int) -> None:
       moe-tpu logs -c examples/v5e-64.yaml
       moe-tpu --dry-run logs --follow
     """
-    from provision import storage
+    from provision.cloud import storage
     from provision.targets import ENDED
 
     app.command = "logs"

@@ -3,8 +3,9 @@
 A `Session` talks to an `Endpoint`: Google Cloud (Application Default Credentials, the
 services' own hosts) or any address given to it (the emulator, in dry run, with an
 insecure loopback channel). It never asks which: `provision.app.App` decides and hands
-over the endpoint. The Google client libraries are imported here and in the adapters,
-lazily, and nowhere else in the control plane's logic.
+over the endpoint. The Google client libraries are imported here and in the modules of
+this package (the adapters, messages, storage, Cloud Build), lazily, and nowhere else in the
+control plane (tests/control/test_house.py checks it).
 """
 
 from __future__ import annotations

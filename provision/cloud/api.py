@@ -12,9 +12,28 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from provision.errors import CloudError, QuotaError, UsageError
-from provision.waiting import call_with_retry, is_rate_limit, poll
+from provision.waiting import call_with_retry, poll
 
 T = TypeVar("T")
+
+RATE_LIMIT_MARKERS = ("qps", "rate limit", "requests per", "/qps/", "per minute")
+
+
+def is_rate_limit(exc: BaseException) -> bool:
+    """RESOURCE_EXHAUSTED from a request-rate quota (worth retrying), not a chip quota."""
+    text = str(exc).lower()
+    return any(marker in text for marker in RATE_LIMIT_MARKERS)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure worth retrying: UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, a gateway's, and
+    RESOURCE_EXHAUSTED from a request-rate quota. A chip quota is not transient: it fails at once."""
+    from google.api_core import exceptions as gexc
+
+    if isinstance(exc, (gexc.ServiceUnavailable, gexc.DeadlineExceeded, gexc.InternalServerError,
+                        gexc.GatewayTimeout, gexc.BadGateway)):
+        return True
+    return isinstance(exc, gexc.ResourceExhausted) and is_rate_limit(exc)
 
 QUOTA_RE = re.compile(r"Quota limit '([^']+)'")
 QUOTA_METRIC_RE = re.compile(r"exceed quota limits?: ?([\w./-]+)")
@@ -81,7 +100,7 @@ class RetryingApi:
             self.console.detail(f"{action}: transient error ({type(exc).__name__}), retry {attempt}")
 
         try:
-            return call_with_retry(fn, self.clock, on_retry=on_retry)
+            return call_with_retry(fn, self.clock, on_retry=on_retry, transient=is_transient)
         except Exception as exc:  # noqa: BLE001 - translated, original chained
             self._raise_translated(exc, action)
 

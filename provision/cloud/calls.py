@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from provision.rendering import proto_dict
+from provision.cloud.messages import proto_dict
 
 
 class CallRecorder(grpc.UnaryUnaryClientInterceptor):

@@ -6,7 +6,8 @@ own state decides how the run ended.
 
 from __future__ import annotations
 
-from provision import catalogue, storage
+from provision import catalogue
+from provision.cloud import storage
 from provision.resources import Resource, project_of, short
 from provision.targets.base import ENDED, Report, report_from_status
 

@@ -25,6 +25,7 @@ import yaml
 from cli_helpers import invoke
 
 from provision import image, rendering
+from provision.cloud import build as cloud_build
 from provision.config import config_from_dict, load_config
 from provision.console import Console
 from provision.errors import UsageError
@@ -283,7 +284,7 @@ def test_cloud_build_request():
     from google.cloud.devtools import cloudbuild_v1
 
     plan = image.plan_image(config(build_service_account="moe-tpu-builder@my-project.iam.gserviceaccount.com"))
-    request = image.cloud_build_request(plan, "my-project")
+    request = cloud_build.build_request(plan, "my-project")
     assert isinstance(request, cloudbuild_v1.CreateBuildRequest) and request.project_id == "my-project"
     build = request.build
     assert (build.source.storage_source.bucket, build.source.storage_source.object_) == (
@@ -304,7 +305,7 @@ def test_cloud_build_needs_a_staging_location():
     plan = image.plan_image(load_config(ROOT / "examples" / "local.yaml"))  # output_dir runs/moe-local
     assert plan.archive_uri is None
     with pytest.raises(UsageError, match="Cloud Build needs a Cloud Storage location") as info:
-        image.cloud_build_request(plan, "my-project")
+        cloud_build.build_request(plan, "my-project")
     assert info.value.hint == "set image.staging: gs://YOUR-BUCKET/staging"
 
 

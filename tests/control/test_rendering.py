@@ -21,7 +21,7 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from provision import rendering
+from provision import rendering, templates
 from provision.config import config_from_dict, load_config
 from provision.errors import UsageError
 
@@ -250,8 +250,8 @@ def test_missing_templates_dir_is_a_usage_error(tmp_path):
 
 
 def test_builtin_templates_are_found():
-    assert (rendering.builtin_templates_dir() / rendering.STARTUP_TEMPLATE).is_file()
-    assert (rendering.builtin_templates_dir() / rendering.QUEUED_RESOURCE_TEMPLATE).is_file()
+    assert (templates.builtin_templates_dir() / rendering.STARTUP_TEMPLATE).is_file()
+    assert (templates.builtin_templates_dir() / rendering.QUEUED_RESOURCE_TEMPLATE).is_file()
 
 
 

@@ -6,8 +6,9 @@ import pytest
 from google.api_core import exceptions as gexc
 
 from provision.clock import SimClock
+from provision.cloud.api import is_transient
 from provision.errors import CloudError
-from provision.waiting import PollPolicy, RetryPolicy, call_with_retry, format_duration, is_transient, poll
+from provision.waiting import PollPolicy, RetryPolicy, call_with_retry, format_duration, poll
 
 
 def test_poll_backs_off_to_the_cap_and_stops_at_the_terminal_state():
@@ -49,7 +50,8 @@ def test_transient_errors_are_retried_with_backoff_on_the_clock():
             raise gexc.ServiceUnavailable("try again")
         return "done"
 
-    assert call_with_retry(flaky, clock, RetryPolicy(attempts=8, initial_s=1, max_s=60)) == "done"
+    policy = RetryPolicy(attempts=8, initial_s=1, max_s=60)
+    assert call_with_retry(flaky, clock, policy, transient=is_transient) == "done"
     assert len(attempts) == 4
     assert clock.now() > 0  # it waited, on the simulated clock
 
@@ -63,7 +65,7 @@ def test_retries_stop_after_the_attempt_budget():
         raise gexc.DeadlineExceeded("slow")
 
     with pytest.raises(gexc.DeadlineExceeded):
-        call_with_retry(always_down, clock, RetryPolicy(attempts=3))
+        call_with_retry(always_down, clock, RetryPolicy(attempts=3), transient=is_transient)
     assert len(calls) == 3
 
 
@@ -81,7 +83,7 @@ def test_chip_quota_is_not_transient_but_a_rate_limit_is():
         raise chip
 
     with pytest.raises(gexc.ResourceExhausted):
-        call_with_retry(quota, SimClock(start=0))
+        call_with_retry(quota, SimClock(start=0), transient=is_transient)
     assert len(calls) == 1
 
 
