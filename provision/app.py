@@ -41,6 +41,7 @@ class App:
         self.calls: list[dict[str, Any]] = []
         self.command: str | None = None
         self._session = None
+        self._renderers: dict[int, Any] = {}  # id(config) -> (the config, kept alive, its Renderer)
         self._emulator = None
         # dry run only: a provision.emulator.local_trainer.LocalTrainer that runs the trainer while
         # the run's slice or job is up (`run` sets it before the session opens)
@@ -114,6 +115,15 @@ class App:
         except (UsageError, OSError, UnicodeEncodeError) as exc:
             why = exc.message if isinstance(exc, UsageError) else getattr(exc, "strerror", None) or exc
             self.console.detail(f"not remembering the config in {remembered}: {why}")
+
+    def renderer(self, cfg):
+        """The templates (`--templates` first) and the image `cfg` runs, resolved once per config in
+        this invocation (without image.tag that hashes the source tree: once, here)."""
+        if id(cfg) not in self._renderers:
+            from provision.rendering import Renderer
+
+            self._renderers[id(cfg)] = (cfg, Renderer.resolve(cfg, self.templates_dir))
+        return self._renderers[id(cfg)][1]
 
     def trainer_output_dir(self, cfg, train_locally: bool = False) -> str:
         """Where the run's trainer writes: trainer.output_dir, or in a dry run a directory under

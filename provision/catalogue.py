@@ -130,6 +130,12 @@ def accelerator_for_topology(topology: str) -> AcceleratorType | None:
     return None
 
 
+# Vertex AI scheduling strategy -> the catalogue price it is billed at: a job's machines are billed
+# from its start to its end, STANDARD and FLEX_START at the on-demand rate (an upper bound for
+# FLEX_START), SPOT at the spot rate.
+CAPACITY_OF_VERTEX_STRATEGY = {"STANDARD": "on-demand", "FLEX_START": "on-demand", "SPOT": "spot"}
+
+
 def price_per_chip_hour(capacity: str) -> float:
     """USD per chip-hour for "on-demand", "spot" or "reserved"; KeyError otherwise."""
     return _PRICES[capacity]

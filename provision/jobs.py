@@ -15,9 +15,6 @@ ACTIVE_STATES = {"JOB_STATE_QUEUED", "JOB_STATE_PENDING", "JOB_STATE_RUNNING", "
                  "JOB_STATE_UPDATING", "JOB_STATE_PAUSED"}
 TERMINAL_STATES = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED",
                    "JOB_STATE_PARTIALLY_SUCCEEDED"}
-# Vertex bills a job's machines from its start until its end; FLEX_START and STANDARD at the
-# on-demand rate (an upper bound for FLEX_START), SPOT at the spot rate.
-CAPACITY_OF_STRATEGY = {"STANDARD": "on-demand", "FLEX_START": "on-demand", "SPOT": "spot"}
 
 
 def region_parent(project: str, region: str) -> str:
@@ -49,7 +46,8 @@ def job_resource(job, region: str) -> Resource:
         kind="custom_job", name=job.name, state=state_name(job), zone=region, run=job.labels.get(RUN_LABEL),
         accelerator=f"{pools[0].machine_spec.machine_type} {topology}".strip() if pools else None,
         created=seconds(job.create_time), chips=accel.chips if accel and job.start_time else 0,
-        price_per_chip_hour=catalogue.price_per_chip_hour(CAPACITY_OF_STRATEGY.get(strategy, "on-demand")),
+        price_per_chip_hour=catalogue.price_per_chip_hour(
+            catalogue.CAPACITY_OF_VERTEX_STRATEGY.get(strategy, "on-demand")),
         error=error_of(job), billed_from=seconds(job.start_time), ended=seconds(job.end_time),
     )
 
@@ -98,13 +96,13 @@ def job_differences(wanted, existing) -> list[str]:
 
 
 # --- submit -----------------------------------------------------------------------------
-def job_submit(cfg, session, console, templates_dir=None) -> Resource:
+def job_submit(cfg, session, console, renderer=None) -> Resource:
     """Submit the run's custom job, or adopt the one an earlier attempt submitted."""
     from provision.rendering import create_custom_job_request
 
     check_target(cfg)
     project = project_of(cfg, session)
-    request = create_custom_job_request(cfg, templates_dir, project=project)
+    request = create_custom_job_request(cfg, renderer, project=project)
     existing = active_job(cfg, session, project)
     if existing is not None:
         if differences := job_differences(request.custom_job, existing):

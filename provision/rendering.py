@@ -97,6 +97,24 @@ def image_uri(cfg: Config, templates_dir: Path | None = None) -> str:
     return f"{cfg.image.repository}:{content_tag(templates_dir=templates_dir)}"
 
 
+@dataclass(frozen=True)
+class Renderer:
+    """The templates of one invocation (`--templates` first, then the builtin ones) and the image
+    reference they render, resolved once: every file of the run names the same image, and the
+    source tree is hashed at most once (by `resolve`), never while rendering."""
+
+    image: str
+    templates_dir: Path | None = None
+
+    @classmethod
+    def resolve(cls, cfg: Config, templates_dir: Path | None = None) -> Renderer:
+        return cls(image=image_uri(cfg, templates_dir), templates_dir=templates_dir)
+
+
+def _bound(cfg: Config, renderer: Renderer | None) -> Renderer:
+    return renderer if renderer is not None else Renderer.resolve(cfg)
+
+
 # --- specs the templates receive --------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -184,39 +202,41 @@ def region_parent(cfg: Config, project: str | None = None) -> str:
     return f"projects/{_project(cfg, project)}/locations/{cfg.region}"
 
 
-def custom_job_spec(cfg: Config, templates_dir: Path | None = None) -> CustomJobSpec:
+def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
     argv = trainer_argv(cfg)
     max_wait = cfg.vertex.max_wait
     return CustomJobSpec(
-        config=cfg, display_name=cfg.run, labels=labels(cfg), image_uri=image_uri(cfg, templates_dir),
+        config=cfg, display_name=cfg.run, labels=labels(cfg), image_uri=image,
         command=tuple(argv[: len(TRAINER_COMMAND)]), args=tuple(argv[len(TRAINER_COMMAND):]),
         env={"MOE_TPU_RUN": cfg.run}, timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
         max_wait_seconds=int(max_wait.total_seconds()) if max_wait is not None else None,
     )
 
 
-STATE_DIR = "/var/lib/moe-tpu"
-STATUS_FILE = f"{STATE_DIR}/status.json"
+# On every TPU VM (not the dry run's .moe-tpu/ here, provision.app.STATE_DIR): the trainer's status
+# file, the watcher and the trainer's working directory.
+VM_STATE_DIR = "/var/lib/moe-tpu"
+STATUS_FILE = f"{VM_STATE_DIR}/status.json"
 
 
-def startup_spec(cfg: Config, templates_dir: Path | None = None) -> StartupSpec:
+def startup_spec(cfg: Config, image: str) -> StartupSpec:
     from provision import guest_attributes
     from provision.image import TRAINER_UID
 
     output_dir = cfg.trainer.output_dir
     return StartupSpec(
-        config=cfg, run=cfg.run, image_uri=image_uri(cfg, templates_dir), registry_host=cfg.image.registry_host,
+        config=cfg, run=cfg.run, image_uri=image, registry_host=cfg.image.registry_host,
         container_name="moe-tpu-trainer", log_file="/var/log/moe-tpu/startup.log",
         trainer_log_file="/var/log/moe-tpu/trainer.log",
         trainer_argv=tuple(trainer_argv(cfg, status_file=STATUS_FILE)), labels=labels(cfg),
-        state_dir=STATE_DIR, status_file=STATUS_FILE, work_dir=f"{STATE_DIR}/work",
-        watcher_file=f"{STATE_DIR}/watch-status.py", watch_interval_s=10, trainer_uid=TRAINER_UID,
+        state_dir=VM_STATE_DIR, status_file=STATUS_FILE, work_dir=f"{VM_STATE_DIR}/work",
+        watcher_file=f"{VM_STATE_DIR}/watch-status.py", watch_interval_s=10, trainer_uid=TRAINER_UID,
         guest_namespace=guest_attributes.NAMESPACE, guest_fields=guest_attributes.pairs(),
         output_mount=output_dir if output_dir.startswith("/") else None,
     )
 
 
-def queued_resource_spec(cfg: Config, zone: str, templates_dir: Path | None = None,
+def queued_resource_spec(cfg: Config, zone: str, renderer: Renderer | None = None,
                          project: str | None = None) -> QueuedResourceSpec:
     reservation = cfg.slice.reservation if cfg.slice.capacity == "reserved" else None
     if reservation and "/" not in reservation:
@@ -226,16 +246,18 @@ def queued_resource_spec(cfg: Config, zone: str, templates_dir: Path | None = No
         parent=parent(cfg, zone, project), queued_resource_id=queued_resource_id(cfg), node_id=node_id(cfg),
         multislice=cfg.slice.count > 1, node_count=cfg.slice.count, labels=labels(cfg),
         reservation_name=reservation, max_wait_seconds=int(cfg.slice.max_wait.total_seconds()),
-        startup_script=startup_script(cfg, templates_dir),
+        startup_script=startup_script(cfg, renderer),
         service_account_scopes=(CLOUD_PLATFORM_SCOPE,),
     )
 
 
 # --- templates ---------------------------------------------------------------------------
 
-def startup_script(cfg: Config, templates_dir: Path | None = None) -> str:
+def startup_script(cfg: Config, renderer: Renderer | None = None) -> str:
     """The script every TPU VM worker runs as root at boot (metadata key startup-script)."""
-    script = render(STARTUP_TEMPLATE, startup_spec(cfg, templates_dir), templates_dir)
+    renderer = _bound(cfg, renderer)
+    templates_dir = renderer.templates_dir
+    script = render(STARTUP_TEMPLATE, startup_spec(cfg, renderer.image), templates_dir)
     size = len(script.encode("utf-8"))
     if size > MAX_METADATA_VALUE_BYTES:
         overrides = len(" ".join(cfg.trainer.set_flags()).encode("utf-8"))
@@ -252,34 +274,36 @@ def startup_script(cfg: Config, templates_dir: Path | None = None) -> str:
     return script
 
 
-def queued_resource_body(cfg: Config, zone: str, templates_dir: Path | None = None,
+def queued_resource_body(cfg: Config, zone: str, renderer: Renderer | None = None,
                          project: str | None = None) -> str:
     """The rendered QueuedResource body (YAML text) for one zone."""
-    spec = queued_resource_spec(cfg, zone, templates_dir, project)
-    return render(QUEUED_RESOURCE_TEMPLATE, spec, templates_dir)
+    renderer = _bound(cfg, renderer)
+    spec = queued_resource_spec(cfg, zone, renderer, project)
+    return render(QUEUED_RESOURCE_TEMPLATE, spec, renderer.templates_dir)
 
 
-def create_queued_resource_request(cfg: Config, zone: str, templates_dir: Path | None = None,
+def create_queued_resource_request(cfg: Config, zone: str, renderer: Renderer | None = None,
                                    attempt: int = 0, project: str | None = None) -> Any:
     """The CreateQueuedResourceRequest for one zone, body parsed strictly into the real message.
 
     `project` overrides cfg.project (for a config without one, the credentials' project);
     without either it is a UsageError.
     """
-    body = messages.queued_resource(queued_resource_body(cfg, zone, templates_dir, project), QUEUED_RESOURCE_TEMPLATE)
+    body = messages.queued_resource(queued_resource_body(cfg, zone, renderer, project), QUEUED_RESOURCE_TEMPLATE)
     return messages.create_queued_resource_request(
         parent(cfg, zone, project), queued_resource_id(cfg),
         request_id(cfg, zone, attempt, project, content=proto_dict(body)), body)
 
 
-def custom_job_body(cfg: Config, templates_dir: Path | None = None) -> str:
+def custom_job_body(cfg: Config, renderer: Renderer | None = None) -> str:
     """The rendered CustomJob body (YAML text)."""
-    return render(CUSTOM_JOB_TEMPLATE, custom_job_spec(cfg, templates_dir), templates_dir)
+    renderer = _bound(cfg, renderer)
+    return render(CUSTOM_JOB_TEMPLATE, custom_job_spec(cfg, renderer.image), renderer.templates_dir)
 
 
-def create_custom_job_request(cfg: Config, templates_dir: Path | None = None, project: str | None = None) -> Any:
+def create_custom_job_request(cfg: Config, renderer: Renderer | None = None, project: str | None = None) -> Any:
     """The CreateCustomJobRequest, body parsed strictly into google.cloud.aiplatform.v1.CustomJob."""
-    return messages.create_custom_job_request(region_parent(cfg, project), custom_job_body(cfg, templates_dir),
+    return messages.create_custom_job_request(region_parent(cfg, project), custom_job_body(cfg, renderer),
                                               CUSTOM_JOB_TEMPLATE)
 
 
@@ -288,19 +312,20 @@ def create_custom_job_request(cfg: Config, templates_dir: Path | None = None, pr
 PROJECT_PLACEHOLDER = "PROJECT"
 
 
-def render_all(cfg: Config, templates_dir: Path | None = None) -> dict[str, str]:
+def render_all(cfg: Config, renderer: Renderer | None = None) -> dict[str, str]:
     """Every rendered file of the config's target, by file name: for a TPU VM slice the startup
     script and, per zone, the QueuedResource body and request; for Vertex AI the CustomJob body
     and request."""
     project = cfg.project or PROJECT_PLACEHOLDER
+    renderer = _bound(cfg, renderer)
     if cfg.target == "vertex":
-        request = create_custom_job_request(cfg, templates_dir, project=project)
-        return {"custom_job.yaml": custom_job_body(cfg, templates_dir),
+        request = create_custom_job_request(cfg, renderer, project=project)
+        return {"custom_job.yaml": custom_job_body(cfg, renderer),
                 "create_custom_job.json": json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"}
-    files = {"startup.sh": startup_script(cfg, templates_dir)}
+    files = {"startup.sh": startup_script(cfg, renderer)}
     for zone in cfg.zones:
-        files[f"queued_resource.{zone}.yaml"] = queued_resource_body(cfg, zone, templates_dir, project)
-        request = create_queued_resource_request(cfg, zone, templates_dir, project=project)
+        files[f"queued_resource.{zone}.yaml"] = queued_resource_body(cfg, zone, renderer, project)
+        request = create_queued_resource_request(cfg, zone, renderer, project=project)
         text = json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"
         files[f"create_queued_resource.{zone}.json"] = text
     return files

@@ -164,7 +164,7 @@ def _wait_nodes_ready(cfg, session, console, project: str, zone: str, qr) -> lis
                     timeout_s=1800, describe=describe, progress=bar, what="the slice's nodes")
 
 
-def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: str, name: str,
+def _create_or_adopt(cfg, session, console, renderer, project: str, zone: str, name: str,
                      attempt: int = 0, recreate: bool = False):
     from provision.rendering import create_queued_resource_request
 
@@ -180,7 +180,7 @@ def _create_or_adopt(cfg, session, console, templates_dir, project: str, zone: s
         console.info(f"  {short(name)} in {zone} is being deleted (an earlier teardown); waiting until it is gone")
         _delete_and_wait(session, console, name)
         existing = None
-    request = create_queued_resource_request(cfg, zone, templates_dir, attempt=attempt, project=project)
+    request = create_queued_resource_request(cfg, zone, renderer, attempt=attempt, project=project)
     if existing is not None:
         differences = qr_differences(request.queued_resource, existing)
         if differences and recreate:
@@ -249,21 +249,21 @@ def check_zones_offer(cfg, session) -> None:
                              hint=f"use a zone Google documents for v5e: {', '.join(catalogue.V5E_ZONES)}")
 
 
-def slice_up(cfg, session, console, templates_dir=None, attempt: int = 0, recreate: bool = False) -> list[Resource]:
+def slice_up(cfg, session, console, renderer=None, attempt: int = 0, recreate: bool = False) -> list[Resource]:
     """Provision the run's slice, trying each zone in order on stockout. Returns its resources.
 
     `attempt` counts deliberate re-creations (recovery after a preemption): each gets its own
     request id, so the API never answers a new create with an earlier incarnation's operation.
     `recreate` deletes a queued resource of the run that no longer matches the config instead of
     failing on it."""
-    from provision.config import format_duration as config_duration
+    from provision.config import duration_text as config_duration
 
     check_zones_offer(cfg, session)
     project = project_of(cfg, session)
     tried: list[str] = []
     for zone in cfg.zones:
         name = queued_resource_name(cfg, project, zone)
-        _create_or_adopt(cfg, session, console, templates_dir, project, zone, name, attempt, recreate)
+        _create_or_adopt(cfg, session, console, renderer, project, zone, name, attempt, recreate)
         qr = _wait_settled(cfg, session, console, name, zone)
         state = state_name(qr)
         if state == "ACTIVE":

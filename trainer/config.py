@@ -22,7 +22,6 @@ from trainer.moe.config import MoEConfig
 from trainer.schema import Flag, Integer, Number, Section
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):

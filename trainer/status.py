@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-STATES = ("starting", "running", "finished", "stopped", "failed")
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2

@@ -79,7 +79,7 @@ def validate(app, config_path: str) -> None:
 
     app.command = "validate"
     cfg = app.load_config(config_path, check_trainer=True)
-    files = render_all(cfg, app.templates_dir)
+    files = render_all(cfg, app.renderer(cfg))
     if app.dry_run and cfg.warnings():  # zones the catalogue does not list: the emulator's answer decides
         from provision.slices import check_zones_offer
 
@@ -130,7 +130,7 @@ def render(app, config_path: str, out_dir: str) -> None:
 
     app.command = "render"
     cfg = app.load_config(config_path)
-    files = render_all(cfg, app.templates_dir)
+    files = render_all(cfg, app.renderer(cfg))
     out = Path(out_dir)
     written = []
     try:

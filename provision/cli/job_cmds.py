@@ -45,7 +45,7 @@ def submit(app, config_path: str, wait: bool) -> None:
     cfg = _load(app, config_path, "job submit", check_trainer=True)
     app.console.info(f"job submit: run {cfg.run}, {cfg.vertex.machine_type} {cfg.vertex.topology}, "
                      f"{cfg.vertex.scheduling}, region {cfg.region}" + (" [dry run]" if app.dry_run else ""))
-    job = job_submit(cfg, app.session(), app.console, app.templates_dir)
+    job = job_submit(cfg, app.session(), app.console, app.renderer(cfg))
     if wait:
         job = job_wait(cfg, app.session(), app.console, job.name)
         app.console.text(f"job {job.name.rsplit('/', 1)[-1]} {job.state}")

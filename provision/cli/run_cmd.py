@@ -43,7 +43,6 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
       moe-tpu run -c moe-tpu.yaml --yes
     """
     from provision.errors import MoeTpuError
-    from provision.rendering import image_uri
     from provision.runs import Interrupted, RunFailed, Runner, Terminated, run_lock, terminate_on_signals
     from provision.targets import for_config
 
@@ -54,11 +53,11 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
         if _already_finished(app, cfg, restart):
             return
         output_dir = app.trainer_output_dir(cfg, train_locally=True)
-        image = image_uri(cfg, app.templates_dir)
-        app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {image}"
+        renderer = app.renderer(cfg)
+        app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {renderer.image}"
                          + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
         session = app.session()
-        target = for_config(cfg, session, app.console, templates_dir=app.templates_dir, output_dir=output_dir)
+        target = for_config(cfg, session, app.console, renderer=renderer, output_dir=output_dir)
         confirm = (lambda: True) if yes else _ask_teardown(app)
         runner = Runner(cfg, target, session, app.console, output_dir=output_dir, keep=keep,
                         confirm_teardown=confirm)

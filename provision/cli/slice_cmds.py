@@ -46,7 +46,7 @@ def up(app, config_path: str, recreate: bool) -> None:
     app.console.info(f"slice up: run {cfg.run}, {cfg.slice.count} x {accel.name} "
                      f"({accel.topology}, {accel.chips} chips, {accel.vms} VMs), {cfg.slice.capacity}"
                      + (" [dry run]" if app.dry_run else ""))
-    resources = slice_up(cfg, app.session(), app.console, app.templates_dir, recreate=recreate)
+    resources = slice_up(cfg, app.session(), app.console, app.renderer(cfg), recreate=recreate)
     qr = resources[0]
     app.console.text(f"slice ready: {qr.name.rsplit('/', 1)[-1]} in {qr.zone}")
     for node in resources[1:]:

@@ -31,8 +31,6 @@ TRAINER_RECORD = "trainer.json"
 SYNC_INTERVAL_S = 0.05
 GATE_MAX_WAIT_S = 0.5
 KILL_GRACE_S = 10.0
-# What the trainer's exit code means (trainer/status.py).
-EXIT_STOPPED = 143
 LOG_TAIL_LINES = 12
 
 

@@ -18,11 +18,11 @@ class SliceTarget:
 
     kind = "tpu-vm"
 
-    def __init__(self, cfg, session, console, *, templates_dir=None, output_dir: str | None = None) -> None:
+    def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
         self.cfg = cfg
         self.session = session
         self.console = console
-        self.templates_dir = templates_dir
+        self.renderer = renderer
         self.output_dir = output_dir or cfg.trainer.output_dir
         self.zone: str | None = None
         self.queued_resource: str | None = None
@@ -43,7 +43,7 @@ class SliceTarget:
             zones.remove(self.zone)
             zones.insert(0, self.zone)
         resources = slice_up(self.cfg.model_copy(update={"zones": zones}), self.session, self.console,
-                             self.templates_dir, attempt=attempt)
+                             self.renderer, attempt=attempt)
         self.zone, self.queued_resource = resources[0].zone, resources[0].name
         return resources
 

@@ -19,11 +19,11 @@ class JobTarget:
 
     kind = "vertex"
 
-    def __init__(self, cfg, session, console, *, templates_dir=None, output_dir: str | None = None) -> None:
+    def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
         self.cfg = cfg
         self.session = session
         self.console = console
-        self.templates_dir = templates_dir
+        self.renderer = renderer
         self.output_dir = output_dir or cfg.trainer.output_dir
         self.job: str | None = None
         acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
@@ -33,17 +33,15 @@ class JobTarget:
         return f"{self.cfg.vertex.machine_type} {self.cfg.vertex.topology} ({self.cfg.vertex.scheduling})"
 
     def price(self) -> float:
-        from provision.jobs import CAPACITY_OF_STRATEGY
-
-        return self.chips * catalogue.price_per_chip_hour(CAPACITY_OF_STRATEGY.get(self.cfg.vertex.scheduling,
-                                                                                    "on-demand"))
+        strategy = self.cfg.vertex.scheduling
+        return self.chips * catalogue.price_per_chip_hour(catalogue.CAPACITY_OF_VERTEX_STRATEGY[strategy])
 
     def provision(self, attempt: int = 0) -> list[Resource]:
         """Submit the job (or follow the one already submitted) and wait until it runs or ends."""
         from provision.jobs import TERMINAL_STATES, job_resource, job_submit
         from provision.waiting import poll
 
-        resource = job_submit(self.cfg, self.session, self.console, self.templates_dir)
+        resource = job_submit(self.cfg, self.session, self.console, self.renderer)
         self.job = resource.name
         vertex = self.session.vertex(self.cfg.region)
         wait = (self.cfg.vertex.max_wait.total_seconds() if self.cfg.vertex.max_wait else 0) + 7 * 86400

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from provision.config import (
     Config,
     config_from_dict,
-    format_duration,
+    duration_text,
     load_config,
     parse_duration,
     starter_config,
@@ -252,7 +252,7 @@ def test_not_a_mapping(text, tmp_path):
 ])
 def test_durations(text, delta):
     assert parse_duration(text) == delta
-    assert parse_duration(format_duration(delta)) == delta
+    assert parse_duration(duration_text(delta)) == delta
     assert config_from_dict(with_(slice__max_wait=text)).slice.max_wait == delta
 
 

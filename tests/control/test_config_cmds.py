@@ -11,23 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import invoke
+from cli_helpers import invoke as moe
 
 from provision.config import starter_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
 GOLDENS = Path(__file__).resolve().parent / "goldens"
-
-
-def moe(*args: str) -> tuple[int, str, str]:
-    return invoke(*args)
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def test_init_writes_the_starter(workdir):

@@ -40,12 +40,6 @@ def _config(tmp_path: Path, example: str = "v5e-64.yaml", **changes) -> Path:
     return path
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def _no_traceback(code: int, err: str, expected_code: int = 2) -> None:
     assert code == expected_code, err
     assert "Traceback" not in err and "internal error" not in err, err
@@ -158,7 +152,7 @@ def test_out_of_range_values_name_their_key_at_validate(workdir, changes, key):
 
 
 def test_a_startup_script_over_the_metadata_limit_fails_validate(workdir):
-    from provision.rendering import builtin_templates_dir
+    from provision.templates import builtin_templates_dir
 
     _config(workdir)
     mine = workdir / "templates"

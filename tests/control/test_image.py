@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import invoke
+from cli_helpers import invoke as moe
 
 from provision import image, rendering
 from provision.cloud import build as cloud_build
@@ -37,21 +37,11 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 TAG = re.compile(rf"^{re.escape(VERSION)}-[0-9a-f]{{16}}$")
 
 
-def moe(*args: str, env: dict | None = None) -> tuple[int, str, str]:
-    return invoke(*args, env=env)
-
-
 def tool(name: str) -> str:
     beside = Path(sys.executable).parent / name
     found = str(beside) if beside.is_file() else shutil.which(name)
     assert found, f"{name} is missing: pip install -e '.[test]' installs it"
     return found
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def copy_tree(dest: Path) -> Path:

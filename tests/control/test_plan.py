@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import invoke
+from cli_helpers import invoke as moe
 
 from provision import catalogue, planner
 from provision.config import load_config as load_run_config
@@ -34,16 +34,6 @@ V5E_64 = catalogue.accelerator("v5litepod-64")
 @functools.cache
 def inventory(name: str, *overrides: str) -> tuple[ParamInfo, ...]:
     return param_inventory(load_config(name, overrides))
-
-
-def moe(*args: str) -> tuple[int, str, str]:
-    return invoke(*args)
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -72,7 +62,7 @@ def tiny_trainer(*overrides: str):
     from trainer.train import build_trainer
 
     cfg = load_config("tiny", overrides)
-    plan = planner.make_plan(inventory("tiny", *overrides), cfg, planner.Target(V5E_8, 1, "on-demand"), 10)
+    plan = planner.make_plan(inventory("tiny", *overrides), cfg, planner.Hardware(V5E_8, 1, "on-demand"), 10)
     mesh = sharding.make_mesh({"data": plan.mesh.data, "expert": plan.mesh.expert})
     return build_trainer(cfg, mesh, 10), plan
 
@@ -336,10 +326,10 @@ def test_cost_follows_the_catalogue():
 
 
 def test_targets_from_tpu_vm_and_vertex_configs():
-    assert planner.target_of(load_run_config(EXAMPLE)) == planner.Target(V5E_64, 1, "spot")
+    assert planner.target_of(load_run_config(EXAMPLE)) == planner.Hardware(V5E_64, 1, "spot")
     vertex = load_run_config(ROOT / "examples" / "vertex.yaml")
-    assert planner.target_of(vertex) == planner.Target(V5E_64, 1, "on-demand")  # STANDARD bills on demand
-    assert planner.target_of(vertex, "v5litepod-16", 2) == planner.Target(catalogue.accelerator("v5litepod-16"), 2,
+    assert planner.target_of(vertex) == planner.Hardware(V5E_64, 1, "on-demand")  # STANDARD bills on demand
+    assert planner.target_of(vertex, "v5litepod-16", 2) == planner.Hardware(catalogue.accelerator("v5litepod-16"), 2,
                                                                            "on-demand")
 
 

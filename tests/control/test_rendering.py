@@ -21,7 +21,7 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from provision import rendering, templates
+from provision import image, rendering, templates
 from provision.config import config_from_dict, load_config
 from provision.errors import UsageError
 
@@ -81,7 +81,7 @@ def test_custom_job_request_is_the_real_message_with_the_trainer_argv():
 def test_a_template_field_the_custom_job_does_not_know_is_an_error(tmp_path):
     (tmp_path / rendering.CUSTOM_JOB_TEMPLATE).write_text("display_name: x\nno_such_field: 1\n")
     with pytest.raises(UsageError, match="google.cloud.aiplatform.v1.CustomJob"):
-        rendering.create_custom_job_request(load_config(VERTEX), tmp_path)
+        rendering.create_custom_job_request(load_config(VERTEX), rendering.Renderer("img:v1", tmp_path))
 
 
 def test_rendering_is_deterministic():
@@ -195,7 +195,7 @@ def test_config_values_reach_the_script_only_quoted(tmp_path):
     subprocess.run(["bash", "-n"], input=script.encode(), check=True)
     env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "moe-demo", "IMAGE": "img:v1"}
     args = _run_docker_args(script, env)
-    assert args[args.index("img:v1") + 1:] == list(rendering.startup_spec(cfg).trainer_args)
+    assert args[args.index("img:v1") + 1:] == list(rendering.startup_spec(cfg, "img:v1").trainer_args)
     assert args[args.index("img:v1") + 1:] == [
         "--config", NASTY, "--output-dir", f"gs://bucket/{NASTY}", "--resume", "auto", "--steps", "2000",
         "--mesh", "data=8,expert=8", "--status-file", "/var/lib/moe-tpu/status.json", "--set", f"model.note={NASTY}"]
@@ -218,9 +218,9 @@ def test_startup_script_shape():
 def test_own_templates_override_the_builtin_ones(tmp_path):
     (tmp_path / "startup.sh.j2").write_text("#!/bin/sh\necho {{ spec.run | shquote }}\n")
     cfg = load_config(EXAMPLE)
-    assert rendering.startup_script(cfg, tmp_path) == "#!/bin/sh\necho moe-demo\n"
+    assert rendering.startup_script(cfg, rendering.Renderer("img:v1", tmp_path)) == "#!/bin/sh\necho moe-demo\n"
     # queued_resource.yaml.j2 is not there: the builtin one is used, with the user's script inside.
-    req = rendering.create_queued_resource_request(cfg, "us-west4-a", tmp_path)
+    req = rendering.create_queued_resource_request(cfg, "us-west4-a", rendering.Renderer("img:v1", tmp_path))
     node = req.queued_resource.tpu.node_spec[0].node
     assert node.metadata["startup-script"] == "#!/bin/sh\necho moe-demo\n"
 
@@ -239,14 +239,29 @@ def test_own_templates_override_the_builtin_ones(tmp_path):
 def test_template_problems_are_usage_errors(tmp_path, template, text, message):
     (tmp_path / template).write_text(text)
     with pytest.raises(UsageError) as info:
-        rendering.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a", tmp_path)
+        rendering.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a",
+                                                  rendering.Renderer("img:v1", tmp_path))
     assert info.value.message.startswith(message)
     assert info.value.exit_code == 2
 
 
 def test_missing_templates_dir_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
-        rendering.startup_script(load_config(EXAMPLE), tmp_path / "nope")
+        rendering.startup_script(load_config(EXAMPLE), rendering.Renderer("img:v1", tmp_path / "nope"))
+
+
+def test_rendering_takes_the_image_it_is_given_and_resolves_one_at_most_once(monkeypatch):
+    raw = example_raw()
+    del raw["image"]["tag"]  # the content-hash tag: the source tree must be hashed to know it
+    cfg = config_from_dict(raw)
+    hashed = []
+    monkeypatch.setattr(image, "content_tag", lambda **kw: hashed.append(kw) or "0.1.0-feedface")
+    files = rendering.render_all(cfg, rendering.Renderer("registry.example/trainer:given"))
+    assert hashed == [] and "IMAGE=registry.example/trainer:given\n" in files["startup.sh"]
+    assert all("trainer:given" in text for text in files.values())
+    files = rendering.render_all(cfg)  # no renderer: resolved here, once for every file
+    assert len(hashed) == 1 and "IMAGE=us-west4-docker.pkg.dev/my-project/moe/trainer:0.1.0-feedface\n" in files[
+        "startup.sh"]
 
 
 def test_builtin_templates_are_found():
@@ -270,4 +285,4 @@ def test_any_value_comes_back_intact(output_dir, note):
     cfg = config_from_dict(raw)
     env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "r", "IMAGE": "img:v1"}
     args = _run_docker_args(rendering.startup_script(cfg), env)
-    assert args[args.index("img:v1") + 1:] == list(rendering.startup_spec(cfg).trainer_args)
+    assert args[args.index("img:v1") + 1:] == list(rendering.startup_spec(cfg, "img:v1").trainer_args)

@@ -13,17 +13,13 @@ from pathlib import Path
 import hcl2
 import isolated_tools
 import pytest
-from cli_helpers import invoke
+from cli_helpers import invoke as moe
 
 from provision import foundation
 from provision.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TF = ROOT / "terraform"
-
-
-def moe(*args: str, env: dict | None = None) -> tuple[int, str, str]:
-    return invoke(*args, env=env)
 
 
 def one(value):
@@ -264,7 +260,7 @@ def test_init_from_outputs_with_a_bad_value_names_it(tmp_path, monkeypatch):
     code, _, err = moe("init", "--from-terraform", "o.json")
     assert code == 2
     assert "warning: terraform output 'extra_thing' is not a config key; left out" in err
-    assert "moe-tpu.yaml: zones[0]: zone 'mars-north1-a' does not offer TPU v5e" in err
+    assert "moe-tpu.yaml: zones[0]: zone 'mars-north1-a' is not in region 'us-west4'" in err
     assert not (tmp_path / "moe-tpu.yaml").exists()
 
 

@@ -1,0 +1,285 @@
+"""Reading a config file: the bounded YAML (trainer/safeyaml.py), the keys' lines, the pydantic
+errors as messages naming the dotted key, the rules between keys, and the trainer's own checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from provision import catalogue
+from provision.config.sections import _SECTIONS, _ZONE, DEFAULT_CONFIG, Config, _brief, _did_you_mean
+from provision.errors import ConfigError, Problem
+from trainer import safeyaml
+
+# --- loading ---------------------------------------------------------------------------
+
+def _key_lines(root: yaml.Node | None, lines: dict[str, int]) -> list[tuple[str, int]]:
+    """Fill `lines` (dotted key -> line) and return (dotted key, line) of every key given twice.
+
+    Walks the document as aliases expand it (safeyaml.compose bounded its size first)."""
+    duplicates: list[tuple[str, int]] = []
+    stack: list[tuple[yaml.Node | None, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                dotted = f"{path}.{key_node.value}" if path else str(key_node.value)
+                if dotted in lines:
+                    duplicates.append((dotted, key_node.start_mark.line + 1))
+                lines[dotted] = key_node.start_mark.line + 1
+                stack.append((value_node, dotted))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[f"{path}[{i}]"] = item.start_mark.line + 1
+                stack.append((item, f"{path}[{i}]"))
+    return duplicates
+
+
+def _load_yaml(text: str, lines: dict[str, int]) -> tuple[Any, list[tuple[str, int]]]:
+    """Parse once, every bound checked first (trainer/safeyaml.py), then the keys' lines."""
+    root = safeyaml.compose(text)
+    duplicates = _key_lines(root, lines)
+    return safeyaml.construct(root), duplicates
+
+
+def _parse_yaml(text: str, file: str, lines: dict[str, int]) -> tuple[Any, list[Problem]]:
+    try:
+        data, duplicates = _load_yaml(text, lines)
+    except safeyaml.Unbounded as exc:
+        return None, [Problem(file, "", f"YAML is not a config: {exc}")]
+    except yaml.YAMLError as exc:
+        return None, [Problem(file, "", safeyaml.describe(exc))]
+    return data, [Problem(file, key, f"key appears twice (again at line {line})") for key, line in duplicates]
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    if not loc:
+        return Config
+    if len(loc) == 1 and loc[0] in _SECTIONS:
+        return _SECTIONS[loc[0]]
+    return None
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind, loc = err["type"], err["loc"]
+    if kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        names = [n for n in (model.model_fields if model else {}) if n != "source"]
+        hint = _did_you_mean(str(loc[-1]), names) or (f"; valid keys: {', '.join(names)}" if names else "")
+        return f"unknown key {loc[-1]!r}{hint}"
+    if kind == "missing":
+        return "missing required key"
+    if kind == "literal_error":
+        return f"must be one of {err['ctx']['expected']}, got {_brief(err['input'])}"
+    if kind == "model_type":
+        return f"expected a mapping of keys, got {_brief(err['input'])}"
+    if kind == "moe_tpu":
+        return err["msg"]
+    return f"{err['msg'][0].lower()}{err['msg'][1:]}, got {_brief(err['input'])}"
+
+
+
+
+def _get(raw: dict[str, Any], failed: set[str], key: str) -> Any:
+    """The raw value of a dotted key (or its schema default); _BAD where that key failed."""
+    parts = key.split(".")
+    if any(".".join(parts[:i]) in failed for i in range(1, len(parts) + 1)):
+        return _BAD
+    node: Any = raw
+    model: type[BaseModel] = Config
+    for part in parts:
+        field = model.model_fields[part]
+        if isinstance(node, dict) and node.get(part) is not None:
+            node = node[part]
+        else:
+            node = None if field.is_required() else field.get_default(call_default_factory=True)
+            if isinstance(node, BaseModel):
+                node = node.model_dump()
+        model = _SECTIONS.get(part, model)
+    return node
+
+
+_BAD = object()
+
+
+def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
+    """Rules between keys, as (dotted key, message)."""
+    found: list[tuple[str, str]] = []
+    region, zones = get("region"), get("zones")
+    if isinstance(region, str) and isinstance(zones, list):
+        for i, zone in enumerate(zones):
+            if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != region:
+                found.append((f"zones[{i}]", f"zone {zone!r} is not in region {region!r}"))
+    acc_name, runtime = get("slice.accelerator"), get("slice.runtime_version")
+    if isinstance(acc_name, str) and isinstance(runtime, str) and acc_name in catalogue.ACCELERATORS:
+        fits = catalogue.accelerator(acc_name).runtime_versions
+        if runtime not in fits:
+            found.append(("slice.runtime_version", f"runtime version {runtime!r} does not fit {acc_name}; "
+                                                   f"use {', '.join(fits)}"))
+    capacity, reservation = get("slice.capacity"), get("slice.reservation")
+    if capacity == "reserved" and reservation is None:
+        found.append(("slice.reservation",
+                      "capacity 'reserved' needs slice.reservation (the reservation's name)"))
+    if capacity in ("spot", "on-demand") and isinstance(reservation, str):
+        found.append(("slice.reservation", f"a reservation is only used with capacity 'reserved' "
+                                           f"(capacity is {capacity!r})"))
+    if isinstance(reservation, str) and reservation.count("/") == 5 and isinstance(zones, list):
+        res_zone = reservation.split("/")[3]
+        others = [z for z in zones if isinstance(z, str) and z != res_zone]
+        if others:  # a TPU consumes a reservation in its own zone only
+            found.append(("slice.reservation", f"reservation {reservation!r} is in {res_zone}; it cannot serve "
+                                               f"zone(s) {', '.join(others)} (list only {res_zone} in `zones:`, "
+                                               "or give the reservation's short name)"))
+    machine, topology = get("vertex.machine_type"), get("vertex.topology")
+    allowed = catalogue.VERTEX_MACHINE_TOPOLOGIES.get(machine) if isinstance(machine, str) else None
+    if allowed and isinstance(topology, str) and topology not in allowed:
+        found.append(("vertex.topology", f"topology {topology!r} does not fit machine type {machine!r}; "
+                                         f"it takes {', '.join(allowed)}"))
+    scheduling = get("vertex.scheduling")
+    if (get("target") == "vertex" and scheduling == "SPOT" and isinstance(topology, str)
+            and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host):
+        found.append(("vertex.scheduling", f"Vertex AI does not offer SPOT for multi-host TPU topologies "
+                                           f"({topology}); use STANDARD or FLEX_START"))
+    output_dir = get("trainer.output_dir")
+    count = get("slice.count")
+    multi_host = (isinstance(acc_name, str) and acc_name in catalogue.ACCELERATORS
+                  and (catalogue.accelerator(acc_name).multi_host or (isinstance(count, int) and count > 1)))
+    if (get("target") == "tpu-vm" and multi_host and isinstance(output_dir, str)
+            and not output_dir.startswith("gs://")):
+        found.append(("trainer.output_dir", f"{acc_name} x {count} has several TPU VMs, each with its own disk: "
+                                            f"checkpoints in {output_dir!r} would be split between them; use a "
+                                            "gs:// path"))
+    if get("target") == "vertex" and isinstance(output_dir, str) and not output_dir.startswith("gs://"):
+        found.append(("trainer.output_dir", f"a Vertex AI job keeps its checkpoints in Cloud Storage: use a gs:// "
+                                            f"path, not {output_dir!r} (a local path vanishes with the job)"))
+    return found
+
+
+def trainer_problems(cfg: Config) -> list[Problem]:
+    """The trainer section checked by the trainer's own config code (which imports no jax)."""
+    try:
+        from trainer import config as trainer_config
+    except ImportError:  # an install without the trainer package: the container will check it
+        return []
+    overrides = [flag for flag in cfg.trainer.set_flags() if flag != "--set"]
+    try:
+        trainer_config.check(cfg.trainer.config, overrides, cfg.trainer.steps)
+    except trainer_config.ConfigError as exc:
+        message = str(exc)
+        key = next((f"trainer.overrides.{k}" for k in cfg.trainer.overrides if k in message), None)
+        if key is None:
+            key = "trainer.steps" if "steps" in message and cfg.trainer.steps is not None else "trainer.config"
+        return [Problem(str(cfg.source), key, f"the trainer rejects it: {message}")]
+    try:
+        from provision.planner import mesh_problems
+    except ImportError:  # the planner needs the trainer's packages too
+        return []
+    return [Problem(str(cfg.source), key, message) for key, message in mesh_problems(cfg)]
+
+
+def config_from_dict(raw: Any, source: Path | str = DEFAULT_CONFIG) -> Config:
+    """Validate already-parsed YAML; ConfigError lists every problem."""
+    file = str(source)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem(file, "", "the config must be a YAML mapping of keys "
+                                             "(project, region, zones, run, ...)")])
+    return _validate(dict(raw), file, [], {})
+
+
+def _control_characters(raw: Any, path: str = "") -> list[tuple[str, str]]:
+    """(dotted key, message) for every string value (or key) holding a NUL or another control character:
+    values reach templates, a shell script and request bodies, where such a character is never meant."""
+    found: list[tuple[str, str]] = []
+    stack: list[tuple[Any, str]] = [(raw, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                dotted = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and not key.isprintable():
+                    found.append((dotted, f"key {_brief(key)} holds control characters"))
+                stack.append((value, dotted))
+        elif isinstance(node, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(node))
+        elif isinstance(node, str) and not node.isprintable():
+            found.append((where, f"{_brief(node)} holds a control character (NUL, a newline, an escape...); "
+                                 "values reach templates and a shell script, so they must be plain text"))
+    return found
+
+
+def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Problem]:
+    """Problems sorted by where their key is in the file; keys not in it (missing) go last."""
+    def line(problem: Problem) -> int:
+        key = problem.key
+        while key:
+            if key in lines:
+                return lines[key]
+            key = key.rsplit(".", 1)[0] if "." in key else (key.rsplit("[", 1)[0] if "[" in key else "")
+        return 0 if not problem.key else 1 << 30
+    return sorted(problems, key=line)
+
+
+def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: dict[str, int]) -> Config:
+    if "source" in raw:
+        raw.pop("source")
+        problems.append(Problem(file, "source", "unknown key 'source'"))
+    config: Config | None = None
+    failed: set[str] = set()
+    try:
+        config = Config.model_validate({**raw, "source": Path(file)})
+    except ValidationError as exc:
+        for err in exc.errors():
+            key = _dotted(err["loc"])
+            failed.add(key)
+            problems.append(Problem(file, key, _message(err)))
+    problems += [Problem(file, key, msg) for key, msg in _control_characters(raw) if key not in failed]
+    problems += [Problem(file, key, msg) for key, msg in _cross_checks(lambda k: _get(raw, failed, k))]
+    if problems or config is None:
+        raise ConfigError(_in_file_order(problems, lines))
+    return config
+
+
+def load_config(path: Path | str, check_trainer: bool = False) -> Config:
+    """Read and validate a config file. ConfigError (exit 2) lists every problem at once.
+
+    `check_trainer` also runs the trainer's own checks on the trainer section (commands that
+    start training ask for it; `down` and `list` must work whatever the trainer thinks)."""
+    path = Path(path)
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        missing = Problem(file, "", "file not found (write a starter config with `moe-tpu init`)")
+        raise ConfigError([missing]) from None
+    except IsADirectoryError:
+        raise ConfigError([Problem(file, "", "is a directory, not a config file")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([Problem(file, "", f"cannot read the file: {exc}")]) from None
+    lines: dict[str, int] = {}
+    raw, problems = _parse_yaml(text, file, lines)
+    if raw is None and problems:
+        raise ConfigError(problems)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(problems + [Problem(file, "", "the config must be a YAML mapping of keys "
+                                                        "(project, region, zones, run, ...)")])
+    cfg = _validate(raw, file, problems, lines)
+    if check_trainer and (trainer := trainer_problems(cfg)):
+        raise ConfigError(trainer)
+    return cfg
+
+

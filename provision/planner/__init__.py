@@ -1,0 +1,85 @@
+"""`moe-tpu plan`: will this MoE fit on this slice, how fast can it go, what will it cost.
+
+Pure functions over typed inputs: the trainer's model config, the parameters the trainer instantiates
+(trainer.params, built abstractly), a mesh and a catalogue entry. Only `plan_for` and `verdict` read
+files. jax starts lazily, inside trainer.params and the trainer's config loader, so importing this module
+(and `moe-tpu --help`) stays cheap.
+
+The model behind the figures, per chip and per train step:
+- memory: parameters, gradients (param dtype) and AdamW's mu and nu (param dtype, as optax keeps
+  them), sharded as trainer.sharding shards them; activations from the shapes the trainer's layers
+  create (`attention_activation_bytes`, `ffn_activation_bytes`, `head_activation_bytes`); with remat
+  only the block inputs are kept, plus one block recomputed at a time.
+- time: lower bounds, each resource used at its peak and perfectly overlapped: matmul FLOPs over the
+  bf16 peak, bytes that must cross HBM, bytes of the expert all-to-all and the data-parallel
+  collectives over ICI, and over DCN between slices. The step can be no faster than the slowest.
+
+Three modules: estimates.py (mesh, layout, memory, time bounds, cost), plan.py (the hardware a
+config asks for, the mesh chosen, advice, warnings, the plan) and report.py (text, JSON and the
+one-line verdict). Everything is importable from here.
+"""
+
+from __future__ import annotations
+
+from provision.planner.estimates import (  # noqa: F401 - the planner's API, one import away
+    DCN_GBPS_PER_CHIP,
+    DROP_WARNING,
+    GIB,
+    MAX_SLICES,
+    Cost,
+    Layout,
+    Memory,
+    Mesh,
+    StepBounds,
+    Traffic,
+    activation_bytes,
+    all_to_all_bytes,
+    attention_activation_bytes,
+    chip_layout,
+    collective_bytes,
+    cost,
+    expert_capacity,
+    ffn_activation_bytes,
+    hardware_flops_per_chip,
+    head_activation_bytes,
+    memory_per_chip,
+    mesh_options,
+    mfu_ceiling,
+    min_drop_fraction,
+    param_bytes_per_chip,
+    parse_mesh,
+    routing_groups,
+    step_bounds,
+    traffic_per_chip,
+)
+from provision.planner.plan import (  # noqa: F401 - the planner's API, one import away
+    Advice,
+    Hardware,
+    Plan,
+    advise,
+    choose_mesh,
+    fits_on,
+    load_model_config,
+    make_plan,
+    mesh_problems,
+    plan_for,
+    target_of,
+    warnings_for,
+)
+from provision.planner.report import (  # noqa: F401 - the planner's API, one import away
+    Verdict,
+    advice_text,
+    human_bytes,
+    human_count,
+    human_flops,
+    human_seconds,
+    plan_document,
+    plan_lines,
+    target_text,
+    usd,
+    verdict,
+    verdict_line,
+    verdict_of,
+)
+from trainer.flops import ParamCounts, count_params  # noqa: F401 - the trainer's own count (trainer/flops.py)
+from trainer.flops import model_flops_per_token as flops_per_token  # noqa: F401

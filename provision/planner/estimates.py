@@ -1,0 +1,359 @@
+"""The per-step estimates of a plan: mesh, per-chip layout, memory, time bounds and cost.
+
+Pure functions over the trainer's model config, its parameter inventory, a mesh and a catalogue
+entry (see provision/planner/__init__.py for the model behind the figures)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from provision import catalogue
+from trainer.flops import ParamCounts
+from trainer.flops import model_flops_per_token as flops_per_token
+from trainer.params import DTYPE_BYTES, ParamInfo, shard_ways
+
+if TYPE_CHECKING:
+    from trainer.config import Config as ModelConfig
+
+
+GIB = 1 << 30
+# Data-center network (DCN) bandwidth of v5e: 6.4 Tbps per 256-chip pod ("TPU v5e", Cloud TPU docs),
+# i.e. 25 Gbps per chip (100 Gbps per 4-chip VM). Slices of a multislice job talk over it.
+DCN_GBPS_PER_CHIP = 6400.0 / 256
+# The most slices `advice` tries before it gives up on finding a count that fits.
+MAX_SLICES = 64
+# A capacity factor that must drop at least this fraction of assignments earns a warning.
+DROP_WARNING = 0.1
+
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+# ParamCounts and count_params live with the trainer's MFU (trainer/flops.py): one count for both.
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """The trainer's ("data", "expert") mesh; with several slices, data spans them over DCN."""
+
+    data: int
+    expert: int
+    slices: int = 1
+    reason: str = ""
+
+    @property
+    def chips(self) -> int:
+        return self.data * self.expert
+
+    @property
+    def data_per_slice(self) -> int:
+        return self.data // self.slices
+
+    def shape(self) -> tuple[tuple[str, int], ...]:
+        return (("data", self.data), ("expert", self.expert))
+
+    def text(self) -> str:
+        return f"data={self.data},expert={self.expert}"
+
+
+def mesh_options(num_experts: int, has_moe: bool, chips: int, slices: int = 1) -> list[Mesh]:
+    """Meshes the trainer accepts, largest expert axis first: the expert axis divides num_experts and
+    the chips of one slice (the all-to-all stays on ICI); every other chip goes on data."""
+    per_slice = chips // slices
+    top = math.gcd(num_experts, per_slice) if has_moe else 1
+    return [Mesh(data=chips // e, expert=e, slices=slices) for e in range(top, 0, -1) if top % e == 0]
+
+
+def parse_mesh(text: str, chips: int, slices: int) -> Mesh:
+    """`data=D,expert=E` (either may be left out); ValueError when it does not cover the chips."""
+    given: dict[str, int] = {}
+    for part in text.split(","):
+        key, _, value = (s.strip() for s in part.partition("="))
+        if key not in ("data", "expert") or not value.isdigit() or int(value) < 1 or key in given:
+            raise ValueError(f"--mesh expects data=D,expert=E with positive integers, got {text!r}")
+        given[key] = int(value)
+    expert = given.get("expert", chips // given["data"] if "data" in given else 1)
+    data = given.get("data", chips // expert)
+    if data * expert != chips:
+        raise ValueError(f"--mesh {text} covers {data * expert} chips, but the target has {chips}")
+    if (chips // slices) % expert:
+        raise ValueError(f"--mesh expert={expert} must divide the {chips // slices} chips of one slice")
+    return Mesh(data=data, expert=expert, slices=slices, reason=f"expert={expert}: given with --mesh")
+
+
+# ----------------------------------------------------------------------------- per-chip layout
+
+
+def expert_capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: int, min_capacity: int) -> int:
+    """Slots per expert and routing group, as trainer.moe.capacity.expert_capacity counts them."""
+    capacity = math.ceil(num_tokens * top_k * capacity_factor / num_experts)
+    return max(1, min(num_tokens, max(min_capacity, capacity)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What one chip holds of one step: its batch rows and its expert buffer rows per MoE layer."""
+
+    rows: int
+    seq_len: int
+    expert_rows: int  # token rows through the experts of one MoE layer on this chip (slots, padding included)
+    assignments: int  # token-to-expert assignments routed from this chip's tokens per MoE layer
+    expert_parallel: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq_len
+
+
+def routing_groups(cfg: ModelConfig, mesh: Mesh) -> int:
+    """Groups capacity is counted in (MoEConfig.routing_groups): default one per chip's token shard."""
+    return cfg.moe.routing_groups or mesh.chips
+
+
+def chip_layout(cfg: ModelConfig, mesh: Mesh) -> Layout:
+    rows = max(1, -(-cfg.data.global_batch_size // mesh.chips))
+    tokens = rows * cfg.data.seq_len
+    moe = cfg.moe
+    assignments = tokens * moe.top_k
+    if moe.is_dropless(train=True):
+        expert_rows = assignments
+    else:
+        groups = routing_groups(cfg, mesh)
+        group_tokens = max(1, cfg.data.global_batch_size * cfg.data.seq_len // groups)
+        capacity = expert_capacity(group_tokens, moe.top_k, moe.capacity_factor, moe.num_experts, moe.min_capacity)
+        expert_rows = max(1, groups // mesh.chips) * moe.num_experts * capacity
+    return Layout(rows=rows, seq_len=cfg.data.seq_len, expert_rows=expert_rows, assignments=assignments,
+                  expert_parallel=mesh.expert > 1)
+
+
+def min_drop_fraction(layout: Layout, cfg: ModelConfig) -> float:
+    """The fraction of assignments that overflow even when routing is perfectly balanced."""
+    if cfg.moe.is_dropless(train=True) or cfg.moe.routing != "token_choice":
+        return 0.0
+    return max(0.0, 1.0 - layout.expert_rows / layout.assignments)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _bytes(dtype: str) -> int:
+    return DTYPE_BYTES[dtype]
+
+
+def param_bytes_per_chip(params: Sequence[ParamInfo], mesh: Mesh, fsdp: bool) -> int:
+    """Bytes of the parameters one chip holds, sharded as trainer.sharding shards them."""
+    return sum(p.nbytes // shard_ways(p.axes, p.shape, mesh.shape(), fsdp) for p in params)
+
+
+def attention_activation_bytes(cfg: ModelConfig, layout: Layout) -> int:
+    """Kept for the backward pass by one attention sub-block: the residual (float32 in RMSNorm) and its
+    normalised copy, q/k/v and the rotated q/k, the softmax (float32 and its compute-dtype copy), the
+    attention output and its projection."""
+    m, c, t = cfg.model, _bytes(cfg.dtype), layout.tokens
+    heads = m.head_size * (m.num_heads + 2 * m.kv_heads) + m.head_size * (m.num_heads + m.kv_heads)
+    probs = layout.rows * m.num_heads * layout.seq_len ** 2 * (4 + c)
+    return t * m.d_model * (4 + c) + t * heads * c + probs + t * (m.num_heads * m.head_size + m.d_model) * c
+
+
+def ffn_activation_bytes(cfg: ModelConfig, layout: Layout, moe: bool) -> int:
+    """Kept by one FFN sub-block. Dense: the residual pair and the gated hidden (three [T, F]).
+    MoE: router logits and probabilities (float32), the expert buffers (sent, received when experts
+    are spread, hidden x3, output, returned), the float32 combine, and any shared experts."""
+    m, c, t = cfg.model, _bytes(cfg.dtype), layout.tokens
+    stream = t * m.d_model * (4 + c)
+    if not moe:
+        return stream + 3 * t * m.d_ff * c + t * m.d_model * c
+    e = cfg.moe
+    buffers = (4 if layout.expert_parallel else 2) * m.d_model + 3 * e.d_ff
+    shared = 3 * t * e.num_shared_experts * (e.shared_d_ff or e.d_ff) * c
+    return (stream + 2 * t * e.num_experts * 4 + layout.expert_rows * buffers * c
+            + e.top_k * t * m.d_model * 4 + shared)
+
+
+def head_activation_bytes(cfg: ModelConfig, layout: Layout) -> int:
+    """The final norm, and the float32 logits, their log-softmax and its gradient ([T, V] each)."""
+    t = layout.tokens
+    return t * cfg.model.d_model * (4 + _bytes(cfg.dtype)) + 3 * t * cfg.model.vocab_size * 4
+
+
+def activation_bytes(cfg: ModelConfig, layout: Layout, remat: bool) -> int:
+    """Activations alive at the peak of the backward pass on one chip."""
+    m = cfg.model
+    attention = attention_activation_bytes(cfg, layout)
+    blocks = [attention + ffn_activation_bytes(cfg, layout, m.is_moe_layer(i)) for i in range(m.num_layers)]
+    if remat:  # block inputs only, and one block's activations recomputed at a time
+        kept = m.num_layers * layout.tokens * m.d_model * _bytes(cfg.dtype) + max(blocks)
+    else:
+        kept = sum(blocks)
+    return kept + head_activation_bytes(cfg, layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # with the config's remat setting
+    activations_remat: int
+    activations_no_remat: int
+    hbm: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.hbm
+
+    @property
+    def shortfall(self) -> int:
+        """Bytes per chip over the HBM (0 when it fits)."""
+        return max(0, self.total - self.hbm)
+
+
+def memory_per_chip(params: Sequence[ParamInfo], cfg: ModelConfig, mesh: Mesh,
+                    acc: catalogue.AcceleratorType) -> Memory:
+    """Gradients are in the param dtype; AdamW keeps mu and nu in it too (optax's default)."""
+    weights = param_bytes_per_chip(params, mesh, cfg.train.fsdp)
+    layout = chip_layout(cfg, mesh)
+    with_remat, without = activation_bytes(cfg, layout, True), activation_bytes(cfg, layout, False)
+    return Memory(params=weights, grads=weights, optimizer=2 * weights,
+                  activations=with_remat if cfg.model.remat else without,
+                  activations_remat=with_remat, activations_no_remat=without,
+                  hbm=int(acc.hbm_gib_per_chip * GIB))
+
+
+# ----------------------------------------------------------------------------- speed
+
+
+def hardware_flops_per_chip(counts: ParamCounts, cfg: ModelConfig, layout: Layout, chips: int) -> float:
+    """FLOPs one chip executes per step: the model's, plus the expert slots computed beyond top_k
+    (capacity padding), plus the forward pass again under remat."""
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    model = flops_per_token(counts, cfg) * tokens
+    routed = 6.0 * counts.experts / max(cfg.moe.num_experts, 1) * cfg.moe.top_k * tokens
+    padding = routed * (layout.expert_rows / layout.assignments - 1.0)
+    total = model + padding
+    return total * (4.0 / 3.0 if cfg.model.remat else 1.0) / chips
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Bytes one chip moves per step: through HBM, over ICI (all-to-all and the rest), over DCN."""
+
+    hbm: float
+    all_to_all: float
+    ici: float
+    dcn: float
+
+
+def all_to_all_bytes(cfg: ModelConfig, layout: Layout, mesh: Mesh) -> float:
+    """Expert buffers leaving the chip: two exchanges forward, two backward (and two more under remat);
+    of each buffer, the (E - 1) / E that belongs to other chips."""
+    if mesh.expert <= 1:
+        return 0.0
+    passes = 4 + (2 if cfg.model.remat else 0)
+    share = (mesh.expert - 1) / mesh.expert
+    return cfg.model.num_moe_layers * passes * layout.expert_rows * cfg.model.d_model * _bytes(cfg.dtype) * share
+
+
+def collective_bytes(params: Sequence[ParamInfo], cfg: ModelConfig, mesh: Mesh) -> tuple[float, float]:
+    """(ICI, DCN) bytes per chip of the data-axis collectives: weights FSDP shards over data are
+    all-gathered for the forward and backward passes (and the recompute) and their gradients
+    reduce-scattered; weights replicated over data get their gradients all-reduced. Hierarchical:
+    inside a slice over ICI, between slices over DCN."""
+    d_ici, slices, c = mesh.data_per_slice, mesh.slices, _bytes(cfg.dtype)
+    gathers = 2 + (1 if cfg.model.remat else 0)
+    ici = dcn = 0.0
+    for p in params:
+        whole = shard_ways(p.axes, p.shape, mesh.shape(), False)
+        ways = shard_ways(p.axes, p.shape, mesh.shape(), cfg.train.fsdp)
+        gathered = p.size / whole  # elements per chip once gathered over data
+        if ways > whole:  # sharded over data: gather in compute dtype, reduce-scatter the gradient
+            moved = gathered * (gathers * c + _bytes(p.dtype))
+            ici += moved * (d_ici - 1) / d_ici
+            dcn += moved * (slices - 1) / mesh.data
+        else:
+            grad = gathered * _bytes(p.dtype)
+            ici += 2 * grad * (d_ici - 1) / d_ici
+            dcn += 2 * grad * (slices - 1) / slices / d_ici
+    return ici, dcn
+
+
+def traffic_per_chip(params: Sequence[ParamInfo], cfg: ModelConfig, mesh: Mesh, memory: Memory) -> Traffic:
+    """HBM: the layer weights read in the forward and backward passes (again under remat) in compute
+    dtype, the optimizer reading params, grads, mu, nu and writing params, mu, nu, and the kept
+    activations written once and read once."""
+    layout = chip_layout(cfg, mesh)
+    reads = 2 + (1 if cfg.model.remat else 0)
+    weights = sum(p.size / shard_ways(p.axes, p.shape, mesh.shape(), False) for p in params)
+    hbm = reads * weights * _bytes(cfg.dtype) + 7 * memory.params + 2 * memory.activations
+    a2a = all_to_all_bytes(cfg, layout, mesh)
+    ici, dcn = collective_bytes(params, cfg, mesh)
+    return Traffic(hbm=hbm, all_to_all=a2a, ici=a2a + ici, dcn=dcn)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBounds:
+    compute_s: float
+    hbm_s: float
+    ici_s: float
+    dcn_s: float
+
+    @property
+    def lower_bound_s(self) -> float:
+        return max(self.compute_s, self.hbm_s, self.ici_s, self.dcn_s)
+
+    @property
+    def bound_by(self) -> str:
+        named = {"compute": self.compute_s, "HBM": self.hbm_s, "ICI": self.ici_s, "DCN": self.dcn_s}
+        return max(named, key=named.__getitem__)
+
+
+def step_bounds(flops_per_chip: float, traffic: Traffic, acc: catalogue.AcceleratorType) -> StepBounds:
+    return StepBounds(
+        compute_s=flops_per_chip / (acc.peak_bf16_tflops_per_chip * 1e12),
+        hbm_s=traffic.hbm / (acc.hbm_gbps_per_chip * 1e9),
+        ici_s=traffic.ici / (acc.ici_gbps_per_chip / 8 * 1e9),
+        dcn_s=traffic.dcn / (DCN_GBPS_PER_CHIP / 8 * 1e9),
+    )
+
+
+def mfu_ceiling(model_flops_per_step: float, step_s: float, chips: int, acc: catalogue.AcceleratorType) -> float:
+    """Model FLOPs over what the chips could do in the fastest possible step."""
+    return model_flops_per_step / (step_s * chips * acc.peak_bf16_tflops_per_chip * 1e12)
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    capacity: str
+    per_hour: float
+    per_hour_on_demand: float
+    per_hour_spot: float
+    steps: int
+    run_s: float
+
+    def run_usd(self, per_hour: float) -> float:
+        return per_hour * self.run_s / 3600
+
+
+def cost(chips: int, capacity: str, steps: int, step_s: float) -> Cost:
+    """Catalogue prices per chip-hour times the chips of every slice; the run at the step-time bound."""
+    return Cost(
+        capacity=capacity, per_hour=chips * catalogue.price_per_chip_hour(capacity),
+        per_hour_on_demand=chips * catalogue.price_per_chip_hour("on-demand"),
+        per_hour_spot=chips * catalogue.price_per_chip_hour("spot"), steps=steps, run_s=steps * step_s,
+    )
+
+

@@ -1,0 +1,281 @@
+"""The plan for a config: the target it asks for, the mesh chosen, advice, warnings and the verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from provision import catalogue
+from provision.errors import MissingDependency, UsageError
+from provision.planner.estimates import (
+    DROP_WARNING,
+    MAX_SLICES,
+    Cost,
+    Layout,
+    Memory,
+    Mesh,
+    StepBounds,
+    Traffic,
+    chip_layout,
+    cost,
+    hardware_flops_per_chip,
+    memory_per_chip,
+    mesh_options,
+    mfu_ceiling,
+    min_drop_fraction,
+    parse_mesh,
+    routing_groups,
+    step_bounds,
+    traffic_per_chip,
+)
+from trainer.flops import ParamCounts, count_params
+from trainer.flops import model_flops_per_token as flops_per_token
+from trainer.params import ParamInfo
+
+if TYPE_CHECKING:
+    from provision.config import Config
+    from trainer.config import Config as ModelConfig
+
+# ----------------------------------------------------------------------------- target, advice, warnings
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The chips a plan is for (the config's slice or Vertex topology); not provision.targets.Target,
+    which provisions them."""
+
+    accelerator: catalogue.AcceleratorType
+    slices: int
+    capacity: str  # a catalogue price: on-demand, spot or reserved
+
+    @property
+    def chips(self) -> int:
+        return self.accelerator.chips * self.slices
+
+
+
+
+def target_of(cfg: Config, accelerator: str | None = None, slices: int | None = None) -> Hardware:
+    """The slice the config asks for (tpu-vm: slice.accelerator x slice.count; vertex: the topology),
+    or the one given on the command line."""
+    if cfg.target == "vertex":
+        acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
+        capacity, count = catalogue.CAPACITY_OF_VERTEX_STRATEGY[cfg.vertex.scheduling], 1
+    else:
+        acc, capacity, count = cfg.accelerator_type(), cfg.slice.capacity, cfg.slice.count
+    if accelerator is not None:
+        acc = catalogue.accelerator(accelerator)
+    if acc is None:
+        raise ValueError(f"no v5e accelerator type has topology {cfg.vertex.topology!r}")
+    return Hardware(accelerator=acc, slices=slices or count, capacity=capacity)
+
+
+def choose_mesh(params: Sequence[ParamInfo], cfg: ModelConfig, acc: catalogue.AcceleratorType,
+                slices: int = 1) -> tuple[Mesh, Memory]:
+    """The largest expert axis (of `mesh_options`) whose memory fits; if none fits, the one that needs
+    least. With FSDP a smaller expert axis leaves more data ways to shard the dense weights over."""
+    options = mesh_options(cfg.moe.num_experts, cfg.model.num_moe_layers > 0, acc.chips * slices, slices)
+    memories = [memory_per_chip(params, cfg, mesh, acc) for mesh in options]
+    fitting = [i for i, memory in enumerate(memories) if memory.fits]
+    best = fitting[0] if fitting else min(range(len(options)), key=lambda i: memories[i].total)
+    per_slice = f"{acc.chips} chips{' per slice' if slices > 1 else ''}"
+    divisor = f"the largest divisor of {cfg.moe.num_experts} experts that divides {per_slice}"
+    if cfg.model.num_moe_layers == 0:
+        reason = "no MoE layers: every chip on data"
+    elif not fitting:
+        reason = "no expert axis fits; this one needs the least memory per chip"
+    elif best == 0:
+        reason = divisor
+    else:
+        larger = ", ".join(str(m.expert) for m in options[:best])
+        reason = f"{divisor} and fits; expert={larger} need{'s' if best == 1 else ''} more memory per chip"
+    return dataclasses.replace(options[best], reason=f"expert={options[best].expert}: {reason}"), memories[best]
+
+
+def fits_on(params: Sequence[ParamInfo], cfg: ModelConfig, acc: catalogue.AcceleratorType, slices: int) -> bool:
+    options = mesh_options(cfg.moe.num_experts, cfg.model.num_moe_layers > 0, acc.chips * slices, slices)
+    return any(memory_per_chip(params, cfg, mesh, acc).fits for mesh in options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    smallest_slice: catalogue.AcceleratorType | None  # the smallest single slice that fits
+    slices_needed: int | None  # how many slices of the target's type fit (None: not within MAX_SLICES)
+    accelerator: catalogue.AcceleratorType
+
+
+def advise(params: Sequence[ParamInfo], cfg: ModelConfig, acc: catalogue.AcceleratorType) -> Advice:
+    by_size = sorted(catalogue.ACCELERATORS.values(), key=lambda a: a.chips)
+    smallest = next((a for a in by_size if fits_on(params, cfg, a, 1)), None)
+    needed = next((s for s in range(1, MAX_SLICES + 1) if fits_on(params, cfg, acc, s)), None)
+    return Advice(smallest_slice=smallest, slices_needed=needed, accelerator=acc)
+
+
+def warnings_for(cfg: ModelConfig, mesh: Mesh, layout: Layout, bounds: StepBounds) -> list[str]:
+    """What would stop the run or waste the slice."""
+    found: list[str] = []
+    e, batch = cfg.moe, cfg.data.global_batch_size
+    has_moe = cfg.model.num_moe_layers > 0
+    if has_moe and e.num_experts % mesh.expert:
+        found.append(f"{e.num_experts} experts do not divide over the expert axis of {mesh.expert}: "
+                     "the trainer refuses this mesh")
+    if has_moe and mesh.expert == 1 and e.num_experts > 1:
+        held = ("every chip gathers all of them (FSDP) for every step" if cfg.train.fsdp and mesh.data > 1
+                else "they are replicated on every chip")
+        found.append(f"expert axis of 1: no expert parallelism for {e.num_experts} experts; {held}")
+    if has_moe and routing_groups(cfg, mesh) % mesh.chips:
+        found.append(f"moe.routing_groups={e.routing_groups} is not a multiple of the {mesh.chips} token "
+                     "shards: the trainer refuses it")
+    drop = min_drop_fraction(layout, cfg) if has_moe else 0.0
+    if drop >= DROP_WARNING:
+        most = "most tokens' assignments" if drop > 0.5 else "assignments"
+        found.append(f"capacity factor {e.capacity_factor:g} drops {most}: at least {drop:.0%} even with "
+                     "perfectly balanced routing")
+    if batch < mesh.chips:
+        found.append(f"batch too small: {batch} rows for {mesh.chips} chips leaves {mesh.chips - batch} "
+                     "chips without data (and the trainer refuses it)")
+    elif batch % mesh.chips:
+        found.append(f"data.global_batch_size={batch} is not a multiple of the {mesh.chips} chips: the "
+                     "trainer refuses it")
+    if bounds.bound_by == "DCN":
+        gathers = " and FSDP's weight gathers" if cfg.train.fsdp else ""
+        found.append(f"the step is bound by DCN between slices: gradient reductions{gathers} cross the "
+                     f"{mesh.slices} slices every step")
+    if bounds.bound_by == "HBM":
+        found.append(f"{layout.tokens} tokens per chip are too few to keep the chips busy: the step is "
+                     "bound by HBM bandwidth, not compute; a larger batch would fill them")
+    return found
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    model_name: str
+    model: ModelConfig
+    counts: ParamCounts
+    target: Hardware
+    mesh: Mesh
+    memory: Memory
+    flops_per_token: float
+    traffic: Traffic
+    bounds: StepBounds
+    mfu_ceiling: float
+    cost: Cost
+    advice: Advice
+    warnings: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.model.data.global_batch_size * self.model.data.seq_len
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.bounds.lower_bound_s
+
+
+def make_plan(params: Sequence[ParamInfo], cfg: ModelConfig, target: Hardware, steps: int,
+              mesh: Mesh | None = None) -> Plan:
+    """Every figure for one model on one target; `mesh` None: `choose_mesh` picks it."""
+    acc = target.accelerator
+    mesh = mesh or choose_mesh(params, cfg, acc, target.slices)[0]
+    counts = count_params(params, cfg)
+    layout = chip_layout(cfg, mesh)
+    memory = memory_per_chip(params, cfg, mesh, acc)
+    traffic = traffic_per_chip(params, cfg, mesh, memory)
+    bounds = step_bounds(hardware_flops_per_chip(counts, cfg, layout, mesh.chips), traffic, acc)
+    per_token = flops_per_token(counts, cfg)
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    return Plan(
+        model_name=cfg.name, model=cfg, counts=counts, target=target, mesh=mesh, memory=memory,
+        flops_per_token=per_token, traffic=traffic, bounds=bounds,
+        mfu_ceiling=mfu_ceiling(per_token * tokens, bounds.lower_bound_s, mesh.chips, acc),
+        cost=cost(target.chips, target.capacity, steps, bounds.lower_bound_s),
+        advice=advise(params, cfg, acc), warnings=tuple(warnings_for(cfg, mesh, layout, bounds)),
+    )
+
+
+def load_model_config(cfg: Config, model: str | None = None) -> ModelConfig:
+    """The trainer config the run would use: `trainer.config` (or `model`) with `trainer.overrides`.
+    A relative path is looked up from the working directory, then beside the config file."""
+    from trainer.config import load_config
+
+    name = model or cfg.trainer.config
+    path = Path(name)
+    if not path.is_absolute() and not path.exists() and (Path(cfg.source).parent / path).exists():
+        name = str(Path(cfg.source).parent / path)
+    overrides = [flag for flag in cfg.trainer.set_flags() if flag != "--set"]
+    return load_config(name, overrides)
+
+
+def mesh_problems(cfg: Config) -> list[tuple[str, str]]:
+    """(dotted key, message) for each mesh the trainer would refuse, found before anything is created:
+    trainer.mesh against the target's chips (times slices), dry_run.mesh against dry_run.devices, each
+    expert axis against its model's moe.num_experts; and a dry_run.trainer_config the trainer does not know."""
+    from trainer.config import ConfigError, load_config
+
+    found: list[tuple[str, str]] = []
+    target = target_of(cfg)
+    overrides = [flag for flag in cfg.trainer.set_flags() if flag != "--set"]
+    where = f"{target.accelerator.name}" + (f" x {target.slices}" if target.slices > 1 else "")
+    checks = [("trainer.mesh", cfg.trainer.mesh, target.chips, target.slices,
+               f"the target ({where}) has {target.chips}", lambda: load_model_config(cfg))]
+    if cfg.dry_run.mesh:
+        checks.append(("dry_run.mesh", cfg.dry_run.mesh, cfg.dry_run.devices, 1,
+                       f"dry_run.devices is {cfg.dry_run.devices}",
+                       lambda: load_config(cfg.dry_run.trainer_config, overrides)))
+    for key, text, chips, slices, against, model in checks:
+        try:
+            model_cfg = model()
+        except ConfigError as exc:
+            if key == "dry_run.mesh":
+                found.append(("dry_run.trainer_config", f"the trainer rejects it: {exc}"))
+            continue
+        if not text:
+            continue
+        try:
+            mesh = parse_mesh(text, chips, slices)
+        except ValueError as exc:
+            message = str(exc).replace("--mesh ", "mesh ").replace(f"the target has {chips}", against)
+            found.append((key, f"the trainer refuses it: {message}"))
+            continue
+        experts = model_cfg.moe.num_experts
+        if model_cfg.model.num_moe_layers and experts % mesh.expert:
+            found.append((key, f"the trainer refuses it: moe.num_experts ({experts}) is not divisible by the "
+                               f"mesh's expert axis ({mesh.expert})"))
+    return found
+
+
+def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None = None,
+             slices: int | None = None, mesh_text: str | None = None) -> Plan:
+    """The plan for a control-plane config. A model or mesh that cannot be used raises UsageError
+    (exit 2); without the trainer's dependencies, MissingDependency."""
+    try:
+        from trainer.config import ConfigError
+        from trainer.params import param_inventory
+    except ImportError as exc:
+        raise MissingDependency(exc.name or "jax", "trainer") from exc
+    try:
+        model_cfg = load_model_config(cfg, model)
+        target = target_of(cfg, accelerator, slices)
+        mesh_text = mesh_text or cfg.trainer.mesh
+        mesh = parse_mesh(mesh_text, target.chips, target.slices) if mesh_text else None
+        params = param_inventory(model_cfg)
+    except (ConfigError, ValueError) as exc:
+        raise UsageError(f"cannot plan {model or cfg.trainer.config}: {exc}",
+                         hint="check trainer.config and trainer.overrides in the config, and --mesh") from None
+    steps = cfg.trainer.steps or model_cfg.train.steps
+    plan = make_plan(params, model_cfg, target, steps, mesh)
+    if mesh_text is None and model_cfg.model.num_moe_layers:
+        # Planned with the mesh it picked; the trainer runs with trainer.mesh, or all chips on data.
+        plan = dataclasses.replace(plan, warnings=(*plan.warnings, (
+            f"trainer.mesh is not set, so the trainer puts every chip on data; set `trainer.mesh: "
+            f"{plan.mesh.text()}` to train with this plan's mesh")))
+    return plan
