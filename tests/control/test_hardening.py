@@ -265,7 +265,7 @@ def test_ctrl_c_prints_the_hint_and_a_json_document(tmp_path, example, args, mar
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, seen + err
-    assert "moe-tpu down" in err and "Traceback" not in err
+    assert "`moe-tpu --dry-run down`" in err and "Traceback" not in err  # a dry run's hint acts on the emulator
     doc = json.loads(out)
     assert doc["result"] == "interrupted" and doc["command"] == " ".join(args[:2])
     assert isinstance(doc["resources"], list)
