@@ -39,13 +39,18 @@ from trainer.moe.config import MoEConfig  # noqa: E402
 from trainer.moe.experts import ExpertWeights, batched_ffn  # noqa: E402
 from trainer.moe.parallel import moe_apply  # noqa: E402
 
-# (experts, top_k, d_model, d_ff, tokens, capacity_factor)
+# (experts, top_k, d_model, d_ff, tokens, capacity_factor, routing): the last a top-8 of 64
+# experts (8 per device) from at most 4 of 8 groups, one group per device, with sigmoid gating.
+GROUP_LIMITED = {"score": "sigmoid", "expert_groups": 8, "routing_groups_limit": 4}
 CASES = [
-    (16, 2, 256, 512, 2048, 1.25),
-    (8, 2, 512, 1024, 8192, 1.25),
-    (64, 2, 512, 1024, 8192, 1.25),
+    (16, 2, 256, 512, 2048, 1.25, {}),
+    (8, 2, 512, 1024, 8192, 1.25, {}),
+    (64, 2, 512, 1024, 8192, 1.25, {}),
+    (64, 8, 256, 256, 2048, 1.25, GROUP_LIMITED),
 ]
-MODES = ("capacity", "dropless")
+# dropless: the default (exchange_rows auto); the other two force one exchange.
+MODES = ("capacity", "dropless", "dropless_per_assignment", "dropless_per_device")
+DROPLESS_ROWS = {"dropless": "auto", "dropless_per_assignment": "assignment", "dropless_per_device": "device"}
 SEQ_LEN = 128
 
 
@@ -94,24 +99,25 @@ def ideal_step(mesh):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
-def run_case(mesh, case, modes, reps):
+def run_case(mesh, case, modes, reps, block_rows=0):
     """Times the ideal, the einsum baseline and every mode in interleaved rounds, so that load
     from other processes hits them alike; reports medians over the rounds."""
-    experts, k, d_model, d_ff, tokens, cf = case
+    experts, k, d_model, d_ff, tokens, cf, routing = case
     devices = mesh.devices.size
     x, router, w = make_inputs(mesh, experts, d_model, d_ff, tokens)
     capacity = expert_capacity(tokens // devices, k, cf, experts, 4)
     rows = jax.device_put(
         jax.random.normal(jax.random.key(7), (experts, devices * capacity, d_model)), NamedSharding(mesh, P("expert"))
     )
-    base = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=cf)
+    base = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=cf, **routing)
     configs = {"einsum": MoEConfig(**{**base.model_dump(), "dispatch": "einsum"})}
-    dropless = MoEConfig(**{**base.model_dump(), "capacity_factor": 0.0})
-    configs.update({m: base if m == "capacity" else dropless for m in modes})
+    dropless = lambda rows: MoEConfig(**{**base.model_dump(), "capacity_factor": 0.0, "exchange_rows": rows,
+                                         "block_rows": block_rows})
+    configs.update({m: base if m == "capacity" else dropless(DROPLESS_ROWS[m]) for m in modes})
     # Share of the ideal's rows (experts * devices * capacity) each mode fills with assignments.
     assigned = tokens * k / (experts * devices * capacity)
     drop = float(jax.jit(lambda *a: moe_apply(*a, base, mesh, train=True)[1]["drop_fraction"])(x, router, w))
-    work = {"capacity": assigned * (1.0 - drop), "dropless": assigned}
+    work = {"capacity": assigned * (1.0 - drop), **{m: assigned for m in DROPLESS_ROWS}}
     steps = {"ideal": (ideal_step(mesh), (rows, w))}
     steps.update({name: (block_step(cfg, mesh), (x, router, w)) for name, cfg in configs.items()})
     for fn, args in steps.values():
@@ -124,7 +130,8 @@ def run_case(mesh, case, modes, reps):
     for mode in modes:
         yield {
             "experts": experts, "top_k": k, "d_model": d_model, "d_ff": d_ff, "tokens": tokens,
-            "capacity_factor": cf, "devices": devices, "platform": mesh.devices.flat[0].platform,
+            "capacity_factor": cf, "routing": routing or None, "devices": devices,
+            "platform": mesh.devices.flat[0].platform,
             "mode": mode, "dtype": "float32",
             "moe_ms": round(ms[mode], 2), "ideal_ms": round(ms["ideal"], 2),
             "ratio_to_ideal": round(ms[mode] / ms["ideal"], 3),
@@ -137,22 +144,24 @@ def run_case(mesh, case, modes, reps):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
+    parser.add_argument("--reps", type=int, default=7, help="timed rounds (interleaved); medians are reported")
     parser.add_argument("--case", type=int, action="append", help="run only these case indices (0-based)")
     parser.add_argument("--mode", choices=MODES, action="append", help="run only these modes")
     parser.add_argument("--accelerator", action="store_true", help="use the default backend's devices")
+    parser.add_argument("--block-rows", type=int, default=0, help="moe.block_rows of the dropless modes (0: auto)")
     args = parser.parse_args(argv)
     devices = jax.devices()
     mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
     cases = [CASES[i] for i in args.case] if args.case else CASES
     for case in cases:
-        for row in run_case(mesh, case, tuple(args.mode or MODES), args.reps):
+        for row in run_case(mesh, case, tuple(args.mode or MODES), args.reps, args.block_rows):
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
                 print(
                     f"E={row['experts']:3d} k={row['top_k']} D={row['d_model']} F={row['d_ff']} "
-                    f"T={row['tokens']} {row['mode']:9s} moe {row['moe_ms']:9.2f} ms  ideal {row['ideal_ms']:9.2f} ms  "
+                    f"T={row['tokens']} {row['mode']:24s} moe {row['moe_ms']:9.2f} ms  "
+                    f"ideal {row['ideal_ms']:9.2f} ms  "
                     f"ratio {row['ratio_to_ideal']:.2f}  einsum {row['einsum_ms']:9.2f} ms  "
                     f"speedup {row['speedup_vs_einsum']:.2f} (bound {row['speedup_bound']:.2f})",
                     flush=True,

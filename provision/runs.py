@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from provision import goodput
 from provision.cloud import storage
 from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
@@ -120,6 +121,8 @@ class Training:
     total_steps: int | None = None
     restarts: int = 0
     resumed_from_step: int | None = None
+    eval_loss: float | None = None  # the last evaluation's, from the metrics file
+    goodput: dict[str, Any] | None = None  # provision/goodput.py, once the metrics file is read
 
     def see(self, report: Report, attempt: int) -> None:
         if report.loss is not None:
@@ -141,10 +144,13 @@ class Training:
             self.first_loss = min(losses)[1]
             self.final_loss = max(losses)[1]
             self.steps = max(self.steps, max(losses)[0])
+        evals = [r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float))]
+        self.eval_loss = evals[-1] if evals else self.eval_loss
 
     def as_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "first_loss": self.first_loss, "final_loss": self.final_loss,
-                "restarts": self.restarts, "resumed_from_step": self.resumed_from_step}
+                "eval_loss": self.eval_loss, "restarts": self.restarts, "resumed_from_step": self.resumed_from_step,
+                "goodput": self.goodput}
 
 
 @dataclass
@@ -290,6 +296,7 @@ class Runner:
             self.console.detail(f"could not read the trainer's metrics: {exc.message}")
             return
         self.training.from_metrics(rows)
+        self.training.goodput = goodput.compute(self.timeline.events, rows)
 
 
 @contextmanager

@@ -2,6 +2,8 @@
 
 cli (flags -> RunSpec) -> train (jitted step, loop, SIGTERM) with config (YAML -> frozen pydantic models),
 model + layers (decoder; the MoE block comes from trainer.moe), sharding (logical names -> mesh),
-data (deterministic sources), checkpoint (orbax), metrics (printing), flops (MFU), distributed (multi-host).
+data (deterministic sources) and datasets (Grain: prepared ArrayRecord shards, token arrays), checkpoint
+(orbax), metrics (printing) and tensorboard (events), evaluation, flops (MFU), distributed (multi-host);
+prepare (tokenize a corpus), sample (decode from a checkpoint) and plot (a run's metrics as a PNG).
 Importing the package imports nothing heavy: jax starts only inside the command.
 """

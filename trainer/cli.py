@@ -35,11 +35,12 @@ def set_fake_devices(n: int, env=os.environ) -> None:
 def parse_profile_steps(text: str | None) -> tuple[int, int] | None:
     if not text:
         return None
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
-    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise click.BadParameter(f"expected A:B with 1 <= A <= B (steps to trace), got '{text}'",
-                                 param_hint="--profile-steps")
-    return int(m.group(1)), int(m.group(2))
+    from trainer.config import parse_steps_range
+
+    try:
+        return parse_steps_range(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--profile-steps") from None
 
 
 def _jax_started() -> bool:
@@ -125,6 +126,7 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
                        metrics_path, seed, profile, in_process=num_devices is not None)
     try:
         status.start(spec.steps)
+        _save_config(spec)
     except StatusError as e:
         raise click.ClickException(str(e)) from None
     return _run(spec, status)
@@ -151,6 +153,24 @@ def _check_path(path: str | None, param_hint: str, writes: bool) -> None:
         raise click.BadParameter(f"{path} is {kind}, not a file", param_hint=param_hint)
     if not writes and not os.access(path, os.R_OK):
         raise click.BadParameter(f"{path} cannot be read (permission denied)", param_hint=param_hint)
+
+
+def _save_config(spec) -> None:
+    """OUTPUT_DIR/config.json (process 0): the config that trained the checkpoints, for trainer.sample."""
+    import json
+
+    import jax
+
+    from trainer.status import reason, write_whole
+
+    if not spec.output_dir or jax.process_index() != 0:
+        return
+    path = f"{spec.output_dir.rstrip('/')}/config.json" if "://" in spec.output_dir else \
+        os.path.join(spec.output_dir, "config.json")
+    try:
+        write_whole(path, json.dumps(spec.config.to_dict(), indent=1) + "\n")
+    except Exception as e:  # noqa: BLE001 - OSError locally; gcsfs and google-auth errors remotely
+        raise StatusError(f"cannot write {path}: {reason(e)}") from None
 
 
 def _add_status_target(status: RunStatus, path: str, param_hint: str) -> None:
@@ -243,6 +263,7 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
         mesh_shape = sharding.parse_mesh(mesh_text, count)
     except ValueError as e:
         raise click.UsageError(f"{e}{_devices_hint(mesh_text, count)}") from None
+    profile = profile or cfg.train.profile_steps
     return RunSpec(config=cfg, steps=cfg.train.steps if steps is None else steps, mesh_shape=mesh_shape,
                    output_dir=output_dir or None, resume=resume, metrics_path=metrics_path,
                    profile_steps=profile, num_devices=devices if in_process else None)
@@ -281,7 +302,8 @@ def _run(spec, status: RunStatus):
 
     _quiet_library_logs()
     try:
-        reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0, output_dir=spec.output_dir)
+        reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0, output_dir=spec.output_dir,
+                            tensorboard=spec.config.train.tensorboard)
     except StatusError as e:  # OUTPUT_DIR/metrics.jsonl
         raise click.ClickException(str(e)) from None
     except OSError as e:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import difflib
 import pathlib
+import re
 import typing
 from typing import Any, Literal, Self
 
 import pydantic
 import yaml
 from pydantic import field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from trainer import safeyaml
 from trainer.moe.config import MoEConfig
@@ -76,10 +78,13 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    source: Literal["synthetic", "text", "tokens", "records"] = "synthetic"
     seq_len: Integer = 64
     global_batch_size: Integer = 16
-    path: str = ""  # text: a glob of local files; tokens: a .npy or raw .bin file, local or gs://
+    path: str = ""  # text: a glob of local files; tokens: a .npy or raw .bin file; records: a prepared dataset
+    # directory (manifest.json + ArrayRecord shards, from `python -m trainer.prepare`); local or gs://
+    eval_path: str = ""  # evaluation data of the same kind as data.path (tokens, records or text)
+    eval_share: Number = 0.0  # or hold out this share of data.path's records (tokens, records) for evaluation
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # raw .bin token files
     synthetic_vocab: Integer = 32  # states of the Markov source (token ids 0..synthetic_vocab-1)
     synthetic_branching: Integer = 4  # successors per state with non-zero probability
@@ -93,6 +98,14 @@ class DataConfig(Section):
             raise ValueError(f"data.global_batch_size must be at least 1, got {self.global_batch_size}")
         if self.source in ("text", "tokens") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path (set it with --set data.path=...)")
+        if not 0 <= self.eval_share < 1:
+            raise ValueError(f"data.eval_share must be in [0, 1), got {self.eval_share}")
+        if self.eval_share and self.eval_path:
+            raise ValueError("set data.eval_path or data.eval_share, not both")
+        if self.eval_share and self.source in ("synthetic", "text"):
+            raise ValueError(f"data.source={self.source} has no records to hold out; set data.eval_path instead"
+                             if self.source == "text" else "synthetic data is evaluated on fresh samples: "
+                             "leave data.eval_share at 0")
         if not 1 <= self.synthetic_branching <= self.synthetic_vocab:
             raise ValueError(f"data.synthetic_branching must be between 1 and data.synthetic_vocab "
                              f"({self.synthetic_vocab}), got {self.synthetic_branching}")
@@ -138,9 +151,33 @@ class TrainConfig(Section):
     checkpoint_every: Integer = 100
     keep_checkpoints: Integer = 3
     fsdp: Flag = False  # shard the non-expert weights' embed axis over the data axis
+    eval_every: Integer = 0  # evaluate every N steps (and at the last step); 0: never
+    eval_batches: Integer = 4  # global batches per evaluation (the same ones every time)
+    profile_steps: tuple[Integer, Integer] | None = None  # [A, B]: a jax profiler trace of steps A..B (1-based)
+    # in OUTPUT_DIR/profile, as --profile-steps A:B does
+    tensorboard: Flag = True  # event files in OUTPUT_DIR/tensorboard (or $AIP_TENSORBOARD_LOG_DIR)
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _steps_range(cls, value: Any) -> Any:
+        # (errors of their own kind: describe() words them "train.profile_steps: ...")
+        if isinstance(value, str):
+            try:
+                return parse_steps_range(value)
+            except ValueError as e:
+                raise PydanticCustomError("steps_range", str(e)) from None
+        if isinstance(value, int) and not isinstance(value, bool):  # YAML 1.1 reads 3:5 as 185
+            raise PydanticCustomError("steps_range", "expected [A, B] (YAML reads A:B unquoted as a number), "
+                                      "got {value}", {"value": value})
+        return value
 
     @model_validator(mode="after")
     def _valid(self) -> Self:
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ValueError(f"train.eval_every must be 0 or more and train.eval_batches at least 1, got "
+                             f"{self.eval_every} and {self.eval_batches}")
+        if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ValueError(f"train.profile_steps must be [A, B] with 1 <= A <= B, got {list(self.profile_steps)}")
         if self.steps < 0:
             raise ValueError(f"train.steps must not be negative, got {self.steps}")
         if not 0 <= self.seed <= MAX_SEED:
@@ -172,12 +209,24 @@ class Config(Section):
         if self.data.source == "synthetic" and self.data.synthetic_vocab > self.model.vocab_size:
             raise ValueError(f"data.synthetic_vocab ({self.data.synthetic_vocab}) exceeds model.vocab_size "
                              f"({self.model.vocab_size})")
+        if self.train.eval_every and self.data.source != "synthetic" and not (self.data.eval_path
+                                                                              or self.data.eval_share):
+            raise ValueError(f"train.eval_every needs evaluation data: set data.eval_path"
+                             f"{'' if self.data.source == 'text' else ' or data.eval_share'}")
         if self.data.source == "text" and self.model.vocab_size < 256:
             raise ValueError(f"byte-level text needs model.vocab_size >= 256, got {self.model.vocab_size}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()
+
+
+def parse_steps_range(text: str) -> tuple[int, int]:
+    """"A:B" with 1 <= A <= B (steps to trace) -> (A, B)."""
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ValueError(f"expected A:B with 1 <= A <= B (steps to trace), got '{text}'")
+    return int(m.group(1)), int(m.group(2))
 
 
 def named_configs() -> list[str]:

@@ -1,14 +1,14 @@
-"""Deterministic, resumable token sources, sharded per host.
+"""Deterministic, resumable token sources, sharded per host; `open_data` picks the reader for a config.
 
 Every row of every batch is a pure function of (seed, batch index, row), so the iterator's whole position
 is one integer (saved in checkpoints), a resumed run sees the same next batch, and each host makes only
 its own rows (`jax.process_index`). Rows hold seq_len + 1 tokens: inputs are [:-1], targets [1:].
+Token arrays and prepared datasets (ArrayRecord) are read through Grain instead: trainer/datasets.py.
 """
 
 from __future__ import annotations
 
 import glob
-import io
 import os
 from collections.abc import Sequence
 from typing import Protocol
@@ -112,50 +112,47 @@ def text_source(cfg: DataConfig, seed: int) -> WindowSource:
     return WindowSource(tokens, cfg.seq_len, seed, f"text:{cfg.path}:{len(files)}:{tokens.shape[0]}")
 
 
-def token_source(cfg: DataConfig, seed: int) -> WindowSource:
-    tokens = read_token_array(cfg.path, cfg.token_dtype)
-    if tokens.ndim != 1:
-        tokens = tokens.reshape(-1)
-    return WindowSource(tokens, cfg.seq_len, seed, f"tokens:{cfg.path}:{tokens.shape[0]}")
-
-
-def read_token_array(path: str, dtype: str) -> np.ndarray:
-    """A .npy (any unsigned int dtype) or raw .bin (`dtype`) token array, memory-mapped when local."""
-    if "://" in path:
-        raw = read_bytes(path)
-        if path.endswith(".npy"):
-            return np.load(io.BytesIO(raw))
-        return np.frombuffer(raw, np.dtype(dtype))
-    try:
-        if path.endswith(".npy"):
-            return np.load(path, mmap_mode="r")
-        return np.memmap(path, dtype=np.dtype(dtype), mode="r")
-    except (OSError, ValueError) as e:
-        raise DataError(f"cannot read tokens from data.path '{path}': {e}") from None
-
-
-def read_bytes(url: str) -> bytes:
-    """Reads a whole object from gs:// (or any tensorstore kvstore URL, e.g. file://, memory://)."""
-    import tensorstore as ts
-
-    parent, _, key = url.rpartition("/")
-    try:
-        store = ts.KvStore.open(parent + "/").result()
-        result = store.read(key).result()
-    except Exception as e:  # tensorstore raises ValueError or its own status errors
-        raise DataError(f"cannot read {url}: {e}") from None
-    if result.state != "value":
-        raise DataError(f"{url} does not exist")
-    return bytes(result.value)
-
-
 def make_source(cfg: Config, seed: int) -> Source:
     d = cfg.data
     if d.source == "synthetic":
         return MarkovSource(d.synthetic_vocab, d.synthetic_branching, d.synthetic_concentration, d.seq_len, seed)
     if d.source == "text":
         return text_source(d, seed)
-    return token_source(d, seed)
+    raise ValueError(f"data.source={d.source} is read through trainer.datasets (open_data)")
+
+
+EVAL_OFFSET = 1 << 40  # synthetic evaluation batches: indices that training never reaches
+
+
+def open_data(cfg: Config, seed: int, *, process_index: int = 0, process_count: int = 1,
+              with_eval: bool = False):
+    """(this host's training iterator, a factory of fresh evaluation iterators or None) for the config.
+
+    Token arrays and prepared datasets go through Grain (trainer.datasets); the synthetic source and
+    byte-level text are generated here. Synthetic data is evaluated on batches training never sees;
+    text on data.eval_path's files.
+    """
+    d = cfg.data
+    if d.source in ("tokens", "records"):
+        from trainer.datasets import open_datasets
+
+        return open_datasets(cfg, seed, process_index=process_index, process_count=process_count,
+                             with_eval=with_eval)
+    source = make_source(cfg, seed)
+    hosts = {"process_index": process_index, "process_count": process_count}
+    train = DataIterator(source, d.global_batch_size, cfg.model.vocab_size, **hosts)
+    if not with_eval:
+        return train, None
+    if d.source == "synthetic":
+        return train, lambda: DataIterator(source, d.global_batch_size, cfg.model.vocab_size,
+                                           position=EVAL_OFFSET, **hosts)
+    if not d.eval_path:
+        return train, None
+    files = [f for f in glob.glob(d.eval_path, recursive=True) if not os.path.isdir(f)]
+    if not files:
+        raise DataError(f"data.eval_path '{d.eval_path}' matches no files")
+    eval_source = text_source(d.model_copy(update={"path": d.eval_path}), seed + 1)
+    return train, lambda: DataIterator(eval_source, d.global_batch_size, cfg.model.vocab_size, **hosts)
 
 
 class DataIterator:
@@ -163,12 +160,14 @@ class DataIterator:
 
     def __init__(self, source: Source, global_batch: int, vocab_size: int, *, process_index: int = 0,
                  process_count: int = 1, position: int = 0):
+        self.start = position
         if global_batch % process_count:
             raise DataError(f"data.global_batch_size ({global_batch}) must be divisible by the number of "
                             f"hosts ({process_count})")
         per_host = global_batch // process_count
         self.row_ids = list(range(process_index * per_host, (process_index + 1) * per_host))
         self.source, self.vocab_size, self.position = source, vocab_size, position
+        self.fingerprint, self.entropy_floor = source.fingerprint, source.entropy_floor
 
     def __iter__(self):
         return self
@@ -182,7 +181,7 @@ class DataIterator:
         return rows_BxT
 
     def state(self) -> dict:
-        return {"position": self.position, "source": self.source.fingerprint}
+        return {"position": self.position - self.start, "source": self.source.fingerprint}
 
     def restore(self, state: dict) -> None:
-        self.position = int(state["position"])
+        self.position = self.start + int(state["position"])

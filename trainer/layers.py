@@ -29,11 +29,13 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rotary(x_BxLxNxH: jax.Array, theta: float) -> jax.Array:
-    """Rotates feature pairs (i, i + H/2) by position-dependent angles (RoFormer), in float32."""
+def rotary(x_BxLxNxH: jax.Array, theta: float, offset: int | jax.Array = 0) -> jax.Array:
+    """Rotates feature pairs (i, i + H/2) by position-dependent angles (RoFormer), in float32; the first of
+    the L positions is `offset` (decoding with a key/value cache)."""
     length, half = x_BxLxNxH.shape[1], x_BxLxNxH.shape[-1] // 2
     inv_freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_LxK = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq_K[None, :]
+    positions_L = jnp.arange(length, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
+    angle_LxK = positions_L[:, None] * inv_freq_K[None, :]
     sin, cos = jnp.sin(angle_LxK)[None, :, None, :], jnp.cos(angle_LxK)[None, :, None, :]
     x = x_BxLxNxH.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]

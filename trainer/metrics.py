@@ -1,7 +1,8 @@
 """The one object that prints: JSON-lines metrics (a file or stdout) and a progress line on stderr.
 
 Only the writer process (jax.process_index() == 0) prints anything; the others stay silent. With an
-output directory the writer also keeps every metrics row in `{output_dir}/metrics.jsonl`.
+output directory the writer also keeps every metrics row in `{output_dir}/metrics.jsonl` and, asked to,
+writes them as TensorBoard events (trainer/tensorboard.py).
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class MetricsLog:
 
 class Reporter:
     def __init__(self, metrics_path: str | None = None, *, is_writer: bool = True,
-                 stderr: IO[str] | None = None, stdout: IO[str] | None = None, output_dir: str | None = None):
+                 stderr: IO[str] | None = None, stdout: IO[str] | None = None, output_dir: str | None = None,
+                 tensorboard: bool = False):
         self.is_writer = is_writer
         self.err = stderr or sys.stderr
         self.metrics_path = metrics_path
@@ -111,6 +113,11 @@ class Reporter:
             except StatusError:
                 self.close()
                 raise
+        self.events = None
+        if is_writer and tensorboard:
+            from trainer.tensorboard import open_writer
+
+            self.events = open_writer(output_dir, True, warn=self.info)
 
     def metrics(self, row: dict[str, Any]) -> None:
         if self.out is None:
@@ -124,6 +131,8 @@ class Reporter:
             raise StatusError(f"cannot write the metrics to {where}: {reason(e)}") from None
         if self.log is not None:
             self.log.write(line)
+        if self.events is not None:
+            self.events.write(row)
 
     def progress(self, row: dict[str, Any], total_steps: int) -> None:
         if not self.is_writer:
@@ -151,3 +160,6 @@ class Reporter:
         if self.log is not None:
             self.log.close()
             self.log = None
+        if getattr(self, "events", None) is not None:
+            self.events.close()
+            self.events = None

@@ -56,14 +56,14 @@ class Transformer(nnx.Module):
         x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
         x_BxLxD = self._constrain(x_BxLxD)
         auxes = []
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             if self.remat:
                 x_BxLxD, aux = nnx.remat(lambda blk, x: blk(x, train=train))(block, x_BxLxD)
             else:
                 x_BxLxD, aux = block(x_BxLxD, train=train)
             x_BxLxD = self._constrain(x_BxLxD)
             if aux is not None:
-                auxes.append(aux)
+                auxes.append((i, aux))
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.head is None:  # tied: scaled so that unit-variance embeddings give unit-variance logits
             w_DxV = self.embed[...].T * (self.embed.shape[-1] ** -0.5)
@@ -78,13 +78,22 @@ class Transformer(nnx.Module):
         return x_BxLxD if spec is None else jax.lax.with_sharding_constraint(x_BxLxD, spec)
 
 
-def combine_aux(auxes: list[dict], num_experts: int) -> dict[str, jax.Array]:
-    """Losses add up over the MoE layers; drop fraction and expert load are averaged over them."""
-    if not auxes:
+# Each MoE layer's own balance, reported per layer as "moe.{layer}.{name}" (float32 scalars).
+LAYER_METRICS = ("load_max_over_mean", "load_min_over_mean", "load_cv", "drop_fraction", "groups_per_token")
+
+
+def combine_aux(layer_auxes: list[tuple[int, dict]], num_experts: int) -> dict[str, jax.Array]:
+    """Losses add up over the MoE layers; drop fraction and expert load are averaged over them; the
+    balance metrics of each layer (LAYER_METRICS) are kept per layer, keyed by its block index."""
+    if not layer_auxes:
         zero = jnp.zeros((), jnp.float32)
         return {"aux_loss": zero, "z_loss": zero, "drop_fraction": zero,
                 "expert_load": jnp.zeros((num_experts,), jnp.float32)}
+    auxes = [aux for _, aux in layer_auxes]
+    per_layer = {f"moe.{i}.{name}": jnp.asarray(aux[name], jnp.float32)
+                 for i, aux in layer_auxes for name in LAYER_METRICS}
     return {
+        **per_layer,
         "aux_loss": sum(jnp.asarray(a["aux_loss"], jnp.float32) for a in auxes),
         "z_loss": sum(jnp.asarray(a["z_loss"], jnp.float32) for a in auxes),
         "drop_fraction": jnp.mean(jnp.stack([jnp.asarray(a["drop_fraction"], jnp.float32) for a in auxes])),

@@ -5,8 +5,8 @@ written to a temporary file and renamed over the old one, so a reader never sees
 paths get one whole-object write (through etils.epath), at most every `remote_every_s` while running.
 
     {"state": "starting"|"running"|"finished"|"stopped"|"failed", "step": int, "total_steps": int,
-     "start_step": int, "loss": float|null, "tokens_per_s": float|null, "time": unix seconds,
-     "exit_code": int|null, "error": str|null}
+     "start_step": int, "loss": float|null, "tokens_per_s": float|null, "eval_loss": float|null,
+     "eval_step": int|null, "time": unix seconds, "exit_code": int|null, "error": str|null}
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class RunStatus:
                  warn: Callable[[str], None] | None = None, clock: Callable[[], float] = time.time):
         self.paths: list[str] = []
         self.record: dict[str, Any] = {"state": "starting", "step": 0, "total_steps": 0, "start_step": 0,
-                                       "loss": None, "tokens_per_s": None, "time": None, "exit_code": None,
-                                       "error": None}
+                                       "loss": None, "tokens_per_s": None, "eval_loss": None, "eval_step": None,
+                                       "time": None, "exit_code": None, "error": None}
         self.remote_every_s, self.clock = remote_every_s, clock
         self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
         self._last_write: dict[str, float] = {}
@@ -105,6 +105,10 @@ class RunStatus:
         """After each logged step: local targets every time, remote ones at most every `remote_every_s`."""
         self._set(state="running", step=step, loss=_finite(loss), tokens_per_s=_finite(tokens_per_s))
         self._write(throttle=True)
+
+    def evaluated(self, step: int, loss: float | None) -> None:
+        """After an evaluation at `step` (the `running` of that step writes it)."""
+        self._set(eval_loss=_finite(loss), eval_step=step)
 
     def end(self, state: str, exit_code: int, error: str | None = None, step: int | None = None) -> None:
         """The final state; a target that cannot be written gets a warning, never an exception."""

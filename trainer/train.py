@@ -20,12 +20,15 @@ from jax.sharding import Mesh, NamedSharding
 from trainer import flops, sharding
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, OptimConfig
-from trainer.data import DataIterator, make_source
+from trainer.data import DataIterator, open_data
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy
+from trainer.moe.layer import ExpertBias
 from trainer.status import RunStatus
 
-State = dict[str, Any]  # {"step": int32 [], "params": {name: array}, "opt_state": optax state}
+# {"step": int32 [], "params": {name: array}, "opt_state": optax state}, and "moe_bias": {name: float32 [E]}
+# when MoE layers balance with a bias (moe.balance: bias or both).
+State = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,24 +108,28 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
         with nnx.use_eager_sharding(False):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
-    graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+    graphdef, abstract_params, abstract_biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
     codec = ParamCodec(abstract_params)
+    bias_codec = ParamCodec(abstract_biases)  # no names unless moe.balance uses the bias
     optimizer = make_optimizer(cfg.optim, total_steps)
 
     def init() -> State:
-        _, params, _ = nnx.split(make_model(), nnx.Param, ...)
+        _, params, biases, _ = nnx.split(make_model(), nnx.Param, ExpertBias, ...)
         flat = codec.flatten(params)
-        return {"step": jnp.zeros((), jnp.int32), "params": flat, "opt_state": optimizer.init(flat)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": flat, "opt_state": optimizer.init(flat)}
+        if bias_codec.names:
+            state["moe_bias"] = bias_codec.flatten(biases)
+        return state
 
     # Non-parameter state: only RNG streams (MoE router jitter); the step folds into their keys.
-    rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ...)[2])()
+    rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
     abstract_state = jax.eval_shape(init)
     state_shardings = _state_shardings(abstract_state, codec, optimizer, mesh, cfg.train.fsdp)
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   abstract_state, state_shardings)
     batch_sharding = sharding.batch_sharding(mesh)
     schedule = lr_schedule(cfg.optim, total_steps)
-    step = make_train_step(graphdef, codec, rest, optimizer, schedule)
+    step = make_train_step(graphdef, codec, rest, optimizer, schedule, bias_codec)
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=graphdef, codec=codec, rest=rest, optimizer=optimizer,
         schedule=schedule, state_shardings=state_shardings, abstract_state=abstract_state,
@@ -138,7 +145,10 @@ def _state_shardings(abstract_state: State, codec: ParamCodec, optimizer, mesh: 
     replicated = sharding.replicated(mesh)
     opt_state = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state["opt_state"], params,
                                       transform_non_params=lambda _: replicated)
-    return {"step": replicated, "params": params, "opt_state": opt_state}
+    shardings = {"step": replicated, "params": params, "opt_state": opt_state}
+    if "moe_bias" in abstract_state:
+        shardings["moe_bias"] = {name: replicated for name in abstract_state["moe_bias"]}
+    return shardings
 
 
 def step_rngs(rest: nnx.State, step: jax.Array) -> nnx.State:
@@ -153,24 +163,35 @@ def step_rngs(rest: nnx.State, step: jax.Array) -> nnx.State:
 
 
 def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
-                    optimizer: optax.GradientTransformation, schedule: Callable):
-    """train_step(state, batch_BxT) -> (state, metrics); pure, for jax.jit."""
+                    optimizer: optax.GradientTransformation, schedule: Callable, bias_codec: ParamCodec | None = None):
+    """train_step(state, batch_BxT) -> (state, metrics); pure, for jax.jit.
 
-    def loss_fn(params: dict, tokens_BxT: jax.Array, step: jax.Array):
-        model = nnx.merge(graphdef, codec.unflatten(params), step_rngs(rest, step))
+    The MoE balancing biases (state["moe_bias"]) are no argument of the gradient: the forward
+    pass routes with them and returns them moved towards that step's load (trainer/moe/layer.py).
+    """
+    bias_states = (bias_codec,) if bias_codec is not None and bias_codec.names else ()
+
+    def loss_fn(params: dict, tokens_BxT: jax.Array, step: jax.Array, biases: dict):
+        model = nnx.merge(graphdef, codec.unflatten(params), *(c.unflatten(biases) for c in bias_states),
+                          step_rngs(rest, step))
         logits_BxLxV, aux = model(tokens_BxT[:, :-1], train=True)
         ce = cross_entropy(logits_BxLxV, tokens_BxT[:, 1:])
-        return ce + aux["aux_loss"] + aux["z_loss"], (ce, aux)
+        new_biases = {n: v for c in bias_states for n, v in c.flatten(nnx.state(model, ExpertBias)).items()}
+        return ce + aux["aux_loss"] + aux["z_loss"], (ce, aux, new_biases)
 
     def train_step(state: State, tokens_BxT: jax.Array) -> tuple[State, dict]:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (total, (ce, aux)), grads = grad_fn(state["params"], tokens_BxT, state["step"])
+        (total, (ce, aux, biases)), grads = grad_fn(state["params"], tokens_BxT, state["step"],
+                                                    state.get("moe_bias", {}))
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": ce, "total_loss": total, "grad_norm": grad_norm, "lr": schedule(state["step"]),
                    "finite": jnp.isfinite(total) & jnp.isfinite(grad_norm), **aux}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if bias_states:
+            new_state["moe_bias"] = biases
+        return new_state, metrics
 
     return train_step
 
@@ -233,7 +254,8 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         mesh_shape = spec.mesh_shape or {"data": len(devices), "expert": 1}
         check_divisibility(cfg, mesh_shape)
         mesh = sharding.make_mesh(mesh_shape, devices)
-        source = make_source(cfg, cfg.train.seed)
+        data, eval_data = open_data(cfg, cfg.train.seed, process_index=jax.process_index(),
+                                    process_count=jax.process_count(), with_eval=cfg.train.eval_every > 0)
         if spec.output_dir:
             ckpt = Checkpointer(os.path.join(spec.output_dir, "checkpoints"),
                                 every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
@@ -244,10 +266,17 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             trainer = build_trainer(cfg, mesh, spec.steps)
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
             raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
-        data = DataIterator(source, cfg.data.global_batch_size, cfg.model.vocab_size,
-                            process_index=jax.process_index(), process_count=jax.process_count())
+        started = time.perf_counter()
         state = _initial_state(trainer, ckpt, data, spec, reporter)
-        return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=source.entropy_floor)
+        restore_s = time.perf_counter() - started if int(jax.device_get(state["step"])) else 0.0
+        evaluator = None
+        if eval_data is not None:
+            from trainer.evaluation import Evaluator
+
+            evaluator = Evaluator(trainer, eval_data, every=cfg.train.eval_every, batches=cfg.train.eval_batches,
+                                  total_steps=spec.steps)
+        return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=data.entropy_floor,
+                     evaluator=evaluator, restore_s=restore_s)
     finally:
         restore_handler()
         if ckpt is not None:
@@ -335,8 +364,8 @@ def check_resumable(saved: dict, cfg: Config, data: DataIterator, spec: RunSpec,
     differences = [f"{key} is {value} in the checkpoint, {now} now"
                    for key, value in (saved.get("model") or {}).items()
                    if (now := model_identity(cfg).get(key, value)) != value]
-    if saved.get("source") is not None and saved["source"] != data.source.fingerprint:
-        differences.append(f"the data source is {saved['source']} in the checkpoint, {data.source.fingerprint} now")
+    if saved.get("source") is not None and saved["source"] != data.fingerprint:
+        differences.append(f"the data source is {saved['source']} in the checkpoint, {data.fingerprint} now")
     if differences:
         raise ConfigError("the checkpoints were written by a different run: " + "; ".join(differences)
                           + ". Resuming would train another model on them; use another --output-dir "
@@ -361,7 +390,8 @@ def compile_step(trainer: Trainer):
 
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
-          reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None) -> RunResult:
+          reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None,
+          evaluator=None, restore_s: float = 0.0) -> RunResult:
     cfg = trainer.cfg
     step = saved = start_step = int(jax.device_get(state["step"]))
     if start_step:
@@ -373,7 +403,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
         raise ConfigError(f"the train step cannot be built for this config and mesh: {e}") from None
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
                   f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}")
-    timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind)
+    timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
+    first_row = {"start_step": start_step, "restore_s": restore_s}  # for goodput: this process's start
     profiler = _Profiler(spec.profile_steps, spec.output_dir)
     last_loss, stopped = None, False
     try:
@@ -386,8 +417,15 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             step += 1
             if not bool(jax.device_get(metrics["finite"])):  # before anything of this step is saved
                 raise Diverged(step, jax.device_get(metrics), ckpt)
-            if step % cfg.train.log_every == 0 or step == spec.steps:
+            evaluate = evaluator is not None and evaluator.due(step)
+            if step % cfg.train.log_every == 0 or step == spec.steps or evaluate:
                 row = timer.row(step, jax.device_get(metrics), entropy_floor)
+                if evaluate:
+                    row.update(evaluator(state))
+                    status.evaluated(step, row["eval_loss"])
+                    timer.restart()  # the evaluation's time is no step's
+                row.update(first_row)
+                first_row = {}
                 last_loss = row["loss"]
                 reporter.metrics(row)
                 reporter.progress(row, spec.steps)
@@ -423,14 +461,17 @@ def _report_end(reporter: Reporter, ckpt: Checkpointer | None, step: int, total:
 class _StepTimer:
     """Turns the train step's device metrics into a logged row with throughput and MFU."""
 
-    def __init__(self, cfg: Config, num_devices: int, device_kind: str):
+    def __init__(self, cfg: Config, num_devices: int, device_kind: str, start_step: int = 0):
         self.cfg, self.num_devices, self.device_kind = cfg, num_devices, device_kind
         self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-        self.last_time, self.last_step = time.perf_counter(), None
+        self.last_time, self.last_step = time.perf_counter(), start_step
+
+    def restart(self) -> None:
+        self.last_time = time.perf_counter()
 
     def row(self, step: int, metrics: dict, entropy_floor: float | None) -> dict:
         now = time.perf_counter()
-        steps = step - self.last_step if self.last_step is not None else 1
+        steps = step - self.last_step
         step_time = (now - self.last_time) / max(steps, 1)
         self.last_time, self.last_step = now, step
         row = {"step": step, **{k: float(v) for k, v in metrics.items() if k not in ("expert_load", "finite")},
@@ -443,14 +484,14 @@ class _StepTimer:
 
 
 class _Profiler:
-    """Writes a jax profiler trace of steps A..B (1-based, inclusive) to OUTPUT_DIR/profile."""
+    """Writes a jax profiler trace of steps A..B (1-based, inclusive) to OUTPUT_DIR/profile, on process 0."""
 
     def __init__(self, steps: tuple[int, int] | None, output_dir: str | None):
         self.steps, self.active = steps, False
         self.directory = os.path.join(output_dir or ".", "profile")
 
     def before(self, step: int) -> None:
-        if self.steps and not self.active and step + 1 == self.steps[0]:
+        if self.steps and not self.active and step + 1 == self.steps[0] and jax.process_index() == 0:
             jax.profiler.start_trace(self.directory)
             self.active = True
 

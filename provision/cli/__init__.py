@@ -27,6 +27,8 @@ COMMANDS: dict[str, str] = {
     "down": "provision.cli.slice_cmds:down",
     "emulator": "provision.cli.emulator_cmd:emulator",
     "train": "provision.cli.train_cmd:train",
+    "data": "provision.cli.data_cmds:data_group",
+    "sample": "provision.cli.data_cmds:sample",
 }
 
 SHORT_HELP = {
@@ -43,6 +45,8 @@ SHORT_HELP = {
     "down": "Delete every resource of the run, also after a crash, and verify.",
     "emulator": "The embedded Cloud TPU and Vertex AI API emulator as a standalone server.",
     "train": "Run the MoE trainer locally (the container's entry point).",
+    "data": "Datasets for the trainer: prepare (tokenize into ArrayRecord shards).",
+    "sample": "Continue a prompt with a run's latest checkpoint.",
 }
 
 

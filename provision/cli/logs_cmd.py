@@ -16,8 +16,10 @@ FOLLOW_INTERVAL_S = 2.0
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the trainer ends.")
 @click.option("--tail", "tail", type=click.IntRange(min=0), default=20, show_default=True,
               help="How many metric rows to show first (0: all).")
+@click.option("--plot", "plot_path", default=None, metavar="FILE.png",
+              help="Also draw loss, eval loss, tokens/s, drop fraction and expert load to this PNG.")
 @click.pass_obj
-def logs(app, config_path: str, follow: bool, tail: int) -> None:
+def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) -> None:
     """The trainer's state, metrics and output, from the run's output directory.
 
     Reads status.json and metrics.jsonl that the trainer writes to trainer.output_dir
@@ -28,6 +30,7 @@ def logs(app, config_path: str, follow: bool, tail: int) -> None:
     Examples:
       moe-tpu logs -c examples/v5e-64.yaml
       moe-tpu --dry-run logs --follow
+      moe-tpu logs --plot run.png
     """
     from provision.cloud import storage
     from provision.targets import ENDED
@@ -63,12 +66,37 @@ def logs(app, config_path: str, follow: bool, tail: int) -> None:
             app.console.info(line)
     state = status.get("state", "no status yet")
     app.console.text(f"trainer: {state}" + (f" at step {status['step']}/{status.get('total_steps')}"
-                                            if status.get("step") is not None else ""))
-    app.console.emit(app.document("ok", output_dir=out, status=status or None, metrics=rows))
+                                            if status.get("step") is not None else "")
+                     + (f", eval loss {status['eval_loss']:.4f} at step {status.get('eval_step')}"
+                        if isinstance(status.get("eval_loss"), (int, float)) else ""))
+    if plot_path:
+        _plot(app, cfg, rows, plot_path)
+    app.console.emit(app.document("ok", output_dir=out, status=status or None, metrics=rows,
+                                  **({"plot": plot_path} if plot_path else {})))
 
 
-ROW_FIELDS = (("loss", "loss {:.4f}"), ("aux_loss", "aux {:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"),
-              ("step_time_s", "{:.3f} s/step"))
+def _plot(app, cfg, rows: list, path: str) -> None:
+    from provision.errors import MissingDependency, UsageError
+
+    try:
+        import matplotlib  # noqa: F401
+
+        from trainer.plot import plot_metrics
+    except ImportError as exc:
+        raise MissingDependency(exc.name or "matplotlib", "plot") from exc
+    if not rows:
+        raise UsageError(f"nothing to plot: the run has no metrics yet ({app.trainer_output_dir(cfg)})")
+    model = cfg.dry_run.trainer_config + f" (dry run of {cfg.trainer.config})" if app.dry_run else cfg.trainer.config
+    try:
+        plot_metrics(rows, path, title=f"run {cfg.run}  -  model {model}")
+    except OSError as e:
+        raise UsageError(f"cannot write the plot {path}: {e.strerror or e}") from None
+    app.console.info(f"plot: {path}")
+
+
+ROW_FIELDS = (("loss", "loss {:.4f}"), ("eval_loss", "eval loss {:.4f}"), ("eval_perplexity", "ppl {:.2f}"),
+              ("eval_drop_fraction", "eval drop {:.3f}"), ("aux_loss", "aux {:.4f}"),
+              ("tokens_per_s", "{:,.0f} tok/s"), ("step_time_s", "{:.3f} s/step"))
 
 
 def _row_line(row: dict) -> str:

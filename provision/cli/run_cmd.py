@@ -171,7 +171,12 @@ def _print_summary(app, events, training, verdict: str) -> None:
     if t.first_loss is not None:
         app.console.text(f"training: {t.steps} steps, loss {t.first_loss:.4f} -> {t.final_loss:.4f}, "
                          f"{t.restarts} restart(s)" + (f", resumed from step {t.resumed_from_step}"
-                                                       if t.resumed_from_step is not None else ""))
+                                                       if t.resumed_from_step is not None else "")
+                         + (f", eval loss {t.eval_loss:.4f}" if t.eval_loss is not None else ""))
+    if t.goodput is not None:
+        from provision.goodput import summary_line
+
+        app.console.text(summary_line(t.goodput))
     app.console.text(verdict)
 
 

@@ -64,8 +64,8 @@ def test_training_figures_across_a_restart():
     training.see(Report("running", step=12, total_steps=40, start_step=0, loss=3.0), attempt=0)
     training.see(Report("running", step=13, total_steps=40, start_step=12, loss=2.9), attempt=1)
     training.see(Report("finished", step=40, total_steps=40, start_step=12, loss=1.5), attempt=1)
-    assert training.as_dict() == {"steps": 40, "first_loss": 6.0, "final_loss": 1.5, "restarts": 0,
-                                  "resumed_from_step": 12}
+    assert training.as_dict() == {"steps": 40, "first_loss": 6.0, "final_loss": 1.5, "eval_loss": None,
+                                  "restarts": 0, "resumed_from_step": 12, "goodput": None}
     training.from_metrics([{"step": 1, "loss": 6.2}, {"step": 40, "loss": 1.4}, {"step": 20, "loss": 2.0}])
     assert (training.first_loss, training.final_loss) == (6.2, 1.4)
 

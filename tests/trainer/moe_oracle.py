@@ -22,18 +22,37 @@ import numpy as np
 from trainer.moe.config import MoEConfig
 
 
-def oracle_routing(x_TxD, router_DxE, cfg: MoEConfig):
-    """(logits, probs, experts_TxK, weights_TxK, priority_TxK) for token choice."""
+def oracle_routing(x_TxD, router_DxE, cfg: MoEConfig, bias_E=None):
+    """(logits, probs, experts_TxK, weights_TxK, priority_TxK) for token choice.
+
+    The selection sorts (no top_k): the bias shifts the selection scores only; with a groups
+    limit each group's score is the sum of its two largest selection scores (after a sort),
+    and experts outside the token's best groups cannot be chosen.
+    """
     logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32), precision="highest")
-    probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
-    scores_TxE = probs_TxE if cfg.softmax_before_topk else logits_TxE
-    _, experts_TxK = jax.lax.top_k(scores_TxE, cfg.top_k)
+    if cfg.score == "sigmoid":
+        scores_TxE = jax.nn.sigmoid(logits_TxE)
+        probs_TxE = scores_TxE / scores_TxE.sum(-1, keepdims=True)
+    else:
+        probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+        scores_TxE = probs_TxE if cfg.softmax_before_topk else logits_TxE
+    select_TxE = scores_TxE if bias_E is None else scores_TxE + bias_E
+    if cfg.routing_groups_limit:
+        groups, num_tokens = cfg.expert_groups, x_TxD.shape[0]
+        per_group = cfg.num_experts // groups
+        sorted_TxGxP = jnp.sort(select_TxE.reshape(num_tokens, groups, per_group), axis=-1)
+        group_score_TxG = sorted_TxGxP[..., -min(2, per_group):].sum(-1)
+        best_TxM = jnp.argsort(-group_score_TxG, axis=-1, stable=True)[:, : cfg.routing_groups_limit]
+        allowed_TxG = (best_TxM[:, :, None] == jnp.arange(groups)).any(axis=1)
+        select_TxE = jnp.where(jnp.repeat(allowed_TxG, per_group, axis=1), select_TxE, -jnp.inf)
+    experts_TxK = jnp.argsort(-jax.lax.stop_gradient(select_TxE), axis=-1, stable=True)[:, : cfg.top_k]
     chosen_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
-    priority_TxK = chosen_TxK if cfg.softmax_before_topk else jax.nn.softmax(chosen_TxK, axis=-1)
+    softmax_after = cfg.score == "softmax" and not cfg.softmax_before_topk
+    priority_TxK = jax.nn.softmax(chosen_TxK, axis=-1) if softmax_after else chosen_TxK
     weights_TxK = priority_TxK
-    if cfg.softmax_before_topk and cfg.renormalize:
+    if cfg.renormalize and not softmax_after and (cfg.score == "softmax" or cfg.top_k > 1):
         weights_TxK = priority_TxK / priority_TxK.sum(-1, keepdims=True)
-    return logits_TxE, probs_TxE, experts_TxK, weights_TxK, priority_TxK
+    return logits_TxE, probs_TxE, experts_TxK, weights_TxK * cfg.route_scale, priority_TxK
 
 
 def oracle_keep(experts_TxK, priority_TxK, cfg: MoEConfig, num_groups: int, capacity: int | None) -> np.ndarray:
@@ -71,10 +90,11 @@ def expert_ffn(x_TxD, w_in_DxF, w_gate_DxF, w_out_FxD):
 def oracle_moe(x_TxD, params: dict, cfg: MoEConfig, keep_TxK=None, dtype=jnp.float32):
     """Routed-experts output [T, D] (float32) of token-choice routing: a loop over experts.
 
-    params: router, w_in, w_gate, w_out (unsharded). keep_TxK: from oracle_keep, computed
-    outside any jax.grad trace since it is a discrete decision (None keeps all).
+    params: router, w_in, w_gate, w_out (unsharded), and bias (the balancing bias) if the
+    config routes with one. keep_TxK: from oracle_keep, computed outside any jax.grad trace
+    since it is a discrete decision (None keeps all).
     """
-    _, _, experts_TxK, weights_TxK, _ = oracle_routing(x_TxD, params["router"], cfg)
+    _, _, experts_TxK, weights_TxK, _ = oracle_routing(x_TxD, params["router"], cfg, params.get("bias"))
     if keep_TxK is not None:
         weights_TxK = weights_TxK * jnp.asarray(keep_TxK, jnp.float32)
     y_TxD = jnp.zeros(x_TxD.shape, jnp.float32)
@@ -89,12 +109,13 @@ def oracle_moe(x_TxD, params: dict, cfg: MoEConfig, keep_TxK=None, dtype=jnp.flo
 
 def oracle_aux(x_TxD, params: dict, cfg: MoEConfig) -> dict:
     """The losses from their formulas, over all tokens (token choice)."""
-    logits_TxE, probs_TxE, experts_TxK, _, _ = oracle_routing(x_TxD, params["router"], cfg)
+    logits_TxE, probs_TxE, experts_TxK, _, _ = oracle_routing(x_TxD, params["router"], cfg, params.get("bias"))
     e = cfg.num_experts
     f_E = jnp.stack([jnp.mean(experts_TxK == i) for i in range(e)])
     p_E = probs_TxE.mean(0)
     z = jnp.mean(jax.nn.logsumexp(logits_TxE, axis=-1) ** 2)
-    return {"aux_loss": cfg.aux_loss_coef * e * jnp.sum(f_E * p_E), "z_loss": cfg.z_loss_coef * z}
+    coef = 0.0 if cfg.balance == "bias" else cfg.aux_loss_coef
+    return {"aux_loss": coef * e * jnp.sum(f_E * p_E), "z_loss": cfg.z_loss_coef * z}
 
 
 def oracle_expert_choice(x_TxD, params: dict, cfg: MoEConfig, num_groups: int, capacity: int):

@@ -46,11 +46,17 @@ def test_interface_shapes_dtypes_and_aux_keys():
     cfg = MoEConfig(**SMALL)
     block, y, aux = apply_block(cfg, None)
     assert y.shape == (B, L, D) and y.dtype == jnp.float32
-    assert set(aux) == {"aux_loss", "z_loss", "drop_fraction", "expert_load"}
+    balance = {"load_max_over_mean", "load_min_over_mean", "load_cv", "groups_per_token"}
+    assert set(aux) == {"aux_loss", "z_loss", "drop_fraction", "expert_load"} | balance
     assert aux["expert_load"].shape == (8,) and aux["expert_load"].dtype == jnp.float32
     np.testing.assert_allclose(float(aux["expert_load"].sum()), 1.0, rtol=1e-6)
-    for key in ("aux_loss", "z_loss", "drop_fraction"):
+    for key in ("aux_loss", "z_loss", "drop_fraction", *balance):
         assert aux[key].shape == () and float(aux[key]) >= 0
+    load = np.asarray(aux["expert_load"])
+    np.testing.assert_allclose(aux["load_max_over_mean"], load.max() * 8, rtol=1e-6)
+    np.testing.assert_allclose(aux["load_min_over_mean"], load.min() * 8, rtol=1e-6)
+    np.testing.assert_allclose(aux["load_cv"], load.std() / load.mean(), rtol=1e-5)
+    assert 1.0 <= float(aux["groups_per_token"]) <= 2.0  # no mesh: one group of all experts
 
 
 def test_parameters_carry_logical_axis_names():

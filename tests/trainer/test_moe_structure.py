@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -58,8 +59,10 @@ BRANCHES = re.compile(r"\bconditional\(.*branch_computations=\{([^}]*)\}")
 CALLED = re.compile(r"\b(?:calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 
 
-def executed_collectives(hlo: str) -> list[tuple[str, str]]:
-    """(kind, shape) of the collectives one execution of the module runs, in program order."""
+def executed_collectives(hlo: str, pick=None) -> list[tuple[str, str]]:
+    """(kind, shape) of the collectives one execution of the module runs, in program order.
+
+    At a conditional, pick chooses among the branches' lists (default: the first; all must hold the same kinds)."""
     computations, entry, current = {}, None, None
     for line in hlo.splitlines():
         if (m := COMPUTATION.match(line)) is not None:
@@ -76,7 +79,7 @@ def executed_collectives(hlo: str) -> list[tuple[str, str]]:
             if (b := BRANCHES.search(line)) is not None:
                 paths = [walk(branch.strip().lstrip("%")) for branch in b.group(1).split(",")]
                 assert all([k for k, _ in p] == [k for k, _ in paths[0]] for p in paths), paths
-                found += paths[0]
+                found += paths[0] if pick is None else pick(paths)
             for called in CALLED.findall(line):
                 found += walk(called)
         return found
@@ -96,7 +99,14 @@ def collectives(cfg, mesh_shape, num_blocks=1, grad=False):
 CONFIGS = {
     "capacity": MoEConfig(num_experts=E, d_ff=F),
     "dropless": MoEConfig(num_experts=E, d_ff=F, capacity_factor=0.0, block_rows=8),
+    "dropless_once": MoEConfig(num_experts=E, d_ff=F, capacity_factor=0.0, block_rows=8, exchange_rows="device"),
 }
+
+
+def row_all_to_alls(found):
+    """The all_to_alls that move token rows ([rows, D] float32); the once-per-device exchange
+    adds one of [rows, 2k] (each row's gates and local expert ids)."""
+    return [shape for kind, shape in found if kind == "all-to-all" and re.search(rf"f32\[[\d,]*,{D}\]", shape)]
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
@@ -104,7 +114,9 @@ CONFIGS = {
 def test_forward_has_exactly_two_all_to_all_per_block(mode, mesh_shape):
     for num_blocks in (1, 2) if mesh_shape == (2, 4) else (1,):
         found = collectives(CONFIGS[mode], mesh_shape, num_blocks)
-        assert [k for k, _ in found].count("all-to-all") == 2 * num_blocks, found
+        extra = num_blocks if mode == "dropless_once" else 0
+        assert [k for k, _ in found].count("all-to-all") == 2 * num_blocks + extra, found
+        assert len(row_all_to_alls(found)) == 2 * num_blocks, found
 
 
 @pytest.mark.parametrize("mode", list(CONFIGS))
@@ -126,3 +138,55 @@ def test_ragged_exchange_lowers_to_two_ragged_all_to_all_per_block():
     text = jax.jit(lambda x, w: stacked_blocks(x, router, w, cfg, m)).lower(x, weights).as_text()
     assert len(re.findall(r"ragged_all_to_all", text)) == 4
     assert len(re.findall(r"\ball_to_all", text)) == 0
+
+
+
+def nbytes(shape: str) -> int:
+    """Bytes of an HLO result shape (a tuple counts each element)."""
+    sizes = {"f32": 4, "s32": 4, "bf16": 2}
+    return sum(sizes[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+               for t, dims in re.findall(r"(f32|s32|bf16)\[([\d,]*)\]", shape))
+
+
+def exchange_bytes(cfg, tokens_per_device=128, d_model=128):
+    """all_to_all bytes per device of one forward block on EP=8, along the path that balanced
+    routing takes (the branch with the short chunks): (token row bytes, metadata bytes)."""
+    m = mesh((1, 8))
+    keys = jax.random.split(jax.random.key(0), 5)
+    e, f = cfg.num_experts, cfg.d_ff
+    put = lambda a, spec: jax.device_put(a, NamedSharding(m, spec))
+    x = put(jax.random.normal(keys[0], (8, tokens_per_device, d_model)), P(("data", "expert")))
+    router = put(jax.random.normal(keys[1], (d_model, e)), P())
+    w = ExpertWeights(*(put(jax.random.normal(k, s), P("expert"))
+                        for k, s in zip(keys[2:], [(e, d_model, f), (e, d_model, f), (e, f, d_model)], strict=True)))
+    hlo = jax.jit(lambda x, w: moe_apply(x, router, w, cfg, m, train=True)[0]).lower(x, w).compile().as_text()
+    smallest = lambda paths: min(paths, key=lambda p: sum(nbytes(s) for _, s in p))
+    found = [s for kind, s in executed_collectives(hlo, pick=smallest) if kind == "all-to-all"]
+    rows = [s for s in found if re.search(rf"f32\[[\d,]*,{d_model}\]", s)]
+    return sum(map(nbytes, rows)), sum(map(nbytes, found)) - sum(map(nbytes, rows))
+
+
+def expected_devices_per_token(cfg, num_tokens=4096):
+    """Distinct devices (groups of 8 experts) per token of this routing, on random tokens."""
+    from trainer.moe import routing
+
+    logits = jax.random.normal(jax.random.key(3), (num_tokens, cfg.num_experts))
+    experts, *_ = routing.top_k_routing(logits, cfg.top_k, score=cfg.score, expert_groups=cfg.expert_groups,
+                                        groups_limit=cfg.routing_groups_limit, bias_E=jnp.zeros(cfg.num_experts))
+    return float(jnp.mean(routing.distinct_groups(experts, cfg.num_experts // 8)))
+
+
+@pytest.mark.parametrize("limit", [2, 4])
+def test_once_per_device_exchange_moves_devices_per_token_over_k_of_the_bytes(limit):
+    """E=64, k=8 in G=8 groups (one per device), at most M groups per token: the token rows the
+    exchange moves shrink to (distinct devices per token) / k of one row per assignment; the
+    metadata ([rows, 2k] float32) and the rounding of chunks to 8 rows are the padding."""
+    base = dict(num_experts=64, top_k=8, d_ff=32, capacity_factor=0.0, score="sigmoid", expert_groups=8,
+                routing_groups_limit=limit, block_rows=8)
+    today, today_meta = exchange_bytes(MoEConfig(**base, exchange_rows="assignment"))
+    once, meta = exchange_bytes(MoEConfig(**base, exchange_rows="device"))
+    assert today_meta == 0 and meta > 0
+    devices = expected_devices_per_token(MoEConfig(**base))
+    assert limit - 0.1 < devices <= limit
+    assert once <= (devices / 8) * today * 1.03, (once, today, devices)
+    assert once + meta <= (devices / 8) * today * (1.03 + 2 * 8 / 128)

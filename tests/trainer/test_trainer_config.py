@@ -39,6 +39,16 @@ def test_a_yaml_file_can_inherit_a_named_config(tmp_path):
     (["data.source=text"], "needs data.path"),
     (["model.d_model=65"], "divisible"),
     (["nonsense"], "key.sub=value"),
+    (["data.eval_share=1.5"], "data.eval_share must be in [0, 1)"),
+    (["data.source=tokens", "data.path=t.bin", "data.eval_share=0.1", "data.eval_path=e.bin"],
+     "set data.eval_path or data.eval_share, not both"),
+    (["data.source=text", "data.path=x", "data.eval_share=0.1"], "set data.eval_path instead"),
+    (["train.profile_steps=[5, 2]"], "train.profile_steps must be [A, B] with 1 <= A <= B"),
+    (["train.profile_steps=3:5"], "train.profile_steps: expected [A, B] (YAML reads A:B unquoted as a number)"),
+    (["train.profile_steps='5:2'"], "train.profile_steps: expected A:B with 1 <= A <= B"),
+    (["train.eval_every=-1"], "train.eval_every must be 0 or more"),
+    (["data.source=tokens", "data.path=t.bin", "train.eval_every=10"],
+     "train.eval_every needs evaluation data: set data.eval_path or data.eval_share"),
 ])
 def test_bad_configs_raise_config_error_naming_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=None) as err:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from trainer.config import load_config
-from trainer.data import DataError, DataIterator, MarkovSource, make_source, read_bytes
+from trainer.data import DataError, DataIterator, MarkovSource, make_source, open_data
 
 
 def empirical_conditional_entropy(rows: np.ndarray, vocab: int) -> float:
@@ -62,16 +62,11 @@ def test_token_arrays(tmp_path, suffix, dtype):
     path = tmp_path / f"tokens{suffix}"
     np.save(path, tokens) if suffix == ".npy" else tokens.tofile(path)
     cfg = load_config("tiny", ["data.source=tokens", f"data.path={path}", f"data.token_dtype={dtype}",
-                               "model.vocab_size=300"])
-    rows = next(DataIterator(make_source(cfg, seed=0), 4, 300))
+                               "model.vocab_size=300", "data.global_batch_size=4"])
+    rows = next(open_data(cfg, seed=0)[0])
     assert rows.shape == (4, 65)
     assert all(np.array_equal(np.diff(r) % 300, np.ones(64)) for r in rows)  # contiguous windows
+    small = load_config("tiny", ["data.source=tokens", f"data.path={path}", f"data.token_dtype={dtype}",
+                                 "data.global_batch_size=4"])
     with pytest.raises(DataError, match="outside the model's vocabulary"):
-        next(DataIterator(make_source(cfg, seed=0), 4, 256))
-
-
-def test_object_store_reads_go_through_tensorstore(tmp_path):
-    (tmp_path / "t.bin").write_bytes(np.arange(10, dtype=np.uint16).tobytes())
-    assert np.array_equal(np.frombuffer(read_bytes(f"file://{tmp_path}/t.bin"), np.uint16), np.arange(10))
-    with pytest.raises(DataError, match="does not exist"):
-        read_bytes(f"file://{tmp_path}/missing.bin")
+        next(open_data(small, seed=0)[0])

@@ -10,7 +10,8 @@ import pytest
 from trainer.metrics import Reporter
 from trainer.status import EXIT_STOPPED, RunStatus, StatusError
 
-FIELDS = {"state", "step", "total_steps", "start_step", "loss", "tokens_per_s", "time", "exit_code", "error"}
+FIELDS = {"state", "step", "total_steps", "start_step", "loss", "tokens_per_s", "eval_loss", "eval_step", "time",
+          "exit_code", "error"}
 
 
 def test_the_status_object_through_a_run(tmp_path):
@@ -19,13 +20,16 @@ def test_the_status_object_through_a_run(tmp_path):
     status.start(total_steps=20)
     assert json.loads(target.read_text()) == {
         "state": "starting", "step": 0, "total_steps": 20, "start_step": 0, "loss": None, "tokens_per_s": None,
-        "time": 1700000000.25, "exit_code": None, "error": None}
+        "eval_loss": None, "eval_step": None, "time": 1700000000.25, "exit_code": None, "error": None}
     status.resumed(8)
     status.running(9, 2.5, 1234.5)
     assert json.loads(target.read_text()) == {**json.loads(target.read_text()), "state": "running", "step": 9,
                                               "start_step": 8, "loss": 2.5, "tokens_per_s": 1234.5}
+    status.evaluated(10, 2.75)
     status.running(10, float("nan"), float("inf"))  # JSON has no NaN: null
     assert json.loads(target.read_text())["loss"] is None
+    assert {k: json.loads(target.read_text())[k] for k in ("eval_loss", "eval_step")} == \
+        {"eval_loss": 2.75, "eval_step": 10}
     status.end("stopped", EXIT_STOPPED)
     final = json.loads(target.read_text())
     assert set(final) == FIELDS and (final["state"], final["step"], final["exit_code"]) == ("stopped", 10, 143)

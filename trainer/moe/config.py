@@ -53,6 +53,28 @@ class MoEConfig(Section):
     # 0 picks half the expected rows per expert, a power of two in [8, 512]: bigger blocks
     # run faster matmuls, smaller ones waste less padding.
     block_rows: Integer = 0
+    # Rows of the dropless exchange under expert parallelism: one per assignment, or one per
+    # (token, device holding any of its experts), expanded to those experts there and their
+    # outputs summed there. "auto" takes "device" with the ragged exchange (TPU/GPU) when a token
+    # can reach fewer devices than it has experts (routing_groups_limit over groups that tile the
+    # devices, or k > devices), and "assignment" with the padded one (CPU), where it is faster.
+    exchange_rows: Literal["auto", "assignment", "device"] = "auto"
+    # Router scores: softmax over the experts, or each expert's own sigmoid (DeepSeek-V3). With
+    # sigmoid and top_k > 1 the k chosen scores are normalised to sum to 1 (with renormalize).
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    # The combine weights are multiplied by this after any normalisation.
+    route_scale: Number = 1.0
+    # Load balancing: the auxiliary loss, a per-expert bias on the selection scores that follows
+    # the load (auxiliary-loss-free balancing, DeepSeek-V3), or both.
+    balance: Literal["aux_loss", "bias", "both"] = "aux_loss"
+    # Step of the bias: after every training step each expert's bias moves by this towards the
+    # mean load (up when under it, down when over it).
+    bias_rate: Number = 0.001
+    # Group-limited routing: the experts form expert_groups groups of num_experts / expert_groups
+    # consecutive experts (0: no groups); each token picks its experts from its
+    # routing_groups_limit best groups (0: all groups).
+    expert_groups: Integer = 0
+    routing_groups_limit: Integer = 0
 
     @model_validator(mode="after")
     def _valid(self) -> MoEConfig:
@@ -70,6 +92,29 @@ class MoEConfig(Section):
         _check(self.shared_d_ff >= 0, f"shared_d_ff must be >= 0, got {self.shared_d_ff}")
         _check(self.routing_groups >= 0, f"routing_groups must be >= 0, got {self.routing_groups}")
         _check(self.block_rows >= 0, f"block_rows must be >= 0, got {self.block_rows}")
+        _check(self.route_scale > 0, f"route_scale must be > 0, got {self.route_scale}")
+        _check(self.bias_rate >= 0, f"bias_rate must be >= 0, got {self.bias_rate}")
+        _check(self.expert_groups >= 0, f"expert_groups must be >= 0, got {self.expert_groups}")
+        _check(self.routing_groups_limit >= 0, f"routing_groups_limit must be >= 0, got {self.routing_groups_limit}")
+        if self.expert_groups:
+            _check(
+                self.num_experts % self.expert_groups == 0,
+                f"expert_groups ({self.expert_groups}) must divide num_experts ({self.num_experts})",
+            )
+        if self.routing_groups_limit:
+            _check(self.expert_groups > 0, "routing_groups_limit needs expert_groups (the groups it limits)")
+            _check(
+                self.routing_groups_limit <= self.expert_groups,
+                f"routing_groups_limit ({self.routing_groups_limit}) must be <= expert_groups ({self.expert_groups})",
+            )
+            per_group = self.num_experts // self.expert_groups
+            _check(
+                self.routing_groups_limit * per_group >= self.top_k,
+                f"routing_groups_limit ({self.routing_groups_limit}) must be >= top_k / (num_experts / "
+                f"expert_groups) = {self.top_k}/{per_group}: the kept groups must hold top_k experts",
+            )
+        if self.score == "sigmoid":
+            _check(self.softmax_before_topk, "softmax_before_topk=false applies to score='softmax' only")
         if self.routing == "expert_choice":
             _check(
                 self.capacity_factor > 0 and self.eval_capacity_factor > 0,
@@ -77,7 +122,20 @@ class MoEConfig(Section):
                 "(each expert takes its top-C tokens; there is no dropless expert choice)",
             )
             _check(self.dispatch == "sort", "dispatch='einsum' is only a baseline for token_choice routing")
+            _check(
+                self.score == "softmax" and self.balance == "aux_loss" and not self.routing_groups_limit,
+                "expert_choice routing takes score='softmax', balance='aux_loss' and no routing_groups_limit "
+                "(it is balanced by construction)",
+            )
         return self
+
+    @property
+    def uses_bias(self) -> bool:
+        return self.balance in ("bias", "both")
+
+    @property
+    def uses_aux_loss(self) -> bool:
+        return self.balance in ("aux_loss", "both")
 
     def capacity_factor_for(self, train: bool) -> float:
         return self.capacity_factor if train else self.eval_capacity_factor

@@ -19,7 +19,14 @@ import jax.numpy as jnp
 from trainer.moe import capacity as cap
 from trainer.moe import dispatch, routing
 from trainer.moe.config import MoEConfig
-from trainer.moe.exchange import Assignments, dropless_experts, exchange_from_experts, exchange_to_experts
+from trainer.moe.exchange import (
+    Assignments,
+    dropless_experts,
+    dropless_once_per_device,
+    exchange_from_experts,
+    exchange_to_experts,
+    max_devices_per_token,
+)
 from trainer.moe.experts import ExpertWeights, batched_ffn
 
 
@@ -43,6 +50,7 @@ class Stats(NamedTuple):
     z_sum: jax.Array
     num_assignments: jax.Array
     num_dropped: jax.Array
+    group_sum: jax.Array  # distinct expert groups per token, summed over tokens (token choice)
 
 
 def route_tokens(x_GxTxD, router_DxE, cfg: MoEConfig, train: bool, key):
@@ -52,18 +60,27 @@ def route_tokens(x_GxTxD, router_DxE, cfg: MoEConfig, train: bool, key):
     return jax.vmap(routing.router_logits, in_axes=(0, None))(x_GxTxD, router_DxE)
 
 
-def token_choice(logits_GxTxE, cfg: MoEConfig):
+def token_choice(logits_GxTxE, cfg: MoEConfig, bias_E=None):
     fn = lambda logits: routing.top_k_routing(
-        logits, cfg.top_k, softmax_before_topk=cfg.softmax_before_topk, renormalize=cfg.renormalize
+        logits, cfg.top_k, softmax_before_topk=cfg.softmax_before_topk, renormalize=cfg.renormalize,
+        score=cfg.score, bias_E=bias_E, expert_groups=cfg.expert_groups, groups_limit=cfg.routing_groups_limit,
+        route_scale=cfg.route_scale,
     )
     return jax.vmap(fn)(logits_GxTxE)
 
 
-def capacity_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capacity: int, topo: Topology):
+def experts_per_group(cfg: MoEConfig) -> int:
+    """The groups that "distinct groups per token" counts: expert_groups (all experts one group
+    without), whatever the layout, so that one config reports the same on one device and on eight."""
+    return cfg.num_experts // (cfg.expert_groups or 1)
+
+
+def capacity_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capacity: int, topo: Topology,
+                 bias_E=None):
     """Token choice with C slots per expert and group; overflow assignments are dropped."""
     num_groups, num_tokens, d_model = x_GxTxD.shape
     k, num_experts = cfg.top_k, cfg.num_experts
-    experts_GxTxK, weights_GxTxK, priority_GxTxK, probs_GxTxE = token_choice(logits_GxTxE, cfg)
+    experts_GxTxK, weights_GxTxK, priority_GxTxK, probs_GxTxE = token_choice(logits_GxTxE, cfg, bias_E)
     assign = lambda e, p: cap.assign_slots(e, p, num_experts, capacity, cfg.drop_priority)
     slot_GxN, keep_GxN = jax.vmap(assign)(experts_GxTxK, priority_GxTxK)
     gate_GxN = jax.vmap(cap.flatten_choices)(weights_GxTxK) * keep_GxN
@@ -81,7 +98,7 @@ def capacity_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capaci
         out_GxSxD = out_GxExCxD.reshape(num_groups, num_experts * capacity, d_model)
         combine = lambda o, s, g: dispatch.combine_from_slots(o, s, g, k)
         y_GxTxD = jax.vmap(combine)(out_GxSxD, slot_GxN, gate_GxN)
-    stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN)
+    stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, experts_per_group(cfg))
     return y_GxTxD, stats
 
 
@@ -93,23 +110,33 @@ def experts_on_buffers(buf_GxExCxD, w: ExpertWeights, topo: Topology):
     return exchange_from_experts(out_ElxRxD, buf_GxExCxD.shape, topo.expert_axis, topo.num_expert_shards)
 
 
-def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: Topology):
+def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: Topology, bias_E=None):
     """Token choice that computes every assignment: rows grouped by expert, grouped matmul."""
     num_groups, num_tokens, d_model = x_GxTxD.shape
     k = cfg.top_k
-    experts_GxTxK, weights_GxTxK, _, probs_GxTxE = token_choice(logits_GxTxE, cfg)
+    experts_GxTxK, weights_GxTxK, _, probs_GxTxE = token_choice(logits_GxTxE, cfg, bias_E)
+    x_TxD = x_GxTxD.reshape(num_groups * num_tokens, d_model)
+    keep_GxN = jnp.ones((num_groups, num_tokens * k), bool)
+    stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, experts_per_group(cfg))
+    num_rows = num_groups * num_tokens * k
+    block_rows = cfg.block_rows or auto_block_rows(num_rows * topo.num_expert_shards / cfg.num_experts)
+    devices = max_devices_per_token(k, topo.num_expert_shards, cfg.expert_groups, cfg.routing_groups_limit)
+    # auto: once per device where rows cross an interconnect (the ragged exchange) and a token reaches
+    # fewer devices than it has experts; the CPU's padded exchange copies memory, where the receiver's
+    # k slots per row cost more than the rows saved (benchmarks/moe_layer.py, trainer/moe/README.md).
+    auto = topo.exchange == "ragged" and devices < k
+    once = cfg.exchange_rows == "device" or (cfg.exchange_rows == "auto" and auto)
+    if once and topo.expert_axis is not None and topo.num_expert_shards > 1:
+        y_TxD = dropless_once_per_device(x_TxD, experts_GxTxK.reshape(-1, k), weights_GxTxK.reshape(-1, k), w,
+                                         block_rows, topo, devices)
+        return y_TxD.reshape(num_groups, num_tokens, d_model), stats
     experts_N = cap.flatten_choices(experts_GxTxK.reshape(-1, k))
     gate_N = cap.flatten_choices(weights_GxTxK.reshape(-1, k))
     order_N, counts_E = dispatch.sort_by_expert(experts_N, cfg.num_experts)
     rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
     assignments = Assignments(order_N=order_N, rank_N=rank_N, counts_E=counts_E, top_k=k)
-    x_TxD = x_GxTxD.reshape(num_groups * num_tokens, d_model)
-    block_rows = cfg.block_rows or auto_block_rows(order_N.shape[0] * topo.num_expert_shards / cfg.num_experts)
     out_NxD = dropless_experts(x_TxD, assignments, w, block_rows, topo)
-    y_NxD = out_NxD.astype(jnp.float32) * gate_N[:, None]
-    y_TxD = dispatch.sum_leading(y_NxD.reshape(k, -1, d_model))
-    keep_GxN = jnp.ones((num_groups, num_tokens * k), bool)
-    stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN)
+    y_TxD = dispatch.weighted_sum(out_NxD.reshape(k, -1, d_model), gate_N.reshape(k, -1))
     return y_TxD.reshape(num_groups, num_tokens, d_model), stats
 
 
@@ -143,11 +170,12 @@ def expert_choice_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, c
         z_sum=jnp.sum(jax.vmap(routing.router_z_loss_sum)(logits_GxTxE)),
         num_assignments=jnp.float32(num_groups * num_tokens),
         num_dropped=jnp.sum(~chosen_GxT).astype(jnp.float32),
+        group_sum=jnp.float32(0),
     )
     return y_GxTxD, stats
 
 
-def token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN) -> Stats:
+def token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, per_group: int) -> Stats:
     counts_E, prob_sums_E = routing.balance_stats(experts_GxTxK, probs_GxTxE.reshape(-1, probs_GxTxE.shape[-1]))
     return Stats(
         counts_E=counts_E,
@@ -156,19 +184,33 @@ def token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN) -> St
         z_sum=jnp.sum(jax.vmap(routing.router_z_loss_sum)(logits_GxTxE)),
         num_assignments=jnp.float32(keep_GxN.size),
         num_dropped=jnp.sum(~keep_GxN).astype(jnp.float32),
+        group_sum=jnp.sum(routing.distinct_groups(experts_GxTxK.reshape(-1, experts_GxTxK.shape[-1]), per_group))
+        .astype(jnp.float32),
     )
 
 
 def finish_stats(stats: Stats, cfg: MoEConfig, token_axes: tuple[str, ...]) -> dict[str, jax.Array]:
-    """Sums the statistics over all token shards, then forms the losses and metrics."""
+    """Sums the statistics over all token shards, then forms the losses and metrics.
+
+    Besides the losses: drop_fraction, expert_load ([E], sums to 1), the balance of that load
+    (max / mean, min / mean, coefficient of variation), groups_per_token (token choice) and
+    expert_counts ([E], the assignments per expert over all shards, what the bias follows).
+    """
     if token_axes:
         stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
     balance = routing.load_balancing_loss(stats.counts_E, stats.prob_sums_E, stats.num_tokens)
-    if cfg.routing == "expert_choice":
-        balance = jnp.zeros_like(balance)  # balanced by construction; nothing to learn
+    if cfg.routing == "expert_choice" or not cfg.uses_aux_loss:
+        balance = jnp.zeros_like(balance)  # balanced by construction, or by the bias alone
+    load_E = stats.counts_E / jnp.sum(stats.counts_E)
+    mean_load = 1.0 / cfg.num_experts
     return {
         "aux_loss": cfg.aux_loss_coef * balance,
         "z_loss": cfg.z_loss_coef * stats.z_sum / stats.num_tokens,
         "drop_fraction": stats.num_dropped / stats.num_assignments,
-        "expert_load": stats.counts_E / jnp.sum(stats.counts_E),
+        "expert_load": load_E,
+        "load_max_over_mean": jnp.max(load_E) / mean_load,
+        "load_min_over_mean": jnp.min(load_E) / mean_load,
+        "load_cv": jnp.std(load_E) / mean_load,
+        "groups_per_token": stats.group_sum / stats.num_tokens,
+        "expert_counts": stats.counts_E,
     }

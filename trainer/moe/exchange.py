@@ -158,3 +158,146 @@ def _dropless_ragged(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
 
 def _starts(sizes):
     return (jnp.cumsum(sizes, axis=-1) - sizes).astype(jnp.int32)
+
+
+# --- Once per device: a token travels at most once to each device that holds one of its experts.
+#
+# Pairs (slot s, token t), p = s * T + t: slot s of token t is the s-th distinct device its experts
+# lie on (of at most d). The sender lays out one row per pair that holds a device, grouped by
+# device; beside the rows travel the pair's gates and local expert ids ([rows, 2K] float32: gate
+# of choice r, or 0, then its local expert, or E_l when choice r is on another device). The
+# receiver expands each row to its experts, runs them, and sums their gated outputs into one row
+# per pair, which goes back; the sender adds each token's rows from its devices. Both gradients
+# run the same exchanges transposed.
+
+
+def max_devices_per_token(top_k: int, num_shards: int, expert_groups: int, groups_limit: int) -> int:
+    """The most devices one token's experts can sit on: k, the devices, and with group-limited
+    routing over groups that tile the devices, the devices that groups_limit groups cover."""
+    most = min(top_k, num_shards)
+    if groups_limit and expert_groups % num_shards == 0:
+        most = min(most, groups_limit)  # a group lies on one device
+    elif groups_limit and num_shards % expert_groups == 0:
+        most = min(most, groups_limit * num_shards // expert_groups)  # a group spans S / G devices
+    return most
+
+
+def once_per_device_chunk_rows(num_tokens: int, num_shards: int, devices_per_token: int) -> int:
+    """Rows per destination of the padded once-per-device exchange: twice a device's fair share
+    of its T * devices_per_token pair rows, in multiples of 8, at most T (which always fits)."""
+    return min(num_tokens, 8 * -(-2 * num_tokens * devices_per_token // (8 * num_shards)))
+
+
+def dropless_once_per_device(x_TxD, experts_TxK, gate_TxK, w: ExpertWeights, block_rows: int, topo,
+                             devices_per_token: int) -> jax.Array:
+    """The routed output [T, D] (float32) of every assignment, each token sent at most once per device.
+
+    devices_per_token (d) bounds the distinct devices of a token's experts (max_devices_per_token):
+    a token's devices fill its first slots of d, so the pairs are p = slot * T + t, d * T in all.
+    """
+    axis, num_shards = topo.expert_axis, topo.num_expert_shards
+    num_tokens, k = experts_TxK.shape
+    slots, local = devices_per_token, w.w_in_ExDxF.shape[0]
+    device_TxK = experts_TxK // local
+    sorted_TxK = jnp.sort(device_TxK, axis=-1)
+    first_TxK = jnp.concatenate([jnp.ones((num_tokens, 1), bool), sorted_TxK[:, 1:] != sorted_TxK[:, :-1]], axis=1)
+    slot_TxK = jnp.where(first_TxK, jnp.cumsum(first_TxK, axis=1) - 1, slots)
+    device_TxD = jnp.full((num_tokens, slots), num_shards, jnp.int32).at[
+        jnp.arange(num_tokens)[:, None], slot_TxK].set(sorted_TxK.astype(jnp.int32), mode="drop")
+    device_P = device_TxD.T.reshape(-1)  # num_shards: the slot is empty
+    on_PxK = jnp.tile(device_TxK, (slots, 1)) == device_P[:, None]
+    gates_PxK = jnp.where(on_PxK, jnp.tile(gate_TxK, (slots, 1)), 0.0)
+    ids_PxK = jnp.where(on_PxK, jnp.tile(experts_TxK % local, (slots, 1)), local)
+    meta_PxK2 = jnp.concatenate([gates_PxK, jax.lax.stop_gradient(ids_PxK.astype(jnp.float32))], axis=1)
+    to_PxS = device_P[:, None] == jnp.arange(num_shards, dtype=jnp.int32)
+    send_J = jnp.sum(to_PxS, axis=0, dtype=jnp.int32)
+    sizes_SxJ = jax.lax.all_gather(send_J, axis)
+    # The pair's place among the pairs for its device.
+    place_P = jnp.sum(jnp.where(to_PxS, jnp.cumsum(to_PxS, axis=0, dtype=jnp.int32) - 1, 0), axis=1)
+    me = jax.lax.axis_index(axis)
+    parts = (x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo)
+    if topo.exchange == "ragged":
+        return _once_ragged(*parts)
+    chunk = once_per_device_chunk_rows(num_tokens, num_shards, devices_per_token)
+    exchange = lambda rows: lambda: _once_padded(*parts, rows)
+    if chunk >= num_tokens:
+        return exchange(num_tokens)()
+    return jax.lax.cond(short_chunks_fit(sizes_SxJ, chunk), exchange(chunk), exchange(num_tokens))
+
+
+def _pair_rows(x_TxD, meta_PxK2, send_row_P, num_rows, local):
+    """The send buffers, pair p at row send_row[p] (num_rows where the pair holds nothing):
+    [num_rows, D] token rows and [num_rows, 2K] their metadata, where rows that hold no pair
+    carry zero gates and expert `local` (none), so that the receiver runs nothing for them."""
+    num_tokens, k = x_TxD.shape[0], meta_PxK2.shape[1] // 2
+    pair_R = dispatch.inverse_index(send_row_P, num_rows)
+    token_R = jnp.where(pair_R < send_row_P.shape[0], pair_R % num_tokens, num_tokens)
+    x_RxD = dispatch.take_rows(x_TxD, token_R, send_row_P.reshape(-1, num_tokens))
+    meta_RxK2 = dispatch.take_rows(meta_PxK2, pair_R, send_row_P[None])
+    valid_Rx1 = (pair_R < send_row_P.shape[0])[:, None]
+    ids_RxK = jnp.where(valid_Rx1, jax.lax.stop_gradient(meta_RxK2[:, k:]), jnp.float32(local))
+    return x_RxD, jnp.concatenate([meta_RxK2[:, :k], ids_RxK], axis=1)
+
+
+def _expand_on_receiver(recv_RxD, meta_RxK2, w, block_rows, topo, expected_rows):
+    """Each received row through each of its local experts; one row per received row back, the sum
+    of its experts' gated outputs (float32)."""
+    num_rows, k2 = meta_RxK2.shape
+    k, local = k2 // 2, w.w_in_ExDxF.shape[0]
+    gates_KxR = meta_RxK2[:, :k].T
+    ids_N = jax.lax.stop_gradient(meta_RxK2[:, k:]).T.reshape(-1).astype(jnp.int32)
+    order_N, counts = dispatch.sort_by_expert(ids_N, local + 1)
+    rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
+    dest_1xN, block_group, num_blocks = dispatch.aligned_layout(counts[None, :local], order_N.shape[0], block_rows)
+    dest_KxR = dest_1xN[0][rank_N].reshape(k, num_rows)
+    save_rows = 3 * expected_rows // 2 + local * block_rows
+    layout = dispatch.block_layout(dest_KxR, block_group, num_blocks, block_rows, num_out=dest_KxR.size,
+                                   save_rows=save_rows)
+    out_NxD = grouped_ffn(recv_RxD, w, layout, impl=topo.grouped_matmul)
+    return dispatch.weighted_sum(out_NxD.reshape(k, num_rows, -1), gates_KxR)
+
+
+def _combine_pairs(back_RxD, send_row_P, num_tokens):
+    """y[t] = the sum over devices j of the row that came back for pair (j, t)."""
+    num_rows = back_RxD.shape[0]
+    source_R = dispatch.inverse_index(send_row_P, num_rows)
+    y_PxD = dispatch.take_rows(back_RxD, send_row_P, source_R[None]).astype(jnp.float32)
+    return dispatch.sum_leading(y_PxD.reshape(-1, num_tokens, back_RxD.shape[1]))
+
+
+def _once_padded(x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo, chunk):
+    axis, num_shards = topo.expert_axis, topo.num_expert_shards
+    num_tokens, k = x_TxD.shape[0], meta_PxK2.shape[1] // 2
+    send_row_P = jnp.where(device_P < num_shards, device_P * chunk + place_P, num_shards * chunk)
+    send_RxD, meta_RxK2 = _pair_rows(x_TxD, meta_PxK2, send_row_P, num_shards * chunk, w.w_in_ExDxF.shape[0])
+    recv_RxD = jax.lax.all_to_all(send_RxD, axis, split_axis=0, concat_axis=0, tiled=True)
+    recv_meta = jax.lax.all_to_all(meta_RxK2, axis, split_axis=0, concat_axis=0, tiled=True)
+    y_RxD = _expand_on_receiver(recv_RxD, recv_meta, w, block_rows, topo, num_tokens * k)
+    back_RxD = jax.lax.all_to_all(y_RxD.astype(x_TxD.dtype), axis, split_axis=0, concat_axis=0, tiled=True)
+    return _combine_pairs(back_RxD, send_row_P, num_tokens)
+
+
+def _once_ragged(x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo):
+    """Only the pair rows travel; source s's rows land at offset s * T of the receiver."""
+    axis, num_shards = topo.expert_axis, topo.num_expert_shards
+    num_tokens, d_model, k = x_TxD.shape[0], x_TxD.shape[1], meta_PxK2.shape[1] // 2
+    send_J, recv_S = sizes_SxJ[me], sizes_SxJ[:, me]
+    start_J = _starts(send_J)
+    total, num_pairs = num_shards * num_tokens, device_P.shape[0]
+    present_P = device_P < num_shards
+    send_row_P = jnp.where(present_P, start_J[jnp.minimum(device_P, num_shards - 1)] + place_P, num_pairs)
+    local = w.w_in_ExDxF.shape[0]
+    send_RxD, meta_RxK2 = _pair_rows(x_TxD, meta_PxK2, send_row_P, num_pairs, local)
+    offsets_J = jnp.full((num_shards,), me * num_tokens, jnp.int32)
+    to_experts = lambda rows, init: jax.lax.ragged_all_to_all(
+        rows, init, start_J, send_J, offsets_J, recv_S, axis_name=axis)
+    recv_RxD = to_experts(send_RxD, jnp.zeros((total, d_model), x_TxD.dtype))
+    empty_meta = jnp.concatenate([jnp.zeros((total, k)), jnp.full((total, k), float(local))], axis=1)
+    recv_meta = to_experts(meta_RxK2, empty_meta.astype(meta_RxK2.dtype))
+    y_RxD = _expand_on_receiver(recv_RxD, recv_meta, w, block_rows, topo, num_tokens * k)
+    back_RxD = jax.lax.ragged_all_to_all(
+        y_RxD.astype(x_TxD.dtype), jnp.zeros((num_pairs, d_model), x_TxD.dtype),
+        jnp.arange(num_shards, dtype=jnp.int32) * num_tokens, recv_S, _starts(sizes_SxJ)[:, me], send_J,
+        axis_name=axis,
+    )
+    return _combine_pairs(back_RxD, send_row_P, num_tokens)

@@ -10,6 +10,12 @@ from jax.sharding import Mesh
 from trainer.moe.config import MoEConfig
 from trainer.moe.experts import ExpertWeights, shared_ffn
 from trainer.moe.parallel import expert_shards, moe_apply
+from trainer.moe.routing import updated_bias
+
+
+class ExpertBias(nnx.Variable):
+    """The auxiliary-loss-free balancing bias, float32 [E]: state, not a parameter (no gradient,
+    no weight decay, no optimizer state). Each training call moves it after routing with it."""
 
 
 def _param(rngs: nnx.Rngs, shape, fan_in: int, names: tuple[str, ...], dtype) -> nnx.Param:
@@ -24,7 +30,12 @@ class MoEBlock(nnx.Module):
 
     __call__(x_BxLxD, train=...) returns (y_BxLxD, aux): y is the routed (plus shared)
     experts' output without the residual; aux holds "aux_loss" and "z_loss" (already
-    times their coefficients), "drop_fraction" and "expert_load" ([E] float32, sums to 1).
+    times their coefficients), "drop_fraction", "expert_load" ([E] float32, sums to 1)
+    and the balance metrics of core.finish_stats.
+
+    With balance "bias" or "both" the block holds `expert_bias` (ExpertBias); a training
+    call routes with it, then moves it by bias_rate towards the mean load of that call's
+    whole batch (every shard's tokens).
     """
 
     def __init__(
@@ -54,6 +65,8 @@ class MoEBlock(nnx.Module):
             self.shared_w_in = _param(rngs, (d, fs), d, ("embed", "mlp"), param_dtype)
             self.shared_w_gate = _param(rngs, (d, fs), d, ("embed", "mlp"), param_dtype)
             self.shared_w_out = _param(rngs, (fs, d), fs, ("mlp", "embed"), param_dtype)
+        if cfg.uses_bias:
+            self.expert_bias = ExpertBias(jnp.zeros((e,), jnp.float32))
         # Jitter needs fresh noise every call, so only then does the block keep an RNG stream.
         self.jitter_rngs = rngs.fork() if cfg.jitter > 0 else None
 
@@ -61,7 +74,12 @@ class MoEBlock(nnx.Module):
         x_BxLxD = x_BxLxD.astype(self.dtype)
         key = self.jitter_rngs.default() if (train and self.jitter_rngs is not None) else None
         weights = ExpertWeights(self.w_in[...], self.w_gate[...], self.w_out[...])
-        y_BxLxD, aux = moe_apply(x_BxLxD, self.router[...], weights, self.cfg, self.mesh, train=train, key=key)
+        bias = self.expert_bias[...] if self.cfg.uses_bias else None
+        y_BxLxD, aux = moe_apply(x_BxLxD, self.router[...], weights, self.cfg, self.mesh, train=train, key=key,
+                                 bias_E=bias)
+        counts_E = aux.pop("expert_counts")
+        if train and bias is not None:
+            self.expert_bias[...] = updated_bias(bias, jax.lax.stop_gradient(counts_E), self.cfg.bias_rate)
         if self.cfg.num_shared_experts:
             shared = (self.shared_w_in[...], self.shared_w_gate[...], self.shared_w_out[...])
             y_BxLxD = y_BxLxD + shared_ffn(x_BxLxD, *(w.astype(self.dtype) for w in shared))

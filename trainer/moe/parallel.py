@@ -60,45 +60,58 @@ def make_topology(cfg: MoEConfig, mesh: Mesh | None) -> core.Topology:
     )
 
 
-def moe_groups(x_GxTxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, topo: core.Topology, train: bool, key):
+def moe_groups(x_GxTxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, topo: core.Topology, train: bool, key,
+               bias_E=None):
     """Routed-expert output (float32) and aux for the token groups this device holds."""
     logits_GxTxE = core.route_tokens(x_GxTxD, router_DxE, cfg, train, key)
     if cfg.is_dropless(train):
-        y_GxTxD, stats = core.dropless_moe(x_GxTxD, logits_GxTxE, w, cfg, topo)
+        y_GxTxD, stats = core.dropless_moe(x_GxTxD, logits_GxTxE, w, cfg, topo, bias_E)
+    elif cfg.routing == "expert_choice":
+        capacity = expert_capacity(
+            x_GxTxD.shape[1], cfg.top_k, cfg.capacity_factor_for(train), cfg.num_experts, cfg.min_capacity
+        )
+        y_GxTxD, stats = core.expert_choice_moe(x_GxTxD, logits_GxTxE, w, cfg, capacity, topo)
     else:
         capacity = expert_capacity(
             x_GxTxD.shape[1], cfg.top_k, cfg.capacity_factor_for(train), cfg.num_experts, cfg.min_capacity
         )
-        moe = core.expert_choice_moe if cfg.routing == "expert_choice" else core.capacity_moe
-        y_GxTxD, stats = moe(x_GxTxD, logits_GxTxE, w, cfg, capacity, topo)
+        y_GxTxD, stats = core.capacity_moe(x_GxTxD, logits_GxTxE, w, cfg, capacity, topo, bias_E)
     return y_GxTxD, core.finish_stats(stats, cfg, topo.token_axes)
 
 
-def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh | None, *, train: bool, key=None):
-    """The routed experts' output [B, L, D] in x's dtype, and the aux dict.
+def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh | None, *, train: bool, key=None,
+              bias_E=None):
+    """The routed experts' output [B, L, D] in x's dtype, and the aux dict (core.finish_stats).
 
-    Expert weights are cast to x's dtype where they are used (on their shard).
+    Expert weights are cast to x's dtype where they are used (on their shard). bias_E (float32
+    [E], replicated) shifts the selection scores only (auxiliary-loss-free balancing).
     """
     batch, length, d_model = x_BxLxD.shape
     groups = routing_groups(cfg, mesh, batch * length)
     topo = make_topology(cfg, mesh)
 
-    def local(x_bxLxD, router, w_local, key):
+    def local(x_bxLxD, router, w_local, key, bias):
         num_groups = groups // (jax.lax.axis_size(topo.token_axes) if topo.token_axes else 1)
         x_GxTxD = x_bxLxD.reshape(num_groups, -1, d_model)
         if key is not None and topo.token_axes:
             key = jax.random.fold_in(key, jax.lax.axis_index(topo.token_axes))
-        y_GxTxD, aux = moe_groups(x_GxTxD, router, w_local.cast(x_bxLxD.dtype), cfg, topo, train, key)
+        y_GxTxD, aux = moe_groups(x_GxTxD, router, w_local.cast(x_bxLxD.dtype), cfg, topo, train, key, bias)
         return y_GxTxD.reshape(x_bxLxD.shape).astype(x_bxLxD.dtype), aux
 
     if topo.expert_axis is None:
-        return local(x_BxLxD, router_DxE, w, key)
+        return local(x_BxLxD, router_DxE, w, key, bias_E)
     expert_spec = P("expert", None, None)
-    args = (x_BxLxD, router_DxE, w) + ((key,) if key is not None else ())
-    specs = (P(topo.token_axes), P(), ExpertWeights(expert_spec, expert_spec, expert_spec), P())[: len(args)]
+    # Optional arguments (the jitter key, the bias) go in only when given: shard_map takes arrays.
+    optional = {name: a for name, a in (("key", key), ("bias", bias_E)) if a is not None}
+    args = (x_BxLxD, router_DxE, w, *optional.values())
+    specs = (P(topo.token_axes), P(), ExpertWeights(expert_spec, expert_spec, expert_spec)) + (P(),) * len(optional)
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         # Explicit-sharding meshes want arguments already laid out as the specs say.
         args = jax.tree.map(lambda a, s: jax.sharding.reshard(a, NamedSharding(mesh, s)), args, specs)
-    run = local if key is not None else (lambda x, r, w_local: local(x, r, w_local, None))
+
+    def run(x, r, w_local, *rest):
+        given = dict(zip(optional, rest, strict=True))
+        return local(x, r, w_local, given.get("key"), given.get("bias"))
+
     sharded = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=(P(topo.token_axes), P()))
     return sharded(*args)

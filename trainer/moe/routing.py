@@ -24,26 +24,88 @@ def multiplicative_jitter(x_TxD: jax.Array, key: jax.Array, eps: float) -> jax.A
 
 
 def top_k_routing(
-    logits_TxE: jax.Array, k: int, *, softmax_before_topk: bool = True, renormalize: bool = True
+    logits_TxE: jax.Array,
+    k: int,
+    *,
+    softmax_before_topk: bool = True,
+    renormalize: bool = True,
+    score: str = "softmax",
+    bias_E: jax.Array | None = None,
+    expert_groups: int = 0,
+    groups_limit: int = 0,
+    route_scale: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Token choice: each token picks its k highest-scoring experts.
 
     Returns (experts_TxK int32, weights_TxK, priority_TxK, probs_TxE), all float32.
-    weights combine the expert outputs; priority is the assignment's router
-    probability before renormalisation (what batch-prioritised routing sorts by);
-    probs is the full softmax, used by the balancing loss.
+    weights combine the expert outputs; priority is the assignment's score before
+    renormalisation (what batch-prioritised routing sorts by); probs is the full
+    softmax (for sigmoid scores: the scores normalised over the experts), used by the
+    balancing loss.
+
+    bias_E (the auxiliary-loss-free balancing bias) is added to the scores for the
+    selection only: weights and priority come from the unbiased scores. With
+    groups_limit M, the experts form expert_groups groups of consecutive experts,
+    each scored by the sum of its two best biased scores, and a token picks its k
+    experts from its M best groups.
     """
-    probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
-    if softmax_before_topk:
-        priority_TxK, experts_TxK = jax.lax.top_k(probs_TxE, k)
+    if score == "sigmoid":
+        scores_TxE = jax.nn.sigmoid(logits_TxE)
+        probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
     else:
-        # Mixtral-style: softmax over the k chosen logits only.
-        top_logits_TxK, experts_TxK = jax.lax.top_k(logits_TxE, k)
-        priority_TxK = jax.nn.softmax(top_logits_TxK, axis=-1)
+        probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+        # Mixtral-style (softmax after top-k): the selection is over the logits.
+        scores_TxE = probs_TxE if softmax_before_topk else logits_TxE
+    if bias_E is None and not groups_limit:
+        chosen_TxK, experts_TxK = jax.lax.top_k(scores_TxE, k)
+    else:
+        select_TxE = scores_TxE if bias_E is None else scores_TxE + jax.lax.stop_gradient(bias_E)
+        if groups_limit:
+            select_TxE = limit_to_best_groups(jax.lax.stop_gradient(select_TxE), expert_groups, groups_limit)
+        _, experts_TxK = jax.lax.top_k(jax.lax.stop_gradient(select_TxE), k)
+        chosen_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
+    priority_TxK = chosen_TxK if score == "sigmoid" or softmax_before_topk else jax.nn.softmax(chosen_TxK, axis=-1)
     weights_TxK = priority_TxK
-    if renormalize and softmax_before_topk:
+    # Normalising one sigmoid weight would make it 1 and leave the router no gradient.
+    if renormalize and softmax_before_topk and (score == "softmax" or k > 1):
         weights_TxK = priority_TxK / jnp.sum(priority_TxK, axis=-1, keepdims=True)
+    if route_scale != 1.0:
+        weights_TxK = weights_TxK * route_scale
     return experts_TxK.astype(jnp.int32), weights_TxK, priority_TxK, probs_TxE
+
+
+def limit_to_best_groups(select_TxE: jax.Array, num_groups: int, limit: int) -> jax.Array:
+    """The selection scores with every expert outside the token's `limit` best groups at -inf.
+
+    A group's score is the sum of its two best selection scores (its one, for single-expert groups).
+    """
+    num_tokens, num_experts = select_TxE.shape
+    per_group = num_experts // num_groups
+    grouped_TxGxP = select_TxE.reshape(num_tokens, num_groups, per_group)
+    best_TxGx2, _ = jax.lax.top_k(grouped_TxGxP, min(2, per_group))
+    group_score_TxG = best_TxGx2[..., 0] if per_group == 1 else best_TxGx2[..., 0] + best_TxGx2[..., 1]
+    _, groups_TxM = jax.lax.top_k(group_score_TxG, limit)
+    kept_TxG = jnp.any(groups_TxM[:, :, None] == jnp.arange(num_groups, dtype=groups_TxM.dtype), axis=1)
+    kept_TxE = jnp.repeat(kept_TxG, per_group, axis=1)
+    return jnp.where(kept_TxE, select_TxE, -jnp.inf)
+
+
+def distinct_groups(experts_TxK: jax.Array, experts_per_group: int) -> jax.Array:
+    """How many distinct expert groups each token's k experts lie in, int32 [T]."""
+    groups_TxK = jnp.sort(experts_TxK // experts_per_group, axis=-1)
+    return 1 + jnp.sum(groups_TxK[:, 1:] != groups_TxK[:, :-1], axis=-1).astype(jnp.int32)
+
+
+def updated_bias(bias_E: jax.Array, counts_E: jax.Array, rate: float) -> jax.Array:
+    """One step of auxiliary-loss-free balancing: bias += rate * sign(mean load - load).
+
+    counts_E are the assignments per expert over the whole global batch; the comparison
+    total vs E * count is exact in float32 (integers), so every device and every layout
+    takes the same step.
+    """
+    num_experts = counts_E.shape[-1]
+    direction_E = jnp.sign(jnp.sum(counts_E) - num_experts * counts_E)
+    return bias_E + jnp.float32(rate) * direction_E
 
 
 def expert_choice_routing(logits_TxE: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -1,0 +1,109 @@
+"""TensorBoard event files of the metrics rows, from process 0 only (tensorboardX).
+
+metrics.jsonl stays the record; this writes the same numbers under TensorBoard's usual tags into
+`OUTPUT_DIR/tensorboard`, or where Vertex AI says (`AIP_TENSORBOARD_LOG_DIR`, set when the job names a
+Vertex TensorBoard). tensorboardX buffers events and flushes them every `flush_secs`, never per step.
+Object stores (gs://) are written through fsspec (gcsfs): tensorboardX's own gs:// writer needs the
+google-cloud-storage client, which the trainer does not install.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from typing import Any
+
+TAGS = {
+    "loss": "learning/loss", "total_loss": "learning/total_loss", "grad_norm": "learning/grad_norm",
+    "lr": "learning/learning_rate", "aux_loss": "learning/aux_loss", "z_loss": "learning/z_loss",
+    "entropy_floor": "learning/entropy_floor", "step_time_s": "perf/step_time_seconds",
+    "tokens_per_s": "perf/tokens_per_sec", "mfu": "perf/mfu", "drop_fraction": "moe/drop_fraction",
+    "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity", "eval_drop_fraction": "eval/drop_fraction",
+}
+FLUSH_SECS = 5
+
+
+def log_dir(output_dir: str | None, env=os.environ) -> str | None:
+    """Where the events go: Vertex AI's TensorBoard directory when given, else OUTPUT_DIR/tensorboard."""
+    if env.get("AIP_TENSORBOARD_LOG_DIR"):
+        return env["AIP_TENSORBOARD_LOG_DIR"]
+    if not output_dir:
+        return None
+    return f"{output_dir.rstrip('/')}/tensorboard" if "://" in output_dir else os.path.join(output_dir, "tensorboard")
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """A metrics row as TensorBoard tags: the scalars, and the expert load's max over mean."""
+    out = {TAGS[k]: float(v) for k, v in row.items() if k in TAGS and isinstance(v, (int, float))
+           and math.isfinite(v)}
+    load = row.get("expert_load")
+    if isinstance(load, list) and load and sum(load) > 0:
+        out["moe/load_max_over_mean"] = max(load) / (sum(load) / len(load))
+    for i, layer in enumerate(row.get("expert_load_per_layer") or []):
+        if layer and sum(layer) > 0:
+            out[f"moe/layer{i}/load_max_over_mean"] = max(layer) / (sum(layer) / len(layer))
+    return out
+
+
+class _FsspecRecordWriter:
+    """One event file on an object store: the buffer is rewritten whole at each flush (objects cannot be
+    appended to; event files of scalars stay small)."""
+
+    def __init__(self, path: str):
+        self.path, self.buffer = path, io.BytesIO()
+
+    def write(self, data: bytes) -> None:
+        self.buffer.write(data)
+
+    def flush(self) -> None:
+        import fsspec
+
+        with fsspec.open(self.path, "wb") as f:
+            f.write(self.buffer.getvalue())
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _FsspecFactory:
+    def open(self, path: str):
+        return _FsspecRecordWriter(path)
+
+    def directory_check(self, path: str) -> None:  # object stores have no directories to create
+        pass
+
+
+class TensorBoardWriter:
+    def __init__(self, directory: str, flush_secs: int = FLUSH_SECS):
+        from tensorboardX import SummaryWriter, record_writer
+
+        if directory.startswith("gs://"):
+            record_writer.register_writer_factory("gs", _FsspecFactory())
+        self.directory = directory
+        self._writer = SummaryWriter(directory, flush_secs=flush_secs)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One event per row holding every scalar (an add_scalar per tag costs an event each)."""
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=value) for tag, value in scalars(row).items()]
+        self._writer._get_file_writer().add_summary(Summary(value=values), int(row["step"]))
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def open_writer(output_dir: str | None, enabled: bool, warn) -> TensorBoardWriter | None:
+    """The writer for process 0 (None elsewhere, when disabled or without a directory, or when it cannot be
+    made: a warning, and training goes on)."""
+    import jax
+
+    directory = log_dir(output_dir) if enabled else None
+    if directory is None or jax.process_index() != 0:
+        return None
+    try:
+        return TensorBoardWriter(directory)
+    except Exception as e:  # noqa: BLE001 - TensorBoard is a copy of metrics.jsonl: training goes on
+        warn(f"warning: no TensorBoard events in {directory}: {e}")
+        return None
