@@ -6,6 +6,7 @@ cloud and the emulator; everything below it receives an endpoint and a clock.
 
 from __future__ import annotations
 
+import re
 import traceback
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,14 @@ from provision.errors import ConfigError, MoeTpuError, UsageError
 
 STATE_DIR = ".moe-tpu"
 LAST_CONFIG = "last-config"
+# A config is a few kilobytes; past this a file is not one (and is not read whole).
+MAX_CONFIG_BYTES = 64 * 1024 * 1024
+
+
+def dry_run_commands(text: str) -> str:
+    """A message for a dry run: every `moe-tpu ...` command it suggests carries --dry-run, so that
+    following the hint acts on the emulated world, not on Google Cloud."""
+    return re.sub(r"`moe-tpu (?!--dry-run)", "`moe-tpu --dry-run ", text)
 
 
 class App:
@@ -51,6 +60,8 @@ class App:
         config that the last command in this directory used is taken (so `down` after
         `slice up -c examples/v5e-64.yaml` finds the run); each load records itself for that."""
         from provision.config import DEFAULT_CONFIG, load_config
+        from provision.errors import Problem
+        from provision.statefiles import echo, input_problem
 
         config_path = Path(path)
         if path == DEFAULT_CONFIG and not config_path.exists():
@@ -58,6 +69,9 @@ class App:
             if remembered_path is not None:
                 config_path = remembered_path
                 self.console.info(f"using {config_path} (the config last used in this directory)")
+        problem = input_problem(config_path, MAX_CONFIG_BYTES)
+        if problem is not None:
+            raise ConfigError([Problem(echo(config_path), "", problem)])
         cfg = load_config(config_path, check_trainer=check_trainer)
         for warning in cfg.warnings():
             self.console.warn(warning)
@@ -68,8 +82,12 @@ class App:
     def remembered_config(self) -> Path | None:
         """The config the last command here used, from .moe-tpu/last-config; None when there is
         none. A file that cannot be read as a path is a usage error that says how to fix it."""
+        from provision.statefiles import check_regular
+
         remembered = self.state_dir / LAST_CONFIG
         try:
+            if not check_regular(remembered, "remembered config path"):
+                return None
             text = remembered.read_text(encoding="utf-8").strip()
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -84,12 +102,19 @@ class App:
 
     def remember_config(self, config_path: Path) -> None:
         """Record the config for later commands here; a directory that cannot take it only loses that."""
+        from provision.statefiles import check_regular, write_atomic
+
         remembered = self.state_dir / LAST_CONFIG
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            remembered.write_text(str(config_path.resolve()) + "\n", encoding="utf-8")
-        except (OSError, UnicodeEncodeError) as exc:
-            self.console.detail(f"not remembering the config in {remembered}: {getattr(exc, 'strerror', None) or exc}")
+            check_regular(remembered)
+        except UsageError as exc:  # a symlink, a FIFO, a directory...: never written through
+            self.console.warn(f"not remembering the config: {exc.message}")
+            return
+        try:
+            write_atomic(remembered, str(config_path.resolve()) + "\n")
+        except (UsageError, OSError, UnicodeEncodeError) as exc:
+            why = exc.message if isinstance(exc, UsageError) else getattr(exc, "strerror", None) or exc
+            self.console.detail(f"not remembering the config in {remembered}: {why}")
 
     def renderer(self, cfg):
         """The templates (`--templates` first) and the image `cfg` runs, resolved once per config in
@@ -151,7 +176,8 @@ class App:
         workloads = self.workloads
         try:
             emulator = Emulator(state_path=self.state_dir / "emulator.json", scenario=self.scenario,
-                                clock=SimClock(), external_workloads=workloads is not None)
+                                clock=SimClock(), external_workloads=workloads is not None,
+                                lock_notice=self.console.warn)
         except ValueError as exc:
             hint = ("set it as ZONE/NAME=CHIPS[,...]" if "RESERVATIONS" in str(exc) else "pick one with --scenario")
             raise UsageError(str(exc), hint=hint) from exc
@@ -196,7 +222,9 @@ class App:
                 if isinstance(exc, ConfigError):
                     extra["problems"] = [p.__dict__ for p in exc.problems]
                 console.emit(app.document("error", resources=[], **extra))
-        console.error(exc.message, exc.hint)
+        dry = app is not None and app.dry_run
+        console.error(dry_run_commands(exc.message) if dry else exc.message,
+                      dry_run_commands(exc.hint) if dry and exc.hint else exc.hint)
 
     def _what_exists(self) -> list[dict[str, Any]]:
         """The run's resources as they stand (after an interrupt); [] when none can be read."""
@@ -230,7 +258,8 @@ class App:
             if console.json_mode and app.command and not console.emitted:
                 console.emit(app.document("interrupted", resources=resources, error="interrupted", hint=hint,
                                           exit_code=130))
-        console.error("interrupted" if touched_cloud else "aborted", hint)
+        console.error("interrupted" if touched_cloud else "aborted",
+                      dry_run_commands(hint) if hint and app is not None and app.dry_run else hint)
 
     @classmethod
     def report_unexpected(cls, exc: BaseException) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -49,7 +51,7 @@ class Console:
         text = Text()
         if prefix:
             text.append(prefix[0], style=prefix[1])
-        text.append(message, style=style)
+        text.append(_printable(message), style=style)
         self._stderr().print(text)
 
     def info(self, message: str) -> None:
@@ -92,13 +94,32 @@ class Console:
             bar.close()
 
 
+def _printable(message: str) -> str:
+    """The message with terminal control characters escaped (a value from a file or the command line
+    never moves the cursor, clears the screen or rings the bell); line breaks stay."""
+    if message.isprintable():
+        return message
+    return "".join(ch if ch.isprintable() or ch in "\n" else ch.encode("unicode_escape").decode("ascii")
+                   for ch in message)
+
+
+# Piped, a status line is printed when what it says changes (not its figures: waited times, steps, cost),
+# and otherwise at most this often, so a log of a long queue holds its state changes, not every poll.
+PLAIN_EVERY_S = 180.0
+_FIGURES = re.compile(r"[0-9][0-9.,:]*")
+
+
 class Progress:
-    """A status line: a rich spinner on a terminal, plain lines when piped."""
+    """A status line: a rich spinner on a terminal; piped, a plain line per change of state (and one every
+    PLAIN_EVERY_S of real time while the figures alone change), and the last one at the end."""
 
     def __init__(self, console: Console, message: str) -> None:
         self._console = console
         self._last = ""
         self._status = None
+        self._shown = ""  # piped: the last line printed, its state and when
+        self._shown_state: str | None = None
+        self._shown_at = 0.0
         if console.interactive and not console.json_mode:
             self._status = console._stderr().status(message, spinner="dots")
             self._status.start()
@@ -110,8 +131,14 @@ class Progress:
         self._last = message
         if self._status is not None:
             self._status.update(message)
-        else:
-            self._console.info(message)
+            return
+        state, now = _FIGURES.sub("#", message), time.monotonic()
+        if state != self._shown_state or now - self._shown_at >= PLAIN_EVERY_S:
+            self._print_plain(message, state, now)
+
+    def _print_plain(self, message: str, state: str, now: float) -> None:
+        self._shown, self._shown_state, self._shown_at = message, state, now
+        self._console.info(message)
 
     def close(self) -> None:
         if self._status is not None:
@@ -119,3 +146,5 @@ class Progress:
             self._status = None
             if self._last:  # leave the last state on screen
                 self._console.info(self._last)
+        elif self._last and self._last != self._shown:  # piped: end on where the wait ended
+            self._print_plain(self._last, _FIGURES.sub("#", self._last), time.monotonic())

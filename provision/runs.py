@@ -8,6 +8,8 @@ step lands on a timeline with its time and the cost so far; the trainer's own re
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,45 @@ class RunFailed(CloudError):
 
 class Interrupted(MoeTpuError):
     exit_code = 130
+
+
+class Terminated(MoeTpuError):
+    """SIGTERM or SIGHUP ended the run (a CI cancel, a supervisor, a closed terminal): exit 143."""
+
+    exit_code = 143
+
+
+class Signalled(BaseException):
+    """Raised in the main thread by SIGTERM or SIGHUP while a run runs (see `terminate_on_signals`);
+    a BaseException like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.name = signal.Signals(signum).name
+
+
+@contextmanager
+def terminate_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `Signalled` in the main thread (once: a second one while the run tears
+    down is ignored, so that the teardown finishes); the previous handlers come back afterwards."""
+    import signal
+
+    raised: list[int] = []
+
+    def handler(signum, frame) -> None:
+        if not raised:
+            raised.append(signum)
+            raise Signalled(signum)
+
+    signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 @dataclass
@@ -137,6 +178,7 @@ class Runner:
         self.timeline = Timeline(self.clock, target.price())
         self.training = Training()
         self.resources: list[Resource] = []
+        self.trained = False  # a trainer of this run reported running at least once
 
     # --- the loop --------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -149,6 +191,14 @@ class Runner:
                 raise Interrupted("interrupted; everything this run created is deleted") from None
             raise Interrupted("interrupted; the run's resources are left as they are",
                               hint="run `moe-tpu down` to delete them") from None
+        except Signalled as exc:  # what Ctrl-C with --yes does, unless --keep
+            self.timeline.add("terminated", self.console, signal=exc.name)
+            if not self.keep:
+                self._teardown("deleted after signal")
+                raise Terminated(f"terminated by {exc.name}; everything this run created is deleted") from None
+            raise Terminated(f"terminated by {exc.name}; the run's resources are left as they are (--keep)",
+                             hint="run `moe-tpu run` again to follow the training, or `moe-tpu down` to "
+                                  "delete them") from None
 
     def _attempts(self) -> RunResult:
         max_restarts = self.cfg.recovery.max_restarts
@@ -182,6 +232,11 @@ class Runner:
                 if not self.keep:
                     self._teardown("deleted")
                 return RunResult(True, self.timeline, self.training, self.resources)
+            if outcome.phase == "deleted":  # by a person (`moe-tpu down`, the console), not by the service
+                self.timeline.add("deleted elsewhere", self.console, detail=outcome.detail)
+                self._teardown("deleted")
+                return self._failed(f"the run's resources were deleted while it ran ({outcome.detail}); a "
+                                    "deletion somebody asked for is not a preemption, so nothing is recreated")
             if outcome.phase == "preempted":
                 self.timeline.add("preempted", self.console, detail=outcome.detail, step=outcome.step)
                 self._teardown("deleted")
@@ -196,7 +251,8 @@ class Runner:
             return self._failed(f"training failed{where}: {outcome.detail or 'no detail'}")
 
     def _failed(self, message: str) -> RunResult:
-        self._read_metrics()
+        if self.trained:  # a run that never trained has no figures (the output may hold an earlier run's)
+            self._read_metrics()
         return RunResult(False, self.timeline, self.training, self.resources, error=message)
 
     # --- following ---------------------------------------------------------------------
@@ -211,9 +267,9 @@ class Runner:
                 report = self.target.report()
                 self.training.see(report, attempt)
                 if report.phase in ("running", "finished") and not started:
-                    started = True
+                    started = self.trained = True
                     self.timeline.add("training started", self.console, step=report.start_step or report.step)
-                if report.phase in ("finished", "failed", "preempted", "restarted"):
+                if report.phase in ("finished", "failed", "preempted", "restarted", "deleted"):
                     return report
                 if report.phase == "running":
                     bar.update(self._progress_line(report, rate))
@@ -250,6 +306,52 @@ class Runner:
             return
         self.training.from_metrics(rows)
         self.training.goodput = goodput.compute(self.timeline.events, rows)
+
+
+@contextmanager
+def run_lock(state_dir, run: str) -> Iterator[None]:
+    """Hold the run's lock in this directory for the whole `run`: a second copy of the same run (which
+    would train over the first one's checkpoints) is refused at once, naming the first by its pid. The
+    lock goes with the process, also when it is killed."""
+    import fcntl
+    import os
+    from pathlib import Path
+
+    from provision.statefiles import open_lock
+
+    path = Path(state_dir) / f"run-{run}.lock"
+    fd = open_lock(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UsageError(f"run {run} is already running from this directory (moe-tpu pid {holder} holds {path}); "
+                         "a second copy would train over its checkpoints",
+                         hint=f"wait for it, or stop it (Ctrl-C there, or `kill {holder}`); a different run "
+                              "needs its own `run:` name") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def finished_status(output_dir: str, steps: int | None, credentials=None, project: str | None = None) -> dict | None:
+    """The trainer's status file when it says that the run finished every one of `steps` steps (None:
+    its own total), else None: there is training to do."""
+    try:
+        status = storage.read_json(storage.join(output_dir, "status.json"), credentials, project)
+    except MoeTpuError:
+        return None
+    if not status or status.get("state") != "finished":
+        return None
+    step, total = status.get("step"), status.get("total_steps")
+    want = steps if steps is not None else total
+    if not isinstance(step, int) or not isinstance(want, int) or step < want:
+        return None
+    return status
 
 
 class _Rate:

@@ -174,6 +174,12 @@ def _create_or_adopt(cfg, session, console, renderer, project: str, zone: str, n
                      "deleting it first (it still counts against quota)")
         _delete_and_wait(session, console, name)
         existing = None
+    elif existing is not None and state_name(existing) == "DELETING":
+        # An earlier teardown that was cut short (a kill during `down` or at a run's end): finish it,
+        # then create anew; a resource on its way out is never adopted.
+        console.info(f"  {short(name)} in {zone} is being deleted (an earlier teardown); waiting until it is gone")
+        _delete_and_wait(session, console, name)
+        existing = None
     request = create_queued_resource_request(cfg, zone, renderer, attempt=attempt, project=project)
     if existing is not None:
         differences = qr_differences(request.queued_resource, existing)

@@ -7,3 +7,42 @@ _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.ge
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("NO_COLOR", "1")
+
+
+# --- the suite never writes into the checkout ------------------------------------------------
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def _checkout_state() -> tuple:
+    """What a test could leave behind in the checkout: git's view (ignored files left out) and every
+    file of the dry-run state directory, which git ignores."""
+    try:
+        git = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=CHECKOUT,
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        git = ""
+    state = CHECKOUT / ".moe-tpu"
+    files = sorted((str(p.relative_to(CHECKOUT)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in state.rglob("*") if p.is_file()) if state.is_dir() else []
+    return git, files
+
+
+@pytest.fixture(autouse=True, scope="session")
+def checkout_unchanged():
+    """Fails the session (an error at the last test's teardown) when the suite changed the checkout."""
+    before = _checkout_state()
+    yield
+    after = _checkout_state()
+    assert after == before, f"the test suite changed the checkout {CHECKOUT}: before {before}, after {after}"
+
+
+@pytest.fixture(autouse=True)
+def _elsewhere(tmp_path_factory, monkeypatch):
+    """Every test runs in a fresh working directory of its own, never in the checkout: a command that
+    keeps state where it runs (.moe-tpu/last-config) keeps it there."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

@@ -162,6 +162,17 @@ class Checkpointer:
         restored = self.manager.restore(step, args=args)
         return restored["state"], dict(restored["data"])
 
+    def saved_meta(self, step: int) -> dict | None:
+        """The JSON saved beside the state at `step` (data position, model identity); None when it cannot
+        be read (then restoring decides)."""
+        with _failures_reported_once():
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+                meta = restored["data"]
+            except Exception:  # noqa: BLE001 - a damaged checkpoint: restore_latest reports it
+                return None
+        return dict(meta) if isinstance(meta, dict) else None
+
     def restore_latest(self, abstract_state: Any) -> Restored | None:
         """The newest checkpoint that restores; None when there is none.
 

@@ -18,7 +18,7 @@ import time
 
 import click
 
-from trainer.config import NAMED_CONFIGS
+from trainer.config import MAX_SEED, NAMED_CONFIGS
 from trainer.status import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, RunStatus, StatusError
 
 EXIT_RUNTIME = EXIT_FAILED
@@ -69,7 +69,8 @@ def _jax_started() -> bool:
               help="auto: continue from the latest checkpoint in --output-dir.")
 @click.option("--metrics", "metrics_path", default=None, metavar="FILE",
               help="Write JSON-lines metrics here [stdout].")
-@click.option("--seed", type=int, default=None, help="Seed for parameters and data [config].")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
+              help=f"Seed for parameters and data, 0 to {MAX_SEED} [config].")
 @click.option("--profile-steps", default=None, metavar="A:B",
               help="Write a jax profiler trace of steps A..B to OUTPUT_DIR/profile.")
 @click.option("--status-file", envvar="MOE_TPU_STATUS_FILE", default=None, metavar="PATH",
@@ -98,6 +99,8 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
     except Exception as e:  # only with MOE_TRAIN_DEBUG=1, which shows the traceback
         status.end("failed", EXIT_RUNTIME, f"{type(e).__name__}: {e}")
         raise
+    finally:
+        _release_output_dir()
     if result.stopped_by_signal:
         status.end("stopped", EXIT_STOPPED, step=result.step)
         ctx.exit(EXIT_STOPPED)
@@ -116,6 +119,9 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
     else:
         _initialize_distributed()
     output_dir = _check_output_dir(output_dir, status)
+    _check_path(metrics_path, "--metrics", writes=True)
+    if os.sep in config_name or os.path.exists(config_name):
+        _check_path(config_name, "--config", writes=False)
     spec = _build_spec(config_name, overrides, steps, num_devices or devices, mesh_text, output_dir, resume,
                        metrics_path, seed, profile, in_process=num_devices is not None)
     try:
@@ -124,6 +130,29 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
     except StatusError as e:
         raise click.ClickException(str(e)) from None
     return _run(spec, status)
+
+
+def _check_path(path: str | None, param_hint: str, writes: bool) -> None:
+    """A local file argument that would hang or never end (a FIFO waits for a peer, /dev/zero never ends,
+    a directory is no file) is a usage error naming it, before anything starts. A device is fine to
+    write to (/dev/null; a full /dev/full fails at its first write, with a message)."""
+    import stat
+
+    if not path or "://" in path:
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise click.BadParameter(f"cannot use {path}: {e.strerror}", param_hint=param_hint) from None
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if not writes and (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else None)
+    if kind:
+        raise click.BadParameter(f"{path} is {kind}, not a file", param_hint=param_hint)
+    if not writes and not os.access(path, os.R_OK):
+        raise click.BadParameter(f"{path} cannot be read (permission denied)", param_hint=param_hint)
 
 
 def _save_config(spec) -> None:
@@ -165,10 +194,43 @@ def _check_output_dir(output_dir: str | None, status: RunStatus) -> str | None:
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="--output-dir") from None
     if jax.process_index() == 0:
+        if "://" not in output_dir:
+            _hold_output_dir(output_dir)
         name = f"{output_dir.rstrip('/')}/status.json" if "://" in output_dir else \
             os.path.join(output_dir, "status.json")
         _add_status_target(status, name, param_hint="--output-dir")
     return output_dir
+
+
+_held: list[int] = []  # the output directory's lock, held while the command trains
+
+
+def _release_output_dir() -> None:
+    while _held:
+        os.close(_held.pop())
+
+
+def _hold_output_dir(output_dir: str) -> None:
+    """One trainer per local output directory: a second one would write over the first one's checkpoints.
+    The lock (an flock on OUTPUT_DIR/.lock) goes when the command ends, or with the process when it is killed."""
+    import fcntl
+
+    path = os.path.join(output_dir, ".lock")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise click.BadParameter(f"cannot use {output_dir}: {e.strerror}", param_hint="--output-dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise click.UsageError(f"another trainer (pid {holder}) is training in {output_dir}; a second one would "
+                               "write over its checkpoints. Wait for it, or use another --output-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held.append(fd)
 
 
 def _initialize_distributed() -> None:
@@ -236,7 +298,7 @@ def _run(spec, status: RunStatus):
     from trainer.config import ConfigError
     from trainer.data import DataError
     from trainer.metrics import Reporter
-    from trainer.train import run
+    from trainer.train import Diverged, run
 
     _quiet_library_logs()
     try:
@@ -250,7 +312,7 @@ def _run(spec, status: RunStatus):
         return run(spec, reporter, status=status)
     except (ConfigError, DataError) as e:
         raise click.UsageError(str(e)) from None
-    except CheckpointError as e:
+    except (CheckpointError, Diverged, StatusError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         raise click.ClickException("interrupted twice: stopped without waiting for a checkpoint") from None

@@ -140,6 +140,10 @@ class OptimConfig(Section):
         return self
 
 
+# Seeds become 32-bit PRNG keys and numpy generators: past this, jax cannot take them.
+MAX_SEED = 2**31 - 1
+
+
 class TrainConfig(Section):
     steps: Integer = 200
     seed: Integer = 0
@@ -176,6 +180,9 @@ class TrainConfig(Section):
             raise ValueError(f"train.profile_steps must be [A, B] with 1 <= A <= B, got {list(self.profile_steps)}")
         if self.steps < 0:
             raise ValueError(f"train.steps must not be negative, got {self.steps}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"train.seed must be between 0 and {MAX_SEED} (it becomes a 32-bit PRNG key), "
+                             f"got {self.seed}")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")

@@ -96,6 +96,7 @@ class Reporter:
                  tensorboard: bool = False):
         self.is_writer = is_writer
         self.err = stderr or sys.stderr
+        self.metrics_path = metrics_path
         self._own = None
         if not is_writer:
             self.out = None
@@ -122,8 +123,12 @@ class Reporter:
         if self.out is None:
             return
         line = json.dumps({k: _clean(v) for k, v in row.items()}) + "\n"
-        self.out.write(line)
-        self.out.flush()
+        try:
+            self.out.write(line)
+            self.out.flush()
+        except OSError as e:  # a full disk, a closed pipe: the metrics are the run's output, so it stops
+            where = self.metrics_path or "stdout"
+            raise StatusError(f"cannot write the metrics to {where}: {reason(e)}") from None
         if self.log is not None:
             self.log.write(line)
         if self.events is not None:
@@ -147,8 +152,11 @@ class Reporter:
 
     def close(self) -> None:
         if self._own is not None:
-            self._own.close()
-            self._own = None
+            own, self._own = self._own, None
+            try:
+                own.close()
+            except OSError:  # what could not be flushed failed a write already, which said so
+                pass
         if self.log is not None:
             self.log.close()
             self.log = None

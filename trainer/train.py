@@ -185,8 +185,9 @@ def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
                                                     state.get("moe_bias", {}))
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": ce, "total_loss": total, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state["step"]), **aux}
+        grad_norm = optax.tree.norm(grads)
+        metrics = {"loss": ce, "total_loss": total, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+                   "finite": jnp.isfinite(total) & jnp.isfinite(grad_norm), **aux}
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         if bias_states:
             new_state["moe_bias"] = biases
@@ -311,17 +312,69 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     if latest is not None and spec.resume == "never":
         raise ConfigError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); use "
                          "--resume auto to continue, or another --output-dir")
+    if latest is not None:
+        saved = ckpt.saved_meta(latest)
+        if saved is not None:
+            check_resumable(saved, trainer.cfg, data, spec, reporter)
     restored = ckpt.restore_latest(trainer.abstract_state) if latest is not None else None
     if restored is None:
         return trainer.init_fn()
     for step, why, moved_to in restored.unreadable:
         reporter.info(f"the checkpoint at step {step} ({ckpt.step_path(step)}) cannot be restored: {why}; "
                       f"moved it to {moved_to} and resumed from step {restored.step} instead")
-    if restored.data_state.get("source") != data.fingerprint:
-        reporter.info(f"note: the data source differs from the checkpoint's ({restored.data_state.get('source')})")
     data.restore(restored.data_state)
     reporter.info(f"resumed from {ckpt.directory} at step {restored.step}")
     return restored.state
+
+
+class Diverged(RuntimeError):
+    """The loss or the gradient norm stopped being finite; the message names the step and the last good
+    checkpoint (exit 1). Nothing of that step is saved."""
+
+    def __init__(self, step: int, metrics: dict, ckpt: Checkpointer | None):
+        loss, grad_norm = float(metrics["total_loss"]), float(metrics["grad_norm"])
+        good = ckpt.latest_step() if ckpt is not None else None
+        kept = (f"the last good checkpoint, step {good} in {ckpt.directory}, is kept" if good is not None else
+                "no checkpoint was saved before it")
+        super().__init__(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; stopped "
+                         f"before saving anything of it ({kept}). Lower optim.lr (or raise optim.warmup_steps "
+                         "or lower optim.clip_norm) and run again")
+        self.step = step
+
+
+# The config keys that decide a checkpoint's arrays and their meaning: a different value is another model.
+MODEL_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "moe_every",
+              "tie_embeddings")
+
+
+def model_identity(cfg: Config) -> dict[str, Any]:
+    """What a checkpoint records of the model it holds: its sizes and its experts."""
+    return {**{f"model.{k}": getattr(cfg.model, k) for k in MODEL_KEYS}, "moe.num_experts": cfg.moe.num_experts}
+
+
+def checkpoint_meta(cfg: Config, spec: RunSpec, data: DataIterator) -> dict[str, Any]:
+    """The JSON saved beside the state: the data position, and what resuming must agree with."""
+    return {**data.state(), "model": model_identity(cfg), "steps": spec.steps,
+            "decay_steps": cfg.optim.decay_steps or spec.steps}
+
+
+def check_resumable(saved: dict, cfg: Config, data: DataIterator, spec: RunSpec, reporter: Reporter) -> None:
+    """Refuse (ConfigError, exit 2) to resume another model's or another data source's checkpoint, naming
+    what differs; say how a longer run changes the learning-rate schedule."""
+    differences = [f"{key} is {value} in the checkpoint, {now} now"
+                   for key, value in (saved.get("model") or {}).items()
+                   if (now := model_identity(cfg).get(key, value)) != value]
+    if saved.get("source") is not None and saved["source"] != data.fingerprint:
+        differences.append(f"the data source is {saved['source']} in the checkpoint, {data.fingerprint} now")
+    if differences:
+        raise ConfigError("the checkpoints were written by a different run: " + "; ".join(differences)
+                          + ". Resuming would train another model on them; use another --output-dir "
+                            "(or --resume never in a fresh one), or set the config back")
+    old = saved.get("decay_steps")
+    new = cfg.optim.decay_steps or spec.steps
+    if isinstance(old, int) and old != new:
+        reporter.info(f"note: the learning-rate schedule changes: its cosine decay ends at step {new}, not at "
+                      f"step {old} as in the checkpoint's run (set optim.decay_steps={old} to keep the old one)")
 
 
 def global_batch(trainer: Trainer, rows_BxT: np.ndarray) -> jax.Array:
@@ -362,6 +415,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             profiler.before(step)
             state, metrics = step_fn(state, global_batch(trainer, next(data)))
             step += 1
+            if not bool(jax.device_get(metrics["finite"])):  # before anything of this step is saved
+                raise Diverged(step, jax.device_get(metrics), ckpt)
             evaluate = evaluator is not None and evaluator.due(step)
             if step % cfg.train.log_every == 0 or step == spec.steps or evaluate:
                 row = timer.row(step, jax.device_get(metrics), entropy_floor)
@@ -377,13 +432,13 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
                 status.running(step, row["loss"], row["tokens_per_s"])
             profiler.after(step)
             if ckpt is not None and step % cfg.train.checkpoint_every == 0:
-                ckpt.save(step, state, data.state(), force=True)
+                ckpt.save(step, state, checkpoint_meta(cfg, spec, data), force=True)
                 saved = step
     finally:
         profiler.close()
     if ckpt is not None:
         if saved != step or ckpt.latest_step() is None:
-            ckpt.save(step, state, data.state(), force=True)
+            ckpt.save(step, state, checkpoint_meta(cfg, spec, data), force=True)
         ckpt.wait()
         ckpt.verify(step)
     _report_end(reporter, ckpt, step, spec.steps, stop.reason if stopped else None)
@@ -419,7 +474,7 @@ class _StepTimer:
         steps = step - self.last_step
         step_time = (now - self.last_time) / max(steps, 1)
         self.last_time, self.last_step = now, step
-        row = {"step": step, **{k: float(v) for k, v in metrics.items() if k != "expert_load"},
+        row = {"step": step, **{k: float(v) for k, v in metrics.items() if k not in ("expert_load", "finite")},
                "expert_load": np.asarray(metrics["expert_load"]).tolist(),
                "tokens_per_s": self.tokens_per_step / step_time, "step_time_s": step_time,
                "mfu": flops.mfu(self.cfg, step_time, self.num_devices, self.device_kind)}

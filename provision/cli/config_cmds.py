@@ -138,15 +138,17 @@ def render(app, config_path: str, out_dir: str) -> None:
       moe-tpu render -c examples/v5e-64.yaml --out /tmp/moe
       moe-tpu --templates my-templates/ render --out rendered/
     """
+    from provision.statefiles import ensure_dir, write_atomic
+
     app.command = "render"
     cfg = app.load_config(config_path)
     files = _rendered(app, cfg)
     out = Path(out_dir)
     written = []
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        ensure_dir(out)
         for name, text in files.items():
-            (out / name).write_text(text, encoding="utf-8")
+            write_atomic(out / name, text, "rendered file")  # never through a symlink, a FIFO or a device
             written.append(str(out / name))
     except OSError as exc:
         raise UsageError(f"cannot write to {out}: {exc.strerror or exc}") from None

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from provision.errors import MissingDependency, UsageError
+from provision.statefiles import check_regular, echo
 
 
 @click.group("emulator")
@@ -85,7 +86,10 @@ def reset(app, state_path: Path | None) -> None:
     """Clear the emulated world: every emulated queued resource, node and custom job is gone.
 
     Takes the lock that every emulator process takes for each RPC, so a server or a dry run
-    that is running reloads an empty world on its next call.
+    that is running reloads an empty world on its next call. Without --state it also clears
+    this directory's dry-run runs (.moe-tpu/runs/: their checkpoints and logs) and stops a
+    local trainer that a killed dry run left running. A file that is not an emulated world
+    is never deleted.
 
     \b
     Examples:
@@ -96,14 +100,54 @@ def reset(app, state_path: Path | None) -> None:
 
     app.command = "emulator reset"
     path = state_path if state_path is not None else app.state_dir / "emulator.json"
-    if path.parent.is_file() or path.is_dir():
-        raise UsageError(f"{path} is not an emulator state file", hint="name the state file with --state")
-    existed = path.exists()
+    if path.parent.is_file():
+        raise UsageError(f"{echo(path)} is not an emulator state file", hint="name the state file with --state")
+    existed = check_regular(path, "emulator state file")
+    if existed:
+        _check_is_world(path)
     try:
-        with Store(path).locked():
+        with Store(path, notice=app.console.warn).locked():
             path.unlink(missing_ok=True)
     except OSError as exc:
-        raise UsageError(f"cannot clear {path}: {exc.strerror or exc}",
+        raise UsageError(f"cannot clear {echo(path)}: {exc.strerror or exc}",
                          hint="check the file's permissions, or delete it by hand") from None
     app.console.text(f"emulated world cleared ({path})" if existed else f"emulated world already empty ({path})")
-    app.console.emit(app.document("ok", state=str(path), cleared=existed, resources=[]))
+    runs = _clear_runs(app) if state_path is None else []
+    if runs:
+        app.console.text(f"dry-run runs cleared: {', '.join(runs)} ({app.state_dir / 'runs'})")
+    app.console.emit(app.document("ok", state=str(path), cleared=existed, runs_cleared=runs, resources=[]))
+
+
+def _check_is_world(path: Path) -> None:
+    """Refuse (exit 2) to delete a file that is not an emulated world: a config, anything of the user's."""
+    import json
+
+    from provision.emulator.store import MAX_STATE_BYTES
+
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read(MAX_STATE_BYTES + 1))
+    except (OSError, ValueError):
+        data = None
+    if not (isinstance(data, dict) and isinstance(data.get("version"), int) and "tpu" in data and "now" in data):
+        raise UsageError(f"{echo(path)} is not an emulated world (not a file that the emulator wrote): not deleting it",
+                         hint="name the emulator's state file with --state (the file given to "
+                              "`emulator serve --state`)")
+
+
+def _clear_runs(app) -> list[str]:
+    """Delete the dry runs' directories under .moe-tpu/runs/ (stopping a trainer left running first)."""
+    import shutil
+
+    from provision.emulator.local_trainer import RUNS_DIR, stop_recorded
+
+    runs_dir = app.state_dir / RUNS_DIR
+    if runs_dir.is_symlink() or not runs_dir.is_dir():
+        return []
+    cleared = []
+    for run_dir in sorted(runs_dir.iterdir()):
+        if run_dir.is_dir() and not run_dir.is_symlink():
+            stop_recorded(app.state_dir, run_dir.name)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            cleared.append(run_dir.name)
+    return cleared

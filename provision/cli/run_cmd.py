@@ -12,8 +12,10 @@ from provision.cli.options import config_option
 @click.option("--keep", is_flag=True, help="Leave the slice or job in place when training has finished.")
 @click.option("--yes", "-y", is_flag=True, help="On Ctrl-C, tear down without asking.")
 @click.option("--force", is_flag=True, help="Run even when the plan says the model does not fit.")
+@click.option("--restart", is_flag=True,
+              help="Train a finished run again from step 0 (a dry run moves its old output aside).")
 @click.pass_obj
-def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
+def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool) -> None:
     """Provision, train, follow, recover from preemption, and tear down: the whole job.
 
     Validates the config (the trainer section with the trainer's own checks), provisions
@@ -23,9 +25,15 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
     and deletes everything at the end. In a dry run the trainer really runs on this
     machine, made small by the config's dry_run section.
 
+    A re-run adopts what an earlier, killed run left (and follows its trainer); a run that
+    already finished trains nothing unless --restart is given. SIGTERM and SIGHUP (a CI
+    cancel, a closed terminal) tear down like Ctrl-C with --yes, unless --keep.
+
     \b
-    Exit codes: 0 training finished; 1 it failed (or preemptions outnumbered
-    recovery.max_restarts); 2 a config error, found before anything is created.
+    Exit codes: 0 training finished (or had finished already); 1 it failed (or preemptions
+    outnumbered recovery.max_restarts, or the run's resources were deleted under it); 2 a
+    config error, found before anything is created, or another copy of the run is running;
+    143 SIGTERM or SIGHUP.
 
     \b
     Examples:
@@ -35,33 +43,93 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool) -> None:
       moe-tpu run -c moe-tpu.yaml --yes
     """
     from provision.errors import MoeTpuError
-    from provision.runs import Interrupted, RunFailed, Runner
+    from provision.runs import Interrupted, RunFailed, Runner, Terminated, run_lock, terminate_on_signals
     from provision.targets import for_config
 
     app.command = "run"
     cfg = app.load_config(config_path, check_trainer=True)
     _check_plan(app, cfg, force)
-    output_dir = app.trainer_output_dir(cfg, train_locally=True)
-    renderer = app.renderer(cfg)
-    app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {renderer.image}"
-                     + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
-    session = app.session()
-    target = for_config(cfg, session, app.console, renderer=renderer, output_dir=output_dir)
-    confirm = (lambda: True) if yes else _ask_teardown(app)
-    runner = Runner(cfg, target, session, app.console, output_dir=output_dir, keep=keep, confirm_teardown=confirm)
-    try:
-        result = runner.run()
-    except Interrupted as exc:
-        _emit(app, runner, "interrupted", error=exc.message)
-        raise
-    except MoeTpuError as exc:
-        _emit(app, runner, "error", error=exc.message)
-        raise
-    _print_summary(app, result)
+    with run_lock(app.state_dir, cfg.run):
+        if _already_finished(app, cfg, restart):
+            return
+        output_dir = app.trainer_output_dir(cfg, train_locally=True)
+        renderer = app.renderer(cfg)
+        app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {renderer.image}"
+                         + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
+        session = app.session()
+        target = for_config(cfg, session, app.console, renderer=renderer, output_dir=output_dir)
+        confirm = (lambda: True) if yes else _ask_teardown(app)
+        runner = Runner(cfg, target, session, app.console, output_dir=output_dir, keep=keep,
+                        confirm_teardown=confirm)
+        try:
+            with terminate_on_signals():
+                result = runner.run()
+        except Interrupted as exc:
+            _emit(app, runner, "interrupted", error=exc.message)
+            raise
+        except Terminated as exc:
+            _print_summary(app, runner.timeline.events, runner.training, f"terminated: {exc.message}")
+            _emit(app, runner, "terminated", error=exc.message, exit_code=exc.exit_code)
+            raise
+        except MoeTpuError as exc:
+            _emit(app, runner, "error", error=exc.message)
+            raise
+    _print_summary(app, result.timeline.events, result.training,
+                   "finished" if result.ok else f"failed: {result.error}")
     _emit(app, runner, "ok" if result.ok else "error", **({} if result.ok else {"error": result.error}))
     if not result.ok:
         raise RunFailed(result.error, hint="the timeline above shows what happened; `moe-tpu logs` shows "
                                            "the trainer's output")
+
+
+def _planned_steps(app, cfg) -> int | None:
+    """The step the run's trainer trains to: dry_run.steps, trainer.steps, or the trainer config's own."""
+    if app.dry_run:
+        return cfg.dry_run.steps
+    if cfg.trainer.steps is not None:
+        return cfg.trainer.steps
+    try:
+        from trainer.config import ConfigError, load_config
+    except ImportError:  # without the trainer's package the status file's own total decides
+        return None
+    try:
+        return load_config(cfg.trainer.config, [f for f in cfg.trainer.set_flags() if f != "--set"]).train.steps
+    except ConfigError:
+        return None
+
+
+def _already_finished(app, cfg, restart: bool) -> bool:
+    """Whether the run finished before (said, with the JSON document, and nothing is created); with
+    --restart the finished output is moved aside in a dry run so that the trainer starts from step 0."""
+    import datetime as dt
+
+    from provision.errors import UsageError
+    from provision.runs import Training, finished_status
+
+    output_dir = app.trainer_output_dir(cfg)
+    credentials = app.session().endpoint.credentials if output_dir.startswith("gs://") else None
+    status = finished_status(output_dir, _planned_steps(app, cfg), credentials, cfg.project)
+    if status is None:
+        return False
+    when = status.get("time")
+    on = (" on " + dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+          if isinstance(when, (int, float)) else "")
+    if restart:
+        if not app.dry_run:
+            raise UsageError(f"--restart: {output_dir} holds the finished run's checkpoints (step {status['step']})",
+                             hint="point trainer.output_dir at a new location to train again from step 0 "
+                                  "(the old checkpoints stay where they are)")
+        from provision.emulator.local_trainer import move_aside
+
+        moved = move_aside(output_dir)
+        app.console.info(f"--restart: moved the finished run's output to {moved}; training from step 0")
+        return False
+    flag = "--dry-run run --restart" if app.dry_run else "run --restart"
+    app.console.text(f"run {cfg.run} already finished at step {status['step']}{on} ({output_dir}); "
+                     f"nothing to train; `moe-tpu {flag}` trains it again from step 0")
+    app.console.emit(app.document("ok", already_finished=True, step=status["step"], output_dir=output_dir,
+                                  timeline=[], training=Training().as_dict(), resources=[]))
+    return True
 
 
 def _check_plan(app, cfg, force: bool) -> None:
@@ -93,13 +161,13 @@ def _ask_teardown(app):
     return ask
 
 
-def _print_summary(app, result) -> None:
+def _print_summary(app, events, training, verdict: str) -> None:
     app.console.text("timeline:")
-    for event in result.timeline.events:
+    for event in events:
         extra = {k: v for k, v in event.items() if k not in ("event", "at", "elapsed_s", "cost_usd") and v is not None}
         details = "  " + ", ".join(f"{k} {v}" for k, v in extra.items()) if extra else ""
         app.console.text(f"  {event['at']}  {event['event']:<18} ${event['cost_usd']:>8.2f}{details}")
-    t = result.training
+    t = training
     if t.first_loss is not None:
         app.console.text(f"training: {t.steps} steps, loss {t.first_loss:.4f} -> {t.final_loss:.4f}, "
                          f"{t.restarts} restart(s)" + (f", resumed from step {t.resumed_from_step}"
@@ -109,7 +177,7 @@ def _print_summary(app, result) -> None:
         from provision.goodput import summary_line
 
         app.console.text(summary_line(t.goodput))
-    app.console.text("finished" if result.ok else f"failed: {result.error}")
+    app.console.text(verdict)
 
 
 def _emit(app, runner, result: str, **fields) -> None:

@@ -90,6 +90,12 @@ def _down(app, config_path: str, command: str, services: tuple[str, ...] = ("tpu
         from provision.gke import gke_down
 
         deleted += gke_down(cfg, app.session(), app.console)
+    if app.dry_run:  # the trainer that a killed dry run left running on this machine
+        from provision.emulator.local_trainer import stop_recorded
+
+        pid = stop_recorded(app.state_dir, cfg.run)
+        if pid is not None:
+            app.console.info(f"  stopped the dry run's local trainer (pid {pid})")
     app.console.text(f"deleted {len(deleted)} resource(s); nothing of run {cfg.run} is left"
                      if deleted else f"nothing to delete; nothing of run {cfg.run} is left")
     finish(app, [], deleted=[r.as_dict(app.session().clock.now()) for r in deleted])

@@ -11,7 +11,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from provision import catalogue
-from provision.config.sections import _SECTIONS, _ZONE, DEFAULT_CONFIG, MAX_GKE_NAME, Config, _did_you_mean
+from provision.config.sections import (_SECTIONS, _ZONE, DEFAULT_CONFIG, MAX_GKE_NAME, Config, _brief,
+                                       _did_you_mean)
 from provision.errors import ConfigError, Problem
 from trainer import safeyaml
 
@@ -89,10 +90,6 @@ def _message(err: dict[str, Any]) -> str:
     return f"{err['msg'][0].lower()}{err['msg'][1:]}, got {_brief(err['input'])}"
 
 
-def _brief(value: Any, width: int = 80) -> str:
-    """repr() of a value from the file, cut short: a message names it, it does not print it all."""
-    text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _get(raw: dict[str, Any], failed: set[str], key: str) -> Any:
@@ -223,7 +220,11 @@ def trainer_problems(cfg: Config) -> list[Problem]:
         if key is None:
             key = "trainer.steps" if "steps" in message and cfg.trainer.steps is not None else "trainer.config"
         return [Problem(str(cfg.source), key, f"the trainer rejects it: {message}")]
-    return []
+    try:
+        from provision.planner import mesh_problems
+    except ImportError:  # the planner needs the trainer's packages too
+        return []
+    return [Problem(str(cfg.source), key, message) for key, message in mesh_problems(cfg)]
 
 
 def config_from_dict(raw: Any, source: Path | str = DEFAULT_CONFIG) -> Config:
@@ -235,6 +236,27 @@ def config_from_dict(raw: Any, source: Path | str = DEFAULT_CONFIG) -> Config:
         raise ConfigError([Problem(file, "", "the config must be a YAML mapping of keys "
                                              "(project, region, zones, run, ...)")])
     return _validate(dict(raw), file, [], {})
+
+
+def _control_characters(raw: Any, path: str = "") -> list[tuple[str, str]]:
+    """(dotted key, message) for every string value (or key) holding a NUL or another control character:
+    values reach templates, a shell script and request bodies, where such a character is never meant."""
+    found: list[tuple[str, str]] = []
+    stack: list[tuple[Any, str]] = [(raw, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                dotted = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and not key.isprintable():
+                    found.append((dotted, f"key {_brief(key)} holds control characters"))
+                stack.append((value, dotted))
+        elif isinstance(node, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(node))
+        elif isinstance(node, str) and not node.isprintable():
+            found.append((where, f"{_brief(node)} holds a control character (NUL, a newline, an escape...); "
+                                 "values reach templates and a shell script, so they must be plain text"))
+    return found
 
 
 def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Problem]:
@@ -262,6 +284,7 @@ def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: di
             key = _dotted(err["loc"])
             failed.add(key)
             problems.append(Problem(file, key, _message(err)))
+    problems += [Problem(file, key, msg) for key, msg in _control_characters(raw) if key not in failed]
     problems += [Problem(file, key, msg) for key, msg in _cross_checks(lambda k: _get(raw, failed, k))]
     if problems or config is None:
         raise ConfigError(_in_file_order(problems, lines))

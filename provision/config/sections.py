@@ -35,6 +35,19 @@ _IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _SERVICE_ACCOUNT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[a-z0-9.-]+\.iam\.gserviceaccount\.com$"
                               r"|^[0-9]+-compute@developer\.gserviceaccount\.com$")
 _VERTEX_NETWORK = re.compile(r"^projects/[0-9]+/global/networks/[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Compute Engine network and subnetwork names (RFC 1035, at most 63), or their resource names.
+_NETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/global/networks/)?[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_SUBNETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/regions/[a-z]+-[a-z]+[0-9]+/subnetworks/)?"
+                         r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Cloud Storage: gs://BUCKET[/PATH]; bucket names are 3 to 63 lowercase letters, digits, '-', '_' and '.'
+# (up to 222 with dots), starting and ending with a letter or digit (the path: any object name; control
+# characters are refused for every value).
+_GCS_URL = re.compile(r"^gs://(?=[a-z0-9._-]{3,222}(/|$))[a-z0-9]([a-z0-9_-]|\.(?!\.))*[a-z0-9](/.*)?$")
+# Where a local trainer.output_dir must never be: the startup script chowns it and mounts it into
+# the container.
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc",
+               "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+_SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 _MESH = re.compile(r"^[a-z]+=[0-9]+(,[a-z]+=[0-9]+)*$")
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # Config durations stay far below what a request's Duration can hold; nobody queues or trains for longer.
@@ -80,6 +93,12 @@ def _positive_duration(value: Any) -> timedelta:
     if delta > MAX_DURATION:
         raise _fail(f"duration {value!r} is too long: at most {duration_text(MAX_DURATION)} (30 days)")
     return delta
+
+
+def _brief(value: Any, width: int = 80) -> str:
+    """repr() of a value from the file, cut short: a message names it, it does not print it all."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
@@ -147,6 +166,31 @@ class SliceConfig(_Section):
     @classmethod
     def _duration(cls, value: Any) -> timedelta:
         return _positive_duration(value)
+
+    @field_validator("network")
+    @classmethod
+    def _network_name(cls, value: str) -> str:
+        if not _NETWORK.match(value):
+            raise _fail(f"network {_brief(value)} is not a network name (lowercase letters, digits and hyphens, "
+                        "starting with a letter, at most 63) nor projects/PROJECT/global/networks/NAME")
+        return value
+
+    @field_validator("subnetwork")
+    @classmethod
+    def _subnetwork_name(cls, value: str | None) -> str | None:
+        if value is not None and not _SUBNETWORK.match(value):
+            raise _fail(f"subnetwork {_brief(value)} is not a subnetwork name (lowercase letters, digits and "
+                        "hyphens, starting with a letter, at most 63) nor "
+                        "projects/PROJECT/regions/REGION/subnetworks/NAME")
+        return value
+
+    @field_validator("service_account")
+    @classmethod
+    def _service_account_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _SERVICE_ACCOUNT.match(value):
+            raise _fail(f"service account {_brief(value)} must be an email like "
+                        "trainer@my-project.iam.gserviceaccount.com")
+        return value
 
 
 class VertexConfig(_Section):
@@ -257,6 +301,24 @@ class TrainerConfig(_Section):
     def _not_empty(cls, value: str) -> str:
         if not value.strip():
             raise _fail("must not be empty")
+        return value
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_location(cls, value: str) -> str:
+        """A Cloud Storage location with a valid bucket name, or a local directory that is not a system one."""
+        if "://" in value or value.startswith("gs:"):
+            if not _GCS_URL.match(value):
+                raise _fail(f"output_dir {_brief(value)} is not a Cloud Storage location like gs://my-bucket/run "
+                            "(bucket names: 3 to 63 lowercase letters, digits, '-', '_' or '.', starting and "
+                            "ending with a letter or digit)")
+            return value
+        normal = "/" + "/".join(part for part in value.split("/") if part and part != ".") if value.startswith("/") \
+            else None
+        if normal is not None and (normal in SYSTEM_DIRS or normal.startswith(tuple(t + "/" for t in _SYSTEM_TREES))
+                                   or ".." in normal.split("/")):
+            raise _fail(f"output_dir {_brief(value)} is a system directory (or inside one): the trainer's VM "
+                        "would take it over; use gs://BUCKET/PATH, or a directory of its own such as /mnt/moe")
         return value
 
     @field_validator("mesh")

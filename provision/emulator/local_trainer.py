@@ -28,6 +28,9 @@ from pathlib import Path
 from provision import guest_attributes
 
 RUNS_DIR = "runs"
+# Beside the output directory: the pid of the trainer that a run started, so that a re-run after a
+# kill follows it (instead of starting a second one on the same checkpoints) and `down` stops it.
+TRAINER_RECORD = "trainer.json"
 SYNC_INTERVAL_S = 0.05
 GATE_MAX_WAIT_S = 0.5
 KILL_GRACE_S = 10.0
@@ -37,6 +40,102 @@ LOG_TAIL_LINES = 12
 def local_output_dir(state_dir: Path, run: str) -> Path:
     """Where a dry run's trainer writes checkpoints, status.json, metrics.jsonl and trainer.log."""
     return Path(state_dir) / RUNS_DIR / run / "output"
+
+
+def trainer_record(output_dir: Path) -> Path:
+    return Path(output_dir).parent / TRAINER_RECORD
+
+
+def move_aside(output_dir: str | Path) -> Path:
+    """Rename a finished run's output directory out of the way (`--restart`); returns the new path."""
+    output_dir = Path(output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    moved = output_dir.with_name(f"{output_dir.name}-{stamp}")
+    n = 1
+    while moved.exists():
+        moved, n = output_dir.with_name(f"{output_dir.name}-{stamp}-{n}"), n + 1
+    output_dir.rename(moved)
+    return moved
+
+
+class _Adopted:
+    """A trainer started by an earlier process of the run (killed since): not our child, so it is
+    watched by pid, and its exit code is the one its status file records."""
+
+    def __init__(self, pid: int, output_dir: Path) -> None:
+        self.pid = pid
+        self.output_dir = output_dir
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _alive(self.pid, self.output_dir):
+            try:
+                status = json.loads((self.output_dir / "status.json").read_text())
+            except (OSError, ValueError):
+                status = {}
+            code = status.get("exit_code") if isinstance(status, dict) else None
+            self.returncode = code if isinstance(code, int) else 1
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
+def _alive(pid: int, output_dir: Path) -> bool:
+    """Whether `pid` still runs this output directory's trainer (not a zombie, not a reused pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # another user's process: not ours
+    proc = Path("/proc") / str(pid)
+    if not proc.is_dir():
+        return True  # no /proc (macOS): the pid answers, take it
+    try:
+        if proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        return str(output_dir).encode() in proc.joinpath("cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+
+
+def recorded_trainer(output_dir: Path) -> tuple[_Adopted, dict] | None:
+    """The trainer an earlier process of the run started, if it still runs: (process, its record)."""
+    try:
+        record = json.loads(trainer_record(output_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    pid = record.get("pid") if isinstance(record, dict) else None
+    if not isinstance(pid, int) or pid <= 0 or not _alive(pid, Path(output_dir)):
+        return None
+    return _Adopted(pid, Path(output_dir)), record
+
+
+def stop_recorded(state_dir: Path, run: str) -> int | None:
+    """Stop the local trainer that a dry run of `run` started and left running (killed before it could
+    stop it): SIGTERM, then SIGKILL. Returns its pid, or None when none runs."""
+    output_dir = local_output_dir(state_dir, run)
+    found = recorded_trainer(output_dir)
+    if found is not None:
+        _terminate(found[0])
+    trainer_record(output_dir).unlink(missing_ok=True)
+    return found[0].pid if found is not None else None
 
 
 def local_argv(argv: list[str] | tuple[str, ...], cfg, output_dir: Path) -> list[str]:
@@ -68,7 +167,7 @@ class _Workload:
     key: str  # the queued resource or custom job it runs for
     kind: str  # "tpu-vm", "vertex" or "gke"
     nodes: tuple[tuple[str, int], ...]  # (node name, workers) for a slice
-    proc: subprocess.Popen
+    proc: subprocess.Popen | _Adopted
     preempting: bool = False
     published: str = ""
 
@@ -109,6 +208,7 @@ class LocalTrainer:
             if self.current is not None:
                 _terminate(self.current.proc)
                 self.current = None
+                trainer_record(self.output_dir).unlink(missing_ok=True)
         if self.emulator is not None and getattr(self.emulator.clock, "gate", None) is self:
             self.emulator.clock.gate = None
 
@@ -180,6 +280,18 @@ class LocalTrainer:
             argv = [*jobs[0].command, *jobs[0].args]
         else:
             return
+        found = recorded_trainer(self.output_dir)
+        if found is not None and found[1].get("key") == key:
+            # A run killed without a chance to stop its trainer: follow that one; a second trainer on
+            # the same output directory would write over its checkpoints.
+            self.current = _Workload(key=key, kind=kind, nodes=slice_nodes, proc=found[0])
+            if self.console is not None:
+                self.console.info(f"  [dry run] following the trainer already running on this machine "
+                                  f"(pid {found[0].pid}), which an earlier `run` started")
+            self._changed.set()
+            return
+        if found is not None:  # it ran for a resource that is gone, as a deleted VM's container stops
+            _terminate(found[0])
         self.output_dir.mkdir(parents=True, exist_ok=True)
         for stale in ("status.json",):
             (self.output_dir / stale).unlink(missing_ok=True)
@@ -189,6 +301,9 @@ class LocalTrainer:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
         log.close()
+        from provision.statefiles import write_atomic
+
+        write_atomic(trainer_record(self.output_dir), json.dumps({"pid": proc.pid, "key": key, "kind": kind}) + "\n")
         self.current = _Workload(key=key, kind=kind, nodes=slice_nodes, proc=proc)
         if kind == "gke":  # the pod's log is the trainer's output
             namespace, name = key.split("/", 2)[1:]
@@ -242,6 +357,7 @@ class LocalTrainer:
         """The trainer ended: say so where the target reports, then the emulated resource follows."""
         self.current = None
         self.done.add(current.key)
+        trainer_record(self.output_dir).unlink(missing_ok=True)
         self._changed.set()
         if not still_up:
             return
@@ -294,7 +410,7 @@ def _text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _terminate(proc: subprocess.Popen) -> None:
+def _terminate(proc: subprocess.Popen | _Adopted) -> None:
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)

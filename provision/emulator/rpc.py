@@ -14,6 +14,7 @@ from google.protobuf import timestamp_pb2
 from google.rpc import status_pb2
 from grpc_status import rpc_status
 
+from provision.emulator.store import LockTimeout
 from provision.emulator.validate import ApiError
 from provision.errors import MoeTpuError
 
@@ -68,6 +69,8 @@ def unary(emulator: Emulator, impl: Callable[[Call, Any], Any], des: Callable, s
             return emulator.call(lambda call: impl(call, request))
         except ApiError as error:
             abort(context, error)
+        except LockTimeout as error:  # another process holds the world: a conflict, not worth retrying
+            abort(context, ApiError("ABORTED", error.message))
         except MoeTpuError as error:  # the state file went bad under a running server
             abort(context, ApiError("INTERNAL", f"{error.message} ({error.hint})" if error.hint else error.message))
     return grpc.unary_unary_rpc_method_handler(behaviour, request_deserializer=des, response_serializer=ser)

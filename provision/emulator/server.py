@@ -47,7 +47,8 @@ class Emulator:
     """
 
     def __init__(self, state_path: Path | None = None, scenario: str = "happy", clock=None, seed: int = 0,
-                 external_workloads: bool = False, reservations: dict[str, int] | None = None) -> None:
+                 external_workloads: bool = False, reservations: dict[str, int] | None = None,
+                 lock_notice: Callable[[str], None] | None = None) -> None:
         self.scenario = check_scenario(scenario)
         # The project's TPU reservations, "ZONE/NAME" -> chips; by default from the environment
         # (MOE_TPU_EMULATOR_RESERVATIONS); none when unset, as in a project without one.
@@ -61,7 +62,7 @@ class Emulator:
         self.port: int | None = None
         self._host = "127.0.0.1"
         self._server: grpc.Server | None = None
-        self._store = Store(self.state_path)
+        self._store = Store(self.state_path, notice=lock_notice)
         self._lock = threading.RLock()
         self._now: float | None = None  # set while a transaction runs
         self._channels: list[grpc.Channel] = []

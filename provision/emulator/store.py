@@ -11,23 +11,39 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from provision.errors import UsageError
+from provision.errors import MoeTpuError, UsageError
+from provision.statefiles import check_regular, echo, open_lock
 
 T = TypeVar("T")
 TOKEN_BYTES = 64
+# After the token, the lock file names the process that holds the lock (for a message to whoever waits).
+PID_BYTES = 16
+# A transaction holds the lock for milliseconds: a wait this long is a holder that is stuck (suspended
+# with Ctrl-Z, stopped in a debugger). Whoever waits hears of it at once and gives up after the bound.
+LOCK_NOTICE_S = 0.5
+LOCK_WAIT_S = 60.0
+# The world is a few kilobytes per resource; a file past this is not one (and is not read whole).
+MAX_STATE_BYTES = 64 * 1024 * 1024
+
+
+class LockTimeout(MoeTpuError):
+    """Another process held the world's lock past LOCK_WAIT_S (exit 1)."""
 
 
 class Store:
     """The JSON file behind a world, or nothing (state_path None: the world lives in memory)."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, notice: Callable[[str], None] | None = None) -> None:
         self.path = path
+        self.notice = notice or (lambda message: print(f"warning: {message}", file=sys.stderr, flush=True))
         self.lock_path = path.with_name(path.name + ".lock") if path is not None else None
         self._fd: int | None = None
         self._seen: tuple | None = None  # the version this process holds; None: reload
@@ -39,15 +55,42 @@ class Store:
         if self.path is None:
             yield
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_lock(self.lock_path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._acquire(fd)
             self._fd = fd
             yield
         finally:
             self._fd = None
             os.close(fd)  # closing the last descriptor releases the lock
+
+    def _acquire(self, fd: int) -> None:
+        """The exclusive flock; a holder that does not let go is named within LOCK_NOTICE_S and given up
+        on after LOCK_WAIT_S (LockTimeout)."""
+        start, told = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            waited = time.monotonic() - start
+            holder = os.pread(fd, PID_BYTES, TOKEN_BYTES).decode("ascii", errors="replace").strip()
+            who = f"another moe-tpu command (pid {holder})" if holder.isdigit() else "another moe-tpu command"
+            if waited >= LOCK_WAIT_S:
+                raise LockTimeout(f"gave up after {LOCK_WAIT_S:g}s waiting for {who} that holds {self.lock_path}",
+                                  hint=f"resume or end that command (`fg`, or `kill {holder}` if it is stuck), "
+                                       "then run this one again" if holder.isdigit() else
+                                       "resume or end that command, then run this one again")
+            if not told and waited >= LOCK_NOTICE_S:
+                told = True
+                self.notice(f"waiting for {who} that holds {self.lock_path} (at most {LOCK_WAIT_S:g}s)")
+            time.sleep(0.05)
+        self._write_pid(fd)
+
+    @staticmethod
+    def _write_pid(fd: int) -> None:
+        os.pwrite(fd, f"{os.getpid():<{PID_BYTES - 1}}\n".encode(), TOKEN_BYTES)
 
     def changed(self) -> bool:
         """Whether the file differs from the version this process last read or wrote (under the lock)."""
@@ -63,15 +106,26 @@ class Store:
         if self.path is None:
             return None
         version = self._version()
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
+        if not check_regular(self.path, "emulator state file"):
             self._seen = version
             return None
         try:
+            with open(self.path, "rb") as handle:
+                raw = handle.read(MAX_STATE_BYTES + 1)
+        except FileNotFoundError:
+            self._seen = version
+            return None
+        except OSError as exc:
+            raise UsageError(f"cannot read the emulator state {echo(self.path)}: {exc.strerror or exc}",
+                             hint=f"delete {echo(self.path)} to start a fresh emulated world") from None
+        if len(raw) > MAX_STATE_BYTES:
+            raise UsageError(f"the emulator state {echo(self.path)} is over {MAX_STATE_BYTES >> 20} MiB: not a world "
+                             "this tool wrote", hint=f"delete {echo(self.path)} to start a fresh emulated world")
+        text = raw.decode("utf-8", errors="replace")
+        try:
             world = parse(json.loads(text))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise UsageError(f"cannot read the emulator state {self.path}: {exc}",
+            raise UsageError(f"cannot read the emulator state {echo(self.path)}: {echo(exc)}",
                              hint=f"delete {self.path} to start a fresh emulated world") from exc
         self._seen, self._text = version, text
         return world
@@ -82,6 +136,7 @@ class Store:
         text = json.dumps(data, indent=1, sort_keys=True)
         if text == self._text and not self.changed():
             return  # a transaction that only read: the file already holds this world
+        check_regular(self.path, "emulator state file")
         fd, tmp = tempfile.mkstemp(prefix=".emulator-", suffix=".tmp", dir=self.path.parent)
         try:
             with os.fdopen(fd, "w") as handle:
@@ -94,6 +149,7 @@ class Store:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, os.urandom(TOKEN_BYTES // 2).hex().encode(), 0)
+            self._write_pid(self._fd)
         self._seen, self._text = self._version(), text
 
     def _version(self) -> tuple:

@@ -61,6 +61,7 @@ from provision.planner.plan import (  # noqa: F401 - the planner's API, one impo
     fits_on,
     load_model_config,
     make_plan,
+    mesh_problems,
     plan_for,
     target_of,
     warnings_for,

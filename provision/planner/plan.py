@@ -215,6 +215,44 @@ def load_model_config(cfg: Config, model: str | None = None) -> ModelConfig:
     return load_config(name, overrides)
 
 
+def mesh_problems(cfg: Config) -> list[tuple[str, str]]:
+    """(dotted key, message) for each mesh the trainer would refuse, found before anything is created:
+    trainer.mesh against the target's chips (times slices), dry_run.mesh against dry_run.devices, each
+    expert axis against its model's moe.num_experts; and a dry_run.trainer_config the trainer does not know."""
+    from trainer.config import ConfigError, load_config
+
+    found: list[tuple[str, str]] = []
+    target = target_of(cfg)
+    overrides = [flag for flag in cfg.trainer.set_flags() if flag != "--set"]
+    where = f"{target.accelerator.name}" + (f" x {target.slices}" if target.slices > 1 else "")
+    checks = [("trainer.mesh", cfg.trainer.mesh, target.chips, target.slices,
+               f"the target ({where}) has {target.chips}", lambda: load_model_config(cfg))]
+    if cfg.dry_run.mesh:
+        checks.append(("dry_run.mesh", cfg.dry_run.mesh, cfg.dry_run.devices, 1,
+                       f"dry_run.devices is {cfg.dry_run.devices}",
+                       lambda: load_config(cfg.dry_run.trainer_config, overrides)))
+    for key, text, chips, slices, against, model in checks:
+        try:
+            model_cfg = model()
+        except ConfigError as exc:
+            if key == "dry_run.mesh":
+                found.append(("dry_run.trainer_config", f"the trainer rejects it: {exc}"))
+            continue
+        if not text:
+            continue
+        try:
+            mesh = parse_mesh(text, chips, slices)
+        except ValueError as exc:
+            message = str(exc).replace("--mesh ", "mesh ").replace(f"the target has {chips}", against)
+            found.append((key, f"the trainer refuses it: {message}"))
+            continue
+        experts = model_cfg.moe.num_experts
+        if model_cfg.model.num_moe_layers and experts % mesh.expert:
+            found.append((key, f"the trainer refuses it: moe.num_experts ({experts}) is not divisible by the "
+                               f"mesh's expert axis ({mesh.expert})"))
+    return found
+
+
 def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None = None,
              slices: int | None = None, mesh_text: str | None = None) -> Plan:
     """The plan for a control-plane config. A model or mesh that cannot be used raises UsageError

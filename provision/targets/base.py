@@ -20,9 +20,10 @@ ENDED = {"finished", "failed", "stopped"}
 class Report:
     """What a target says about training right now.
 
-    phase: waiting (no trainer yet), starting, running, finished, failed, preempted, or restarted
+    phase: waiting (no trainer yet), starting, running, finished, failed, preempted, restarted
     (the target recovered from a preemption in place, as a JobSet's failure policy does: the run
-    loop records it and follows on without provisioning again).
+    loop records it and follows on without provisioning again), or deleted (by a person: a
+    deletion or cancellation that the service did not initiate; never recovered from).
     """
 
     phase: str

@@ -52,8 +52,9 @@ class SliceTarget:
 
         tpu = self.session.tpu
         qr = tpu.get_queued_resource(self.queued_resource)
-        if qr is None:
-            return Report("preempted", detail="the queued resource is gone")
+        deleted = self._deleted(qr)
+        if deleted is not None:
+            return deleted
         state = state_name(qr)
         if state != "ACTIVE":
             code, message = failure_of(qr)
@@ -63,15 +64,28 @@ class SliceTarget:
         project = project_of(self.cfg, self.session)
         reports = []
         for node in nodes_of(self.session, project, self.zone, qr):
-            if node.state.name != "READY":
-                return Report("preempted", detail=f"node {short(node.name)} is {node.state.name}")
-            workers = tpu.get_guest_attributes(node.name, GUEST_NAMESPACE)
+            workers = tpu.get_guest_attributes(node.name, GUEST_NAMESPACE) if node.state.name == "READY" else None
             if workers is None:
-                return Report("preempted", detail=f"node {short(node.name)} is gone")
+                # A deletion between the two looks takes the nodes too: the queued resource says which it was.
+                deleted = self._deleted(tpu.get_queued_resource(self.queued_resource))
+                now = "gone" if node.state.name == "READY" else node.state.name
+                return deleted or Report("preempted", detail=f"node {short(node.name)} is {now}")
             for index, attrs in enumerate(workers):
                 if attrs:
                     reports.append(report_from_status(attrs, worker=f"{short(node.name)} worker {index}"))
         return combine(reports) if reports else Report("waiting")
+
+    def _deleted(self, qr) -> Report | None:
+        """A "deleted" report when the queued resource is gone or DELETING: only a delete (somebody's
+        `down`, the console) does that; the service suspends a preempted one instead."""
+        from provision.slices import state_name
+
+        if qr is None:
+            return Report("deleted", detail=f"queued resource {short(self.queued_resource)} is gone")
+        if state_name(qr) == "DELETING":
+            return Report("deleted", detail=f"queued resource {short(self.queued_resource)} is DELETING "
+                                            f"(by {qr.state.state_initiator.name})")
+        return None
 
     def teardown(self) -> list[Resource]:
         from provision.slices import slice_down

@@ -62,7 +62,7 @@ class JobTarget:
 
         job = self.session.vertex(self.cfg.region).get_custom_job(self.job)
         if job is None:
-            return Report("failed", detail="the custom job is gone")
+            return Report("deleted", detail=f"custom job {short(self.job)} is gone")
         state = job.state.name
         if state in ("JOB_STATE_QUEUED", "JOB_STATE_PENDING"):
             return Report("waiting")
@@ -73,6 +73,8 @@ class JobTarget:
         if state in ("JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED"):
             error = error_of(job) or state
             preempted = any(marker in error.lower() for marker in PREEMPTION_MARKERS)
+            if state == "JOB_STATE_CANCELLED" and not preempted:
+                return Report("deleted", detail=f"custom job {short(self.job)} was cancelled")
             return Report(**{**trainer.__dict__, "phase": "preempted" if preempted else "failed",
                              "detail": error + (f"; trainer: {trainer.detail}" if trainer.detail else "")})
         if trainer.phase in ENDED or trainer.phase == "preempted":

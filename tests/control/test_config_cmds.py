@@ -143,7 +143,7 @@ slice:
 image:
   repository: us-west4-docker.pkg.dev/my-project/moe/trainer
 trainer:
-  output_dir: gs://b/x
+  output_dir: gs://bucket/x
 """
 
 

@@ -49,3 +49,26 @@ def test_json_mode_keeps_stdout_for_the_document():
     console.emit({"result": "ok"})
     assert json.loads(out.getvalue()) == {"result": "ok"}
     assert err.getvalue().splitlines() == ["a result line", "warning: careful", "waiting", "done"]
+
+
+def test_a_long_piped_wait_prints_its_state_changes_not_every_poll():
+    err = io.StringIO()
+    console = Console(err=err, out=io.StringIO())
+    with console.progress("waiting for qr") as bar:
+        for seconds in range(0, 190 * 30, 30):  # 190 polls of one state, its waited time growing
+            bar.update(f"  qr in us-west4-a: WAITING_FOR_RESOURCES (waited {seconds // 60}m{seconds % 60:02d}s)")
+        bar.update("  qr in us-west4-a: PROVISIONING (waited 95m00s)")
+        bar.update("  qr in us-west4-a: ACTIVE (waited 96m30s)")
+    assert err.getvalue().splitlines() == ["waiting for qr", "  qr in us-west4-a: WAITING_FOR_RESOURCES (waited 0m00s)",
+                                           "  qr in us-west4-a: PROVISIONING (waited 95m00s)",
+                                           "  qr in us-west4-a: ACTIVE (waited 96m30s)"]
+
+
+def test_a_piped_wait_ends_on_its_last_figures_and_control_characters_are_escaped():
+    err = io.StringIO()
+    console = Console(err=err, out=io.StringIO())
+    with console.progress("step 1/40") as bar:
+        bar.update("step 2/40")
+        bar.update("step 40/40")
+    console.error("bad value 'a\x1b[2Jb\x07'")
+    assert err.getvalue().splitlines() == ["step 1/40", "step 40/40", "error: bad value 'a\\x1b[2Jb\\x07'"]

@@ -265,7 +265,7 @@ def test_ctrl_c_prints_the_hint_and_a_json_document(tmp_path, example, args, mar
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, seen + err
-    assert "moe-tpu down" in err and "Traceback" not in err
+    assert "`moe-tpu --dry-run down`" in err and "Traceback" not in err  # a dry run's hint acts on the emulator
     doc = json.loads(out)
     assert doc["result"] == "interrupted" and doc["command"] == " ".join(args[:2])
     assert isinstance(doc["resources"], list)
@@ -313,3 +313,176 @@ def test_emulator_reset_clears_the_world(workdir):
     assert code == 0 and "emulated world cleared" in out, err
     code, out, err = invoke("--dry-run", "--output", "json", "slice", "status")
     assert code == 0 and json.loads(out)["resources"] == []
+
+
+# --- 10. a run's lifecycle: teardown cut short, a lock held by a stuck command ----------------
+
+def test_slice_up_after_a_teardown_cut_short_waits_it_out_and_creates_anew(tmp_path):
+    from provision.slices import queued_resource_name, slice_down, state_name
+
+    cfg = load_config(_config(tmp_path))
+    app = App(dry_run=True, output="json", workdir=tmp_path)
+    try:
+        session = app.session()
+        slice_up(cfg, session, app.console)
+        name = queued_resource_name(cfg, cfg.project, cfg.zones[0])
+        session.tpu.delete_queued_resource(name, force=True)  # a kill during `down`: never waited for
+        assert state_name(session.tpu.get_queued_resource(name)) == "DELETING"
+        resources = slice_up(cfg, session, app.console)
+        assert resources[0].state == "ACTIVE" and resources[0].name == name
+        slice_down(cfg, session, app.console)
+        session.tpu.delete_queued_resource(name, force=True) if session.tpu.get_queued_resource(name) else None
+    finally:
+        app.close()
+
+
+def test_down_after_a_teardown_cut_short_ends_clean(workdir):
+    _config(workdir)
+    assert invoke("--dry-run", "slice", "up")[0] == 0
+    cfg = load_config(workdir / "moe-tpu.yaml")
+    app = App(dry_run=True, output="json", workdir=workdir)
+    try:
+        from provision.slices import queued_resource_name
+
+        app.session().tpu.delete_queued_resource(queued_resource_name(cfg, cfg.project, cfg.zones[0]), force=True)
+    finally:
+        app.close()
+    code, out, err = invoke("--dry-run", "down")
+    assert code == 0, err
+    code, out, err = invoke("--dry-run", "--output", "json", "slice", "status")
+    assert code == 0 and json.loads(out)["resources"] == []
+
+
+def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, monkeypatch):
+    import fcntl
+
+    from provision.emulator import store
+
+    _config(workdir)
+    (workdir / ".moe-tpu").mkdir()
+    lock = workdir / ".moe-tpu" / "emulator.json.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    os.pwrite(fd, b"0" * store.TOKEN_BYTES + b"4242\n", 0)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a suspended `moe-tpu` holds mid-transaction
+    monkeypatch.setattr(store, "LOCK_WAIT_S", 2.0)
+    try:
+        code, out, err = invoke("--dry-run", "slice", "status")
+    finally:
+        os.close(fd)
+    _no_traceback(code, err, expected_code=1)
+    assert "waiting for another moe-tpu command (pid 4242) that holds" in err and "emulator.json.lock" in err
+    assert "gave up after 2s" in err
+    assert invoke("--dry-run", "slice", "status")[0] == 0  # once it lets go, all is well
+
+
+# --- 11. caught at validate, not after provisioning --------------------------------------------
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"trainer__mesh": "data=4,expert=4"}, "trainer.mesh: the trainer refuses it: mesh data=4,expert=4 covers "
+                                           "16 chips, but the target (v5litepod-64) has 64"),
+    ({"slice__count": 2}, "covers 64 chips, but the target (v5litepod-64 x 2) has 128"),
+    ({"trainer__mesh": "data=8,model=8"}, "trainer.mesh: the trainer refuses it: mesh expects data=D,expert=E"),
+    ({"trainer__mesh": "data=4,expert=16", "trainer__overrides": {"moe.num_experts": 24}},
+     "moe.num_experts (24) is not divisible by the mesh's expert axis (16)"),
+    ({"dry_run": {"devices": 4, "mesh": "data=2,expert=4"}}, "dry_run.mesh: the trainer refuses it: mesh "
+                                                            "data=2,expert=4 covers 8 chips, but dry_run.devices is 4"),
+    ({"dry_run": {"trainer_config": "nosuch"}}, "dry_run.trainer_config: the trainer rejects it: unknown config"),
+    ({"slice__network": "My Net"}, "slice.network: network 'My Net' is not a network name"),
+    ({"slice__subnetwork": "sub net"}, "slice.subnetwork: subnetwork 'sub net' is not a subnetwork name"),
+    ({"slice__service_account": "nobody"}, "slice.service_account: service account 'nobody' must be an email"),
+    ({"trainer__output_dir": "gs://"}, "trainer.output_dir: output_dir 'gs://' is not a Cloud Storage location"),
+    ({"trainer__output_dir": "gs://My-Bucket/x"}, "output_dir 'gs://My-Bucket/x' is not a Cloud Storage location"),
+    ({"trainer__output_dir": "gs://my bucket/a"}, "output_dir 'gs://my bucket/a' is not a Cloud Storage"),
+    ({"trainer__overrides": {"data.path": "a\x00b"}}, "trainer.overrides.data.path: 'a\\x00b' holds a control"),
+    ({"image__staging": "gs://my-bucket/\x1b[2J"}, "image.staging: 'gs://my-bucket/\\x1b[2J' holds a control"),
+])
+def test_mistakes_a_run_would_hit_after_provisioning_fail_validate_and_run(workdir, changes, needle):
+    _config(workdir, **changes)
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert needle in err and "\x1b" not in err and "\x00" not in err
+    code, out, err = invoke("--dry-run", "--output", "json", "run")
+    _no_traceback(code, err)
+    assert not any(c["rpc"].endswith("Create" + "QueuedResource") for c in json.loads(out)["calls"])
+
+
+@pytest.mark.parametrize("output_dir", ["/", "/etc/moe", "/usr", "//", "/proc/self"])
+def test_a_system_directory_is_no_output_dir(workdir, output_dir):
+    _config(workdir, "local.yaml", trainer__output_dir=output_dir)
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert "is a system directory" in err
+    _config(workdir, "local.yaml", trainer__output_dir="/mnt/moe")
+    assert invoke("validate")[0] == 0
+
+
+# --- 12. state files and what the user owns -------------------------------------------------------
+
+def test_emulator_reset_deletes_only_an_emulated_world(workdir):
+    config = _config(workdir)
+    before = config.read_text()
+    code, out, err = invoke("emulator", "reset", "--state", str(config))
+    _no_traceback(code, err)
+    assert "is not an emulated world" in err and config.read_text() == before
+
+
+def test_emulator_reset_clears_the_dry_runs_too_and_says_so(workdir):
+    _config(workdir)
+    runs = workdir / ".moe-tpu" / "runs" / "moe-demo" / "output"
+    runs.mkdir(parents=True)
+    (runs / "status.json").write_text('{"state": "finished", "step": 40, "total_steps": 40}')
+    code, out, err = invoke("emulator", "reset")
+    assert code == 0, err
+    assert "dry-run runs cleared: moe-demo" in out and not (workdir / ".moe-tpu" / "runs" / "moe-demo").exists()
+
+
+@pytest.mark.parametrize("name", ["last-config", "emulator.json", "emulator.json.lock"])
+def test_no_state_file_is_written_through_a_symlink(workdir, name):
+    _config(workdir)
+    victim = workdir / "precious.txt"
+    victim.write_text("mine\n")
+    (workdir / ".moe-tpu").mkdir()
+    (workdir / ".moe-tpu" / name).symlink_to(victim)
+    code, out, err = invoke("--dry-run", "slice", "status")
+    assert victim.read_text() == "mine\n"
+    assert "Traceback" not in err and "internal error" not in err
+    assert f".moe-tpu/{name} is a symbolic link" in err
+    if name != "last-config":  # the world or its lock: the command cannot go on (exit 2)
+        assert code == 2, err
+
+
+def test_render_out_never_writes_through_a_symlink(workdir):
+    _config(workdir)
+    victim = workdir / "precious.txt"
+    victim.write_text("mine\n")
+    out_dir = workdir / "rendered"
+    out_dir.mkdir()
+    (out_dir / "startup.sh").symlink_to(victim)
+    code, out, err = invoke("render", "--out", str(out_dir))
+    _no_traceback(code, err)
+    assert "startup.sh is a symbolic link" in err and victim.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_a_config_or_state_path_that_is_no_file_is_exit_2_naming_it(workdir, kind):
+    path = workdir / "odd"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path = Path("/dev/zero")
+    code, out, err = invoke("validate", "-c", str(path))
+    _no_traceback(code, err)
+    assert str(path) in err and ("FIFO" in err or "device" in err or "directory" in err)
+    code, out, err = invoke("emulator", "reset", "--state", str(path))
+    _no_traceback(code, err)
+    assert str(path) in err
+
+
+def test_hints_of_a_dry_run_suggest_dry_run_commands(workdir):
+    _config(workdir)
+    assert invoke("--dry-run", "slice", "up")[0] == 0
+    _config(workdir, slice__capacity="on-demand")
+    code, out, err = invoke("--dry-run", "slice", "up")
+    assert code == 1 and "`moe-tpu --dry-run down -c" in err and "`moe-tpu --dry-run slice up" in err, err

@@ -151,3 +151,145 @@ def test_a_model_that_does_not_fit_is_refused_before_anything_is_created(tmp_pat
     assert out.returncode == 2 and "does not fit" in out.stderr and "--force" in out.stderr
     assert "DOES NOT FIT" in out.stderr and "Traceback" not in out.stderr
     assert not any(c["rpc"].endswith(CREATES) for c in json.loads(out.stdout)["calls"])
+
+
+# --- a run's lifecycle: signals, kills, a second copy, the user's own `down` -----------------
+
+STATUS = Path(".moe-tpu") / "runs" / "moe-demo" / "output" / "status.json"
+RECORD = Path(".moe-tpu") / "runs" / "moe-demo" / "trainer.json"
+
+
+def start_run(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """`moe-tpu --dry-run --output json run ARGS` in the background; its JSON document goes to a file
+    (a pipe nobody reads would fill up and stall it), its stderr to a pipe."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_TPU_")}
+    out = (tmp_path / f"run-{time.monotonic_ns()}.json").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "provision", "--dry-run", "--output", "json", "run", *args],
+                            cwd=tmp_path, stdout=out, stderr=subprocess.PIPE, text=True, env=dict(env, NO_COLOR="1"))
+    out.close()
+    proc.document = Path(out.name)
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[dict, str]:
+    """Wait for a background run: (its JSON document, its stderr)."""
+    _, err = proc.communicate(timeout=timeout)
+    try:
+        return json.loads(proc.document.read_text()), err
+    except ValueError:
+        pytest.fail(f"no JSON document (exit {proc.returncode}): {err[-3000:]}")
+
+
+def wait_training(tmp_path: Path, proc: subprocess.Popen, timeout: float = 300) -> int:
+    """Wait until the run's trainer reports running; returns the trainer's pid (from its record)."""
+    status = tmp_path / STATUS
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if status.exists() and '"running"' in status.read_text() and (tmp_path / RECORD).exists():
+            return json.loads((tmp_path / RECORD).read_text())["pid"]
+        time.sleep(0.1)
+    err = proc.communicate(timeout=60)[1] if proc.poll() is not None else ""
+    pytest.fail(f"the trainer never started (exit {proc.returncode}): {err[-3000:]}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+def gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(pid)
+
+
+@pytest.mark.parametrize("signum, keep", [(signal.SIGTERM, False), (signal.SIGHUP, True)])
+def test_sigterm_and_sighup_tear_down_unless_keep_and_a_second_copy_is_refused(tmp_path, signum, keep):
+    write_config(tmp_path, "tpu-vm", dry_run__steps=400)
+    proc = start_run(tmp_path, *(["--keep"] if keep else []))
+    trainer = wait_training(tmp_path, proc)
+    second = moe(["--dry-run", "--output", "json", "run"], tmp_path)  # the same run, from the same directory
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"moe-tpu pid {proc.pid}" in second.stderr and "already running" in second.stderr
+    assert not any(c["rpc"].endswith(CREATES) for c in json.loads(second.stdout)["calls"])
+    assert proc.poll() is None and alive(trainer)  # nothing of the first was touched
+    proc.send_signal(signum)
+    doc, err = finish(proc)
+    assert proc.returncode == 143, err[-3000:]
+    assert doc["result"] == "terminated" and "terminated" in events(doc)
+    assert signal.Signals(signum).name in doc["error"] and "Traceback" not in err
+    assert gone(trainer)  # the local trainer does not outlive its run
+    if keep:
+        assert "deleted after signal" not in events(doc) and not nothing_left(tmp_path)
+        assert moe(["--dry-run", "down"], tmp_path).returncode == 0
+    else:
+        assert events(doc)[-1] == "deleted after signal"
+    assert nothing_left(tmp_path)
+
+
+def test_a_killed_run_is_followed_by_its_rerun_and_down_stops_its_trainer(tmp_path):
+    write_config(tmp_path, "tpu-vm", dry_run__steps=400)
+    first = start_run(tmp_path)
+    trainer = wait_training(tmp_path, first)
+    first.kill()
+    first.wait(timeout=30)
+    assert alive(trainer)  # SIGKILL leaves what it made, and the trainer runs on
+    rerun = start_run(tmp_path)
+    seen = ""
+    deadline = time.monotonic() + 120
+    while "following the trainer already running" not in seen and time.monotonic() < deadline:
+        line = rerun.stderr.readline()
+        if not line:
+            break
+        seen += line
+    assert f"following the trainer already running on this machine (pid {trainer})" in seen, seen[-3000:]
+    assert "trainer started on this machine" not in seen  # no second trainer on the same checkpoints
+    assert json.loads((tmp_path / RECORD).read_text())["pid"] == trainer
+    rerun.kill()
+    rerun.wait(timeout=30)
+    down = moe(["--dry-run", "down"], tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert f"stopped the dry run's local trainer (pid {trainer})" in down.stderr
+    assert gone(trainer) and nothing_left(tmp_path)
+
+
+def test_the_users_own_down_during_a_run_is_not_a_preemption(tmp_path):
+    write_config(tmp_path, "tpu-vm", dry_run__steps=400)
+    proc = start_run(tmp_path)
+    trainer = wait_training(tmp_path, proc)
+    down = moe(["--dry-run", "down"], tmp_path)
+    assert down.returncode == 0, down.stderr
+    doc, err = finish(proc)
+    assert proc.returncode == 1, err[-3000:]
+    assert "deleted elsewhere" in events(doc) and "preempted" not in events(doc)
+    assert "not a preemption" in doc["error"] and "recovered" not in events(doc)
+    assert sum(c["rpc"].endswith(CREATES) for c in doc["calls"]) == 1  # nothing new provisioned
+    assert gone(trainer) and nothing_left(tmp_path)
+
+
+def test_a_finished_run_trains_nothing_again_unless_restart(tmp_path):
+    write_config(tmp_path, "tpu-vm")
+    rc, doc, err = run_json(tmp_path)
+    assert rc == 0, err[-3000:]
+    again = moe(["--dry-run", "--output", "json", "run"], tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"run moe-demo already finished at step {SMALL['steps']} on " in again.stderr
+    assert "--dry-run run --restart" in again.stderr
+    doc = json.loads(again.stdout)
+    assert doc["already_finished"] is True and not any(c["rpc"].endswith(CREATES) for c in doc["calls"])
+    # More steps: not finished any more; a run that fails before training shows no figures of the last one.
+    write_config(tmp_path, "tpu-vm", dry_run__steps=2 * SMALL["steps"])
+    rc, doc, err = run_json(tmp_path, "quota")
+    assert rc == 1 and doc["training"]["first_loss"] is None and doc["training"]["final_loss"] is None
+    assert "training:" not in err
+    write_config(tmp_path, "tpu-vm")
+    out = moe(["--dry-run", "--scenario", "quota", "run", "--restart"], tmp_path)
+    assert "moved the finished run's output to" in out.stderr and out.returncode == 1
+    runs = sorted(p.name for p in (tmp_path / ".moe-tpu" / "runs" / "moe-demo").iterdir())
+    assert runs[0] == "output-" + runs[0].split("-", 1)[1] and not (tmp_path / STATUS).exists()
+    assert nothing_left(tmp_path)

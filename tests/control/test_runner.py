@@ -215,3 +215,38 @@ def test_restarts_in_place_past_max_restarts_fail_the_run(cfg, tmp_path):
     result = runner.run()
     assert not result.ok and "recovery.max_restarts is 1" in result.error
     assert target.calls[-1] == "teardown" and not target.left()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_sigterm_tears_down_unless_keep_and_ends_terminated(cfg, tmp_path, keep):
+    import signal
+
+    from provision.runs import Signalled, Terminated
+
+    target = ScriptedTarget([running(1, 6.0), Signalled(signal.SIGTERM)], clock=SimClock())
+    runner, _ = runner_for(cfg, target, tmp_path, keep=keep, confirm_teardown=lambda: False)
+    with pytest.raises(Terminated) as exc:
+        runner.run()
+    assert exc.value.exit_code == 143 and "SIGTERM" in exc.value.message
+    assert bool(target.left()) is keep  # never asks: a signal has nobody to answer
+    assert names(runner)[-1 if keep else -2] == "terminated"
+
+
+def test_a_deletion_somebody_asked_for_is_not_recovered_from(cfg, tmp_path):
+    target = ScriptedTarget([running(2, 5.0), Report("deleted", detail="queued resource x is gone")],
+                            [running(3, 4.0)], clock=SimClock())
+    runner, _ = runner_for(cfg, target, tmp_path)
+    result = runner.run()
+    assert not result.ok and "not a preemption" in result.error and "queued resource x is gone" in result.error
+    assert [c for c in target.calls if c != "report"] == ["provision 0", "teardown"]
+    assert "deleted elsewhere" in names(runner) and "recovered" not in names(runner)
+
+
+def test_a_run_that_fails_before_training_reports_no_figures_of_an_earlier_one(cfg, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").write_text(json.dumps({"step": 40, "loss": 1.1}) + "\n", encoding="utf-8")
+    target = ScriptedTarget(CloudError("quota exceeded"), clock=SimClock())
+    runner, _ = runner_for(cfg, target, tmp_path)
+    result = runner.run()
+    figures = result.training.as_dict()
+    assert not result.ok and (figures["steps"], figures["first_loss"], figures["final_loss"]) == (0, None, None)

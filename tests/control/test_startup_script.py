@@ -75,7 +75,7 @@ def docker_run_args(script: str, **env: str) -> list[str]:
 
 
 def test_the_container_gets_the_trainer_arguments_intact():
-    cfg = cfg_with(config=NASTY, output_dir=f"gs://b/{NASTY}", overrides={"model.note": NASTY})
+    cfg = cfg_with(config=NASTY, output_dir=f"gs://bucket/{NASTY}", overrides={"model.note": NASTY})
     script = rendering.startup_script(cfg)
     args = docker_run_args(script)
     after_image = args[args.index("img:v1") + 1:]
@@ -83,7 +83,7 @@ def test_the_container_gets_the_trainer_arguments_intact():
     assert list(rendering.TRAINER_COMMAND) + after_image == rendering.trainer_argv(
         cfg, status_file="/var/lib/moe-tpu/status.json")
     pairs = list(zip(after_image, after_image[1:], strict=False))
-    for pair in [("--config", NASTY), ("--output-dir", f"gs://b/{NASTY}"), ("--resume", "auto"),
+    for pair in [("--config", NASTY), ("--output-dir", f"gs://bucket/{NASTY}"), ("--resume", "auto"),
                  ("--status-file", "/var/lib/moe-tpu/status.json"), ("--set", f"model.note={NASTY}")]:
         assert pair in pairs
     assert not Path("/tmp/moe-pwned").exists()

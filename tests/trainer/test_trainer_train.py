@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from trainer import distributed, sharding
 from trainer.checkpoint import Checkpointer, CheckpointError
 from trainer.cli import train_command
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config
 from trainer.data import DataIterator, make_source
 from trainer.metrics import Reporter
 from trainer.status import RunStatus
@@ -181,10 +181,10 @@ def test_a_damaged_latest_checkpoint_is_reported_and_the_one_before_it_resumes(t
     assert [n for n in names if n.isdigit()] == ["2", "4", "6"]
     assert [n.split("-")[0] for n in names if not n.isdigit()] == ["4.unreadable"]
 
-    # A config that fits no checkpoint is not damage: nothing moves, and the error lists each step.
+    # Another model's checkpoints are not damage: nothing moves, and the error names what differs.
     reporter = Reporter(str(tmp_path / "c.jsonl"), stderr=io.StringIO())
-    with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be restored \(were they written with "
-                                              r"another config\?\): step 6 \(.*/6\): it holds .* of shape "):
+    with pytest.raises(ConfigError, match=r"written by a different run: model.d_model is 64 in the checkpoint, "
+                                          r"32 now"):
         run_tiny(reporter, 8, ["train.checkpoint_every=2", "model.d_model=32"], output_dir=str(out))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == names
 
@@ -269,3 +269,69 @@ def test_rerunning_a_finished_run_says_so_without_compiling(tmp_path):
     status = json.loads((tmp_path / "status.json").read_text())
     assert {k: status[k] for k in ("state", "step", "total_steps", "start_step", "exit_code", "error")} == \
         {"state": "finished", "step": 2, "total_steps": 2, "start_step": 2, "exit_code": 0, "error": None}
+
+
+def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    """A learning rate that blows the model up: exit 1 naming the step, no checkpoint of a non-finite
+    state saved (the good ones stay, none rotated out), and the status file says failed."""
+    args = ["--config", "tiny", "--devices", "1", "--steps", "40", "--set", "optim.lr=1e4",
+            "--set", "train.checkpoint_every=2", "--set", "train.keep_checkpoints=2", "--output-dir", str(tmp_path),
+            "--metrics", str(tmp_path / "m.jsonl")]
+    result = CliRunner().invoke(train_command, args)
+    assert result.exit_code == 1, result.output
+    assert "training diverged at step " in result.output and "Traceback" not in result.output
+    step = int(result.output.split("training diverged at step ")[1].split(":")[0])
+    assert step < 40
+    kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept and max(kept) < step and f"last good checkpoint, step {max(kept)}" in result.output
+    params = restore_params(tmp_path, max(kept))
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(params))
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 1 and f"step {step}" in status["error"]
+
+
+def test_resuming_another_models_checkpoint_is_refused_naming_the_difference(tmp_path):
+    args = ["--config", "tiny", "--devices", "1", "--set", "train.checkpoint_every=1", "--output-dir", str(tmp_path)]
+    first = CliRunner().invoke(train_command, [*args, "--steps", "2", "--metrics", str(tmp_path / "a.jsonl")])
+    assert first.exit_code == 0, first.output
+    other = CliRunner().invoke(train_command, [*args, "--steps", "4", "--set", "model.d_model=32",
+                                               "--metrics", str(tmp_path / "b.jsonl")])
+    assert other.exit_code == 2, other.output
+    assert "model.d_model is 64 in the checkpoint, 32 now" in other.output
+    longer = CliRunner().invoke(train_command, [*args, "--steps", "4", "--metrics", str(tmp_path / "c.jsonl")])
+    assert longer.exit_code == 0, longer.output
+    assert "the learning-rate schedule changes: its cosine decay ends at step 4, not at step 2" in longer.output
+    assert "optim.decay_steps=2" in longer.output
+
+
+@pytest.mark.parametrize("args, code, needle", [
+    (["--seed", str(2**70)], 2, "is not in the range 0<=x<=2147483647"),
+    (["--set", f"train.seed={2**70}"], 2, "train.seed must be between 0 and 2147483647"),
+    (["--metrics", "/dev/full"], 1, "cannot write the metrics to /dev/full: No space left on device"),
+    (["--metrics", "/"], 2, "/ is a directory, not a file"),
+    (["--config", "/dev/zero"], 2, "/dev/zero is a device, not a file"),
+])
+def test_bad_arguments_are_messages_never_tracebacks(tmp_path, args, code, needle):
+    result = CliRunner().invoke(train_command, ["--devices", "1", "--steps", "1", *args])
+    assert result.exit_code == code, result.output
+    assert needle in result.output and "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_second_trainer_on_the_same_output_directory_is_refused_naming_the_first(tmp_path):
+    import fcntl
+
+    from trainer import cli
+
+    lock = tmp_path / ".lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    os.pwrite(fd, b"4242\n", 0)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the first trainer, still running
+    try:
+        result = CliRunner().invoke(train_command, ["--config", "tiny", "--devices", "1", "--steps", "1",
+                                                    "--output-dir", str(tmp_path)])
+    finally:
+        os.close(fd)
+    assert result.exit_code == 2, result.output
+    assert f"another trainer (pid 4242) is training in {tmp_path}" in result.output
+    assert not (tmp_path / "checkpoints").exists() and not cli._held
