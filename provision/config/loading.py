@@ -11,8 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from provision import catalogue
-from provision.config.sections import (_SECTIONS, _ZONE, DEFAULT_CONFIG, MAX_GKE_NAME, Config, _brief,
-                                       _did_you_mean)
+from provision.config.sections import _SECTIONS, _ZONE, DEFAULT_CONFIG, MAX_GKE_NAME, Config, _brief, _did_you_mean
 from provision.errors import ConfigError, Problem
 from trainer import safeyaml
 
