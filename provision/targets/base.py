@@ -66,6 +66,18 @@ class Target(Protocol):
         """What of the run exists on it now (what an interrupt or a failed teardown left)."""
 
 
+class Holding:
+    """What every target holds: the config, the session, the console, the renderer, and where its
+    trainer writes (a dry run's local directory; by default trainer.output_dir)."""
+
+    def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.console = console
+        self.renderer = renderer
+        self.output_dir = output_dir or cfg.trainer.output_dir
+
+
 def _number(value, kind=float):
     try:
         return kind(value) if value not in (None, "", "null", "None") else None

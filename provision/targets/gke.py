@@ -11,20 +11,16 @@ from __future__ import annotations
 from provision import catalogue, gke_render
 from provision.cloud import storage
 from provision.resources import Resource
-from provision.targets.base import ENDED, Report, report_from_status
+from provision.targets.base import ENDED, Holding, Report, report_from_status
 
 
-class GkeTarget:
+class GkeTarget(Holding):
     """TPU v5e node pools on a GKE cluster, the trainer as a JobSet (multi-controller JAX or Pathways)."""
 
     kind = "gke"
 
     def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
-        self.cfg = cfg
-        self.session = session
-        self.console = console
-        self.renderer = renderer
-        self.output_dir = output_dir or cfg.trainer.output_dir
+        super().__init__(cfg, session, console, renderer=renderer, output_dir=output_dir)
         self.zone: str | None = None
         self.restarts_seen = 0
         acc = cfg.accelerator_type()

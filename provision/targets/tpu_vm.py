@@ -8,22 +8,18 @@ from __future__ import annotations
 
 from provision import catalogue, guest_attributes
 from provision.resources import Resource, project_of, short
-from provision.targets.base import Report, combine, report_from_status
+from provision.targets.base import Holding, Report, combine, report_from_status
 
 GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
 
 
-class SliceTarget:
+class SliceTarget(Holding):
     """A TPU v5e slice on a queued resource; the startup script runs the trainer on every worker."""
 
     kind = "tpu-vm"
 
     def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
-        self.cfg = cfg
-        self.session = session
-        self.console = console
-        self.renderer = renderer
-        self.output_dir = output_dir or cfg.trainer.output_dir
+        super().__init__(cfg, session, console, renderer=renderer, output_dir=output_dir)
         self.zone: str | None = None
         self.queued_resource: str | None = None
         self.chips = cfg.accelerator_type().chips * cfg.slice.count

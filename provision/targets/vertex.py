@@ -9,22 +9,18 @@ from __future__ import annotations
 from provision import catalogue
 from provision.cloud import storage
 from provision.resources import Resource, project_of, short
-from provision.targets.base import ENDED, Report, report_from_status
+from provision.targets.base import ENDED, Holding, Report, report_from_status
 
 PREEMPTION_MARKERS = ("preempt", "spot vm", "was reclaimed")
 
 
-class JobTarget:
+class JobTarget(Holding):
     """A Vertex AI custom job; the trainer reports through the status file in its output directory."""
 
     kind = "vertex"
 
     def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
-        self.cfg = cfg
-        self.session = session
-        self.console = console
-        self.renderer = renderer
-        self.output_dir = output_dir or cfg.trainer.output_dir
+        super().__init__(cfg, session, console, renderer=renderer, output_dir=output_dir)
         self.job: str | None = None
         acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
         self.chips = acc.chips if acc else 0

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from click.testing import CliRunner
 
 from provision.cli import main
@@ -33,3 +34,24 @@ def run_process(args: list[str], cwd: Path, env: dict | None = None,
     full_env = {k: v for k, v in {**os.environ, **CLEAN_ENV, **(env or {})}.items() if v is not None}
     return subprocess.run([sys.executable, "-m", "provision", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
+
+
+def changed(doc: dict, **changes) -> dict:
+    """`doc` with dotted__keys changed in place (value None deletes the key); returns it."""
+    for dotted, value in changes.items():
+        *parents, last = dotted.split("__")
+        node = doc
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return doc
+
+
+def config_from(example: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of a config file with dotted__keys changed, written to tmp_path/moe-tpu.yaml."""
+    path = tmp_path / "moe-tpu.yaml"
+    path.write_text(yaml.safe_dump(changed(yaml.safe_load(example.read_text()), **changes)))
+    return path

@@ -9,6 +9,7 @@ from pathlib import Path
 import pydantic
 import pytest
 import yaml
+from cli_helpers import changed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,17 +40,7 @@ V5E_TYPES = ("v5litepod-1, v5litepod-4, v5litepod-8, v5litepod-16, v5litepod-32,
 
 def with_(**changes) -> dict:
     """VALID with dotted keys changed (value None deletes the key)."""
-    raw = copy.deepcopy(VALID)
-    for dotted, value in changes.items():
-        *parents, last = dotted.split("__")
-        node = raw
-        for p in parents:
-            node = node.setdefault(p, {})
-        if value is None:
-            node.pop(last, None)
-        else:
-            node[last] = value
-    return raw
+    return changed(copy.deepcopy(VALID), **changes)
 
 
 def problems_of(raw, tmp_path: Path) -> list[tuple[str, str]]:

@@ -11,8 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-import yaml
-from cli_helpers import invoke
+from cli_helpers import config_from, invoke
 
 from provision import gke_render
 from provision.config import load_config
@@ -27,19 +26,7 @@ GOLDENS = Path(__file__).resolve().parent / "goldens" / "gke"
 
 def write(tmp_path: Path, example: Path = PATHWAYS, **changes) -> Path:
     """The example with dotted keys changed (value None deletes the key)."""
-    doc = yaml.safe_load(example.read_text())
-    for dotted, value in changes.items():
-        *parents, last = dotted.split("__")
-        node = doc
-        for part in parents:
-            node = node.setdefault(part, {})
-        if value is None:
-            node.pop(last, None)
-        else:
-            node[last] = value
-    path = tmp_path / "moe-tpu.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+    return config_from(example, tmp_path, **changes)
 
 
 @pytest.mark.parametrize("changes, key, words", [

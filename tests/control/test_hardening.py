@@ -11,8 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
-from cli_helpers import invoke
+from cli_helpers import config_from, invoke
 
 from provision.app import App
 from provision.config import load_config
@@ -25,19 +24,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def _config(tmp_path: Path, example: str = "v5e-64.yaml", **changes) -> Path:
     """A copy of an example with dotted__keys changed (None deletes a key), written to tmp_path."""
-    doc = yaml.safe_load((EXAMPLES / example).read_text())
-    for dotted, value in changes.items():
-        node = doc
-        *parents, last = dotted.split("__")
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(last, None)
-        else:
-            node[last] = value
-    path = tmp_path / "moe-tpu.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+    return config_from(EXAMPLES / example, tmp_path, **changes)
 
 
 def _no_traceback(code: int, err: str, expected_code: int = 2) -> None:

@@ -108,8 +108,13 @@ def test_a_finished_run_reads_the_metrics_tears_down_and_bills_only_while_up(cfg
     assert result.ok and result.error is None
     assert names(runner) == ["provisioning", "provisioned", "training started", "finished", "deleted"]
     assert target.calls[0] == "provision 0" and target.calls[-1] == "teardown"
-    assert result.training.as_dict() == {"steps": 10, "first_loss": 5.6, "final_loss": 2.0, "restarts": 0,
-                                         "resumed_from_step": None}
+    figures = result.training.as_dict()
+    assert {k: figures[k] for k in ("steps", "first_loss", "final_loss", "restarts", "resumed_from_step")} == {
+        "steps": 10, "first_loss": 5.6, "final_loss": 2.0, "restarts": 0, "resumed_from_step": None}
+    assert figures["eval_loss"] is None  # no row was evaluated
+    # the rows carry no step times: every second of the attempt is start-up, the rest provisioning
+    goodput = figures["goodput"]
+    assert goodput["seconds"]["productive"] == 0 and sum(goodput["shares_pct"].values()) == pytest.approx(100, abs=0.1)
     # billed from "provisioned" to "deleted" at $3.60/h: the follow loop's sleeps, nothing before
     billed_s = runner.timeline.events[-1]["elapsed_s"] - runner.timeline.events[1]["elapsed_s"]
     assert runner.timeline.events[-1]["cost_usd"] == pytest.approx(round(billed_s * 3.6 / 3600, 2))
