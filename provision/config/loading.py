@@ -146,6 +146,12 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
     if allowed and isinstance(topology, str) and topology not in allowed:
         found.append(("vertex.topology", f"topology {topology!r} does not fit machine type {machine!r}; "
                                          f"it takes {', '.join(allowed)}"))
+    tensorboard = get("vertex.tensorboard")
+    if isinstance(tensorboard, str) and get("vertex.service_account") is None:
+        found.append(("vertex.tensorboard", "a Vertex AI TensorBoard needs vertex.service_account (the job "
+                                            "writes to TensorBoard as that account)"))
+    if isinstance(tensorboard, str) and isinstance(region, str) and f"/locations/{region}/" not in tensorboard:
+        found.append(("vertex.tensorboard", f"TensorBoard {tensorboard!r} is not in the job's region {region!r}"))
     scheduling = get("vertex.scheduling")
     if (get("target") == "vertex" and scheduling == "SPOT" and isinstance(topology, str)
             and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host):

@@ -34,6 +34,8 @@ _IMAGE_REPOSITORY = re.compile(
 _IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _SERVICE_ACCOUNT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[a-z0-9.-]+\.iam\.gserviceaccount\.com$"
                               r"|^[0-9]+-compute@developer\.gserviceaccount\.com$")
+# A Vertex AI TensorBoard instance: projects/PROJECT/locations/REGION/tensorboards/ID (IDs are numbers).
+_VERTEX_TENSORBOARD = re.compile(r"^projects/[a-z0-9-]+/locations/[a-z]+-[a-z]+[0-9]+/tensorboards/[0-9]+$")
 _VERTEX_NETWORK = re.compile(r"^projects/[0-9]+/global/networks/[a-z]([-a-z0-9]*[a-z0-9])?$")
 # Compute Engine network and subnetwork names (RFC 1035, at most 63), or their resource names.
 _NETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/global/networks/)?[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -205,6 +207,9 @@ class VertexConfig(_Section):
     restart_job_on_worker_restart: bool = True
     service_account: str | None = None
     network: str | None = None  # projects/NUMBER/global/networks/NAME (VPC peering)
+    # The Vertex AI TensorBoard the job's events go to (CustomJobSpec.tensorboard); the trainer then
+    # writes them where Vertex AI says (AIP_TENSORBOARD_LOG_DIR). Needs service_account.
+    tensorboard: str | None = None
 
     @field_validator("timeout", "max_wait", mode="before")
     @classmethod
@@ -216,6 +221,14 @@ class VertexConfig(_Section):
     def _service_account_shape(cls, value: str | None) -> str | None:
         if value is not None and not _SERVICE_ACCOUNT.match(value):
             raise _fail(f"service account {value!r} must be an email like trainer@my-project.iam.gserviceaccount.com")
+        return value
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _VERTEX_TENSORBOARD.match(value):
+            raise _fail(f"tensorboard {_brief(value)} must look like "
+                        "projects/PROJECT/locations/REGION/tensorboards/ID (ID: a number)")
         return value
 
     @field_validator("network")

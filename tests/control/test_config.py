@@ -322,3 +322,22 @@ def test_any_structure_gives_config_error_or_config(extra, replace):
         assert exc.problems and all(isinstance(p.message, str) and p.message for p in exc.problems)
     else:
         assert isinstance(cfg, Config)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"vertex__tensorboard": "projects/my-project/locations/us-west4/tensorboards/123"},
+     "a Vertex AI TensorBoard needs vertex.service_account"),
+    ({"vertex__tensorboard": "projects/my-project/locations/us-central1/tensorboards/123",
+      "vertex__service_account": "trainer@my-project.iam.gserviceaccount.com"}, "is not in the job's region"),
+    ({"vertex__tensorboard": "my-board"}, "must look like projects/PROJECT/locations/REGION/tensorboards/ID"),
+])
+def test_a_vertex_tensorboard_is_checked_at_validate(tmp_path, changes, words):
+    found = problems_of(with_(target="vertex", **changes), tmp_path)
+    assert any(key == "vertex.tensorboard" and words in message for key, message in found), found
+
+
+def test_a_vertex_tensorboard_with_its_service_account_in_the_region_is_taken():
+    board = "projects/my-project/locations/us-west4/tensorboards/123"
+    cfg = config_from_dict(with_(target="vertex", vertex__tensorboard=board,
+                                 vertex__service_account="trainer@my-project.iam.gserviceaccount.com"))
+    assert cfg.vertex.tensorboard == board

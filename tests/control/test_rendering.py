@@ -78,6 +78,17 @@ def test_custom_job_request_is_the_real_message_with_the_trainer_argv():
     assert dict(request.custom_job.labels) == rendering.labels(cfg)
 
 
+def test_a_vertex_tensorboard_is_the_jobs_tensorboard(tmp_path):
+    doc = yaml.safe_load(VERTEX.read_text())
+    board = "projects/my-project/locations/us-west4/tensorboards/123"
+    doc["vertex"].update(tensorboard=board, service_account="trainer@my-project.iam.gserviceaccount.com")
+    path = tmp_path / "moe-tpu.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    spec = rendering.create_custom_job_request(load_config(path)).custom_job.job_spec
+    assert (spec.tensorboard, spec.service_account) == (board, "trainer@my-project.iam.gserviceaccount.com")
+    assert rendering.create_custom_job_request(load_config(VERTEX)).custom_job.job_spec.tensorboard == ""
+
+
 def test_a_template_field_the_custom_job_does_not_know_is_an_error(tmp_path):
     (tmp_path / rendering.CUSTOM_JOB_TEMPLATE).write_text("display_name: x\nno_such_field: 1\n")
     with pytest.raises(UsageError, match="google.cloud.aiplatform.v1.CustomJob"):
