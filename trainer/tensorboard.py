@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 from typing import Any
 
 TAGS = {
@@ -33,16 +34,21 @@ def log_dir(output_dir: str | None, env=os.environ) -> str | None:
     return f"{output_dir.rstrip('/')}/tensorboard" if "://" in output_dir else os.path.join(output_dir, "tensorboard")
 
 
+# "moe.{layer}.{name}": one MoE layer's balance metric in a metrics row.
+_LAYER_KEY = re.compile(r"^moe\.(?P<layer>[0-9]+)\.(?P<name>[a-z_]+)$")
+
+
 def scalars(row: dict[str, Any]) -> dict[str, float]:
-    """A metrics row as TensorBoard tags: the scalars, and the expert load's max over mean."""
+    """A metrics row as TensorBoard tags: the scalars, the expert load's max over mean, and each MoE
+    layer's balance (`moe/layer<i>/load_max_over_mean`, ...)."""
     out = {TAGS[k]: float(v) for k, v in row.items() if k in TAGS and isinstance(v, (int, float))
            and math.isfinite(v)}
     load = row.get("expert_load")
     if isinstance(load, list) and load and sum(load) > 0:
         out["moe/load_max_over_mean"] = max(load) / (sum(load) / len(load))
-    for i, layer in enumerate(row.get("expert_load_per_layer") or []):
-        if layer and sum(layer) > 0:
-            out[f"moe/layer{i}/load_max_over_mean"] = max(layer) / (sum(layer) / len(layer))
+    for key, value in row.items():  # each MoE layer's balance (trainer/model.py LAYER_METRICS)
+        if (match := _LAYER_KEY.match(key)) and isinstance(value, (int, float)) and math.isfinite(value):
+            out[f"moe/layer{match['layer']}/{match['name']}"] = float(value)
     return out
 
 

@@ -140,3 +140,10 @@ def test_a_prepared_corpus_trains_below_its_unigram_entropy_and_the_evaluation_i
                                atol=1e-6, rtol=0)
     assert {"perf/tokens_per_sec", "perf/step_time_seconds", "learning/grad_norm", "moe/load_max_over_mean",
             "eval/perplexity"} <= set(events.Tags()["scalars"])
+    # each MoE layer's balance under its own tag, equal to its metrics.jsonl key
+    layers = sorted({key.split(".")[1] for key in rows[-1] if key.startswith("moe.") and key.count(".") == 2})
+    assert layers, rows[-1]
+    for layer in layers:
+        points = events.Scalars(f"moe/layer{layer}/load_max_over_mean")
+        np.testing.assert_allclose([e.value for e in points], [r[f"moe.{layer}.load_max_over_mean"] for r in rows],
+                                   atol=1e-6, rtol=0)
