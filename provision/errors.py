@@ -65,7 +65,9 @@ EXTRA_OF_MODULE = {
     "jinja2": "control", "tenacity": "control", "grpc": "control", "grpc_status": "control",
     "google": "control", "google.cloud.devtools": "image", "build": "image",
     "jax": "trainer", "jaxlib": "trainer", "flax": "trainer", "optax": "trainer", "orbax": "trainer",
-    "numpy": "trainer", "etils": "trainer", "tensorstore": "trainer", "gcsfs": "trainer",
+    "numpy": "trainer", "etils": "trainer", "tensorstore": "trainer", "gcsfs": "trainer", "fsspec": "trainer",
+    "grain": "trainer", "array_record": "trainer", "tokenizers": "trainer", "tensorboardX": "trainer",
+    "matplotlib": "plot", "pyarrow": "data",
     "pathwaysutils": "pathways",
     "kubernetes": "control", "urllib3": "control", "cryptography": "control",
 }

@@ -16,10 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from trainer.config import Config, DataConfig
-
-
-class DataError(ValueError):
-    """Data that cannot be read or does not fit the model; the message says which and why."""
+from trainer.datasets import DataError, open_datasets
 
 
 class Source(Protocol):
@@ -134,8 +131,6 @@ def open_data(cfg: Config, seed: int, *, process_index: int = 0, process_count: 
     """
     d = cfg.data
     if d.source in ("tokens", "records"):
-        from trainer.datasets import open_datasets
-
         return open_datasets(cfg, seed, process_index=process_index, process_count=process_count,
                              with_eval=with_eval)
     source = make_source(cfg, seed)

@@ -25,7 +25,11 @@ from typing import Any
 import numpy as np
 
 from trainer.config import Config, DataConfig
-from trainer.data import DataError
+
+
+class DataError(ValueError):
+    """Data that cannot be read or does not fit the model; the message says which and why."""
+
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "moe-tpu-dataset"

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trainer.model import cross_entropy
+from trainer import sharding
+from trainer.model import cross_entropy, step_rngs
+from trainer.sharding import global_batch
 
 
 class Evaluator:
     def __init__(self, trainer, make_data: Callable, *, every: int, batches: int, total_steps: int):
-        from trainer.train import global_batch, step_rngs
-
         self.trainer, self.make_data = trainer, make_data
         self.every, self.batches, self.total_steps = every, batches, total_steps
         self._global_batch = global_batch
@@ -32,8 +32,6 @@ class Evaluator:
             model = nnx.merge(graphdef, codec.unflatten(params), step_rngs(rest, jnp.zeros((), jnp.int32)))
             logits_BxLxV, aux = model(tokens_BxT[:, :-1], train=False)
             return {"loss": cross_entropy(logits_BxLxV, tokens_BxT[:, 1:]), "drop_fraction": aux["drop_fraction"]}
-
-        from trainer import sharding
 
         self._step = jax.jit(eval_step, in_shardings=(trainer.state_shardings["params"], trainer.batch_sharding),
                              out_shardings=sharding.replicated(trainer.mesh))

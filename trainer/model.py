@@ -142,3 +142,14 @@ class ParamCodec:
 
     def unflatten(self, flat: dict[str, jax.Array]) -> nnx.State:
         return jax.tree_util.tree_unflatten(self.treedef, [flat[n] for n in self.names])
+
+
+def step_rngs(rest: nnx.State, step: jax.Array) -> nnx.State:
+    """RNG streams with the step folded into their keys: fresh noise every step, the same on resume."""
+
+    def fold(var):  # new Variables: nnx mutates them (the count), which needs this trace's objects
+        if isinstance(var, nnx.RngKey):
+            return var.replace(jax.random.fold_in(var[...], step))
+        return var.replace(var[...])
+
+    return jax.tree.map(fold, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))

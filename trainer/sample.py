@@ -130,7 +130,7 @@ def make_decoder(trainer, batch: int, max_len: int):
     from flax import nnx
 
     from trainer.layers import rotary
-    from trainer.train import step_rngs
+    from trainer.model import step_rngs
 
     m = trainer.cfg.model
     graphdef, codec, rest = trainer.graphdef, trainer.codec, trainer.rest

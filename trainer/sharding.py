@@ -142,3 +142,9 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
 
         return Mesh(mesh_utils.create_device_mesh((data, expert), devices=devices), MESH_AXES)
     return Mesh(np.asarray(devices).reshape(data, expert), MESH_AXES)
+
+
+def global_batch(trainer, rows_BxT: np.ndarray) -> jax.Array:
+    """This process's rows of a batch as the global batch array, sharded as the trainer's batches are."""
+    global_shape = (trainer.cfg.data.global_batch_size, rows_BxT.shape[1])
+    return jax.make_array_from_process_local_data(trainer.batch_sharding, rows_BxT, global_shape)

@@ -22,8 +22,9 @@ from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, OptimConfig
 from trainer.data import DataIterator, open_data
 from trainer.metrics import Reporter
-from trainer.model import ParamCodec, Transformer, cross_entropy
+from trainer.model import ParamCodec, Transformer, cross_entropy, step_rngs
 from trainer.moe.layer import ExpertBias
+from trainer.sharding import global_batch
 from trainer.status import RunStatus
 
 # {"step": int32 [], "params": {name: array}, "opt_state": optax state}, and "moe_bias": {name: float32 [E]}
@@ -149,17 +150,6 @@ def _state_shardings(abstract_state: State, codec: ParamCodec, optimizer, mesh: 
     if "moe_bias" in abstract_state:
         shardings["moe_bias"] = {name: replicated for name in abstract_state["moe_bias"]}
     return shardings
-
-
-def step_rngs(rest: nnx.State, step: jax.Array) -> nnx.State:
-    """RNG streams with the step folded into their keys: fresh noise every step, the same on resume."""
-
-    def fold(var):  # new Variables: nnx mutates them (the count), which needs this trace's objects
-        if isinstance(var, nnx.RngKey):
-            return var.replace(jax.random.fold_in(var[...], step))
-        return var.replace(var[...])
-
-    return jax.tree.map(fold, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
@@ -375,11 +365,6 @@ def check_resumable(saved: dict, cfg: Config, data: DataIterator, spec: RunSpec,
     if isinstance(old, int) and old != new:
         reporter.info(f"note: the learning-rate schedule changes: its cosine decay ends at step {new}, not at "
                       f"step {old} as in the checkpoint's run (set optim.decay_steps={old} to keep the old one)")
-
-
-def global_batch(trainer: Trainer, rows_BxT: np.ndarray) -> jax.Array:
-    global_shape = (trainer.cfg.data.global_batch_size, rows_BxT.shape[1])
-    return jax.make_array_from_process_local_data(trainer.batch_sharding, rows_BxT, global_shape)
 
 
 def compile_step(trainer: Trainer):

@@ -103,9 +103,11 @@ def test_every_import_is_declared_in_the_extra_a_missing_one_names(package):
 
 
 def test_the_trainer_needs_only_the_trainer_extra():
-    """The container installs [trainer] (and [pathways] for pathwaysutils, imported only there)."""
-    outside = {m: extra_of(m) for m in imported_modules("trainer")
-               if distribution_of(m) not in declared(None) and extra_of(m) not in ("trainer", "pathways")}
+    """The container installs [trainer] (and [pathways] for pathwaysutils, imported only there);
+    [data] (Parquet corpora for trainer.prepare) and [plot] (`logs --plot`) are imported only by
+    the features that need them."""
+    outside = {m: extra_of(m) for m in imported_modules("trainer") if distribution_of(m) not in declared(None)
+               and extra_of(m) not in ("trainer", "pathways", "data", "plot")}
     assert outside == {}
     assert {"etils", "tensorstore", "orbax-checkpoint", "jax", "flax"} <= declared("trainer")
 
