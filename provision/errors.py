@@ -5,7 +5,22 @@ Exit 2: the user's input is wrong (flags, config). Exit 1: the cloud or the run 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+# A quoted value in a message is cut to this many characters: a message names a bad value, it
+# does not print a pasted file back.
+MAX_QUOTED = 200
+_LONG_QUOTED = re.compile(f"'[^'\n]{{{MAX_QUOTED},}}'|\"[^\"\n]{{{MAX_QUOTED},}}\"")
+
+
+def shorten_quoted(message: str) -> str:
+    """`message` with every quoted value longer than MAX_QUOTED cut, saying how long it was."""
+    def cut(match: re.Match) -> str:
+        text = match.group(0)
+        return f"{text[:MAX_QUOTED - 40]}...{text[-20:]} ({len(text) - 2} characters)"
+
+    return _LONG_QUOTED.sub(cut, message)
 
 
 class MoeTpuError(Exception):
@@ -30,6 +45,11 @@ class Problem:
     file: str
     key: str
     message: str
+
+    def __post_init__(self) -> None:
+        if len(self.key) > MAX_QUOTED:
+            object.__setattr__(self, "key", f"{self.key[:MAX_QUOTED - 40]}... ({len(self.key)} characters)")
+        object.__setattr__(self, "message", shorten_quoted(self.message))
 
     def __str__(self) -> str:
         where = f"{self.file}: {self.key}" if self.key else self.file

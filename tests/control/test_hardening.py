@@ -473,3 +473,14 @@ def test_hints_of_a_dry_run_suggest_dry_run_commands(workdir):
     _config(workdir, slice__capacity="on-demand")
     code, out, err = invoke("--dry-run", "slice", "up")
     assert code == 1 and "`moe-tpu --dry-run down -c" in err and "`moe-tpu --dry-run slice up" in err, err
+
+
+@pytest.mark.parametrize("changes, value", [
+    ({"run": "a" * 5000}, "a"), ({"slice__network": "n" * 5000}, "n"), ({"trainer__" + "k" * 5000: 1}, "k"),
+], ids=["run name", "network", "unknown key"])
+def test_a_long_bad_value_is_named_not_printed_back(workdir, changes, value):
+    _config(workdir, **changes)
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    key = next(iter(changes)).replace("__", ".")[:40]
+    assert key in err and value * 250 not in err
