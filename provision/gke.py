@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from provision import catalogue, gke_render
 from provision.errors import CloudError, StockoutError, UsageError
-from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed, project_of, short
+from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
 CLUSTER_WAIT_S = 3600.0
@@ -321,11 +321,7 @@ def gke_down(cfg, session, console) -> list[Resource]:
                 session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
                                        f"delete cluster {cfg.gke.cluster}", progress=bar)
             deleted.append(cluster)
-    left = managed_gke(cfg, session, run=cfg.run, project=project)
-    if left:
-        names = ", ".join(f"{r.kind} {short(r.name)} ({r.state})" for r in left)
-        raise CloudError(f"resources still exist after delete: {names}",
-                         hint="run `moe-tpu down` again; if it persists, delete them in the console")
+    verify_deleted(managed_gke(cfg, session, run=cfg.run, project=project))
     return deleted
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from provision.errors import UsageError
+from provision.errors import CloudError, UsageError
 
 MANAGED_BY = ("managed-by", "moe-tpu")
 RUN_LABEL = "moe-tpu-run"
@@ -59,6 +59,14 @@ class Resource:
 def is_managed(labels: dict[str, str], run: str | None = None) -> bool:
     """Made by this tool (and, with `run`, for that run)."""
     return labels.get(MANAGED_BY[0]) == MANAGED_BY[1] and (run is None or labels.get(RUN_LABEL) == run)
+
+
+def verify_deleted(left: list[Resource]) -> None:
+    """After a teardown: CloudError naming whatever the listing still shows."""
+    if left:
+        names = ", ".join(f"{r.kind} {short(r.name)} ({r.state})" for r in left)
+        raise CloudError(f"resources still exist after delete: {names}",
+                         hint="run `moe-tpu down` again; if it persists, delete them in the console")
 
 
 def short(name: str) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from provision import catalogue
 from provision.errors import CloudError, StockoutError, UsageError
-from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
+from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
 # FAILED codes that mean "no capacity here", each worth another zone: RESOURCE_EXHAUSTED (8, a
@@ -327,11 +327,7 @@ def slice_down(cfg, session, console) -> list[Resource]:
                     console.info(f"  deleting node {short(res.name)}")
                     session.tpu.wait_operation(operation, f"delete {short(res.name)}", timeout_s=3600)
                     deleted.append(res)
-    left = managed_resources(session, project, cfg.zones, run=cfg.run)
-    if left:
-        names = ", ".join(f"{r.kind} {short(r.name)} ({r.state})" for r in left)
-        raise CloudError(f"resources still exist after delete: {names}",
-                         hint="run `moe-tpu down` again; if it persists, delete them in the console")
+    verify_deleted(managed_resources(session, project, cfg.zones, run=cfg.run))
     return deleted
 
 

@@ -66,6 +66,11 @@ class Target(Protocol):
         """What of the run exists on it now (what an interrupt or a failed teardown left)."""
 
 
+def last_zone_first(zones: list[str], last: str | None) -> list[str]:
+    """The config's zones with the one the run last ran in first (a recovery tries it first)."""
+    return [last, *(z for z in zones if z != last)] if last in zones else list(zones)
+
+
 class Holding:
     """What every target holds: the config, the session, the console, the renderer, and where its
     trainer writes (a dry run's local directory; by default trainer.output_dir)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from provision import catalogue, gke_render
 from provision.cloud import storage
 from provision.resources import Resource
-from provision.targets.base import ENDED, Holding, Report, report_from_status
+from provision.targets.base import ENDED, Holding, Report, last_zone_first, report_from_status
 
 
 class GkeTarget(Holding):
@@ -37,10 +37,7 @@ class GkeTarget(Holding):
         """Node pools (the zone it last ran in first), then the JobSet; waits until the trainer's pod runs."""
         from provision.gke import gke_up, submit_jobset
 
-        zones = list(self.cfg.zones)
-        if self.zone in zones:
-            zones.remove(self.zone)
-            zones.insert(0, self.zone)
+        zones = last_zone_first(self.cfg.zones, self.zone)
         resources = gke_up(self.cfg, self.session, self.console, self.renderer, zones)
         pools = [r for r in resources if r.kind == "node_pool" and r.chips]
         self.zone = pools[0].zone if pools else self.zone

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from provision import catalogue, guest_attributes
 from provision.resources import Resource, project_of, short
-from provision.targets.base import Holding, Report, combine, report_from_status
+from provision.targets.base import Holding, Report, combine, last_zone_first, report_from_status
 
 GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
 
@@ -34,10 +34,7 @@ class SliceTarget(Holding):
         """Provision the slice: the zone it last ran in first, then the others in config order."""
         from provision.slices import slice_up
 
-        zones = list(self.cfg.zones)
-        if self.zone in zones:
-            zones.remove(self.zone)
-            zones.insert(0, self.zone)
+        zones = last_zone_first(self.cfg.zones, self.zone)
         resources = slice_up(self.cfg.model_copy(update={"zones": zones}), self.session, self.console,
                              self.renderer, attempt=attempt)
         self.zone, self.queued_resource = resources[0].zone, resources[0].name
