@@ -13,7 +13,7 @@ from provision.cli.options import config_option
 @click.option("--yes", "-y", is_flag=True, help="On Ctrl-C, tear down without asking.")
 @click.option("--force", is_flag=True, help="Run even when the plan says the model does not fit.")
 @click.option("--restart", is_flag=True,
-              help="Train a finished run again from step 0 (a dry run moves its old output aside).")
+              help="Train a finished run again from step 0 (its old output is moved aside, kept).")
 @click.pass_obj
 def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool) -> None:
     """Provision, train, follow, recover from preemption, and tear down: the whole job.
@@ -100,10 +100,10 @@ def _planned_steps(app, cfg) -> int | None:
 
 def _already_finished(app, cfg, restart: bool) -> bool:
     """Whether the run finished before (said, with the JSON document, and nothing is created); with
-    --restart the finished output is moved aside in a dry run so that the trainer starts from step 0."""
+    --restart the finished output is moved aside (a sibling directory, or objects beside it in its
+    bucket) so that the trainer starts from step 0 in an empty output directory."""
     import datetime as dt
 
-    from provision.errors import UsageError
     from provision.runs import Training, finished_status
 
     output_dir = app.trainer_output_dir(cfg)
@@ -115,13 +115,9 @@ def _already_finished(app, cfg, restart: bool) -> bool:
     on = (" on " + dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
           if isinstance(when, (int, float)) else "")
     if restart:
-        if not app.dry_run:
-            raise UsageError(f"--restart: {output_dir} holds the finished run's checkpoints (step {status['step']})",
-                             hint="point trainer.output_dir at a new location to train again from step 0 "
-                                  "(the old checkpoints stay where they are)")
-        from provision.emulator.local_trainer import move_aside
+        from provision.cloud import storage
 
-        moved = move_aside(output_dir)
+        moved = storage.move_aside(output_dir, credentials, cfg.project)
         app.console.info(f"--restart: moved the finished run's output to {moved}; training from step 0")
         return False
     flag = "--dry-run run --restart" if app.dry_run else "run --restart"

@@ -65,3 +65,55 @@ def read_jsonl(url: str, credentials: Any = None, project: str | None = None) ->
         if isinstance(value, dict):
             rows.append(value)
     return rows
+
+
+def move_aside(url: str, credentials: Any = None, project: str | None = None, stamp: str | None = None) -> str:
+    """Move a finished run's output out of the way (`run --restart`) and return where it went: a
+    sibling named `<dir>-<UTC stamp>` (a suffix added while that name is taken).
+
+    A local directory is renamed. Under gs:// every object below the prefix is copied server-side
+    within its bucket (Blob.rewrite: no bytes pass through this machine, and large objects are
+    copied in the service's own steps), and only when all copies exist are the originals deleted,
+    status.json last: a move cut short leaves the finished run where it was, whole, with at most a
+    partial copy beside it, never a directory that looks resumable with checkpoints missing."""
+    import time
+
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    if not url.startswith("gs://"):
+        path = Path(url)
+        moved, n = path.with_name(f"{path.name}-{stamp}"), 1
+        while moved.exists():
+            moved, n = path.with_name(f"{path.name}-{stamp}-{n}"), n + 1
+        try:
+            path.rename(moved)
+        except OSError as exc:
+            raise CloudError(f"cannot move {url} aside: {exc.strerror or exc}") from None
+        return str(moved)
+    try:
+        from google.api_core import exceptions as gexc
+        from google.cloud import storage
+    except ImportError as exc:  # depends on the install
+        raise MissingDependency(exc.name or "google-cloud-storage", "control") from exc
+    bucket_name, _, prefix = url[len("gs://"):].rstrip("/").partition("/")
+    if not prefix:
+        raise CloudError(f"cannot move {url} aside: it is a whole bucket",
+                         hint="point trainer.output_dir at a directory inside the bucket")
+    try:
+        client = storage.Client(project=project, credentials=credentials)
+        bucket = client.bucket(bucket_name)
+        target, n = f"{prefix}-{stamp}", 1
+        while any(True for _ in client.list_blobs(bucket, prefix=target + "/", max_results=1)):
+            target, n = f"{prefix}-{stamp}-{n}", n + 1
+        blobs = list(client.list_blobs(bucket, prefix=prefix + "/"))
+        for blob in blobs:
+            copy = bucket.blob(target + blob.name[len(prefix):])
+            token, _, _ = copy.rewrite(blob)
+            while token is not None:
+                token, _, _ = copy.rewrite(blob, token=token)
+        for blob in sorted(blobs, key=lambda b: b.name.endswith("/status.json")):
+            blob.delete()
+    except gexc.GoogleAPICallError as exc:
+        raise CloudError(f"cannot move {url} aside: {exc.message}",
+                         hint="your account needs to create and delete objects in the bucket; "
+                              "the finished run's objects stay where they are until every copy exists") from None
+    return f"gs://{bucket_name}/{target}"

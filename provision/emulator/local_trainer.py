@@ -46,18 +46,6 @@ def trainer_record(output_dir: Path) -> Path:
     return Path(output_dir).parent / TRAINER_RECORD
 
 
-def move_aside(output_dir: str | Path) -> Path:
-    """Rename a finished run's output directory out of the way (`--restart`); returns the new path."""
-    output_dir = Path(output_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    moved = output_dir.with_name(f"{output_dir.name}-{stamp}")
-    n = 1
-    while moved.exists():
-        moved, n = output_dir.with_name(f"{output_dir.name}-{stamp}-{n}"), n + 1
-    output_dir.rename(moved)
-    return moved
-
-
 class _Adopted:
     """A trainer started by an earlier process of the run (killed since): not our child, so it is
     watched by pid, and its exit code is the one its status file records."""
