@@ -12,20 +12,21 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import flops, sharding
+from trainer import sharding
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, OptimConfig
 from trainer.data import DataIterator, open_data
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy, step_rngs
 from trainer.moe.layer import ExpertBias
+from trainer.resume import check_resumable, checkpoint_meta
 from trainer.sharding import global_batch
 from trainer.status import RunStatus
+from trainer.step_timing import Profiler, StepTimer
 
 # {"step": int32 [], "params": {name: array}, "opt_state": optax state}, and "moe_bias": {name: float32 [E]}
 # when MoE layers balance with a bias (moe.balance: bias or both).
@@ -305,7 +306,7 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     if latest is not None:
         saved = ckpt.saved_meta(latest)
         if saved is not None:
-            check_resumable(saved, trainer.cfg, data, spec, reporter)
+            check_resumable(saved, trainer.cfg, data, spec.steps, reporter)
     restored = ckpt.restore_latest(trainer.abstract_state) if latest is not None else None
     if restored is None:
         return trainer.init_fn()
@@ -332,41 +333,6 @@ class Diverged(RuntimeError):
         self.step = step
 
 
-# The config keys that decide a checkpoint's arrays and their meaning: a different value is another model.
-MODEL_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "moe_every",
-              "tie_embeddings")
-
-
-def model_identity(cfg: Config) -> dict[str, Any]:
-    """What a checkpoint records of the model it holds: its sizes and its experts."""
-    return {**{f"model.{k}": getattr(cfg.model, k) for k in MODEL_KEYS}, "moe.num_experts": cfg.moe.num_experts}
-
-
-def checkpoint_meta(cfg: Config, spec: RunSpec, data: DataIterator) -> dict[str, Any]:
-    """The JSON saved beside the state: the data position, and what resuming must agree with."""
-    return {**data.state(), "model": model_identity(cfg), "steps": spec.steps,
-            "decay_steps": cfg.optim.decay_steps or spec.steps}
-
-
-def check_resumable(saved: dict, cfg: Config, data: DataIterator, spec: RunSpec, reporter: Reporter) -> None:
-    """Refuse (ConfigError, exit 2) to resume another model's or another data source's checkpoint, naming
-    what differs; say how a longer run changes the learning-rate schedule."""
-    differences = [f"{key} is {value} in the checkpoint, {now} now"
-                   for key, value in (saved.get("model") or {}).items()
-                   if (now := model_identity(cfg).get(key, value)) != value]
-    if saved.get("source") is not None and saved["source"] != data.fingerprint:
-        differences.append(f"the data source is {saved['source']} in the checkpoint, {data.fingerprint} now")
-    if differences:
-        raise ConfigError("the checkpoints were written by a different run: " + "; ".join(differences)
-                          + ". Resuming would train another model on them; use another --output-dir "
-                            "(or --resume never in a fresh one), or set the config back")
-    old = saved.get("decay_steps")
-    new = cfg.optim.decay_steps or spec.steps
-    if isinstance(old, int) and old != new:
-        reporter.info(f"note: the learning-rate schedule changes: its cosine decay ends at step {new}, not at "
-                      f"step {old} as in the checkpoint's run (set optim.decay_steps={old} to keep the old one)")
-
-
 def compile_step(trainer: Trainer):
     """The train step compiled ahead of the loop, so that no logged step time includes compilation."""
     batch = jax.ShapeDtypeStruct((trainer.cfg.data.global_batch_size, trainer.cfg.data.seq_len + 1),
@@ -388,9 +354,9 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
         raise ConfigError(f"the train step cannot be built for this config and mesh: {e}") from None
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
                   f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}")
-    timer = _StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
+    timer = StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
     first_row = {"start_step": start_step, "restore_s": restore_s}  # for goodput: this process's start
-    profiler = _Profiler(spec.profile_steps, spec.output_dir)
+    profiler = Profiler(spec.profile_steps, spec.output_dir)
     last_loss, stopped = None, False
     try:
         while step < spec.steps:
@@ -417,13 +383,13 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
                 status.running(step, row["loss"], row["tokens_per_s"])
             profiler.after(step)
             if ckpt is not None and step % cfg.train.checkpoint_every == 0:
-                ckpt.save(step, state, checkpoint_meta(cfg, spec, data), force=True)
+                ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, data), force=True)
                 saved = step
     finally:
         profiler.close()
     if ckpt is not None:
         if saved != step or ckpt.latest_step() is None:
-            ckpt.save(step, state, checkpoint_meta(cfg, spec, data), force=True)
+            ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, data), force=True)
         ckpt.wait()
         ckpt.verify(step)
     _report_end(reporter, ckpt, step, spec.steps, stop.reason if stopped else None)
@@ -441,50 +407,3 @@ def _report_end(reporter: Reporter, ckpt: Checkpointer | None, step: int, total:
         return
     again = "; run the same command again (--resume auto) to continue" if ckpt is not None else ""
     reporter.info(f"stopped by {stop_reason} at step {step} of {total}, not finished; {where}{again}")
-
-
-class _StepTimer:
-    """Turns the train step's device metrics into a logged row with throughput and MFU."""
-
-    def __init__(self, cfg: Config, num_devices: int, device_kind: str, start_step: int = 0):
-        self.cfg, self.num_devices, self.device_kind = cfg, num_devices, device_kind
-        self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-        self.last_time, self.last_step = time.perf_counter(), start_step
-
-    def restart(self) -> None:
-        self.last_time = time.perf_counter()
-
-    def row(self, step: int, metrics: dict, entropy_floor: float | None) -> dict:
-        now = time.perf_counter()
-        steps = step - self.last_step
-        step_time = (now - self.last_time) / max(steps, 1)
-        self.last_time, self.last_step = now, step
-        row = {"step": step, **{k: float(v) for k, v in metrics.items() if k not in ("expert_load", "finite")},
-               "expert_load": np.asarray(metrics["expert_load"]).tolist(),
-               "tokens_per_s": self.tokens_per_step / step_time, "step_time_s": step_time,
-               "mfu": flops.mfu(self.cfg, step_time, self.num_devices, self.device_kind)}
-        if entropy_floor is not None:
-            row["entropy_floor"] = entropy_floor
-        return row
-
-
-class _Profiler:
-    """Writes a jax profiler trace of steps A..B (1-based, inclusive) to OUTPUT_DIR/profile, on process 0."""
-
-    def __init__(self, steps: tuple[int, int] | None, output_dir: str | None):
-        self.steps, self.active = steps, False
-        self.directory = os.path.join(output_dir or ".", "profile")
-
-    def before(self, step: int) -> None:
-        if self.steps and not self.active and step + 1 == self.steps[0] and jax.process_index() == 0:
-            jax.profiler.start_trace(self.directory)
-            self.active = True
-
-    def after(self, step: int) -> None:
-        if self.active and step >= self.steps[1]:
-            self.close()
-
-    def close(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False

@@ -1,0 +1,44 @@
+"""What a checkpoint records of the run that wrote it, and the check that a resume continues that run
+(the same model and data; a longer run's schedule said aloud)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.config import Config, ConfigError
+from trainer.data import DataIterator
+from trainer.metrics import Reporter
+
+# The config keys that decide a checkpoint's arrays and their meaning: a different value is another model.
+MODEL_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "moe_every",
+              "tie_embeddings")
+
+
+def model_identity(cfg: Config) -> dict[str, Any]:
+    """What a checkpoint records of the model it holds: its sizes and its experts."""
+    return {**{f"model.{k}": getattr(cfg.model, k) for k in MODEL_KEYS}, "moe.num_experts": cfg.moe.num_experts}
+
+
+def checkpoint_meta(cfg: Config, steps: int, data: DataIterator) -> dict[str, Any]:
+    """The JSON saved beside the state: the data position, and what resuming must agree with."""
+    return {**data.state(), "model": model_identity(cfg), "steps": steps,
+            "decay_steps": cfg.optim.decay_steps or steps}
+
+
+def check_resumable(saved: dict, cfg: Config, data: DataIterator, steps: int, reporter: Reporter) -> None:
+    """Refuse (ConfigError, exit 2) to resume another model's or another data source's checkpoint, naming
+    what differs; say how a longer run changes the learning-rate schedule."""
+    differences = [f"{key} is {value} in the checkpoint, {now} now"
+                   for key, value in (saved.get("model") or {}).items()
+                   if (now := model_identity(cfg).get(key, value)) != value]
+    if saved.get("source") is not None and saved["source"] != data.fingerprint:
+        differences.append(f"the data source is {saved['source']} in the checkpoint, {data.fingerprint} now")
+    if differences:
+        raise ConfigError("the checkpoints were written by a different run: " + "; ".join(differences)
+                          + ". Resuming would train another model on them; use another --output-dir "
+                            "(or --resume never in a fresh one), or set the config back")
+    old = saved.get("decay_steps")
+    new = cfg.optim.decay_steps or steps
+    if isinstance(old, int) and old != new:
+        reporter.info(f"note: the learning-rate schedule changes: its cosine decay ends at step {new}, not at "
+                      f"step {old} as in the checkpoint's run (set optim.decay_steps={old} to keep the old one)")
