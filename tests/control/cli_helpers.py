@@ -17,6 +17,18 @@ CLEAN_ENV = {"NO_COLOR": "1", "MOE_TPU_CONFIG": None, "MOE_TPU_OUTPUT": None, "M
              "MOE_TPU_DRY_RUN": None, "MOE_TPU_SCENARIO": None, "MOE_TPU_EMULATOR_RESERVATIONS": None}
 
 
+# What no command may ever print, whatever it was given: every run of `moe-tpu` from the suite is
+# checked for them, so each bad input a test tries also counts toward "no tracebacks, no internal
+# errors" without a test having to say so.
+NEVER = ("Traceback (most recent call last)", "internal error:")
+
+
+def check_no_crash(args, stdout: str, stderr: str) -> None:
+    for text in NEVER:
+        assert text not in stderr and text not in stdout, f"`moe-tpu {' '.join(map(str, args))}` printed " \
+                                                          f"{text!r}:\n{stderr[-4000:]}"
+
+
 def invoke(*args: str, env: dict[str, str | None] | None = None) -> tuple[int, str, str]:
     """`moe-tpu ARGS` in-process through the real entry point: (exit code, stdout, stderr)."""
     with CliRunner().isolation(env={**CLEAN_ENV, **(env or {})}) as (out, err, _):
@@ -25,15 +37,19 @@ def invoke(*args: str, env: dict[str, str | None] | None = None) -> tuple[int, s
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
-        return code, out.getvalue().decode(), err.getvalue().decode()
+        result = code, out.getvalue().decode(), err.getvalue().decode()
+    check_no_crash(args, result[1], result[2])
+    return result
 
 
 def run_process(args: list[str], cwd: Path, env: dict | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess:
     """`moe-tpu ARGS` as its own process in `cwd` (for signals, concurrency and a fresh interpreter)."""
     full_env = {k: v for k, v in {**os.environ, **CLEAN_ENV, **(env or {})}.items() if v is not None}
-    return subprocess.run([sys.executable, "-m", "provision", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=full_env)
+    result = subprocess.run([sys.executable, "-m", "provision", *args], cwd=cwd, capture_output=True, text=True,
+                            timeout=timeout, env=full_env)
+    check_no_crash(args, result.stdout, result.stderr)
+    return result
 
 
 def changed(doc: dict, **changes) -> dict:
