@@ -6,11 +6,20 @@ Frozen models hash by value, so a config is a static argument of jitted function
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import model_validator
 
 from trainer.schema import Flag, Integer, Number, Section
+
+
+def expert_capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: int, min_capacity: int) -> int:
+    """Slots per expert: ceil(tokens * k * capacity_factor / num_experts), at least
+    min_capacity, at most num_tokens (an expert sees a token at most once). Here, without jax,
+    so that the planner counts the slots the trainer's routing (trainer/moe/capacity.py) keeps."""
+    capacity = math.ceil(num_tokens * top_k * capacity_factor / num_experts)
+    return max(1, min(num_tokens, max(min_capacity, capacity)))
 
 
 class MoEConfig(Section):
