@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from provision import catalogue
 from trainer.flops import ParamCounts
-from trainer.meshspec import filled, mesh_axes
 from trainer.flops import model_flops_per_token as flops_per_token
+from trainer.meshspec import filled, mesh_axes
 from trainer.moe.config import expert_capacity
 from trainer.params import DTYPE_BYTES, ParamInfo, shard_ways
 

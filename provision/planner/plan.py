@@ -94,7 +94,8 @@ def choose_mesh(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: ca
     return dataclasses.replace(options[best], reason=f"expert={options[best].expert}: {reason}"), memories[best]
 
 
-def fits_on(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: catalogue.AcceleratorType, slices: int) -> bool:
+def fits_on(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: catalogue.AcceleratorType,
+            slices: int) -> bool:
     options = mesh_options(cfg.moe.num_experts, cfg.model.num_moe_layers > 0, acc.chips * slices, slices)
     return any(memory_per_chip(params, cfg, mesh, acc).fits for mesh in options)
 
