@@ -23,6 +23,7 @@ from provision.errors import ConfigError, Problem
 from provision.image import TRAINER_COMMAND
 from provision.resources import MANAGED_BY, RUN_LABEL, resolve_project
 from provision.templates import render, where
+from trainer import status as trainer_status
 
 QUEUED_RESOURCE_TEMPLATE = "queued_resource.yaml.j2"
 STARTUP_TEMPLATE = "startup.sh.j2"
@@ -144,6 +145,9 @@ class StartupSpec:
     guest_fields: tuple[tuple[str, str], ...]
     # An absolute local trainer.output_dir, mounted at the same path (None: gs:// or relative).
     output_mount: str | None
+    # The watcher's final state by the trainer's exit code, and for any other code (trainer/status.py).
+    final_states: tuple[tuple[int, str], ...] = tuple(trainer_status.STATE_OF_EXIT.items())
+    failed_state: str = trainer_status.FAILED
 
     @property
     def trainer_args(self) -> tuple[str, ...]:
