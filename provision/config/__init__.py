@@ -34,7 +34,6 @@ from provision.config.sections import (  # noqa: F401 - the config's API, one im
     SliceConfig,
     TrainerConfig,
     VertexConfig,
-    duration_text,
     parse_duration,
 )
 from provision.config.starter import (  # noqa: F401 - the config's API, one import away

@@ -13,6 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, fi
 from pydantic_core import PydanticCustomError
 
 from provision import catalogue
+from provision.waiting import format_duration
 from trainer import meshspec
 
 DEFAULT_CONFIG = "moe-tpu.yaml"
@@ -63,7 +64,8 @@ def _fail(message: str) -> PydanticCustomError:
 
 
 def parse_duration(value: Any) -> timedelta:
-    """"2h", "30m", "90s", "1h30m" -> timedelta. Bare numbers are refused: their unit is a guess."""
+    """"2h", "30m", "90s", "1h30m" -> timedelta (format_duration(delta, exact=True) writes it back). Bare
+    numbers are refused: their unit is a guess."""
     if isinstance(value, timedelta):
         return value
     text = value.strip() if isinstance(value, str) else None
@@ -74,14 +76,8 @@ def parse_duration(value: Any) -> timedelta:
     try:
         return timedelta(hours=hours, minutes=minutes, seconds=seconds)
     except OverflowError:
-        raise ValueError(f"duration {value!r} is too long (at most {duration_text(MAX_DURATION)})") from None
-
-
-def duration_text(delta: timedelta) -> str:
-    """timedelta -> "1h30m" (the inverse of parse_duration)."""
-    from provision.waiting import format_duration as format_seconds
-
-    return format_seconds(delta.total_seconds(), exact=True)
+        longest = format_duration(MAX_DURATION, exact=True)
+        raise ValueError(f"duration {value!r} is too long (at most {longest})") from None
 
 
 def _positive_duration(value: Any) -> timedelta:
@@ -93,7 +89,7 @@ def _positive_duration(value: Any) -> timedelta:
     if delta <= timedelta(0):
         raise _fail(f"duration {value!r} must be longer than 0s")
     if delta > MAX_DURATION:
-        raise _fail(f"duration {value!r} is too long: at most {duration_text(MAX_DURATION)} (30 days)")
+        raise _fail(f"duration {value!r} is too long: at most {format_duration(MAX_DURATION, exact=True)} (30 days)")
     return delta
 
 

@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from provision.config import (
     Config,
     config_from_dict,
-    duration_text,
     load_config,
     parse_duration,
     starter_config,
 )
 from provision.errors import ConfigError, Problem
+from provision.waiting import format_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -243,7 +243,7 @@ def test_not_a_mapping(text, tmp_path):
 ])
 def test_durations(text, delta):
     assert parse_duration(text) == delta
-    assert parse_duration(duration_text(delta)) == delta
+    assert parse_duration(format_duration(delta, exact=True)) == delta
     assert config_from_dict(with_(slice__max_wait=text)).slice.max_wait == delta
 
 
