@@ -150,6 +150,12 @@ def accelerator_for_machine(machine_type: str, tpu_topology: str = "") -> Accele
 # FLEX_START), SPOT at the spot rate.
 CAPACITY_OF_VERTEX_STRATEGY = {"STANDARD": "on-demand", "FLEX_START": "on-demand", "SPOT": "spot"}
 
+# Vertex AI CustomJob states (google.cloud.aiplatform.v1.JobState) a job is still live in, and ends in.
+VERTEX_JOB_ACTIVE = frozenset({"JOB_STATE_QUEUED", "JOB_STATE_PENDING", "JOB_STATE_RUNNING", "JOB_STATE_CANCELLING",
+                               "JOB_STATE_UPDATING", "JOB_STATE_PAUSED"})
+VERTEX_JOB_TERMINAL = frozenset({"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED",
+                                 "JOB_STATE_PARTIALLY_SUCCEEDED"})
+
 
 def price_per_chip_hour(capacity: str) -> float:
     """USD per chip-hour for "on-demand", "spot" or "reserved"; KeyError otherwise."""
