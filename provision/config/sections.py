@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
-from pydantic_core import PydanticCustomError
 
 from provision import catalogue
 from provision.waiting import format_duration
 from trainer import meshspec
+from trainer.schema import NonNegative, Positive, invalid
 
 DEFAULT_CONFIG = "moe-tpu.yaml"
 
@@ -59,10 +59,6 @@ MAX_DURATION = timedelta(days=30)
 MAX_SLICE_COUNT = 256
 
 
-def _fail(message: str) -> PydanticCustomError:
-    return PydanticCustomError("moe_tpu", message)  # type: ignore[arg-type]
-
-
 def parse_duration(value: Any) -> timedelta:
     """"2h", "30m", "90s", "1h30m" -> timedelta (format_duration(delta, exact=True) writes it back). Bare
     numbers are refused: their unit is a guess."""
@@ -85,11 +81,11 @@ def _positive_duration(value: Any) -> timedelta:
     try:
         delta = parse_duration(value)
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise invalid(str(exc)) from None
     if delta <= timedelta(0):
-        raise _fail(f"duration {value!r} must be longer than 0s")
+        raise invalid(f"duration {value!r} must be longer than 0s")
     if delta > MAX_DURATION:
-        raise _fail(f"duration {value!r} is too long: at most {format_duration(MAX_DURATION, exact=True)} (30 days)")
+        raise invalid(f"duration {value!r} is too long: at most {format_duration(MAX_DURATION, exact=True)} (30 days)")
     return delta
 
 
@@ -109,13 +105,13 @@ def _mesh_text(value: str) -> str:
     try:
         meshspec.mesh_axes(value)
     except ValueError as exc:
-        raise _fail(f"the trainer refuses it: {str(exc).replace('--mesh ', 'mesh ')}") from None
+        raise invalid(f"the trainer refuses it: {str(exc).replace('--mesh ', 'mesh ')}") from None
     return value
 
 
 def _zone_name(zone: str) -> str:
     if not _ZONE.match(zone):
-        raise _fail(f"zone {zone!r} is not a zone name like us-west4-a")
+        raise invalid(f"zone {zone!r} is not a zone name like us-west4-a")
     return zone  # one the catalogue does not list for v5e is a warning (Config.warnings)
 
 
@@ -126,7 +122,7 @@ class _Section(BaseModel):
 class SliceConfig(_Section):
     accelerator: str = "v5litepod-64"
     runtime_version: str = catalogue.V5E_RUNTIME
-    count: StrictInt = 1
+    count: Annotated[StrictInt, Field(ge=1, le=MAX_SLICE_COUNT)] = 1
     capacity: Literal["on-demand", "spot", "reserved"] = "spot"
     reservation: str | None = None
     max_wait: timedelta = timedelta(hours=2)
@@ -139,17 +135,8 @@ class SliceConfig(_Section):
     def _known_accelerator(cls, value: str) -> str:
         if value not in catalogue.ACCELERATORS:
             names = list(catalogue.ACCELERATORS)
-            raise _fail(f"unknown accelerator type {value!r}{_did_you_mean(value, names)} "
+            raise invalid(f"unknown accelerator type {value!r}{_did_you_mean(value, names)} "
                         f"(v5e types: {', '.join(names)})")
-        return value
-
-    @field_validator("count")
-    @classmethod
-    def _positive_count(cls, value: int) -> int:
-        if value < 1:
-            raise _fail(f"slice count must be at least 1, got {value}")
-        if value > MAX_SLICE_COUNT:
-            raise _fail(f"slice count must be at most {MAX_SLICE_COUNT}, got {value}")
         return value
 
     @field_validator("reservation")
@@ -164,7 +151,7 @@ class SliceConfig(_Section):
                 and parts[4] == "reservations" and bool(_PROJECT.match(parts[1])) and bool(_ZONE.match(parts[3])))
         name = parts[5] if full else value
         if (len(parts) != 1 and not full) or not _RFC1035.match(name) or len(name) > MAX_ID_LENGTH:
-            raise _fail(f"reservation {value!r} is not a reservation name (lowercase letters, digits and "
+            raise invalid(f"reservation {value!r} is not a reservation name (lowercase letters, digits and "
                         "hyphens, starting with a letter, at most 63) nor "
                         "projects/PROJECT/locations/ZONE/reservations/NAME")
         return value
@@ -178,7 +165,7 @@ class SliceConfig(_Section):
     @classmethod
     def _network_name(cls, value: str) -> str:
         if not _NETWORK.match(value):
-            raise _fail(f"network {_brief(value)} is not a network name (lowercase letters, digits and hyphens, "
+            raise invalid(f"network {_brief(value)} is not a network name (lowercase letters, digits and hyphens, "
                         "starting with a letter, at most 63) nor projects/PROJECT/global/networks/NAME")
         return value
 
@@ -186,7 +173,7 @@ class SliceConfig(_Section):
     @classmethod
     def _subnetwork_name(cls, value: str | None) -> str | None:
         if value is not None and not _SUBNETWORK.match(value):
-            raise _fail(f"subnetwork {_brief(value)} is not a subnetwork name (lowercase letters, digits and "
+            raise invalid(f"subnetwork {_brief(value)} is not a subnetwork name (lowercase letters, digits and "
                         "hyphens, starting with a letter, at most 63) nor "
                         "projects/PROJECT/regions/REGION/subnetworks/NAME")
         return value
@@ -195,7 +182,7 @@ class SliceConfig(_Section):
     @classmethod
     def _service_account_shape(cls, value: str | None) -> str | None:
         if value is not None and not _SERVICE_ACCOUNT.match(value):
-            raise _fail(f"service account {_brief(value)} must be an email like "
+            raise invalid(f"service account {_brief(value)} must be an email like "
                         "trainer@my-project.iam.gserviceaccount.com")
         return value
 
@@ -225,14 +212,14 @@ class VertexConfig(_Section):
     @classmethod
     def _service_account_shape(cls, value: str | None) -> str | None:
         if value is not None and not _SERVICE_ACCOUNT.match(value):
-            raise _fail(f"service account {value!r} must be an email like trainer@my-project.iam.gserviceaccount.com")
+            raise invalid(f"service account {value!r} must be an email like trainer@my-project.iam.gserviceaccount.com")
         return value
 
     @field_validator("tensorboard")
     @classmethod
     def _tensorboard_shape(cls, value: str | None) -> str | None:
         if value is not None and not _VERTEX_TENSORBOARD.match(value):
-            raise _fail(f"tensorboard {_brief(value)} must look like "
+            raise invalid(f"tensorboard {_brief(value)} must look like "
                         "projects/PROJECT/locations/REGION/tensorboards/ID (ID: a number)")
         return value
 
@@ -240,7 +227,7 @@ class VertexConfig(_Section):
     @classmethod
     def _network_shape(cls, value: str | None) -> str | None:
         if value is not None and not _VERTEX_NETWORK.match(value):
-            raise _fail(f"network {value!r} must look like projects/PROJECT_NUMBER/global/networks/NAME")
+            raise invalid(f"network {value!r} must look like projects/PROJECT_NUMBER/global/networks/NAME")
         return value
 
     @field_validator("machine_type")
@@ -248,7 +235,7 @@ class VertexConfig(_Section):
     def _known_machine_type(cls, value: str) -> str:
         names = list(catalogue.VERTEX_MACHINE_TOPOLOGIES)
         if value not in names:
-            raise _fail(f"unknown Vertex machine type {value!r}{_did_you_mean(value, names)} "
+            raise invalid(f"unknown Vertex machine type {value!r}{_did_you_mean(value, names)} "
                         f"(v5e machine types: {', '.join(names)})")
         return value
 
@@ -257,7 +244,7 @@ class VertexConfig(_Section):
     def _known_topology(cls, value: str) -> str:
         if catalogue.accelerator_for_topology(value) is None:
             topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
-            raise _fail(f"unknown v5e topology {value!r} (v5e topologies: {', '.join(topologies)})")
+            raise invalid(f"unknown v5e topology {value!r} (v5e topologies: {', '.join(topologies)})")
         return value
 
 
@@ -275,7 +262,7 @@ class ImageConfig(_Section):
     @classmethod
     def _repository_shape(cls, value: str) -> str:
         if not _IMAGE_REPOSITORY.match(value):
-            raise _fail(f"image repository {value!r} does not look like HOST/PROJECT/REPOSITORY/IMAGE "
+            raise invalid(f"image repository {value!r} does not look like HOST/PROJECT/REPOSITORY/IMAGE "
                         "(e.g. us-west4-docker.pkg.dev/my-project/moe/trainer; the tag goes in image.tag)")
         return value
 
@@ -283,7 +270,7 @@ class ImageConfig(_Section):
     @classmethod
     def _tag_shape(cls, value: str | None) -> str | None:
         if value is not None and not _IMAGE_TAG.match(value):
-            raise _fail(f"image tag {value!r} is not a valid tag (letters, digits, '_', '.', '-'; "
+            raise invalid(f"image tag {value!r} is not a valid tag (letters, digits, '_', '.', '-'; "
                         "at most 128 characters)")
         return value
 
@@ -291,14 +278,14 @@ class ImageConfig(_Section):
     @classmethod
     def _staging_shape(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$", value):
-            raise _fail(f"image staging {value!r} must be a Cloud Storage location like gs://my-bucket/staging")
+            raise invalid(f"image staging {value!r} must be a Cloud Storage location like gs://my-bucket/staging")
         return value.rstrip("/") if value is not None else None
 
     @field_validator("build_service_account")
     @classmethod
     def _build_account_shape(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^[a-z0-9][a-z0-9-]{4,61}@[a-z0-9.-]+\.gserviceaccount\.com$", value):
-            raise _fail(f"service account {value!r} must be an email like builder@my-project.iam.gserviceaccount.com")
+            raise invalid(f"service account {value!r} must be an email like builder@my-project.iam.gserviceaccount.com")
         return value
 
     @property
@@ -309,7 +296,7 @@ class ImageConfig(_Section):
 class TrainerConfig(_Section):
     config: str = "tiny"
     output_dir: str
-    steps: StrictInt | None = None
+    steps: Positive | None = None
     # The device mesh (`--mesh`), e.g. data=8,expert=8; unset: the trainer puts every chip on data.
     mesh: str | None = None
     overrides: dict[str, str | int | float | bool] = Field(default_factory=dict)
@@ -318,7 +305,7 @@ class TrainerConfig(_Section):
     @classmethod
     def _not_empty(cls, value: str) -> str:
         if not value.strip():
-            raise _fail("must not be empty")
+            raise invalid("must not be empty")
         return value
 
     @field_validator("output_dir")
@@ -327,7 +314,7 @@ class TrainerConfig(_Section):
         """A Cloud Storage location with a valid bucket name, or a local directory that is not a system one."""
         if "://" in value or value.startswith("gs:"):
             if not _GCS_URL.match(value):
-                raise _fail(f"output_dir {_brief(value)} is not a Cloud Storage location like gs://my-bucket/run "
+                raise invalid(f"output_dir {_brief(value)} is not a Cloud Storage location like gs://my-bucket/run "
                             "(bucket names: 3 to 63 lowercase letters, digits, '-', '_' or '.', starting and "
                             "ending with a letter or digit)")
             return value
@@ -335,7 +322,7 @@ class TrainerConfig(_Section):
             else None
         if normal is not None and (normal in SYSTEM_DIRS or normal.startswith(tuple(t + "/" for t in _SYSTEM_TREES))
                                    or ".." in normal.split("/")):
-            raise _fail(f"output_dir {_brief(value)} is a system directory (or inside one): the trainer's VM "
+            raise invalid(f"output_dir {_brief(value)} is a system directory (or inside one): the trainer's VM "
                         "would take it over; use gs://BUCKET/PATH, or a directory of its own such as /mnt/moe")
         return value
 
@@ -344,25 +331,18 @@ class TrainerConfig(_Section):
     def _mesh_shape(cls, value: str | None) -> str | None:
         return None if value is None else _mesh_text(value)
 
-    @field_validator("steps")
-    @classmethod
-    def _positive_steps(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise _fail(f"steps must be at least 1, got {value}")
-        return value
-
     @field_validator("overrides", mode="before")
     @classmethod
     def _override_items(cls, value: Any) -> Any:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise _fail(f"overrides must be a mapping of key: value, got {value!r}")
+            raise invalid(f"overrides must be a mapping of key: value, got {value!r}")
         for key, item in value.items():
             if not isinstance(key, str) or not _OVERRIDE_KEY.match(key):
-                raise _fail(f"override key {key!r} must be a dotted name like model.num_experts")
+                raise invalid(f"override key {key!r} must be a dotted name like model.num_experts")
             if not isinstance(item, (str, int, float, bool)):
-                raise _fail(f"override {key!r} must be a string, a number or true/false, got {item!r}")
+                raise invalid(f"override {key!r} must be a string, a number or true/false, got {item!r}")
         return value
 
     def set_flags(self) -> list[str]:
@@ -375,31 +355,17 @@ class TrainerConfig(_Section):
 
 
 class RecoveryConfig(_Section):
-    max_restarts: StrictInt = 3
-
-    @field_validator("max_restarts")
-    @classmethod
-    def _not_negative(cls, value: int) -> int:
-        if value < 0:
-            raise _fail(f"max_restarts must be 0 or more, got {value}")
-        return value
+    max_restarts: NonNegative = 3
 
 
 class DryRunConfig(_Section):
     """How `run --dry-run` trains for real on this machine: the trainer made small enough for a CPU."""
 
     trainer_config: str = "tiny"
-    steps: StrictInt = 40
-    devices: StrictInt = 8
+    steps: Positive = 40
+    devices: Positive = 8
     mesh: str = "data=2,expert=4"
-    checkpoint_every: StrictInt = 10
-
-    @field_validator("steps", "devices", "checkpoint_every")
-    @classmethod
-    def _positive(cls, value: int) -> int:
-        if value < 1:
-            raise _fail(f"must be at least 1, got {value}")
-        return value
+    checkpoint_every: Positive = 10
 
     @field_validator("mesh")
     @classmethod
@@ -422,7 +388,7 @@ PATHWAYS_PROXY_IMAGE = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/proxy_ser
 
 def _dns_label(value: str, what: str) -> str:
     if not _DNS_LABEL.match(value) or len(value) > MAX_ID_LENGTH:
-        raise _fail(f"{what} {value!r} is not a DNS label (lowercase letters, digits and hyphens, starting and "
+        raise invalid(f"{what} {value!r} is not a DNS label (lowercase letters, digits and hyphens, starting and "
                     f"ending with a letter or digit, at most {MAX_ID_LENGTH})")
     return value
 
@@ -442,21 +408,21 @@ class PathwaysConfig(_Section):
     @classmethod
     def _image(cls, value: str) -> str:
         if not _IMAGE_REF.match(value):
-            raise _fail(f"image {value!r} is not an image reference like HOST/PATH[:TAG]")
+            raise invalid(f"image {value!r} is not an image reference like HOST/PATH[:TAG]")
         return value
 
     @field_validator("gcs_scratch")
     @classmethod
     def _scratch(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$", value):
-            raise _fail(f"gcs_scratch {value!r} must be a Cloud Storage location like gs://my-bucket/pathways")
+            raise invalid(f"gcs_scratch {value!r} must be a Cloud Storage location like gs://my-bucket/pathways")
         return value.rstrip("/") if value is not None else None
 
     @field_validator("cpu_machine_type")
     @classmethod
     def _machine(cls, value: str) -> str:
         if not _MACHINE_TYPE.match(value):
-            raise _fail(f"machine type {value!r} is not a Compute Engine machine type like n2-standard-64")
+            raise invalid(f"machine type {value!r} is not a Compute Engine machine type like n2-standard-64")
         return value
 
     @field_validator("proxy_timeout", mode="before")
@@ -484,7 +450,7 @@ class GkeConfig(_Section):
     @classmethod
     def _cluster_name(cls, value: str) -> str:
         if not _RFC1035.match(value) or len(value) > MAX_GKE_NAME:
-            raise _fail(f"cluster name {value!r} must be lowercase letters, digits and hyphens, start with a "
+            raise invalid(f"cluster name {value!r} must be lowercase letters, digits and hyphens, start with a "
                         f"letter, not end with a hyphen, at most {MAX_GKE_NAME} characters")
         return value
 
@@ -492,7 +458,7 @@ class GkeConfig(_Section):
     @classmethod
     def _location(cls, value: str) -> str:
         if not _LOCATION.match(value):
-            raise _fail(f"location {value!r} is neither a region (us-west4) nor a zone (us-west4-a)")
+            raise invalid(f"location {value!r} is neither a region (us-west4) nor a zone (us-west4-a)")
         return value
 
     @field_validator("namespace")
@@ -510,7 +476,7 @@ class GkeConfig(_Section):
     def _topology(cls, value: str | None) -> str | None:
         if value is not None and catalogue.accelerator_for_topology(value) is None:
             topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
-            raise _fail(f"unknown v5e topology {value!r} (v5e topologies: {', '.join(topologies)})")
+            raise invalid(f"unknown v5e topology {value!r} (v5e topologies: {', '.join(topologies)})")
         return value
 
     def pathways_settings(self) -> PathwaysConfig:
@@ -553,7 +519,7 @@ class Config(BaseModel):
     @classmethod
     def _project_shape(cls, value: str | None) -> str | None:
         if value is not None and not _PROJECT.match(value):
-            raise _fail(f"project id {value!r} must be 6 to 30 lowercase letters, digits or hyphens, "
+            raise invalid(f"project id {value!r} must be 6 to 30 lowercase letters, digits or hyphens, "
                         "start with a letter and not end with a hyphen")
         return value
 
@@ -561,27 +527,27 @@ class Config(BaseModel):
     @classmethod
     def _region_shape(cls, value: str) -> str:
         if not _REGION.match(value):
-            raise _fail(f"region {value!r} is not a region name like us-west4")
+            raise invalid(f"region {value!r} is not a region name like us-west4")
         return value
 
     @field_validator("zones")
     @classmethod
     def _zones(cls, value: list[str]) -> list[str]:
         if not value:
-            raise _fail("list at least one zone, e.g. [us-west4-a]")
+            raise invalid("list at least one zone, e.g. [us-west4-a]")
         twice = sorted({zone for zone in value if value.count(zone) > 1})
         if twice:
-            raise _fail(f"zone {twice[0]!r} is listed twice; list each zone once (they are tried in order)")
+            raise invalid(f"zone {twice[0]!r} is listed twice; list each zone once (they are tried in order)")
         return value
 
     @field_validator("run")
     @classmethod
     def _run_name(cls, value: str) -> str:
         if not _RFC1035.match(value):
-            raise _fail(f"run name {value!r} must be lowercase letters, digits and hyphens, start with a "
+            raise invalid(f"run name {value!r} must be lowercase letters, digits and hyphens, start with a "
                         "letter and not end with a hyphen (it becomes resource ids: RFC 1035)")
         if len(value) > MAX_RUN_LENGTH:
-            raise _fail(f"run name {value!r} is {len(value)} characters; at most {MAX_RUN_LENGTH}, so that "
+            raise invalid(f"run name {value!r} is {len(value)} characters; at most {MAX_RUN_LENGTH}, so that "
                         f"the resource ids derived from it stay within {MAX_ID_LENGTH}")
         return value
 

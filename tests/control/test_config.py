@@ -110,7 +110,7 @@ def test_config_is_frozen():
         "runtime version 'v2-alpha-tpuv5' does not fit v5litepod-64; use v2-alpha-tpuv5-lite, "
         "v2-tpuv5-litepod, tpu-ubuntu2204-base")],
                  id="runtime-mismatch"),
-    pytest.param(with_(slice__count=0), [("slice.count", "slice count must be at least 1, got 0")],
+    pytest.param(with_(slice__count=0), [("slice.count", "must be between 1 and 256, got 0")],
                  id="count"),
     pytest.param(with_(slice__capacity="preemptible"), [("slice.capacity",
         "must be one of 'on-demand', 'spot' or 'reserved', got 'preemptible'")], id="capacity"),
@@ -152,14 +152,14 @@ def test_config_is_frozen():
         "override 'a' must be a string, a number or true/false, got [1]")], id="override-value"),
     pytest.param(with_(trainer__overrides={"a b": 1}), [("trainer.overrides",
         "override key 'a b' must be a dotted name like model.num_experts")], id="override-key"),
-    pytest.param(with_(trainer__steps=0), [("trainer.steps", "steps must be at least 1, got 0")], id="steps"),
+    pytest.param(with_(trainer__steps=0), [("trainer.steps", "must be at least 1, got 0")], id="steps"),
     pytest.param(with_(recovery={"max_restarts": -1}), [("recovery.max_restarts",
-        "max_restarts must be 0 or more, got -1")], id="max-restarts"),
+        "must be 0 or more, got -1")], id="max-restarts"),
     pytest.param(with_(target="k8s"), [("target", "must be one of 'tpu-vm', 'vertex' or 'gke', got 'k8s'")],
                  id="target"),
     pytest.param(with_(trainer=None), [("trainer", "missing required key")], id="missing-section"),
     pytest.param(with_(region=None), [("region", "missing required key")], id="missing-key"),
-    pytest.param(with_(run=7), [("run", "input should be a valid string, got 7")], id="wrong-type"),
+    pytest.param(with_(run=7), [("run", "must be a string, got 7")], id="wrong-type"),
     pytest.param(with_(slice__acelerator="v5litepod-8"), [("slice.acelerator",
         "unknown key 'acelerator'; did you mean 'accelerator'?")], id="unknown-key-close"),
     pytest.param(with_(colour="blue"), [("colour",
@@ -200,9 +200,9 @@ def test_problem_text_names_file_and_key(tmp_path):
     path.write_text(yaml.safe_dump(with_(slice__count=0)))
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert info.value.problems == [Problem(str(path), "slice.count", "slice count must be at least 1, got 0")]
+    assert info.value.problems == [Problem(str(path), "slice.count", "must be between 1 and 256, got 0")]
     assert str(info.value) == (f"1 problem in the config:\n"
-                               f"  {path}: slice.count: slice count must be at least 1, got 0")
+                               f"  {path}: slice.count: must be between 1 and 256, got 0")
 
 
 def test_missing_file(tmp_path):
