@@ -11,7 +11,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from provision import catalogue
-from provision.config.sections import _SECTIONS, _ZONE, DEFAULT_CONFIG, MAX_GKE_NAME, Config, _brief
+from provision.config.gke_sections import MAX_GKE_NAME
+from provision.config.sections import _SECTIONS, Config
+from provision.config.shapes import _ZONE, DEFAULT_CONFIG, _brief
 from provision.errors import ConfigError, Problem
 from trainer import safeyaml, schema
 

@@ -1,9 +1,8 @@
-"""The config's sections as frozen pydantic models: every field's own rule, and the shapes of names,
-durations and ids the rules share."""
+"""The config's sections as frozen pydantic models, each field with its own rule (the shapes they share:
+shapes.py; the gke and pathways sections: gke_sections.py)."""
 
 from __future__ import annotations
 
-import difflib
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -12,111 +11,35 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from provision import catalogue
-from provision.waiting import format_duration
-from trainer import meshspec
-from trainer.schema import NonNegative, Positive, invalid
-
-DEFAULT_CONFIG = "moe-tpu.yaml"
-
-# The run name becomes resource ids (queued resource, node, job) and label values. Ids are
-# RFC 1035 labels of at most 63 characters; suffixes such as "-node" and the "-N" that the
-# service appends to multislice nodes must still fit, hence the margin.
-MAX_ID_LENGTH = 63
-MAX_RUN_LENGTH = 50
-
-_RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
-_REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
-_ZONE = catalogue.ZONE_NAME
-_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
-_IMAGE_REPOSITORY = re.compile(
-    r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)+(:[0-9]+)?"  # host
-    r"(/[a-z0-9]([a-z0-9._-]*[a-z0-9])?){3,}$"  # /project/repository/image[/...]
+from provision.config.gke_sections import GkeConfig, PathwaysConfig
+from provision.config.shapes import (
+    _GCS_URL,
+    _IMAGE_REPOSITORY,
+    _IMAGE_TAG,
+    _NETWORK,
+    _OVERRIDE_KEY,
+    _PROJECT,
+    _REGION,
+    _RFC1035,
+    _SERVICE_ACCOUNT,
+    _SUBNETWORK,
+    _SYSTEM_TREES,
+    _VERTEX_NETWORK,
+    _VERTEX_TENSORBOARD,
+    _ZONE,
+    DEFAULT_CONFIG,
+    MAX_ID_LENGTH,
+    MAX_RUN_LENGTH,
+    MAX_SLICE_COUNT,
+    SYSTEM_DIRS,
+    _brief,
+    _did_you_mean,
+    _mesh_text,
+    _positive_duration,
+    _Section,
+    _zone_name,
 )
-_IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-_SERVICE_ACCOUNT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[a-z0-9.-]+\.iam\.gserviceaccount\.com$"
-                              r"|^[0-9]+-compute@developer\.gserviceaccount\.com$")
-# A Vertex AI TensorBoard instance: projects/PROJECT/locations/REGION/tensorboards/ID (IDs are numbers).
-_VERTEX_TENSORBOARD = re.compile(r"^projects/[a-z0-9-]+/locations/[a-z]+-[a-z]+[0-9]+/tensorboards/[0-9]+$")
-_VERTEX_NETWORK = re.compile(r"^projects/[0-9]+/global/networks/[a-z]([-a-z0-9]*[a-z0-9])?$")
-# Compute Engine network and subnetwork names (RFC 1035, at most 63), or their resource names.
-_NETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/global/networks/)?[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
-_SUBNETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/regions/[a-z]+-[a-z]+[0-9]+/subnetworks/)?"
-                         r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
-# Cloud Storage: gs://BUCKET[/PATH]; bucket names are 3 to 63 lowercase letters, digits, '-', '_' and '.'
-# (up to 222 with dots), starting and ending with a letter or digit (the path: any object name; control
-# characters are refused for every value).
-_GCS_URL = re.compile(r"^gs://(?=[a-z0-9._-]{3,222}(/|$))[a-z0-9]([a-z0-9_-]|\.(?!\.))*[a-z0-9](/.*)?$")
-# Where a local trainer.output_dir must never be: the startup script chowns it and mounts it into
-# the container.
-SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc",
-               "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
-_SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
-_OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-# Config durations stay far below what a request's Duration can hold; nobody queues or trains for longer.
-MAX_DURATION = timedelta(days=30)
-# Slices in one multislice queued resource; more is no quota anyone has, and no longer a valid request.
-MAX_SLICE_COUNT = 256
-
-
-def parse_duration(value: Any) -> timedelta:
-    """"2h", "30m", "90s", "1h30m" -> timedelta (format_duration(delta, exact=True) writes it back). Bare
-    numbers are refused: their unit is a guess."""
-    if isinstance(value, timedelta):
-        return value
-    text = value.strip() if isinstance(value, str) else None
-    match = _DURATION.match(text) if text else None
-    if not match:
-        raise ValueError(f"duration {value!r} must look like 2h, 30m, 90s or 1h30m")
-    hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    try:
-        return timedelta(hours=hours, minutes=minutes, seconds=seconds)
-    except OverflowError:
-        longest = format_duration(MAX_DURATION, exact=True)
-        raise ValueError(f"duration {value!r} is too long (at most {longest})") from None
-
-
-def _positive_duration(value: Any) -> timedelta:
-    """A config duration longer than 0s, as a validator error otherwise."""
-    try:
-        delta = parse_duration(value)
-    except ValueError as exc:
-        raise invalid(str(exc)) from None
-    if delta <= timedelta(0):
-        raise invalid(f"duration {value!r} must be longer than 0s")
-    if delta > MAX_DURATION:
-        raise invalid(f"duration {value!r} is too long: at most {format_duration(MAX_DURATION, exact=True)} (30 days)")
-    return delta
-
-
-def _brief(value: Any, width: int = 80) -> str:
-    """repr() of a value from the file, cut short: a message names it, it does not print it all."""
-    text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
-
-
-def _did_you_mean(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _mesh_text(value: str) -> str:
-    """A mesh the trainer reads (trainer/meshspec.py); whether it covers the chips is the planner's check."""
-    try:
-        meshspec.mesh_axes(value)
-    except ValueError as exc:
-        raise invalid(f"the trainer refuses it: {str(exc).replace('--mesh ', 'mesh ')}") from None
-    return value
-
-
-def _zone_name(zone: str) -> str:
-    if not _ZONE.match(zone):
-        raise invalid(f"zone {zone!r} is not a zone name like us-west4-a")
-    return zone  # one the catalogue does not list for v5e is a warning (Config.warnings)
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+from trainer.schema import NonNegative, Positive, invalid
 
 
 class SliceConfig(_Section):
@@ -371,117 +294,6 @@ class DryRunConfig(_Section):
     @classmethod
     def _mesh_shape(cls, value: str) -> str:
         return _mesh_text(value)
-
-
-# GKE names: a cluster or node pool name is at most 40 characters (RFC 1035); a namespace or a
-# Kueue queue is an RFC 1123 DNS label (Kubernetes object names).
-MAX_GKE_NAME = 40
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_LOCATION = re.compile(r"^[a-z]+-[a-z]+[0-9]+(-[a-z])?$")
-_IMAGE_REF = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9]([a-z0-9._-]*[a-z0-9])?)+"
-                        r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})?$")
-_MACHINE_TYPE = re.compile(r"^[a-z][a-z0-9]*-[a-z0-9-]*[a-z0-9]$")
-# The images Google publishes for Pathways on GKE (the server also runs the resource manager).
-PATHWAYS_SERVER_IMAGE = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/server:latest"
-PATHWAYS_PROXY_IMAGE = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/proxy_server:latest"
-
-
-def _dns_label(value: str, what: str) -> str:
-    if not _DNS_LABEL.match(value) or len(value) > MAX_ID_LENGTH:
-        raise invalid(f"{what} {value!r} is not a DNS label (lowercase letters, digits and hyphens, starting and "
-                    f"ending with a letter or digit, at most {MAX_ID_LENGTH})")
-    return value
-
-
-class PathwaysConfig(_Section):
-    """The Pathways head and workers (runtime: pathways only)."""
-
-    server_image: str = PATHWAYS_SERVER_IMAGE
-    proxy_image: str = PATHWAYS_PROXY_IMAGE
-    # Pathways' scratch space in Cloud Storage; None: the pathways/ prefix of trainer.output_dir.
-    gcs_scratch: str | None = None
-    cpu_machine_type: str = "n2-standard-64"
-    # How long the trainer waits for the proxy before it gives up (PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS).
-    proxy_timeout: timedelta = timedelta(minutes=1)
-
-    @field_validator("server_image", "proxy_image")
-    @classmethod
-    def _image(cls, value: str) -> str:
-        if not _IMAGE_REF.match(value):
-            raise invalid(f"image {value!r} is not an image reference like HOST/PATH[:TAG]")
-        return value
-
-    @field_validator("gcs_scratch")
-    @classmethod
-    def _scratch(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$", value):
-            raise invalid(f"gcs_scratch {value!r} must be a Cloud Storage location like gs://my-bucket/pathways")
-        return value.rstrip("/") if value is not None else None
-
-    @field_validator("cpu_machine_type")
-    @classmethod
-    def _machine(cls, value: str) -> str:
-        if not _MACHINE_TYPE.match(value):
-            raise invalid(f"machine type {value!r} is not a Compute Engine machine type like n2-standard-64")
-        return value
-
-    @field_validator("proxy_timeout", mode="before")
-    @classmethod
-    def _duration(cls, value: Any) -> timedelta:
-        return _positive_duration(value)
-
-
-class GkeConfig(_Section):
-    """A GKE Standard cluster: TPU node pools for the slices, the run as a JobSet."""
-
-    cluster: str
-    # The cluster's region or zone; the node pools go in `zones` (tried in order on stockout).
-    location: str
-    create_cluster: bool = False
-    runtime: Literal["jax", "pathways"] = "jax"
-    namespace: str = "default"
-    # A Kueue LocalQueue: set as the JobSet's kueue.x-k8s.io/queue-name label when given.
-    queue: str | None = None
-    # The slice's topology as GKE names it; default (and it must agree): slice.accelerator's.
-    topology: str | None = None
-    pathways: PathwaysConfig | None = None
-
-    @field_validator("cluster")
-    @classmethod
-    def _cluster_name(cls, value: str) -> str:
-        if not _RFC1035.match(value) or len(value) > MAX_GKE_NAME:
-            raise invalid(f"cluster name {value!r} must be lowercase letters, digits and hyphens, start with a "
-                        f"letter, not end with a hyphen, at most {MAX_GKE_NAME} characters")
-        return value
-
-    @field_validator("location")
-    @classmethod
-    def _location(cls, value: str) -> str:
-        if not _LOCATION.match(value):
-            raise invalid(f"location {value!r} is neither a region (us-west4) nor a zone (us-west4-a)")
-        return value
-
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, value: str) -> str:
-        return _dns_label(value, "namespace")
-
-    @field_validator("queue")
-    @classmethod
-    def _queue(cls, value: str | None) -> str | None:
-        return None if value is None else _dns_label(value, "queue")
-
-    @field_validator("topology")
-    @classmethod
-    def _topology(cls, value: str | None) -> str | None:
-        if value is not None and catalogue.accelerator_for_topology(value) is None:
-            topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
-            raise invalid(f"unknown v5e topology {value!r} (v5e topologies: {', '.join(topologies)})")
-        return value
-
-    def pathways_settings(self) -> PathwaysConfig:
-        """The pathways section, with its defaults when the config leaves it out."""
-        return self.pathways if self.pathways is not None else PathwaysConfig()
 
 
 _SECTIONS: dict[str, type[_Section]] = {
