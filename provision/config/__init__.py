@@ -39,6 +39,5 @@ from provision.config.shapes import (  # noqa: F401 - the config's API, one impo
     parse_duration,
 )
 from provision.config.starter import (  # noqa: F401 - the config's API, one import away
-    STARTER,
     starter_config,
 )
