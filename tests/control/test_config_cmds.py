@@ -38,7 +38,8 @@ def test_the_starter_is_its_golden(workdir):
 
 def test_the_starter_takes_values_in_place_and_keeps_its_comments():
     values = {"project": "acme-ml", "slice.subnetwork": "tpu-net",
-              "vertex.service_account": "a@b.iam.gserviceaccount.com", "trainer.steps": 5, "dry_run.steps": 3, "zones": ["us-west4-b"]}
+              "vertex.service_account": "a@b.iam.gserviceaccount.com", "trainer.steps": 5, "dry_run.steps": 3,
+              "zones": ["us-west4-b"]}
     text = starter_config(values)
     assert 'project: "acme-ml"            # Google Cloud project id\n' in text
     assert '  subnetwork: "tpu-net"\n' in text and "# subnetwork:" not in text and "  # service_account: " in text
