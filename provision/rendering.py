@@ -172,10 +172,8 @@ class QueuedResourceSpec:
 
     config: Config
     accelerator: catalogue.AcceleratorType
-    project: str
     zone: str
     parent: str
-    queued_resource_id: str
     node_id: str
     multislice: bool
     node_count: int
@@ -246,8 +244,8 @@ def queued_resource_spec(cfg: Config, zone: str, renderer: Renderer | None = Non
     if reservation and "/" not in reservation:
         reservation = f"{parent(cfg, zone, project)}/reservations/{reservation}"
     return QueuedResourceSpec(
-        config=cfg, accelerator=cfg.accelerator_type(), project=_project(cfg, project), zone=zone,
-        parent=parent(cfg, zone, project), queued_resource_id=queued_resource_id(cfg), node_id=node_id(cfg),
+        config=cfg, accelerator=cfg.accelerator_type(), zone=zone,
+        parent=parent(cfg, zone, project), node_id=node_id(cfg),
         multislice=cfg.slice.count > 1, node_count=cfg.slice.count, labels=labels(cfg),
         reservation_name=reservation, max_wait_seconds=int(cfg.slice.max_wait.total_seconds()),
         startup_script=startup_script(cfg, renderer),
