@@ -46,15 +46,6 @@ class AcceleratorType:
     def multi_host(self) -> bool:
         return self.vms > 1
 
-    @property
-    def peak_bf16_flops(self) -> float:
-        """Peak bf16 FLOP/s of the whole slice."""
-        return self.chips * self.peak_bf16_tflops_per_chip * 1e12
-
-    @property
-    def hbm_gib(self) -> float:
-        return self.chips * self.hbm_gib_per_chip
-
 
 def _v5e(name: str, topology: str, chips: int, vms: int, vertex_machine_type: str) -> AcceleratorType:
     return AcceleratorType(

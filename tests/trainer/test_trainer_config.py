@@ -102,13 +102,13 @@ def test_param_counts_match_the_built_model():
                       ["moe.num_shared_experts=2", "moe.shared_d_ff=24"]):
         cfg = load_config("tiny", overrides)
         params = nnx.state(nnx.eval_shape(lambda cfg=cfg: build_model(cfg)), nnx.Param)
-        assert sum(x.size for x in jax.tree.leaves(params)) == flops.param_counts(cfg)["total"]
+        assert sum(x.size for x in jax.tree.leaves(params)) == flops.counts_of(cfg).total
 
 
 def test_flops_and_peaks():
     cfg = load_config("v5e-64")
-    counts = flops.param_counts(cfg)
-    assert 12e9 < counts["total"] < 15e9 and 1.0e9 < counts["active"] < 1.4e9
+    counts = flops.counts_of(cfg)
+    assert 12e9 < counts.total < 15e9 and 1.0e9 < counts.active < 1.4e9
     assert flops.device_peak_flops("TPU v5 lite") == 197e12
     assert flops.device_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert flops.device_peak_flops("cpu") is None
@@ -123,7 +123,7 @@ def test_shared_experts_are_sized_by_shared_d_ff_in_the_mfu():
     of tiny's two MoE layers, so the MFU's FLOPs grow by exactly 6 x 2 layers x 2 x 3 x 64 x 24."""
     plain = load_config("tiny")
     shared = load_config("tiny", ["moe.num_shared_experts=2", "moe.shared_d_ff=24"])
-    assert flops.param_counts(shared)["active"] - flops.param_counts(plain)["active"] == 2 * 2 * 3 * 64 * 24
+    assert flops.counts_of(shared).active - flops.counts_of(plain).active == 2 * 2 * 3 * 64 * 24
     assert flops.flops_per_token(shared) - flops.flops_per_token(plain) == 6 * 2 * 2 * 3 * 64 * 24
     assert flops.mfu(shared, 1.0, 1, "TPU v5 lite") > flops.mfu(plain, 1.0, 1, "TPU v5 lite")
 
