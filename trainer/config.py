@@ -49,7 +49,7 @@ class ModelConfig(Section):
         if self.head_dim == 0 and self.d_model % self.num_heads:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
                              f"({self.num_heads}), or set model.head_dim")
-        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
+        if self.num_heads % self.kv_heads:
             raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
                              f"({self.num_kv_heads})")
         if self.head_size % 2:
