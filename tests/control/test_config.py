@@ -341,3 +341,18 @@ def test_a_vertex_tensorboard_with_its_service_account_in_the_region_is_taken():
     cfg = config_from_dict(with_(target="vertex", vertex__tensorboard=board,
                                  vertex__service_account="trainer@my-project.iam.gserviceaccount.com"))
     assert cfg.vertex.tensorboard == board
+
+
+def test_both_halves_word_an_error_alike(tmp_path):
+    """The control plane's config and the trainer's share one translator (trainer.schema.explain)."""
+    from trainer import config as trainer_config
+
+    problems = dict(problems_of(with_(dry_run={"devices": 0, "steps": "many"}), tmp_path))
+    assert problems["dry_run.devices"] == "must be at least 1, got 0"
+    with pytest.raises(trainer_config.ConfigError) as err:
+        trainer_config.load_config("tiny", ["data.global_batch_size=0"])
+    assert str(err.value) == "data.global_batch_size " + problems["dry_run.devices"]
+    with pytest.raises(trainer_config.ConfigError) as err:
+        trainer_config.load_config("tiny", ["train.steps=many"])
+    assert str(err.value) == "train.steps " + problems["dry_run.steps"] == "train.steps must be an integer, got 'many'"
+

@@ -171,3 +171,20 @@ def test_an_empty_section_takes_the_defaults_and_numbers_may_be_yaml_text(tmp_pa
     path.write_text("moe:\noptim:\n  lr: 1e-3\n")
     cfg = load_config(str(path))
     assert cfg.moe == MoEConfig() and cfg.optim.lr == 0.001
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.b1=1"], "optim.b1 must be in [0, 1), got 1"),
+    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio must be between 0 and 1, got 2"),
+    (["optim.lr=0"], "optim.lr must be positive, got 0"),
+    (["model.moe_every=-1"], "model.moe_every must be 0 or more (0: no MoE layers), got -1"),
+    (["train.seed=-1"], "train.seed must be between 0 and 2147483647 (it becomes a 32-bit PRNG key), got -1"),
+    (["data.seq_len=1"], "data.seq_len must be at least 2, got 1"),
+    (["moe.top_k=0"], "moe.top_k must be at least 1, got 0"),
+])
+def test_a_bound_is_worded_from_its_declaration(overrides, message):
+    """Whatever bound failed, the message states the whole range the field declares (Field(ge=, lt=))."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides)
+    assert str(err.value) == message
+
