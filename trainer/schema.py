@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-__all__ = ["Flag", "Integer", "NonNegative", "Number", "Positive", "Section", "explain", "invalid"]
+__all__ = ["Flag", "Integer", "NonNegative", "Number", "Positive", "Section", "did_you_mean", "explain", "invalid"]
 
 
 class Section(BaseModel):
@@ -51,6 +51,12 @@ _TYPE_ERRORS = {"int": "an integer", "bool": "true or false", "float": "a number
 def invalid(message: str) -> PydanticCustomError:
     """A validator's error in the project's words (raise it from a field or model validator)."""
     return PydanticCustomError(OWN_ERROR, message)  # type: ignore[arg-type]
+
+
+def did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
+    """"; did you mean 'CHOICE'?" for the closest of `choices` (named after `prefix`), or ""."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
 
 
 def _bounds(field: FieldInfo | None, error: Mapping[str, Any]) -> dict[str, Any]:
@@ -90,9 +96,7 @@ def explain(error: Mapping[str, Any], model_at: Callable[[tuple[Any, ...]], type
         model = model_at(loc[:-1])
         names = [name for name, field in (model.model_fields if model else {}).items() if not field.exclude]
         prefix = "".join(f"{part}." for part in loc[:-1]) if dotted else ""
-        close = difflib.get_close_matches(str(loc[-1]), names, n=1)
-        hint = f"; did you mean '{prefix}{close[0]}'?" if close else (f"; valid keys: {', '.join(names)}"
-                                                                        if names else "")
+        hint = did_you_mean(str(loc[-1]), names, prefix) or (f"; valid keys: {', '.join(names)}" if names else "")
         return f"unknown key '{prefix}{loc[-1]}'{hint}"
     if kind == "missing":
         return "missing required key"

@@ -33,13 +33,12 @@ from provision.config.shapes import (
     MAX_SLICE_COUNT,
     SYSTEM_DIRS,
     _brief,
-    _did_you_mean,
     _mesh_text,
     _positive_duration,
     _Section,
     _zone_name,
 )
-from trainer.schema import NonNegative, Positive, invalid
+from trainer.schema import NonNegative, Positive, did_you_mean, invalid
 
 
 class SliceConfig(_Section):
@@ -58,7 +57,7 @@ class SliceConfig(_Section):
     def _known_accelerator(cls, value: str) -> str:
         if value not in catalogue.ACCELERATORS:
             names = list(catalogue.ACCELERATORS)
-            raise invalid(f"unknown accelerator type {value!r}{_did_you_mean(value, names)} "
+            raise invalid(f"unknown accelerator type {value!r}{did_you_mean(value, names)} "
                         f"(v5e types: {', '.join(names)})")
         return value
 
@@ -158,7 +157,7 @@ class VertexConfig(_Section):
     def _known_machine_type(cls, value: str) -> str:
         names = list(catalogue.VERTEX_MACHINE_TOPOLOGIES)
         if value not in names:
-            raise invalid(f"unknown Vertex machine type {value!r}{_did_you_mean(value, names)} "
+            raise invalid(f"unknown Vertex machine type {value!r}{did_you_mean(value, names)} "
                         f"(v5e machine types: {', '.join(names)})")
         return value
 

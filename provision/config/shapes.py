@@ -5,7 +5,6 @@ provision/config/loading.py reports under the dotted key."""
 
 from __future__ import annotations
 
-import difflib
 import re
 from datetime import timedelta
 from typing import Any
@@ -94,11 +93,6 @@ def _brief(value: Any, width: int = 80) -> str:
     """repr() of a value from the file, cut short: a message names it, it does not print it all."""
     text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
-
-
-def _did_you_mean(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _mesh_text(value: str) -> str:
