@@ -46,15 +46,6 @@ class AcceleratorType:
     def multi_host(self) -> bool:
         return self.vms > 1
 
-    @property
-    def peak_bf16_flops(self) -> float:
-        """Peak bf16 FLOP/s of the whole slice."""
-        return self.chips * self.peak_bf16_tflops_per_chip * 1e12
-
-    @property
-    def hbm_gib(self) -> float:
-        return self.chips * self.hbm_gib_per_chip
-
 
 def _v5e(name: str, topology: str, chips: int, vms: int, vertex_machine_type: str) -> AcceleratorType:
     return AcceleratorType(
@@ -149,6 +140,12 @@ def accelerator_for_machine(machine_type: str, tpu_topology: str = "") -> Accele
 # from its start to its end, STANDARD and FLEX_START at the on-demand rate (an upper bound for
 # FLEX_START), SPOT at the spot rate.
 CAPACITY_OF_VERTEX_STRATEGY = {"STANDARD": "on-demand", "FLEX_START": "on-demand", "SPOT": "spot"}
+
+# Vertex AI CustomJob states (google.cloud.aiplatform.v1.JobState) a job is still live in, and ends in.
+VERTEX_JOB_ACTIVE = frozenset({"JOB_STATE_QUEUED", "JOB_STATE_PENDING", "JOB_STATE_RUNNING", "JOB_STATE_CANCELLING",
+                               "JOB_STATE_UPDATING", "JOB_STATE_PAUSED"})
+VERTEX_JOB_TERMINAL = frozenset({"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED",
+                                 "JOB_STATE_PARTIALLY_SUCCEEDED"})
 
 
 def price_per_chip_hour(capacity: str) -> float:

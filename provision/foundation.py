@@ -2,14 +2,14 @@
 
 terraform/outputs.tf names each output after the config key it fills: `project`, `zones`,
 `slice_service_account` for slice.service_account, `image_repository` for image.repository.
-The starter config gets those values in place, its comments kept; `trainer_output_dir` is the
-runs' directory, and the run's own directory below it becomes trainer.output_dir.
+The starter config's template (templates/moe-tpu.yaml.j2) is rendered with those values, its
+comments kept; `trainer_output_dir` is the runs' directory, and the run's own directory below it
+becomes trainer.output_dir.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -87,51 +87,6 @@ def config_text(outputs: dict[str, Any], source: Path | str) -> str:
     run = keys.get("run") or yaml.safe_load(starter_config())["run"]
     for key in _RUN_DIRECTORIES & keys.keys():
         keys[key] = f"{str(keys[key]).rstrip('/')}/{run}"
-    text = _set_keys(starter_config(), keys)
+    text = starter_config(keys)
     config_from_dict(yaml.safe_load(text), source)
     return text
-
-
-def _set_keys(text: str, keys: dict[str, Any]) -> str:
-    """`text` (YAML) with each dotted key set to its value: in place where the key is, else added
-    at the end of its section (replacing a commented-out example of it). Comments stay."""
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
-    edits: list[tuple[int, int, str]] = []
-    added: list[str] = []
-    for dotted, value in keys.items():
-        *parents, key = dotted.split(".")
-        mapping = _mapping_at(root, parents)
-        flow = json.dumps(value, ensure_ascii=False)  # JSON is valid YAML, scalars and lists alike
-        node = _value_node(mapping, key) if mapping is not None else None
-        if node is not None:
-            edits.append((node.start_mark.index, node.end_mark.index, flow))
-        elif mapping is not None and mapping.value:
-            first_key, last_value = mapping.value[0][0], mapping.value[-1][1]
-            at = text.find("\n", last_value.end_mark.index)
-            at = len(text) if at < 0 else at
-            edits.append((at, at, f"\n{' ' * first_key.start_mark.column}{key}: {flow}"))
-            added.append(key)
-        else:
-            edits.append((len(text), len(text), f"{parents[0]}:\n  {key}: {flow}\n" if parents
-                          else f"{key}: {flow}\n"))
-    for start, end, new in sorted(edits, reverse=True):
-        text = text[:start] + new + text[end:]
-    for key in added:  # the commented-out example of a key that is now set
-        text = re.sub(rf"(?m)^ +# {re.escape(key)}: .*\n", "", text, count=1)
-    return text
-
-
-def _mapping_at(root: Any, parents: list[str]) -> Any:
-    node = root
-    for part in parents:
-        node = _value_node(node, part)
-        if not isinstance(node, yaml.MappingNode):
-            return None
-    return node if isinstance(node, yaml.MappingNode) else None
-
-
-def _value_node(mapping: Any, key: str) -> Any:
-    for key_node, value_node in mapping.value:
-        if key_node.value == key:
-            return value_node
-    return None

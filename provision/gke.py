@@ -182,10 +182,8 @@ def _pool_in_zone(cfg, session, console, project: str, spec, renderer, existing:
                     raise
                 except CloudError as exc:
                     if exc.message.startswith("gave up waiting"):
-                        from provision.config import duration_text as config_duration
-
                         raise StockoutError(f"node pool {spec.name} was not made within slice.max_wait "
-                                            f"({config_duration(cfg.slice.max_wait)})") from exc
+                                            f"({format_duration(cfg.slice.max_wait, exact=True)})") from exc
                     pool = session.container.get_node_pool(name)
                     if pool is None or pool.status.name != "ERROR":
                         raise

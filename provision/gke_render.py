@@ -104,6 +104,7 @@ class ClusterSpec:
     network: str
     subnetwork: str | None
     labels: dict[str, str]
+    oauth_scopes: tuple[str, ...] = (CLOUD_PLATFORM_SCOPE,)  # the default pool's (system pods)
 
 
 @dataclass(frozen=True)

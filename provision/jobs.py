@@ -11,10 +11,8 @@ from provision.errors import CloudError, UsageError
 from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
 from provision.waiting import format_duration, poll
 
-ACTIVE_STATES = {"JOB_STATE_QUEUED", "JOB_STATE_PENDING", "JOB_STATE_RUNNING", "JOB_STATE_CANCELLING",
-                 "JOB_STATE_UPDATING", "JOB_STATE_PAUSED"}
-TERMINAL_STATES = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED",
-                   "JOB_STATE_PARTIALLY_SUCCEEDED"}
+ACTIVE_STATES = catalogue.VERTEX_JOB_ACTIVE
+TERMINAL_STATES = catalogue.VERTEX_JOB_TERMINAL
 
 
 def region_parent(project: str, region: str) -> str:

@@ -23,6 +23,7 @@ from provision.errors import ConfigError, Problem
 from provision.image import TRAINER_COMMAND
 from provision.resources import MANAGED_BY, RUN_LABEL, resolve_project
 from provision.templates import render, where
+from trainer import status as trainer_status
 
 QUEUED_RESOURCE_TEMPLATE = "queued_resource.yaml.j2"
 STARTUP_TEMPLATE = "startup.sh.j2"
@@ -144,6 +145,9 @@ class StartupSpec:
     guest_fields: tuple[tuple[str, str], ...]
     # An absolute local trainer.output_dir, mounted at the same path (None: gs:// or relative).
     output_mount: str | None
+    # The watcher's final state by the trainer's exit code, and for any other code (trainer/status.py).
+    final_states: tuple[tuple[int, str], ...] = tuple(trainer_status.STATE_OF_EXIT.items())
+    failed_state: str = trainer_status.FAILED
 
     @property
     def trainer_args(self) -> tuple[str, ...]:
@@ -168,10 +172,8 @@ class QueuedResourceSpec:
 
     config: Config
     accelerator: catalogue.AcceleratorType
-    project: str
     zone: str
     parent: str
-    queued_resource_id: str
     node_id: str
     multislice: bool
     node_count: int
@@ -242,8 +244,8 @@ def queued_resource_spec(cfg: Config, zone: str, renderer: Renderer | None = Non
     if reservation and "/" not in reservation:
         reservation = f"{parent(cfg, zone, project)}/reservations/{reservation}"
     return QueuedResourceSpec(
-        config=cfg, accelerator=cfg.accelerator_type(), project=_project(cfg, project), zone=zone,
-        parent=parent(cfg, zone, project), queued_resource_id=queued_resource_id(cfg), node_id=node_id(cfg),
+        config=cfg, accelerator=cfg.accelerator_type(), zone=zone,
+        parent=parent(cfg, zone, project), node_id=node_id(cfg),
         multislice=cfg.slice.count > 1, node_count=cfg.slice.count, labels=labels(cfg),
         reservation_name=reservation, max_wait_seconds=int(cfg.slice.max_wait.total_seconds()),
         startup_script=startup_script(cfg, renderer),

@@ -256,8 +256,6 @@ def slice_up(cfg, session, console, renderer=None, attempt: int = 0, recreate: b
     request id, so the API never answers a new create with an earlier incarnation's operation.
     `recreate` deletes a queued resource of the run that no longer matches the config instead of
     failing on it."""
-    from provision.config import duration_text as config_duration
-
     check_zones_offer(cfg, session)
     project = project_of(cfg, session)
     tried: list[str] = []
@@ -273,7 +271,7 @@ def slice_up(cfg, session, console, renderer=None, attempt: int = 0, recreate: b
         timed_out = expired(qr, session.clock.now())
         if state == "FAILED" and (timed_out or code in STOCKOUT_CODES):
             # In the config's own syntax (its parser's inverse), as the user wrote it.
-            why = (f"not provisioned within slice.max_wait ({config_duration(cfg.slice.max_wait)})"
+            why = (f"not provisioned within slice.max_wait ({format_duration(cfg.slice.max_wait, exact=True)})"
                    if timed_out else "no capacity")
             tried.append(f"{zone} ({why})")
             console.warn(f"{why} in {zone}: {message}")

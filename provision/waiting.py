@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 from provision.errors import CloudError
@@ -77,9 +78,12 @@ def poll(fetch: Callable[[], T], done: Callable[[T], bool], clock, *, timeout_s:
         interval = min(interval * policy.factor, policy.cap_s)
 
 
-def format_duration(seconds: float, *, exact: bool = False) -> str:
-    """Seconds for people: "1h05m", "3m04s", "42s" (to the minute past an hour). `exact`: the config
-    file's syntax, every unit that is not zero ("1h5m", "90s" -> "1m30s"), which parse_duration reads back."""
+def format_duration(seconds: float | timedelta, *, exact: bool = False) -> str:
+    """Seconds (or a timedelta) for people: "1h05m", "3m04s", "42s" (to the minute past an hour). `exact`:
+    the config file's syntax, every unit that is not zero ("1h5m", "90s" -> "1m30s"), which
+    provision.config.parse_duration reads back."""
+    if isinstance(seconds, timedelta):
+        seconds = seconds.total_seconds()
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)

@@ -19,7 +19,17 @@ import time
 import click
 
 from trainer.config import MAX_SEED, NAMED_CONFIGS
-from trainer.status import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, RunStatus, StatusError
+from trainer.status import (
+    EXIT_FAILED,
+    EXIT_FINISHED,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    FAILED,
+    FINISHED,
+    STOPPED,
+    RunStatus,
+    StatusError,
+)
 
 EXIT_RUNTIME = EXIT_FAILED
 __all__ = ["EXIT_FINISHED", "EXIT_RUNTIME", "EXIT_STOPPED", "EXIT_USAGE", "main", "train_command"]
@@ -91,20 +101,20 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
         result = _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume,
                         metrics_path, seed, profile_steps)
     except click.ClickException as e:
-        status.end("failed", e.exit_code, e.format_message())
+        status.end(FAILED, e.exit_code, e.format_message())
         raise
     except KeyboardInterrupt:  # before the loop's own handler is in place
-        status.end("failed", EXIT_RUNTIME, "interrupted")
+        status.end(FAILED, EXIT_RUNTIME, "interrupted")
         raise
     except Exception as e:  # only with MOE_TRAIN_DEBUG=1, which shows the traceback
-        status.end("failed", EXIT_RUNTIME, f"{type(e).__name__}: {e}")
+        status.end(FAILED, EXIT_RUNTIME, f"{type(e).__name__}: {e}")
         raise
     finally:
         _release_output_dir()
     if result.stopped_by_signal:
-        status.end("stopped", EXIT_STOPPED, step=result.step)
+        status.end(STOPPED, EXIT_STOPPED, step=result.step)
         ctx.exit(EXIT_STOPPED)
-    status.end("finished", EXIT_FINISHED, step=result.step)
+    status.end(FINISHED, EXIT_FINISHED, step=result.step)
 
 
 def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,

@@ -16,12 +16,11 @@ from typing import Any, Literal, Self
 
 import pydantic
 import yaml
-from pydantic import field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, field_validator, model_validator
 
 from trainer import safeyaml
 from trainer.moe.config import MoEConfig
-from trainer.schema import Flag, Integer, Number, Section
+from trainer.schema import Flag, Integer, NonNegative, Number, Positive, Section, explain, invalid
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
@@ -31,14 +30,15 @@ class ConfigError(ValueError):
 
 
 class ModelConfig(Section):
-    vocab_size: Integer = 256
-    d_model: Integer = 64
-    num_layers: Integer = 2
-    num_heads: Integer = 4
-    num_kv_heads: Integer = 0  # 0: as many as num_heads (plain multi-head attention)
-    head_dim: Integer = 0  # 0: d_model // num_heads
-    d_ff: Integer = 256  # hidden size of the dense gated FFN layers
-    moe_every: Integer = 2  # layer i is MoE when (i + 1) % moe_every == 0; 0: no MoE layers
+    vocab_size: Positive = 256
+    d_model: Positive = 64
+    num_layers: Positive = 2
+    num_heads: Positive = 4
+    num_kv_heads: NonNegative = 0  # 0: as many as num_heads (plain multi-head attention)
+    head_dim: NonNegative = 0  # 0: d_model // num_heads
+    d_ff: Positive = 256  # hidden size of the dense gated FFN layers
+    # layer i is MoE when (i + 1) % moe_every == 0; 0: no MoE layers
+    moe_every: NonNegative = Field(2, description="0: no MoE layers")
     rope_theta: Number = 10_000.0
     norm_eps: Number = 1e-6
     tie_embeddings: Flag = False
@@ -46,15 +46,10 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _valid(self) -> Self:
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be at least 1, got {getattr(self, name)}")
-        if self.moe_every < 0:
-            raise ValueError(f"model.moe_every must be 0 (no MoE) or more, got {self.moe_every}")
         if self.head_dim == 0 and self.d_model % self.num_heads:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
                              f"({self.num_heads}), or set model.head_dim")
-        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
+        if self.num_heads % self.kv_heads:
             raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
                              f"({self.num_kv_heads})")
         if self.head_size % 2:
@@ -79,65 +74,45 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     source: Literal["synthetic", "text", "tokens", "records"] = "synthetic"
-    seq_len: Integer = 64
-    global_batch_size: Integer = 16
+    seq_len: Integer = Field(64, ge=2)
+    global_batch_size: Positive = 16
     path: str = ""  # text: a glob of local files; tokens: a .npy or raw .bin file; records: a prepared dataset
     # directory (manifest.json + ArrayRecord shards, from `python -m trainer.prepare`); local or gs://
     eval_path: str = ""  # evaluation data of the same kind as data.path (tokens, records or text)
-    eval_share: Number = 0.0  # or hold out this share of data.path's records (tokens, records) for evaluation
+    # or hold out this share of data.path's records (tokens, records) for evaluation
+    eval_share: Number = Field(0.0, ge=0, lt=1)
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # raw .bin token files
-    synthetic_vocab: Integer = 32  # states of the Markov source (token ids 0..synthetic_vocab-1)
-    synthetic_branching: Integer = 4  # successors per state with non-zero probability
-    synthetic_concentration: Number = 1.0  # Dirichlet concentration of each state's successor weights
+    synthetic_vocab: Positive = 32  # states of the Markov source (token ids 0..synthetic_vocab-1)
+    synthetic_branching: Positive = 4  # successors per state with non-zero probability
+    # Dirichlet concentration of each state's successor weights
+    synthetic_concentration: Number = Field(1.0, gt=0)
 
     @model_validator(mode="after")
     def _valid(self) -> Self:
-        if self.seq_len < 2:
-            raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
-        if self.global_batch_size < 1:
-            raise ValueError(f"data.global_batch_size must be at least 1, got {self.global_batch_size}")
         if self.source in ("text", "tokens") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path (set it with --set data.path=...)")
-        if not 0 <= self.eval_share < 1:
-            raise ValueError(f"data.eval_share must be in [0, 1), got {self.eval_share}")
         if self.eval_share and self.eval_path:
             raise ValueError("set data.eval_path or data.eval_share, not both")
         if self.eval_share and self.source in ("synthetic", "text"):
             raise ValueError(f"data.source={self.source} has no records to hold out; set data.eval_path instead"
                              if self.source == "text" else "synthetic data is evaluated on fresh samples: "
                              "leave data.eval_share at 0")
-        if not 1 <= self.synthetic_branching <= self.synthetic_vocab:
+        if self.synthetic_branching > self.synthetic_vocab:
             raise ValueError(f"data.synthetic_branching must be between 1 and data.synthetic_vocab "
                              f"({self.synthetic_vocab}), got {self.synthetic_branching}")
-        if self.synthetic_concentration <= 0:
-            raise ValueError(f"data.synthetic_concentration must be positive, got {self.synthetic_concentration}")
         return self
 
 
 class OptimConfig(Section):
-    lr: Number = 3e-3
-    warmup_steps: Integer = 10
-    decay_steps: Integer = 0  # 0: decay over the run's --steps
-    min_lr_ratio: Number = 0.1
-    weight_decay: Number = 0.1
-    b1: Number = 0.9
-    b2: Number = 0.95
-    eps: Number = 1e-8
-    clip_norm: Number = 1.0  # 0: no clipping
-
-    @model_validator(mode="after")
-    def _valid(self) -> Self:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be positive, got {self.lr}")
-        for name in ("warmup_steps", "decay_steps", "weight_decay", "eps", "clip_norm"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"optim.{name} must not be negative, got {getattr(self, name)}")
-        for name in ("b1", "b2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        return self
+    lr: Number = Field(3e-3, gt=0)
+    warmup_steps: NonNegative = 10
+    decay_steps: NonNegative = 0  # 0: decay over the run's --steps
+    min_lr_ratio: Number = Field(0.1, ge=0, le=1)
+    weight_decay: Number = Field(0.1, ge=0)
+    b1: Number = Field(0.9, ge=0, lt=1)
+    b2: Number = Field(0.95, ge=0, lt=1)
+    eps: Number = Field(1e-8, ge=0)
+    clip_norm: Number = Field(1.0, ge=0)  # 0: no clipping
 
 
 # Seeds become 32-bit PRNG keys and numpy generators: past this, jax cannot take them.
@@ -145,14 +120,14 @@ MAX_SEED = 2**31 - 1
 
 
 class TrainConfig(Section):
-    steps: Integer = 200
-    seed: Integer = 0
-    log_every: Integer = 1
-    checkpoint_every: Integer = 100
-    keep_checkpoints: Integer = 3
+    steps: NonNegative = 200
+    seed: Integer = Field(0, ge=0, le=MAX_SEED, description="it becomes a 32-bit PRNG key")
+    log_every: Positive = 1
+    checkpoint_every: Positive = 100
+    keep_checkpoints: Positive = 3
     fsdp: Flag = False  # shard the non-expert weights' embed axis over the data axis
-    eval_every: Integer = 0  # evaluate every N steps (and at the last step); 0: never
-    eval_batches: Integer = 4  # global batches per evaluation (the same ones every time)
+    eval_every: NonNegative = 0  # evaluate every N steps (and at the last step); 0: never
+    eval_batches: Positive = 4  # global batches per evaluation (the same ones every time)
     profile_steps: tuple[Integer, Integer] | None = None  # [A, B]: a jax profiler trace of steps A..B (1-based)
     # in OUTPUT_DIR/profile, as --profile-steps A:B does
     tensorboard: Flag = True  # event files in OUTPUT_DIR/tensorboard (or $AIP_TENSORBOARD_LOG_DIR)
@@ -160,32 +135,20 @@ class TrainConfig(Section):
     @field_validator("profile_steps", mode="before")
     @classmethod
     def _steps_range(cls, value: Any) -> Any:
-        # (errors of their own kind: describe() words them "train.profile_steps: ...")
+        # (errors of our own kind: describe() words them "train.profile_steps: ...")
         if isinstance(value, str):
             try:
                 return parse_steps_range(value)
             except ValueError as e:
-                raise PydanticCustomError("steps_range", str(e)) from None
+                raise invalid(str(e)) from None
         if isinstance(value, int) and not isinstance(value, bool):  # YAML 1.1 reads 3:5 as 185
-            raise PydanticCustomError("steps_range", "expected [A, B] (YAML reads A:B unquoted as a number), "
-                                      "got {value}", {"value": value})
+            raise invalid(f"expected [A, B] (YAML reads A:B unquoted as a number), got {value}")
         return value
 
     @model_validator(mode="after")
     def _valid(self) -> Self:
-        if self.eval_every < 0 or self.eval_batches < 1:
-            raise ValueError(f"train.eval_every must be 0 or more and train.eval_batches at least 1, got "
-                             f"{self.eval_every} and {self.eval_batches}")
         if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
             raise ValueError(f"train.profile_steps must be [A, B] with 1 <= A <= B, got {list(self.profile_steps)}")
-        if self.steps < 0:
-            raise ValueError(f"train.steps must not be negative, got {self.steps}")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"train.seed must be between 0 and {MAX_SEED} (it becomes a 32-bit PRNG key), "
-                             f"got {self.seed}")
-        for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
         return self
 
 
@@ -329,25 +292,25 @@ def _set_path(raw: dict, key: str, value: Any) -> None:
 
 
 def describe(error: Any) -> str:
-    """One pydantic error in the project's words, naming the dotted key."""
+    """One pydantic error in the project's words (trainer.schema.explain), naming the dotted key first."""
     loc = tuple(str(part) for part in error["loc"])
-    key, kind, value = ".".join(loc), error["type"], error.get("input")
-    if kind == "extra_forbidden":
-        fields = list(_section(loc[:-1]).model_fields)
-        prefix = "".join(f"{part}." for part in loc[:-1])
-        close = difflib.get_close_matches(loc[-1], fields, n=1)
-        hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
-        return f"unknown config key '{key}'{hint}"
-    if kind == "value_error":
+    key = ".".join(loc)
+    if error["type"] == "value_error":
         return f"invalid config: {_qualify(str(error['ctx']['error']), loc)}"
-    if kind == "literal_error":
-        return f"{key} must be one of {error['ctx']['expected']}; got {value!r}"
-    what = _TYPE_ERRORS.get(kind.removesuffix("_parsing").removesuffix("_type").removesuffix("_from_float"))
-    return f"{key or 'the config'} must be {what}, got {value!r}" if what else f"{key}: {error['msg']}"
+    text = explain(error, _section_or_none, dotted=True)
+    if error["type"] == "extra_forbidden":
+        return text
+    if text.startswith("must be "):
+        return f"{key or 'the config'} {text}"
+    return f"{key}: {text}"
 
 
-_TYPE_ERRORS = {"int": "an integer", "bool": "true or false", "float": "a number", "finite_number": "a finite number",
-                "string": "a string", "model": "a mapping", "dict": "a mapping"}
+def _section_or_none(loc: tuple[str, ...]) -> type[Section] | None:
+    try:
+        cls = _section(tuple(str(part) for part in loc))
+    except (KeyError, AttributeError):
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, Section) else None
 
 
 def _section(loc: tuple[str, ...]) -> type[Section]:

@@ -88,12 +88,6 @@ def counts_of(cfg: Config) -> ParamCounts:
     return count_params(param_inventory(cfg), cfg)
 
 
-def param_counts(cfg: Config) -> dict[str, int]:
-    """Total parameters and the parameters one token passes through ("active")."""
-    counts = counts_of(cfg)
-    return {"total": counts.total, "active": counts.active}
-
-
 def flops_per_token(cfg: Config) -> float:
     """Training FLOPs per token of the model `cfg` builds."""
     return model_flops_per_token(counts_of(cfg), cfg)

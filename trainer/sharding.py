@@ -15,7 +15,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "expert")
+from trainer.meshspec import MESH_AXES, mesh_size, parse_mesh  # noqa: F401 - the mesh text, read once
+
 BATCH_AXES = ("data", "expert")
 
 # Logical name -> mesh axis (or axes, or None: replicated).
@@ -86,44 +87,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def activation_spec(mesh: Mesh | None) -> NamedSharding | None:
     return None if mesh is None else NamedSharding(mesh, P(BATCH_AXES, None, None))
-
-
-def parse_mesh(text: str | None, num_devices: int) -> dict[str, int]:
-    """`data=D,expert=E` -> {"data": D, "expert": E}; default all devices on data. Raises ValueError."""
-    if not text:
-        return {"data": num_devices, "expert": 1}
-    given = _mesh_axes(text)
-    if "data" not in given:
-        given["data"] = num_devices // given.get("expert", 1)
-    shape = {"data": given["data"], "expert": given.get("expert", 1)}
-    if shape["data"] * shape["expert"] != num_devices:
-        raise ValueError(f"--mesh data={shape['data']},expert={shape['expert']} needs "
-                         f"{shape['data'] * shape['expert']} devices, but there are {num_devices}")
-    return shape
-
-
-def mesh_size(text: str | None) -> int | None:
-    """The device count a `--mesh` asks for; None when it leaves data to fill the devices."""
-    given = _mesh_axes(text) if text else {}
-    return given["data"] * given.get("expert", 1) if "data" in given else None
-
-
-def _mesh_axes(text: str) -> dict[str, int]:
-    given: dict[str, int] = {}
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or key not in MESH_AXES:
-            raise ValueError(f"--mesh expects data=D,expert=E; got '{text}'")
-        if key in given:
-            raise ValueError(f"--mesh names '{key}' twice")
-        try:
-            given[key] = int(value)
-        except ValueError:
-            raise ValueError(f"--mesh {key} must be an integer, got '{value}'") from None
-        if given[key] < 1:
-            raise ValueError(f"--mesh {key} must be at least 1")
-    return given
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

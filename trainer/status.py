@@ -24,6 +24,12 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_STOPPED = 143  # 128 + SIGTERM: stopped (checkpoint saved), not finished; run again to continue
 
+# The states of the status file, which the control plane reads back (and the guest attributes carry).
+STARTING, RUNNING, FINISHED, STOPPED, FAILED = "starting", "running", "finished", "stopped", "failed"
+ENDED = (FINISHED, STOPPED, FAILED)
+# The state an exit code means; any other code is FAILED.
+STATE_OF_EXIT = {EXIT_FINISHED: FINISHED, EXIT_STOPPED: STOPPED}
+
 
 class StatusError(OSError):
     """A status or metrics file that cannot be written; the message names the path."""
@@ -65,7 +71,7 @@ class RunStatus:
     def __init__(self, paths: Iterable[str] = (), *, remote_every_s: float = 10.0,
                  warn: Callable[[str], None] | None = None, clock: Callable[[], float] = time.time):
         self.paths: list[str] = []
-        self.record: dict[str, Any] = {"state": "starting", "step": 0, "total_steps": 0, "start_step": 0,
+        self.record: dict[str, Any] = {"state": STARTING, "step": 0, "total_steps": 0, "start_step": 0,
                                        "loss": None, "tokens_per_s": None, "eval_loss": None, "eval_step": None,
                                        "time": None, "exit_code": None, "error": None}
         self.remote_every_s, self.clock = remote_every_s, clock
@@ -88,7 +94,7 @@ class RunStatus:
 
     def start(self, total_steps: int) -> None:
         """Writes "starting" to every target; raises `StatusError` naming a target that cannot be written."""
-        self._set(state="starting", total_steps=total_steps)
+        self._set(state=STARTING, total_steps=total_steps)
         text = self._text()
         for path in self.paths:
             try:
@@ -103,7 +109,7 @@ class RunStatus:
 
     def running(self, step: int, loss: float | None, tokens_per_s: float | None) -> None:
         """After each logged step: local targets every time, remote ones at most every `remote_every_s`."""
-        self._set(state="running", step=step, loss=_finite(loss), tokens_per_s=_finite(tokens_per_s))
+        self._set(state=RUNNING, step=step, loss=_finite(loss), tokens_per_s=_finite(tokens_per_s))
         self._write(throttle=True)
 
     def evaluated(self, step: int, loss: float | None) -> None:
@@ -112,7 +118,7 @@ class RunStatus:
 
     def end(self, state: str, exit_code: int, error: str | None = None, step: int | None = None) -> None:
         """The final state; a target that cannot be written gets a warning, never an exception."""
-        assert state in ("finished", "stopped", "failed"), state
+        assert state in ENDED, state
         self._set(state=state, exit_code=exit_code, error=error, **({} if step is None else {"step": step}))
         self._write(throttle=False)
 

@@ -6,38 +6,38 @@ models; rules that tie two keys together (zone inside region, runtime fits accel
 run afterwards on the raw values, and a key that already failed its own rule is skipped
 there, so one mistake is reported once.
 
-Three modules: sections.py (the models and their field rules), loading.py (the file read through
+Modules: shapes.py (the shapes of names, durations and ids the rules share), sections.py (the models
+and their field rules; the gke and pathways ones in gke_sections.py), loading.py (the file read through
 the bounded YAML reader, errors translated, the rules between keys) and starter.py (what `init`
 writes). Everything is importable from here.
 """
 
 from __future__ import annotations
 
+from provision.config.gke_sections import GkeConfig, PathwaysConfig  # noqa: F401 - the config's API, one import away
 from provision.config.loading import (  # noqa: F401 - the config's API, one import away
     config_from_dict,
     load_config,
     trainer_problems,
 )
 from provision.config.sections import (  # noqa: F401 - the config's API, one import away
+    Config,
+    DryRunConfig,
+    ImageConfig,
+    RecoveryConfig,
+    SliceConfig,
+    TrainerConfig,
+    VertexConfig,
+)
+from provision.config.shapes import (  # noqa: F401 - the config's API, one import away
     _PROJECT,
     DEFAULT_CONFIG,
     MAX_DURATION,
     MAX_ID_LENGTH,
     MAX_RUN_LENGTH,
     MAX_SLICE_COUNT,
-    Config,
-    DryRunConfig,
-    GkeConfig,
-    ImageConfig,
-    PathwaysConfig,
-    RecoveryConfig,
-    SliceConfig,
-    TrainerConfig,
-    VertexConfig,
-    duration_text,
     parse_duration,
 )
 from provision.config.starter import (  # noqa: F401 - the config's API, one import away
-    STARTER,
     starter_config,
 )

@@ -11,9 +11,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from provision import catalogue
-from provision.config.sections import _SECTIONS, _ZONE, DEFAULT_CONFIG, MAX_GKE_NAME, Config, _brief, _did_you_mean
+from provision.config.gke_sections import MAX_GKE_NAME
+from provision.config.sections import _SECTIONS, Config
+from provision.config.shapes import _ZONE, DEFAULT_CONFIG, _brief
 from provision.errors import ConfigError, Problem
-from trainer import safeyaml
+from trainer import safeyaml, schema
 
 # --- loading ---------------------------------------------------------------------------
 
@@ -71,24 +73,9 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return None
 
 
-def _message(err: dict[str, Any]) -> str:
-    kind, loc = err["type"], err["loc"]
-    if kind == "extra_forbidden":
-        model = _model_at(loc[:-1])
-        names = [n for n in (model.model_fields if model else {}) if n != "source"]
-        hint = _did_you_mean(str(loc[-1]), names) or (f"; valid keys: {', '.join(names)}" if names else "")
-        return f"unknown key {loc[-1]!r}{hint}"
-    if kind == "missing":
-        return "missing required key"
-    if kind == "literal_error":
-        return f"must be one of {err['ctx']['expected']}, got {_brief(err['input'])}"
-    if kind == "model_type":
-        return f"expected a mapping of keys, got {_brief(err['input'])}"
-    if kind == "moe_tpu":
-        return err["msg"]
-    return f"{err['msg'][0].lower()}{err['msg'][1:]}, got {_brief(err['input'])}"
-
-
+def _message(err: Any) -> str:
+    """A pydantic error in the project's words (trainer.schema.explain: the trainer's config says the same)."""
+    return schema.explain(err, _model_at, show=_brief)
 
 
 def _get(raw: dict[str, Any], failed: set[str], key: str) -> Any:

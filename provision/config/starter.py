@@ -1,51 +1,48 @@
-"""The starter config `moe-tpu init` writes (tests/control/goldens/moe-tpu.yaml.golden)."""
+"""The starter config `moe-tpu init` writes: templates/moe-tpu.yaml.j2 (tests/control/goldens/moe-tpu.yaml.golden),
+and with `init --from-terraform` the same template given the foundation's values."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
+from typing import Any
 
-def starter_config() -> str:
-    """The commented YAML that `moe-tpu init` writes."""
-    return STARTER
+STARTER_TEMPLATE = "moe-tpu.yaml.j2"
 
 
-STARTER = """\
-# moe-tpu run config. Check it with `moe-tpu validate`; see every rendered request and
-# script with `moe-tpu render --out rendered/`; rehearse without a cloud account with
-# `moe-tpu --dry-run slice up`.
+@dataclass
+class StarterValues:
+    """What the starter template receives: values to write instead of its examples (dotted key -> value).
 
-project: my-project            # Google Cloud project id
-region: us-west4
-zones: [us-west4-a]            # tried in order on stockout; each must offer TPU v5e
-run: moe-demo                  # resource names and labels derive from it (lowercase, <= 50 chars)
-target: tpu-vm                 # tpu-vm (queued resource) or vertex (Vertex AI custom job)
+    The template names each key it has a line for (`value`, `given`); `rest` and `sections_left` hand it
+    the given keys it has no line for, so that none is lost."""
 
-slice:
-  accelerator: v5litepod-64    # 8x8: 16 VMs of 4 chips
-  runtime_version: v2-alpha-tpuv5-lite
-  count: 1                     # more than 1: multislice
-  capacity: spot               # on-demand | spot | reserved (reserved needs `reservation:`)
-  max_wait: 2h                 # give up queueing after this long (2h, 30m, 1h30m, 90s)
-  network: default
-  # subnetwork: my-subnet
-  # service_account: trainer@my-project.iam.gserviceaccount.com
+    values: dict[str, Any] = field(default_factory=dict)
+    written: set[str] = field(default_factory=set)
 
-vertex:                        # used when target is vertex
-  machine_type: ct5lp-hightpu-4t
-  topology: 8x8
-  scheduling: STANDARD         # STANDARD | SPOT | FLEX_START
+    def value(self, key: str, example: str) -> str:
+        """The given value as YAML (JSON is valid YAML, scalars and lists alike), else the example."""
+        self.written.add(key)
+        return json.dumps(self.values[key], ensure_ascii=False) if key in self.values else example
 
-image:
-  repository: us-west4-docker.pkg.dev/my-project/moe/trainer
-  tag: latest
+    def given(self, key: str) -> bool:
+        self.written.add(key)
+        return key in self.values
 
-trainer:
-  config: v5e-64               # a named trainer config (this one is sized for v5litepod-64), or a path
-  output_dir: gs://my-bucket/moe-demo
-  mesh: data=8,expert=8        # the device mesh; `moe-tpu plan` suggests one (unset: all chips on data)
-  # steps: 1000
-  # overrides:                 # trainer config keys, passed as `--set key=value`
-  #   moe.num_experts: 32
+    def rest(self, section: str) -> list[tuple[str, str]]:
+        """(key, YAML value) of the given keys of `section` ("": the top level) not written yet."""
+        names = [key for key in self.values if key not in self.written
+                 and (key.rpartition(".")[0] == section)]
+        return [(key.rpartition(".")[2], self.value(key, "")) for key in names]
 
-recovery:
-  max_restarts: 3              # recreate the slice at most this often after preemption
-"""
+    def sections_left(self) -> list[tuple[str, list[tuple[str, str]]]]:
+        """The sections the template has no block for, with their given keys."""
+        sections = dict.fromkeys(key.rpartition(".")[0] for key in self.values if key not in self.written)
+        return [(section, self.rest(section)) for section in sections if section]
+
+
+def starter_config(values: dict[str, Any] | None = None) -> str:
+    """The commented YAML that `moe-tpu init` writes; `values` (dotted key -> value) replace its examples."""
+    from provision.templates import render
+
+    return render(STARTER_TEMPLATE, StarterValues(dict(values or {})))

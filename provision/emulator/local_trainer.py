@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from provision import guest_attributes
+from trainer.status import ENDED
 
 RUNS_DIR = "runs"
 # Beside the output directory: the pid of the trainer that a run started, so that a re-run after a
@@ -350,7 +351,7 @@ class LocalTrainer:
         if not still_up:
             return
         final = dict(status)
-        if final.get("state") not in ("finished", "stopped", "failed"):
+        if final.get("state") not in ENDED:
             final.update(state="failed", exit_code=code, error=self._log_tail() or f"exit code {code}")
         elif final.get("state") == "failed" and not final.get("error"):
             final["error"] = self._log_tail()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from provision import catalogue
+
 SCENARIOS: tuple[str, ...] = ("happy", "stockout", "long-queue", "quota", "flaky", "preempt")
 
 CREATING_S = 10.0
@@ -54,8 +56,7 @@ LONG_QUEUE_JOB_QUEUED_S = 2 * 3600.0
 LONG_QUEUE_JOB_PENDING_S = 3600.0
 JOB_CANCELLING_S = 30.0
 JOB_DELETING_S = 10.0
-JOB_TERMINAL = ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED",
-                "JOB_STATE_PARTIALLY_SUCCEEDED")
+JOB_TERMINAL = catalogue.VERTEX_JOB_TERMINAL
 # The proto says a cancelled job gets an error with code 1 (CANCELLED); the message is unconfirmed.
 JOB_CANCELLED_ERROR = {"code": 1, "message": "CANCELED"}
 # A job that waits for capacity and gives up: code 8 (docs/api-facts.md: "later the job FAILED with code 8").

@@ -38,7 +38,6 @@ from provision.planner.estimates import (  # noqa: F401 - the planner's API, one
     chip_layout,
     collective_bytes,
     cost,
-    expert_capacity,
     ffn_activation_bytes,
     hardware_flops_per_chip,
     head_activation_bytes,
@@ -47,9 +46,9 @@ from provision.planner.estimates import (  # noqa: F401 - the planner's API, one
     mfu_ceiling,
     min_drop_fraction,
     param_bytes_per_chip,
-    parse_mesh,
     routing_groups,
     step_bounds,
+    target_mesh,
     traffic_per_chip,
 )
 from provision.planner.plan import (  # noqa: F401 - the planner's API, one import away

@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING
 from provision import catalogue
 from trainer.flops import ParamCounts
 from trainer.flops import model_flops_per_token as flops_per_token
+from trainer.meshspec import filled, mesh_axes
+from trainer.moe.config import expert_capacity
 from trainer.params import DTYPE_BYTES, ParamInfo, shard_ways
 
 if TYPE_CHECKING:
-    from trainer.config import Config as ModelConfig
+    from trainer import config as trainer_config
 
 
 GIB = 1 << 30
@@ -71,16 +73,10 @@ def mesh_options(num_experts: int, has_moe: bool, chips: int, slices: int = 1) -
     return [Mesh(data=chips // e, expert=e, slices=slices) for e in range(top, 0, -1) if top % e == 0]
 
 
-def parse_mesh(text: str, chips: int, slices: int) -> Mesh:
-    """`data=D,expert=E` (either may be left out); ValueError when it does not cover the chips."""
-    given: dict[str, int] = {}
-    for part in text.split(","):
-        key, _, value = (s.strip() for s in part.partition("="))
-        if key not in ("data", "expert") or not value.isdigit() or int(value) < 1 or key in given:
-            raise ValueError(f"--mesh expects data=D,expert=E with positive integers, got {text!r}")
-        given[key] = int(value)
-    expert = given.get("expert", chips // given["data"] if "data" in given else 1)
-    data = given.get("data", chips // expert)
+def target_mesh(text: str, chips: int, slices: int) -> Mesh:
+    """The mesh `--mesh` text gives on the target's chips (trainer/meshspec.py reads it, as the trainer
+    does); ValueError when it does not cover the chips."""
+    data, expert = filled(mesh_axes(text), chips)
     if data * expert != chips:
         raise ValueError(f"--mesh {text} covers {data * expert} chips, but the target has {chips}")
     if (chips // slices) % expert:
@@ -89,12 +85,6 @@ def parse_mesh(text: str, chips: int, slices: int) -> Mesh:
 
 
 # ----------------------------------------------------------------------------- per-chip layout
-
-
-def expert_capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: int, min_capacity: int) -> int:
-    """Slots per expert and routing group, as trainer.moe.capacity.expert_capacity counts them."""
-    capacity = math.ceil(num_tokens * top_k * capacity_factor / num_experts)
-    return max(1, min(num_tokens, max(min_capacity, capacity)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +102,12 @@ class Layout:
         return self.rows * self.seq_len
 
 
-def routing_groups(cfg: ModelConfig, mesh: Mesh) -> int:
+def routing_groups(cfg: trainer_config.Config, mesh: Mesh) -> int:
     """Groups capacity is counted in (MoEConfig.routing_groups): default one per chip's token shard."""
     return cfg.moe.routing_groups or mesh.chips
 
 
-def chip_layout(cfg: ModelConfig, mesh: Mesh) -> Layout:
+def chip_layout(cfg: trainer_config.Config, mesh: Mesh) -> Layout:
     rows = max(1, -(-cfg.data.global_batch_size // mesh.chips))
     tokens = rows * cfg.data.seq_len
     moe = cfg.moe
@@ -133,7 +123,7 @@ def chip_layout(cfg: ModelConfig, mesh: Mesh) -> Layout:
                   expert_parallel=mesh.expert > 1)
 
 
-def min_drop_fraction(layout: Layout, cfg: ModelConfig) -> float:
+def min_drop_fraction(layout: Layout, cfg: trainer_config.Config) -> float:
     """The fraction of assignments that overflow even when routing is perfectly balanced."""
     if cfg.moe.is_dropless(train=True) or cfg.moe.routing != "token_choice":
         return 0.0
@@ -152,7 +142,7 @@ def param_bytes_per_chip(params: Sequence[ParamInfo], mesh: Mesh, fsdp: bool) ->
     return sum(p.nbytes // shard_ways(p.axes, p.shape, mesh.shape(), fsdp) for p in params)
 
 
-def attention_activation_bytes(cfg: ModelConfig, layout: Layout) -> int:
+def attention_activation_bytes(cfg: trainer_config.Config, layout: Layout) -> int:
     """Kept for the backward pass by one attention sub-block: the residual (float32 in RMSNorm) and its
     normalised copy, q/k/v and the rotated q/k, the softmax (float32 and its compute-dtype copy), the
     attention output and its projection."""
@@ -162,7 +152,7 @@ def attention_activation_bytes(cfg: ModelConfig, layout: Layout) -> int:
     return t * m.d_model * (4 + c) + t * heads * c + probs + t * (m.num_heads * m.head_size + m.d_model) * c
 
 
-def ffn_activation_bytes(cfg: ModelConfig, layout: Layout, moe: bool) -> int:
+def ffn_activation_bytes(cfg: trainer_config.Config, layout: Layout, moe: bool) -> int:
     """Kept by one FFN sub-block. Dense: the residual pair and the gated hidden (three [T, F]).
     MoE: router logits and probabilities (float32), the expert buffers (sent, received when experts
     are spread, hidden x3, output, returned), the float32 combine, and any shared experts."""
@@ -177,13 +167,13 @@ def ffn_activation_bytes(cfg: ModelConfig, layout: Layout, moe: bool) -> int:
             + e.top_k * t * m.d_model * 4 + shared)
 
 
-def head_activation_bytes(cfg: ModelConfig, layout: Layout) -> int:
+def head_activation_bytes(cfg: trainer_config.Config, layout: Layout) -> int:
     """The final norm, and the float32 logits, their log-softmax and its gradient ([T, V] each)."""
     t = layout.tokens
     return t * cfg.model.d_model * (4 + _bytes(cfg.dtype)) + 3 * t * cfg.model.vocab_size * 4
 
 
-def activation_bytes(cfg: ModelConfig, layout: Layout, remat: bool) -> int:
+def activation_bytes(cfg: trainer_config.Config, layout: Layout, remat: bool) -> int:
     """Activations alive at the peak of the backward pass on one chip."""
     m = cfg.model
     attention = attention_activation_bytes(cfg, layout)
@@ -219,7 +209,7 @@ class Memory:
         return max(0, self.total - self.hbm)
 
 
-def memory_per_chip(params: Sequence[ParamInfo], cfg: ModelConfig, mesh: Mesh,
+def memory_per_chip(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh,
                     acc: catalogue.AcceleratorType) -> Memory:
     """Gradients are in the param dtype; AdamW keeps mu and nu in it too (optax's default)."""
     weights = param_bytes_per_chip(params, mesh, cfg.train.fsdp)
@@ -234,7 +224,7 @@ def memory_per_chip(params: Sequence[ParamInfo], cfg: ModelConfig, mesh: Mesh,
 # ----------------------------------------------------------------------------- speed
 
 
-def hardware_flops_per_chip(counts: ParamCounts, cfg: ModelConfig, layout: Layout, chips: int) -> float:
+def hardware_flops_per_chip(counts: ParamCounts, cfg: trainer_config.Config, layout: Layout, chips: int) -> float:
     """FLOPs one chip executes per step: the model's, plus the expert slots computed beyond top_k
     (capacity padding), plus the forward pass again under remat."""
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
@@ -255,7 +245,7 @@ class Traffic:
     dcn: float
 
 
-def all_to_all_bytes(cfg: ModelConfig, layout: Layout, mesh: Mesh) -> float:
+def all_to_all_bytes(cfg: trainer_config.Config, layout: Layout, mesh: Mesh) -> float:
     """Expert buffers leaving the chip: two exchanges forward, two backward (and two more under remat);
     of each buffer, the (E - 1) / E that belongs to other chips."""
     if mesh.expert <= 1:
@@ -265,7 +255,7 @@ def all_to_all_bytes(cfg: ModelConfig, layout: Layout, mesh: Mesh) -> float:
     return cfg.model.num_moe_layers * passes * layout.expert_rows * cfg.model.d_model * _bytes(cfg.dtype) * share
 
 
-def collective_bytes(params: Sequence[ParamInfo], cfg: ModelConfig, mesh: Mesh) -> tuple[float, float]:
+def collective_bytes(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh) -> tuple[float, float]:
     """(ICI, DCN) bytes per chip of the data-axis collectives: weights FSDP shards over data are
     all-gathered for the forward and backward passes (and the recompute) and their gradients
     reduce-scattered; weights replicated over data get their gradients all-reduced. Hierarchical:
@@ -288,7 +278,7 @@ def collective_bytes(params: Sequence[ParamInfo], cfg: ModelConfig, mesh: Mesh) 
     return ici, dcn
 
 
-def traffic_per_chip(params: Sequence[ParamInfo], cfg: ModelConfig, mesh: Mesh, memory: Memory) -> Traffic:
+def traffic_per_chip(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh, memory: Memory) -> Traffic:
     """HBM: the layer weights read in the forward and backward passes (again under remat) in compute
     dtype, the optimizer reading params, grads, mu, nu and writing params, mu, nu, and the kept
     activations written once and read once."""

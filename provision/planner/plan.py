@@ -25,9 +25,9 @@ from provision.planner.estimates import (
     mesh_options,
     mfu_ceiling,
     min_drop_fraction,
-    parse_mesh,
     routing_groups,
     step_bounds,
+    target_mesh,
     traffic_per_chip,
 )
 from trainer.flops import ParamCounts, count_params
@@ -36,7 +36,7 @@ from trainer.params import ParamInfo
 
 if TYPE_CHECKING:
     from provision.config import Config
-    from trainer.config import Config as ModelConfig
+    from trainer import config as trainer_config
 
 # ----------------------------------------------------------------------------- target, advice, warnings
 
@@ -72,7 +72,7 @@ def target_of(cfg: Config, accelerator: str | None = None, slices: int | None = 
     return Hardware(accelerator=acc, slices=slices or count, capacity=capacity)
 
 
-def choose_mesh(params: Sequence[ParamInfo], cfg: ModelConfig, acc: catalogue.AcceleratorType,
+def choose_mesh(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: catalogue.AcceleratorType,
                 slices: int = 1) -> tuple[Mesh, Memory]:
     """The largest expert axis (of `mesh_options`) whose memory fits; if none fits, the one that needs
     least. With FSDP a smaller expert axis leaves more data ways to shard the dense weights over."""
@@ -94,7 +94,8 @@ def choose_mesh(params: Sequence[ParamInfo], cfg: ModelConfig, acc: catalogue.Ac
     return dataclasses.replace(options[best], reason=f"expert={options[best].expert}: {reason}"), memories[best]
 
 
-def fits_on(params: Sequence[ParamInfo], cfg: ModelConfig, acc: catalogue.AcceleratorType, slices: int) -> bool:
+def fits_on(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: catalogue.AcceleratorType,
+            slices: int) -> bool:
     options = mesh_options(cfg.moe.num_experts, cfg.model.num_moe_layers > 0, acc.chips * slices, slices)
     return any(memory_per_chip(params, cfg, mesh, acc).fits for mesh in options)
 
@@ -106,14 +107,14 @@ class Advice:
     accelerator: catalogue.AcceleratorType
 
 
-def advise(params: Sequence[ParamInfo], cfg: ModelConfig, acc: catalogue.AcceleratorType) -> Advice:
+def advise(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: catalogue.AcceleratorType) -> Advice:
     by_size = sorted(catalogue.ACCELERATORS.values(), key=lambda a: a.chips)
     smallest = next((a for a in by_size if fits_on(params, cfg, a, 1)), None)
     needed = next((s for s in range(1, MAX_SLICES + 1) if fits_on(params, cfg, acc, s)), None)
     return Advice(smallest_slice=smallest, slices_needed=needed, accelerator=acc)
 
 
-def warnings_for(cfg: ModelConfig, mesh: Mesh, layout: Layout, bounds: StepBounds) -> list[str]:
+def warnings_for(cfg: trainer_config.Config, mesh: Mesh, layout: Layout, bounds: StepBounds) -> list[str]:
     """What would stop the run or waste the slice."""
     found: list[str] = []
     e, batch = cfg.moe, cfg.data.global_batch_size
@@ -155,7 +156,7 @@ def warnings_for(cfg: ModelConfig, mesh: Mesh, layout: Layout, bounds: StepBound
 @dataclasses.dataclass(frozen=True)
 class Plan:
     model_name: str
-    model: ModelConfig
+    model: trainer_config.Config
     counts: ParamCounts
     target: Hardware
     mesh: Mesh
@@ -181,7 +182,7 @@ class Plan:
         return self.tokens_per_step / self.bounds.lower_bound_s
 
 
-def make_plan(params: Sequence[ParamInfo], cfg: ModelConfig, target: Hardware, steps: int,
+def make_plan(params: Sequence[ParamInfo], cfg: trainer_config.Config, target: Hardware, steps: int,
               mesh: Mesh | None = None) -> Plan:
     """Every figure for one model on one target; `mesh` None: `choose_mesh` picks it."""
     acc = target.accelerator
@@ -202,7 +203,7 @@ def make_plan(params: Sequence[ParamInfo], cfg: ModelConfig, target: Hardware, s
     )
 
 
-def load_model_config(cfg: Config, model: str | None = None) -> ModelConfig:
+def load_model_config(cfg: Config, model: str | None = None) -> trainer_config.Config:
     """The trainer config the run would use: `trainer.config` (or `model`) with `trainer.overrides`.
     A relative path is looked up from the working directory, then beside the config file."""
     from trainer.config import load_config
@@ -241,7 +242,7 @@ def mesh_problems(cfg: Config) -> list[tuple[str, str]]:
         if not text:
             continue
         try:
-            mesh = parse_mesh(text, chips, slices)
+            mesh = target_mesh(text, chips, slices)
         except ValueError as exc:
             message = str(exc).replace("--mesh ", "mesh ").replace(f"the target has {chips}", against)
             found.append((key, f"the trainer refuses it: {message}"))
@@ -266,7 +267,7 @@ def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None =
         model_cfg = load_model_config(cfg, model)
         target = target_of(cfg, accelerator, slices)
         mesh_text = mesh_text or cfg.trainer.mesh
-        mesh = parse_mesh(mesh_text, target.chips, target.slices) if mesh_text else None
+        mesh = target_mesh(mesh_text, target.chips, target.slices) if mesh_text else None
         params = param_inventory(model_cfg)
     except (ConfigError, ValueError) as exc:
         raise UsageError(f"cannot plan {model or cfg.trainer.config}: {exc}",

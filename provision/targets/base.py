@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from provision.resources import Resource
-
-# Trainer states, as the status file and the guest attributes carry them (trainer/status.py).
-ENDED = {"finished", "failed", "stopped"}
+from trainer.status import ENDED  # noqa: F401 - the trainer's states (its status file, the guest attributes)
 
 
 @dataclass

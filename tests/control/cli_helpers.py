@@ -66,8 +66,15 @@ def changed(doc: dict, **changes) -> dict:
     return doc
 
 
-def config_from(example: Path, tmp_path: Path, **changes) -> Path:
-    """A copy of a config file with dotted__keys changed, written to tmp_path/moe-tpu.yaml."""
-    path = tmp_path / "moe-tpu.yaml"
+def config_from(example: Path, tmp_path: Path, name: str = "moe-tpu.yaml", **changes) -> Path:
+    """A copy of a config file with dotted__keys changed, written to tmp_path/NAME."""
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(changed(yaml.safe_load(example.read_text()), **changes)))
     return path
+
+
+def loaded_config(example: Path, tmp_path: Path, name: str = "moe-tpu.yaml", **changes):
+    """config_from, loaded (provision.config.load_config)."""
+    from provision.config import load_config
+
+    return load_config(config_from(example, tmp_path, name, **changes))

@@ -43,7 +43,7 @@ def test_one_entry_in_full():
 
 def test_slice_totals():
     acc = catalogue.accelerator("v5litepod-256")
-    assert (acc.peak_bf16_flops, acc.hbm_gib, acc.multi_host) == (256 * 197e12, 4096.0, True)
+    assert (acc.chips, acc.multi_host) == (256, True)
     assert catalogue.accelerator("v5litepod-8").multi_host is False
 
 

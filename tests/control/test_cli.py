@@ -18,14 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
 
 
-def moe(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_process(args, cwd, env)
+moe = run_process
 
 
 @pytest.fixture
-def workdir(tmp_path):
-    shutil.copy(EXAMPLE, tmp_path / "moe-tpu.yaml")
-    return tmp_path
+def workdir(workdir):
+    """The shared working directory (tests/control/conftest.py), with the v5e-64 example as moe-tpu.yaml."""
+    shutil.copy(EXAMPLE, workdir / "moe-tpu.yaml")
+    return workdir
 
 
 def test_dry_run_lifecycle_json_documents(workdir):

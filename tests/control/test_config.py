@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from provision.config import (
     Config,
     config_from_dict,
-    duration_text,
     load_config,
     parse_duration,
     starter_config,
 )
 from provision.errors import ConfigError, Problem
+from provision.waiting import format_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,7 @@ def test_config_is_frozen():
         "runtime version 'v2-alpha-tpuv5' does not fit v5litepod-64; use v2-alpha-tpuv5-lite, "
         "v2-tpuv5-litepod, tpu-ubuntu2204-base")],
                  id="runtime-mismatch"),
-    pytest.param(with_(slice__count=0), [("slice.count", "slice count must be at least 1, got 0")],
+    pytest.param(with_(slice__count=0), [("slice.count", "must be between 1 and 256, got 0")],
                  id="count"),
     pytest.param(with_(slice__capacity="preemptible"), [("slice.capacity",
         "must be one of 'on-demand', 'spot' or 'reserved', got 'preemptible'")], id="capacity"),
@@ -152,14 +152,14 @@ def test_config_is_frozen():
         "override 'a' must be a string, a number or true/false, got [1]")], id="override-value"),
     pytest.param(with_(trainer__overrides={"a b": 1}), [("trainer.overrides",
         "override key 'a b' must be a dotted name like model.num_experts")], id="override-key"),
-    pytest.param(with_(trainer__steps=0), [("trainer.steps", "steps must be at least 1, got 0")], id="steps"),
+    pytest.param(with_(trainer__steps=0), [("trainer.steps", "must be at least 1, got 0")], id="steps"),
     pytest.param(with_(recovery={"max_restarts": -1}), [("recovery.max_restarts",
-        "max_restarts must be 0 or more, got -1")], id="max-restarts"),
+        "must be 0 or more, got -1")], id="max-restarts"),
     pytest.param(with_(target="k8s"), [("target", "must be one of 'tpu-vm', 'vertex' or 'gke', got 'k8s'")],
                  id="target"),
     pytest.param(with_(trainer=None), [("trainer", "missing required key")], id="missing-section"),
     pytest.param(with_(region=None), [("region", "missing required key")], id="missing-key"),
-    pytest.param(with_(run=7), [("run", "input should be a valid string, got 7")], id="wrong-type"),
+    pytest.param(with_(run=7), [("run", "must be a string, got 7")], id="wrong-type"),
     pytest.param(with_(slice__acelerator="v5litepod-8"), [("slice.acelerator",
         "unknown key 'acelerator'; did you mean 'accelerator'?")], id="unknown-key-close"),
     pytest.param(with_(colour="blue"), [("colour",
@@ -173,7 +173,7 @@ def test_config_is_frozen():
         "a Vertex AI job keeps its checkpoints in Cloud Storage: use a gs:// path, not '/data/x' (a local path "
         "vanishes with the job)")], id="local-output-dir-on-vertex"),
     pytest.param(with_(vertex__timeout="soon", dry_run__mesh="2x4"), [
-        ("dry_run.mesh", "mesh '2x4' must look like data=2,expert=4"),
+        ("dry_run.mesh", "the trainer refuses it: mesh expects data=D,expert=E; got '2x4'"),
         ("vertex.timeout", "duration 'soon' must look like 2h, 30m, 90s or 1h30m")], id="vertex-and-dry-run-keys"),
 ])
 def test_each_rule_has_its_message(raw, expected, tmp_path):
@@ -200,9 +200,9 @@ def test_problem_text_names_file_and_key(tmp_path):
     path.write_text(yaml.safe_dump(with_(slice__count=0)))
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert info.value.problems == [Problem(str(path), "slice.count", "slice count must be at least 1, got 0")]
+    assert info.value.problems == [Problem(str(path), "slice.count", "must be between 1 and 256, got 0")]
     assert str(info.value) == (f"1 problem in the config:\n"
-                               f"  {path}: slice.count: slice count must be at least 1, got 0")
+                               f"  {path}: slice.count: must be between 1 and 256, got 0")
 
 
 def test_missing_file(tmp_path):
@@ -243,7 +243,7 @@ def test_not_a_mapping(text, tmp_path):
 ])
 def test_durations(text, delta):
     assert parse_duration(text) == delta
-    assert parse_duration(duration_text(delta)) == delta
+    assert parse_duration(format_duration(delta, exact=True)) == delta
     assert config_from_dict(with_(slice__max_wait=text)).slice.max_wait == delta
 
 
@@ -341,3 +341,18 @@ def test_a_vertex_tensorboard_with_its_service_account_in_the_region_is_taken():
     cfg = config_from_dict(with_(target="vertex", vertex__tensorboard=board,
                                  vertex__service_account="trainer@my-project.iam.gserviceaccount.com"))
     assert cfg.vertex.tensorboard == board
+
+
+def test_both_halves_word_an_error_alike(tmp_path):
+    """The control plane's config and the trainer's share one translator (trainer.schema.explain)."""
+    from trainer import config as trainer_config
+
+    problems = dict(problems_of(with_(dry_run={"devices": 0, "steps": "many"}), tmp_path))
+    assert problems["dry_run.devices"] == "must be at least 1, got 0"
+    with pytest.raises(trainer_config.ConfigError) as err:
+        trainer_config.load_config("tiny", ["data.global_batch_size=0"])
+    assert str(err.value) == "data.global_batch_size " + problems["dry_run.devices"]
+    with pytest.raises(trainer_config.ConfigError) as err:
+        trainer_config.load_config("tiny", ["train.steps=many"])
+    assert str(err.value) == "train.steps " + problems["dry_run.steps"] == "train.steps must be an integer, got 'many'"
+

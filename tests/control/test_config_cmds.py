@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from cli_helpers import invoke as moe
 
 from provision.config import starter_config
@@ -33,6 +34,20 @@ def test_the_starter_is_its_golden(workdir):
     if os.environ.get("MOE_TPU_UPDATE_GOLDENS") == "1":
         golden.write_text((workdir / "moe-tpu.yaml").read_text())
     assert (workdir / "moe-tpu.yaml").read_text() == golden.read_text()
+
+
+def test_the_starter_takes_values_in_place_and_keeps_its_comments():
+    values = {"project": "acme-ml", "slice.subnetwork": "tpu-net",
+              "vertex.service_account": "a@b.iam.gserviceaccount.com", "trainer.steps": 5, "dry_run.steps": 3,
+              "zones": ["us-west4-b"]}
+    text = starter_config(values)
+    assert 'project: "acme-ml"            # Google Cloud project id\n' in text
+    assert '  subnetwork: "tpu-net"\n' in text and "# subnetwork:" not in text and "  # service_account: " in text
+    assert "\n  steps: 5\n" in text and "# steps: 1000" not in text
+    raw = yaml.safe_load(text)
+    assert raw["vertex"]["service_account"] == "a@b.iam.gserviceaccount.com" and raw["dry_run"] == {"steps": 3}
+    assert raw["zones"] == ["us-west4-b"] and raw["slice"]["accelerator"] == "v5litepod-64"
+    assert starter_config({}) == starter_config() == (GOLDENS / "moe-tpu.yaml.golden").read_text()
 
 
 def uncommented(text: str) -> str:

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_process
+from cli_helpers import loaded_config, run_process
 
 from provision import gke_render
-from provision.config import load_config
 from provision.errors import CloudError, QuotaError, StockoutError, UsageError
 from provision.gke import cluster_of, gke_down, gke_status, gke_up, managed_gke, submit_jobset
 
@@ -25,16 +24,7 @@ CREATE_POOL = "google.container.v1.ClusterManager/CreateNodePool"
 
 
 def make_config(tmp_path: Path, example: Path = PATHWAYS, name: str = "moe-tpu.yaml", **changes):
-    doc = yaml.safe_load(example.read_text())
-    for dotted, value in changes.items():
-        *parents, last = dotted.split("__")
-        node = doc
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(doc))
-    return load_config(path)
+    return loaded_config(example, tmp_path, name, **changes)
 
 
 class Emulated:

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_process
+from cli_helpers import loaded_config, run_process
 
 from provision.app import App
-from provision.config import load_config
 from provision.errors import CloudError, QuotaError, UsageError
 from provision.jobs import job_cancel, job_submit, job_wait, jobs_down, managed_jobs
 
@@ -26,15 +25,7 @@ CREATE = "google.cloud.aiplatform.v1.JobService/CreateCustomJob"
 
 
 def make_config(tmp_path: Path, name: str = "moe-tpu.yaml", **top):
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc.update(top)
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(doc))
-    return load_config(path)
-
-
-def moe(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return run_process(args, cwd)
+    return loaded_config(EXAMPLE, tmp_path, name, **top)
 
 
 @pytest.fixture
@@ -125,29 +116,29 @@ def test_stockout_fails_with_code_8(tmp_path, session_in):
 def test_slice_commands_refuse_a_vertex_config_and_back(tmp_path):
     shutil.copy(EXAMPLE, tmp_path / "vertex.yaml")
     shutil.copy(ROOT / "examples" / "v5e-64.yaml", tmp_path / "slice.yaml")
-    up = moe(["--dry-run", "slice", "up", "-c", "vertex.yaml"], tmp_path)
+    up = run_process(["--dry-run", "slice", "up", "-c", "vertex.yaml"], tmp_path)
     assert up.returncode == 2 and "job submit" in up.stderr and "Traceback" not in up.stderr
-    submit = moe(["--dry-run", "job", "submit", "-c", "slice.yaml"], tmp_path)
+    submit = run_process(["--dry-run", "job", "submit", "-c", "slice.yaml"], tmp_path)
     assert submit.returncode == 2 and "slice up" in submit.stderr and "Traceback" not in submit.stderr
 
 
 def test_cli_submit_wait_then_status_down_list(tmp_path):
     shutil.copy(EXAMPLE, tmp_path / "moe-tpu.yaml")
-    sub = moe(["--dry-run", "--output", "json", "job", "submit", "--wait"], tmp_path)
+    sub = run_process(["--dry-run", "--output", "json", "job", "submit", "--wait"], tmp_path)
     assert sub.returncode == 0, sub.stderr
     doc = json.loads(sub.stdout)
     assert [c["rpc"] for c in doc["calls"]].count(CREATE) == 1
     assert doc["resources"][0]["kind"] == "custom_job" and doc["resources"][0]["state"] == "JOB_STATE_SUCCEEDED"
-    status = json.loads(moe(["--dry-run", "--output", "json", "job", "status"], tmp_path).stdout)
+    status = json.loads(run_process(["--dry-run", "--output", "json", "job", "status"], tmp_path).stdout)
     assert [r["state"] for r in status["resources"]] == ["JOB_STATE_SUCCEEDED"]
-    assert moe(["--dry-run", "down"], tmp_path).returncode == 0
-    listed = moe(["--dry-run", "--output", "json", "list"], tmp_path)
+    assert run_process(["--dry-run", "down"], tmp_path).returncode == 0
+    listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
     assert listed.returncode == 0 and json.loads(listed.stdout)["resources"] == []
 
 
 def test_quota_exits_1_naming_the_quota(tmp_path):
     shutil.copy(EXAMPLE, tmp_path / "moe-tpu.yaml")
-    out = moe(["--dry-run", "--scenario", "quota", "job", "submit"], tmp_path)
+    out = run_process(["--dry-run", "--scenario", "quota", "job", "submit"], tmp_path)
     assert out.returncode == 1 and "quota" in out.stderr and "aiplatform.googleapis.com/" in out.stderr
 
 
@@ -157,7 +148,7 @@ def test_validate_names_a_bad_machine_type_or_topology(tmp_path, change, key):
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["vertex"].update(change)
     (tmp_path / "moe-tpu.yaml").write_text(yaml.safe_dump(doc))
-    out = moe(["validate"], tmp_path)
+    out = run_process(["validate"], tmp_path)
     assert out.returncode == 2 and key in out.stderr and "Traceback" not in out.stderr
 
 
@@ -173,13 +164,13 @@ def test_killed_while_waiting_a_rerun_sends_no_second_create(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    again = moe(["--dry-run", "--output", "json", "job", "submit", "--wait"], tmp_path)
+    again = run_process(["--dry-run", "--output", "json", "job", "submit", "--wait"], tmp_path)
     assert again.returncode == 0, again.stderr
     assert [c["rpc"] for c in json.loads(again.stdout)["calls"]].count(CREATE) == 0
 
 
 def test_job_commands_exit_2_on_a_missing_config(tmp_path):
-    out = moe(["--dry-run", "job", "status", "-c", "nope.yaml"], tmp_path)
+    out = run_process(["--dry-run", "job", "status", "-c", "nope.yaml"], tmp_path)
     assert out.returncode == 2 and "nope.yaml" in out.stderr
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
+from cli_helpers import loaded_config
 
 from provision.app import App
-from provision.config import load_config
 from provision.errors import QuotaError, StockoutError
 from provision.slices import managed_resources, slice_down, slice_status, slice_up
 
@@ -17,16 +16,7 @@ CREATE = "google.cloud.tpu.v2.Tpu/CreateQueuedResource"
 
 
 def make_config(tmp_path: Path, **changes):
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    for dotted, value in changes.items():
-        node = doc
-        *parents, last = dotted.split("__")
-        for key in parents:
-            node = node[key]
-        node[last] = value
-    path = tmp_path / "moe-tpu.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return load_config(path)
+    return loaded_config(EXAMPLE, tmp_path, **changes)
 
 
 class Run:

@@ -9,17 +9,10 @@ order (batch-prioritised routing, Riquelme et al. 2021).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-
-def expert_capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: int, min_capacity: int) -> int:
-    """Slots per expert: ceil(tokens * k * capacity_factor / num_experts), at least
-    min_capacity, at most num_tokens (an expert sees a token at most once)."""
-    capacity = math.ceil(num_tokens * top_k * capacity_factor / num_experts)
-    return max(1, min(num_tokens, max(min_capacity, capacity)))
+from trainer.moe.config import expert_capacity  # noqa: F401 - counted once, where the planner reads it too
 
 
 def flatten_choices(x_TxK: jax.Array) -> jax.Array:

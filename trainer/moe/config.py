@@ -6,11 +6,20 @@ Frozen models hash by value, so a config is a static argument of jitted function
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
-from trainer.schema import Flag, Integer, Number, Section
+from trainer.schema import Flag, NonNegative, Number, Positive, Section
+
+
+def expert_capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: int, min_capacity: int) -> int:
+    """Slots per expert: ceil(tokens * k * capacity_factor / num_experts), at least
+    min_capacity, at most num_tokens (an expert sees a token at most once). Here, without jax,
+    so that the planner counts the slots the trainer's routing (trainer/moe/capacity.py) keeps."""
+    capacity = math.ceil(num_tokens * top_k * capacity_factor / num_experts)
+    return max(1, min(num_tokens, max(min_capacity, capacity)))
 
 
 class MoEConfig(Section):
@@ -22,25 +31,25 @@ class MoEConfig(Section):
     same `routing_groups` drop exactly the same assignments.
     """
 
-    num_experts: Integer = 8
-    top_k: Integer = 2
-    d_ff: Integer = 512
+    num_experts: Positive = 8
+    top_k: Positive = 2
+    d_ff: Positive = 512
     capacity_factor: Number = 1.25
     eval_capacity_factor: Number = 2.0
-    min_capacity: Integer = 4
+    min_capacity: NonNegative = 4
     routing: Literal["token_choice", "expert_choice"] = "token_choice"
     softmax_before_topk: Flag = True
     renormalize: Flag = True
-    jitter: Number = 0.0
+    jitter: Number = Field(0.0, ge=0, lt=1)
     drop_priority: Literal["probability", "position"] = "probability"
-    aux_loss_coef: Number = 0.01
-    z_loss_coef: Number = 0.001
-    num_shared_experts: Integer = 0
+    aux_loss_coef: Number = Field(0.01, ge=0)
+    z_loss_coef: Number = Field(0.001, ge=0)
+    num_shared_experts: NonNegative = 0
     # Hidden size of each shared expert; 0 means d_ff.
-    shared_d_ff: Integer = 0
+    shared_d_ff: NonNegative = 0
     # Token groups that capacity is counted in; 0 means one per token shard of the
     # mesh (data * expert devices), or 1 without a mesh.
-    routing_groups: Integer = 0
+    routing_groups: NonNegative = 0
     # "einsum" is the GShard one-hot dispatch, kept as a baseline for tests and benchmarks.
     dispatch: Literal["sort", "einsum"] = "sort"
     # Dropless token exchange: ragged_all_to_all ("ragged") or a padded all_to_all
@@ -52,7 +61,7 @@ class MoEConfig(Section):
     # Rows per block of the grouped matmul; each expert's rows are padded to a multiple.
     # 0 picks half the expected rows per expert, a power of two in [8, 512]: bigger blocks
     # run faster matmuls, smaller ones waste less padding.
-    block_rows: Integer = 0
+    block_rows: NonNegative = 0
     # Rows of the dropless exchange under expert parallelism: one per assignment, or one per
     # (token, device holding any of its experts), expanded to those experts there and their
     # outputs summed there. "auto" takes "device" with the ragged exchange (TPU/GPU) when a token
@@ -63,39 +72,23 @@ class MoEConfig(Section):
     # sigmoid and top_k > 1 the k chosen scores are normalised to sum to 1 (with renormalize).
     score: Literal["softmax", "sigmoid"] = "softmax"
     # The combine weights are multiplied by this after any normalisation.
-    route_scale: Number = 1.0
+    route_scale: Number = Field(1.0, gt=0)
     # Load balancing: the auxiliary loss, a per-expert bias on the selection scores that follows
     # the load (auxiliary-loss-free balancing, DeepSeek-V3), or both.
     balance: Literal["aux_loss", "bias", "both"] = "aux_loss"
     # Step of the bias: after every training step each expert's bias moves by this towards the
     # mean load (up when under it, down when over it).
-    bias_rate: Number = 0.001
+    bias_rate: Number = Field(0.001, ge=0)
     # Group-limited routing: the experts form expert_groups groups of num_experts / expert_groups
     # consecutive experts (0: no groups); each token picks its experts from its
     # routing_groups_limit best groups (0: all groups).
-    expert_groups: Integer = 0
-    routing_groups_limit: Integer = 0
+    expert_groups: NonNegative = 0
+    routing_groups_limit: NonNegative = 0
 
     @model_validator(mode="after")
     def _valid(self) -> MoEConfig:
-        _check(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
-        _check(self.d_ff >= 1, f"d_ff must be >= 1, got {self.d_ff}")
-        _check(
-            1 <= self.top_k <= self.num_experts,
-            f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}",
-        )
-        _check(self.min_capacity >= 0, f"min_capacity must be >= 0, got {self.min_capacity}")
-        _check(0.0 <= self.jitter < 1.0, f"jitter must be in [0, 1), got {self.jitter}")
-        _check(self.aux_loss_coef >= 0, f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
-        _check(self.z_loss_coef >= 0, f"z_loss_coef must be >= 0, got {self.z_loss_coef}")
-        _check(self.num_shared_experts >= 0, f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
-        _check(self.shared_d_ff >= 0, f"shared_d_ff must be >= 0, got {self.shared_d_ff}")
-        _check(self.routing_groups >= 0, f"routing_groups must be >= 0, got {self.routing_groups}")
-        _check(self.block_rows >= 0, f"block_rows must be >= 0, got {self.block_rows}")
-        _check(self.route_scale > 0, f"route_scale must be > 0, got {self.route_scale}")
-        _check(self.bias_rate >= 0, f"bias_rate must be >= 0, got {self.bias_rate}")
-        _check(self.expert_groups >= 0, f"expert_groups must be >= 0, got {self.expert_groups}")
-        _check(self.routing_groups_limit >= 0, f"routing_groups_limit must be >= 0, got {self.routing_groups_limit}")
+        _check(self.top_k <= self.num_experts,
+               f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         if self.expert_groups:
             _check(
                 self.num_experts % self.expert_groups == 0,
