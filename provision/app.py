@@ -14,7 +14,9 @@ from typing import Any
 from provision.console import Console
 from provision.errors import ConfigError, MoeTpuError, UsageError
 
-STATE_DIR = ".moe-tpu"
+# This machine's state, in the working directory: the remembered config, the dry run's emulated
+# world and trainer output, the image build context (a TPU VM's own: provision.rendering.VM_STATE_DIR).
+LOCAL_STATE_DIR = ".moe-tpu"
 LAST_CONFIG = "last-config"
 # A config is a few kilobytes; past this a file is not one (and is not read whole).
 MAX_CONFIG_BYTES = 64 * 1024 * 1024
@@ -53,7 +55,7 @@ class App:
     @property
     def state_dir(self) -> Path:
         """Where dry-run state lives: one emulated world per working directory."""
-        return self.workdir / STATE_DIR
+        return self.workdir / LOCAL_STATE_DIR
 
     def load_config(self, path: str, check_trainer: bool = False):
         """Load and validate the config. Without `--config` and with no moe-tpu.yaml here, the

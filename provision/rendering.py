@@ -213,7 +213,7 @@ def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
     )
 
 
-# On every TPU VM (not the dry run's .moe-tpu/ here, provision.app.STATE_DIR): the trainer's status
+# On every TPU VM (not the dry run's .moe-tpu/ here, provision.app.LOCAL_STATE_DIR): the trainer's status
 # file, the watcher and the trainer's working directory.
 VM_STATE_DIR = "/var/lib/moe-tpu"
 STATUS_FILE = f"{VM_STATE_DIR}/status.json"
