@@ -43,7 +43,7 @@ class App:
         self.calls: list[dict[str, Any]] = []
         self.command: str | None = None
         self._session = None
-        self._renderers: dict[int, Any] = {}  # id(config) -> (the config, kept alive, its Renderer)
+        self._contexts: dict[int, Any] = {}  # id(config) -> (the config, kept alive, its RunContext)
         self._emulator = None
         # dry run only: a provision.emulator.local_trainer.LocalTrainer that runs the trainer while
         # the run's slice or job is up (`run` sets it before the session opens)
@@ -118,14 +118,16 @@ class App:
             why = exc.message if isinstance(exc, UsageError) else getattr(exc, "strerror", None) or exc
             self.console.detail(f"not remembering the config in {remembered}: {why}")
 
-    def renderer(self, cfg):
-        """The templates (`--templates` first) and the image `cfg` runs, resolved once per config in
-        this invocation (without image.tag that hashes the source tree: once, here)."""
-        if id(cfg) not in self._renderers:
-            from provision.rendering import Renderer
+    def context(self, cfg=None):
+        """The command's provision.context.RunContext for `cfg` (by default the config it loaded),
+        built once per config: the templates (`--templates` first) and the image are resolved on
+        it once, and its session is this invocation's."""
+        cfg = self.config if cfg is None else cfg
+        if id(cfg) not in self._contexts:
+            from provision.context import RunContext
 
-            self._renderers[id(cfg)] = (cfg, Renderer.resolve(cfg, self.templates_dir))
-        return self._renderers[id(cfg)][1]
+            self._contexts[id(cfg)] = (cfg, RunContext(cfg, self.console, self.session, self.templates_dir))
+        return self._contexts[id(cfg)][1]
 
     def trainer_output_dir(self, cfg, train_locally: bool = False) -> str:
         """Where the run's trainer writes: trainer.output_dir, or in a dry run a directory under
@@ -236,9 +238,9 @@ class App:
         try:
             from provision.targets import for_config
 
-            session = self.session()  # the command's own may be closed already
-            found = for_config(cfg, session, self.console).left()
-            now = session.clock.now()
+            context = self.context(cfg)  # its session: the command's own may be closed already
+            found = for_config(context).left()
+            now = context.clock.now()
             return [r.as_dict(now) for r in found]
         except BaseException:  # noqa: BLE001 - interrupted again, or the cloud is gone: report what we know
             return []

@@ -168,13 +168,15 @@ class RunOutcome:
 class Runner:
     """One run of training on a target, start to end."""
 
-    def __init__(self, cfg, target: Target, session, console, *, output_dir: str, keep: bool = False,
+    def __init__(self, context, target: Target, *, output_dir: str, keep: bool = False,
                  confirm_teardown=None) -> None:
-        self.cfg = cfg
+        """`context`: the command's provision.context.RunContext (the config, the session and its
+        clock, the console); `target`: where it trains (provision.targets.for_config)."""
+        self.cfg = context.config
         self.target = target
-        self.session = session
-        self.clock = session.clock
-        self.console = console
+        self.session = context.session
+        self.clock = context.clock
+        self.console = context.console
         self.output_dir = output_dir
         self.keep = keep
         self.confirm_teardown = confirm_teardown or (lambda: True)
