@@ -3,8 +3,8 @@
 `provision.app.App.context` builds a `RunContext` for the config a command loaded: the config,
 the console, the templates (`--templates` first, then the builtin ones), the image reference the
 rendered files name, and the cloud session with its clock. The targets, `runs.Runner`, the
-slice, job and GKE lifecycles and the commands take it instead of those one by one; the
-templates directory is read here and nowhere below.
+slice, job and GKE lifecycles and the commands take it instead of those one by one; below it
+the templates directory travels only inside the renderer.
 
 The image reference and the session are resolved on first use and then kept: a command that
 renders nothing never hashes the source tree, one that renders hashes it once, and one that
