@@ -14,7 +14,9 @@ from typing import Any
 from provision.console import Console
 from provision.errors import ConfigError, MoeTpuError, UsageError
 
-STATE_DIR = ".moe-tpu"
+# This machine's state, in the working directory: the remembered config, the dry run's emulated
+# world and trainer output, the image build context (a TPU VM's own: provision.rendering.VM_STATE_DIR).
+LOCAL_STATE_DIR = ".moe-tpu"
 LAST_CONFIG = "last-config"
 # A config is a few kilobytes; past this a file is not one (and is not read whole).
 MAX_CONFIG_BYTES = 64 * 1024 * 1024
@@ -41,7 +43,7 @@ class App:
         self.calls: list[dict[str, Any]] = []
         self.command: str | None = None
         self._session = None
-        self._renderers: dict[int, Any] = {}  # id(config) -> (the config, kept alive, its Renderer)
+        self._contexts: dict[int, Any] = {}  # id(config) -> (the config, kept alive, its RunContext)
         self._emulator = None
         # dry run only: a provision.emulator.local_trainer.LocalTrainer that runs the trainer while
         # the run's slice or job is up (`run` sets it before the session opens)
@@ -53,7 +55,7 @@ class App:
     @property
     def state_dir(self) -> Path:
         """Where dry-run state lives: one emulated world per working directory."""
-        return self.workdir / STATE_DIR
+        return self.workdir / LOCAL_STATE_DIR
 
     def load_config(self, path: str, check_trainer: bool = False):
         """Load and validate the config. Without `--config` and with no moe-tpu.yaml here, the
@@ -116,14 +118,16 @@ class App:
             why = exc.message if isinstance(exc, UsageError) else getattr(exc, "strerror", None) or exc
             self.console.detail(f"not remembering the config in {remembered}: {why}")
 
-    def renderer(self, cfg):
-        """The templates (`--templates` first) and the image `cfg` runs, resolved once per config in
-        this invocation (without image.tag that hashes the source tree: once, here)."""
-        if id(cfg) not in self._renderers:
-            from provision.rendering import Renderer
+    def context(self, cfg=None):
+        """The command's provision.context.RunContext for `cfg` (by default the config it loaded),
+        built once per config: the templates (`--templates` first) and the image are resolved on
+        it once, and its session is this invocation's."""
+        cfg = self.config if cfg is None else cfg
+        if id(cfg) not in self._contexts:
+            from provision.context import RunContext
 
-            self._renderers[id(cfg)] = (cfg, Renderer.resolve(cfg, self.templates_dir))
-        return self._renderers[id(cfg)][1]
+            self._contexts[id(cfg)] = (cfg, RunContext(cfg, self.console, self.session, self.templates_dir))
+        return self._contexts[id(cfg)][1]
 
     def trainer_output_dir(self, cfg, train_locally: bool = False) -> str:
         """Where the run's trainer writes: trainer.output_dir, or in a dry run a directory under
@@ -234,9 +238,9 @@ class App:
         try:
             from provision.targets import for_config
 
-            session = self.session()  # the command's own may be closed already
-            found = for_config(cfg, session, self.console).left()
-            now = session.clock.now()
+            context = self.context(cfg)  # its session: the command's own may be closed already
+            found = for_config(context).left()
+            now = context.clock.now()
             return [r.as_dict(now) for r in found]
         except BaseException:  # noqa: BLE001 - interrupted again, or the cloud is gone: report what we know
             return []

@@ -223,12 +223,14 @@ def pools_up(cfg, session, console, renderer=None, zones: list[str] | None = Non
                         hint="add zones to `zones:`, try another capacity type, or use a reservation")
 
 
-def gke_up(cfg, session, console, renderer=None, zones: list[str] | None = None) -> list[Resource]:
-    """The cluster (created only with gke.create_cluster) and the run's node pools, all RUNNING."""
-    cluster, _ = ensure_cluster(cfg, session, console, renderer)
+def gke_up(context, zones: list[str] | None = None) -> list[Resource]:
+    """The cluster (created only with gke.create_cluster) and the run's node pools, all RUNNING
+    (provision.context.RunContext: the config, session, console and renderer)."""
+    cfg, session, console = context.config, context.session, context.console
+    cluster, _ = ensure_cluster(cfg, session, console, context.renderer)
     project = project_of(cfg, session)
     path = gke_render.cluster_path(cfg, project)
-    _, pools = pools_up(cfg, session, console, renderer, zones)
+    _, pools = pools_up(cfg, session, console, context.renderer, zones)
     resources = [_pool_resource(p, cfg.gke.location, path) for p in pools]
     if is_managed(dict(cluster.resource_labels), cfg.run):
         resources.insert(0, _cluster_resource(cluster, path))
@@ -237,13 +239,14 @@ def gke_up(cfg, session, console, renderer=None, zones: list[str] | None = None)
 
 # --- the JobSet --------------------------------------------------------------------------------------
 
-def submit_jobset(cfg, session, console, renderer=None) -> dict:
+def submit_jobset(context) -> dict:
     """Create the run's JobSet (or adopt the one this run already submitted and that still runs)."""
+    cfg, session, console = context.config, context.session, context.console
     cluster = cluster_of(cfg, session)
     if cluster is None:
         raise CloudError(f"cluster {cfg.gke.cluster} is gone", hint="run `moe-tpu gke up` first")
     kube = session.kube(cluster)
-    manifest = gke_render.jobset_manifest(cfg, renderer)
+    manifest = gke_render.jobset_manifest(cfg, context.renderer)
     name, namespace = manifest["metadata"]["name"], cfg.gke.namespace
     existing = kube.get_jobset(namespace, name)
     if existing is not None:
@@ -298,9 +301,10 @@ def trainer_log(cfg, session, tail: int | None = None) -> str | None:
 
 # --- down and status -----------------------------------------------------------------------------------
 
-def gke_down(cfg, session, console) -> list[Resource]:
+def gke_down(context) -> list[Resource]:
     """Delete the run's JobSet, its node pools and (only when this tool created it for the run) the
     cluster; wait for each and verify nothing of the run is left."""
+    cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
     path = gke_render.cluster_path(cfg, project)
     before = managed_gke(cfg, session, run=cfg.run, project=project)
@@ -323,5 +327,5 @@ def gke_down(cfg, session, console) -> list[Resource]:
     return deleted
 
 
-def gke_status(cfg, session) -> list[Resource]:
-    return managed_gke(cfg, session, run=cfg.run)
+def gke_status(context) -> list[Resource]:
+    return managed_gke(context.config, context.session, run=context.config.run)

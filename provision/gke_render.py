@@ -19,7 +19,7 @@ from provision.cloud.messages import proto_dict
 from provision.config import Config
 from provision.errors import UsageError
 from provision.image import TRAINER_COMMAND
-from provision.rendering import PROJECT_PLACEHOLDER, Renderer, _bound, labels, trainer_argv
+from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels, trainer_argv
 from provision.resources import resolve_project
 from provision.templates import render
 
@@ -212,12 +212,11 @@ def create_cluster_request(cfg: Config, project: str, renderer: Renderer | None 
 
 # --- the JobSet ------------------------------------------------------------------------------
 
-def jobset_text(cfg: Config, renderer: Renderer | None = None) -> str:
-    renderer = _bound(cfg, renderer)
+def jobset_text(cfg: Config, renderer: Renderer) -> str:
     return render(JOBSET_TEMPLATE, jobset_spec(cfg, renderer.image), renderer.templates_dir)
 
 
-def jobset_manifest(cfg: Config, renderer: Renderer | None = None) -> dict[str, Any]:
+def jobset_manifest(cfg: Config, renderer: Renderer) -> dict[str, Any]:
     """The JobSet as a dict, its pod templates checked against the Kubernetes models and every
     $(VAR) a container uses defined in that container's env."""
     import yaml
@@ -283,10 +282,9 @@ def _check_vars(container: dict, where: str, bad) -> None:
 
 # --- every rendered file -----------------------------------------------------------------------
 
-def render_files(cfg: Config, renderer: Renderer | None = None) -> dict[str, str]:
+def render_files(cfg: Config, renderer: Renderer) -> dict[str, str]:
     """The files `render` writes for target: gke: per zone each node pool body and request, the
     cluster (with create_cluster), the JobSet manifest."""
-    renderer = _bound(cfg, renderer)
     project = resolve_project(cfg, PROJECT_PLACEHOLDER)
     files: dict[str, str] = {}
     if cfg.gke.create_cluster:

@@ -6,7 +6,7 @@ tag hashes exactly the files the wheel is built from (pyproject.toml, README.md,
 trainer/, templates/: sorted paths and file contents, never mtimes) together with the rendered
 Dockerfile, so an unchanged tree gives the same tag on any checkout and is neither rebuilt nor
 pushed again, and any change that would reach the image gives a new one. `run` and `slice up`
-use that tag when the config sets none (provision.rendering.image_uri).
+use that tag when the config sets none (`image_reference`).
 
 Cloud Build, its upload and its credentials live in provision/cloud/build.py (the Google client
 libraries stay under provision/cloud/); docker and `python -m build` run as subprocesses.
@@ -196,6 +196,14 @@ def content_tag(root: Path | None = None, templates_dir: Path | None = None) -> 
     check_source_root(root)
     files = context_files(root, templates_dir)
     return f"{_version(wheel_name(root))}-{content_hash(root, image_inputs(root), files)[:16]}"
+
+
+def image_reference(cfg: Any, templates_dir: Path | None = None) -> str:
+    """The trainer image a config runs: REPOSITORY:TAG, where a config without image.tag gets the
+    content-hash tag that `moe-tpu image build` gives this source tree (with these templates)."""
+    if cfg.image.tag is not None:
+        return f"{cfg.image.repository}:{cfg.image.tag}"
+    return f"{cfg.image.repository}:{content_tag(templates_dir=templates_dir)}"
 
 
 def plan_image(cfg: Any, templates_dir: Path | None = None, root: Path | None = None) -> ImagePlan:

@@ -96,13 +96,15 @@ def job_differences(wanted, existing) -> list[str]:
 
 
 # --- submit -----------------------------------------------------------------------------
-def job_submit(cfg, session, console, renderer=None) -> Resource:
-    """Submit the run's custom job, or adopt the one an earlier attempt submitted."""
+def job_submit(context) -> Resource:
+    """Submit the run's custom job (provision.context.RunContext: its config, session, console and
+    renderer), or adopt the one an earlier attempt submitted."""
     from provision.rendering import create_custom_job_request
 
+    cfg, session, console = context.config, context.session, context.console
     check_target(cfg)
     project = project_of(cfg, session)
-    request = create_custom_job_request(cfg, renderer, project=project)
+    request = create_custom_job_request(cfg, context.renderer, project=project)
     existing = active_job(cfg, session, project)
     if existing is not None:
         if differences := job_differences(request.custom_job, existing):
@@ -143,8 +145,9 @@ def wait_job(cfg, session, console, name: str, timeout_s: float | None = None):
                     what=f"custom job {short(name)}")
 
 
-def job_wait(cfg, session, console, name: str | None = None) -> Resource:
+def job_wait(context, name: str | None = None) -> Resource:
     """Wait for the run's job (or `name`) to end: the Resource when it SUCCEEDED, CloudError otherwise."""
+    cfg, session, console = context.config, context.session, context.console
     check_target(cfg)
     project = project_of(cfg, session)
     if name is None:
@@ -175,16 +178,18 @@ def _cancel_and_wait(cfg, session, console, job):
     return wait_job(cfg, session, console, job.name, timeout_s=3600)
 
 
-def job_cancel(cfg, session, console) -> list[Resource]:
+def job_cancel(context) -> list[Resource]:
     """Cancel every queued or running job of the run and wait until each has ended."""
+    cfg, session, console = context.config, context.session, context.console
     check_target(cfg)
     project = project_of(cfg, session)
     return [job_resource(_cancel_and_wait(cfg, session, console, job), cfg.region)
             for job in run_jobs(session, project, cfg.region, cfg.run) if state_name(job) in ACTIVE_STATES]
 
 
-def jobs_down(cfg, session, console) -> list[Resource]:
+def jobs_down(context) -> list[Resource]:
     """Cancel the run's active jobs, delete all of them, and verify none is left."""
+    cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
     vertex = session.vertex(cfg.region)
     deleted = []

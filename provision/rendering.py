@@ -88,32 +88,14 @@ def trainer_argv(cfg: Config, status_file: str | None = None) -> list[str]:
     return argv + cfg.trainer.set_flags()
 
 
-def image_uri(cfg: Config, templates_dir: Path | None = None) -> str:
-    """The trainer image: REPOSITORY:TAG, where a config without image.tag gets the content-hash
-    tag that `moe-tpu image build` gives this source tree (with these templates)."""
-    if cfg.image.tag is not None:
-        return f"{cfg.image.repository}:{cfg.image.tag}"
-    from provision.image import content_tag
-
-    return f"{cfg.image.repository}:{content_tag(templates_dir=templates_dir)}"
-
-
 @dataclass(frozen=True)
 class Renderer:
     """The templates of one invocation (`--templates` first, then the builtin ones) and the image
-    reference they render, resolved once: every file of the run names the same image, and the
-    source tree is hashed at most once (by `resolve`), never while rendering."""
+    reference they render, given: every file of the run names the same image, and rendering never
+    hashes the source tree (provision.context.renderer_for resolves the image, once per command)."""
 
     image: str
     templates_dir: Path | None = None
-
-    @classmethod
-    def resolve(cls, cfg: Config, templates_dir: Path | None = None) -> Renderer:
-        return cls(image=image_uri(cfg, templates_dir), templates_dir=templates_dir)
-
-
-def _bound(cfg: Config, renderer: Renderer | None) -> Renderer:
-    return renderer if renderer is not None else Renderer.resolve(cfg)
 
 
 # --- specs the templates receive --------------------------------------------------------
@@ -215,7 +197,7 @@ def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
     )
 
 
-# On every TPU VM (not the dry run's .moe-tpu/ here, provision.app.STATE_DIR): the trainer's status
+# On every TPU VM (not the dry run's .moe-tpu/ here, provision.app.LOCAL_STATE_DIR): the trainer's status
 # file, the watcher and the trainer's working directory.
 VM_STATE_DIR = "/var/lib/moe-tpu"
 STATUS_FILE = f"{VM_STATE_DIR}/status.json"
@@ -238,7 +220,7 @@ def startup_spec(cfg: Config, image: str) -> StartupSpec:
     )
 
 
-def queued_resource_spec(cfg: Config, zone: str, renderer: Renderer | None = None,
+def queued_resource_spec(cfg: Config, zone: str, renderer: Renderer,
                          project: str | None = None) -> QueuedResourceSpec:
     reservation = cfg.slice.reservation if cfg.slice.capacity == "reserved" else None
     if reservation and "/" not in reservation:
@@ -255,9 +237,8 @@ def queued_resource_spec(cfg: Config, zone: str, renderer: Renderer | None = Non
 
 # --- templates ---------------------------------------------------------------------------
 
-def startup_script(cfg: Config, renderer: Renderer | None = None) -> str:
+def startup_script(cfg: Config, renderer: Renderer) -> str:
     """The script every TPU VM worker runs as root at boot (metadata key startup-script)."""
-    renderer = _bound(cfg, renderer)
     templates_dir = renderer.templates_dir
     script = render(STARTUP_TEMPLATE, startup_spec(cfg, renderer.image), templates_dir)
     size = len(script.encode("utf-8"))
@@ -276,15 +257,14 @@ def startup_script(cfg: Config, renderer: Renderer | None = None) -> str:
     return script
 
 
-def queued_resource_body(cfg: Config, zone: str, renderer: Renderer | None = None,
+def queued_resource_body(cfg: Config, zone: str, renderer: Renderer,
                          project: str | None = None) -> str:
     """The rendered QueuedResource body (YAML text) for one zone."""
-    renderer = _bound(cfg, renderer)
     spec = queued_resource_spec(cfg, zone, renderer, project)
     return render(QUEUED_RESOURCE_TEMPLATE, spec, renderer.templates_dir)
 
 
-def create_queued_resource_request(cfg: Config, zone: str, renderer: Renderer | None = None,
+def create_queued_resource_request(cfg: Config, zone: str, renderer: Renderer,
                                    attempt: int = 0, project: str | None = None) -> Any:
     """The CreateQueuedResourceRequest for one zone, body parsed strictly into the real message.
 
@@ -297,13 +277,12 @@ def create_queued_resource_request(cfg: Config, zone: str, renderer: Renderer | 
         request_id(cfg, zone, attempt, project, content=proto_dict(body)), body)
 
 
-def custom_job_body(cfg: Config, renderer: Renderer | None = None) -> str:
+def custom_job_body(cfg: Config, renderer: Renderer) -> str:
     """The rendered CustomJob body (YAML text)."""
-    renderer = _bound(cfg, renderer)
     return render(CUSTOM_JOB_TEMPLATE, custom_job_spec(cfg, renderer.image), renderer.templates_dir)
 
 
-def create_custom_job_request(cfg: Config, renderer: Renderer | None = None, project: str | None = None) -> Any:
+def create_custom_job_request(cfg: Config, renderer: Renderer, project: str | None = None) -> Any:
     """The CreateCustomJobRequest, body parsed strictly into google.cloud.aiplatform.v1.CustomJob."""
     return messages.create_custom_job_request(region_parent(cfg, project), custom_job_body(cfg, renderer),
                                               CUSTOM_JOB_TEMPLATE)
@@ -314,12 +293,11 @@ def create_custom_job_request(cfg: Config, renderer: Renderer | None = None, pro
 PROJECT_PLACEHOLDER = "PROJECT"
 
 
-def render_all(cfg: Config, renderer: Renderer | None = None) -> dict[str, str]:
+def render_all(cfg: Config, renderer: Renderer) -> dict[str, str]:
     """Every rendered file of the config's target, by file name: for a TPU VM slice the startup
     script and, per zone, the QueuedResource body and request; for Vertex AI the CustomJob body
     and request (GKE's files: provision.gke_render.render_files)."""
     project = cfg.project or PROJECT_PLACEHOLDER
-    renderer = _bound(cfg, renderer)
     if cfg.target == "vertex":
         request = create_custom_job_request(cfg, renderer, project=project)
         return {"custom_job.yaml": custom_job_body(cfg, renderer),

@@ -74,8 +74,9 @@ def terminate_on_signals() -> Iterator[None]:
 
 
 @dataclass
-class Timeline:
-    """What happened when, and what it had cost by then."""
+class RunTimeline:
+    """What happened when in a run, and what it had cost by then (the emulator's scripted phases of
+    a resource are another thing: provision.emulator.scenarios.Timeline)."""
 
     clock: Any
     usd_per_hour: float
@@ -154,9 +155,11 @@ class Training:
 
 
 @dataclass
-class RunResult:
+class RunOutcome:
+    """How a run ended, as the control plane saw it (the trainer's own: trainer.train.RunResult)."""
+
     ok: bool
-    timeline: Timeline
+    timeline: RunTimeline
     training: Training
     resources: list[Resource]
     error: str | None = None
@@ -165,23 +168,25 @@ class RunResult:
 class Runner:
     """One run of training on a target, start to end."""
 
-    def __init__(self, cfg, target: Target, session, console, *, output_dir: str, keep: bool = False,
+    def __init__(self, context, target: Target, *, output_dir: str, keep: bool = False,
                  confirm_teardown=None) -> None:
-        self.cfg = cfg
+        """`context`: the command's provision.context.RunContext (the config, the session and its
+        clock, the console); `target`: where it trains (provision.targets.for_config)."""
+        self.cfg = context.config
         self.target = target
-        self.session = session
-        self.clock = session.clock
-        self.console = console
+        self.session = context.session
+        self.clock = context.clock
+        self.console = context.console
         self.output_dir = output_dir
         self.keep = keep
         self.confirm_teardown = confirm_teardown or (lambda: True)
-        self.timeline = Timeline(self.clock, target.price())
+        self.timeline = RunTimeline(self.clock, target.price())
         self.training = Training()
         self.resources: list[Resource] = []
         self.trained = False  # a trainer of this run reported running at least once
 
     # --- the loop --------------------------------------------------------------------
-    def run(self) -> RunResult:
+    def run(self) -> RunOutcome:
         try:
             return self._attempts()
         except KeyboardInterrupt:
@@ -200,7 +205,7 @@ class Runner:
                              hint="run `moe-tpu run` again to follow the training, or `moe-tpu down` to "
                                   "delete them") from None
 
-    def _attempts(self) -> RunResult:
+    def _attempts(self) -> RunOutcome:
         max_restarts = self.cfg.recovery.max_restarts
         attempt = 0
         while True:
@@ -231,7 +236,7 @@ class Runner:
                 self._read_metrics()
                 if not self.keep:
                     self._teardown("deleted")
-                return RunResult(True, self.timeline, self.training, self.resources)
+                return RunOutcome(True, self.timeline, self.training, self.resources)
             if outcome.phase == "deleted":  # by a person (`moe-tpu down`, the console), not by the service
                 self.timeline.add("deleted elsewhere", self.console, detail=outcome.detail)
                 self._teardown("deleted")
@@ -250,10 +255,10 @@ class Runner:
             where = f" on {outcome.worker}" if outcome.worker else ""
             return self._failed(f"training failed{where}: {outcome.detail or 'no detail'}")
 
-    def _failed(self, message: str) -> RunResult:
+    def _failed(self, message: str) -> RunOutcome:
         if self.trained:  # a run that never trained has no figures (the output may hold an earlier run's)
             self._read_metrics()
-        return RunResult(False, self.timeline, self.training, self.resources, error=message)
+        return RunOutcome(False, self.timeline, self.training, self.resources, error=message)
 
     # --- following ---------------------------------------------------------------------
     def _follow(self, attempt: int) -> Report:

@@ -249,19 +249,22 @@ def check_zones_offer(cfg, session) -> None:
                              hint=f"use a zone Google documents for v5e: {', '.join(catalogue.V5E_ZONES)}")
 
 
-def slice_up(cfg, session, console, renderer=None, attempt: int = 0, recreate: bool = False) -> list[Resource]:
-    """Provision the run's slice, trying each zone in order on stockout. Returns its resources.
+def slice_up(context, attempt: int = 0, recreate: bool = False, zones: list[str] | None = None) -> list[Resource]:
+    """Provision the run's slice (provision.context.RunContext: its config, session, console and
+    renderer), trying each zone in order on stockout: `zones`, by default the config's. Returns its
+    resources.
 
     `attempt` counts deliberate re-creations (recovery after a preemption): each gets its own
     request id, so the API never answers a new create with an earlier incarnation's operation.
     `recreate` deletes a queued resource of the run that no longer matches the config instead of
     failing on it."""
+    cfg, session, console = context.config, context.session, context.console
     check_zones_offer(cfg, session)
     project = project_of(cfg, session)
     tried: list[str] = []
-    for zone in cfg.zones:
+    for zone in cfg.zones if zones is None else zones:
         name = queued_resource_name(cfg, project, zone)
-        _create_or_adopt(cfg, session, console, renderer, project, zone, name, attempt, recreate)
+        _create_or_adopt(cfg, session, console, context.renderer, project, zone, name, attempt, recreate)
         qr = _wait_settled(cfg, session, console, name, zone)
         state = state_name(qr)
         if state == "ACTIVE":
@@ -309,8 +312,9 @@ def _delete_and_wait(session, console, name: str) -> bool:
     return True
 
 
-def slice_down(cfg, session, console) -> list[Resource]:
+def slice_down(context) -> list[Resource]:
     """Delete every queued resource and node of this run in all its zones, then verify none is left."""
+    cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
     deleted: list[Resource] = []
     for zone in cfg.zones:
@@ -329,6 +333,6 @@ def slice_down(cfg, session, console) -> list[Resource]:
     return deleted
 
 
-def slice_status(cfg, session) -> list[Resource]:
-    project = project_of(cfg, session)
-    return managed_resources(session, project, cfg.zones, run=cfg.run)
+def slice_status(context) -> list[Resource]:
+    cfg, session = context.config, context.session
+    return managed_resources(session, project_of(cfg, session), cfg.zones, run=cfg.run)

@@ -93,10 +93,10 @@ def _rendered(app, cfg) -> dict[str, str]:
     if cfg.target == "gke":
         from provision.gke_render import render_files
 
-        return render_files(cfg, app.renderer(cfg))
+        return render_files(cfg, app.context(cfg).renderer)
     from provision.rendering import render_all
 
-    return render_all(cfg, app.renderer(cfg))
+    return render_all(cfg, app.context(cfg).renderer)
 
 
 def _plural(n: int, word: str) -> str:

@@ -47,7 +47,7 @@ def up(app, config_path: str) -> None:
     app.console.info(f"gke up: run {cfg.run}, cluster {cfg.gke.cluster} ({cfg.gke.location}), {cfg.slice.count} x "
                      f"{acc.name} ({acc.topology}, {acc.vms} VMs), {cfg.slice.capacity}, runtime {cfg.gke.runtime}"
                      + (" [dry run]" if app.dry_run else ""))
-    resources = gke_up(cfg, app.session(), app.console, app.renderer(cfg))
+    resources = gke_up(app.context(cfg))
     for res in resources:
         app.console.text(f"  {res.kind} {res.name.rsplit('/', 1)[-1]} {res.state} in {res.zone}")
     finish(app, resources)
@@ -62,7 +62,7 @@ def status(app, config_path: str) -> None:
 
     app.command = "gke status"
     cfg = _gke_config(app, config_path)
-    resources = gke_status(cfg, app.session())
+    resources = gke_status(app.context(cfg))
     print_resources(app, resources)
     finish(app, resources)
 

@@ -56,7 +56,7 @@ def build(app, config_path: str, push: bool, builder: str, context_dir: str | No
     if importlib.util.find_spec("jinja2") is None:  # the Dockerfile is rendered
         raise MissingDependency("jinja2", "control")
     cfg = app.load_config(config_path)
-    plan = images.plan_image(cfg, app.templates_dir, Path(source_dir).resolve() if source_dir else None)
+    plan = images.plan_image(cfg, app.context(cfg).templates_dir, Path(source_dir).resolve() if source_dir else None)
     context = Path(context_dir).resolve() if context_dir else (app.state_dir / "image").resolve()
     console = app.console
     console.info(f"image build: {plan.uri}" + (" [dry run: nothing is built or uploaded]" if app.dry_run else ""))

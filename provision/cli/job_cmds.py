@@ -45,9 +45,9 @@ def submit(app, config_path: str, wait: bool) -> None:
     cfg = _load(app, config_path, "job submit", check_trainer=True)
     app.console.info(f"job submit: run {cfg.run}, {cfg.vertex.machine_type} {cfg.vertex.topology}, "
                      f"{cfg.vertex.scheduling}, region {cfg.region}" + (" [dry run]" if app.dry_run else ""))
-    job = job_submit(cfg, app.session(), app.console, app.renderer(cfg))
+    job = job_submit(app.context(cfg))
     if wait:
-        job = job_wait(cfg, app.session(), app.console, job.name)
+        job = job_wait(app.context(cfg), job.name)
         app.console.text(f"job {job.name.rsplit('/', 1)[-1]} {job.state}")
     else:
         app.console.text(f"job {job.name.rsplit('/', 1)[-1]} {job.state}; follow it with `moe-tpu job wait`")
@@ -76,7 +76,7 @@ def wait_cmd(app, config_path: str) -> None:
     from provision.jobs import job_wait
 
     cfg = _load(app, config_path, "job wait")
-    job = job_wait(cfg, app.session(), app.console)
+    job = job_wait(app.context(cfg))
     app.console.text(f"job {job.name.rsplit('/', 1)[-1]} {job.state}")
     finish(app, [job])
 
@@ -89,7 +89,7 @@ def cancel(app, config_path: str) -> None:
     from provision.jobs import job_cancel
 
     cfg = _load(app, config_path, "job cancel")
-    jobs = job_cancel(cfg, app.session(), app.console)
+    jobs = job_cancel(app.context(cfg))
     for job in jobs:
         app.console.text(f"job {job.name.rsplit('/', 1)[-1]} {job.state}")
     if not jobs:

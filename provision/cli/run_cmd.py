@@ -53,14 +53,12 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
         if _already_finished(app, cfg, restart):
             return
         output_dir = app.trainer_output_dir(cfg, train_locally=True)
-        renderer = app.renderer(cfg)
-        app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {renderer.image}"
+        context = app.context(cfg)
+        app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {context.image}"
                          + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
-        session = app.session()
-        target = for_config(cfg, session, app.console, renderer=renderer, output_dir=output_dir)
+        target = for_config(context, output_dir=output_dir)
         confirm = (lambda: True) if yes else _ask_teardown(app)
-        runner = Runner(cfg, target, session, app.console, output_dir=output_dir, keep=keep,
-                        confirm_teardown=confirm)
+        runner = Runner(context, target, output_dir=output_dir, keep=keep, confirm_teardown=confirm)
         try:
             with terminate_on_signals():
                 result = runner.run()

@@ -49,7 +49,7 @@ def up(app, config_path: str, recreate: bool) -> None:
     app.console.info(f"slice up: run {cfg.run}, {cfg.slice.count} x {accel.name} "
                      f"({accel.topology}, {accel.chips} chips, {accel.vms} VMs), {cfg.slice.capacity}"
                      + (" [dry run]" if app.dry_run else ""))
-    resources = slice_up(cfg, app.session(), app.console, app.renderer(cfg), recreate=recreate)
+    resources = slice_up(app.context(cfg), recreate=recreate)
     qr = resources[0]
     app.console.text(f"slice ready: {qr.name.rsplit('/', 1)[-1]} in {qr.zone}")
     for node in resources[1:]:
@@ -67,7 +67,7 @@ def status(app, config_path: str) -> None:
 
     app.command = "slice status"
     cfg = app.load_config(config_path)
-    resources = slice_status(cfg, app.session())
+    resources = slice_status(app.context(cfg))
     print_resources(app, resources)
     finish(app, resources)
 
@@ -83,13 +83,13 @@ def _down(app, config_path: str, command: str, services: tuple[str, ...] = ("tpu
         where += f" and GKE cluster {cfg.gke.cluster}"
     app.console.info(f"{command}: deleting every resource of run {cfg.run} in {where}"
                      + (" [dry run]" if app.dry_run else ""))
-    deleted = slice_down(cfg, app.session(), app.console) if "tpu" in services else []
+    deleted = slice_down(app.context(cfg)) if "tpu" in services else []
     if "vertex" in services:
-        deleted += jobs_down(cfg, app.session(), app.console)
+        deleted += jobs_down(app.context(cfg))
     if "gke" in services and cfg.gke is not None:
         from provision.gke import gke_down
 
-        deleted += gke_down(cfg, app.session(), app.console)
+        deleted += gke_down(app.context(cfg))
     if app.dry_run:  # the trainer that a killed dry run left running on this machine
         from provision.emulator.local_trainer import stop_recorded
 

@@ -18,11 +18,11 @@ KINDS: dict[str, type] = {
 }
 
 
-def for_config(cfg, session, console, *, renderer=None, output_dir: str | None = None) -> Target:
-    """The target the config names, on this session. `renderer`: the invocation's templates and
-    resolved image (provision.rendering.Renderer; None: the builtin templates); `output_dir`:
-    where its trainer writes (a dry run's local directory; by default trainer.output_dir)."""
-    return KINDS[cfg.target](cfg, session, console, renderer=renderer, output_dir=output_dir)
+def for_config(context, *, output_dir: str | None = None) -> Target:
+    """The target the context's config names (provision.context.RunContext: the config, its session,
+    console, templates and image); `output_dir`: where its trainer writes (a dry run's local
+    directory; by default trainer.output_dir)."""
+    return KINDS[context.config.target](context, output_dir=output_dir)
 
 
 __all__ = ["ENDED", "KINDS", "Report", "Target", "combine", "for_config", "report_from_status"]

@@ -70,15 +70,25 @@ def last_zone_first(zones: list[str], last: str | None) -> list[str]:
 
 
 class Holding:
-    """What every target holds: the config, the session, the console, the renderer, and where its
-    trainer writes (a dry run's local directory; by default trainer.output_dir)."""
+    """What every target holds: the command's context (provision.context.RunContext: the config,
+    the session, the console, the renderer) and where its trainer writes (a dry run's local
+    directory; by default trainer.output_dir)."""
 
-    def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
-        self.cfg = cfg
-        self.session = session
-        self.console = console
-        self.renderer = renderer
-        self.output_dir = output_dir or cfg.trainer.output_dir
+    def __init__(self, context, *, output_dir: str | None = None) -> None:
+        self.context = context
+        self.output_dir = output_dir or context.config.trainer.output_dir
+
+    @property
+    def cfg(self):
+        return self.context.config
+
+    @property
+    def session(self):
+        return self.context.session
+
+    @property
+    def console(self):
+        return self.context.console
 
 
 def _number(value, kind=float):

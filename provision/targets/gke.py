@@ -19,8 +19,9 @@ class GkeTarget(Holding):
 
     kind = "gke"
 
-    def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
-        super().__init__(cfg, session, console, renderer=renderer, output_dir=output_dir)
+    def __init__(self, context, *, output_dir: str | None = None) -> None:
+        super().__init__(context, output_dir=output_dir)
+        cfg = context.config
         self.zone: str | None = None
         self.restarts_seen = 0
         acc = cfg.accelerator_type()
@@ -38,10 +39,10 @@ class GkeTarget(Holding):
         from provision.gke import gke_up, submit_jobset
 
         zones = last_zone_first(self.cfg.zones, self.zone)
-        resources = gke_up(self.cfg, self.session, self.console, self.renderer, zones)
+        resources = gke_up(self.context, zones)
         pools = [r for r in resources if r.kind == "node_pool" and r.chips]
         self.zone = pools[0].zone if pools else self.zone
-        jobset = submit_jobset(self.cfg, self.session, self.console, self.renderer)
+        jobset = submit_jobset(self.context)
         self.restarts_seen = int((jobset.get("status") or {}).get("restarts", 0))
         from provision.gke import _jobset_resource
 
@@ -97,9 +98,9 @@ class GkeTarget(Holding):
     def teardown(self) -> list[Resource]:
         from provision.gke import gke_down
 
-        return gke_down(self.cfg, self.session, self.console)
+        return gke_down(self.context)
 
     def left(self) -> list[Resource]:
         from provision.gke import gke_status
 
-        return gke_status(self.cfg, self.session)
+        return gke_status(self.context)

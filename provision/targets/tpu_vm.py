@@ -18,8 +18,9 @@ class SliceTarget(Holding):
 
     kind = "tpu-vm"
 
-    def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
-        super().__init__(cfg, session, console, renderer=renderer, output_dir=output_dir)
+    def __init__(self, context, *, output_dir: str | None = None) -> None:
+        super().__init__(context, output_dir=output_dir)
+        cfg = context.config
         self.zone: str | None = None
         self.queued_resource: str | None = None
         self.chips = cfg.accelerator_type().chips * cfg.slice.count
@@ -35,8 +36,7 @@ class SliceTarget(Holding):
         from provision.slices import slice_up
 
         zones = last_zone_first(self.cfg.zones, self.zone)
-        resources = slice_up(self.cfg.model_copy(update={"zones": zones}), self.session, self.console,
-                             self.renderer, attempt=attempt)
+        resources = slice_up(self.context, attempt=attempt, zones=zones)
         self.zone, self.queued_resource = resources[0].zone, resources[0].name
         return resources
 
@@ -83,9 +83,9 @@ class SliceTarget(Holding):
     def teardown(self) -> list[Resource]:
         from provision.slices import slice_down
 
-        return slice_down(self.cfg, self.session, self.console)
+        return slice_down(self.context)
 
     def left(self) -> list[Resource]:
         from provision.slices import slice_status
 
-        return slice_status(self.cfg, self.session)
+        return slice_status(self.context)

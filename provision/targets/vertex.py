@@ -19,8 +19,9 @@ class JobTarget(Holding):
 
     kind = "vertex"
 
-    def __init__(self, cfg, session, console, *, renderer=None, output_dir: str | None = None) -> None:
-        super().__init__(cfg, session, console, renderer=renderer, output_dir=output_dir)
+    def __init__(self, context, *, output_dir: str | None = None) -> None:
+        super().__init__(context, output_dir=output_dir)
+        cfg = context.config
         self.job: str | None = None
         acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
         self.chips = acc.chips if acc else 0
@@ -37,7 +38,7 @@ class JobTarget(Holding):
         from provision.jobs import TERMINAL_STATES, job_resource, job_submit
         from provision.waiting import poll
 
-        resource = job_submit(self.cfg, self.session, self.console, self.renderer)
+        resource = job_submit(self.context)
         self.job = resource.name
         vertex = self.session.vertex(self.cfg.region)
         wait = (self.cfg.vertex.max_wait.total_seconds() if self.cfg.vertex.max_wait else 0) + 7 * 86400
@@ -82,7 +83,7 @@ class JobTarget(Holding):
     def teardown(self) -> list[Resource]:
         from provision.jobs import jobs_down
 
-        return jobs_down(self.cfg, self.session, self.console)
+        return jobs_down(self.context)
 
     def left(self) -> list[Resource]:
         from provision.jobs import managed_jobs

@@ -61,7 +61,7 @@ def test_valid_config_loads(tmp_path):
         "my-project", "us-west4", ["us-west4-a"], "moe-demo", "tpu-vm")
     assert (cfg.slice.count, cfg.slice.capacity, cfg.slice.max_wait, cfg.slice.runtime_version) == (
         1, "spot", timedelta(hours=2), "v2-alpha-tpuv5-lite")
-    # no image.tag: the content-hash tag that `image build` gives this tree (provision.rendering.image_uri)
+    # no image.tag: the content-hash tag that `image build` gives this tree (provision.image.image_reference)
     assert cfg.image.tag is None
     assert cfg.image.registry_host == "us-west4-docker.pkg.dev"
     assert (cfg.trainer.config, cfg.recovery.max_restarts, cfg.vertex.machine_type) == (

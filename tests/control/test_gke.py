@@ -14,6 +14,7 @@ import yaml
 from cli_helpers import loaded_config, run_process
 
 from provision import gke_render
+from provision.context import renderer_for
 from provision.errors import CloudError, QuotaError, StockoutError, UsageError
 from provision.gke import cluster_of, gke_down, gke_status, gke_up, managed_gke, submit_jobset
 
@@ -43,6 +44,12 @@ class Emulated:
         self.session = Session(Endpoint(clock=self.emulator.clock, address=self.emulator.address), self.calls,
                                self.console)
 
+    def context(self, cfg):
+        """A command's context for `cfg` on this session."""
+        from provision.context import RunContext
+
+        return RunContext.on(cfg, self.session, self.console)
+
     def close(self) -> None:
         self.session.close()
         self.emulator.stop()
@@ -70,7 +77,7 @@ def creates(app) -> list[dict]:
 def test_up_creates_compact_tpu_pools_and_cpu_np_and_a_rerun_adopts_them(tmp_path, emulated):
     cfg = make_config(tmp_path)
     app = emulated()
-    resources = gke_up(cfg, app.session, app.console)
+    resources = gke_up(app.context(cfg))
     assert [r.name.rsplit("/", 1)[-1] for r in resources] == ["moe-pathways-s0", "moe-pathways-s1", "cpu-np"]
     assert all(r.state == "RUNNING" and r.zone == "us-east5-a" for r in resources)
     made = creates(app)
@@ -80,7 +87,7 @@ def test_up_creates_compact_tpu_pools_and_cpu_np_and_a_rerun_adopts_them(tmp_pat
         assert pool["initial_node_count"] == 8 and pool["config"]["machine_type"] == "ct5lp-hightpu-4t"
     assert any(c["rpc"].endswith("ClusterManager/GetOperation") for c in app.calls)
     again = emulated()
-    gke_up(cfg, again.session, again.console)
+    gke_up(again.context(cfg))
     assert creates(again) == []
     nodes = again.session.kube(cluster_of(cfg, again.session)).list_nodes(
         "cloud.google.com/gke-tpu-accelerator=tpu-v5-lite-podslice,cloud.google.com/gke-tpu-topology=4x8")
@@ -90,30 +97,30 @@ def test_up_creates_compact_tpu_pools_and_cpu_np_and_a_rerun_adopts_them(tmp_pat
 
 def test_a_pool_that_no_longer_matches_is_refused(tmp_path, emulated):
     app = emulated()
-    gke_up(make_config(tmp_path), app.session, app.console)
+    gke_up(app.context(make_config(tmp_path)))
     changed = make_config(tmp_path, name="on-demand.yaml", slice__capacity="on-demand")
     with pytest.raises(CloudError, match="moe-pathways-s0 exists but does not match the config: spot is True"):
-        gke_up(changed, app.session, app.console)
+        gke_up(app.context(changed))
 
 
 def test_stockout_fails_over_to_the_next_zone_and_leaves_nothing_in_the_first(tmp_path, emulated):
     cfg = make_config(tmp_path)
     app = emulated("stockout")
-    resources = gke_up(cfg, app.session, app.console)
+    resources = gke_up(app.context(cfg))
     assert {r.zone for r in resources} == {"us-east5-b"}
     zones = [p["locations"][0] for p in creates(app)]
     assert zones[0] == "us-east5-a" and zones[-3:] == ["us-east5-b"] * 3
     deletes = [c for c in app.calls if c["rpc"].endswith("/DeleteNodePool")]
     assert deletes, "the ERROR pool of the stocked-out zone is deleted"
-    assert {r.zone for r in gke_status(cfg, app.session)} == {"us-east5-b"}
+    assert {r.zone for r in gke_status(app.context(cfg))} == {"us-east5-b"}
 
 
 def test_quota_names_the_quota_and_creates_nothing(tmp_path, emulated):
     cfg = make_config(tmp_path)
     app = emulated("quota")
     with pytest.raises(QuotaError, match="PREEMPTIBLE_TPU_LITE_PODSLICE_V5"):
-        gke_up(cfg, app.session, app.console)
-    assert gke_status(cfg, app.session) == []
+        gke_up(app.context(cfg))
+    assert gke_status(app.context(cfg)) == []
     proc = run_process(["--dry-run", "--scenario", "quota", "gke", "up", "-c", str(tmp_path / "moe-tpu.yaml")],
                        tmp_path)
     assert proc.returncode == 1 and "quota exceeded (PREEMPTIBLE_TPU_LITE_PODSLICE_V5)" in proc.stderr
@@ -122,16 +129,16 @@ def test_quota_names_the_quota_and_creates_nothing(tmp_path, emulated):
 def test_a_pool_not_made_within_max_wait_counts_as_no_capacity(tmp_path, emulated):
     app = emulated("long-queue")
     with pytest.raises(StockoutError, match=r"not made within slice.max_wait \(2h\)"):
-        gke_up(make_config(tmp_path), app.session, app.console)
-    assert gke_status(make_config(tmp_path), app.session) == []
+        gke_up(app.context(make_config(tmp_path)))
+    assert gke_status(app.context(make_config(tmp_path))) == []
     patient = make_config(tmp_path, name="patient.yaml", slice__max_wait="4h")
-    assert {r.zone for r in gke_up(patient, app.session, app.console)} == {"us-east5-a"}
+    assert {r.zone for r in gke_up(app.context(patient))} == {"us-east5-a"}
 
 
 def test_flaky_adopts_a_pool_whose_create_answer_was_lost(tmp_path, emulated):
     cfg = make_config(tmp_path)
     app = emulated("flaky")
-    resources = gke_up(cfg, app.session, app.console)
+    resources = gke_up(app.context(cfg))
     assert len(resources) == 3
     lost = [c for c in app.calls if c["rpc"] == CREATE_POOL and c["status"] == "UNAVAILABLE"]
     assert lost, "flaky loses the first create's answer"
@@ -140,16 +147,16 @@ def test_flaky_adopts_a_pool_whose_create_answer_was_lost(tmp_path, emulated):
 def test_a_cluster_the_user_named_is_never_deleted_one_made_for_the_run_is(tmp_path, emulated):
     app = emulated()
     named = make_config(tmp_path)
-    gke_up(named, app.session, app.console)
-    deleted = gke_down(named, app.session, app.console)
+    gke_up(app.context(named))
+    deleted = gke_down(app.context(named))
     assert sorted(r.kind for r in deleted) == ["node_pool"] * 3
     assert cluster_of(named, app.session) is not None
     made = make_config(tmp_path, JAX, name="jax.yaml")
     assert cluster_of(made, app.session) is None
-    resources = gke_up(made, app.session, app.console)
+    resources = gke_up(app.context(made))
     assert [r.kind for r in resources] == ["gke_cluster", "node_pool"]
     assert any(c["rpc"].endswith("/CreateCluster") for c in app.calls)
-    kinds = sorted(r.kind for r in gke_down(made, app.session, app.console))
+    kinds = sorted(r.kind for r in gke_down(app.context(made)))
     assert kinds == ["gke_cluster", "node_pool"]
     assert cluster_of(made, app.session) is None
 
@@ -158,7 +165,7 @@ def test_an_unknown_cluster_is_a_config_error(tmp_path, emulated):
     cfg = make_config(tmp_path, gke__cluster="no-such-cluster")
     app = emulated()
     with pytest.raises(UsageError, match="gke.cluster: there is no cluster no-such-cluster"):
-        gke_up(cfg, app.session, app.console)
+        gke_up(app.context(cfg))
 
 
 # --- the Kubernetes API and the JobSet controller ------------------------------------------
@@ -172,9 +179,9 @@ def test_jobsets_answer_409_and_404_as_status_objects(tmp_path, emulated):
 
     cfg = make_config(tmp_path)
     app = emulated()
-    gke_up(cfg, app.session, app.console)
+    gke_up(app.context(cfg))
     kube = _kube(cfg, app)
-    body = gke_render.jobset_manifest(cfg)
+    body = gke_render.jobset_manifest(cfg, renderer_for(cfg))
     kube.custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "default", "jobsets", body)
     with pytest.raises(ApiException) as again:
         kube.custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "default", "jobsets", body)
@@ -192,8 +199,8 @@ def test_pods_start_in_order_with_the_jobset_labels_and_a_watch_sees_them(tmp_pa
 
     cfg = make_config(tmp_path)
     app = emulated(held=True)
-    gke_up(cfg, app.session, app.console)
-    submit_jobset(cfg, app.session, app.console)
+    gke_up(app.context(cfg))
+    submit_jobset(app.context(cfg))
     kube = _kube(cfg, app)
     head = kube.list_pods("default", "jobset.sigs.k8s.io/replicatedjob-name=pathways-head")
     workers = kube.list_pods("default", "jobset.sigs.k8s.io/replicatedjob-name=pathways-worker")
@@ -216,8 +223,8 @@ def test_pods_start_in_order_with_the_jobset_labels_and_a_watch_sees_them(tmp_pa
 def test_a_preempted_node_restarts_a_jax_jobset_until_max_restarts_then_fails(tmp_path, emulated):
     cfg = make_config(tmp_path, JAX, recovery__max_restarts=1)
     app = emulated(held=True)
-    gke_up(cfg, app.session, app.console)
-    submit_jobset(cfg, app.session, app.console)
+    gke_up(app.context(cfg))
+    submit_jobset(app.context(cfg))
     kube = _kube(cfg, app)
     app.session.clock.sleep(60)
     emulator = app.emulator
@@ -241,8 +248,8 @@ def test_a_preempted_node_restarts_a_jax_jobset_until_max_restarts_then_fails(tm
 def test_the_head_completing_completes_a_pathways_jobset(tmp_path, emulated):
     cfg = make_config(tmp_path)
     app = emulated(held=True)
-    gke_up(cfg, app.session, app.console)
-    submit_jobset(cfg, app.session, app.console)
+    gke_up(app.context(cfg))
+    submit_jobset(app.context(cfg))
     app.session.clock.sleep(120)
     emulator = app.emulator
     (trainer,) = emulator.trainer_pods()
@@ -252,7 +259,7 @@ def test_the_head_completing_completes_a_pathways_jobset(tmp_path, emulated):
     jobset = _kube(cfg, app).get_jobset("default", "moe-pathways")
     assert jobset["status"]["terminalState"] == "Completed"
     assert [r.kind for r in managed_gke(cfg, app.session, run=cfg.run)][0] == "jobset"
-    gke_down(cfg, app.session, app.console)
+    gke_down(app.context(cfg))
     assert managed_gke(cfg, app.session, run=cfg.run) == []
 
 

@@ -15,8 +15,8 @@ from cli_helpers import config_from, invoke
 
 from provision import gke_render
 from provision.config import load_config
+from provision.context import renderer_for
 from provision.errors import UsageError
-from provision.rendering import Renderer
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHWAYS = ROOT / "examples" / "gke-pathways.yaml"
@@ -73,7 +73,8 @@ def golden(name: str, text: str) -> None:
     (JAX, ["create_cluster.json", "create_node_pool.moe-gke-s0.us-west4-a.json", "jobset.yaml"]),
 ])
 def test_goldens(example, names):
-    files = gke_render.render_files(load_config(example))
+    loaded = load_config(example)
+    files = gke_render.render_files(loaded, renderer_for(loaded))
     for name in names:
         golden(f"{example.stem}.{name}", files[name])
 
@@ -98,7 +99,7 @@ def test_a_field_the_api_does_not_know_is_refused(tmp_path):
     source = (ROOT / "templates" / "gke_node_pool.yaml.j2").read_text()
     (templates / "gke_node_pool.yaml.j2").write_text(source.replace("initial_node_count:", "node_count_typo:"))
     cfg = load_config(PATHWAYS)
-    renderer = Renderer.resolve(cfg, templates)
+    renderer = renderer_for(cfg, templates)
     spec = gke_render.node_pool_specs(cfg, cfg.zones[0])[0]
     with pytest.raises(UsageError, match="google.container.v1.NodePool"):
         gke_render.node_pool_message(spec, renderer)
@@ -114,7 +115,7 @@ def test_a_field_the_api_does_not_know_is_refused(tmp_path):
 
 def test_jax_jobset_has_one_pod_per_vm_and_the_multislice_environment(tmp_path):
     cfg = load_config(write(tmp_path, JAX, slice__count=2, gke__queue="team-a", recovery__max_restarts=5))
-    manifest = gke_render.jobset_manifest(cfg)
+    manifest = gke_render.jobset_manifest(cfg, renderer_for(cfg))
     (job,) = manifest["spec"]["replicatedJobs"]
     assert job["replicas"] == 2
     spec = job["template"]["spec"]
@@ -136,7 +137,7 @@ def test_jax_jobset_has_one_pod_per_vm_and_the_multislice_environment(tmp_path):
 
 def _pathwaysutils_jobset(cfg):
     jobset = pytest.importorskip("pathwaysutils.experimental.gke.jobset")
-    spec = gke_render.jobset_spec(cfg, Renderer.resolve(cfg).image)
+    spec = gke_render.jobset_spec(cfg, renderer_for(cfg).image)
     js = jobset.PathwaysJobSet(name=spec.name, namespace=spec.namespace, pathways_dir=spec.gcs_scratch,
                                tpu_type="ct5lp-hightpu-4t", topology=spec.topology, num_slices=spec.slices,
                                max_restarts=spec.max_restarts)
@@ -162,7 +163,7 @@ def _env(container) -> dict[str, object]:
 
 def test_pathways_jobset_agrees_with_pathwaysutils_role_by_role():
     cfg = load_config(PATHWAYS)
-    ours, theirs = _roles(gke_render.jobset_manifest(cfg)), _roles(_pathwaysutils_jobset(cfg))
+    ours, theirs = _roles(gke_render.jobset_manifest(cfg, renderer_for(cfg))), _roles(_pathwaysutils_jobset(cfg))
     for role in ("rm", "proxy", "worker"):
         for key in ("args", "ports", "resources", "restartPolicy"):
             assert ours[role].get(key) == theirs[role].get(key), (role, key)
@@ -188,13 +189,15 @@ def test_pathways_jobset_agrees_with_pathwaysutils_role_by_role():
     # The worker's backoffLimit is a deliberate difference (see the template).
     assert ours["worker_job"]["template"]["spec"]["backoffLimit"] == 8 * gke_render.WORKER_RESTARTS_PER_VM
     # The JobSet: coordinator, startup, success and failure policies, network.
-    ours_spec, theirs_spec = gke_render.jobset_manifest(cfg)["spec"], _pathwaysutils_jobset(cfg)["spec"]
+    ours_spec = gke_render.jobset_manifest(cfg, renderer_for(cfg))["spec"]
+    theirs_spec = _pathwaysutils_jobset(cfg)["spec"]
     for key in ("coordinator", "startupPolicy", "successPolicy", "failurePolicy", "network"):
         assert ours_spec[key] == theirs_spec[key], key
 
 
 def test_pathways_jobset_for_two_v5litepod_32():
-    roles = _roles(gke_render.jobset_manifest(load_config(PATHWAYS)))
+    loaded = load_config(PATHWAYS)
+    roles = _roles(gke_render.jobset_manifest(loaded, renderer_for(loaded)))
     assert roles["worker_job"]["replicas"] == 2
     assert roles["worker_job"]["template"]["spec"]["completions"] == 8
     assert roles["worker"]["resources"]["limits"] == {"google.com/tpu": "4"}

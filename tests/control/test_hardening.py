@@ -163,7 +163,7 @@ def test_stockout_hint_does_not_suggest_what_the_config_already_does(tmp_path):
     app = App(dry_run=True, scenario="stockout", output="json", workdir=tmp_path)
     try:
         with pytest.raises(StockoutError) as info:
-            slice_up(cfg, app.session(), app.console)
+            slice_up(app.context(cfg))
     finally:
         app.close()
     assert "capacity: spot" not in info.value.hint and "reservation" in info.value.hint
@@ -202,11 +202,11 @@ def test_values_that_were_silently_taken_are_errors(workdir, changes, needle):
 def test_slice_up_refuses_to_adopt_a_queued_resource_that_differs(tmp_path, changes, difference):
     app = App(dry_run=True, output="json", workdir=tmp_path)
     try:
-        slice_up(load_config(_config(tmp_path)), app.session(), app.console)
+        slice_up(app.context(load_config(_config(tmp_path))))
         changed = load_config(_config(tmp_path, **changes))
         with pytest.raises(CloudError) as info:
-            slice_up(changed, app.session(), app.console)
-        recreated = slice_up(changed, app.session(), app.console, recreate=True)
+            slice_up(app.context(changed))
+        recreated = slice_up(app.context(changed), recreate=True)
     finally:
         app.close()
     assert difference in info.value.message and "moe-tpu down" in info.value.hint
@@ -218,10 +218,10 @@ def test_slice_up_refuses_to_adopt_a_queued_resource_that_differs(tmp_path, chan
 def test_job_submit_refuses_to_follow_a_running_job_that_differs(tmp_path):
     app = App(dry_run=True, output="json", workdir=tmp_path)
     try:
-        job_submit(load_config(_config(tmp_path, "vertex.yaml")), app.session(), app.console)
+        job_submit(app.context(load_config(_config(tmp_path, "vertex.yaml"))))
         changed = load_config(_config(tmp_path, "vertex.yaml", image__tag="v2"))
         with pytest.raises(CloudError) as info:
-            job_submit(changed, app.session(), app.console)
+            job_submit(app.context(changed))
     finally:
         app.close()
     assert "image is" in info.value.message and ":v2)" in info.value.message
@@ -311,13 +311,13 @@ def test_slice_up_after_a_teardown_cut_short_waits_it_out_and_creates_anew(tmp_p
     app = App(dry_run=True, output="json", workdir=tmp_path)
     try:
         session = app.session()
-        slice_up(cfg, session, app.console)
+        slice_up(app.context(cfg))
         name = queued_resource_name(cfg, cfg.project, cfg.zones[0])
         session.tpu.delete_queued_resource(name, force=True)  # a kill during `down`: never waited for
         assert state_name(session.tpu.get_queued_resource(name)) == "DELETING"
-        resources = slice_up(cfg, session, app.console)
+        resources = slice_up(app.context(cfg))
         assert resources[0].state == "ACTIVE" and resources[0].name == name
-        slice_down(cfg, session, app.console)
+        slice_down(app.context(cfg))
         session.tpu.delete_queued_resource(name, force=True) if session.tpu.get_queued_resource(name) else None
     finally:
         app.close()

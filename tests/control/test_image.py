@@ -24,7 +24,7 @@ import pytest
 import yaml
 from cli_helpers import invoke as moe
 
-from provision import image, rendering
+from provision import image
 from provision.cloud import build as cloud_build
 from provision.config import config_from_dict, load_config
 from provision.console import Console
@@ -198,7 +198,7 @@ def test_without_image_tag_the_slice_gets_the_content_tag(workdir):
     creates = [c for c in json.loads(out)["calls"] if c["rpc"].endswith("/CreateQueuedResource")]
     script = creates[0]["request"]["queued_resource"]["tpu"]["node_spec"][0]["node"]["metadata"]["startup-script"]
     assert f"IMAGE={built['image']}\n" in script
-    assert rendering.image_uri(load_config(workdir / "c.yaml")) == built["image"]
+    assert image.image_reference(load_config(workdir / "c.yaml")) == built["image"]
 
 
 def test_own_dockerfile_template_gives_its_own_tag_everywhere(workdir):

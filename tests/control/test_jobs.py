@@ -45,9 +45,9 @@ def session_in(tmp_path):
 def test_submit_wait_succeeds_with_the_rendered_request(tmp_path, session_in):
     cfg = make_config(tmp_path)
     app = session_in()
-    job = job_submit(cfg, app.session(), app.console)
+    job = job_submit(app.context(cfg))
     assert job.kind == "custom_job" and job.name.startswith("projects/my-project/locations/us-west4/customJobs/")
-    done = job_wait(cfg, app.session(), app.console, job.name)
+    done = job_wait(app.context(cfg), job.name)
     assert done.state == "JOB_STATE_SUCCEEDED"
     creates = [c for c in app.calls if c["rpc"] == CREATE]
     assert len(creates) == 1
@@ -61,9 +61,9 @@ def test_submit_wait_succeeds_with_the_rendered_request(tmp_path, session_in):
 def test_a_second_submit_follows_the_running_job(tmp_path, session_in):
     cfg = make_config(tmp_path)
     before = session_in()
-    first = job_submit(cfg, before.session(), before.console)
+    first = job_submit(before.context(cfg))
     app = session_in()
-    again = job_submit(cfg, app.session(), app.console)
+    again = job_submit(app.context(cfg))
     assert again.name == first.name
     assert not [c for c in app.calls if c["rpc"] == CREATE]
 
@@ -71,12 +71,12 @@ def test_a_second_submit_follows_the_running_job(tmp_path, session_in):
 def test_cancel_ends_cancelled_and_down_leaves_nothing(tmp_path, session_in):
     cfg = make_config(tmp_path)
     app = session_in()
-    job_submit(cfg, app.session(), app.console)
-    cancelled = job_cancel(cfg, app.session(), app.console)
+    job_submit(app.context(cfg))
+    cancelled = job_cancel(app.context(cfg))
     assert [j.state for j in cancelled] == ["JOB_STATE_CANCELLED"]
     with pytest.raises(CloudError, match="JOB_STATE_CANCELLED"):
-        job_wait(cfg, app.session(), app.console)
-    deleted = jobs_down(cfg, app.session(), app.console)
+        job_wait(app.context(cfg))
+    deleted = jobs_down(app.context(cfg))
     assert [j.kind for j in deleted] == ["custom_job"]
     assert managed_jobs(app.session(), "my-project", "us-west4") == []
 
@@ -84,8 +84,8 @@ def test_cancel_ends_cancelled_and_down_leaves_nothing(tmp_path, session_in):
 def test_down_cancels_a_running_job_first(tmp_path, session_in):
     cfg = make_config(tmp_path)
     app = session_in()
-    job_submit(cfg, app.session(), app.console)
-    deleted = jobs_down(cfg, app.session(), app.console)
+    job_submit(app.context(cfg))
+    deleted = jobs_down(app.context(cfg))
     assert len(deleted) == 1 and deleted[0].state == "JOB_STATE_CANCELLED"
     assert any(c["rpc"].endswith("JobService/CancelCustomJob") for c in app.calls)
 
@@ -94,23 +94,23 @@ def test_quota_fails_at_create_naming_the_metric(tmp_path, session_in):
     cfg = make_config(tmp_path)
     app = session_in("quota")
     with pytest.raises(QuotaError, match="aiplatform.googleapis.com/"):
-        job_submit(cfg, app.session(), app.console)
+        job_submit(app.context(cfg))
 
 
 def test_flaky_lost_create_is_not_submitted_twice(tmp_path, session_in):
     cfg = make_config(tmp_path)
     app = session_in("flaky")
-    job = job_submit(cfg, app.session(), app.console)
-    assert job_wait(cfg, app.session(), app.console, job.name).state == "JOB_STATE_SUCCEEDED"
+    job = job_submit(app.context(cfg))
+    assert job_wait(app.context(cfg), job.name).state == "JOB_STATE_SUCCEEDED"
     assert len(managed_jobs(app.session(), "my-project", "us-west4", run=cfg.run)) == 1
 
 
 def test_stockout_fails_with_code_8(tmp_path, session_in):
     cfg = make_config(tmp_path)
     app = session_in("stockout")
-    job_submit(cfg, app.session(), app.console)
+    job_submit(app.context(cfg))
     with pytest.raises(CloudError, match="code 8"):
-        job_wait(cfg, app.session(), app.console)
+        job_wait(app.context(cfg))
 
 
 def test_slice_commands_refuse_a_vertex_config_and_back(tmp_path):
@@ -178,4 +178,4 @@ def test_usage_error_type_for_wait_without_job(tmp_path, session_in):
     cfg = make_config(tmp_path)
     app = session_in()
     with pytest.raises(UsageError, match="no custom job"):
-        job_wait(cfg, app.session(), app.console)
+        job_wait(app.context(cfg))

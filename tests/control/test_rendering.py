@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from provision import image, rendering, templates
 from provision.config import config_from_dict, load_config
+from provision.context import renderer_for
 from provision.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,8 @@ def cfg_with(**slice_changes):
 @pytest.mark.parametrize("name", ["startup.sh", "queued_resource.us-west4-a.yaml",
                                   "create_queued_resource.us-west4-a.json"])
 def test_golden(name):
-    files = rendering.render_all(load_config(EXAMPLE))
+    loaded = load_config(EXAMPLE)
+    files = rendering.render_all(loaded, renderer_for(loaded))
     assert list(files) == ["startup.sh", "queued_resource.us-west4-a.yaml",
                            "create_queued_resource.us-west4-a.json"]
     golden = GOLDENS / f"{name}.golden"
@@ -57,7 +59,8 @@ def test_golden(name):
 
 @pytest.mark.parametrize("name", ["custom_job.yaml", "create_custom_job.json"])
 def test_vertex_golden(name):
-    files = rendering.render_all(load_config(VERTEX))
+    loaded = load_config(VERTEX)
+    files = rendering.render_all(loaded, renderer_for(loaded))
     assert list(files) == ["custom_job.yaml", "create_custom_job.json"]
     golden = GOLDENS / f"{name}.golden"
     if UPDATE:
@@ -67,7 +70,7 @@ def test_vertex_golden(name):
 
 def test_custom_job_request_is_the_real_message_with_the_trainer_argv():
     cfg = load_config(VERTEX)
-    request = rendering.create_custom_job_request(cfg)
+    request = rendering.create_custom_job_request(cfg, renderer_for(cfg))
     assert request.parent == "projects/my-project/locations/us-west4"
     pool = request.custom_job.job_spec.worker_pool_specs[0]
     assert (pool.machine_spec.machine_type, pool.machine_spec.tpu_topology, pool.replica_count) == (
@@ -84,9 +87,11 @@ def test_a_vertex_tensorboard_is_the_jobs_tensorboard(tmp_path):
     doc["vertex"].update(tensorboard=board, service_account="trainer@my-project.iam.gserviceaccount.com")
     path = tmp_path / "moe-tpu.yaml"
     path.write_text(yaml.safe_dump(doc))
-    spec = rendering.create_custom_job_request(load_config(path)).custom_job.job_spec
+    loaded = load_config(path)
+    spec = rendering.create_custom_job_request(loaded, renderer_for(loaded)).custom_job.job_spec
     assert (spec.tensorboard, spec.service_account) == (board, "trainer@my-project.iam.gserviceaccount.com")
-    assert rendering.create_custom_job_request(load_config(VERTEX)).custom_job.job_spec.tensorboard == ""
+    loaded = load_config(VERTEX)
+    assert rendering.create_custom_job_request(loaded, renderer_for(loaded)).custom_job.job_spec.tensorboard == ""
 
 
 def test_a_template_field_the_custom_job_does_not_know_is_an_error(tmp_path):
@@ -97,7 +102,7 @@ def test_a_template_field_the_custom_job_does_not_know_is_an_error(tmp_path):
 
 def test_rendering_is_deterministic():
     cfg = load_config(EXAMPLE)
-    assert rendering.render_all(cfg) == rendering.render_all(cfg)
+    assert rendering.render_all(cfg, renderer_for(cfg)) == rendering.render_all(cfg, renderer_for(cfg))
 
 
 def test_ids_and_labels():
@@ -113,10 +118,13 @@ def test_ids_and_labels():
 def test_request_id_changes_with_the_request_body_and_only_with_it():
     """A changed capacity, label or startup script is a different request: it must not reuse the id an
     earlier body was sent under (the API could answer with that earlier operation)."""
-    same = rendering.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a").request_id
-    assert same == rendering.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a").request_id
+    loaded = load_config(EXAMPLE)
+    same = rendering.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded)).request_id
+    loaded = load_config(EXAMPLE)
+    assert same == rendering.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded)).request_id
     for change in ({"capacity": "on-demand"}, {"runtime_version": "v2-alpha-tpuv5-lite", "count": 2}):
-        changed = rendering.create_queued_resource_request(cfg_with(**change), "us-west4-a").request_id
+        loaded = cfg_with(**change)
+        changed = rendering.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded)).request_id
         assert changed != same, change
 
 
@@ -130,7 +138,8 @@ def test_longest_run_keeps_ids_within_63():
 def test_request_is_the_real_message():
     from google.cloud import tpu_v2
 
-    req = rendering.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a")
+    loaded = load_config(EXAMPLE)
+    req = rendering.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded))
     assert isinstance(req, tpu_v2.CreateQueuedResourceRequest)
     assert (req.parent, req.queued_resource_id) == ("projects/my-project/locations/us-west4-a", "moe-demo")
     qr = req.queued_resource
@@ -138,7 +147,8 @@ def test_request_is_the_real_message():
     assert (spec.parent, spec.node_id) == ("projects/my-project/locations/us-west4-a", "moe-demo-tpu")
     assert (spec.node.accelerator_type, spec.node.runtime_version) == ("v5litepod-64", "v2-alpha-tpuv5-lite")
     assert dict(spec.node.labels) == {"managed-by": "moe-tpu", "moe-tpu-run": "moe-demo"}
-    assert spec.node.metadata["startup-script"] == rendering.startup_script(load_config(EXAMPLE))
+    loaded = load_config(EXAMPLE)
+    assert spec.node.metadata["startup-script"] == rendering.startup_script(loaded, renderer_for(loaded))
     assert "spot" in qr and "guaranteed" not in qr
     assert qr.queueing_policy.valid_until_duration.total_seconds() == 6 * 3600  # slice.max_wait: 6h
 
@@ -146,7 +156,7 @@ def test_request_is_the_real_message():
 def test_multislice_reserved_with_service_account():
     cfg = cfg_with(count=4, capacity="reserved", reservation="my-res", subnetwork="tpu-subnet",
                    service_account="trainer@my-project.iam.gserviceaccount.com", max_wait="1h30m")
-    qr = rendering.create_queued_resource_request(cfg, "us-west4-a").queued_resource
+    qr = rendering.create_queued_resource_request(cfg, "us-west4-a", renderer_for(cfg)).queued_resource
     spec = qr.tpu.node_spec[0]
     assert (spec.node_id, spec.multislice_params.node_count, spec.multislice_params.node_id_prefix) == (
         "", 4, "moe-demo-tpu")
@@ -159,7 +169,8 @@ def test_multislice_reserved_with_service_account():
 
 
 def test_on_demand_is_guaranteed_without_reservation():
-    request = rendering.create_queued_resource_request(cfg_with(capacity="on-demand"), "us-west4-a")
+    loaded = cfg_with(capacity="on-demand")
+    request = rendering.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded))
     qr = request.queued_resource
     assert "guaranteed" in qr and "spot" not in qr and qr.reservation_name == ""
 
@@ -168,20 +179,23 @@ def test_no_project_is_a_usage_error():
     raw = example_raw()
     del raw["project"]
     with pytest.raises(UsageError, match="names no project"):
-        rendering.create_queued_resource_request(config_from_dict(raw), "us-west4-a")
+        loaded = config_from_dict(raw)
+        rendering.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded))
 
 
 def test_project_from_elsewhere_when_the_config_names_none():
     raw = example_raw()
     del raw["project"]
     cfg = config_from_dict(raw)
-    req = rendering.create_queued_resource_request(cfg, "us-west4-a", project="adc-project")
+    req = rendering.create_queued_resource_request(cfg, "us-west4-a", renderer_for(cfg), project="adc-project")
     assert req.parent == "projects/adc-project/locations/us-west4-a"
     assert req.queued_resource.tpu.node_spec[0].parent == req.parent
-    assert req.request_id == rendering.create_queued_resource_request(cfg, "us-west4-a",
+    renderer = renderer_for(cfg)
+    assert req.request_id == rendering.create_queued_resource_request(cfg, "us-west4-a", renderer,
                                                                       project="adc-project").request_id
-    assert req.request_id != rendering.create_queued_resource_request(cfg, "us-west4-a", project="other-one").request_id
-    files = rendering.render_all(cfg)
+    assert req.request_id != rendering.create_queued_resource_request(cfg, "us-west4-a", renderer,
+                                                                      project="other-one").request_id
+    files = rendering.render_all(cfg, renderer_for(cfg))
     request_json = files["create_queued_resource.us-west4-a.json"]
     assert '"parent": "projects/PROJECT/locations/us-west4-a"' in request_json
 
@@ -202,7 +216,7 @@ def test_config_values_reach_the_script_only_quoted(tmp_path):
     raw = example_raw()
     raw["trainer"].update(config=NASTY, output_dir=f"gs://bucket/{NASTY}", overrides={"model.note": NASTY})
     cfg = config_from_dict(raw)
-    script = rendering.startup_script(cfg)
+    script = rendering.startup_script(cfg, renderer_for(cfg))
     subprocess.run(["bash", "-n"], input=script.encode(), check=True)
     env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "moe-demo", "IMAGE": "img:v1"}
     args = _run_docker_args(script, env)
@@ -218,7 +232,8 @@ def test_config_values_reach_the_script_only_quoted(tmp_path):
 
 
 def test_startup_script_shape():
-    script = rendering.startup_script(load_config(EXAMPLE))
+    loaded = load_config(EXAMPLE)
+    script = rendering.startup_script(loaded, renderer_for(loaded))
     assert script.startswith("#!/bin/bash\n")
     for needle in ["set -euo pipefail", 'exec >>"$LOG" 2>&1', "flock -n 9",
                    'gcloud auth configure-docker "$REGISTRY" --quiet', 'docker pull "$IMAGE"',
@@ -261,7 +276,7 @@ def test_missing_templates_dir_is_a_usage_error(tmp_path):
         rendering.startup_script(load_config(EXAMPLE), rendering.Renderer("img:v1", tmp_path / "nope"))
 
 
-def test_rendering_takes_the_image_it_is_given_and_resolves_one_at_most_once(monkeypatch):
+def test_rendering_takes_the_image_it_is_given_and_never_hashes_the_tree(monkeypatch):
     raw = example_raw()
     del raw["image"]["tag"]  # the content-hash tag: the source tree must be hashed to know it
     cfg = config_from_dict(raw)
@@ -270,7 +285,8 @@ def test_rendering_takes_the_image_it_is_given_and_resolves_one_at_most_once(mon
     files = rendering.render_all(cfg, rendering.Renderer("registry.example/trainer:given"))
     assert hashed == [] and "IMAGE=registry.example/trainer:given\n" in files["startup.sh"]
     assert all("trainer:given" in text for text in files.values())
-    files = rendering.render_all(cfg)  # no renderer: resolved here, once for every file
+    renderer = renderer_for(cfg)  # what a command does at its boundary: the one hash
+    files = rendering.render_all(cfg, renderer)
     assert len(hashed) == 1 and "IMAGE=us-west4-docker.pkg.dev/my-project/moe/trainer:0.1.0-feedface\n" in files[
         "startup.sh"]
 
@@ -295,5 +311,5 @@ def test_any_value_comes_back_intact(output_dir, note):
     raw["trainer"].update(output_dir=output_dir, overrides={"model.note": note})
     cfg = config_from_dict(raw)
     env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "r", "IMAGE": "img:v1"}
-    args = _run_docker_args(rendering.startup_script(cfg), env)
+    args = _run_docker_args(rendering.startup_script(cfg, renderer_for(cfg)), env)
     assert args[args.index("img:v1") + 1:] == list(rendering.startup_spec(cfg, "img:v1").trainer_args)

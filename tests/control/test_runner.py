@@ -17,6 +17,7 @@ from provision import targets
 from provision.clock import SimClock
 from provision.config import load_config
 from provision.console import Console
+from provision.context import RunContext
 from provision.errors import CloudError, UsageError
 from provision.resources import Resource
 from provision.runs import Interrupted, Runner
@@ -88,7 +89,7 @@ def cfg(tmp_path):
 def runner_for(cfg, target, tmp_path, **kw):
     err = io.StringIO()
     session = SimpleNamespace(clock=target.clock, endpoint=SimpleNamespace(credentials=None))
-    runner = Runner(cfg, target, session, Console(err=err), output_dir=str(tmp_path / "out"), **kw)
+    runner = Runner(RunContext.on(cfg, session, Console(err=err)), target, output_dir=str(tmp_path / "out"), **kw)
     return runner, err
 
 
@@ -185,15 +186,15 @@ def test_ctrl_c_tears_down_only_when_confirmed(cfg, tmp_path, confirmed, left):
 
 def test_the_factory_builds_the_configs_target(cfg, tmp_path):
     session = SimpleNamespace(clock=SimClock(), endpoint=SimpleNamespace(credentials=None))
-    slice_target = targets.for_config(cfg, session, Console())
+    slice_target = targets.for_config(RunContext.on(cfg, session, Console()))
     assert (slice_target.kind, slice_target.chips) == ("tpu-vm", 8)
     assert slice_target.price() == pytest.approx(8 * 0.47)
     vertex = cfg.model_copy(update={"target": "vertex"})
-    job = targets.for_config(vertex, session, Console(), output_dir="gs://b/out")
+    job = targets.for_config(RunContext.on(vertex, session, Console()), output_dir="gs://b/out")
     assert (job.kind, job.output_dir) == ("vertex", "gs://b/out")
     assert set(targets.KINDS) == {"tpu-vm", "vertex", "gke"}
     gke_cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "gke-pathways.yaml")
-    gke = targets.for_config(gke_cfg, session, Console())
+    gke = targets.for_config(RunContext.on(gke_cfg, session, Console()))
     assert (gke.kind, gke.chips) == ("gke", 64) and gke.price() == pytest.approx(64 * 0.47)
     for target in (slice_target, job, gke, ScriptedTarget([Report("finished")], clock=SimClock())):
         assert isinstance(target, Target)  # every member the Protocol declares

@@ -18,6 +18,7 @@ import yaml
 
 from provision import guest_attributes, rendering
 from provision.config import config_from_dict, load_config
+from provision.context import renderer_for
 from provision.targets.base import report_from_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,8 @@ def shellcheck(script: str) -> subprocess.CompletedProcess:
                  id="nasty"),
 ])
 def test_shellcheck_has_nothing_to_say(cfg):
-    result = shellcheck(rendering.startup_script(cfg()))
+    loaded = cfg()
+    result = shellcheck(rendering.startup_script(loaded, renderer_for(loaded)))
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 
@@ -76,7 +78,7 @@ def docker_run_args(script: str, **env: str) -> list[str]:
 
 def test_the_container_gets_the_trainer_arguments_intact():
     cfg = cfg_with(config=NASTY, output_dir=f"gs://bucket/{NASTY}", overrides={"model.note": NASTY})
-    script = rendering.startup_script(cfg)
+    script = rendering.startup_script(cfg, renderer_for(cfg))
     args = docker_run_args(script)
     after_image = args[args.index("img:v1") + 1:]
     # The image's entry point is the trainer command: together they are trainer_argv.
@@ -90,7 +92,8 @@ def test_the_container_gets_the_trainer_arguments_intact():
 
 
 def test_what_the_container_gets_besides():
-    args = docker_run_args(rendering.startup_script(load_config(EXAMPLES / "v5e-64.yaml")))
+    loaded = load_config(EXAMPLES / "v5e-64.yaml")
+    args = docker_run_args(rendering.startup_script(loaded, renderer_for(loaded)))
     before_image = args[:args.index("img:v1")]
     assert before_image == [
         "--detach", "--name", "c", "--net=host", "--privileged", "--group-add", "44",
@@ -100,13 +103,15 @@ def test_what_the_container_gets_besides():
 
 def test_a_local_output_dir_outlives_the_container():
     # Relative (examples/local.yaml: runs/moe-local): under the mounted working directory.
-    script = rendering.startup_script(load_config(EXAMPLES / "local.yaml"))
+    loaded = load_config(EXAMPLES / "local.yaml")
+    script = rendering.startup_script(loaded, renderer_for(loaded))
     args = docker_run_args(script)
     assert args[args.index("--workdir") + 1] == "/var/lib/moe-tpu/work"
     assert args[args.index("--output-dir") + 1] == "runs/moe-local"
     assert "OUTPUT_DIR=" not in script
     # Absolute: mounted at the same path, and owned by the trainer's user.
-    script = rendering.startup_script(cfg_with("local.yaml", output_dir="/mnt/disks/ckpt/run 1"))
+    loaded = cfg_with("local.yaml", output_dir="/mnt/disks/ckpt/run 1")
+    script = rendering.startup_script(loaded, renderer_for(loaded))
     assert "OUTPUT_DIR='/mnt/disks/ckpt/run 1'\n" in script
     assert 'chown "$TRAINER_UID:$TRAINER_UID" "$OUTPUT_DIR"' in script
     args = docker_run_args(script, OUTPUT_DIR="/mnt/disks/ckpt/run 1")
@@ -114,7 +119,8 @@ def test_a_local_output_dir_outlives_the_container():
 
 
 def test_script_shape():
-    script = rendering.startup_script(load_config(EXAMPLES / "v5e-64.yaml"))
+    loaded = load_config(EXAMPLES / "v5e-64.yaml")
+    script = rendering.startup_script(loaded, renderer_for(loaded))
     for line in ["STATE_DIR=/var/lib/moe-tpu", "STATUS_FILE=/var/lib/moe-tpu/status.json",
                  "IMAGE=us-west4-docker.pkg.dev/my-project/moe/trainer:v1", "TRAINER_UID=1000",
                  'rm -f "$STATUS_FILE"', 'nohup python3 "$WATCHER" "$STATUS_FILE" 10 docker wait "$CONTAINER" '
@@ -125,7 +131,8 @@ def test_script_shape():
 # --- the watcher --------------------------------------------------------------------------------
 
 def watcher_source() -> str:
-    script = rendering.startup_script(load_config(EXAMPLES / "v5e-64.yaml"))
+    loaded = load_config(EXAMPLES / "v5e-64.yaml")
+    script = rendering.startup_script(loaded, renderer_for(loaded))
     start = script.index("<<'WATCHER_PY'\n") + len("<<'WATCHER_PY'\n")
     return script[start:script.index("\nWATCHER_PY\n", start)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from provision.clock import SimClock
-from provision.runs import Timeline, Training, _Rate
+from provision.runs import RunTimeline, Training, _Rate
 from provision.targets import Report, combine, report_from_status
 
 
@@ -48,7 +48,7 @@ def test_one_report_for_all_workers(phases, expected):
 
 def test_cost_accrues_only_while_billing():
     clock = SimClock(start=0.0)
-    timeline = Timeline(clock, usd_per_hour=36.0)
+    timeline = RunTimeline(clock, usd_per_hour=36.0)
     clock.advance(600)  # queued: free
     timeline.billing(True)
     clock.advance(3600)
