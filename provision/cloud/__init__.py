@@ -6,8 +6,9 @@ insecure loopback channel). It never asks which: `provision.app.App` decides and
 over the endpoint. The Google client libraries are imported here and in the modules of
 this package (the adapters, messages, storage, Cloud Build), lazily, and nowhere else in the
 control plane (tests/control/test_house.py checks it). Credentials come from one place
-(`default_credentials`), and every API call goes through the retry policy of provision.cloud.api
-and into the calls log (provision.cloud.calls).
+(`default_credentials`); every RPC (the adapters', Cloud Build's) goes through the retry policy of
+provision.cloud.api and into the calls log (provision.cloud.calls); Cloud Storage's client
+retries its own reads (provision.cloud.storage).
 """
 
 from __future__ import annotations
