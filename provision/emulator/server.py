@@ -5,7 +5,8 @@ loaded on its first call), google.container.v1.ClusterManager (container.py, als
 first call) and google.longrunning.Operations (operations.py), behind the `flaky` fault injector
 (faults.py); GKE clusters' Kubernetes API on its own HTTPS port (kube.py, started when GetCluster
 first names its endpoint). With a state file every transaction locks it, reloads what other
-processes saved, applies, and saves (store.py), so concurrent commands share one world.
+processes saved, applies, and saves (store.py), so concurrent commands share one world. The
+services get that transaction (`call`, `world_call`) and the clock's `sleep`, never the Emulator.
 """
 
 from __future__ import annotations
