@@ -9,6 +9,7 @@ to stderr so scripts can parse stdout. rich is imported on first output, not at 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -76,6 +77,11 @@ class Console:
         else:
             print(message, file=self._out, flush=True)
 
+    def table(self, rows: list[tuple[str, ...]], *, right: tuple[int, ...] = (), indent: int = 0) -> None:
+        """Rows of cells as aligned columns (`table_lines`), each line a line of the result (`text`)."""
+        for line in table_lines(rows, right=right):
+            self.text(" " * indent + line)
+
     def emit(self, document: dict[str, Any]) -> None:
         """The JSON document of a command (JSON mode only)."""
         if self.json_mode:
@@ -94,6 +100,29 @@ class Console:
             bar.close()
 
 
+def table_lines(rows: list[tuple[str, ...]], *, right: tuple[int, ...] = (), min_widths: tuple[int, ...] = (),
+                gap: int = 2) -> list[str]:
+    """Rows of cells as the lines of a table laid out by rich (no borders, no header, `gap` spaces
+    between columns; the columns numbered in `right` aligned right, column i at least min_widths[i]
+    wide). Cells are plain text, never markup; a line never wraps, whatever the terminal's width,
+    and ends without trailing spaces."""
+    if not rows:
+        return []
+    from rich.console import Console as RichConsole
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(padding=(0, gap))
+    for column in range(max(len(row) for row in rows)):
+        grid.add_column(justify="right" if column in right else "left", no_wrap=True,
+                        min_width=min_widths[column] if column < len(min_widths) else None)
+    for row in rows:
+        grid.add_row(*(Text(_printable(cell)) for cell in row))
+    buffer = io.StringIO()
+    RichConsole(file=buffer, width=TABLE_WIDTH, color_system=None, highlight=False, emoji=False).print(grid)
+    return [line.rstrip() for line in buffer.getvalue().splitlines()]
+
+
 def _printable(message: str) -> str:
     """The message with terminal control characters escaped (a value from a file or the command line
     never moves the cursor, clears the screen or rings the bell); line breaks stay."""
@@ -103,6 +132,8 @@ def _printable(message: str) -> str:
                    for ch in message)
 
 
+# Wide enough that no table line wraps (a resource name is at most a few hundred characters).
+TABLE_WIDTH = 10_000
 # Piped, a status line is printed when what it says changes (not its figures: waited times, steps, cost),
 # and otherwise at most this often, so a log of a long queue holds its state changes, not every poll.
 PLAIN_EVERY_S = 180.0

@@ -18,12 +18,14 @@ from provision.cloud import storage
 from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
 from provision.targets.base import Report, Target
-from provision.waiting import PollPolicy, format_duration
+from provision.waiting import PollPolicy, format_duration, poll
 
 # While a trainer runs, its reports are read this often (and more often at first).
 FOLLOW_POLICY = PollPolicy(initial_s=2.0, factor=1.5, cap_s=30.0, jitter=0.0)
 # Time for the trainer to appear after the slice or job is up (image pull, start-up, compile).
 START_TIMEOUT_S = 3 * 3600.0
+# The phases of a report that end a follow (Runner._follow).
+FOLLOW_ENDS = ("finished", "failed", "preempted", "restarted", "deleted")
 
 
 class RunFailed(CloudError):
@@ -264,25 +266,25 @@ class Runner:
     def _follow(self, attempt: int) -> Report:
         """Read the target's reports until training ends on it; show step, loss, tokens/s, ETA."""
         started = False
-        interval = FOLLOW_POLICY.initial_s
         waited_since = self.clock.now()
         rate = _Rate()
+
+        def look() -> Report:
+            nonlocal started
+            report = self.target.report()
+            self.training.see(report, attempt)
+            if report.phase in ("running", "finished") and not started:
+                started = self.trained = True
+                self.timeline.add("training started", self.console, step=report.start_step or report.step)
+            if (report.phase not in (*FOLLOW_ENDS, "running")
+                    and self.clock.now() - waited_since > START_TIMEOUT_S):
+                return Report("failed", detail=f"the trainer did not start within {format_duration(START_TIMEOUT_S)}")
+            return report
+
         with self.console.progress("  waiting for the trainer to start") as bar:
-            while True:
-                report = self.target.report()
-                self.training.see(report, attempt)
-                if report.phase in ("running", "finished") and not started:
-                    started = self.trained = True
-                    self.timeline.add("training started", self.console, step=report.start_step or report.step)
-                if report.phase in ("finished", "failed", "preempted", "restarted", "deleted"):
-                    return report
-                if report.phase == "running":
-                    bar.update(self._progress_line(report, rate))
-                elif self.clock.now() - waited_since > START_TIMEOUT_S:
-                    return Report("failed", detail=f"the trainer did not start within "
-                                                   f"{format_duration(START_TIMEOUT_S)}")
-                self.clock.sleep(interval)
-                interval = min(interval * FOLLOW_POLICY.factor, FOLLOW_POLICY.cap_s)
+            return poll(look, lambda report: report.phase in FOLLOW_ENDS, self.clock, timeout_s=float("inf"),
+                        describe=lambda report, _: self._progress_line(report, rate) if report.phase == "running"
+                        else None, progress=bar, policy=FOLLOW_POLICY, what="the trainer")
 
     def _progress_line(self, report: Report, rate: _Rate) -> str:
         parts = [f"  step {report.step}/{report.total_steps or '?'}"]

@@ -59,15 +59,17 @@ class PollPolicy:
 def poll(fetch: Callable[[], T], done: Callable[[T], bool], clock, *, timeout_s: float,
          describe: Callable[[T, float], str] | None = None, progress=None,
          policy: PollPolicy = PollPolicy(), what: str = "the resource") -> T:
-    """Fetch until done(value) or timeout_s passes on `clock`; returns the last value fetched."""
+    """Fetch until done(value) or timeout_s passes on `clock`; returns the last value fetched.
+    `describe(value, elapsed)` is the progress line for a value (None: the line stays as it is)."""
     start = clock.now()
     interval = policy.initial_s
     rng = random.Random(0)
     while True:
         value = fetch()
         elapsed = clock.now() - start
-        if progress is not None and describe is not None:
-            progress.update(describe(value, elapsed))
+        line = describe(value, elapsed) if progress is not None and describe is not None else None
+        if line is not None:
+            progress.update(line)
         if done(value):
             return value
         if elapsed >= timeout_s:

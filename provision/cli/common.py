@@ -8,6 +8,7 @@ def print_resources(app, resources) -> None:
     if not resources:
         app.console.text("no resources")
         return
+    rows = []
     for res in resources:
         doc = res.as_dict(now)
         extra = []
@@ -21,7 +22,8 @@ def print_resources(app, resources) -> None:
             extra.append(f"{len(res.workers)} workers")
         if res.error:
             extra.append(res.error)
-        app.console.text(f"{res.kind:16} {res.name}  {res.state}" + (f"  ({', '.join(extra)})" if extra else ""))
+        rows.append((res.kind, res.name, res.state, f"({', '.join(extra)})" if extra else ""))
+    app.console.table(rows)
 
 
 def finish(app, resources, result: str = "ok", **fields) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import click
 
@@ -32,8 +33,8 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
       moe-tpu --dry-run logs --follow
       moe-tpu logs --plot run.png
     """
+    from provision.clock import RealClock
     from provision.cloud import storage
-    from provision.targets import ENDED
 
     app.command = "logs"
     cfg = app.load_config(config_path)
@@ -43,24 +44,9 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
     def read(name: str, reader):
         return reader(storage.join(out, name), credentials, cfg.project)
 
-    shown_rows, shown_lines = 0, 0
-    rows = read("metrics.jsonl", storage.read_jsonl)
-    if tail and len(rows) > tail:
-        shown_rows = len(rows) - tail
-    while True:
-        rows = read("metrics.jsonl", storage.read_jsonl)
-        for row in rows[shown_rows:]:
-            app.console.text(_row_line(row))
-        shown_rows = len(rows)
-        text = (_pod_log(app, cfg) if cfg.target == "gke" else None) or read("trainer.log", storage.read_text) or ""
-        lines = text.splitlines()
-        for line in lines[shown_lines:] if follow else []:
-            app.console.info(line)
-        shown_lines = len(lines)
-        status = read("status.json", storage.read_json) or {}
-        if not follow or status.get("state") in ENDED:
-            break
-        time.sleep(FOLLOW_INTERVAL_S)
+    seen = read_output(read, (lambda: _pod_log(app, cfg)) if cfg.target == "gke" else None, app.console,
+                       RealClock(), follow=follow, tail=tail)
+    rows, status, text = seen.rows, seen.status, seen.text
     if not follow and text:
         for line in text.splitlines()[-tail or None:]:
             app.console.info(line)
@@ -73,6 +59,50 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
         _plot(app, cfg, rows, plot_path)
     app.console.emit(app.document("ok", output_dir=out, status=status or None, metrics=rows,
                                   **({"plot": plot_path} if plot_path else {})))
+
+
+@dataclass
+class Seen:
+    """What `read_output` has read and shown so far."""
+
+    rows: list[dict] = field(default_factory=list)
+    status: dict = field(default_factory=dict)
+    text: str = ""
+    shown_rows: int = 0
+    shown_lines: int = 0
+
+
+def read_output(read: Callable[[str, Callable], object], pod_log: Callable[[], str | None] | None, console, clock, *,
+                follow: bool, tail: int) -> Seen:
+    """Print the metric rows (the last `tail` first) and, following, the new lines of the trainer's output,
+    until the trainer ends (once without `follow`). `read(name, reader)` reads the output directory's file
+    `name` with `reader` (storage.read_jsonl, read_text or read_json); the waits are waiting.poll's on
+    `clock`, every FOLLOW_INTERVAL_S."""
+    from provision.cloud import storage
+    from provision.targets import ENDED
+    from provision.waiting import PollPolicy, poll
+
+    seen = Seen()
+    first = read("metrics.jsonl", storage.read_jsonl)
+    if tail and len(first) > tail:
+        seen.shown_rows = len(first) - tail
+
+    def look() -> Seen:
+        seen.rows = read("metrics.jsonl", storage.read_jsonl)
+        for row in seen.rows[seen.shown_rows:]:
+            console.text(_row_line(row))
+        seen.shown_rows = len(seen.rows)
+        seen.text = (pod_log() if pod_log is not None else None) or read("trainer.log", storage.read_text) or ""
+        lines = seen.text.splitlines()
+        for line in lines[seen.shown_lines:] if follow else []:
+            console.info(line)
+        seen.shown_lines = len(lines)
+        seen.status = read("status.json", storage.read_json) or {}
+        return seen
+
+    every = PollPolicy(initial_s=FOLLOW_INTERVAL_S, factor=1.0, cap_s=FOLLOW_INTERVAL_S, jitter=0.0)
+    return poll(look, lambda s: not follow or s.status.get("state") in ENDED, clock, timeout_s=float("inf"),
+                policy=every, what="the trainer to end")
 
 
 def _plot(app, cfg, rows: list, path: str) -> None:

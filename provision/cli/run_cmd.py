@@ -157,10 +157,12 @@ def _ask_teardown(app):
 
 def _print_summary(app, events, training, verdict: str) -> None:
     app.console.text("timeline:")
+    rows = []
     for event in events:
         extra = {k: v for k, v in event.items() if k not in ("event", "at", "elapsed_s", "cost_usd") and v is not None}
-        details = "  " + ", ".join(f"{k} {v}" for k, v in extra.items()) if extra else ""
-        app.console.text(f"  {event['at']}  {event['event']:<18} ${event['cost_usd']:>8.2f}{details}")
+        details = ", ".join(f"{k} {v}" for k, v in extra.items())
+        rows.append((event["at"], event["event"], f"${event['cost_usd']:.2f}", details))
+    app.console.table(rows, right=(2,), indent=2)
     t = training
     if t.first_loss is not None:
         app.console.text(f"training: {t.steps} steps, loss {t.first_loss:.4f} -> {t.final_loss:.4f}, "

@@ -5,7 +5,10 @@ services' own hosts) or any address given to it (the emulator, in dry run, with 
 insecure loopback channel). It never asks which: `provision.app.App` decides and hands
 over the endpoint. The Google client libraries are imported here and in the modules of
 this package (the adapters, messages, storage, Cloud Build), lazily, and nowhere else in the
-control plane (tests/control/test_house.py checks it).
+control plane (tests/control/test_house.py checks it). Credentials come from one place
+(`default_credentials`); every RPC (the adapters', Cloud Build's) goes through the retry policy of
+provision.cloud.api and into the calls log (provision.cloud.calls); Cloud Storage's client
+retries its own reads (provision.cloud.storage).
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ def require_control_deps() -> None:
         raise MissingDependency(exc.name or "google-cloud-tpu", "control") from exc
 
 
+def default_credentials() -> tuple[Any, str | None]:
+    """(credentials, their project): Application Default Credentials for every API this tool calls
+    (the cloud-platform scope). google.auth's DefaultCredentialsError when there are none."""
+    import google.auth
+
+    return google.auth.default(scopes=[CLOUD_PLATFORM_SCOPE])
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where requests go and on which clock the caller waits.
@@ -47,11 +58,10 @@ class Endpoint:
     def google(cls, clock) -> Endpoint:
         """Google Cloud with Application Default Credentials."""
         require_control_deps()
-        import google.auth
         from google.auth import exceptions as auth_exceptions
 
         try:
-            credentials, project = google.auth.default(scopes=[CLOUD_PLATFORM_SCOPE])
+            credentials, project = default_credentials()
         except auth_exceptions.DefaultCredentialsError as exc:
             path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
             if path:

@@ -1,4 +1,4 @@
-"""Cloud Build: the image built from an archived context in Cloud Storage, and the credentials for it.
+"""Cloud Build: the image built from an archived context in Cloud Storage.
 
 `moe-tpu image build` without docker lands here (provision/image.py plans the build). The archive
 goes to the plan's staging location, the build runs docker with every tag of the plan and logs to
@@ -8,38 +8,36 @@ provision.image.ImagePlan (not imported: the image module imports this one).
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any
 
-from provision.cloud import CLOUD_PLATFORM_SCOPE
-from provision.cloud.messages import proto_dict
+from provision.clock import RealClock
+from provision.cloud import default_credentials, storage
+from provision.cloud.api import RetryingApi, is_transient
 from provision.errors import CloudError, UsageError
+from provision.waiting import PollPolicy, call_with_retry, poll
 
+HOST = "cloudbuild.googleapis.com:443"
 STEP_IMAGE = "gcr.io/cloud-builders/docker"
 TIMEOUT_S = 3600
 DONE = {"SUCCESS", "FAILURE", "INTERNAL_ERROR", "TIMEOUT", "CANCELLED", "EXPIRED"}
+# The build and its log are read this often until it ends.
+LOG_POLL = PollPolicy(initial_s=3.0, factor=1.0, cap_s=3.0, jitter=0.0)
 
 
 def credentials() -> tuple[Any, str | None, str]:
     """(credentials, their project, why not): Application Default Credentials, or None and the reason."""
     try:
-        import google.auth
         from google.auth import exceptions as auth_exceptions
     except ImportError:
         return None, None, "google-auth is not installed (pip install 'moe-tpu[image]')"
     try:
-        credentials, project = google.auth.default(scopes=[CLOUD_PLATFORM_SCOPE])
+        credentials, project = default_credentials()
     except auth_exceptions.DefaultCredentialsError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return None, None, f"no Google Cloud credentials ({first})"
     return credentials, project, "Application Default Credentials"
 
-
-
-def split_gs(location: str) -> tuple[str, str]:
-    """gs://BUCKET/OBJECT -> (BUCKET, OBJECT)."""
-    bucket, _, name = location.removeprefix("gs://").partition("/")
-    return bucket, name
 
 
 def build_request(plan: Any, project: str) -> Any:
@@ -51,7 +49,7 @@ def build_request(plan: Any, project: str) -> Any:
         raise UsageError("Cloud Build needs a Cloud Storage location for the source archive, and the config "
                          "gives none (trainer.output_dir is not in gs://)",
                          hint="set image.staging: gs://YOUR-BUCKET/staging")
-    bucket, name = split_gs(plan.archive_uri)
+    bucket, name = storage.split_gs(plan.archive_uri)
     build = cloudbuild_v1.Build(
         source=cloudbuild_v1.Source(storage_source=cloudbuild_v1.StorageSource(bucket=bucket, object_=name)),
         steps=[cloudbuild_v1.BuildStep(name=STEP_IMAGE, args=[*plan.docker_build_args, "."])],
@@ -89,77 +87,85 @@ def registry_has(uri: str, credentials: Any) -> bool | None:
 
 
 def upload_archive(plan: Any, data: bytes, credentials: Any, project: str, console: Any) -> None:
-    from google.api_core import exceptions as api_exceptions
-    from google.cloud import storage
-
     assert plan.archive_uri is not None
-    bucket, name = split_gs(plan.archive_uri)
-    blob = storage.Client(project=project, credentials=credentials).bucket(bucket).blob(name)
     console.info(f"uploading the source archive ({len(data) / 1e6:.1f} MB) to {plan.archive_uri}")
-    try:
-        blob.upload_from_string(data, content_type="application/gzip", if_generation_match=0)
-    except api_exceptions.PreconditionFailed:
+    if not storage.create(plan.archive_uri, data, "application/gzip", credentials, project):
         console.info("the same archive is already there")
-    except api_exceptions.GoogleAPICallError as exc:
-        raise CloudError(f"cannot upload to {plan.archive_uri}: {exc.message}",
-                         hint="check that the bucket exists and that you may write to it (terraform/ makes it)") \
-            from None
 
 
 def submit(plan: Any, archive: bytes, credentials: Any, project: str, console: Any,
-           calls: list[dict[str, Any]]) -> str:
-    """Upload the context's archive, submit the build, stream its log until it ends; the build's id."""
-    from google.api_core import exceptions as api_exceptions
-    from google.cloud.devtools import cloudbuild_v1
-
+           calls: list[dict[str, Any]], clock: Any = None) -> str:
+    """Upload the context's archive, submit the build, stream its log until it ends; the build's id.
+    Cloud Build's calls go through our retry policy and into `calls`, as a Session's do; the waits
+    are on `clock` (the real one by default)."""
     request = build_request(plan, project)
     upload_archive(plan, archive, credentials, project, console)
-    client = cloudbuild_v1.CloudBuildClient(credentials=credentials)
-    calls.append({"rpc": "google.devtools.cloudbuild.v1.CloudBuild/CreateBuild",
-                  "request": proto_dict(request)})
+    client, channel = _client(credentials, calls)
+    api = CloudBuildApi(client, RealClock() if clock is None else clock, console)
     try:
-        operation = client.create_build(request=request)
-    except api_exceptions.GoogleAPICallError as exc:
-        raise CloudError(f"Cloud Build refused the build: {exc.message}",
-                         hint="enable the Cloud Build API (terraform/ does) and check your roles") from None
-    build_id = operation.metadata.build.id
-    console.info(f"Cloud Build {build_id}: {operation.metadata.build.log_url}")
-    build = _follow_build(client, project, build_id, f"{plan.staging}/cloud-build-logs/log-{build_id}.txt",
-                          credentials, console, calls)
+        operation = api.create(request)
+        build_id = operation.metadata.build.id
+        console.info(f"Cloud Build {build_id}: {operation.metadata.build.log_url}")
+        build = api.follow(project, build_id, f"{plan.staging}/cloud-build-logs/log-{build_id}.txt",
+                           lambda url, offset: storage.read_bytes_after(url, offset, credentials, project))
+    finally:
+        channel.close()
     if build.status.name != "SUCCESS":
         raise CloudError(f"Cloud Build {build_id} ended {build.status.name}: {build.status_detail or 'see its log'}",
                          hint=f"its whole log: {build.log_url}")
     return build_id
 
 
-def _follow_build(client: Any, project: str, build_id: str, log_uri: str, credentials: Any, console: Any,
-                  calls: list[dict[str, Any]], poll_s: float = 3.0) -> Any:
-    from google.cloud import storage
+def _client(credentials: Any, calls: list[dict[str, Any]]) -> tuple[Any, Any]:
+    """(a CloudBuildClient whose calls are logged into `calls`, its channel to close)."""
+    import grpc
+    from google.cloud.devtools import cloudbuild_v1
+    from google.cloud.devtools.cloudbuild_v1.services.cloud_build.transports import CloudBuildGrpcTransport
 
-    bucket, name = split_gs(log_uri)
-    blob = storage.Client(project=project, credentials=credentials).bucket(bucket).blob(name)
-    offset = 0
-    while True:
-        calls.append({"rpc": "google.devtools.cloudbuild.v1.CloudBuild/GetBuild",
-                      "request": {"project_id": project, "id": build_id}})
-        build = client.get_build(project_id=project, id=build_id)
-        offset = _print_new_log(blob, offset, console)
-        if build.status.name in DONE:
-            _print_new_log(blob, offset, console)
+    from provision.cloud.calls import CallRecorder
+
+    channel = CloudBuildGrpcTransport.create_channel(HOST, credentials=credentials)
+    logged = grpc.intercept_channel(channel, CallRecorder(calls))
+    return cloudbuild_v1.CloudBuildClient(transport=CloudBuildGrpcTransport(channel=logged)), channel
+
+
+class CloudBuildApi(RetryingApi):
+    """Cloud Build behind our retry policy, waiting on our clock."""
+
+    def create(self, request: Any) -> Any:
+        """CreateBuild: its long-running operation (whose metadata names the build)."""
+        from google.api_core import exceptions as gexc
+
+        def on_retry(attempt: int, exc: BaseException | None) -> None:
+            self.console.detail(f"submit the build: transient error ({type(exc).__name__}), retry {attempt}")
+
+        try:
+            return call_with_retry(lambda: self.client.create_build(request=request), self.clock,
+                                   on_retry=on_retry, transient=is_transient)
+        except gexc.GoogleAPICallError as exc:
+            raise CloudError(f"Cloud Build refused the build: {exc.message}",
+                             hint="enable the Cloud Build API (terraform/ does) and check your roles") from None
+
+    def follow(self, project: str, build_id: str, log_url: str, read_after: Callable[[str, int], bytes]) -> Any:
+        """GetBuild until the build ends (waiting.poll on our clock), printing the log's new lines as they
+        come (read_after(url, offset): its bytes after offset); the build as it ended."""
+        offset = 0
+
+        def look() -> Any:
+            nonlocal offset
+            build = self._call(f"get Cloud Build {build_id}", lambda: self.client.get_build(project_id=project,
+                                                                                               id=build_id))
+            offset = _print_new_log(read_after(log_url, offset), offset, self.console)
             return build
-        time.sleep(poll_s)
+
+        build = poll(look, lambda b: b.status.name in DONE, self.clock, timeout_s=float("inf"),
+                     policy=LOG_POLL, what=f"Cloud Build {build_id}")
+        _print_new_log(read_after(log_url, offset), offset, self.console)
+        return build
 
 
-def _print_new_log(blob: Any, offset: int, console: Any) -> int:
-    """Print the log's bytes after `offset` to stderr; the new offset."""
-    from google.api_core import exceptions as api_exceptions
-
-    try:
-        data = blob.download_as_bytes(start=offset)
-    except (api_exceptions.NotFound, api_exceptions.RequestRangeNotSatisfiable):
-        return offset
-    except api_exceptions.GoogleAPICallError:
-        return offset
+def _print_new_log(data: bytes, offset: int, console: Any) -> int:
+    """Print the log's new bytes (`data`, after `offset`) to stderr; the new offset."""
     for line in data.decode(errors="replace").splitlines():
         console.info(f"  | {line}")
     return offset + len(data)

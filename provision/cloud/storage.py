@@ -1,7 +1,9 @@
-"""Reading what the trainer leaves in its output directory: a gs:// URL or a local path.
+"""Cloud Storage: what the trainer leaves in its output directory (a gs:// URL or a local path), and
+the objects of a Cloud Build (its source archive, its log).
 
-Only small objects are read (status.json, metrics.jsonl). google-cloud-storage is imported
-here, lazily, with the session's credentials.
+Only small objects are read (status.json, metrics.jsonl, a build log's new bytes).
+google-cloud-storage is imported here, lazily, with the session's credentials; it retries its own
+reads and conditional writes, so nothing here retries on top of it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,48 @@ def join(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name
 
 
+def split_gs(url: str) -> tuple[str, str]:
+    """gs://BUCKET/OBJECT -> (BUCKET, OBJECT)."""
+    bucket, _, name = url.removeprefix("gs://").partition("/")
+    return bucket, name
+
+
+def _blob(url: str, credentials: Any, project: str | None):
+    try:
+        from google.cloud import storage
+    except ImportError as exc:  # depends on the install
+        raise MissingDependency(exc.name or "google-cloud-storage", "control") from exc
+    bucket, name = split_gs(url)
+    return storage.Client(project=project, credentials=credentials).bucket(bucket).blob(name)
+
+
+def create(url: str, data: bytes, content_type: str, credentials: Any, project: str | None) -> bool:
+    """Write a new gs:// object; False when one is already there (it is left as it is)."""
+    from google.api_core import exceptions as gexc
+
+    blob = _blob(url, credentials, project)
+    try:
+        blob.upload_from_string(data, content_type=content_type, if_generation_match=0)
+    except gexc.PreconditionFailed:
+        return False
+    except gexc.GoogleAPICallError as exc:
+        raise CloudError(f"cannot upload to {url}: {exc.message}",
+                         hint="check that the bucket exists and that you may write to it (terraform/ makes it)") \
+            from None
+    return True
+
+
+def read_bytes_after(url: str, offset: int, credentials: Any, project: str | None) -> bytes:
+    """A gs:// object's bytes after `offset`: none while it does not exist, has no more, or cannot be read
+    (a log being written: the next read catches up)."""
+    from google.api_core import exceptions as gexc
+
+    try:
+        return _blob(url, credentials, project).download_as_bytes(start=offset)
+    except gexc.GoogleAPICallError:  # NotFound and RequestRangeNotSatisfiable among them
+        return b""
+
+
 def read_text(url: str, credentials: Any = None, project: str | None = None) -> str | None:
     """The object's text, or None when it does not exist (yet)."""
     if not url.startswith("gs://"):
@@ -26,15 +70,11 @@ def read_text(url: str, credentials: Any = None, project: str | None = None) -> 
             return None
         except OSError as exc:
             raise CloudError(f"cannot read {url}: {exc.strerror or exc}") from None
+    blob = _blob(url, credentials, project)
+    from google.api_core import exceptions as gexc
+
     try:
-        from google.api_core import exceptions as gexc
-        from google.cloud import storage
-    except ImportError as exc:  # depends on the install
-        raise MissingDependency(exc.name or "google-cloud-storage", "control") from exc
-    bucket, _, blob = url[len("gs://"):].partition("/")
-    try:
-        client = storage.Client(project=project, credentials=credentials)
-        return client.bucket(bucket).blob(blob).download_as_text()
+        return blob.download_as_text()
     except gexc.NotFound:
         return None
     except gexc.GoogleAPICallError as exc:

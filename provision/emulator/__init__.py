@@ -8,10 +8,12 @@ the queued resource and custom job state machines on a simulated clock. `SCENARI
 `ScaledClock` import cheaply; `Emulator` loads grpc and google-cloud-tpu on first use, and
 google-cloud-aiplatform on the first Vertex AI call.
 
-Modules: server (Emulator, transactions), store (the state file and its lock), world (state and
-JSON), tpu / vertex / container / operations (one per service: checks, views, RPCs), gke (GKE's
-records and the JobSet controller), kube (the Kubernetes API over HTTPS), faults (`flaky`),
-scenarios (timelines, plain data), validate (shared request checks), rpc (shared gRPC plumbing).
+Modules: server (Emulator, transactions), store (the state file and its lock), world (records,
+operations among them, and JSON), tpu / vertex / container / operations (one per service: checks,
+views, RPCs), gke (GKE's records), gke_world (GKE's state and the JobSet controller), kube (the
+Kubernetes API over HTTPS), faults (`flaky`), scenarios (timelines, plain data), validate (shared
+request checks), rpc (shared gRPC plumbing). Services get a transaction (Emulator.call or
+Emulator.world_call), never the Emulator, and import each other by name, never by string.
 """
 
 from __future__ import annotations

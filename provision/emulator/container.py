@@ -1,8 +1,8 @@
 """google.container.v1.ClusterManager, the part a TPU node pool lifecycle uses: clusters, node pools,
 and the Container API's own operations (GetOperation; not google.longrunning). The other methods
-answer UNIMPLEMENTED. Records and the JobSet controller live in gke.py.
+answer UNIMPLEMENTED. Records live in gke.py, the JobSet controller in gke_world.py.
 
-The server loads this module on the first ClusterManager call (rpc.Service).
+The server imports this module on the first ClusterManager call (rpc.Service).
 Messages marked "unconfirmed" have no public record; they are the most plausible shape.
 """
 
@@ -29,11 +29,12 @@ from provision.emulator.gke import (
     STOCKOUT_MESSAGE,
     ClusterRecord,
     ContainerOperation,
-    GkeWorld,
     PoolRecord,
     iso,
+    preexisting_clusters,
     tpu_accelerator,
 )
+from provision.emulator.gke_world import GkeWorld
 from provision.emulator.scenarios import STOCKOUT_WAIT_S
 from provision.emulator.validate import ApiError
 
@@ -178,7 +179,9 @@ def pool_view(pool: PoolRecord, now: float) -> v1.NodePool:
     return view
 
 
-def cluster_view(gke: GkeWorld, rec: ClusterRecord, now: float) -> v1.Cluster:
+def cluster_view(gke: GkeWorld, rec: ClusterRecord, now: float,
+                 kube_endpoint: Callable[[], tuple[str, str]] | None = None) -> v1.Cluster:
+    """The cluster at `now`; once RUNNING, with the endpoint and CA of `kube_endpoint()` (rpc.Call's)."""
     view = v1.Cluster.from_json(json.dumps(rec.request), ignore_unknown_fields=True)
     view.name = rec.name.rsplit("/", 1)[-1]
     view.location = view.zone = rec.location
@@ -186,8 +189,8 @@ def cluster_view(gke: GkeWorld, rec: ClusterRecord, now: float) -> v1.Cluster:
     view.status = v1.Cluster.Status[rec.status(now) or "STOPPING"]
     view.create_time = iso(rec.create_time)
     view.current_master_version = view.current_node_version = KUBE_VERSION
-    if view.status.name == "RUNNING" and gke.kube_info is not None:
-        endpoint, ca_pem = gke.kube_info()
+    if view.status.name == "RUNNING" and kube_endpoint is not None:
+        endpoint, ca_pem = kube_endpoint()
         view.endpoint = endpoint
         view.master_auth = v1.MasterAuth(cluster_ca_certificate=ca_pem)
     pools = [pool_view(p, now) for p in sorted(gke.pools.values(), key=lambda p: p.create_time)
@@ -300,14 +303,12 @@ def CreateCluster(call: rpc.Call, req: v1.CreateClusterRequest):
 
 def GetCluster(call: rpc.Call, req: v1.GetClusterRequest):
     gke = _gke(call)
-    return cluster_view(gke, live_cluster(gke, req.name, call.now), call.now)
+    return cluster_view(gke, live_cluster(gke, req.name, call.now), call.now, call.kube_endpoint)
 
 
 def ListClusters(call: rpc.Call, req: v1.ListClustersRequest):
     gke = _gke(call)
     project, location = _location(req.parent)
-    from provision.emulator.gke import preexisting_clusters
-
     for entry in preexisting_clusters():
         where, name = entry.split("/")
         if location in ("-", where):
@@ -315,7 +316,7 @@ def ListClusters(call: rpc.Call, req: v1.ListClustersRequest):
     found = [c for c in sorted(gke.clusters.values(), key=lambda c: c.name)
              if c.name.startswith(f"projects/{project}/locations/") and c.status(call.now) is not None
              and location in ("-", c.location)]
-    return v1.ListClustersResponse(clusters=[cluster_view(gke, c, call.now) for c in found])
+    return v1.ListClustersResponse(clusters=[cluster_view(gke, c, call.now, call.kube_endpoint) for c in found])
 
 
 def DeleteCluster(call: rpc.Call, req: v1.DeleteClusterRequest):

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from provision.emulator.scenarios import FLAKY_MAX_IN_A_ROW, FLAKY_SHARE
 
 if TYPE_CHECKING:
-    from provision.emulator.server import Emulator
-    from provision.emulator.world import FaultState
+    from provision.emulator.world import FaultState, World
 
 UNAVAILABLE_MESSAGE = "The service is currently unavailable."
 CREATES = ("google.cloud.tpu.v2.Tpu/CreateQueuedResource", "google.cloud.aiplatform.v1.JobService/CreateCustomJob",
@@ -65,34 +65,37 @@ def answered(state: FaultState) -> None:
 
 
 class FaultInjector(grpc.ServerInterceptor):
-    """Wraps every unary method of the server when the emulator's scenario is `flaky`."""
+    """Wraps every unary method of the server when `flaky`; the bookkeeping is one transaction
+    `world_call(fn(world, now))` (Emulator.world_call) each time, and `seed` the world's."""
 
-    def __init__(self, emulator: Emulator) -> None:
-        self._emulator = emulator
+    def __init__(self, world_call: Callable[[Callable[[World, float], Any]], Any], seed: int, flaky: bool) -> None:
+        self._world_call = world_call
+        self._seed = seed
+        self._flaky = flaky
 
     def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = continuation(details)
-        if handler is None or handler.unary_unary is None or self._emulator.scenario != "flaky":
+        if handler is None or handler.unary_unary is None or not self._flaky:
             return handler
         return grpc.unary_unary_rpc_method_handler(
             self._wrap(details.method.lstrip("/"), handler.unary_unary),
             request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
     def _wrap(self, method: str, behaviour):
-        emulator = self._emulator
+        world_call, seed = self._world_call, self._seed
 
         def flaky(request, context: grpc.ServicerContext):
-            verdict = emulator.world_call(lambda world, now: decide(world.faults, emulator.seed, method))
+            verdict = world_call(lambda world, now: decide(world.faults, seed, method))
             if verdict is Verdict.FAIL:
                 context.abort(grpc.StatusCode.UNAVAILABLE, UNAVAILABLE_MESSAGE)
             try:
                 response = behaviour(request, context)
             except BaseException:  # the service answered an error: nothing was applied
                 if verdict is Verdict.LOSE:
-                    emulator.world_call(lambda world, now: answered(world.faults))
+                    world_call(lambda world, now: answered(world.faults))
                 raise
             if verdict is Verdict.LOSE:
-                emulator.world_call(lambda world, now: lost(world.faults, method))
+                world_call(lambda world, now: lost(world.faults, method))
                 context.abort(grpc.StatusCode.UNAVAILABLE, UNAVAILABLE_MESSAGE)
             return response
         return flaky

@@ -3,8 +3,8 @@
 JobSets (jobset.x-k8s.io/v1alpha2: create, get, list, delete, with 409 and 404 as `Status`
 objects), pods (list, get, watch, log), events and nodes (with GKE's TPU labels). The official
 `kubernetes` client talks to it exactly as to a GKE control plane: the endpoint and the CA
-certificate come from GetCluster. Objects live in the emulated world (gke.py); every request is
-one transaction, after the JobSet controller has brought the world up to now.
+certificate come from GetCluster. Objects live in the emulated world (gke.py, gke_world.py); every
+request is one transaction, after the JobSet controller has brought the world up to now.
 
 Written by hand on the standard library's HTTP server because no library serves the Kubernetes
 API from Python; the subset is small and its answers follow the API's conventions (Status
@@ -20,6 +20,7 @@ import re
 import ssl
 import tempfile
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,15 +29,18 @@ from urllib.parse import parse_qs, urlparse
 from provision.emulator.gke import (
     JOBSET_LABELS,
     TPU_RESOURCE,
-    GkeWorld,
     JobSetRecord,
     PodRecord,
     iso,
     tpu_accelerator,
 )
+from provision.emulator.gke_world import GkeWorld
 
 if TYPE_CHECKING:
-    from provision.emulator.server import Emulator
+    from provision.emulator.world import World
+
+# fn(world, now) as one transaction (Emulator.world_call).
+WorldCall = Callable[[Callable[["World", float], Any]], Any]
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 _JOBSETS = re.compile(rf"^/apis/{GROUP}/{VERSION}(?:/namespaces/([^/]+))?/{PLURAL}(?:/([^/]+))?$")
@@ -334,8 +338,7 @@ def _log(gke: GkeWorld, pod: PodRecord, now: float, query: dict[str, str]) -> st
 class KubeServer:
     """The HTTPS server, started on 127.0.0.1 on a free port; its CA certificate for clients."""
 
-    def __init__(self, emulator: Emulator) -> None:
-        self.emulator = emulator
+    def __init__(self, world_call: WorldCall) -> None:
         self.ca_pem, cert_pem, key_pem = _certificates()
         self._dir = tempfile.TemporaryDirectory(prefix="moe-tpu-kube-")
         cert, key = Path(self._dir.name) / "server.pem", Path(self._dir.name) / "server.key"
@@ -343,7 +346,7 @@ class KubeServer:
         key.write_bytes(key_pem)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert, key)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(emulator))
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(world_call))
         self._server.daemon_threads = True
         self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
         self._thread = threading.Thread(target=self._server.serve_forever, name="emulator-kube", daemon=True)
@@ -359,7 +362,7 @@ class KubeServer:
         self._dir.cleanup()
 
 
-def _handler(emulator: Emulator):
+def _handler(world_call: WorldCall):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -376,8 +379,7 @@ def _handler(emulator: Emulator):
             except ValueError:
                 return self._send(400, KubeError(400, "BadRequest", "the body is not JSON").status())
             try:
-                code, answer = emulator.world_call(
-                    lambda world, now: _with_held(world.gke, emulator, now, method, url.path, query, body))
+                code, answer = world_call(lambda world, now: handle(world.gke, now, method, url.path, query, body))
             except KubeError as error:
                 return self._send(error.code, error.status())
             self._send(code, answer)
@@ -405,11 +407,6 @@ def _handler(emulator: Emulator):
             self._serve("DELETE")
 
     return Handler
-
-
-def _with_held(gke: GkeWorld, emulator: Emulator, now: float, method, path, query, body):
-    gke.held = emulator.external_workloads
-    return handle(gke, now, method, path, query, body)
 
 
 def _certificates() -> tuple[bytes, bytes, bytes]:

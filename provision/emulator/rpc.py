@@ -1,16 +1,21 @@
-"""What every emulated service shares on the gRPC side: the call context, generic unary handlers
-whose (de)serializers are the message types' own, errors as google.rpc.Status, paging, and a
-service whose module loads on its first call."""
+"""What every emulated service shares on the gRPC side: the call context, the transaction that runs
+a call, generic unary handlers whose (de)serializers are the message types' own, errors as
+google.rpc.Status, paging, long-running operations' proto views, and a service whose methods load
+on its first call.
+
+Handlers never see the Emulator: they get a `Transact` (Emulator.call), which runs one function
+of a `Call` as one transaction on the world.
+"""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf import timestamp_pb2
+from google.longrunning import operations_pb2
+from google.protobuf import empty_pb2, timestamp_pb2
 from google.rpc import status_pb2
 from grpc_status import rpc_status
 
@@ -19,10 +24,11 @@ from provision.emulator.validate import ApiError
 from provision.errors import MoeTpuError
 
 if TYPE_CHECKING:
-    from provision.emulator.server import Emulator
-    from provision.emulator.world import World
+    from provision.emulator.world import Operation, World
 
 DEFAULT_PAGE_SIZE = 100
+# name -> (impl, request deserializer, response serializer): a service module's METHODS.
+Methods = dict[str, tuple[Callable, Callable, Callable]]
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,12 @@ class Call:
     now: float
     scenario: str
     held: bool  # Emulator(external_workloads=True): resources stay up until a hook ends them
+    # () -> (host:port, base64 CA PEM) of the Kubernetes API server, started on first use.
+    kube_endpoint: Callable[[], tuple[str, str]] | None = None
+
+
+# fn(call) as one transaction: under the world's lock, on the freshest world, saved after.
+Transact = Callable[[Callable[[Call], Any]], Any]
 
 
 def timestamp(t: float) -> timestamp_pb2.Timestamp:
@@ -54,6 +66,28 @@ def page(items: list, page_size: int, page_token: str) -> tuple[list, str]:
     return items[start:end], (str(end) if end < len(items) else "")
 
 
+def longrunning(op: Operation, now: float, metadata: Callable[[Operation, float], Any],
+                response: Callable[[Operation], Any]) -> operations_pb2.Operation:
+    """`op` as google.longrunning.Operation at `now`, with its service's metadata(op, now) and, once
+    done without an error, its response(op) (google.protobuf.Empty when it records none)."""
+    done = op.done(now)
+    result = operations_pb2.Operation(name=op.name, done=done)
+    result.metadata.Pack(metadata(op, now))
+    if done and op.error is not None:
+        result.error.CopyFrom(status_pb2.Status(code=op.error["code"], message=op.error["message"]))
+    elif done:
+        result.response.Pack(response(op) if op.response is not None else empty_pb2.Empty())
+    return result
+
+
+def started(answer: operations_pb2.Operation) -> operations_pb2.Operation:
+    """The answer to the RPC that starts an operation (its view, `answer`): it has only just begun."""
+    answer.done = False
+    answer.ClearField("response")
+    answer.ClearField("error")
+    return answer
+
+
 def abort(context: grpc.ServicerContext, error: ApiError) -> None:
     status = status_pb2.Status(code=grpc.StatusCode[error.code].value[0], message=error.message)
     for detail in error.details:
@@ -61,12 +95,12 @@ def abort(context: grpc.ServicerContext, error: ApiError) -> None:
     context.abort_with_status(rpc_status.to_status(status))
 
 
-def unary(emulator: Emulator, impl: Callable[[Call, Any], Any], des: Callable, ser: Callable):
+def unary(transact: Transact, impl: Callable[[Call, Any], Any], des: Callable, ser: Callable):
     """A unary handler that runs impl(call, request) as one transaction on the world."""
 
     def behaviour(request, context: grpc.ServicerContext):
         try:
-            return emulator.call(lambda call: impl(call, request))
+            return transact(lambda call: impl(call, request))
         except ApiError as error:
             abort(context, error)
         except LockTimeout as error:  # another process holds the world: a conflict, not worth retrying
@@ -85,21 +119,20 @@ def unimplemented(full_name: str):
 class Service(grpc.GenericRpcHandler):
     """One service's methods; those it does not model answer UNIMPLEMENTED.
 
-    `module` names a module with SERVICE (the full service name) and METHODS (name -> (impl,
-    request deserializer, response serializer)); it is imported on the service's first call.
+    `methods()` gives the service module's METHODS; it is called (and so the module imported) on
+    the service's first call.
     """
 
-    def __init__(self, emulator: Emulator, service: str, module: str) -> None:
-        self._emulator = emulator
+    def __init__(self, transact: Transact, service: str, methods: Callable[[], Methods]) -> None:
+        self._transact = transact
         self._prefix = f"/{service}/"
-        self._module = module
+        self._methods = methods
         self._handlers: dict[str, grpc.RpcMethodHandler] | None = None
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         if not details.method.startswith(self._prefix):
             return None
         if self._handlers is None:
-            module = importlib.import_module(self._module)
-            self._handlers = {name: unary(self._emulator, *spec) for name, spec in module.METHODS.items()}
+            self._handlers = {name: unary(self._transact, *spec) for name, spec in self._methods().items()}
         method = details.method[len(self._prefix):]
         return self._handlers.get(method) or unimplemented(details.method[1:])

@@ -5,7 +5,8 @@ loaded on its first call), google.container.v1.ClusterManager (container.py, als
 first call) and google.longrunning.Operations (operations.py), behind the `flaky` fault injector
 (faults.py); GKE clusters' Kubernetes API on its own HTTPS port (kube.py, started when GetCluster
 first names its endpoint). With a state file every transaction locks it, reloads what other
-processes saved, applies, and saves (store.py), so concurrent commands share one world.
+processes saved, applies, and saves (store.py), so concurrent commands share one world. The
+services get that transaction (`call`, `world_call`) and the clock's `sleep`, never the Emulator.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class Emulator:
         with self._lock, self._store.locked():
             self._reload()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="emulator"),
-                             handlers=self._handlers(), interceptors=[FaultInjector(self)],
+                             handlers=self._handlers(),
+                             interceptors=[FaultInjector(self.world_call, self.seed, self.scenario == "flaky")],
                              options=[("grpc.so_reuseport", 0)])
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
@@ -93,10 +95,11 @@ class Emulator:
         return self.port
 
     def _handlers(self) -> list[grpc.GenericRpcHandler]:
-        return [rpc.Service(self, "google.cloud.tpu.v2.Tpu", "provision.emulator.tpu"),
-                rpc.Service(self, "google.cloud.aiplatform.v1.JobService", "provision.emulator.vertex"),
-                rpc.Service(self, "google.container.v1.ClusterManager", "provision.emulator.container"),
-                operations.handler(self)]
+        """Each service's handler, given the transaction it runs in (never the Emulator itself)."""
+        return [rpc.Service(self.call, "google.cloud.tpu.v2.Tpu", _tpu_methods),
+                rpc.Service(self.call, "google.cloud.aiplatform.v1.JobService", _vertex_methods),
+                rpc.Service(self.call, "google.container.v1.ClusterManager", _container_methods),
+                operations.handler(self.call, self.clock.sleep)]
 
     def stop(self) -> None:
         """Save the world (with the clock's time) and stop serving. Safe to call twice."""
@@ -168,7 +171,7 @@ class Emulator:
             if self._kube is None:
                 from provision.emulator.kube import KubeServer
 
-                self._kube = KubeServer(self)
+                self._kube = KubeServer(self.world_call)
         return self._kube.endpoint, base64.b64encode(self._kube.ca_pem).decode()
 
     # --- transactions ----------------------------------------------------------
@@ -183,7 +186,6 @@ class Emulator:
             with self._store.locked():
                 self._reload()
                 self.world.reservations = self.reservations
-                self.world.gke.kube_info = self.kube_endpoint
                 self.world.gke.held = self.external_workloads
                 now = self._now = self.clock.now()
                 try:
@@ -226,7 +228,8 @@ class Emulator:
     def call(self, fn: Callable[[rpc.Call], T]) -> T:
         """fn(call) as one transaction, with what an RPC needs to know (see rpc.Call)."""
         with self._transaction() as (world, now):
-            return fn(rpc.Call(world=world, now=now, scenario=self.scenario, held=self.external_workloads))
+            return fn(rpc.Call(world=world, now=now, scenario=self.scenario, held=self.external_workloads,
+                               kube_endpoint=self.kube_endpoint))
 
     # --- hooks for a dry run's local workload (see World) --------------------------
     def running_nodes(self) -> list[RunningNode]:
@@ -255,6 +258,25 @@ class Emulator:
     def set_guest_attributes(self, node_name: str, worker_id: int, namespace: str,
                              values: Mapping[str, str | int | float]) -> None:
         self.world_call(lambda world, now: world.set_guest_attributes(node_name, worker_id, namespace, values, now))
+
+
+# Each service's methods, imported on its first call (Vertex AI's and GKE's clients are slow to import).
+def _tpu_methods() -> rpc.Methods:
+    from provision.emulator import tpu
+
+    return tpu.METHODS
+
+
+def _vertex_methods() -> rpc.Methods:
+    from provision.emulator import vertex
+
+    return vertex.METHODS
+
+
+def _container_methods() -> rpc.Methods:
+    from provision.emulator import container
+
+    return container.METHODS
 
 
 RESERVATIONS_ENV = "MOE_TPU_EMULATOR_RESERVATIONS"

@@ -15,7 +15,6 @@ from google.longrunning import operations_pb2
 from google.rpc import status_pb2
 
 from provision.emulator import offerings, rpc, scenarios, validate
-from provision.emulator.operations import Operation, started, view
 from provision.emulator.scenarios import DELETING_S, NODE_DELETING_S, Timeline, timeline
 from provision.emulator.tpu_checks import (
     _by_name,
@@ -29,7 +28,7 @@ from provision.emulator.tpu_checks import (
     runtime_versions,
 )
 from provision.emulator.validate import ApiError, not_found
-from provision.emulator.world import QueuedRecord, World
+from provision.emulator.world import Operation, QueuedRecord, World
 
 SERVICE = "google.cloud.tpu.v2.Tpu"
 QR = tpu_v2.QueuedResource
@@ -117,6 +116,11 @@ def operation_metadata(op: Operation, now: float):
     if op.done(now):
         metadata.end_time = rpc.timestamp(op.done_at)
     return tpu_v2.OperationMetadata.pb(metadata)
+
+
+def operation_view(op: Operation, now: float) -> operations_pb2.Operation:
+    """A TPU API operation as google.longrunning.Operation at `now`."""
+    return rpc.longrunning(op, now, operation_metadata, operation_response)
 
 
 def operation_response(op: Operation):
@@ -274,7 +278,7 @@ def delete_node(world: World, name: str, now: float) -> Operation:
 
 def CreateQueuedResource(call: rpc.Call, req: tpu_v2.CreateQueuedResourceRequest):
     op = create_queued_resource(call.world, req, call.now, call.scenario, call.held)
-    return started(op, call.now)
+    return rpc.started(operation_view(op, call.now))
 
 
 def GetQueuedResource(call: rpc.Call, req: tpu_v2.GetQueuedResourceRequest):
@@ -293,15 +297,16 @@ def ListQueuedResources(call: rpc.Call, req: tpu_v2.ListQueuedResourcesRequest):
 
 
 def DeleteQueuedResource(call: rpc.Call, req: tpu_v2.DeleteQueuedResourceRequest):
-    return view(delete_queued_resource(call.world, req, call.now), call.now)
+    return operation_view(delete_queued_resource(call.world, req, call.now), call.now)
 
 
 def ResetQueuedResource(call: rpc.Call, req: tpu_v2.ResetQueuedResourceRequest):
-    return started(reset_queued_resource(call.world, req, call.now, call.scenario, call.held), call.now)
+    op = reset_queued_resource(call.world, req, call.now, call.scenario, call.held)
+    return rpc.started(operation_view(op, call.now))
 
 
 def CreateNode(call: rpc.Call, req: tpu_v2.CreateNodeRequest):
-    return started(create_node(call.world, req, call.now, call.scenario), call.now)
+    return rpc.started(operation_view(create_node(call.world, req, call.now, call.scenario), call.now))
 
 
 def GetNode(call: rpc.Call, req: tpu_v2.GetNodeRequest):
@@ -321,7 +326,7 @@ def ListNodes(call: rpc.Call, req: tpu_v2.ListNodesRequest):
 
 
 def DeleteNode(call: rpc.Call, req: tpu_v2.DeleteNodeRequest):
-    return view(delete_node(call.world, req.name, call.now), call.now)
+    return operation_view(delete_node(call.world, req.name, call.now), call.now)
 
 
 def GetGuestAttributes(call: rpc.Call, req: tpu_v2.GetGuestAttributesRequest):

@@ -2,7 +2,7 @@
 to the world, proto views, RPCs. The other JobService methods answer UNIMPLEMENTED.
 
 This module imports google-cloud-aiplatform, which is slow to import: the server loads it on the
-first JobService call (rpc.Service), so a TPU-only dry run never pays for it.
+first JobService call (rpc.Service) or the first look at one of its operations, so a TPU-only dry run never pays for it.
 Messages marked "unconfirmed" have no public record; they are the most plausible shape.
 """
 
@@ -19,10 +19,9 @@ from google.rpc import error_details_pb2, status_pb2
 
 from provision.catalogue import VERTEX_MACHINE_TOPOLOGIES
 from provision.emulator import rpc, scenarios, validate
-from provision.emulator.operations import Operation, view
 from provision.emulator.scenarios import JOB_CANCELLING_S, JOB_DELETING_S, JOB_TERMINAL, job_timeline
 from provision.emulator.validate import ApiError, not_found
-from provision.emulator.world import JobRecord, World, vertex_hosts
+from provision.emulator.world import JobRecord, Operation, World, vertex_hosts
 
 SERVICE = "google.cloud.aiplatform.v1.JobService"
 CustomJob = v1.CustomJob
@@ -197,6 +196,11 @@ def operation_response(op: Operation):
     return empty_pb2.Empty()  # a delete's response; no other Vertex operation is modelled
 
 
+def operation_view(op: Operation, now: float) -> operations_pb2.Operation:
+    """A Vertex AI operation as google.longrunning.Operation at `now`."""
+    return rpc.longrunning(op, now, operation_metadata, operation_response)
+
+
 # --- changes to the world --------------------------------------------------------------
 
 
@@ -294,7 +298,7 @@ def CancelCustomJob(call: rpc.Call, req: v1.CancelCustomJobRequest):
 
 
 def DeleteCustomJob(call: rpc.Call, req: v1.DeleteCustomJobRequest):
-    return view(delete_custom_job(call.world, req.name, call.now), call.now)
+    return operation_view(delete_custom_job(call.world, req.name, call.now), call.now)
 
 
 METHODS: dict[str, tuple[Callable, Callable, Callable]] = {

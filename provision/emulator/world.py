@@ -1,9 +1,10 @@
-"""The emulated world's state: per-service records, operations, and their JSON form. No gRPC here.
+"""The emulated world's state: per-service records, long-running operations, and their JSON form.
+No gRPC here.
 
 Records hold what was asked and when; every state is computed from the clock when read
 (`state_at`), so the world changes only when something is created, deleted, cancelled or ended,
-and persists as JSON. The proto views and the RPCs live in tpu.py and vertex.py; reading and
-writing the file, in store.py.
+and persists as JSON. The proto views and the RPCs live in tpu.py, vertex.py and operations.py;
+reading and writing the file, in store.py.
 
 The hooks at the end (`running_nodes`, `running_jobs`, `preempt_queued_resource`,
 `end_custom_job`, `set_guest_attributes`) let a dry run's local trainer play the workload:
@@ -16,12 +17,11 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from provision.catalogue import VERTEX_MACHINE_TOPOLOGIES
 from provision.emulator import offerings, scenarios
-from provision.emulator.gke import GkeWorld
-from provision.emulator.operations import Operation
+from provision.emulator.gke_world import GkeWorld
 from provision.emulator.scenarios import DELETING_S, JOB_DELETING_S, NODE_DELETING_S, Timeline
 
 STATE_VERSION = 2
@@ -34,8 +34,45 @@ RUN_LABEL = "moe-tpu-run"
 GUEST_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
+# The services whose long-running operations live in `World.operations` (google.longrunning).
+OPERATION_SERVICES = ("tpu", "vertex")
+
+
 class WorldError(ValueError):
     """A hook was asked for something the world cannot do (unknown resource, wrong state)."""
+
+
+@dataclass
+class Operation:
+    """A long-running operation: done once `now >= done_at`, then with `response` or `error`.
+
+    `response` is the proto JSON of the response message (None for google.protobuf.Empty);
+    `error` is {"code": google.rpc.Code, "message": ...} for an operation that fails. Its proto
+    view is its service's (tpu.operation_view, vertex.operation_view; operations.view picks).
+    """
+
+    name: str
+    service: str  # one of OPERATION_SERVICES
+    verb: str
+    target: str
+    create_time: float
+    done_at: float
+    response: dict | None = None
+    error: dict | None = None
+    cancel_requested: bool = False
+
+    def done(self, now: float) -> bool:
+        return now >= self.done_at
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Operation:
+        op = cls(**data)
+        if op.service not in OPERATION_SERVICES:
+            raise ValueError(f"operation {op.name!r} of unknown service {op.service!r}")
+        return op
 
 
 @dataclass

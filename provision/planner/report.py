@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from provision import catalogue
+from provision.console import table_lines
 from provision.planner.estimates import GIB, MAX_SLICES
 from provision.planner.plan import Advice, Hardware, Plan, plan_for
 from trainer.flops import attention_flops_per_token
@@ -132,8 +133,11 @@ def _head_lines(plan: Plan) -> list[str]:
     ]
 
 
-def _row(label: str, value: str, note: str = "") -> str:
-    return f"  {label:<30}{value:>12}{'   ' + note if note else ''}"
+def _rows(*rows: tuple[str, ...]) -> list[str]:
+    """(label, value[, note]) rows in the plan's columns: labels at least 30 wide, values right-aligned
+    in at least 12, then the note."""
+    cells = [(label, value, f"   {note[0]}" if note and note[0] else "") for label, value, *note in rows]
+    return ["  " + line for line in table_lines(cells, right=(1,), min_widths=(30, 12), gap=0)]
 
 
 def _memory_lines(plan: Plan) -> list[str]:
@@ -142,44 +146,41 @@ def _memory_lines(plan: Plan) -> list[str]:
     other_bytes = mem.activations_no_remat if m.model.remat else mem.activations_remat
     status = (f"FITS ({human_bytes(mem.hbm - mem.total)} free)" if plan.fits
               else f"DOES NOT FIT ({human_bytes(mem.shortfall)} over)")
-    return [
-        "", "memory per chip",
-        _row(f"parameters ({m.param_dtype})", human_bytes(mem.params)),
-        _row("gradients", human_bytes(mem.grads)),
-        _row("optimizer (AdamW mu, nu)", human_bytes(mem.optimizer)),
-        _row(f"activations ({'remat' if m.model.remat else 'no remat'})", human_bytes(mem.activations),
-             f"{other} remat: {human_bytes(other_bytes)}"),
-        _row("total", human_bytes(mem.total), f"of {human_bytes(mem.hbm)} HBM: {status}"),
-    ]
+    return ["", "memory per chip", *_rows(
+        (f"parameters ({m.param_dtype})", human_bytes(mem.params)),
+        ("gradients", human_bytes(mem.grads)),
+        ("optimizer (AdamW mu, nu)", human_bytes(mem.optimizer)),
+        (f"activations ({'remat' if m.model.remat else 'no remat'})", human_bytes(mem.activations),
+         f"{other} remat: {human_bytes(other_bytes)}"),
+        ("total", human_bytes(mem.total), f"of {human_bytes(mem.hbm)} HBM: {status}"),
+    )]
 
 
 def _speed_lines(plan: Plan) -> list[str]:
     b, t, acc = plan.bounds, plan.traffic, plan.target.accelerator
-    dcn = _row("DCN between slices", human_seconds(b.dcn_s), f"{human_bytes(t.dcn)} per chip")
-    return [
-        "", "speed (lower bounds per step)",
-        _row("FLOPs per token", human_flops(plan.flops_per_token),
-             f"matmuls {human_flops(6.0 * plan.counts.matmul_active)}, "
-             f"attention {human_flops(attention_flops_per_token(plan.model))}"),
-        _row(f"compute ({acc.peak_bf16_tflops_per_chip:g} TFLOP/s x {plan.mesh.chips})", human_seconds(b.compute_s)),
-        _row(f"HBM ({acc.hbm_gbps_per_chip:g} GB/s)", human_seconds(b.hbm_s), f"{human_bytes(t.hbm)} per chip"),
-        _row(f"ICI ({acc.ici_gbps_per_chip:g} Gbps)", human_seconds(b.ici_s),
-             f"{human_bytes(t.ici)} per chip, all-to-all {human_bytes(t.all_to_all)}"),
+    dcn = ("DCN between slices", human_seconds(b.dcn_s), f"{human_bytes(t.dcn)} per chip")
+    return ["", "speed (lower bounds per step)", *_rows(
+        ("FLOPs per token", human_flops(plan.flops_per_token),
+         f"matmuls {human_flops(6.0 * plan.counts.matmul_active)}, "
+         f"attention {human_flops(attention_flops_per_token(plan.model))}"),
+        (f"compute ({acc.peak_bf16_tflops_per_chip:g} TFLOP/s x {plan.mesh.chips})", human_seconds(b.compute_s)),
+        (f"HBM ({acc.hbm_gbps_per_chip:g} GB/s)", human_seconds(b.hbm_s), f"{human_bytes(t.hbm)} per chip"),
+        (f"ICI ({acc.ici_gbps_per_chip:g} Gbps)", human_seconds(b.ici_s),
+         f"{human_bytes(t.ici)} per chip, all-to-all {human_bytes(t.all_to_all)}"),
         *([dcn] if plan.mesh.slices > 1 else []),
-        _row("step time", human_seconds(b.lower_bound_s), f"bound by {b.bound_by}"),
-        _row("MFU ceiling", f"{plan.mfu_ceiling:.1%}", f"{human_count(plan.tokens_per_s)} tokens/s at most"),
-    ]
+        ("step time", human_seconds(b.lower_bound_s), f"bound by {b.bound_by}"),
+        ("MFU ceiling", f"{plan.mfu_ceiling:.1%}", f"{human_count(plan.tokens_per_s)} tokens/s at most"),
+    )]
 
 
 def _cost_lines(plan: Plan) -> list[str]:
     c = plan.cost
-    return [
-        "", "cost",
-        _row(f"per hour ({c.capacity})", usd(c.per_hour),
-             f"on demand {usd(c.per_hour_on_demand)}, spot {usd(c.per_hour_spot)}"),
-        _row(f"{c.steps} steps", f">= {human_seconds(c.run_s)}",
-             f">= {usd(c.run_usd(c.per_hour))} {c.capacity} (on demand {usd(c.run_usd(c.per_hour_on_demand))})"),
-    ]
+    return ["", "cost", *_rows(
+        (f"per hour ({c.capacity})", usd(c.per_hour),
+         f"on demand {usd(c.per_hour_on_demand)}, spot {usd(c.per_hour_spot)}"),
+        (f"{c.steps} steps", f">= {human_seconds(c.run_s)}",
+         f">= {usd(c.run_usd(c.per_hour))} {c.capacity} (on demand {usd(c.run_usd(c.per_hour_on_demand))})"),
+    )]
 
 
 def _advice_lines(plan: Plan) -> list[str]:

@@ -72,3 +72,21 @@ def test_a_piped_wait_ends_on_its_last_figures_and_control_characters_are_escape
         bar.update("step 40/40")
     console.error("bad value 'a\x1b[2Jb\x07'")
     assert err.getvalue().splitlines() == ["step 1/40", "step 40/40", "error: bad value 'a\\x1b[2Jb\\x07'"]
+
+
+def test_a_table_aligns_its_columns_prints_cells_as_plain_text_and_never_wraps():
+    out, err = io.StringIO(), io.StringIO()
+    console = Console(out=out, err=err)
+    long = "projects/p/locations/us-west4-a/queuedResources/" + "x" * 150
+    console.table([("queued_resource", long, "ACTIVE", "$1.50"), ("node", "n-[bold]1[/bold]", "READY", "$12.00")],
+                  right=(3,), indent=2)
+    lines = out.getvalue().splitlines()
+    assert lines == [f"  queued_resource  {long}  ACTIVE   $1.50",
+                     f"  node             {'n-[bold]1[/bold]':<{len(long)}}  READY   $12.00"]
+    assert err.getvalue() == ""
+
+
+def test_in_json_mode_a_table_goes_to_stderr():
+    out, err = io.StringIO(), io.StringIO()
+    Console(output="json", out=out, err=err).table([("a", "b")])
+    assert out.getvalue() == "" and err.getvalue() == "a  b\n"

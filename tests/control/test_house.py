@@ -135,6 +135,21 @@ def test_no_import_cycle_among_the_projects_modules():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # it finds one
 
 
+def test_the_emulators_services_import_by_name_and_never_see_the_emulator():
+    # A module imported by string is an edge the walk above cannot see (a cycle it would miss).
+    graph = import_graph()
+    assert {"provision.emulator.tpu", "provision.emulator.vertex"} <= graph["provision.emulator.operations"]
+    emulator = ROOT / "provision" / "emulator"
+    by_string = [f"{p.name}: {line.strip()}" for p in emulator.glob("*.py")
+                 for line in p.read_text(encoding="utf-8").splitlines()
+                 if re.search(r"\bimport_module\(|__import__\(|^\s*import importlib", line)]
+    assert by_string == []
+    # Only the package (lazily) and the server itself name the Emulator's module: handlers get a transaction.
+    sees_server = sorted(p.name for p in emulator.glob("*.py") if p.name not in ("__init__.py", "server.py")
+                         and "provision.emulator.server" in p.read_text(encoding="utf-8"))
+    assert sees_server == []
+
+
 def test_google_is_imported_only_under_cloud_and_the_emulator():
     allowed = ("provision/cloud/", "provision/emulator/")
     found = sorted(f"{path.relative_to(ROOT)}: {name}" for module, path in own_modules().items()

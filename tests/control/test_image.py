@@ -368,3 +368,36 @@ def test_the_container_command_runs_without_the_control_extra(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_cloud_build_is_followed_on_the_injected_clock_and_its_log_printed_once(capsys):
+    from google.api_core import exceptions as gexc
+    from google.cloud.devtools import cloudbuild_v1
+
+    from provision.clock import SimClock
+
+    status = cloudbuild_v1.Build.Status
+    answers = [gexc.ServiceUnavailable("blip"), status.QUEUED, status.WORKING, status.WORKING, status.SUCCESS]
+    log = b"step 1\nstep 2\npushed\n"
+    asked = []
+
+    class Client:  # Cloud Build as it answers: a transient error first (retried), then the build's states
+        def get_build(self, project_id: str, id: str):  # noqa: A002 - the client's own name
+            asked.append((project_id, id))
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return cloudbuild_v1.Build(id=id, status=answer)
+
+    def read_after(url: str, offset: int) -> bytes:  # the log grows by a line per look
+        assert url == "gs://b/log-42.txt"
+        return log[offset:log.index(b"\n", offset) + 1] if offset < len(log) else b""
+
+    clock = SimClock()
+    start = clock.now()
+    api = cloud_build.CloudBuildApi(Client(), clock, Console(output="text", verbose=0))
+    build = api.follow("my-project", "42", "gs://b/log-42.txt", read_after)
+    assert build.status.name == "SUCCESS" and answers == [] and asked == [("my-project", "42")] * 5
+    printed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  | ")]
+    assert printed == ["  | step 1", "  | step 2", "  | pushed"]
+    assert clock.now() - start >= 3 * cloud_build.LOG_POLL.initial_s  # it waited on the clock it was given
