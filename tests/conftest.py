@@ -1,4 +1,4 @@
-"""Test-wide setup: CPU only, eight fake XLA devices, set before anything imports jax."""
+"""Test-wide setup: CPU only, eight fake XLA devices and a compilation cache, set before anything imports jax."""
 
 import os
 import re
@@ -7,6 +7,22 @@ _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.ge
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("NO_COLOR", "1")
+
+# --- one persistent XLA compilation cache for the whole run ---------------------------------------
+# Many tests compile the same programs (tiny's train step on one device, its initialisation) and XLA
+# takes seconds for each on a CPU; a cache hit takes a fraction of that. The cache lives in a directory
+# of this run alone, removed when the run ends: this process, the trainers it starts and pytest-xdist's
+# workers inherit the variables, so every one of them reuses what another compiled first.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="moe-tpu-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 # --- the suite never writes into the checkout ------------------------------------------------

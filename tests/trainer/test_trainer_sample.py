@@ -10,7 +10,6 @@ from click.testing import CliRunner
 from flax import nnx
 
 from trainer import sharding
-from trainer.cli import train_command
 from trainer.config import load_config
 from trainer.data import make_source
 from trainer.sample import make_decoder, sample_command
@@ -33,11 +32,8 @@ def test_the_cache_decodes_what_the_full_forward_pass_computes():
         np.testing.assert_allclose(logits[0], full_LxV[position], atol=1e-4, err_msg=str(position))
 
 
-def test_a_trained_tiny_continues_the_source_with_allowed_transitions(tmp_path):
-    out = tmp_path / "run"
-    trained = CliRunner().invoke(train_command, ["--config", "tiny", "--devices", "1", "--steps", "120",
-                                                 "--output-dir", str(out), "--metrics", str(tmp_path / "m.jsonl")])
-    assert trained.exit_code == 0, trained.output
+def test_a_trained_tiny_continues_the_source_with_allowed_transitions(trained_tiny):
+    out = trained_tiny.output_dir  # 120 steps through the command line (tests/trainer/conftest.py)
     assert json.loads((out / "config.json").read_text())["name"] == "tiny"
     assert not (out / "profile").exists()  # no trace without --profile-steps
     source = make_source(load_config("tiny"), seed=0)

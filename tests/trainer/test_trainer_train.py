@@ -75,8 +75,8 @@ def restore_params(output_dir, step):
     return ocp.StandardCheckpointer().restore(path)["params"]
 
 
-def test_tiny_approaches_the_entropy_floor_of_the_markov_source(tmp_path):
-    rows = train(tmp_path, 120)
+def test_tiny_approaches_the_entropy_floor_of_the_markov_source(trained_tiny):
+    rows = trained_tiny.rows  # 120 steps on one device (tests/trainer/conftest.py)
     floor = rows[-1]["entropy_floor"]
     final = np.mean([r["loss"] for r in rows[-10:]])
     assert rows[0]["loss"] > floor + 3
