@@ -3,15 +3,13 @@ bytes fetched stay within 1.1x those of the rows the host reads, and resident me
 less than a quarter of the object)."""
 
 import logging
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 
 import numpy as np
 import psutil
 import pytest
+
+from tests.gcs_server import fake_gcs_server
 
 pytest.importorskip("gcp_storage_emulator")
 
@@ -23,29 +21,14 @@ PREFETCH_ROWS = 256  # trainer.datasets.read_options(remote=True)
 
 @pytest.fixture
 def fake_gcs(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-                               "--port", str(port), "--in-memory", "--default-bucket", "data", "-q"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
-    # gcsfs asks a real GCS endpoint over gRPC for the bucket's type unless told not to (checked at import)
-    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/storage/v1/b", timeout=1).read()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "the fake GCS server did not start"
-                time.sleep(0.1)
-        yield
-    finally:
-        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # reads still in flight when the server goes
-        server.kill()
-        server.wait()
+    with fake_gcs_server("data") as url:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", url)
+        # gcsfs asks a real GCS endpoint over gRPC for the bucket's type unless told not to (checked at import)
+        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        try:
+            yield
+        finally:
+            logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # reads still in flight when the server goes
 
 
 def test_a_large_object_is_read_by_range_with_flat_memory(fake_gcs):
