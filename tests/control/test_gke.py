@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_process
+from cli_helpers import SMALL, run_process
 
 from provision import gke_render
 from provision.config import load_config
@@ -269,9 +269,12 @@ def test_the_head_completing_completes_a_pathways_jobset(tmp_path, emulated):
 # --- run, end to end ---------------------------------------------------------------------------
 
 def _run(tmp_path: Path, *args: str, config: Path = PATHWAYS) -> tuple[int, dict, str]:
+    """`moe-tpu --dry-run ARGS --output json run` of tmp_path/moe-tpu.yaml (`config` where there is none),
+    its trainer the size of test_run's (cli_helpers.SMALL)."""
     path = tmp_path / "moe-tpu.yaml"
     if not path.exists():
         path.write_text(config.read_text())
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "dry_run": dict(SMALL)}))
     proc = run_process(["--dry-run", *args, "--output", "json", "run", "-c", str(path)], tmp_path, timeout=300)
     return proc.returncode, json.loads(proc.stdout or "{}"), proc.stderr
 
