@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -78,3 +79,11 @@ def run_json(tmp_path: Path, scenario: str = "happy") -> tuple[int, dict, str]:
     except ValueError:
         pytest.fail(f"no JSON document (exit {out.returncode}): {out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     return out.returncode, doc, out.stderr
+
+
+def nothing_left(cwd: Path) -> bool:
+    """Whether `moe-tpu --dry-run --output json list` in `cwd` succeeds and lists no resource (run in this
+    process: the dry runs' tests ask it often, and an interpreter of its own costs seconds each time)."""
+    with contextlib.chdir(cwd):
+        code, out, _ = invoke("--dry-run", "--output", "json", "list")
+    return code == 0 and json.loads(out)["resources"] == []

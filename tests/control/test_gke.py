@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import SMALL, run_process
+from cli_helpers import SMALL, nothing_left, run_process
 
 from provision import gke_render
 from provision.config import load_config
@@ -292,8 +292,7 @@ def test_run_pathways_trains_and_leaves_nothing(tmp_path):
     assert all(p["placement_policy"]["type_"] == "COMPACT" for p in tpu)
     assert [p["name"] for p in pools].count("cpu-np") == 1
     assert [c["request"]["kind"] for c in doc["calls"] if c["rpc"] == "k8s create JobSet"] == ["JobSet"]
-    listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
-    assert json.loads(listed.stdout)["resources"] == []
+    assert nothing_left(tmp_path)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the local trainer runs as a subprocess")
@@ -303,8 +302,7 @@ def test_run_preempt_restarts_the_jobset_and_resumes_from_a_checkpoint(tmp_path)
     events = [e["event"] for e in doc["timeline"]]
     assert "preempted" in events and "restarted" in events
     assert doc["training"]["restarts"] == 1 and doc["training"]["resumed_from_step"] > 0
-    listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
-    assert json.loads(listed.stdout)["resources"] == []
+    assert nothing_left(tmp_path)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the local trainer runs as a subprocess")
@@ -316,5 +314,4 @@ def test_run_preempt_without_restarts_fails_and_leaves_nothing(tmp_path):
     assert code == 1, err[-2000:]
     assert "recovery.max_restarts is 0" in result["error"]
     assert [e["event"] for e in result["timeline"]].count("preempted") == 1
-    listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
-    assert json.loads(listed.stdout)["resources"] == []
+    assert nothing_left(tmp_path)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import ROOT, SMALL, run_json, run_process, write_config
+from cli_helpers import ROOT, SMALL, nothing_left, run_json, run_process, write_config
 
 CREATES = ("Tpu/CreateQueuedResource", "JobService/CreateCustomJob")
 # A run that trains on while a test signals or kills it; its learning rate decays over SMALL's steps, as
@@ -29,11 +29,6 @@ LONG = {"dry_run__steps": 400, "trainer__overrides__optim.decay_steps": SMALL["s
 
 def moe(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     return run_process(args, cwd, timeout=timeout)
-
-
-def nothing_left(tmp_path: Path) -> bool:
-    listed = moe(["--dry-run", "--output", "json", "list"], tmp_path)
-    return listed.returncode == 0 and json.loads(listed.stdout)["resources"] == []
 
 
 def events(doc: dict) -> list[str]:
@@ -272,3 +267,12 @@ def test_a_finished_run_trains_nothing_again_unless_restart(dry_run, tmp_path):
     runs = sorted(p.name for p in (tmp_path / ".moe-tpu" / "runs" / "moe-demo").iterdir())
     assert runs[0] == "output-" + runs[0].split("-", 1)[1] and not (tmp_path / STATUS).exists()
     assert nothing_left(tmp_path)
+
+
+def test_the_local_trainer_keeps_a_compilation_cache_unless_the_environment_names_one(tmp_path):
+    from provision.emulator.local_trainer import compilation_cache_env
+
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "moe-tpu" / "jax")}
+    assert compilation_cache_env({"XDG_CACHE_HOME": str(tmp_path), "HOME": "/nowhere"}) == cache
+    assert compilation_cache_env({})["JAX_COMPILATION_CACHE_DIR"] == str(Path.home() / ".cache" / "moe-tpu" / "jax")
+    assert compilation_cache_env({"XDG_CACHE_HOME": str(tmp_path), "JAX_COMPILATION_CACHE_DIR": "/mine"}) == {}
