@@ -27,8 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def timed(cmd: list[str], cwd: str) -> float:
+    """Seconds `cmd` takes in `cwd`, with a JAX compilation cache of its own there (a first run's, empty:
+    the dry run's trainer keeps one, and neither side may find what an earlier round compiled)."""
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, env=dict(os.environ, NO_COLOR="1"))
+    subprocess.run(cmd, cwd=cwd, check=True, capture_output=True,
+                   env=dict(os.environ, NO_COLOR="1", JAX_COMPILATION_CACHE_DIR=str(Path(cwd) / "jax-cache")))
     return time.perf_counter() - start
 
 

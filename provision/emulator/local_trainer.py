@@ -36,6 +36,19 @@ SYNC_INTERVAL_S = 0.05
 GATE_MAX_WAIT_S = 0.5
 KILL_GRACE_S = 10.0
 LOG_TAIL_LINES = 12
+# JAX's persistent compilation cache for the dry run's trainer, unless the environment names one: a
+# trainer restarted after a preemption, and every later dry run of the same model, load the compiled
+# train step instead of compiling it again (most of a small dry run's time on a CPU).
+COMPILATION_CACHE = ("moe-tpu", "jax")
+
+
+def compilation_cache_env(env) -> dict[str, str]:
+    """The JAX_* variables that give the local trainer a persistent compilation cache, for `env`:
+    $XDG_CACHE_HOME/moe-tpu/jax (~/.cache by default); none where `env` already names a cache."""
+    if env.get("JAX_COMPILATION_CACHE_DIR"):
+        return {}
+    cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").joinpath(*COMPILATION_CACHE)
+    return {"JAX_COMPILATION_CACHE_DIR": str(cache)}
 
 
 def local_output_dir(state_dir: Path, run: str) -> Path:
@@ -286,7 +299,7 @@ class LocalTrainer:
             (self.output_dir / stale).unlink(missing_ok=True)
         command = local_argv(argv, self.cfg, self.output_dir)
         log = open(self.output_dir / "trainer.log", "a")  # noqa: SIM115 - the child holds it
-        env = dict(os.environ, JAX_PLATFORMS="cpu", MOE_TPU_RUN=self.cfg.run)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", MOE_TPU_RUN=self.cfg.run, **compilation_cache_env(os.environ))
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
         log.close()

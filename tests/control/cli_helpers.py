@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
 from provision.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = {"tpu-vm": ROOT / "examples" / "v5e-64.yaml", "vertex": ROOT / "examples" / "vertex.yaml"}
+# The trainer of the tests' dry runs: smaller than the examples' dry_run section (fewer steps, two fake
+# devices). One size for every run, so that the session's compilation cache compiles its train step once.
+SMALL = {"steps": 12, "devices": 2, "mesh": "data=1,expert=2", "checkpoint_every": 4}
 
 # Variables a developer's shell may set that would change what a test sees.
 CLEAN_ENV = {"NO_COLOR": "1", "MOE_TPU_CONFIG": None, "MOE_TPU_OUTPUT": None, "MOE_TPU_TEMPLATES": None,
@@ -78,3 +87,26 @@ def loaded_config(example: Path, tmp_path: Path, name: str = "moe-tpu.yaml", **c
     from provision.config import load_config
 
     return load_config(config_from(example, tmp_path, name, **changes))
+
+
+def write_config(tmp_path: Path, target: str, **changes) -> Path:
+    """tmp_path/moe-tpu.yaml: the target's example with the SMALL dry-run trainer and dotted__keys changed."""
+    return config_from(EXAMPLES[target], tmp_path, dry_run=dict(SMALL), **changes)
+
+
+def run_json(tmp_path: Path, scenario: str = "happy") -> tuple[int, dict, str]:
+    """`moe-tpu --dry-run --scenario SCENARIO --output json run` in tmp_path: (exit code, document, stderr)."""
+    out = run_process(["--dry-run", "--scenario", scenario, "--output", "json", "run"], tmp_path, timeout=240)
+    try:
+        doc = json.loads(out.stdout)
+    except ValueError:
+        pytest.fail(f"no JSON document (exit {out.returncode}): {out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return out.returncode, doc, out.stderr
+
+
+def nothing_left(cwd: Path) -> bool:
+    """Whether `moe-tpu --dry-run --output json list` in `cwd` succeeds and lists no resource (run in this
+    process: the dry runs' tests ask it often, and an interpreter of its own costs seconds each time)."""
+    with contextlib.chdir(cwd):
+        code, out, _ = invoke("--dry-run", "--output", "json", "list")
+    return code == 0 and json.loads(out)["resources"] == []

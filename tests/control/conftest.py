@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
+from cli_helpers import run_json, write_config
 
 
 @pytest.fixture
@@ -10,3 +15,41 @@ def workdir(tmp_path, monkeypatch):
     """A fresh working directory for the test (dry-run state and remembered configs land there)."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def compilation_cache(tmp_path_factory):
+    """One persistent JAX compilation cache for the session's dry-run trainers, a fresh one (never the
+    user's) unless the environment names one: runs of the same small model compile its train step once."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax-cache")))
+        yield
+
+
+class Ran(NamedTuple):
+    """A dry `run` done: the directory it ran in (its state, its trainer's output), and what it answered."""
+
+    where: Path
+    returncode: int
+    doc: dict
+    stderr: str
+
+
+@pytest.fixture(scope="session")
+def dry_run(tmp_path_factory):
+    """dry_run(target, scenario, **changes): `moe-tpu --dry-run --scenario SCENARIO --output json run` of
+    the target's example made small (cli_helpers.write_config), done once a session for each such
+    argument list. The tests of one run only read what it left in its directory; a test that goes on
+    from there (another command that changes the state) copies the directory first."""
+    done: dict[str, Ran] = {}
+
+    def run(target: str = "tpu-vm", scenario: str = "happy", **changes) -> Ran:
+        key = repr((target, scenario, sorted(changes.items())))
+        if key not in done:
+            where = tmp_path_factory.mktemp(f"run-{target}-{scenario}")
+            write_config(where, target, **changes)
+            done[key] = Ran(where, *run_json(where, scenario))
+        return done[key]
+
+    return run

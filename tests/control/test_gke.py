@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import loaded_config, run_process
+from cli_helpers import SMALL, loaded_config, nothing_left, run_process
 
 from provision import gke_render
 from provision.context import renderer_for
@@ -266,9 +266,12 @@ def test_the_head_completing_completes_a_pathways_jobset(tmp_path, emulated):
 # --- run, end to end ---------------------------------------------------------------------------
 
 def _run(tmp_path: Path, *args: str, config: Path = PATHWAYS) -> tuple[int, dict, str]:
+    """`moe-tpu --dry-run ARGS --output json run` of tmp_path/moe-tpu.yaml (`config` where there is none),
+    its trainer the size of test_run's (cli_helpers.SMALL)."""
     path = tmp_path / "moe-tpu.yaml"
     if not path.exists():
         path.write_text(config.read_text())
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "dry_run": dict(SMALL)}))
     proc = run_process(["--dry-run", *args, "--output", "json", "run", "-c", str(path)], tmp_path, timeout=300)
     return proc.returncode, json.loads(proc.stdout or "{}"), proc.stderr
 
@@ -286,8 +289,7 @@ def test_run_pathways_trains_and_leaves_nothing(tmp_path):
     assert all(p["placement_policy"]["type_"] == "COMPACT" for p in tpu)
     assert [p["name"] for p in pools].count("cpu-np") == 1
     assert [c["request"]["kind"] for c in doc["calls"] if c["rpc"] == "k8s create JobSet"] == ["JobSet"]
-    listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
-    assert json.loads(listed.stdout)["resources"] == []
+    assert nothing_left(tmp_path)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the local trainer runs as a subprocess")
@@ -297,8 +299,7 @@ def test_run_preempt_restarts_the_jobset_and_resumes_from_a_checkpoint(tmp_path)
     events = [e["event"] for e in doc["timeline"]]
     assert "preempted" in events and "restarted" in events
     assert doc["training"]["restarts"] == 1 and doc["training"]["resumed_from_step"] > 0
-    listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
-    assert json.loads(listed.stdout)["resources"] == []
+    assert nothing_left(tmp_path)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the local trainer runs as a subprocess")
@@ -310,5 +311,4 @@ def test_run_preempt_without_restarts_fails_and_leaves_nothing(tmp_path):
     assert code == 1, err[-2000:]
     assert "recovery.max_restarts is 0" in result["error"]
     assert [e["event"] for e in result["timeline"]].count("preempted") == 1
-    listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
-    assert json.loads(listed.stdout)["resources"] == []
+    assert nothing_left(tmp_path)

@@ -3,17 +3,13 @@ is preempted once."""
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 
 import pytest
-import yaml
-from cli_helpers import invoke, run_process
+from cli_helpers import invoke
 
 from provision import goodput
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def event(name, at, **details):
@@ -46,22 +42,18 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_a_preempted_dry_run_reports_goodput_and_its_logs_plot_to_a_png(tmp_path, monkeypatch):
-    doc = yaml.safe_load((ROOT / "examples" / "v5e-64.yaml").read_text())
-    doc["dry_run"] = {"steps": 8, "devices": 1, "mesh": "data=1,expert=1", "checkpoint_every": 3}
-    (tmp_path / "moe-tpu.yaml").write_text(yaml.safe_dump(doc))
-    out = run_process(["--dry-run", "--scenario", "preempt", "--output", "json", "run"], tmp_path, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    run = json.loads(out.stdout)
+def test_a_preempted_dry_run_reports_goodput_and_its_logs_plot_to_a_png(dry_run, tmp_path, monkeypatch):
+    where, code, run, err = dry_run("tpu-vm", "preempt")  # test_run's preempted run
+    assert code == 0, err[-3000:]
     training, result = run["training"], run["training"]["goodput"]
     assert training["restarts"] == 1
     assert sum(result["shares_pct"].values()) == pytest.approx(100.0, abs=0.1)
     assert result["shares_pct"]["productive"] > 0 and result["shares_pct"]["provisioning"] > 0
     preempted = next(e for e in run["timeline"] if e["event"] == "preempted")
     assert result["lost_steps"] == preempted["step"] - training["resumed_from_step"]
-    assert "goodput: " in out.stderr and "step(s) lost to preemption" in out.stderr
+    assert "goodput: " in err and "step(s) lost to preemption" in err
 
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(where)
     code, _, err = invoke("--dry-run", "logs", "--plot", str(tmp_path / "out.png"))
     assert code == 0, err
     assert png_size(tmp_path / "out.png") >= (800, 600)

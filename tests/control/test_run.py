@@ -1,13 +1,16 @@
 """`moe-tpu run` end to end in dry run: the emulator provisions, the trainer really trains on this CPU.
 
 Each run is a real `moe-tpu` process; the trainer is made smaller than the examples' dry_run
-section (fewer steps, two fake devices) so the whole file stays around a minute or two.
+section (cli_helpers.SMALL: fewer steps, two fake devices), the same for every run, so that the
+session's compilation cache (conftest) compiles its train step once per target's model. A run that
+several tests read is done once (the `dry_run` fixture).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,44 +19,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_process
+from cli_helpers import ROOT, SMALL, nothing_left, run_json, run_process, write_config
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = {"tpu-vm": ROOT / "examples" / "v5e-64.yaml", "vertex": ROOT / "examples" / "vertex.yaml"}
 CREATES = ("Tpu/CreateQueuedResource", "JobService/CreateCustomJob")
-SMALL = {"steps": 12, "devices": 2, "mesh": "data=1,expert=2", "checkpoint_every": 4}
-
-
-def write_config(tmp_path: Path, target: str, **changes) -> Path:
-    doc = yaml.safe_load(EXAMPLES[target].read_text())
-    doc["dry_run"] = dict(SMALL)
-    for dotted, value in changes.items():
-        node = doc
-        *parents, last = dotted.split("__")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
-    path = tmp_path / "moe-tpu.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+# A run that trains on while a test signals or kills it; its learning rate decays over SMALL's steps, as
+# the short runs' does, so that its train step is theirs (from the compilation cache).
+LONG = {"dry_run__steps": 400, "trainer__overrides__optim.decay_steps": SMALL["steps"]}
 
 
 def moe(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     return run_process(args, cwd, timeout=timeout)
-
-
-def run_json(tmp_path: Path, scenario: str = "happy") -> tuple[int, dict, str]:
-    out = moe(["--dry-run", "--scenario", scenario, "--output", "json", "run"], tmp_path)
-    try:
-        doc = json.loads(out.stdout)
-    except ValueError:
-        pytest.fail(f"no JSON document (exit {out.returncode}): {out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return out.returncode, doc, out.stderr
-
-
-def nothing_left(tmp_path: Path) -> bool:
-    listed = moe(["--dry-run", "--output", "json", "list"], tmp_path)
-    return listed.returncode == 0 and json.loads(listed.stdout)["resources"] == []
 
 
 def events(doc: dict) -> list[str]:
@@ -61,9 +36,8 @@ def events(doc: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("target", ["tpu-vm", "vertex"])
-def test_run_trains_and_tears_down(tmp_path, target):
-    write_config(tmp_path, target)
-    rc, doc, err = run_json(tmp_path)
+def test_run_trains_and_tears_down(dry_run, target):
+    tmp_path, rc, doc, err = dry_run(target)
     assert rc == 0, err[-3000:]
     assert doc["result"] == "ok" and all("event" in e and "at" in e for e in doc["timeline"])
     assert events(doc)[0] == "provisioning" and "training started" in events(doc)
@@ -83,9 +57,9 @@ def test_run_trains_and_tears_down(tmp_path, target):
 
 
 @pytest.mark.parametrize("target", ["tpu-vm", "vertex"])
-def test_preemption_is_recovered_from_the_last_checkpoint(tmp_path, target):
-    write_config(tmp_path, target, **({"vertex__scheduling": "FLEX_START"} if target == "vertex" else {}))
-    rc, doc, err = run_json(tmp_path, "preempt")
+def test_preemption_is_recovered_from_the_last_checkpoint(dry_run, target):
+    tmp_path, rc, doc, err = dry_run(target, "preempt",
+                                     **({"vertex__scheduling": "FLEX_START"} if target == "vertex" else {}))
     assert rc == 0, err[-3000:]
     names = events(doc)
     assert "preempted" in names and "recovered" in names
@@ -116,7 +90,7 @@ def test_a_config_the_trainer_rejects_exits_2_before_any_create(tmp_path):
 
 
 def test_sigint_with_yes_tears_everything_down(tmp_path):
-    write_config(tmp_path, "tpu-vm", dry_run__steps=400)
+    write_config(tmp_path, "tpu-vm", **LONG)
     proc = subprocess.Popen([sys.executable, "-m", "provision", "--dry-run", "--output", "json", "run", "--yes"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, NO_COLOR="1"))
@@ -210,7 +184,7 @@ def gone(pid: int, timeout: float = 30) -> bool:
 
 @pytest.mark.parametrize("signum, keep", [(signal.SIGTERM, False), (signal.SIGHUP, True)])
 def test_sigterm_and_sighup_tear_down_unless_keep_and_a_second_copy_is_refused(tmp_path, signum, keep):
-    write_config(tmp_path, "tpu-vm", dry_run__steps=400)
+    write_config(tmp_path, "tpu-vm", **LONG)
     proc = start_run(tmp_path, *(["--keep"] if keep else []))
     trainer = wait_training(tmp_path, proc)
     second = moe(["--dry-run", "--output", "json", "run"], tmp_path)  # the same run, from the same directory
@@ -233,7 +207,7 @@ def test_sigterm_and_sighup_tear_down_unless_keep_and_a_second_copy_is_refused(t
 
 
 def test_a_killed_run_is_followed_by_its_rerun_and_down_stops_its_trainer(tmp_path):
-    write_config(tmp_path, "tpu-vm", dry_run__steps=400)
+    write_config(tmp_path, "tpu-vm", **LONG)
     first = start_run(tmp_path)
     trainer = wait_training(tmp_path, first)
     first.kill()
@@ -259,7 +233,7 @@ def test_a_killed_run_is_followed_by_its_rerun_and_down_stops_its_trainer(tmp_pa
 
 
 def test_the_users_own_down_during_a_run_is_not_a_preemption(tmp_path):
-    write_config(tmp_path, "tpu-vm", dry_run__steps=400)
+    write_config(tmp_path, "tpu-vm", **LONG)
     proc = start_run(tmp_path)
     trainer = wait_training(tmp_path, proc)
     down = moe(["--dry-run", "down"], tmp_path)
@@ -272,10 +246,10 @@ def test_the_users_own_down_during_a_run_is_not_a_preemption(tmp_path):
     assert gone(trainer) and nothing_left(tmp_path)
 
 
-def test_a_finished_run_trains_nothing_again_unless_restart(tmp_path):
-    write_config(tmp_path, "tpu-vm")
-    rc, doc, err = run_json(tmp_path)
-    assert rc == 0, err[-3000:]
+def test_a_finished_run_trains_nothing_again_unless_restart(dry_run, tmp_path):
+    finished = dry_run("tpu-vm")  # the happy run of test_run_trains_and_tears_down, gone on from in a copy
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    shutil.copytree(finished.where, tmp_path, dirs_exist_ok=True)
     again = moe(["--dry-run", "--output", "json", "run"], tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"run moe-demo already finished at step {SMALL['steps']} on " in again.stderr
@@ -293,3 +267,12 @@ def test_a_finished_run_trains_nothing_again_unless_restart(tmp_path):
     runs = sorted(p.name for p in (tmp_path / ".moe-tpu" / "runs" / "moe-demo").iterdir())
     assert runs[0] == "output-" + runs[0].split("-", 1)[1] and not (tmp_path / STATUS).exists()
     assert nothing_left(tmp_path)
+
+
+def test_the_local_trainer_keeps_a_compilation_cache_unless_the_environment_names_one(tmp_path):
+    from provision.emulator.local_trainer import compilation_cache_env
+
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "moe-tpu" / "jax")}
+    assert compilation_cache_env({"XDG_CACHE_HOME": str(tmp_path), "HOME": "/nowhere"}) == cache
+    assert compilation_cache_env({})["JAX_COMPILATION_CACHE_DIR"] == str(Path.home() / ".cache" / "moe-tpu" / "jax")
+    assert compilation_cache_env({"XDG_CACHE_HOME": str(tmp_path), "JAX_COMPILATION_CACHE_DIR": "/mine"}) == {}
