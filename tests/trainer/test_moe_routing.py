@@ -173,6 +173,32 @@ def test_take_rows_gradient_is_the_gather_transpose():
     np.testing.assert_allclose(fast, plain, rtol=1e-6)
 
 
+def test_spans_cover_every_experts_blocks_once_largest_first():
+    """Each expert's blocks run as full spans of SPAN_BLOCKS blocks, then its remainder's binary digits,
+    largest first; every block in use lies in exactly one span, of its own expert."""
+    counts_SxG = jnp.array([[0, 3, 40, 9, 1], [0, 70, 2, 8, 0], [0, 7, 30, 0, 8]], jnp.int32)
+    dest_SxR, blocks = dispatch.aligned_layout(counts_SxG, 80, 8)
+    sizes = dispatch.span_sizes()
+    slots = dispatch.span_slots(blocks.group_NB.shape[0], counts_SxG.shape[1])
+    group_NB, starts, groups = (np.asarray(a) for a in (blocks.group_NB, blocks.span_start_NS, blocks.span_group_NS))
+    cover = np.zeros(group_NB.shape[0], int)
+    spans_of = {g: [] for g in range(counts_SxG.shape[1])}
+    for c, size in enumerate(sizes):
+        first = sum(slots[:c])
+        for i in range(first, first + int(blocks.span_count_C[c])):
+            cover[starts[i]:starts[i] + size] += 1
+            assert np.all(group_NB[starts[i]:starts[i] + size] == groups[i])
+            spans_of[int(groups[i])].append((int(starts[i]), size))
+    assert np.all(cover[:int(blocks.num_blocks)] == 1) and np.all(cover[int(blocks.num_blocks):] == 0)
+    for g, spans in spans_of.items():
+        n = -(-int(counts_SxG[:, g].sum()) // 8)
+        assert [size for _, size in sorted(spans)] == [sizes[0]] * (n // sizes[0]) + [
+            s for s in sizes[1:] if n % sizes[0] & s]
+    # Every row lands in its expert's blocks, each buffer row at most once.
+    rows = np.asarray(dest_SxR)[np.arange(80)[None] < np.asarray(counts_SxG).sum(1)[:, None]]
+    assert len(set(rows.tolist())) == len(rows) == int(counts_SxG.sum())
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [

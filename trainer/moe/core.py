@@ -141,9 +141,10 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
 
 
 def auto_block_rows(rows_per_expert: float) -> int:
-    """Half the rows an expert expects, as a power of two in [8, 512]."""
-    target = max(rows_per_expert / 2, 1.0)
-    return int(min(512, max(8, 2 ** math.floor(math.log2(target)))))
+    """The rows an expert expects over SPAN_BLOCKS, as a power of two in [8, 512 / SPAN_BLOCKS]: its
+    rows then run as spans of up to that many rows (at most 512), padded to a multiple of a block."""
+    target = max(rows_per_expert / dispatch.SPAN_BLOCKS, 1.0)
+    return int(min(512 // dispatch.SPAN_BLOCKS, max(8, 2 ** math.floor(math.log2(target)))))
 
 
 def expert_choice_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capacity: int, topo: Topology):

@@ -94,26 +94,88 @@ def sort_by_expert(experts_N: jax.Array, num_experts: int) -> tuple[jax.Array, j
     return order_N, jnp.bincount(experts_N, length=num_experts).astype(jnp.int32)
 
 
+# Blocks of one expert are run as spans of up to SPAN_BLOCKS blocks (one matmul each): full
+# spans, then the rest of the expert's blocks as spans of power-of-two sizes, largest first. Rows
+# are padded to a multiple of the (small) block only, while the matmuls stay large.
+SPAN_BLOCKS = 8
+
+
+def span_sizes(span_blocks: int = SPAN_BLOCKS) -> tuple[int, ...]:
+    """The span sizes, in blocks, largest first: span_blocks, then its lower powers of two."""
+    sizes = [span_blocks]
+    while sizes[-1] > 1:
+        sizes.append(sizes[-1] // 2)
+    return tuple(sizes)
+
+
+class Blocks(NamedTuple):
+    """Which expert each block of an aligned layout holds, and the spans the blocks form.
+
+    group_NB: each block's expert; num_blocks: how many leading blocks hold rows; span_start_NS:
+    the first block of each span, span_group_NS its expert, grouped by span size (the sizes of
+    span_sizes(), each size's spans from a static offset on), span_count_C: how many spans of
+    each size are in use.
+    """
+
+    group_NB: jax.Array
+    num_blocks: jax.Array
+    span_start_NS: jax.Array
+    span_group_NS: jax.Array
+    span_count_C: jax.Array
+
+
+def span_slots(total_blocks: int, num_groups: int, span_blocks: int = SPAN_BLOCKS) -> tuple[int, ...]:
+    """The most spans of each size a layout of total_blocks blocks over num_groups groups holds:
+    full spans fill at most total_blocks / span_blocks, a smaller size at most one per group."""
+    return tuple(total_blocks // span_blocks if size == span_blocks else num_groups
+                 for size in span_sizes(span_blocks))
+
+
+def _spans(blocks_G: jax.Array, block_start_G: jax.Array, total_blocks: int, span_blocks: int):
+    """Cuts group g's blocks_G[g] blocks (from block_start_G[g]) into spans: full ones, then the
+    rest by its binary digits, largest first."""
+    full_G = blocks_G // span_blocks
+    rest_G = blocks_G % span_blocks
+    starts, groups, counts = [], [], []
+    for size, slots in zip(span_sizes(span_blocks), span_slots(total_blocks, blocks_G.shape[0], span_blocks),
+                           strict=True):
+        if size == span_blocks:
+            count_G, offset_G = full_G, jnp.zeros_like(full_G)
+        else:
+            count_G = (rest_G // size) % 2
+            offset_G = full_G * span_blocks + rest_G // (2 * size) * (2 * size)  # after the larger digits
+        ends_G = jnp.cumsum(count_G)
+        i_N = jnp.arange(slots, dtype=jnp.int32)
+        group_N = jnp.minimum(jnp.searchsorted(ends_G, i_N, side="right"), blocks_G.shape[0] - 1).astype(jnp.int32)
+        within_N = i_N - (ends_G - count_G)[group_N]
+        starts.append(block_start_G[group_N] + offset_G[group_N] + within_N * size)
+        groups.append(group_N)
+        counts.append(ends_G[-1])
+    return (jnp.concatenate(starts).astype(jnp.int32), jnp.concatenate(groups),
+            jnp.stack(counts).astype(jnp.int32))
+
+
 class BlockLayout(NamedTuple):
     """Rows grouped by expert, each expert's rows starting a block of B rows (M rows in all).
 
     src_M: the source row each layout row reads (num_src where padding); dst_M: the output
     row it writes (num_out where padding); src_rows_KxS: for each source row the up-to-K
-    layout rows reading it (M where fewer); block_group_NB: each block's expert; num_blocks:
-    how many leading blocks hold rows.
+    layout rows reading it (M where fewer); blocks: each block's expert and the spans
+    (Blocks); block_rows: B; save_rows: the leading rows whose hidden activations the tiled
+    backward pass reuses.
     """
 
     src_M: jax.Array
     dst_M: jax.Array
     src_rows_KxS: jax.Array
-    block_group_NB: jax.Array
-    num_blocks: jax.Array
+    blocks: Blocks
     num_out: int
-    save_blocks: int  # blocks whose hidden activations the tiled backward pass reuses
+    block_rows: int
+    save_rows: int
 
 
 def block_layout(
-    dest_KxS, block_group_NB, num_blocks, block_rows: int, num_out: int | None = None, save_rows: int | None = None
+    dest_KxS, blocks: Blocks, block_rows: int, num_out: int | None = None, save_rows: int | None = None
 ) -> BlockLayout:
     """The layout where source row s is read by layout rows dest[:, s] (M where not).
 
@@ -122,22 +184,21 @@ def block_layout(
     (default: all) bounds the rows whose hidden activations the backward pass reuses.
     """
     num_src = dest_KxS.shape[1]
-    num_rows = block_group_NB.shape[0] * block_rows
+    num_rows = blocks.group_NB.shape[0] * block_rows
     reader_M = inverse_index(dest_KxS.reshape(-1), num_rows)
     src_M = jnp.where(reader_M < dest_KxS.size, reader_M % num_src, num_src)
     dst_M = src_M if num_out is None else reader_M
-    total_blocks = block_group_NB.shape[0]
-    save_blocks = total_blocks if save_rows is None else min(total_blocks, -(-save_rows // block_rows))
-    return BlockLayout(src_M, dst_M, dest_KxS, block_group_NB, num_blocks, num_out or num_src, save_blocks)
+    save = num_rows if save_rows is None else min(num_rows, -(-save_rows // block_rows) * block_rows)
+    return BlockLayout(src_M, dst_M, dest_KxS, blocks, num_out or num_src, block_rows, save)
 
 
-def aligned_layout(counts_SxG: jax.Array, chunk_rows: int, block_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def aligned_layout(counts_SxG: jax.Array, chunk_rows: int, block_rows: int) -> tuple[jax.Array, Blocks]:
     """Regroups S chunks of expert-sorted rows into one buffer, grouped by expert, each group
     starting on a multiple of block_rows (so a block of rows belongs to one expert).
 
     Chunk s holds counts[s, g] rows of group g, in group order, then padding, chunk_rows in all.
-    Returns (dest_SxR, block_group_NB, num_blocks): the buffer row of every chunk row
-    (num_rows for padding), the group of each block, and how many blocks are in use.
+    Returns (dest_SxR, blocks): the buffer row of every chunk row (num_rows for padding), and
+    the blocks (each one's group, how many are in use, their spans).
     The buffer has num_rows = (ceil(S * R / B) + G) * B rows, enough for any counts.
     """
     num_chunks, num_groups = counts_SxG.shape
@@ -161,7 +222,9 @@ def aligned_layout(counts_SxG: jax.Array, chunk_rows: int, block_rows: int) -> t
     block_ids = jnp.arange(total_blocks, dtype=jnp.int32)
     block_group_NB = jnp.searchsorted(jnp.cumsum(blocks_G), block_ids, side="right")
     block_group_NB = jnp.minimum(block_group_NB, num_groups - 1).astype(jnp.int32)
-    return dest_SxR.astype(jnp.int32), block_group_NB, jnp.sum(blocks_G).astype(jnp.int32)
+    spans = _spans(blocks_G.astype(jnp.int32), block_start_G.astype(jnp.int32), total_blocks, SPAN_BLOCKS)
+    blocks = Blocks(block_group_NB, jnp.sum(blocks_G).astype(jnp.int32), *spans)
+    return dest_SxR.astype(jnp.int32), blocks
 
 
 # --- GShard baseline: one-hot [T, E, C] dispatch and combine tensors (tests and benchmark only).

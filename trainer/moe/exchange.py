@@ -49,9 +49,9 @@ class Assignments(NamedTuple):
 def dropless_experts(x_TxD, a: Assignments, w: ExpertWeights, block_rows: int, topo) -> jax.Array:
     """Every assignment's expert output, [N, D] choice-major."""
     if topo.expert_axis is None or topo.num_expert_shards == 1:
-        dest_1xN, block_group, num_blocks = dispatch.aligned_layout(a.counts_E[None], a.order_N.shape[0], block_rows)
+        dest_1xN, blocks = dispatch.aligned_layout(a.counts_E[None], a.order_N.shape[0], block_rows)
         dest_KxT = dest_1xN[0][a.rank_N].reshape(a.top_k, -1)
-        layout = dispatch.block_layout(dest_KxT, block_group, num_blocks, block_rows, num_out=dest_KxT.size)
+        layout = dispatch.block_layout(dest_KxT, blocks, block_rows, num_out=dest_KxT.size)
         return grouped_ffn(x_TxD, w, layout, impl=topo.grouped_matmul)  # saves all: no worst case here
     if topo.exchange == "ragged":
         return _dropless_ragged(x_TxD, a, w, block_rows, topo)
@@ -73,11 +73,11 @@ def _exchange_plan(a: Assignments, topo):
 def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, expected_rows):
     """Received chunks (source-major, each sorted by local expert) through the local experts."""
     num_rows = recv_SNxD.shape[0] // recv_counts_SxEl.shape[0]
-    dest_SxN, block_group, num_blocks = dispatch.aligned_layout(recv_counts_SxEl, num_rows, block_rows)
+    dest_SxN, blocks = dispatch.aligned_layout(recv_counts_SxEl, num_rows, block_rows)
     # The buffer holds every row that may arrive; balanced routing brings expected_rows
     # (as many as each device sends). Activations are kept for 1.5x that, padding included.
     save_rows = 3 * expected_rows // 2 + recv_counts_SxEl.shape[1] * block_rows
-    layout = dispatch.block_layout(dest_SxN.reshape(1, -1), block_group, num_blocks, block_rows, save_rows=save_rows)
+    layout = dispatch.block_layout(dest_SxN.reshape(1, -1), blocks, block_rows, save_rows=save_rows)
     return grouped_ffn(recv_SNxD, w, layout, impl=topo.grouped_matmul)
 
 
@@ -248,11 +248,10 @@ def _expand_on_receiver(recv_RxD, meta_RxK2, w, block_rows, topo, expected_rows)
     ids_N = jax.lax.stop_gradient(meta_RxK2[:, k:]).T.reshape(-1).astype(jnp.int32)
     order_N, counts = dispatch.sort_by_expert(ids_N, local + 1)
     rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
-    dest_1xN, block_group, num_blocks = dispatch.aligned_layout(counts[None, :local], order_N.shape[0], block_rows)
+    dest_1xN, blocks = dispatch.aligned_layout(counts[None, :local], order_N.shape[0], block_rows)
     dest_KxR = dest_1xN[0][rank_N].reshape(k, num_rows)
     save_rows = 3 * expected_rows // 2 + local * block_rows
-    layout = dispatch.block_layout(dest_KxR, block_group, num_blocks, block_rows, num_out=dest_KxR.size,
-                                   save_rows=save_rows)
+    layout = dispatch.block_layout(dest_KxR, blocks, block_rows, num_out=dest_KxR.size, save_rows=save_rows)
     out_NxD = grouped_ffn(recv_RxD, w, layout, impl=topo.grouped_matmul)
     return dispatch.weighted_sum(out_NxD.reshape(k, num_rows, -1), gates_KxR)
 

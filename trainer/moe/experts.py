@@ -39,12 +39,14 @@ def grouped_ffn(x_SxD, w: ExpertWeights, layout: BlockLayout, *, impl: str) -> j
     way the gradients are gathers or block-local updates, never a full-size scatter-add.
     """
     if impl == "tiled":
-        return tiled_ffn(x_SxD, *w, layout.src_M, layout.dst_M, layout.block_group_NB, layout.num_blocks,
-                         layout.num_out, layout.save_blocks)
+        b = layout.blocks
+        return tiled_ffn(x_SxD, *w, layout.src_M, layout.dst_M, b.span_start_NS, b.span_group_NS, b.span_count_C,
+                         layout.num_out, layout.block_rows, layout.save_rows)
     x_MxD = take_rows(x_SxD, layout.src_M, layout.src_rows_KxS)
-    h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, layout.block_group_NB, layout.num_blocks)
-    g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, layout.block_group_NB, layout.num_blocks)
-    out_MxD = grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, layout.block_group_NB, layout.num_blocks)
+    group_NB, num_blocks = layout.blocks.group_NB, layout.blocks.num_blocks
+    h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, group_NB, num_blocks)
+    g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, group_NB, num_blocks)
+    out_MxD = grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, group_NB, num_blocks)
     return take_rows(out_MxD, inverse_index(layout.dst_M, layout.num_out), layout.dst_M[None])
 
 
