@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import field_validator
 
 from provision import catalogue
-from provision.config.shapes import _RFC1035, MAX_ID_LENGTH, _positive_duration, _Section
+from provision.config.shapes import _RFC1035, MAX_ID_LENGTH, _positive_duration, _Section, gcs_location
 from trainer.schema import invalid
 
 # GKE names: a cluster or node pool name is at most 40 characters (RFC 1035); a namespace or a
@@ -53,9 +53,7 @@ class PathwaysConfig(_Section):
     @field_validator("gcs_scratch")
     @classmethod
     def _scratch(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$", value):
-            raise invalid(f"gcs_scratch {value!r} must be a Cloud Storage location like gs://my-bucket/pathways")
-        return value.rstrip("/") if value is not None else None
+        return gcs_location(value, "gcs_scratch", "gs://my-bucket/pathways")
 
     @field_validator("cpu_machine_type")
     @classmethod

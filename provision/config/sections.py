@@ -37,6 +37,7 @@ from provision.config.shapes import (
     _positive_duration,
     _Section,
     _zone_name,
+    gcs_location,
 )
 from trainer.schema import NonNegative, Positive, did_you_mean, invalid
 
@@ -199,9 +200,7 @@ class ImageConfig(_Section):
     @field_validator("staging")
     @classmethod
     def _staging_shape(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$", value):
-            raise invalid(f"image staging {value!r} must be a Cloud Storage location like gs://my-bucket/staging")
-        return value.rstrip("/") if value is not None else None
+        return gcs_location(value, "image staging", "gs://my-bucket/staging")
 
     @field_validator("build_service_account")
     @classmethod

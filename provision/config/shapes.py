@@ -104,6 +104,17 @@ def _mesh_text(value: str) -> str:
     return value
 
 
+# A Cloud Storage location for staging or scratch objects: gs://BUCKET[/PATH], no whitespace.
+_GCS_LOCATION = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
+
+
+def gcs_location(value: str | None, what: str, example: str) -> str | None:
+    """A Cloud Storage location (None: not set), without its trailing slash."""
+    if value is not None and not _GCS_LOCATION.match(value):
+        raise invalid(f"{what} {value!r} must be a Cloud Storage location like {example}")
+    return value.rstrip("/") if value is not None else None
+
+
 def _zone_name(zone: str) -> str:
     if not _ZONE.match(zone):
         raise invalid(f"zone {zone!r} is not a zone name like us-west4-a")
