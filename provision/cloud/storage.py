@@ -134,7 +134,7 @@ def move_aside(url: str, credentials: Any = None, project: str | None = None, st
         from google.cloud import storage
     except ImportError as exc:  # depends on the install
         raise MissingDependency(exc.name or "google-cloud-storage", "control") from exc
-    bucket_name, _, prefix = url[len("gs://"):].rstrip("/").partition("/")
+    bucket_name, prefix = split_gs(url.rstrip("/"))
     if not prefix:
         raise CloudError(f"cannot move {url} aside: it is a whole bucket",
                          hint="point trainer.output_dir at a directory inside the bucket")

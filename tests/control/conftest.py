@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,16 +14,6 @@ def workdir(tmp_path, monkeypatch):
     """A fresh working directory for the test (dry-run state and remembered configs land there)."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
-
-
-@pytest.fixture(autouse=True, scope="session")
-def compilation_cache(tmp_path_factory):
-    """One persistent JAX compilation cache for the session's dry-run trainers, a fresh one (never the
-    user's) unless the environment names one: runs of the same small model compile its train step once."""
-    with pytest.MonkeyPatch.context() as patch:
-        if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-            patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax-cache")))
-        yield
 
 
 class Ran(NamedTuple):
