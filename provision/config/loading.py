@@ -102,12 +102,8 @@ _BAD = object()
 
 def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
     """Rules between keys, as (dotted key, message)."""
-    found: list[tuple[str, str]] = []
+    found = _zone_checks(get)
     region, zones = get("region"), get("zones")
-    if isinstance(region, str) and isinstance(zones, list):
-        for i, zone in enumerate(zones):
-            if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != region:
-                found.append((f"zones[{i}]", f"zone {zone!r} is not in region {region!r}"))
     acc_name, runtime = get("slice.accelerator"), get("slice.runtime_version")
     if isinstance(acc_name, str) and isinstance(runtime, str) and acc_name in catalogue.ACCELERATORS:
         fits = catalogue.accelerator(acc_name).runtime_versions
@@ -158,6 +154,30 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
                                             f"path, not {output_dir!r} (a local path vanishes with the job)"))
     found += _gke_checks(get)
     return found
+
+
+def _zone_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
+    """Each zone against the region it must lie in.
+
+    A queued resource is zonal, and Google documents TPU v5e in one zone per region, so a TPU VM run
+    fails over across regions: its zones may lie anywhere, unless `slice.subnetwork` ties them to the
+    subnetwork's region (a subnetwork serves its own region only). Vertex AI jobs and GKE node pools
+    live in `region`."""
+    region, zones, subnetwork = get("region"), get("zones"), get("slice.subnetwork")
+    if not isinstance(zones, list):
+        return []
+    where = ""
+    if get("target") == "tpu-vm":
+        if not isinstance(subnetwork, str):
+            return []
+        if subnetwork.startswith("projects/"):
+            region = subnetwork.split("/")[3]
+        where = f", where slice.subnetwork {subnetwork!r} is (a subnetwork serves its own region only)"
+    if not isinstance(region, str):
+        return []
+    return [(f"zones[{i}]", f"zone {zone!r} is not in region {region!r}{where}")
+            for i, zone in enumerate(zones)
+            if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != region]
 
 
 def _gke_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:

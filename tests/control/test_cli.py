@@ -55,6 +55,21 @@ def test_dry_run_lifecycle_json_documents(workdir):
     assert listed.returncode == 0 and json.loads(listed.stdout)["resources"] == []
 
 
+def test_the_example_fails_over_to_its_second_zone_on_stockout(workdir):
+    """The example lists two zones (in two regions: v5e has one documented zone per region), so the
+    stockout scenario shows the failover it exists for."""
+    zones = yaml.safe_load(EXAMPLE.read_text())["zones"]
+    assert len(zones) == 2
+    up = moe(["--dry-run", "--scenario", "stockout", "--output", "json", "slice", "up"], workdir)
+    assert up.returncode == 0, up.stderr
+    assert f"no capacity in {zones[0]}" in up.stderr
+    creates = [c["request"]["parent"] for c in json.loads(up.stdout)["calls"]
+               if c["rpc"].endswith("Tpu/CreateQueuedResource")]
+    assert creates == [f"projects/my-project/locations/{zone}" for zone in zones]
+    assert moe(["--dry-run", "down"], workdir).returncode == 0
+    assert json.loads(moe(["--dry-run", "--output", "json", "list"], workdir).stdout)["resources"] == []
+
+
 def test_text_mode_reports_the_slice_and_its_workers(workdir):
     up = moe(["--dry-run", "slice", "up"], workdir)
     assert up.returncode == 0, up.stderr

@@ -88,9 +88,19 @@ def test_config_is_frozen():
                  id="region-shape"),
     pytest.param(with_(zones=["uswest"]), [("zones[0]", "zone 'uswest' is not a zone name like us-west4-a")],
                  id="zone-shape"),
-    pytest.param(with_(zones=["us-central1-a"]),
+    pytest.param(with_(target="vertex", zones=["us-central1-a"]),
                  [("zones[0]", "zone 'us-central1-a' is not in region 'us-west4'")],
                  id="zone-outside-region"),
+    pytest.param(with_(zones=["us-west4-a", "us-central1-a"], slice__subnetwork="tpus"),
+                 [("zones[1]", "zone 'us-central1-a' is not in region 'us-west4', where slice.subnetwork "
+                               "'tpus' is (a subnetwork serves its own region only)")],
+                 id="zone-outside-the-subnetwork-region"),
+    pytest.param(with_(zones=["us-west4-a"],
+                       slice__subnetwork="projects/my-project/regions/us-central1/subnetworks/tpus"),
+                 [("zones[0]", "zone 'us-west4-a' is not in region 'us-central1', where slice.subnetwork "
+                               "'projects/my-project/regions/us-central1/subnetworks/tpus' is (a subnetwork "
+                               "serves its own region only)")],
+                 id="zone-outside-a-subnetwork-path-region"),
     pytest.param(with_(zones=[]), [("zones", "list at least one zone, e.g. [us-west4-a]")], id="no-zones"),
     pytest.param(with_(run="Moe_Demo"), [("run",
         "run name 'Moe_Demo' must be lowercase letters, digits and hyphens, start with a letter and not end "
@@ -182,7 +192,7 @@ def test_each_rule_has_its_message(raw, expected, tmp_path):
 
 def test_every_problem_is_reported_at_once(tmp_path):
     raw = with_(project="X", zones=["us-central1-a", "nowhere"], run="Bad", targt="vertex",
-                slice__count=0, slice__max_wait="soon", image__repository="trainer")
+                slice__subnetwork="tpus", slice__count=0, slice__max_wait="soon", image__repository="trainer")
     keys = [key for key, _ in problems_of(raw, tmp_path)]
     # In file order (safe_dump sorts the keys).
     assert keys == ["image.repository", "project", "run", "slice.count", "slice.max_wait", "targt",
@@ -271,6 +281,14 @@ def test_overrides_become_set_flags():
                                                      "model.bias": False, "name": "x y"}))
     assert cfg.trainer.set_flags() == ["--set", "model.num_experts=8", "--set", "train.lr=0.001",
                                        "--set", "model.bias=false", "--set", "name=x y"]
+
+
+def test_a_tpu_vm_run_fails_over_across_regions(tmp_path):
+    """v5e is documented in one zone per region, so a TPU VM run's zones may lie in several regions
+    (queued resources are zonal); only a subnetwork ties them to one."""
+    path = tmp_path / "moe-tpu.yaml"
+    path.write_text(yaml.safe_dump(with_(zones=["us-west4-a", "us-central1-a", "us-south1-a"])))
+    assert list(load_config(path).zones) == ["us-west4-a", "us-central1-a", "us-south1-a"]
 
 
 def test_a_zone_the_catalogue_does_not_list_is_a_warning_not_a_problem():

@@ -92,9 +92,10 @@ def test_validate_ok(workdir):
     shutil.copy(EXAMPLE, workdir / "moe-tpu.yaml")
     assert moe("validate") == (0, (
         "config OK: moe-tpu.yaml\n"
-        "  run moe-demo: 1 x v5litepod-64 (8x8, 64 chips, 16 VMs), spot, zones us-west4-a\n"
-        "  rendered 3 files: startup.sh, queued_resource.us-west4-a.yaml, "
-        "create_queued_resource.us-west4-a.json\n"
+        "  run moe-demo: 1 x v5litepod-64 (8x8, 64 chips, 16 VMs), spot, zones us-west4-a, us-central1-a\n"
+        "  rendered 5 files: startup.sh, queued_resource.us-west4-a.yaml, "
+        "create_queued_resource.us-west4-a.json, queued_resource.us-central1-a.yaml, "
+        "create_queued_resource.us-central1-a.json\n"
     ), "")
 
 
@@ -110,17 +111,20 @@ def test_validate_json(workdir):
     code, out, err = moe("--output", "json", "validate")
     assert (code, err) == (0, "config OK: moe-tpu.yaml\n"
                               "  run moe-demo: 1 x v5litepod-64 (8x8, 64 chips, 16 VMs), spot, "
-                              "zones us-west4-a\n"
-                              "  rendered 3 files: startup.sh, queued_resource.us-west4-a.yaml, "
-                              "create_queued_resource.us-west4-a.json\n")
+                              "zones us-west4-a, us-central1-a\n"
+                              "  rendered 5 files: startup.sh, queued_resource.us-west4-a.yaml, "
+                              "create_queued_resource.us-west4-a.json, queued_resource.us-central1-a.yaml, "
+                              "create_queued_resource.us-central1-a.json\n")
     assert json.loads(out) == {"command": "validate", "dry_run": False, "calls": [], "config": "moe-tpu.yaml",
                                "files": ["startup.sh", "queued_resource.us-west4-a.yaml",
-                                         "create_queued_resource.us-west4-a.json"], "result": "ok"}
+                                         "create_queued_resource.us-west4-a.json",
+                                         "queued_resource.us-central1-a.yaml",
+                                         "create_queued_resource.us-central1-a.json"], "result": "ok"}
 
 
 def zone_config(workdir, region: str, zone: str) -> None:
     text = EXAMPLE.read_text().replace("region: us-west4", f"region: {region}")
-    (workdir / "moe-tpu.yaml").write_text(text.replace("zones: [us-west4-a]", f"zones: [{zone}]"))
+    (workdir / "moe-tpu.yaml").write_text(re.sub(r"(?m)^zones: .*$", f"zones: [{zone}]", text))
 
 
 def test_a_zone_google_does_not_document_for_v5e_is_a_warning(workdir):
@@ -150,7 +154,7 @@ def test_in_a_dry_run_the_emulators_accelerator_types_decide(workdir):
 BAD = """\
 project: my-project
 region: us-west4
-zones: [us-central1-a]
+zones: [uswest]
 run: Moe_Demo
 slice:
   acelerator: v5litepod-64
@@ -166,7 +170,7 @@ def test_validate_lists_every_problem(workdir):
     (workdir / "moe-tpu.yaml").write_text(BAD)
     assert moe("validate") == (2, "", (
         "error: 4 problems in the config:\n"
-        "  moe-tpu.yaml: zones[0]: zone 'us-central1-a' is not in region 'us-west4'\n"
+        "  moe-tpu.yaml: zones[0]: zone 'uswest' is not a zone name like us-west4-a\n"
         "  moe-tpu.yaml: run: run name 'Moe_Demo' must be lowercase letters, digits and hyphens, "
         "start with a letter and not end with a hyphen (it becomes resource ids: RFC 1035)\n"
         "  moe-tpu.yaml: slice.acelerator: unknown key 'acelerator'; did you mean 'accelerator'?\n"
@@ -201,7 +205,9 @@ def test_validate_a_broken_template(workdir):
 def test_render_writes_the_goldens(workdir):
     shutil.copy(EXAMPLE, workdir / "moe-tpu.yaml")
     assert moe("render", "--out", "out/r") == (0, "out/r/startup.sh\nout/r/queued_resource.us-west4-a.yaml\n"
-                                                  "out/r/create_queued_resource.us-west4-a.json\n", "")
+                                                  "out/r/create_queued_resource.us-west4-a.json\n"
+                                                  "out/r/queued_resource.us-central1-a.yaml\n"
+                                                  "out/r/create_queued_resource.us-central1-a.json\n", "")
     for path in (workdir / "out" / "r").iterdir():
         assert path.read_text() == (GOLDENS / f"{path.name}.golden").read_text()
 

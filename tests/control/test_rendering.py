@@ -37,19 +37,23 @@ def example_raw() -> dict:
     return yaml.safe_load(EXAMPLE.read_text())
 
 
-def cfg_with(**slice_changes):
+def cfg_with(zones=None, **slice_changes):
     raw = example_raw()
     raw["slice"].update(slice_changes)
+    if zones is not None:
+        raw["zones"] = zones
     return config_from_dict(raw)
 
 
-@pytest.mark.parametrize("name", ["startup.sh", "queued_resource.us-west4-a.yaml",
-                                  "create_queued_resource.us-west4-a.json"])
+EXAMPLE_FILES = ["startup.sh", "queued_resource.us-west4-a.yaml", "create_queued_resource.us-west4-a.json",
+                 "queued_resource.us-central1-a.yaml", "create_queued_resource.us-central1-a.json"]
+
+
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
 def test_golden(name):
     loaded = load_config(EXAMPLE)
     files = rendering.render_all(loaded, renderer_for(loaded))
-    assert list(files) == ["startup.sh", "queued_resource.us-west4-a.yaml",
-                           "create_queued_resource.us-west4-a.json"]
+    assert list(files) == EXAMPLE_FILES  # the example's two zones, each with its queued resource
     golden = GOLDENS / f"{name}.golden"
     if UPDATE:
         golden.parent.mkdir(exist_ok=True)
@@ -154,7 +158,7 @@ def test_request_is_the_real_message():
 
 
 def test_multislice_reserved_with_service_account():
-    cfg = cfg_with(count=4, capacity="reserved", reservation="my-res", subnetwork="tpu-subnet",
+    cfg = cfg_with(zones=["us-west4-a"], count=4, capacity="reserved", reservation="my-res", subnetwork="tpu-subnet",
                    service_account="trainer@my-project.iam.gserviceaccount.com", max_wait="1h30m")
     qr = rendering.create_queued_resource_request(cfg, "us-west4-a", renderer_for(cfg)).queued_resource
     spec = qr.tpu.node_spec[0]

@@ -255,12 +255,12 @@ def test_init_from_bad_outputs(tmp_path, monkeypatch, content, message):
 
 def test_init_from_outputs_with_a_bad_value_names_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    values = {**OUTPUT_VALUES, "zones": ["mars-north1-a"], "extra_thing": 1}
+    values = {**OUTPUT_VALUES, "zones": ["mars"], "extra_thing": 1}
     (tmp_path / "o.json").write_text(json.dumps({k: {"value": v} for k, v in values.items()}))
     code, _, err = moe("init", "--from-terraform", "o.json")
     assert code == 2
     assert "warning: terraform output 'extra_thing' is not a config key; left out" in err
-    assert "moe-tpu.yaml: zones[0]: zone 'mars-north1-a' is not in region 'us-west4'" in err
+    assert "moe-tpu.yaml: zones[0]: zone 'mars' is not a zone name like us-west4-a" in err
     assert not (tmp_path / "moe-tpu.yaml").exists()
 
 
