@@ -406,7 +406,7 @@ def build_image(plan: ImagePlan, context: Path, *, push: bool, requested: str, r
     if not project:
         raise UsageError("Cloud Build needs a project, and neither the config nor the credentials name one",
                          hint="set `project:` in the config")
-    if all(cloud_build.registry_has(uri, session.endpoint.credentials) for uri in plan.uris):
+    if all(cloud_build.registry_has(uri, session) for uri in plan.uris):
         console.info(f"{plan.uri} is already in the registry; nothing to build")
         return BuildResult(CLOUD_BUILDER, built=False, pushed=[])
     names = write_context(plan, context, _wheel(plan, context, console))

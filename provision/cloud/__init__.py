@@ -93,8 +93,8 @@ class Session:
         self.default_project = endpoint.default_project
         self.calls = calls
         self.console = console
-        self._log = CallLog(calls, show)
-        self._recorder = CallRecorder(self._log)
+        self.log = CallLog(calls, show)  # what every client of the session writes its calls to
+        self._recorder = CallRecorder(self.log)
         self._channels: list[Any] = []
         self._tpu = None
         self._vertex: dict[str, Any] = {}
@@ -184,7 +184,7 @@ class Session:
         if self._storage is None:
             from provision.cloud.storage import Storage
 
-            self._storage = Storage(self._log, self.endpoint.credentials, self.default_project)
+            self._storage = Storage(self.log, self.endpoint.credentials, self.default_project)
         return self._storage
 
     def kube(self, cluster):

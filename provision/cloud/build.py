@@ -4,7 +4,8 @@
 goes to the plan's staging location, the build runs docker with every tag of the plan and logs to
 staging, and its log is streamed from there until the build ends. All of it goes through the
 command's Session: Cloud Build's client is `session.build` (its calls through our retry policy and
-into the calls log), the archive and the log are `session.storage`'s (logged too). The plan is an
+into the calls log), the archive and the log are `session.storage`'s, and the look in Artifact
+Registry uses its credentials (both logged too). The plan is an
 provision.image.ImagePlan (not imported: the image module imports this one).
 """
 
@@ -61,8 +62,9 @@ def build_request(plan: Any, project: str) -> Any:
     return cloudbuild_v1.CreateBuildRequest(project_id=project, build=build)
 
 
-def registry_has(uri: str, credentials: Any) -> bool | None:
-    """Whether Artifact Registry holds `uri` (HEAD on its manifest); None when it cannot tell."""
+def registry_has(uri: str, session: Any) -> bool | None:
+    """Whether Artifact Registry holds `uri` (HEAD on its manifest with the session's credentials, in its
+    calls log as `registry.manifests.head`); None when it cannot tell."""
     import urllib.error
     import urllib.request
 
@@ -70,16 +72,18 @@ def registry_has(uri: str, credentials: Any) -> bool | None:
 
     repository, _, tag = uri.rpartition(":")
     host, _, path = repository.partition("/")
+    credentials = session.endpoint.credentials
     try:
-        if not credentials.valid:
-            credentials.refresh(Request())
-        request = urllib.request.Request(
-            f"https://{host}/v2/{path}/manifests/{tag}", method="HEAD",
-            headers={"Authorization": f"Bearer {credentials.token}",
-                     "Accept": "application/vnd.oci.image.index.v1+json, "
-                               "application/vnd.docker.distribution.manifest.v2+json"})
-        with urllib.request.urlopen(request, timeout=30):
-            return True
+        with session.log.call("registry.manifests.head", {"image": uri}):
+            if not credentials.valid:
+                credentials.refresh(Request())
+            request = urllib.request.Request(
+                f"https://{host}/v2/{path}/manifests/{tag}", method="HEAD",
+                headers={"Authorization": f"Bearer {credentials.token}",
+                         "Accept": "application/vnd.oci.image.index.v1+json, "
+                                   "application/vnd.docker.distribution.manifest.v2+json"})
+            with urllib.request.urlopen(request, timeout=30):
+                return True
     except urllib.error.HTTPError as exc:
         return False if exc.code == 404 else None
     except Exception:  # noqa: BLE001 - unknown: the build goes ahead

@@ -135,3 +135,15 @@ def test_a_cloud_build_uploads_builds_and_reads_its_log_through_the_session_and_
         {"bucket": "runs-bucket", "object": log, "offset": len("Step 1/9\npushed\n")}]
     printed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  | ")]
     assert printed == ["  | Step 1/9", "  | pushed"]
+
+
+def test_the_look_in_the_registry_is_in_the_calls_log_and_an_unreachable_one_cannot_tell():
+    import socket
+
+    with socket.socket() as s:  # a loopback port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    session = open_session()
+    uri = f"127.0.0.1:{port}/my-project/moe/trainer:0.1.0-abc"
+    assert cloud_build.registry_has(uri, session) is None
+    assert session.calls == [{"rpc": "registry.manifests.head", "request": {"image": uri}, "status": "URLError"}]
