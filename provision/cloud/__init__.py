@@ -77,8 +77,8 @@ class Endpoint:
 
 
 class Session:
-    """Open channels to the TPU API, Vertex AI, GKE and Cloud Build, Cloud Storage, the clock that
-    waits on them, and the calls log."""
+    """The clients of one command: gRPC channels to the TPU API, Vertex AI, GKE and Cloud Build, the
+    clusters' Kubernetes APIs, Cloud Storage; the clock that waits on them; the calls log they write."""
 
     def __init__(self, endpoint: Endpoint, calls: list[dict[str, Any]], console) -> None:
         require_control_deps()

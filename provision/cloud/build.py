@@ -3,9 +3,9 @@
 `moe-tpu image build` without docker lands here (provision/image.py plans the build). The archive
 goes to the plan's staging location, the build runs docker with every tag of the plan and logs to
 staging, and its log is streamed from there until the build ends. All of it goes through the
-command's Session: Cloud Build's client is `session.build` (its calls through our retry policy and
-into the calls log), the archive and the log are `session.storage`'s, and the look in Artifact
-Registry uses its credentials (both logged too). The plan is an
+command's Session: Cloud Build's client is `session.build` (its calls through our retry policy),
+the archive and the log are objects of `session.storage`, and the look in Artifact Registry uses
+the session's credentials; each of these calls is in the session's calls log. The plan is an
 provision.image.ImagePlan (not imported: the image module imports this one).
 """
 
