@@ -3,8 +3,10 @@
 `provision.app.App.context` builds a `RunContext` for the config a command loaded: the config,
 the console, the templates (`--templates` first, then the builtin ones), the image reference the
 rendered files name, and the cloud session with its clock. The targets, `runs.Runner`, the
-slice, job and GKE lifecycles and the commands take it instead of those one by one; below it
-the templates directory travels only inside the renderer.
+slice, job and GKE lifecycles down to their helpers, and the commands take it instead of those
+one by one (no function but `RunContext.on` takes a session and a console side by side); below
+it the templates directory travels only inside the renderer, and the session's credentials only
+inside its clients (Cloud Storage and Cloud Build included).
 
 The image reference and the session are resolved on first use and then kept: a command that
 renders nothing never hashes the source tree, one that renders hashes it once, and one that

@@ -74,22 +74,25 @@ def managed_gke(cfg, session, run: str | None = None, project: str | None = None
 
 # --- up --------------------------------------------------------------------------------------------
 
-def _wait_cluster(cfg, session, console, path: str):
+def _wait_cluster(context, path: str):
+    session = context.session
+
     def fetch():
         cluster = session.container.get_cluster(path)
         if cluster is None:
             raise CloudError(f"cluster {short(path)} disappeared while waiting for it")
         return cluster
 
-    with console.progress(f"  waiting for cluster {short(path)}") as bar:
+    with context.console.progress(f"  waiting for cluster {short(path)}") as bar:
         return poll(fetch, lambda c: c.status.name in ("RUNNING", "ERROR", "DEGRADED"), session.clock,
                     timeout_s=CLUSTER_WAIT_S, progress=bar, what=f"cluster {short(path)}",
                     describe=lambda c, t: f"  cluster {short(path)}: {c.status.name} ({format_duration(t)})")
 
 
-def ensure_cluster(cfg, session, console, renderer=None) -> tuple[object, bool]:
+def ensure_cluster(context) -> tuple[object, bool]:
     """The run's cluster, RUNNING: the existing one, or (gke.create_cluster) one made now.
     Returns (cluster, made_now)."""
+    cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
     path = gke_render.cluster_path(cfg, project)
     cluster = session.container.get_cluster(path)
@@ -100,13 +103,13 @@ def ensure_cluster(cfg, session, console, renderer=None) -> tuple[object, bool]:
                              f"{cfg.gke.location} (project {project})",
                              hint="name an existing GKE Standard cluster, or set `gke.create_cluster: true`")
         console.info(f"  creating cluster {cfg.gke.cluster} in {cfg.gke.location}")
-        operation = session.container.create_cluster(gke_render.create_cluster_request(cfg, project, renderer))
+        operation = session.container.create_cluster(gke_render.create_cluster_request(cfg, project, context.renderer))
         if operation is not None:
             with console.progress(f"  creating cluster {cfg.gke.cluster}") as bar:
                 session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
                                        f"create cluster {cfg.gke.cluster}", progress=bar)
         made = True
-    cluster = _wait_cluster(cfg, session, console, path)
+    cluster = _wait_cluster(context, path)
     if cluster.status.name != "RUNNING":
         raise CloudError(f"cluster {cfg.gke.cluster} is {cluster.status.name}: {cluster.status_message}",
                          hint="check the cluster in the console (Kubernetes Engine > Clusters)")
@@ -124,38 +127,41 @@ def pool_differences(wanted, existing) -> list[str]:
     return [f"{key} is {have[key]} (the config asks for {want[key]})" for key in want if want[key] != have[key]]
 
 
-def _delete_pool(session, console, project: str, cfg, name: str) -> bool:
+def _delete_pool(context, project: str, name: str) -> bool:
+    session = context.session
     operation = session.container.delete_node_pool(name)
     if operation is None:
         return False
-    console.info(f"  deleting node pool {short(name)}")
-    session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
+    context.console.info(f"  deleting node pool {short(name)}")
+    session.container.wait(operation, gke_render.location_path(project, context.config.gke.location),
                            f"delete node pool {short(name)}")
     return True
 
 
-def _wait_pool(session, console, name: str):
+def _wait_pool(context, name: str):
     """Poll a pool (one adopted while it is still being made) until it is no longer PROVISIONING."""
-    with console.progress(f"  waiting for node pool {short(name)}") as bar:
+    session = context.session
+    with context.console.progress(f"  waiting for node pool {short(name)}") as bar:
         return poll(lambda: session.container.get_node_pool(name),
                     lambda p: p is None or p.status.name != "PROVISIONING", session.clock,
                     timeout_s=6 * 3600, progress=bar, what=f"node pool {short(name)}",
                     describe=lambda p, t: f"  node pool {short(name)}: {p.status.name if p else 'gone'}")
 
 
-def _pool_in_zone(cfg, session, console, project: str, spec, renderer, existing: dict) -> None:
+def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
     """Create one node pool in its zone and wait until it runs (or adopt the one that matches).
     StockoutError when the zone has no capacity for it."""
+    cfg, session, console = context.config, context.session, context.console
     path = gke_render.cluster_path(cfg, project)
     name = f"{path}/nodePools/{spec.name}"
-    request = gke_render.create_node_pool_request(cfg, spec, project, renderer)
+    request = gke_render.create_node_pool_request(cfg, spec, project, context.renderer)
     pool = existing.get(spec.name)
     if pool is not None and spec.name == gke_render.CPU_POOL and not is_managed(_labels(pool), cfg.run):
         console.info(f"  using the cluster's own node pool {spec.name} for the Pathways head")
         return
     if pool is not None and pool.status.name == "ERROR" and is_managed(_labels(pool), cfg.run):
         console.info(f"  node pool {spec.name} is ERROR from an earlier attempt; deleting it first")
-        _delete_pool(session, console, project, cfg, name)
+        _delete_pool(context, project, name)
         pool = None
     if pool is not None:
         differences = pool_differences(request.node_pool, pool)
@@ -163,14 +169,14 @@ def _pool_in_zone(cfg, session, console, project: str, spec, renderer, existing:
             raise CloudError(f"node pool {spec.name} exists but does not match the config: {'; '.join(differences)}",
                              hint=f"run `moe-tpu down -c {cfg.source}` to delete the run's node pools, then try again")
         console.info(f"  adopting existing node pool {spec.name} ({pool.status.name})")
-        pool = _wait_pool(session, console, name) if pool.status.name == "PROVISIONING" else pool
+        pool = _wait_pool(context, name) if pool.status.name == "PROVISIONING" else pool
     else:
         what = f"{spec.node_count} x {spec.machine_type}" + (f", topology {spec.topology}" if spec.topology else "")
         console.info(f"  creating node pool {spec.name} in {spec.zone}: {what}")
         operation = session.container.create_node_pool(request)
         if operation is None:  # made by an earlier attempt whose answer was lost
             console.info(f"  {spec.name} already exists (an earlier attempt created it); adopting it")
-            pool = _wait_pool(session, console, name)
+            pool = _wait_pool(context, name)
         else:
             # A TPU pool that is not made within slice.max_wait counts as no capacity in this zone.
             wait = cfg.slice.max_wait.total_seconds() if spec.name != gke_render.CPU_POOL else 3600.0
@@ -194,9 +200,10 @@ def _pool_in_zone(cfg, session, console, project: str, spec, renderer, existing:
         raise error(f"node pool {spec.name} in {spec.zone} is {pool.status.name if pool else 'gone'}: {message}")
 
 
-def pools_up(cfg, session, console, renderer=None, zones: list[str] | None = None) -> tuple[str, list]:
+def pools_up(context, zones: list[str] | None = None) -> tuple[str, list]:
     """The run's node pools, zone by zone on stockout (every slice in one zone, for DCN). Returns the
     zone and the pools. A zone that had no capacity loses the run's pools again before the next."""
+    cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
     path = gke_render.cluster_path(cfg, project)
     tried: list[str] = []
@@ -207,14 +214,14 @@ def pools_up(cfg, session, console, renderer=None, zones: list[str] | None = Non
             continue  # the run's pools are already in another zone: that zone comes first
         try:
             for spec in gke_render.node_pool_specs(cfg, zone):
-                _pool_in_zone(cfg, session, console, project, spec, renderer, existing)
+                _pool_in_zone(context, project, spec, existing)
         except StockoutError as exc:
             tried.append(f"{zone} ({exc.message})")
             console.warn(f"no capacity in {zone}: {exc.message}")
             for pool_id in gke_render.pool_ids(cfg):
                 pool = session.container.get_node_pool(f"{path}/nodePools/{pool_id}")
                 if pool is not None and is_managed(_labels(pool), cfg.run):
-                    _delete_pool(session, console, project, cfg, f"{path}/nodePools/{pool_id}")
+                    _delete_pool(context, project, f"{path}/nodePools/{pool_id}")
             continue
         pools = [p for p in session.container.list_node_pools(path) if p.name in gke_render.pool_ids(cfg)]
         return zone, pools
@@ -226,11 +233,11 @@ def pools_up(cfg, session, console, renderer=None, zones: list[str] | None = Non
 def gke_up(context, zones: list[str] | None = None) -> list[Resource]:
     """The cluster (created only with gke.create_cluster) and the run's node pools, all RUNNING
     (provision.context.RunContext: the config, session, console and renderer)."""
-    cfg, session, console = context.config, context.session, context.console
-    cluster, _ = ensure_cluster(cfg, session, console, context.renderer)
+    cfg, session = context.config, context.session
+    cluster, _ = ensure_cluster(context)
     project = project_of(cfg, session)
     path = gke_render.cluster_path(cfg, project)
-    _, pools = pools_up(cfg, session, console, context.renderer, zones)
+    _, pools = pools_up(context, zones)
     resources = [_pool_resource(p, cfg.gke.location, path) for p in pools]
     if is_managed(dict(cluster.resource_labels), cfg.run):
         resources.insert(0, _cluster_resource(cluster, path))
@@ -257,7 +264,7 @@ def submit_jobset(context) -> dict:
         if (existing.get("status") or {}).get("terminalState"):
             console.info(f"  JobSet {name} ended ({existing['status']['terminalState']}) in an earlier run; "
                          "deleting it first")
-            delete_jobset(cfg, session, console)
+            delete_jobset(context)
         else:
             console.info(f"  adopting the run's JobSet {namespace}/{name}")
             return existing
@@ -266,8 +273,9 @@ def submit_jobset(context) -> dict:
     return created if created is not None else kube.get_jobset(namespace, name)
 
 
-def delete_jobset(cfg, session, console) -> bool:
+def delete_jobset(context) -> bool:
     """Delete the run's JobSet and wait until it (and its pods) are gone; False when there was none."""
+    cfg, session = context.config, context.session
     cluster = cluster_of(cfg, session)
     if cluster is None or not cluster.endpoint:
         return False
@@ -275,7 +283,7 @@ def delete_jobset(cfg, session, console) -> bool:
     name = gke_render.jobset_name(cfg)
     if not kube.delete_jobset(cfg.gke.namespace, name):
         return False
-    console.info(f"  deleting JobSet {cfg.gke.namespace}/{name}")
+    context.console.info(f"  deleting JobSet {cfg.gke.namespace}/{name}")
     poll(lambda: kube.get_jobset(cfg.gke.namespace, name), lambda j: j is None, session.clock,
          timeout_s=JOBSET_GONE_WAIT_S, what=f"JobSet {name} to go")
     return True
@@ -309,10 +317,10 @@ def gke_down(context) -> list[Resource]:
     path = gke_render.cluster_path(cfg, project)
     before = managed_gke(cfg, session, run=cfg.run, project=project)
     deleted: list[Resource] = []
-    if delete_jobset(cfg, session, console):
+    if delete_jobset(context):
         deleted += [r for r in before if r.kind == "jobset"]
     for res in [r for r in before if r.kind == "node_pool"]:
-        if _delete_pool(session, console, project, cfg, res.name):
+        if _delete_pool(context, project, res.name):
             deleted.append(res)
     cluster = next((r for r in before if r.kind == "gke_cluster"), None)
     if cluster is not None:

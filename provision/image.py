@@ -8,8 +8,9 @@ Dockerfile, so an unchanged tree gives the same tag on any checkout and is neith
 pushed again, and any change that would reach the image gives a new one. `run` and `slice up`
 use that tag when the config sets none (`image_reference`).
 
-Cloud Build, its upload and its credentials live in provision/cloud/build.py (the Google client
-libraries stay under provision/cloud/); docker and `python -m build` run as subprocesses.
+Cloud Build and its upload live in provision/cloud/build.py and go through the command's Session
+(its credentials, its Cloud Build and Cloud Storage, its calls log; the Google client libraries stay
+under provision/cloud/); docker and `python -m build` run as subprocesses.
 """
 
 from __future__ import annotations
@@ -321,17 +322,18 @@ def docker_status() -> tuple[bool, str]:
     return True, f"docker {probe.stdout.strip()}"
 
 
-def choose_builder(requested: str) -> tuple[str, Any, str | None]:
-    """(builder, credentials, project) for --builder auto|docker|cloud-build; exit 1 when neither works."""
+def choose_builder(requested: str) -> str:
+    """The builder for --builder auto|docker|cloud-build (Cloud Build when Application Default
+    Credentials are there); exit 1 when neither works."""
     docker_ok, docker_why = docker_status() if requested in ("auto", DOCKER_BUILDER) else (False, "")
     if docker_ok:
-        return DOCKER_BUILDER, None, None
+        return DOCKER_BUILDER
     if requested == DOCKER_BUILDER:
         raise MoeTpuError(f"cannot build with docker: {docker_why}",
                           hint="start the docker daemon, or build with Cloud Build: --builder cloud-build")
-    credentials, project, cloud_why = cloud_build.credentials()
+    credentials, _, cloud_why = cloud_build.credentials()
     if credentials is not None:
-        return CLOUD_BUILDER, credentials, project
+        return CLOUD_BUILDER
     if requested == CLOUD_BUILDER:
         raise MoeTpuError(f"cannot submit a Cloud Build: {cloud_why}",
                           hint="log in with `gcloud auth application-default login`")
@@ -392,21 +394,23 @@ class BuildResult:
     files: list[str] = field(default_factory=list)
 
 
-def build_image(plan: ImagePlan, context: Path, *, push: bool, requested: str, project: str | None, console: Any,
-                calls: list[dict[str, Any]]) -> BuildResult:
-    """Build (and push) the image unless what it would make is already there."""
-    builder, credentials, adc_project = choose_builder(requested)
+def build_image(plan: ImagePlan, context: Path, *, push: bool, requested: str, run: Any) -> BuildResult:
+    """Build (and push) the image unless what it would make is already there. `run` is the command's
+    provision.context.RunContext: its console, and for Cloud Build its config's project and its session."""
+    console = run.console
+    builder = choose_builder(requested)
     if builder == DOCKER_BUILDER:
         return _build_with_docker(plan, context, push, console)
-    project = project or adc_project
+    session = run.session
+    project = run.config.project or session.default_project
     if not project:
         raise UsageError("Cloud Build needs a project, and neither the config nor the credentials name one",
                          hint="set `project:` in the config")
-    if all(cloud_build.registry_has(uri, credentials) for uri in plan.uris):
+    if all(cloud_build.registry_has(uri, session) for uri in plan.uris):
         console.info(f"{plan.uri} is already in the registry; nothing to build")
         return BuildResult(CLOUD_BUILDER, built=False, pushed=[])
     names = write_context(plan, context, _wheel(plan, context, console))
-    build_id = cloud_build.submit(plan, source_archive(context, names), credentials, project, console, calls)
+    build_id = cloud_build.submit(plan, source_archive(context, names), session, project)
     return BuildResult(CLOUD_BUILDER, built=True, pushed=plan.uris, build_id=build_id, files=names)
 
 

@@ -130,8 +130,9 @@ def _fetch(session, region: str, name: str):
     return job
 
 
-def wait_job(cfg, session, console, name: str, timeout_s: float | None = None):
+def wait_job(context, name: str, timeout_s: float | None = None):
     """Poll the job until it ends; returns the last CustomJob read."""
+    cfg, session = context.config, context.session
     timeout = timeout_s if timeout_s is not None else cfg.vertex.timeout.total_seconds() + 86400
     if cfg.vertex.max_wait is not None:
         timeout += cfg.vertex.max_wait.total_seconds()
@@ -139,7 +140,7 @@ def wait_job(cfg, session, console, name: str, timeout_s: float | None = None):
     def describe(job, elapsed: float) -> str:
         return f"  job {short(job.name)}: {state_name(job)} (waited {format_duration(elapsed)})"
 
-    with console.progress(f"  waiting for job {short(name)}") as bar:
+    with context.console.progress(f"  waiting for job {short(name)}") as bar:
         return poll(lambda: _fetch(session, cfg.region, name), lambda j: state_name(j) in TERMINAL_STATES,
                     session.clock, timeout_s=timeout, describe=describe, progress=bar,
                     what=f"custom job {short(name)}")
@@ -147,7 +148,7 @@ def wait_job(cfg, session, console, name: str, timeout_s: float | None = None):
 
 def job_wait(context, name: str | None = None) -> Resource:
     """Wait for the run's job (or `name`) to end: the Resource when it SUCCEEDED, CloudError otherwise."""
-    cfg, session, console = context.config, context.session, context.console
+    cfg, session = context.config, context.session
     check_target(cfg)
     project = project_of(cfg, session)
     if name is None:
@@ -159,7 +160,7 @@ def job_wait(context, name: str | None = None) -> Resource:
                                  hint="submit one with `moe-tpu job submit`")
             job = jobs[-1]
         name = job.name
-    job = wait_job(cfg, session, console, name)
+    job = wait_job(context, name)
     resource = job_resource(job, cfg.region)
     if state_name(job) != "JOB_STATE_SUCCEEDED":
         raise CloudError(f"custom job {short(job.name)} ended {state_name(job)}"
@@ -170,20 +171,20 @@ def job_wait(context, name: str | None = None) -> Resource:
 
 
 # --- cancel and down --------------------------------------------------------------------
-def _cancel_and_wait(cfg, session, console, job):
+def _cancel_and_wait(context, job):
     """Cancel a queued or running job (unless it is already cancelling); the job once it has ended."""
     if state_name(job) != "JOB_STATE_CANCELLING":
-        console.info(f"  cancelling job {short(job.name)} ({state_name(job)})")
-        session.vertex(cfg.region).cancel_custom_job(job.name)
-    return wait_job(cfg, session, console, job.name, timeout_s=3600)
+        context.console.info(f"  cancelling job {short(job.name)} ({state_name(job)})")
+        context.session.vertex(context.config.region).cancel_custom_job(job.name)
+    return wait_job(context, job.name, timeout_s=3600)
 
 
 def job_cancel(context) -> list[Resource]:
     """Cancel every queued or running job of the run and wait until each has ended."""
-    cfg, session, console = context.config, context.session, context.console
+    cfg, session = context.config, context.session
     check_target(cfg)
     project = project_of(cfg, session)
-    return [job_resource(_cancel_and_wait(cfg, session, console, job), cfg.region)
+    return [job_resource(_cancel_and_wait(context, job), cfg.region)
             for job in run_jobs(session, project, cfg.region, cfg.run) if state_name(job) in ACTIVE_STATES]
 
 
@@ -195,7 +196,7 @@ def jobs_down(context) -> list[Resource]:
     deleted = []
     for job in run_jobs(session, project, cfg.region, cfg.run):
         if state_name(job) in ACTIVE_STATES:
-            job = _cancel_and_wait(cfg, session, console, job)
+            job = _cancel_and_wait(context, job)
         operation = vertex.delete_custom_job(job.name)
         if operation is not None:
             console.info(f"  deleting job {short(job.name)} ({state_name(job)})")

@@ -306,8 +306,7 @@ class Runner:
 
     def _read_metrics(self) -> None:
         try:
-            rows = storage.read_jsonl(storage.join(self.output_dir, "metrics.jsonl"),
-                                      self.session.endpoint.credentials, self.cfg.project)
+            rows = self.session.storage.read_jsonl(storage.join(self.output_dir, "metrics.jsonl"))
         except MoeTpuError as exc:
             self.console.detail(f"could not read the trainer's metrics: {exc.message}")
             return
@@ -345,11 +344,11 @@ def run_lock(state_dir, run: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def finished_status(output_dir: str, steps: int | None, credentials=None, project: str | None = None) -> dict | None:
-    """The trainer's status file when it says that the run finished every one of `steps` steps (None:
-    its own total), else None: there is training to do."""
+def finished_status(store, output_dir: str, steps: int | None) -> dict | None:
+    """The trainer's status file (read by `store`, a provision.cloud.storage.Storage) when it says that
+    the run finished every one of `steps` steps (None: its own total), else None: there is training to do."""
     try:
-        status = storage.read_json(storage.join(output_dir, "status.json"), credentials, project)
+        status = store.read_json(storage.join(output_dir, "status.json"))
     except MoeTpuError:
         return None
     if not status or status.get("state") != "finished":

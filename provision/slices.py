@@ -117,8 +117,10 @@ def _describe_qr(zone: str):
     return describe
 
 
-def _wait_settled(cfg, session, console, name: str, zone: str):
+def _wait_settled(context, name: str, zone: str):
     """Poll the queued resource until ACTIVE, FAILED or SUSPENDED (or slice.max_wait passes)."""
+    session, max_wait = context.session, context.config.slice.max_wait
+
     def fetch():
         qr = session.tpu.get_queued_resource(name)
         if qr is None:
@@ -126,9 +128,9 @@ def _wait_settled(cfg, session, console, name: str, zone: str):
                              hint="someone deleted it; run `moe-tpu slice up` again")
         return qr
 
-    with console.progress(f"  waiting for {short(name)} in {zone}") as bar:
+    with context.console.progress(f"  waiting for {short(name)} in {zone}") as bar:
         return poll(fetch, lambda qr: state_name(qr) in SETTLED_QR_STATES, session.clock,
-                    timeout_s=cfg.slice.max_wait.total_seconds() + MAX_WAIT_GRACE_S, describe=_describe_qr(zone),
+                    timeout_s=max_wait.total_seconds() + MAX_WAIT_GRACE_S, describe=_describe_qr(zone),
                     progress=bar, what=f"queued resource {short(name)} in {zone}")
 
 
@@ -149,8 +151,9 @@ def nodes_of(session, project: str, zone: str, qr) -> list:
     return sorted(nodes, key=lambda n: n.name)
 
 
-def _wait_nodes_ready(cfg, session, console, project: str, zone: str, qr) -> list:
-    expected = max(1, cfg.slice.count)
+def _wait_nodes_ready(context, project: str, zone: str, qr) -> list:
+    session = context.session
+    expected = max(1, context.config.slice.count)
 
     def ready(nodes) -> bool:
         return len(nodes) >= expected and all(n.state.name == "READY" for n in nodes)
@@ -159,34 +162,35 @@ def _wait_nodes_ready(cfg, session, console, project: str, zone: str, qr) -> lis
         states = ", ".join(f"{short(n.name)} {n.state.name}" for n in nodes) or "no nodes yet"
         return f"  nodes: {states}"
 
-    with console.progress("  waiting for the nodes") as bar:
+    with context.console.progress("  waiting for the nodes") as bar:
         return poll(lambda: nodes_of(session, project, zone, qr), ready, session.clock,
                     timeout_s=1800, describe=describe, progress=bar, what="the slice's nodes")
 
 
-def _create_or_adopt(cfg, session, console, renderer, project: str, zone: str, name: str,
-                     attempt: int = 0, recreate: bool = False):
+def _create_or_adopt(context, project: str, zone: str, name: str, attempt: int = 0, recreate: bool = False):
     from provision.rendering import create_queued_resource_request
+
+    cfg, session, console = context.config, context.session, context.console
 
     existing = session.tpu.get_queued_resource(name)
     if existing is not None and state_name(existing) in ("FAILED", "SUSPENDED"):
         console.info(f"  {short(name)} in {zone} is {state_name(existing)} from an earlier attempt; "
                      "deleting it first (it still counts against quota)")
-        _delete_and_wait(session, console, name)
+        _delete_and_wait(context, name)
         existing = None
     elif existing is not None and state_name(existing) == "DELETING":
         # An earlier teardown that was cut short (a kill during `down` or at a run's end): finish it,
         # then create anew; a resource on its way out is never adopted.
         console.info(f"  {short(name)} in {zone} is being deleted (an earlier teardown); waiting until it is gone")
-        _delete_and_wait(session, console, name)
+        _delete_and_wait(context, name)
         existing = None
-    request = create_queued_resource_request(cfg, zone, renderer, attempt=attempt, project=project)
+    request = create_queued_resource_request(cfg, zone, context.renderer, attempt=attempt, project=project)
     if existing is not None:
         differences = qr_differences(request.queued_resource, existing)
         if differences and recreate:
             console.info(f"  {short(name)} in {zone} differs from the config ({'; '.join(differences)}); "
                          "deleting it to create it anew (--recreate)")
-            _delete_and_wait(session, console, name)
+            _delete_and_wait(context, name)
             existing = None
         elif differences:
             raise CloudError(f"queued resource {short(name)} in {zone} ({state_name(existing)}) exists but no longer "
@@ -264,11 +268,11 @@ def slice_up(context, attempt: int = 0, recreate: bool = False, zones: list[str]
     tried: list[str] = []
     for zone in cfg.zones if zones is None else zones:
         name = queued_resource_name(cfg, project, zone)
-        _create_or_adopt(cfg, session, console, context.renderer, project, zone, name, attempt, recreate)
-        qr = _wait_settled(cfg, session, console, name, zone)
+        _create_or_adopt(context, project, zone, name, attempt, recreate)
+        qr = _wait_settled(context, name, zone)
         state = state_name(qr)
         if state == "ACTIVE":
-            nodes = _wait_nodes_ready(cfg, session, console, project, zone, qr)
+            nodes = _wait_nodes_ready(context, project, zone, qr)
             return [_qr_resource(qr, zone)] + [_node_resource(n, zone) for n in nodes]
         code, message = failure_of(qr)
         timed_out = expired(qr, session.clock.now())
@@ -278,7 +282,7 @@ def slice_up(context, attempt: int = 0, recreate: bool = False, zones: list[str]
                    if timed_out else "no capacity")
             tried.append(f"{zone} ({why})")
             console.warn(f"{why} in {zone}: {message}")
-            _delete_and_wait(session, console, name)
+            _delete_and_wait(context, name)
             continue
         raise CloudError(f"queued resource {short(name)} in {zone} ended {state}"
                          + (f" (code {code}: {message})" if message else ""),
@@ -302,13 +306,14 @@ def _stockout_hint(cfg) -> str:
 
 
 # --- down --------------------------------------------------------------------
-def _delete_and_wait(session, console, name: str) -> bool:
+def _delete_and_wait(context, name: str) -> bool:
     """Delete a queued resource with force=true (its nodes go too); True if there was one."""
-    operation = session.tpu.delete_queued_resource(name, force=True)
+    tpu = context.session.tpu
+    operation = tpu.delete_queued_resource(name, force=True)
     if operation is None:
         return False
-    console.info(f"  deleting {short(name)} (force: its nodes go with it)")
-    session.tpu.wait_operation(operation, f"delete {short(name)}", timeout_s=3600)
+    context.console.info(f"  deleting {short(name)} (force: its nodes go with it)")
+    tpu.wait_operation(operation, f"delete {short(name)}", timeout_s=3600)
     return True
 
 
@@ -319,7 +324,7 @@ def slice_down(context) -> list[Resource]:
     deleted: list[Resource] = []
     for zone in cfg.zones:
         for res in managed_resources(session, project, [zone], run=cfg.run):
-            if res.kind == "queued_resource" and _delete_and_wait(session, console, res.name):
+            if res.kind == "queued_resource" and _delete_and_wait(context, res.name):
                 deleted.append(res)
         # Nodes left without a queued resource (e.g. made by hand with our labels).
         for res in managed_resources(session, project, [zone], run=cfg.run):

@@ -39,13 +39,9 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
     app.command = "logs"
     cfg = app.load_config(config_path)
     out = app.trainer_output_dir(cfg)
-    credentials = None if app.dry_run or not out.startswith("gs://") else app.session().endpoint.credentials
-
-    def read(name: str, reader):
-        return reader(storage.join(out, name), credentials, cfg.project)
-
-    seen = read_output(read, (lambda: _pod_log(app, cfg)) if cfg.target == "gke" else None, app.console,
-                       RealClock(), follow=follow, tail=tail)
+    store = storage.LOCAL if app.dry_run or not out.startswith("gs://") else app.session().storage
+    pod_log = (lambda: _pod_log(app, cfg)) if cfg.target == "gke" else None
+    seen = read_output(reader_of(store, out), pod_log, app.console, RealClock(), follow=follow, tail=tail)
     rows, status, text = seen.rows, seen.status, seen.text
     if not follow and text:
         for line in text.splitlines()[-tail or None:]:
@@ -72,32 +68,40 @@ class Seen:
     shown_lines: int = 0
 
 
+def reader_of(store, output_dir: str) -> Callable[[str, Callable], object]:
+    """`read_output`'s `read` on the output directory `output_dir`, through `store` (a
+    provision.cloud.storage.Storage: the session's for gs://, else LOCAL)."""
+    from provision.cloud import storage
+
+    return lambda name, reader: reader(store, storage.join(output_dir, name))
+
+
 def read_output(read: Callable[[str, Callable], object], pod_log: Callable[[], str | None] | None, console, clock, *,
                 follow: bool, tail: int) -> Seen:
     """Print the metric rows (the last `tail` first) and, following, the new lines of the trainer's output,
     until the trainer ends (once without `follow`). `read(name, reader)` reads the output directory's file
-    `name` with `reader` (storage.read_jsonl, read_text or read_json); the waits are waiting.poll's on
-    `clock`, every FOLLOW_INTERVAL_S."""
-    from provision.cloud import storage
+    `name` with `reader` (provision.cloud.storage.Storage's read_jsonl, read_text or read_json, called on
+    the Storage that reads the directory); the waits are waiting.poll's on `clock`, every FOLLOW_INTERVAL_S."""
+    from provision.cloud.storage import Storage
     from provision.targets import ENDED
     from provision.waiting import PollPolicy, poll
 
     seen = Seen()
-    first = read("metrics.jsonl", storage.read_jsonl)
+    first = read("metrics.jsonl", Storage.read_jsonl)
     if tail and len(first) > tail:
         seen.shown_rows = len(first) - tail
 
     def look() -> Seen:
-        seen.rows = read("metrics.jsonl", storage.read_jsonl)
+        seen.rows = read("metrics.jsonl", Storage.read_jsonl)
         for row in seen.rows[seen.shown_rows:]:
             console.text(_row_line(row))
         seen.shown_rows = len(seen.rows)
-        seen.text = (pod_log() if pod_log is not None else None) or read("trainer.log", storage.read_text) or ""
+        seen.text = (pod_log() if pod_log is not None else None) or read("trainer.log", Storage.read_text) or ""
         lines = seen.text.splitlines()
         for line in lines[seen.shown_lines:] if follow else []:
             console.info(line)
         seen.shown_lines = len(lines)
-        seen.status = read("status.json", storage.read_json) or {}
+        seen.status = read("status.json", Storage.read_json) or {}
         return seen
 
     every = PollPolicy(initial_s=FOLLOW_INTERVAL_S, factor=1.0, cap_s=FOLLOW_INTERVAL_S, jitter=0.0)

@@ -102,20 +102,19 @@ def _already_finished(app, cfg, restart: bool) -> bool:
     bucket) so that the trainer starts from step 0 in an empty output directory."""
     import datetime as dt
 
+    from provision.cloud import storage
     from provision.runs import Training, finished_status
 
     output_dir = app.trainer_output_dir(cfg)
-    credentials = app.session().endpoint.credentials if output_dir.startswith("gs://") else None
-    status = finished_status(output_dir, _planned_steps(app, cfg), credentials, cfg.project)
+    store = app.session().storage if output_dir.startswith("gs://") else storage.LOCAL
+    status = finished_status(store, output_dir, _planned_steps(app, cfg))
     if status is None:
         return False
     when = status.get("time")
     on = (" on " + dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
           if isinstance(when, (int, float)) else "")
     if restart:
-        from provision.cloud import storage
-
-        moved = storage.move_aside(output_dir, credentials, cfg.project)
+        moved = store.move_aside(output_dir)
         app.console.info(f"--restart: moved the finished run's output to {moved}; training from step 0")
         return False
     flag = "--dry-run run --restart" if app.dry_run else "run --restart"

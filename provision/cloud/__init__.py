@@ -6,9 +6,12 @@ insecure loopback channel). It never asks which: `provision.app.App` decides and
 over the endpoint. The Google client libraries are imported here and in the modules of
 this package (the adapters, messages, storage, Cloud Build), lazily, and nowhere else in the
 control plane (tests/control/test_house.py checks it). Credentials come from one place
-(`default_credentials`); every RPC (the adapters', Cloud Build's) goes through the retry policy of
-provision.cloud.api and into the calls log (provision.cloud.calls); Cloud Storage's client
-retries its own reads (provision.cloud.storage).
+(`default_credentials`), and the session hands them to every client it makes: the TPU API,
+Vertex AI, GKE's ClusterManager and Cloud Build (`session.build`) on gRPC channels whose calls go
+through the retry policy of provision.cloud.api; a cluster's Kubernetes API; Cloud Storage
+(`session.storage`), whose client retries its own reads and conditional writes
+(provision.cloud.storage). Every call of each lands in the session's calls log
+(provision.cloud.calls).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from provision.errors import CloudError, MissingDependency
 TPU_HOST = "tpu.googleapis.com:443"
 VERTEX_HOST = "{region}-aiplatform.googleapis.com:443"
 CONTAINER_HOST = "container.googleapis.com:443"
+CLOUD_BUILD_HOST = "cloudbuild.googleapis.com:443"
 CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 
@@ -73,11 +77,12 @@ class Endpoint:
 
 
 class Session:
-    """Open channels to the TPU API and Vertex AI, the clock that waits on them, and the call log."""
+    """The clients of one command: gRPC channels to the TPU API, Vertex AI, GKE and Cloud Build, the
+    clusters' Kubernetes APIs, Cloud Storage; the clock that waits on them; the calls log they write."""
 
     def __init__(self, endpoint: Endpoint, calls: list[dict[str, Any]], console) -> None:
         require_control_deps()
-        from provision.cloud.calls import CallRecorder
+        from provision.cloud.calls import CallLog, CallRecorder
 
         def show(entry: dict[str, Any]) -> None:
             if console.verbose >= 2:
@@ -88,12 +93,15 @@ class Session:
         self.default_project = endpoint.default_project
         self.calls = calls
         self.console = console
-        self._recorder = CallRecorder(calls, show)
+        self.log = CallLog(calls, show)  # what every client of the session writes its calls to
+        self._recorder = CallRecorder(self.log)
         self._channels: list[Any] = []
         self._tpu = None
         self._vertex: dict[str, Any] = {}
         self._container = None
         self._kube: dict[str, Any] = {}
+        self._build = None
+        self._storage = None
 
     def _channel(self, google_host: str, create):
         import grpc
@@ -152,6 +160,33 @@ class Session:
             self._container = ContainerApi(client, self.clock, self.console)
         return self._container
 
+    @property
+    def build(self):
+        """Cloud Build (provision.cloud.build.CloudBuildApi)."""
+        if self._build is None:
+            try:
+                from google.cloud.devtools import cloudbuild_v1
+                from google.cloud.devtools.cloudbuild_v1.services.cloud_build.transports import CloudBuildGrpcTransport
+            except ImportError as exc:  # depends on the install
+                raise MissingDependency(exc.name or "google-cloud-build", "image") from exc
+
+            from provision.cloud.build import CloudBuildApi
+
+            channel = self._channel(CLOUD_BUILD_HOST, CloudBuildGrpcTransport.create_channel)
+            client = cloudbuild_v1.CloudBuildClient(transport=CloudBuildGrpcTransport(channel=channel))
+            self._build = CloudBuildApi(client, self.clock, self.console)
+        return self._build
+
+    @property
+    def storage(self):
+        """Cloud Storage on the session's credentials (provision.cloud.storage.Storage), its client made
+        on the first request to a gs:// URL."""
+        if self._storage is None:
+            from provision.cloud.storage import Storage
+
+            self._storage = Storage(self.log, self.endpoint.credentials, self.default_project)
+        return self._storage
+
     def kube(self, cluster):
         """The Kubernetes API of a GKE cluster (a container_v1.Cluster from GetCluster), through the
         official client configured from its endpoint and CA (provision.cloud.kube.KubeApi)."""
@@ -168,6 +203,8 @@ class Session:
         return self._kube[key]
 
     def close(self) -> None:
+        if self._storage is not None:
+            self._storage.close()
         for api in self._kube.values():
             api.close()
         self._kube.clear()

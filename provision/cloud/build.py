@@ -2,7 +2,10 @@
 
 `moe-tpu image build` without docker lands here (provision/image.py plans the build). The archive
 goes to the plan's staging location, the build runs docker with every tag of the plan and logs to
-staging, and its log is streamed from there until the build ends. The plan is an
+staging, and its log is streamed from there until the build ends. All of it goes through the
+command's Session: Cloud Build's client is `session.build` (its calls through our retry policy),
+the archive and the log are objects of `session.storage`, and the look in Artifact Registry uses
+the session's credentials; each of these calls is in the session's calls log. The plan is an
 provision.image.ImagePlan (not imported: the image module imports this one).
 """
 
@@ -11,13 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from provision.clock import RealClock
 from provision.cloud import default_credentials, storage
 from provision.cloud.api import RetryingApi, is_transient
 from provision.errors import CloudError, UsageError
 from provision.waiting import PollPolicy, call_with_retry, poll
 
-HOST = "cloudbuild.googleapis.com:443"
 STEP_IMAGE = "gcr.io/cloud-builders/docker"
 TIMEOUT_S = 3600
 DONE = {"SUCCESS", "FAILURE", "INTERNAL_ERROR", "TIMEOUT", "CANCELLED", "EXPIRED"}
@@ -61,8 +62,9 @@ def build_request(plan: Any, project: str) -> Any:
     return cloudbuild_v1.CreateBuildRequest(project_id=project, build=build)
 
 
-def registry_has(uri: str, credentials: Any) -> bool | None:
-    """Whether Artifact Registry holds `uri` (HEAD on its manifest); None when it cannot tell."""
+def registry_has(uri: str, session: Any) -> bool | None:
+    """Whether Artifact Registry holds `uri` (HEAD on its manifest with the session's credentials, in its
+    calls log as `registry.manifests.head`); None when it cannot tell."""
     import urllib.error
     import urllib.request
 
@@ -70,63 +72,47 @@ def registry_has(uri: str, credentials: Any) -> bool | None:
 
     repository, _, tag = uri.rpartition(":")
     host, _, path = repository.partition("/")
+    credentials = session.endpoint.credentials
     try:
-        if not credentials.valid:
-            credentials.refresh(Request())
-        request = urllib.request.Request(
-            f"https://{host}/v2/{path}/manifests/{tag}", method="HEAD",
-            headers={"Authorization": f"Bearer {credentials.token}",
-                     "Accept": "application/vnd.oci.image.index.v1+json, "
-                               "application/vnd.docker.distribution.manifest.v2+json"})
-        with urllib.request.urlopen(request, timeout=30):
-            return True
+        with session.log.call("registry.manifests.head", {"image": uri}):
+            if not credentials.valid:
+                credentials.refresh(Request())
+            request = urllib.request.Request(
+                f"https://{host}/v2/{path}/manifests/{tag}", method="HEAD",
+                headers={"Authorization": f"Bearer {credentials.token}",
+                         "Accept": "application/vnd.oci.image.index.v1+json, "
+                                   "application/vnd.docker.distribution.manifest.v2+json"})
+            with urllib.request.urlopen(request, timeout=30):
+                return True
     except urllib.error.HTTPError as exc:
         return False if exc.code == 404 else None
     except Exception:  # noqa: BLE001 - unknown: the build goes ahead
         return None
 
 
-def upload_archive(plan: Any, data: bytes, credentials: Any, project: str, console: Any) -> None:
+def upload_archive(plan: Any, data: bytes, session: Any) -> None:
     assert plan.archive_uri is not None
-    console.info(f"uploading the source archive ({len(data) / 1e6:.1f} MB) to {plan.archive_uri}")
-    if not storage.create(plan.archive_uri, data, "application/gzip", credentials, project):
-        console.info("the same archive is already there")
+    session.console.info(f"uploading the source archive ({len(data) / 1e6:.1f} MB) to {plan.archive_uri}")
+    if not session.storage.create(plan.archive_uri, data, "application/gzip"):
+        session.console.info("the same archive is already there")
 
 
-def submit(plan: Any, archive: bytes, credentials: Any, project: str, console: Any,
-           calls: list[dict[str, Any]], clock: Any = None) -> str:
+def submit(plan: Any, archive: bytes, session: Any, project: str) -> str:
     """Upload the context's archive, submit the build, stream its log until it ends; the build's id.
-    Cloud Build's calls go through our retry policy and into `calls`, as a Session's do; the waits
-    are on `clock` (the real one by default)."""
+    Everything goes through `session` (a provision.cloud.Session): its Cloud Build and Cloud Storage,
+    their calls in its log, the waits on its clock."""
     request = build_request(plan, project)
-    upload_archive(plan, archive, credentials, project, console)
-    client, channel = _client(credentials, calls)
-    api = CloudBuildApi(client, RealClock() if clock is None else clock, console)
-    try:
-        operation = api.create(request)
-        build_id = operation.metadata.build.id
-        console.info(f"Cloud Build {build_id}: {operation.metadata.build.log_url}")
-        build = api.follow(project, build_id, f"{plan.staging}/cloud-build-logs/log-{build_id}.txt",
-                           lambda url, offset: storage.read_bytes_after(url, offset, credentials, project))
-    finally:
-        channel.close()
+    upload_archive(plan, archive, session)
+    api = session.build
+    operation = api.create(request)
+    build_id = operation.metadata.build.id
+    session.console.info(f"Cloud Build {build_id}: {operation.metadata.build.log_url}")
+    build = api.follow(project, build_id, f"{plan.staging}/cloud-build-logs/log-{build_id}.txt",
+                       session.storage.read_bytes_after)
     if build.status.name != "SUCCESS":
         raise CloudError(f"Cloud Build {build_id} ended {build.status.name}: {build.status_detail or 'see its log'}",
                          hint=f"its whole log: {build.log_url}")
     return build_id
-
-
-def _client(credentials: Any, calls: list[dict[str, Any]]) -> tuple[Any, Any]:
-    """(a CloudBuildClient whose calls are logged into `calls`, its channel to close)."""
-    import grpc
-    from google.cloud.devtools import cloudbuild_v1
-    from google.cloud.devtools.cloudbuild_v1.services.cloud_build.transports import CloudBuildGrpcTransport
-
-    from provision.cloud.calls import CallRecorder
-
-    channel = CloudBuildGrpcTransport.create_channel(HOST, credentials=credentials)
-    logged = grpc.intercept_channel(channel, CallRecorder(calls))
-    return cloudbuild_v1.CloudBuildClient(transport=CloudBuildGrpcTransport(channel=logged)), channel
 
 
 class CloudBuildApi(RetryingApi):

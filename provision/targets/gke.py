@@ -55,8 +55,7 @@ class GkeTarget(Holding):
         return self.session.kube(cluster) if cluster is not None and cluster.endpoint else None
 
     def _status(self) -> dict | None:
-        return storage.read_json(storage.join(self.output_dir, "status.json"),
-                                 self.session.endpoint.credentials, self.cfg.project)
+        return self.session.storage.read_json(storage.join(self.output_dir, "status.json"))
 
     def _why(self, kube, jobset: dict, attempt: int) -> str:
         """The JobSet's latest word (its Restarting or terminal event, else its condition) and the

@@ -51,8 +51,7 @@ class JobTarget(Holding):
         return [job_resource(job, self.cfg.region)] if job is not None else [resource]
 
     def _status(self) -> dict | None:
-        return storage.read_json(storage.join(self.output_dir, "status.json"),
-                                 self.session.endpoint.credentials, self.cfg.project)
+        return self.session.storage.read_json(storage.join(self.output_dir, "status.json"))
 
     def report(self) -> Report:
         from provision.jobs import error_of

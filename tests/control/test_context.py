@@ -101,3 +101,17 @@ def test_rendering_never_hashes_the_source_tree():
     for path in ("provision/rendering.py", "provision/gke_render.py", "provision/templates.py"):
         assert names_in(path) & hashing == set(), path
     assert "content_hash" in names_in("provision/image.py")  # the check reads names that are there
+
+
+def test_no_function_of_the_control_plane_takes_the_session_and_the_console_one_by_one():
+    """They travel together in the context: only its constructor on an open session takes both."""
+    both = []
+    for path in sorted(ROOT.glob("provision/**/*.py")):
+        if "emulator" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = {a.arg for a in node.args.args + node.args.kwonlyargs}
+                if {"session", "console"} <= params:
+                    both.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert both == ["provision/context.py:on"]

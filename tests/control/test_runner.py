@@ -15,6 +15,7 @@ import pytest
 
 from provision import targets
 from provision.clock import SimClock
+from provision.cloud import storage
 from provision.config import load_config
 from provision.console import Console
 from provision.context import RunContext
@@ -88,7 +89,7 @@ def cfg(tmp_path):
 
 def runner_for(cfg, target, tmp_path, **kw):
     err = io.StringIO()
-    session = SimpleNamespace(clock=target.clock, endpoint=SimpleNamespace(credentials=None))
+    session = SimpleNamespace(clock=target.clock, storage=storage.LOCAL)  # the output directory is local
     runner = Runner(RunContext.on(cfg, session, Console(err=err)), target, output_dir=str(tmp_path / "out"), **kw)
     return runner, err
 
