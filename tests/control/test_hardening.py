@@ -159,7 +159,7 @@ def test_a_bad_environment_variable_is_named_not_the_flag(workdir):
 
 
 def test_stockout_hint_does_not_suggest_what_the_config_already_does(tmp_path):
-    cfg = load_config(_config(tmp_path))  # capacity: spot
+    cfg = load_config(_config(tmp_path, zones=["us-west4-a"]))  # capacity: spot, one zone: no failover
     app = App(dry_run=True, scenario="stockout", output="json", workdir=tmp_path)
     try:
         with pytest.raises(StockoutError) as info:

@@ -92,7 +92,7 @@ def test_stockout_falls_back_to_the_next_zone_and_cleans_up(tmp_path, run_in):
 
 
 def test_stockout_everywhere_fails_with_advice_and_leaves_nothing(tmp_path, run_in):
-    cfg = make_config(tmp_path)
+    cfg = make_config(tmp_path, zones=["us-west4-a"])  # `stockout` keeps the first zone out of capacity
     run = run_in("stockout")
     with pytest.raises(StockoutError) as info:
         slice_up(run.app.context(cfg))
