@@ -162,7 +162,7 @@ def run_case(mesh, case, modes, reps, block_rows=0, stages=False):
     work = {"capacity": assigned * (1.0 - drop), **{m: assigned for m in DROPLESS_ROWS}}
     steps = {"ideal": (ideal_step(mesh), (rows, w))}
     steps.update({name: (block_step(cfg, mesh), (x, router, w)) for name, cfg in configs.items()})
-    if stages:
+    if stages and "dropless" in modes:
         num_rows = tokens // devices * k  # the assignments a device sends, and receives when balanced
         block = block_rows or auto_block_rows(num_rows * devices / experts)
         steps["ffn_tiled"] = ffn_tiled_step(mesh, num_rows, block, d_model, w)
