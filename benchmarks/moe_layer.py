@@ -14,6 +14,13 @@ work_fraction is the share of the ideal's rows that hold an assignment the mode 
 (kept ones in capacity mode, all in dropless mode), and speedup_bound = einsum_ms /
 (ideal_ms * work_fraction): the speedup over the einsum baseline of a block that cost
 nothing but its expert matmuls, run as fast as the ideal's and on no empty row.
+
+Every time also comes as CPU time (`*_cpu_ms`, all threads of the process, steadier than the
+wall clock on shared cores) beside the load average at the end of the case. With --stages the
+dropless row (exchange_rows auto) also times where the block's time goes, in the same rounds: `ffn_tiled` (the
+receiver's tiled FFN alone, on a device's expected rows split evenly over its experts and
+sources), `ffn_einsum` (batched einsums over the same rows, unpadded) and `rest` (the whole
+block with d_ff = 8: routing, sort, layout, exchange, gathers and combine, with next to no FFN).
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
+from trainer.moe import exchange  # noqa: E402
 from trainer.moe.capacity import expert_capacity  # noqa: E402
 from trainer.moe.config import MoEConfig  # noqa: E402
+from trainer.moe.core import Topology, auto_block_rows  # noqa: E402
 from trainer.moe.experts import ExpertWeights, batched_ffn  # noqa: E402
 from trainer.moe.parallel import moe_apply  # noqa: E402
 
@@ -54,10 +63,11 @@ DROPLESS_ROWS = {"dropless": "auto", "dropless_per_assignment": "assignment", "d
 SEQ_LEN = 128
 
 
-def time_ms(fn, args) -> float:
-    start = time.perf_counter()
+def time_ms(fn, args) -> tuple[float, float]:
+    """(wall, CPU) milliseconds of one call."""
+    start, cpu = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn(*args))
-    return (time.perf_counter() - start) * 1e3
+    return (time.perf_counter() - start) * 1e3, (time.process_time() - cpu) * 1e3
 
 
 def make_inputs(mesh, experts, d_model, d_ff, tokens, seed=0):
@@ -99,7 +109,39 @@ def ideal_step(mesh):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
-def run_case(mesh, case, modes, reps, block_rows=0):
+def ffn_einsum_step(mesh, rows_per_expert, d_model, w):
+    """The ideal's batched einsums over rows_per_expert rows per expert (a dropless device's
+    expected rows, unpadded), fwd+bwd."""
+    experts = w.w_in_ExDxF.shape[0]
+    rows = jax.device_put(jax.random.normal(jax.random.key(8), (experts, rows_per_expert, d_model)),
+                          NamedSharding(mesh, P("expert")))
+    return ideal_step(mesh), (rows, w)
+
+
+def ffn_tiled_step(mesh, num_rows, block_rows, d_model, w):
+    """The receiver's tiled FFN alone (as the padded dropless exchange hands it its rows: one chunk
+    per source, sorted by local expert), fwd+bwd; each device receives its num_rows expected rows,
+    spread evenly over sources and local experts."""
+    devices = mesh.devices.size
+    local = w.w_in_ExDxF.shape[0] // devices
+    chunk = exchange.padded_chunk_rows(num_rows, devices)
+    counts_SxEl = jnp.full((devices, local), num_rows // (devices * local), jnp.int32)
+    topo = Topology(grouped_matmul="tiled")
+    spec = P("expert")
+    recv = jax.device_put(jax.random.normal(jax.random.key(9), (devices * devices * chunk, d_model)),
+                          NamedSharding(mesh, spec))
+
+    def loss(recv, w):
+        local_loss = lambda r, w: jnp.sum(jnp.square(
+            exchange._on_receiver(r, counts_SxEl, w, block_rows, topo, num_rows)))[None]
+        sharded = jax.shard_map(local_loss, mesh=mesh, in_specs=(spec, ExpertWeights(spec, spec, spec)),
+                                out_specs=spec)
+        return jnp.sum(sharded(recv, w))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1))), (recv, w)
+
+
+def run_case(mesh, case, modes, reps, block_rows=0, stages=False):
     """Times the ideal, the einsum baseline and every mode in interleaved rounds, so that load
     from other processes hits them alike; reports medians over the rounds."""
     experts, k, d_model, d_ff, tokens, cf, routing = case
@@ -120,14 +162,29 @@ def run_case(mesh, case, modes, reps, block_rows=0):
     work = {"capacity": assigned * (1.0 - drop), **{m: assigned for m in DROPLESS_ROWS}}
     steps = {"ideal": (ideal_step(mesh), (rows, w))}
     steps.update({name: (block_step(cfg, mesh), (x, router, w)) for name, cfg in configs.items()})
+    if stages and "dropless" in modes:
+        num_rows = tokens // devices * k  # the assignments a device sends, and receives when balanced
+        block = block_rows or auto_block_rows(num_rows * devices / experts)
+        steps["ffn_tiled"] = ffn_tiled_step(mesh, num_rows, block, d_model, w)
+        steps["ffn_einsum"] = ffn_einsum_step(mesh, num_rows * devices // experts, d_model, w)
+        x8, router8, w8 = make_inputs(mesh, experts, d_model, 8, tokens)
+        steps["rest"] = (block_step(dropless(DROPLESS_ROWS["dropless"]).model_copy(update={"d_ff": 8}), mesh),
+                         (x8, router8, w8))
     for fn, args in steps.values():
         jax.block_until_ready(fn(*args))  # compile and warm up
     times = {name: [] for name in steps}
     for _ in range(reps):
         for name, (fn, args) in steps.items():
             times[name].append(time_ms(fn, args))
-    ms = {name: statistics.median(t) for name, t in times.items()}
+    ms = {name: statistics.median(wall for wall, _ in t) for name, t in times.items()}
+    cpu = {name: statistics.median(c for _, c in t) for name, t in times.items()}
+    load = round(os.getloadavg()[0], 1)
     for mode in modes:
+        stage = {}
+        if stages and mode == "dropless":
+            for name in ("ffn_tiled", "ffn_einsum", "rest"):
+                stage.update({f"{name}_ms": round(ms[name], 2), f"{name}_ratio": round(ms[name] / ms["ideal"], 3),
+                              f"{name}_cpu_ratio": round(cpu[name] / cpu["ideal"], 3)})
         yield {
             "experts": experts, "top_k": k, "d_model": d_model, "d_ff": d_ff, "tokens": tokens,
             "capacity_factor": cf, "routing": routing or None, "devices": devices,
@@ -138,6 +195,8 @@ def run_case(mesh, case, modes, reps, block_rows=0):
             "einsum_ms": round(ms["einsum"], 2), "speedup_vs_einsum": round(ms["einsum"] / ms[mode], 3),
             "work_fraction": round(work[mode], 3),
             "speedup_bound": round(ms["einsum"] / (ms["ideal"] * work[mode]), 3),
+            "moe_cpu_ms": round(cpu[mode], 2), "ideal_cpu_ms": round(cpu["ideal"], 2),
+            "cpu_ratio_to_ideal": round(cpu[mode] / cpu["ideal"], 3), **stage, "load_average": load,
         }
 
 
@@ -149,12 +208,14 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=MODES, action="append", help="run only these modes")
     parser.add_argument("--accelerator", action="store_true", help="use the default backend's devices")
     parser.add_argument("--block-rows", type=int, default=0, help="moe.block_rows of the dropless modes (0: auto)")
+    parser.add_argument("--stages", action="store_true",
+                        help="also time the dropless block's parts: the tiled FFN alone, einsums on its rows, the rest")
     args = parser.parse_args(argv)
     devices = jax.devices()
     mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
     cases = [CASES[i] for i in args.case] if args.case else CASES
     for case in cases:
-        for row in run_case(mesh, case, tuple(args.mode or MODES), args.reps, args.block_rows):
+        for row in run_case(mesh, case, tuple(args.mode or MODES), args.reps, args.block_rows, args.stages):
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
@@ -163,7 +224,8 @@ def main(argv=None) -> int:
                     f"T={row['tokens']} {row['mode']:24s} moe {row['moe_ms']:9.2f} ms  "
                     f"ideal {row['ideal_ms']:9.2f} ms  "
                     f"ratio {row['ratio_to_ideal']:.2f}  einsum {row['einsum_ms']:9.2f} ms  "
-                    f"speedup {row['speedup_vs_einsum']:.2f} (bound {row['speedup_bound']:.2f})",
+                    f"speedup {row['speedup_vs_einsum']:.2f} (bound {row['speedup_bound']:.2f})  "
+                    f"cpu ratio {row['cpu_ratio_to_ideal']:.2f}  load {row['load_average']}",
                     flush=True,
                 )
     return 0
