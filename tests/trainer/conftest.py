@@ -26,22 +26,26 @@ def trained_tiny(tmp_path_factory):
 
 
 # Modules whose tests each compile several small programs (oracles, sharded blocks on 8 fake devices,
-# compiled HLO read for its collectives) and run each once on a few hundred tokens: there XLA's
-# optimisation passes take longer than the programs they speed up. Measured on 2 cores, one module at
-# a time with a cold compilation cache: 264 -> 189 s CPU for test_moe_parallel + test_moe_structure,
-# 88 -> 58 s for test_moe_layer + test_moe_routing + test_trainer_model. Modules that train for
-# hundreds of steps keep them (test_moe_balance's 300-step runs take twice as long without).
+# compiled HLO read for its collectives, trainers stopped after a few steps) and run each briefly: there
+# XLA's optimisation passes take longer than the programs they speed up. Measured on 2 cores, one module
+# at a time with a cold compilation cache, CPU seconds with them and without: test_moe_parallel +
+# test_moe_structure 264 -> 189, test_moe_layer + test_moe_routing + test_trainer_model 88 -> 58,
+# test_trainer_cli 93 -> 69, test_trainer_multiprocess 30 -> 19, test_trainer_sample 41 -> 35. Modules
+# that train for hundreds of steps keep them (test_moe_balance's 300-step runs take twice as long
+# without; test_trainer_train and test_trainer_prepare gain nothing). The variable reaches the trainers
+# the tests start as processes.
 COMPILE_BOUND = {"test_moe_parallel", "test_moe_structure", "test_moe_layer", "test_moe_routing",
-                 "test_trainer_model"}
+                 "test_trainer_model", "test_trainer_cli", "test_trainer_multiprocess", "test_trainer_sample"}
 
 
 @pytest.fixture(autouse=True)
-def fewer_xla_optimisations_where_compiling_dominates(request):
+def fewer_xla_optimisations_where_compiling_dominates(request, monkeypatch):
     if request.module.__name__.rsplit(".", 1)[-1] not in COMPILE_BOUND:
         yield
         return
     import jax
 
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     before = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
     try:
