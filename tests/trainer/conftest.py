@@ -1,6 +1,7 @@
 """Runs that several test modules assert on, trained once per test session; XLA's optimisations off
 where they cost more than they save."""
 
+import fcntl
 import json
 from types import SimpleNamespace
 
@@ -9,20 +10,29 @@ from click.testing import CliRunner
 
 
 @pytest.fixture(scope="session")
-def trained_tiny(tmp_path_factory):
+def trained_tiny(tmp_path_factory, worker_id):
     """`tiny` trained 120 steps on one device through the command line, as a user runs it: its output
     directory (checkpoint at step 120, config.json), its metric rows and what it printed. Read it, never
-    write into it: the tests that share it run in any order."""
+    write into it: the tests that share it run in any order.
+
+    Trained once per test run, not once per pytest-xdist worker: the first worker to ask trains it in a
+    directory all workers share (the run's base temporary directory), under a lock the others wait on."""
     from trainer.cli import train_command
 
-    tmp = tmp_path_factory.mktemp("trained-tiny")
-    out, metrics = tmp / "run", tmp / "m.jsonl"
-    result = CliRunner().invoke(train_command, ["--config", "tiny", "--devices", "1", "--steps", "120",
-                                                "--output-dir", str(out), "--metrics", str(metrics)])
-    assert result.exit_code == 0, result.output
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    tmp = shared / "trained-tiny"
+    tmp.mkdir(exist_ok=True)
+    out, metrics, printed = tmp / "run", tmp / "m.jsonl", tmp / "output.txt"
+    with open(shared / "trained-tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not printed.exists():
+            result = CliRunner().invoke(train_command, ["--config", "tiny", "--devices", "1", "--steps", "120",
+                                                        "--output-dir", str(out), "--metrics", str(metrics)])
+            assert result.exit_code == 0, result.output
+            printed.write_text(result.output)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 121))
-    return SimpleNamespace(output_dir=out, rows=rows, output=result.output)
+    return SimpleNamespace(output_dir=out, rows=rows, output=printed.read_text())
 
 
 # Modules whose tests each compile several small programs (oracles, sharded blocks on 8 fake devices,
@@ -40,7 +50,9 @@ COMPILE_BOUND = {"test_moe_parallel", "test_moe_structure", "test_moe_layer", "t
 
 @pytest.fixture(autouse=True)
 def fewer_xla_optimisations_where_compiling_dominates(request, monkeypatch):
-    if request.module.__name__.rsplit(".", 1)[-1] not in COMPILE_BOUND:
+    """For the modules above and for tests marked `compile_bound` in other modules."""
+    if (request.module.__name__.rsplit(".", 1)[-1] not in COMPILE_BOUND
+            and request.node.get_closest_marker("compile_bound") is None):
         yield
         return
     import jax

@@ -64,6 +64,7 @@ def groups_reached(experts_TxK, per_group=8):
     return np.array([len(set(row)) for row in (np.asarray(experts_TxK) // per_group).tolist()])
 
 
+@pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
 def test_group_limited_sigmoid_routing_on_eight_devices():
     """E=64, k=8, G=8, M=4 over 16,384 tokens: no token reaches more than 4 groups (without the limit
     many do), the weights sum to route_scale, and the selection is the oracle's."""
@@ -93,6 +94,7 @@ def test_shifting_every_bias_by_one_constant_changes_neither_selection_nor_weigh
         np.testing.assert_array_equal(shifted_weights, weights)
 
 
+@pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
 def test_the_ep8_block_with_a_shifted_bias_gives_the_same_output():
     """The whole block (dropless exchange, group-limited sigmoid routing) on EP=8."""
     mesh = ep8_mesh()
@@ -166,6 +168,7 @@ def balance_step():
     return nnx.jit(lambda blk, x: blk(x, train=True)[1])
 
 
+@pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
 def test_the_bias_alone_balances_a_frozen_skewed_router():
     """Nothing but the bias moves (no optimizer): max/mean load from >= 3 to <= 1.15, 4,096 tokens a step."""
     cfg, block = skewed_block(0.003)
@@ -178,6 +181,7 @@ def test_the_bias_alone_balances_a_frozen_skewed_router():
     assert max(loads[-20:]) <= 1.2, loads[-20:]
 
 
+@pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
 def test_the_bias_moves_by_exactly_minus_rate_zero_or_plus_rate_towards_the_mean_load():
     """Each step's direction, recomputed by the oracle from that step's tokens and the old bias:
     up for an expert under the mean load, down over it, unchanged at it. rate 0: bit-identical."""
@@ -263,6 +267,7 @@ def test_forty_steps_equal_twenty_a_restore_and_twenty(tmp_path):
     assert np.abs(a["moe_bias"]["blocks.1.ffn.expert_bias"]).max() > 0.05  # it moved
 
 
+@pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
 def test_an_ep8_run_trains_as_a_one_device_run_with_the_bias_on(tmp_path):
     """float32, dropless: the losses agree within 1e-6 (relative: 2 float32 ulps at a loss of 6) and both
     runs step the same bias."""
@@ -295,6 +300,7 @@ def test_deepseek_tiny_trains_to_the_entropy_floor_as_tiny_does(tmp_path):
     assert all(r[f"moe.{i}.groups_per_token"] <= 2.0 for r in rows for i in (0, 1))
 
 
+@pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
 def test_rematerialised_blocks_step_the_bias_as_plain_ones_do():
     """nnx.remat recomputes the block in the backward pass; the stepped bias still comes out of it."""
     from trainer import sharding
