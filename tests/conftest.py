@@ -8,6 +8,15 @@ os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8")
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("NO_COLOR", "1")
 
+# A suite started in the background by a non-interactive shell (`.ci/run &`, some CI runners) begins with
+# SIGINT ignored, and every process it starts would inherit that: the tests that press Ctrl-C on a
+# command would then see it run on. Python's own handler is reset to the default in the processes it
+# starts, so putting it back here lets them hear Ctrl-C as a user's terminal delivers it.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # --- one persistent XLA compilation cache for the whole run ---------------------------------------
 # Many tests compile the same programs (tiny's train step on one device, its initialisation) and XLA
 # takes seconds for each on a CPU; a cache hit takes a fraction of that. The cache lives in a directory

@@ -120,6 +120,7 @@ def test_ctrl_c_stops_at_that_step_with_a_checkpoint_and_resume_continues_exactl
     assert (straight.step, straight.stopped_by_signal) == (10, False)
     status = RunStatus([str(tmp_path / "b-status.json")])
     reporter = At(tmp_path / "b.jsonl", 3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    handler_before = signal.getsignal(signal.SIGINT)
     try:
         stopped = run(RunSpec(config=load_config("tiny", overrides), steps=10, num_devices=1,
                               mesh_shape={"data": 1, "expert": 1}, output_dir=str(b)), reporter, status=status)
@@ -127,7 +128,7 @@ def test_ctrl_c_stops_at_that_step_with_a_checkpoint_and_resume_continues_exactl
         reporter.close()
     assert (stopped.step, stopped.stopped_by_signal, stopped.stop_reason, stopped.checkpoint_step) == \
         (3, True, "SIGINT", 3)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the loop's handler is gone again
+    assert signal.getsignal(signal.SIGINT) is handler_before  # the loop's handler is gone again
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["3"]
     assert "stopped by SIGINT at step 3 of 10, not finished; checkpoint at step 3 in" in reporter.messages
     assert json.loads((tmp_path / "b-status.json").read_text())["step"] == 3
