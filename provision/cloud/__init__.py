@@ -17,6 +17,7 @@ through the retry policy of provision.cloud.api; a cluster's Kubernetes API; Clo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,33 +114,33 @@ class Session:
         self._channels.append(channel)
         return grpc.intercept_channel(channel, self._recorder)
 
+    def _gapic(self, host: str, classes: Callable[[], tuple[Any, Any]], package: str, extra: str):
+        """A Google client library's client on a session channel to `host` (the calls log, the emulator
+        in dry run). `classes` imports (client, gRPC transport) only now: a command that never calls a
+        service never imports its library."""
+        try:
+            client, transport = classes()
+        except ImportError as exc:  # depends on the install
+            raise MissingDependency(exc.name or package, extra) from exc
+        return client(transport=transport(channel=self._channel(host, transport.create_channel)))
+
     @property
     def tpu(self):
         """The Cloud TPU v2 API (provision.cloud.tpu.TpuApi)."""
         if self._tpu is None:
-            from google.cloud import tpu_v2
-            from google.cloud.tpu_v2.services.tpu.transports import TpuGrpcTransport
-
             from provision.cloud.tpu import TpuApi
 
-            channel = self._channel(TPU_HOST, TpuGrpcTransport.create_channel)
-            client = tpu_v2.TpuClient(transport=TpuGrpcTransport(channel=channel))
-            self._tpu = TpuApi(client, self.clock, self.console)
+            self._tpu = TpuApi(self._gapic(TPU_HOST, _tpu_classes, "google-cloud-tpu", "control"),
+                               self.clock, self.console)
         return self._tpu
 
     def vertex(self, region: str):
         """Vertex AI's JobService on the region's endpoint (provision.cloud.vertex.VertexApi)."""
         if region not in self._vertex:
-            try:
-                from google.cloud.aiplatform_v1.services.job_service import JobServiceClient
-                from google.cloud.aiplatform_v1.services.job_service.transports import JobServiceGrpcTransport
-            except ImportError as exc:  # depends on the install
-                raise MissingDependency(exc.name or "google-cloud-aiplatform", "control") from exc
-
             from provision.cloud.vertex import VertexApi
 
-            channel = self._channel(VERTEX_HOST.format(region=region), JobServiceGrpcTransport.create_channel)
-            client = JobServiceClient(transport=JobServiceGrpcTransport(channel=channel))
+            client = self._gapic(VERTEX_HOST.format(region=region), _vertex_classes, "google-cloud-aiplatform",
+                                 "control")
             self._vertex[region] = VertexApi(client, self.clock, self.console)
         return self._vertex[region]
 
@@ -147,16 +148,9 @@ class Session:
     def container(self):
         """GKE's ClusterManager (provision.cloud.container.ContainerApi)."""
         if self._container is None:
-            try:
-                from google.cloud import container_v1
-                from google.cloud.container_v1.services.cluster_manager.transports import ClusterManagerGrpcTransport
-            except ImportError as exc:  # depends on the install
-                raise MissingDependency(exc.name or "google-cloud-container", "control") from exc
-
             from provision.cloud.container import ContainerApi
 
-            channel = self._channel(CONTAINER_HOST, ClusterManagerGrpcTransport.create_channel)
-            client = container_v1.ClusterManagerClient(transport=ClusterManagerGrpcTransport(channel=channel))
+            client = self._gapic(CONTAINER_HOST, _container_classes, "google-cloud-container", "control")
             self._container = ContainerApi(client, self.clock, self.console)
         return self._container
 
@@ -164,16 +158,9 @@ class Session:
     def build(self):
         """Cloud Build (provision.cloud.build.CloudBuildApi)."""
         if self._build is None:
-            try:
-                from google.cloud.devtools import cloudbuild_v1
-                from google.cloud.devtools.cloudbuild_v1.services.cloud_build.transports import CloudBuildGrpcTransport
-            except ImportError as exc:  # depends on the install
-                raise MissingDependency(exc.name or "google-cloud-build", "image") from exc
-
             from provision.cloud.build import CloudBuildApi
 
-            channel = self._channel(CLOUD_BUILD_HOST, CloudBuildGrpcTransport.create_channel)
-            client = cloudbuild_v1.CloudBuildClient(transport=CloudBuildGrpcTransport(channel=channel))
+            client = self._gapic(CLOUD_BUILD_HOST, _build_classes, "google-cloud-build", "image")
             self._build = CloudBuildApi(client, self.clock, self.console)
         return self._build
 
@@ -211,3 +198,33 @@ class Session:
         for channel in self._channels:
             channel.close()
         self._channels.clear()
+
+
+# (client, gRPC transport) of each service, imported when its first call is made.
+
+def _tpu_classes():
+    from google.cloud import tpu_v2
+    from google.cloud.tpu_v2.services.tpu.transports import TpuGrpcTransport
+
+    return tpu_v2.TpuClient, TpuGrpcTransport
+
+
+def _vertex_classes():
+    from google.cloud.aiplatform_v1.services.job_service import JobServiceClient
+    from google.cloud.aiplatform_v1.services.job_service.transports import JobServiceGrpcTransport
+
+    return JobServiceClient, JobServiceGrpcTransport
+
+
+def _container_classes():
+    from google.cloud import container_v1
+    from google.cloud.container_v1.services.cluster_manager.transports import ClusterManagerGrpcTransport
+
+    return container_v1.ClusterManagerClient, ClusterManagerGrpcTransport
+
+
+def _build_classes():
+    from google.cloud.devtools import cloudbuild_v1
+    from google.cloud.devtools.cloudbuild_v1.services.cloud_build.transports import CloudBuildGrpcTransport
+
+    return cloudbuild_v1.CloudBuildClient, CloudBuildGrpcTransport
