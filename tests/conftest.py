@@ -71,3 +71,20 @@ def _elsewhere(tmp_path_factory, monkeypatch):
     """Every test runs in a fresh working directory of its own, never in the checkout: a command that
     keeps state where it runs (.moe-tpu/last-config) keeps it there."""
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+# --- the longest files start first ------------------------------------------------------------
+# pytest-xdist hands each worker whole files (--dist loadfile) in collection order; a long file handed
+# out last keeps one worker busy while the other has nothing left. These are the files that take a
+# minute or more on 2 cores (measured with --durations=0), longest first; the rest keep their order.
+LONGEST_FIRST = ("trainer/test_moe_parallel.py", "trainer/test_moe_balance.py", "control/test_run.py",
+                 "trainer/test_trainer_cli.py", "trainer/test_trainer_train.py", "control/test_gke.py",
+                 "trainer/test_moe_structure.py", "trainer/test_trainer_sample.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: within a file and among the rest, the collected order stays
