@@ -394,15 +394,15 @@ class BuildResult:
     files: list[str] = field(default_factory=list)
 
 
-def build_image(plan: ImagePlan, context: Path, *, push: bool, requested: str, run: Any) -> BuildResult:
-    """Build (and push) the image unless what it would make is already there. `run` is the command's
+def build_image(plan: ImagePlan, context: Path, *, push: bool, requested: str, run_context: Any) -> BuildResult:
+    """Build (and push) the image unless what it would make is already there. `run_context` is the command's
     provision.context.RunContext: its console, and for Cloud Build its config's project and its session."""
-    console = run.console
+    console = run_context.console
     builder = choose_builder(requested)
     if builder == DOCKER_BUILDER:
         return _build_with_docker(plan, context, push, console)
-    session = run.session
-    project = run.config.project or session.default_project
+    session = run_context.session
+    project = run_context.config.project or session.default_project
     if not project:
         raise UsageError("Cloud Build needs a project, and neither the config nor the credentials name one",
                          hint="set `project:` in the config")

@@ -66,7 +66,7 @@ def build(app, config_path: str, push: bool, builder: str, context_dir: str | No
         console.emit(app.document("ok", resources=[], **_fields(plan, context, files, push),
                                   builder=builder, built=False, pushed=[]))
         return
-    result = images.build_image(plan, context, push=push, requested=builder, run=app.context(cfg))
+    result = images.build_image(plan, context, push=push, requested=builder, run_context=app.context(cfg))
     state = "PUSHED" if result.pushed else ("BUILT" if result.built else "UNCHANGED")
     console.text(f"{plan.uri}: {state.lower()}" + (f" by {result.builder}" if result.built else "")
                  + (f" (Cloud Build {result.build_id})" if result.build_id else ""))
