@@ -133,7 +133,7 @@ def ffn_tiled_step(mesh, num_rows, block_rows, d_model, w):
 
     def loss(recv, w):
         local_loss = lambda r, w: jnp.sum(jnp.square(
-            exchange._on_receiver(r, counts_SxEl, w, block_rows, topo, num_rows)))[None]
+            exchange._on_receiver(r, counts_SxEl, w, block_rows, topo)))[None]
         sharded = jax.shard_map(local_loss, mesh=mesh, in_specs=(spec, ExpertWeights(spec, spec, spec)),
                                 out_specs=spec)
         return jnp.sum(sharded(recv, w))

@@ -229,11 +229,13 @@ def test_ragged_exchange_equals_the_padded_exchange(case):
     """The TPU/GPU dropless exchange (ragged_all_to_all) cannot compile on CPU; with the
     collective lowered as an emulation of its documented semantics it must move exactly the
     rows the padded all_to_all moves: same outputs and gradients, bit for bit. The backward
-    exchange is jax's own transpose of the primitive. Once per assignment and once per device; the
-    latter sums a token's gated outputs on the receiver, where the two programs fuse differently
-    (float32 contractions), so there it agrees to rounding."""
+    exchange is jax's own transpose of the primitive. Once per assignment, on routing that one round
+    of the padded exchange moves (further rounds split a device's rows into other spans, whose float32
+    sums round differently), and once per device; the latter sums a token's gated outputs on the
+    receiver, where the two programs fuse differently (float32 contractions), so there it agrees to
+    rounding."""
     cfg, mesh = make_config(case), make_mesh("data2_expert4")
-    x, params, ct = inputs()
+    x, params, ct = balanced_inputs() if cfg.exchange_rows != "device" else inputs()
     padded = make_topology(cfg, mesh)
     w = ExpertWeights(params["w_in"], params["w_gate"], params["w_out"])
 
@@ -256,8 +258,16 @@ def test_ragged_exchange_equals_the_padded_exchange(case):
             np.testing.assert_array_equal(a, b)
 
 
+def balanced_inputs():
+    """Token t picks experts t % 8 and (t + 1) % 8: 8 rows from each source to each device."""
+    x, params, ct = inputs()
+    t = jnp.arange(B * L)
+    x = 0.01 * x + (3 * jax.nn.one_hot(t % E, D) + 2 * jax.nn.one_hot((t + 1) % E, D)).reshape(B, L, D)
+    return x, {**params, "router": jnp.eye(D, E)}, ct
+
+
 def skewed_inputs():
-    """Every token picks experts 0 and 1."""
+    """Every token picks experts 0 and 1: all rows go to the one device (of 4) or two (of 8) holding them."""
     x, params, ct = inputs()
     return jnp.abs(x) + 1.0, {**params, "router": params["router"].at[:, :2].set(2.0)}, ct
 
@@ -285,8 +295,8 @@ def assert_block_equals_oracle(x, params, ct, cfg, mesh, names=("router", "w_in"
 @pytest.mark.parametrize("case", ["top2_dropless", "top2_dropless_once"])
 def test_dropless_stays_exact_when_every_token_goes_to_two_experts(case):
     """The worst case of the dropless exchange: every device sends all its rows to the two
-    devices that hold experts 0 and 1, far beyond the rows whose activations the tiled
-    backward pass keeps, so it recomputes the rest. Still equal to the oracle."""
+    devices that hold experts 0 and 1, twice a round's chunk, so the padded exchange runs a
+    second round, recomputed in the backward pass. Still equal to the oracle."""
     cfg, mesh = make_config(case), make_mesh("expert8")
     aux = assert_block_equals_oracle(*skewed_inputs(), cfg, mesh, names=("w_in", "w_gate", "w_out"))
     np.testing.assert_allclose(aux["expert_load"][:2], [0.5, 0.5], rtol=1e-6)
@@ -300,27 +310,33 @@ def test_padded_exchange_chunks_are_twice_the_fair_share_in_multiples_of_8():
     assert padded_chunk_rows(8, 2) == 8  # never more than all N rows
 
 
-def test_short_chunks_are_taken_only_when_every_send_fits():
-    """Balanced routing (each source sends 8 of its 32 rows to each of 4 devices) fits chunks of 16;
-    one send of 32 rows (two hot experts on one device) does not, and all 32 rows move."""
+def test_one_round_moves_every_row_when_every_send_fits_a_chunk():
+    """Balanced routing (each source sends 8 of its 32 rows to each of 4 devices) fits chunks of 16:
+    one round; one send of 32 rows (two hot experts on one device) takes two, one of 17 rows too."""
     chunk = padded_chunk_rows(32, 4)
     balanced_SxJ = jnp.full((4, 4), 8)
-    skewed_SxJ = balanced_SxJ.at[2, 0].set(32)
     assert chunk == 16
-    assert bool(exchange.short_chunks_fit(balanced_SxJ, chunk))
-    assert bool(exchange.short_chunks_fit(balanced_SxJ.at[1, 3].set(16), chunk))  # exactly full fits
-    assert not bool(exchange.short_chunks_fit(skewed_SxJ, chunk))
+    assert int(exchange.padded_rounds(balanced_SxJ, chunk)) == 1
+    assert int(exchange.padded_rounds(balanced_SxJ.at[1, 3].set(16), chunk)) == 1  # exactly full fits
+    assert int(exchange.padded_rounds(balanced_SxJ.at[1, 3].set(17), chunk)) == 2
+    assert int(exchange.padded_rounds(balanced_SxJ.at[2, 0].set(32), chunk)) == 2
+    assert int(exchange.padded_rounds(jnp.zeros((4, 4), jnp.int32), chunk)) == 1  # nothing to send
+
+
+def test_window_counts_the_rows_of_each_group_a_round_moves():
+    """Chunk rows sorted by group: counts [3, 5, 2] fill rows 0-2, 3-7, 8-9; a round of 4 rows
+    from row 4 takes rows 4-7 (all group 1), one from row 8 rows 8-9 (group 2)."""
+    counts = jnp.array([[3, 5, 2], [0, 0, 9]])
+    np.testing.assert_array_equal(exchange._window(counts, 0, 4), [[3, 1, 0], [0, 0, 4]])
+    np.testing.assert_array_equal(exchange._window(counts, 4, 4), [[0, 4, 0], [0, 0, 4]])
+    np.testing.assert_array_equal(exchange._window(counts, 8, 4), [[0, 0, 2], [0, 0, 1]])
+    total = sum(exchange._window(counts, r * 4, 4) for r in range(3))
+    np.testing.assert_array_equal(total, counts)
 
 
 @pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
 def test_padded_exchange_equals_the_oracle_for_balanced_and_skewed_routing(skewed):
-    """The CPU dropless exchange pads each destination's rows to twice its fair share when every
-    device's sends fit, else to all rows; either branch gives the oracle's block and gradients."""
-    if skewed:  # experts 0 and 1 are both on one device: 32 rows from each source
-        x, params, ct = skewed_inputs()
-    else:  # token t picks experts t % 8 and (t + 1) % 8: 8 rows from each source to each device
-        x, params, ct = inputs()
-        t = jnp.arange(B * L)
-        x = 0.01 * x + (3 * jax.nn.one_hot(t % E, D) + 2 * jax.nn.one_hot((t + 1) % E, D)).reshape(B, L, D)
-        params = {**params, "router": jnp.eye(D, E)}
+    """The CPU dropless exchange pads each destination's rows to twice its fair share; when a send
+    is longer it takes further rounds. One round or several give the oracle's block and gradients."""
+    x, params, ct = skewed_inputs() if skewed else balanced_inputs()
     assert_block_equals_oracle(x, params, ct, make_config("top2_dropless"), make_mesh("data2_expert4"))

@@ -1,9 +1,10 @@
 """Structure of the compiled expert-parallel block, read from the HLO text: exactly two
 all-to-all collectives per MoE block, and no all-gather of expert weights.
 
-Collectives are counted along one execution path: a conditional (the CPU dropless
-exchange picks its chunk size with one) runs one of its branches, so its branches
-must hold the same collectives and count once.
+Collectives are counted along one execution path: a conditional runs one of its
+branches, so its branches must hold the same collectives and count once; the loop of
+the CPU dropless exchange's extra rounds runs only when a send is longer than a
+round's chunk (skewed routing), so balanced routing's path leaves it out.
 """
 
 import functools
@@ -17,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainer.moe import MoEConfig
+from trainer.moe.exchange import EXTRA_ROUNDS
 from trainer.moe.experts import ExpertWeights
 from trainer.moe.parallel import moe_apply
 
@@ -62,7 +64,8 @@ CALLED = re.compile(r"\b(?:calls|body|condition|to_apply|true_computation|false_
 def executed_collectives(hlo: str, pick=None) -> list[tuple[str, str]]:
     """(kind, shape) of the collectives one execution of the module runs, in program order.
 
-    At a conditional, pick chooses among the branches' lists (default: the first; all must hold the same kinds)."""
+    At a conditional, pick chooses among the branches' lists (default: the first; all must hold the same kinds);
+    the loops of the padded exchange's extra rounds do not run."""
     computations, entry, current = {}, None, None
     for line in hlo.splitlines():
         if (m := COMPUTATION.match(line)) is not None:
@@ -80,6 +83,8 @@ def executed_collectives(hlo: str, pick=None) -> list[tuple[str, str]]:
                 paths = [walk(branch.strip().lstrip("%")) for branch in b.group(1).split(",")]
                 assert all([k for k, _ in p] == [k for k, _ in paths[0]] for p in paths), paths
                 found += paths[0] if pick is None else pick(paths)
+            if f"/{EXTRA_ROUNDS}/" in line and re.search(r"\swhile\(", line):
+                continue
             for called in CALLED.findall(line):
                 found += walk(called)
         return found
@@ -150,7 +155,7 @@ def nbytes(shape: str) -> int:
 
 def exchange_bytes(cfg, tokens_per_device=128, d_model=128):
     """all_to_all bytes per device of one forward block on EP=8, along the path that balanced
-    routing takes (the branch with the short chunks): (token row bytes, metadata bytes)."""
+    routing takes (one round of the padded exchange): (token row bytes, metadata bytes)."""
     m = mesh((1, 8))
     keys = jax.random.split(jax.random.key(0), 5)
     e, f = cfg.num_experts, cfg.d_ff

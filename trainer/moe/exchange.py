@@ -9,6 +9,7 @@ buffer holding source s's rows, so everything after the exchange is shared.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -70,61 +71,117 @@ def _exchange_plan(a: Assignments, topo):
     return me, sizes_SxJ, recv_counts_SxEl
 
 
-def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, expected_rows):
-    """Received chunks (source-major, each sorted by local expert) through the local experts."""
+def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, save_rows=None):
+    """Received chunks (source-major, each sorted by local expert) through the local experts;
+    the backward pass reuses the hidden activations of the first save_rows layout rows (all by default)."""
     num_rows = recv_SNxD.shape[0] // recv_counts_SxEl.shape[0]
     dest_SxN, blocks = dispatch.aligned_layout(recv_counts_SxEl, num_rows, block_rows)
-    # The buffer holds every row that may arrive; balanced routing brings expected_rows
-    # (as many as each device sends). Activations are kept for 1.5x that, padding included.
-    save_rows = 3 * expected_rows // 2 + recv_counts_SxEl.shape[1] * block_rows
     layout = dispatch.block_layout(dest_SxN.reshape(1, -1), blocks, block_rows, save_rows=save_rows)
     return grouped_ffn(recv_SNxD, w, layout, impl=topo.grouped_matmul)
 
 
 def _dropless_padded(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
-    """Chunk j of the send buffer holds the rows for device j, zero-padded to a fixed size.
-
-    Every device of an expert group learns every send size of the group from the plan, so
-    all of them take the same branch: chunks of `padded_chunk_rows` (a bound that balanced
-    routing keeps under) when every send fits, else chunks of N rows, which always fit.
-    Both branches hold the same two all_to_alls over that group; one of them runs.
+    """Chunk j of the send buffer holds rows for device j, zero-padded to `padded_chunk_rows`
+    (twice the fair share): one round moves every row when no send is longer, which balanced
+    routing keeps to. Longer sends take further rounds of the same size (`in_rounds`); every
+    device of the group learns every send size from the plan, so all run the same rounds.
+    Nothing is sized for the worst case, so a balanced step allocates and zeroes one round's buffers.
     """
     num_rows = a.order_N.shape[0]
-    plan = _exchange_plan(a, topo)
+    me, sizes_SxJ, recv_counts_SxEl = _exchange_plan(a, topo)
     chunk = padded_chunk_rows(num_rows, topo.num_expert_shards)
-    exchange = lambda rows: lambda: _padded_exchange(x_TxD, a, w, block_rows, topo, plan, rows)
-    if chunk >= num_rows:
-        return exchange(num_rows)()
-    return jax.lax.cond(short_chunks_fit(plan[1], chunk), exchange(chunk), exchange(num_rows))
+    round_fn = functools.partial(_padded_round, block_rows=block_rows, topo=topo, chunk=chunk, top_k=a.top_k)
+    aux = (a.order_N, a.rank_N, me, sizes_SxJ, recv_counts_SxEl)
+    return in_rounds(round_fn, x_TxD, w, aux, padded_rounds(sizes_SxJ, chunk, topo, num_rows))
 
 
-def short_chunks_fit(sizes_SxJ, chunk: int):
-    """Whether every send of the expert group (rows from source S to device J) fits a chunk of
-    `chunk` rows: then the padded exchange moves the short chunks, else all N rows each."""
-    return jnp.max(sizes_SxJ) <= chunk
+def padded_rounds(sizes_SxJ, chunk: int, topo=None, longest: int | None = None):
+    """Rounds of `chunk` rows per destination that move the longest send of the expert group
+    (rows from source S to device J): 1 while every send fits a chunk, and always when no send can
+    be longer than `longest` <= chunk. Every expert group of the mesh runs as many (the most any
+    needs), since the weight gradients of each round are summed over the groups (the axes other
+    than the expert axis)."""
+    if longest is not None and longest <= chunk:
+        return 1
+    rounds = jnp.maximum(1, -(-jnp.max(sizes_SxJ) // chunk)).astype(jnp.int32)
+    others = tuple(a for a in (topo.token_axes if topo else ()) if a != topo.expert_axis)
+    return jax.lax.pmax(rounds, others) if others else rounds
 
 
 def padded_chunk_rows(num_rows: int, num_shards: int) -> int:
-    """Rows per destination of the padded exchange when routing is not too skewed: twice a
-    device's fair share of its N rows, in multiples of 8."""
+    """Rows per destination and round of the padded exchange: twice a device's fair share of its
+    N rows, in multiples of 8, at most N (one round then always does)."""
     return min(num_rows, 8 * -(-2 * num_rows // (8 * num_shards)))
 
 
-def _padded_exchange(x_TxD, a: Assignments, w, block_rows, topo, plan, chunk):
+def _window(counts_SxG, start, size):
+    """How many of each chunk's rows (counts[s, g] of group g, in group order) lie in rows
+    [start, start + size) of that chunk."""
+    before_SxG = jnp.cumsum(counts_SxG, axis=1) - counts_SxG
+    upto = lambda end: jnp.clip(end - before_SxG, 0, counts_SxG)
+    return upto(start + size) - upto(start)
+
+
+def _padded_round(x_TxD, w, aux, r, *, block_rows, topo, chunk, top_k):
+    """Round r of the padded exchange: rows [r * chunk, (r + 1) * chunk) of each send go to
+    their devices, through the experts and back; [N, D] outputs, zeros for the other rounds' rows."""
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
-    num_rows = a.order_N.shape[0]
-    me, sizes_SxJ, recv_counts_SxEl = plan
+    order_N, rank_N, me, sizes_SxJ, recv_counts_SxEl = aux
+    num_rows = order_N.shape[0]
     send_J = sizes_SxJ[me]
-    start_J = _starts(send_J)
-    # Where each sorted row sits in the [J, chunk] send buffer, and each assignment's send row.
+    # Where each sorted row sits in the [J, chunk] send buffer this round (J * chunk: not this round),
+    # and each assignment's send row.
     dest_device_N = jnp.searchsorted(jnp.cumsum(send_J), jnp.arange(num_rows), side="right").astype(jnp.int32)
-    send_row_N = (dest_device_N * chunk + jnp.arange(num_rows, dtype=jnp.int32) - start_J[dest_device_N])[a.rank_N]
-    send_JCxD = _take_tokens(x_TxD, send_row_N, num_shards * chunk, a.top_k)
+    place_N = jnp.arange(num_rows, dtype=jnp.int32) - _starts(send_J)[dest_device_N] - r * chunk
+    this_round_N = (place_N >= 0) & (place_N < chunk)
+    send_row_N = jnp.where(this_round_N, dest_device_N * chunk + place_N, num_shards * chunk)[rank_N]
+    send_JCxD = _take_tokens(x_TxD, send_row_N, num_shards * chunk, top_k)
     recv_SCxD = jax.lax.all_to_all(send_JCxD, axis, split_axis=0, concat_axis=0, tiled=True)
-    out_SCxD = _on_receiver(recv_SCxD, recv_counts_SxEl, w, block_rows, topo, num_rows)
+    out_SCxD = _on_receiver(recv_SCxD, _window(recv_counts_SxEl, r * chunk, chunk), w, block_rows, topo)
     back_JCxD = jax.lax.all_to_all(out_SCxD, axis, split_axis=0, concat_axis=0, tiled=True)
     source_JC = dispatch.inverse_index(send_row_N, num_shards * chunk)
     return dispatch.take_rows(back_JCxD, send_row_N, source_JC[None])
+
+
+# Scope of the rounds past the first: they run only when a send is longer than a round's chunk.
+EXTRA_ROUNDS = "extra_rounds"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def in_rounds(round_fn, x, w, aux, num_rounds):
+    """The sum over r < num_rounds (at least 1) of round_fn(x, w, aux, r).
+
+    The first round is differentiated as usual and keeps its activations; the others run in a
+    loop of a dynamic trip count (the same on every device of the group) and are recomputed in
+    the backward pass, which autodiff cannot do through such a loop, hence the custom_vjp.
+    aux holds integer arrays only (no gradient).
+    """
+    return _more_rounds(round_fn, x, w, aux, num_rounds, round_fn(x, w, aux, 0))
+
+
+def _more_rounds(round_fn, x, w, aux, num_rounds, y):
+    with jax.named_scope(EXTRA_ROUNDS):
+        return jax.lax.fori_loop(1, num_rounds, lambda r, y: y + round_fn(x, w, aux, r), y)
+
+
+def _in_rounds_fwd(round_fn, x, w, aux, num_rounds):
+    y, first_vjp = jax.vjp(lambda x, w: round_fn(x, w, aux, 0), x, w)
+    return _more_rounds(round_fn, x, w, aux, num_rounds, y), (x, w, aux, num_rounds, first_vjp)
+
+
+def _in_rounds_bwd(round_fn, res, ct):
+    x, w, aux, num_rounds, first_vjp = res
+
+    def more(r, grads):
+        _, vjp = jax.vjp(lambda x, w: round_fn(x, w, aux, r), x, w)
+        return jax.tree.map(jnp.add, grads, vjp(ct))
+
+    with jax.named_scope(EXTRA_ROUNDS):
+        dx, dw = jax.lax.fori_loop(1, num_rounds, more, first_vjp(ct))
+    return dx, dw, jax.tree.map(lambda _: None, aux), None
+
+
+in_rounds.defvjp(_in_rounds_fwd, _in_rounds_bwd)
 
 
 def _take_tokens(x_TxD, row_N, num_out_rows, top_k):
@@ -147,7 +204,10 @@ def _dropless_ragged(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
         _starts(sizes_SxJ[me]), sizes_SxJ[me], jnp.full((num_shards,), me * num_rows, jnp.int32),
         sizes_SxJ[:, me], axis_name=axis,
     )
-    out_SNxD = _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, num_rows)
+    # The buffer holds every row that may arrive; balanced routing brings N (as many as each device
+    # sends). Activations are kept for 1.5x that, padding included; spans past it are recomputed.
+    save_rows = 3 * num_rows // 2 + recv_counts_SxEl.shape[1] * block_rows
+    out_SNxD = _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, save_rows)
     out_sorted_NxD = jax.lax.ragged_all_to_all(
         out_SNxD, jnp.zeros((num_rows, x_TxD.shape[1]), out_SNxD.dtype),
         jnp.arange(num_shards, dtype=jnp.int32) * num_rows, sizes_SxJ[:, me],
@@ -215,14 +275,14 @@ def dropless_once_per_device(x_TxD, experts_TxK, gate_TxK, w: ExpertWeights, blo
     # The pair's place among the pairs for its device.
     place_P = jnp.sum(jnp.where(to_PxS, jnp.cumsum(to_PxS, axis=0, dtype=jnp.int32) - 1, 0), axis=1)
     me = jax.lax.axis_index(axis)
-    parts = (x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo)
     if topo.exchange == "ragged":
-        return _once_ragged(*parts)
+        return _once_ragged(x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo)
     chunk = once_per_device_chunk_rows(num_tokens, num_shards, devices_per_token)
-    exchange = lambda rows: lambda: _once_padded(*parts, rows)
-    if chunk >= num_tokens:
-        return exchange(num_tokens)()
-    return jax.lax.cond(short_chunks_fit(sizes_SxJ, chunk), exchange(chunk), exchange(num_tokens))
+    round_fn = functools.partial(_once_padded_round, block_rows=block_rows, topo=topo, chunk=chunk)
+    meta = jax.lax.stop_gradient(meta_PxK2[:, k:])
+    # The gates are differentiated (they carry the router's gradient): they travel as part of x.
+    return in_rounds(round_fn, (x_TxD, meta_PxK2[:, :k]), w, (meta, device_P, place_P),
+                     padded_rounds(sizes_SxJ, chunk, topo, num_tokens))
 
 
 def _pair_rows(x_TxD, meta_PxK2, send_row_P, num_rows, local):
@@ -264,14 +324,20 @@ def _combine_pairs(back_RxD, send_row_P, num_tokens):
     return dispatch.sum_leading(y_PxD.reshape(-1, num_tokens, back_RxD.shape[1]))
 
 
-def _once_padded(x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo, chunk):
+def _once_padded_round(x_and_gates, w, aux, r, *, block_rows, topo, chunk):
+    """Round r of the padded once-per-device exchange: pair rows [r * chunk, (r + 1) * chunk) of
+    each device's pairs; [T, D] float32, the sum of those pairs' rows."""
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
-    num_tokens, k = x_TxD.shape[0], meta_PxK2.shape[1] // 2
-    send_row_P = jnp.where(device_P < num_shards, device_P * chunk + place_P, num_shards * chunk)
+    (x_TxD, gates_PxK), (ids_PxK, device_P, place_P) = x_and_gates, aux
+    num_tokens = x_TxD.shape[0]
+    place_P = place_P - r * chunk
+    this_round_P = (device_P < num_shards) & (place_P >= 0) & (place_P < chunk)
+    send_row_P = jnp.where(this_round_P, device_P * chunk + place_P, num_shards * chunk)
+    meta_PxK2 = jnp.concatenate([gates_PxK, ids_PxK], axis=1)
     send_RxD, meta_RxK2 = _pair_rows(x_TxD, meta_PxK2, send_row_P, num_shards * chunk, w.w_in_ExDxF.shape[0])
     recv_RxD = jax.lax.all_to_all(send_RxD, axis, split_axis=0, concat_axis=0, tiled=True)
     recv_meta = jax.lax.all_to_all(meta_RxK2, axis, split_axis=0, concat_axis=0, tiled=True)
-    y_RxD = _expand_on_receiver(recv_RxD, recv_meta, w, block_rows, topo, num_tokens * k)
+    y_RxD = _expand_on_receiver(recv_RxD, recv_meta, w, block_rows, topo, num_tokens * gates_PxK.shape[1])
     back_RxD = jax.lax.all_to_all(y_RxD.astype(x_TxD.dtype), axis, split_axis=0, concat_axis=0, tiled=True)
     return _combine_pairs(back_RxD, send_row_P, num_tokens)
 
