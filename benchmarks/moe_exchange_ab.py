@@ -1,0 +1,127 @@
+"""The dropless block with this tree's exchange against another revision's, side by side in one run.
+
+    python benchmarks/moe_exchange_ab.py --against f82f8e2^ --case 0
+    python benchmarks/moe_exchange_ab.py --against HEAD --case 2 --reps 9 --json
+
+Runs on 8 fake CPU devices (mesh expert=8), float32, fwd+bwd of the dropless block
+(exchange_rows auto) of benchmarks/moe_layer.py's cases. The other revision's
+trainer/moe/exchange.py is read with `git show` and loaded as a module of its own; the
+block built with it differs from this tree's only in the exchange (both take their
+routing, layouts and FFN from this tree). The ideal and both blocks are timed in
+interleaved rounds; medians (and minima) of wall and CPU time are reported against the
+ideal's, with the largest difference between the two blocks' outputs and gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+if "jax" not in sys.modules:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import moe_layer  # noqa: E402
+
+from trainer.moe import core, exchange  # noqa: E402
+from trainer.moe.capacity import expert_capacity  # noqa: E402
+from trainer.moe.config import MoEConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_exchange(revision: str):
+    """trainer/moe/exchange.py at `revision`, as a module of its own."""
+    try:
+        source = subprocess.run(["git", "show", f"{revision}:trainer/moe/exchange.py"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise SystemExit(f"cannot read trainer/moe/exchange.py at {revision!r}: "
+                         f"{getattr(err, 'stderr', '') or err}".strip()) from None
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("exchange_at_revision", f.name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    os.unlink(f.name)
+    return module
+
+
+@contextlib.contextmanager
+def exchange_of(module):
+    """Blocks traced inside take their dropless exchanges from `module`."""
+    with mock.patch.object(exchange, "_dropless_padded", module._dropless_padded), \
+            mock.patch.object(core, "dropless_once_per_device", module.dropless_once_per_device):
+        yield
+
+
+def run_case(mesh, case, other, reps):
+    experts, k, d_model, d_ff, tokens, cf, routing = case
+    devices = mesh.devices.size
+    x, router, w = moe_layer.make_inputs(mesh, experts, d_model, d_ff, tokens)
+    capacity = expert_capacity(tokens // devices, k, cf, experts, 4)
+    rows = jax.device_put(jax.random.normal(jax.random.key(7), (experts, devices * capacity, d_model)),
+                          NamedSharding(mesh, P("expert")))
+    cfg = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=0.0, **routing)
+    steps = {"ideal": (moe_layer.ideal_step(mesh), (rows, w)), "this_tree": (moe_layer.block_step(cfg, mesh), (x, router, w))}
+    with exchange_of(other):
+        fn = moe_layer.block_step(cfg, mesh)
+        ours, theirs = steps["this_tree"][0](x, router, w), fn(x, router, w)  # compiled under the patch
+    steps["other"] = (fn, (x, router, w))
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs),
+                                                                strict=True))
+    times = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, (fn, args) in steps.items():
+            times[name].append(moe_layer.time_ms(fn, args))
+    ideal = [statistics.median(t[i] for t in times["ideal"]) for i in (0, 1)]
+    ideal_min = [min(t[i] for t in times["ideal"]) for i in (0, 1)]
+    row = {"experts": experts, "top_k": k, "tokens": tokens, "routing": routing or None, "reps": reps,
+           "max_abs_difference": diff, "ideal_ms": round(ideal[0], 2)}
+    for name in ("this_tree", "other"):
+        t = times[name]
+        row[f"{name}_ratio"] = round(statistics.median(v[0] for v in t) / ideal[0], 3)
+        row[f"{name}_cpu_ratio"] = round(statistics.median(v[1] for v in t) / ideal[1], 3)
+        row[f"{name}_min_ratio"] = round(min(v[0] for v in t) / ideal_min[0], 3)
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", default="HEAD", help="the git revision whose exchange.py to compare with")
+    parser.add_argument("--case", type=int, action="append", help="benchmarks/moe_layer.py case indices (0-based)")
+    parser.add_argument("--reps", type=int, default=9, help="timed rounds (interleaved); medians are reported")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = parser.parse_args(argv)
+    other = load_exchange(args.against)
+    devices = jax.devices()
+    mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    for index in args.case or range(len(moe_layer.CASES)):
+        row = run_case(mesh, moe_layer.CASES[index], other, args.reps)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"E={row['experts']:3d} k={row['top_k']} T={row['tokens']}  this tree {row['this_tree_ratio']:.3f} "
+                  f"(CPU {row['this_tree_cpu_ratio']:.3f})  {args.against} {row['other_ratio']:.3f} "
+                  f"(CPU {row['other_cpu_ratio']:.3f})  of the ideal ({row['ideal_ms']:.1f} ms); "
+                  f"max difference {row['max_abs_difference']:.3g}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
