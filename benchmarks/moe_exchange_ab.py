@@ -78,7 +78,8 @@ def run_case(mesh, case, other, reps):
     rows = jax.device_put(jax.random.normal(jax.random.key(7), (experts, devices * capacity, d_model)),
                           NamedSharding(mesh, P("expert")))
     cfg = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=0.0, **routing)
-    steps = {"ideal": (moe_layer.ideal_step(mesh), (rows, w)), "this_tree": (moe_layer.block_step(cfg, mesh), (x, router, w))}
+    steps = {"ideal": (moe_layer.ideal_step(mesh), (rows, w)),
+             "this_tree": (moe_layer.block_step(cfg, mesh), (x, router, w))}
     ours = steps["this_tree"][0](x, router, w)  # traced and compiled here, with this tree's exchange
     with exchange_of(other):
         fn = moe_layer.block_step(cfg, mesh)

@@ -298,6 +298,10 @@ def test_dropless_stays_exact_when_every_token_goes_to_two_experts(case):
     devices that hold experts 0 and 1, twice a round's chunk, so the padded exchange runs a
     second round, recomputed in the backward pass. Still equal to the oracle."""
     cfg, mesh = make_config(case), make_mesh("expert8")
+    tokens = B * L // 8  # per device; each sends all of them (once per device) or twice that to each of two
+    chunk = (exchange.once_per_device_chunk_rows(tokens, 8, 2) if cfg.exchange_rows == "device"
+             else padded_chunk_rows(2 * tokens, 8))
+    assert -(-tokens // chunk) == 2  # rounds
     aux = assert_block_equals_oracle(*skewed_inputs(), cfg, mesh, names=("w_in", "w_gate", "w_out"))
     np.testing.assert_allclose(aux["expert_load"][:2], [0.5, 0.5], rtol=1e-6)
 

@@ -154,7 +154,7 @@ def in_rounds(round_fn, x, w, aux, num_rounds):
     The first round is differentiated as usual and keeps its activations; the others run in a
     loop of a dynamic trip count (the same on every device of the group) and are recomputed in
     the backward pass, which autodiff cannot do through such a loop, hence the custom_vjp.
-    aux holds integer arrays only (no gradient).
+    aux holds what gets no gradient: indices, counts, expert ids.
     """
     return _more_rounds(round_fn, x, w, aux, num_rounds, round_fn(x, w, aux, 0))
 
