@@ -256,7 +256,7 @@ def dropless_once_per_device(x_TxD, experts_TxK, gate_TxK, w: ExpertWeights, blo
     a token's devices fill its first slots of d, so the pairs are p = slot * T + t, d * T in all.
     """
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
-    num_tokens, k = experts_TxK.shape
+    num_tokens = experts_TxK.shape[0]
     slots, local = devices_per_token, w.w_in_ExDxF.shape[0]
     device_TxK = experts_TxK // local
     sorted_TxK = jnp.sort(device_TxK, axis=-1)
@@ -267,8 +267,8 @@ def dropless_once_per_device(x_TxD, experts_TxK, gate_TxK, w: ExpertWeights, blo
     device_P = device_TxD.T.reshape(-1)  # num_shards: the slot is empty
     on_PxK = jnp.tile(device_TxK, (slots, 1)) == device_P[:, None]
     gates_PxK = jnp.where(on_PxK, jnp.tile(gate_TxK, (slots, 1)), 0.0)
-    ids_PxK = jnp.where(on_PxK, jnp.tile(experts_TxK % local, (slots, 1)), local)
-    meta_PxK2 = jnp.concatenate([gates_PxK, jax.lax.stop_gradient(ids_PxK.astype(jnp.float32))], axis=1)
+    ids_PxK = jax.lax.stop_gradient(jnp.where(on_PxK, jnp.tile(experts_TxK % local, (slots, 1)), local)
+                                    .astype(jnp.float32))
     to_PxS = device_P[:, None] == jnp.arange(num_shards, dtype=jnp.int32)
     send_J = jnp.sum(to_PxS, axis=0, dtype=jnp.int32)
     sizes_SxJ = jax.lax.all_gather(send_J, axis)
@@ -276,12 +276,12 @@ def dropless_once_per_device(x_TxD, experts_TxK, gate_TxK, w: ExpertWeights, blo
     place_P = jnp.sum(jnp.where(to_PxS, jnp.cumsum(to_PxS, axis=0, dtype=jnp.int32) - 1, 0), axis=1)
     me = jax.lax.axis_index(axis)
     if topo.exchange == "ragged":
+        meta_PxK2 = jnp.concatenate([gates_PxK, ids_PxK], axis=1)
         return _once_ragged(x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo)
     chunk = once_per_device_chunk_rows(num_tokens, num_shards, devices_per_token)
     round_fn = functools.partial(_once_padded_round, block_rows=block_rows, topo=topo, chunk=chunk)
-    meta = jax.lax.stop_gradient(meta_PxK2[:, k:])
     # The gates are differentiated (they carry the router's gradient): they travel as part of x.
-    return in_rounds(round_fn, (x_TxD, meta_PxK2[:, :k]), w, (meta, device_P, place_P),
+    return in_rounds(round_fn, (x_TxD, gates_PxK), w, (ids_PxK, device_P, place_P),
                      padded_rounds(sizes_SxJ, chunk, topo, num_tokens))
 
 
