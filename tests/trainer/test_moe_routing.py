@@ -173,6 +173,15 @@ def test_take_rows_gradient_is_the_gather_transpose():
     np.testing.assert_allclose(fast, plain, rtol=1e-6)
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=80), st.lists(st.integers(-5, 900), min_size=1, max_size=30))
+def test_searchsorted_right_counts_the_sorted_values_at_most_each_query(counts, queries):
+    """Both of its methods (all-pairs comparison up to 64 values, binary search above) agree with numpy."""
+    ends = np.cumsum(counts)
+    got = dispatch.searchsorted_right(jnp.asarray(ends, jnp.int32), jnp.asarray(queries, jnp.int32))
+    np.testing.assert_array_equal(got, np.searchsorted(ends, queries, side="right"))
+
+
 def test_spans_cover_every_experts_blocks_once_largest_first():
     """Each expert's blocks run as full spans of SPAN_BLOCKS blocks, then its remainder's binary digits,
     largest first; every block in use lies in exactly one span, of its own expert."""

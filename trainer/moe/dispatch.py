@@ -88,6 +88,15 @@ def combine_from_slots(out_SxD: jax.Array, slot_N: jax.Array, gate_N: jax.Array,
     return weighted_sum(y_NxD.reshape(top_k, -1, out_SxD.shape[-1]), gate_N.reshape(top_k, -1))
 
 
+def searchsorted_right(sorted_G: jax.Array, queries: jax.Array) -> jax.Array:
+    """jnp.searchsorted(sorted_G, queries, side="right"): how many of the (few) sorted values are
+    <= each query. Up to 64 values it compares every query with every value in one fused pass;
+    the default binary search is a while loop, several thunks per step on XLA:CPU, and the MoE
+    block's layouts search a handful of cumulative counts (experts, devices) each."""
+    method = "compare_all" if sorted_G.shape[-1] <= 64 else "scan"
+    return jnp.searchsorted(sorted_G, queries, side="right", method=method)
+
+
 def sort_by_expert(experts_N: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """(order_N, group_sizes_E): assignments in expert order, and how many per expert."""
     order_N = jnp.argsort(experts_N, stable=True).astype(jnp.int32)
@@ -146,7 +155,7 @@ def _spans(blocks_G: jax.Array, block_start_G: jax.Array, total_blocks: int, spa
             offset_G = full_G * span_blocks + rest_G // (2 * size) * (2 * size)  # after the larger digits
         ends_G = jnp.cumsum(count_G)
         i_N = jnp.arange(slots, dtype=jnp.int32)
-        group_N = jnp.minimum(jnp.searchsorted(ends_G, i_N, side="right"), blocks_G.shape[0] - 1).astype(jnp.int32)
+        group_N = jnp.minimum(searchsorted_right(ends_G, i_N), blocks_G.shape[0] - 1).astype(jnp.int32)
         within_N = i_N - (ends_G - count_G)[group_N]
         starts.append(block_start_G[group_N] + offset_G[group_N] + within_N * size)
         groups.append(group_N)
@@ -212,7 +221,7 @@ def aligned_layout(counts_SxG: jax.Array, chunk_rows: int, block_rows: int) -> t
     rows_R = jnp.arange(chunk_rows, dtype=jnp.int32)
 
     def dest_of_chunk(counts_G, before_G, chunk_start_G):
-        group_R = jnp.searchsorted(jnp.cumsum(counts_G), rows_R, side="right").astype(jnp.int32)
+        group_R = searchsorted_right(jnp.cumsum(counts_G), rows_R).astype(jnp.int32)
         valid_R = group_R < num_groups
         group_R = jnp.minimum(group_R, num_groups - 1)
         dest_R = block_start_G[group_R] * block_rows + before_G[group_R] + rows_R - chunk_start_G[group_R]
@@ -220,7 +229,7 @@ def aligned_layout(counts_SxG: jax.Array, chunk_rows: int, block_rows: int) -> t
 
     dest_SxR = jax.vmap(dest_of_chunk)(counts_SxG, before_SxG, chunk_start_SxG)
     block_ids = jnp.arange(total_blocks, dtype=jnp.int32)
-    block_group_NB = jnp.searchsorted(jnp.cumsum(blocks_G), block_ids, side="right")
+    block_group_NB = searchsorted_right(jnp.cumsum(blocks_G), block_ids)
     block_group_NB = jnp.minimum(block_group_NB, num_groups - 1).astype(jnp.int32)
     spans = _spans(blocks_G.astype(jnp.int32), block_start_G.astype(jnp.int32), total_blocks, SPAN_BLOCKS)
     blocks = Blocks(block_group_NB, jnp.sum(blocks_G).astype(jnp.int32), *spans)

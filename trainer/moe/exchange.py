@@ -131,7 +131,7 @@ def _padded_round(x_TxD, w, aux, r, *, block_rows, topo, chunk, top_k):
     send_J = sizes_SxJ[me]
     # Where each sorted row sits in the [J, chunk] send buffer this round (J * chunk: not this round),
     # and each assignment's send row.
-    dest_device_N = jnp.searchsorted(jnp.cumsum(send_J), jnp.arange(num_rows), side="right").astype(jnp.int32)
+    dest_device_N = dispatch.searchsorted_right(jnp.cumsum(send_J), jnp.arange(num_rows)).astype(jnp.int32)
     place_N = jnp.arange(num_rows, dtype=jnp.int32) - _starts(send_J)[dest_device_N] - r * chunk
     this_round_N = (place_N >= 0) & (place_N < chunk)
     send_row_N = jnp.where(this_round_N, dest_device_N * chunk + place_N, num_shards * chunk)[rank_N]
