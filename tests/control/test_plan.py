@@ -55,6 +55,24 @@ def test_params_total_is_what_the_trainer_instantiates(name):
         assert total == sum(leaf.size for leaf in jax.tree.leaves(built))
 
 
+@pytest.mark.parametrize("overrides", [(), ("moe.jitter=0.01", "moe.num_shared_experts=1")])
+def test_the_inventory_lists_each_parameter_as_the_model_built_with_its_rngs_holds_it(overrides):
+    """The inventory builds the model with a stand-in for nnx.Rngs (params._ShapeOnlyRngs); the model
+    built with real ones (and router jitter, which forks them) holds the same names, shapes and dtypes."""
+    import jax
+    from flax import nnx
+
+    from trainer.model import ParamCodec, build_model
+
+    cfg = load_config("tiny", overrides)
+    built = ParamCodec(nnx.state(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param)).variables
+    listed = inventory("tiny", *overrides)
+    assert [p.name for p in listed] == list(built)
+    for p in listed:
+        value = built[p.name].get_value()
+        assert (p.shape, p.dtype) == (tuple(value.shape), jax.numpy.dtype(value.dtype).name), p.name
+
+
 @functools.cache
 def tiny_trainer(*overrides: str):
     """The trainer's jitted pieces for tiny on the mesh the planner picks for a v5litepod-8, and that plan."""
