@@ -2,6 +2,7 @@
 
     python benchmarks/moe_exchange_ab.py --against f82f8e2^ --case 0
     python benchmarks/moe_exchange_ab.py --against HEAD --case 2 --reps 9 --json
+    python benchmarks/moe_exchange_ab.py --against HEAD~3 --package --case 0 --reps 21
 
 Runs on 8 fake CPU devices (mesh expert=8), float32, fwd+bwd of the dropless block
 (exchange_rows auto) of benchmarks/moe_layer.py's cases. The other revision's
@@ -10,15 +11,20 @@ block built with it differs from this tree's only in the exchange (both take the
 routing, layouts and FFN from this tree). The ideal and both blocks are timed in
 interleaved rounds; medians (and minima) of wall and CPU time are reported against the
 ideal's, with the largest difference between the two blocks' outputs and gradients.
+
+With --package the other block is the whole trainer/moe package at that revision (its routing,
+layouts, exchange and FFN; read with `git archive`), against this tree's package.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,6 +68,37 @@ def load_exchange(revision: str):
     return module
 
 
+def load_package(revision: str):
+    """moe_apply of trainer/moe at `revision`, taking this tree's ExpertWeights: that revision's package
+    is imported under the names trainer.moe.* (its modules import each other by those names) and this
+    tree's modules are put back afterwards; the functions keep the modules they were defined in."""
+    import trainer
+
+    where = tempfile.mkdtemp(prefix="moe-at-revision-")
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    try:
+        archive = subprocess.run(["git", "archive", revision, "trainer/moe"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise SystemExit(f"cannot read trainer/moe at {revision!r}: "
+                         f"{getattr(err, 'stderr', b'').decode(errors='replace') or err}".strip()) from None
+    subprocess.run(["tar", "-x", "-C", where], input=archive, check=True)
+    ours = {name: mod for name, mod in sys.modules.items() if name == "trainer.moe" or name.startswith("trainer.moe.")}
+    path = list(trainer.__path__)
+    try:
+        for name in ours:
+            del sys.modules[name]
+        trainer.__path__[:] = [os.path.join(where, "trainer")]
+        apply = importlib.import_module("trainer.moe.parallel").moe_apply
+        weights = importlib.import_module("trainer.moe.experts").ExpertWeights
+        return lambda x, router, w, *args, **kw: apply(x, router, weights(*w), *args, **kw)
+    finally:
+        trainer.__path__[:] = path
+        for name in [n for n in sys.modules if n == "trainer.moe" or n.startswith("trainer.moe.")]:
+            del sys.modules[name]
+        sys.modules.update(ours)
+
+
 @contextlib.contextmanager
 def exchange_of(module):
     """Blocks traced inside take their dropless exchanges from `module`."""
@@ -70,7 +107,7 @@ def exchange_of(module):
         yield
 
 
-def run_case(mesh, case, other, reps):
+def run_case(mesh, case, other, reps, package=False):
     experts, k, d_model, d_ff, tokens, cf, routing = case
     devices = mesh.devices.size
     x, router, w = moe_layer.make_inputs(mesh, experts, d_model, d_ff, tokens)
@@ -81,9 +118,13 @@ def run_case(mesh, case, other, reps):
     steps = {"ideal": (moe_layer.ideal_step(mesh), (rows, w)),
              "this_tree": (moe_layer.block_step(cfg, mesh), (x, router, w))}
     ours = steps["this_tree"][0](x, router, w)  # traced and compiled here, with this tree's exchange
-    with exchange_of(other):
-        fn = moe_layer.block_step(cfg, mesh)
-        theirs = fn(x, router, w)  # traced and compiled under the patch
+    if package:
+        fn = moe_layer.block_step(cfg, mesh, apply=other)
+        theirs = fn(x, router, w)
+    else:
+        with exchange_of(other):
+            fn = moe_layer.block_step(cfg, mesh)
+            theirs = fn(x, router, w)  # traced and compiled under the patch
     steps["other"] = (fn, (x, router, w))
     diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs),
                                                                 strict=True))
@@ -106,15 +147,17 @@ def run_case(mesh, case, other, reps):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="HEAD", help="the git revision whose exchange.py to compare with")
+    parser.add_argument("--package", action="store_true",
+                        help="compare with the whole trainer/moe package at that revision, not its exchange.py alone")
     parser.add_argument("--case", type=int, action="append", help="benchmarks/moe_layer.py case indices (0-based)")
     parser.add_argument("--reps", type=int, default=9, help="timed rounds (interleaved); medians are reported")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
-    other = load_exchange(args.against)
+    other = load_package(args.against) if args.package else load_exchange(args.against)
     devices = jax.devices()
     mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
     for index in args.case or range(len(moe_layer.CASES)):
-        row = run_case(mesh, moe_layer.CASES[index], other, args.reps)
+        row = run_case(mesh, moe_layer.CASES[index], other, args.reps, args.package)
         if args.json:
             print(json.dumps(row), flush=True)
         else:

@@ -83,11 +83,13 @@ def make_inputs(mesh, experts, d_model, d_ff, tokens, seed=0):
     return x, router, w
 
 
-def block_step(cfg: MoEConfig, mesh):
-    """fwd+bwd of the block: gradients for the input, the router and every expert weight."""
+def block_step(cfg: MoEConfig, mesh, apply=None):
+    """fwd+bwd of the block (trainer.moe's moe_apply, or `apply`): gradients for the input, the router
+    and every expert weight."""
+    apply = apply or moe_apply
 
     def loss(x, router, w):
-        y, aux = moe_apply(x, router, w, cfg, mesh, train=True)
+        y, aux = apply(x, router, w, cfg, mesh, train=True)
         return jnp.mean(jnp.square(y.astype(jnp.float32))) + aux["aux_loss"] + aux["z_loss"]
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
