@@ -22,12 +22,14 @@ import argparse
 import atexit
 import contextlib
 import importlib.util
+import io
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -82,19 +84,23 @@ def load_package(revision: str):
     except (OSError, subprocess.CalledProcessError) as err:
         raise SystemExit(f"cannot read trainer/moe at {revision!r}: "
                          f"{getattr(err, 'stderr', b'').decode(errors='replace') or err}".strip()) from None
-    subprocess.run(["tar", "-x", "-C", where], input=archive, check=True)
-    ours = {name: mod for name, mod in sys.modules.items() if name == "trainer.moe" or name.startswith("trainer.moe.")}
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        # The "data" filter (Python 3.11.4 on) refuses links and paths out of `where`.
+        tar.extractall(where, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    is_moe = lambda name: name == "trainer.moe" or name.startswith("trainer.moe.")
+    ours = {name: mod for name, mod in sys.modules.items() if is_moe(name)}
     path = list(trainer.__path__)
     try:
         for name in ours:
             del sys.modules[name]
-        trainer.__path__[:] = [os.path.join(where, "trainer")]
+        # trainer.moe from the archive; any other trainer module still from this tree.
+        trainer.__path__[:] = [os.path.join(where, "trainer"), *path]
         apply = importlib.import_module("trainer.moe.parallel").moe_apply
         weights = importlib.import_module("trainer.moe.experts").ExpertWeights
         return lambda x, router, w, *args, **kw: apply(x, router, weights(*w), *args, **kw)
     finally:
         trainer.__path__[:] = path
-        for name in [n for n in sys.modules if n == "trainer.moe" or n.startswith("trainer.moe.")]:
+        for name in [n for n in sys.modules if is_moe(n)]:
             del sys.modules[name]
         sys.modules.update(ours)
 
