@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from moe_oracle import oracle_aux, oracle_capacity, oracle_keep, oracle_moe, oracle_routing, ragged_all_to_all_on_cpu
 
-from trainer.moe import MoEConfig, exchange
+from trainer.moe import MoEConfig, core, exchange
 from trainer.moe.exchange import padded_chunk_rows
 from trainer.moe.experts import ExpertWeights
 from trainer.moe.parallel import make_topology, moe_apply, moe_groups
@@ -342,5 +342,15 @@ def test_window_counts_the_rows_of_each_group_a_round_moves():
 def test_padded_exchange_equals_the_oracle_for_balanced_and_skewed_routing(skewed):
     """The CPU dropless exchange pads each destination's rows to twice its fair share; when a send
     is longer it takes further rounds. One round or several give the oracle's block and gradients."""
+    x, params, ct = skewed_inputs() if skewed else balanced_inputs()
+    assert_block_equals_oracle(x, params, ct, make_config("top2_dropless"), make_mesh("data2_expert4"))
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
+def test_the_exchange_plan_that_all_gathers_its_counts_equals_the_oracle(skewed, monkeypatch):
+    """The per-expert counts of every device come with the statistics' all-reduce up to
+    core.MERGED_COUNTS_LIMIT; past it each expert group all-gathers its own and the rounds take a
+    max over the data axis. That path too gives the oracle's block, in one round or several."""
+    monkeypatch.setattr(core, "MERGED_COUNTS_LIMIT", 0)
     x, params, ct = skewed_inputs() if skewed else balanced_inputs()
     assert_block_equals_oracle(x, params, ct, make_config("top2_dropless"), make_mesh("data2_expert4"))

@@ -1,5 +1,6 @@
 """Structure of the compiled expert-parallel block, read from the HLO text: exactly two
-all-to-all collectives per MoE block, and no all-gather of expert weights.
+all-to-all collectives per MoE block, one all-reduce of its statistics, and no all-gather of
+expert weights.
 
 Collectives are counted along one execution path: a conditional runs one of its
 branches, so its branches must hold the same collectives and count once; the loop of
@@ -17,7 +18,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainer.moe import MoEConfig
+from trainer.moe import MoEConfig, core
 from trainer.moe.exchange import EXTRA_ROUNDS
 from trainer.moe.experts import ExpertWeights
 from trainer.moe.parallel import moe_apply
@@ -25,7 +26,7 @@ from trainer.moe.parallel import moe_apply
 B, L, D, F, E = 16, 8, 16, 32, 8
 # "%name = <shape, maybe a tuple> <op>(operands...)", one instruction per line.
 COLLECTIVE = re.compile(
-    r"^\s*(?:ROOT\s+)?\S+\s*=\s*(.*?)\s(all-to-all|all-gather-start|all-gather|ragged-all-to-all)\("
+    r"^\s*(?:ROOT\s+)?\S+\s*=\s*(.*?)\s(all-to-all|all-gather-start|all-gather|ragged-all-to-all|all-reduce)\("
 )
 
 
@@ -92,10 +93,16 @@ def executed_collectives(hlo: str, pick=None) -> list[tuple[str, str]]:
     return walk(entry)
 
 
-def collectives(cfg, mesh_shape, num_blocks=1, grad=False):
+def collectives(cfg, mesh_shape, num_blocks=1, grad=False, with_aux=False):
+    """The collectives of num_blocks stacked blocks (forward, or with grad forward and backward);
+    with_aux the block's losses and balance metrics are computed too, as a model's are."""
     m = mesh(mesh_shape)
     x, router, weights = sharded_inputs(m, num_blocks)
     fn = lambda x, w: stacked_blocks(x, router, w, cfg, m)
+    if with_aux:
+        def fn(x, w):
+            y, aux = moe_apply(x, router, w[0], cfg, m, train=True)
+            return y, aux["aux_loss"] + aux["z_loss"], aux["load_max_over_mean"], aux["drop_fraction"]
     if grad:
         fn = jax.grad(lambda x, w: jnp.sum(stacked_blocks(x, router, w, cfg, m)), argnums=(0, 1))
     return executed_collectives(jax.jit(fn).lower(x, weights).compile().as_text())
@@ -126,13 +133,37 @@ def test_forward_has_exactly_two_all_to_all_per_block(mode, mesh_shape):
 
 @pytest.mark.parametrize("mode", list(CONFIGS))
 def test_expert_weights_are_never_all_gathered(mode):
-    """Forward and backward: the only all-gather allowed is the dropless mode's per-expert
-    token counts (int32, E per device); nothing float, nothing of a weight's size."""
-    for grad in (False, True):
-        gathers = [shape for kind, shape in collectives(CONFIGS[mode], (2, 4), grad=grad) if "all-gather" in kind]
-        for shape in gathers:
-            assert re.fullmatch(r"s32\[[\d,]+\](\{[\d,]*\})?", shape), gathers
-        assert len(gathers) == (1 if mode == "dropless" else 0), gathers
+    """Forward and backward: the only all-gather allowed is the once-per-device exchange's pair
+    counts (int32, one per device); nothing float, nothing of a weight's size. The dropless
+    exchange's per-expert counts come with the statistics' all-reduce."""
+    for mesh_shape in ((1, 8), (2, 4)):
+        for grad in (False, True):
+            found = collectives(CONFIGS[mode], mesh_shape, grad=grad)
+            gathers = [shape for kind, shape in found if "all-gather" in kind]
+            for shape in gathers:
+                assert re.fullmatch(r"s32\[[\d,]+\](\{[\d,]*\})?", shape), gathers
+            assert len(gathers) <= (1 if mode == "dropless_once" else 0), gathers
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
+@pytest.mark.parametrize("mode", ["capacity", "dropless"])
+def test_the_forward_block_has_one_all_reduce_that_carries_the_dropless_counts(mode, mesh_shape, monkeypatch):
+    """Besides its two all_to_all the forward block has one collective: the all-reduce of the
+    routing statistics, which in dropless mode also brings every device's per-expert counts (an
+    [8, E] float32 matrix) that both sides of the exchange need; no all-gather, and on a data axis
+    no max over it for the padded exchange's rounds. Past core.MERGED_COUNTS_LIMIT the plan
+    all-gathers the counts of its expert group (int32), and on a data axis the rounds take a max
+    all-reduce (int32) as well."""
+    others = lambda: [(kind, shape) for kind, shape in collectives(CONFIGS[mode], mesh_shape, with_aux=True)
+                      if kind != "all-to-all"]
+    found = others()
+    assert [kind for kind, _ in found] == ["all-reduce"], found
+    if mode == "dropless":
+        assert f"f32[8,{E}]" in found[0][1], found
+        monkeypatch.setattr(core, "MERGED_COUNTS_LIMIT", 8 * E - 1)
+        found = others()
+        assert sorted(kind for kind, _ in found) == ["all-gather"] + ["all-reduce"] * (1 + (mesh_shape[0] > 1)), found
+        assert f"f32[8,{E}]" not in " ".join(shape for _, shape in found), found
 
 
 def test_ragged_exchange_lowers_to_two_ragged_all_to_all_per_block():

@@ -99,7 +99,7 @@ def capacity_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capaci
         combine = lambda o, s, g: dispatch.combine_from_slots(o, s, g, k)
         y_GxTxD = jax.vmap(combine)(out_GxSxD, slot_GxN, gate_GxN)
     stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, experts_per_group(cfg))
-    return y_GxTxD, stats
+    return y_GxTxD, summed_stats(stats, topo)[0]
 
 
 def experts_on_buffers(buf_GxExCxD, w: ExpertWeights, topo: Topology):
@@ -129,12 +129,14 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
     if once and topo.expert_axis is not None and topo.num_expert_shards > 1:
         y_TxD = dropless_once_per_device(x_TxD, experts_GxTxK.reshape(-1, k), weights_GxTxK.reshape(-1, k), w,
                                          block_rows, topo, devices)
-        return y_TxD.reshape(num_groups, num_tokens, d_model), stats
+        return y_TxD.reshape(num_groups, num_tokens, d_model), summed_stats(stats, topo)[0]
     experts_N = cap.flatten_choices(experts_GxTxK.reshape(-1, k))
     gate_N = cap.flatten_choices(weights_GxTxK.reshape(-1, k))
     order_N, counts_E = dispatch.sort_by_expert(experts_N, cfg.num_experts)
     rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
-    assignments = Assignments(order_N=order_N, rank_N=rank_N, counts_E=counts_E, top_k=k)
+    stats, counts_AxSxE = summed_stats(stats, topo, counts_E if topo.expert_axis is not None else None)
+    assignments = Assignments(order_N=order_N, rank_N=rank_N, counts_E=counts_E, top_k=k,
+                              counts_AxSxE=counts_AxSxE)
     out_NxD = dropless_experts(x_TxD, assignments, w, block_rows, topo)
     y_TxD = dispatch.weighted_sum(out_NxD.reshape(k, -1, d_model), gate_N.reshape(k, -1))
     return y_TxD.reshape(num_groups, num_tokens, d_model), stats
@@ -173,7 +175,7 @@ def expert_choice_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, c
         num_dropped=jnp.sum(~chosen_GxT).astype(jnp.float32),
         group_sum=jnp.float32(0),
     )
-    return y_GxTxD, stats
+    return y_GxTxD, summed_stats(stats, topo)[0]
 
 
 def token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, per_group: int) -> Stats:
@@ -190,15 +192,38 @@ def token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, per_g
     )
 
 
-def finish_stats(stats: Stats, cfg: MoEConfig, token_axes: tuple[str, ...]) -> dict[str, jax.Array]:
-    """Sums the statistics over all token shards, then forms the losses and metrics.
+# The largest matrix of every token shard's per-expert counts (float32) that rides in the statistics'
+# all-reduce instead of taking an all-gather of its own: 256 KiB.
+MERGED_COUNTS_LIMIT = 1 << 16
+
+
+def summed_stats(stats: Stats, topo: Topology, counts_E=None) -> tuple[Stats, jax.Array | None]:
+    """The statistics summed over every token shard (one all-reduce), and, given counts_E (this
+    shard's assignments per expert), every shard's counts from the same all-reduce: int32
+    [A, S, E], S the expert axis, A the token shards beside it. Both sides of the dropless exchange
+    need them, so the block takes one collective fewer than with an all-gather of its own, and the
+    rounds of the padded exchange need no max over A. None where there is no token axis or the
+    matrix would be large (the exchange plan then all-gathers its group's counts)."""
+    axes = topo.token_axes
+    if not axes:
+        return stats, None
+    shards = jax.lax.axis_size(axes)
+    if counts_E is None or shards * counts_E.shape[0] > MERGED_COUNTS_LIMIT:
+        return jax.lax.psum(stats, axes), None
+    mine_Ax1 = (jnp.arange(shards) == jax.lax.axis_index(axes))[:, None]
+    counts_AxE = jnp.where(mine_Ax1, jax.lax.stop_gradient(counts_E).astype(jnp.float32)[None], 0.0)
+    stats, counts_AxE = jax.lax.psum((stats, counts_AxE), axes)
+    # Counts are integers far below 2**24: exact in float32, which shares the statistics' all-reduce.
+    return stats, counts_AxE.astype(jnp.int32).reshape(-1, topo.num_expert_shards, counts_E.shape[0])
+
+
+def finish_stats(stats: Stats, cfg: MoEConfig) -> dict[str, jax.Array]:
+    """The losses and metrics from the statistics summed over all token shards (summed_stats).
 
     Besides the losses: drop_fraction, expert_load ([E], sums to 1), the balance of that load
     (max / mean, min / mean, coefficient of variation), groups_per_token (token choice) and
     expert_counts ([E], the assignments per expert over all shards, what the bias follows).
     """
-    if token_axes:
-        stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
     balance = routing.load_balancing_loss(stats.counts_E, stats.prob_sums_E, stats.num_tokens)
     if cfg.routing == "expert_choice" or not cfg.uses_aux_loss:
         balance = jnp.zeros_like(balance)  # balanced by construction, or by the bias alone

@@ -45,6 +45,8 @@ class Assignments(NamedTuple):
     rank_N: jax.Array  # each assignment's place in that order
     counts_E: jax.Array  # assignments per expert
     top_k: int
+    # Every token shard's counts_E, [A, S, E] (core.summed_stats), or None: the plan all-gathers them.
+    counts_AxSxE: jax.Array | None = None
 
 
 def dropless_experts(x_TxD, a: Assignments, w: ExpertWeights, block_rows: int, topo) -> jax.Array:
@@ -60,15 +62,24 @@ def dropless_experts(x_TxD, a: Assignments, w: ExpertWeights, block_rows: int, t
 
 
 def _exchange_plan(a: Assignments, topo):
-    """All-gathers every device's per-expert counts (E integers each), so that each side
-    knows what it sends and receives without a third all_to_all."""
+    """Every device's per-expert counts (E integers each), so that each side knows what it sends
+    and receives without a third all_to_all: those of all token shards that came with the
+    statistics' all-reduce (a.counts_AxSxE), or those of the expert group, all-gathered.
+    Returns (me, sizes_SxJ, recv_counts_SxEl, group_sizes): group_sizes, the sizes of every
+    expert group [A, S, J] when known, else sizes_SxJ."""
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
     local = a.counts_E.shape[0] // num_shards
     me = jax.lax.axis_index(axis)
-    counts_SxE = jax.lax.all_gather(a.counts_E, axis)
+    if a.counts_AxSxE is None:
+        counts_SxE = jax.lax.all_gather(a.counts_E, axis)
+        group_sizes = None
+    else:
+        others = tuple(t for t in topo.token_axes if t != axis)
+        counts_SxE = a.counts_AxSxE[jax.lax.axis_index(others)] if others else a.counts_AxSxE[0]
+        group_sizes = a.counts_AxSxE.reshape(-1, num_shards, num_shards, local).sum(axis=3)
     sizes_SxJ = counts_SxE.reshape(num_shards, num_shards, local).sum(axis=2)
     recv_counts_SxEl = jax.lax.dynamic_slice_in_dim(counts_SxE, me * local, local, axis=1)
-    return me, sizes_SxJ, recv_counts_SxEl
+    return me, sizes_SxJ, recv_counts_SxEl, sizes_SxJ if group_sizes is None else group_sizes
 
 
 def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, save_rows=None):
@@ -88,11 +99,11 @@ def _dropless_padded(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
     Nothing is sized for the worst case, so a balanced step allocates and zeroes one round's buffers.
     """
     num_rows = a.order_N.shape[0]
-    me, sizes_SxJ, recv_counts_SxEl = _exchange_plan(a, topo)
+    me, sizes_SxJ, recv_counts_SxEl, group_sizes = _exchange_plan(a, topo)
     chunk = padded_chunk_rows(num_rows, topo.num_expert_shards)
     round_fn = functools.partial(_padded_round, block_rows=block_rows, topo=topo, chunk=chunk, top_k=a.top_k)
     aux = (a.order_N, a.rank_N, me, sizes_SxJ, recv_counts_SxEl)
-    return in_rounds(round_fn, x_TxD, w, aux, padded_rounds(sizes_SxJ, chunk, topo, num_rows))
+    return in_rounds(round_fn, x_TxD, w, aux, padded_rounds(group_sizes, chunk, topo, num_rows))
 
 
 def padded_rounds(sizes_SxJ, chunk: int, topo=None, longest: int | None = None):
@@ -100,10 +111,13 @@ def padded_rounds(sizes_SxJ, chunk: int, topo=None, longest: int | None = None):
     (rows from source S to device J): 1 while every send fits a chunk, and always when no send can
     be longer than `longest` <= chunk. Every expert group of the mesh runs as many (the most any
     needs), since the weight gradients of each round are summed over the groups (the axes other
-    than the expert axis)."""
+    than the expert axis): a max all-reduce over them, unless sizes are given for every group,
+    [A, S, J]."""
     if longest is not None and longest <= chunk:
         return 1
     rounds = jnp.maximum(1, -(-jnp.max(sizes_SxJ) // chunk)).astype(jnp.int32)
+    if sizes_SxJ.ndim == 3:
+        return rounds
     others = tuple(a for a in (topo.token_axes if topo else ()) if a != topo.expert_axis)
     return jax.lax.pmax(rounds, others) if others else rounds
 
@@ -197,7 +211,7 @@ def _dropless_ragged(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
     receiver, the same layout as the padded exchange, and come back to where they left."""
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
     num_rows = a.order_N.shape[0]
-    me, sizes_SxJ, recv_counts_SxEl = _exchange_plan(a, topo)
+    me, sizes_SxJ, recv_counts_SxEl, _ = _exchange_plan(a, topo)
     x_sorted_NxD = _take_tokens(x_TxD, a.rank_N, num_rows, a.top_k)
     recv_SNxD = jax.lax.ragged_all_to_all(
         x_sorted_NxD, jnp.zeros((num_shards * num_rows, x_TxD.shape[1]), x_TxD.dtype),

@@ -76,7 +76,7 @@ def moe_groups(x_GxTxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, topo: core
             x_GxTxD.shape[1], cfg.top_k, cfg.capacity_factor_for(train), cfg.num_experts, cfg.min_capacity
         )
         y_GxTxD, stats = core.capacity_moe(x_GxTxD, logits_GxTxE, w, cfg, capacity, topo, bias_E)
-    return y_GxTxD, core.finish_stats(stats, cfg, topo.token_axes)
+    return y_GxTxD, core.finish_stats(stats, cfg)
 
 
 def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh | None, *, train: bool, key=None,
