@@ -164,3 +164,33 @@ def test_routing_groups_must_fit_the_mesh_and_the_batch():
     block = MoEBlock(MoEConfig(**SMALL, routing_groups=3), D, mesh=mesh((2, 4)), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="routing_groups"):
         block(x_BxLxD())
+
+
+def _benchmark_module():
+    """benchmarks/moe_layer.py, imported from the checkout (it is not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_layer.py"
+    spec = importlib.util.spec_from_file_location("moe_layer_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "random"])
+def test_the_benchmarks_balanced_routing_gives_every_expert_its_fair_share_on_every_device(balanced):
+    """`benchmarks/moe_layer.py --routing balanced`: token t's top-k are experts t, t + 1, ... (mod E),
+    so each device's tokens put exactly T * k / E assignments on every expert; the random router does not."""
+    bench = _benchmark_module()
+    experts, k, d_model, tokens, devices = 16, 2, 64, 1024, 8
+    mesh = jax.make_mesh((1, devices), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    x, router, _ = bench.make_inputs(mesh, experts, d_model, 8, tokens, balanced_k=k if balanced else 0)
+    logits = np.asarray(x.reshape(tokens, d_model) @ router)
+    chosen = np.argsort(-logits, axis=1)[:, :k].reshape(devices, -1)
+    counts = np.stack([np.bincount(c, minlength=experts) for c in chosen])
+    fair = tokens // devices * k // experts
+    assert (counts == fair).all() == balanced, counts
+    if balanced:
+        top = np.argmax(logits, axis=1)
+        np.testing.assert_array_equal(top, np.arange(tokens) % experts)
