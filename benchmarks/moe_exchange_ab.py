@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_layer  # noqa: E402
 
-from trainer.moe import core, exchange  # noqa: E402
+from trainer.moe import exchange  # noqa: E402
 from trainer.moe.capacity import expert_capacity  # noqa: E402
 from trainer.moe.config import MoEConfig  # noqa: E402
 
@@ -107,9 +107,9 @@ def load_package(revision: str):
 
 @contextlib.contextmanager
 def exchange_of(module):
-    """Blocks traced inside take their dropless exchanges from `module`."""
-    with mock.patch.object(exchange, "_dropless_padded", module._dropless_padded), \
-            mock.patch.object(core, "dropless_once_per_device", module.dropless_once_per_device):
+    """Blocks traced inside take their padded dropless exchange (once per assignment: what `auto`
+    runs on CPU) from `module`."""
+    with mock.patch.object(exchange, "_dropless_padded", module._dropless_padded):
         yield
 
 

@@ -346,11 +346,13 @@ def test_padded_exchange_equals_the_oracle_for_balanced_and_skewed_routing(skewe
     assert_block_equals_oracle(x, params, ct, make_config("top2_dropless"), make_mesh("data2_expert4"))
 
 
+@pytest.mark.parametrize("case,mesh_name", [("top2_dropless", "data2_expert4"), ("top2_dropless_once", "expert8")])
 @pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
-def test_the_exchange_plan_that_all_gathers_its_counts_equals_the_oracle(skewed, monkeypatch):
-    """The per-expert counts of every device come with the statistics' all-reduce up to
-    core.MERGED_COUNTS_LIMIT; past it each expert group all-gathers its own and the rounds take a
-    max over the data axis. That path too gives the oracle's block, in one round or several."""
+def test_the_exchange_that_all_gathers_its_counts_equals_the_oracle(skewed, case, mesh_name, monkeypatch):
+    """Every device's counts (rows per expert, or pairs per device) come with the statistics'
+    all-reduce up to core.MERGED_COUNTS_LIMIT; past it each expert group all-gathers its own and
+    the rounds take a max over the data axis. That path too gives the oracle's block, in one round
+    or several."""
     monkeypatch.setattr(core, "MERGED_COUNTS_LIMIT", 0)
     x, params, ct = skewed_inputs() if skewed else balanced_inputs()
-    assert_block_equals_oracle(x, params, ct, make_config("top2_dropless"), make_mesh("data2_expert4"))
+    assert_block_equals_oracle(x, params, ct, make_config(case), make_mesh(mesh_name))

@@ -21,6 +21,7 @@ from trainer.moe import dispatch, routing
 from trainer.moe.config import MoEConfig
 from trainer.moe.exchange import (
     Assignments,
+    device_pairs,
     dropless_experts,
     dropless_once_per_device,
     exchange_from_experts,
@@ -127,9 +128,11 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
     auto = topo.exchange == "ragged" and devices < k
     once = cfg.exchange_rows == "device" or (cfg.exchange_rows == "auto" and auto)
     if once and topo.expert_axis is not None and topo.num_expert_shards > 1:
-        y_TxD = dropless_once_per_device(x_TxD, experts_GxTxK.reshape(-1, k), weights_GxTxK.reshape(-1, k), w,
-                                         block_rows, topo, devices)
-        return y_TxD.reshape(num_groups, num_tokens, d_model), summed_stats(stats, topo)[0]
+        pairs = device_pairs(experts_GxTxK.reshape(-1, k), weights_GxTxK.reshape(-1, k), w.w_in_ExDxF.shape[0],
+                             topo.num_expert_shards, devices)
+        stats, sizes_AxSxJ = summed_stats(stats, topo, pairs.send_J)
+        y_TxD = dropless_once_per_device(x_TxD, pairs, w, block_rows, topo, devices, sizes_AxSxJ)
+        return y_TxD.reshape(num_groups, num_tokens, d_model), stats
     experts_N = cap.flatten_choices(experts_GxTxK.reshape(-1, k))
     gate_N = cap.flatten_choices(weights_GxTxK.reshape(-1, k))
     order_N, counts_E = dispatch.sort_by_expert(experts_N, cfg.num_experts)
@@ -197,24 +200,25 @@ def token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, per_g
 MERGED_COUNTS_LIMIT = 1 << 16
 
 
-def summed_stats(stats: Stats, topo: Topology, counts_E=None) -> tuple[Stats, jax.Array | None]:
-    """The statistics summed over every token shard (one all-reduce), and, given counts_E (this
-    shard's assignments per expert), every shard's counts from the same all-reduce: int32
-    [A, S, E], S the expert axis, A the token shards beside it. Both sides of the dropless exchange
-    need them, so the block takes one collective fewer than with an all-gather of its own, and the
-    rounds of the padded exchange need no max over A. None where there is no token axis or the
-    matrix would be large (the exchange plan then all-gathers its group's counts)."""
+def summed_stats(stats: Stats, topo: Topology, counts_C=None) -> tuple[Stats, jax.Array | None]:
+    """The statistics summed over every token shard (one all-reduce), and, given counts_C (this
+    shard's rows per expert, or pairs per device for the once-per-device exchange), every shard's
+    counts from the same all-reduce: int32 [A, S, C], S the expert axis, A the token shards beside
+    it. Both sides of the dropless exchange need them, so the block takes one collective fewer
+    than with an all-gather of its own, and the rounds of the padded exchange need no max over A.
+    None where there is no token axis or the matrix would be large (the exchange then all-gathers
+    its group's counts)."""
     axes = topo.token_axes
     if not axes:
         return stats, None
     shards = jax.lax.axis_size(axes)
-    if counts_E is None or shards * counts_E.shape[0] > MERGED_COUNTS_LIMIT:
+    if counts_C is None or shards * counts_C.shape[0] > MERGED_COUNTS_LIMIT:
         return jax.lax.psum(stats, axes), None
     mine_Ax1 = (jnp.arange(shards) == jax.lax.axis_index(axes))[:, None]
-    counts_AxE = jnp.where(mine_Ax1, jax.lax.stop_gradient(counts_E).astype(jnp.float32)[None], 0.0)
-    stats, counts_AxE = jax.lax.psum((stats, counts_AxE), axes)
+    counts_AxC = jnp.where(mine_Ax1, jax.lax.stop_gradient(counts_C).astype(jnp.float32)[None], 0.0)
+    stats, counts_AxC = jax.lax.psum((stats, counts_AxC), axes)
     # Counts are integers far below 2**24: exact in float32, which shares the statistics' all-reduce.
-    return stats, counts_AxE.astype(jnp.int32).reshape(-1, topo.num_expert_shards, counts_E.shape[0])
+    return stats, counts_AxC.astype(jnp.int32).reshape(-1, topo.num_expert_shards, counts_C.shape[0])
 
 
 def finish_stats(stats: Stats, cfg: MoEConfig) -> dict[str, jax.Array]:

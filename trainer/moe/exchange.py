@@ -262,16 +262,20 @@ def once_per_device_chunk_rows(num_tokens: int, num_shards: int, devices_per_tok
     return min(num_tokens, 8 * -(-2 * num_tokens * devices_per_token // (8 * num_shards)))
 
 
-def dropless_once_per_device(x_TxD, experts_TxK, gate_TxK, w: ExpertWeights, block_rows: int, topo,
-                             devices_per_token: int) -> jax.Array:
-    """The routed output [T, D] (float32) of every assignment, each token sent at most once per device.
+class Pairs(NamedTuple):
+    """A token's (slot, device) pairs, p = slot * T + t, d * T in all (d: devices_per_token)."""
 
-    devices_per_token (d) bounds the distinct devices of a token's experts (max_devices_per_token):
-    a token's devices fill its first slots of d, so the pairs are p = slot * T + t, d * T in all.
-    """
-    axis, num_shards = topo.expert_axis, topo.num_expert_shards
+    device_P: jax.Array  # the pair's device; num_shards where the slot is empty
+    place_P: jax.Array  # the pair's place among the pairs for its device
+    gates_PxK: jax.Array  # the gate of each of the token's k choices on that device, 0 elsewhere
+    ids_PxK: jax.Array  # their local expert ids (float32, no gradient), E_l for choices elsewhere
+    send_J: jax.Array  # pairs for each device
+
+
+def device_pairs(experts_TxK, gate_TxK, local: int, num_shards: int, devices_per_token: int) -> Pairs:
+    """The pairs of the once-per-device exchange: a token's devices fill its first slots of d."""
     num_tokens = experts_TxK.shape[0]
-    slots, local = devices_per_token, w.w_in_ExDxF.shape[0]
+    slots = devices_per_token
     device_TxK = experts_TxK // local
     sorted_TxK = jnp.sort(device_TxK, axis=-1)
     first_TxK = jnp.concatenate([jnp.ones((num_tokens, 1), bool), sorted_TxK[:, 1:] != sorted_TxK[:, :-1]], axis=1)
@@ -285,18 +289,35 @@ def dropless_once_per_device(x_TxD, experts_TxK, gate_TxK, w: ExpertWeights, blo
                                     .astype(jnp.float32))
     to_PxS = device_P[:, None] == jnp.arange(num_shards, dtype=jnp.int32)
     send_J = jnp.sum(to_PxS, axis=0, dtype=jnp.int32)
-    sizes_SxJ = jax.lax.all_gather(send_J, axis)
-    # The pair's place among the pairs for its device.
     place_P = jnp.sum(jnp.where(to_PxS, jnp.cumsum(to_PxS, axis=0, dtype=jnp.int32) - 1, 0), axis=1)
+    return Pairs(device_P, place_P, gates_PxK, ids_PxK, send_J)
+
+
+def dropless_once_per_device(x_TxD, pairs: Pairs, w: ExpertWeights, block_rows: int, topo, devices_per_token: int,
+                             sizes_AxSxJ=None) -> jax.Array:
+    """The routed output [T, D] (float32) of every assignment, each token sent at most once per device.
+
+    devices_per_token (d) bounds the distinct devices of a token's experts (max_devices_per_token).
+    sizes_AxSxJ: every token shard's pairs per device (core.summed_stats), or None: the expert
+    group all-gathers its own.
+    """
+    axis, num_shards = topo.expert_axis, topo.num_expert_shards
+    num_tokens = x_TxD.shape[0]
+    if sizes_AxSxJ is None:
+        sizes_SxJ = group_sizes = jax.lax.all_gather(pairs.send_J, axis)
+    else:
+        others = tuple(t for t in topo.token_axes if t != axis)
+        sizes_SxJ = sizes_AxSxJ[jax.lax.axis_index(others)] if others else sizes_AxSxJ[0]
+        group_sizes = sizes_AxSxJ
     me = jax.lax.axis_index(axis)
     if topo.exchange == "ragged":
-        meta_PxK2 = jnp.concatenate([gates_PxK, ids_PxK], axis=1)
-        return _once_ragged(x_TxD, meta_PxK2, device_P, place_P, sizes_SxJ, me, w, block_rows, topo)
+        meta_PxK2 = jnp.concatenate([pairs.gates_PxK, pairs.ids_PxK], axis=1)
+        return _once_ragged(x_TxD, meta_PxK2, pairs.device_P, pairs.place_P, sizes_SxJ, me, w, block_rows, topo)
     chunk = once_per_device_chunk_rows(num_tokens, num_shards, devices_per_token)
     round_fn = functools.partial(_once_padded_round, block_rows=block_rows, topo=topo, chunk=chunk)
     # The gates are differentiated (they carry the router's gradient): they travel as part of x.
-    return in_rounds(round_fn, (x_TxD, gates_PxK), w, (ids_PxK, device_P, place_P),
-                     padded_rounds(sizes_SxJ, chunk, topo, num_tokens))
+    return in_rounds(round_fn, (x_TxD, pairs.gates_PxK), w, (pairs.ids_PxK, pairs.device_P, pairs.place_P),
+                     padded_rounds(group_sizes, chunk, topo, num_tokens))
 
 
 def _pair_rows(x_TxD, meta_PxK2, send_row_P, num_rows, local):
