@@ -3,6 +3,7 @@
     python benchmarks/moe_exchange_ab.py --against f82f8e2^ --case 0
     python benchmarks/moe_exchange_ab.py --against HEAD --case 2 --reps 9 --json
     python benchmarks/moe_exchange_ab.py --against HEAD~3 --package --case 0 --reps 21
+    python benchmarks/moe_exchange_ab.py --against HEAD~1 --package --exchange-rows device --case 3
 
 Runs on 8 fake CPU devices (mesh expert=8), float32, fwd+bwd of the dropless block
 (exchange_rows auto) of benchmarks/moe_layer.py's cases. The other revision's
@@ -113,14 +114,15 @@ def exchange_of(module):
         yield
 
 
-def run_case(mesh, case, other, reps, package=False):
+def run_case(mesh, case, other, reps, package=False, exchange_rows="auto"):
     experts, k, d_model, d_ff, tokens, cf, routing = case
     devices = mesh.devices.size
     x, router, w = moe_layer.make_inputs(mesh, experts, d_model, d_ff, tokens)
     capacity = expert_capacity(tokens // devices, k, cf, experts, 4)
     rows = jax.device_put(jax.random.normal(jax.random.key(7), (experts, devices * capacity, d_model)),
                           NamedSharding(mesh, P("expert")))
-    cfg = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=0.0, **routing)
+    cfg = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=0.0, exchange_rows=exchange_rows,
+                    **routing)
     steps = {"ideal": (moe_layer.ideal_step(mesh), (rows, w)),
              "this_tree": (moe_layer.block_step(cfg, mesh), (x, router, w))}
     ours = steps["this_tree"][0](x, router, w)  # traced and compiled here, with this tree's exchange
@@ -141,6 +143,7 @@ def run_case(mesh, case, other, reps, package=False):
     ideal = [statistics.median(t[i] for t in times["ideal"]) for i in (0, 1)]
     ideal_min = [min(t[i] for t in times["ideal"]) for i in (0, 1)]
     row = {"experts": experts, "top_k": k, "tokens": tokens, "routing": routing or None, "reps": reps,
+           "exchange_rows": exchange_rows,
            "max_abs_difference": diff, "ideal_ms": round(ideal[0], 2)}
     for name in ("this_tree", "other"):
         t = times[name]
@@ -158,12 +161,16 @@ def main(argv=None) -> int:
     parser.add_argument("--case", type=int, action="append", help="benchmarks/moe_layer.py case indices (0-based)")
     parser.add_argument("--reps", type=int, default=9, help="timed rounds (interleaved); medians are reported")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--exchange-rows", choices=("auto", "assignment", "device"), default="auto",
+                        help="moe.exchange_rows of both blocks (device: the once-per-device exchange; needs --package)")
     args = parser.parse_args(argv)
+    if args.exchange_rows == "device" and not args.package:
+        parser.error("--exchange-rows device compares whole packages: add --package")
     other = load_package(args.against) if args.package else load_exchange(args.against)
     devices = jax.devices()
     mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
     for index in args.case or range(len(moe_layer.CASES)):
-        row = run_case(mesh, moe_layer.CASES[index], other, args.reps, args.package)
+        row = run_case(mesh, moe_layer.CASES[index], other, args.reps, args.package, args.exchange_rows)
         if args.json:
             print(json.dumps(row), flush=True)
         else:
