@@ -74,12 +74,18 @@ def _exchange_plan(a: Assignments, topo):
         counts_SxE = jax.lax.all_gather(a.counts_E, axis)
         group_sizes = None
     else:
-        others = tuple(t for t in topo.token_axes if t != axis)
-        counts_SxE = a.counts_AxSxE[jax.lax.axis_index(others)] if others else a.counts_AxSxE[0]
+        counts_SxE = _of_my_group(a.counts_AxSxE, topo)
         group_sizes = a.counts_AxSxE.reshape(-1, num_shards, num_shards, local).sum(axis=3)
     sizes_SxJ = counts_SxE.reshape(num_shards, num_shards, local).sum(axis=2)
     recv_counts_SxEl = jax.lax.dynamic_slice_in_dim(counts_SxE, me * local, local, axis=1)
     return me, sizes_SxJ, recv_counts_SxEl, sizes_SxJ if group_sizes is None else group_sizes
+
+
+def _of_my_group(counts_AxSxC, topo):
+    """The [S, C] counts of this device's expert group (its row over the token axes beside the
+    expert axis) out of every token shard's [A, S, C] (core.summed_stats)."""
+    others = tuple(t for t in topo.token_axes if t != topo.expert_axis)
+    return counts_AxSxC[jax.lax.axis_index(others)] if others else counts_AxSxC[0]
 
 
 def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, save_rows=None):
@@ -306,8 +312,7 @@ def dropless_once_per_device(x_TxD, pairs: Pairs, w: ExpertWeights, block_rows: 
     if sizes_AxSxJ is None:
         sizes_SxJ = group_sizes = jax.lax.all_gather(pairs.send_J, axis)
     else:
-        others = tuple(t for t in topo.token_axes if t != axis)
-        sizes_SxJ = sizes_AxSxJ[jax.lax.axis_index(others)] if others else sizes_AxSxJ[0]
+        sizes_SxJ = _of_my_group(sizes_AxSxJ, topo)
         group_sizes = sizes_AxSxJ
     me = jax.lax.axis_index(axis)
     if topo.exchange == "ragged":
