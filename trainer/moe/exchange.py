@@ -63,29 +63,28 @@ def dropless_experts(x_TxD, a: Assignments, w: ExpertWeights, block_rows: int, t
 
 def _exchange_plan(a: Assignments, topo):
     """Every device's per-expert counts (E integers each), so that each side knows what it sends
-    and receives without a third all_to_all: those of all token shards that came with the
-    statistics' all-reduce (a.counts_AxSxE), or those of the expert group, all-gathered.
-    Returns (me, sizes_SxJ, recv_counts_SxEl, group_sizes): group_sizes, the sizes of every
-    expert group [A, S, J] when known, else sizes_SxJ."""
-    axis, num_shards = topo.expert_axis, topo.num_expert_shards
+    and receives without a third all_to_all. Returns (me, sizes_SxJ, recv_counts_SxEl,
+    round_sizes): round_sizes, what padded_rounds reads (group_counts)."""
+    num_shards = topo.num_expert_shards
     local = a.counts_E.shape[0] // num_shards
-    me = jax.lax.axis_index(axis)
-    if a.counts_AxSxE is None:
-        counts_SxE = jax.lax.all_gather(a.counts_E, axis)
-        group_sizes = None
-    else:
-        counts_SxE = _of_my_group(a.counts_AxSxE, topo)
-        group_sizes = a.counts_AxSxE.reshape(-1, num_shards, num_shards, local).sum(axis=3)
-    sizes_SxJ = counts_SxE.reshape(num_shards, num_shards, local).sum(axis=2)
+    me = jax.lax.axis_index(topo.expert_axis)
+    counts_SxE, round_counts = group_counts(a.counts_E, a.counts_AxSxE, topo)
+    per_device = lambda counts: counts.reshape(*counts.shape[:-1], num_shards, local).sum(axis=-1)
     recv_counts_SxEl = jax.lax.dynamic_slice_in_dim(counts_SxE, me * local, local, axis=1)
-    return me, sizes_SxJ, recv_counts_SxEl, sizes_SxJ if group_sizes is None else group_sizes
+    return me, per_device(counts_SxE), recv_counts_SxEl, per_device(round_counts)
 
 
-def _of_my_group(counts_AxSxC, topo):
-    """The [S, C] counts of this device's expert group (its row over the token axes beside the
-    expert axis) out of every token shard's [A, S, C] (core.summed_stats)."""
+def group_counts(mine_C, every_AxSxC, topo):
+    """(the [S, C] counts of this device's expert group, the counts its rounds must cover).
+
+    every_AxSxC, every token shard's counts from the statistics' all-reduce (core.summed_stats),
+    gives both: the group's row over the token axes beside the expert axis, and all of it. Without
+    it (None) the group all-gathers its own, which are then both."""
+    if every_AxSxC is None:
+        counts_SxC = jax.lax.all_gather(mine_C, topo.expert_axis)
+        return counts_SxC, counts_SxC
     others = tuple(t for t in topo.token_axes if t != topo.expert_axis)
-    return counts_AxSxC[jax.lax.axis_index(others)] if others else counts_AxSxC[0]
+    return (every_AxSxC[jax.lax.axis_index(others)] if others else every_AxSxC[0]), every_AxSxC
 
 
 def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, save_rows=None):
@@ -105,11 +104,11 @@ def _dropless_padded(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
     Nothing is sized for the worst case, so a balanced step allocates and zeroes one round's buffers.
     """
     num_rows = a.order_N.shape[0]
-    me, sizes_SxJ, recv_counts_SxEl, group_sizes = _exchange_plan(a, topo)
+    me, sizes_SxJ, recv_counts_SxEl, round_sizes = _exchange_plan(a, topo)
     chunk = padded_chunk_rows(num_rows, topo.num_expert_shards)
     round_fn = functools.partial(_padded_round, block_rows=block_rows, topo=topo, chunk=chunk, top_k=a.top_k)
     aux = (a.order_N, a.rank_N, me, sizes_SxJ, recv_counts_SxEl)
-    return in_rounds(round_fn, x_TxD, w, aux, padded_rounds(group_sizes, chunk, topo, num_rows))
+    return in_rounds(round_fn, x_TxD, w, aux, padded_rounds(round_sizes, chunk, topo, num_rows))
 
 
 def padded_rounds(sizes_SxJ, chunk: int, topo=None, longest: int | None = None):
@@ -309,11 +308,7 @@ def dropless_once_per_device(x_TxD, pairs: Pairs, w: ExpertWeights, block_rows: 
     """
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
     num_tokens = x_TxD.shape[0]
-    if sizes_AxSxJ is None:
-        sizes_SxJ = group_sizes = jax.lax.all_gather(pairs.send_J, axis)
-    else:
-        sizes_SxJ = _of_my_group(sizes_AxSxJ, topo)
-        group_sizes = sizes_AxSxJ
+    sizes_SxJ, round_sizes = group_counts(pairs.send_J, sizes_AxSxJ, topo)
     me = jax.lax.axis_index(axis)
     if topo.exchange == "ragged":
         meta_PxK2 = jnp.concatenate([pairs.gates_PxK, pairs.ids_PxK], axis=1)
@@ -322,7 +317,7 @@ def dropless_once_per_device(x_TxD, pairs: Pairs, w: ExpertWeights, block_rows: 
     round_fn = functools.partial(_once_padded_round, block_rows=block_rows, topo=topo, chunk=chunk)
     # The gates are differentiated (they carry the router's gradient): they travel as part of x.
     return in_rounds(round_fn, (x_TxD, pairs.gates_PxK), w, (pairs.ids_PxK, pairs.device_P, pairs.place_P),
-                     padded_rounds(group_sizes, chunk, topo, num_tokens))
+                     padded_rounds(round_sizes, chunk, topo, num_tokens))
 
 
 def _pair_rows(x_TxD, meta_PxK2, send_row_P, num_rows, local):
