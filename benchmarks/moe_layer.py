@@ -138,7 +138,7 @@ def ffn_tiled_step(mesh, num_rows, block_rows, d_model, w):
     spread evenly over sources and local experts."""
     devices = mesh.devices.size
     local = w.w_in_ExDxF.shape[0] // devices
-    chunk = exchange.padded_chunk_rows(num_rows, devices)
+    chunk = exchange.padded_chunks(num_rows, devices).first
     counts_SxEl = jnp.full((devices, local), num_rows // (devices * local), jnp.int32)
     topo = Topology(grouped_matmul="tiled")
     spec = P("expert")

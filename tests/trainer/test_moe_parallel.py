@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from moe_oracle import oracle_aux, oracle_capacity, oracle_keep, oracle_moe, oracle_routing, ragged_all_to_all_on_cpu
 
 from trainer.moe import MoEConfig, core, exchange
-from trainer.moe.exchange import padded_chunk_rows
+from trainer.moe.exchange import Chunks, padded_chunks
 from trainer.moe.experts import ExpertWeights
 from trainer.moe.parallel import make_topology, moe_apply, moe_groups
 
@@ -295,36 +295,45 @@ def assert_block_equals_oracle(x, params, ct, cfg, mesh, names=("router", "w_in"
 @pytest.mark.parametrize("case", ["top2_dropless", "top2_dropless_once"])
 def test_dropless_stays_exact_when_every_token_goes_to_two_experts(case):
     """The worst case of the dropless exchange: every device sends all its rows to the two
-    devices that hold experts 0 and 1, twice a round's chunk, so the padded exchange runs a
-    second round, recomputed in the backward pass. Still equal to the oracle."""
+    devices that hold experts 0 and 1, twice the first round's chunk, so the padded exchange runs its
+    loop of further rounds, recomputed in the backward pass. Still equal to the oracle."""
     cfg, mesh = make_config(case), make_mesh("expert8")
     tokens = B * L // 8  # per device; each sends all of them (once per device) or twice that to each of two
-    chunk = (exchange.once_per_device_chunk_rows(tokens, 8, 2) if cfg.exchange_rows == "device"
-             else padded_chunk_rows(2 * tokens, 8))
-    assert -(-tokens // chunk) == 2  # rounds
+    chunks = (exchange.once_per_device_chunks(tokens, 8, 2) if cfg.exchange_rows == "device"
+              else padded_chunks(2 * tokens, 8))
+    assert int(exchange.padded_rounds(jnp.full((8, 8), tokens), chunks)) == 2
     aux = assert_block_equals_oracle(*skewed_inputs(), cfg, mesh, names=("w_in", "w_gate", "w_out"))
     np.testing.assert_allclose(aux["expert_load"][:2], [0.5, 0.5], rtol=1e-6)
 
 
-def test_padded_exchange_chunks_are_twice_the_fair_share_in_multiples_of_8():
-    assert padded_chunk_rows(2048, 8) == 512
-    assert padded_chunk_rows(32, 4) == 16
-    assert padded_chunk_rows(36, 4) == 24
-    assert padded_chunk_rows(32, 8) == 8
-    assert padded_chunk_rows(8, 2) == 8  # never more than all N rows
+def test_padded_exchange_chunks_are_five_and_three_quarters_of_the_fair_share_in_multiples_of_8():
+    """The first round's chunk is 1.25x a destination's fair share, each further round's 0.75x:
+    two rounds hold twice the fair share. Never more than all N rows."""
+    assert padded_chunks(2048, 8) == Chunks(320, 192)
+    assert padded_chunks(512, 8) == Chunks(80, 48)
+    assert padded_chunks(32, 4) == Chunks(16, 8)
+    assert padded_chunks(36, 4) == Chunks(16, 8)
+    assert padded_chunks(8, 2) == Chunks(8, 8)
+    assert padded_chunks(256, 8, cap=32) == Chunks(32, 24)
+    assert exchange.once_per_device_chunks(128, 8, 4) == padded_chunks(512, 8, cap=128) == Chunks(80, 48)
+    assert [Chunks(80, 48).start(r) for r in range(4)] == [0, 80, 128, 176]
 
 
-def test_one_round_moves_every_row_when_every_send_fits_a_chunk():
-    """Balanced routing (each source sends 8 of its 32 rows to each of 4 devices) fits chunks of 16:
-    one round; one send of 32 rows (two hot experts on one device) takes two, one of 17 rows too."""
-    chunk = padded_chunk_rows(32, 4)
+def test_one_round_moves_every_row_when_every_send_fits_the_first_chunk():
+    """Balanced routing (each source sends 8 of its 32 rows to each of 4 devices) fits a first chunk
+    of 16: one round; a send of 17 to 24 rows takes one more round of 8, one of 32 rows (two hot
+    experts on one device) three."""
+    chunks = padded_chunks(32, 4)
     balanced_SxJ = jnp.full((4, 4), 8)
-    assert chunk == 16
-    assert int(exchange.padded_rounds(balanced_SxJ, chunk)) == 1
-    assert int(exchange.padded_rounds(balanced_SxJ.at[1, 3].set(16), chunk)) == 1  # exactly full fits
-    assert int(exchange.padded_rounds(balanced_SxJ.at[1, 3].set(17), chunk)) == 2
-    assert int(exchange.padded_rounds(balanced_SxJ.at[2, 0].set(32), chunk)) == 2
-    assert int(exchange.padded_rounds(jnp.zeros((4, 4), jnp.int32), chunk)) == 1  # nothing to send
+    assert chunks == Chunks(16, 8)
+    rounds = lambda sizes: int(exchange.padded_rounds(sizes, chunks))
+    assert rounds(balanced_SxJ) == 1
+    assert rounds(balanced_SxJ.at[1, 3].set(16)) == 1  # exactly full fits
+    assert rounds(balanced_SxJ.at[1, 3].set(17)) == 2
+    assert rounds(balanced_SxJ.at[1, 3].set(24)) == 2
+    assert rounds(balanced_SxJ.at[2, 0].set(32)) == 3
+    assert rounds(jnp.zeros((4, 4), jnp.int32)) == 1  # nothing to send
+    assert exchange.padded_rounds(balanced_SxJ.at[2, 0].set(32), chunks, longest=16) == 1  # static: none can be longer
 
 
 def test_window_counts_the_rows_of_each_group_a_round_moves():
@@ -340,7 +349,7 @@ def test_window_counts_the_rows_of_each_group_a_round_moves():
 
 @pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
 def test_padded_exchange_equals_the_oracle_for_balanced_and_skewed_routing(skewed):
-    """The CPU dropless exchange pads each destination's rows to twice its fair share; when a send
+    """The CPU dropless exchange pads each destination's rows to 1.25x its fair share; when a send
     is longer it takes further rounds. One round or several give the oracle's block and gradients."""
     x, params, ct = skewed_inputs() if skewed else balanced_inputs()
     assert_block_equals_oracle(x, params, ct, make_config("top2_dropless"), make_mesh("data2_expert4"))

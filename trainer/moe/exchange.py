@@ -97,40 +97,61 @@ def _on_receiver(recv_SNxD, recv_counts_SxEl, w, block_rows, topo, save_rows=Non
 
 
 def _dropless_padded(x_TxD, a: Assignments, w, block_rows, topo) -> jax.Array:
-    """Chunk j of the send buffer holds rows for device j, zero-padded to `padded_chunk_rows`
-    (twice the fair share): one round moves every row when no send is longer, which balanced
-    routing keeps to. Longer sends take further rounds of the same size (`in_rounds`); every
-    device of the group learns every send size from the plan, so all run the same rounds.
-    Nothing is sized for the worst case, so a balanced step allocates and zeroes one round's buffers.
+    """Chunk j of the send buffer holds rows for device j, zero-padded to the round's chunk
+    (`padded_chunks`: 1.25x the fair share in the first round): one round moves every row when no
+    send is longer, which balanced routing keeps to. Longer sends take further, smaller rounds
+    (`in_rounds`); every device of the group learns every send size from the plan, so all run the
+    same rounds. Nothing is sized for the worst case, so a balanced step allocates and zeroes one
+    round's buffers.
     """
     num_rows = a.order_N.shape[0]
     me, sizes_SxJ, recv_counts_SxEl, round_sizes = _exchange_plan(a, topo)
-    chunk = padded_chunk_rows(num_rows, topo.num_expert_shards)
-    round_fn = functools.partial(_padded_round, block_rows=block_rows, topo=topo, chunk=chunk, top_k=a.top_k)
+    chunks = padded_chunks(num_rows, topo.num_expert_shards)
+    round_fn = functools.partial(_padded_round, block_rows=block_rows, topo=topo, top_k=a.top_k)
     aux = (a.order_N, a.rank_N, me, sizes_SxJ, recv_counts_SxEl)
-    return in_rounds(round_fn, x_TxD, w, aux, padded_rounds(round_sizes, chunk, topo, num_rows))
+    return in_rounds(round_fn, chunks, x_TxD, w, aux, padded_rounds(round_sizes, chunks, topo, num_rows))
 
 
-def padded_rounds(sizes_SxJ, chunk: int, topo=None, longest: int | None = None):
-    """Rounds of `chunk` rows per destination that move the longest send of the expert group
-    (rows from source S to device J): 1 while every send fits a chunk, and always when no send can
-    be longer than `longest` <= chunk. Every expert group of the mesh runs as many (the most any
-    needs), since the weight gradients of each round are summed over the groups (the axes other
-    than the expert axis): a max all-reduce over them, unless sizes are given for every group,
-    [A, S, J]."""
-    if longest is not None and longest <= chunk:
+class Chunks(NamedTuple):
+    """Rows per destination of the padded exchange's rounds: `first` in round 0, `more` in each
+    round after it (round r >= 1 moves rows [first + (r - 1) * more, first + r * more) of every send)."""
+
+    first: int
+    more: int
+
+    def start(self, r):
+        return 0 if isinstance(r, int) and r == 0 else self.first + (r - 1) * self.more
+
+
+def padded_chunks(fair_total: int, num_shards: int, cap: int | None = None) -> Chunks:
+    """The rounds' chunks for sends of fair_total rows in all (fair share fair_total / S per
+    destination): the first round 1.25x the fair share, each further round 0.75x, in multiples of 8.
+
+    XLA:CPU's all_to_all costs about in proportion to the rows it moves, padding included, so
+    the first chunk is what a balanced router needs (the benchmark's random router sends at most
+    1.13-1.23x the fair share to any device) and the rest comes in smaller rounds: two rounds move
+    twice the fair share, which trained routers on small shards often reach. At most `cap` rows
+    (a send's most; fair_total by default): one round then always does.
+    """
+    cap = fair_total if cap is None else cap
+    of_fair = lambda num, den: 8 * -(-num * fair_total // (8 * den * num_shards))
+    return Chunks(min(cap, of_fair(5, 4)), min(cap, of_fair(3, 4)))
+
+
+def padded_rounds(sizes_SxJ, chunks: Chunks, topo=None, longest: int | None = None):
+    """Rounds that move the longest send of the expert group (rows from source S to device J):
+    1 while every send fits the first chunk, and always when no send can be longer than `longest`
+    <= that chunk. Every expert group of the mesh runs as many (the most any needs), since the
+    weight gradients of each round are summed over the groups (the axes other than the expert
+    axis): a max all-reduce over them, unless sizes are given for every group, [A, S, J]."""
+    if longest is not None and longest <= chunks.first:
         return 1
-    rounds = jnp.maximum(1, -(-jnp.max(sizes_SxJ) // chunk)).astype(jnp.int32)
+    beyond = jnp.maximum(jnp.max(sizes_SxJ) - chunks.first, 0)
+    rounds = (1 + -(-beyond // chunks.more)).astype(jnp.int32)
     if sizes_SxJ.ndim == 3:
         return rounds
     others = tuple(a for a in (topo.token_axes if topo else ()) if a != topo.expert_axis)
     return jax.lax.pmax(rounds, others) if others else rounds
-
-
-def padded_chunk_rows(num_rows: int, num_shards: int) -> int:
-    """Rows per destination and round of the padded exchange: twice a device's fair share of its
-    N rows, in multiples of 8, at most N (one round then always does)."""
-    return min(num_rows, 8 * -(-2 * num_rows // (8 * num_shards)))
 
 
 def _window(counts_SxG, start, size):
@@ -141,9 +162,9 @@ def _window(counts_SxG, start, size):
     return upto(start + size) - upto(start)
 
 
-def _padded_round(x_TxD, w, aux, r, *, block_rows, topo, chunk, top_k):
-    """Round r of the padded exchange: rows [r * chunk, (r + 1) * chunk) of each send go to
-    their devices, through the experts and back; [N, D] outputs, zeros for the other rounds' rows."""
+def _padded_round(x_TxD, w, aux, start, chunk, *, block_rows, topo, top_k):
+    """One round of the padded exchange: rows [start, start + chunk) of each send go to their
+    devices, through the experts and back; [N, D] outputs, zeros for the other rounds' rows."""
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
     order_N, rank_N, me, sizes_SxJ, recv_counts_SxEl = aux
     num_rows = order_N.shape[0]
@@ -151,12 +172,12 @@ def _padded_round(x_TxD, w, aux, r, *, block_rows, topo, chunk, top_k):
     # Where each sorted row sits in the [J, chunk] send buffer this round (J * chunk: not this round),
     # and each assignment's send row.
     dest_device_N = dispatch.searchsorted_right(jnp.cumsum(send_J), jnp.arange(num_rows)).astype(jnp.int32)
-    place_N = jnp.arange(num_rows, dtype=jnp.int32) - _starts(send_J)[dest_device_N] - r * chunk
+    place_N = jnp.arange(num_rows, dtype=jnp.int32) - _starts(send_J)[dest_device_N] - start
     this_round_N = (place_N >= 0) & (place_N < chunk)
     send_row_N = jnp.where(this_round_N, dest_device_N * chunk + place_N, num_shards * chunk)[rank_N]
     send_JCxD = _take_tokens(x_TxD, send_row_N, num_shards * chunk, top_k)
     recv_SCxD = jax.lax.all_to_all(send_JCxD, axis, split_axis=0, concat_axis=0, tiled=True)
-    out_SCxD = _on_receiver(recv_SCxD, _window(recv_counts_SxEl, r * chunk, chunk), w, block_rows, topo)
+    out_SCxD = _on_receiver(recv_SCxD, _window(recv_counts_SxEl, start, chunk), w, block_rows, topo)
     back_JCxD = jax.lax.all_to_all(out_SCxD, axis, split_axis=0, concat_axis=0, tiled=True)
     source_JC = dispatch.inverse_index(send_row_N, num_shards * chunk)
     return dispatch.take_rows(back_JCxD, send_row_N, source_JC[None])
@@ -166,33 +187,35 @@ def _padded_round(x_TxD, w, aux, r, *, block_rows, topo, chunk, top_k):
 EXTRA_ROUNDS = "extra_rounds"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def in_rounds(round_fn, x, w, aux, num_rounds):
-    """The sum over r < num_rounds (at least 1) of round_fn(x, w, aux, r).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def in_rounds(round_fn, chunks: Chunks, x, w, aux, num_rounds):
+    """The sum over rounds r < num_rounds (at least 1) of round_fn(x, w, aux, start, chunk): round 0
+    moves rows [0, chunks.first) of every send, round r >= 1 the next chunks.more (Chunks.start).
 
     The first round is differentiated as usual and keeps its activations; the others run in a
     loop of a dynamic trip count (the same on every device of the group) and are recomputed in
     the backward pass, which autodiff cannot do through such a loop, hence the custom_vjp.
     aux holds what gets no gradient: indices, counts, expert ids.
     """
-    return _more_rounds(round_fn, x, w, aux, num_rounds, round_fn(x, w, aux, 0))
+    return _more_rounds(round_fn, chunks, x, w, aux, num_rounds, round_fn(x, w, aux, 0, chunks.first))
 
 
-def _more_rounds(round_fn, x, w, aux, num_rounds, y):
+def _more_rounds(round_fn, chunks, x, w, aux, num_rounds, y):
+    more = lambda r, y: y + round_fn(x, w, aux, chunks.start(r), chunks.more)
     with jax.named_scope(EXTRA_ROUNDS):
-        return jax.lax.fori_loop(1, num_rounds, lambda r, y: y + round_fn(x, w, aux, r), y)
+        return jax.lax.fori_loop(1, num_rounds, more, y)
 
 
-def _in_rounds_fwd(round_fn, x, w, aux, num_rounds):
-    y, first_vjp = jax.vjp(lambda x, w: round_fn(x, w, aux, 0), x, w)
-    return _more_rounds(round_fn, x, w, aux, num_rounds, y), (x, w, aux, num_rounds, first_vjp)
+def _in_rounds_fwd(round_fn, chunks, x, w, aux, num_rounds):
+    y, first_vjp = jax.vjp(lambda x, w: round_fn(x, w, aux, 0, chunks.first), x, w)
+    return _more_rounds(round_fn, chunks, x, w, aux, num_rounds, y), (x, w, aux, num_rounds, first_vjp)
 
 
-def _in_rounds_bwd(round_fn, res, ct):
+def _in_rounds_bwd(round_fn, chunks, res, ct):
     x, w, aux, num_rounds, first_vjp = res
 
     def more(r, grads):
-        _, vjp = jax.vjp(lambda x, w: round_fn(x, w, aux, r), x, w)
+        _, vjp = jax.vjp(lambda x, w: round_fn(x, w, aux, chunks.start(r), chunks.more), x, w)
         return jax.tree.map(jnp.add, grads, vjp(ct))
 
     with jax.named_scope(EXTRA_ROUNDS):
@@ -261,10 +284,10 @@ def max_devices_per_token(top_k: int, num_shards: int, expert_groups: int, group
     return most
 
 
-def once_per_device_chunk_rows(num_tokens: int, num_shards: int, devices_per_token: int) -> int:
-    """Rows per destination of the padded once-per-device exchange: twice a device's fair share
-    of its T * devices_per_token pair rows, in multiples of 8, at most T (which always fits)."""
-    return min(num_tokens, 8 * -(-2 * num_tokens * devices_per_token // (8 * num_shards)))
+def once_per_device_chunks(num_tokens: int, num_shards: int, devices_per_token: int) -> Chunks:
+    """The rounds' chunks of the padded once-per-device exchange (padded_chunks), for a device's
+    T * devices_per_token pair rows, at most T (which always fits)."""
+    return padded_chunks(num_tokens * devices_per_token, num_shards, cap=num_tokens)
 
 
 class Pairs(NamedTuple):
@@ -313,11 +336,11 @@ def dropless_once_per_device(x_TxD, pairs: Pairs, w: ExpertWeights, block_rows: 
     if topo.exchange == "ragged":
         meta_PxK2 = jnp.concatenate([pairs.gates_PxK, pairs.ids_PxK], axis=1)
         return _once_ragged(x_TxD, meta_PxK2, pairs.device_P, pairs.place_P, sizes_SxJ, me, w, block_rows, topo)
-    chunk = once_per_device_chunk_rows(num_tokens, num_shards, devices_per_token)
-    round_fn = functools.partial(_once_padded_round, block_rows=block_rows, topo=topo, chunk=chunk)
+    chunks = once_per_device_chunks(num_tokens, num_shards, devices_per_token)
+    round_fn = functools.partial(_once_padded_round, block_rows=block_rows, topo=topo)
     # The gates are differentiated (they carry the router's gradient): they travel as part of x.
-    return in_rounds(round_fn, (x_TxD, pairs.gates_PxK), w, (pairs.ids_PxK, pairs.device_P, pairs.place_P),
-                     padded_rounds(round_sizes, chunk, topo, num_tokens))
+    return in_rounds(round_fn, chunks, (x_TxD, pairs.gates_PxK), w, (pairs.ids_PxK, pairs.device_P, pairs.place_P),
+                     padded_rounds(round_sizes, chunks, topo, num_tokens))
 
 
 def _pair_rows(x_TxD, meta_PxK2, send_row_P, num_rows, local):
@@ -359,13 +382,13 @@ def _combine_pairs(back_RxD, send_row_P, num_tokens):
     return dispatch.sum_leading(y_PxD.reshape(-1, num_tokens, back_RxD.shape[1]))
 
 
-def _once_padded_round(x_and_gates, w, aux, r, *, block_rows, topo, chunk):
-    """Round r of the padded once-per-device exchange: pair rows [r * chunk, (r + 1) * chunk) of
-    each device's pairs; [T, D] float32, the sum of those pairs' rows."""
+def _once_padded_round(x_and_gates, w, aux, start, chunk, *, block_rows, topo):
+    """One round of the padded once-per-device exchange: pair rows [start, start + chunk) of each
+    device's pairs; [T, D] float32, the sum of those pairs' rows."""
     axis, num_shards = topo.expert_axis, topo.num_expert_shards
     (x_TxD, gates_PxK), (ids_PxK, device_P, place_P) = x_and_gates, aux
     num_tokens = x_TxD.shape[0]
-    place_P = place_P - r * chunk
+    place_P = place_P - start
     this_round_P = (device_P < num_shards) & (place_P >= 0) & (place_P < chunk)
     send_row_P = jnp.where(this_round_P, device_P * chunk + place_P, num_shards * chunk)
     meta_PxK2 = jnp.concatenate([gates_PxK, ids_PxK], axis=1)
