@@ -23,8 +23,14 @@ Every time also comes as CPU time (`*_cpu_ms`, all threads of the process, stead
 wall clock on shared cores) beside the load average at the end of the case. With --stages the
 dropless row (exchange_rows auto) also times where the block's time goes, in the same rounds: `ffn_tiled` (the
 receiver's tiled FFN alone, on a device's expected rows split evenly over its experts and
-sources), `ffn_einsum` (batched einsums over the same rows, unpadded) and `rest` (the whole
-block with d_ff = 8: routing, sort, layout, exchange, gathers and combine, with next to no FFN).
+sources), `ffn_einsum` (batched einsums over the same rows, unpadded), `rest` (the whole
+block with d_ff = 8: routing, sort, layout, exchange, gathers and combine, with next to no FFN)
+and `collectives` (the block's six collectives alone, their all_to_all sized for this routing's
+largest send: one round of the tightest padded exchange). `floor_ratio` = (collectives +
+ffn_einsum) / ideal is what no dropless block on this backend can go under: its collectives at
+their smallest and its expert matmuls at the einsum's speed, with nothing else and no device
+waiting for another. `largest_send` and `most_loaded` are the largest send from one device to
+another and the rows the most loaded device receives, against their fair shares.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
-from trainer.moe import exchange  # noqa: E402
+from trainer.moe import core, exchange  # noqa: E402
 from trainer.moe.capacity import expert_capacity  # noqa: E402
 from trainer.moe.config import MoEConfig  # noqa: E402
 from trainer.moe.core import Topology, auto_block_rows  # noqa: E402
@@ -155,9 +161,43 @@ def ffn_tiled_step(mesh, num_rows, block_rows, d_model, w):
     return jax.jit(jax.grad(loss, argnums=(0, 1))), (recv, w)
 
 
+def sends(x, router, cfg: MoEConfig, devices: int) -> tuple[float, float]:
+    """(the largest send from one device to another, the rows the most loaded device receives), each
+    against its fair share, for the block's routing of these tokens (each device routes its own shard)."""
+    tokens, experts, k = x.shape[0] * x.shape[1], cfg.num_experts, cfg.top_k
+    logits = core.route_tokens(x.reshape(devices, tokens // devices, -1), router, cfg, False, None)
+    experts_SxTxK = core.token_choice(logits, cfg, jnp.zeros(experts) if cfg.uses_bias else None)[0]
+    to_device = jax.nn.one_hot(experts_SxTxK // (experts // devices), devices, dtype=jnp.int32)
+    sends_SxJ = jnp.sum(to_device, axis=(1, 2))
+    fair = tokens * k / devices**2
+    return float(jnp.max(sends_SxJ)) / fair, float(jnp.max(jnp.sum(sends_SxJ, axis=0))) / (fair * devices)
+
+
+def collectives_step(mesh, chunk_rows: int, d_model: int, experts: int):
+    """The dropless block's collectives alone, on empty data: the forward's all-reduce of the routing
+    statistics ([devices, E] counts, [E] probabilities), its two all_to_all of [devices * chunk_rows, D]
+    rows, the backward's two, and the router gradient's all-reduce ([D, E]); each waits for the one
+    before, as in the block. With chunk_rows the largest send, the least any block moves in one
+    round of a padded exchange: what no dropless block on this backend can spend less on."""
+    devices = mesh.devices.size
+    axis = "expert"
+
+    def body(rows, stats, router):
+        stats = jax.lax.psum(stats, axis)
+        for _ in range(4):
+            rows = jax.lax.all_to_all(rows + stats[0, 0], axis, 0, 0, tiled=True)
+        return rows, jax.lax.psum(router + rows[0, 0], axis)
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=(P(axis), P()),
+                                 check_vma=False))
+    rows = jax.device_put(jnp.zeros((devices * devices * chunk_rows, d_model)), NamedSharding(mesh, P(axis)))
+    return step, (rows, jnp.zeros((devices + 1, experts)), jnp.zeros((d_model, experts)))
+
+
 def run_case(mesh, case, modes, reps, block_rows=0, stages=False, balanced=False):
     """Times the ideal, the einsum baseline and every mode in interleaved rounds, so that load
-    from other processes hits them alike; reports medians over the rounds."""
+    from other processes hits them alike, each timed call right after one of its own; reports
+    medians over the rounds."""
     experts, k, d_model, d_ff, tokens, cf, routing = case
     devices = mesh.devices.size
     x, router, w = make_inputs(mesh, experts, d_model, d_ff, tokens, balanced_k=k if balanced else 0)
@@ -184,11 +224,18 @@ def run_case(mesh, case, modes, reps, block_rows=0, stages=False, balanced=False
         x8, router8, w8 = make_inputs(mesh, experts, d_model, 8, tokens, balanced_k=k if balanced else 0)
         steps["rest"] = (block_step(dropless(DROPLESS_ROWS["dropless"]).model_copy(update={"d_ff": 8}), mesh),
                          (x8, router8, w8))
+        largest, most_loaded = sends(x, router, configs["dropless"], devices)
+        fair = tokens // devices * k / devices
+        steps["collectives"] = collectives_step(mesh, 8 * -(-round(largest * fair) // 8), d_model, experts)
     for fn, args in steps.values():
         jax.block_until_ready(fn(*args))  # compile and warm up
     times = {name: [] for name in steps}
     for _ in range(reps):
         for name, (fn, args) in steps.items():
+            # Each timed call comes right after an untimed one of its own: a step run after the einsum
+            # baseline (whose one-hot tensors are the largest buffers here) ran up to 1.8x slower than
+            # after any other step, so whatever came next in the round paid for it.
+            jax.block_until_ready(fn(*args))
             times[name].append(time_ms(fn, args))
     ms = {name: statistics.median(wall for wall, _ in t) for name, t in times.items()}
     cpu = {name: statistics.median(c for _, c in t) for name, t in times.items()}
@@ -196,9 +243,14 @@ def run_case(mesh, case, modes, reps, block_rows=0, stages=False, balanced=False
     for mode in modes:
         stage = {}
         if stages and mode == "dropless":
-            for name in ("ffn_tiled", "ffn_einsum", "rest"):
+            for name in ("ffn_tiled", "ffn_einsum", "rest", "collectives"):
                 stage.update({f"{name}_ms": round(ms[name], 2), f"{name}_ratio": round(ms[name] / ms["ideal"], 3),
                               f"{name}_cpu_ratio": round(cpu[name] / cpu["ideal"], 3)})
+            # The least a dropless block could cost here: its collectives at their smallest and
+            # batched einsums on every assigned row, with nothing else and no device waiting for another.
+            stage.update({"floor_ratio": round((ms["collectives"] + ms["ffn_einsum"]) / ms["ideal"], 3),
+                          "floor_cpu_ratio": round((cpu["collectives"] + cpu["ffn_einsum"]) / cpu["ideal"], 3),
+                          "largest_send": round(largest, 3), "most_loaded": round(most_loaded, 3)})
         yield {
             "experts": experts, "top_k": k, "d_model": d_model, "d_ff": d_ff, "tokens": tokens,
             "capacity_factor": cf, "routing": routing or None, "balanced": balanced, "devices": devices,

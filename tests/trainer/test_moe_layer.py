@@ -191,6 +191,30 @@ def test_the_benchmarks_balanced_routing_gives_every_expert_its_fair_share_on_ev
     counts = np.stack([np.bincount(c, minlength=experts) for c in chosen])
     fair = tokens // devices * k // experts
     assert (counts == fair).all() == balanced, counts
+    # What the benchmark reports of the same routing: the largest send and the most loaded device's
+    # rows, against their fair shares (the block routes as above: softmax top-k, no bias).
+    largest, most_loaded = bench.sends(x, router, MoEConfig(num_experts=experts, top_k=k, d_ff=8), devices)
+    per_device = counts.reshape(devices, devices, experts // devices).sum(axis=2)  # [source, destination]
+    assert largest == pytest.approx(per_device.max() / (tokens // devices * k / devices))
+    assert most_loaded == pytest.approx(per_device.sum(axis=0).max() / (tokens * k / devices))
+    assert (largest == 1.0 and most_loaded == 1.0) == balanced
     if balanced:
         top = np.argmax(logits, axis=1)
         np.testing.assert_array_equal(top, np.arange(tokens) % experts)
+
+
+def test_the_benchmarks_collectives_floor_runs_the_blocks_six_collectives_in_a_chain():
+    """`--stages` times the dropless block's collectives alone: the statistics' all-reduce, four
+    all_to_all of [devices * chunk, D] rows and the router gradient's all-reduce, each after the last."""
+    import re
+
+    bench = _benchmark_module()
+    devices, chunk, d_model, experts = 8, 16, 32, 16
+    mesh = jax.make_mesh((1, devices), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    step, args = bench.collectives_step(mesh, chunk, d_model, experts)
+    hlo = step.lower(*args).compile().as_text()
+    kinds = [m.group(1) for line in hlo.splitlines() if " = " in line
+             for m in [re.search(r"\s(all-to-all|all-reduce|all-gather|collective-permute)\(", line)] if m]
+    assert sorted(kinds) == ["all-reduce"] * 2 + ["all-to-all"] * 4, kinds
+    rows, grad = step(*args)
+    assert rows.shape == (devices * devices * chunk, d_model) and grad.shape == (d_model, experts)
