@@ -136,10 +136,7 @@ def run_case(mesh, case, other, reps, package=False, exchange_rows="auto"):
     steps["other"] = (fn, (x, router, w))
     diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs),
                                                                 strict=True))
-    times = {name: [] for name in steps}
-    for _ in range(reps):
-        for name, (fn, args) in steps.items():
-            times[name].append(moe_layer.time_ms(fn, args))
+    times = moe_layer.interleaved(steps, reps)
     ideal = [statistics.median(t[i] for t in times["ideal"]) for i in (0, 1)]
     ideal_min = [min(t[i] for t in times["ideal"]) for i in (0, 1)]
     row = {"experts": experts, "top_k": k, "tokens": tokens, "routing": routing or None, "reps": reps,

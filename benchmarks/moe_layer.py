@@ -80,6 +80,22 @@ def time_ms(fn, args) -> tuple[float, float]:
     return (time.perf_counter() - start) * 1e3, (time.process_time() - cpu) * 1e3
 
 
+def interleaved(steps: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) ms of each step (name -> (fn, args)) in `reps` interleaved rounds.
+
+    Each timed call comes right after an untimed one of its own: a step run after another one
+    ran up to 1.8x slower than after itself (after the einsum baseline, whose one-hot tensors are
+    the largest buffers here; and 1.3x after the ideal), so whatever came next in a round paid."""
+    for fn, args in steps.values():
+        jax.block_until_ready(fn(*args))  # compile and warm up
+    times = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, (fn, args) in steps.items():
+            jax.block_until_ready(fn(*args))
+            times[name].append(time_ms(fn, args))
+    return times
+
+
 def make_inputs(mesh, experts, d_model, d_ff, tokens, seed=0, balanced_k=0):
     """Random tokens and weights; with balanced_k, token t's top choices are experts t, t + 1, ...,
     t + balanced_k - 1 (mod E), so that every expert, and every device, gets exactly its fair share."""
@@ -227,16 +243,7 @@ def run_case(mesh, case, modes, reps, block_rows=0, stages=False, balanced=False
         largest, most_loaded = sends(x, router, configs["dropless"], devices)
         fair = tokens // devices * k / devices
         steps["collectives"] = collectives_step(mesh, 8 * -(-round(largest * fair) // 8), d_model, experts)
-    for fn, args in steps.values():
-        jax.block_until_ready(fn(*args))  # compile and warm up
-    times = {name: [] for name in steps}
-    for _ in range(reps):
-        for name, (fn, args) in steps.items():
-            # Each timed call comes right after an untimed one of its own: a step run after the einsum
-            # baseline (whose one-hot tensors are the largest buffers here) ran up to 1.8x slower than
-            # after any other step, so whatever came next in the round paid for it.
-            jax.block_until_ready(fn(*args))
-            times[name].append(time_ms(fn, args))
+    times = interleaved(steps, reps)
     ms = {name: statistics.median(wall for wall, _ in t) for name, t in times.items()}
     cpu = {name: statistics.median(c for _, c in t) for name, t in times.items()}
     load = round(os.getloadavg()[0], 1)
