@@ -218,3 +218,18 @@ def test_the_benchmarks_collectives_floor_runs_the_blocks_six_collectives_in_a_c
     assert sorted(kinds) == ["all-reduce"] * 2 + ["all-to-all"] * 4, kinds
     rows, grad = step(*args)
     assert rows.shape == (devices * devices * chunk, d_model) and grad.shape == (d_model, experts)
+
+
+def test_the_benchmarks_time_each_step_right_after_an_untimed_call_of_its_own():
+    """Both benchmarks (moe_layer.py and moe_exchange_ab.py) time through `interleaved`: a step
+    timed right after another one ran up to 1.8x slower, so each timed call must follow a call of
+    the same step, and every step must be timed once per round."""
+    bench = _benchmark_module()
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name) or jnp.zeros(()), ()) for name in ("ideal", "block")}
+    times = bench.interleaved(steps, reps=3)
+    assert {name: len(t) for name, t in times.items()} == {"ideal": 3, "block": 3}
+    assert all(wall >= 0 and cpu >= 0 for t in times.values() for wall, cpu in t)
+    warm, rounds = calls[:2], calls[2:]
+    assert warm == ["ideal", "block"]
+    assert rounds == ["ideal", "ideal", "block", "block"] * 3, rounds
