@@ -2,6 +2,7 @@
 
     python benchmarks/moe_layer.py --json                 # 8 fake CPU devices
     python benchmarks/moe_layer.py --json --accelerator   # the GPU/TPU devices jax finds
+    python benchmarks/moe_layer.py --case 0 --token-scale 4   # E=16 with 1024 tokens per device
 
 Runs on 8 fake CPU devices (mesh expert=8) unless XLA_FLAGS already says otherwise, or with
 --accelerator on every device of the default backend (mesh expert=<device count>).
@@ -273,6 +274,12 @@ def run_case(mesh, case, modes, reps, block_rows=0, stages=False, balanced=False
         }
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -285,10 +292,15 @@ def main(argv=None) -> int:
                         help="also time the dropless block's parts: the tiled FFN alone, einsums on its rows, the rest")
     parser.add_argument("--routing", choices=("random", "balanced"), default="random",
                         help="balanced: every expert gets exactly its fair share of the assignments")
+    parser.add_argument("--token-scale", type=_positive, default=1,
+                        help="run the cases with this many times their tokens (more tokens per device)")
     args = parser.parse_args(argv)
     devices = jax.devices()
     mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    if any(not 0 <= i < len(CASES) for i in args.case or ()):
+        parser.error(f"--case: the cases are 0 to {len(CASES) - 1}")
     cases = [CASES[i] for i in args.case] if args.case else CASES
+    cases = [(e, k, d, f, tokens * args.token_scale, *rest) for e, k, d, f, tokens, *rest in cases]
     for case in cases:
         for row in run_case(mesh, case, tuple(args.mode or MODES), args.reps, args.block_rows, args.stages,
                             args.routing == "balanced"):

@@ -233,3 +233,14 @@ def test_the_benchmarks_time_each_step_right_after_an_untimed_call_of_its_own():
     warm, rounds = calls[:2], calls[2:]
     assert warm == ["ideal", "block"]
     assert rounds == ["ideal", "ideal", "block", "block"] * 3, rounds
+
+
+@pytest.mark.parametrize("argv, message", [(["--token-scale", "0"], "whole number >= 1"),
+                                           (["--token-scale", "x"], "whole number >= 1"),
+                                           (["--case", "9"], "the cases are 0 to")])
+def test_the_benchmark_refuses_a_bad_case_or_token_scale_before_running_anything(argv, message, capsys):
+    bench = _benchmark_module()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
