@@ -295,10 +295,10 @@ def main(argv=None) -> int:
     parser.add_argument("--token-scale", type=_positive, default=1,
                         help="run the cases with this many times their tokens (more tokens per device)")
     args = parser.parse_args(argv)
-    devices = jax.devices()
-    mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
     if any(not 0 <= i < len(CASES) for i in args.case or ()):
         parser.error(f"--case: the cases are 0 to {len(CASES) - 1}")
+    devices = jax.devices()
+    mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
     cases = [CASES[i] for i in args.case] if args.case else CASES
     cases = [(e, k, d, f, tokens * args.token_scale, *rest) for e, k, d, f, tokens, *rest in cases]
     for case in cases:
