@@ -11,17 +11,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
-from provision.config import Config
 from provision.errors import UsageError
 from provision.image import TRAINER_COMMAND
 from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels, trainer_argv
 from provision.resources import resolve_project
 from provision.templates import render
+
+if TYPE_CHECKING:
+    from provision.config import Config
 
 NODE_POOL_TEMPLATE = "gke_node_pool.yaml.j2"
 CLUSTER_TEMPLATE = "gke_cluster.yaml.j2"

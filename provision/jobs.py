@@ -72,14 +72,6 @@ def active_job(cfg, session, project: str):
     return jobs[-1] if jobs else None
 
 
-def check_target(cfg) -> None:
-    if cfg.target != "vertex":
-        other = ("`moe-tpu gke up` for GKE node pools" if cfg.target == "gke"
-                 else "`moe-tpu slice up` for a TPU VM slice")
-        raise UsageError(f"{cfg.source}: target is {cfg.target!r}, not a Vertex AI job",
-                         hint=f"use {other}, or set `target: vertex`")
-
-
 def _job_shape(job) -> dict[str, object]:
     pools = list(job.job_spec.worker_pool_specs)
     pool = pools[0] if pools else None
@@ -102,7 +94,6 @@ def job_submit(context) -> Resource:
     from provision.rendering import create_custom_job_request
 
     cfg, session, console = context.config, context.session, context.console
-    check_target(cfg)
     project = project_of(cfg, session)
     request = create_custom_job_request(cfg, context.renderer, project=project)
     existing = active_job(cfg, session, project)
@@ -149,7 +140,6 @@ def wait_job(context, name: str, timeout_s: float | None = None):
 def job_wait(context, name: str | None = None) -> Resource:
     """Wait for the run's job (or `name`) to end: the Resource when it SUCCEEDED, CloudError otherwise."""
     cfg, session = context.config, context.session
-    check_target(cfg)
     project = project_of(cfg, session)
     if name is None:
         job = active_job(cfg, session, project)
@@ -182,7 +172,6 @@ def _cancel_and_wait(context, job):
 def job_cancel(context) -> list[Resource]:
     """Cancel every queued or running job of the run and wait until each has ended."""
     cfg, session = context.config, context.session
-    check_target(cfg)
     project = project_of(cfg, session)
     return [job_resource(_cancel_and_wait(context, job), cfg.region)
             for job in run_jobs(session, project, cfg.region, cfg.run) if state_name(job) in ACTIVE_STATES]

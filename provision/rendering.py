@@ -13,17 +13,19 @@ import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
-from provision.config import Config
 from provision.errors import ConfigError, Problem
 from provision.image import TRAINER_COMMAND
 from provision.resources import MANAGED_BY, RUN_LABEL, resolve_project
 from provision.templates import render, where
 from trainer import status as trainer_status
+
+if TYPE_CHECKING:
+    from provision.config import Config
 
 QUEUED_RESOURCE_TEMPLATE = "queued_resource.yaml.j2"
 STARTUP_TEMPLATE = "startup.sh.j2"
@@ -294,14 +296,20 @@ PROJECT_PLACEHOLDER = "PROJECT"
 
 
 def render_all(cfg: Config, renderer: Renderer) -> dict[str, str]:
-    """Every rendered file of the config's target, by file name: for a TPU VM slice the startup
-    script and, per zone, the QueuedResource body and request; for Vertex AI the CustomJob body
-    and request (GKE's files: provision.gke_render.render_files)."""
+    """Every rendered file of the config's target, by file name (its kind's `render`)."""
+    return cfg.kind.render(cfg, renderer)
+
+
+def render_custom_job_files(cfg: Config, renderer: Renderer) -> dict[str, str]:
+    """A Vertex AI job's files: the CustomJob body and its request."""
+    request = create_custom_job_request(cfg, renderer, project=cfg.project or PROJECT_PLACEHOLDER)
+    return {"custom_job.yaml": custom_job_body(cfg, renderer),
+            "create_custom_job.json": json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"}
+
+
+def render_slice_files(cfg: Config, renderer: Renderer) -> dict[str, str]:
+    """A TPU VM slice's files: the startup script and, per zone, the QueuedResource body and request."""
     project = cfg.project or PROJECT_PLACEHOLDER
-    if cfg.target == "vertex":
-        request = create_custom_job_request(cfg, renderer, project=project)
-        return {"custom_job.yaml": custom_job_body(cfg, renderer),
-                "create_custom_job.json": json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"}
     files = {"startup.sh": startup_script(cfg, renderer)}
     for zone in cfg.zones:
         files[f"queued_resource.{zone}.yaml"] = queued_resource_body(cfg, zone, renderer, project)

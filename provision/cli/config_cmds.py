@@ -89,36 +89,17 @@ def validate(app, config_path: str) -> None:
 
 
 def _rendered(app, cfg) -> dict[str, str]:
-    """Every rendered file of the config's target, by name."""
-    if cfg.target == "gke":
-        from provision.gke_render import render_files
+    """Every rendered file of the config's target, by name (its kind's `render`)."""
+    from provision.targets import kind_of
 
-        return render_files(cfg, app.context(cfg).renderer)
-    from provision.rendering import render_all
-
-    return render_all(cfg, app.context(cfg).renderer)
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+    return kind_of(cfg).render(cfg, app.context(cfg).renderer)
 
 
 def _summary(cfg) -> str:
-    """One line on what the config asks for."""
-    from provision import catalogue
+    """One line on what the config asks for (its kind's `summary`)."""
+    from provision.targets import kind_of
 
-    if cfg.target == "vertex":
-        acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
-        size = f" ({_plural(acc.chips, 'chip')})" if acc else ""
-        return (f"Vertex AI job on {cfg.vertex.machine_type}, topology {cfg.vertex.topology}{size}, "
-                f"{cfg.vertex.scheduling}, region {cfg.region}")
-    acc = cfg.accelerator_type()
-    if cfg.target == "gke":
-        return (f"GKE cluster {cfg.gke.cluster} ({cfg.gke.location}), runtime {cfg.gke.runtime}: "
-                f"{cfg.slice.count} x {acc.name} ({acc.topology}, {_plural(acc.vms, 'VM')}) as node pools, "
-                f"{cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
-    return (f"{cfg.slice.count} x {acc.name} ({acc.topology}, {_plural(acc.chips, 'chip')}, "
-            f"{_plural(acc.vms, 'VM')}), {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
+    return kind_of(cfg).summary(cfg)
 
 
 @click.command("render")

@@ -1,4 +1,4 @@
-"""`gke up|status|down`: thin wrappers over provision.gke."""
+"""`gke up|status|down`: the generic `up | status | down` under the name of GKE node pools."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import click
 
 from provision.cli.common import finish, print_resources
 from provision.cli.options import config_option
-from provision.errors import UsageError
+
+GROUP = "gke"  # a kind's own name for `up | status | down` (provision.targets.Kind.group)
 
 
 @click.group("gke")
@@ -23,10 +24,10 @@ def gke_group() -> None:
 
 
 def _gke_config(app, config_path: str, check_trainer: bool = False):
+    from provision.targets import require
+
     cfg = app.load_config(config_path, check_trainer=check_trainer)
-    if cfg.target != "gke":
-        raise UsageError(f"{cfg.source}: target is {cfg.target!r}, not 'gke'",
-                         hint="set `target: gke` and a gke section, or use `moe-tpu slice` / `moe-tpu job`")
+    require(cfg, GROUP)
     return cfg
 
 
@@ -39,15 +40,13 @@ def up(app, config_path: str) -> None:
     Tries each zone of `zones:` in order when one has no capacity. A re-run adopts the pools it
     already made; a pool of the run that no longer matches the config is refused.
     """
-    from provision.gke import gke_up
+    from provision.targets import by_group
 
     app.command = "gke up"
     cfg = _gke_config(app, config_path, check_trainer=True)
-    acc = cfg.accelerator_type()
-    app.console.info(f"gke up: run {cfg.run}, cluster {cfg.gke.cluster} ({cfg.gke.location}), {cfg.slice.count} x "
-                     f"{acc.name} ({acc.topology}, {acc.vms} VMs), {cfg.slice.capacity}, runtime {cfg.gke.runtime}"
-                     + (" [dry run]" if app.dry_run else ""))
-    resources = gke_up(app.context(cfg))
+    kind = by_group(GROUP)
+    app.console.info(f"gke up: {kind.up_line(cfg)}" + (" [dry run]" if app.dry_run else ""))
+    resources = kind.up(app.context(cfg))
     for res in resources:
         app.console.text(f"  {res.kind} {res.name.rsplit('/', 1)[-1]} {res.state} in {res.zone}")
     finish(app, resources)
@@ -72,7 +71,8 @@ def status(app, config_path: str) -> None:
 @click.pass_obj
 def down(app, config_path: str) -> None:
     """Delete the run's JobSet and node pools, and the cluster only when this tool created it."""
-    from provision.cli.slice_cmds import _down
+    from provision.cli.lifecycle_cmds import delete_run
+    from provision.targets import by_group
 
     _gke_config(app, config_path)
-    _down(app, config_path, "gke down", services=("gke",))
+    delete_run(app, config_path, "gke down", kinds=(by_group(GROUP).name,))

@@ -22,11 +22,11 @@ def job_group() -> None:
 
 
 def _load(app, config_path: str, command: str, check_trainer: bool = False):
-    from provision.jobs import check_target
+    from provision.targets import require
 
     app.command = command
     cfg = app.load_config(config_path, check_trainer=check_trainer)
-    check_target(cfg)
+    require(cfg, "job")  # the `job` commands act on a kind whose own group they are
     return cfg
 
 

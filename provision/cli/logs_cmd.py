@@ -35,12 +35,13 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
     """
     from provision.clock import RealClock
     from provision.cloud import storage
+    from provision.targets import kind_of
 
     app.command = "logs"
     cfg = app.load_config(config_path)
     out = app.trainer_output_dir(cfg)
     store = storage.LOCAL if app.dry_run or not out.startswith("gs://") else app.session().storage
-    pod_log = (lambda: _pod_log(app, cfg)) if cfg.target == "gke" else None
+    pod_log = kind_of(cfg).log_source(app.context(cfg))
     seen = read_output(reader_of(store, out), pod_log, app.console, RealClock(), follow=follow, tail=tail)
     rows, status, text = seen.rows, seen.status, seen.text
     if not follow and text:
@@ -126,12 +127,6 @@ def _plot(app, cfg, rows: list, path: str) -> None:
     except OSError as e:
         raise UsageError(f"cannot write the plot {path}: {e.strerror or e}") from None
     app.console.info(f"plot: {path}")
-
-
-def _pod_log(app, cfg) -> str | None:
-    from provision.gke import trainer_log
-
-    return trainer_log(cfg, app.session())
 
 
 ROW_FIELDS = (("loss", "loss {:.4f}"), ("eval_loss", "eval loss {:.4f}"), ("eval_perplexity", "ppl {:.2f}"),

@@ -65,11 +65,20 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return out
 
 
+def _own_sections() -> dict[str, type[BaseModel]]:
+    """The sections the kinds of target bring to the file (provision.targets.Kind.own_sections)."""
+    from provision.targets import KINDS
+
+    return {key: model for kind in KINDS.values() for key, model in kind.own_sections.items()
+            if key not in Config.model_fields}
+
+
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     if not loc:
         return Config
-    if loc[-1] in _SECTIONS and all(isinstance(part, str) for part in loc):
-        return _SECTIONS[loc[-1]]
+    sections = {**_own_sections(), **_SECTIONS}
+    if loc[-1] in sections and all(isinstance(part, str) for part in loc):
+        return sections[loc[-1]]
     return None
 
 
@@ -86,6 +95,10 @@ def _get(raw: dict[str, Any], failed: set[str], key: str) -> Any:
     node: Any = raw
     model: type[BaseModel] = Config
     for part in parts:
+        if model is Config and part not in Config.model_fields:  # a kind's own section
+            model = _own_sections()[part]
+            node = node.get(part) if isinstance(node, dict) and isinstance(node.get(part), dict) else {}
+            continue
         field = model.model_fields[part]
         if isinstance(node, dict) and node.get(part) is not None:
             node = node[part]
@@ -135,86 +148,38 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
                                             "writes to TensorBoard as that account)"))
     if isinstance(tensorboard, str) and isinstance(region, str) and f"/locations/{region}/" not in tensorboard:
         found.append(("vertex.tensorboard", f"TensorBoard {tensorboard!r} is not in the job's region {region!r}"))
-    scheduling = get("vertex.scheduling")
-    if (get("target") == "vertex" and scheduling == "SPOT" and isinstance(topology, str)
-            and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host):
-        found.append(("vertex.scheduling", f"Vertex AI does not offer SPOT for multi-host TPU topologies "
-                                           f"({topology}); use STANDARD or FLEX_START"))
-    output_dir = get("trainer.output_dir")
-    count = get("slice.count")
-    multi_host = (isinstance(acc_name, str) and acc_name in catalogue.ACCELERATORS
-                  and (catalogue.accelerator(acc_name).multi_host or (isinstance(count, int) and count > 1)))
-    if (get("target") == "tpu-vm" and multi_host and isinstance(output_dir, str)
-            and not output_dir.startswith("gs://")):
-        found.append(("trainer.output_dir", f"{acc_name} x {count} has several TPU VMs, each with its own disk: "
-                                            f"checkpoints in {output_dir!r} would be split between them; use a "
-                                            "gs:// path"))
-    if get("target") == "vertex" and isinstance(output_dir, str) and not output_dir.startswith("gs://"):
-        found.append(("trainer.output_dir", f"a Vertex AI job keeps its checkpoints in Cloud Storage: use a gs:// "
-                                            f"path, not {output_dir!r} (a local path vanishes with the job)"))
-    found += _gke_checks(get)
+    found += _kind_checks(get)
     return found
 
 
-def _zone_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
-    """Each zone against the region it must lie in.
+def _kind_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
+    """The rules of the config's kind of target (provision.targets.Kind.checks); none when the
+    target itself is not a kind."""
+    from provision.targets import KINDS
 
-    A queued resource is zonal, and Google documents TPU v5e in one zone per region, so a TPU VM run
-    fails over across regions: its zones may lie anywhere, unless `slice.subnetwork` ties them to the
-    subnetwork's region (a subnetwork serves its own region only). Vertex AI jobs and GKE node pools
-    live in `region`."""
-    region, zones, subnetwork = get("region"), get("zones"), get("slice.subnetwork")
+    target = get("target")
+    kind = KINDS.get(target) if isinstance(target, str) else None
+    return kind.checks(get) if kind is not None else []
+
+
+def _zone_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
+    """Each zone against the region it must lie in: `region`, unless the config's kind of target says
+    otherwise (Kind.zone_region: a TPU VM slice's zones lie anywhere unless its subnetwork ties them)."""
+    from provision.targets import KINDS
+
+    zones, target = get("zones"), get("target")
     if not isinstance(zones, list):
         return []
-    where = ""
-    if get("target") == "tpu-vm":
-        if not isinstance(subnetwork, str):
-            return []
-        if subnetwork.startswith("projects/"):
-            region = subnetwork.split("/")[3]
-        where = f", where slice.subnetwork {subnetwork!r} is (a subnetwork serves its own region only)"
+    kind = KINDS.get(target) if isinstance(target, str) else None
+    rule = kind.zone_region(get) if kind is not None else (get("region"), "")
+    if rule is None:
+        return []
+    region, where = rule
     if not isinstance(region, str):
         return []
     return [(f"zones[{i}]", f"zone {zone!r} is not in region {region!r}{where}")
             for i, zone in enumerate(zones)
             if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != region]
-
-
-def _gke_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
-    """Rules of target: gke (the gke section against the slice, the region and the trainer)."""
-    if get("target") != "gke":
-        return []
-    if get("gke") is None:
-        return [("gke", "target 'gke' needs a gke section (at least cluster and location)")]
-    found: list[tuple[str, str]] = []
-    runtime, pathways = get("gke.runtime"), get("gke.pathways")
-    if runtime == "jax" and pathways is not None and pathways is not _BAD:
-        found.append(("gke.pathways", "a pathways section is only used with runtime 'pathways' (runtime is 'jax')"))
-    region, location, zones = get("region"), get("gke.location"), get("zones")
-    if isinstance(location, str) and isinstance(region, str) and location.rsplit("-", 1)[0] != region \
-            and location != region:
-        found.append(("gke.location", f"location {location!r} is not in region {region!r}"))
-    elif isinstance(location, str) and location != region and isinstance(zones, list):
-        others = [z for z in zones if isinstance(z, str) and z != location]
-        if others:  # a zonal cluster has its node pools in its own zone
-            found.append(("zones", f"the cluster is zonal ({location}): its node pools cannot go in "
-                                   f"{', '.join(others)}; list only {location} in `zones:`"))
-    acc_name, topology = get("slice.accelerator"), get("gke.topology")
-    acc = catalogue.ACCELERATORS.get(acc_name) if isinstance(acc_name, str) else None
-    if acc is not None and isinstance(topology, str) and topology != acc.topology:
-        found.append(("gke.topology", f"topology {topology!r} is not that of slice.accelerator {acc_name} "
-                                      f"({acc.topology}); set one of them"))
-    run, count = get("run"), get("slice.count")
-    if isinstance(run, str) and isinstance(count, int):
-        longest = len(run) + len(f"-s{count - 1}")
-        if longest > MAX_GKE_NAME:
-            found.append(("run", f"run name {run!r} is too long for GKE: node pools are named RUN-sN, at most "
-                                 f"{MAX_GKE_NAME} characters (use at most {len(run) - longest + MAX_GKE_NAME})"))
-    output_dir = get("trainer.output_dir")
-    if isinstance(output_dir, str) and not output_dir.startswith("gs://"):
-        found.append(("trainer.output_dir", f"pods on GKE keep nothing when they end: use a gs:// path, not "
-                                            f"{output_dir!r}"))
-    return found
 
 
 def trainer_problems(cfg: Config) -> list[Problem]:
@@ -284,23 +249,41 @@ def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Probl
 
 
 def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: dict[str, int]) -> Config:
-    if "source" in raw:
-        raw.pop("source")
-        problems.append(Problem(file, "source", "unknown key 'source'"))
+    for internal in ("source", "kind_sections"):
+        if internal in raw:
+            raw.pop(internal)
+            problems.append(Problem(file, internal, f"unknown key {internal!r}"))
     config: Config | None = None
     failed: set[str] = set()
+    own, errors = _own_sections_of(raw)
+    fields = {key: value for key, value in raw.items() if key not in own}
     try:
-        config = Config.model_validate({**raw, "source": Path(file)})
+        config = Config.model_validate({**fields, "kind_sections": own, "source": Path(file)})
     except ValidationError as exc:
-        for err in exc.errors():
-            key = _dotted(err["loc"])
-            failed.add(key)
-            problems.append(Problem(file, key, _message(err)))
+        errors += exc.errors()
+    for err in errors:
+        key = _dotted(err["loc"])
+        failed.add(key)
+        problems.append(Problem(file, key, _message(err)))
     problems += [Problem(file, key, msg) for key, msg in _control_characters(raw) if key not in failed]
     problems += [Problem(file, key, msg) for key, msg in _cross_checks(lambda k: _get(raw, failed, k))]
     if problems or config is None:
         raise ConfigError(_in_file_order(problems, lines))
     return config
+
+
+def _own_sections_of(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """The kinds' own sections in `raw`, each validated by its model, and the errors (their locations
+    under the section's key)."""
+    sections, errors = {}, []
+    for key, model in _own_sections().items():
+        if key not in raw:
+            continue
+        try:
+            sections[key] = model.model_validate({} if raw[key] is None else raw[key])
+        except ValidationError as exc:
+            errors += [{**err, "loc": (key, *err["loc"])} for err in exc.errors()]
+    return sections, errors
 
 
 def load_config(path: Path | str, check_trainer: bool = False) -> Config:

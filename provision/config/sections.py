@@ -310,7 +310,9 @@ class Config(BaseModel):
     region: str
     zones: list[Annotated[str, AfterValidator(_zone_name)]]
     run: str
-    target: Literal["tpu-vm", "vertex", "gke"] = "tpu-vm"
+    # The kind of target (provision.targets.KINDS): which of the sections below it reads, its rules
+    # between keys, what it renders and makes.
+    target: str = "tpu-vm"
     slice: SliceConfig = Field(default_factory=SliceConfig)
     vertex: VertexConfig = Field(default_factory=VertexConfig)
     image: ImageConfig
@@ -318,7 +320,21 @@ class Config(BaseModel):
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     dry_run: DryRunConfig = Field(default_factory=DryRunConfig)
     gke: GkeConfig | None = None  # target: gke only
+    # The sections a kind brings to the file itself (Kind.own_sections), validated by loading.py
+    # with the kind's model: key -> the section.
+    kind_sections: dict[str, Any] = Field(default_factory=dict, exclude=True)
     source: Path = Field(default=Path(DEFAULT_CONFIG), exclude=True)
+
+    @field_validator("target", mode="before")
+    @classmethod
+    def _known_kind(cls, value: Any) -> Any:
+        from provision.targets import KINDS
+
+        if not isinstance(value, str) or value not in KINDS:
+            names = [repr(name) for name in KINDS]
+            one_of = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+            raise invalid(f"must be one of {one_of}, got {_brief(value)}")
+        return value
 
     @field_validator("slice", "vertex", "recovery", "dry_run", mode="before")
     @classmethod
@@ -364,10 +380,20 @@ class Config(BaseModel):
     def accelerator_type(self) -> catalogue.AcceleratorType:
         return catalogue.accelerator(self.slice.accelerator)
 
+    @property
+    def kind(self) -> Any:
+        """The config's kind of target (a provision.targets.Kind): what the commands ask about it."""
+        from provision.targets import KINDS
+
+        return KINDS[self.target]
+
     def warnings(self) -> list[str]:
-        """What is allowed but worth saying: zones the catalogue does not list for v5e (a TPU VM slice)."""
-        if self.target != "tpu-vm":
-            return []
-        return [w for w in map(catalogue.zone_warning, self.zones) if w]
+        """What is allowed but worth saying, as its kind of target says (a TPU VM slice: zones the
+        catalogue does not list for v5e)."""
+        return self.kind.warnings(self)
+
+    def section(self, key: str) -> Any:
+        """A section that the config's kind of target brings to the file (Kind.own_sections), or None."""
+        return self.kind_sections.get(key)
 
 

@@ -58,17 +58,11 @@ class Hardware:
 
 
 def target_of(cfg: Config, accelerator: str | None = None, slices: int | None = None) -> Hardware:
-    """The slice the config asks for (tpu-vm: slice.accelerator x slice.count; vertex: the topology),
-    or the one given on the command line."""
-    if cfg.target == "vertex":
-        acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
-        capacity, count = catalogue.CAPACITY_OF_VERTEX_STRATEGY[cfg.vertex.scheduling], 1
-    else:
-        acc, capacity, count = cfg.accelerator_type(), cfg.slice.capacity, cfg.slice.count
+    """The chips the config's kind of target asks for (its Kind.hardware: a slice times its count, a
+    Vertex AI topology, ...), or the accelerator and slice count given on the command line."""
+    acc, count, capacity = cfg.kind.hardware(cfg)
     if accelerator is not None:
         acc = catalogue.accelerator(accelerator)
-    if acc is None:
-        raise ValueError(f"no v5e accelerator type has topology {cfg.vertex.topology!r}")
     return Hardware(accelerator=acc, slices=slices or count, capacity=capacity)
 
 

@@ -1,28 +1,48 @@
-"""The places a run can train, behind one declared interface (`Target`, in base.py).
+"""The places a run can train: one kind of target is one unit (a `Kind`, in base.py), in one module.
 
-One module per kind: tpu_vm.py (a TPU VM slice on a queued resource), vertex.py (a Vertex
-AI custom job), gke.py (GKE node pools and a JobSet). `for_config` is the one place that
-picks the kind from the config's `target`; a new kind is a module here and one line in KINDS.
+tpu_vm.py (a TPU VM slice on a queued resource), vertex.py (a Vertex AI custom job), gke.py (GKE
+node pools and a JobSet). Each owns its config checks, what it renders, the planner's hardware,
+what it makes, lists and deletes, its log source, and the `Target` that `run` follows. A new kind
+is a module here and one line in KINDS; no command names a kind.
 """
 
 from __future__ import annotations
 
+from provision.errors import UsageError
 from provision.targets import gke, tpu_vm, vertex
-from provision.targets.base import ENDED, Report, Target, combine, report_from_status
+from provision.targets.base import ENDED, Kind, Report, Scope, Target, combine, report_from_status
 
-# The config's `target` -> the class that implements it.
-KINDS: dict[str, type] = {
-    "tpu-vm": tpu_vm.SliceTarget,
-    "vertex": vertex.JobTarget,
-    "gke": gke.GkeTarget,
-}
+# The config's `target` -> its kind (in this order `list` and `down` go through them).
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (tpu_vm.KIND, vertex.KIND, gke.KIND)}
+
+
+def kind_of(cfg) -> Kind:
+    """The kind the config's `target` names (validated against KINDS when the config was loaded)."""
+    return cfg.kind
+
+
+def by_group(group: str) -> Kind:
+    """The kind whose own command group is `group` (`slice`, `job`, `gke`)."""
+    return next(kind for kind in KINDS.values() if kind.group == group)
+
+
+def require(cfg, group: str) -> Kind:
+    """The config's kind when `group` is its own command group; else a UsageError that says what the
+    config's target is and which commands act on it."""
+    kind, wanted = kind_of(cfg), by_group(group)
+    if kind is not wanted:
+        raise UsageError(f"{cfg.source}: target is {cfg.target!r}: {kind.noun}, not {wanted.noun}",
+                         hint=f"use `moe-tpu {kind.group} ...` (or `moe-tpu up | status | down`) "
+                              f"-c {cfg.source}, or set `target: {wanted.name}`")
+    return kind
 
 
 def for_config(context, *, output_dir: str | None = None) -> Target:
     """The target the context's config names (provision.context.RunContext: the config, its session,
     console, templates and image); `output_dir`: where its trainer writes (a dry run's local
     directory; by default trainer.output_dir)."""
-    return KINDS[context.config.target](context, output_dir=output_dir)
+    return kind_of(context.config).target(context, output_dir=output_dir)
 
 
-__all__ = ["ENDED", "KINDS", "Report", "Target", "combine", "for_config", "report_from_status"]
+__all__ = ["ENDED", "KINDS", "Kind", "Report", "Scope", "Target", "combine", "for_config", "kind_of",
+           "by_group", "report_from_status", "require"]

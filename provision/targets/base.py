@@ -7,8 +7,9 @@ one line in `provision.targets.KINDS`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from provision.resources import Resource
 from trainer.status import ENDED  # noqa: F401 - the trainer's states (its status file, the guest attributes)
@@ -62,6 +63,98 @@ class Target(Protocol):
 
     def left(self) -> list[Resource]:
         """What of the run exists on it now (what an interrupt or a failed teardown left)."""
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where `list` looks: the project, the zones and regions asked for, the run (None: every run),
+    and the config when there is one (a kind whose resources live elsewhere, like a GKE cluster,
+    finds them through it)."""
+
+    project: str
+    zones: tuple[str, ...]
+    regions: tuple[str, ...]
+    run: str | None = None
+    config: Any = None
+
+
+class Kind:
+    """Everything the commands ask about one kind of target; `provision.targets.KINDS` holds one of
+    each, by the config's `target` value. The commands (validate, render, plan, list, down, logs,
+    up, status, run) ask the kind of the config in hand and never name one.
+
+    name: the config's `target` value; noun: what it is, in a sentence; group: its own command
+    group (an alias of `up | status | down`); sections: the config sections it reads (besides the
+    common ones), which `validate` checks for it; own_sections: sections a kind brings to the config
+    file itself (the key -> its pydantic model; validated only when the config's target is this kind).
+    """
+
+    name: ClassVar[str] = ""
+    noun: ClassVar[str] = ""
+    group: ClassVar[str] = ""
+    sections: ClassVar[tuple[str, ...]] = ()
+    own_sections: ClassVar[dict[str, type]] = {}
+
+    # --- the config ----------------------------------------------------------------------------
+    def checks(self, get: Callable[[str], Any]) -> list[tuple[str, str]]:
+        """Rules between keys for a config of this kind, as (dotted key, message); `get(key)` is the raw
+        value (or its default; provision.config.loading's _BAD where that key failed its own rule)."""
+        return []
+
+    def zone_region(self, get: Callable[[str], Any]) -> tuple[Any, str] | None:
+        """The region every zone must lie in and why (a clause for the message); None: anywhere."""
+        return get("region"), ""
+
+    def warnings(self, cfg) -> list[str]:
+        """What is allowed but worth saying about a config of this kind."""
+        return []
+
+    def summary(self, cfg) -> str:
+        """One line on what the config asks for (`validate`)."""
+        raise NotImplementedError
+
+    def render(self, cfg, renderer) -> dict[str, str]:
+        """Every file it renders, by file name (`render`, `validate`)."""
+        raise NotImplementedError
+
+    def hardware(self, cfg) -> tuple[Any, int, str]:
+        """(catalogue.AcceleratorType, slices, capacity) the planner plans for."""
+        raise NotImplementedError
+
+    # --- the lifecycle --------------------------------------------------------------------------
+    def target(self, context, *, output_dir: str | None = None) -> Target:
+        """The placement and its training workload, as `run` follows it."""
+        raise NotImplementedError
+
+    def up_line(self, cfg) -> str:
+        """What `up` is about to make, for the console."""
+        return f"{self.name} for run {cfg.run}"
+
+    def up(self, context) -> list[Resource]:
+        """Make what the config asks for (without following a workload to its end)."""
+        raise NotImplementedError
+
+    def status(self, context) -> list[Resource]:
+        """What of the run exists now (`status`)."""
+        return self.target(context).left()
+
+    def managed(self, session, scope: Scope) -> list[Resource]:
+        """Everything this tool manages of this kind where `scope` says (`list`)."""
+        return []
+
+    def where(self, cfg) -> str | None:
+        """Where `down` looks besides the config's zones (a clause), or None."""
+        return None
+
+    def teardown(self, context) -> list[Resource]:
+        """Delete every resource of the run of this kind, whatever the config's target (`down`)."""
+        return []
+
+    def log_source(self, context) -> Callable[[], str | None] | None:
+        """What reads the trainer's console output while the run is up, when it is not in its output
+        directory (`logs`; opens the context's session only when called); None: the output
+        directory's trainer.log."""
+        return None
 
 
 def last_zone_first(zones: list[str], last: str | None) -> list[str]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from provision import catalogue, gke_render
 from provision.cloud import storage
 from provision.resources import Resource
-from provision.targets.base import ENDED, Holding, Report, last_zone_first, report_from_status
+from provision.config.gke_sections import MAX_GKE_NAME
+from provision.targets.base import ENDED, Holding, Kind, Report, Scope, last_zone_first, report_from_status
 
 
 class GkeTarget(Holding):
@@ -103,3 +104,109 @@ class GkeTarget(Holding):
         from provision.gke import gke_status
 
         return gke_status(self.context)
+
+
+class GkeKind(Kind):
+    """`target: gke`: the slice and gke sections, rendered as node pools (and a cluster) and a JobSet."""
+
+    name = "gke"
+    noun = "GKE node pools"
+    group = "gke"
+    sections = ("slice", "gke")
+
+    def checks(self, get) -> list[tuple[str, str]]:
+        """The gke section against the slice, the region and the trainer."""
+        if get("gke") is None:
+            return [("gke", "target 'gke' needs a gke section (at least cluster and location)")]
+        found = self._placement_checks(get)
+        run, count = get("run"), get("slice.count")
+        if isinstance(run, str) and isinstance(count, int):
+            longest = len(run) + len(f"-s{count - 1}")
+            if longest > MAX_GKE_NAME:
+                found.append(("run", f"run name {run!r} is too long for GKE: node pools are named RUN-sN, at "
+                                     f"most {MAX_GKE_NAME} characters (use at most "
+                                     f"{len(run) - longest + MAX_GKE_NAME})"))
+        output_dir = get("trainer.output_dir")
+        if isinstance(output_dir, str) and not output_dir.startswith("gs://"):
+            found.append(("trainer.output_dir", f"pods on GKE keep nothing when they end: use a gs:// path, not "
+                                                f"{output_dir!r}"))
+        return found
+
+    @staticmethod
+    def _placement_checks(get) -> list[tuple[str, str]]:
+        found: list[tuple[str, str]] = []
+        runtime, pathways = get("gke.runtime"), get("gke.pathways")
+        if runtime == "jax" and isinstance(pathways, dict):
+            found.append(("gke.pathways", "a pathways section is only used with runtime 'pathways' (runtime is "
+                                          "'jax')"))
+        region, location, zones = get("region"), get("gke.location"), get("zones")
+        if isinstance(location, str) and isinstance(region, str) and location.rsplit("-", 1)[0] != region \
+                and location != region:
+            found.append(("gke.location", f"location {location!r} is not in region {region!r}"))
+        elif isinstance(location, str) and location != region and isinstance(zones, list):
+            others = [z for z in zones if isinstance(z, str) and z != location]
+            if others:  # a zonal cluster has its node pools in its own zone
+                found.append(("zones", f"the cluster is zonal ({location}): its node pools cannot go in "
+                                       f"{', '.join(others)}; list only {location} in `zones:`"))
+        acc_name, topology = get("slice.accelerator"), get("gke.topology")
+        acc = catalogue.ACCELERATORS.get(acc_name) if isinstance(acc_name, str) else None
+        if acc is not None and isinstance(topology, str) and topology != acc.topology:
+            found.append(("gke.topology", f"topology {topology!r} is not that of slice.accelerator {acc_name} "
+                                          f"({acc.topology}); set one of them"))
+        return found
+
+    def summary(self, cfg) -> str:
+        acc = cfg.accelerator_type()
+        return (f"GKE cluster {cfg.gke.cluster} ({cfg.gke.location}), runtime {cfg.gke.runtime}: "
+                f"{cfg.slice.count} x {acc.name} ({acc.topology}, {acc.vms} VM{'' if acc.vms == 1 else 's'}) as "
+                f"node pools, {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
+
+    def render(self, cfg, renderer) -> dict[str, str]:
+        return gke_render.render_files(cfg, renderer)
+
+    def hardware(self, cfg):
+        return cfg.accelerator_type(), cfg.slice.count, cfg.slice.capacity
+
+    def target(self, context, *, output_dir: str | None = None) -> GkeTarget:
+        return GkeTarget(context, output_dir=output_dir)
+
+    def up_line(self, cfg) -> str:
+        acc = cfg.accelerator_type()
+        return (f"run {cfg.run}, cluster {cfg.gke.cluster} ({cfg.gke.location}), {cfg.slice.count} x "
+                f"{acc.name} ({acc.topology}, {acc.vms} VMs), {cfg.slice.capacity}, runtime {cfg.gke.runtime}")
+
+    def up(self, context) -> list[Resource]:
+        from provision.gke import gke_up
+
+        return gke_up(context)
+
+    def status(self, context) -> list[Resource]:
+        from provision.gke import gke_status
+
+        return gke_status(context)
+
+    def managed(self, session, scope: Scope) -> list[Resource]:
+        cfg = scope.config
+        if cfg is None or cfg.gke is None:  # a cluster is found through a config's gke section only
+            return []
+        from provision.gke import managed_gke
+
+        return managed_gke(cfg, session, run=scope.run, project=scope.project)
+
+    def where(self, cfg) -> str | None:
+        return f"GKE cluster {cfg.gke.cluster}" if cfg.gke is not None else None
+
+    def teardown(self, context) -> list[Resource]:
+        if context.config.gke is None:
+            return []
+        from provision.gke import gke_down
+
+        return gke_down(context)
+
+    def log_source(self, context):
+        from provision.gke import trainer_log
+
+        return lambda: trainer_log(context.config, context.session)
+
+
+KIND = GkeKind()

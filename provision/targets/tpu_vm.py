@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from provision import catalogue, guest_attributes
 from provision.resources import Resource, project_of, short
-from provision.targets.base import Holding, Report, combine, last_zone_first, report_from_status
+from provision.targets.base import Holding, Kind, Report, Scope, combine, last_zone_first, report_from_status
 
 GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
 
@@ -89,3 +89,82 @@ class SliceTarget(Holding):
         from provision.slices import slice_status
 
         return slice_status(self.context)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+class TpuVmKind(Kind):
+    """`target: tpu-vm`: the slice section, rendered as the startup script and the QueuedResource requests."""
+
+    name = "tpu-vm"
+    noun = "a TPU VM slice on a queued resource"
+    group = "slice"
+    sections = ("slice",)
+
+    def checks(self, get) -> list[tuple[str, str]]:
+        acc_name, count, output_dir = get("slice.accelerator"), get("slice.count"), get("trainer.output_dir")
+        multi_host = (isinstance(acc_name, str) and acc_name in catalogue.ACCELERATORS
+                      and (catalogue.accelerator(acc_name).multi_host or (isinstance(count, int) and count > 1)))
+        if multi_host and isinstance(output_dir, str) and not output_dir.startswith("gs://"):
+            return [("trainer.output_dir", f"{acc_name} x {count} has several TPU VMs, each with its own disk: "
+                                           f"checkpoints in {output_dir!r} would be split between them; use a "
+                                           "gs:// path")]
+        return []
+
+    def zone_region(self, get):
+        """A queued resource is zonal and v5e is in one zone per region, so a slice fails over across
+        regions: its zones lie anywhere, unless `slice.subnetwork` ties them to its region."""
+        subnetwork = get("slice.subnetwork")
+        if not isinstance(subnetwork, str):
+            return None
+        region = subnetwork.split("/")[3] if subnetwork.startswith("projects/") else get("region")
+        return region, f", where slice.subnetwork {subnetwork!r} is (a subnetwork serves its own region only)"
+
+    def warnings(self, cfg) -> list[str]:
+        return [w for w in map(catalogue.zone_warning, cfg.zones) if w]
+
+    def summary(self, cfg) -> str:
+        acc = cfg.accelerator_type()
+        return (f"{cfg.slice.count} x {acc.name} ({acc.topology}, {_plural(acc.chips, 'chip')}, "
+                f"{_plural(acc.vms, 'VM')}), {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
+
+    def render(self, cfg, renderer) -> dict[str, str]:
+        from provision.rendering import render_slice_files
+
+        return render_slice_files(cfg, renderer)
+
+    def hardware(self, cfg):
+        return cfg.accelerator_type(), cfg.slice.count, cfg.slice.capacity
+
+    def target(self, context, *, output_dir: str | None = None) -> SliceTarget:
+        return SliceTarget(context, output_dir=output_dir)
+
+    def up_line(self, cfg) -> str:
+        accel = cfg.accelerator_type()
+        return (f"run {cfg.run}, {cfg.slice.count} x {accel.name} ({accel.topology}, {accel.chips} chips, "
+                f"{accel.vms} VMs), {cfg.slice.capacity}")
+
+    def up(self, context, recreate: bool = False) -> list[Resource]:
+        from provision.slices import slice_up
+
+        return slice_up(context, recreate=recreate)
+
+    def status(self, context) -> list[Resource]:
+        from provision.slices import slice_status
+
+        return slice_status(context)
+
+    def managed(self, session, scope: Scope) -> list[Resource]:
+        from provision.slices import managed_resources
+
+        return managed_resources(session, scope.project, list(scope.zones), run=scope.run)
+
+    def teardown(self, context) -> list[Resource]:
+        from provision.slices import slice_down
+
+        return slice_down(context)
+
+
+KIND = TpuVmKind()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from provision import catalogue
 from provision.cloud import storage
 from provision.resources import Resource, project_of, short
-from provision.targets.base import ENDED, Holding, Report, report_from_status
+from provision.targets.base import ENDED, Holding, Kind, Report, Scope, report_from_status
 
 PREEMPTION_MARKERS = ("preempt", "spot vm", "was reclaimed")
 
@@ -88,3 +88,76 @@ class JobTarget(Holding):
         from provision.jobs import managed_jobs
 
         return managed_jobs(self.session, project_of(self.cfg, self.session), self.cfg.region, run=self.cfg.run)
+
+
+class VertexKind(Kind):
+    """`target: vertex`: the vertex section, rendered as the CustomJob request."""
+
+    name = "vertex"
+    noun = "a Vertex AI custom job"
+    group = "job"
+    sections = ("vertex",)
+
+    def checks(self, get) -> list[tuple[str, str]]:
+        found: list[tuple[str, str]] = []
+        scheduling, topology = get("vertex.scheduling"), get("vertex.topology")
+        if (scheduling == "SPOT" and isinstance(topology, str)
+                and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host):
+            found.append(("vertex.scheduling", f"Vertex AI does not offer SPOT for multi-host TPU topologies "
+                                               f"({topology}); use STANDARD or FLEX_START"))
+        output_dir = get("trainer.output_dir")
+        if isinstance(output_dir, str) and not output_dir.startswith("gs://"):
+            found.append(("trainer.output_dir", f"a Vertex AI job keeps its checkpoints in Cloud Storage: use a "
+                                                f"gs:// path, not {output_dir!r} (a local path vanishes with the job)"))
+        return found
+
+    def summary(self, cfg) -> str:
+        acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
+        size = f" ({acc.chips} chip{'' if acc.chips == 1 else 's'})" if acc else ""
+        return (f"Vertex AI job on {cfg.vertex.machine_type}, topology {cfg.vertex.topology}{size}, "
+                f"{cfg.vertex.scheduling}, region {cfg.region}")
+
+    def render(self, cfg, renderer) -> dict[str, str]:
+        from provision.rendering import render_custom_job_files
+
+        return render_custom_job_files(cfg, renderer)
+
+    def hardware(self, cfg):
+        acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
+        if acc is None:
+            raise ValueError(f"no v5e accelerator type has topology {cfg.vertex.topology!r}")
+        return acc, 1, catalogue.CAPACITY_OF_VERTEX_STRATEGY[cfg.vertex.scheduling]
+
+    def target(self, context, *, output_dir: str | None = None) -> JobTarget:
+        return JobTarget(context, output_dir=output_dir)
+
+    def up_line(self, cfg) -> str:
+        return f"run {cfg.run}, {cfg.vertex.machine_type} {cfg.vertex.topology}, {cfg.vertex.scheduling}, " \
+               f"region {cfg.region}"
+
+    def up(self, context) -> list[Resource]:
+        from provision.jobs import job_submit
+
+        return [job_submit(context)]
+
+    def status(self, context) -> list[Resource]:
+        cfg, session = context.config, context.session
+        from provision.jobs import managed_jobs
+
+        return managed_jobs(session, project_of(cfg, session), cfg.region, run=cfg.run)
+
+    def managed(self, session, scope: Scope) -> list[Resource]:
+        from provision.jobs import managed_jobs
+
+        return [job for region in scope.regions for job in managed_jobs(session, scope.project, region, run=scope.run)]
+
+    def where(self, cfg) -> str:
+        return f"region {cfg.region}"
+
+    def teardown(self, context) -> list[Resource]:
+        from provision.jobs import jobs_down
+
+        return jobs_down(context)
+
+
+KIND = VertexKind()

@@ -1,0 +1,156 @@
+"""`up`, `status`, `down` and `list` for any kind of target: each asks the config's kind
+(provision.targets) and names none. `slice`, `job` and `gke` are a kind's own names for them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from provision.cli.common import finish, print_resources
+from provision.cli.options import config_option
+from provision.errors import UsageError
+
+
+@click.command("up")
+@config_option
+@click.pass_obj
+def up(app, config_path: str) -> None:
+    """Make what the config's target asks for and wait until it is up (a slice, a job, node pools).
+
+    \b
+    Examples:
+      moe-tpu up -c examples/v5e-64.yaml
+      moe-tpu --dry-run up -c examples/gke-pathways.yaml
+    """
+    from provision.targets import kind_of
+
+    app.command = "up"
+    cfg = app.load_config(config_path, check_trainer=True)
+    kind = kind_of(cfg)
+    app.console.info(f"up ({kind.name}): {kind.up_line(cfg)}" + (" [dry run]" if app.dry_run else ""))
+    resources = kind.up(app.context(cfg))
+    for res in resources:
+        app.console.text(f"  {res.kind} {res.name.rsplit('/', 1)[-1]} {res.state}"
+                         + (f" in {res.zone}" if res.zone else ""))
+    finish(app, resources)
+
+
+@click.command("status")
+@config_option
+@click.pass_obj
+def status(app, config_path: str) -> None:
+    """Show what of the run exists on its target, with state, age and cost so far."""
+    from provision.targets import kind_of
+
+    app.command = "status"
+    cfg = app.load_config(config_path)
+    resources = kind_of(cfg).status(app.context(cfg))
+    print_resources(app, resources)
+    finish(app, resources)
+
+
+def delete_run(app, config_path: str, command: str, kinds: tuple[str, ...] | None = None) -> None:
+    """Delete the run's resources of `kinds` (None: of every kind, whatever the config's target) and
+    stop a dry run's local trainer; says what went."""
+    from provision.targets import KINDS
+
+    app.command = command
+    cfg = app.load_config(config_path)
+    chosen = [kind for name, kind in KINDS.items() if kinds is None or name in kinds]
+    where = " and ".join([", ".join(cfg.zones), *filter(None, (kind.where(cfg) for kind in chosen))])
+    app.console.info(f"{command}: deleting every resource of run {cfg.run} in {where}"
+                     + (" [dry run]" if app.dry_run else ""))
+    deleted = [res for kind in chosen for res in kind.teardown(app.context(cfg))]
+    if app.dry_run:  # the trainer that a killed dry run left running on this machine
+        from provision.emulator.local_trainer import stop_recorded
+
+        pid = stop_recorded(app.state_dir, cfg.run)
+        if pid is not None:
+            app.console.info(f"  stopped the dry run's local trainer (pid {pid})")
+    app.console.text(f"deleted {len(deleted)} resource(s); nothing of run {cfg.run} is left"
+                     if deleted else f"nothing to delete; nothing of run {cfg.run} is left")
+    finish(app, [], deleted=[r.as_dict(app.session().clock.now()) for r in deleted])
+
+
+@click.command("down")
+@config_option
+@click.pass_obj
+def down(app, config_path: str) -> None:
+    """Delete every resource of the run, also after a crash, and verify nothing is left.
+
+    \b
+    Examples:
+      moe-tpu down -c examples/v5e-64.yaml
+      moe-tpu --dry-run down
+    """
+    delete_run(app, config_path, "down")
+
+
+@click.command("list")
+@config_option
+@click.option("--all-zones", is_flag=True, help="Look in every zone that offers v5e, not only the config's.")
+@click.option("--run", "run_filter", default=None, help="Only this run's resources.")
+@click.option("--project", default=None, help="The project to look in (default: the config's).")
+@click.option("--zone", "zones_option", multiple=True,
+              help="A zone to look in (repeatable; default: the config's zones). Its region's jobs are listed too.")
+@click.pass_obj
+def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None, project: str | None,
+             zones_option: tuple[str, ...]) -> None:
+    """Every resource this tool manages (found by its labels): queued resources and nodes in the
+    config's zones, custom jobs in its region, and with a gke section the JobSets, node pools and
+    cluster it made on that cluster; with state, age and cost so far. Without a config
+    here, --project and --zone (or --all-zones) say where to look.
+
+    \b
+    Examples:
+      moe-tpu list
+      moe-tpu --output json list --all-zones
+      moe-tpu list --project my-project --zone us-west4-a
+    """
+    from provision import catalogue
+    from provision.targets import KINDS, Scope
+
+    app.command = "list"
+    cfg = _config_if_any(app, config_path, project, zones_option or all_zones)
+    for zone in zones_option:
+        if zone not in catalogue.V5E_ZONES:
+            raise UsageError(f"--zone {zone}: not a zone that offers TPU v5e",
+                             hint=f"v5e zones: {', '.join(catalogue.V5E_ZONES)}")
+    zones = (list(catalogue.V5E_ZONES) if all_zones else list(dict.fromkeys(zones_option))
+             or list(cfg.zones))
+    regions = sorted({catalogue.zone_region(z) for z in zones} | ({cfg.region} if cfg and not zones_option else set()))
+    scope = Scope(project=_list_project(app, cfg, project), zones=tuple(zones), regions=tuple(regions),
+                  run=run_filter, config=cfg)
+    resources = [res for kind in KINDS.values() for res in kind.managed(app.session(), scope)]
+    print_resources(app, resources)
+    finish(app, resources)
+
+
+def _config_if_any(app, config_path: str, project: str | None, where_given: bool):
+    """The config, unless there is none here and --project/--zone say where to look."""
+    from provision.config import DEFAULT_CONFIG
+
+    has_config = (config_path != DEFAULT_CONFIG or Path(config_path).exists()
+                  or app.remembered_config() is not None)
+    if has_config:
+        return app.load_config(config_path)
+    if project is None or not where_given:
+        missing = " and ".join(name for name, given in (("--project", project), ("--zone", where_given)) if not given)
+        raise UsageError(f"no {DEFAULT_CONFIG} here, so `list` needs {missing} to know where to look",
+                         hint="e.g. `moe-tpu list --project my-project --zone us-west4-a` (or --all-zones), "
+                              "or name a config with --config")
+    return None
+
+
+def _list_project(app, cfg, project: str | None) -> str:
+    from provision.resources import project_of
+
+    if project is not None:
+        from provision.config import _PROJECT
+
+        if not _PROJECT.match(project):
+            raise UsageError(f"--project {project}: not a project id",
+                             hint="6 to 30 lowercase letters, digits or hyphens, starting with a letter")
+        return project
+    return project_of(cfg, app.session())
