@@ -256,7 +256,7 @@ def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: di
     config: Config | None = None
     failed: set[str] = set()
     own, errors = _own_sections_of(raw)
-    fields = {key: value for key, value in raw.items() if key not in own}
+    fields = {key: value for key, value in raw.items() if key not in _own_sections()}
     try:
         config = Config.model_validate({**fields, "kind_sections": own, "source": Path(file)})
     except ValidationError as exc:

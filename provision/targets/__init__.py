@@ -32,8 +32,8 @@ def require(cfg, group: str) -> Kind:
     kind, wanted = kind_of(cfg), by_group(group)
     if kind is not wanted:
         raise UsageError(f"{cfg.source}: target is {cfg.target!r}: {kind.noun}, not {wanted.noun}",
-                         hint=f"use `moe-tpu {kind.group} ...` (or `moe-tpu up | status | down`) "
-                              f"-c {cfg.source}, or set `target: {wanted.name}`")
+                         hint=f"use `moe-tpu {kind.up_command} -c {cfg.source}` (or `moe-tpu up`), "
+                              f"or set `target: {wanted.name}`")
     return kind
 
 

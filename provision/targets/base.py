@@ -84,7 +84,7 @@ class Kind:
     up, status, run) ask the kind of the config in hand and never name one.
 
     name: the config's `target` value; noun: what it is, in a sentence; group: its own command
-    group (an alias of `up | status | down`); sections: the config sections it reads (besides the
+    group (an alias of `up | status | down`), up_command that group's `up`; sections: the config sections it reads (besides the
     common ones), which `validate` checks for it; own_sections: sections a kind brings to the config
     file itself (the key -> its pydantic model; validated only when the config's target is this kind).
     """
@@ -92,6 +92,7 @@ class Kind:
     name: ClassVar[str] = ""
     noun: ClassVar[str] = ""
     group: ClassVar[str] = ""
+    up_command: ClassVar[str] = ""  # its own group's `up` (e.g. "slice up")
     sections: ClassVar[tuple[str, ...]] = ()
     own_sections: ClassVar[dict[str, type]] = {}
 

@@ -112,6 +112,7 @@ class GkeKind(Kind):
     name = "gke"
     noun = "GKE node pools"
     group = "gke"
+    up_command = "gke up"
     sections = ("slice", "gke")
 
     def checks(self, get) -> list[tuple[str, str]]:

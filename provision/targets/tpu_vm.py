@@ -101,6 +101,7 @@ class TpuVmKind(Kind):
     name = "tpu-vm"
     noun = "a TPU VM slice on a queued resource"
     group = "slice"
+    up_command = "slice up"
     sections = ("slice",)
 
     def checks(self, get) -> list[tuple[str, str]]:

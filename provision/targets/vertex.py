@@ -96,6 +96,7 @@ class VertexKind(Kind):
     name = "vertex"
     noun = "a Vertex AI custom job"
     group = "job"
+    up_command = "job submit"
     sections = ("vertex",)
 
     def checks(self, get) -> list[tuple[str, str]]:
