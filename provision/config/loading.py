@@ -11,7 +11,6 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from provision import catalogue
-from provision.config.gke_sections import MAX_GKE_NAME
 from provision.config.sections import _SECTIONS, Config
 from provision.config.shapes import _ZONE, DEFAULT_CONFIG, _brief
 from provision.errors import ConfigError, Problem

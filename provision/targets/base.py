@@ -83,10 +83,10 @@ class Kind:
     each, by the config's `target` value. The commands (validate, render, plan, list, down, logs,
     up, status, run) ask the kind of the config in hand and never name one.
 
-    name: the config's `target` value; noun: what it is, in a sentence; group: its own command
-    group (an alias of `up | status | down`), up_command that group's `up`; sections: the config sections it reads (besides the
-    common ones), which `validate` checks for it; own_sections: sections a kind brings to the config
-    file itself (the key -> its pydantic model; validated only when the config's target is this kind).
+    name: the config's `target` value; noun: what it is, in a sentence; group: its own command group
+    (an alias of `up | status | down`), up_command that group's `up`; sections: the config sections
+    it reads (besides the common ones); own_sections: sections a kind brings to the config file
+    itself (the key -> its pydantic model, validated with the file by provision.config.loading).
     """
 
     name: ClassVar[str] = ""
