@@ -78,6 +78,10 @@ class StockoutError(CloudError):
     pass
 
 
+class WaitTimeout(CloudError):
+    """A wait (provision.waiting.poll) that gave up: what it waited for did not happen in time."""
+
+
 # Modules of each extra's packages (a dotted prefix: the longest one that matches a missing
 # module wins), so a command that needs one names the extra that installs it. Google's packages
 # share the `google` namespace: [control] installs most of them, [image] Cloud Build.

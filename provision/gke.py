@@ -9,7 +9,7 @@ this tool did not create (no run label on it) is never deleted.
 from __future__ import annotations
 
 from provision import catalogue, gke_render
-from provision.errors import CloudError, StockoutError, UsageError
+from provision.errors import CloudError, StockoutError, UsageError, WaitTimeout
 from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
@@ -186,10 +186,10 @@ def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
                                            f"create node pool {spec.name}", progress=bar, timeout_s=wait)
                 except StockoutError:
                     raise
-                except CloudError as exc:
-                    if exc.message.startswith("gave up waiting"):
-                        raise StockoutError(f"node pool {spec.name} was not made within slice.max_wait "
-                                            f"({format_duration(cfg.slice.max_wait, exact=True)})") from exc
+                except WaitTimeout as exc:
+                    raise StockoutError(f"node pool {spec.name} was not made within slice.max_wait "
+                                        f"({format_duration(cfg.slice.max_wait, exact=True)})") from exc
+                except CloudError:
                     pool = session.container.get_node_pool(name)
                     if pool is None or pool.status.name != "ERROR":
                         raise

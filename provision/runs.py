@@ -18,6 +18,7 @@ from provision.cloud import storage
 from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
 from provision.targets.base import Report, Target
+from trainer.outputs import METRICS_FILE, STATUS_FILE, Phase
 from provision.waiting import PollPolicy, format_duration, poll
 
 # While a trainer runs, its reports are read this often (and more often at first).
@@ -25,7 +26,7 @@ FOLLOW_POLICY = PollPolicy(initial_s=2.0, factor=1.5, cap_s=30.0, jitter=0.0)
 # Time for the trainer to appear after the slice or job is up (image pull, start-up, compile).
 START_TIMEOUT_S = 3 * 3600.0
 # The phases of a report that end a follow (Runner._follow).
-FOLLOW_ENDS = ("finished", "failed", "preempted", "restarted", "deleted")
+FOLLOW_ENDS = (Phase.FINISHED, Phase.FAILED, Phase.PREEMPTED, Phase.RESTARTED, Phase.DELETED)
 
 
 class RunFailed(CloudError):
@@ -224,7 +225,7 @@ class Runner:
             where = ", ".join(f"{r.kind} {short(r.name)}" for r in self.resources[:2])
             self.timeline.add("provisioned" if attempt == 0 else "recovered", self.console, resources=where)
             outcome = self._follow(attempt)
-            while outcome.phase == "restarted":  # the target recovered in place (a JobSet's failure policy)
+            while outcome.phase == Phase.RESTARTED:  # the target recovered in place (a JobSet's failure policy)
                 self.timeline.add("preempted", self.console, detail=outcome.detail, step=outcome.step)
                 if attempt >= max_restarts:
                     self._teardown("deleted")
@@ -233,18 +234,18 @@ class Runner:
                 self.training.restarts = attempt
                 self.timeline.add("restarted", self.console, attempt=attempt + 1)
                 outcome = self._follow(attempt)
-            if outcome.phase == "finished":
+            if outcome.phase == Phase.FINISHED:
                 self.timeline.add("finished", self.console, step=outcome.step, loss=_round(outcome.loss))
                 self._read_metrics()
                 if not self.keep:
                     self._teardown("deleted")
                 return RunOutcome(True, self.timeline, self.training, self.resources)
-            if outcome.phase == "deleted":  # by a person (`moe-tpu down`, the console), not by the service
+            if outcome.phase == Phase.DELETED:  # by a person (`moe-tpu down`, the console), not by the service
                 self.timeline.add("deleted elsewhere", self.console, detail=outcome.detail)
                 self._teardown("deleted")
                 return self._failed(f"the run's resources were deleted while it ran ({outcome.detail}); a "
                                     "deletion somebody asked for is not a preemption, so nothing is recreated")
-            if outcome.phase == "preempted":
+            if outcome.phase == Phase.PREEMPTED:
                 self.timeline.add("preempted", self.console, detail=outcome.detail, step=outcome.step)
                 self._teardown("deleted")
                 if attempt >= max_restarts:
@@ -273,17 +274,17 @@ class Runner:
             nonlocal started
             report = self.target.report()
             self.training.see(report, attempt)
-            if report.phase in ("running", "finished") and not started:
+            if report.phase in (Phase.RUNNING, Phase.FINISHED) and not started:
                 started = self.trained = True
                 self.timeline.add("training started", self.console, step=report.start_step or report.step)
-            if (report.phase not in (*FOLLOW_ENDS, "running")
+            if (report.phase not in (*FOLLOW_ENDS, Phase.RUNNING)
                     and self.clock.now() - waited_since > START_TIMEOUT_S):
-                return Report("failed", detail=f"the trainer did not start within {format_duration(START_TIMEOUT_S)}")
+                return Report(Phase.FAILED, detail=f"the trainer did not start within {format_duration(START_TIMEOUT_S)}")
             return report
 
         with self.console.progress("  waiting for the trainer to start") as bar:
             return poll(look, lambda report: report.phase in FOLLOW_ENDS, self.clock, timeout_s=float("inf"),
-                        describe=lambda report, _: self._progress_line(report, rate) if report.phase == "running"
+                        describe=lambda report, _: self._progress_line(report, rate) if report.phase == Phase.RUNNING
                         else None, progress=bar, policy=FOLLOW_POLICY, what="the trainer")
 
     def _progress_line(self, report: Report, rate: _Rate) -> str:
@@ -306,7 +307,7 @@ class Runner:
 
     def _read_metrics(self) -> None:
         try:
-            rows = self.session.storage.read_jsonl(storage.join(self.output_dir, "metrics.jsonl"))
+            rows = self.session.storage.read_jsonl(storage.join(self.output_dir, METRICS_FILE))
         except MoeTpuError as exc:
             self.console.detail(f"could not read the trainer's metrics: {exc.message}")
             return
@@ -348,10 +349,10 @@ def finished_status(store, output_dir: str, steps: int | None) -> dict | None:
     """The trainer's status file (read by `store`, a provision.cloud.storage.Storage) when it says that
     the run finished every one of `steps` steps (None: its own total), else None: there is training to do."""
     try:
-        status = store.read_json(storage.join(output_dir, "status.json"))
+        status = store.read_json(storage.join(output_dir, STATUS_FILE))
     except MoeTpuError:
         return None
-    if not status or status.get("state") != "finished":
+    if not status or status.get("state") != Phase.FINISHED:
         return None
     step, total = status.get("step"), status.get("total_steps")
     want = steps if steps is not None else total

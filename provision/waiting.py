@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
-from provision.errors import CloudError
+from provision.errors import WaitTimeout
 
 T = TypeVar("T")
 
@@ -73,7 +73,7 @@ def poll(fetch: Callable[[], T], done: Callable[[T], bool], clock, *, timeout_s:
         if done(value):
             return value
         if elapsed >= timeout_s:
-            raise CloudError(f"gave up waiting for {what} after {format_duration(elapsed)}",
+            raise WaitTimeout(f"gave up waiting for {what} after {format_duration(elapsed)}",
                              hint="raise slice.max_wait, or run `moe-tpu down` to stop paying for it")
         step = min(interval, policy.cap_s) * (1 + rng.uniform(-policy.jitter, policy.jitter))
         clock.sleep(min(step, max(0.0, timeout_s - elapsed) + 0.001))

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from trainer.outputs import METRICS_FILE
 from trainer.status import StatusError, is_remote, reason, write_whole
 
 
@@ -31,8 +32,8 @@ def _clean(value: Any) -> Any:
 
 def metrics_log_path(output_dir: str) -> str:
     if is_remote(output_dir):
-        return f"{output_dir.rstrip('/')}/metrics.jsonl"
-    return os.path.join(os.path.abspath(output_dir), "metrics.jsonl")
+        return f"{output_dir.rstrip('/')}/{METRICS_FILE}"
+    return os.path.join(os.path.abspath(output_dir), METRICS_FILE)
 
 
 class MetricsLog:

@@ -19,14 +19,17 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from trainer.outputs import ENDED, Phase  # noqa: F401 - ENDED: the trainer's end states, named here too
+
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_STOPPED = 143  # 128 + SIGTERM: stopped (checkpoint saved), not finished; run again to continue
 
-# The states of the status file, which the control plane reads back (and the guest attributes carry).
-STARTING, RUNNING, FINISHED, STOPPED, FAILED = "starting", "running", "finished", "stopped", "failed"
-ENDED = (FINISHED, STOPPED, FAILED)
+# The states of the status file, which the control plane reads back (and the guest attributes carry):
+# the trainer's phases of trainer/outputs.py.
+STARTING, RUNNING, FINISHED, STOPPED, FAILED = (Phase.STARTING, Phase.RUNNING, Phase.FINISHED, Phase.STOPPED,
+                                                Phase.FAILED)
 # The state an exit code means; any other code is FAILED.
 STATE_OF_EXIT = {EXIT_FINISHED: FINISHED, EXIT_STOPPED: STOPPED}
 

@@ -84,25 +84,25 @@ def read_output(read: Callable[[str, Callable], object], pod_log: Callable[[], s
     `name` with `reader` (provision.cloud.storage.Storage's read_jsonl, read_text or read_json, called on
     the Storage that reads the directory); the waits are waiting.poll's on `clock`, every FOLLOW_INTERVAL_S."""
     from provision.cloud.storage import Storage
-    from provision.targets import ENDED
+    from trainer.outputs import ENDED, METRICS_FILE, STATUS_FILE, TRAINER_LOG
     from provision.waiting import PollPolicy, poll
 
     seen = Seen()
-    first = read("metrics.jsonl", Storage.read_jsonl)
+    first = read(METRICS_FILE, Storage.read_jsonl)
     if tail and len(first) > tail:
         seen.shown_rows = len(first) - tail
 
     def look() -> Seen:
-        seen.rows = read("metrics.jsonl", Storage.read_jsonl)
+        seen.rows = read(METRICS_FILE, Storage.read_jsonl)
         for row in seen.rows[seen.shown_rows:]:
             console.text(_row_line(row))
         seen.shown_rows = len(seen.rows)
-        seen.text = (pod_log() if pod_log is not None else None) or read("trainer.log", Storage.read_text) or ""
+        seen.text = (pod_log() if pod_log is not None else None) or read(TRAINER_LOG, Storage.read_text) or ""
         lines = seen.text.splitlines()
         for line in lines[seen.shown_lines:] if follow else []:
             console.info(line)
         seen.shown_lines = len(lines)
-        seen.status = read("status.json", Storage.read_json) or {}
+        seen.status = read(STATUS_FILE, Storage.read_json) or {}
         return seen
 
     every = PollPolicy(initial_s=FOLLOW_INTERVAL_S, factor=1.0, cap_s=FOLLOW_INTERVAL_S, jitter=0.0)

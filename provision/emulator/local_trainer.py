@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from provision import guest_attributes
-from trainer.status import ENDED
+from trainer.outputs import ENDED, STATUS_FILE, TRAINER_LOG
 
 RUNS_DIR = "runs"
 # Beside the output directory: the pid of the trainer that a run started, so that a re-run after a
@@ -72,7 +72,7 @@ class _Adopted:
     def poll(self) -> int | None:
         if self.returncode is None and not _alive(self.pid, self.output_dir):
             try:
-                status = json.loads((self.output_dir / "status.json").read_text())
+                status = json.loads((self.output_dir / STATUS_FILE).read_text())
             except (OSError, ValueError):
                 status = {}
             code = status.get("exit_code") if isinstance(status, dict) else None
@@ -295,10 +295,10 @@ class LocalTrainer:
         if found is not None:  # it ran for a resource that is gone, as a deleted VM's container stops
             _terminate(found[0])
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("status.json",):
+        for stale in (STATUS_FILE,):
             (self.output_dir / stale).unlink(missing_ok=True)
         command = local_argv(argv, self.cfg, self.output_dir)
-        log = open(self.output_dir / "trainer.log", "a")  # noqa: SIM115 - the child holds it
+        log = open(self.output_dir / TRAINER_LOG, "a")  # noqa: SIM115 - the child holds it
         env = dict(os.environ, JAX_PLATFORMS="cpu", MOE_TPU_RUN=self.cfg.run, **compilation_cache_env(os.environ))
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
@@ -309,7 +309,7 @@ class LocalTrainer:
         self.current = _Workload(key=key, kind=kind, nodes=slice_nodes, proc=proc)
         if kind == "gke":  # the pod's log is the trainer's output
             namespace, name = key.split("/", 2)[1:]
-            log_path = str(self.output_dir / "trainer.log")
+            log_path = str(self.output_dir / TRAINER_LOG)
             self.emulator.world_call(lambda world, now: world.gke.set_log(namespace, name, log_path))
         self._say(f"  [dry run] trainer started on this machine (pid {proc.pid}): "
                   f"{' '.join(command[1:])}")
@@ -317,7 +317,7 @@ class LocalTrainer:
 
     def _status(self) -> dict:
         try:
-            value = json.loads((self.output_dir / "status.json").read_text())
+            value = json.loads((self.output_dir / STATUS_FILE).read_text())
         except (OSError, ValueError):
             return {}
         return value if isinstance(value, dict) else {}
@@ -380,7 +380,7 @@ class LocalTrainer:
                 self.emulator.world_call(lambda world, now: world.gke.preempt_trainer(namespace, name, code, now))
             else:
                 self.emulator.end_trainer_pod(namespace, name, code, message=final.get("error") or "",
-                                              log_path=str(self.output_dir / "trainer.log"))
+                                              log_path=str(self.output_dir / TRAINER_LOG))
             return
         if current.preempting:
             self.emulator.end_custom_job(current.key, succeeded=False, preempted=True)
@@ -393,7 +393,7 @@ class LocalTrainer:
 
     def _log_tail(self) -> str:
         try:
-            lines = (self.output_dir / "trainer.log").read_text(errors="replace").splitlines()
+            lines = (self.output_dir / TRAINER_LOG).read_text(errors="replace").splitlines()
         except OSError:
             return ""
         return "\n".join(lines[-LOG_TAIL_LINES:])

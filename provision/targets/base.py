@@ -12,17 +12,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from provision.resources import Resource
-from trainer.status import ENDED  # noqa: F401 - the trainer's states (its status file, the guest attributes)
+from trainer.outputs import ENDED, STATUS_FILE, Phase  # noqa: F401 - the trainer's outputs, one contract
 
 
 @dataclass
 class Report:
     """What a target says about training right now.
 
-    phase: waiting (no trainer yet), starting, running, finished, failed, preempted, restarted
-    (the target recovered from a preemption in place, as a JobSet's failure policy does: the run
-    loop records it and follows on without provisioning again), or deleted (by a person: a
-    deletion or cancellation that the service did not initiate; never recovered from).
+    phase: a trainer/outputs.Phase: waiting (no trainer yet), starting, running, finished, failed,
+    preempted, restarted (the target recovered from a preemption in place, as a JobSet's failure
+    policy does: the run loop records it and follows on without provisioning again), or deleted (by
+    a person: a deletion or cancellation that the service did not initiate; never recovered from).
     """
 
     phase: str
@@ -195,10 +195,10 @@ def _number(value, kind=float):
 def report_from_status(status: dict, worker: str | None = None) -> Report:
     """A Report from one trainer status (status.json fields, or guest attributes with dashes)."""
     get = lambda key: status.get(key, status.get(key.replace("_", "-")))  # noqa: E731
-    state = str(get("state") or "starting")
-    phase = {"stopped": "preempted"}.get(state, state)
-    detail = get("error") or (f"exit code {get('exit_code')}" if state == "failed" else None)
-    if state == "stopped" and not detail:
+    state = str(get("state") or Phase.STARTING)
+    phase = Phase.PREEMPTED if state == Phase.STOPPED else state
+    detail = get("error") or (f"exit code {get('exit_code')}" if state == Phase.FAILED else None)
+    if state == Phase.STOPPED and not detail:
         detail = f"the trainer was stopped by a signal at step {get('step')} (a preemption notice)"
     return Report(phase=phase, step=_number(get("step"), int), total_steps=_number(get("total_steps"), int),
                   start_step=_number(get("start_step"), int), loss=_number(get("loss")),
@@ -208,14 +208,14 @@ def report_from_status(status: dict, worker: str | None = None) -> Report:
 def combine(reports: list[Report]) -> Report:
     """One run's report from its workers': any failure fails it, all must finish, worker 0 speaks."""
     if not reports:
-        return Report("starting")
-    for phase in ("failed", "preempted"):
+        return Report(Phase.STARTING)
+    for phase in (Phase.FAILED, Phase.PREEMPTED):
         bad = [r for r in reports if r.phase == phase]
         if bad:
             return bad[0]
-    if all(r.phase == "finished" for r in reports):
+    if all(r.phase == Phase.FINISHED for r in reports):
         return reports[0]
     lead = reports[0]
-    if lead.phase == "finished":  # worker 0 is done, others are still writing their last checkpoint
-        lead = Report(**{**lead.__dict__, "phase": "running"})
+    if lead.phase == Phase.FINISHED:  # worker 0 is done, others are still writing their last checkpoint
+        lead = Report(**{**lead.__dict__, "phase": Phase.RUNNING})
     return lead

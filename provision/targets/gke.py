@@ -12,7 +12,17 @@ from provision import catalogue, gke_render
 from provision.cloud import storage
 from provision.resources import Resource
 from provision.config.gke_sections import MAX_GKE_NAME
-from provision.targets.base import ENDED, Holding, Kind, Report, Scope, last_zone_first, report_from_status
+from provision.targets.base import (
+    ENDED,
+    STATUS_FILE,
+    Holding,
+    Kind,
+    Phase,
+    Report,
+    Scope,
+    last_zone_first,
+    report_from_status,
+)
 
 
 class GkeTarget(Holding):
@@ -56,7 +66,7 @@ class GkeTarget(Holding):
         return self.session.kube(cluster) if cluster is not None and cluster.endpoint else None
 
     def _status(self) -> dict | None:
-        return self.session.storage.read_json(storage.join(self.output_dir, "status.json"))
+        return self.session.storage.read_json(storage.join(self.output_dir, STATUS_FILE))
 
     def _why(self, kube, jobset: dict, attempt: int) -> str:
         """The JobSet's latest word (its Restarting or terminal event, else its condition) and the
@@ -67,7 +77,7 @@ class GkeTarget(Holding):
         said = events[-1].message if events else (conditions[-1].get("message", "") if conditions else "")
         selector = f"jobset.sigs.k8s.io/jobset-name={name},jobset.sigs.k8s.io/restart-attempt={attempt}"
         failed = [p for p in kube.list_pods(self.cfg.gke.namespace, selector)
-                  if p.status.phase == "Failed" and p.status.reason not in (None, "Killed")]
+                  if p.status.phase == Phase.FAILED and p.status.reason not in (None, "Killed")]
         pods = "; ".join(f"pod {p.metadata.name}: {p.status.reason}: {p.status.message}" for p in failed[:2])
         return f"{said} ({pods})" if pods else said
 
@@ -75,24 +85,24 @@ class GkeTarget(Holding):
         kube = self._kube()
         jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg)) if kube else None
         if jobset is None:
-            return Report("failed", detail="the JobSet is gone")
+            return Report(Phase.FAILED, detail="the JobSet is gone")
         status = jobset.get("status") or {}
         restarts = int(status.get("restarts", 0))
         status_file = self._status()
-        trainer = report_from_status(status_file) if status_file else Report("starting")
+        trainer = report_from_status(status_file) if status_file else Report(Phase.STARTING)
         if restarts > self.restarts_seen:
             self.restarts_seen = restarts
-            return Report(**{**trainer.__dict__, "phase": "restarted",
+            return Report(**{**trainer.__dict__, "phase": Phase.RESTARTED,
                              "detail": self._why(kube, jobset, restarts - 1)})
         terminal = status.get("terminalState")
         if terminal == "Completed":
-            return Report(**{**trainer.__dict__, "phase": "finished"})
+            return Report(**{**trainer.__dict__, "phase": Phase.FINISHED})
         if terminal == "Failed":
-            phase = "preempted" if trainer.phase == "preempted" else "failed"
+            phase = Phase.PREEMPTED if trainer.phase == Phase.PREEMPTED else Phase.FAILED
             detail = self._why(kube, jobset, restarts) + (f"; trainer: {trainer.detail}" if trainer.detail else "")
             return Report(**{**trainer.__dict__, "phase": phase, "detail": detail})
-        if trainer.phase in ENDED or trainer.phase == "preempted":
-            return Report("starting")  # a status left by the attempt before a restart: the JobSet decides
+        if trainer.phase in ENDED or trainer.phase == Phase.PREEMPTED:
+            return Report(Phase.STARTING)  # a status left by the attempt before a restart: the JobSet decides
         return trainer
 
     def teardown(self) -> list[Resource]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from provision import catalogue, guest_attributes
 from provision.resources import Resource, project_of, short
-from provision.targets.base import Holding, Kind, Report, Scope, combine, last_zone_first, report_from_status
+from provision.targets.base import Holding, Kind, Phase, Report, Scope, combine, last_zone_first, report_from_status
 
 GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
 
@@ -52,7 +52,7 @@ class SliceTarget(Holding):
         if state != "ACTIVE":
             code, message = failure_of(qr)
             initiator = qr.state.state_initiator.name
-            return Report("preempted", detail=f"queued resource {state} (by {initiator})"
+            return Report(Phase.PREEMPTED, detail=f"queued resource {state} (by {initiator})"
                                               + (f": code {code}: {message}" if message else ""))
         project = project_of(self.cfg, self.session)
         reports = []
@@ -62,11 +62,11 @@ class SliceTarget(Holding):
                 # A deletion between the two looks takes the nodes too: the queued resource says which it was.
                 deleted = self._deleted(tpu.get_queued_resource(self.queued_resource))
                 now = "gone" if node.state.name == "READY" else node.state.name
-                return deleted or Report("preempted", detail=f"node {short(node.name)} is {now}")
+                return deleted or Report(Phase.PREEMPTED, detail=f"node {short(node.name)} is {now}")
             for index, attrs in enumerate(workers):
                 if attrs:
                     reports.append(report_from_status(attrs, worker=f"{short(node.name)} worker {index}"))
-        return combine(reports) if reports else Report("waiting")
+        return combine(reports) if reports else Report(Phase.WAITING)
 
     def _deleted(self, qr) -> Report | None:
         """A "deleted" report when the queued resource is gone or DELETING: only a delete (somebody's
@@ -74,9 +74,9 @@ class SliceTarget(Holding):
         from provision.slices import state_name
 
         if qr is None:
-            return Report("deleted", detail=f"queued resource {short(self.queued_resource)} is gone")
+            return Report(Phase.DELETED, detail=f"queued resource {short(self.queued_resource)} is gone")
         if state_name(qr) == "DELETING":
-            return Report("deleted", detail=f"queued resource {short(self.queued_resource)} is DELETING "
+            return Report(Phase.DELETED, detail=f"queued resource {short(self.queued_resource)} is DELETING "
                                             f"(by {qr.state.state_initiator.name})")
         return None
 

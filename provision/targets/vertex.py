@@ -9,7 +9,7 @@ from __future__ import annotations
 from provision import catalogue
 from provision.cloud import storage
 from provision.resources import Resource, project_of, short
-from provision.targets.base import ENDED, Holding, Kind, Report, Scope, report_from_status
+from provision.targets.base import ENDED, STATUS_FILE, Holding, Kind, Phase, Report, Scope, report_from_status
 
 PREEMPTION_MARKERS = ("preempt", "spot vm", "was reclaimed")
 
@@ -51,32 +51,32 @@ class JobTarget(Holding):
         return [job_resource(job, self.cfg.region)] if job is not None else [resource]
 
     def _status(self) -> dict | None:
-        return self.session.storage.read_json(storage.join(self.output_dir, "status.json"))
+        return self.session.storage.read_json(storage.join(self.output_dir, STATUS_FILE))
 
     def report(self) -> Report:
         from provision.jobs import error_of
 
         job = self.session.vertex(self.cfg.region).get_custom_job(self.job)
         if job is None:
-            return Report("deleted", detail=f"custom job {short(self.job)} is gone")
+            return Report(Phase.DELETED, detail=f"custom job {short(self.job)} is gone")
         state = job.state.name
         if state in ("JOB_STATE_QUEUED", "JOB_STATE_PENDING"):
-            return Report("waiting")
+            return Report(Phase.WAITING)
         status = self._status()
-        trainer = report_from_status(status) if status else Report("starting")
+        trainer = report_from_status(status) if status else Report(Phase.STARTING)
         if state == "JOB_STATE_SUCCEEDED":
-            return Report(**{**trainer.__dict__, "phase": "finished"})
+            return Report(**{**trainer.__dict__, "phase": Phase.FINISHED})
         if state in ("JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED"):
             error = error_of(job) or state
             preempted = any(marker in error.lower() for marker in PREEMPTION_MARKERS)
             if state == "JOB_STATE_CANCELLED" and not preempted:
-                return Report("deleted", detail=f"custom job {short(self.job)} was cancelled")
-            return Report(**{**trainer.__dict__, "phase": "preempted" if preempted else "failed",
+                return Report(Phase.DELETED, detail=f"custom job {short(self.job)} was cancelled")
+            return Report(**{**trainer.__dict__, "phase": Phase.PREEMPTED if preempted else Phase.FAILED,
                              "detail": error + (f"; trainer: {trainer.detail}" if trainer.detail else "")})
-        if trainer.phase in ENDED or trainer.phase == "preempted":
+        if trainer.phase in ENDED or trainer.phase == Phase.PREEMPTED:
             # An ended trainer in a running job: a status left by an earlier attempt, or a replica
             # that Vertex is restarting. Either way the job's own state decides; wait for it.
-            return Report("starting")
+            return Report(Phase.STARTING)
         return trainer
 
     def teardown(self) -> list[Resource]:

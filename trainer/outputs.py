@@ -1,0 +1,43 @@
+"""The trainer's outputs as one contract: what it writes under its output directory, and the phases a run
+goes through, named once for the trainer, the control plane (provision/) and the emulator.
+
+Importable without jax (the control plane reads these files and never runs the trainer). A file the
+trainer writes and something else reads is named here; its contents are documented where it is written
+(trainer/status.py: the status object; trainer/metrics.py: one JSON row per logged step).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+STATUS_FILE = "status.json"  # the run's state, rewritten whole at each change (trainer/status.py)
+METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step (trainer/metrics.py)
+CONFIG_FILE = "config.json"  # the trainer config the run trains with (trainer/cli.py)
+CHECKPOINTS_DIR = "checkpoints"  # Orbax checkpoints, one directory per saved step (trainer/checkpoint.py)
+TRAINER_LOG = "trainer.log"  # the trainer's console output, where a host keeps it (a dry run, a VM)
+
+
+class Phase(StrEnum):
+    """A run's phase. The first five are the trainer's own states (its status file's "state"); the
+    rest are what the control plane says of the place it runs (provision.targets.Report.phase).
+
+    A member is its string ("running" == Phase.RUNNING), so status files and JSON documents stay as
+    they were."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    STOPPED = "stopped"  # the trainer stopped on a signal, checkpoint saved (a preemption notice)
+    FAILED = "failed"
+    WAITING = "waiting"  # no trainer yet: the capacity is queued
+    PREEMPTED = "preempted"  # the capacity went away; the run loop recovers
+    RESTARTED = "restarted"  # the target recovered in place (a JobSet's failure policy)
+    DELETED = "deleted"  # somebody deleted the run's resources; never recovered from
+
+    # Hashed as its string (Enum hashes the member's name), so that a set or a dict key finds a
+    # phase by the text a status file holds.
+    __hash__ = str.__hash__
+
+
+# The trainer's states that end it (its status file's "state").
+ENDED = (Phase.FINISHED, Phase.STOPPED, Phase.FAILED)
