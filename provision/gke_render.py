@@ -17,8 +17,8 @@ from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
 from provision.errors import UsageError
-from provision.image import TRAINER_COMMAND
-from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels, trainer_argv
+from provision.container import trainer_container
+from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
 from provision.resources import resolve_project
 from provision.templates import render
 
@@ -163,22 +163,21 @@ def node_pool_specs(cfg: Config, zone: str) -> list[NodePoolSpec]:
 
 def jobset_spec(cfg: Config, image: str) -> JobSetSpec:
     acc = cfg.accelerator_type()
-    argv = trainer_argv(cfg)
+    container = trainer_container(cfg, image)
     job_labels = labels(cfg)
     if cfg.gke.queue:
         job_labels = {**job_labels, QUEUE_LABEL: cfg.gke.queue}
-    env = {"MOE_TPU_RUN": cfg.run}
     pathways: dict[str, Any] = {}
     if cfg.gke.runtime == "pathways":
         settings = cfg.gke.pathways_settings()
-        env[PROXY_TIMEOUT_ENV] = str(int(settings.proxy_timeout.total_seconds()))
+        container = container.with_env(**{PROXY_TIMEOUT_ENV: str(int(settings.proxy_timeout.total_seconds()))})
         pathways = dict(server_image=settings.server_image, proxy_image=settings.proxy_image,
                         gcs_scratch=gcs_scratch(cfg), instance_type=f"{PATHWAYS_V5E}:{topology(cfg)}",
                         worker_backoff_limit=acc.vms * WORKER_RESTARTS_PER_VM)
     return JobSetSpec(
         config=cfg, runtime=cfg.gke.runtime, name=jobset_name(cfg), namespace=cfg.gke.namespace,
-        labels=job_labels, image_uri=image,
-        command=tuple(argv[:len(TRAINER_COMMAND)]), args=tuple(argv[len(TRAINER_COMMAND):]), env=env,
+        labels=job_labels, image_uri=container.image, command=container.command, args=container.args,
+        env=container.env,
         slices=cfg.slice.count, vms=acc.vms, chips_per_vm=acc.chips_per_vm, topology=topology(cfg),
         accelerator_label=catalogue.GKE_V5E_ACCELERATOR, max_restarts=cfg.recovery.max_restarts, **pathways)
 

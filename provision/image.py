@@ -31,14 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import provision
+from provision import container
 from provision.cloud import build as cloud_build
 from provision.errors import CloudError, MissingDependency, MoeTpuError, UsageError
 from provision.templates import render
 
 DOCKERFILE_TEMPLATE = "Dockerfile.j2"
-# The image's entry point: the trainer. The container's arguments (provision.rendering.trainer_argv
-# after these) follow it.
-TRAINER_COMMAND = ("python", "-m", "trainer")
+# The image's entry point: the trainer (provision.container: the image's two commands, the trainer and
+# the server; a container that runs the server names its command).
+TRAINER_COMMAND = container.TRAINER_COMMAND
 DOCKERIGNORE_TEMPLATE = "dockerignore.j2"
 
 # The image's base and its JAX stack, pinned: the wheel's own dependencies float (pyproject.toml),

@@ -19,7 +19,7 @@ from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
 from provision.errors import ConfigError, Problem
-from provision.image import TRAINER_COMMAND
+from provision.container import TRAINER_COMMAND, Container, trainer_container
 from provision.resources import MANAGED_BY, RUN_LABEL, resolve_project
 from provision.templates import render, where
 from trainer import status as trainer_status
@@ -77,17 +77,8 @@ def _project(cfg: Config, project: str | None = None) -> str:
 
 
 def trainer_argv(cfg: Config, status_file: str | None = None) -> list[str]:
-    """The command the container runs: `python -m trainer ...` with the config's overrides as --set
-    (and `--status-file PATH` where the host watches the trainer's state there)."""
-    argv = [*TRAINER_COMMAND, "--config", cfg.trainer.config,
-            "--output-dir", cfg.trainer.output_dir, "--resume", "auto"]
-    if cfg.trainer.steps is not None:
-        argv += ["--steps", str(cfg.trainer.steps)]
-    if cfg.trainer.mesh is not None:
-        argv += ["--mesh", cfg.trainer.mesh]
-    if status_file is not None:
-        argv += ["--status-file", status_file]
-    return argv + cfg.trainer.set_flags()
+    """The trainer container's whole argv (provision.container.trainer_container: the one place it is made)."""
+    return list(trainer_container(cfg, "", status_file).argv)
 
 
 @dataclass(frozen=True)
@@ -113,7 +104,7 @@ class StartupSpec:
     container_name: str
     log_file: str
     trainer_log_file: str
-    trainer_argv: tuple[str, ...]
+    container: Container  # the trainer's, run with the image's own entry point (its command)
     labels: dict[str, str]
     # The host directory mounted at the same path in the container: the trainer's status file
     # (read by the watcher, which sets the guest attributes) and its working directory, so a
@@ -134,9 +125,14 @@ class StartupSpec:
     failed_state: str = trainer_status.FAILED
 
     @property
+    def trainer_argv(self) -> tuple[str, ...]:
+        return self.container.argv
+
+    @property
     def trainer_args(self) -> tuple[str, ...]:
         """The arguments after the image: the image's entry point is the trainer command itself."""
-        return self.trainer_argv[len(TRAINER_COMMAND):]
+        assert self.container.command == TRAINER_COMMAND, "docker run starts the image's entry point: the trainer"
+        return self.container.args
 
     @property
     def trainer_argv_lines(self) -> list[tuple[str, ...]]:
@@ -189,12 +185,12 @@ def region_parent(cfg: Config, project: str | None = None) -> str:
 
 
 def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
-    argv = trainer_argv(cfg)
+    container = trainer_container(cfg, image)
     max_wait = cfg.vertex.max_wait
     return CustomJobSpec(
-        config=cfg, display_name=cfg.run, labels=labels(cfg), image_uri=image,
-        command=tuple(argv[: len(TRAINER_COMMAND)]), args=tuple(argv[len(TRAINER_COMMAND):]),
-        env={"MOE_TPU_RUN": cfg.run}, timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
+        config=cfg, display_name=cfg.run, labels=labels(cfg), image_uri=container.image,
+        command=container.command, args=container.args,
+        env=container.env, timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
         max_wait_seconds=int(max_wait.total_seconds()) if max_wait is not None else None,
     )
 
@@ -214,7 +210,7 @@ def startup_spec(cfg: Config, image: str) -> StartupSpec:
         config=cfg, run=cfg.run, image_uri=image, registry_host=cfg.image.registry_host,
         container_name="moe-tpu-trainer", log_file="/var/log/moe-tpu/startup.log",
         trainer_log_file="/var/log/moe-tpu/trainer.log",
-        trainer_argv=tuple(trainer_argv(cfg, status_file=STATUS_FILE)), labels=labels(cfg),
+        container=trainer_container(cfg, image, status_file=STATUS_FILE), labels=labels(cfg),
         state_dir=VM_STATE_DIR, status_file=STATUS_FILE, work_dir=f"{VM_STATE_DIR}/work",
         watcher_file=f"{VM_STATE_DIR}/watch-status.py", watch_interval_s=10, trainer_uid=TRAINER_UID,
         guest_namespace=guest_attributes.NAMESPACE, guest_fields=guest_attributes.pairs(),

@@ -1,0 +1,86 @@
+"""The container as one contract (provision/container.py): every renderer runs the trainer the same way,
+and the mesh the plan approves is the mesh each of them (and the dry run) passes the trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from test_rendering import _run_docker_args
+
+from provision import container, planner
+from provision.config import load_config
+from provision.emulator.local_trainer import local_argv
+from provision.rendering import Renderer, trainer_argv
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+IMAGE = "registry.example/trainer:v1"
+
+
+def _yaml_containers(node) -> list[dict]:
+    """Every container (a mapping with an image and a command) in a parsed manifest."""
+    if isinstance(node, dict):
+        own = [node] if "image" in node and "command" in node else []
+        return own + [c for value in node.values() for c in _yaml_containers(value)]
+    if isinstance(node, list):
+        return [c for item in node for c in _yaml_containers(item)]
+    return []
+
+
+def trainer_argvs(files: dict[str, str]) -> dict[str, list[str]]:
+    """The trainer's argv in each rendered file that starts it, by file name: the startup script's
+    `docker run` (the image's entry point is the trainer), the CustomJob request, the JobSet."""
+    found: dict[str, list[str]] = {}
+    for name, text in files.items():
+        if name == "startup.sh":
+            env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "r", "IMAGE": IMAGE}
+            args = _run_docker_args(text, env)
+            found[name] = [*container.TRAINER_COMMAND, *args[args.index(IMAGE) + 1:]]
+        elif name == "create_custom_job.json":
+            spec = json.loads(text)["custom_job"]["job_spec"]["worker_pool_specs"][0]["container_spec"]
+            found[name] = [*spec["command"], *spec["args"]]
+        elif name.endswith("jobset.yaml"):
+            trainers = [c for c in _yaml_containers(yaml.safe_load(text))
+                        if tuple(c["command"]) == container.TRAINER_COMMAND]
+            assert len({json.dumps(c["args"]) for c in trainers}) == 1, "every trainer of the JobSet alike"
+            found[name] = [*trainers[0]["command"], *trainers[0]["args"]]
+    return found
+
+
+def _mesh(argv: list[str]) -> str | None:
+    return argv[argv.index("--mesh") + 1] if "--mesh" in argv else None
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda path: path.stem)
+def test_every_renderer_passes_the_trainer_the_mesh_the_plan_approves(example, tmp_path):
+    cfg = load_config(example)
+    files = cfg.kind.render(cfg, Renderer(IMAGE))
+    argvs = trainer_argvs(files)
+    assert argvs, f"{example.name}: no rendered file starts the trainer"
+    plan = planner.plan_for(cfg)
+    for name, argv in argvs.items():
+        assert argv[:len(container.TRAINER_COMMAND)] == list(container.TRAINER_COMMAND), name
+        if cfg.trainer.mesh is not None:
+            assert _mesh(argv) == plan.mesh.text() == cfg.trainer.mesh, name
+        else:  # no mesh given: the trainer puts every chip on data, and the plan says so
+            assert _mesh(argv) is None, name
+            assert plan.model.model.num_moe_layers == 0 or any("trainer.mesh is not set" in w for w in plan.warnings)
+    # The dry run runs the same argv made small: its mesh is dry_run.mesh, which the plan checks too.
+    local = local_argv(trainer_argv(cfg), cfg, tmp_path)
+    assert _mesh(local) == cfg.dry_run.mesh and not planner.mesh_problems(cfg)
+
+
+def test_the_two_commands_of_the_image():
+    cfg = load_config(ROOT / "examples" / "vertex.yaml")
+    trainer = container.trainer_container(cfg, IMAGE)
+    assert trainer.command == container.TRAINER_COMMAND and trainer.argv == tuple(trainer_argv(cfg))
+    assert trainer.env == {"MOE_TPU_RUN": cfg.run} and trainer.ports == ()
+    server = container.server_container(cfg, IMAGE)
+    assert server.command == ("python", "-m", "trainer.serve") and server.ports == (container.SERVER_PORT,)
+    assert server.args[:2] == ("--checkpoint", cfg.trainer.output_dir)
+    assert server.env["AIP_HTTP_PORT"] == str(container.SERVER_PORT)
+    assert trainer.with_env(EXTRA="1").env == {"MOE_TPU_RUN": cfg.run, "EXTRA": "1"} and "EXTRA" not in trainer.env
