@@ -33,6 +33,7 @@ class Phase(StrEnum):
     PREEMPTED = "preempted"  # the capacity went away; the run loop recovers
     RESTARTED = "restarted"  # the target recovered in place (a JobSet's failure policy)
     DELETED = "deleted"  # somebody deleted the run's resources; never recovered from
+    READY = "ready"  # a service answers at its URL (a service's phases: starting, ready, failed, deleted)
 
     # Hashed as its string (Enum hashes the member's name), so that a set or a dict key finds a
     # phase by the text a status file holds.

@@ -10,7 +10,18 @@ from __future__ import annotations
 
 from provision.errors import UsageError
 from provision.targets import gke, tpu_vm, vertex
-from provision.targets.base import ENDED, Kind, Report, Scope, Target, combine, report_from_status
+from provision.targets.base import (
+    ENDED,
+    Kind,
+    Placement,
+    Report,
+    Scope,
+    ServiceReport,
+    ServiceTarget,
+    Target,
+    combine,
+    report_from_status,
+)
 
 # The config's `target` -> its kind (in this order `list` and `down` go through them).
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (tpu_vm.KIND, vertex.KIND, gke.KIND)}
@@ -44,5 +55,5 @@ def for_config(context, *, output_dir: str | None = None) -> Target:
     return kind_of(context.config).target(context, output_dir=output_dir)
 
 
-__all__ = ["ENDED", "KINDS", "Kind", "Report", "Scope", "Target", "combine", "for_config", "kind_of",
+__all__ = ["ENDED", "KINDS", "Kind", "Placement", "Report", "Scope", "ServiceReport", "ServiceTarget", "Target", "combine", "for_config", "kind_of",
            "by_group", "report_from_status", "require"]

@@ -1,8 +1,12 @@
-"""What every target declares, and the trainer's reports that every target reads.
+"""What every kind of target declares, and the reports that the run loop and the service follower read.
 
-A target is one place a run can train. `provision.runs.Runner` holds one and calls only
-what `Target` declares, so a new kind of target is a module under provision/targets/ and
-one line in `provision.targets.KINDS`.
+A placement is where things run (a queued resource's slice, GKE node pools, a Vertex AI job's or
+endpoint's machines): it is provisioned, torn down, priced, and says what of it is left. A workload
+is what runs there: a training job (reports step, loss, tokens/s; ends) or a service (reports ready,
+URL, replicas; lives until `down`). A `Target` is a placement with a training job on it, which
+`provision.runs.Runner` follows; a `ServiceTarget` one with a service, which
+`provision.services.ServiceFollower` follows. A new kind of target is a module under
+provision/targets/ (its `Kind`) and one line in `provision.targets.KINDS`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from provision.errors import UsageError
 from provision.resources import Resource
 from trainer.outputs import ENDED, STATUS_FILE, Phase  # noqa: F401 - the trainer's outputs, one contract
 
@@ -35,9 +40,21 @@ class Report:
     detail: str | None = None
 
 
+@dataclass
+class ServiceReport:
+    """What a service says right now: phase (a trainer/outputs.Phase: starting, ready, failed or
+    deleted), the URL it answers at once ready, its replicas ready of those asked for, and why."""
+
+    phase: str
+    url: str | None = None
+    replicas_ready: int = 0
+    replicas: int = 0
+    detail: str | None = None
+
+
 @runtime_checkable
-class Target(Protocol):
-    """One place a run trains, as the run loop sees it.
+class Placement(Protocol):
+    """Where a run's workload runs, as the run loop and the service follower see it.
 
     kind: the config's `target` value; chips: the chips it bills for while it runs.
     """
@@ -52,17 +69,30 @@ class Target(Protocol):
         """US dollars per hour while it is up (the catalogue's upper bound)."""
 
     def provision(self, attempt: int = 0) -> list[Resource]:
-        """Create (or adopt) what the run trains on and wait until the trainer can start on it.
+        """Create (or adopt) it, with its workload, and wait until the workload can start on it.
         A refusal by the API is a UsageError; any other failure a MoeTpuError."""
-
-    def report(self) -> Report:
-        """The trainer's state on it now; `preempted` when the capacity went away."""
 
     def teardown(self) -> list[Resource]:
         """Delete everything of the run on it; the resources deleted."""
 
     def left(self) -> list[Resource]:
         """What of the run exists on it now (what an interrupt or a failed teardown left)."""
+
+
+@runtime_checkable
+class Target(Placement, Protocol):
+    """A placement with a training job on it: what `run` follows until training ends."""
+
+    def report(self) -> Report:
+        """The trainer's state on it now; `preempted` when the capacity went away."""
+
+
+@runtime_checkable
+class ServiceTarget(Placement, Protocol):
+    """A placement with a service on it: ready at a URL until somebody takes it down."""
+
+    def report(self) -> ServiceReport:
+        """The service's state now."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +156,11 @@ class Kind:
     def target(self, context, *, output_dir: str | None = None) -> Target:
         """The placement and its training workload, as `run` follows it."""
         raise NotImplementedError
+
+    def service(self, context) -> ServiceTarget:
+        """The placement and a service on it (a kind that serves; issue 33's endpoint and Deployment)."""
+        raise UsageError(f"target {self.name!r} runs training jobs only; it serves no model",
+                         hint="serving targets: see `moe-tpu --help`")
 
     def up_line(self, cfg) -> str:
         """What `up` is about to make, for the console."""

@@ -1,4 +1,4 @@
-"""TPU v5e node pools on a GKE cluster with the run as a JobSet (`target: gke`).
+"""TPU v5e node pools on a GKE cluster (the placement) with the run as a JobSet (`target: gke`).
 
 The trainer reports through the status file in its output directory, as on Vertex AI; the JobSet
 says the rest: a job that failed makes its failure policy recreate every job in place (the
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from provision import catalogue, gke_render
 from provision.cloud import storage
-from provision.resources import Resource
 from provision.config.gke_sections import MAX_GKE_NAME
+from provision.resources import Resource
 from provision.targets.base import (
     ENDED,
     STATUS_FILE,
@@ -25,8 +25,9 @@ from provision.targets.base import (
 )
 
 
-class GkeTarget(Holding):
-    """TPU v5e node pools on a GKE cluster, the trainer as a JobSet (multi-controller JAX or Pathways)."""
+class NodePools(Holding):
+    """The placement: TPU v5e node pools (and a Pathways head's CPU pool) on a GKE cluster. A training
+    job (a JobSet) or a service (a Deployment, issue 33) runs on it; only the workload differs."""
 
     kind = "gke"
 
@@ -34,9 +35,7 @@ class GkeTarget(Holding):
         super().__init__(context, output_dir=output_dir)
         cfg = context.config
         self.zone: str | None = None
-        self.restarts_seen = 0
-        acc = cfg.accelerator_type()
-        self.chips = acc.chips * cfg.slice.count
+        self.chips = cfg.accelerator_type().chips * cfg.slice.count
 
     def describe(self) -> str:
         return (f"{self.cfg.slice.count} x {self.cfg.slice.accelerator} ({self.cfg.slice.capacity}) on GKE "
@@ -46,17 +45,41 @@ class GkeTarget(Holding):
         return self.chips * catalogue.price_per_chip_hour(self.cfg.slice.capacity)
 
     def provision(self, attempt: int = 0) -> list[Resource]:
-        """Node pools (the zone it last ran in first), then the JobSet; waits until the trainer's pod runs."""
-        from provision.gke import gke_up, submit_jobset
+        """The node pools, the zone they last ran in first; waits until they run."""
+        from provision.gke import gke_up
 
-        zones = last_zone_first(self.cfg.zones, self.zone)
-        resources = gke_up(self.context, zones)
+        resources = gke_up(self.context, last_zone_first(self.cfg.zones, self.zone))
         pools = [r for r in resources if r.kind == "node_pool" and r.chips]
         self.zone = pools[0].zone if pools else self.zone
+        return resources
+
+    def teardown(self) -> list[Resource]:
+        """Everything of the run on the cluster: its workload, its pools (its cluster, if made here)."""
+        from provision.gke import gke_down
+
+        return gke_down(self.context)
+
+    def left(self) -> list[Resource]:
+        from provision.gke import gke_status
+
+        return gke_status(self.context)
+
+
+class GkeTarget(NodePools):
+    """The node pools with a training job on them: the trainer as a JobSet (multi-controller JAX or
+    Pathways), which reports through the status file in its output directory."""
+
+    def __init__(self, context, *, output_dir: str | None = None) -> None:
+        super().__init__(context, output_dir=output_dir)
+        self.restarts_seen = 0
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        """The node pools, then the JobSet; waits until the trainer's pod runs."""
+        from provision.gke import _jobset_resource, submit_jobset
+
+        resources = super().provision(attempt)
         jobset = submit_jobset(self.context)
         self.restarts_seen = int((jobset.get("status") or {}).get("restarts", 0))
-        from provision.gke import _jobset_resource
-
         return [_jobset_resource(jobset, self.cfg), *resources]
 
     def _kube(self):
@@ -105,15 +128,6 @@ class GkeTarget(Holding):
             return Report(Phase.STARTING)  # a status left by the attempt before a restart: the JobSet decides
         return trainer
 
-    def teardown(self) -> list[Resource]:
-        from provision.gke import gke_down
-
-        return gke_down(self.context)
-
-    def left(self) -> list[Resource]:
-        from provision.gke import gke_status
-
-        return gke_status(self.context)
 
 
 class GkeKind(Kind):

@@ -11,9 +11,15 @@ from cli_helpers import invoke
 from pydantic import BaseModel, ConfigDict, Field
 
 from provision import catalogue
+from provision.clock import SimClock
+from provision.config import load_config
+from provision.console import Console
+from provision.context import RunContext
+from provision.errors import UsageError
 from provision.resources import Resource
+from provision.services import READY_TIMEOUT_S, ServiceFollower
 from provision.targets import KINDS
-from provision.targets.base import Holding, Kind, Report, Scope
+from provision.targets.base import Holding, Kind, Report, Scope, ServiceReport
 
 # --- the toy kind's module ------------------------------------------------------------------------
 
@@ -70,6 +76,21 @@ class ToyTarget(Holding):
         return [PLACED[self.cfg.run]] if self.cfg.run in PLACED else []
 
 
+class ToyService(ToyTarget):
+    """The same fake placement with a service on it: starting, then ready at the `ready_after`th look
+    (None: never)."""
+
+    def __init__(self, context, ready_after: int | None) -> None:
+        super().__init__(context)
+        self.ready_after = ready_after
+
+    def report(self) -> ServiceReport:
+        self.looks += 1
+        if self.ready_after is not None and self.looks >= self.ready_after:
+            return ServiceReport("ready", url=f"http://toy/{self.cfg.run}", replicas_ready=2, replicas=2)
+        return ServiceReport("starting", replicas_ready=0, replicas=2, detail="loading the weights")
+
+
 class ToyKind(Kind):
     name = "toy"
     noun = "a toy placement"
@@ -97,6 +118,9 @@ class ToyKind(Kind):
 
     def up(self, context) -> list[Resource]:
         return [_place(context.config, context.clock.now())]
+
+    def service(self, context, ready_after: int | None = 3) -> ToyService:
+        return ToyService(context, ready_after)
 
     def managed(self, session, scope: Scope) -> list[Resource]:
         return [r for r in PLACED.values() if scope.run in (None, r.run)]
@@ -203,3 +227,31 @@ def test_a_dry_run_run_follows_the_toy_workload_to_its_end(toy_config):
 def test_the_kind_commands_refuse_a_toy_config(toy_config):
     code, _, err = invoke("--dry-run", "slice", "up", "-c", str(toy_config))
     assert code == 2 and "target is 'toy': a toy placement, not a TPU VM slice" in err
+
+
+def _context(path) -> RunContext:
+    clock = SimClock()
+    return RunContext(load_config(path), Console(), lambda: type("Session", (), {"clock": clock})())
+
+
+def test_a_service_is_followed_until_ready_and_left_up(toy_config):
+    context = _context(toy_config)
+    outcome = ServiceFollower(context, context.config.kind.service(context)).deploy()
+    assert outcome.ok and outcome.report.url == "http://toy/toy-run" and outcome.report.replicas_ready == 2
+    assert [e["event"] for e in outcome.timeline.events] == ["provisioning", "provisioned", "ready"]
+    assert list(PLACED) == ["toy-run"]  # a service lives until `down`
+    PLACED.clear()
+
+
+def test_a_service_never_ready_is_torn_down(toy_config):
+    context = _context(toy_config)
+    outcome = ServiceFollower(context, context.config.kind.service(context, ready_after=None)).deploy()
+    assert not outcome.ok and outcome.report.phase == "failed" and "loading the weights" in outcome.report.detail
+    assert [e["event"] for e in outcome.timeline.events][-2:] == ["failed", "deleted"] and PLACED == {}
+    assert outcome.timeline.events[-2]["elapsed_s"] >= READY_TIMEOUT_S  # it waited its whole time first
+
+
+def test_a_kind_that_serves_nothing_says_so(toy_config):
+    context = _context(toy_config)
+    with pytest.raises(UsageError, match="runs training jobs only"):
+        KINDS["tpu-vm"].service(context)
