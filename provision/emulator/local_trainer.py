@@ -25,9 +25,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from provision import guest_attributes
+from provision.emulator import gke_world, tpu, vertex
+from provision.emulator.workloads import Placed, Play
 from trainer.outputs import ENDED, STATUS_FILE, TRAINER_LOG
 
+# The services that run a workload for a run, in the order the runner asks them which to start.
+PLAYS: tuple[Play, ...] = (gke_world.PLAY, tpu.PLAY, vertex.PLAY)
 RUNS_DIR = "runs"
 # Beside the output directory: the pid of the trainer that a run started, so that a re-run after a
 # kill follows it (instead of starting a second one on the same checkpoints) and `down` stops it.
@@ -164,14 +167,17 @@ def local_argv(argv: list[str] | tuple[str, ...], cfg, output_dir: Path) -> list
 
 @dataclass
 class _Workload:
-    """One trainer process and the emulated resource it runs for."""
+    """One trainer process, the emulated resource it runs for and the service that placed it there."""
 
-    key: str  # the queued resource or custom job it runs for
-    kind: str  # "tpu-vm", "vertex" or "gke"
-    nodes: tuple[tuple[str, int], ...]  # (node name, workers) for a slice
+    placed: Placed
+    play: Play
     proc: subprocess.Popen | _Adopted
     preempting: bool = False
     published: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.placed.key
 
 
 class LocalTrainer:
@@ -244,17 +250,15 @@ class LocalTrainer:
 
     def sync(self) -> None:
         """One look: start the trainer where the run's slice or job is up, report, end, preempt."""
-        emu, run = self.emulator, self.cfg.run
-        nodes, jobs, pods = emu.world_call(lambda world, now: (  # one transaction for all looks
-            [n for n in world.running_nodes(now) if n.run == run],
-            [j for j in world.running_jobs(now) if j.run == run],
-            [p for p in world.gke.trainer_pods(now) if p.run == run]))
-        up = {n.queued_resource for n in nodes} | {j.name for j in jobs} | {_pod_key(p) for p in pods}
+        run = self.cfg.run
+        placed = self.emulator.world_call(lambda world, now: [  # one transaction for all looks
+            (play, play.placed(world, now, run)) for play in PLAYS])
+        up = {p.key for _, found in placed for p in found}
         self.done &= up  # a resource that is gone may come back under the same name: run it again then
         self.expecting = bool(up - self.done)
         current = self.current
         if current is None:
-            self._start(nodes, jobs, pods)
+            self._start(placed)
             return
         code = current.proc.poll()
         if current.key not in up and code is None:
@@ -267,26 +271,17 @@ class LocalTrainer:
             return
         self._finish(current, code, status, still_up=current.key in up)
 
-    def _start(self, nodes, jobs, pods=()) -> None:
-        if pods and _pod_key(pods[0]) not in self.done:
-            key, kind, slice_nodes = _pod_key(pods[0]), "gke", ()
-            argv = [*pods[0].command, *pods[0].args]
-        elif nodes and nodes[0].queued_resource not in self.done:
-            key, kind = nodes[0].queued_resource, "tpu-vm"
-            slice_nodes = tuple((n.node, n.workers) for n in nodes if n.queued_resource == key)
-            from provision.rendering import trainer_argv
-
-            argv = trainer_argv(self.cfg)
-        elif jobs and jobs[0].name not in self.done:
-            key, kind, slice_nodes = jobs[0].name, "vertex", ()
-            argv = [*jobs[0].command, *jobs[0].args]
-        else:
+    def _start(self, placed: list[tuple[Play, list[Placed]]]) -> None:
+        """Start the workload of the first service (in PLAYS order) whose resource is up and not done."""
+        ready = next(((play, found[0]) for play, found in placed if found and found[0].key not in self.done), None)
+        if ready is None:
             return
+        play, where = ready
         found = recorded_trainer(self.output_dir)
-        if found is not None and found[1].get("key") == key:
+        if found is not None and found[1].get("key") == where.key:
             # A run killed without a chance to stop its trainer: follow that one; a second trainer on
             # the same output directory would write over its checkpoints.
-            self.current = _Workload(key=key, kind=kind, nodes=slice_nodes, proc=found[0])
+            self.current = _Workload(placed=where, play=play, proc=found[0])
             if self.console is not None:
                 self.console.info(f"  [dry run] following the trainer already running on this machine "
                                   f"(pid {found[0].pid}), which an earlier `run` started")
@@ -294,9 +289,19 @@ class LocalTrainer:
             return
         if found is not None:  # it ran for a resource that is gone, as a deleted VM's container stops
             _terminate(found[0])
+        self.current = _Workload(placed=where, play=play, proc=self._spawn(where, play))
+        log_path = str(self.output_dir / TRAINER_LOG)
+        self.emulator.world_call(lambda world, now: play.started(world, now, where, log_path))
+        self._changed.set()
+
+    def _spawn(self, where: Placed, play: Play) -> subprocess.Popen:
+        """The container's command (the config's trainer container where the resource carries none),
+        made small for this machine, as a child process that writes to the output directory."""
+        from provision.container import trainer_container
+
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (STATUS_FILE,):
-            (self.output_dir / stale).unlink(missing_ok=True)
+        (self.output_dir / STATUS_FILE).unlink(missing_ok=True)
+        argv = where.argv if where.argv is not None else trainer_container(self.cfg, "").argv
         command = local_argv(argv, self.cfg, self.output_dir)
         log = open(self.output_dir / TRAINER_LOG, "a")  # noqa: SIM115 - the child holds it
         env = dict(os.environ, JAX_PLATFORMS="cpu", MOE_TPU_RUN=self.cfg.run, **compilation_cache_env(os.environ))
@@ -305,15 +310,10 @@ class LocalTrainer:
         log.close()
         from provision.statefiles import write_atomic
 
-        write_atomic(trainer_record(self.output_dir), json.dumps({"pid": proc.pid, "key": key, "kind": kind}) + "\n")
-        self.current = _Workload(key=key, kind=kind, nodes=slice_nodes, proc=proc)
-        if kind == "gke":  # the pod's log is the trainer's output
-            namespace, name = key.split("/", 2)[1:]
-            log_path = str(self.output_dir / TRAINER_LOG)
-            self.emulator.world_call(lambda world, now: world.gke.set_log(namespace, name, log_path))
-        self._say(f"  [dry run] trainer started on this machine (pid {proc.pid}): "
-                  f"{' '.join(command[1:])}")
-        self._changed.set()
+        write_atomic(trainer_record(self.output_dir),
+                     json.dumps({"pid": proc.pid, "key": where.key, "kind": play.name}) + "\n")
+        self._say(f"  [dry run] trainer started on this machine (pid {proc.pid}): {' '.join(command[1:])}")
+        return proc
 
     def _status(self) -> dict:
         try:
@@ -323,26 +323,15 @@ class LocalTrainer:
         return value if isinstance(value, dict) else {}
 
     def _publish(self, current: _Workload, status: dict) -> None:
-        """The guest attributes each worker's watcher would write (a slice), once per change."""
+        """The status where the service shows it (a slice: the guest attributes each worker's watcher
+        would write), once per change."""
         text = json.dumps(status, sort_keys=True)
         if not status or text == current.published:
             return
         current.published = text
         self._changed.set()
-        if current.kind != "tpu-vm":
-            return
-        values = {key: _text(status.get(field)) for field, key in guest_attributes.pairs()
-                  if status.get(field) is not None}
-        values["updated"] = _text(status.get("time") or time.time())
-
-        def write(world, now) -> None:
-            for node, workers in current.nodes:
-                if world.node_at(node, now) is None:
-                    continue
-                for worker in range(workers):
-                    world.set_guest_attributes(node, worker, guest_attributes.NAMESPACE, values, now)
-
-        self.emulator.world_call(write)
+        if current.play.publishes:
+            self.emulator.world_call(lambda world, now: current.play.publish(world, now, current.placed, status))
 
     def _maybe_preempt(self, current: _Workload, status: dict) -> None:
         """`--scenario preempt`: once, after the first checkpoint, the spot VM's notice: SIGTERM."""
@@ -369,27 +358,10 @@ class LocalTrainer:
         elif final.get("state") == "failed" and not final.get("error"):
             final["error"] = self._log_tail()
         current.published = ""
-        if current.kind == "tpu-vm":
-            self._publish(current, final)
-            if current.preempting:
-                self.emulator.preempt_queued_resource(current.key)
-            return
-        if current.kind == "gke":
-            namespace, name = current.key.split("/", 2)[1:]
-            if current.preempting:  # the spot node under the run goes; the trainer's pod fails with it
-                self.emulator.world_call(lambda world, now: world.gke.preempt_trainer(namespace, name, code, now))
-            else:
-                self.emulator.end_trainer_pod(namespace, name, code, message=final.get("error") or "",
-                                              log_path=str(self.output_dir / TRAINER_LOG))
-            return
-        if current.preempting:
-            self.emulator.end_custom_job(current.key, succeeded=False, preempted=True)
-        elif code == 0:
-            self.emulator.end_custom_job(current.key, succeeded=True)
-        else:
-            self.emulator.end_custom_job(current.key, succeeded=False,
-                                         error=(13, f"The replica workerpool0-0 exited with a non-zero status "
-                                                    f"of {code}. {final.get('error') or ''}".strip()))
+        self._publish(current, final)
+        log_path = str(self.output_dir / TRAINER_LOG)
+        self.emulator.world_call(lambda world, now: current.play.ended(world, now, current.placed, code, final,
+                                                                      current.preempting, log_path))
 
     def _log_tail(self) -> str:
         try:
@@ -401,15 +373,6 @@ class LocalTrainer:
     def _say(self, message: str) -> None:
         if self.console is not None:
             self.console.detail(message)
-
-
-def _pod_key(pod) -> str:
-    """A GKE trainer pod as a workload key: pod/NAMESPACE/NAME."""
-    return f"pod/{pod.namespace}/{pod.name}"
-
-
-def _text(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _terminate(proc: subprocess.Popen | _Adopted) -> None:
