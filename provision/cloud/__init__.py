@@ -21,13 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from provision.cloud.credentials import CLOUD_PLATFORM_SCOPE, default_credentials  # noqa: F401 - the API
 from provision.errors import CloudError, MissingDependency
 
 TPU_HOST = "tpu.googleapis.com:443"
 VERTEX_HOST = "{region}-aiplatform.googleapis.com:443"
 CONTAINER_HOST = "container.googleapis.com:443"
 CLOUD_BUILD_HOST = "cloudbuild.googleapis.com:443"
-CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 
 def require_control_deps() -> None:
@@ -36,14 +36,6 @@ def require_control_deps() -> None:
         from google.cloud import tpu_v2  # noqa: F401
     except ImportError as exc:  # depends on the install
         raise MissingDependency(exc.name or "google-cloud-tpu", "control") from exc
-
-
-def default_credentials() -> tuple[Any, str | None]:
-    """(credentials, their project): Application Default Credentials for every API this tool calls
-    (the cloud-platform scope). google.auth's DefaultCredentialsError when there are none."""
-    import google.auth
-
-    return google.auth.default(scopes=[CLOUD_PLATFORM_SCOPE])
 
 
 @dataclass(frozen=True)

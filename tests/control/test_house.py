@@ -81,9 +81,10 @@ def imported_names(module: str, path: Path) -> set[str]:
             package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
             base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
         # `from package import module` imports that module (its package's __init__ runs first
-        # anyway); `from module import name` imports the module.
+        # anyway); `from module import name` imports the module, and so does `from package import
+        # module, name` for the name that is no module of it.
         subs = {f"{base}.{alias.name}" for alias in node.names} & set(own_modules())
-        names |= subs if subs else {base}
+        names |= subs | ({base} if len(subs) < len(node.names) else set())
         names |= {f"{base}.{alias.name}" for alias in node.names} if not base.startswith(OWN) else set()
     return names
 
@@ -128,11 +129,83 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycle_among_the_projects_modules():
+def test_no_import_cycle_among_the_projects_modules(tmp_path):
     graph = import_graph()
     assert "provision.targets" in graph["provision.cli.config_cmds"]  # the walk sees function-level imports
     assert cycles(graph) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # it finds one
+    # Planted: provision.errors importing the CLI inside a function, and a module importing a name (not a
+    # module) of its package beside a module of it; each makes a cycle the walk must find.
+    planted = tmp_path / "errors.py"
+    planted.write_text("def f():\n    from provision.cli import main\n")
+    with_cli = {**graph, "provision.errors": graph["provision.errors"] | {
+        o for o in imported_names("provision.errors", planted) if o in graph}}
+    assert any("provision.errors" in cycle and "provision.cli" in cycle for cycle in cycles(with_cli))
+    planted.write_text("from provision.cloud import storage, Session\n")
+    names = imported_names("provision.cloud.storage", planted)
+    assert {"provision.cloud", "provision.cloud.storage"} <= names
+
+
+# The layers of the house, highest first: a module may import its own layer's and lower layers' modules
+# (function-level imports too), never a higher one's. A kind of target (provision.targets) is one unit
+# that the spec asks (its checks, sections, files); its interfaces (targets.base) are the lifecycle's.
+LAYERS = (
+    ("cli", ("provision.cli", "provision.app", "provision.__main__")),
+    ("spec", ("provision.config", "provision.planner", "provision.targets", "provision.foundation")),
+    ("lifecycle", ("provision.targets.base", "provision.runs", "provision.services", "provision.slices",
+                   "provision.jobs", "provision.gke", "provision.context", "provision.goodput")),
+    ("render", ("provision.rendering", "provision.gke_render", "provision.container", "provision.templates",
+                "provision.image")),
+    ("cloud", ("provision.cloud",)),
+    ("adapters", ("provision.cloud.api", "provision.cloud.calls", "provision.cloud.messages",
+                  "provision.cloud.credentials", "provision.cloud.tpu", "provision.cloud.vertex",
+                  "provision.cloud.container", "provision.cloud.build", "provision.cloud.storage",
+                  "provision.cloud.kube")),
+    ("base", ("provision.errors", "provision.console", "provision.clock", "provision.catalogue",
+              "provision.resources", "provision.statefiles", "provision.waiting", "provision.guest_attributes")),
+)
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of a module of provision/ (the longest prefix that names it); None: the emulator, the
+    package itself, or the trainer."""
+    found = [(len(prefix), name) for name, prefixes in LAYERS for prefix in prefixes
+             if module == prefix or module.startswith(prefix + ".")]
+    return max(found)[1] if found else None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import against the house's rules: a layer importing a higher one, anything but the CLI
+    importing the emulator, the trainer importing the control plane."""
+    rank = {name: i for i, (name, _) in enumerate(LAYERS)}
+    found = []
+    for module, imported in sorted(graph.items()):
+        mine = layer_of(module)
+        for other in sorted(imported):
+            theirs = layer_of(other)
+            if mine and theirs and rank[theirs] < rank[mine]:
+                found.append(f"{module} ({mine}) imports {other} ({theirs})")
+            elif mine not in (None, "cli") and other.startswith("provision.emulator"):
+                found.append(f"{module} ({mine}) imports the emulator ({other})")
+            elif module.startswith("trainer") and other.startswith("provision"):
+                found.append(f"{module} (the trainer) imports the control plane ({other})")
+    return found
+
+
+def test_the_layers_of_the_house():
+    graph = import_graph()
+    unplaced = sorted(m for m in graph if m.startswith("provision.") and layer_of(m) is None
+                      and not m.startswith("provision.emulator") and m != "provision.__main__")
+    assert unplaced == []  # a new module of the control plane says where it belongs (LAYERS)
+    assert layer_violations(graph) == []
+    planted = {module: set(imported) for module, imported in graph.items()}
+    planted["provision.rendering"].add("provision.runs")
+    planted["provision.slices"].add("provision.emulator.world")
+    planted["trainer.train"].add("provision.config")
+    assert layer_violations(planted) == [
+        "provision.rendering (render) imports provision.runs (lifecycle)",
+        "provision.slices (lifecycle) imports the emulator (provision.emulator.world)",
+        "trainer.train (the trainer) imports the control plane (provision.config)"]
 
 
 def test_the_emulators_services_import_by_name_and_never_see_the_emulator():
