@@ -69,6 +69,7 @@ def make_topology(cfg: MoEConfig, mesh: Mesh | None) -> core.Topology:
         token_axes=token_axes(mesh) if split else (),
         exchange=exchange,
         grouped_matmul=gmm,
+        model_axis=MODEL_AXIS if model_shards(mesh) > 1 else None,
     )
 
 
@@ -76,6 +77,11 @@ def moe_groups(x_GxTxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, topo: core
                bias_E=None):
     """Routed-expert output (float32) and aux for the token groups this device holds."""
     logits_GxTxE = core.route_tokens(x_GxTxD, router_DxE, cfg, train, key)
+    if topo.model_axis is not None:
+        # The rows the experts see vary over `model` from here (each device runs its hidden slice), so
+        # the backward pass sums their gradient over `model` once, on these [G, T, D] rows (the
+        # transpose of this cast), not on every expert's received buffer; routing stays invariant.
+        x_GxTxD = jax.lax.pcast(x_GxTxD, topo.model_axis, to="varying")
     if cfg.is_dropless(train):
         y_GxTxD, stats = core.dropless_moe(x_GxTxD, logits_GxTxE, w, cfg, topo, bias_E)
     elif cfg.routing == "expert_choice":
@@ -101,7 +107,6 @@ def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh 
     batch, length, d_model = x_BxLxD.shape
     groups = routing_groups(cfg, mesh, batch * length)
     topo = make_topology(cfg, mesh)
-    tensor_parallel = model_shards(mesh) > 1
 
     def local(x_bxLxD, router, w_local, key, bias):
         num_groups = groups // (jax.lax.axis_size(topo.token_axes) if topo.token_axes else 1)
@@ -109,14 +114,13 @@ def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh 
         if key is not None and topo.token_axes:
             key = jax.random.fold_in(key, jax.lax.axis_index(topo.token_axes))
         y_GxTxD, aux = moe_groups(x_GxTxD, router, w_local.cast(x_bxLxD.dtype), cfg, topo, train, key, bias)
-        if tensor_parallel:  # each device of the group holds its hidden slice's partial sums (float32)
-            y_GxTxD = jax.lax.psum(y_GxTxD, MODEL_AXIS)
+        if topo.model_axis is not None:  # each device of the group holds its hidden slice's partial sums
+            y_GxTxD = jax.lax.psum(y_GxTxD, topo.model_axis)
         return y_GxTxD.reshape(x_bxLxD.shape).astype(x_bxLxD.dtype), aux
 
-    if topo.expert_axis is None and not tensor_parallel:
+    if topo.expert_axis is None and topo.model_axis is None:
         return local(x_BxLxD, router_DxE, w, key, bias_E)
-    experts = "expert" if topo.expert_axis is not None else None
-    hidden = MODEL_AXIS if tensor_parallel else None
+    experts, hidden = topo.expert_axis, topo.model_axis
     in_spec, out_spec = P(experts, None, hidden), P(experts, hidden, None)
     # Optional arguments (the jitter key, the bias) go in only when given: shard_map takes arrays.
     optional = {name: a for name, a in (("key", key), ("bias", bias_E)) if a is not None}
