@@ -96,7 +96,15 @@ def config_problems(cfg, shape: dict[str, int]) -> list[str]:
     has_moe = m.num_moe_layers > 0
     if has_moe and moe.num_experts % expert:
         found.append(f"moe.num_experts ({moe.num_experts}) must be divisible by the mesh's expert axis ({expert})")
+    return found + tensor_problems(cfg, model)
+
+
+def tensor_problems(cfg, model: int) -> list[str]:
+    """model_axis_problems for a trainer config (read by attribute): its heads and the hidden sizes of
+    the FFNs it has (dense layers, experts, shared experts)."""
+    m, moe = cfg.model, cfg.moe
+    has_moe = m.num_moe_layers > 0
     shared = moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff) if has_moe and moe.num_shared_experts else None
-    return found + model_axis_problems(
+    return model_axis_problems(
         model, num_heads=m.num_heads, kv_heads=m.kv_heads, dense_d_ff=m.d_ff if m.num_moe_layers < m.num_layers
         else None, expert_d_ff=moe.d_ff if has_moe else None, shared_d_ff=shared)
