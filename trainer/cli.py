@@ -71,7 +71,7 @@ def _jax_started() -> bool:
 @click.option("--steps", type=click.IntRange(min=0), default=None, help="Train up to this step [config].")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="CPU only: run on N fake XLA devices.")
-@click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E",
+@click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
               help="Device mesh; the product is the device count [all devices on data].")
 @click.option("--output-dir", envvar="AIP_CHECKPOINT_DIR", default=None, metavar="DIR",
               help="Checkpoints (and profiles): a local path or gs:// [$AIP_CHECKPOINT_DIR; none].")

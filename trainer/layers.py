@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer.sharding import constrain
+
 lecun = nnx.initializers.lecun_normal()
 
 
@@ -61,8 +63,10 @@ class Attention(nnx.Module):
         q_BxLxNxH = jnp.einsum("bld,dnh->blnh", x, self.wq[...].astype(self.dtype))
         k_BxLxKxH = jnp.einsum("bld,dkh->blkh", x, self.wk[...].astype(self.dtype))
         v_BxLxKxH = jnp.einsum("bld,dkh->blkh", x, self.wv[...].astype(self.dtype))
-        q_BxLxNxH = rotary(q_BxLxNxH, self.rope_theta)
-        k_BxLxKxH = rotary(k_BxLxKxH, self.rope_theta)
+        # Tensor parallelism: heads split over `model` (KV heads replicated when fewer); trainer/sharding.py.
+        q_BxLxNxH = constrain(rotary(q_BxLxNxH, self.rope_theta), ("batch", "length", "heads", "kv"))
+        k_BxLxKxH = constrain(rotary(k_BxLxKxH, self.rope_theta), ("batch", "length", "kv_heads", "kv"))
+        v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "kv"))
         o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True)
         return jnp.einsum("blnh,nhd->bld", o_BxLxNxH, self.wo[...].astype(self.dtype))
 
@@ -79,5 +83,5 @@ class DenseFFN(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         x = x_BxLxD.astype(self.dtype)
         gate_BxLxF = jax.nn.silu(x @ self.w_gate[...].astype(self.dtype))
-        h_BxLxF = gate_BxLxF * (x @ self.w_in[...].astype(self.dtype))
+        h_BxLxF = constrain(gate_BxLxF * (x @ self.w_in[...].astype(self.dtype)), ("batch", "length", "mlp"))
         return h_BxLxF @ self.w_out[...].astype(self.dtype)

@@ -53,6 +53,10 @@ class Transformer(nnx.Module):
             rngs, lecun, (m.d_model, m.vocab_size), ("embed", "vocab"), pdtype)
 
     def __call__(self, tokens_BxL: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict]:
+        with sharding.logical_mesh(self.mesh):  # where the layers' `sharding.constrain` lays activations out
+            return self._forward(tokens_BxL, train=train)
+
+    def _forward(self, tokens_BxL: jax.Array, *, train: bool) -> tuple[jax.Array, dict]:
         x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
         x_BxLxD = self._constrain(x_BxLxD)
         auxes = []

@@ -1,13 +1,20 @@
 """The one place where logical axis names meet the device mesh.
 
 Layers name their parameter axes ("embed", "mlp", "vocab", "heads", "kv", "expert", ...); this module maps
-those names to the mesh axes "data" and "expert". Experts go over `expert`, the batch over both axes, and
-the rest is replicated, or with FSDP the `embed` axis is sharded over `data`.
+those names to the mesh axes "data", "expert" and "model". Experts go over `expert`, the batch over data
+and expert, and with FSDP the `embed` axis over `data`. Tensor parallelism (Megatron-style) is the `model`
+axis: the FFNs' hidden dimension (dense and each expert's) and attention's heads and KV heads (replicated
+when fewer than the axis). Activations between layers are whole on `model`; inside a layer its hidden
+activations are split there (`constrain`), so XLA gathers nothing before the column-parallel products and
+all-reduces the row-parallel products' partial sums.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
+import contextlib
+import contextvars
 
 import jax
 import numpy as np
@@ -24,10 +31,10 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": BATCH_AXES,
     "expert": "expert",
     "embed": None,
-    "mlp": None,
+    "mlp": "model",
     "vocab": None,
-    "heads": None,
-    "kv_heads": None,
+    "heads": "model",
+    "kv_heads": "model",
     "kv": None,
     "norm": None,
     "length": None,
@@ -48,7 +55,7 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mes
         axes = table.get(name) if name is not None else None
         axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
         if axes_t and not used.intersection(axes_t):
-            ways = int(np.prod([mesh.shape[a] for a in axes_t]))
+            ways = int(np.prod([dict(mesh.shape).get(a, 1) for a in axes_t]))
             if ways > 1 and size % ways == 0:
                 spec.append(axes_t[0] if len(axes_t) == 1 else axes_t)
                 used.update(axes_t)
@@ -89,22 +96,45 @@ def activation_spec(mesh: Mesh | None) -> NamedSharding | None:
     return None if mesh is None else NamedSharding(mesh, P(BATCH_AXES, None, None))
 
 
+# The mesh the model being traced runs on, for `constrain` in layers that hold no mesh of their own.
+_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("logical_mesh", default=None)
+
+
+@contextlib.contextmanager
+def logical_mesh(mesh: Mesh | None):
+    """While tracing a model on `mesh`, `constrain` lays activations out on it (None: does nothing)."""
+    token = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """x constrained to the layout of its logical axis `names` on the current `logical_mesh`; unchanged
+    without one, or where the mesh has no `model` axis to split (the only layout this adds)."""
+    mesh = _MESH.get()
+    if mesh is None or dict(mesh.shape).get("model", 1) == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, x.shape, mesh)))
+
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ("data", "expert") mesh. With several slices (multislice), data spans slices over DCN."""
+    """A ("data", "expert", "model") mesh (model 1 when the shape leaves it out). With several slices
+    (multislice), data spans slices over DCN; expert and model stay within a slice."""
     devices = list(devices if devices is not None else jax.devices())
-    data, expert = shape["data"], shape["expert"]
+    dims = (shape["data"], shape["expert"], shape.get("model", 1))
     num_slices = len({getattr(d, "slice_index", 0) for d in devices})
-    if num_slices > 1 and data % num_slices == 0:
+    if num_slices > 1 and dims[0] % num_slices == 0:
         from jax.experimental import mesh_utils
 
         grid = mesh_utils.create_hybrid_device_mesh(
-            (data // num_slices, expert), (num_slices, 1), devices=devices)
+            (dims[0] // num_slices, *dims[1:]), (num_slices, 1, 1), devices=devices)
         return Mesh(grid, MESH_AXES)
     if len(devices) > 1 and devices[0].platform == "tpu":
         from jax.experimental import mesh_utils
 
-        return Mesh(mesh_utils.create_device_mesh((data, expert), devices=devices), MESH_AXES)
-    return Mesh(np.asarray(devices).reshape(data, expert), MESH_AXES)
+        return Mesh(mesh_utils.create_device_mesh(dims, devices=devices), MESH_AXES)
+    return Mesh(np.asarray(devices).reshape(dims), MESH_AXES)
 
 
 def global_batch(trainer, rows_BxT: np.ndarray) -> jax.Array:

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import sharding
+from trainer import meshspec, sharding
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, OptimConfig
 from trainer.data import DataIterator, open_data
@@ -242,7 +242,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
     try:
         cfg = spec.config
         devices = jax.devices()[: spec.num_devices] if spec.num_devices else jax.devices()
-        mesh_shape = spec.mesh_shape or {"data": len(devices), "expert": 1}
+        mesh_shape = spec.mesh_shape or {"data": len(devices), "expert": 1, "model": 1}
         check_divisibility(cfg, mesh_shape)
         mesh = sharding.make_mesh(mesh_shape, devices)
         data, eval_data = open_data(cfg, cfg.train.seed, process_index=jax.process_index(),
@@ -275,13 +275,10 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
 
 
 def check_divisibility(cfg: Config, mesh_shape: dict[str, int]) -> None:
-    ways = mesh_shape["data"] * mesh_shape["expert"]
-    if cfg.data.global_batch_size % ways:
-        raise ConfigError(f"data.global_batch_size ({cfg.data.global_batch_size}) must be divisible by the "
-                         f"mesh size data x expert = {ways}")
-    if cfg.model.num_moe_layers and cfg.moe.num_experts % mesh_shape["expert"]:
-        raise ConfigError(f"moe.num_experts ({cfg.moe.num_experts}) must be divisible by the mesh's expert "
-                         f"axis ({mesh_shape['expert']})")
+    """Refuses a mesh the config cannot run on, naming the number to change (meshspec.config_problems)."""
+    problems = meshspec.config_problems(cfg, mesh_shape)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _already_finished(ckpt: Checkpointer, spec: RunSpec, reporter: Reporter,

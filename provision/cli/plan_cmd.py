@@ -16,7 +16,7 @@ from provision.cli.options import config_option
               help="Plan for this v5e slice type instead of the config's.")
 @click.option("--slices", type=click.IntRange(min=1), default=None,
               help="Plan for this many slices (multislice) instead of the config's.")
-@click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E",
+@click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
               help="The trainer's mesh [the largest expert axis that fits].")
 @click.pass_obj
 def plan(app, config_path: str, model: str | None, accelerator: str | None, slices: int | None,

@@ -218,7 +218,7 @@ class TrainerConfig(_Section):
     config: str = "tiny"
     output_dir: str
     steps: Positive | None = None
-    # The device mesh (`--mesh`), e.g. data=8,expert=8; unset: the trainer puts every chip on data.
+    # The device mesh (`--mesh`), e.g. data=8,expert=8 or data=4,expert=8,model=2; unset: every chip on data.
     mesh: str | None = None
     overrides: dict[str, str | int | float | bool] = Field(default_factory=dict)
 

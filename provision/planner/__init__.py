@@ -49,6 +49,7 @@ from provision.planner.estimates import (  # noqa: F401 - the planner's API, one
     routing_groups,
     step_bounds,
     target_mesh,
+    tensor_parallel_bytes,
     traffic_per_chip,
 )
 from provision.planner.plan import (  # noqa: F401 - the planner's API, one import away

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from provision import catalogue
 from trainer.flops import ParamCounts
 from trainer.flops import model_flops_per_token as flops_per_token
-from trainer.meshspec import filled, mesh_axes
+from trainer.meshspec import filled, mesh_axes, text_of
 from trainer.moe.config import expert_capacity
 from trainer.params import DTYPE_BYTES, ParamInfo, shard_ways
 
@@ -43,15 +43,22 @@ DROP_WARNING = 0.1
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
-    """The trainer's ("data", "expert") mesh; with several slices, data spans them over DCN."""
+    """The trainer's ("data", "expert", "model") mesh; with several slices, data spans them over DCN.
+    Tokens are split over data x expert; the `model` axis (tensor parallelism) splits the FFNs' hidden
+    dimension and attention's heads, and its chips hold the same tokens."""
 
     data: int
     expert: int
     slices: int = 1
     reason: str = ""
+    model: int = 1
 
     @property
     def chips(self) -> int:
+        return self.data * self.expert * self.model
+
+    @property
+    def token_shards(self) -> int:
         return self.data * self.expert
 
     @property
@@ -59,29 +66,36 @@ class Mesh:
         return self.data // self.slices
 
     def shape(self) -> tuple[tuple[str, int], ...]:
-        return (("data", self.data), ("expert", self.expert))
+        return (("data", self.data), ("expert", self.expert), ("model", self.model))
 
     def text(self) -> str:
-        return f"data={self.data},expert={self.expert}"
+        return text_of(self.data, self.expert, self.model)
 
 
-def mesh_options(num_experts: int, has_moe: bool, chips: int, slices: int = 1) -> list[Mesh]:
-    """Meshes the trainer accepts, largest expert axis first: the expert axis divides num_experts and
-    the chips of one slice (the all-to-all stays on ICI); every other chip goes on data."""
+def mesh_options(num_experts: int, has_moe: bool, chips: int, slices: int = 1,
+                 models: Sequence[int] = (1,)) -> list[Mesh]:
+    """Meshes the trainer accepts, largest expert axis first and, for each, the model axes of `models`
+    (those the config can split) smallest first: the expert and model axes divide the chips of one slice
+    (the all-to-all and the tensor-parallel all-reduces stay on ICI), the expert axis divides
+    num_experts; every other chip goes on data."""
     per_slice = chips // slices
     top = math.gcd(num_experts, per_slice) if has_moe else 1
-    return [Mesh(data=chips // e, expert=e, slices=slices) for e in range(top, 0, -1) if top % e == 0]
+    return [Mesh(data=chips // (e * t), expert=e, slices=slices, model=t)
+            for e in range(top, 0, -1) if top % e == 0
+            for t in sorted(models) if (per_slice // e) % t == 0 and (chips // (e * t)) % slices == 0]
 
 
 def target_mesh(text: str, chips: int, slices: int) -> Mesh:
     """The mesh `--mesh` text gives on the target's chips (trainer/meshspec.py reads it, as the trainer
     does); ValueError when it does not cover the chips."""
-    data, expert = filled(mesh_axes(text), chips)
-    if data * expert != chips:
-        raise ValueError(f"--mesh {text} covers {data * expert} chips, but the target has {chips}")
-    if (chips // slices) % expert:
-        raise ValueError(f"--mesh expert={expert} must divide the {chips // slices} chips of one slice")
-    return Mesh(data=data, expert=expert, slices=slices, reason=f"expert={expert}: given with --mesh")
+    data, expert, model = filled(mesh_axes(text), chips)
+    if data * expert * model != chips:
+        raise ValueError(f"--mesh {text} covers {data * expert * model} chips, but the target has {chips}")
+    if (chips // slices) % (expert * model):
+        what = f"expert={expert}" if model == 1 else f"expert x model = {expert * model}"
+        raise ValueError(f"--mesh {what} must divide the {chips // slices} chips of one slice")
+    given = f"expert={expert}" + (f",model={model}" if model > 1 else "")
+    return Mesh(data=data, expert=expert, slices=slices, reason=f"{given}: given with --mesh", model=model)
 
 
 # ----------------------------------------------------------------------------- per-chip layout
@@ -96,6 +110,7 @@ class Layout:
     expert_rows: int  # token rows through the experts of one MoE layer on this chip (slots, padding included)
     assignments: int  # token-to-expert assignments routed from this chip's tokens per MoE layer
     expert_parallel: bool
+    model: int = 1  # the tensor-parallel ways: hidden activations split this many ways, the rest whole
 
     @property
     def tokens(self) -> int:
@@ -103,12 +118,12 @@ class Layout:
 
 
 def routing_groups(cfg: trainer_config.Config, mesh: Mesh) -> int:
-    """Groups capacity is counted in (MoEConfig.routing_groups): default one per chip's token shard."""
-    return cfg.moe.routing_groups or mesh.chips
+    """Groups capacity is counted in (MoEConfig.routing_groups): default one per token shard."""
+    return cfg.moe.routing_groups or mesh.token_shards
 
 
 def chip_layout(cfg: trainer_config.Config, mesh: Mesh) -> Layout:
-    rows = max(1, -(-cfg.data.global_batch_size // mesh.chips))
+    rows = max(1, -(-cfg.data.global_batch_size // mesh.token_shards))
     tokens = rows * cfg.data.seq_len
     moe = cfg.moe
     assignments = tokens * moe.top_k
@@ -118,9 +133,9 @@ def chip_layout(cfg: trainer_config.Config, mesh: Mesh) -> Layout:
         groups = routing_groups(cfg, mesh)
         group_tokens = max(1, cfg.data.global_batch_size * cfg.data.seq_len // groups)
         capacity = expert_capacity(group_tokens, moe.top_k, moe.capacity_factor, moe.num_experts, moe.min_capacity)
-        expert_rows = max(1, groups // mesh.chips) * moe.num_experts * capacity
+        expert_rows = max(1, groups // mesh.token_shards) * moe.num_experts * capacity
     return Layout(rows=rows, seq_len=cfg.data.seq_len, expert_rows=expert_rows, assignments=assignments,
-                  expert_parallel=mesh.expert > 1)
+                  expert_parallel=mesh.expert > 1, model=mesh.model)
 
 
 def min_drop_fraction(layout: Layout, cfg: trainer_config.Config) -> float:
@@ -147,9 +162,16 @@ def attention_activation_bytes(cfg: trainer_config.Config, layout: Layout) -> in
     normalised copy, q/k/v and the rotated q/k, the softmax (float32 and its compute-dtype copy), the
     attention output and its projection."""
     m, c, t = cfg.model, _bytes(cfg.dtype), layout.tokens
-    heads = m.head_size * (m.num_heads + 2 * m.kv_heads) + m.head_size * (m.num_heads + m.kv_heads)
-    probs = layout.rows * m.num_heads * layout.seq_len ** 2 * (4 + c)
-    return t * m.d_model * (4 + c) + t * heads * c + probs + t * (m.num_heads * m.head_size + m.d_model) * c
+    n, k = _split(m.num_heads, layout.model), _split(m.kv_heads, layout.model)  # heads on this chip
+    heads = m.head_size * (n + 2 * k) + m.head_size * (n + k)
+    probs = layout.rows * n * layout.seq_len ** 2 * (4 + c)
+    return t * m.d_model * (4 + c) + t * heads * c + probs + t * (n * m.head_size + m.d_model) * c
+
+
+def _split(size: int, ways: int) -> int:
+    """What one chip of `ways` tensor-parallel chips holds of a dimension: a share, or all of it where
+    `ways` does not divide it (replicated, as KV heads fewer than the model axis are)."""
+    return size // ways if size % ways == 0 else size
 
 
 def ffn_activation_bytes(cfg: trainer_config.Config, layout: Layout, moe: bool) -> int:
@@ -159,10 +181,10 @@ def ffn_activation_bytes(cfg: trainer_config.Config, layout: Layout, moe: bool) 
     m, c, t = cfg.model, _bytes(cfg.dtype), layout.tokens
     stream = t * m.d_model * (4 + c)
     if not moe:
-        return stream + 3 * t * m.d_ff * c + t * m.d_model * c
+        return stream + 3 * t * _split(m.d_ff, layout.model) * c + t * m.d_model * c
     e = cfg.moe
-    buffers = (4 if layout.expert_parallel else 2) * m.d_model + 3 * e.d_ff
-    shared = 3 * t * e.num_shared_experts * (e.shared_d_ff or e.d_ff) * c
+    buffers = (4 if layout.expert_parallel else 2) * m.d_model + 3 * _split(e.d_ff, layout.model)
+    shared = 3 * t * _split(e.num_shared_experts * (e.shared_d_ff or e.d_ff), layout.model) * c
     return (stream + 2 * t * e.num_experts * 4 + layout.expert_rows * buffers * c
             + e.top_k * t * m.d_model * 4 + shared)
 
@@ -243,6 +265,30 @@ class Traffic:
     all_to_all: float
     ici: float
     dcn: float
+    tensor_parallel: float = 0.0  # of ici: the all-reduces over `model`
+
+
+def tensor_parallel_bytes(cfg: trainer_config.Config, layout: Layout) -> float:
+    """Bytes one chip all-reduces over the `model` axis per step (the payload, as the compiled step's
+    all-reduces hold it; a ring moves 2 (T - 1) / T of it in and out). Per layer, forward: attention's
+    output and the FFN's, one [tokens, D] each (the MoE block's in float32: its partial sums of the
+    combined tokens; shared experts one more); backward: attention's input gradient once per projection
+    (q, k, v: XLA reduces them separately), the dense FFN's once per input projection (2), the MoE
+    block's input gradient and its gates' [tokens, k] float32. Under remat the forward's twice."""
+    if layout.model <= 1:
+        return 0.0
+    m, e, c = cfg.model, cfg.moe, _bytes(cfg.dtype)
+    rows = layout.tokens * m.d_model
+    total = 0.0
+    for i in range(m.num_layers):
+        if m.is_moe_layer(i):
+            shared = rows * c if e.num_shared_experts else 0
+            forward = rows * c + rows * 4 + shared
+            backward = 3 * rows * c + rows * c + layout.tokens * e.top_k * 4 + 2 * shared
+        else:
+            forward, backward = 2 * rows * c, 3 * rows * c + 2 * rows * c
+        total += forward * (2 if m.remat else 1) + backward
+    return total
 
 
 def all_to_all_bytes(cfg: trainer_config.Config, layout: Layout, mesh: Mesh) -> float:
@@ -288,7 +334,8 @@ def traffic_per_chip(params: Sequence[ParamInfo], cfg: trainer_config.Config, me
     hbm = reads * weights * _bytes(cfg.dtype) + 7 * memory.params + 2 * memory.activations
     a2a = all_to_all_bytes(cfg, layout, mesh)
     ici, dcn = collective_bytes(params, cfg, mesh)
-    return Traffic(hbm=hbm, all_to_all=a2a, ici=a2a + ici, dcn=dcn)
+    tp = tensor_parallel_bytes(cfg, layout) * 2 * (mesh.model - 1) / mesh.model
+    return Traffic(hbm=hbm, all_to_all=a2a, ici=a2a + ici + tp, dcn=dcn, tensor_parallel=tp)
 
 
 @dataclasses.dataclass(frozen=True)

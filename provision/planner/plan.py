@@ -31,6 +31,7 @@ from provision.planner.estimates import (
     traffic_per_chip,
 )
 from trainer.flops import ParamCounts, count_params
+from trainer.meshspec import tensor_problems
 from trainer.flops import model_flops_per_token as flops_per_token
 from trainer.params import ParamInfo
 
@@ -66,11 +67,28 @@ def target_of(cfg: Config, accelerator: str | None = None, slices: int | None = 
     return Hardware(accelerator=acc, slices=slices or count, capacity=capacity)
 
 
+# The tensor-parallel ways the planner tries: within one v5e host's 8 chips, where the all-reduces of
+# every layer stay on the fastest links.
+MODEL_WAYS = (1, 2, 4, 8)
+
+
+def model_ways(cfg: trainer_config.Config) -> tuple[int, ...]:
+    """The model axes (of MODEL_WAYS) that the config's heads and hidden sizes divide over."""
+    return tuple(t for t in MODEL_WAYS if not tensor_problems(cfg, t))
+
+
+def _options(cfg: trainer_config.Config, acc: catalogue.AcceleratorType, slices: int) -> list[Mesh]:
+    return mesh_options(cfg.moe.num_experts, cfg.model.num_moe_layers > 0, acc.chips * slices, slices,
+                        model_ways(cfg))
+
+
 def choose_mesh(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: catalogue.AcceleratorType,
                 slices: int = 1) -> tuple[Mesh, Memory]:
-    """The largest expert axis (of `mesh_options`) whose memory fits; if none fits, the one that needs
-    least. With FSDP a smaller expert axis leaves more data ways to shard the dense weights over."""
-    options = mesh_options(cfg.moe.num_experts, cfg.model.num_moe_layers > 0, acc.chips * slices, slices)
+    """The largest expert axis (of `mesh_options`) whose memory fits, with the smallest model axis that
+    makes it fit (tensor parallelism splits each expert, for few large experts); if none fits, the one
+    that needs least. With FSDP a smaller expert axis leaves more data ways to shard the dense weights
+    over."""
+    options = _options(cfg, acc, slices)
     memories = [memory_per_chip(params, cfg, mesh, acc) for mesh in options]
     fitting = [i for i, memory in enumerate(memories) if memory.fits]
     best = fitting[0] if fitting else min(range(len(options)), key=lambda i: memories[i].total)
@@ -82,16 +100,20 @@ def choose_mesh(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: ca
         reason = "no expert axis fits; this one needs the least memory per chip"
     elif best == 0:
         reason = divisor
+    elif options[best].model > 1:
+        reason = (f"{divisor}, with each expert and attention split {options[best].model} ways over model "
+                  "(tensor parallelism): every mesh with a smaller model axis needs more memory per chip")
     else:
         larger = ", ".join(str(m.expert) for m in options[:best])
         reason = f"{divisor} and fits; expert={larger} need{'s' if best == 1 else ''} more memory per chip"
-    return dataclasses.replace(options[best], reason=f"expert={options[best].expert}: {reason}"), memories[best]
+    chosen = options[best]
+    label = f"expert={chosen.expert}" + (f",model={chosen.model}" if chosen.model > 1 else "")
+    return dataclasses.replace(chosen, reason=f"{label}: {reason}"), memories[best]
 
 
 def fits_on(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: catalogue.AcceleratorType,
             slices: int) -> bool:
-    options = mesh_options(cfg.moe.num_experts, cfg.model.num_moe_layers > 0, acc.chips * slices, slices)
-    return any(memory_per_chip(params, cfg, mesh, acc).fits for mesh in options)
+    return any(memory_per_chip(params, cfg, mesh, acc).fits for mesh in _options(cfg, acc, slices))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,20 +142,22 @@ def warnings_for(cfg: trainer_config.Config, mesh: Mesh, layout: Layout, bounds:
         held = ("every chip gathers all of them (FSDP) for every step" if cfg.train.fsdp and mesh.data > 1
                 else "they are replicated on every chip")
         found.append(f"expert axis of 1: no expert parallelism for {e.num_experts} experts; {held}")
-    if has_moe and routing_groups(cfg, mesh) % mesh.chips:
-        found.append(f"moe.routing_groups={e.routing_groups} is not a multiple of the {mesh.chips} token "
+    if has_moe and routing_groups(cfg, mesh) % mesh.token_shards:
+        found.append(f"moe.routing_groups={e.routing_groups} is not a multiple of the {mesh.token_shards} token "
                      "shards: the trainer refuses it")
     drop = min_drop_fraction(layout, cfg) if has_moe else 0.0
     if drop >= DROP_WARNING:
         most = "most tokens' assignments" if drop > 0.5 else "assignments"
         found.append(f"capacity factor {e.capacity_factor:g} drops {most}: at least {drop:.0%} even with "
                      "perfectly balanced routing")
-    if batch < mesh.chips:
-        found.append(f"batch too small: {batch} rows for {mesh.chips} chips leaves {mesh.chips - batch} "
-                     "chips without data (and the trainer refuses it)")
-    elif batch % mesh.chips:
-        found.append(f"data.global_batch_size={batch} is not a multiple of the {mesh.chips} chips: the "
+    shards, what = mesh.token_shards, "chips" if mesh.model == 1 else "token shards (data x expert)"
+    if batch < shards:
+        found.append(f"batch too small: {batch} rows for {shards} {what} leaves {shards - batch} "
+                     f"{'chips' if mesh.model == 1 else 'shards'} without data (and the trainer refuses it)")
+    elif batch % shards:
+        found.append(f"data.global_batch_size={batch} is not a multiple of the {shards} {what}: the "
                      "trainer refuses it")
+    found += [f"{problem}: the trainer refuses this mesh" for problem in tensor_problems(cfg, mesh.model)]
     if bounds.bound_by == "DCN":
         gathers = " and FSDP's weight gathers" if cfg.train.fsdp else ""
         found.append(f"the step is bound by DCN between slices: gradient reductions{gathers} cross the "
@@ -245,6 +269,7 @@ def mesh_problems(cfg: Config) -> list[tuple[str, str]]:
         if model_cfg.model.num_moe_layers and experts % mesh.expert:
             found.append((key, f"the trainer refuses it: moe.num_experts ({experts}) is not divisible by the "
                                f"mesh's expert axis ({mesh.expert})"))
+        found += [(key, f"the trainer refuses it: {problem}") for problem in tensor_problems(model_cfg, mesh.model)]
     return found
 
 

@@ -183,7 +183,7 @@ def test_config_is_frozen():
         "a Vertex AI job keeps its checkpoints in Cloud Storage: use a gs:// path, not '/data/x' (a local path "
         "vanishes with the job)")], id="local-output-dir-on-vertex"),
     pytest.param(with_(vertex__timeout="soon", dry_run__mesh="2x4"), [
-        ("dry_run.mesh", "the trainer refuses it: mesh expects data=D,expert=E; got '2x4'"),
+        ("dry_run.mesh", "the trainer refuses it: mesh expects data=D,expert=E,model=T; got '2x4'"),
         ("vertex.timeout", "duration 'soon' must look like 2h, 30m, 90s or 1h30m")], id="vertex-and-dry-run-keys"),
 ])
 def test_each_rule_has_its_message(raw, expected, tmp_path):

@@ -168,11 +168,16 @@ def test_choose_mesh_takes_the_largest_expert_axis_that_fits():
 def test_target_mesh():
     assert planner.target_mesh("data=8,expert=8", 64, 1) == planner.Mesh(8, 8, 1, "expert=8: given with --mesh")
     assert (planner.target_mesh("expert=4", 64, 1).data, planner.target_mesh("data=64", 64, 1).expert) == (16, 1)
+    assert planner.target_mesh("expert=8,model=4", 64, 1) == planner.Mesh(2, 8, 1, "expert=8,model=4: given with --mesh",
+                                                                           model=4)
+    assert planner.target_mesh("expert=8,model=4", 64, 1).text() == "data=2,expert=8,model=4"
     # As the trainer reads it (trainer/meshspec.py): a data axis alone leaves expert at 1.
     for text, chips, slices, needle in (("data=3", 64, 1, "covers 3 chips"), ("data=16", 64, 1, "covers 16 chips"),
-                                        ("expert=128", 64, 1, "covers 0"),
-                                        ("foo=1", 64, 1, "expects"), ("data=0", 64, 1, "at least 1"),
-                                        ("expert=64", 128, 4, "divide the 32 chips of one slice")):
+                                        ("expert=128", 64, 1, "covers 0"), ("foo", 64, 1, "expects"),
+                                        ("foo=1", 64, 1, "unknown axis 'foo'"), ("data=0", 64, 1, "at least 1"),
+                                        ("expert=64", 128, 4, "divide the 32 chips of one slice"),
+                                        ("data=2,expert=8,model=8", 128, 4, "expert x model = 64 must divide the 32"),
+                                        ("data=8,model=4", 64, 1, "covers 32 chips")):
         with pytest.raises(ValueError, match=needle):
             planner.target_mesh(text, chips, slices)
 

@@ -86,16 +86,19 @@ def test_sharding_rules_map_names_to_the_mesh():
 
 
 @pytest.mark.parametrize("text, count, expected", [
-    (None, 8, {"data": 8, "expert": 1}),
-    ("data=2,expert=4", 8, {"data": 2, "expert": 4}),
-    ("expert=8", 8, {"data": 1, "expert": 8}),
+    (None, 8, {"data": 8, "expert": 1, "model": 1}),
+    ("data=2,expert=4", 8, {"data": 2, "expert": 4, "model": 1}),
+    ("expert=8", 8, {"data": 1, "expert": 8, "model": 1}),
+    ("expert=2,model=4", 8, {"data": 1, "expert": 2, "model": 4}),
+    ("data=2,expert=2,model=2", 8, {"data": 2, "expert": 2, "model": 2}),
 ])
 def test_parse_mesh(text, count, expected):
     assert sharding.parse_mesh(text, count) == expected
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("data=3,expert=2", "needs 6 devices"), ("data=2,model=4", "data=D,expert=E"), ("data=x", "integer"),
+    ("data=3,expert=2", "needs 6 devices"), ("data=2,pipe=4", "unknown axis 'pipe'"), ("data=x", "integer"),
+    ("data=2,model=2", "data=2,expert=1,model=2 needs 4 devices"), ("model", "data=D,expert=E,model=T"),
 ])
 def test_parse_mesh_errors(text, needle):
     with pytest.raises(ValueError, match=needle):

@@ -40,6 +40,8 @@ class Topology:
     token_axes: tuple[str, ...] = ()
     exchange: str = "padded"
     grouped_matmul: str = "tiled"
+    # Each expert's hidden dimension split over this axis (tensor parallelism; parallel.py), or None.
+    model_axis: str | None = None
 
 
 class Stats(NamedTuple):

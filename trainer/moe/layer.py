@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from trainer.moe.config import MoEConfig
 from trainer.moe.experts import ExpertWeights, shared_ffn
-from trainer.moe.parallel import expert_shards, moe_apply
+from trainer.moe.parallel import expert_shards, model_shards, moe_apply
 from trainer.moe.routing import updated_bias
 
 
@@ -52,6 +52,10 @@ class MoEBlock(nnx.Module):
         if cfg.num_experts % shards:
             raise ValueError(
                 f"MoEBlock: num_experts={cfg.num_experts} must divide over the mesh's expert axis of size {shards}"
+            )
+        if cfg.d_ff % model_shards(mesh):
+            raise ValueError(
+                f"MoEBlock: moe.d_ff={cfg.d_ff} must divide over the mesh's model axis of size {model_shards(mesh)}"
             )
         self.cfg, self.d_model, self.mesh, self.dtype = cfg, d_model, mesh, dtype
         e, d, f = cfg.num_experts, d_model, cfg.d_ff

@@ -2,7 +2,13 @@
 
 With a mesh whose `expert` axis has more than one device, tokens are split over
 ("data", "expert") and experts over "expert"; core.py runs per device with the
-exchanges switched on. Otherwise the same code runs once over all tokens.
+exchanges switched on. With a `model` axis of more than one device each expert's hidden
+dimension is split over it as well (tensor parallelism inside an expert group): the T devices
+of a group hold the same tokens, route them alike, exchange them over `expert` with their
+peers of the same `model` index (a token's row reaches each device of its expert's group once),
+run their slice of the FFN, and sum the partial outputs over `model` once, on the combined [T, D]
+rows (everything after the FFN's last product is linear). Otherwise the same code runs once
+over all tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from trainer.moe.experts import ExpertWeights
 from trainer.moe.gmm import default_impl
 
 TOKEN_AXES = ("data", "expert")
+MODEL_AXIS = "model"
 
 
 def token_axes(mesh: Mesh | None) -> tuple[str, ...]:
@@ -30,6 +37,10 @@ def token_axes(mesh: Mesh | None) -> tuple[str, ...]:
 
 def expert_shards(mesh: Mesh | None) -> int:
     return 1 if mesh is None or "expert" not in mesh.axis_names else mesh.shape["expert"]
+
+
+def model_shards(mesh: Mesh | None) -> int:
+    return 1 if mesh is None or MODEL_AXIS not in mesh.axis_names else mesh.shape[MODEL_AXIS]
 
 
 def routing_groups(cfg: MoEConfig, mesh: Mesh | None, num_tokens: int) -> int:
@@ -51,12 +62,14 @@ def make_topology(cfg: MoEConfig, mesh: Mesh | None) -> core.Topology:
     exchange = cfg.exchange if cfg.exchange != "auto" else ("padded" if platform == "cpu" else "ragged")
     gmm = cfg.grouped_matmul if cfg.grouped_matmul != "auto" else default_impl(platform)
     shards = expert_shards(mesh)
+    split = shards > 1 or model_shards(mesh) > 1  # under shard_map
     return core.Topology(
         expert_axis="expert" if shards > 1 else None,
         num_expert_shards=shards,
-        token_axes=token_axes(mesh) if shards > 1 else (),
+        token_axes=token_axes(mesh) if split else (),
         exchange=exchange,
         grouped_matmul=gmm,
+        model_axis=MODEL_AXIS if model_shards(mesh) > 1 else None,
     )
 
 
@@ -64,6 +77,11 @@ def moe_groups(x_GxTxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, topo: core
                bias_E=None):
     """Routed-expert output (float32) and aux for the token groups this device holds."""
     logits_GxTxE = core.route_tokens(x_GxTxD, router_DxE, cfg, train, key)
+    if topo.model_axis is not None:
+        # The rows the experts see vary over `model` from here (each device runs its hidden slice), so
+        # the backward pass sums their gradient over `model` once, on these [G, T, D] rows (the
+        # transpose of this cast), not on every expert's received buffer; routing stays invariant.
+        x_GxTxD = jax.lax.pcast(x_GxTxD, topo.model_axis, to="varying")
     if cfg.is_dropless(train):
         y_GxTxD, stats = core.dropless_moe(x_GxTxD, logits_GxTxE, w, cfg, topo, bias_E)
     elif cfg.routing == "expert_choice":
@@ -96,15 +114,18 @@ def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh 
         if key is not None and topo.token_axes:
             key = jax.random.fold_in(key, jax.lax.axis_index(topo.token_axes))
         y_GxTxD, aux = moe_groups(x_GxTxD, router, w_local.cast(x_bxLxD.dtype), cfg, topo, train, key, bias)
+        if topo.model_axis is not None:  # each device of the group holds its hidden slice's partial sums
+            y_GxTxD = jax.lax.psum(y_GxTxD, topo.model_axis)
         return y_GxTxD.reshape(x_bxLxD.shape).astype(x_bxLxD.dtype), aux
 
-    if topo.expert_axis is None:
+    if topo.expert_axis is None and topo.model_axis is None:
         return local(x_BxLxD, router_DxE, w, key, bias_E)
-    expert_spec = P("expert", None, None)
+    experts, hidden = topo.expert_axis, topo.model_axis
+    in_spec, out_spec = P(experts, None, hidden), P(experts, hidden, None)
     # Optional arguments (the jitter key, the bias) go in only when given: shard_map takes arrays.
     optional = {name: a for name, a in (("key", key), ("bias", bias_E)) if a is not None}
     args = (x_BxLxD, router_DxE, w, *optional.values())
-    specs = (P(topo.token_axes), P(), ExpertWeights(expert_spec, expert_spec, expert_spec)) + (P(),) * len(optional)
+    specs = (P(topo.token_axes), P(), ExpertWeights(in_spec, in_spec, out_spec)) + (P(),) * len(optional)
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         # Explicit-sharding meshes want arguments already laid out as the specs say.
         args = jax.tree.map(lambda a, s: jax.sharding.reshard(a, NamedSharding(mesh, s)), args, specs)

@@ -1,0 +1,252 @@
+"""Tensor parallelism: the `model` mesh axis on 8 fake CPU devices.
+
+A run on a mesh with `model` trains as the one-device run does (float32, the EP tests' standard: a
+relative 1e-6 on every step's loss, with a learning rate that decays to 0 within the run so the runs
+do not drift apart by Adam's amplification of last-bit differences), resumes bit-exactly, splits the
+expert weights T ways, and its compiled step holds the collectives tensor parallelism implies. The
+cases cover the three new meshes, capacity and dropless, `tiny` and `deepseek-tiny`, one layer each
+(compiling dominates: one layer halves it) and 4 steps.
+"""
+
+import functools
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from click.testing import CliRunner
+
+from trainer import sharding
+from trainer.cli import train_command
+from trainer.config import load_config
+from trainer.meshspec import MESH_AXES
+from trainer.metrics import Reporter
+from trainer.train import RunSpec, build_trainer, run
+
+pytestmark = pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
+
+STEPS = 4
+COMMON = ["model.num_layers=1", f"optim.decay_steps={STEPS}", "optim.warmup_steps=1", "train.checkpoint_every=100"]
+MODES = {
+    # Capacity counted in 8 routing groups everywhere, so that every mesh drops the same assignments.
+    "capacity": ["moe.capacity_factor=2.0", "moe.routing_groups=8"],
+    "dropless": ["moe.capacity_factor=0"],
+}
+# (config, mode, mesh): each new mesh, each mode and each named config at least once.
+# (config, mode, mesh): each new mesh, each mode and each named config once; two cases share their
+# one-device run. The dropless exchange on expert=2,model=4 is checked block by block against the
+# oracle in test_moe_parallel.py.
+CASES = [
+    ("tiny", "capacity", "data=2,model=4"),
+    ("tiny", "capacity", "expert=2,model=4"),
+    ("deepseek-tiny", "dropless", "data=2,expert=2,model=2"),
+]
+
+
+def shape_of(text: str) -> dict[str, int]:
+    return sharding.parse_mesh(text, 8) if text != "one" else {"data": 1, "expert": 1, "model": 1}
+
+
+def config(name: str, mode: str):
+    return load_config(name, COMMON + MODES[mode])
+
+
+def train(out_dir, name: str, mode: str, mesh: str, steps: int, output_dir=None) -> list[dict]:
+    path = out_dir / f"{name}-{mode}-{mesh}-{steps}-{output_dir.name if output_dir else 'none'}.jsonl"
+    reporter = Reporter(str(path))
+    shape = shape_of(mesh)
+    try:
+        result = run(RunSpec(config=config(name, mode), steps=steps, mesh_shape=shape,
+                             num_devices=shape["data"] * shape["expert"] * shape["model"],
+                             output_dir=str(output_dir) if output_dir else None), reporter)
+    finally:
+        reporter.close()
+    assert result.step == steps
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per case: the one-device losses, the mesh's straight run (checkpointed) and the same run stopped at
+    step 2 and resumed to the end, each once per module."""
+    tmp = tmp_path_factory.mktemp("tp")
+    cache, ones = {}, {}
+
+    def get(case):
+        if case not in cache:
+            name, mode, mesh = case
+            if (name, mode) not in ones:
+                ones[name, mode] = train(tmp, name, mode, "one", STEPS)
+            one = ones[name, mode]
+            straight_dir, resumed_dir = tmp / f"{len(cache)}-straight", tmp / f"{len(cache)}-resumed"
+            straight = train(tmp, name, mode, mesh, STEPS, straight_dir)
+            first = train(tmp, name, mode, mesh, 2, resumed_dir)
+            second = train(tmp, name, mode, mesh, STEPS, resumed_dir)
+            cache[case] = one, straight, first + second, (straight_dir, resumed_dir)
+        return cache[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_a_run_on_a_model_axis_trains_as_one_device_and_resumes_bit_exactly(runs, case):
+    one, straight, resumed, dirs = runs(case)
+    losses = [r["loss"] for r in straight]
+    np.testing.assert_allclose(losses, [r["loss"] for r in one], rtol=1e-6, atol=0)
+    if case[1] == "capacity":
+        assert max(r["drop_fraction"] for r in straight) > 0  # capacity really binds: drops agree as well
+        np.testing.assert_array_equal([r["drop_fraction"] for r in straight], [r["drop_fraction"] for r in one])
+    assert [r["loss"] for r in resumed] == losses
+    restored = [ocp.StandardCheckpointer().restore(os.path.join(d, "checkpoints", str(STEPS), "state"))
+                for d in dirs]
+    for part in restored[0]:
+        if part in ("params", "moe_bias"):
+            for name, value in restored[0][part].items():
+                assert np.asarray(value).tobytes() == np.asarray(restored[1][part][name]).tobytes(), name
+
+
+# ----------------------------------------------------------------------------- shardings
+
+
+@functools.cache
+def trainer(name: str, mode: str, mesh: str, *overrides: str):
+    shape = shape_of(mesh)
+    cfg = load_config(name, COMMON + MODES[mode] + list(overrides))
+    devices = jax.devices()[: shape["data"] * shape["expert"] * shape["model"]]
+    return build_trainer(cfg, sharding.make_mesh(shape, devices), STEPS)
+
+
+def bytes_per_device(tr, name: str) -> int:
+    s = tr.state_shardings["params"][name]
+    shape = tr.abstract_state["params"][name].shape
+    return int(np.prod(s.shard_shape(shape))) * tr.abstract_state["params"][name].dtype.itemsize
+
+
+def test_expert_weight_memory_per_device_falls_by_the_model_axis():
+    expert_only = trainer("tiny", "capacity", "data=4,expert=2")
+    split = trainer("tiny", "capacity", "expert=2,model=4")
+    for name in ("blocks.0.ffn.w_in", "blocks.0.ffn.w_gate", "blocks.0.ffn.w_out"):
+        assert bytes_per_device(expert_only, name) == 4 * bytes_per_device(split, name), name
+    specs = {n: s.spec for n, s in split.state_shardings["params"].items()}
+    assert specs["blocks.0.ffn.w_in"] == jax.sharding.PartitionSpec("expert", None, "model")
+    assert specs["blocks.0.ffn.w_out"] == jax.sharding.PartitionSpec("expert", "model", None)
+    assert specs["blocks.0.attn.wq"] == jax.sharding.PartitionSpec(None, "model", None)
+    assert specs["blocks.0.attn.wo"] == jax.sharding.PartitionSpec("model", None, None)
+    # Adam's moments are laid out as their parameters.
+    mu = jax.tree.leaves(split.state_shardings["opt_state"], is_leaf=lambda x: isinstance(x, dict) and
+                         "blocks.0.ffn.w_in" in x)
+    assert any(isinstance(m, dict) and m["blocks.0.ffn.w_in"].spec == specs["blocks.0.ffn.w_in"] for m in mu)
+
+
+@pytest.mark.parametrize("model, kv_heads, split", [(4, 2, False), (2, 2, True), (4, 4, True)])
+def test_kv_heads_fewer_than_the_model_axis_are_replicated(model, kv_heads, split):
+    tr = trainer("tiny", "dropless", f"data={8 // model},model={model}", f"model.num_kv_heads={kv_heads}")
+    spec = tr.state_shardings["params"]["blocks.0.attn.wk"].spec
+    assert spec == jax.sharding.PartitionSpec(None, "model" if split else None, None)
+    assert tr.state_shardings["params"]["blocks.0.attn.wq"].spec == jax.sharding.PartitionSpec(None, "model", None)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("mesh, needle", [
+    ("data=1,model=8", "model.num_heads (4) must be divisible by the mesh's model axis (8)"),
+    ("data=2,model=2", "--mesh data=2,expert=1,model=2 needs 4 devices, but there are 8"),
+    ("data=2,pipe=4", "--mesh names an unknown axis 'pipe' (the axes are data, expert, model)"),
+])
+def test_bad_meshes_are_refused_naming_the_number(mesh, needle):
+    result = CliRunner().invoke(train_command, ["--config", "tiny", "--devices", "8", "--mesh", mesh, "--steps", "1"])
+    assert result.exit_code == 2, result.output
+    assert needle in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+
+
+def test_hidden_sizes_the_model_axis_cannot_split_are_refused():
+    result = CliRunner().invoke(train_command, ["--config", "tiny", "--devices", "8", "--mesh", "data=2,model=4",
+                                                "--set", "moe.d_ff=66", "--steps", "1"])
+    assert result.exit_code == 2, result.output
+    assert "moe.d_ff (66) must be divisible by the mesh's model axis (4)" in " ".join(result.output.split())
+
+
+# ----------------------------------------------------------------------------- the compiled step
+
+REPLICA_GROUPS = re.compile(r"replica_groups=(mesh\[[^\]]*\] \{[^}]*\}|\{(?:\{[\d,]*\},?)*\}|"
+                            r"\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*(.*?)\s(all-to-all|all-gather|all-reduce|reduce-scatter|"
+                        r"collective-permute|ragged-all-to-all)(?:-start)?\(")
+SHAPE = re.compile(r"(f32|bf16|s32|u32|pred)\[([\d,]*)\]")
+
+
+def groups_of(text: str) -> frozenset:
+    """The device groups of an HLO replica_groups attribute, in any of its three spellings."""
+    if text.startswith("mesh["):
+        sizes = [int(n) for n in re.findall(r"=(\d+)", text.split("]")[0])]
+        names = re.findall(r"'(\w+)'=", text.split("]")[0])
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", text.split("]")[1])]
+        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        rest = [i for i in range(len(sizes)) if i not in grouped]
+        rows = ids.transpose(rest + grouped).reshape(-1, int(np.prod([sizes[i] for i in grouped])))
+    elif text.startswith("["):
+        shape, dims = (list(map(int, g.split(","))) for g in re.findall(r"\[([\d,]+)\]", text)[:2])
+        perm = re.search(r"T\(([\d,]+)\)", text)
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        rows = (ids.transpose(list(map(int, perm.group(1).split(",")))) if perm else ids).reshape(shape)
+    else:
+        rows = [list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", text)]
+    return frozenset(frozenset(int(i) for i in row) for row in rows)
+
+
+def axes_of(groups: frozenset, shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes (of non-trivial size) whose devices a collective's groups span."""
+    ids = np.arange(8).reshape([shape[a] for a in MESH_AXES])
+    for mask in range(1, 8):
+        axes = [a for i, a in enumerate(MESH_AXES) if mask >> i & 1]
+        grouped = [MESH_AXES.index(a) for a in axes]
+        rest = [i for i in range(3) if i not in grouped]
+        rows = ids.transpose(rest + grouped).reshape(-1, int(np.prod([shape[a] for a in axes])))
+        if frozenset(frozenset(int(i) for i in r) for r in rows) == groups:
+            return tuple(a for a in axes if shape[a] > 1)
+    raise AssertionError(f"groups {sorted(map(sorted, groups))} span no set of mesh axes")
+
+
+def step_collectives(tr) -> list[tuple[str, tuple[str, ...], int]]:
+    """(kind, mesh axes, bytes per device) of each collective in the compiled training step."""
+    cfg = tr.cfg
+    batch = jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len + 1), jnp.int32,
+                                 sharding=tr.batch_sharding)
+    hlo = tr.step_fn.lower(tr.abstract_state, batch).compile().as_text()
+    shape = {a: dict(tr.mesh.shape).get(a, 1) for a in MESH_AXES}
+    found = []
+    for line in hlo.splitlines():
+        if (m := COLLECTIVE.match(line)) is None:
+            continue
+        groups = REPLICA_GROUPS.search(line)
+        size = sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1])) * (2 if t == "bf16" else 4)
+                   for t, dims in SHAPE.findall(m.group(1)))
+        found.append((m.group(2), axes_of(groups_of(groups.group(1)), shape) if groups else (), size))
+    return found
+
+
+def test_the_compiled_step_exchanges_over_expert_and_reduces_over_model():
+    """tiny, one MoE block, capacity on expert=2,model=4 (the program the run above compiled): the
+    exchange's all_to_alls run over `expert` alone (2 forward, 2 backward), the tensor-parallel
+    all-reduces over `model`, and nothing gathers weights. Over `model`, forward: attention's output
+    and the experts' summed outputs, one [tokens, D] each; backward: the experts' input gradient (with
+    the gates': [tokens, k]) and attention's, which XLA reduces per projection (q, k, v: three
+    [tokens, D] in one collective) rather than once on their sum."""
+    found = step_collectives(trainer("tiny", "capacity", "expert=2,model=4"))
+    row_exchanges = [axes for kind, axes, _ in found if kind == "all-to-all"]
+    assert row_exchanges == [("expert",)] * 4, found
+    assert not any(kind in ("all-gather", "reduce-scatter", "collective-permute") for kind, _, _ in found), found
+    over_model = [size for kind, axes, size in found if kind == "all-reduce" and axes == ("model",)]
+    tokens, d_model = 16 // 2 * 64, 64  # this device's rows x sequence, the model width
+    activation = tokens * d_model * 4
+    assert over_model[:2] == [activation, activation], over_model
+    assert len(over_model) <= 5, over_model
+    # The gates' gradient and the gradient norm's partial sums (scalars) ride along: under 1% here.
+    assert 6 * activation <= sum(over_model) <= 1.01 * 6 * activation, over_model
+    assert not [a for kind, a, _ in found if kind == "all-reduce" and "model" in a and len(a) > 1], found
