@@ -1,6 +1,9 @@
 """The OpenAI-compatible server, in-process over a small engine: the openai client's completions and chat
 completions (streaming and not), errors as OpenAI error objects, health, metrics, Vertex AI's predict."""
 
+import asyncio
+
+import httpx
 import jax
 import openai
 import pytest
@@ -105,3 +108,28 @@ def test_health_metrics_and_vertex_predict(served):
         assert name in families, name
     generated = [s.value for s in families["vllm:generation_tokens"].samples if s.name.endswith("_total")]
     assert generated[0] >= 5
+
+
+def test_beyond_the_waiting_queue_requests_get_429_with_retry_after(served):
+    _, state = served
+    full = ServerState("tiny", encode=state.encode, decode=state.decode, max_waiting=2)
+    app = create_app(full)
+    paused = EngineLoop(state.loop.engine)  # not started: what it is given waits
+
+    async def scenario():
+        full.loop = paused
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            queued = [asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+                      for _ in range(2)]
+            while paused.waiting() < 2:
+                await asyncio.sleep(0)
+            refused = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            for task in queued:
+                task.cancel()
+            await asyncio.gather(*queued, return_exceptions=True)
+            return refused
+
+    refused = asyncio.run(scenario())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error" and "2 requests are waiting" in \
+        refused.json()["error"]["message"]
