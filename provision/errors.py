@@ -94,6 +94,7 @@ EXTRA_OF_MODULE = {
     "matplotlib": "plot", "pyarrow": "data",
     "pathwaysutils": "pathways",
     "kubernetes": "control", "urllib3": "control", "cryptography": "control",
+    "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve",
 }
 
 

@@ -33,12 +33,13 @@ class RMSNorm(nnx.Module):
 
 def rotary(x_BxLxNxH: jax.Array, theta: float, offset: int | jax.Array = 0) -> jax.Array:
     """Rotates feature pairs (i, i + H/2) by position-dependent angles (RoFormer), in float32; the first of
-    the L positions is `offset` (decoding with a key/value cache)."""
+    the L positions is `offset` (decoding with a key/value cache), a scalar or one per batch row."""
     length, half = x_BxLxNxH.shape[1], x_BxLxNxH.shape[-1] // 2
     inv_freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    positions_L = jnp.arange(length, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
-    angle_LxK = positions_L[:, None] * inv_freq_K[None, :]
-    sin, cos = jnp.sin(angle_LxK)[None, :, None, :], jnp.cos(angle_LxK)[None, :, None, :]
+    # offset is a scalar or one start per batch row ([B]): positions are [L] or [B, L].
+    positions = jnp.arange(length, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)[..., None]
+    angle = positions[..., None] * inv_freq_K
+    sin, cos = jnp.sin(angle)[..., None, :], jnp.cos(angle)[..., None, :]
     x = x_BxLxNxH.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxLxNxH.dtype)
@@ -58,17 +59,27 @@ class Attention(nnx.Module):
         self.wo = named_param(rngs, out_init, (N, H, D), ("heads", "kv", "embed"), param_dtype)
         self.rope_theta, self.dtype = rope_theta, dtype
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, cache=None):
+        """The attention output [B, L, D]; with `cache` (trainer.serve.kvcache.LayerCache) the L tokens
+        sit at the cache's start positions, their keys and values go into it, they attend to every cached
+        position up to their own, and the call returns (output, cache)."""
         x = x_BxLxD.astype(self.dtype)
         q_BxLxNxH = jnp.einsum("bld,dnh->blnh", x, self.wq[...].astype(self.dtype))
         k_BxLxKxH = jnp.einsum("bld,dkh->blkh", x, self.wk[...].astype(self.dtype))
         v_BxLxKxH = jnp.einsum("bld,dkh->blkh", x, self.wv[...].astype(self.dtype))
+        offset = 0 if cache is None else cache.starts_B
         # Tensor parallelism: heads split over `model` (KV heads replicated when fewer); trainer/sharding.py.
-        q_BxLxNxH = constrain(rotary(q_BxLxNxH, self.rope_theta), ("batch", "length", "heads", "kv"))
-        k_BxLxKxH = constrain(rotary(k_BxLxKxH, self.rope_theta), ("batch", "length", "kv_heads", "kv"))
+        q_BxLxNxH = constrain(rotary(q_BxLxNxH, self.rope_theta, offset), ("batch", "length", "heads", "kv"))
+        k_BxLxKxH = constrain(rotary(k_BxLxKxH, self.rope_theta, offset), ("batch", "length", "kv_heads", "kv"))
         v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "kv"))
-        o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True)
-        return jnp.einsum("blnh,nhd->bld", o_BxLxNxH, self.wo[...].astype(self.dtype))
+        if cache is None:
+            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True)
+        else:
+            cache, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS = cache.append(k_BxLxKxH, v_BxLxKxH)
+            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxSxKxH.astype(self.dtype),
+                                                     v_BxSxKxH.astype(self.dtype), mask=mask_Bx1xLxS)
+        out_BxLxD = jnp.einsum("blnh,nhd->bld", o_BxLxNxH, self.wo[...].astype(self.dtype))
+        return out_BxLxD if cache is None else (out_BxLxD, cache)
 
 
 class DenseFFN(nnx.Module):

@@ -35,6 +35,19 @@ class Block(nnx.Module):
             y_BxLxD, aux = self.ffn(h_BxLxD), None
         return x_BxLxD + y_BxLxD.astype(x_BxLxD.dtype), aux
 
+    def decode(self, x_BxLxD: jax.Array, cache) -> tuple[jax.Array, object]:
+        """The block at inference over a key/value cache (trainer.serve.kvcache.LayerCache)."""
+        attn_BxLxD, cache = self.attn(self.attn_norm(x_BxLxD), cache=cache)
+        x_BxLxD = x_BxLxD + attn_BxLxD
+        h_BxLxD = self.ffn_norm(x_BxLxD)
+        if self.is_moe:  # one token a row: the MoE block splits rows over the mesh's token shards
+            batch, length, d_model = h_BxLxD.shape
+            y_BxLxD = self.ffn(h_BxLxD.reshape(batch * length, 1, d_model), train=False)[0]
+            y_BxLxD = y_BxLxD.reshape(batch, length, d_model)
+        else:
+            y_BxLxD = self.ffn(h_BxLxD)
+        return x_BxLxD + y_BxLxD.astype(x_BxLxD.dtype), cache
+
 
 class Transformer(nnx.Module):
     """`model(tokens_BxL, train=...) -> (logits_BxLxV float32, aux)`; aux sums/averages the MoE layers'."""
@@ -68,14 +81,25 @@ class Transformer(nnx.Module):
             x_BxLxD = self._constrain(x_BxLxD)
             if aux is not None:
                 auxes.append((i, aux))
+        return self._logits(x_BxLxD), combine_aux(auxes, self.num_experts)
+
+    def decode(self, tokens_BxL: jax.Array, cache, starts_B: jax.Array, rows_B: jax.Array | None = None):
+        """Inference through a key/value cache (trainer.serve.kvcache.KVCache): batch row b holds tokens
+        at positions starts_B[b].. of cache slot rows_B[b] (None: slot b). The same blocks as training;
+        MoE layers in their evaluation mode. Returns (logits_BxLxV float32, the updated cache)."""
+        x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
+        for i, block in enumerate(self.blocks):
+            x_BxLxD, view = block.decode(x_BxLxD, cache.layer(i, starts_B, rows_B))
+            cache = view.cache
+        return self._logits(x_BxLxD), cache
+
+    def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.head is None:  # tied: scaled so that unit-variance embeddings give unit-variance logits
             w_DxV = self.embed[...].T * (self.embed.shape[-1] ** -0.5)
         else:
             w_DxV = self.head[...]
-        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype),
-                                  preferred_element_type=jnp.float32)
-        return logits_BxLxV, combine_aux(auxes, self.num_experts)
+        return jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype), preferred_element_type=jnp.float32)
 
     def _constrain(self, x_BxLxD: jax.Array) -> jax.Array:
         spec = sharding.activation_spec(self.mesh)

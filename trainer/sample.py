@@ -1,8 +1,9 @@
 """`python -m trainer.sample` / `moe-tpu sample`: continue a prompt with a trained checkpoint.
 
 Loads the latest checkpoint of a run (its output directory, or the checkpoints directory in it) with the
-config the trainer saved beside it (`config.json`), and decodes with a key/value cache: the prompt in one
-pass, then one token per step, each attending to the cached keys and values of all the tokens before it.
+config the trainer saved beside it (`config.json`), its parameters only, and decodes through the serving
+engine (trainer/serve/engine.py, one slot): the prompt prefilled, then one token per step, each attending to
+the cached keys and values of all the tokens before it. MoE layers are dropless, as in serving.
 Text goes through the dataset's tokenizer (a prepared dataset's `tokenizer.json`), bytes for byte-level
 text, and token ids written as numbers otherwise. Prints the continuation on stdout and the speed on stderr.
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import click
 
@@ -100,114 +100,36 @@ class Codec:
 
 
 def restore_params(cfg, checkpoints: str):
-    """(trainer pieces, params, step) from the latest checkpoint in `checkpoints`."""
+    """(the serving model on one device, its weights, the step) from the latest checkpoint in
+    `checkpoints`: the parameters only, not the optimizer state."""
     import jax
 
     from trainer import sharding
-    from trainer.checkpoint import Checkpointer
-    from trainer.train import build_trainer
+    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
     mesh = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
-    trainer = build_trainer(cfg, mesh, max(cfg.train.steps, 1))
-    ckpt = Checkpointer(checkpoints, every=1, keep=1 << 30, async_save=False)
     try:
-        restored = ckpt.restore_latest(trainer.abstract_state)
-    finally:
-        ckpt.close()
-    if restored is None:
-        raise SampleError(f"--checkpoint: {checkpoints} holds no checkpoint")
-    return trainer, restored.state["params"], restored.step
+        model = build_serving_model(cfg, mesh)
+        weights, step = restore_weights(model, checkpoints)
+    except WeightsError as e:
+        raise SampleError(str(e)) from None
+    return model, weights, step
 
 
-def make_decoder(trainer, batch: int, max_len: int):
-    """forward(params, cache, tokens_BxL, start) -> (logits of the last position, cache), for jax.jit.
-
-    The cache holds every layer's keys and values, [layers, B, max_len, kv heads, head size]; the tokens
-    sit at positions start..start+L-1 and attend to cached positions up to their own.
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from trainer.layers import rotary
-    from trainer.model import step_rngs
-
-    m = trainer.cfg.model
-    graphdef, codec, rest = trainer.graphdef, trainer.codec, trainer.rest
-    dtype = jnp.dtype(trainer.cfg.dtype)
-    shape = (m.num_layers, batch, max_len, m.kv_heads, m.head_size)
-    empty = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-
-    def forward(params, cache, tokens_BxL, start):
-        model = nnx.merge(graphdef, codec.unflatten(params), step_rngs(rest, jnp.zeros((), jnp.int32)))
-        length = tokens_BxL.shape[1]
-        x = jnp.take(model.embed[...], tokens_BxL, axis=0).astype(dtype)
-        keys_S = jnp.arange(max_len)
-        mask_LxS = keys_S[None, :] <= (start + jnp.arange(length))[:, None]
-        ks, vs = [], []
-        for i, block in enumerate(model.blocks):
-            attn = block.attn
-            h = block.attn_norm(x)
-            q = rotary(jnp.einsum("bld,dnh->blnh", h, attn.wq[...].astype(dtype)), attn.rope_theta, start)
-            k = rotary(jnp.einsum("bld,dkh->blkh", h, attn.wk[...].astype(dtype)), attn.rope_theta, start)
-            v = jnp.einsum("bld,dkh->blkh", h, attn.wv[...].astype(dtype))
-            k_all = jax.lax.dynamic_update_slice(cache["k"][i], k, (0, start, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(cache["v"][i], v, (0, start, 0, 0))
-            ks.append(k_all)
-            vs.append(v_all)
-            o = jax.nn.dot_product_attention(q, k_all, v_all, mask=mask_LxS[None, None])
-            x = x + jnp.einsum("blnh,nhd->bld", o, attn.wo[...].astype(dtype))
-            hf = block.ffn_norm(x)
-            y = block.ffn(hf, train=False)[0] if block.is_moe else block.ffn(hf)
-            x = x + y.astype(x.dtype)
-        x = model.final_norm(x[:, -1:])
-        w = model.embed[...].T * (model.embed.shape[-1] ** -0.5) if model.head is None else model.head[...]
-        logits = jnp.einsum("bld,dv->blv", x, w.astype(dtype), preferred_element_type=jnp.float32)[:, 0]
-        return logits, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
-
-    return forward, empty
-
-
-def pick(logits_BxV, key, temperature: float, top_k: int):
-    """The next token: greedy at temperature 0, else sampled from the (top-k) softmax at `temperature`."""
-    import jax
-    import jax.numpy as jnp
-
-    if temperature <= 0:
-        return jnp.argmax(logits_BxV, axis=-1)
-    logits = logits_BxV / temperature
-    if top_k > 0:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1)
-
-
-def generate(trainer, params, prompt: list[int], tokens: int, *, temperature: float, top_k: int,
+def generate(model, weights, prompt: list[int], tokens: int, *, temperature: float, top_k: int,
              seed: int) -> tuple[list[int], float]:
-    """(the `tokens` new ids, tokens per second after the first one)."""
-    import functools
+    """(the `tokens` new ids, tokens per second after the first one), through the serving engine with
+    one slot: the prompt prefilled, then one token per step through the key/value cache."""
+    from trainer.serve.engine import Engine, Request, SamplingParams
 
-    import jax
-    import jax.numpy as jnp
-
-    max_len = len(prompt) + tokens
-    forward, cache = make_decoder(trainer, 1, max_len)
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(params, cache, tokens_BxL, start, key):
-        logits, cache = forward(params, cache, tokens_BxL, start)
-        return pick(logits, key, temperature, top_k).astype(jnp.int32), cache
-
-    key = jax.random.key(seed)
-    key, sub = jax.random.split(key)
-    token, cache = step(params, cache, jnp.asarray([prompt], jnp.int32), 0, sub)
-    out = [int(token[0])]
-    started = time.perf_counter()
-    for position in range(len(prompt), max_len - 1):
-        key, sub = jax.random.split(key)
-        token, cache = step(params, cache, token[:, None], position, sub)
-        out.append(int(token[0]))
-    seconds = time.perf_counter() - started
+    chunk = min(len(prompt), 256)
+    engine = Engine(model, weights, slots=1, max_len=len(prompt) + tokens, chunk=chunk)
+    engine.warm_up()  # compiled before the first token, so that the rate counts decoding only
+    request = engine.submit(Request(prompt, SamplingParams(max_tokens=tokens, temperature=temperature,
+                                                           top_k=top_k, seed=seed)))
+    engine.run()
+    out, times = request.output, request.token_times
+    seconds = times[-1] - times[0]
     return out, (len(out) - 1) / seconds if seconds > 0 and len(out) > 1 else float("nan")
 
 
@@ -239,8 +161,8 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
     if max(ids) >= cfg.model.vocab_size or min(ids) < 0:
         raise SampleError(f"--prompt: token id {max(ids)} is outside the model's vocabulary "
                           f"(model.vocab_size={cfg.model.vocab_size})")
-    trainer, params, step = restore_params(cfg, checkpoints)
-    out, rate = generate(trainer, params, ids, tokens, temperature=temperature, top_k=top_k, seed=seed)
+    model, weights, step = restore_params(cfg, checkpoints)
+    out, rate = generate(model, weights, ids, tokens, temperature=temperature, top_k=top_k, seed=seed)
     click.echo(codec.decode(out))
     click.echo(f"{len(out)} tokens from the checkpoint at step {step} ({cfg.name}), {rate:,.0f} tokens/s",
                err=True)

@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "train": "provision.cli.train_cmd:train",
     "data": "provision.cli.data_cmds:data_group",
     "sample": "provision.cli.data_cmds:sample",
+    "serve": "provision.cli.serve_cmd:serve",
 }
 
 SHORT_HELP = {
@@ -53,6 +54,7 @@ SHORT_HELP = {
     "train": "Run the MoE trainer locally (the container's entry point).",
     "data": "Datasets for the trainer: prepare (tokenize into ArrayRecord shards).",
     "sample": "Continue a prompt with a run's latest checkpoint.",
+    "serve": "Serve a run's latest checkpoint over an OpenAI-compatible API.",
 }
 
 

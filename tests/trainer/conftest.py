@@ -17,8 +17,13 @@ def trained_tiny(tmp_path_factory, worker_id):
 
     Trained once per test run, not once per pytest-xdist worker: the first worker to ask trains it in a
     directory all workers share (the run's base temporary directory), under a lock the others wait on."""
+    import jax
+
     from trainer.cli import train_command
 
+    # jax started here with the test session's 8 fake devices: the command's `--devices 1` would otherwise
+    # start it with one, for every later test of this worker.
+    jax.devices()
     shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
     tmp = shared / "trained-tiny"
     tmp.mkdir(exist_ok=True)

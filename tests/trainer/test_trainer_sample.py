@@ -1,35 +1,12 @@
-"""trainer.sample: the key/value cache decodes what the full forward pass computes; a trained `tiny`
-continues the synthetic source with transitions the source allows; a directory without a checkpoint exits 2."""
+"""trainer.sample (a client of the serving engine, tested in test_serve_engine.py): a trained `tiny` continues the synthetic source with transitions the source allows; a directory without a checkpoint exits 2."""
 
 import json
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from click.testing import CliRunner
-from flax import nnx
 
-from trainer import sharding
 from trainer.config import load_config
 from trainer.data import make_source
-from trainer.sample import make_decoder, sample_command
-from trainer.train import build_trainer, step_rngs
-
-
-def test_the_cache_decodes_what_the_full_forward_pass_computes():
-    cfg = load_config("tiny", ["moe.eval_capacity_factor=0", "model.num_kv_heads=2"])  # dropless; grouped kv
-    trainer = build_trainer(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]), 10)
-    params = trainer.init_fn()["params"]
-    tokens = jnp.asarray([[5, 9, 2, 31, 7, 7, 1, 30, 12, 4]], jnp.int32)
-    model = nnx.merge(trainer.graphdef, trainer.codec.unflatten(params), step_rngs(trainer.rest, jnp.int32(0)))
-    full_LxV = model(tokens, train=False)[0][0]
-    forward, cache = make_decoder(trainer, 1, tokens.shape[1])
-    forward = jax.jit(forward)
-    logits, cache = forward(params, cache, tokens[:, :4], 0)  # the prompt in one pass
-    np.testing.assert_allclose(logits[0], full_LxV[3], atol=1e-4)
-    for position in range(4, tokens.shape[1]):  # then one token at a time
-        logits, cache = forward(params, cache, tokens[:, position:position + 1], position)
-        np.testing.assert_allclose(logits[0], full_LxV[position], atol=1e-4, err_msg=str(position))
+from trainer.sample import sample_command
 
 
 def test_a_trained_tiny_continues_the_source_with_allowed_transitions(trained_tiny):

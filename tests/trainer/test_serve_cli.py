@@ -1,0 +1,110 @@
+"""`python -m trainer.serve`: bad flags and checkpoints exit 2 with a message; a served process frees the
+slot of a client that goes away, and on SIGTERM finishes the 8 streams in flight, then exits 0."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainer.config import load_config
+from trainer.serve.cli import serve_command
+
+pytestmark = pytest.mark.compile_bound
+
+
+def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path):
+    run = trained_tiny.output_dir
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(load_config("deepseek-tiny").to_dict()))
+    (other / "checkpoints").symlink_to(run / "checkpoints")
+    template = tmp_path / "template.json"
+    template.write_text('{"message": "{speaker}"}')
+    cases = [
+        (["--checkpoint", str(tmp_path / "none")], f"--checkpoint {tmp_path / 'none'} does not exist"),
+        (["--checkpoint", str(other)],
+         "holds shape [64, 8] for params.blocks.0.ffn.router; the run's config needs [64, 16]"),
+        (["--checkpoint", str(run), "--device-memory-gb", "0.0001"], "--kv-cache-dtype int8"),
+        (["--checkpoint", str(run), "--chat-template", str(template)], f"--chat-template {template}"),
+        (["--checkpoint", str(run), "--chunk", "64", "--max-len", "32"], "--chunk 64 must not exceed --max-len 32"),
+        (["--checkpoint", str(run), "--mesh", "data=1,expert=3"], "--mesh"),
+        (["--checkpoint", str(run), "--slots", "0"], "'--slots'"),
+    ]
+    for args, needle in cases:
+        result = CliRunner().invoke(serve_command, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert needle in result.output and "Traceback" not in result.output, (args, result.output)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def generated_and_running(base: str) -> tuple[float, float]:
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)}
+    total = next(s.value for s in families["vllm:generation_tokens"].samples if s.name.endswith("_total"))
+    return total, families["vllm:num_requests_running"].samples[0].value
+
+
+def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(trained_tiny):
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    process = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--checkpoint", str(trained_tiny.output_dir),
+                                "--port", str(port), "--slots", "8", "--max-len", "512", "--chunk", "16"],
+                               env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in process.stderr:  # progress while loading and compiling, then the URL
+            lines.append(line)
+            if "ready:" in line:
+                break
+        assert f"ready: tiny at http://127.0.0.1:{port}/v1" in "".join(lines), "".join(lines)
+        assert "KV cache 8 slots x 512 tokens = 4,096 positions" in "".join(lines)
+        base = f"http://127.0.0.1:{port}"
+        body = {"prompt": "3 17 9", "max_tokens": 480, "stream": True, "temperature": 0}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body) as r:
+            next(r.iter_lines())  # the first chunk, then the client goes away
+        for _ in range(1000):  # the engine notices at its next step
+            generated, running = generated_and_running(base)
+            if running == 0:
+                break
+        assert running == 0 and generated < 480
+
+        done, first = [], threading.Barrier(9)
+
+        def stream(i):
+            with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
+                              json={**body, "max_tokens": 400, "seed": i, "temperature": 1.0}) as r:
+                lines = r.iter_lines()
+                next(lines)
+                first.wait()
+                rest = [line for line in lines if line]
+            done.append((time.monotonic(), rest[-1], json.loads(rest[-2][6:])["usage"]["completion_tokens"]))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        first.wait()  # all 8 are streaming
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=120)
+        assert process.wait(timeout=120) == 0
+        assert len(done) == 8 and all(end == "data: [DONE]" and n == 400 for _, end, n in done)
+        assert any(at > signalled for at, _, _ in done)  # they were still running when the signal came
+        assert "stopping: no new requests" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

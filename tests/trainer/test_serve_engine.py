@@ -1,0 +1,175 @@
+"""The serving forward pass and engine: decoding through the key/value cache computes what the full
+forward pass does; concurrent requests get what they get alone; the two steps compile once."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainer import sharding
+from trainer.config import load_config
+from trainer.serve.engine import Engine, Request, RequestError, SamplingParams
+from trainer.serve.kvcache import KVCache
+from trainer.serve.weights import build_serving_model, init_weights
+
+pytestmark = pytest.mark.compile_bound  # small programs, each compiled once: XLA's optimisations cost more
+
+
+def serving(name, devices=1, expert=1, overrides=()):
+    cfg = load_config(name, list(overrides))
+    mesh = sharding.make_mesh({"data": devices // expert, "expert": expert}, jax.devices()[:devices])
+    model = build_serving_model(cfg, mesh)
+    return model, init_weights(model)
+
+
+LENGTH = 21  # tokens of the full forward passes compared with (one compilation each model)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """`tiny` with grouped kv heads, its weights and its full forward pass over LENGTH tokens."""
+    model, weights = serving("tiny", overrides=["model.num_kv_heads=2"])
+    return model, weights, jax.jit(lambda w, t: model.module(w)(t, train=False)[0])
+
+
+@pytest.mark.parametrize("name", ["tiny", "deepseek-tiny"])
+def test_chunked_prefill_then_decode_gives_the_full_forward_logits(name, tiny):
+    if name == "tiny":
+        model, weights, forward = tiny
+    else:
+        model, weights = serving(name, overrides=["model.num_kv_heads=2"])
+        forward = jax.jit(lambda w, t: model.module(w)(t, train=False)[0])
+    m = model.cfg.model
+    tokens_1xL = jnp.asarray(np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
+    full_LxV = forward(weights, tokens_1xL)[0]
+    decode = jax.jit(lambda w, c, t, s, r: model.module(w).decode(t, c, s, r))
+    cache = KVCache.empty(m.num_layers, 3, 32, m.kv_heads, m.head_size, jnp.float32)
+    slot_1, pieces = jnp.asarray([2]), []
+    for start in (0, 8):  # two prefill chunks into slot 2 ...
+        logits, cache = decode(weights, cache, tokens_1xL[:, start:start + 8], jnp.asarray([start]), slot_1)
+        pieces.append(logits[0])
+    for position in range(16, LENGTH):  # ... then a token at a time
+        logits, cache = decode(weights, cache, tokens_1xL[:, position:position + 1], jnp.asarray([position]), slot_1)
+        pieces.append(logits[0])
+    np.testing.assert_allclose(jnp.concatenate(pieces), full_LxV, atol=1e-5, rtol=0)
+    assert not np.any(np.asarray(cache.k[:, [0, 1]])), "other slots' rows are untouched"
+
+
+def random_requests(rng, count, vocab, max_prompt, max_new):
+    return [Request(rng.randint(0, vocab, rng.randint(1, max_prompt + 1)).tolist(),
+                    SamplingParams(max_tokens=int(rng.randint(1, max_new + 1)))) for _ in range(count)]
+
+
+def alone_then_together(engine, requests):
+    alone = []
+    for r in requests:
+        single = engine.submit(Request(r.prompt, r.sampling))
+        engine.run()
+        alone.append(single.output)
+    for r in requests:
+        engine.submit(r)
+    engine.run()
+    return alone, [r.output for r in requests]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    engine = Engine(*tiny[:2], slots=4, max_len=96, chunk=16)
+    engine.warm_up()
+    return engine
+
+
+def test_concurrent_greedy_requests_return_what_they_return_alone_and_compile_once(tiny_engine):
+    engine = tiny_engine
+    rng = np.random.RandomState(1)
+    compiled = engine.compilations()
+    assert compiled == 2  # the prefill chunk and the decode step
+    requests = random_requests(rng, 12, 256, 70, 24)
+    alone, together = alone_then_together(engine, requests)
+    assert together == alone
+    assert [len(o) for o in together] == [r.sampling.max_tokens for r in requests]
+    # Many more requests of random lengths: nothing compiles again after the warm-up.
+    for r in random_requests(rng, 60, 256, 80, 16):
+        engine.submit(r)
+    engine.run()
+    assert engine.compilations() == compiled
+    assert engine.free and sorted(engine.free) == list(range(engine.slots)) and not engine.busy
+
+
+def test_greedy_decoding_continues_as_the_full_forward_pass_argmax(tiny, tiny_engine):
+    _, weights, forward = tiny
+    request = tiny_engine.submit(Request([7, 3, 250, 19, 4], SamplingParams(max_tokens=6)))
+    tiny_engine.run()
+    sequence = list(request.prompt)
+    for _ in range(6):  # causal: the padding after the sequence does not change its last logits
+        padded = jnp.asarray([sequence + [0] * (LENGTH - len(sequence))], jnp.int32)
+        sequence.append(int(jnp.argmax(forward(weights, padded)[0, len(sequence) - 1])))
+    assert request.output == sequence[5:]
+    assert request.finish_reason == "length"
+
+
+def test_sampling_depends_on_the_seed_alone_and_top_k_1_is_greedy(tiny_engine):
+    hot = dict(max_tokens=12, temperature=1.5, top_p=0.95)
+    requests = [Request([1, 2, 3], SamplingParams(seed=5, **hot)), Request([1, 2, 3], SamplingParams(seed=6, **hot)),
+                Request([1, 2, 3], SamplingParams(seed=5, top_k=1, **hot)), Request([1, 2, 3], SamplingParams(12))]
+    alone, together = alone_then_together(tiny_engine, requests)
+    assert together == alone
+    assert together[0] != together[1]
+    assert together[2] == together[3]  # the best token only: the greedy choice
+
+
+def test_stop_strings_cut_the_text_and_free_the_slot(tiny_engine):
+    tiny_engine.detokenize = lambda ids: " ".join(map(str, ids))
+    try:
+        first = tiny_engine.submit(Request([9, 8, 7], SamplingParams(max_tokens=8)))
+        tiny_engine.run()
+        stop = f" {first.output[3]}"
+        request = tiny_engine.submit(Request([9, 8, 7], SamplingParams(max_tokens=8, stop=(stop,))))
+        tiny_engine.run()
+    finally:
+        tiny_engine.detokenize = None
+    expected = " ".join(map(str, first.output))
+    assert request.finish_reason == "stop"
+    assert request.text == expected[:expected.find(stop)]
+    assert len(request.output) <= 4
+
+
+def test_bad_requests_are_refused_with_the_limit_named(tiny_engine):
+    with pytest.raises(RequestError, match="maximum context length of 96 tokens"):
+        tiny_engine.submit(Request([1] * 90, SamplingParams(max_tokens=7)))
+    with pytest.raises(RequestError, match=r"token ids must be in \[0, 256\)"):
+        tiny_engine.submit(Request([300], SamplingParams()))
+    with pytest.raises(RequestError, match="stop strings need a tokenizer"):
+        tiny_engine.submit(Request([3], SamplingParams(stop=("x",))))
+    assert not tiny_engine.busy
+
+
+def test_a_cancelled_request_frees_its_slot_and_a_failing_one_fails_alone(tiny_engine):
+    def explode(request):
+        raise RuntimeError("listener broke")
+
+    broken = Request([5, 6], SamplingParams(max_tokens=5), listener=explode)
+    cancelled = Request([5, 6], SamplingParams(max_tokens=50))
+    fine = Request([5, 6], SamplingParams(max_tokens=5))
+    for r in (broken, cancelled, fine):
+        tiny_engine.submit(r)
+    tiny_engine.step()
+    tiny_engine.step()
+    cancelled.cancelled = True
+    tiny_engine.run()
+    assert broken.finish_reason == "error" and "listener broke" in broken.error
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.output) < 50
+    assert fine.finish_reason == "length" and len(fine.output) == 5
+    assert sorted(tiny_engine.free) == list(range(tiny_engine.slots))
+
+
+def test_experts_over_8_devices_serve_concurrent_requests_as_alone():
+    model, weights = serving("deepseek-tiny", devices=8, expert=8, overrides=["moe.expert_groups=8",
+                                                                              "moe.routing_groups_limit=4"])
+    w_in = weights["params"]["blocks.0.ffn.w_in"]
+    assert w_in.sharding.spec[0] == "expert"  # the experts are split over the mesh
+    engine = Engine(model, weights, slots=8, max_len=80, chunk=16)
+    engine.warm_up()
+    alone, together = alone_then_together(engine, random_requests(np.random.RandomState(2), 10, 256, 60, 12))
+    assert together == alone
+    assert engine.compilations() == 2

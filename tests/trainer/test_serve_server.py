@@ -1,0 +1,135 @@
+"""The OpenAI-compatible server, in-process over a small engine: the openai client's completions and chat
+completions (streaming and not), errors as OpenAI error objects, health, metrics, Vertex AI's predict."""
+
+import asyncio
+
+import httpx
+import jax
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainer import sharding
+from trainer.config import load_config
+from trainer.serve.engine import Engine
+from trainer.serve.loop import EngineLoop
+from trainer.serve.server import ServerState, create_app
+from trainer.serve.weights import build_serving_model, init_weights
+
+pytestmark = pytest.mark.compile_bound
+
+
+def byte_codec():
+    return (lambda text: list(text.encode("utf-8")),
+            lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"))
+
+
+@pytest.fixture(scope="module")
+def served():
+    """`tiny` behind the server (bytes as tokens), its engine warmed up; the client is a TestClient."""
+    model = build_serving_model(load_config("tiny"), sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+    encode, decode = byte_codec()
+    engine = Engine(model, init_weights(model), slots=4, max_len=128, chunk=16, detokenize=decode)
+    engine.warm_up()
+    state = ServerState("tiny", encode=encode, decode=decode, max_waiting=8)
+    app = create_app(state)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 503  # not loaded yet
+        state.loop = EngineLoop(engine).start()
+        try:
+            yield client, state
+        finally:
+            state.loop.stop()
+
+
+def test_the_openai_client_gets_completions_and_chat_completions(served):
+    client, state = served
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+    done = api.completions.create(model="tiny", prompt="The cat", max_tokens=9, temperature=0)
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.prompt_tokens == 7 and done.usage.completion_tokens == 9 and done.usage.total_tokens == 16
+    pieces = list(api.completions.create(model="tiny", prompt="The cat", max_tokens=9, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == "length"
+    chat = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                       temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    assert chat.usage.prompt_tokens == len("user: hi\nassistant:")
+    streamed = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=5, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+    assert [m.id for m in api.models.list().data] == ["tiny"]
+
+
+def test_stream_is_server_sent_events_ending_done(served):
+    client, _ = served
+    with client.stream("POST", "/v1/completions", json={"prompt": "ab", "max_tokens": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+
+
+def test_bad_requests_get_openai_error_objects_and_the_server_stays_up(served):
+    client, _ = served
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model="tiny", prompt="x" * 100, max_tokens=40)
+    assert "maximum context length of 128 tokens" in e.value.body["message"]
+    bad = [({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"), ({"max_tokens": 2}, 400, "prompt"),
+           ({"prompt": "a", "temperature": -1}, 400, "temperature"), ({"prompt": "a", "n": 2}, 400, "n"),
+           ({"prompt": [1, 999]}, 400, "token ids")]
+    for round_ in range(10):  # 50 bad requests between good ones
+        for body, status, needle in bad:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == status, (body, r.text)
+            assert needle in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
+        good = client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2, "seed": round_})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+    assert client.post("/v1/completions", content=b"{not json").status_code == 400
+    assert client.get("/nowhere").json()["error"]["type"] == "not_found_error"
+
+
+def test_health_metrics_and_vertex_predict(served):
+    client, _ = served
+    assert client.get("/health").status_code == 200
+    r = client.post("/predict", json={"instances": [{"prompt": "a", "max_tokens": 2},
+                                                    {"messages": [{"role": "user", "content": "b"}],
+                                                     "max_tokens": 3}]})
+    assert r.status_code == 200, r.text
+    predictions = r.json()["predictions"]
+    assert [p["usage"]["completion_tokens"] for p in predictions] == [2, 3]
+    assert client.post("/predict", json={"rows": []}).status_code == 400
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:generation_tokens"):
+        assert name in families, name
+    generated = [s.value for s in families["vllm:generation_tokens"].samples if s.name.endswith("_total")]
+    assert generated[0] >= 5
+
+
+def test_beyond_the_waiting_queue_requests_get_429_with_retry_after(served):
+    _, state = served
+    full = ServerState("tiny", encode=state.encode, decode=state.decode, max_waiting=2)
+    app = create_app(full)
+    paused = EngineLoop(state.loop.engine)  # not started: what it is given waits
+
+    async def scenario():
+        full.loop = paused
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            queued = [asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+                      for _ in range(2)]
+            while paused.waiting() < 2:
+                await asyncio.sleep(0)
+            refused = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            for task in queued:
+                task.cancel()
+            await asyncio.gather(*queued, return_exceptions=True)
+            return refused
+
+    refused = asyncio.run(scenario())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error" and "2 requests are waiting" in \
+        refused.json()["error"]["message"]

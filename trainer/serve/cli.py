@@ -1,0 +1,179 @@
+"""`python -m trainer.serve --checkpoint DIR` (the serving container's entry point) and `moe-tpu serve`.
+
+Reads the run's config and the latest checkpoint's parameters (not its optimizer state), checks that the
+weights and the KV cache fit the device memory, starts the HTTP server (trainer/serve/server.py; /health
+answers 503 meanwhile), compiles the engine's two steps and prints the URL once it serves. SIGTERM stops
+admitting requests, lets those in flight finish within --grace-seconds, and exits 0.
+
+Exit codes: 0 stopped by a signal; 2 a usage error (a bad flag, no checkpoint, a checkpoint of another
+model, a shape that does not fit the device memory); 1 a runtime failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import click
+
+from trainer.status import EXIT_USAGE
+
+EXIT_RUNTIME = 1
+
+
+class ServeError(click.UsageError):
+    exit_code = EXIT_USAGE
+
+
+def _progress(message: str) -> None:
+    click.echo(f"serve: {message}", err=True)
+
+
+def _default_port() -> int:
+    """Vertex AI tells a custom container its port in AIP_HTTP_PORT."""
+    text = os.environ.get("AIP_HTTP_PORT", "8000")
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ServeError(f"AIP_HTTP_PORT={text!r} is not a port number")
+    return int(text)
+
+
+def _chat_template(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        template = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, ValueError) as e:
+        raise ServeError(f"--chat-template {path}: {e}") from None
+    if not (isinstance(template, dict) and isinstance(template.get("message"), str)
+            and isinstance(template.get("generation"), str)):
+        raise ServeError(f'--chat-template {path}: want {{"message": "...{{role}}...{{content}}...", '
+                         '"generation": "..."}')
+    try:
+        template["message"].format(role="user", content="x")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ServeError(f"--chat-template {path}: 'message' may use {{role}} and {{content}} only ({e})") from None
+    return template
+
+
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--checkpoint", "directory", required=True, metavar="DIR",
+              help="A run's output directory (or the checkpoints directory in it), local or gs://.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on (0.0.0.0: all).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="[$AIP_HTTP_PORT or 8000]")
+@click.option("--slots", type=click.IntRange(min=1), default=8, show_default=True, help="Requests decoded at once.")
+@click.option("--max-len", type=click.IntRange(min=2), default=1024, show_default=True,
+              help="Prompt plus generated tokens per request (the KV cache's length).")
+@click.option("--chunk", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Prompt tokens prefilled per engine step, between decode steps.")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests queued for a slot; beyond them 429 with Retry-After.")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "float32", "int8"]), default="auto",
+              show_default=True, help="auto: the model's compute dtype.")
+@click.option("--weights", "weight_format", type=click.Choice(["auto", "int8"]), default="auto", show_default=True,
+              help="int8: per-channel symmetric int8 weights (about half of bfloat16).")
+@click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E", help="[all devices on expert]")
+@click.option("--devices", type=click.IntRange(min=1), default=None, help="CPU only: N fake XLA devices.")
+@click.option("--tokenizer", "tokenizer_path", default=None, metavar="FILE",
+              help="A tokenizer.json [the run's dataset's].")
+@click.option("--chat-template", "chat_template_path", default=None, metavar="FILE",
+              help='JSON {"message": "{role}: {content}\\n", "generation": "assistant:"} [that one].')
+@click.option("--model-name", default=None, help="The model's id in the API [the config's name].")
+@click.option("--grace-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="After SIGTERM, how long requests in flight may take to finish.")
+@click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,
+              help="The memory per device to plan for [what the device reports].")
+def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_cache_dtype, weight_format, mesh_text,
+                  devices, tokenizer_path, chat_template_path, model_name, grace_seconds, device_memory_gb):
+    """Serve a training run's latest checkpoint over an OpenAI-compatible HTTP API.
+
+    \b
+    Examples:
+      python -m trainer.serve --checkpoint runs/demo
+      python -m trainer.serve --checkpoint gs://BUCKET/runs/demo --host 0.0.0.0 --weights int8
+      curl localhost:8000/v1/completions -H 'content-type: application/json' \\
+           -d '{"prompt": "The cat", "max_tokens": 20}'
+    """
+    if devices is not None:
+        from trainer.cli import set_fake_devices
+
+        set_fake_devices(devices)
+    port = port or _default_port()
+    template = _chat_template(chat_template_path)
+    if chunk > max_len:
+        raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
+    from trainer.serve.startup import load
+
+    loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
+                  chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
+                  int8_weights=weight_format == "int8", device_memory_gb=device_memory_gb, progress=_progress)
+    code = _serve(loaded, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds)
+    sys.exit(code)
+
+
+def _serve(loaded, host: str, port: int, max_waiting: int, template, name: str, grace_seconds: float) -> int:
+    import uvicorn
+
+    from trainer.serve.loop import EngineLoop
+    from trainer.serve.server import ServerState, create_app
+
+    state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting)
+    if template is not None:
+        state.chat_template = template
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=grace_seconds, lifespan="off")
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT uvicorn closes its socket and waits for the connections in flight; this one
+        also answers 503 to requests arriving meanwhile on connections kept alive."""
+
+        def handle_exit(self, sig, frame):
+            state.draining = True
+            _progress("stopping: no new requests; finishing those in flight")
+            super().handle_exit(sig, frame)
+
+    server = DrainingServer(config)
+    failed: list[str] = []
+
+    def compile_then_serve():
+        try:
+            started = time.perf_counter()
+            _progress(f"compiling the prefill and decode steps ({loaded.engine.slots} slots x "
+                      f"{loaded.engine.max_len} tokens)")
+            loaded.engine.warm_up()
+            state.loop = EngineLoop(loaded.engine).start()
+            _progress(f"compiled in {time.perf_counter() - started:.1f}s")
+            _progress(f"ready: {name} at http://{host}:{port}/v1 (health /health, metrics /metrics)")
+        except Exception as e:  # noqa: BLE001 - reported, and the server stops with exit code 1
+            failed.append(f"{type(e).__name__}: {e}")
+            server.should_exit = True
+
+    threading.Thread(target=compile_then_serve, name="moe-tpu-compile", daemon=True).start()
+    # uvicorn raises the signal it stopped for again once it has shut down, for the handler it found:
+    # with the default one SIGTERM would end the process by the signal rather than with exit code 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        if state.loop is not None:
+            state.loop.stop()
+    if failed:
+        click.echo(f"serve: compiling failed: {failed[0]}", err=True)
+        return EXIT_RUNTIME
+    if not server.started:
+        click.echo(f"serve: cannot listen on {host}:{port}", err=True)
+        return EXIT_RUNTIME
+    _progress("stopped")
+    return 0
+
+
+def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
+    serve_command.main(args=args, prog_name=prog_name or "python -m trainer.serve")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,94 @@
+"""The serving key/value cache: every layer's keys and values for a fixed number of decode slots.
+
+Arrays `k` and `v` are [layers, slots, max_len, kv_heads, head_size], in the compute dtype or int8. In
+int8 each (position, head) vector is stored with its own float32 scale (symmetric, absmax / 127), kept
+in `k_scale`/`v_scale` [layers, slots, max_len, kv_heads]: the cache is the largest buffer of a serving
+chip after the weights, and int8 halves it against bfloat16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @staticmethod
+    def empty(layers: int, slots: int, max_len: int, kv_heads: int, head_size: int, dtype) -> KVCache:
+        shape = (layers, slots, max_len, kv_heads, head_size)
+        if jnp.dtype(dtype) == jnp.int8:
+            scale = jnp.zeros(shape[:-1], jnp.float32)
+            return KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scale, scale)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def nbytes(layers: int, slots: int, max_len: int, kv_heads: int, head_size: int, dtype) -> int:
+        """Bytes of a cache of this shape, without building it (the start-up memory check)."""
+        per_position = kv_heads * head_size * jnp.dtype(dtype).itemsize
+        if jnp.dtype(dtype) == jnp.int8:
+            per_position += kv_heads * 4
+        return 2 * layers * slots * max_len * per_position
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def layer(self, index: int, starts_B: jax.Array, rows_B: jax.Array | None = None) -> LayerCache:
+        return LayerCache(self, index, starts_B, rows_B)
+
+
+def quantize(x_BxLxKxH: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per (row, position, head): (int8 values, float32 scales [B, L, K])."""
+    x = x_BxLxKxH.astype(jnp.float32)
+    scale_BxLxK = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    safe = jnp.where(scale_BxLxK > 0, scale_BxLxK, 1.0)[..., None]
+    return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale_BxLxK
+
+
+@dataclasses.dataclass
+class LayerCache:
+    """One layer's view of the cache for one call: batch row b holds the tokens at positions
+    starts_B[b].. of slot rows_B[b] (rows_B None: row b is slot b, every slot in the batch)."""
+
+    cache: KVCache
+    index: int
+    starts_B: jax.Array
+    rows_B: jax.Array | None
+
+    def append(self, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array):
+        """(the updated view, keys [B, max_len, K, H], values, mask [B, 1, L, max_len]): the new keys and
+        values written at their positions, and which cached positions each new token may attend to."""
+        batch, length = k_BxLxKxH.shape[:2]
+        positions_BxL = self.starts_B[:, None] + jnp.arange(length, dtype=self.starts_B.dtype)
+        rows_B = jnp.arange(batch) if self.rows_B is None else self.rows_B
+        at = (self.index, rows_B[:, None], positions_BxL)
+        c = self.cache
+        # Positions past max_len (a padded last prefill chunk) are dropped, never clamped onto others.
+        if c.quantized:
+            kq, ks = quantize(k_BxLxKxH)
+            vq, vs = quantize(v_BxLxKxH)
+            c = KVCache(c.k.at[at].set(kq, mode="drop"), c.v.at[at].set(vq, mode="drop"),
+                        c.k_scale.at[at].set(ks, mode="drop"), c.v_scale.at[at].set(vs, mode="drop"))
+        else:
+            c = KVCache(c.k.at[at].set(k_BxLxKxH.astype(c.k.dtype), mode="drop"),
+                        c.v.at[at].set(v_BxLxKxH.astype(c.v.dtype), mode="drop"))
+        keys, values = self._read(c, "k"), self._read(c, "v")
+        max_len = c.k.shape[2]
+        mask_Bx1xLxS = jnp.arange(max_len)[None, None, None, :] <= positions_BxL[:, None, :, None]
+        return LayerCache(c, self.index, self.starts_B, self.rows_B), keys, values, mask_Bx1xLxS
+
+    def _read(self, c: KVCache, name: str) -> jax.Array:
+        sel = (self.index,) if self.rows_B is None else (self.index, self.rows_B)
+        values = getattr(c, name)[sel]
+        if not c.quantized:
+            return values
+        return values.astype(jnp.float32) * getattr(c, f"{name}_scale")[sel][..., None]

@@ -1,0 +1,73 @@
+"""The engine on a thread of its own: requests come in through a queue from the HTTP server's event
+loop, tokens go back through each request's listener."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from trainer.serve.engine import Engine, Request
+
+log = logging.getLogger("trainer.serve")
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="moe-tpu-engine", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
+
+    def submit(self, request: Request) -> None:
+        """Queues a request the caller has checked (Engine.check); thread-safe."""
+        self.inbox.put(request)
+        self._wake.set()
+
+    def waiting(self) -> int:
+        """Requests not yet in a decode slot."""
+        e = self.engine
+        return self.inbox.qsize() + len(e.waiting) + (e.admitting is not None)
+
+    def running(self) -> int:
+        return len(self.engine.active)
+
+    def _run(self) -> None:
+        while not self._stop:
+            while True:
+                try:
+                    self.engine.waiting.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if not self.engine.busy:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the server
+                log.exception("engine step failed")
+                self._fail_running(f"{type(e).__name__}: {e}")
+
+    def _fail_running(self, reason: str) -> None:
+        e = self.engine
+        for req in [*e.active.values(), *([e.admitting] if e.admitting else [])]:
+            req.finish_reason, req.error = "error", reason
+            e._release(req)
+            if req.listener is not None:
+                try:
+                    req.listener(req)
+                except Exception:  # noqa: BLE001
+                    pass
+        e.admitting = None

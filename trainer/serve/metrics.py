@@ -1,0 +1,66 @@
+"""Prometheus metrics under vLLM's names, so that dashboards and autoscalers written for vLLM (GKE's
+HPA on vllm:num_requests_waiting) read this server unchanged."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class ServingMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, state):
+        self.registry = registry = CollectorRegistry()  # one per server: tests build several
+        labels = ["model_name"]
+        self.state = state
+        running = Gauge("vllm:num_requests_running", "Requests in decode slots.", labels, registry=registry)
+        waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", labels, registry=registry)
+        usage = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache's positions in use (1 = full).", labels,
+                      registry=registry)
+        name = state.model_name
+        running.labels(name).set_function(lambda: state.loop.running() if state.loop else 0)
+        waiting.labels(name).set_function(lambda: state.loop.waiting() if state.loop else 0)
+        usage.labels(name).set_function(self._kv_usage)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to the first token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=registry).labels(name)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.",
+                              labels, buckets=LATENCY_BUCKETS, registry=registry).labels(name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.", labels,
+                             buckets=LATENCY_BUCKETS, registry=registry).labels(name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels,
+                                     registry=registry).labels(name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
+                                         registry=registry).labels(name)
+
+    def _kv_usage(self) -> float:
+        loop = self.state.loop
+        if loop is None:
+            return 0.0
+        engine = loop.engine
+        return engine.used_positions() / (engine.slots * engine.max_len)
+
+    def arrived(self, req) -> None:
+        req.arrival = time.perf_counter()
+
+    def finished(self, req) -> None:
+        if getattr(req, "counted", False):
+            return
+        req.counted = True
+        times = req.token_times
+        self.prompt_tokens.inc(len(req.prompt) if times else 0)
+        self.generation_tokens.inc(len(req.output))
+        if not times:
+            return
+        self.ttft.observe(times[0] - req.arrival)
+        if len(times) > 1:
+            self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+        self.e2e.observe(times[-1] - req.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

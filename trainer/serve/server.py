@@ -1,0 +1,339 @@
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics,
+and Vertex AI's custom-container predict route.
+
+Routes:
+  POST /v1/completions, /v1/chat/completions   OpenAI's request and response shapes; `stream: true` answers
+                                               server-sent events ending `data: [DONE]`. Beyond OpenAI's
+                                               fields: `top_k` (0: all tokens).
+  GET  /v1/models                              the one model served
+  GET  /health (and $AIP_HEALTH_ROUTE)         503 until the weights are loaded and the steps compiled
+  GET  /metrics                                Prometheus text, vLLM's metric names
+  POST $AIP_PREDICT_ROUTE (default /predict)   {"instances": [completion or chat request, ...]} ->
+                                               {"predictions": [{"text", "finish_reason", "usage"}, ...]}
+
+The models are base models, so chat messages are laid out by a template: each message as
+`"{role}: {content}\\n"`, then `"assistant:"` for the model to continue. `--chat-template FILE` replaces it
+with a JSON object {"message": "...{role}...{content}...", "generation": "..."}.
+
+Errors are OpenAI's error objects {"error": {"message", "type", "param", "code"}}: 400 for a bad request
+(naming the field or the limit), 404 for an unknown model or route, 429 with Retry-After when the waiting
+queue is full, 503 while loading or shutting down, 500 for a request the engine failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.serve.metrics import ServingMetrics
+
+DEFAULT_CHAT_TEMPLATE = {"message": "{role}: {content}\n", "generation": "assistant:"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the routes need; `loop` (trainer.serve.loop.EngineLoop) is None until loaded and compiled."""
+
+    model_name: str
+    encode: Callable[[str], list[int]] | None = None
+    decode: Callable[[list[int]], str] | None = None
+    loop: Any = None
+    max_waiting: int = 64
+    default_max_tokens: int = 16
+    chat_template: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_CHAT_TEMPLATE))
+    draining: bool = False
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    metrics: ServingMetrics = None  # set by create_app
+
+    @property
+    def ready(self) -> bool:
+        return self.loop is not None and not self.draining
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="moe-tpu serve", docs_url=None, redoc_url=None, openapi_url=None)
+    state.metrics = ServingMetrics(state)
+    app.state.serving = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param).response()
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _):
+        return APIError(404, f"no route {request.method} {request.url.path}", kind="not_found_error").response()
+
+    health_routes = sorted({"/health", os.environ.get("AIP_HEALTH_ROUTE", "/health")})
+    for route in health_routes:
+        app.add_api_route(route, _health(state), methods=["GET"])
+    app.add_api_route("/metrics", lambda: Response(state.metrics.render(), media_type=state.metrics.content_type),
+                      methods=["GET"])
+    app.add_api_route("/v1/models", _models(state), methods=["GET"])
+    app.add_api_route("/v1/completions", _completions(state), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _chat(state), methods=["POST"])
+    app.add_api_route(os.environ.get("AIP_PREDICT_ROUTE", "/predict"), _predict(state), methods=["POST"])
+    return app
+
+
+def _health(state: ServerState):
+    async def health():
+        if state.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        if state.loop is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    return health
+
+
+def _models(state: ServerState):
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "moe-tpu"}]}
+
+    return models
+
+
+def _completions(state: ServerState):
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(state, body, _prompt_ids(state, body.prompt), body.max_tokens, request, chat=False)
+
+    return completions
+
+
+def _chat(state: ServerState):
+    async def chat(body: ChatRequest, request: Request):
+        text = "".join(state.chat_template["message"].format(role=m.role, content=m.content) for m in body.messages)
+        ids = _prompt_ids(state, text + state.chat_template["generation"])
+        return await _serve(state, body, ids, body.max_completion_tokens or body.max_tokens, request, chat=True)
+
+    return chat
+
+
+def _predict(state: ServerState):
+    async def predict(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "the body is not JSON") from None
+        instances = body.get("instances") if isinstance(body, dict) else None
+        if not isinstance(instances, list) or not instances:
+            raise APIError(400, 'the body must be {"instances": [request, ...]}', param="instances")
+        jobs = [_predict_one(state, instance, i) for i, instance in enumerate(instances)]
+        return {"predictions": await asyncio.gather(*jobs)}
+
+    return predict
+
+
+async def _predict_one(state: ServerState, instance: Any, index: int) -> dict:
+    if not isinstance(instance, dict):
+        raise APIError(400, f"instances[{index}] must be an object with a prompt or messages")
+    chat = "messages" in instance
+    try:
+        body = (ChatRequest if chat else CompletionRequest).model_validate({**instance, "stream": False})
+    except ValueError as e:
+        raise APIError(400, f"instances[{index}]: {e.errors()[0]['msg']}", param=f"instances[{index}]") from None
+    if chat:
+        text = "".join(state.chat_template["message"].format(role=m.role, content=m.content) for m in body.messages)
+        ids = _prompt_ids(state, text + state.chat_template["generation"])
+        limit = body.max_completion_tokens or body.max_tokens
+    else:
+        ids, limit = _prompt_ids(state, body.prompt), body.max_tokens
+    req = await _run_to_end(state, _admit(state, body, ids, limit))
+    return {"text": _final_text(state, req), "finish_reason": _finish(req),
+            "usage": _usage(req)}
+
+
+def _prompt_ids(state: ServerState, prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise APIError(400, "one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if state.encode is None:
+        raise APIError(503, "the model is loading", kind="service_unavailable")
+    try:
+        return state.encode(prompt)
+    except Exception as e:  # noqa: BLE001 - the codec's own message says what it wanted
+        raise APIError(400, f"prompt: {getattr(e, 'message', None) or e}", param="prompt") from None
+
+
+def _admit(state: ServerState, body: _Sampling, ids: list[int], max_tokens: int | None):
+    """A request checked and queued in the engine, with an asyncio queue its tokens arrive on."""
+    from trainer.serve.engine import Request as EngineRequest
+    from trainer.serve.engine import RequestError, SamplingParams
+
+    if not state.ready:
+        raise APIError(503, "the server is " + ("shutting down" if state.draining else "loading"),
+                       kind="service_unavailable")
+    if state.loop.waiting() >= state.max_waiting:
+        raise APIError(429, f"{state.max_waiting} requests are waiting already; retry later",
+                       kind="rate_limit_error", headers={"Retry-After": "1"})
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    seed = body.seed if body.seed is not None else random.getrandbits(31)
+    sampling = SamplingParams(max_tokens=max_tokens or state.default_max_tokens, temperature=body.temperature,
+                              top_k=body.top_k, top_p=body.top_p, seed=seed, stop=stop)
+    try:
+        state.loop.engine.check(ids, sampling)
+    except RequestError as e:
+        param = "max_tokens" if "context length" in str(e) else None
+        raise APIError(400, str(e), param=param) from None
+    events: asyncio.Queue = asyncio.Queue()
+    aio = asyncio.get_running_loop()
+    req = EngineRequest(ids, sampling, listener=lambda r: aio.call_soon_threadsafe(events.put_nowait, None))
+    req.events = events
+    state.metrics.arrived(req)
+    state.loop.submit(req)
+    return req
+
+
+async def _run_to_end(state: ServerState, req) -> Any:
+    try:
+        while req.finish_reason is None:
+            await req.events.get()
+    finally:
+        if req.finish_reason is None:
+            req.cancelled = True  # the client went away: its slot frees at the next step
+    state.metrics.finished(req)
+    if req.finish_reason == "error":
+        raise APIError(500, f"the request failed: {req.error}", kind="server_error")
+    return req
+
+
+async def _serve(state: ServerState, body: _Sampling, ids: list[int], max_tokens, request: Request, *, chat: bool):
+    req = _admit(state, body, ids, max_tokens)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.id}"
+    if body.stream:
+        return StreamingResponse(_events(state, req, rid, chat), media_type="text/event-stream")
+    task = asyncio.ensure_future(_run_to_end(state, req))
+    while not task.done():  # a client that disconnects cancels its request
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+    req = task.result()
+    text = _final_text(state, req)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+              else {"index": 0, "text": text, "logprobs": None})
+    choice["finish_reason"] = _finish(req)
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": state.model_name, "choices": [choice], "usage": _usage(req)}
+
+
+async def _events(state: ServerState, req, rid: str, chat: bool):
+    """Server-sent events: a chunk per new piece of text, the last one with the finish reason and usage."""
+    sent, obj = 0, "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str, finish: str | None, usage=None) -> str:
+        delta = {"index": 0, "finish_reason": finish}
+        delta.update({"delta": {"content": text} if text or finish is None else {}} if chat
+                     else {"text": text, "logprobs": None})
+        body = {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name, "choices": [delta]}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        if chat:
+            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': state.model_name, 'choices': [{'index': 0, 'delta': {'role': 'assistant'}, 'finish_reason': None}]})}\n\n"  # noqa: E501
+        while req.finish_reason is None:
+            await req.events.get()
+            if req.finish_reason is not None:
+                break
+            text = _safe_text(state, req)
+            if len(text) > sent:
+                yield chunk(text[sent:], None)
+                sent = len(text)
+    finally:
+        if req.finish_reason is None:
+            req.cancelled = True
+    state.metrics.finished(req)
+    if req.finish_reason == "error":
+        error = {"message": f"the request failed: {req.error}", "type": "server_error", "param": None, "code": None}
+        yield f"data: {json.dumps({'error': error})}\n\n"
+    else:
+        text = _final_text(state, req)
+        yield chunk(text[sent:], _finish(req), _usage(req))
+    yield "data: [DONE]\n\n"
+
+
+def _safe_text(state: ServerState, req) -> str:
+    """The text so far, less what may yet turn out to start a stop string or to be half a character."""
+    text = _decode(state, req.output)
+    hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
+    text = text[:len(text) - hold] if hold else text
+    return text.rstrip("\ufffd")
+
+
+def _final_text(state: ServerState, req) -> str:
+    return req.text if req.text is not None else _decode(state, req.output)
+
+
+def _decode(state: ServerState, ids: list[int]) -> str:
+    return state.decode(ids) if state.decode is not None else " ".join(map(str, ids))
+
+
+def _finish(req) -> str:
+    return "stop" if req.finish_reason == "stop" else "length"
+
+
+def _usage(req) -> dict:
+    return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
+            "total_tokens": len(req.prompt) + len(req.output)}

@@ -1,0 +1,123 @@
+"""Start-up of `python -m trainer.serve`: the run's config, the mesh, the memory plan, the weights, the
+engine. Every problem a user can fix raises ServeError (exit 2) naming the flag, file or value."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from trainer.serve.cli import ServeError
+
+# Beyond weights and cache: logits, activations of a prefill chunk, XLA's scratch. A share of the device
+# memory, since what it covers grows with the model.
+HEADROOM = 0.10
+
+
+@dataclasses.dataclass
+class Loaded:
+    cfg: object
+    engine: object
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    step: int
+
+
+def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
+         int8_weights: bool, device_memory_gb, progress) -> Loaded:
+    import jax
+
+    from trainer import sharding
+    from trainer.sample import Codec, load_run_config, locate
+    from trainer.serve.engine import Engine, RequestError
+    from trainer.serve.quant import quantize_params
+    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
+
+    checkpoints, config_path = locate(directory)
+    cfg = load_run_config(config_path)
+    codec = Codec(cfg, tokenizer_path)
+    devices = jax.devices()
+    try:
+        mesh_shape = sharding.parse_mesh(mesh_text or f"data=1,expert={len(devices)}", len(devices))
+    except ValueError as e:
+        raise ServeError(f"--mesh: {e}") from None
+    if cfg.moe.num_experts % mesh_shape["expert"]:
+        raise ServeError(f"--mesh expert={mesh_shape['expert']} must divide moe.num_experts={cfg.moe.num_experts}")
+    mesh = sharding.make_mesh(mesh_shape, devices)
+    try:
+        model = build_serving_model(cfg, mesh)
+    except WeightsError as e:
+        raise ServeError(str(e)) from None
+    kv = kv_dtype or cfg.dtype
+    plan = memory_plan(model, slots, max_len, kv, int8_weights)
+    progress(f"{cfg.name}: {plan['weights'] / 2**20:,.1f} MiB of weights a device"
+             f"{' (int8)' if int8_weights else ''}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
+             f"positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); mesh {mesh_shape}")
+    check_fits(plan, device_memory_gb if device_memory_gb else device_memory(devices[0]), slots, max_len, kv,
+               int8_weights)
+    progress(f"reading the parameters from {checkpoints}")
+    try:
+        weights, step = restore_weights(model, checkpoints)
+    except WeightsError as e:
+        raise ServeError(str(e)) from None
+    progress(f"read the checkpoint at step {step}")
+    if int8_weights:
+        weights = {**weights, "params": quantize_params(weights["params"])}
+    try:
+        engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
+                        detokenize=codec.decode)
+    except RequestError as e:
+        raise ServeError(f"--slots/--chunk: {e}") from None
+    return Loaded(cfg, engine, codec.encode, codec.decode, step)
+
+
+def memory_plan(model, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> dict[str, int]:
+    """Bytes on the busiest device: its shard of each weight, and the (replicated) KV cache."""
+    import jax.numpy as jnp
+
+    from trainer.serve.kvcache import KVCache
+    from trainer.serve.quant import input_axes
+
+    weights = 0
+    for name, var in model.codec.variables.items():
+        value = var.get_value()
+        shard = model.shardings["params"][name].shard_shape(value.shape)
+        count = math.prod(shard)
+        axes = input_axes(name, value.ndim) if int8_weights else None
+        if axes is None:
+            weights += count * jnp.dtype(value.dtype).itemsize
+        else:  # int8 values and a float32 scale per output channel
+            weights += count + 4 * count // math.prod(shard[a] for a in axes)
+    m = model.cfg.model
+    cache = KVCache.nbytes(m.num_layers, slots, max_len, m.kv_heads, m.head_size, kv_dtype)
+    return {"weights": weights, "kv_cache": cache}
+
+
+def device_memory(device) -> int | None:
+    """The bytes the device can hold (TPU and GPU report it; CPU does not: no check there)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
+    return stats.get("bytes_limit")
+
+
+def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> None:
+    if limit is None:
+        return
+    if isinstance(limit, float):  # --device-memory-gb
+        limit = int(limit * 2**30)
+    need = plan["weights"] + plan["kv_cache"]
+    if need <= limit * (1 - HEADROOM):
+        return
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    advice = ["lower --slots or --max-len (the cache is slots x max-len)"]
+    if str(kv_dtype) != "int8":
+        advice.append("--kv-cache-dtype int8 (half of bfloat16)")
+    if not int8_weights:
+        advice.append("--weights int8")
+    advice.append("or put more devices on `expert` (--mesh) to split the experts")
+    raise ServeError(f"the model does not fit a device: weights {gib(plan['weights'])} + KV cache "
+                     f"{gib(plan['kv_cache'])} ({slots} slots x {max_len} tokens, {kv_dtype}) > "
+                     f"{gib(limit * (1 - HEADROOM))} ({100 - HEADROOM * 100:.0f}% of the device's {gib(limit)}); "
+                     + "; ".join(advice))

@@ -1,0 +1,174 @@
+"""The model for inference: built on a mesh without an optimizer, its parameters restored alone.
+
+A checkpoint holds {"step", "params", "opt_state", "moe_bias"?}; serving reads "params" and "moe_bias"
+(the routing bias is part of the model) and never the optimizer's moments, which are twice the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from trainer import sharding
+from trainer.config import Config
+from trainer.model import ParamCodec, Transformer, step_rngs
+from trainer.moe.layer import ExpertBias
+
+
+class WeightsError(ValueError):
+    """A checkpoint that cannot serve this config; the message names the directory and the reason."""
+
+
+def serving_config(cfg: Config) -> Config:
+    """The config the engine builds: MoE dropless in evaluation (a token dropped at capacity is a wrong
+    answer at decode), routing groups left to the mesh (they only count capacity)."""
+    if cfg.moe.routing != "token_choice":
+        raise WeightsError(f"moe.routing={cfg.moe.routing}: serving needs token_choice routing "
+                           "(expert choice picks tokens across the batch, which decoding does not have)")
+    moe = cfg.moe.model_copy(update={"eval_capacity_factor": 0.0, "routing_groups": 0})
+    return cfg.model_copy(update={"moe": moe})
+
+
+@dataclasses.dataclass
+class ServingModel:
+    """The model's structure (graphdef, codecs, RNG state) and its flat parameters and biases, placed
+    on `mesh` as training places them (experts over `expert`)."""
+
+    cfg: Config
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    codec: ParamCodec
+    bias_codec: ParamCodec
+    rest: nnx.State
+    shardings: dict[str, Any]
+    weights: dict[str, Any] | None = None  # {"params": {name: array}, "moe_bias": {name: array}}
+
+    def module(self, weights: dict[str, Any]) -> Transformer:
+        """The model with `weights`, for use inside jit."""
+        biases = (self.bias_codec.unflatten(weights["moe_bias"]),) if self.bias_codec.names else ()
+        params = {n: dequantized(weights["params"][n]) for n in self.codec.names}
+        return nnx.merge(self.graphdef, self.codec.unflatten(params), *biases,
+                         step_rngs(self.rest, jnp.zeros((), jnp.int32)))
+
+    def abstract(self) -> dict[str, Any]:
+        """ShapeDtypeStructs (with their shardings) of the weights, what a restore reads."""
+        def spec(var, shard):
+            value = var.get_value()
+            return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=shard)
+
+        tree = {"params": {n: spec(self.codec.variables[n], self.shardings["params"][n]) for n in self.codec.names}}
+        if self.bias_codec.names:
+            tree["moe_bias"] = {n: spec(self.bias_codec.variables[n], self.shardings["moe_bias"][n])
+                                for n in self.bias_codec.names}
+        return tree
+
+
+def dequantized(value):
+    """A parameter as the model uses it: int8 weights (trainer.serve.quant) come back to float."""
+    from trainer.serve.quant import Int8Weight
+
+    return value.dequantize() if isinstance(value, Int8Weight) else value
+
+
+def build_serving_model(cfg: Config, mesh: Mesh) -> ServingModel:
+    cfg = serving_config(cfg)
+
+    def make_model():
+        with nnx.use_eager_sharding(False):
+            return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
+
+    graphdef, params, biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
+    codec, bias_codec = ParamCodec(params), ParamCodec(biases)
+    rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
+    specs = sharding.param_specs(codec.variables, mesh, cfg.train.fsdp)
+    shardings = {"params": {n: NamedSharding(mesh, specs[n]) for n in codec.names},
+                 "moe_bias": {n: sharding.replicated(mesh) for n in bias_codec.names}}
+    return ServingModel(cfg, mesh, graphdef, codec, bias_codec, rest, shardings)
+
+
+def init_weights(model: ServingModel) -> dict[str, Any]:
+    """Fresh weights (tests and benchmarks without a checkpoint), laid out on the mesh."""
+    cfg = model.cfg
+
+    def init():
+        with nnx.use_eager_sharding(False):
+            m = Transformer(cfg, mesh=model.mesh, rngs=nnx.Rngs(cfg.train.seed))
+        _, params, biases, _ = nnx.split(m, nnx.Param, ExpertBias, ...)
+        out = {"params": model.codec.flatten(params)}
+        if model.bias_codec.names:
+            out["moe_bias"] = model.bias_codec.flatten(biases)
+        return out
+
+    out_shardings = {k: v for k, v in model.shardings.items() if k == "params" or model.bias_codec.names}
+    return jax.jit(init, out_shardings=out_shardings)()
+
+
+def restore_weights(model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
+    """(the latest checkpoint's parameters and biases, its step), read straight onto the mesh; the
+    optimizer state in the checkpoint is not read. Raises WeightsError naming what is wrong."""
+    import orbax.checkpoint as ocp
+
+    from trainer.checkpoint import _reason
+
+    with _quiet_absl():
+        return _restore(ocp, _reason, model, checkpoints)
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Orbax logs a warning for each item and option a read-only restore leaves alone; they say nothing
+    to whoever serves."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
+    try:
+        manager = ocp.CheckpointManager(checkpoints, item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+                                        options=ocp.CheckpointManagerOptions(read_only=True))
+    except Exception as e:  # noqa: BLE001 - a file-system error: one message naming the path
+        raise WeightsError(f"--checkpoint: cannot read {checkpoints}: {_reason(e)}") from None
+    try:
+        step = manager.latest_step()
+        if step is None:
+            raise WeightsError(f"--checkpoint: {checkpoints} holds no checkpoint")
+        target = model.abstract()
+        _check_shapes(manager, step, target, checkpoints)
+        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+        except Exception as e:  # noqa: BLE001 - tensorstore and file errors alike
+            raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: {_reason(e)}") from None
+        return {k: dict(restored[k]) for k in target}, step
+    finally:
+        manager.close()
+
+
+def _check_shapes(manager, step: int, target: dict, checkpoints: str) -> None:
+    """Compares the saved arrays' shapes with the config's before reading: another model's checkpoint
+    fails here with the array's name rather than deep in tensorstore."""
+    saved = manager.item_metadata(step)["state"]
+    for group, arrays in target.items():
+        held = saved.get(group) if hasattr(saved, "get") else None
+        if held is None:
+            raise WeightsError(f"--checkpoint: step {step} in {checkpoints} has no '{group}' (is it a moe-tpu "
+                               "training checkpoint of this config?)")
+        for name, want in arrays.items():
+            meta = held.get(name)
+            if meta is None or tuple(meta.shape) != tuple(want.shape):
+                got = "nothing" if meta is None else f"shape {list(meta.shape)}"
+                raise WeightsError(f"--checkpoint: step {step} in {checkpoints} holds {got} for {group}.{name}; "
+                                   f"the run's config needs {list(want.shape)}")
