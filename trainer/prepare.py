@@ -16,6 +16,8 @@ Exit codes: 0 written; 2 a usage or input error (the file or key named); 1 any o
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -28,15 +30,24 @@ from collections.abc import Iterator
 
 import click
 
-from trainer.status import EXIT_USAGE
+from trainer.status import EXIT_FAILED, EXIT_USAGE
 
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+MANIFEST = "manifest.json"
 BATCH_DOCUMENTS = 512  # documents per encode_batch call
+PIECE_CHARS = 1 << 16  # the longest text tokenized at once (see Corpus)
+BATCH_CHARS = 1 << 20  # characters per encode_batch call, at most (about)
 
 
 class PrepareError(click.UsageError):
     exit_code = EXIT_USAGE
+
+
+class PrepareFailure(click.ClickException):
+    """A runtime failure (a full disk, an I/O error): exit 1, with nothing half-written left behind."""
+
+    exit_code = EXIT_FAILED
 
 
 # ----------------------------------------------------------------------------- reading the corpus
@@ -52,40 +63,123 @@ def input_files(patterns: tuple[str, ...]) -> list[str]:
     return files
 
 
-def documents(files: list[str], *, text_key: str, lines: bool) -> Iterator[str]:
-    """Every document of every input file, in order; the format comes from the file's suffix."""
-    for path in files:
-        if path.endswith((".jsonl", ".json")):
-            yield from _jsonl(path, text_key)
-        elif path.endswith(".parquet"):
-            yield from _parquet(path, text_key)
-        else:
+class Corpus:
+    """Every document of the input files, in order, each as a list of pieces of at most PIECE_CHARS
+    characters; the format comes from each file's suffix.
+
+    A tokenizer's work and memory grow with its longest pre-token (a run of letters, digits or spaces):
+    one 50 MB line without a space would take gigabytes. So a long document is cut into pieces that are
+    tokenized one by one: at a space or line break where there is one (which leaves a byte-level BPE's
+    tokens as they were), else hard every PIECE_CHARS characters; `hard_cuts` counts the latter.
+    """
+
+    def __init__(self, files: list[str], *, text_key: str, lines: bool):
+        self.files, self.text_key, self.lines = files, text_key, lines
+        self.hard_cuts = 0
+
+    def __iter__(self) -> Iterator[list[str]]:
+        for document in self._documents():
+            yield [piece for piece, _ in document]
+
+    def texts(self) -> Iterator[str]:
+        """The pieces a tokenizer is trained on: every one but those after a hard cut (a run of letters
+        megabytes long is as many distinct words, which the BPE trainer would keep in memory, all of them)."""
+        return (piece for document in self._documents() for piece, after_hard_cut in document if not after_hard_cut)
+
+    def _documents(self) -> Iterator[list[tuple[str, bool]]]:
+        for path in self.files:
+            if path.endswith((".jsonl", ".json")):
+                texts = _jsonl(path, self.text_key)
+            elif path.endswith(".parquet"):
+                texts = _parquet(path, self.text_key)
+            else:
+                texts = _text(path, self.lines)
+            for text in texts:
+                yield self._pieces(text)
+
+    def _pieces(self, text: str) -> list[tuple[str, bool]]:
+        """(piece, whether it follows a hard cut) of the text, in order."""
+        if len(text) <= PIECE_CHARS:
+            return [(text, False)]
+        pieces, start, hard = [], 0, False
+        while len(text) - start > PIECE_CHARS:
+            end = start + PIECE_CHARS
+            cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+            pieces.append((text[start:cut if cut > start else end], hard))
+            hard = cut <= start
+            self.hard_cuts += hard
+            start = end if hard else cut
+        pieces.append((text[start:], hard))
+        return pieces
+
+
+def _text(path: str, lines: bool) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            if lines:
+                yield from (line.rstrip("\n") for line in f if line.strip())
+            else:
+                yield f.read()
+    except UnicodeDecodeError:
+        raise PrepareError(_not_utf8(path)) from None
+    except OSError as e:
+        raise PrepareError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _not_utf8(path: str) -> str:
+    """Where the file's first byte that is not UTF-8 is, by line and column (a second pass, on failure only)."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
             try:
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    if lines:
-                        yield from (line.rstrip("\n") for line in f if line.strip())
-                    else:
-                        yield f.read()
-            except OSError as e:
-                raise PrepareError(f"cannot read {path}: {e.strerror}") from None
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"{path} line {number} is not UTF-8 text: byte 0x{line[e.start]:02x} at column {e.start + 1} "
+                        "(convert the file to UTF-8, e.g. with iconv)")
+    return f"{path} is not UTF-8 text (convert it to UTF-8, e.g. with iconv)"
 
 
 def _jsonl(path: str, text_key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise PrepareError(f"{path} line {number} is not JSON: {e}") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                raise PrepareError(f"{path} line {number} has no text field '{text_key}' (set --text-key)")
-            yield record[text_key]
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    yield _json_text(path, number, line, text_key)
+    except UnicodeDecodeError:
+        raise PrepareError(_not_utf8(path)) from None
+    except OSError as e:
+        raise PrepareError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _json_text(path: str, number: int, line: str, text_key: str) -> str:
+    where = f"{path} line {number}"
+    try:
+        record = json.loads(line)
+    except RecursionError:
+        raise PrepareError(f"{where} nests too deep to read (lists or objects inside each other); "
+                           "each line must be one object with a text field") from None
+    except ValueError as e:
+        raise PrepareError(f"{where} is not JSON: {e}") from None
+    if not isinstance(record, dict) or text_key not in record:
+        raise PrepareError(f"{where} has no text field '{text_key}' (set --text-key)")
+    text = record[text_key]
+    if not isinstance(text, str):
+        raise PrepareError(f"{where}: the field '{text_key}' holds {_json_kind(text)}, not text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PrepareError(f"{where}: the field '{text_key}' holds an unpaired surrogate "
+                           f"(\\u{ord(text[e.start]):04x}), which is not text") from None
+    return text
+
+
+def _json_kind(value) -> str:
+    return {bool: "true or false", int: "a number", float: "a number", list: "a list", dict: "an object",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _parquet(path: str, text_key: str) -> Iterator[str]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise PrepareError("Parquet input needs pyarrow (pip install 'moe-tpu[data]')") from None
@@ -96,8 +190,16 @@ def _parquet(path: str, text_key: str) -> Iterator[str]:
     if text_key not in file.schema_arrow.names:
         raise PrepareError(f"{path} has no column '{text_key}' (columns: {', '.join(file.schema_arrow.names)}; "
                            "set --text-key)")
-    for batch in file.iter_batches(columns=[text_key], batch_size=BATCH_DOCUMENTS):
-        yield from (text for text in batch.column(0).to_pylist() if text is not None)
+    kind = file.schema_arrow.field(text_key).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise PrepareError(f"{path}: the column '{text_key}' holds {kind}, not text (set --text-key)")
+    row = 0
+    try:
+        for batch in file.iter_batches(columns=[text_key], batch_size=BATCH_DOCUMENTS):
+            yield from (text for text in batch.column(0).to_pylist() if text is not None)
+            row += batch.num_rows
+    except (OSError, pa.ArrowException) as e:
+        raise PrepareError(f"cannot read {path} as Parquet after row {row}: {str(e).splitlines()[0]}") from None
 
 
 # ----------------------------------------------------------------------------- the tokenizer
@@ -142,7 +244,7 @@ class ShardWriter:
         self.shards: list[dict] = []
         self._writer = None
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids) -> None:
         import numpy as np
         from array_record.python import array_record_module
 
@@ -151,21 +253,106 @@ class ShardWriter:
             name = f"train-{len(self.shards):05d}.array_record"
             self._writer = array_record_module.ArrayRecordWriter(os.path.join(self.directory, name), "group_size:1")
             self.shards.append({"file": name, "documents": 0, "tokens": 0})
-        self._writer.write(np.asarray(ids, self.dtype).tobytes())
+        try:
+            self._writer.write(np.asarray(ids, self.dtype).tobytes())
+        except RuntimeError as e:
+            raise _os_error(e) from None
         self.shards[-1]["documents"] += 1
         self.shards[-1]["tokens"] += len(ids)
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except RuntimeError as e:
+                raise _os_error(e) from None
+
+
+def _os_error(error: Exception) -> OSError:
+    """ArrayRecord's and tokenizers' I/O failures are RuntimeErrors and Exceptions carrying the system's
+    message: back to an OSError with its errno, so that a full disk is told apart from other failures."""
+    text = str(error)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS):
+        if os.strerror(code) in text:
+            return OSError(code, os.strerror(code))
+    return OSError(errno.EIO, text.splitlines()[0] if text else type(error).__name__)
+
+
+class OutputDir:
+    """The local dataset directory, held by one `data prepare` at a time (an flock on the directory) and
+    written whole or not at all: every file goes to a `.partial-*` directory inside it first and is moved
+    in when all are written, the manifest last, so no reader ever sees a manifest before its shards."""
+
+    def __init__(self, output: str):
+        if not output.strip():
+            raise PrepareError("--output is empty: name the dataset directory")
+        self.output, self.path = output, os.path.abspath(output)
+        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+            what = "a link to nothing" if not os.path.exists(self.path) else "a file"
+            raise PrepareError(f"--output {output} is {what}, not a directory")
+        self.created = not os.path.exists(self.path)
+        self._fd: int | None = None
+        self.partial: str | None = None
+
+    def __enter__(self) -> OutputDir:
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise _write_error(e, f"cannot create the output directory {self.output}") from None
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise PrepareError(f"--output {self.output} is not writable (permission denied)")
+        self._lock()
+        if os.path.lexists(os.path.join(self.path, "manifest.json")):
+            raise PrepareError(f"{self.output} already holds a dataset (manifest.json); choose another --output")
+        for stale in glob.glob(os.path.join(self.path, ".partial-*")):  # a killed prepare's: we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            self.partial = tempfile.mkdtemp(prefix=".partial-", dir=self.path)
+        except OSError as e:
+            raise _write_error(e, f"cannot write in {self.output}") from None
+        return self
+
+    def _lock(self) -> None:
+        import fcntl
+
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PrepareError(f"another `data prepare` is writing to {self.output}; wait for it to finish, or "
+                               "choose another --output") from None
+
+    def publish(self, names: list[str]) -> None:
+        """Moves the finished files in (a rename each, never following a link that is there), the manifest last."""
+        for name in sorted(names, key=lambda n: n == MANIFEST):
+            os.replace(os.path.join(self.partial, name), os.path.join(self.path, name))
+
+    def __exit__(self, *exc) -> None:
+        if self.partial is not None:
+            shutil.rmtree(self.partial, ignore_errors=True)
+        if exc[0] is not None and self.created:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path)  # only if empty: what we created and left nothing in
+        if self._fd is not None:
+            os.close(self._fd)
+
+
+def _write_error(error: OSError, what: str) -> click.ClickException:
+    """A full disk is a runtime failure (exit 1); a path that cannot be written is the user's to fix (exit 2)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return PrepareFailure(f"{what}: {os.strerror(error.errno)}; nothing was written (free some space, or "
+                              "choose another --output)")
+    hint = " (a part of the path is a file)" if error.errno == errno.ENOTDIR else ""
+    return PrepareError(f"{what}: {error.strerror or error}{hint}")
 
 
 def _upload(local: str, remote: str) -> None:
+    """Every file of `local` to `remote`, the manifest last (a reader that finds it finds the rest)."""
     import fsspec
 
     fs, target = fsspec.core.url_to_fs(remote)
-    for name in sorted(os.listdir(local)):
+    for name in sorted(os.listdir(local), key=lambda n: (n == MANIFEST, n)):
         fs.put_file(os.path.join(local, name), f"{target.rstrip('/')}/{name}")
 
 
@@ -173,74 +360,123 @@ def prepare(inputs: tuple[str, ...], output: str, *, tokenizer_path: str | None,
             text_key: str = "text", lines: bool = False, documents_per_shard: int = 100_000,
             eod_token: str = EOD_TOKEN, progress: bool = True, say=print) -> dict:
     """Tokenizes the corpus into `output`; returns the manifest."""
+    files = input_files(inputs)
+    corpus = Corpus(files, text_key=text_key, lines=lines)
+    remote = "://" in output
+    target = contextlib.nullcontext() if remote else OutputDir(output)
+    with target:
+        tokenizer, trained = _tokenizer(corpus, tokenizer_path, vocab_size, say)
+        local = tempfile.mkdtemp(prefix="moe-tpu-prepare-") if remote else target.partial
+        try:
+            started = time.perf_counter()
+            manifest = _write(corpus, tokenizer, trained, local, eod_token, documents_per_shard, progress)
+            if remote:
+                _upload(local, output)
+            else:
+                target.publish(os.listdir(local))
+        except OSError as e:
+            raise _write_error(e, f"cannot write the dataset to {output}") from None
+        finally:
+            if remote:
+                shutil.rmtree(local, ignore_errors=True)
+    seconds = max(time.perf_counter() - started, 1e-9)
+    tokens = manifest["tokens"]
+    say(f"wrote {manifest['documents']:,} documents, {tokens:,} tokens in {len(manifest['shards'])} shard(s) to "
+        f"{output} in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s)")
+    if corpus.hard_cuts:
+        say(f"note: {corpus.hard_cuts:,} run(s) of {PIECE_CHARS:,} characters without a space or line break were "
+            f"cut there and tokenized as separate pieces (a tokenizer's memory grows with its longest word)")
+    return manifest
+
+
+def _tokenizer(corpus: Corpus, tokenizer_path: str | None, vocab_size: int, say):
+    if tokenizer_path:
+        return load_tokenizer(tokenizer_path), False
+    started = time.perf_counter()
+    tokenizer = train_bpe(corpus.texts(), vocab_size)
+    say(f"trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens in {time.perf_counter() - started:.1f}s")
+    return tokenizer, True
+
+
+def _write(corpus: Corpus, tokenizer, trained: bool, local: str, eod_token: str, per_shard: int,
+           progress: bool) -> dict:
+    """Shards, the tokenizer and the manifest into the directory `local`; returns the manifest."""
     import numpy as np
 
-    files = input_files(inputs)
-    if tokenizer_path:
-        tokenizer, trained = load_tokenizer(tokenizer_path), False
-    else:
-        started = time.perf_counter()
-        tokenizer, trained = train_bpe(documents(files, text_key=text_key, lines=lines), vocab_size), True
-        say(f"trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens in "
-            f"{time.perf_counter() - started:.1f}s")
     eod_id = tokenizer.token_to_id(eod_token)
     if eod_id is None:
         raise PrepareError(f"the tokenizer has no end-of-document token '{eod_token}' (set --eod-token)")
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    remote = "://" in output
-    local = tempfile.mkdtemp(prefix="moe-tpu-prepare-") if remote else os.path.abspath(output)
-    if not remote:
-        if os.path.exists(os.path.join(local, "manifest.json")):
-            raise PrepareError(f"{output} already holds a dataset (manifest.json); choose another --output")
-        os.makedirs(local, exist_ok=True)
-    writer = ShardWriter(local, dtype, documents_per_shard)
-    total_bytes = sum(os.path.getsize(f) for f in files)
-    tokens = count = max_id = 0
-    started = time.perf_counter()
+    writer = ShardWriter(local, dtype, per_shard)
+    corpus.hard_cuts = 0
     try:
-        with _Progress(total_bytes, enabled=progress) as bar:
-            batch: list[str] = []
-            for text in documents(files, text_key=text_key, lines=lines):
-                batch.append(text)
-                if len(batch) == BATCH_DOCUMENTS:
-                    tokens, count, max_id = _encode(tokenizer, batch, writer, tokens, count, max_id, bar)
-                    batch = []
-            if batch:
-                tokens, count, max_id = _encode(tokenizer, batch, writer, tokens, count, max_id, bar)
-        writer.close()
-        if count == 0:
-            raise PrepareError(f"the inputs hold no documents: {', '.join(inputs)}")
-        tokenizer.save(os.path.join(local, TOKENIZER_FILE))
-        manifest = {"format": "moe-tpu-dataset", "version": 1, "vocab_size": vocab, "eod_id": eod_id,
-                    "eod_token": eod_token, "token_dtype": np.dtype(dtype).name, "documents": count,
-                    "tokens": tokens, "max_token_id": max_id,
-                    "tokenizer": {"file": TOKENIZER_FILE, "fingerprint": fingerprint(tokenizer), "trained": trained},
-                    "shards": writer.shards, "inputs": files}
-        with open(os.path.join(local, "manifest.json"), "w") as f:
-            json.dump(manifest, f, indent=1)
-        if remote:
-            _upload(local, output)
+        with _Progress(sum(os.path.getsize(f) for f in corpus.files), enabled=progress) as bar:
+            encoder = _Encoder(tokenizer, writer, bar)
+            for document in corpus:
+                encoder.add(document)
+            encoder.flush()
     finally:
         writer.close()
-        if remote:
-            shutil.rmtree(local, ignore_errors=True)
-    seconds = max(time.perf_counter() - started, 1e-9)
-    say(f"wrote {count:,} documents, {tokens:,} tokens in {len(writer.shards)} shard(s) to {output} in "
-        f"{seconds:.1f}s ({tokens / seconds:,.0f} tokens/s)")
+    if encoder.count == 0:
+        raise PrepareError(f"the inputs hold no documents: {', '.join(corpus.files)}")
+    try:
+        tokenizer.save(os.path.join(local, TOKENIZER_FILE))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception for I/O errors
+        raise _os_error(e) from None
+    manifest = {"format": "moe-tpu-dataset", "version": 1, "vocab_size": vocab, "eod_id": eod_id,
+                "eod_token": eod_token, "token_dtype": np.dtype(dtype).name, "documents": encoder.count,
+                "tokens": encoder.tokens, "max_token_id": encoder.max_id,
+                "tokenizer": {"file": TOKENIZER_FILE, "fingerprint": fingerprint(tokenizer), "trained": trained},
+                "shards": writer.shards, "inputs": corpus.files}
+    with open(os.path.join(local, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
     return manifest
 
 
-def _encode(tokenizer, batch, writer, tokens, count, max_id, bar):
-    for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
-        ids = encoding.ids
-        if ids:
-            writer.add(ids)
-            tokens += len(ids)
-            count += 1
-            max_id = max(max_id, max(ids))
-    bar.advance(sum(len(t.encode("utf-8", errors="replace")) for t in batch), tokens)
-    return tokens, count, max_id
+class _Encoder:
+    """Documents to token ids in batches of BATCH_DOCUMENTS (or BATCH_CHARS characters), written in order; a
+    document of several pieces (see Corpus) is tokenized a few pieces at a time and written as one record."""
+
+    def __init__(self, tokenizer, writer: ShardWriter, bar):
+        self.tokenizer, self.writer, self.bar = tokenizer, writer, bar
+        self.batch: list[str] = []
+        self.batch_chars = self.tokens = self.count = self.max_id = 0
+
+    def add(self, document: list[str]) -> None:
+        if len(document) > 1:
+            self.flush()
+            self._write([self._ids(document[i:i + 4]) for i in range(0, len(document), 4)], document)
+            return
+        self.batch.append(document[0])
+        self.batch_chars += len(document[0])
+        if len(self.batch) >= BATCH_DOCUMENTS or self.batch_chars >= BATCH_CHARS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.batch:
+            for ids in self._ids(self.batch, concatenate=False):
+                self._write([ids], [])
+            self.bar.advance(sum(len(t.encode("utf-8")) for t in self.batch), self.tokens)
+            self.batch, self.batch_chars = [], 0
+
+    def _ids(self, texts: list[str], concatenate: bool = True):
+        import numpy as np
+
+        arrays = [np.asarray(e.ids, self.writer.dtype) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return np.concatenate(arrays) if concatenate else arrays
+
+    def _write(self, parts: list, pieces: list[str]) -> None:
+        import numpy as np
+
+        ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if len(ids):
+            self.writer.add(ids)
+            self.tokens += len(ids)
+            self.count += 1
+            self.max_id = max(self.max_id, int(ids.max()))
+        if pieces:
+            self.bar.advance(sum(len(t.encode("utf-8")) for t in pieces), self.tokens)
 
 
 class _Progress:
@@ -300,7 +536,15 @@ def prepare_command(inputs, output, tokenizer_path, vocab_size, text_key, lines,
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
-    prepare_command.main(args=args, prog_name=prog_name or "python -m trainer.prepare")
+    """The command, with Ctrl-C exiting 130 (what it left half-written is gone by then)."""
+    try:
+        prepare_command.main(args=args, prog_name=prog_name or "python -m trainer.prepare", standalone_mode=False)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("interrupted: nothing was written", err=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -77,20 +77,103 @@ def test_jsonl_text_and_parquet_in_shards_and_a_manifest_out(tmp_path):
     ("no inputs", "input '{tmp}/*.none' matches no files"),
     ("no text key", "{tmp}/docs.jsonl line 1 has no text field 'text'"),
     ("no end token", "the tokenizer has no end-of-document token '<eod>'"),
+    ("latin-1 text", "{tmp}/latin.txt line 2 is not UTF-8 text: byte 0xe9 at column 4"),
+    ("latin-1 JSON", "{tmp}/latin.jsonl line 1 is not UTF-8 text: byte 0xe9"),
+    ("JSON number", "{tmp}/number.jsonl line 2: the field 'text' holds a number, not text"),
+    ("deep JSON", "{tmp}/deep.jsonl line 1 nests too deep to read"),
+    ("Parquet ints", "{tmp}/ints.parquet: the column 'text' holds int64, not text"),
+    ("output is a file", "--output {tmp}/a.txt is a file, not a directory"),
+    ("output under a file", "cannot create the output directory {tmp}/a.txt/ds: Not a directory (a part of the "
+                            "path is a file)"),
+    ("output empty", "--output is empty"),
 ])
 def test_bad_input_exits_2_naming_the_file_or_key(tmp_path, case, needle):
     (tmp_path / "docs.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
     (tmp_path / "bad.json").write_text("{not a tokenizer")
     (tmp_path / "a.txt").write_text("some text here\n")
-    args = {"missing tokenizer": [tmp_path / "a.txt", "--tokenizer", tmp_path / "none.json"],
+    (tmp_path / "latin.txt").write_bytes(b"fine\ncaf\xe9\n")
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    (tmp_path / "number.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
+    (tmp_path / "deep.jsonl").write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    output = {"output is a file": tmp_path / "a.txt", "output under a file": tmp_path / "a.txt" / "ds",
+              "output empty": ""}.get(case, tmp_path / "out")
+    args = {"latin-1 text": [tmp_path / "latin.txt", "--lines"], "latin-1 JSON": [tmp_path / "latin.jsonl"],
+            "JSON number": [tmp_path / "number.jsonl"], "deep JSON": [tmp_path / "deep.jsonl"],
+            "Parquet ints": [tmp_path / "ints.parquet"], "output is a file": [tmp_path / "docs.jsonl"],
+            "output under a file": [tmp_path / "a.txt"], "output empty": [tmp_path / "a.txt"],
+            "missing tokenizer": [tmp_path / "a.txt", "--tokenizer", tmp_path / "none.json"],
             "corrupt tokenizer": [tmp_path / "a.txt", "--tokenizer", tmp_path / "bad.json"],
             "no inputs": [f"{tmp_path}/*.none"],
             "no text key": [tmp_path / "docs.jsonl"],
             "no end token": [tmp_path / "a.txt", "--eod-token", "<eod>", "--vocab-size", "260"]}[case]
-    result = prepare([*args, "-o", tmp_path / "out"])
+    result = prepare([*args, "-o", output])
     assert result.exit_code == 2, result.output
     assert needle.format(tmp=tmp_path) in result.output
     assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()  # nothing half-written: the directory it made is gone again
+    assert (tmp_path / "a.txt").read_text() == "some text here\n"
+
+
+def test_a_second_prepare_into_a_directory_in_use_refuses_and_files_move_in_whole(tmp_path):
+    from trainer.prepare import OutputDir
+
+    (tmp_path / "a.txt").write_text("one line\nanother line\n")
+    out = tmp_path / "ds"
+    with OutputDir(str(out)):  # a prepare at work there (the lock is the directory's flock)
+        busy = prepare([tmp_path / "a.txt", "--lines", "-o", out, "--vocab-size", "260"])
+    assert busy.exit_code == 2 and f"another `data prepare` is writing to {out}" in busy.output
+    # A link where the tokenizer goes, to a file of the user's: replaced, never written through.
+    (tmp_path / "mine.json").write_text("my own file")
+    (out / "tokenizer.json").symlink_to(tmp_path / "mine.json")
+    done = prepare([tmp_path / "a.txt", "--lines", "-o", out, "--vocab-size", "260"])
+    assert done.exit_code == 0, done.output
+    assert (tmp_path / "mine.json").read_text() == "my own file" and not (out / "tokenizer.json").is_symlink()
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "tokenizer.json", "train-00000.array_record"]
+    again = prepare([tmp_path / "a.txt", "--lines", "-o", out, "--vocab-size", "260"])
+    assert again.exit_code == 2 and "already holds a dataset" in again.output
+
+
+FILE_SIZE_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG) like on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+from trainer.prepare import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_disk_that_fills_up_is_a_runtime_error_that_leaves_nothing_half_written(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "a.txt").write_text("".join(f"line {i} of some text\n" for i in range(8000)))
+    for out in (tmp_path / "new", tmp_path / "existing"):
+        (tmp_path / "existing").mkdir(exist_ok=True)
+        run = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, str(tmp_path / "a.txt"), "--lines", "-o",
+                              str(out), "-q", "--vocab-size", "260"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1, run.stderr
+        assert f"cannot write the dataset to {out}: File too large; nothing was written" in run.stderr
+        assert "Traceback" not in run.stderr
+    assert not (tmp_path / "new").exists() and list((tmp_path / "existing").iterdir()) == []
+
+
+def test_a_line_megabytes_long_without_a_space_is_cut_and_said_so_and_decodes_back(tmp_path):
+    from trainer.prepare import PIECE_CHARS
+
+    rng = random.Random(0)
+    run = "".join(rng.choice("abcdefgh") for _ in range(3 * PIECE_CHARS + 5))
+    texts = ["a short line", "words " * 30_000 + run, "the end"]
+    (tmp_path / "a.txt").write_text("\n".join(texts) + "\n")
+    result = prepare([tmp_path / "a.txt", "--lines", "-o", tmp_path / "ds", "--vocab-size", "300"])
+    assert result.exit_code == 0, result.output
+    assert f"note: 3 run(s) of {PIECE_CHARS:,} characters without a space or line break were cut" in result.output
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    tokenizer = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
+    assert [tokenizer.decode(d.tolist()) for d in read_documents(tmp_path / "ds", manifest)] == texts
 
 
 def unigram_entropy(docs, eod_id) -> float:
