@@ -345,6 +345,34 @@ def run_lock(state_dir, run: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def planned_steps(cfg, dry_run: bool) -> int | None:
+    """The step the run's trainer trains to: dry_run.steps, trainer.steps, or the trainer config's own."""
+    if dry_run:
+        return cfg.dry_run.steps
+    if cfg.trainer.steps is not None:
+        return cfg.trainer.steps
+    try:
+        from trainer.config import ConfigError, load_config
+    except ImportError:  # without the trainer's package the status file's own total decides
+        return None
+    try:
+        return load_config(cfg.trainer.config, [f for f in cfg.trainer.set_flags() if f != "--set"]).train.steps
+    except ConfigError:
+        return None
+
+
+def previous_finish(store, output_dir: str, cfg, *, dry_run: bool, restart: bool) -> tuple[dict | None, str | None]:
+    """The restart policy of `run`: (its status, None) when the run finished before and trains nothing
+    again; (None, where) when `restart` moved its finished output aside (a sibling directory, or
+    objects beside it in its bucket) so that the trainer starts from step 0; (None, None) otherwise."""
+    status = finished_status(store, output_dir, planned_steps(cfg, dry_run))
+    if status is None:
+        return None, None
+    if restart:
+        return None, store.move_aside(output_dir)
+    return status, None
+
+
 def finished_status(store, output_dir: str, steps: int | None) -> dict | None:
     """The trainer's status file (read by `store`, a provision.cloud.storage.Storage) when it says that
     the run finished every one of `steps` steps (None: its own total), else None: there is training to do."""
