@@ -18,8 +18,8 @@ from provision.cloud import storage
 from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
 from provision.targets.base import Report, Target
-from trainer.outputs import METRICS_FILE, STATUS_FILE, Phase
 from provision.waiting import PollPolicy, format_duration, poll
+from trainer.outputs import METRICS_FILE, STATUS_FILE, Phase
 
 # While a trainer runs, its reports are read this often (and more often at first).
 FOLLOW_POLICY = PollPolicy(initial_s=2.0, factor=1.5, cap_s=30.0, jitter=0.0)
