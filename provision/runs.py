@@ -279,7 +279,8 @@ class Runner:
                 self.timeline.add("training started", self.console, step=report.start_step or report.step)
             if (report.phase not in (*FOLLOW_ENDS, Phase.RUNNING)
                     and self.clock.now() - waited_since > START_TIMEOUT_S):
-                return Report(Phase.FAILED, detail=f"the trainer did not start within {format_duration(START_TIMEOUT_S)}")
+                return Report(Phase.FAILED,
+                              detail=f"the trainer did not start within {format_duration(START_TIMEOUT_S)}")
             return report
 
         with self.console.progress("  waiting for the trainer to start") as bar:
