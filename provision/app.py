@@ -29,8 +29,6 @@ def dry_run_commands(text: str) -> str:
 
 
 class App:
-    current: App | None = None
-
     def __init__(self, *, dry_run: bool = False, scenario: str = "happy", output: str = "text",
                  verbose: int = 0, templates_dir: str | None = None, workdir: Path | None = None) -> None:
         self.dry_run = dry_run
@@ -50,7 +48,6 @@ class App:
         self.workloads = None
         self.config = None  # the config this command loaded, once loaded
         self.used_cloud = False  # a cloud session was opened (an interrupt may have left resources)
-        App.current = self
 
     @property
     def state_dir(self) -> Path:
@@ -215,9 +212,9 @@ class App:
         doc["result"] = result
         return doc
 
-    @classmethod
-    def report_error(cls, exc: MoeTpuError) -> None:
-        app = cls.current
+    @staticmethod
+    def report_error(app: App | None, exc: MoeTpuError) -> None:
+        """A failure as its message (and in JSON mode one document); `app`: the command's, if it got one."""
         console = app.console if app else Console()
         if app is not None:
             app.close()
@@ -245,11 +242,10 @@ class App:
         except BaseException:  # noqa: BLE001 - interrupted again, or the cloud is gone: report what we know
             return []
 
-    @classmethod
-    def report_interrupt(cls) -> None:
+    @staticmethod
+    def report_interrupt(app: App | None) -> None:
         """Ctrl-C: keep the documented promises (the hint to run `down`; in JSON mode, one document
         with result "interrupted" and what exists)."""
-        app = cls.current
         console = app.console if app else Console()
         touched_cloud = app is not None and app.used_cloud
         hint = "run `moe-tpu down` to delete anything this run created" if touched_cloud else None
@@ -265,9 +261,8 @@ class App:
         console.error("interrupted" if touched_cloud else "aborted",
                       dry_run_commands(hint) if hint and app is not None and app.dry_run else hint)
 
-    @classmethod
-    def report_unexpected(cls, exc: BaseException) -> None:
-        app = cls.current
+    @staticmethod
+    def report_unexpected(app: App | None, exc: BaseException) -> None:
         console = app.console if app else Console()
         if app is not None:
             try:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
-from provision.errors import UsageError
 from provision.container import trainer_container
+from provision.errors import UsageError
 from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
 from provision.resources import resolve_project
 from provision.templates import render

@@ -18,8 +18,8 @@ from provision.cloud import storage
 from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
 from provision.targets.base import Report, Target
-from trainer.outputs import METRICS_FILE, STATUS_FILE, Phase
 from provision.waiting import PollPolicy, format_duration, poll
+from trainer.outputs import METRICS_FILE, STATUS_FILE, Phase
 
 # While a trainer runs, its reports are read this often (and more often at first).
 FOLLOW_POLICY = PollPolicy(initial_s=2.0, factor=1.5, cap_s=30.0, jitter=0.0)
@@ -279,7 +279,8 @@ class Runner:
                 self.timeline.add("training started", self.console, step=report.start_step or report.step)
             if (report.phase not in (*FOLLOW_ENDS, Phase.RUNNING)
                     and self.clock.now() - waited_since > START_TIMEOUT_S):
-                return Report(Phase.FAILED, detail=f"the trainer did not start within {format_duration(START_TIMEOUT_S)}")
+                return Report(Phase.FAILED,
+                              detail=f"the trainer did not start within {format_duration(START_TIMEOUT_S)}")
             return report
 
         with self.console.progress("  waiting for the trainer to start") as bar:
@@ -343,6 +344,34 @@ def run_lock(state_dir, run: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def planned_steps(cfg, dry_run: bool) -> int | None:
+    """The step the run's trainer trains to: dry_run.steps, trainer.steps, or the trainer config's own."""
+    if dry_run:
+        return cfg.dry_run.steps
+    if cfg.trainer.steps is not None:
+        return cfg.trainer.steps
+    try:
+        from trainer.config import ConfigError, load_config
+    except ImportError:  # without the trainer's package the status file's own total decides
+        return None
+    try:
+        return load_config(cfg.trainer.config, [f for f in cfg.trainer.set_flags() if f != "--set"]).train.steps
+    except ConfigError:
+        return None
+
+
+def previous_finish(store, output_dir: str, cfg, *, dry_run: bool, restart: bool) -> tuple[dict | None, str | None]:
+    """The restart policy of `run`: (its status, None) when the run finished before and trains nothing
+    again; (None, where) when `restart` moved its finished output aside (a sibling directory, or
+    objects beside it in its bucket) so that the trainer starts from step 0; (None, None) otherwise."""
+    status = finished_status(store, output_dir, planned_steps(cfg, dry_run))
+    if status is None:
+        return None, None
+    if restart:
+        return None, store.move_aside(output_dir)
+    return status, None
 
 
 def finished_status(store, output_dir: str, steps: int | None) -> dict | None:

@@ -58,6 +58,13 @@ SHORT_HELP = {
 }
 
 
+class Invocation:
+    """What `main` keeps of one command: its App, once the group made it (the errors after click
+    returns are reported through it)."""
+
+    app: App | None = None
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -102,8 +109,10 @@ Examples:
 def cli(ctx: click.Context, dry_run: bool, scenario: str, output: str, verbose: int,
         templates_dir: str | None) -> None:
     """moe-tpu: train Mixture-of-Experts models on Cloud TPU v5e from one config file."""
-    ctx.obj = App(dry_run=dry_run, scenario=scenario, output=output, verbose=verbose,
-                  templates_dir=templates_dir)
+    app = App(dry_run=dry_run, scenario=scenario, output=output, verbose=verbose, templates_dir=templates_dir)
+    if isinstance(ctx.obj, Invocation):
+        ctx.obj.app = app
+    ctx.obj = app
     ctx.call_on_close(ctx.obj.close)
     # The emulator's own commands take the scenario as is; every other command only in a dry run.
     scenario_given = ctx.get_parameter_source("scenario") not in (None, ParameterSource.DEFAULT)
@@ -133,10 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     # ERROR); every failure it logs also reaches us as an exception that the console reports with
     # a fix. Set before grpc is imported; a user's value (e.g. GRPC_VERBOSITY=debug) wins.
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    invocation = Invocation()
     try:
-        rv = cli.main(args=argv, prog_name="moe-tpu", standalone_mode=False)
+        rv = cli.main(args=argv, prog_name="moe-tpu", standalone_mode=False, obj=invocation)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        App.report_interrupt()
+        App.report_interrupt(invocation.app)
         sys.exit(130)
     except click.BadParameter as exc:
         _name_the_variable(exc, list(sys.argv[1:] if argv is None else argv))
@@ -146,16 +156,16 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except MoeTpuError as exc:
-        App.report_error(exc)
+        App.report_error(invocation.app, exc)
         sys.exit(exc.exit_code)
     except ModuleNotFoundError as exc:  # an extra that this install lacks
         missing = MissingDependency.of(exc)
         if missing is None:
-            App.report_unexpected(exc)
+            App.report_unexpected(invocation.app, exc)
             sys.exit(1)
-        App.report_error(missing)
+        App.report_error(invocation.app, missing)
         sys.exit(missing.exit_code)
     except Exception as exc:  # the last line of defence: a message, not a traceback
-        App.report_unexpected(exc)
+        App.report_unexpected(invocation.app, exc)
         sys.exit(1)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -80,43 +80,24 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
                                            "the trainer's output")
 
 
-def _planned_steps(app, cfg) -> int | None:
-    """The step the run's trainer trains to: dry_run.steps, trainer.steps, or the trainer config's own."""
-    if app.dry_run:
-        return cfg.dry_run.steps
-    if cfg.trainer.steps is not None:
-        return cfg.trainer.steps
-    try:
-        from trainer.config import ConfigError, load_config
-    except ImportError:  # without the trainer's package the status file's own total decides
-        return None
-    try:
-        return load_config(cfg.trainer.config, [f for f in cfg.trainer.set_flags() if f != "--set"]).train.steps
-    except ConfigError:
-        return None
-
-
 def _already_finished(app, cfg, restart: bool) -> bool:
-    """Whether the run finished before (said, with the JSON document, and nothing is created); with
-    --restart the finished output is moved aside (a sibling directory, or objects beside it in its
-    bucket) so that the trainer starts from step 0 in an empty output directory."""
+    """Whether the run finished before (said, with the JSON document, and nothing is created); the
+    policy is provision.runs.previous_finish's."""
     import datetime as dt
 
     from provision.cloud import storage
-    from provision.runs import Training, finished_status
+    from provision.runs import Training, previous_finish
 
     output_dir = app.trainer_output_dir(cfg)
     store = app.session().storage if output_dir.startswith("gs://") else storage.LOCAL
-    status = finished_status(store, output_dir, _planned_steps(app, cfg))
+    status, moved = previous_finish(store, output_dir, cfg, dry_run=app.dry_run, restart=restart)
+    if moved is not None:
+        app.console.info(f"--restart: moved the finished run's output to {moved}; training from step 0")
     if status is None:
         return False
     when = status.get("time")
     on = (" on " + dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
           if isinstance(when, (int, float)) else "")
-    if restart:
-        moved = store.move_aside(output_dir)
-        app.console.info(f"--restart: moved the finished run's output to {moved}; training from step 0")
-        return False
     flag = "--dry-run run --restart" if app.dry_run else "run --restart"
     app.console.text(f"run {cfg.run} already finished at step {status['step']}{on} ({output_dir}); "
                      f"nothing to train; `moe-tpu {flag}` trains it again from step 0")

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from provision.cloud import storage
-from provision.cloud.credentials import default_credentials
 from provision.cloud.api import RetryingApi, is_transient
+from provision.cloud.credentials import default_credentials
 from provision.errors import CloudError, UsageError
 from provision.waiting import PollPolicy, call_with_retry, poll
 

@@ -144,7 +144,12 @@ def stop_recorded(state_dir: Path, run: str) -> int | None:
 
 
 def local_argv(argv: list[str] | tuple[str, ...], cfg, output_dir: Path) -> list[str]:
-    """The container's trainer argv made small by the config's dry_run section, for this machine."""
+    """The container's argv for this machine: the trainer's made small by the config's dry_run section;
+    another of the image's commands (the server) as it is, on this interpreter."""
+    from provision.container import TRAINER_COMMAND
+
+    if tuple(argv[:len(TRAINER_COMMAND)]) != TRAINER_COMMAND:
+        return [sys.executable if arg == "python" and i == 0 else arg for i, arg in enumerate(argv)]
     small = cfg.dry_run
     replace = {"--config": small.trainer_config, "--output-dir": str(output_dir), "--steps": str(small.steps),
                "--devices": str(small.devices), "--mesh": small.mesh}

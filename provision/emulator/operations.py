@@ -21,15 +21,25 @@ from provision.errors import MoeTpuError
 SERVICE = "google.longrunning.Operations"
 
 
-def view(op: Operation, now: float) -> operations_pb2.Operation:
-    """The operation as google.longrunning.Operation at `now`, as its service shows it."""
-    if op.service == "vertex":
-        from provision.emulator import vertex
-
-        return vertex.operation_view(op, now)
+def _tpu_view(op: Operation, now: float) -> operations_pb2.Operation:
     from provision.emulator import tpu
 
     return tpu.operation_view(op, now)
+
+
+def _vertex_view(op: Operation, now: float) -> operations_pb2.Operation:
+    from provision.emulator import vertex
+
+    return vertex.operation_view(op, now)
+
+
+# world.Operation.service -> how that service shows its operations (world.OPERATION_SERVICES).
+VIEWS: dict[str, Callable[[Operation, float], operations_pb2.Operation]] = {"tpu": _tpu_view, "vertex": _vertex_view}
+
+
+def view(op: Operation, now: float) -> operations_pb2.Operation:
+    """The operation as google.longrunning.Operation at `now`, as its service shows it."""
+    return VIEWS[op.service](op, now)
 
 
 # --- the Operations service ------------------------------------------------------------

@@ -55,5 +55,5 @@ def for_config(context, *, output_dir: str | None = None) -> Target:
     return kind_of(context.config).target(context, output_dir=output_dir)
 
 
-__all__ = ["ENDED", "KINDS", "Kind", "Placement", "Report", "Scope", "ServiceReport", "ServiceTarget", "Target", "combine", "for_config", "kind_of",
-           "by_group", "report_from_status", "require"]
+__all__ = ["ENDED", "KINDS", "Kind", "Placement", "Report", "Scope", "ServiceReport", "ServiceTarget", "Target",
+           "by_group", "combine", "for_config", "kind_of", "report_from_status", "require"]

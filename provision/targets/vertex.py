@@ -142,9 +142,9 @@ class VertexKind(Kind):
         return [job_submit(context)]
 
     def status(self, context) -> list[Resource]:
-        cfg, session = context.config, context.session
         from provision.jobs import managed_jobs
 
+        cfg, session = context.config, context.session
         return managed_jobs(session, project_of(cfg, session), cfg.region, run=cfg.run)
 
     def managed(self, session, scope: Scope) -> list[Resource]:

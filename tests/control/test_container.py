@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,12 @@ def test_the_two_commands_of_the_image():
     assert server.args[:2] == ("--checkpoint", cfg.trainer.output_dir)
     assert server.env["AIP_HTTP_PORT"] == str(container.SERVER_PORT)
     assert trainer.with_env(EXTRA="1").env == {"MOE_TPU_RUN": cfg.run, "EXTRA": "1"} and "EXTRA" not in trainer.env
+
+
+def test_the_dry_run_makes_the_trainer_small_and_runs_the_server_as_it_is(tmp_path):
+    cfg = load_config(ROOT / "examples" / "vertex.yaml")
+    trainer = local_argv(container.trainer_container(cfg, IMAGE).argv, cfg, tmp_path)
+    assert trainer[0] == sys.executable and trainer[trainer.index("--config") + 1] == cfg.dry_run.trainer_config
+    assert trainer[trainer.index("--output-dir") + 1] == str(tmp_path)
+    server = container.server_container(cfg, IMAGE).argv
+    assert local_argv(server, cfg, tmp_path) == [sys.executable, *server[1:]]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_helpers import invoke
+from cli_helpers import ROOT, invoke
 from pydantic import BaseModel, ConfigDict, Field
 
 from provision import catalogue
@@ -255,3 +255,13 @@ def test_a_kind_that_serves_nothing_says_so(toy_config):
     context = _context(toy_config)
     with pytest.raises(UsageError, match="runs training jobs only"):
         KINDS["tpu-vm"].service(context)
+
+
+@pytest.mark.parametrize("example, made", [("v5e-64.yaml", [("queued_resource", "ACTIVE"), ("node", "READY")]),
+                                           ("vertex.yaml", [("custom_job", "JOB_STATE_QUEUED")])])
+def test_the_generic_commands_on_the_kinds_that_exist(workdir, example, made):
+    config = str(ROOT / "examples" / example)
+    for command in ("up", "status"):
+        assert [(r["kind"], r["state"]) for r in _json(command, "-c", config)["resources"]] == made
+    assert len(_json("down", "-c", config)["deleted"]) == 1
+    assert _json("status", "-c", config)["resources"] == []
