@@ -250,3 +250,9 @@ def test_the_compiled_step_exchanges_over_expert_and_reduces_over_model():
     # The gates' gradient and the gradient norm's partial sums (scalars) ride along: under 1% here.
     assert 6 * activation <= sum(over_model) <= 1.01 * 6 * activation, over_model
     assert not [a for kind, a, _ in found if kind == "all-reduce" and "model" in a and len(a) > 1], found
+    # The planner's figure (provision/planner/estimates.py) within 10% of what the compiled step reduces.
+    from provision import planner
+
+    cfg = trainer("tiny", "capacity", "expert=2,model=4").cfg
+    figure = planner.tensor_parallel_bytes(cfg, planner.chip_layout(cfg, planner.Mesh(1, 2, model=4)))
+    assert abs(figure - sum(over_model)) <= 0.1 * sum(over_model), (figure, over_model)
