@@ -14,7 +14,6 @@ import os
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -25,7 +24,8 @@ from trainer.cli import train_command
 from trainer.config import load_config
 from trainer.meshspec import MESH_AXES
 from trainer.metrics import Reporter
-from trainer.train import RunSpec, build_trainer, run
+from trainer.params import param_inventory
+from trainer.train import RunSpec, build_trainer, compile_step, run
 
 pytestmark = pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
 
@@ -217,12 +217,19 @@ def axes_of(groups: frozenset, shape: dict[str, int]) -> tuple[str, ...]:
     raise AssertionError(f"groups {sorted(map(sorted, groups))} span no set of mesh axes")
 
 
+_compiled = {}
+
+
+def compiled(tr):
+    """The trainer's step compiled once per module (a Trainer is no dict key: keyed by identity)."""
+    if id(tr) not in _compiled:
+        _compiled[id(tr)] = compile_step(tr)
+    return _compiled[id(tr)]
+
+
 def step_collectives(tr) -> list[tuple[str, tuple[str, ...], int]]:
     """(kind, mesh axes, bytes per device) of each collective in the compiled training step."""
-    cfg = tr.cfg
-    batch = jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len + 1), jnp.int32,
-                                 sharding=tr.batch_sharding)
-    hlo = tr.step_fn.lower(tr.abstract_state, batch).compile().as_text()
+    hlo = compiled(tr).as_text()
     shape = {a: dict(tr.mesh.shape).get(a, 1) for a in MESH_AXES}
     found = []
     for line in hlo.splitlines():
@@ -260,3 +267,18 @@ def test_the_compiled_step_exchanges_over_expert_and_reduces_over_model():
     cfg = trainer("tiny", "capacity", "expert=2,model=4").cfg
     figure = planner.tensor_parallel_bytes(cfg, planner.chip_layout(cfg, planner.Mesh(1, 2, model=4)))
     assert abs(figure - sum(over_model)) <= 0.1 * sum(over_model), (figure, over_model)
+
+
+def test_the_planners_memory_per_chip_is_within_25_percent_of_xlas():
+    """tiny (one MoE layer, capacity) on expert=2,model=4: the planner's memory per chip against XLA's
+    analysis of the compiled step (arguments + outputs - donated + temporaries). For tiny's two layers
+    the estimate measured 1.19x XLA's on expert=2,model=4 and 1.10x on data=4,expert=2."""
+    from provision import catalogue, planner
+
+    tr = trainer("tiny", "capacity", "expert=2,model=4")
+    stats = compiled(tr).memory_analysis()
+    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes)
+    estimate = planner.memory_per_chip(param_inventory(tr.cfg), tr.cfg, planner.Mesh(1, 2, model=4),
+                                       catalogue.accelerator("v5litepod-8")).total
+    assert abs(estimate - peak) <= 0.25 * peak, (estimate, peak)
