@@ -3,9 +3,14 @@
     python benchmarks/moe_layer.py --json                 # 8 fake CPU devices
     python benchmarks/moe_layer.py --json --accelerator   # the GPU/TPU devices jax finds
     python benchmarks/moe_layer.py --case 0 --token-scale 4   # E=16 with 1024 tokens per device
+    python benchmarks/moe_layer.py --json --mesh expert=2,model=4   # each expert split 4 ways
 
 Runs on 8 fake CPU devices (mesh expert=8) unless XLA_FLAGS already says otherwise, or with
---accelerator on every device of the default backend (mesh expert=<device count>).
+--accelerator on every device of the default backend (mesh expert=<device count>). --mesh takes
+the trainer's mesh text: with a `model` axis (tensor parallelism) each expert's hidden dimension
+is split over it, tokens over data x expert, and the ideal is the same batched einsums on each
+device's hidden slice (the capacity-mode shapes of its token shard), with nothing around them: no
+all-reduce of the partial sums, no routing, which every device of a group repeats.
 For every case and mode it prints one JSON object per line with moe_ms (median
 fwd+bwd of the expert-parallel block), ideal_ms (the same expert matmuls as plain
 batched einsums of the capacity-mode shapes, sharded over the same devices),
@@ -52,6 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
+from trainer.meshspec import MESH_AXES, parse_mesh  # noqa: E402
 from trainer.moe import core, exchange  # noqa: E402
 from trainer.moe.capacity import expert_capacity  # noqa: E402
 from trainer.moe.config import MoEConfig  # noqa: E402
@@ -72,6 +78,8 @@ CASES = [
 MODES = ("capacity", "dropless", "dropless_per_assignment", "dropless_per_device")
 DROPLESS_ROWS = {"dropless": "auto", "dropless_per_assignment": "assignment", "dropless_per_device": "device"}
 SEQ_LEN = 128
+# The ideal's [E, rows, D] buffers: a device holds its experts' rows from the token shards of its data slice.
+ROWS = P("expert", "data")
 
 
 def time_ms(fn, args) -> tuple[float, float]:
@@ -110,12 +118,25 @@ def make_inputs(mesh, experts, d_model, d_ff, tokens, seed=0, balanced_k=0):
         router = jnp.eye(d_model, experts)
     x = put(x.reshape(tokens // SEQ_LEN, SEQ_LEN, d_model), P(("data", "expert")))
     router = put(router, P())
+    w_in, w_out = expert_specs(mesh)
     w = ExpertWeights(
-        put(jax.random.normal(keys[2], (experts, d_model, d_ff)) * d_model**-0.5, P("expert")),
-        put(jax.random.normal(keys[3], (experts, d_model, d_ff)) * d_model**-0.5, P("expert")),
-        put(jax.random.normal(keys[4], (experts, d_ff, d_model)) * d_ff**-0.5, P("expert")),
+        put(jax.random.normal(keys[2], (experts, d_model, d_ff)) * d_model**-0.5, w_in),
+        put(jax.random.normal(keys[3], (experts, d_model, d_ff)) * d_model**-0.5, w_in),
+        put(jax.random.normal(keys[4], (experts, d_ff, d_model)) * d_ff**-0.5, w_out),
     )
     return x, router, w
+
+
+def expert_specs(mesh) -> tuple[P, P]:
+    """The layouts of [E, D, F] and [E, F, D] expert weights: experts over `expert`, and the hidden
+    dimension over `model` where the mesh has one (as trainer.sharding lays them out)."""
+    hidden = "model" if dict(mesh.shape).get("model", 1) > 1 else None
+    return P("expert", None, hidden), P("expert", hidden, None)
+
+
+def token_shards(mesh) -> int:
+    shape = dict(mesh.shape)
+    return shape.get("data", 1) * shape.get("expert", 1)
 
 
 def block_step(cfg: MoEConfig, mesh, apply=None):
@@ -134,12 +155,15 @@ def ideal_step(mesh):
     """The expert matmuls alone, fwd+bwd: each device runs batched einsums over its experts'
     [E_l, rows, D] buffers (rows = every device's capacity), exactly the shapes the
     capacity-mode block hands its experts, with nothing around them."""
-    spec = P("expert")
+    spec = ROWS
+    w_in, w_out = expert_specs(mesh)
+    # One partial sum per device (a device of a tensor-parallel group holds its hidden slice's).
+    every = P(tuple(mesh.axis_names))
 
     def loss(x_ExRxD, w):
         local = jax.shard_map(
             lambda x, w: jnp.sum(jnp.square(batched_ffn(x, w)))[None],
-            mesh=mesh, in_specs=(spec, ExpertWeights(spec, spec, spec)), out_specs=spec,
+            mesh=mesh, in_specs=(spec, ExpertWeights(w_in, w_in, w_out)), out_specs=every,
         )
         return jnp.sum(local(x_ExRxD, w))
 
@@ -216,11 +240,11 @@ def run_case(mesh, case, modes, reps, block_rows=0, stages=False, balanced=False
     from other processes hits them alike, each timed call right after one of its own; reports
     medians over the rounds."""
     experts, k, d_model, d_ff, tokens, cf, routing = case
-    devices = mesh.devices.size
+    devices = token_shards(mesh)  # a tensor-parallel group shares its tokens
     x, router, w = make_inputs(mesh, experts, d_model, d_ff, tokens, balanced_k=k if balanced else 0)
     capacity = expert_capacity(tokens // devices, k, cf, experts, 4)
     rows = jax.device_put(
-        jax.random.normal(jax.random.key(7), (experts, devices * capacity, d_model)), NamedSharding(mesh, P("expert"))
+        jax.random.normal(jax.random.key(7), (experts, devices * capacity, d_model)), NamedSharding(mesh, ROWS)
     )
     base = MoEConfig(num_experts=experts, top_k=k, d_ff=d_ff, capacity_factor=cf, **routing)
     configs = {"einsum": MoEConfig(**{**base.model_dump(), "dispatch": "einsum"})}
@@ -261,7 +285,8 @@ def run_case(mesh, case, modes, reps, block_rows=0, stages=False, balanced=False
                           "largest_send": round(largest, 3), "most_loaded": round(most_loaded, 3)})
         yield {
             "experts": experts, "top_k": k, "d_model": d_model, "d_ff": d_ff, "tokens": tokens,
-            "capacity_factor": cf, "routing": routing or None, "balanced": balanced, "devices": devices,
+            "capacity_factor": cf, "routing": routing or None, "balanced": balanced, "devices": mesh.devices.size,
+            "mesh": ",".join(f"{a}={n}" for a, n in dict(mesh.shape).items()),
             "platform": mesh.devices.flat[0].platform,
             "mode": mode, "dtype": "float32",
             "moe_ms": round(ms[mode], 2), "ideal_ms": round(ms["ideal"], 2),
@@ -294,11 +319,19 @@ def main(argv=None) -> int:
                         help="balanced: every expert gets exactly its fair share of the assignments")
     parser.add_argument("--token-scale", type=_positive, default=1,
                         help="run the cases with this many times their tokens (more tokens per device)")
+    parser.add_argument("--mesh", default=None, metavar="data=D,expert=E,model=T",
+                        help="the mesh, as the trainer's --mesh [expert=<devices>]")
     args = parser.parse_args(argv)
     if any(not 0 <= i < len(CASES) for i in args.case or ()):
         parser.error(f"--case: the cases are 0 to {len(CASES) - 1}")
     devices = jax.devices()
-    mesh = jax.make_mesh((1, len(devices)), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    try:
+        shape = parse_mesh(args.mesh or f"expert={len(devices)}", len(devices))
+    except ValueError as e:
+        parser.error(str(e))
+    if args.stages and shape["model"] > 1:
+        parser.error("--stages times the parts of a block without a model axis; leave out --mesh model")
+    mesh = jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     cases = [CASES[i] for i in args.case] if args.case else CASES
     cases = [(e, k, d, f, tokens * args.token_scale, *rest) for e, k, d, f, tokens, *rest in cases]
     for case in cases:

@@ -11,10 +11,9 @@ all-reduces the row-parallel products' partial sums.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import contextlib
 import contextvars
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -117,6 +116,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh is None or dict(mesh.shape).get("model", 1) == 1:
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, x.shape, mesh)))
+
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ("data", "expert", "model") mesh (model 1 when the shape leaves it out). With several slices

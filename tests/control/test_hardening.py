@@ -369,6 +369,8 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
                                            "16 chips, but the target (v5litepod-64) has 64"),
     ({"slice__count": 2}, "covers 64 chips, but the target (v5litepod-64 x 2) has 128"),
     ({"trainer__mesh": "data=8,pipe=8"}, "trainer.mesh: the trainer refuses it: mesh names an unknown axis 'pipe'"),
+    ({"trainer__mesh": "data=1,expert=2,model=32"}, "trainer.mesh: the trainer refuses it: model.num_heads (16) "
+                                                    "must be divisible by the mesh's model axis (32)"),
     ({"trainer__mesh": "data=4,expert=16", "trainer__overrides": {"moe.num_experts": 24}},
      "moe.num_experts (24) is not divisible by the mesh's expert axis (16)"),
     ({"dry_run": {"devices": 4, "mesh": "data=2,expert=4"}}, "dry_run.mesh: the trainer refuses it: mesh "

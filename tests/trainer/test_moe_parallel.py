@@ -23,7 +23,9 @@ from trainer.moe.experts import ExpertWeights
 from trainer.moe.parallel import make_topology, moe_apply, moe_groups
 
 B, L, D, F, E, GROUPS = 16, 8, 16, 32, 8, 8
-MESHES = {"none": None, "expert8": (1, 8), "data2_expert4": (2, 4)}
+MESHES = {"none": None, "expert8": (1, 8), "data2_expert4": (2, 4),
+          # Tensor parallelism: each expert's hidden dimension split over `model` as well.
+          "expert2_model4": (1, 2, 4), "data2_model4": (2, 1, 4), "data2_expert2_model2": (2, 2, 2)}
 CASES = {
     "top1": dict(top_k=1, capacity_factor=4.0),
     "top2": dict(top_k=2, capacity_factor=4.0),
@@ -44,9 +46,13 @@ CASES = {
 }
 # Every case without a mesh and on expert=8; on data=2 x expert=4 the top-2 cases (top-1
 # shares all of their code but the k). The ragged_dot grouped matmul is the TPU/GPU choice.
-PAIRS = [(c, m) for c in CASES for m in MESHES
-         if m != "data2_expert4" or c.startswith("top2_") or c == "top2" or "once" in c]
+PAIRS = [(c, m) for c in CASES for m in MESHES if "model" not in m
+         and (m != "data2_expert4" or c.startswith("top2_") or c == "top2" or "once" in c)]
 PAIRS.remove(("top2_dropless_ragged_dot", "data2_expert4"))
+# With a model axis: capacity (tight: drops), dropless once per assignment and once per device, group-limited
+# sigmoid routing with the bias, each on one of the three meshes.
+PAIRS += [("top2_tight_probability", "data2_model4"), ("top2_dropless", "expert2_model4"),
+          ("top4_dropless_once_groups", "data2_expert2_model2"), ("top2_sigmoid_bias_groups_tight", "expert2_model4")]
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -57,7 +63,8 @@ def make_config(case: str) -> MoEConfig:
 @functools.cache
 def make_mesh(name: str):
     shape = MESHES[name]
-    return None if shape is None else jax.make_mesh(shape, ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    axes = ("data", "expert", "model")[: len(shape or ())]
+    return None if shape is None else jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 @functools.cache
@@ -83,11 +90,14 @@ def case_inputs(case: str):
 
 
 def place(mesh, x, params):
-    """Lays inputs out as the trainer does: batch over (data, expert), experts over expert."""
+    """Lays inputs out as the trainer does: batch over (data, expert), experts over expert, their hidden
+    dimension over model."""
     if mesh is None:
         return x, params
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    experts = {n: put(params[n], P("expert")) for n in ("w_in", "w_gate", "w_out")}
+    hidden = "model" if "model" in mesh.axis_names else None
+    specs = {"w_in": P("expert", None, hidden), "w_gate": P("expert", None, hidden), "w_out": P("expert", hidden)}
+    experts = {n: put(params[n], specs[n]) for n in ("w_in", "w_gate", "w_out")}
     replicated = {n: put(params[n], P()) for n in ("router", "bias") if n in params}
     return put(x, P(("data", "expert"))), {**replicated, **experts}
 
