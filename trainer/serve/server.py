@@ -291,8 +291,10 @@ async def _events(state: ServerState, req, rid: str, chat: bool):
         return f"data: {json.dumps(body)}\n\n"
 
     try:
-        if chat:
-            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': state.model_name, 'choices': [{'index': 0, 'delta': {'role': 'assistant'}, 'finish_reason': None}]})}\n\n"  # noqa: E501
+        if chat:  # the first chunk of a chat stream names the role
+            opening = {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name,
+                       "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+            yield f"data: {json.dumps(opening)}\n\n"
         while req.finish_reason is None:
             await req.events.get()
             if req.finish_reason is not None:
