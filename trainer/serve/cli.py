@@ -97,6 +97,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
       curl localhost:8000/v1/completions -H 'content-type: application/json' \\
            -d '{"prompt": "The cat", "max_tokens": 20}'
     """
+    _check_server_packages()
     if devices is not None:
         from trainer.cli import set_fake_devices
 
@@ -112,6 +113,18 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
                   int8_weights=weight_format == "int8", device_memory_gb=device_memory_gb, progress=_progress)
     code = _serve(loaded, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds)
     sys.exit(code)
+
+
+def _check_server_packages() -> None:
+    """The HTTP server's packages come with the `serve` extra, which the trainer's container may lack."""
+    import importlib
+
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ServeError(f"serving needs the Python package {module!r}, which is not installed: "
+                             "pip install 'moe-tpu[serve]'") from None
 
 
 def _serve(loaded, host: str, port: int, max_waiting: int, template, name: str, grace_seconds: float) -> int:
