@@ -227,6 +227,9 @@ def _admit(state: ServerState, body: _Sampling, ids: list[int], max_tokens: int 
     from trainer.serve.engine import Request as EngineRequest
     from trainer.serve.engine import RequestError, SamplingParams
 
+    if body.model and body.model != state.model_name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{state.model_name}'",
+                       kind="not_found_error", param="model", code="model_not_found")
     if not state.ready:
         raise APIError(503, "the server is " + ("shutting down" if state.draining else "loading"),
                        kind="service_unavailable")
