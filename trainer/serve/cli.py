@@ -20,13 +20,9 @@ import time
 
 import click
 
-from trainer.status import EXIT_USAGE
+from trainer.serve.startup import ServeError, load
 
 EXIT_RUNTIME = 1
-
-
-class ServeError(click.UsageError):
-    exit_code = EXIT_USAGE
 
 
 def _progress(message: str) -> None:
@@ -106,8 +102,6 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     template = _chat_template(chat_template_path)
     if chunk > max_len:
         raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
-    from trainer.serve.startup import load
-
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
                   chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   int8_weights=weight_format == "int8", device_memory_gb=device_memory_gb, progress=_progress)
