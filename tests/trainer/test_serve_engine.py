@@ -74,7 +74,7 @@ def alone_then_together(engine, requests):
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny):
-    engine = Engine(*tiny[:2], slots=4, max_len=96, chunk=16)
+    engine = Engine(*tiny[:2], slots=8, max_len=288, chunk=16)
     engine.warm_up()
     return engine
 
@@ -84,12 +84,12 @@ def test_concurrent_greedy_requests_return_what_they_return_alone_and_compile_on
     rng = np.random.RandomState(1)
     compiled = engine.compilations()
     assert compiled == 2  # the prefill chunk and the decode step
-    requests = random_requests(rng, 12, 256, 70, 24)
+    requests = random_requests(rng, 32, 256, 256, 24)  # prompts of 1-256 tokens, 1-24 new ones
     alone, together = alone_then_together(engine, requests)
     assert together == alone
     assert [len(o) for o in together] == [r.sampling.max_tokens for r in requests]
-    # Many more requests of random lengths: nothing compiles again after the warm-up.
-    for r in random_requests(rng, 60, 256, 80, 16):
+    # 200 more requests of random lengths: nothing compiles again after the warm-up.
+    for r in random_requests(rng, 200, 256, 40, 8):
         engine.submit(r)
     engine.run()
     assert engine.compilations() == compiled
@@ -135,8 +135,8 @@ def test_stop_strings_cut_the_text_and_free_the_slot(tiny_engine):
 
 
 def test_bad_requests_are_refused_with_the_limit_named(tiny_engine):
-    with pytest.raises(RequestError, match="maximum context length of 96 tokens"):
-        tiny_engine.submit(Request([1] * 90, SamplingParams(max_tokens=7)))
+    with pytest.raises(RequestError, match="maximum context length of 288 tokens"):
+        tiny_engine.submit(Request([1] * 282, SamplingParams(max_tokens=7)))
     with pytest.raises(RequestError, match=r"token ids must be in \[0, 256\)"):
         tiny_engine.submit(Request([300], SamplingParams()))
     with pytest.raises(RequestError, match="stop strings need a tokenizer"):
@@ -170,6 +170,6 @@ def test_experts_over_8_devices_serve_concurrent_requests_as_alone():
     assert w_in.sharding.spec[0] == "expert"  # the experts are split over the mesh
     engine = Engine(model, weights, slots=8, max_len=80, chunk=16)
     engine.warm_up()
-    alone, together = alone_then_together(engine, random_requests(np.random.RandomState(2), 10, 256, 60, 12))
+    alone, together = alone_then_together(engine, random_requests(np.random.RandomState(2), 12, 256, 60, 12))
     assert together == alone
     assert engine.compilations() == 2

@@ -77,6 +77,9 @@ def test_bad_requests_get_openai_error_objects_and_the_server_stays_up(served):
     with pytest.raises(openai.BadRequestError) as e:
         api.completions.create(model="tiny", prompt="x" * 100, max_tokens=40)
     assert "maximum context length of 128 tokens" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        api.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found" and "'tiny'" in e.value.body["message"]
     bad = [({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"), ({"max_tokens": 2}, 400, "prompt"),
            ({"prompt": "a", "temperature": -1}, 400, "temperature"), ({"prompt": "a", "n": 2}, 400, "n"),
            ({"prompt": [1, 999]}, 400, "token ids")]

@@ -17,6 +17,7 @@ BLOCKED = textwrap.dedent("""
     import trainer.cli, trainer.train, trainer.model, trainer.data, trainer.checkpoint  # noqa: F401
     import trainer.datasets, trainer.prepare, trainer.sample, trainer.evaluation, trainer.tensorboard  # noqa: F401
     import trainer.plot  # noqa: F401
+    import trainer.serve.cli, trainer.serve.startup, trainer.serve.server, trainer.serve.engine  # noqa: F401
     # (the bare google.cloud namespace may come from a .pth file at start-up; no client library does)
     assert not [m for m in sys.modules if m.startswith(("provision", "google.cloud.", "grpc"))]
     print("trainer imports alone")

@@ -20,13 +20,9 @@ import time
 
 import click
 
-from trainer.status import EXIT_USAGE
+from trainer.serve.startup import ServeError, load
 
 EXIT_RUNTIME = 1
-
-
-class ServeError(click.UsageError):
-    exit_code = EXIT_USAGE
 
 
 def _progress(message: str) -> None:
@@ -97,6 +93,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
       curl localhost:8000/v1/completions -H 'content-type: application/json' \\
            -d '{"prompt": "The cat", "max_tokens": 20}'
     """
+    _check_server_packages()
     if devices is not None:
         from trainer.cli import set_fake_devices
 
@@ -105,13 +102,23 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     template = _chat_template(chat_template_path)
     if chunk > max_len:
         raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
-    from trainer.serve.startup import load
-
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
                   chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   int8_weights=weight_format == "int8", device_memory_gb=device_memory_gb, progress=_progress)
     code = _serve(loaded, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds)
     sys.exit(code)
+
+
+def _check_server_packages() -> None:
+    """The HTTP server's packages come with the `serve` extra, which the trainer's container may lack."""
+    import importlib
+
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ServeError(f"serving needs the Python package {module!r}, which is not installed: "
+                             "pip install 'moe-tpu[serve]'") from None
 
 
 def _serve(loaded, host: str, port: int, max_waiting: int, template, name: str, grace_seconds: float) -> int:

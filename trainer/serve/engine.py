@@ -57,6 +57,9 @@ class Request:
     token_times: list[float] = dataclasses.field(default_factory=list)
     slot: int | None = None
     prefilled: int = 0  # prompt tokens already in the cache
+    events: object = None  # the server's asyncio queue its listener signals on
+    counted: bool = False  # in the server's metrics already
+    first_sent: float | None = None  # when the server sent the first token's text (streaming)
 
 
 class Engine:

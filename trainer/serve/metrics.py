@@ -3,8 +3,6 @@ HPA on vllm:num_requests_waiting) read this server unchanged."""
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -45,9 +43,6 @@ class ServingMetrics:
         engine = loop.engine
         return engine.used_positions() / (engine.slots * engine.max_len)
 
-    def arrived(self, req) -> None:
-        req.arrival = time.perf_counter()
-
     def finished(self, req) -> None:
         if getattr(req, "counted", False):
             return
@@ -57,7 +52,8 @@ class ServingMetrics:
         self.generation_tokens.inc(len(req.output))
         if not times:
             return
-        self.ttft.observe(times[0] - req.arrival)
+        # A stream's first token counts when its text leaves (what the client sees), else when it is made.
+        self.ttft.observe((req.first_sent or times[0]) - req.arrival)
         if len(times) > 1:
             self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
         self.e2e.observe(times[-1] - req.arrival)

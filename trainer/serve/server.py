@@ -106,6 +106,11 @@ def create_app(state: ServerState) -> FastAPI:
     state.metrics = ServingMetrics(state)
     app.state.serving = state
 
+    @app.middleware("http")
+    async def arrival(request: Request, call_next):  # TTFT counts from here, as a client sees it
+        request.state.arrival = time.perf_counter()
+        return await call_next(request)
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
         return e.response()
@@ -176,13 +181,14 @@ def _predict(state: ServerState):
         instances = body.get("instances") if isinstance(body, dict) else None
         if not isinstance(instances, list) or not instances:
             raise APIError(400, 'the body must be {"instances": [request, ...]}', param="instances")
-        jobs = [_predict_one(state, instance, i) for i, instance in enumerate(instances)]
+        arrival = request.state.arrival
+        jobs = [_predict_one(state, instance, i, arrival) for i, instance in enumerate(instances)]
         return {"predictions": await asyncio.gather(*jobs)}
 
     return predict
 
 
-async def _predict_one(state: ServerState, instance: Any, index: int) -> dict:
+async def _predict_one(state: ServerState, instance: Any, index: int, arrival: float) -> dict:
     if not isinstance(instance, dict):
         raise APIError(400, f"instances[{index}] must be an object with a prompt or messages")
     chat = "messages" in instance
@@ -196,7 +202,7 @@ async def _predict_one(state: ServerState, instance: Any, index: int) -> dict:
         limit = body.max_completion_tokens or body.max_tokens
     else:
         ids, limit = _prompt_ids(state, body.prompt), body.max_tokens
-    req = await _run_to_end(state, _admit(state, body, ids, limit))
+    req = await _run_to_end(state, _admit(state, body, ids, limit, arrival))
     return {"text": _final_text(state, req), "finish_reason": _finish(req),
             "usage": _usage(req)}
 
@@ -216,11 +222,14 @@ def _prompt_ids(state: ServerState, prompt) -> list[int]:
         raise APIError(400, f"prompt: {getattr(e, 'message', None) or e}", param="prompt") from None
 
 
-def _admit(state: ServerState, body: _Sampling, ids: list[int], max_tokens: int | None):
+def _admit(state: ServerState, body: _Sampling, ids: list[int], max_tokens: int | None, arrival: float):
     """A request checked and queued in the engine, with an asyncio queue its tokens arrive on."""
     from trainer.serve.engine import Request as EngineRequest
     from trainer.serve.engine import RequestError, SamplingParams
 
+    if body.model and body.model != state.model_name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{state.model_name}'",
+                       kind="not_found_error", param="model", code="model_not_found")
     if not state.ready:
         raise APIError(503, "the server is " + ("shutting down" if state.draining else "loading"),
                        kind="service_unavailable")
@@ -240,7 +249,7 @@ def _admit(state: ServerState, body: _Sampling, ids: list[int], max_tokens: int 
     aio = asyncio.get_running_loop()
     req = EngineRequest(ids, sampling, listener=lambda r: aio.call_soon_threadsafe(events.put_nowait, None))
     req.events = events
-    state.metrics.arrived(req)
+    req.arrival = arrival
     state.loop.submit(req)
     return req
 
@@ -259,7 +268,7 @@ async def _run_to_end(state: ServerState, req) -> Any:
 
 
 async def _serve(state: ServerState, body: _Sampling, ids: list[int], max_tokens, request: Request, *, chat: bool):
-    req = _admit(state, body, ids, max_tokens)
+    req = _admit(state, body, ids, max_tokens, request.state.arrival)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.id}"
     if body.stream:
         return StreamingResponse(_events(state, req, rid, chat), media_type="text/event-stream")
@@ -291,8 +300,10 @@ async def _events(state: ServerState, req, rid: str, chat: bool):
         return f"data: {json.dumps(body)}\n\n"
 
     try:
-        if chat:
-            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': state.model_name, 'choices': [{'index': 0, 'delta': {'role': 'assistant'}, 'finish_reason': None}]})}\n\n"  # noqa: E501
+        if chat:  # the first chunk of a chat stream names the role
+            opening = {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name,
+                       "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+            yield f"data: {json.dumps(opening)}\n\n"
         while req.finish_reason is None:
             await req.events.get()
             if req.finish_reason is not None:
@@ -301,6 +312,7 @@ async def _events(state: ServerState, req, rid: str, chat: bool):
             if len(text) > sent:
                 yield chunk(text[sent:], None)
                 sent = len(text)
+                req.first_sent = req.first_sent or time.perf_counter()
     finally:
         if req.finish_reason is None:
             req.cancelled = True

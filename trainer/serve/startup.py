@@ -7,7 +7,16 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from trainer.serve.cli import ServeError
+import click
+
+from trainer.status import EXIT_USAGE
+
+
+class ServeError(click.UsageError):
+    """A problem the user can fix (a flag, the checkpoint, the memory plan): exit code 2, no traceback."""
+
+    exit_code = EXIT_USAGE
+
 
 # Beyond weights and cache: logits, activations of a prefill chunk, XLA's scratch. A share of the device
 # memory, since what it covers grows with the model.

@@ -1,0 +1,302 @@
+"""Serving load benchmark: the OpenAI-compatible server under Poisson arrivals, measured by its client.
+
+    python benchmarks/serve_load.py                          # `tiny` with fresh weights, on the CPU
+    python benchmarks/serve_load.py --checkpoint runs/demo   # a trained run's latest checkpoint
+    python benchmarks/serve_load.py --requests 64 --rate 20 --seed 1 --concurrency 1,8
+
+Starts the server (trainer/serve) in this process on 127.0.0.1 and streams completions to it over HTTP.
+Requests arrive as a Poisson process (`--rate` per second, `--seed`), with prompt and output lengths
+drawn uniformly from `--prompt-len` and `--output-len` or read from `--lengths FILE` (JSON lines
+{"prompt_len", "output_len"}); at most `--concurrency` run at once. Each phase (one per concurrency)
+reports, as one JSON line, TTFT, TPOT (after the first token, vLLM's definition), ITL (time between
+streamed chunks) and end-to-end latency (mean, median, p99, seconds), request and output-token
+throughput, and the server's own TTFT mean from /metrics beside the client's.
+
+The last two JSON lines compare in the same run:
+  `interference`: 7 streams decoding while a `--long-prompt`-token prompt arrives: their ITL p99 / p50.
+  `decode_bound`: the decode step at batch 1 of a config of about 100M parameters (`--bound-config`)
+  against the memory-bandwidth bound: bytes the step reads (weights + KV cache) / bandwidth of a large
+  array copy timed in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+
+def summary(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    return {"mean": statistics.fmean(values), "median": statistics.median(values),
+            "p99": float(np.percentile(values, 99))}
+
+
+def start_server(loaded, port: int, max_waiting: int):
+    import uvicorn
+
+    from trainer.serve.loop import EngineLoop
+    from trainer.serve.server import ServerState, create_app
+
+    state = ServerState(loaded["name"], encode=loaded["encode"], decode=loaded["decode"], max_waiting=max_waiting)
+    loaded["engine"].warm_up()
+    state.loop = EngineLoop(loaded["engine"]).start()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, state
+
+
+def build(args, config: str, overrides: list[str], slots: int, max_len: int):
+    import jax
+
+    from trainer import sharding
+    from trainer.config import load_config
+    from trainer.serve.engine import Engine
+    from trainer.serve.weights import build_serving_model, init_weights, restore_weights
+
+    if args.checkpoint and config == args.config:
+        from trainer.sample import Codec, load_run_config, locate
+
+        checkpoints, config_path = locate(args.checkpoint)
+        cfg = load_run_config(config_path)
+        codec = Codec(cfg, None)
+        encode, decode = codec.encode, codec.decode
+    else:
+        cfg = load_config(config, overrides)
+        encode, decode = (lambda text: [int(t) for t in text.split()]), (lambda ids: " ".join(map(str, ids)))
+    mesh = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
+    model = build_serving_model(cfg, mesh)
+    weights = restore_weights(model, checkpoints)[0] if args.checkpoint and config == args.config else \
+        init_weights(model)
+    engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=args.chunk, detokenize=decode)
+    return {"name": cfg.name, "engine": engine, "encode": encode, "decode": decode, "model": model,
+            "weights": weights}
+
+
+async def one_request(client, prompt_len: int, output_len: int, vocab: int, rng) -> dict:
+    prompt = " ".join(str(t) for t in rng.integers(0, min(vocab, 32), prompt_len))
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True}
+    sent = time.perf_counter()
+    chunks, usage = [], None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data["choices"][0].get("text"):
+                chunks.append(time.perf_counter())
+            usage = data.get("usage") or usage
+    tokens = usage["completion_tokens"] if usage else 0
+    ttft = chunks[0] - sent if chunks else None
+    e2e = time.perf_counter() - sent
+    return {"ttft": ttft, "e2e": e2e, "tokens": tokens, "itl": list(np.diff(chunks)),
+            "tpot": (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None}
+
+
+async def phase(base: str, lengths: list[tuple[int, int]], rate: float, concurrency: int, vocab: int, seed: int):
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, len(lengths)) if rate > 0 else np.zeros(len(lengths))
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        async def run(prompt_len, output_len, delay):
+            await asyncio.sleep(delay)
+            async with gate:
+                return await one_request(client, prompt_len, output_len, vocab, rng)
+
+        started = time.perf_counter()
+        arrivals = np.cumsum(gaps)
+        results = await asyncio.gather(*(run(p, o, d) for (p, o), d in zip(lengths, arrivals, strict=True)))
+        seconds = time.perf_counter() - started
+    return results, seconds
+
+
+def report(results: list[dict], seconds: float) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "seconds": seconds, "request_throughput": len(results) / seconds,
+            "output_tokens_per_s": tokens / seconds,
+            "ttft": summary([r["ttft"] for r in results if r["ttft"] is not None]),
+            "tpot": summary([r["tpot"] for r in results if r["tpot"] is not None]),
+            "itl": summary([x for r in results for x in r["itl"]]),
+            "e2e": summary([r["e2e"] for r in results])}
+
+
+def load_phases(args, base: str, vocab: int) -> None:
+    rng = np.random.default_rng(args.seed)
+    if args.lengths:
+        rows = [json.loads(line) for line in open(args.lengths, encoding="utf-8") if line.strip()]
+        lengths = [(int(r["prompt_len"]), int(r["output_len"])) for r in rows][:args.requests]
+    else:
+        lengths = [(int(rng.integers(args.prompt_len[0], args.prompt_len[1] + 1)),
+                    int(rng.integers(args.output_len[0], args.output_len[1] + 1))) for _ in range(args.requests)]
+    by_concurrency = {}
+    for concurrency in args.concurrency:
+        before = server_ttft_metrics(base)
+        results, seconds = asyncio.run(phase(base, lengths, args.rate, concurrency, vocab, args.seed))
+        row = {"phase": "load", "concurrency": concurrency, "rate": args.rate, **report(results, seconds)}
+        row["server_ttft_mean"] = ttft_mean_since(base, before)
+        by_concurrency[concurrency] = row
+        print(json.dumps(row), flush=True)
+    if len(by_concurrency) > 1:
+        low, high = min(by_concurrency), max(by_concurrency)
+        print(json.dumps({"phase": "concurrency_ratio", "low": low, "high": high,
+                          "output_tokens_per_s_ratio": by_concurrency[high]["output_tokens_per_s"]
+                          / by_concurrency[low]["output_tokens_per_s"]}), flush=True)
+
+
+def server_ttft_metrics(base: str) -> tuple[float, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
+        if family.name == "vllm:time_to_first_token_seconds":
+            values = {s.name: s.value for s in family.samples}
+            return (values.get("vllm:time_to_first_token_seconds_sum", 0.0),
+                    values.get("vllm:time_to_first_token_seconds_count", 0.0))
+    return 0.0, 0.0
+
+
+def ttft_mean_since(base: str, before: tuple[float, float]) -> float | None:
+    total, count = server_ttft_metrics(base)
+    return (total - before[0]) / (count - before[1]) if count > before[1] else None
+
+
+def interference(base: str, args, vocab: int) -> None:
+    """7 streams decode; a long prompt arrives once they run; their chunk gaps before, during, after."""
+    async def scenario():
+        import httpx
+
+        rng = np.random.default_rng(args.seed + 1)
+        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+            streams = [asyncio.ensure_future(one_request(client, 8, args.interference_tokens, vocab, rng))
+                       for _ in range(7)]
+            await asyncio.sleep(0.5)
+            long = await one_request(client, args.long_prompt, 4, vocab, rng)
+            return await asyncio.gather(*streams), long
+
+    streams, long = asyncio.run(scenario())
+    itl = [x for r in streams for x in r["itl"]]
+    row = {"phase": "interference", "long_prompt": args.long_prompt, "stream_itl": summary(itl),
+           "itl_p99_over_p50": float(np.percentile(itl, 99) / np.median(itl)), "long_prompt_ttft": long["ttft"]}
+    print(json.dumps(row), flush=True)
+
+
+def decode_bound(args) -> None:
+    """The decode step at batch 1 against bytes read / the bandwidth of a large copy, in this run."""
+    loaded = build(args, args.bound_config, args.bound_overrides, 1, args.bound_max_len)
+    engine, model = loaded["engine"], loaded["model"]
+    engine.warm_up()
+    params = sum(p.size for p in loaded["weights"]["params"].values())
+    weight_bytes = sum(p.nbytes for p in loaded["weights"]["params"].values())
+    cache_bytes = engine.cache.k.nbytes + engine.cache.v.nbytes
+    engine.positions_S[:] = args.bound_max_len // 2
+    step = lambda: engine._decode(engine.weights, engine.cache, engine.tokens_S, engine.positions_S,  # noqa: E731
+                                  engine._slot_sampling())
+    times = []
+    for _ in range(args.bound_steps):
+        started = time.perf_counter()
+        tokens, engine.cache = step()
+        tokens.block_until_ready()
+        times.append(time.perf_counter() - started)
+    bandwidth = copy_bandwidth(args.copy_mib)
+    step_s = statistics.median(times)
+    # The experts a token does not route to are not read: count the attention, dense and routed shares.
+    cfg = model.cfg
+    moe_share = cfg.moe.top_k / cfg.moe.num_experts
+    expert_bytes = sum(p.nbytes for n, p in loaded["weights"]["params"].items() if ".ffn.w_" in n and p.ndim == 3)
+    # Half the cache's positions hold tokens (the step sits at max_len / 2); all of it is read (masked).
+    read_all = weight_bytes + cache_bytes
+    read_routed = weight_bytes - expert_bytes * (1 - moe_share) + cache_bytes
+    print(json.dumps({"phase": "decode_bound", "config": args.bound_config, "overrides": args.bound_overrides,
+                      "parameters": params, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
+                      "copy_bandwidth_gb_s": bandwidth / 1e9, "step_ms": 1e3 * step_s,
+                      "bound_all_weights_ms": 1e3 * read_all / bandwidth,
+                      "bound_routed_experts_ms": 1e3 * read_routed / bandwidth,
+                      "step_over_bound_all_weights": step_s / (read_all / bandwidth),
+                      "step_over_bound_routed_experts": step_s / (read_routed / bandwidth)}), flush=True)
+
+
+def copy_bandwidth(mib: int) -> float:
+    """Bytes per second of a large copy (read once, written once) on the platform the step ran on: jax's on
+    an accelerator, numpy's memory copy on the CPU (XLA:CPU's elementwise loop is slower than memory there)."""
+    import jax
+    import jax.numpy as jnp
+
+    times = []
+    if jax.devices()[0].platform == "cpu":
+        src = np.ones(mib * 2**20 // 4, np.float32)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        for _ in range(5):
+            started = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - started)
+        return 2 * src.nbytes / statistics.median(times)
+    big = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    copy = jax.jit(lambda x: x + 1.0)
+    copy(big).block_until_ready()
+    for _ in range(5):
+        started = time.perf_counter()
+        copy(big).block_until_ready()
+        times.append(time.perf_counter() - started)
+    return 2 * big.nbytes / statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--rate", type=float, default=0, help="arrivals per second (0: all at once)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8])
+    p.add_argument("--prompt-len", type=lambda t: [int(x) for x in t.split(",")], default=[8, 64])
+    p.add_argument("--output-len", type=lambda t: [int(x) for x in t.split(",")], default=[32, 128])
+    p.add_argument("--lengths", default=None, metavar="FILE")
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=1280)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--long-prompt", type=int, default=1024)
+    p.add_argument("--interference-tokens", type=int, default=200)
+    p.add_argument("--bound-config", default="tiny")
+    p.add_argument("--bound-overrides", type=lambda t: t.split(), default=[
+        "model.vocab_size=32768", "model.d_model=512", "model.num_layers=6", "model.num_heads=8", "model.d_ff=2048",
+        "moe.d_ff=1024", "moe.num_experts=8", "moe.top_k=2"])
+    p.add_argument("--bound-max-len", type=int, default=256)
+    p.add_argument("--bound-steps", type=int, default=20)
+    p.add_argument("--copy-mib", type=int, default=512)
+    p.add_argument("--skip", default="", help="comma-separated phases to skip: load,interference,bound")
+    args = p.parse_args(argv)
+    skip = set(args.skip.split(",")) - {""}
+    if not {"load", "interference"} <= skip:
+        loaded = build(args, args.config, [], args.slots, args.max_len)
+        server, thread, _ = start_server(loaded, args.port, max_waiting=10_000)
+        base = f"http://127.0.0.1:{args.port}"
+        vocab = loaded["model"].cfg.model.vocab_size
+        try:
+            if "load" not in skip:
+                load_phases(args, base, vocab)
+            if "interference" not in skip:
+                interference(base, args, vocab)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+    if "bound" not in skip:
+        decode_bound(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
