@@ -18,7 +18,7 @@ import time
 
 import click
 
-from trainer.config import MAX_SEED, NAMED_CONFIGS
+from trainer.config import MAX_SEED, NAMED_CONFIGS, printable
 from trainer.status import (
     EXIT_FAILED,
     EXIT_FINISHED,
@@ -101,6 +101,7 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
         result = _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume,
                         metrics_path, seed, profile_steps)
     except click.ClickException as e:
+        e.message = printable(e.message)  # config values echoed in it may hold terminal escapes
         status.end(FAILED, e.exit_code, e.format_message())
         raise
     except KeyboardInterrupt:  # before the loop's own handler is in place
