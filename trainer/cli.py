@@ -308,13 +308,15 @@ def _run(spec, status: RunStatus):
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
-    from trainer.metrics import Reporter
+    from trainer.metrics import NotAFile, Reporter
     from trainer.train import Diverged, run
 
     _quiet_library_logs()
     try:
         reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0, output_dir=spec.output_dir,
                             tensorboard=spec.config.train.tensorboard)
+    except NotAFile as e:  # OUTPUT_DIR/metrics.jsonl is a FIFO or a directory
+        raise click.UsageError(str(e)) from None
     except StatusError as e:  # OUTPUT_DIR/metrics.jsonl
         raise click.ClickException(str(e)) from None
     except OSError as e:
