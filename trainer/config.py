@@ -280,7 +280,7 @@ def _read_yaml(name_or_path: str, seen: tuple[str, ...], via: str = "") -> dict[
     return merged
 
 
-MAX_CONFIG_BYTES = 1 << 20  # a config is a few kilobytes
+MAX_CONFIG_BYTES = 64 << 20  # a config is a few kilobytes; this only keeps a huge file from filling memory
 
 
 def _check_file(path: pathlib.Path, via: str) -> None:
@@ -293,6 +293,8 @@ def _check_file(path: pathlib.Path, via: str) -> None:
         raise ConfigError(f"{what} does not exist") from None
     except OSError as e:
         raise ConfigError(f"cannot read {what}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode) and not via:
+        raise ConfigError(f"cannot read config {path}: Is a directory")
     if not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device"
         raise ConfigError(f"{what} is {kind}, not a config file")
