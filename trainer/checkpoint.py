@@ -8,6 +8,7 @@ import gc
 import importlib.util
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -40,9 +41,13 @@ def check_directory(path: str) -> str:
 
 
 def _reason(error: BaseException) -> str:
-    """The first line of the error's root cause, short: orbax wraps tensorstore's, which run to pages."""
+    """The first line of the error's root cause, short: orbax wraps tensorstore's, which run to pages. An
+    operating-system error inside them (a full disk) is said in the system's words."""
     while error.__cause__ is not None:
         error = error.__cause__
+    code = re.search(r"os_error_code='(\d+)'", str(error))
+    if code:
+        return f"{os.strerror(int(code.group(1)))} (os error {code.group(1)})"
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     head, dot, _ = text.partition(". ")
     if len(text) > 120 and dot and len(head) >= 20:  # the first sentence: orbax's advice names its own API
@@ -88,6 +93,26 @@ def _failures_reported_once():
         sys.unraisablehook = hook
 
 
+def _from_orbax_threads(record: logging.LogRecord) -> bool:
+    """Orbax logs a failed background save with a traceback from each of its threads; the Checkpointer
+    raises the failure once, by step and path, so those records are dropped (MOE_TRAIN_DEBUG=1 keeps them)."""
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def _quiet_failed_saves() -> None:
+    if os.environ.get("MOE_TRAIN_DEBUG") == "1":
+        return
+    for name in ("absl", ""):
+        log = logging.getLogger(name)
+        if _from_orbax_threads not in log.filters:
+            log.addFilter(_from_orbax_threads)
+    log = logging.getLogger("asyncio")  # each of the failed write's tasks, collected now or at exit
+    if _unretrieved not in log.filters:
+        log.addFilter(_unretrieved)
+    if not getattr(sys.unraisablehook, "drops_closed_loops", False):  # a failed write's late callbacks
+        sys.unraisablehook = _dropping_closed_loops(sys.unraisablehook)
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
     step: int
@@ -115,6 +140,7 @@ class Checkpointer:
             raise CheckpointError(f"cannot use {self.directory} for checkpoints: {_reason(e)}") from None
         self._pending: int | None = None  # the step whose asynchronous write is in flight
         self.broken = False
+        _quiet_failed_saves()
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.directory, str(step)) if "://" not in self.directory else \
@@ -130,9 +156,12 @@ class Checkpointer:
         """Starts an asynchronous save when `step` is due (or `force`); returns whether it saved."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
         try:
+            if self._pending is not None:
+                self.manager.check_for_errors()
             saved = self.manager.save(step, args=args, force=force)
         except Exception as e:  # noqa: BLE001 - also the previous asynchronous save's failure, raised here
-            raise self._failed(step, e) from None
+            pending = self._pending is not None and self.step_path(self._pending) in _chain_text(e)
+            raise self._failed(self._pending if pending else step, e) from None
         if saved:
             self._pending = step
         return saved
@@ -152,9 +181,28 @@ class Checkpointer:
             raise CheckpointError(f"the checkpoint at step {step} is missing from {self.directory} after saving")
 
     def _failed(self, step: int | None, error: BaseException) -> CheckpointError:
+        """The error to raise for a failed save: the step, the reason, the last good checkpoint (kept); the
+        failed save's temporary directory is removed, so that nothing half-written stays in the way."""
         self.broken = True
         at = f" at step {step}" if step is not None else ""
-        return CheckpointError(f"cannot save the checkpoint{at} to {self.directory}: {_reason(error)}")
+        if step is not None:
+            self._remove_partial(step)
+        try:
+            self.manager.reload()
+            good = self.manager.latest_step()
+        except Exception:  # noqa: BLE001 - the save's failure is what the user must hear
+            good = None
+        kept = f"; the last good checkpoint, step {good}, is kept" if good is not None and good != step else ""
+        return CheckpointError(f"cannot save the checkpoint{at} to {self.directory}: {_reason(error)}{kept}")
+
+    def _remove_partial(self, step: int) -> None:
+        if jax.process_index() != 0:
+            return
+        try:
+            for partial in epath.Path(self.directory).glob(f"{step}.orbax-checkpoint-tmp*"):
+                partial.rmtree()
+        except Exception:  # noqa: BLE001 - best effort: orbax skips such directories when it lists steps
+            pass
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """The state at `step`, laid out as `abstract_state` (ShapeDtypeStructs with shardings)."""
@@ -250,6 +298,14 @@ class Checkpointer:
             except Exception:  # noqa: BLE001 - the failure that matters was raised already
                 if not self.broken:
                     raise
+
+
+def _chain_text(error: BaseException) -> str:
+    texts = []
+    while error is not None:
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    return "\n".join(texts)
 
 
 def _everywhere(ok: bool) -> bool:

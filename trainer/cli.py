@@ -18,7 +18,7 @@ import time
 
 import click
 
-from trainer.config import MAX_SEED, NAMED_CONFIGS
+from trainer.config import MAX_SEED, NAMED_CONFIGS, printable
 from trainer.status import (
     EXIT_FAILED,
     EXIT_FINISHED,
@@ -101,6 +101,7 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
         result = _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume,
                         metrics_path, seed, profile_steps)
     except click.ClickException as e:
+        e.message = printable(e.message)  # config values echoed in it may hold terminal escapes
         status.end(FAILED, e.exit_code, e.format_message())
         raise
     except KeyboardInterrupt:  # before the loop's own handler is in place
@@ -307,13 +308,15 @@ def _run(spec, status: RunStatus):
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
-    from trainer.metrics import Reporter
+    from trainer.metrics import NotAFile, Reporter
     from trainer.train import Diverged, run
 
     _quiet_library_logs()
     try:
         reporter = Reporter(spec.metrics_path, is_writer=jax.process_index() == 0, output_dir=spec.output_dir,
                             tensorboard=spec.config.train.tensorboard)
+    except NotAFile as e:  # OUTPUT_DIR/metrics.jsonl is a FIFO or a directory
+        raise click.UsageError(str(e)) from None
     except StatusError as e:  # OUTPUT_DIR/metrics.jsonl
         raise click.ClickException(str(e)) from None
     except OSError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import pathlib
+import stat
 import re
 import typing
 from typing import Any, Literal, Self
@@ -72,6 +73,9 @@ class ModelConfig(Section):
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
 
+MAX_BATCH_TOKENS = 2**31 - 1  # a batch is one int32 array, indexed by int32 on the devices
+
+
 class DataConfig(Section):
     source: Literal["synthetic", "text", "tokens", "records"] = "synthetic"
     seq_len: Integer = Field(64, ge=2)
@@ -97,6 +101,10 @@ class DataConfig(Section):
             raise ValueError(f"data.source={self.source} has no records to hold out; set data.eval_path instead"
                              if self.source == "text" else "synthetic data is evaluated on fresh samples: "
                              "leave data.eval_share at 0")
+        if self.global_batch_size * (self.seq_len + 1) > MAX_BATCH_TOKENS:
+            raise ValueError(f"data.global_batch_size x (data.seq_len + 1) = {self.global_batch_size:,} x "
+                             f"{self.seq_len + 1:,} tokens per step is more than one batch can hold "
+                             f"({MAX_BATCH_TOKENS:,}, the int32 index limit)")
         if self.synthetic_branching > self.synthetic_vocab:
             raise ValueError(f"data.synthetic_branching must be between 1 and data.synthetic_vocab "
                              f"({self.synthetic_vocab}), got {self.synthetic_branching}")
@@ -184,6 +192,12 @@ class Config(Section):
         return self.model_dump()
 
 
+def printable(text: str) -> str:
+    """`text` with its control characters (terminal escapes above all) written as escapes: a value from a
+    config is echoed in messages, and must not drive the user's terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
 def parse_steps_range(text: str) -> tuple[int, int]:
     """"A:B" with 1 <= A <= B (steps to trace) -> (A, B)."""
     m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
@@ -228,7 +242,7 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
         raise ConfigError(describe(e.errors()[0])) from None
 
 
-def _read_yaml(name_or_path: str, seen: tuple[str, ...]) -> dict[str, Any]:
+def _read_yaml(name_or_path: str, seen: tuple[str, ...], via: str = "") -> dict[str, Any]:
     path = pathlib.Path(name_or_path)
     if not (path.suffix in (".yaml", ".yml") or path.exists()):
         path = CONFIG_DIR / f"{name_or_path}.yaml"
@@ -237,12 +251,16 @@ def _read_yaml(name_or_path: str, seen: tuple[str, ...]) -> dict[str, Any]:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown config '{name_or_path}'{hint}; named configs: "
                               f"{', '.join(named_configs())}, or give a path to a YAML file")
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
+    _check_file(path, via)
     if str(path.resolve()) in seen:
         raise ConfigError(f"config {path} inherits from itself via 'base'")
     try:
-        raw = safeyaml.load(path.read_text(encoding="utf-8")) or {}
+        root = safeyaml.compose(path.read_text(encoding="utf-8"))
+        twice = _duplicate_key(root)
+        if twice:
+            raise ConfigError(f"config {path}: the key '{twice[0]}' appears twice (lines {twice[1]} and {twice[2]}); "
+                              "keep one")
+        raw = safeyaml.construct(root) or {}
     except safeyaml.Unbounded as e:
         raise ConfigError(f"config {path} is not a config: {e}") from None
     except yaml.YAMLError as e:
@@ -254,10 +272,51 @@ def _read_yaml(name_or_path: str, seen: tuple[str, ...]) -> dict[str, Any]:
     base = raw.pop("base", None)
     if base is None:
         return raw
-    merged = _read_yaml(str(base), seen + (str(path.resolve()),))
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"config {path}: base must be the path of a config file or a config's name, got {base!r:.80}")
+    merged = _read_yaml(base, seen + (str(path.resolve()),), via=f"base of {path}")
     merged.pop("name", None)
     _deep_update(merged, raw)
     return merged
+
+
+MAX_CONFIG_BYTES = 64 << 20  # a config is a few kilobytes; this only keeps a huge file from filling memory
+
+
+def _check_file(path: pathlib.Path, via: str) -> None:
+    """A config file that exists and is a regular file of sensible size, found without opening it: a FIFO
+    would block, /dev/zero never end, a directory is no config."""
+    what = f"the {via}, {path}," if via else f"config file {path}"
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {what}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode) and not via:
+        raise ConfigError(f"cannot read config {path}: Is a directory")
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device"
+        raise ConfigError(f"{what} is {kind}, not a config file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{what} is {st.st_size:,} bytes: no config (they are a few kilobytes)")
+
+
+def _duplicate_key(root: yaml.Node | None) -> tuple[str, int, int] | None:
+    """(dotted key, first line, second line) of the first key given twice in a mapping, or None: YAML
+    keeps the last silently, and a user who wrote both meant one of them."""
+    stack: list[tuple[yaml.Node | None, str]] = [(root, "")]
+    while stack:
+        node, prefix = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                key = f"{prefix}{key_node.value}"
+                if key in lines:
+                    return key, lines[key], key_node.start_mark.line + 1
+                lines[key] = key_node.start_mark.line + 1
+                stack.append((value_node, f"{key}."))
+    return None
 
 
 def _deep_update(dst: dict, src: dict) -> None:

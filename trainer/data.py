@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from trainer.config import Config, DataConfig
-from trainer.datasets import DataError, open_datasets
+from trainer.datasets import DataError, open_datasets, regular_file
 
 
 class Source(Protocol):
@@ -99,12 +99,23 @@ class WindowSource:
         return np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], np.int32) for s in starts])
 
 
-def text_source(cfg: DataConfig, seed: int) -> WindowSource:
-    files = sorted(glob.glob(cfg.path, recursive=True))
-    files = [f for f in files if not os.path.isdir(f)]
+def text_files(pattern: str, key: str) -> list[str]:
+    """The files a glob matches, directories skipped; a FIFO or device among them (which would block, or
+    never end) is refused by name before anything is read."""
+    files = [f for f in sorted(glob.glob(pattern, recursive=True)) if not os.path.isdir(f)]
+    for f in files:
+        regular_file(f, key)
     if not files:
-        raise DataError(f"data.path '{cfg.path}' matches no files")
-    data = b"".join(open(f, "rb").read() for f in files)
+        raise DataError(f"{key} '{pattern}' matches no files")
+    return files
+
+
+def text_source(cfg: DataConfig, seed: int, key: str = "data.path") -> WindowSource:
+    files = text_files(cfg.path, key)
+    try:
+        data = b"".join(open(f, "rb").read() for f in files)
+    except OSError as e:
+        raise DataError(f"{key}: cannot read {e.filename}: {e.strerror}") from None
     tokens = np.frombuffer(data, np.uint8)
     return WindowSource(tokens, cfg.seq_len, seed, f"text:{cfg.path}:{len(files)}:{tokens.shape[0]}")
 
@@ -143,10 +154,7 @@ def open_data(cfg: Config, seed: int, *, process_index: int = 0, process_count: 
                                            position=EVAL_OFFSET, **hosts)
     if not d.eval_path:
         return train, None
-    files = [f for f in glob.glob(d.eval_path, recursive=True) if not os.path.isdir(f)]
-    if not files:
-        raise DataError(f"data.eval_path '{d.eval_path}' matches no files")
-    eval_source = text_source(d.model_copy(update={"path": d.eval_path}), seed + 1)
+    eval_source = text_source(d.model_copy(update={"path": d.eval_path}), seed + 1, "data.eval_path")
     return train, lambda: DataIterator(eval_source, d.global_batch_size, cfg.model.vocab_size, **hosts)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ class DataError(ValueError):
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "moe-tpu-dataset"
+INT32_MAX = 2**31 - 1
 STATE_LIMIT = 1024  # bytes of one host's iterator state (JSON), gathered from every host at a checkpoint
 
 
@@ -46,27 +48,105 @@ def join(base: str, name: str) -> str:
 
 # ----------------------------------------------------------------------------- the manifest
 
+MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists shards: megabytes at most, never a file to read without end
+
+
+def regular_file(path: str, key: str) -> int:
+    """The size of the local file `path`; anything else that would block or never end (a FIFO, a device,
+    a socket) or is no file is a DataError naming `key`, found without opening it."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DataError(f"{key} '{path}' does not exist") from None
+    except OSError as e:
+        raise DataError(f"{key} '{path}' cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+        raise DataError(f"{key} '{path}' is {kind}, not a file")
+    return st.st_size
+
 
 def load_manifest(path: str) -> dict[str, Any]:
-    """The manifest of the dataset directory `path` (or of the manifest file itself)."""
+    """The manifest of the dataset directory `path` (or of the manifest file itself), every field checked:
+    a manifest is input like any other, and its paths must stay inside the dataset's directory."""
     import fsspec
 
     url = path if path.endswith(".json") else join(path, MANIFEST)
+    if not is_remote(path) and url != path and os.path.exists(path) and not os.path.isdir(path):
+        raise DataError(f"data.path '{path}' is not a dataset directory (data.source=records reads the directory "
+                        "that `moe-tpu data prepare` wrote)")
     try:
-        with fsspec.open(url, "rt") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
+        if not is_remote(url) and regular_file(url, "data.path") > MANIFEST_MAX_BYTES:
+            raise DataError(f"{url} is over {MANIFEST_MAX_BYTES >> 20} MiB: no dataset manifest")
+        with fsspec.open(url, "rt", encoding="utf-8") as f:
+            manifest = json.loads(f.read(MANIFEST_MAX_BYTES + 1))
+    except (FileNotFoundError, DataError) as e:
+        if isinstance(e, DataError) and "does not exist" not in str(e):
+            raise
         raise DataError(f"data.path '{path}' holds no {MANIFEST} (write one with `python -m trainer.prepare`)") \
             from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise DataError(f"cannot read the dataset manifest {url}: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise DataError(f"{url} is not a moe-tpu dataset manifest (no \"format\": \"{MANIFEST_FORMAT}\")")
-    for key in ("vocab_size", "eod_id", "token_dtype", "shards"):
-        if key not in manifest:
-            raise DataError(f"the dataset manifest {url} lacks '{key}'")
     manifest["directory"] = url.rpartition("/")[0] if is_remote(url) else os.path.dirname(os.path.abspath(url))
+    _check_fields(manifest, url)
     return manifest
+
+
+def _field(manifest: dict, key: str, url: str, kind: type, low: int = 0, high: int | None = None):
+    value = manifest.get(key)
+    if value is None:
+        raise DataError(f"the dataset manifest {url} lacks '{key}'")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < low
+                        or (high is not None and value > high)):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise DataError(f"the dataset manifest {url}: '{key}' must be an integer {bound}, got {value!r:.80}")
+    if kind is not int and not isinstance(value, kind):
+        raise DataError(f"the dataset manifest {url}: '{key}' must be {kind.__name__}, got {value!r:.80}")
+    return value
+
+
+def _check_fields(manifest: dict, url: str) -> None:
+    vocab = _field(manifest, "vocab_size", url, int, 2, 1 << 32)
+    _field(manifest, "eod_id", url, int, 0, vocab - 1)
+    dtype = _field(manifest, "token_dtype", url, str)
+    if dtype not in ("uint16", "uint32") or (dtype == "uint16" and vocab > 1 << 16):
+        raise DataError(f"the dataset manifest {url}: 'token_dtype' must be uint16 (a vocabulary of at most 65536) "
+                        f"or uint32, got {dtype!r:.40} for a vocabulary of {vocab}")
+    shards = _field(manifest, "shards", url, list)
+    for number, shard in enumerate(shards):
+        if not isinstance(shard, dict):
+            raise DataError(f"the dataset manifest {url}: shards[{number}] must be an object, got {shard!r:.80}")
+        inside(manifest, shard.get("file"), f"shards[{number}].file", url)
+        for key in ("documents", "tokens"):
+            if key in shard:
+                _field(shard, key, f"{url} shards[{number}]", int, 0)
+        if not isinstance(shard.get("split", "train"), str):
+            raise DataError(f"the dataset manifest {url}: shards[{number}].split must be text")
+    tokenizer = manifest.get("tokenizer", {})
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("fingerprint", ""), str):
+        raise DataError(f"the dataset manifest {url}: 'tokenizer' must be an object with a text 'fingerprint'")
+    if "file" in tokenizer:
+        inside(manifest, tokenizer["file"], "tokenizer.file", url)
+
+
+def inside(manifest: dict, name: Any, key: str, url: str) -> str:
+    """The path of the file `name` of the dataset: a relative path that stays in the dataset's directory
+    (no '..', not absolute, no link that leads out of it), else a DataError naming the manifest's key."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise DataError(f"the dataset manifest {url}: {key} must be a file name, got {name!r:.80}")
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith("/") or os.path.isabs(name) or ".." in parts or "://" in name:
+        raise DataError(f"the dataset manifest {url}: {key} '{name}' leads out of the dataset's directory; "
+                        "its files must be named relative to it")
+    path = join(manifest["directory"], name)
+    if not is_remote(path):
+        root = os.path.realpath(manifest["directory"])
+        if os.path.commonpath([root, os.path.realpath(path)]) != root:
+            raise DataError(f"the dataset manifest {url}: {key} '{name}' is a link out of the dataset's directory")
+    return path
 
 
 def check_manifest(manifest: dict[str, Any], vocab_size: int, key: str = "data.path") -> None:
@@ -80,6 +160,47 @@ def check_manifest(manifest: dict[str, Any], vocab_size: int, key: str = "data.p
 def shard_paths(manifest: dict[str, Any], split: str = "train") -> list[str]:
     shards = [s for s in manifest["shards"] if s.get("split", "train") == split]
     return [join(manifest["directory"], s["file"]) for s in shards]
+
+
+def dataset_fingerprint(manifest: dict[str, Any], split: str = "train") -> str:
+    """What the dataset is, not where: its manifest's content (vocabulary, end-of-document id, dtype, the
+    tokenizer's fingerprint, each shard's name, documents and tokens) and, locally, each shard's size in
+    bytes. A copy elsewhere has the same one; another corpus under the same path has another."""
+    import hashlib
+
+    identity = {key: manifest.get(key) for key in ("vocab_size", "eod_id", "token_dtype", "documents", "tokens")}
+    identity["tokenizer"] = manifest.get("tokenizer", {}).get("fingerprint", "")
+    identity["shards"] = [[s["file"], s.get("documents"), s.get("tokens"), _size(manifest, s["file"])]
+                          for s in manifest["shards"] if s.get("split", "train") == split]
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return f"dataset:sha256:{digest[:16]}"
+
+
+def _size(manifest: dict[str, Any], name: str) -> int | None:
+    path = join(manifest["directory"], name)
+    return None if is_remote(path) else os.path.getsize(path)
+
+
+def tokens_fingerprint(path: str, rows: TokenRows) -> str:
+    """What a token array is, not where: dtype and length, and locally a hash of its first and last 64 KiB,
+    remotely the object store's checksum of it (no extra read)."""
+    import hashlib
+
+    import fsspec
+
+    digest = hashlib.sha256(f"{rows.dtype.str}:{rows.num_tokens}".encode())
+    fs, target = fsspec.core.url_to_fs(path)
+    if is_remote(path):
+        info = fs.info(target)
+        digest.update(str(info.get("crc32c") or info.get("md5Hash") or info.get("ETag") or "").encode())
+        return f"tokens:sha256:{digest.hexdigest()[:16]}"
+    span = 1 << 16
+    end = rows.offset + rows.num_tokens * rows.dtype.itemsize
+    with open(path, "rb") as f:
+        for start in sorted({rows.offset, max(rows.offset, end - span)}):
+            f.seek(start)
+            digest.update(f.read(min(span, end - start)))
+    return f"tokens:sha256:{digest.hexdigest()[:16]}"
 
 
 # ----------------------------------------------------------------------------- sources
@@ -109,22 +230,24 @@ class TokenRows:
         """(dtype, byte offset of the first token, token count), from the .npy header or the file size."""
         import fsspec
 
+        if not is_remote(path):
+            regular_file(path, "data.path")
         try:
             fs, target = fsspec.core.url_to_fs(path)
             size = fs.size(target)
-            if path.endswith(".npy"):
-                with fs.open(target, "rb") as f:
-                    version = np.lib.format.read_magic(f)
-                    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                        np.lib.format.read_array_header_2_0
-                    shape, _, dtype = read_header(f)
-                    offset = f.tell()
-                return np.dtype(dtype), offset, int(math.prod(shape))
+            if not path.endswith(".npy"):
+                return dtype, 0, size // dtype.itemsize
+            with fs.open(target, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+                offset = f.tell()
         except FileNotFoundError:
             raise DataError(f"data.path '{path}' does not exist") from None
         except (OSError, ValueError) as e:
             raise DataError(f"cannot read tokens from data.path '{path}': {e}") from None
-        return dtype, 0, size // dtype.itemsize
+        return _checked_npy(path, np.dtype(dtype), offset, int(math.prod(shape)), size)
 
     def __len__(self) -> int:
         return self._rows
@@ -132,7 +255,7 @@ class TokenRows:
     def __getitem__(self, row: int) -> np.ndarray:
         start = int(row) * self.seq_len
         if self._local is not None:
-            return np.asarray(self._local[start:start + self.seq_len + 1], np.int32)
+            return self._ids(self._local[start:start + self.seq_len + 1], row)
         if self._remote is None:
             import fsspec
 
@@ -141,7 +264,14 @@ class TokenRows:
         size = self.dtype.itemsize
         raw = fs.cat_file(target, start=self.offset + start * size,
                           end=self.offset + (start + self.seq_len + 1) * size)
-        return np.frombuffer(raw, self.dtype).astype(np.int32)
+        return self._ids(np.frombuffer(raw, self.dtype), row)
+
+    def _ids(self, tokens: np.ndarray, row: int) -> np.ndarray:
+        """int32 ids; a value that int32 cannot hold would wrap into the vocabulary unseen, so it is refused."""
+        if self.dtype.itemsize >= 4 and tokens.size and (tokens.max() > INT32_MAX or tokens.min() < 0):
+            bad = tokens.max() if tokens.max() > INT32_MAX else tokens.min()
+            raise DataError(f"data.path '{self.path}' holds token id {int(bad)} (row {row}): no vocabulary holds it")
+        return np.asarray(tokens, np.int32)
 
     def __getstate__(self):  # memory maps and file-system clients are reopened, not pickled
         return {**self.__dict__, "_local": None, "_remote": None}
@@ -153,20 +283,44 @@ class TokenRows:
                                     shape=(self.num_tokens,))
 
 
-def document_source(paths: Sequence[str]):
-    """Grain's ArrayRecord source over the shards `paths`; a shard with no records is an error."""
+def _checked_npy(path: str, dtype: np.dtype, offset: int, count: int, size: int) -> tuple[np.dtype, int, int]:
+    """A .npy header's claims against the file: integer tokens, and as many bytes as the header says."""
+    if dtype.kind not in "ui":
+        raise DataError(f"data.path '{path}' holds {dtype.name} values; token ids must be integers (uint16, uint32, "
+                        "int32, ...)")
+    if offset + count * dtype.itemsize > size:
+        raise DataError(f"data.path '{path}' is truncated: its header says {count:,} tokens ({count * dtype.itemsize:,} "
+                        f"bytes), the file holds {max(size - offset, 0):,} bytes of them")
+    return dtype, offset, count
+
+
+def document_source(paths: Sequence[str], documents: Sequence[int | None] | None = None):
+    """Grain's ArrayRecord source over the shards `paths`; a shard that is no file, cannot be read, holds no
+    records or not the `documents` its manifest lists is an error naming it."""
     from array_record.python import array_record_data_source, array_record_module
 
-    for path in paths:
-        if not is_remote(path) and not os.path.exists(path):
-            raise DataError(f"the dataset shard {path} does not exist")
-        if not is_remote(path):
+    for number, path in enumerate(paths):
+        if is_remote(path):
+            continue
+        regular_file(path, "the dataset shard")
+        count = None
+        try:
             reader = array_record_module.ArrayRecordReader(path)
             count = reader.num_records()
             reader.close()
-            if count == 0:
-                raise DataError(f"the dataset shard {path} holds no documents")
-    return array_record_data_source.ArrayRecordDataSource(list(paths))
+        except RuntimeError as e:  # ArrayRecord's errors: one line naming the shard
+            raise DataError(f"the dataset shard {path} cannot be read (truncated or corrupt?): "
+                            f"{str(e).splitlines()[0]}") from None
+        if count == 0:
+            raise DataError(f"the dataset shard {path} holds no documents")
+        if documents is not None and documents[number] is not None and documents[number] != count:
+            raise DataError(f"the dataset shard {path} holds {count} documents, its manifest says "
+                            f"{documents[number]}: it was truncated or replaced; prepare the dataset again")
+    try:
+        return array_record_data_source.ArrayRecordDataSource(list(paths))
+    except RuntimeError as e:
+        raise DataError(f"the dataset shards of {os.path.dirname(paths[0])} cannot be read: "
+                        f"{str(e).splitlines()[0]}") from None
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -276,20 +430,36 @@ def _gather_texts(text: str) -> list[str]:
 
 
 def _records(d: DataConfig, vocab_size: int, path: str, key: str):
-    """(grain MapDataset of records, documents settings or None, fingerprint) for `path`."""
+    """(grain MapDataset of records, the manifest or None, fingerprint) for `path`."""
     import grain
 
     if d.source == "tokens":
         rows = TokenRows(path, d.token_dtype, d.seq_len)
-        return grain.MapDataset.source(rows), None, f"tokens:{path}:{rows.num_tokens}:l{d.seq_len}"
+        return grain.MapDataset.source(rows), None, f"{tokens_fingerprint(path, rows)}:l{d.seq_len}"
     manifest = load_manifest(path)
     check_manifest(manifest, vocab_size, key)
     paths = shard_paths(manifest)
     if not paths:
         raise DataError(f"{key}: the dataset {path} lists no shards")
-    source = document_source(paths)
-    fingerprint = f"records:{path}:{len(source)}:{manifest.get('tokenizer', {}).get('fingerprint', '')}"
-    return grain.MapDataset.source(source), manifest, fingerprint
+    documents = [s.get("documents") for s in manifest["shards"] if s.get("split", "train") == "train"]
+    source = document_source(paths, documents)
+    tokens = sum(s.get("tokens") or 0 for s in manifest["shards"] if s.get("split", "train") == "train")
+    if all(s.get("tokens") is not None for s in manifest["shards"]) and tokens + len(source) < d.seq_len + 1:
+        raise DataError(f"{key}: the dataset {path} holds {tokens + len(source)} tokens with its end-of-document "
+                        f"tokens, fewer than one row of data.seq_len + 1 = {d.seq_len + 1}")
+    return grain.MapDataset.source(source), manifest, dataset_fingerprint(manifest)
+
+
+def _same_tokenizer(train: dict | None, held: dict | None, path: str, eval_path: str) -> None:
+    """An evaluation set must be tokenized as the training data was: the same ids mean the same text."""
+    if train is None or held is None:
+        return
+    ours, theirs = (m.get("tokenizer", {}).get("fingerprint", "") for m in (train, held))
+    if ours != theirs or train["eod_id"] != held["eod_id"]:
+        raise DataError(f"data.eval_path '{eval_path}' was prepared with another tokenizer ({theirs or 'unknown'}, "
+                        f"end-of-document id {held['eod_id']}) than data.path '{path}' ({ours or 'unknown'}, "
+                        f"end-of-document id {train['eod_id']}): its loss would not be comparable; prepare it "
+                        f"with --tokenizer {join(train['directory'], train.get('tokenizer', {}).get('file', 'tokenizer.json'))}")
 
 
 def _held_out(records, share: float):
@@ -309,8 +479,9 @@ def open_datasets(cfg: Config, seed: int, *, process_index: int = 0, process_cou
     records, documents, fingerprint = _records(d, cfg.model.vocab_size, d.path, "data.path")
     eval_records = eval_documents = None
     if with_eval and d.eval_path:
-        eval_records, eval_documents, _ = _records(d, cfg.model.vocab_size, resolve_eval_path(d.eval_path),
-                                                   "data.eval_path")
+        eval_path = resolve_eval_path(d.eval_path)
+        eval_records, eval_documents, _ = _records(d, cfg.model.vocab_size, eval_path, "data.eval_path")
+        _same_tokenizer(documents, eval_documents, d.path, eval_path)
     elif with_eval and d.eval_share > 0:
         records, eval_records = _held_out(records, d.eval_share)
         eval_documents = documents

@@ -36,6 +36,24 @@ def metrics_log_path(output_dir: str) -> str:
     return os.path.join(os.path.abspath(output_dir), METRICS_FILE)
 
 
+class NotAFile(StatusError):
+    """A metrics path that is no file (a FIFO, a directory): the user's to fix (exit 2)."""
+
+
+def _no_fifo(path: str) -> None:
+    """A FIFO or socket where the metrics go would block the trainer at its first line: refused by name
+    (a device such as /dev/null is fine to append to)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISDIR(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a directory"
+        raise NotAFile(f"cannot write the metrics file {path}: it is {kind}, not a file")
+
+
 class MetricsLog:
     """Metrics rows kept beside the checkpoints: appended to a local file; for gs:// the whole object is
     rewritten (it cannot be appended to), at most every `remote_every_s` and at `close`."""
@@ -53,7 +71,10 @@ class MetricsLog:
                     self._text = epath.Path(path).read_text()
             else:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                _no_fifo(path)
                 self._file = open(path, "a", buffering=1)
+        except StatusError:
+            raise
         except Exception as e:  # noqa: BLE001 - OSError locally; gcsfs and google-auth errors remotely
             raise StatusError(f"cannot write the metrics file {path}: {reason(e)}") from None
 

@@ -25,14 +25,32 @@ def checkpoint_meta(cfg: Config, steps: int, data: DataIterator) -> dict[str, An
             "decay_steps": cfg.optim.decay_steps or steps}
 
 
+def _content_based(fingerprint: str) -> bool:
+    return fingerprint.startswith(("dataset:sha256:", "tokens:sha256:"))
+
+
+def _path_based(fingerprint: str) -> bool:
+    """Checkpoints written before datasets were known by their content named them by their path: a path says
+    nothing of the data now there, so they are taken as they are."""
+    return fingerprint.startswith(("records:", "tokens:")) and not _content_based(fingerprint)
+
+
+def _dataset(fingerprint: str) -> str:
+    return f"the dataset with fingerprint {fingerprint}" if _content_based(fingerprint) else fingerprint
+
+
 def check_resumable(saved: dict, cfg: Config, data: DataIterator, steps: int, reporter: Reporter) -> None:
     """Refuse (ConfigError, exit 2) to resume another model's or another data source's checkpoint, naming
     what differs; say how a longer run changes the learning-rate schedule."""
     differences = [f"{key} is {value} in the checkpoint, {now} now"
                    for key, value in (saved.get("model") or {}).items()
                    if (now := model_identity(cfg).get(key, value)) != value]
-    if saved.get("source") is not None and saved["source"] != data.fingerprint:
-        differences.append(f"the data source is {saved['source']} in the checkpoint, {data.fingerprint} now")
+    source = saved.get("source")
+    if source is not None and source != data.fingerprint and not _path_based(source):
+        differences.append(f"the data is {_dataset(source)} in the checkpoint, {_dataset(data.fingerprint)} now "
+                           f"(data.path {cfg.data.path or cfg.data.source} holds other data than the checkpoints "
+                           "were trained on)" if _content_based(source) else
+                           f"the data source is {source} in the checkpoint, {data.fingerprint} now")
     if differences:
         raise ConfigError("the checkpoints were written by a different run: " + "; ".join(differences)
                           + ". Resuming would train another model on them; use another --output-dir "

@@ -20,6 +20,7 @@ from trainer import meshspec, sharding
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, OptimConfig
 from trainer.data import DataIterator, open_data
+from trainer.fits import check_fits
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy, step_rngs
 from trainer.moe.layer import ExpertBias
@@ -244,6 +245,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         devices = jax.devices()[: spec.num_devices] if spec.num_devices else jax.devices()
         mesh_shape = spec.mesh_shape or {"data": len(devices), "expert": 1, "model": 1}
         check_divisibility(cfg, mesh_shape)
+        check_fits(cfg, mesh_shape, devices)
         mesh = sharding.make_mesh(mesh_shape, devices)
         data, eval_data = open_data(cfg, cfg.train.seed, process_index=jax.process_index(),
                                     process_count=jax.process_count(), with_eval=cfg.train.eval_every > 0)

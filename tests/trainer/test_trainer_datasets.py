@@ -155,6 +155,7 @@ def test_remote_token_arrays_are_read_by_range(tmp_path):
     ("empty", r"train-00001.array_record holds no documents"),
     ("hosts", r"the data has 3 records, fewer than the 4 hosts"),
     ("eval", r"data.eval_path '.*nothing\*' matches"),
+    ("tiny", r"holds 12 tokens with its end-of-document tokens, fewer than one row of data.seq_len \+ 1 = 17"),
 ])
 def test_data_that_does_not_fit_is_refused_at_start_up(tmp_path, case, message):
     docs = [[1, 2, 3]] * 3
@@ -166,9 +167,11 @@ def test_data_that_does_not_fit_is_refused_at_start_up(tmp_path, case, message):
     elif case == "empty":
         cfg = records_config(write_dataset(tmp_path / "ds", [[1, 2]], vocab=300, shards=2), 300)
     elif case == "hosts":
+        cfg = records_config(write_dataset(tmp_path / "ds", [list(range(1, 9))] * 3, vocab=300, shards=1), 300)
+    elif case == "tiny":
         cfg = records_config(write_dataset(tmp_path / "ds", docs, vocab=300, shards=1), 300)
     else:
-        cfg = records_config(write_dataset(tmp_path / "ds", docs, vocab=300), 300,
+        cfg = records_config(write_dataset(tmp_path / "ds", docs * 2, vocab=300), 300,
                              f"data.eval_path={tmp_path}/nothing*", "train.eval_every=5")
     with pytest.raises(DataError, match=message):
         open_data(cfg, seed=0, process_count=4 if case == "hosts" else 1, with_eval=True)

@@ -1,0 +1,72 @@
+"""Whether a model's training state fits in the devices' memory, decided before anything is allocated.
+
+A config with a typo'd size (d_model=4000000) would otherwise have XLA trace, compile and then try to
+allocate terabytes, which on a host without that much memory ends with the process killed or swapping
+for hours. The count is the trainer's own (trainer.params builds the model abstractly); the bound is the
+state alone (parameters, gradients and two Adam moments), so a config refused here could never train.
+"""
+
+from __future__ import annotations
+
+from trainer.config import Config, ConfigError
+
+STATE_COPIES = 4  # parameters, gradients, Adam's first and second moments, each with the parameters' shape
+GIB = 1 << 30
+
+
+def rough_state_bytes(cfg: Config) -> int:
+    """An upper bound of the whole state's bytes from the config alone (no tracing): the gate of the exact
+    count, which costs a trace."""
+    m, moe = cfg.model, cfg.moe
+    head = m.num_heads * m.head_size
+    attention = 2 * m.d_model * head + 2 * m.d_model * m.kv_heads * m.head_size
+    expert = 3 * m.d_model * max(moe.d_ff, moe.shared_d_ff or moe.d_ff) * (moe.num_experts + moe.num_shared_experts + 1)
+    per_layer = attention + max(3 * m.d_model * m.d_ff, expert) + 4 * m.d_model
+    params = 2 * m.vocab_size * m.d_model + m.num_layers * per_layer
+    return params * STATE_COPIES * 4
+
+
+def state_bytes_per_device(cfg: Config, mesh_shape: dict[str, int]) -> int:
+    """The state's bytes on one device: each parameter's bytes over the ways the mesh splits it, times four."""
+    from trainer.params import param_inventory, shard_ways
+
+    mesh = tuple(mesh_shape.items())
+    return STATE_COPIES * sum(p.nbytes // shard_ways(p.axes, p.shape, mesh, cfg.train.fsdp)
+                              for p in param_inventory(cfg))
+
+
+def logits_bytes_per_device(cfg: Config, mesh_shape: dict[str, int]) -> int:
+    """One batch's float32 logits and their gradient on one device (the batch is split over data x expert):
+    the smallest part of the activations, and alone enough to refuse a batch far too big."""
+    rows = -(-cfg.data.global_batch_size // (mesh_shape.get("data", 1) * mesh_shape.get("expert", 1)))
+    return 2 * 4 * rows * cfg.data.seq_len * cfg.model.vocab_size
+
+
+def device_memory(devices) -> tuple[int, str] | None:
+    """(bytes one device has, what they are): the accelerator's limit, or on CPU the host's available
+    memory shared by its devices; None when unknown."""
+    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"the {devices[0].device_kind} device's memory"
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    local = sum(1 for d in devices if d.process_index == devices[0].process_index)
+    return available // max(local, 1), f"the host's available memory shared by {local} device(s)"
+
+
+def check_fits(cfg: Config, mesh_shape: dict[str, int], devices) -> None:
+    """ConfigError (exit 2) when the training state alone cannot fit on a device."""
+    memory = device_memory(devices)
+    logits = logits_bytes_per_device(cfg, mesh_shape)
+    if memory is None or rough_state_bytes(cfg) // max(len(devices), 1) + logits < memory[0] // 4:
+        return
+    need = state_bytes_per_device(cfg, mesh_shape) + logits
+    if need > memory[0]:
+        raise ConfigError(f"the model cannot fit: its parameters, gradients and optimizer state and one batch's "
+                          f"logits need {need / GIB:,.1f} GiB per device on the mesh {mesh_shape}, more than {memory[1]} "
+                          f"({memory[0] / GIB:,.1f} GiB); make the model smaller (model.d_model, model.num_layers, "
+                          "moe.num_experts) or use more devices")
