@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from trainer import sharding
 from trainer.cli import train_command
 from trainer.config import load_config
-from trainer.meshspec import MESH_AXES
+from trainer.meshspec import MESH_AXES, config_problems
 from trainer.metrics import Reporter
 from trainer.params import param_inventory
 from trainer.train import RunSpec, build_trainer, compile_step, run
@@ -282,3 +282,22 @@ def test_the_planners_memory_per_chip_is_within_25_percent_of_xlas():
     estimate = planner.memory_per_chip(param_inventory(tr.cfg), tr.cfg, planner.Mesh(1, 2, model=4),
                                        catalogue.accelerator("v5litepod-8")).total
     assert abs(estimate - peak) <= 0.25 * peak, (estimate, peak)
+
+
+def test_model_axis_problems_name_each_number_to_change():
+    from trainer.meshspec import model_axis_problems
+
+    assert model_axis_problems(1, num_heads=3, kv_heads=3, dense_d_ff=7, expert_d_ff=7) == []
+    assert model_axis_problems(4, num_heads=8, kv_heads=2, dense_d_ff=64, expert_d_ff=None) == []  # KV replicated
+    assert model_axis_problems(4, num_heads=8, kv_heads=8, dense_d_ff=None, expert_d_ff=32) == []
+    assert model_axis_problems(4, num_heads=6, kv_heads=6, dense_d_ff=66, expert_d_ff=30, shared_d_ff=34) == [
+        "model.num_heads (6) must be divisible by the mesh's model axis (4)",
+        "model.kv_heads (6) must divide or be divisible by the mesh's model axis (4)",
+        "model.d_ff (66) must be divisible by the mesh's model axis (4)",
+        "moe.d_ff (30) must be divisible by the mesh's model axis (4)",
+        "the shared experts' d_ff (34) must be divisible by the mesh's model axis (4)",
+    ]
+    # tiny has MoE layers only: its dense d_ff is not split, so it is not checked.
+    assert config_problems(load_config("tiny", ["model.d_ff=66"]), {"data": 2, "expert": 1, "model": 4}) == []
+    assert config_problems(load_config("tiny"), {"data": 3, "expert": 1, "model": 2}) == [
+        "data.global_batch_size (16) must be divisible by the mesh size data x expert = 3"]
