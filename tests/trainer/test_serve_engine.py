@@ -163,11 +163,10 @@ def test_a_cancelled_request_frees_its_slot_and_a_failing_one_fails_alone(tiny_e
     assert sorted(tiny_engine.free) == list(range(tiny_engine.slots))
 
 
-@pytest.mark.parametrize("name, overrides", [
-    ("tiny", []),  # a token a device at decode: fewer rows than the tiled FFN's longest span
-    ("deepseek-tiny", ["moe.expert_groups=8", "moe.routing_groups_limit=4"])])
-def test_experts_over_8_devices_serve_concurrent_requests_as_alone(name, overrides):
-    model, weights = serving(name, devices=8, expert=8, overrides=overrides)
+def test_experts_over_8_devices_serve_concurrent_requests_as_alone():
+    # A token a device at decode: fewer rows than the tiled FFN's longest span. (deepseek-tiny, its shared
+    # expert and bias, decodes as its forward pass above; the MoE tests cover its layer on the mesh.)
+    model, weights = serving("tiny", devices=8, expert=8)
     w_in = weights["params"]["blocks.0.ffn.w_in"]
     assert w_in.sharding.spec[0] == "expert"  # the experts are split over the mesh
     engine = Engine(model, weights, slots=8, max_len=80, chunk=16)
