@@ -164,12 +164,13 @@ def test_a_cancelled_request_frees_its_slot_and_a_failing_one_fails_alone(tiny_e
 
 
 def test_experts_over_8_devices_serve_concurrent_requests_as_alone():
-    model, weights = serving("deepseek-tiny", devices=8, expert=8, overrides=["moe.expert_groups=8",
-                                                                              "moe.routing_groups_limit=4"])
+    # A token a device at decode: fewer rows than the tiled FFN's longest span. (deepseek-tiny, its shared
+    # expert and bias, decodes as its forward pass above; the MoE tests cover its layer on the mesh.)
+    model, weights = serving("tiny", devices=8, expert=8)
     w_in = weights["params"]["blocks.0.ffn.w_in"]
     assert w_in.sharding.spec[0] == "expert"  # the experts are split over the mesh
     engine = Engine(model, weights, slots=8, max_len=80, chunk=16)
     engine.warm_up()
-    alone, together = alone_then_together(engine, random_requests(np.random.RandomState(2), 12, 256, 60, 12))
+    alone, together = alone_then_together(engine, random_requests(np.random.RandomState(2), 10, 256, 60, 12))
     assert together == alone
     assert engine.compilations() == 2

@@ -57,8 +57,9 @@ def _spans_of_size(span_count_C, block_rows, total_blocks, num_groups):
     """(rows, first, count) per span size: its spans are span_start[first:first + count]."""
     sizes, slots = span_sizes(), span_slots(total_blocks, num_groups)
     firsts = [sum(slots[:c]) for c in range(len(sizes))]
+    # A span longer than all the blocks never runs, and could not be sliced (decoding: a few rows a device).
     return [(size * block_rows, first, span_count_C[c])
-            for c, (size, first, n) in enumerate(zip(sizes, firsts, slots, strict=True)) if n]
+            for c, (size, first, n) in enumerate(zip(sizes, firsts, slots, strict=True)) if n and size <= total_blocks]
 
 
 def _hidden(x_BxD, w_in, w_gate, e, dtype):

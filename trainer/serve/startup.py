@@ -46,8 +46,10 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     cfg = load_run_config(config_path)
     codec = Codec(cfg, tokenizer_path)
     devices = jax.devices()
+    # By default the experts spread over as many devices as divide them; the rest replicate them (data).
+    expert = math.gcd(len(devices), cfg.moe.num_experts)
     try:
-        mesh_shape = sharding.parse_mesh(mesh_text or f"data=1,expert={len(devices)}", len(devices))
+        mesh_shape = sharding.parse_mesh(mesh_text or f"data={len(devices) // expert},expert={expert}", len(devices))
     except ValueError as e:
         raise ServeError(f"--mesh: {e}") from None
     if cfg.moe.num_experts % mesh_shape["expert"]:
