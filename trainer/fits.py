@@ -68,5 +68,5 @@ def check_fits(cfg: Config, mesh_shape: dict[str, int], devices) -> None:
     if need > memory[0]:
         raise ConfigError(f"the model cannot fit: its parameters, gradients and optimizer state and one batch's "
                           f"logits need {need / GIB:,.1f} GiB per device on the mesh {mesh_shape}, more than {memory[1]} "
-                          f"({memory[0] / GIB:,.1f} GiB); make the model smaller (model.d_model, model.num_layers, "
-                          "moe.num_experts) or use more devices")
+                          f"({memory[0] / GIB:,.1f} GiB); make the model or the batch smaller (model.d_model, "
+                          "model.num_layers, moe.num_experts, data.global_batch_size) or use more devices")

@@ -7,8 +7,13 @@ fraction, and each expert's share of the routed tokens over the steps as a heatm
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
+import os
+import stat
 import sys
+import tempfile
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,10 +21,43 @@ import numpy as np
 SIZE_IN, DPI = (12.8, 8.0), 100  # 1280 x 800 pixels
 
 
+def _readable(row) -> bool:
+    return isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+
+
 def latest_rows(rows: Sequence[dict]) -> list[dict]:
     """One row per step, the last one written (a resumed run repeats the steps after its checkpoint)."""
-    by_step = {r["step"]: r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)}
+    by_step = {r["step"]: r for r in rows if _readable(r)}
     return [by_step[s] for s in sorted(by_step)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    path: str  # the file written (FILE.png when FILE was given without a suffix)
+    skipped: int  # metric rows that could not be read (no step, not an object), left out
+    notes: tuple[str, ...] = ()  # what to tell the user: the suffix added, the rows skipped
+
+
+def png_path(path: str) -> tuple[str, tuple[str, ...]]:
+    """The PNG path to write for `path`, and notes: '.png' added to a name without a suffix; any other
+    format, a directory, a device or a FIFO refused (an OSError whose strerror says why)."""
+    root, suffix = os.path.splitext(os.path.basename(path))
+    if not path.strip() or not root:
+        raise OSError(errno.EINVAL, "name a file, e.g. run.png")
+    notes: tuple[str, ...] = ()
+    if not suffix:
+        path, notes = path + ".png", (f"wrote PNG: added .png to the name ({path}.png)",)
+    elif suffix.lower() != ".png":
+        raise OSError(errno.EINVAL, f"the plot is a PNG; '{suffix}' is not a format it writes: name it {root}.png")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return path, notes
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise OSError(errno.EINVAL, f"it is {kind}, not a file")
+    return path, notes
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -27,14 +65,37 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def plot_metrics(rows: Sequence[dict], path: str, *, title: str) -> None:
-    """Writes the four panels of `rows` (metrics.jsonl rows) to the PNG `path`."""
+def plot_metrics(rows: Sequence[dict], path: str, *, title: str) -> Written:
+    """Writes the four panels of `rows` (metrics.jsonl rows) to the PNG `path` (see png_path), whole: to a
+    temporary file beside it, then renamed over it, so that a link there is replaced, never written through."""
+    path, notes = png_path(path)
+    skipped = sum(not _readable(r) for r in rows)
+    if skipped:
+        notes += (f"skipped {skipped} metric row(s) that could not be read (no step)",)
+    figure = _figure(latest_rows(rows), title)
+    fd, tmp = tempfile.mkstemp(prefix=".plot-", suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            figure.savefig(f, dpi=DPI, format="png")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+    return Written(path, skipped, notes)
+
+
+def _figure(rows: list[dict], title: str):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = latest_rows(rows)
     fig, axes = plt.subplots(2, 2, figsize=SIZE_IN, dpi=DPI, constrained_layout=True)
     fig.suptitle(title, fontsize=14)
     loss, speed, drop, load = axes.ravel()
@@ -67,8 +128,7 @@ def plot_metrics(rows: Sequence[dict], path: str, *, title: str) -> None:
         fig.colorbar(image, ax=load, label="share of routed tokens")
         load.set_ylabel("expert")
     _decorate(load, "expert load", grid=False)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    return fig
 
 
 def _decorate(ax, title: str, *, legend: bool = False, grid: bool = True) -> None:
@@ -87,12 +147,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         with open(argv[0]) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError) as e:
+            rows = [_row(line) for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
         print(f"cannot read {argv[0]}: {e}", file=sys.stderr)
         return 2
-    plot_metrics(rows, argv[1], title=argv[0])
+    try:
+        written = plot_metrics(rows, argv[1], title=argv[0])
+    except OSError as e:
+        print(f"cannot write the plot {argv[1]}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    for note in written.notes:
+        print(note, file=sys.stderr)
+    print(f"plot: {written.path}", file=sys.stderr)
     return 0
+
+
+def _row(line: str):
+    """A metrics row, or None for a line that is not JSON (a torn last line): plot_metrics counts those."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
                      + (f", eval loss {status['eval_loss']:.4f} at step {status.get('eval_step')}"
                         if isinstance(status.get("eval_loss"), (int, float)) else ""))
     if plot_path:
-        _plot(app, cfg, rows, plot_path)
+        plot_path = _plot(app, cfg, rows, plot_path)
     app.console.emit(app.document("ok", output_dir=out, status=status or None, metrics=rows,
                                   **({"plot": plot_path} if plot_path else {})))
 
@@ -110,7 +110,7 @@ def read_output(read: Callable[[str, Callable], object], pod_log: Callable[[], s
                 policy=every, what="the trainer to end")
 
 
-def _plot(app, cfg, rows: list, path: str) -> None:
+def _plot(app, cfg, rows: list, path: str) -> str:
     from provision.errors import MissingDependency, UsageError
 
     try:
@@ -123,10 +123,13 @@ def _plot(app, cfg, rows: list, path: str) -> None:
         raise UsageError(f"nothing to plot: the run has no metrics yet ({app.trainer_output_dir(cfg)})")
     model = cfg.dry_run.trainer_config + f" (dry run of {cfg.trainer.config})" if app.dry_run else cfg.trainer.config
     try:
-        plot_metrics(rows, path, title=f"run {cfg.run}  -  model {model}")
+        written = plot_metrics(rows, path, title=f"run {cfg.run}  -  model {model}")
     except OSError as e:
         raise UsageError(f"cannot write the plot {path}: {e.strerror or e}") from None
-    app.console.info(f"plot: {path}")
+    for note in written.notes:
+        app.console.info(note)
+    app.console.info(f"plot: {written.path}")
+    return written.path
 
 
 ROW_FIELDS = (("loss", "loss {:.4f}"), ("eval_loss", "eval loss {:.4f}"), ("eval_perplexity", "ppl {:.2f}"),

@@ -67,3 +67,24 @@ def test_a_preempted_dry_run_reports_goodput_and_its_logs_plot_to_a_png(dry_run,
         assert colored > 500, (left, top, colored)
     code, _, err = invoke("--dry-run", "logs", "--plot", str(tmp_path / "none" / "x.png"))
     assert code == 2 and "cannot write the plot" in err
+    for bad, why in ((tmp_path, "it is a directory, not a file"), ("/dev/null", "it is a device, not a file"),
+                     (tmp_path / "x.jpg", "'.jpg' is not a format it writes: name it x.png")):
+        code, _, err = invoke("--dry-run", "logs", "--plot", str(bad))
+        assert code == 2 and f"cannot write the plot {bad}: {why}" in err, err
+    # No suffix: .png added and said; a link at that name is replaced, the file it led to left alone.
+    (tmp_path / "mine.txt").write_text("my own file")
+    (tmp_path / "linked.png").symlink_to(tmp_path / "mine.txt")
+    code, _, err = invoke("--dry-run", "logs", "--plot", str(tmp_path / "linked"))
+    assert code == 0 and f"plot: {tmp_path}/linked.png" in err and "added .png to the name" in err, err
+    assert (tmp_path / "mine.txt").read_text() == "my own file" and not (tmp_path / "linked.png").is_symlink()
+    assert png_size(tmp_path / "linked.png") >= (800, 600)
+
+
+def test_a_plot_skips_and_counts_the_rows_it_cannot_read(tmp_path):
+    from trainer.plot import plot_metrics
+
+    rows = [{"step": 1, "loss": 3.0}, {"loss": 2.0}, "torn line", None, {"step": True}, {"step": 2, "loss": 2.5}]
+    written = plot_metrics(rows, str(tmp_path / "p.png"), title="t")
+    assert written.skipped == 4 and written.path == str(tmp_path / "p.png")
+    assert "skipped 4 metric row(s) that could not be read" in " ".join(written.notes)
+    assert png_size(tmp_path / "p.png") >= (800, 600) and not list(tmp_path.glob(".plot-*"))
