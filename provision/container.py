@@ -48,8 +48,8 @@ def trainer_container(cfg: Config, image: str, status_file: str | None = None) -
     args = ["--config", cfg.trainer.config, "--output-dir", cfg.trainer.output_dir, "--resume", "auto"]
     if cfg.trainer.steps is not None:
         args += ["--steps", str(cfg.trainer.steps)]
-    if cfg.trainer.mesh is not None:
-        args += ["--mesh", cfg.trainer.mesh]
+    if cfg.trainer_mesh is not None:  # trainer.mesh, or the plan's choice (resolved by the config's loader)
+        args += ["--mesh", cfg.trainer_mesh]
     if status_file is not None:
         args += ["--status-file", status_file]
     return Container(image=image, command=TRAINER_COMMAND, args=(*args, *cfg.trainer.set_flags()),

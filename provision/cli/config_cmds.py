@@ -122,7 +122,7 @@ def render(app, config_path: str, out_dir: str) -> None:
     from provision.statefiles import ensure_dir, write_atomic
 
     app.command = "render"
-    cfg = app.load_config(config_path)
+    cfg = app.load_config(config_path, plan_mesh=True)  # what would be sent: the trainer's mesh decided
     files = _rendered(app, cfg)
     out = Path(out_dir)
     written = []

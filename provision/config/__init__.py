@@ -19,6 +19,7 @@ from provision.config.loading import (  # noqa: F401 - the config's API, one imp
     config_from_dict,
     load_config,
     trainer_problems,
+    with_planned_mesh,
 )
 from provision.config.sections import (  # noqa: F401 - the config's API, one import away
     Config,

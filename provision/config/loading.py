@@ -248,7 +248,7 @@ def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Probl
 
 
 def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: dict[str, int]) -> Config:
-    for internal in ("source", "kind_sections"):
+    for internal in ("source", "kind_sections", "planned_mesh"):
         if internal in raw:
             raw.pop(internal)
             problems.append(Problem(file, internal, f"unknown key {internal!r}"))
@@ -285,11 +285,38 @@ def _own_sections_of(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     return sections, errors
 
 
-def load_config(path: Path | str, check_trainer: bool = False) -> Config:
+def mesh_problem(cfg: Config, why: str) -> Problem:
+    """trainer.mesh is unset and the plan cannot choose a mesh: say what to set."""
+    target = cfg.kind.hardware(cfg)
+    chips = target[0].chips * target[1]
+    return Problem(str(cfg.source), "trainer.mesh",
+                   f"not set, and {why}: set `trainer.mesh: data=D,expert=E` (D x E = the target's {chips} chips; "
+                   "`moe-tpu plan --mesh ...` checks a choice), or a trainer config and target that fit")
+
+
+def with_planned_mesh(cfg: Config) -> Config:
+    """The config with the mesh its trainer is started with decided, once, here: trainer.mesh, or where it
+    is unset the plan's choice for the config's own target (Config.planned_mesh, which every renderer
+    reads through Config.trainer_mesh). ConfigError naming trainer.mesh where the plan cannot choose."""
+    if cfg.trainer.mesh is not None or cfg.planned_mesh is not None:
+        return cfg
+    try:
+        from provision.planner import mesh_choice
+    except ImportError as exc:  # the planner needs the trainer's packages
+        raise ConfigError([mesh_problem(cfg, f"the plan needs the trainer's packages ({exc.name} is missing)")]) \
+            from None
+    mesh, why = mesh_choice(cfg)
+    if mesh is None:
+        raise ConfigError([mesh_problem(cfg, why)])
+    return cfg.model_copy(update={"planned_mesh": mesh})
+
+
+def load_config(path: Path | str, check_trainer: bool = False, plan_mesh: bool = False) -> Config:
     """Read and validate a config file. ConfigError (exit 2) lists every problem at once.
 
-    `check_trainer` also runs the trainer's own checks on the trainer section (commands that
-    start training ask for it; `down` and `list` must work whatever the trainer thinks)."""
+    `check_trainer` also runs the trainer's own checks on the trainer section and decides the mesh the
+    trainer is started with (`with_planned_mesh`): commands that start training ask for it; `down` and
+    `list` must work whatever the trainer thinks. `plan_mesh` decides the mesh alone (`render`)."""
     path = Path(path)
     file = str(path)
     try:
@@ -312,7 +339,10 @@ def load_config(path: Path | str, check_trainer: bool = False) -> Config:
                                                         "(project, region, zones, run, ...)")])
     cfg = _validate(raw, file, problems, lines)
     if check_trainer and (trainer := trainer_problems(cfg)):
+        if cfg.trainer.mesh is None and any(p.key.startswith("trainer.") and p.key != "trainer.mesh"
+                                            for p in trainer):
+            trainer.append(mesh_problem(cfg, "the plan cannot choose one while the trainer config is refused"))
         raise ConfigError(trainer)
-    return cfg
+    return with_planned_mesh(cfg) if check_trainer or plan_mesh else cfg
 
 

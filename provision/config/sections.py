@@ -218,7 +218,8 @@ class TrainerConfig(_Section):
     config: str = "tiny"
     output_dir: str
     steps: Positive | None = None
-    # The device mesh (`--mesh`), e.g. data=8,expert=8 or data=4,expert=8,model=2; unset: every chip on data.
+    # The device mesh (`--mesh`), e.g. data=8,expert=8 or data=4,expert=8,model=2; unset: the plan's choice
+    # for the target (Config.trainer_mesh), passed to the trainer as --mesh.
     mesh: str | None = None
     overrides: dict[str, str | int | float | bool] = Field(default_factory=dict)
 
@@ -324,6 +325,15 @@ class Config(BaseModel):
     # with the kind's model: key -> the section.
     kind_sections: dict[str, Any] = Field(default_factory=dict, exclude=True)
     source: Path = Field(default=Path(DEFAULT_CONFIG), exclude=True)
+    # Where trainer.mesh is unset: the mesh the plan chose for this config's target, decided once by
+    # provision.config.loading.with_planned_mesh (never read from the file); see `trainer_mesh`.
+    planned_mesh: str | None = Field(default=None, exclude=True)
+
+    @property
+    def trainer_mesh(self) -> str | None:
+        """The mesh the trainer is started with (`--mesh`): trainer.mesh, else the plan's choice. None
+        only for a config loaded without its mesh resolved (`down`, `list`: nothing is started)."""
+        return self.trainer.mesh or self.planned_mesh
 
     @field_validator("target", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from provision import catalogue
 from provision.errors import MissingDependency, UsageError
 from provision.planner.estimates import (
     DROP_WARNING,
+    GIB,
     MAX_SLICES,
     Cost,
     Layout,
@@ -186,6 +187,11 @@ class Plan:
     cost: Cost
     advice: Advice
     warnings: tuple[str, ...]
+    # Where the mesh came from: "trainer.mesh" (given in the config), "--mesh" (given to `plan`) or "plan"
+    # (chosen here: trainer.mesh unset, so the run's trainer is started with the plan's choice);
+    # `what_if`: planned for another model, target or mesh than the run's own (command-line overrides).
+    mesh_source: str = "plan"
+    what_if: bool = False
 
     @property
     def fits(self) -> bool:
@@ -273,6 +279,32 @@ def mesh_problems(cfg: Config) -> list[tuple[str, str]]:
     return found
 
 
+def mesh_choice(cfg: Config) -> tuple[str | None, str]:
+    """Where trainer.mesh is unset: the mesh the plan chooses for the config's own target (`choose_mesh`,
+    the mesh `plan` shows and the trainer is then started with) and ""; or None and why the plan
+    cannot choose one (the trainer config cannot be read, or no mesh of the target fits the model)."""
+    try:
+        from trainer.config import ConfigError
+        from trainer.params import param_inventory
+
+        target = target_of(cfg)
+        model_cfg = load_model_config(cfg)
+        params = param_inventory(model_cfg)
+    except ImportError as exc:
+        return None, f"the plan needs the trainer's packages to choose one ({exc.name or 'jax'} is missing)"
+    except (ConfigError, ValueError) as exc:
+        return None, f"the plan cannot read trainer.config {cfg.trainer.config!r} to choose one ({exc})"
+    mesh, memory = choose_mesh(params, model_cfg, target.accelerator, target.slices)
+    if not memory.fits:
+        advice = advise(params, model_cfg, target.accelerator)
+        larger = (f"; it fits on {advice.slices_needed} x {target.accelerator.name}" if advice.slices_needed
+                  else "")
+        return None, (f"no mesh of the target's {target.chips} chips fits {model_cfg.name} (the one needing "
+                      f"least, {mesh.text()}, needs {memory.total / GIB:.2f} GiB per chip of "
+                      f"{memory.hbm / GIB:.0f} GiB{larger})")
+    return mesh.text(), ""
+
+
 def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None = None,
              slices: int | None = None, mesh_text: str | None = None) -> Plan:
     """The plan for a control-plane config. A model or mesh that cannot be used raises UsageError
@@ -285,6 +317,7 @@ def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None =
     try:
         model_cfg = load_model_config(cfg, model)
         target = target_of(cfg, accelerator, slices)
+        given = mesh_text
         mesh_text = mesh_text or cfg.trainer.mesh
         mesh = target_mesh(mesh_text, target.chips, target.slices) if mesh_text else None
         params = param_inventory(model_cfg)
@@ -293,9 +326,9 @@ def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None =
                          hint="check trainer.config and trainer.overrides in the config, and --mesh") from None
     steps = cfg.trainer.steps or model_cfg.train.steps
     plan = make_plan(params, model_cfg, target, steps, mesh)
-    if mesh_text is None and model_cfg.model.num_moe_layers:
-        # Planned with the mesh it picked; the trainer runs with trainer.mesh, or all chips on data.
-        plan = dataclasses.replace(plan, warnings=(*plan.warnings, (
-            f"trainer.mesh is not set, so the trainer puts every chip on data; set `trainer.mesh: "
-            f"{plan.mesh.text()}` to train with this plan's mesh")))
-    return plan
+    source = "--mesh" if given else ("trainer.mesh" if mesh is not None else "plan")
+    if source == "trainer.mesh":
+        plan = dataclasses.replace(plan, mesh=dataclasses.replace(
+            plan.mesh, reason=plan.mesh.reason.replace("given with --mesh", "given in trainer.mesh")))
+    what_if = any(x is not None for x in (model, accelerator, slices)) or source == "--mesh"
+    return dataclasses.replace(plan, mesh_source=source, what_if=what_if)

@@ -86,7 +86,8 @@ def plan_document(plan: Plan) -> dict[str, Any]:
         "mesh": {"data": plan.mesh.data, "expert": plan.mesh.expert,
                  **({"model": plan.mesh.model} if plan.mesh.model > 1 else {}), "slices": plan.mesh.slices,
                  "fsdp": plan.model.train.fsdp, "remat": plan.model.model.remat, "reason": plan.mesh.reason,
-                 "trainer_flag": f"--mesh {plan.mesh.text()}"},
+                 "trainer_flag": f"--mesh {plan.mesh.text()}", "source": plan.mesh_source,
+                 "source_text": mesh_source_text(plan)},
         "params_total": n.total, "params_active": n.active, "params_per_expert": n.per_expert,
         "params_embedding": n.embedding, "params_experts": n.experts, "params_matmul_per_token": n.matmul_active,
         "param_dtype": plan.model.param_dtype, "compute_dtype": plan.model.dtype,
@@ -132,7 +133,21 @@ def _head_lines(plan: Plan) -> list[str]:
         f"{human_count(n.per_expert)} per expert, {human_count(n.embedding)} embedding",
         f"target    {target_text(plan.target)}, {plan.target.capacity}",
         f"mesh      {mesh.text()}{', ' + extras if extras else ''} ({mesh.reason})",
+        f"          {mesh_source_text(plan)}",
     ]
+
+
+def mesh_source_text(plan: Plan) -> str:
+    """Where the plan's mesh came from, and whether the run's trainer is started with it."""
+    flag = f"--mesh {plan.mesh.text()}"
+    if plan.mesh_source == "--mesh":
+        return "given with --mesh (a what-if: the run's trainer gets trainer.mesh, or its own plan's choice)"
+    if plan.mesh_source == "trainer.mesh":
+        return f"given in trainer.mesh: the trainer is started with {flag}"
+    if plan.what_if:
+        return ("chosen by the plan for this model and target (trainer.mesh is not set: the run's trainer "
+                "gets the plan's choice for the config's own target)")
+    return f"chosen by the plan (trainer.mesh is not set): the trainer is started with {flag}"
 
 
 def _rows(*rows: tuple[str, ...]) -> list[str]:

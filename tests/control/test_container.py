@@ -58,21 +58,67 @@ def _mesh(argv: list[str]) -> str | None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda path: path.stem)
 def test_every_renderer_passes_the_trainer_the_mesh_the_plan_approves(example, tmp_path):
-    cfg = load_config(example)
+    cfg = load_config(example, check_trainer=True)  # as `validate` and `run` load it
     files = cfg.kind.render(cfg, Renderer(IMAGE))
     argvs = trainer_argvs(files)
     assert argvs, f"{example.name}: no rendered file starts the trainer"
     plan = planner.plan_for(cfg)
+    # Every example states its mesh, and it fits by its own plan.
+    assert cfg.trainer.mesh is not None and plan.mesh_source == "trainer.mesh" and plan.fits, example.name
+    stated = [line for line in example.read_text().splitlines() if line.strip().startswith("mesh:")]
+    assert len(stated) == 1 and "`moe-tpu plan`" in stated[0], stated  # with a comment: what the plan said
     for name, argv in argvs.items():
         assert argv[:len(container.TRAINER_COMMAND)] == list(container.TRAINER_COMMAND), name
-        if cfg.trainer.mesh is not None:
-            assert _mesh(argv) == plan.mesh.text() == cfg.trainer.mesh, name
-        else:  # no mesh given: the trainer puts every chip on data, and the plan says so
-            assert _mesh(argv) is None, name
-            assert plan.model.model.num_moe_layers == 0 or any("trainer.mesh is not set" in w for w in plan.warnings)
+        assert argv.count("--mesh") == 1 and _mesh(argv) == plan.mesh.text() == cfg.trainer.mesh, name
     # The dry run runs the same argv made small: its mesh is dry_run.mesh, which the plan checks too.
     local = local_argv(trainer_argv(cfg), cfg, tmp_path)
-    assert _mesh(local) == cfg.dry_run.mesh and not planner.mesh_problems(cfg)
+    assert local.count("--mesh") == 1 and _mesh(local) == cfg.dry_run.mesh and not planner.mesh_problems(cfg)
+
+
+# Each kind of target without trainer.mesh: (example, the GKE runtime to render it with, if any).
+UNSET = [("v5e-64.yaml", None), ("vertex.yaml", None), ("gke.yaml", "jax"), ("gke-pathways.yaml", "pathways")]
+
+
+@pytest.mark.parametrize(("example", "runtime"), UNSET, ids=lambda v: str(v))
+def test_without_trainer_mesh_every_renderer_passes_the_plans_choice(example, runtime, tmp_path):
+    doc = yaml.safe_load((ROOT / "examples" / example).read_text())
+    del doc["trainer"]["mesh"]
+    if runtime:
+        doc["gke"]["runtime"] = runtime
+    path = tmp_path / "moe-tpu.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cfg = load_config(path, check_trainer=True)
+    plan = planner.plan_for(cfg)
+    assert cfg.trainer.mesh is None and plan.mesh_source == "plan" and plan.fits
+    assert cfg.trainer_mesh == cfg.planned_mesh == plan.mesh.text()
+    assert f"the trainer is started with --mesh {plan.mesh.text()}" in planner.mesh_source_text(plan)
+    argvs = trainer_argvs(cfg.kind.render(cfg, Renderer(IMAGE)))
+    assert argvs and all(_mesh(argv) == plan.mesh.text() for argv in argvs.values()), argvs
+    assert "planned_mesh" not in cfg.model_dump()  # decided here, never written back or read from a file
+
+
+def test_a_config_whose_mesh_the_plan_cannot_choose_is_refused_saying_what_to_set(tmp_path):
+    doc = yaml.safe_load((ROOT / "examples" / "moe-1.2t.yaml").read_text())
+    del doc["trainer"]["mesh"]
+    doc["slice"]["count"] = 1  # 1.2T parameters on 64 chips: no mesh fits
+    (tmp_path / "huge.yaml").write_text(yaml.safe_dump(doc))
+    doc = yaml.safe_load((ROOT / "examples" / "vertex.yaml").read_text())
+    del doc["trainer"]["mesh"]
+    doc["trainer"]["overrides"] = {"moe.num_experts": 0}  # a trainer config the trainer refuses
+    (tmp_path / "refused.yaml").write_text(yaml.safe_dump(doc))
+    doc["planned_mesh"] = "data=64"  # internal: never taken from a file
+    (tmp_path / "internal.yaml").write_text(yaml.safe_dump(doc))
+    from cli_helpers import invoke
+
+    code, _, err = invoke("validate", "-c", str(tmp_path / "huge.yaml"))
+    assert code == 2 and "trainer.mesh: not set, and no mesh of the target's 64 chips fits moe-1.2t" in err
+    assert "set `trainer.mesh: data=D,expert=E`" in err and "fits on 16 x v5litepod-64" in err
+    code, _, err = invoke("render", "-c", str(tmp_path / "huge.yaml"), "--out", str(tmp_path / "out"))
+    assert code == 2 and "trainer.mesh: not set" in err and not (tmp_path / "out").exists()
+    code, _, err = invoke("validate", "-c", str(tmp_path / "refused.yaml"))
+    assert code == 2 and "trainer.overrides.moe.num_experts" in err and "trainer.mesh: not set" in err
+    code, _, err = invoke("validate", "-c", str(tmp_path / "internal.yaml"))
+    assert code == 2 and "planned_mesh" in err
 
 
 def test_the_two_commands_of_the_image():

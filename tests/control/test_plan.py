@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from cli_helpers import invoke as moe
 
 from provision import catalogue, planner
@@ -387,8 +388,18 @@ def test_v5e_64_fits_and_is_priced_from_the_catalogue(workdir):
                                                for part in ("params", "grads", "optimizer", "activations"))
 
 
-def test_a_1_2t_moe_does_not_fit_a_v5e_64_and_says_how_many_slices_would(workdir):
-    code, out, err = moe("--output", "json", "plan", "-c", str(HUGE))
+def one_slice(path: Path, tmp_path: Path) -> Path:
+    """A copy of an example on one slice, without trainer.mesh (the plan chooses it)."""
+    doc = yaml.safe_load(path.read_text())
+    doc["slice"]["count"] = 1
+    del doc["trainer"]["mesh"]
+    copy = tmp_path / f"one-slice.{path.name}"
+    copy.write_text(yaml.safe_dump(doc))
+    return copy
+
+
+def test_a_1_2t_moe_does_not_fit_a_v5e_64_and_says_how_many_slices_would(workdir, tmp_path):
+    code, out, err = moe("--output", "json", "plan", "-c", str(one_slice(HUGE, tmp_path)))
     doc = json.loads(out)
     assert code == 0 and doc["fits"] is False and err.startswith("DOES NOT FIT: moe-1.2t")
     assert 1.15e12 < doc["params_total"] < 1.25e12
@@ -399,13 +410,35 @@ def test_a_1_2t_moe_does_not_fit_a_v5e_64_and_says_how_many_slices_would(workdir
     assert planner.fits_on(params, cfg, V5E_64, 16) and not planner.fits_on(params, cfg, V5E_64, 15)
 
 
-def test_verdict_is_the_one_line_run_prints():
+def test_verdict_is_the_one_line_run_prints(tmp_path):
     fits = planner.verdict(load_run_config(EXAMPLE))
     assert fits.fits and fits.shortfall_bytes == 0 and fits.line.startswith("FITS: v5e-64 ")
     assert "\n" not in fits.line
-    huge = planner.verdict(load_run_config(HUGE))
+    assert planner.verdict(load_run_config(HUGE)).fits  # the example itself: 16 slices
+    huge = planner.verdict(load_run_config(one_slice(HUGE, tmp_path)))
     assert not huge.fits and huge.shortfall_bytes > 0
     assert huge.line.startswith("DOES NOT FIT: moe-1.2t ") and huge.line.endswith("fits on 16 x v5litepod-64")
+
+
+def test_the_plan_says_where_its_mesh_came_from(workdir, tmp_path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    del doc["trainer"]["mesh"]
+    unset = tmp_path / "unset.yaml"
+    unset.write_text(yaml.safe_dump(doc))
+    chosen = planner.plan_for(load_run_config(unset)).mesh.text()  # the plan's own choice for 64 chips
+    for args, source, says in (
+            (["-c", str(EXAMPLE)], "trainer.mesh", "given in trainer.mesh: the trainer is started with --mesh "
+                                                   "data=8,expert=8"),
+            (["-c", str(unset)], "plan", "chosen by the plan (trainer.mesh is not set): the trainer is started "
+                                         f"with --mesh {chosen}"),
+            (["-c", str(unset), "--accelerator", "v5litepod-16"], "plan", "chosen by the plan for this model and "
+                                                                          "target"),
+            (["-c", str(EXAMPLE), "--mesh", "data=4,expert=16"], "--mesh", "given with --mesh (a what-if")):
+        code, out, _ = moe("plan", *args)
+        assert code == 0 and says in out, (args, out)
+        code, out, _ = moe("--output", "json", "plan", *args)
+        mesh = json.loads(out)["mesh"]
+        assert code == 0 and mesh["source"] == source and says in mesh["source_text"], args
 
 
 def test_command_line_overrides_and_bad_input(workdir):

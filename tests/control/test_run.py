@@ -120,6 +120,7 @@ def test_quota_fails_the_run_before_any_training(tmp_path, target):
 
 def test_a_model_that_does_not_fit_is_refused_before_anything_is_created(tmp_path):
     doc = yaml.safe_load((ROOT / "examples" / "moe-1.2t.yaml").read_text())
+    doc["slice"]["count"], doc["trainer"]["mesh"] = 1, "data=64,expert=1"  # one slice of the 16 it needs
     (tmp_path / "moe-tpu.yaml").write_text(yaml.safe_dump(doc))
     out = moe(["--dry-run", "--output", "json", "run"], tmp_path)
     assert out.returncode == 2 and "does not fit" in out.stderr and "--force" in out.stderr
