@@ -37,9 +37,7 @@ def test_chunked_prefill_then_decode_gives_the_full_forward_logits(name, tiny):
     if name == "tiny":
         model, weights, forward = tiny
     else:
-        # One layer of its recipe (shared expert, sigmoid gating, bias): tiny's two above check that each
-        # layer reads its own part of the cache, and a layer less compiles in about half the time.
-        model, weights = serving(name, overrides=["model.num_kv_heads=2", "model.num_layers=1"])
+        model, weights = serving(name, overrides=["model.num_kv_heads=2"])
         forward = jax.jit(lambda w, t: model.module(w)(t, train=False)[0])
     m = model.cfg.model
     tokens_1xL = jnp.asarray(np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
@@ -168,9 +166,7 @@ def test_a_cancelled_request_frees_its_slot_and_a_failing_one_fails_alone(tiny_e
 def test_experts_over_8_devices_serve_concurrent_requests_as_alone():
     # A token a device at decode: fewer rows than the tiled FFN's longest span. (deepseek-tiny, its shared
     # expert and bias, decodes as its forward pass above; the MoE tests cover its layer on the mesh.)
-    # One layer: what is checked (the split experts, concurrent as alone) does not depend on depth, and
-    # the 8-device programs compile in about half the time of two layers'.
-    model, weights = serving("tiny", devices=8, expert=8, overrides=["model.num_layers=1"])
+    model, weights = serving("tiny", devices=8, expert=8)
     w_in = weights["params"]["blocks.0.ffn.w_in"]
     assert w_in.sharding.spec[0] == "expert"  # the experts are split over the mesh
     engine = Engine(model, weights, slots=8, max_len=80, chunk=16)
