@@ -85,7 +85,7 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
 
         def stream(i):
             with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
-                              json={**body, "max_tokens": 400, "seed": i, "temperature": 1.0}) as r:
+                              json={**body, "max_tokens": 120, "seed": i, "temperature": 1.0}) as r:
                 lines = r.iter_lines()
                 next(lines)
                 first.wait()
@@ -101,7 +101,7 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
         for t in threads:
             t.join(timeout=120)
         assert process.wait(timeout=120) == 0
-        assert len(done) == 8 and all(end == "data: [DONE]" and n == 400 for _, end, n in done)
+        assert len(done) == 8 and all(end == "data: [DONE]" and n == 120 for _, end, n in done)
         assert any(at > signalled for at, _, _ in done)  # they were still running when the signal came
         assert "stopping: no new requests" in process.stderr.read()
     finally:

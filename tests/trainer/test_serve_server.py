@@ -27,10 +27,15 @@ def byte_codec():
 
 @pytest.fixture(scope="module")
 def served():
-    """`tiny` behind the server (bytes as tokens), its engine warmed up; the client is a TestClient."""
-    model = build_serving_model(load_config("tiny"), sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+    """`tiny` behind the server (bytes as tokens), its engine warmed up; the client is a TestClient.
+
+    The model and the engine's shapes are test_serve_engine.py's: the run's persistent compilation cache
+    (tests/conftest.py) then holds all four programs (initialisation, prefill, decode) when that module ran
+    first, in either pytest-xdist worker."""
+    cfg = load_config("tiny", ["model.num_kv_heads=2"])
+    model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
     encode, decode = byte_codec()
-    engine = Engine(model, init_weights(model), slots=4, max_len=128, chunk=16, detokenize=decode)
+    engine = Engine(model, init_weights(model), slots=8, max_len=288, chunk=16, detokenize=decode)
     engine.warm_up()
     state = ServerState("tiny", encode=encode, decode=decode, max_waiting=8)
     app = create_app(state)
@@ -75,8 +80,8 @@ def test_bad_requests_get_openai_error_objects_and_the_server_stays_up(served):
     client, _ = served
     api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
     with pytest.raises(openai.BadRequestError) as e:
-        api.completions.create(model="tiny", prompt="x" * 100, max_tokens=40)
-    assert "maximum context length of 128 tokens" in e.value.body["message"]
+        api.completions.create(model="tiny", prompt="x" * 260, max_tokens=40)
+    assert "maximum context length of 288 tokens" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError) as e:
         api.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "model_not_found" and "'tiny'" in e.value.body["message"]
