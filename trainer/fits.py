@@ -72,6 +72,7 @@ def check_fits(cfg: Config, mesh_shape: dict[str, int], devices) -> None:
     need = state_bytes_per_device(cfg, mesh_shape) + logits
     if need > memory[0]:
         raise ConfigError(f"the model cannot fit: its parameters, gradients and optimizer state and one batch's "
-                          f"logits need {need / GIB:,.1f} GiB per device on the mesh {mesh_shape}, more than {memory[1]} "
+                          f"logits need {need / GIB:,.1f} GiB per device on the mesh {mesh_shape}, more than "
+                          f"{memory[1]} "
                           f"({memory[0] / GIB:,.1f} GiB); make the model or the batch smaller (model.d_model, "
                           "model.num_layers, moe.num_experts, data.global_batch_size) or use more devices")
