@@ -289,8 +289,8 @@ def _checked_npy(path: str, dtype: np.dtype, offset: int, count: int, size: int)
         raise DataError(f"data.path '{path}' holds {dtype.name} values; token ids must be integers (uint16, uint32, "
                         "int32, ...)")
     if offset + count * dtype.itemsize > size:
-        raise DataError(f"data.path '{path}' is truncated: its header says {count:,} tokens ({count * dtype.itemsize:,} "
-                        f"bytes), the file holds {max(size - offset, 0):,} bytes of them")
+        raise DataError(f"data.path '{path}' is truncated: its header says {count:,} tokens "
+                        f"({count * dtype.itemsize:,} bytes), the file holds {max(size - offset, 0):,} bytes of them")
     return dtype, offset, count
 
 
@@ -455,11 +455,12 @@ def _same_tokenizer(train: dict | None, held: dict | None, path: str, eval_path:
     if train is None or held is None:
         return
     ours, theirs = (m.get("tokenizer", {}).get("fingerprint", "") for m in (train, held))
+    tokenizer = join(train["directory"], train.get("tokenizer", {}).get("file", "tokenizer.json"))
     if ours != theirs or train["eod_id"] != held["eod_id"]:
         raise DataError(f"data.eval_path '{eval_path}' was prepared with another tokenizer ({theirs or 'unknown'}, "
                         f"end-of-document id {held['eod_id']}) than data.path '{path}' ({ours or 'unknown'}, "
                         f"end-of-document id {train['eod_id']}): its loss would not be comparable; prepare it "
-                        f"with --tokenizer {join(train['directory'], train.get('tokenizer', {}).get('file', 'tokenizer.json'))}")
+                        f"with --tokenizer {tokenizer}")
 
 
 def _held_out(records, share: float):

@@ -45,17 +45,22 @@ def logits_bytes_per_device(cfg: Config, mesh_shape: dict[str, int]) -> int:
 def device_memory(devices) -> tuple[int, str] | None:
     """(bytes one device has, what they are): the accelerator's limit, or on CPU the host's available
     memory shared by its devices; None when unknown."""
-    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    import jax
+
+    mine = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    try:  # only this process's devices answer; some platforms have no statistics at all
+        stats = mine[0].memory_stats()
+    except Exception:  # noqa: BLE001 - then the host's memory is the bound
+        stats = None
     if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"the {devices[0].device_kind} device's memory"
+        return int(stats["bytes_limit"]), f"the {mine[0].device_kind} device's memory"
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
-    local = sum(1 for d in devices if d.process_index == devices[0].process_index)
-    return available // max(local, 1), f"the host's available memory shared by {local} device(s)"
+    return available // len(mine), f"the host's available memory shared by {len(mine)} device(s)"
 
 
 def check_fits(cfg: Config, mesh_shape: dict[str, int], devices) -> None:
@@ -67,6 +72,7 @@ def check_fits(cfg: Config, mesh_shape: dict[str, int], devices) -> None:
     need = state_bytes_per_device(cfg, mesh_shape) + logits
     if need > memory[0]:
         raise ConfigError(f"the model cannot fit: its parameters, gradients and optimizer state and one batch's "
-                          f"logits need {need / GIB:,.1f} GiB per device on the mesh {mesh_shape}, more than {memory[1]} "
+                          f"logits need {need / GIB:,.1f} GiB per device on the mesh {mesh_shape}, more than "
+                          f"{memory[1]} "
                           f"({memory[0] / GIB:,.1f} GiB); make the model or the batch smaller (model.d_model, "
                           "model.num_layers, moe.num_experts, data.global_batch_size) or use more devices")

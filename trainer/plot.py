@@ -44,20 +44,24 @@ def png_path(path: str) -> tuple[str, tuple[str, ...]]:
     root, suffix = os.path.splitext(os.path.basename(path))
     if not path.strip() or not root:
         raise OSError(errno.EINVAL, "name a file, e.g. run.png")
-    notes: tuple[str, ...] = ()
-    if not suffix:
-        path, notes = path + ".png", (f"wrote PNG: added .png to the name ({path}.png)",)
-    elif suffix.lower() != ".png":
+    _no_special_file(path)
+    if suffix.lower() == ".png":
+        return path, ()
+    if suffix:
         raise OSError(errno.EINVAL, f"the plot is a PNG; '{suffix}' is not a format it writes: name it {root}.png")
+    _no_special_file(path + ".png")
+    return path + ".png", (f"wrote PNG: added .png to the name ({path}.png)",)
+
+
+def _no_special_file(path: str) -> None:
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return path, notes
+    except (FileNotFoundError, NotADirectoryError):
+        return
     if not stat.S_ISREG(mode):
         kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
                 "a socket" if stat.S_ISSOCK(mode) else "a device")
         raise OSError(errno.EINVAL, f"it is {kind}, not a file")
-    return path, notes
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -463,7 +463,8 @@ class _Encoder:
     def _ids(self, texts: list[str], concatenate: bool = True):
         import numpy as np
 
-        arrays = [np.asarray(e.ids, self.writer.dtype) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        arrays = [np.asarray(e.ids, self.writer.dtype) for e in encodings]
         return np.concatenate(arrays) if concatenate else arrays
 
     def _write(self, parts: list, pieces: list[str]) -> None:

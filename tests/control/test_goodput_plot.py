@@ -68,7 +68,7 @@ def test_a_preempted_dry_run_reports_goodput_and_its_logs_plot_to_a_png(dry_run,
     code, _, err = invoke("--dry-run", "logs", "--plot", str(tmp_path / "none" / "x.png"))
     assert code == 2 and "cannot write the plot" in err
     for bad, why in ((tmp_path, "it is a directory, not a file"), ("/dev/null", "it is a device, not a file"),
-                     (tmp_path / "x.jpg", "'.jpg' is not a format it writes: name it x.png")):
+                     (tmp_path / "x.jpg", "the plot is a PNG; '.jpg' is not a format it writes: name it x.png")):
         code, _, err = invoke("--dry-run", "logs", "--plot", str(bad))
         assert code == 2 and f"cannot write the plot {bad}: {why}" in err, err
     # No suffix: .png added and said; a link at that name is replaced, the file it led to left alone.
