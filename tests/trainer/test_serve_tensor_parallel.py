@@ -8,8 +8,10 @@ import jax
 import pytest
 from click.testing import CliRunner
 
+from provision import planner
 from trainer import sharding
 from trainer.config import load_config
+from trainer.params import param_inventory
 from trainer.serve.cli import serve_command
 from trainer.serve.engine import Engine, Request, SamplingParams
 from trainer.serve.weights import build_serving_model, decode_weight_bytes, init_weights
@@ -58,6 +60,12 @@ def test_expert_2_model_4_decodes_as_one_device_and_reads_fewer_weight_bytes_tha
     assert ep_bytes == embed + attention + router_norms + expert + 64 * 4
     assert tp_bytes == embed + attention // 4 + router_norms + 2 * expert // 4 + 64 * 4
     assert tp_bytes < ep_bytes
+    # `moe-tpu plan --serve` predicts both figures from the parameter inventory alone.
+    params = param_inventory(tp.cfg)
+    assert planner.decode_weight_bytes_per_chip(params, tp.cfg, planner.Mesh(1, 2, model=4)) == tp_bytes
+    assert planner.decode_weight_bytes_per_chip(params, ep.cfg, planner.Mesh(1, 8)) == ep_bytes
+    assert planner.decode_weight_bytes_per_chip(params, tp.cfg, planner.Mesh(1, 2, model=4), tokens=8) == \
+        decode_weight_bytes(tp, tp_weights, tokens=8)
     # A batch of 8 touches E(1-(1-k/E)^8) = 7.2 of the 8 experts: each device reads every expert it holds.
     assert decode_weight_bytes(tp, tp_weights, tokens=8) == (embed + attention // 4 + router_norms
                                                                         + 4 * expert // 4 + 64 * 4)
