@@ -87,11 +87,12 @@ class Transformer(nnx.Module):
         """Inference through a key/value cache (trainer.serve.kvcache.KVCache): batch row b holds tokens
         at positions starts_B[b].. of cache slot rows_B[b] (None: slot b). The same blocks as training;
         MoE layers in their evaluation mode. Returns (logits_BxLxV float32, the updated cache)."""
-        x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
-        for i, block in enumerate(self.blocks):
-            x_BxLxD, view = block.decode(x_BxLxD, cache.layer(i, starts_B, rows_B))
-            cache = view.cache
-        return self._logits(x_BxLxD), cache
+        with sharding.logical_mesh(self.mesh):  # tensor parallelism's activation layouts, as in training
+            x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
+            for i, block in enumerate(self.blocks):
+                x_BxLxD, view = block.decode(x_BxLxD, cache.layer(i, starts_B, rows_B))
+                cache = view.cache
+            return self._logits(x_BxLxD), cache
 
     def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = self.final_norm(x_BxLxD)

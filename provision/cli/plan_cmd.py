@@ -18,9 +18,11 @@ from provision.cli.options import config_option
               help="Plan for this many slices (multislice) instead of the config's.")
 @click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
               help="The trainer's mesh [the largest expert axis that fits].")
+@click.option("--serve", is_flag=True,
+              help="Also the serving decode step at batch 1: the weight bytes each chip reads, on this mesh.")
 @click.pass_obj
 def plan(app, config_path: str, model: str | None, accelerator: str | None, slices: int | None,
-         mesh_text: str | None) -> None:
+         mesh_text: str | None, serve: bool) -> None:
     """Will the model fit, how fast can it go, what will it cost: before any money is spent.
 
     Counts the parameters the trainer instantiates, estimates memory per chip
@@ -34,6 +36,7 @@ def plan(app, config_path: str, model: str | None, accelerator: str | None, slic
       moe-tpu plan -c examples/moe-1.2t.yaml --slices 16
       moe-tpu plan -c examples/v5e-64.yaml --model glam-small --accelerator v5litepod-16
       moe-tpu --output json plan -c examples/v5e-64.yaml --mesh data=8,expert=8
+      moe-tpu plan -c examples/v5e-64.yaml --serve --mesh expert=8,model=4
     """
     from provision import planner
 
@@ -43,6 +46,7 @@ def plan(app, config_path: str, model: str | None, accelerator: str | None, slic
     if app.console.json_mode:
         app.console.info(planner.verdict_line(result))
     else:
-        for line in planner.plan_lines(result):
+        for line in planner.plan_lines(result) + (planner.serve_lines(result) if serve else []):
             app.console.text(line)
-    app.console.emit(app.document("ok", config=str(cfg.source), **planner.plan_document(result)))
+    extra = planner.serve_document(result) if serve else {}
+    app.console.emit(app.document("ok", config=str(cfg.source), **planner.plan_document(result), **extra))

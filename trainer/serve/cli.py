@@ -71,8 +71,9 @@ def _chat_template(path: str | None) -> dict | None:
               show_default=True, help="auto: the model's compute dtype.")
 @click.option("--weights", "weight_format", type=click.Choice(["auto", "int8"]), default="auto", show_default=True,
               help="int8: per-channel symmetric int8 weights (about half of bfloat16).")
-@click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E",
-              help="[as many devices on expert as divide the experts]")
+@click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
+              help="model=T splits each expert and attention's heads T ways [as many devices on expert as "
+                   "divide the experts]")
 @click.option("--devices", type=click.IntRange(min=1), default=None, help="CPU only: N fake XLA devices.")
 @click.option("--tokenizer", "tokenizer_path", default=None, metavar="FILE",
               help="A tokenizer.json [the run's dataset's].")

@@ -36,7 +36,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
          int8_weights: bool, device_memory_gb, progress) -> Loaded:
     import jax
 
-    from trainer import sharding
+    from trainer import meshspec, sharding
     from trainer.sample import Codec, load_run_config, locate
     from trainer.serve.engine import Engine, RequestError
     from trainer.serve.quant import quantize_params
@@ -54,6 +54,9 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
         raise ServeError(f"--mesh: {e}") from None
     if cfg.moe.num_experts % mesh_shape["expert"]:
         raise ServeError(f"--mesh expert={mesh_shape['expert']} must divide moe.num_experts={cfg.moe.num_experts}")
+    problems = meshspec.tensor_problems(cfg, mesh_shape["model"])  # heads and hidden sizes over `model`
+    if problems:
+        raise ServeError(f"--mesh model={mesh_shape['model']}: " + "; ".join(problems))
     mesh = sharding.make_mesh(mesh_shape, devices)
     try:
         model = build_serving_model(cfg, mesh)

@@ -6,9 +6,11 @@ A checkpoint holds {"step", "params", "opt_state", "moe_bias"?}; serving reads "
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
+import math
 from typing import Any
 
 import jax
@@ -172,3 +174,20 @@ def _check_shapes(manager, step: int, target: dict, checkpoints: str) -> None:
                 got = "nothing" if meta is None else f"shape {list(meta.shape)}"
                 raise WeightsError(f"--checkpoint: step {step} in {checkpoints} holds {got} for {group}.{name}; "
                                    f"the run's config needs {list(want.shape)}")
+
+
+def decode_weight_bytes(model: ServingModel, weights: dict[str, Any], tokens: int = 1) -> int:
+    """Bytes of weights the busiest device reads in a decode step of `tokens` tokens, from the arrays'
+    shardings: its shard of every weight but the routed experts', and of those the shards of the experts
+    the step touches. A batch of B tokens touches E(1-(1-k/E)^B) of a layer's E experts (SPEC's rule; k at
+    B=1); the busiest device holds as many of them as it holds experts, at most."""
+    moe = model.cfg.moe
+    touched = math.ceil(moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens) - 1e-9)
+    per_device: dict[Any, float] = collections.defaultdict(float)
+    for name, value in weights["params"].items():
+        names = sharding.variable_names(model.codec.variables[name]) or ()
+        for leaf in jax.tree.leaves(value):  # an int8 weight's values and scales
+            for shard in leaf.addressable_shards:
+                held = shard.data.shape[0] if names[:1] == ("expert",) else 1  # experts on this device
+                per_device[shard.device] += shard.data.nbytes * min(touched, held) / held
+    return round(max(per_device.values()))
