@@ -46,7 +46,7 @@ def plan(app, config_path: str, model: str | None, accelerator: str | None, slic
     if app.console.json_mode:
         app.console.info(planner.verdict_line(result))
     else:
-        for line in planner.plan_lines(result) + (planner.serve_lines(result) if serve else []):
+        for line in planner.plan_lines(result, serve=serve):
             app.console.text(line)
     extra = planner.serve_document(result) if serve else {}
     app.console.emit(app.document("ok", config=str(cfg.source), **planner.plan_document(result), **extra))

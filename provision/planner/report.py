@@ -120,9 +120,10 @@ def plan_document(plan: Plan) -> dict[str, Any]:
     }
 
 
-def plan_lines(plan: Plan) -> list[str]:
-    """The compact table `moe-tpu plan` prints."""
-    return _head_lines(plan) + _memory_lines(plan) + _speed_lines(plan) + _cost_lines(plan) + _advice_lines(plan)
+def plan_lines(plan: Plan, serve: bool = False) -> list[str]:
+    """The compact table `moe-tpu plan` prints (`serve`: with the serving decode step's lines)."""
+    return (_head_lines(plan) + _memory_lines(plan) + _speed_lines(plan) + (serve_lines(plan) if serve else [])
+            + _cost_lines(plan) + _advice_lines(plan))
 
 
 def serve_document(plan: Plan) -> dict[str, Any]:

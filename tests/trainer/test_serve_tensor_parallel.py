@@ -24,7 +24,8 @@ PROMPTS = ([7, 3, 250, 19, 4], [1, 2, 3], list(range(40, 52)))
 def serving_on(shape, weights=None):
     """`tiny` with one block (half the compiling) on a mesh of this shape, with `weights` (another mesh's) laid out on it, or fresh ones."""
     devices = jax.devices()[:shape["data"] * shape["expert"] * shape.get("model", 1)]
-    model = build_serving_model(load_config("tiny", ["model.num_layers=1"]), sharding.make_mesh(shape, devices))
+    cfg = load_config("tiny", ["model.num_layers=1"])
+    model = build_serving_model(cfg, sharding.make_mesh(shape, devices))
     if weights is None:
         return model, init_weights(model)
     return model, jax.device_put(weights, {k: model.shardings[k] for k in weights})
