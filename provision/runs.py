@@ -269,11 +269,12 @@ class Runner:
         up on the placement torn down as at the run's own end (unless keep), verified gone."""
         self.timeline.add("already finished", self.console, step=status.get("step"), loss=_round(status.get("loss")))
         self._read_metrics()
+        self.training.goodput = None  # this re-run saw none of the run's time
         self.resources = self.target.left()
         if not self.resources or self.keep:
             return RunOutcome(True, self.timeline, self.training, self.resources)
         names = ", ".join(f"{r.kind} {short(r.name)}" for r in self.resources)
-        self.console.info(f"run {self.cfg.run} finished while nobody followed it; its {names} are still up: "
+        self.console.info(f"run {self.cfg.run} finished while nobody followed it but left up {names}: "
                           "deleting them as the run does at its end")
         self._teardown("deleted")
         still = self.target.left()
