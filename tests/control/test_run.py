@@ -271,13 +271,15 @@ def test_a_finished_run_trains_nothing_again_unless_restart(dry_run, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["tpu-vm", "vertex", "gke"])
-def test_a_run_that_finished_unwatched_is_torn_down_by_its_rerun(tmp_path, target):
-    # `--keep` leaves the state of a run killed before its end whose trainer then finished on its own:
-    # the training done, the placement (slice, job, JobSet and node pools) still up.
-    write_config(tmp_path, target)
-    kept = moe(["--dry-run", "--output", "json", "run", "--keep"], tmp_path)
-    assert kept.returncode == 0, kept.stderr[-3000:]
-    left = [(r["kind"], r["name"]) for r in json.loads(kept.stdout)["resources"]]
+def test_a_run_that_finished_unwatched_is_torn_down_by_its_rerun(dry_run, tmp_path, target):
+    # What a run killed before its end leaves once its trainer finished on its own: the finished output
+    # (the target's happy run, copied) and the placement still up (`up`: the slice, job or node pools).
+    finished = dry_run(target)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    shutil.copytree(finished.where, tmp_path, dirs_exist_ok=True)
+    up = moe(["--dry-run", "--output", "json", "up"], tmp_path)
+    assert up.returncode == 0, up.stderr[-3000:]
+    left = {(r["kind"], r["name"]) for r in json.loads(up.stdout)["resources"]}
     assert left and not nothing_left(tmp_path)
     again = moe(["--dry-run", "--output", "json", "run"], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -290,7 +292,7 @@ def test_a_run_that_finished_unwatched_is_torn_down_by_its_rerun(tmp_path, targe
     assert all(f"{r['kind']} " in deleted for r in doc["resources"])
     assert doc["training"]["final_loss"] < doc["training"]["first_loss"]  # the run's result, from its metrics
     assert events(doc) == ["already finished", "deleted"]
-    assert not any(c["rpc"].endswith(CREATES) or c["rpc"].endswith("CreateNodePool") for c in doc["calls"])
+    assert not any(c["rpc"].endswith((*CREATES, "CreateNodePool")) for c in doc["calls"])
     assert nothing_left(tmp_path)
 
 
