@@ -26,8 +26,9 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
     machine, made small by the config's dry_run section.
 
     A re-run adopts what an earlier, killed run left (and follows its trainer); a run that
-    already finished trains nothing unless --restart is given. SIGTERM and SIGHUP (a CI
-    cancel, a closed terminal) tear down like Ctrl-C with --yes, unless --keep.
+    already finished trains nothing unless --restart is given, and deletes what it left up
+    (its trainer finished while no `run` followed it), unless --keep. SIGTERM and SIGHUP (a
+    CI cancel, a closed terminal) tear down like Ctrl-C with --yes, unless --keep.
 
     \b
     Exit codes: 0 training finished (or had finished already); 1 it failed (or preemptions
