@@ -190,8 +190,12 @@ class Runner:
 
     # --- the loop --------------------------------------------------------------------
     def run(self) -> RunOutcome:
+        return self._guarded(self._attempts)
+
+    def _guarded(self, body) -> RunOutcome:
+        """`body()`, with Ctrl-C, SIGTERM and SIGHUP ending it as the run's own end would."""
         try:
-            return self._attempts()
+            return body()
         except KeyboardInterrupt:
             self.timeline.add("interrupted", self.console)
             if self.confirm_teardown():
@@ -267,6 +271,9 @@ class Runner:
         """A run whose trainer finished while no `run` followed it (the run was killed, or its
         terminal closed, before training ended): its figures from the metrics file, and what it left
         up on the placement torn down as at the run's own end (unless keep), verified gone."""
+        return self._guarded(lambda: self._finished_before(status))
+
+    def _finished_before(self, status: dict) -> RunOutcome:
         self.timeline.add("already finished", self.console, step=status.get("step"), loss=_round(status.get("loss")))
         self._read_metrics()
         self.training.goodput = None  # this re-run saw none of the run's time
