@@ -190,8 +190,12 @@ class Runner:
 
     # --- the loop --------------------------------------------------------------------
     def run(self) -> RunOutcome:
+        return self._guarded(self._attempts)
+
+    def _guarded(self, body) -> RunOutcome:
+        """`body()`, with Ctrl-C, SIGTERM and SIGHUP ending it as the run's own end would."""
         try:
-            return self._attempts()
+            return body()
         except KeyboardInterrupt:
             self.timeline.add("interrupted", self.console)
             if self.confirm_teardown():
@@ -262,6 +266,30 @@ class Runner:
         if self.trained:  # a run that never trained has no figures (the output may hold an earlier run's)
             self._read_metrics()
         return RunOutcome(False, self.timeline, self.training, self.resources, error=message)
+
+    def finished_before(self, status: dict) -> RunOutcome:
+        """A run whose trainer finished while no `run` followed it (the run was killed, or its
+        terminal closed, before training ended): its figures from the metrics file, and what it left
+        up on the placement torn down as at the run's own end (unless keep), verified gone."""
+        return self._guarded(lambda: self._finished_before(status))
+
+    def _finished_before(self, status: dict) -> RunOutcome:
+        self.timeline.add("already finished", self.console, step=status.get("step"), loss=_round(status.get("loss")))
+        self._read_metrics()
+        self.training.goodput = None  # this re-run saw none of the run's time
+        self.resources = self.target.left()
+        if not self.resources or self.keep:
+            return RunOutcome(True, self.timeline, self.training, self.resources)
+        names = ", ".join(f"{r.kind} {short(r.name)}" for r in self.resources)
+        self.console.info(f"run {self.cfg.run} finished while nobody followed it but left up {names}: "
+                          "deleting them as the run does at its end")
+        self._teardown("deleted")
+        still = self.target.left()
+        if still:
+            raise CloudError(f"still up after teardown: {', '.join(f'{r.kind} {short(r.name)}' for r in still)}",
+                             hint="run `moe-tpu down`; if it persists, delete them in the console")
+        self.console.text(f"deleted what run {self.cfg.run} left up: {names}")
+        return RunOutcome(True, self.timeline, self.training, self.resources)
 
     # --- following ---------------------------------------------------------------------
     def _follow(self, attempt: int) -> Report:

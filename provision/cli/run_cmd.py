@@ -26,8 +26,9 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
     machine, made small by the config's dry_run section.
 
     A re-run adopts what an earlier, killed run left (and follows its trainer); a run that
-    already finished trains nothing unless --restart is given. SIGTERM and SIGHUP (a CI
-    cancel, a closed terminal) tear down like Ctrl-C with --yes, unless --keep.
+    already finished trains nothing unless --restart is given, and deletes what it left up
+    (its trainer finished while no `run` followed it), unless --keep. SIGTERM and SIGHUP (a
+    CI cancel, a closed terminal) tear down like Ctrl-C with --yes, unless --keep.
 
     \b
     Exit codes: 0 training finished (or had finished already); 1 it failed (or preemptions
@@ -50,18 +51,20 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
     cfg = app.load_config(config_path, check_trainer=True)
     _check_plan(app, cfg, force)
     with run_lock(app.state_dir, cfg.run):
-        if _already_finished(app, cfg, restart):
-            return
-        output_dir = app.trainer_output_dir(cfg, train_locally=True)
+        finished = _already_finished(app, cfg, restart)
+        # (a finished run's re-run starts no trainer, even on a slice it finds still up)
+        output_dir = app.trainer_output_dir(cfg, train_locally=finished is None)
         context = app.context(cfg)
-        app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {context.image}"
-                         + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
+        if finished is None:
+            app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {context.image}"
+                             + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
         target = for_config(context, output_dir=output_dir)
         confirm = (lambda: True) if yes else _ask_teardown(app)
         runner = Runner(context, target, output_dir=output_dir, keep=keep, confirm_teardown=confirm)
         try:
             with terminate_on_signals():
-                result = runner.run()
+                # A run that finished earlier trains nothing, but takes down what it left up.
+                result = runner.run() if finished is None else runner.finished_before(finished)
         except Interrupted as exc:
             _emit(app, runner, "interrupted", error=exc.message)
             raise
@@ -72,6 +75,9 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
         except MoeTpuError as exc:
             _emit(app, runner, "error", error=exc.message)
             raise
+    if finished is not None:
+        _emit(app, runner, "ok", already_finished=True, step=finished["step"], output_dir=output_dir)
+        return
     _print_summary(app, result.timeline.events, result.training,
                    "finished" if result.ok else f"failed: {result.error}")
     _emit(app, runner, "ok" if result.ok else "error", **({} if result.ok else {"error": result.error}))
@@ -80,13 +86,13 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
                                            "the trainer's output")
 
 
-def _already_finished(app, cfg, restart: bool) -> bool:
-    """Whether the run finished before (said, with the JSON document, and nothing is created); the
-    policy is provision.runs.previous_finish's."""
+def _already_finished(app, cfg, restart: bool) -> dict | None:
+    """The trainer's status when the run finished before (said; nothing is trained, and the caller takes
+    down what the run left up), else None; the policy is provision.runs.previous_finish's."""
     import datetime as dt
 
     from provision.cloud import storage
-    from provision.runs import Training, previous_finish
+    from provision.runs import previous_finish
 
     output_dir = app.trainer_output_dir(cfg)
     store = app.session().storage if output_dir.startswith("gs://") else storage.LOCAL
@@ -94,16 +100,14 @@ def _already_finished(app, cfg, restart: bool) -> bool:
     if moved is not None:
         app.console.info(f"--restart: moved the finished run's output to {moved}; training from step 0")
     if status is None:
-        return False
+        return None
     when = status.get("time")
     on = (" on " + dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
           if isinstance(when, (int, float)) else "")
     flag = "--dry-run run --restart" if app.dry_run else "run --restart"
     app.console.text(f"run {cfg.run} already finished at step {status['step']}{on} ({output_dir}); "
                      f"nothing to train; `moe-tpu {flag}` trains it again from step 0")
-    app.console.emit(app.document("ok", already_finished=True, step=status["step"], output_dir=output_dir,
-                                  timeline=[], training=Training().as_dict(), resources=[]))
-    return True
+    return status
 
 
 def _check_plan(app, cfg, force: bool) -> None:

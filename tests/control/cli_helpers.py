@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from provision.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = {"tpu-vm": ROOT / "examples" / "v5e-64.yaml", "vertex": ROOT / "examples" / "vertex.yaml"}
+EXAMPLES = {"tpu-vm": ROOT / "examples" / "v5e-64.yaml", "vertex": ROOT / "examples" / "vertex.yaml",
+            "gke": ROOT / "examples" / "gke.yaml"}
 # The trainer of the tests' dry runs: smaller than the examples' dry_run section (fewer steps, two fake
 # devices). One size for every run, so that the session's compilation cache compiles its train step once.
 SMALL = {"steps": 12, "devices": 2, "mesh": "data=1,expert=2", "checkpoint_every": 4}

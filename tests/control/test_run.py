@@ -270,6 +270,32 @@ def test_a_finished_run_trains_nothing_again_unless_restart(dry_run, tmp_path):
     assert nothing_left(tmp_path)
 
 
+@pytest.mark.parametrize("target", ["tpu-vm", "vertex", "gke"])
+def test_a_run_that_finished_unwatched_is_torn_down_by_its_rerun(dry_run, tmp_path, target):
+    # What a run killed before its end leaves once its trainer finished on its own: the finished output
+    # (the target's happy run, copied) and the placement still up (`up`: the slice, job or node pools).
+    finished = dry_run(target)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    shutil.copytree(finished.where, tmp_path, dirs_exist_ok=True)
+    up = moe(["--dry-run", "--output", "json", "up"], tmp_path)
+    assert up.returncode == 0, up.stderr[-3000:]
+    left = {(r["kind"], r["name"]) for r in json.loads(up.stdout)["resources"]}
+    assert left
+    again = moe(["--dry-run", "--output", "json", "run"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    run = yaml.safe_load((tmp_path / "moe-tpu.yaml").read_text())["run"]
+    assert f"run {run} already finished at step {SMALL['steps']}" in again.stderr
+    deleted = next(line for line in again.stderr.splitlines() if line.startswith(f"deleted what run {run} left up: "))
+    doc = json.loads(again.stdout)
+    assert doc["result"] == "ok" and doc["already_finished"] is True and doc["step"] == SMALL["steps"]
+    assert {(r["kind"], r["name"]) for r in doc["resources"]} >= {r for r in left if r[0] != "gke_cluster"}
+    assert all(f"{r['kind']} " in deleted for r in doc["resources"])
+    assert doc["training"]["final_loss"] < doc["training"]["first_loss"]  # the run's result, from its metrics
+    assert events(doc) == ["already finished", "deleted"]
+    assert not any(c["rpc"].endswith((*CREATES, "CreateNodePool")) for c in doc["calls"])
+    assert nothing_left(tmp_path)
+
+
 def test_the_local_trainer_keeps_a_compilation_cache_unless_the_environment_names_one(tmp_path):
     from provision.emulator.local_trainer import compilation_cache_env
 
