@@ -7,7 +7,12 @@ the cached keys and values of all the tokens before it. MoE layers are dropless,
 Text goes through the dataset's tokenizer (a prepared dataset's `tokenizer.json`), bytes for byte-level
 text, and token ids written as numbers otherwise. Prints the continuation on stdout and the speed on stderr.
 
-Exit codes: 0 sampled; 2 a usage error (no checkpoint, no config, a prompt the tokenizer cannot read).
+Every limit is checked before anything is allocated: the prompt and --tokens against the positions and
+the memory the key/value cache needs, --top-k against the vocabulary, the temperature finite, the prompt's
+ids inside the vocabulary, a --tokenizer the one the run's dataset was prepared with (or --any-tokenizer).
+
+Exit codes: 0 sampled; 2 a usage error (no checkpoint, no config, a prompt the tokenizer cannot read, a
+limit above).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import click
 from trainer.status import EXIT_USAGE
 
 CONFIG_FILE = "config.json"
+# Positions are int32 in the engine's decode step.
+MAX_CONTEXT = 2**31 - 1
 
 
 class SampleError(click.UsageError):
@@ -40,6 +47,9 @@ def locate(directory: str) -> tuple[str, str]:
         raise SampleError(f"--checkpoint {directory} does not exist")
     if (path / "checkpoints").exists():
         return _join(directory, "checkpoints"), _join(directory, CONFIG_FILE)
+    if not path.is_dir() or not any(child.name.isdigit() for child in path.iterdir()):
+        raise SampleError(f"--checkpoint {directory} holds no checkpoint: give a run's output directory (with "
+                          "checkpoints/ in it) or its checkpoints directory")
     return directory, str(path.parent / CONFIG_FILE)
 
 
@@ -63,28 +73,39 @@ def load_run_config(path: str):
 class Codec:
     """Text <-> token ids as the run's data saw them."""
 
-    def __init__(self, cfg, tokenizer_path: str | None):
+    def __init__(self, cfg, tokenizer_path: str | None, any_tokenizer: bool = False):
         self.kind, self.tokenizer = "ids", None
-        if tokenizer_path is None and cfg.data.source == "records":
-            from trainer.datasets import join, load_manifest
+        manifest = _manifest(cfg, needed=tokenizer_path is None)
+        if tokenizer_path is None and manifest is not None:
+            from trainer.datasets import join
 
-            manifest = load_manifest(cfg.data.path)
             tokenizer_path = join(manifest["directory"], manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
         if tokenizer_path is not None:
-            from trainer.prepare import PrepareError, load_tokenizer
+            from trainer.prepare import PrepareError, fingerprint, load_tokenizer
 
             try:
                 self.tokenizer, self.kind = load_tokenizer(tokenizer_path), "tokenizer"
             except PrepareError as e:
                 raise SampleError(e.message) from None
+            theirs = (manifest or {}).get("tokenizer", {}).get("fingerprint", "")
+            if theirs and fingerprint(self.tokenizer) != theirs and not any_tokenizer:
+                raise SampleError(f"--tokenizer {tokenizer_path} (fingerprint {fingerprint(self.tokenizer)}) is not "
+                                  f"the tokenizer the run's dataset '{cfg.data.path}' was prepared with ({theirs}): "
+                                  "its ids would mean other text; leave --tokenizer out, or add --any-tokenizer to "
+                                  "read and write the ids with it all the same")
         elif cfg.data.source == "text":
             self.kind = "bytes"
 
     def encode(self, text: str) -> list[int]:
+        if self.kind == "bytes":  # the bytes as given, valid UTF-8 or not (the terminal's bytes come back)
+            return list(text.encode("utf-8", "surrogateescape"))
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
+            shown = text.encode("utf-8", "surrogateescape")
+            raise SampleError(f"--prompt {shown!r} is not UTF-8 text") from None
         if self.kind == "tokenizer":
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.kind == "bytes":
-            return list(text.encode("utf-8"))
         try:
             return [int(t) for t in text.split()]
         except ValueError:
@@ -99,9 +120,68 @@ class Codec:
         return " ".join(map(str, ids))
 
 
-def restore_params(cfg, checkpoints: str):
+def _manifest(cfg, needed: bool):
+    """The run's dataset manifest (records data), or None. A missing dataset is an error only when its
+    tokenizer is `needed` (no --tokenizer given)."""
+    if cfg.data.source != "records":
+        return None
+    from trainer.datasets import DataError, load_manifest
+
+    try:
+        return load_manifest(cfg.data.path)
+    except DataError as e:
+        if needed:
+            raise SampleError(f"{e}; or give the dataset's tokenizer with --tokenizer FILE") from None
+        return None
+
+
+def check_request(cfg, ids: list[int], tokens: int, temperature: float, top_k: int) -> None:
+    """Refuse (exit 2, naming the flag and value) what the model cannot take, before anything is built."""
+    import math
+
+    if not math.isfinite(temperature):
+        raise SampleError(f"--temperature {temperature}: give a finite number >= 0 (0: greedy)")
+    vocab = cfg.model.vocab_size
+    if top_k > vocab:
+        raise SampleError(f"--top-k {top_k} exceeds the model's vocabulary (model.vocab_size={vocab}); "
+                          "0 samples from the whole vocabulary")
+    culprit = next((i for i in ids if not 0 <= i < vocab), None)
+    if culprit is not None:
+        raise SampleError(f"--prompt: token id {culprit} is outside the model's vocabulary [0, {vocab})")
+    if len(ids) + tokens > MAX_CONTEXT:
+        raise SampleError(f"--tokens {tokens}: the prompt's {len(ids)} tokens plus {tokens} exceed the longest "
+                          f"context a sample can hold ({MAX_CONTEXT:,} positions)")
+
+
+def host_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # a platform that does not say
+        return None
+
+
+def check_memory(model, prompt: int, tokens: int) -> None:
+    """The weights and the key/value cache of `prompt + tokens` positions must fit the device (the host's
+    memory on CPU, where the device reports none), checked before either is allocated."""
+    import jax
+
+    from trainer.serve.startup import HEADROOM, device_memory, memory_plan
+
+    device = jax.devices()[0]
+    limit = device_memory(device) or (host_memory() if device.platform == "cpu" else None)
+    plan = memory_plan(model, 1, prompt + tokens, jax.numpy.dtype(model.cfg.dtype), False)
+    need = plan["weights"] + plan["kv_cache"]
+    if limit is not None and need > limit * (1 - HEADROOM):
+        gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
+        raise SampleError(f"--tokens {tokens}: the prompt's {prompt} tokens plus {tokens} need a key/value cache "
+                          f"of {gib(plan['kv_cache'])} beside {gib(plan['weights'])} of weights, more than the "
+                          f"{gib(limit * (1 - HEADROOM))} the {device.platform} device can hold; ask for fewer")
+
+
+def restore_params(cfg, checkpoints: str, prompt: int, tokens: int):
     """(the serving model on one device, its weights, the step) from the latest checkpoint in
-    `checkpoints`: the parameters only, not the optimizer state."""
+    `checkpoints`: the parameters only, not the optimizer state; refused before reading if the weights and
+    the cache of `prompt + tokens` positions do not fit."""
     import jax
 
     from trainer import sharding
@@ -110,6 +190,7 @@ def restore_params(cfg, checkpoints: str):
     mesh = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
     try:
         model = build_serving_model(cfg, mesh)
+        check_memory(model, prompt, tokens)
         weights, step = restore_weights(model, checkpoints)
     except WeightsError as e:
         raise SampleError(str(e)) from None
@@ -144,7 +225,9 @@ def generate(model, weights, prompt: list[int], tokens: int, *, temperature: flo
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--tokenizer", "tokenizer_path", default=None, metavar="FILE",
               help="A tokenizer.json [the run's dataset's].")
-def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenizer_path):
+@click.option("--any-tokenizer", is_flag=True,
+              help="Use --tokenizer even if the run's dataset was prepared with another (its ids mean other text).")
+def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenizer_path, any_tokenizer):
     """Continue a prompt with the latest checkpoint of a training run.
 
     \b
@@ -154,14 +237,12 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
     """
     checkpoints, config_path = locate(directory)
     cfg = load_run_config(config_path)
-    codec = Codec(cfg, tokenizer_path)
+    codec = Codec(cfg, tokenizer_path, any_tokenizer)
     ids = codec.encode(prompt)
     if not ids:
         raise SampleError("--prompt: the prompt has no tokens")
-    if max(ids) >= cfg.model.vocab_size or min(ids) < 0:
-        raise SampleError(f"--prompt: token id {max(ids)} is outside the model's vocabulary "
-                          f"(model.vocab_size={cfg.model.vocab_size})")
-    model, weights, step = restore_params(cfg, checkpoints)
+    check_request(cfg, ids, tokens, temperature, top_k)
+    model, weights, step = restore_params(cfg, checkpoints, len(ids), tokens)
     out, rate = generate(model, weights, ids, tokens, temperature=temperature, top_k=top_k, seed=seed)
     click.echo(codec.decode(out))
     click.echo(f"{len(out)} tokens from the checkpoint at step {step} ({cfg.name}), {rate:,.0f} tokens/s",

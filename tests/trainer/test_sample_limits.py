@@ -1,0 +1,91 @@
+"""`sample` takes any input calmly (issue 35, class 6 and class 4's tokenizer): every limit is refused
+with exit 2 naming the flag and value before the checkpoint is read (seeds of any size:
+test_trainer_sample.py), a missing dataset or a directory without checkpoints is one clean line, and a
+--tokenizer other than the dataset's is refused with both fingerprints unless --any-tokenizer."""
+
+import json
+
+import numpy as np
+import pytest
+from array_record.python import array_record_module
+from click.testing import CliRunner
+
+from trainer.config import load_config
+from trainer.prepare import fingerprint, train_bpe
+from trainer.sample import sample_command
+
+
+def sample(directory, *args):
+    return CliRunner().invoke(sample_command, ["--checkpoint", str(directory), *map(str, args)])
+
+
+def refused(result, *needles):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+    for needle in needles:
+        assert needle in result.output, result.output
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--temperature", "nan"], ["--temperature nan"]),
+    (["--temperature", "inf"], ["--temperature inf"]),
+    (["--top-k", "257"], ["--top-k 257", "model.vocab_size=256"]),
+    (["--prompt", "1 -2 300"], ["token id -2 is outside"]),
+    (["--prompt", "5 300 -2"], ["token id 300 is outside"]),
+    (["--prompt", "\udcff\udcfe"], ["--prompt b'\\xff\\xfe' is not UTF-8 text"]),
+    (["--tokens", 2**40], [f"--tokens {2**40}", "2,147,483,647 positions"]),
+    (["--tokens", 10**9], [f"--tokens {10**9}", "key/value cache", "can hold"]),
+])
+def test_limits_are_refused_naming_the_flag_and_value(trained_tiny, args, needles):
+    prompt = [] if "--prompt" in args else ["--prompt", "1 2 3"]
+    refused(sample(trained_tiny.output_dir, *prompt, *args), *needles)
+
+
+@pytest.fixture(scope="module")
+def records_run(tmp_path_factory):
+    """A run's directory on a prepared dataset (its tokenizer trained on a few lines), no checkpoint in it,
+    and a tokenizer trained on other text: the tokenizer check comes before any checkpoint is read."""
+    tmp = tmp_path_factory.mktemp("records-run")
+    ds = tmp / "ds"
+    ds.mkdir()
+    ours = train_bpe(iter(["the cat sat on the mat"] * 20), 300)
+    ours.save(str(ds / "tokenizer.json"))
+    other = train_bpe(iter(["zebras quietly graze at dawn"] * 20), 300)
+    other.save(str(tmp / "other.json"))
+    writer = array_record_module.ArrayRecordWriter(str(ds / "train-00000.array_record"), "group_size:1")
+    writer.write(np.arange(1, 20, dtype=np.uint16).tobytes())
+    writer.close()
+    (ds / "manifest.json").write_text(json.dumps({
+        "format": "moe-tpu-dataset", "version": 1, "vocab_size": 300, "eod_id": 0, "token_dtype": "uint16",
+        "documents": 1, "tokens": 19, "tokenizer": {"file": "tokenizer.json", "fingerprint": fingerprint(ours)},
+        "shards": [{"file": "train-00000.array_record", "documents": 1, "tokens": 19}]}))
+    run = tmp / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = load_config("tiny", ["data.source=records", f"data.path={ds}", "model.vocab_size=300"])
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return run, tmp / "other.json", fingerprint(ours), fingerprint(other)
+
+
+def test_a_tokenizer_from_another_dataset_is_refused_with_both_fingerprints(records_run):
+    run, other, ours, theirs = records_run
+    refused(sample(run, "--prompt", "the cat", "--tokenizer", other), f"--tokenizer {other}", ours, theirs,
+            "--any-tokenizer")
+    past_the_tokenizer = f"{run / 'checkpoints'} holds no checkpoint"  # the next check: none was written
+    refused(sample(run, "--prompt", "the cat", "--tokenizer", other, "--any-tokenizer"), past_the_tokenizer)
+    refused(sample(run, "--prompt", "the cat", "--tokenizer", run.parent / "ds" / "tokenizer.json"),
+            past_the_tokenizer)
+
+
+def test_a_missing_dataset_and_a_directory_without_checkpoints_are_one_clean_message(records_run, tmp_path):
+    run, *_ = records_run
+    gone = tmp_path / "gone"
+    (gone / "checkpoints").mkdir(parents=True)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["data"]["path"] = str(tmp_path / "nowhere")
+    (gone / "config.json").write_text(json.dumps(cfg))
+    refused(sample(gone, "--prompt", "the cat"), f"data.path '{tmp_path / 'nowhere'}' holds no manifest.json",
+            "--tokenizer FILE")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    refused(sample(bare, "--prompt", "1"), f"--checkpoint {bare} holds no checkpoint")
