@@ -39,4 +39,4 @@ def test_test_code_stays_out_of_the_package():
 
     assert importlib.util.find_spec("trainer.moe.oracle") is None
     assert [f.name for f in dataclasses.fields(Topology)] == \
-        ["expert_axis", "num_expert_shards", "token_axes", "exchange", "grouped_matmul"]
+        ["expert_axis", "num_expert_shards", "token_axes", "exchange", "grouped_matmul", "model_axis"]
