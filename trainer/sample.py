@@ -165,7 +165,7 @@ def check_memory(model, prompt: int, tokens: int) -> None:
     memory on CPU, where the device reports none), checked before either is allocated."""
     import jax
 
-    from trainer.serve.startup import HEADROOM, device_memory, memory_plan
+    from trainer.serve.memory import HEADROOM, device_memory, memory_plan
 
     device = jax.devices()[0]
     limit = device_memory(device) or (host_memory() if device.platform == "cpu" else None)

@@ -13,7 +13,7 @@ from trainer.sample import load_run_config
 from trainer.serve.engine import Engine, Request, SamplingParams
 from trainer.serve.kvcache import KVCache
 from trainer.serve.quant import Int8Weight, quantize_params, weight_bytes
-from trainer.serve.startup import memory_plan
+from trainer.serve.memory import memory_plan
 from trainer.serve.weights import build_serving_model, restore_weights
 
 pytestmark = pytest.mark.compile_bound

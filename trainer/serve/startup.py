@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import click
 
+from trainer.serve.memory import HEADROOM, device_memory, memory_plan
 from trainer.status import EXIT_USAGE
 
 
@@ -16,11 +17,6 @@ class ServeError(click.UsageError):
     """A problem the user can fix (a flag, the checkpoint, the memory plan): exit code 2, no traceback."""
 
     exit_code = EXIT_USAGE
-
-
-# Beyond weights and cache: logits, activations of a prefill chunk, XLA's scratch. A share of the device
-# memory, since what it covers grows with the model.
-HEADROOM = 0.10
 
 
 @dataclasses.dataclass
@@ -83,37 +79,6 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
     return Loaded(cfg, engine, codec.encode, codec.decode, step)
-
-
-def memory_plan(model, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> dict[str, int]:
-    """Bytes on the busiest device: its shard of each weight, and the (replicated) KV cache."""
-    import jax.numpy as jnp
-
-    from trainer.serve.kvcache import KVCache
-    from trainer.serve.quant import input_axes
-
-    weights = 0
-    for name, var in model.codec.variables.items():
-        value = var.get_value()
-        shard = model.shardings["params"][name].shard_shape(value.shape)
-        count = math.prod(shard)
-        axes = input_axes(name, value.ndim) if int8_weights else None
-        if axes is None:
-            weights += count * jnp.dtype(value.dtype).itemsize
-        else:  # int8 values and a float32 scale per output channel
-            weights += count + 4 * count // math.prod(shard[a] for a in axes)
-    m = model.cfg.model
-    cache = KVCache.nbytes(m.num_layers, slots, max_len, m.kv_heads, m.head_size, kv_dtype)
-    return {"weights": weights, "kv_cache": cache}
-
-
-def device_memory(device) -> int | None:
-    """The bytes the device can hold (TPU and GPU report it; CPU does not: no check there)."""
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - a backend without memory statistics
-        return None
-    return stats.get("bytes_limit")
 
 
 def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> None:
