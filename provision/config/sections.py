@@ -171,6 +171,56 @@ class VertexConfig(_Section):
         return value
 
 
+# The single-host v5e machine types that serve (Vertex AI online prediction and a GKE serving node
+# pool), with the one topology each has on one host.
+SERVING_MACHINE_TOPOLOGY: dict[str, str] = {
+    "ct5lp-hightpu-1t": "1x1", "ct5lp-hightpu-4t": "2x2", "ct5lp-hightpu-8t": "2x4",
+}
+
+
+class ServeConfig(_Section):
+    """How `deploy` serves a checkpoint (read by the kinds that serve: `vertex`, an endpoint; `gke`, a
+    Deployment): where, on how many replicas, and the engine's limits (trainer/serve's flags)."""
+
+    # The run directory whose latest checkpoint is served [trainer.output_dir: the config's own run].
+    checkpoint: str | None = None
+    machine_type: str = "ct5lp-hightpu-4t"
+    # The slice each replica gets [the machine type's single-host topology]; a multi-host shape is
+    # refused by the kind that cannot serve it (Vertex AI), with the reason.
+    topology: str | None = None
+    min_replicas: Positive = 1
+    max_replicas: Positive = 1
+    # What the autoscaler holds each replica at: Vertex AI, its accelerator duty cycle in percent;
+    # GKE, the requests waiting for a decode slot (vllm:num_requests_waiting) per replica.
+    autoscale_target: Positive = 60
+    slots: Positive = 8
+    max_len: Annotated[StrictInt, Field(ge=2)] = 1024
+    weights: Literal["auto", "int8"] = "auto"
+    kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
+    spot: bool = False
+
+    @field_validator("machine_type")
+    @classmethod
+    def _serving_machine_type(cls, value: str) -> str:
+        names = list(SERVING_MACHINE_TOPOLOGY)
+        if value not in names:
+            raise invalid(f"machine type {_brief(value)} does not serve{did_you_mean(value, names)} "
+                          f"(single-host v5e machine types: {', '.join(names)})")
+        return value
+
+    @field_validator("topology")
+    @classmethod
+    def _known_topology(cls, value: str | None) -> str | None:
+        if value is not None and catalogue.accelerator_for_topology(value) is None:
+            topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
+            raise invalid(f"unknown v5e topology {_brief(value)} (v5e topologies: {', '.join(topologies)})")
+        return value
+
+    @property
+    def replica_topology(self) -> str:
+        return self.topology or SERVING_MACHINE_TOPOLOGY[self.machine_type]
+
+
 class ImageConfig(_Section):
     repository: str
     # None: the content-hash tag that `moe-tpu image build` gives this source tree (see provision.image).
@@ -298,7 +348,7 @@ class DryRunConfig(_Section):
 _SECTIONS: dict[str, type[_Section]] = {
     "slice": SliceConfig, "vertex": VertexConfig, "image": ImageConfig,
     "trainer": TrainerConfig, "recovery": RecoveryConfig, "dry_run": DryRunConfig,
-    "gke": GkeConfig, "pathways": PathwaysConfig,
+    "gke": GkeConfig, "pathways": PathwaysConfig, "serve": ServeConfig,
 }
 
 
@@ -321,6 +371,7 @@ class Config(BaseModel):
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     dry_run: DryRunConfig = Field(default_factory=DryRunConfig)
     gke: GkeConfig | None = None  # target: gke only
+    serve: ServeConfig | None = None  # `deploy`: how the kind that serves (vertex, gke) serves a checkpoint
     # The sections a kind brings to the file itself (Kind.own_sections), validated by loading.py
     # with the kind's model: key -> the section.
     kind_sections: dict[str, Any] = Field(default_factory=dict, exclude=True)

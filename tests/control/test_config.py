@@ -174,7 +174,7 @@ def test_config_is_frozen():
         "unknown key 'acelerator'; did you mean 'accelerator'?")], id="unknown-key-close"),
     pytest.param(with_(colour="blue"), [("colour",
         "unknown key 'colour'; valid keys: project, region, zones, run, target, slice, vertex, image, "
-        "trainer, recovery, dry_run, gke")], id="unknown-key-far"),
+        "trainer, recovery, dry_run, gke, serve")], id="unknown-key-far"),
     pytest.param(with_(source="x.yaml"), [("source", "unknown key 'source'")], id="source-is-not-a-key"),
     pytest.param(with_(slice__accelerator="v5litepod-16", trainer__output_dir="runs/x"), [("trainer.output_dir",
         "v5litepod-16 x 1 has several TPU VMs, each with its own disk: checkpoints in 'runs/x' would be split "
