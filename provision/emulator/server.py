@@ -49,7 +49,7 @@ class Emulator:
 
     def __init__(self, state_path: Path | None = None, scenario: str = "happy", clock=None, seed: int = 0,
                  external_workloads: bool = False, reservations: dict[str, int] | None = None,
-                 lock_notice: Callable[[str], None] | None = None) -> None:
+                 lock_notice: Callable[[str], None] | None = None, servers=None) -> None:
         self.scenario = check_scenario(scenario)
         # The project's TPU reservations, "ZONE/NAME" -> chips; by default from the environment
         # (MOE_TPU_EMULATOR_RESERVATIONS); none when unset, as in a project without one.
@@ -68,6 +68,13 @@ class Emulator:
         self._now: float | None = None  # set while a transaction runs
         self._channels: list[grpc.Channel] = []
         self._kube = None  # the Kubernetes API server (kube.py), started on first use
+        # The model servers a deployed model runs (local_server.LocalServers): by default under the state
+        # file's directory; none without one (deploys then end on the clock, predictions are refused).
+        if servers is None and self.state_path is not None:
+            from provision.emulator.local_server import LocalServers
+
+            servers = LocalServers(self.state_path.parent)
+        self.servers = servers
 
     # --- lifecycle -------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -99,6 +106,8 @@ class Emulator:
         return [rpc.Service(self.call, "google.cloud.tpu.v2.Tpu", _tpu_methods),
                 rpc.Service(self.call, "google.cloud.aiplatform.v1.JobService", _vertex_methods),
                 rpc.Service(self.call, "google.container.v1.ClusterManager", _container_methods),
+                *(rpc.Service(self.call, f"google.cloud.aiplatform.v1.{name}", methods)
+                  for name, methods in _SERVING_SERVICES.items()),
                 operations.handler(self.call, self.clock.sleep)]
 
     def stop(self) -> None:
@@ -229,7 +238,7 @@ class Emulator:
         """fn(call) as one transaction, with what an RPC needs to know (see rpc.Call)."""
         with self._transaction() as (world, now):
             return fn(rpc.Call(world=world, now=now, scenario=self.scenario, held=self.external_workloads,
-                               kube_endpoint=self.kube_endpoint))
+                               kube_endpoint=self.kube_endpoint, servers=self.servers))
 
     # --- hooks for a dry run's local workload (see World) --------------------------
     def running_nodes(self) -> list[RunningNode]:
@@ -271,6 +280,20 @@ def _vertex_methods() -> rpc.Methods:
     from provision.emulator import vertex
 
     return vertex.METHODS
+
+
+def _serving_methods(table: str) -> Callable[[], rpc.Methods]:
+    def methods() -> rpc.Methods:
+        from provision.emulator import vertex_serving
+
+        return getattr(vertex_serving, table)
+    return methods
+
+
+# Vertex AI online prediction's services (vertex_serving.py), loaded on their first call.
+_SERVING_SERVICES = {"ModelService": _serving_methods("MODEL_METHODS"),
+                     "EndpointService": _serving_methods("ENDPOINT_METHODS"),
+                     "PredictionService": _serving_methods("PREDICTION_METHODS")}
 
 
 def _container_methods() -> rpc.Methods:
