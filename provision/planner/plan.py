@@ -21,7 +21,6 @@ from provision.planner.estimates import (
     Traffic,
     chip_layout,
     cost,
-    decode_weight_bytes_per_chip,
     hardware_flops_per_chip,
     memory_per_chip,
     mesh_options,
@@ -32,6 +31,7 @@ from provision.planner.estimates import (
     target_mesh,
     traffic_per_chip,
 )
+from provision.planner.serving import decode_weight_bytes_per_chip
 from trainer.flops import ParamCounts, count_params
 from trainer.meshspec import tensor_problems
 from trainer.flops import model_flops_per_token as flops_per_token
