@@ -89,7 +89,7 @@ def claim_text(plan: ServePlan) -> str:
     for row in plan.rows:
         met = [f"{name} ({human_seconds(s)})" for name, s in _bounds(row.step) if plan.claim_s >= s]
         broken = [f"{name} ({human_seconds(s)})" for name, s in _bounds(row.step) if plan.claim_s < s]
-        where = row.name + ("" if row.fits else ", which does not fit")
+        where = row.name + ("" if row.fits else " (which does not fit)")
         text = f"at {where} it meets the {_join(met)} bound{'s' if len(met) > 1 else ''}" if met else \
             f"at {where} it meets no bound"
         if broken:

@@ -166,6 +166,7 @@ class Serving:
     kv_precision: str
     headroom: float = 0.0  # share of HBM kept for activations and XLA's scratch
     hbm_bytes: float = 0.0  # per chip; 0: the catalogue's
+    slot_multiple: int = 0  # what the slots must be a multiple of; 0: the token shards, as the engine's
 
     @property
     def hbm(self) -> float:
@@ -185,26 +186,27 @@ class Serving:
         return self.memory(slots) <= self.usable()
 
     def largest_batch(self) -> int:
-        """The most slots whose cache fits beside the weights (a multiple of the token shards, which the
-        engine's slots must be); 0 when not even the weights fit."""
+        """The most slots whose cache fits beside the weights (a multiple of `slot_multiple`: the engine
+        splits its slots over the token shards); 0 when none fits."""
         free = self.usable() - self.weights.held
         slot = self.max_len * self.kv_per_token / self.kv.hold_ways
         if free < slot:
             return 0
-        shards = self.mesh.token_shards
-        return int(free // slot) // shards * shards
+        multiple = self.slot_multiple or self.mesh.token_shards
+        return int(free // slot) // multiple * multiple
 
 
 def serving(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh, acc: catalogue.AcceleratorType,
             precision: str, *, max_len: int, kv_precision: str | None = None, kv: KvLayout | None = None,
-            headroom: float = 0.0, hbm_bytes: float = 0.0) -> Serving:
+            headroom: float = 0.0, hbm_bytes: float = 0.0, slot_multiple: int = 0) -> Serving:
     from trainer.flops import count_params
 
     kv_precision = kv_precision or precision
     return Serving(cfg=cfg, mesh=mesh, acc=acc, weights=chip_weights(params, cfg, mesh, precision),
                    kv=kv or engine_kv_layout(cfg, mesh), kv_per_token=kv_bytes_per_token(cfg, kv_precision),
                    matmul_params=count_params(params, cfg).matmul_active, max_len=max_len,
-                   weight_precision=precision, kv_precision=kv_precision, headroom=headroom, hbm_bytes=hbm_bytes)
+                   weight_precision=precision, kv_precision=kv_precision, headroom=headroom, hbm_bytes=hbm_bytes,
+                   slot_multiple=slot_multiple)
 
 
 @dataclasses.dataclass(frozen=True)
