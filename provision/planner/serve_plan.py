@@ -25,9 +25,16 @@ from provision.planner.serving import (
 if TYPE_CHECKING:
     from provision.config import Config
 
-# The platforms a replica is billed on, by the config's kind of target.
+# The platforms a replica is billed on, by the config's kind of target, and what the price is.
 PLATFORMS = {"vertex": "Vertex AI prediction", "gke": "GKE TPU node pool"}
 DEFAULT_PLATFORM = "Cloud TPU VM"
+PRICE_BASIS = {
+    "vertex": "the catalogue's Cloud TPU v5e chip-hour price, an estimate: Vertex AI prediction bills its own "
+              "node-hour rate, which the catalogue does not hold",
+    "gke": "the catalogue's Cloud TPU v5e chip-hour price, which GKE's TPU nodes are billed at (the cluster's "
+           "own fee aside)",
+}
+DEFAULT_PRICE_BASIS = "the catalogue's Cloud TPU v5e chip-hour price"
 # The serving engine's own defaults (trainer/serve/cli.py) where the config has no serve section.
 ENGINE_SLOTS, ENGINE_MAX_LEN = 8, 1024
 
@@ -63,11 +70,13 @@ class ServePlan:
     slots: int
     max_len: int
     platform: str
+    price_basis: str
     capacity: str
     price_per_chip_hour: float
     rows: tuple[Row, ...]
     configured: str  # the name of the row the config serves at
     claim_s: float | None = None  # a decode step time to check (--decode-step-ms)
+    warnings: tuple[str, ...] = ()
 
     @property
     def chips(self) -> int:
@@ -126,6 +135,20 @@ def best_mesh(candidates: Sequence[tuple[Mesh, Sequence[Row]]]) -> tuple[Mesh, s
     return mesh, f"the fastest decode step of the meshes where {rows[first].name} fits ({len(candidates)} tried)"
 
 
+def serve_warnings(model_cfg, mesh: Mesh, slots: int, rows: Sequence[Row]) -> list[str]:
+    """What would stop the server on this mesh, or slow every step."""
+    found = []
+    if slots % mesh.token_shards:
+        found.append(f"{slots} slots do not divide over the mesh's {mesh.token_shards} token shards (data x "
+                     "expert): the server refuses it; give it slots a multiple of them, or another --mesh")
+    gathered = rows[0].serving.weights.gathered
+    if gathered:
+        found.append(f"the trainer's FSDP splits weights over data={mesh.data}: every decode step gathers "
+                     f"{gathered / 2**30:.2f} GiB a chip ({rows[0].name}) over ICI; a mesh with data=1 holds "
+                     "them whole")
+    return found
+
+
 def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, mesh_text: str | None = None,
                    claim_ms: float | None = None) -> ServePlan:
     """The serving plan for a config whose training plan is `plan` (`plan_for` with the same options):
@@ -164,5 +187,7 @@ def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, m
     conf_name = configured[0] if configured[0] == configured[1] else f"{configured[0]}/kv {configured[1]}"
     return ServePlan(plan=plan, accelerator=acc, mesh=mesh, mesh_source=mesh_source,
                      hardware_source=hardware_source, slots=slots, max_len=max_len, platform=platform,
+                     price_basis=PRICE_BASIS.get(cfg.target, DEFAULT_PRICE_BASIS),
                      capacity=capacity, price_per_chip_hour=catalogue.price_per_chip_hour(capacity), rows=rows,
-                     configured=conf_name, claim_s=None if claim_ms is None else claim_ms / 1000)
+                     configured=conf_name, claim_s=None if claim_ms is None else claim_ms / 1000,
+                     warnings=tuple(serve_warnings(model_cfg, mesh, slots, rows)))

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from provision.planner.report import _rows, human_bytes, human_count, human_seconds, usd
+from provision.planner.report import _rows, human_bytes, human_count, human_seconds
+from provision.planner.report import usd as _usd
 from provision.planner.serve_plan import Row, ServePlan
 from provision.planner.serving import DecodeStep
 
 # The weight precisions trainer/serve can load today (--weights auto keeps the checkpoint's, or int8).
 ENGINE_WEIGHTS = frozenset({"bf16", "float32", "int8"})
+
+def usd(x: float) -> str:
+    """Dollars to the cent, or to three significant figures below a cent (a small model's tokens)."""
+    return _usd(x) if x >= 0.01 or x == 0 else f"${x:.3g}"
+
 
 # ----------------------------------------------------------------------------- JSON
 
@@ -55,11 +61,12 @@ def serve_document(plan: ServePlan) -> dict[str, Any]:
                  "server_flag": f"--mesh {mesh.text()}", "source": plan.mesh_source, "reason": mesh.reason},
         "batch_slots": plan.slots, "max_len_tokens": plan.max_len,
         "kv_cache_layout": plan.rows[0].serving.kv.note,
-        "platform": plan.platform, "capacity": plan.capacity, "price_per_chip_hour_usd": plan.price_per_chip_hour,
+        "platform": plan.platform, "price_basis": plan.price_basis, "capacity": plan.capacity, "price_per_chip_hour_usd": plan.price_per_chip_hour,
         "price_per_replica_hour_usd": plan.price_per_chip_hour * plan.chips,
         "configured_precision": plan.configured,
         "precisions": {row.name: _row_document(plan, row) for row in plan.rows},
         **({"claim": _claim_document(plan)} if plan.claim_s is not None else {}),
+        "warnings": list(plan.warnings),
     }}
 
 
@@ -143,9 +150,10 @@ def serve_lines(plan: ServePlan) -> list[str]:
                  f"{plan.slots} slots x {plan.max_len} tokens",
              f"          mesh {mesh.text()} ({mesh_from}); the server takes --mesh {mesh.text()}",
              f"          KV cache {plan.rows[0].serving.kv.note}; {plan.platform} at "
-             f"{usd(plan.price_per_chip_hour)} per chip-hour ({plan.capacity})"]
+             f"{usd(plan.price_per_chip_hour)} per chip-hour ({plan.capacity}: {plan.price_basis})"]
     for row in plan.rows:
         lines += _row_lines(plan, row)
+    lines += [""] + [f"warning   {w}" for w in plan.warnings] if plan.warnings else []
     return lines + ["", serve_verdict(plan)]
 
 
