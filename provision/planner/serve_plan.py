@@ -173,7 +173,9 @@ def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, m
         try:
             mesh, mesh_source = target_mesh(mesh_text, chips, 1), "--mesh"
         except ValueError as exc:
-            raise UsageError(f"cannot plan serving: {exc}", hint="--mesh must cover the serving chips") from None
+            message = str(exc).replace("the target has", "the serving replica has")
+            raise UsageError(f"cannot plan serving: {message}",
+                             hint="--mesh must cover one serving replica's chips (the serve section's topology)") from None
     elif hardware_source == "plan" and plan.mesh.chips == chips:
         mesh, mesh_source = plan.mesh, "plan"
     else:

@@ -156,6 +156,25 @@ def test_the_1_2t_verdict_says_which_precisions_fit_and_which_bounds_22_ms_meets
     assert step["cost_per_million_tokens_usd"] == pytest.approx(cost)
 
 
+def test_a_mesh_for_the_serving_replica_and_one_that_is_not(huge_plan):
+    code, out, _ = moe("--output", "json", "plan", "-c", str(HUGE), "--serve", "--mesh", "expert=8,model=8")
+    doc = json.loads(out)
+    assert code == 0 and doc["mesh"]["data"] == 16 and doc["serve"]["mesh"]["source"] == "--mesh"
+    assert doc["serve"]["mesh"]["server_flag"] == "--mesh data=1,expert=8,model=8"
+    code, out, err = moe("plan", "-c", str(HUGE), "--serve", "--mesh", "data=128,expert=8")  # the training mesh
+    assert (code, out) == (2, "") and "covers 1024 chips, but the serving replica has 64" in err
+
+
+def test_the_kv_cache_is_the_engines():
+    from trainer.serve.kvcache import KVCache
+
+    cfg = load_config("tiny")
+    m = cfg.model
+    for precision, dtype in (("bf16", "bfloat16"), ("int8", "int8")):
+        assert planner.kv_bytes_per_token(cfg, precision) == KVCache.nbytes(m.num_layers, 1, 1, m.kv_heads,
+                                                                             m.head_size, dtype)
+
+
 UNITS = {"bytes", "s", "usd", "tokens", "slots", "experts", "chips", "flops", "ways"}
 
 
