@@ -39,6 +39,11 @@ DEFAULT_PRICE_BASIS = "the catalogue's Cloud TPU v5e chip-hour price"
 ENGINE_SLOTS, ENGINE_MAX_LEN = 8, 1024
 
 
+def row_name(weights: str, kv: str) -> str:
+    """A precision row's name: "int8", or "int8/kv bf16" where the cache is kept otherwise."""
+    return weights if weights == kv else f"{weights}/kv {kv}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One precision of weights and KV cache on the replica."""
@@ -52,8 +57,7 @@ class Row:
 
     @property
     def name(self) -> str:
-        s = self.serving
-        return s.weight_precision if s.weight_precision == s.kv_precision else f"{s.weight_precision}/kv {s.kv_precision}"
+        return row_name(self.serving.weight_precision, self.serving.kv_precision)
 
     @property
     def fits(self) -> bool:
@@ -149,6 +153,18 @@ def serve_warnings(model_cfg, mesh: Mesh, slots: int, rows: Sequence[Row]) -> li
     return found
 
 
+def _given_mesh(plan: Plan, mesh_text: str | None, chips: int) -> tuple[Mesh, str]:
+    """--mesh on the replica's chips (UsageError where it does not cover them), or the plan's mesh."""
+    if not mesh_text:
+        return plan.mesh, "plan"
+    try:
+        return target_mesh(mesh_text, chips, 1), "--mesh"
+    except ValueError as exc:
+        message = str(exc).replace("the target has", "the serving replica has")
+        hint = "--mesh must cover one serving replica's chips (the serve section's topology)"
+        raise UsageError(f"cannot plan serving: {message}", hint=hint) from None
+
+
 def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, mesh_text: str | None = None,
                    claim_ms: float | None = None) -> ServePlan:
     """The serving plan for a config whose training plan is `plan` (`plan_for` with the same options):
@@ -157,9 +173,7 @@ def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, m
     from trainer.params import param_inventory
     from trainer.serve.memory import HEADROOM
 
-    params = param_inventory(plan.model)
-
-    model_cfg = plan.model
+    params, model_cfg = param_inventory(plan.model), plan.model
     acc, hardware_source = _hardware(cfg, plan, accelerator)
     chips = plan.target.chips if hardware_source != "serve" else acc.chips
     serve = cfg.serve
@@ -169,15 +183,8 @@ def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, m
     pairs = [(p, p) for p in PRECISIONS]
     if configured not in pairs:
         pairs.append(configured)
-    if mesh_text:
-        try:
-            mesh, mesh_source = target_mesh(mesh_text, chips, 1), "--mesh"
-        except ValueError as exc:
-            message = str(exc).replace("the target has", "the serving replica has")
-            raise UsageError(f"cannot plan serving: {message}",
-                             hint="--mesh must cover one serving replica's chips (the serve section's topology)") from None
-    elif hardware_source == "plan" and plan.mesh.chips == chips:
-        mesh, mesh_source = plan.mesh, "plan"
+    if mesh_text or (hardware_source == "plan" and plan.mesh.chips == chips):
+        mesh, mesh_source = _given_mesh(plan, mesh_text, chips)
     else:
         candidates = [(m, _rows(params, model_cfg, m, acc, pairs, slots, max_len, HEADROOM))
                       for m in serving_meshes(model_cfg, chips, slots, model_ways(model_cfg))]
@@ -186,10 +193,9 @@ def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, m
     rows = _rows(params, model_cfg, mesh, acc, pairs, slots, max_len, HEADROOM)
     platform = PLATFORMS.get(cfg.target, DEFAULT_PLATFORM)
     capacity = ("spot" if serve.spot else "on-demand") if serve is not None else plan.target.capacity
-    conf_name = configured[0] if configured[0] == configured[1] else f"{configured[0]}/kv {configured[1]}"
     return ServePlan(plan=plan, accelerator=acc, mesh=mesh, mesh_source=mesh_source,
                      hardware_source=hardware_source, slots=slots, max_len=max_len, platform=platform,
                      price_basis=PRICE_BASIS.get(cfg.target, DEFAULT_PRICE_BASIS),
                      capacity=capacity, price_per_chip_hour=catalogue.price_per_chip_hour(capacity), rows=rows,
-                     configured=conf_name, claim_s=None if claim_ms is None else claim_ms / 1000,
+                     configured=row_name(*configured), claim_s=None if claim_ms is None else claim_ms / 1000,
                      warnings=tuple(serve_warnings(model_cfg, mesh, slots, rows)))
