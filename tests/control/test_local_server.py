@@ -56,4 +56,5 @@ def test_the_dry_run_serves_the_local_output_of_the_run(tmp_path):
     assert flag_value(adapted, "--checkpoint") == str(tmp_path.resolve() / "runs" / cfg.run / "output")
     other, _ = dry_run_adapter(cfg, tmp_path)(["--checkpoint", "gs://b/runs/other-run"], {})
     assert flag_value(other, "--checkpoint") == str(tmp_path.resolve() / "runs" / "other-run" / "output")
-    assert dry_run_adapter(cfg, tmp_path)(["--checkpoint", "/data/x"], {})[0] == ["--checkpoint", "/data/x"]
+    assert dry_run_adapter(cfg, tmp_path)(["--checkpoint", "/data/x"], {})[0] == ["--checkpoint", "/data/x",
+                                                                                 "--devices", "1"]
