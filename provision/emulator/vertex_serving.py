@@ -24,7 +24,7 @@ from google.cloud import aiplatform_v1 as v1
 from google.longrunning import operations_pb2
 from google.rpc import error_details_pb2
 
-from provision.emulator import rpc, validate
+from provision.emulator import rpc, validate, vertex
 from provision.emulator.validate import ApiError, not_found
 from provision.emulator.vertex import _numeric_id, region
 from provision.emulator.world import Operation, World
@@ -333,9 +333,25 @@ def _matches(record: dict, text: str) -> bool:
 # --- RPCs --------------------------------------------------------------------------------
 
 
-def _started(op: Operation, now: float) -> operations_pb2.Operation:
-    from provision.emulator.vertex import operation_view
+def operation_view(op: Operation, now: float) -> operations_pb2.Operation:
+    """A serving operation as google.longrunning.Operation, with its method's own response and metadata types
+    (OPERATION_TYPES); a delete as the other Vertex AI deletes (vertex.operation_view)."""
+    types = OPERATION_TYPES.get(op.verb)
+    if types is None:
+        return vertex.operation_view(op, now)
+    response_type, metadata_type = types
 
+    def metadata(op: Operation, now: float):
+        updated = op.done_at if op.done(now) else op.create_time
+        return metadata_type.pb(metadata_type(generic_metadata=v1.GenericOperationMetadata(
+            create_time=rpc.timestamp(op.create_time), update_time=rpc.timestamp(updated))))
+
+    def response(op: Operation):
+        return response_type.pb(response_type.from_json(json.dumps(op.response), ignore_unknown_fields=True))
+    return rpc.longrunning(op, now, metadata, response)
+
+
+def _started(op: Operation, now: float) -> operations_pb2.Operation:
     return rpc.started(operation_view(op, now))
 
 

@@ -175,3 +175,21 @@ def test_a_rerun_after_kill_9_adopts_the_endpoint_and_uploads_no_second_model(he
     code, _, err = invoke("--dry-run", "down")
     assert code == 0, err[-2000:]
     _nothing_left(here)
+
+
+def test_validate_refuses_what_vertex_ai_cannot_serve(tmp_path):
+    serve = yaml.safe_load((ROOT / "examples" / "serve-vertex.yaml").read_text())
+    serve["serve"] |= {"min_replicas": 3, "max_replicas": 2, "topology": "8x8"}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(serve))
+    code, _, err = invoke("validate", "-c", str(tmp_path / "bad.yaml"))
+    assert code == 2 and "serve.max_replicas" in err and "below min_replicas 3" in err
+    assert "serve.topology" in err and "single-host" in err and "target: gke" in err
+
+
+def test_deploy_and_predict_help_import_no_cloud_client_and_no_jax():
+    probe = ("import sys\nbefore = set(sys.modules)\nfrom provision.cli import main\n"
+             "for name in ('deploy', 'predict'):\n    try:\n        main([name, '--help'])\n"
+             "    except SystemExit:\n        pass\nnew = set(sys.modules) - before\n"
+             "print(sorted({m for m in new if m.split('.')[0] in {'google', 'grpc', 'jax', 'kubernetes'}}))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0 and "Examples:" in result.stdout and result.stdout.strip().endswith("[]")
