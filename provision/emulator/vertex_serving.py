@@ -59,7 +59,8 @@ def _name(name: str, pattern: re.Pattern, collection: str) -> str:
     match = pattern.match(name or "")
     if not match:
         raise ApiError("INVALID_ARGUMENT", f"Invalid resource field value in the request: name {name!r} is not of "
-                                           f"the form 'projects/{{project}}/locations/{{location}}/{collection}/{{id}}'")
+                                           "the form 'projects/{project}/locations/{location}/"
+                                           f"{collection}/{{id}}'")
     region(match.group(1))
     return match.group(1)
 
@@ -182,7 +183,8 @@ def _container_env(spec: v1.ModelContainerSpec, endpoint: str, deployed_id: str)
     port = spec.ports[0].container_port if spec.ports else 8080
     env = {e.name: e.value for e in spec.env}
     return {**env, "AIP_HTTP_PORT": str(port), "AIP_PREDICT_ROUTE": spec.predict_route or DEFAULT_PREDICT_ROUTE,
-            "AIP_HEALTH_ROUTE": spec.health_route or DEFAULT_HEALTH_ROUTE, "AIP_ENDPOINT_ID": endpoint.rsplit("/", 1)[-1],
+            "AIP_HEALTH_ROUTE": spec.health_route or DEFAULT_HEALTH_ROUTE,
+            "AIP_ENDPOINT_ID": endpoint.rsplit("/", 1)[-1],
             "AIP_DEPLOYED_MODEL_ID": deployed_id, "AIP_MODE": "PREDICTION"}
 
 
@@ -305,7 +307,8 @@ def endpoint_view(record: dict) -> v1.Endpoint:
     endpoint.create_time = endpoint.update_time = rpc.timestamp(record["create_time"])
     if endpoint.dedicated_endpoint_enabled:
         project, where = region(record["name"].split("/endpoints/")[0])
-        endpoint.dedicated_endpoint_dns = f"{record['name'].rsplit('/', 1)[-1]}.{where}-{project}.prediction.vertexai.goog"
+        number = record["name"].rsplit("/", 1)[-1]
+        endpoint.dedicated_endpoint_dns = f"{number}.{where}-{project}.prediction.vertexai.goog"
     for deployed_id, deployed in record["deployed"].items():
         view = v1.DeployedModel.from_json(json.dumps(deployed["request"]), ignore_unknown_fields=True)
         view.create_time = rpc.timestamp(deployed["create_time"])

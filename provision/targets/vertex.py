@@ -174,9 +174,9 @@ class VertexKind(Kind):
         from provision.endpoints import managed_serving
         from provision.jobs import managed_jobs
 
-        return [res for region in scope.regions for res in (*managed_jobs(session, scope.project, region, run=scope.run),
-                                                            *managed_serving(session, scope.project, region,
-                                                                             run=scope.run))]
+        return [res for region in scope.regions
+                for res in (*managed_jobs(session, scope.project, region, run=scope.run),
+                            *managed_serving(session, scope.project, region, run=scope.run))]
 
     def where(self, cfg) -> str:
         return f"region {cfg.region}"

@@ -70,7 +70,8 @@ def test_operations_answer_with_each_methods_own_types_and_a_deploy_ends(emu, ap
     result = operation.result()
     assert result.deployed_model.dedicated_resources.machine_spec.tpu_topology == "2x2"
     view = api.endpoints.get_endpoint(name=endpoint.name)
-    assert view.deployed_models[0].status.available_replica_count == 1 and view.traffic_split[result.deployed_model.id] == 100
+    assert view.deployed_models[0].status.available_replica_count == 1
+    assert view.traffic_split[result.deployed_model.id] == 100
     assert api.models.get_model(name=name).deployed_models[0].endpoint == endpoint.name
     # No server here: a prediction is refused as unavailable, not answered.
     _refused(lambda: api.predictions.raw_predict(endpoint=endpoint.name, http_body={"data": b"{}"}),

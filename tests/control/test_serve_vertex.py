@@ -99,7 +99,8 @@ def test_deploy_predict_down_through_the_real_api(here):
     assert (spec["predict_route"], spec["health_route"]) == ("/v1/completions", "/health")
     assert int(spec["startup_probe"]["failure_threshold"]) >= 3
     deployed = next(c["request"] for c in doc["calls"] if c["rpc"].endswith("/DeployModel"))["deployed_model"]
-    assert deployed["dedicated_resources"]["machine_spec"] == {"machine_type": "ct5lp-hightpu-4t", "tpu_topology": "2x2"}
+    machine = deployed["dedicated_resources"]["machine_spec"]
+    assert machine == {"machine_type": "ct5lp-hightpu-4t", "tpu_topology": "2x2"}
     assert doc["result"] == "ok" and doc["url"].endswith(":rawPredict") and doc["smoke"]["text"]
     # The prediction, streamed and whole, through PredictionService: what `sample` gives, greedy.
     code, out, err = invoke("--dry-run", "--output", "json", "predict", "--prompt", PROMPT, "--max-tokens", str(TOKENS))
@@ -151,11 +152,12 @@ def _when_a_server_starts(work, then) -> threading.Thread:
     return thread
 
 
-def test_sigterm_during_deploy_model_deletes_what_it_made(here):
+@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_during_deploy_model_deletes_what_it_made(here, signum, exit_code):
     # The deploy runs in this process; the signal comes from a thread once DeployModel has started the server.
-    _when_a_server_starts(here, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    _when_a_server_starts(here, lambda: os.kill(os.getpid(), signum))
     code, out, err = invoke("--dry-run", "--output", "json", "deploy", "-c", "serve.yaml")
-    assert code == 143 and "everything the deploy made is deleted" in err, err[-2000:]
+    assert code == exit_code and "everything the deploy made is deleted" in err, err[-2000:]
     assert _in_order(_rpcs(json.loads(out)), ["UploadModel", "CreateEndpoint", "DeployModel", "UndeployModel",
                                               "DeleteEndpoint", "DeleteModel"])
     _nothing_left(here)
