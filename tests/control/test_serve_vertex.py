@@ -102,6 +102,9 @@ def test_deploy_predict_down_through_the_real_api(here):
     machine = deployed["dedicated_resources"]["machine_spec"]
     assert machine == {"machine_type": "ct5lp-hightpu-4t", "tpu_topology": "2x2"}
     assert doc["result"] == "ok" and doc["url"].endswith(":rawPredict") and doc["smoke"]["text"]
+    code, out, _ = invoke("--dry-run", "--output", "json", "status")
+    kinds = {r["kind"]: r["state"] for r in json.loads(out)["resources"]}
+    assert code == 0 and kinds == {"endpoint": "DEPLOYED", "deployed_model": "DEPLOYED", "model": "UPLOADED"}
     # The prediction, streamed and whole, through PredictionService: what `sample` gives, greedy.
     code, out, err = invoke("--dry-run", "--output", "json", "predict", "--prompt", PROMPT, "--max-tokens", str(TOKENS))
     streamed = json.loads(out)
@@ -118,6 +121,12 @@ def test_deploy_predict_down_through_the_real_api(here):
 def test_a_refused_quota_fails_the_deploy_naming_it_and_leaves_nothing(here):
     code, _, err = invoke("--dry-run", "--scenario", "quota", "deploy", "-c", "serve.yaml")
     assert code == 1 and "TPUV5sLitepodServingPerProjectPerZoneForTPUAPI" in err
+    _nothing_left(here)
+
+
+def test_stockout_fails_the_deploy_for_lack_of_capacity_and_leaves_nothing(here):
+    code, _, err = invoke("--dry-run", "--scenario", "stockout", "deploy", "-c", "serve.yaml")
+    assert code == 1 and "Resources are insufficient in region: us-west4" in err
     _nothing_left(here)
 
 
