@@ -204,3 +204,10 @@ def test_deploy_and_predict_help_import_no_cloud_client_and_no_jax():
              "print(sorted({m for m in new if m.split('.')[0] in {'google', 'grpc', 'jax', 'kubernetes'}}))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0 and "Examples:" in result.stdout and result.stdout.strip().endswith("[]")
+
+
+def test_cloud_run_is_refused_for_a_tpu_with_the_reason_and_the_alternatives(tmp_path):
+    serve = {**yaml.safe_load((ROOT / "examples" / "serve-vertex.yaml").read_text()), "target": "cloud-run"}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(serve))
+    code, _, err = invoke("validate", "-c", str(tmp_path / "run.yaml"))
+    assert code == 2 and "target" in err and "Cloud Run offers GPUs only" in err and "target: gke" in err
