@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from provision.errors import MoeTpuError
 from provision.resources import Resource, short
 from provision.runs import RunTimeline
 from provision.targets.base import ServiceReport, ServiceTarget
@@ -41,7 +42,13 @@ class ServiceFollower:
         """Provision, then wait for ready; a service that fails to start is torn down (nothing bills
         for a service that never answered); a ready one is left up."""
         self.timeline.add("provisioning", self.console, target=self.service.describe())
-        resources = self.service.provision()
+        try:
+            resources = self.service.provision()
+        except MoeTpuError as exc:  # refused (a quota, a bad request): what it made before bills for nothing
+            self.timeline.add("failed", self.console, detail=exc.message)
+            deleted = self.service.teardown()
+            self.timeline.add("deleted", self.console, resources=len(deleted))
+            raise
         self.timeline.billing(True)
         where = ", ".join(f"{r.kind} {short(r.name)}" for r in resources[:2])
         self.timeline.add("provisioned", self.console, resources=where)

@@ -83,7 +83,8 @@ def _serve_until_stopped(app, emu, speed: float) -> None:
               help="The emulated world's file (default: this directory's dry-run world, .moe-tpu/emulator.json).")
 @click.pass_obj
 def reset(app, state_path: Path | None) -> None:
-    """Clear the emulated world: every emulated queued resource, node and custom job is gone.
+    """Clear the emulated world: every emulated queued resource, node, custom job and endpoint is gone (the
+    model servers its deployed models ran on this machine are stopped).
 
     Takes the lock that every emulator process takes for each RPC, so a server or a dry run
     that is running reloads an empty world on its next call. Without --state it also clears
@@ -112,6 +113,14 @@ def reset(app, state_path: Path | None) -> None:
         raise UsageError(f"cannot clear {echo(path)}: {exc.strerror or exc}",
                          hint="check the file's permissions, or delete it by hand") from None
     app.console.text(f"emulated world cleared ({path})" if existed else f"emulated world already empty ({path})")
+    from provision.emulator.local_server import LocalServers
+
+    servers = LocalServers(path.parent)  # the model servers its deployed models ran: gone with the world
+    stopped = servers.keys()
+    for key in stopped:
+        servers.stop(key)
+    if stopped:
+        app.console.text(f"model servers stopped: {len(stopped)}")
     runs = _clear_runs(app) if state_path is None else []
     if runs:
         app.console.text(f"dry-run runs cleared: {', '.join(runs)} ({app.state_dir / 'runs'})")

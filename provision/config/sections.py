@@ -352,6 +352,10 @@ _SECTIONS: dict[str, type[_Section]] = {
 }
 
 
+# What a config might call Cloud Run, which serves on GPUs only (refused with the reason and the alternatives).
+CLOUD_RUN_NAMES = ("cloud-run", "cloudrun", "run")
+
+
 class Config(BaseModel):
     """One run, as the config file describes it."""
 
@@ -391,6 +395,9 @@ class Config(BaseModel):
     def _known_kind(cls, value: Any) -> Any:
         from provision.targets import KINDS
 
+        if isinstance(value, str) and value.replace("_", "-").lower() in CLOUD_RUN_NAMES:
+            raise invalid("Cloud Run offers GPUs only, never TPUs: serve on TPU v5e with `target: vertex` (a Vertex "
+                          "AI endpoint) or `target: gke` (a Deployment), each with a serve section")
         if not isinstance(value, str) or value not in KINDS:
             names = [repr(name) for name in KINDS]
             one_of = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]

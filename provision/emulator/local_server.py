@@ -255,6 +255,6 @@ def dry_run_adapter(cfg, state_dir: str | Path) -> Adapt:
             path = checkpoint.rstrip("/")
             run = cfg.run if path == cfg.trainer.output_dir.rstrip("/") else path.rsplit("/", 1)[-1]
             argv = set_flag(argv, "--checkpoint", str(local_output_dir(Path(state_dir).resolve(), run)))
-        return argv, env
+        return set_flag(argv, "--devices", "1"), env
 
     return adapt

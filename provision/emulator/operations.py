@@ -28,9 +28,16 @@ def _tpu_view(op: Operation, now: float) -> operations_pb2.Operation:
 
 
 def _vertex_view(op: Operation, now: float) -> operations_pb2.Operation:
+    if op.verb in SERVING_VERBS:  # online prediction's operations, each with its method's own types
+        from provision.emulator import vertex_serving
+
+        return vertex_serving.operation_view(op, now)
     from provision.emulator import vertex
 
     return vertex.operation_view(op, now)
+
+
+SERVING_VERBS = ("upload_model", "create_endpoint", "deploy", "undeploy")
 
 
 # world.Operation.service -> how that service shows its operations (world.OPERATION_SERVICES).

@@ -24,7 +24,7 @@ from google.cloud import aiplatform_v1 as v1
 from google.longrunning import operations_pb2
 from google.rpc import error_details_pb2
 
-from provision.emulator import rpc, validate
+from provision.emulator import rpc, validate, vertex
 from provision.emulator.validate import ApiError, not_found
 from provision.emulator.vertex import _numeric_id, region
 from provision.emulator.world import Operation, World
@@ -59,7 +59,8 @@ def _name(name: str, pattern: re.Pattern, collection: str) -> str:
     match = pattern.match(name or "")
     if not match:
         raise ApiError("INVALID_ARGUMENT", f"Invalid resource field value in the request: name {name!r} is not of "
-                                           f"the form 'projects/{{project}}/locations/{{location}}/{collection}/{{id}}'")
+                                           "the form 'projects/{project}/locations/{location}/"
+                                           f"{collection}/{{id}}'")
     region(match.group(1))
     return match.group(1)
 
@@ -182,7 +183,8 @@ def _container_env(spec: v1.ModelContainerSpec, endpoint: str, deployed_id: str)
     port = spec.ports[0].container_port if spec.ports else 8080
     env = {e.name: e.value for e in spec.env}
     return {**env, "AIP_HTTP_PORT": str(port), "AIP_PREDICT_ROUTE": spec.predict_route or DEFAULT_PREDICT_ROUTE,
-            "AIP_HEALTH_ROUTE": spec.health_route or DEFAULT_HEALTH_ROUTE, "AIP_ENDPOINT_ID": endpoint.rsplit("/", 1)[-1],
+            "AIP_HEALTH_ROUTE": spec.health_route or DEFAULT_HEALTH_ROUTE,
+            "AIP_ENDPOINT_ID": endpoint.rsplit("/", 1)[-1],
             "AIP_DEPLOYED_MODEL_ID": deployed_id, "AIP_MODE": "PREDICTION"}
 
 
@@ -305,7 +307,8 @@ def endpoint_view(record: dict) -> v1.Endpoint:
     endpoint.create_time = endpoint.update_time = rpc.timestamp(record["create_time"])
     if endpoint.dedicated_endpoint_enabled:
         project, where = region(record["name"].split("/endpoints/")[0])
-        endpoint.dedicated_endpoint_dns = f"{record['name'].rsplit('/', 1)[-1]}.{where}-{project}.prediction.vertexai.goog"
+        number = record["name"].rsplit("/", 1)[-1]
+        endpoint.dedicated_endpoint_dns = f"{number}.{where}-{project}.prediction.vertexai.goog"
     for deployed_id, deployed in record["deployed"].items():
         view = v1.DeployedModel.from_json(json.dumps(deployed["request"]), ignore_unknown_fields=True)
         view.create_time = rpc.timestamp(deployed["create_time"])
@@ -333,9 +336,25 @@ def _matches(record: dict, text: str) -> bool:
 # --- RPCs --------------------------------------------------------------------------------
 
 
-def _started(op: Operation, now: float) -> operations_pb2.Operation:
-    from provision.emulator.vertex import operation_view
+def operation_view(op: Operation, now: float) -> operations_pb2.Operation:
+    """A serving operation as google.longrunning.Operation, with its method's own response and metadata types
+    (OPERATION_TYPES); a delete as the other Vertex AI deletes (vertex.operation_view)."""
+    types = OPERATION_TYPES.get(op.verb)
+    if types is None:
+        return vertex.operation_view(op, now)
+    response_type, metadata_type = types
 
+    def metadata(op: Operation, now: float):
+        updated = op.done_at if op.done(now) else op.create_time
+        return metadata_type.pb(metadata_type(generic_metadata=v1.GenericOperationMetadata(
+            create_time=rpc.timestamp(op.create_time), update_time=rpc.timestamp(updated))))
+
+    def response(op: Operation):
+        return response_type.pb(response_type.from_json(json.dumps(op.response), ignore_unknown_fields=True))
+    return rpc.longrunning(op, now, metadata, response)
+
+
+def _started(op: Operation, now: float) -> operations_pb2.Operation:
     return rpc.started(operation_view(op, now))
 
 

@@ -116,13 +116,22 @@ class VertexKind(Kind):
     def summary(self, cfg) -> str:
         acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
         size = f" ({acc.chips} chip{'' if acc.chips == 1 else 's'})" if acc else ""
-        return (f"Vertex AI job on {cfg.vertex.machine_type}, topology {cfg.vertex.topology}{size}, "
+        line = (f"Vertex AI job on {cfg.vertex.machine_type}, topology {cfg.vertex.topology}{size}, "
                 f"{cfg.vertex.scheduling}, region {cfg.region}")
+        if cfg.serve is not None:
+            serve = cfg.serve
+            line += (f"; serves on a Vertex AI endpoint: {serve.machine_type} {serve.replica_topology}, "
+                     f"{serve.min_replicas}-{serve.max_replicas} replica(s)")
+        return line
 
     def render(self, cfg, renderer) -> dict[str, str]:
-        from provision.rendering import render_custom_job_files
+        """The CustomJob's files, and with a serve section the endpoint's (Model, Endpoint, DeployedModel)."""
+        from provision.rendering import render_custom_job_files, render_serving_files
 
-        return render_custom_job_files(cfg, renderer)
+        files = render_custom_job_files(cfg, renderer)
+        if cfg.serve is not None:
+            files.update(render_serving_files(cfg, renderer, startup_estimate_s(cfg)))
+        return files
 
     def hardware(self, cfg):
         acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
@@ -165,9 +174,9 @@ class VertexKind(Kind):
         from provision.endpoints import managed_serving
         from provision.jobs import managed_jobs
 
-        return [res for region in scope.regions for res in (*managed_jobs(session, scope.project, region, run=scope.run),
-                                                            *managed_serving(session, scope.project, region,
-                                                                             run=scope.run))]
+        return [res for region in scope.regions
+                for res in (*managed_jobs(session, scope.project, region, run=scope.run),
+                            *managed_serving(session, scope.project, region, run=scope.run))]
 
     def where(self, cfg) -> str:
         return f"region {cfg.region}"

@@ -56,4 +56,16 @@ def test_the_dry_run_serves_the_local_output_of_the_run(tmp_path):
     assert flag_value(adapted, "--checkpoint") == str(tmp_path.resolve() / "runs" / cfg.run / "output")
     other, _ = dry_run_adapter(cfg, tmp_path)(["--checkpoint", "gs://b/runs/other-run"], {})
     assert flag_value(other, "--checkpoint") == str(tmp_path.resolve() / "runs" / "other-run" / "output")
-    assert dry_run_adapter(cfg, tmp_path)(["--checkpoint", "/data/x"], {})[0] == ["--checkpoint", "/data/x"]
+    assert dry_run_adapter(cfg, tmp_path)(["--checkpoint", "/data/x"], {})[0] == ["--checkpoint", "/data/x",
+                                                                                 "--devices", "1"]
+
+
+def test_emulator_reset_stops_the_model_servers_of_the_world(tmp_path):
+    from tests.control.cli_helpers import invoke
+
+    servers = LocalServers(tmp_path)
+    servers.start("k", ["python", FAKE, "--host", "0.0.0.0"], {}, tmp_path / "server.log")
+    assert _wait(servers, "k").phase == "ready"
+    code, out, _ = invoke("emulator", "reset", "--state", str(tmp_path / "emulator.json"))
+    assert code == 0 and "model servers stopped: 1" in out
+    assert servers.keys() == [] and servers.state("k").phase == "stopped"
