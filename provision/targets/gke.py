@@ -8,7 +8,7 @@ JobSet out of restarts or complete ends the run.
 
 from __future__ import annotations
 
-from provision import catalogue, gke_render
+from provision import catalogue, gke_render, gke_serve_render
 from provision.cloud import storage
 from provision.config.gke_sections import MAX_GKE_NAME
 from provision.resources import Resource
@@ -130,6 +130,24 @@ class GkeTarget(NodePools):
 
 
 
+# A server's start, for its startup probe: the weights read from Cloud Storage by one host (a plausible
+# sustained rate, not measured), then the prefill and decode steps compiled; with room to spare, since a
+# probe that gives up too early restarts a server that was about to answer.
+LOAD_BYTES_PER_S = 200e6
+COMPILE_S = 300.0
+STARTUP_MARGIN = 2.0
+
+
+def startup_estimate_s(cfg) -> float:
+    """Seconds the server may take to load its weights and compile before /health answers 200: from
+    the trainer's parameter inventory of the model it serves (trainer.config)."""
+    from provision.planner.plan import load_model_config
+    from trainer.params import param_inventory
+
+    weights = sum(p.nbytes for p in param_inventory(load_model_config(cfg)))
+    return STARTUP_MARGIN * (weights / LOAD_BYTES_PER_S + COMPILE_S)
+
+
 class GkeKind(Kind):
     """`target: gke`: the slice and gke sections, rendered as node pools (and a cluster) and a JobSet."""
 
@@ -155,6 +173,31 @@ class GkeKind(Kind):
         if isinstance(output_dir, str) and not output_dir.startswith("gs://"):
             found.append(("trainer.output_dir", f"pods on GKE keep nothing when they end: use a gs:// path, not "
                                                 f"{output_dir!r}"))
+        if isinstance(get("serve"), dict):
+            found += self._serve_checks(get)
+        return found
+
+    @staticmethod
+    def _serve_checks(get) -> list[tuple[str, str]]:
+        """The serve section on GKE: one host per replica (a Deployment's pod), a pool name GKE takes, a
+        checkpoint the pods can read."""
+        found: list[tuple[str, str]] = []
+        machine, topology = get("serve.machine_type"), get("serve.topology")
+        single = catalogue.accelerator_for_machine(machine, "") if isinstance(machine, str) else None
+        host = single.topology if single is not None else None
+        if host is not None and isinstance(topology, str) and topology != host:
+            acc = catalogue.accelerator_for_topology(topology)
+            spans = f"spans {acc.vms} hosts" if acc is not None and acc.multi_host else "is not its one host"
+            found.append(("serve.topology", f"topology {topology!r} {spans}: a GKE Deployment gives each replica "
+                                            f"one host of {machine} ({host}); leave serve.topology unset"))
+        run = get("run")
+        if isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > MAX_GKE_NAME:
+            found.append(("run", f"run name {run!r} is too long to serve on GKE: the serving node pool is named "
+                                 f"RUN{gke_serve_render.SERVE_POOL_SUFFIX}, at most {MAX_GKE_NAME} characters"))
+        checkpoint = get("serve.checkpoint")
+        if isinstance(checkpoint, str) and not checkpoint.startswith("gs://"):
+            found.append(("serve.checkpoint", f"pods on GKE read the checkpoint from Cloud Storage: use a gs:// "
+                                              f"path, not {checkpoint!r}"))
         return found
 
     @staticmethod
@@ -182,12 +225,21 @@ class GkeKind(Kind):
 
     def summary(self, cfg) -> str:
         acc = cfg.accelerator_type()
-        return (f"GKE cluster {cfg.gke.cluster} ({cfg.gke.location}), runtime {cfg.gke.runtime}: "
+        line = (f"GKE cluster {cfg.gke.cluster} ({cfg.gke.location}), runtime {cfg.gke.runtime}: "
                 f"{cfg.slice.count} x {acc.name} ({acc.topology}, {acc.vms} VM{'' if acc.vms == 1 else 's'}) as "
                 f"node pools, {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
+        if cfg.serve is not None:
+            serve = cfg.serve
+            line += (f"; serves {gke_serve_render.checkpoint(cfg)} as a Deployment on {serve.min_replicas}-"
+                     f"{serve.max_replicas} x {serve.machine_type} ({serve.replica_topology}"
+                     f"{', spot' if serve.spot else ''})")
+        return line
 
     def render(self, cfg, renderer) -> dict[str, str]:
-        return gke_render.render_files(cfg, renderer)
+        files = gke_render.render_files(cfg, renderer)
+        if cfg.serve is not None:
+            files.update(gke_serve_render.serving_files(cfg, renderer, startup_estimate_s(cfg)))
+        return files
 
     def hardware(self, cfg):
         return cfg.accelerator_type(), cfg.slice.count, cfg.slice.capacity
