@@ -49,7 +49,7 @@ class Emulator:
 
     def __init__(self, state_path: Path | None = None, scenario: str = "happy", clock=None, seed: int = 0,
                  external_workloads: bool = False, reservations: dict[str, int] | None = None,
-                 lock_notice: Callable[[str], None] | None = None) -> None:
+                 lock_notice: Callable[[str], None] | None = None, servers=None) -> None:
         self.scenario = check_scenario(scenario)
         # The project's TPU reservations, "ZONE/NAME" -> chips; by default from the environment
         # (MOE_TPU_EMULATOR_RESERVATIONS); none when unset, as in a project without one.
@@ -68,6 +68,8 @@ class Emulator:
         self._now: float | None = None  # set while a transaction runs
         self._channels: list[grpc.Channel] = []
         self._kube = None  # the Kubernetes API server (kube.py), started on first use
+        # A dry run's local servers (local_server.LocalServers): they play a GKE Deployment's pods.
+        self.servers = servers
 
     # --- lifecycle -------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -187,6 +189,7 @@ class Emulator:
                 self._reload()
                 self.world.reservations = self.reservations
                 self.world.gke.held = self.external_workloads
+                self.world.gke.servers = self.servers
                 now = self._now = self.clock.now()
                 try:
                     yield self.world, now

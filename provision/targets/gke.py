@@ -1,4 +1,5 @@
-"""TPU v5e node pools on a GKE cluster (the placement) with the run as a JobSet (`target: gke`).
+"""TPU v5e node pools on a GKE cluster (the placement) with the run as a JobSet (`target: gke`), or its
+checkpoint served by a Deployment on a serving node pool (`deploy` with a serve section).
 
 The trainer reports through the status file in its output directory, as on Vertex AI; the JobSet
 says the rest: a job that failed makes its failure policy recreate every job in place (the
@@ -8,9 +9,12 @@ JobSet out of restarts or complete ends the run.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from provision import catalogue, gke_render, gke_serve_render
 from provision.cloud import storage
 from provision.config.gke_sections import MAX_GKE_NAME
+from provision.errors import CloudError, UsageError
 from provision.resources import Resource
 from provision.targets.base import (
     ENDED,
@@ -20,6 +24,7 @@ from provision.targets.base import (
     Phase,
     Report,
     Scope,
+    ServiceReport,
     last_zone_first,
     report_from_status,
 )
@@ -128,6 +133,60 @@ class GkeTarget(NodePools):
             return Report(Phase.STARTING)  # a status left by the attempt before a restart: the JobSet decides
         return trainer
 
+
+
+class GkeService(NodePools):
+    """The serving node pool with the run's server on it: a Deployment (one pod per single-host replica)
+    behind a Service, scraped by a PodMonitoring and scaled by an HPA; ready once a replica answers
+    /health, reached through the Service by the API server's proxy."""
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        serve = self.cfg.serve
+        self.chips = gke_serve_render.serving_accelerator(self.cfg).chips * serve.min_replicas
+
+    def describe(self) -> str:
+        serve = self.cfg.serve
+        return (f"{serve.min_replicas}-{serve.max_replicas} x {serve.machine_type} ({serve.replica_topology}"
+                f"{', spot' if serve.spot else ''}) serving on GKE {self.cfg.gke.cluster}")
+
+    def price(self) -> float:
+        return self.chips * catalogue.price_per_chip_hour("spot" if self.cfg.serve.spot else "on-demand")
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        """The cluster (made only with gke.create_cluster), the serving pool, then the four objects."""
+        from provision.gke import ensure_cluster, serving_pool_up
+        from provision.gke_serve import apply_objects
+
+        cluster, _ = ensure_cluster(self.context)
+        pool = serving_pool_up(self.context, last_zone_first(self.cfg.zones, self.zone))
+        self.zone = pool.zone
+        manifests = gke_serve_render.manifests(self.cfg, self.context.renderer, startup_estimate_s(self.cfg))
+        return [*apply_objects(self.context, self.session.kube(cluster), manifests), pool]
+
+    def _cluster(self):
+        from provision.gke import cluster_of
+
+        cluster = cluster_of(self.cfg, self.session)
+        return cluster if cluster is not None and cluster.endpoint else None
+
+    def report(self) -> ServiceReport:
+        from provision.gke_serve import service_report
+
+        cluster = self._cluster()
+        if cluster is None:
+            return ServiceReport(Phase.DELETED, detail=f"the cluster {self.cfg.gke.cluster} is gone")
+        url = f"https://{cluster.endpoint}{gke_serve_render.proxy_path(self.cfg, '')}"
+        return service_report(self.cfg, self.session.kube(cluster), url)
+
+    def predict(self, request: dict, stream: bool = False) -> Iterator[dict]:
+        from provision.gke_serve import predict
+
+        cluster = self._cluster()
+        if cluster is None:
+            raise CloudError(f"the cluster {self.cfg.gke.cluster} is gone: nothing serves run {self.cfg.run}",
+                             hint="deploy it with `moe-tpu deploy`")
+        return predict(self.cfg, self.session.kube(cluster), request, stream)
 
 
 # A server's start, for its startup probe: the weights read from Cloud Storage by one host (a plausible
@@ -246,6 +305,12 @@ class GkeKind(Kind):
 
     def target(self, context, *, output_dir: str | None = None) -> GkeTarget:
         return GkeTarget(context, output_dir=output_dir)
+
+    def service(self, context) -> GkeService:
+        if context.config.serve is None:
+            raise UsageError(f"{context.config.source}: serve: a GKE Deployment needs a serve section (at least "
+                             "its machine_type)", hint="see examples/serve-gke.yaml")
+        return GkeService(context)
 
     def up_line(self, cfg) -> str:
         acc = cfg.accelerator_type()

@@ -153,7 +153,7 @@ LAYERS = (
     ("cli", ("provision.cli", "provision.app", "provision.__main__")),
     ("spec", ("provision.config", "provision.planner", "provision.targets", "provision.foundation")),
     ("lifecycle", ("provision.targets.base", "provision.runs", "provision.services", "provision.slices",
-                   "provision.jobs", "provision.gke", "provision.context", "provision.goodput")),
+                   "provision.jobs", "provision.gke", "provision.gke_serve", "provision.context", "provision.goodput")),
     ("render", ("provision.rendering", "provision.gke_render", "provision.gke_serve_render", "provision.container",
                 "provision.templates", "provision.image")),
     ("cloud", ("provision.cloud",)),
