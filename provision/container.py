@@ -57,8 +57,14 @@ def trainer_container(cfg: Config, image: str, status_file: str | None = None) -
 
 
 def server_container(cfg: Config, image: str, checkpoint: str | None = None) -> Container:
-    """`python -m trainer.serve` on the run's checkpoints (by default its trainer.output_dir), listening
-    on SERVER_PORT on every interface of its container."""
-    args = ("--checkpoint", checkpoint or cfg.trainer.output_dir, "--host", "0.0.0.0", "--port", str(SERVER_PORT))
-    return Container(image=image, command=SERVER_COMMAND, args=args,
+    """`python -m trainer.serve` on the run's checkpoints (`checkpoint`, else serve.checkpoint, else its
+    trainer.output_dir), listening on SERVER_PORT on every interface of its container, with the serve
+    section's engine limits (slots, max length, weight and KV cache precision) where the config has one."""
+    serve = cfg.serve
+    where = checkpoint or (serve.checkpoint if serve is not None else None) or cfg.trainer.output_dir
+    args = ["--checkpoint", where, "--host", "0.0.0.0", "--port", str(SERVER_PORT)]
+    if serve is not None:
+        args += ["--slots", str(serve.slots), "--max-len", str(serve.max_len), "--weights", serve.weights,
+                 "--kv-cache-dtype", serve.kv_cache_dtype]
+    return Container(image=image, command=SERVER_COMMAND, args=tuple(args),
                      env={RUN_ENV: cfg.run, "AIP_HTTP_PORT": str(SERVER_PORT)}, ports=(SERVER_PORT,))

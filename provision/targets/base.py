@@ -11,7 +11,7 @@ provision/targets/ (its `Kind`) and one line in `provision.targets.KINDS`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -93,6 +93,13 @@ class ServiceTarget(Placement, Protocol):
 
     def report(self) -> ServiceReport:
         """The service's state now."""
+
+    def predict(self, request: dict, stream: bool = False) -> Iterator[dict]:
+        """Send one OpenAI completions request body through the platform's own prediction path (Vertex
+        AI: PredictionService RawPredict, or StreamRawPredict when `stream`; GKE: the Service, through
+        the Kubernetes API server's service proxy); yields the response document, or each streamed
+        chunk (the server-sent events' JSON, `[DONE]` not included). A refusal by the server is a
+        CloudError with its message."""
 
 
 @dataclass(frozen=True)

@@ -140,3 +140,13 @@ def test_the_dry_run_makes_the_trainer_small_and_runs_the_server_as_it_is(tmp_pa
     assert trainer[trainer.index("--output-dir") + 1] == str(tmp_path)
     server = container.server_container(cfg, IMAGE).argv
     assert local_argv(server, cfg, tmp_path) == [sys.executable, *server[1:]]
+
+
+def test_the_server_takes_the_serve_sections_engine_limits():
+    cfg = load_config(ROOT / "examples" / "serve-vertex.yaml")
+    args = container.server_container(cfg, IMAGE).args
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags["--checkpoint"] == cfg.trainer.output_dir and flags["--slots"] == str(cfg.serve.slots)
+    assert (flags["--max-len"], flags["--weights"], flags["--kv-cache-dtype"]) == (
+        str(cfg.serve.max_len), cfg.serve.weights, cfg.serve.kv_cache_dtype)
+    assert container.server_container(cfg, IMAGE, "gs://b/other").args[1] == "gs://b/other"
