@@ -179,6 +179,16 @@ class GkeService(NodePools):
         url = f"https://{cluster.endpoint}{gke_serve_render.proxy_path(self.cfg, '')}"
         return service_report(self.cfg, self.session.kube(cluster), url)
 
+    def examples(self, url: str, body: str) -> list[str]:
+        """How to call it: the Service forwarded to this machine, or through the API server's proxy."""
+        name, namespace = gke_serve_render.server_name(self.cfg), self.cfg.gke.namespace
+        port = gke_serve_render.SERVICE_PORT
+        return [f"  kubectl -n {namespace} port-forward service/{name} {port}:{port} &",
+                f"  curl -X POST http://127.0.0.1:{port}/v1/completions -H 'content-type: application/json' "
+                f"-d '{body}'",
+                f"  curl -X POST {url}/v1/completions -H \"authorization: Bearer $(gcloud auth print-access-token)\" "
+                f"-H 'content-type: application/json' -d '{body}'"]
+
     def predict(self, request: dict, stream: bool = False) -> Iterator[dict]:
         from provision.gke_serve import predict
 
