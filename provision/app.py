@@ -174,17 +174,24 @@ class App:
         except OSError as exc:
             raise UsageError(f"cannot create {self.state_dir}: {exc.strerror or exc}",
                              hint="run dry runs in a directory you can write to") from None
+        from provision.emulator.local_server import LocalServers, dry_run_adapter
+
         workloads = self.workloads
+        # The model servers a deployed model runs here, adapted to this machine by the command's config.
+        servers = LocalServers(self.state_dir, dry_run_adapter(self.config, self.state_dir)
+                               if self.config is not None else None)
         try:
             emulator = Emulator(state_path=self.state_dir / "emulator.json", scenario=self.scenario,
                                 clock=SimClock(), external_workloads=workloads is not None,
-                                lock_notice=self.console.warn)
+                                lock_notice=self.console.warn, servers=servers)
         except ValueError as exc:
             hint = ("set it as ZONE/NAME=CHIPS[,...]" if "RESERVATIONS" in str(exc) else "pick one with --scenario")
             raise UsageError(str(exc), hint=hint) from exc
         emulator.start(host="127.0.0.1", port=0)
         if workloads is not None:
             workloads.attach(emulator)
+        else:  # real time passes while a model server loads and compiles, as it would in the cloud
+            emulator.clock.gate = servers
         return emulator
 
     def close(self) -> None:

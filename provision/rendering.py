@@ -313,3 +313,58 @@ def render_slice_files(cfg: Config, renderer: Renderer) -> dict[str, str]:
         text = json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"
         files[f"create_queued_resource.{zone}.json"] = text
     return files
+
+
+# --- Vertex AI online prediction: the model, the endpoint, the deployed model (issue 33) -------------------
+# The metric Vertex AI autoscales a TPU deployment on (DedicatedResources.autoscaling_metric_specs).
+DUTY_CYCLE_METRIC = "aiplatform.googleapis.com/prediction/online/accelerator/duty_cycle"
+HEALTH_ROUTE = "/health"
+PREDICT_ROUTE = "/v1/completions"  # RawPredict passes an OpenAI completions body through as it is
+PROBE_PERIOD_S = 10
+
+
+def serving_model_body(cfg: Config, image: str, startup_s: float) -> dict[str, Any]:
+    """The Model to upload (aiplatform.v1.Model, proto JSON): the server's container with Vertex AI's
+    custom-container contract (its port, the predict and health routes) and a startup probe on the health
+    route that waits `startup_s` (the load-and-compile estimate) before the replica counts as failed."""
+    from provision.container import server_container
+
+    server = server_container(cfg, image)
+    probe = {"http_get": {"path": HEALTH_ROUTE, "port": server.ports[0]}, "period_seconds": PROBE_PERIOD_S,
+             "timeout_seconds": 5, "failure_threshold": max(3, -(-int(startup_s) // PROBE_PERIOD_S))}
+    return {"display_name": cfg.run, "labels": labels(cfg),
+            "container_spec": {"image_uri": server.image, "command": list(server.command), "args": list(server.args),
+                               "env": [{"name": k, "value": v} for k, v in sorted(server.env.items())],
+                               "ports": [{"container_port": port} for port in server.ports],
+                               "predict_route": PREDICT_ROUTE, "health_route": HEALTH_ROUTE,
+                               "startup_probe": probe}}
+
+
+def serving_endpoint_body(cfg: Config) -> dict[str, Any]:
+    """The Endpoint (dedicated: streaming predictions need one)."""
+    return {"display_name": cfg.run, "labels": labels(cfg), "dedicated_endpoint_enabled": True}
+
+
+def deployed_model_body(cfg: Config, model: str) -> dict[str, Any]:
+    """The DeployedModel: dedicated resources on the serve section's single-host v5e machine, its replicas,
+    autoscaled on the accelerators' duty cycle, spot if asked."""
+    serve = cfg.serve
+    return {"model": model, "display_name": cfg.run,
+            "dedicated_resources": {
+                "machine_spec": {"machine_type": serve.machine_type, "tpu_topology": serve.replica_topology},
+                "min_replica_count": serve.min_replicas, "max_replica_count": serve.max_replicas,
+                "autoscaling_metric_specs": [{"metric_name": DUTY_CYCLE_METRIC, "target": serve.autoscale_target}],
+                "spot": serve.spot}}
+
+
+def render_serving_files(cfg: Config, renderer: Renderer, startup_s: float) -> dict[str, str]:
+    """A Vertex AI endpoint's files: the Model, the Endpoint and the DeployedModel, checked against the API's
+    types (MODEL stands in for the uploaded model's name)."""
+    project = cfg.project or PROJECT_PLACEHOLDER
+    parent = region_parent(cfg, project)
+    model = messages.serving_model(serving_model_body(cfg, renderer.image, startup_s))
+    endpoint = messages.serving_endpoint(serving_endpoint_body(cfg))
+    deployed = messages.deployed_model(deployed_model_body(cfg, f"{parent}/models/MODEL"))
+    return {f"{name}.json": json.dumps(proto_dict(message), indent=2, sort_keys=True) + "\n"
+            for name, message in (("serving_model", model), ("serving_endpoint", endpoint),
+                                  ("deployed_model", deployed))}

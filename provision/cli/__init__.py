@@ -33,6 +33,8 @@ COMMANDS: dict[str, str] = {
     "data": "provision.cli.data_cmds:data_group",
     "sample": "provision.cli.data_cmds:sample",
     "serve": "provision.cli.serve_cmd:serve",
+    "deploy": "provision.cli.deploy_cmd:deploy",
+    "predict": "provision.cli.deploy_cmd:predict",
 }
 
 SHORT_HELP = {
@@ -55,6 +57,8 @@ SHORT_HELP = {
     "data": "Datasets for the trainer: prepare (tokenize into ArrayRecord shards).",
     "sample": "Continue a prompt with a run's latest checkpoint.",
     "serve": "Serve a run's latest checkpoint over an OpenAI-compatible API.",
+    "deploy": "Serve the run's checkpoint on a Vertex AI endpoint or GKE; wait until healthy.",
+    "predict": "Send a prompt to the deployed model through the platform's API.",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from provision import catalogue
+from provision.errors import UsageError
 from provision.cli.options import config_option
 
 
@@ -19,10 +20,15 @@ from provision.cli.options import config_option
 @click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
               help="The trainer's mesh [the largest expert axis that fits].")
 @click.option("--serve", is_flag=True,
-              help="Also the serving decode step at batch 1: the weight bytes each chip reads, on this mesh.")
+              help="Also serving: weights and KV cache per chip at bf16, int8 and int4, the decode step's HBM, "
+                   "compute and ICI bounds, the largest batch, tokens/s per chip and the cost per million tokens, "
+                   "for one replica of the serve section [else the plan's target].")
+@click.option("--decode-step-ms", "claim_ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="MS", help="With --serve: check a decode step time (a claim, a latency target) against "
+                                 "the bounds.")
 @click.pass_obj
 def plan(app, config_path: str, model: str | None, accelerator: str | None, slices: int | None,
-         mesh_text: str | None, serve: bool) -> None:
+         mesh_text: str | None, serve: bool, claim_ms: float | None) -> None:
     """Will the model fit, how fast can it go, what will it cost: before any money is spent.
 
     Counts the parameters the trainer instantiates, estimates memory per chip
@@ -37,16 +43,23 @@ def plan(app, config_path: str, model: str | None, accelerator: str | None, slic
       moe-tpu plan -c examples/v5e-64.yaml --model glam-small --accelerator v5litepod-16
       moe-tpu --output json plan -c examples/v5e-64.yaml --mesh data=8,expert=8
       moe-tpu plan -c examples/v5e-64.yaml --serve --mesh expert=8,model=4
+      moe-tpu plan -c examples/moe-1.2t.yaml --serve --decode-step-ms 22
     """
     from provision import planner
 
     app.command = "plan"
     cfg = app.load_config(config_path)
+    if claim_ms is not None and not serve:
+        raise UsageError("--decode-step-ms checks a serving decode step", hint="add --serve")
     result = planner.plan_for(cfg, model=model, accelerator=accelerator, slices=slices, mesh_text=mesh_text)
+    served = (planner.serve_plan_for(cfg, result, accelerator=accelerator, mesh_text=mesh_text, claim_ms=claim_ms)
+              if serve else None)
     if app.console.json_mode:
         app.console.info(planner.verdict_line(result))
+        if served is not None:
+            app.console.info(planner.serve_verdict(served))
     else:
-        for line in planner.plan_lines(result, serve=serve):
+        for line in planner.plan_lines(result) + (planner.serve_lines(served) if served is not None else []):
             app.console.text(line)
-    extra = planner.serve_document(result) if serve else {}
+    extra = planner.serve_document(served) if served is not None else {}
     app.console.emit(app.document("ok", config=str(cfg.source), **planner.plan_document(result), **extra))

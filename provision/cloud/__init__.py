@@ -70,7 +70,8 @@ class Endpoint:
 
 
 class Session:
-    """The clients of one command: gRPC channels to the TPU API, Vertex AI, GKE and Cloud Build, the
+    """The clients of one command: gRPC channels to the TPU API, Vertex AI (jobs; models, endpoints and
+    predictions), GKE and Cloud Build, the
     clusters' Kubernetes APIs, Cloud Storage; the clock that waits on them; the calls log they write."""
 
     def __init__(self, endpoint: Endpoint, calls: list[dict[str, Any]], console) -> None:
@@ -91,6 +92,7 @@ class Session:
         self._channels: list[Any] = []
         self._tpu = None
         self._vertex: dict[str, Any] = {}
+        self._serving: dict[str, Any] = {}
         self._container = None
         self._kube: dict[str, Any] = {}
         self._build = None
@@ -135,6 +137,19 @@ class Session:
                                  "control")
             self._vertex[region] = VertexApi(client, self.clock, self.console)
         return self._vertex[region]
+
+    def serving(self, region: str):
+        """Vertex AI online prediction on the region's endpoint: ModelService, EndpointService and
+        PredictionService (provision.cloud.vertex.ServingApi)."""
+        if region not in self._serving:
+            from provision.cloud.vertex import ServingApi
+
+            host = VERTEX_HOST.format(region=region)
+            models, endpoints, predictions = (
+                self._gapic(host, classes, "google-cloud-aiplatform", "control")
+                for classes in (_model_classes, _endpoint_classes, _prediction_classes))
+            self._serving[region] = ServingApi(models, endpoints, predictions, self.clock, self.console)
+        return self._serving[region]
 
     @property
     def container(self):
@@ -206,6 +221,27 @@ def _vertex_classes():
     from google.cloud.aiplatform_v1.services.job_service.transports import JobServiceGrpcTransport
 
     return JobServiceClient, JobServiceGrpcTransport
+
+
+def _model_classes():
+    from google.cloud.aiplatform_v1.services.model_service import ModelServiceClient
+    from google.cloud.aiplatform_v1.services.model_service.transports import ModelServiceGrpcTransport
+
+    return ModelServiceClient, ModelServiceGrpcTransport
+
+
+def _endpoint_classes():
+    from google.cloud.aiplatform_v1.services.endpoint_service import EndpointServiceClient
+    from google.cloud.aiplatform_v1.services.endpoint_service.transports import EndpointServiceGrpcTransport
+
+    return EndpointServiceClient, EndpointServiceGrpcTransport
+
+
+def _prediction_classes():
+    from google.cloud.aiplatform_v1.services.prediction_service import PredictionServiceClient
+    from google.cloud.aiplatform_v1.services.prediction_service.transports import PredictionServiceGrpcTransport
+
+    return PredictionServiceClient, PredictionServiceGrpcTransport
 
 
 def _container_classes():

@@ -51,8 +51,9 @@ def status_of(exc: BaseException) -> str:
     return f"HTTP {http}" if isinstance(http, int) else type(exc).__name__
 
 
-class CallRecorder(grpc.UnaryUnaryClientInterceptor):
-    """A client interceptor that logs {"rpc", "request", "status"} for each unary call."""
+class CallRecorder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """A client interceptor that logs {"rpc", "request", "status"} for each unary call and each call with a
+    stream of answers (its status once the stream has ended)."""
 
     def __init__(self, log: CallLog):
         self.log = log
@@ -62,4 +63,10 @@ class CallRecorder(grpc.UnaryUnaryClientInterceptor):
         outcome = continuation(client_call_details, request)
         code = outcome.code() if hasattr(outcome, "code") else None
         self.log.end(entry, code.name if code is not None else "OK")
+        return outcome
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        entry = self.log.start(client_call_details.method.lstrip("/"), proto_dict(request))
+        outcome = continuation(client_call_details, request)
+        outcome.add_callback(lambda: self.log.end(entry, outcome.code().name))
         return outcome

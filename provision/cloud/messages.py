@@ -83,3 +83,30 @@ def proto_dict(message: Any) -> dict[str, Any]:
     if not isinstance(pb, Message):
         return {}
     return json_format.MessageToDict(pb, preserving_proto_field_name=True)
+
+
+def _strict(body: dict, message_type: Any) -> Any:
+    """A body built in code parsed strictly into a proto-plus message (an unknown field is a bug here)."""
+    from google.protobuf import json_format
+
+    pb = message_type.pb(message_type())
+    json_format.ParseDict(body, pb, ignore_unknown_fields=False)
+    return message_type.wrap(pb)
+
+
+def serving_model(body: dict) -> Any:
+    from google.cloud.aiplatform_v1.types import model
+
+    return _strict(body, model.Model)
+
+
+def serving_endpoint(body: dict) -> Any:
+    from google.cloud.aiplatform_v1.types import endpoint
+
+    return _strict(body, endpoint.Endpoint)
+
+
+def deployed_model(body: dict) -> Any:
+    from google.cloud.aiplatform_v1.types import endpoint
+
+    return _strict(body, endpoint.DeployedModel)

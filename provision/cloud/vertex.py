@@ -45,3 +45,73 @@ class VertexApi(RetryingApi):
     def delete_custom_job(self, name: str):
         """Start the delete (a long-running operation); None when the job is already gone."""
         return self._get_or_none("delete custom job", lambda: self.client.delete_custom_job(name=name))
+
+
+class ServingApi(RetryingApi):
+    """Vertex AI online prediction: real aiplatform_v1 ModelService, EndpointService and PredictionService
+    clients (`models`, `endpoints`, `predictions`) behind our retry policy and errors. Creates and deploys
+    are long-running operations, returned for the caller to follow (`wait_operation`)."""
+
+    quota_hint = ("request more Vertex AI TPU v5e serving quota (TPUV5sLitepodServingPerProjectPerZoneForTPUAPI) "
+                  "in the console (IAM & Admin > Quotas), or try another region")
+
+    def __init__(self, models, endpoints, predictions, clock, console) -> None:
+        super().__init__(endpoints, clock, console)
+        self.models, self.endpoints, self.predictions = models, endpoints, predictions
+
+    # --- models ---------------------------------------------------------------------------
+    def upload_model(self, parent: str, model):
+        return self._call("upload model", lambda: self.models.upload_model(parent=parent, model=model))
+
+    def list_models(self, parent: str, server_filter: str = "") -> list:
+        request = {"parent": parent, "filter": server_filter}
+        return self._call("list models", lambda: list(self.models.list_models(request=request)))
+
+    def delete_model(self, name: str):
+        """Start the delete; None when the model is already gone."""
+        return self._get_or_none("delete model", lambda: self.models.delete_model(name=name))
+
+    # --- endpoints --------------------------------------------------------------------------
+    def create_endpoint(self, parent: str, endpoint):
+        return self._call("create endpoint", lambda: self.endpoints.create_endpoint(parent=parent, endpoint=endpoint))
+
+    def get_endpoint(self, name: str):
+        return self._get_or_none("get endpoint", lambda: self.endpoints.get_endpoint(name=name))
+
+    def list_endpoints(self, parent: str, server_filter: str = "") -> list:
+        request = {"parent": parent, "filter": server_filter}
+        return self._call("list endpoints", lambda: list(self.endpoints.list_endpoints(request=request)))
+
+    def deploy_model(self, endpoint: str, deployed_model, traffic_split: dict[str, int]):
+        return self._call("deploy model", lambda: self.endpoints.deploy_model(
+            endpoint=endpoint, deployed_model=deployed_model, traffic_split=traffic_split))
+
+    def undeploy_model(self, endpoint: str, deployed_model_id: str):
+        """Start the undeploy; None when the endpoint or its deployed model is already gone."""
+        return self._get_or_none("undeploy model", lambda: self.endpoints.undeploy_model(
+            endpoint=endpoint, deployed_model_id=deployed_model_id))
+
+    def delete_endpoint(self, name: str):
+        return self._get_or_none("delete endpoint", lambda: self.endpoints.delete_endpoint(name=name))
+
+    # --- predictions ----------------------------------------------------------------------
+    def raw_predict(self, endpoint: str, body: bytes, content_type: str = "application/json"):
+        """One request to the deployed model's predict route; the google.api.HttpBody it answers. Not
+        retried: a prediction is not idempotent for the one who pays for its tokens."""
+        from google.api import httpbody_pb2
+
+        http_body = httpbody_pb2.HttpBody(content_type=content_type, data=body)
+        try:
+            return self.predictions.raw_predict(request={"endpoint": endpoint, "http_body": http_body})
+        except Exception as exc:  # noqa: BLE001 - translated, original chained
+            self._raise_translated(exc, "raw predict")
+
+    def stream_raw_predict(self, endpoint: str, body: bytes, content_type: str = "application/json"):
+        """The same, the answer as a stream of HttpBody chunks (server-sent events from the server)."""
+        from google.api import httpbody_pb2
+
+        http_body = httpbody_pb2.HttpBody(content_type=content_type, data=body)
+        try:
+            yield from self.predictions.stream_raw_predict(request={"endpoint": endpoint, "http_body": http_body})
+        except Exception as exc:  # noqa: BLE001 - translated, original chained
+            self._raise_translated(exc, "stream raw predict")

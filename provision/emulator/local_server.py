@@ -33,6 +33,7 @@ KILL_GRACE_S = 10.0
 HEALTH_TIMEOUT_S = 2.0
 FORWARD_TIMEOUT_S = 600.0
 LOG_TAIL_LINES = 12
+GATE_WAIT_S = 0.25
 # (argv, env) -> (argv, env): how the dry run's config makes the server small for this machine.
 Adapt = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
 
@@ -106,6 +107,14 @@ class LocalServers:
         self.dir = Path(state_dir) / SERVERS_DIR
         self.adapt = adapt
         self._children: dict[str, subprocess.Popen] = {}  # started here: polled, so that none is a zombie
+
+    # --- the emulated clock's gate (provision.clock.SimClock.gate) ---------------------------
+    def active(self) -> bool:
+        """Real time counts while a server is starting: its load and compile take what they take here."""
+        return any(self.state(key).phase == "starting" for key in self.keys())
+
+    def wait(self, seconds: float) -> None:
+        time.sleep(min(seconds, GATE_WAIT_S))
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{_safe(key)}.json"

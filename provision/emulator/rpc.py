@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from provision.emulator.world import Operation, World
 
 DEFAULT_PAGE_SIZE = 100
-# name -> (impl, request deserializer, response serializer): a service module's METHODS.
-Methods = dict[str, tuple[Callable, Callable, Callable]]
+# name -> (impl, request deserializer, response serializer[, "stream"]): a service module's METHODS.
+Methods = dict[str, tuple]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,16 @@ class Call:
     held: bool  # Emulator(external_workloads=True): resources stay up until a hook ends them
     # () -> (host:port, base64 CA PEM) of the Kubernetes API server, started on first use.
     kube_endpoint: Callable[[], tuple[str, str]] | None = None
+    # The dry run's model servers (local_server.LocalServers); None where the emulator has no state directory.
+    servers: Any = None
+
+
+@dataclass(frozen=True)
+class Later:
+    """What a handler answers when the answer takes a while and needs no world (a prediction forwarded to a
+    model server): `fn()` runs after the transaction, outside the world's lock."""
+
+    fn: Callable[[], Any]
 
 
 # fn(call) as one transaction: under the world's lock, on the freshest world, saved after.
@@ -95,18 +105,33 @@ def abort(context: grpc.ServicerContext, error: ApiError) -> None:
     context.abort_with_status(rpc_status.to_status(status))
 
 
-def unary(transact: Transact, impl: Callable[[Call, Any], Any], des: Callable, ser: Callable):
-    """A unary handler that runs impl(call, request) as one transaction on the world."""
+def _answer(transact: Transact, impl: Callable[[Call, Any], Any], request, context: grpc.ServicerContext):
+    """impl(call, request) as one transaction (a `Later` then run outside it), errors as google.rpc.Status."""
+    try:
+        result = transact(lambda call: impl(call, request))
+        return result.fn() if isinstance(result, Later) else result
+    except ApiError as error:
+        abort(context, error)
+    except LockTimeout as error:  # another process holds the world: a conflict, not worth retrying
+        abort(context, ApiError("ABORTED", error.message))
+    except MoeTpuError as error:  # the state file went bad under a running server
+        abort(context, ApiError("INTERNAL", f"{error.message} ({error.hint})" if error.hint else error.message))
+
+
+def unary(transact: Transact, impl: Callable[[Call, Any], Any], des: Callable, ser: Callable, kind: str = "unary"):
+    """A handler that runs impl(call, request) as one transaction on the world; kind "stream": a server
+    stream of the messages impl's answer (an iterable, or a Later giving one) yields."""
+    if kind == "stream":
+        def streaming(request, context: grpc.ServicerContext):
+            messages = _answer(transact, impl, request, context)
+            try:
+                yield from messages
+            except ApiError as error:
+                abort(context, error)
+        return grpc.unary_stream_rpc_method_handler(streaming, request_deserializer=des, response_serializer=ser)
 
     def behaviour(request, context: grpc.ServicerContext):
-        try:
-            return transact(lambda call: impl(call, request))
-        except ApiError as error:
-            abort(context, error)
-        except LockTimeout as error:  # another process holds the world: a conflict, not worth retrying
-            abort(context, ApiError("ABORTED", error.message))
-        except MoeTpuError as error:  # the state file went bad under a running server
-            abort(context, ApiError("INTERNAL", f"{error.message} ({error.hint})" if error.hint else error.message))
+        return _answer(transact, impl, request, context)
     return grpc.unary_unary_rpc_method_handler(behaviour, request_deserializer=des, response_serializer=ser)
 
 

@@ -68,7 +68,13 @@ class Emulator:
         self._now: float | None = None  # set while a transaction runs
         self._channels: list[grpc.Channel] = []
         self._kube = None  # the Kubernetes API server (kube.py), started on first use
-        # A dry run's local servers (local_server.LocalServers): they play a GKE Deployment's pods.
+        # The model servers a deployed model runs (local_server.LocalServers): by default under the state
+        # file's directory; none without one (deploys then end on the clock, predictions are refused).
+        # They play Vertex AI's deployed models and a GKE Deployment's pods.
+        if servers is None and self.state_path is not None:
+            from provision.emulator.local_server import LocalServers
+
+            servers = LocalServers(self.state_path.parent)
         self.servers = servers
 
     # --- lifecycle -------------------------------------------------------------
@@ -101,6 +107,8 @@ class Emulator:
         return [rpc.Service(self.call, "google.cloud.tpu.v2.Tpu", _tpu_methods),
                 rpc.Service(self.call, "google.cloud.aiplatform.v1.JobService", _vertex_methods),
                 rpc.Service(self.call, "google.container.v1.ClusterManager", _container_methods),
+                *(rpc.Service(self.call, f"google.cloud.aiplatform.v1.{name}", methods)
+                  for name, methods in _SERVING_SERVICES.items()),
                 operations.handler(self.call, self.clock.sleep)]
 
     def stop(self) -> None:
@@ -232,7 +240,7 @@ class Emulator:
         """fn(call) as one transaction, with what an RPC needs to know (see rpc.Call)."""
         with self._transaction() as (world, now):
             return fn(rpc.Call(world=world, now=now, scenario=self.scenario, held=self.external_workloads,
-                               kube_endpoint=self.kube_endpoint))
+                               kube_endpoint=self.kube_endpoint, servers=self.servers))
 
     # --- hooks for a dry run's local workload (see World) --------------------------
     def running_nodes(self) -> list[RunningNode]:
@@ -274,6 +282,20 @@ def _vertex_methods() -> rpc.Methods:
     from provision.emulator import vertex
 
     return vertex.METHODS
+
+
+def _serving_methods(table: str) -> Callable[[], rpc.Methods]:
+    def methods() -> rpc.Methods:
+        from provision.emulator import vertex_serving
+
+        return getattr(vertex_serving, table)
+    return methods
+
+
+# Vertex AI online prediction's services (vertex_serving.py), loaded on their first call.
+_SERVING_SERVICES = {"ModelService": _serving_methods("MODEL_METHODS"),
+                     "EndpointService": _serving_methods("ENDPOINT_METHODS"),
+                     "PredictionService": _serving_methods("PREDICTION_METHODS")}
 
 
 def _container_methods() -> rpc.Methods:

@@ -187,14 +187,26 @@ def job_view(job: JobRecord, now: float) -> CustomJob:
     return view_
 
 
+def _types(op: Operation) -> tuple[type, type] | None:
+    """(response type, metadata type) of a serving operation (vertex_serving.OPERATION_TYPES); None: a delete."""
+    from provision.emulator.vertex_serving import OPERATION_TYPES
+
+    return OPERATION_TYPES.get(op.verb)
+
+
 def operation_metadata(op: Operation, now: float):
     updated = op.done_at if op.done(now) else op.create_time
-    return v1.DeleteOperationMetadata.pb(v1.DeleteOperationMetadata(generic_metadata=v1.GenericOperationMetadata(
-        create_time=rpc.timestamp(op.create_time), update_time=rpc.timestamp(updated))))
+    generic = v1.GenericOperationMetadata(create_time=rpc.timestamp(op.create_time), update_time=rpc.timestamp(updated))
+    metadata_type = (_types(op) or (None, v1.DeleteOperationMetadata))[1]
+    return metadata_type.pb(metadata_type(generic_metadata=generic))
 
 
 def operation_response(op: Operation):
-    return empty_pb2.Empty()  # a delete's response; no other Vertex operation is modelled
+    """A delete's response is Empty; a serving operation's its own type (UploadModelResponse, Endpoint, ...)."""
+    types = _types(op)
+    if types is None or op.response is None:
+        return empty_pb2.Empty()
+    return types[0].pb(types[0].from_json(json.dumps(op.response), ignore_unknown_fields=True))
 
 
 def operation_view(op: Operation, now: float) -> operations_pb2.Operation:

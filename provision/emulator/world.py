@@ -243,6 +243,8 @@ class World:
         # the emulator sets them from its own configuration (MOE_TPU_EMULATOR_RESERVATIONS).
         self.reservations: dict[str, int] = {}
         self.gke = GkeWorld()
+        # Vertex AI online prediction's models and endpoints, plain JSON (vertex_serving.py says the shape).
+        self.serving: dict = {}
 
     # --- persistence -------------------------------------------------------
     def to_json(self, now: float) -> dict:
@@ -252,7 +254,7 @@ class World:
                 "vertex": {"custom_jobs": [j.to_json() for j in self.jobs.values()],
                            "first_region": self.first_region},
                 "operations": [op.to_json() for op in self.operations.values()],
-                "gke": self.gke.to_json(),
+                "gke": self.gke.to_json(), "vertex_serving": self.serving,
                 "request_ids": self.request_ids, "id_counter": self.id_counter,
                 "faults": {"rpc_count": self.faults.rpc_count, "failures_in_a_row": self.faults.failures_in_a_row,
                            "lost_creates": self.faults.lost_creates}}
@@ -271,6 +273,7 @@ class World:
         world.first_region = d["vertex"].get("first_region")
         world.operations = {op["name"]: Operation.from_json(op) for op in d["operations"]}
         world.gke = GkeWorld.from_json(d.get("gke"))
+        world.serving = dict(d.get("vertex_serving") or {})
         world.request_ids = {str(k): str(v) for k, v in d["request_ids"].items()}
         world.id_counter = int(d["id_counter"])
         faults = d["faults"]

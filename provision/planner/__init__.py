@@ -16,7 +16,8 @@ The model behind the figures, per chip and per train step:
 
 Three modules: estimates.py (mesh, layout, memory, time bounds, cost), plan.py (the hardware a
 config asks for, the mesh chosen, advice, warnings, the plan) and report.py (text, JSON and the
-one-line verdict). Everything is importable from here.
+one-line verdict); for `plan --serve`, serving.py (the decode step's arithmetic), serve_plan.py (one
+replica's chips, mesh and price) and serve_report.py. Everything is importable from here.
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ from provision.planner.estimates import (  # noqa: F401 - the planner's API, one
     chip_layout,
     collective_bytes,
     cost,
-    decode_weight_bytes_per_chip,
-    experts_touched,
     ffn_activation_bytes,
     hardware_flops_per_chip,
     head_activation_bytes,
@@ -79,13 +78,28 @@ from provision.planner.report import (  # noqa: F401 - the planner's API, one im
     mesh_source_text,
     plan_document,
     plan_lines,
-    serve_document,
-    serve_lines,
     target_text,
     usd,
     verdict,
     verdict_line,
     verdict_of,
+)
+from provision.planner.serve_plan import Row, ServePlan, serve_plan_for  # noqa: F401 - plan --serve
+from provision.planner.serve_report import claim_text, serve_document, serve_lines, serve_verdict  # noqa: F401
+from provision.planner.serving import (  # noqa: F401 - the serving arithmetic
+    PRECISIONS,
+    ChipWeights,
+    DecodeStep,
+    KvLayout,
+    Serving,
+    chip_weights,
+    cost_per_million_tokens,
+    decode_step,
+    decode_weight_bytes_per_chip,
+    engine_kv_layout,
+    experts_touched,
+    kv_bytes_per_token,
+    serving,
 )
 from trainer.flops import ParamCounts, count_params  # noqa: F401 - the trainer's own count (trainer/flops.py)
 from trainer.flops import model_flops_per_token as flops_per_token  # noqa: F401

@@ -338,28 +338,6 @@ def traffic_per_chip(params: Sequence[ParamInfo], cfg: trainer_config.Config, me
     return Traffic(hbm=hbm, all_to_all=a2a, ici=a2a + ici + tp, dcn=dcn, tensor_parallel=tp)
 
 
-def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
-    """The experts of one layer a batch of `tokens` tokens routes to, on average: E(1-(1-k/E)^B)."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
-
-
-def decode_weight_bytes_per_chip(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh,
-                                 tokens: int = 1) -> int:
-    """Weight bytes the busiest chip reads in one serving decode step of `tokens` tokens (one a request),
-    as the serving engine shards them (trainer/serve/weights.py): its shard of every weight but the routed
-    experts', and of those the shards of the touched experts it holds (at most as many as it holds)."""
-    touched = math.ceil(experts_touched(cfg.moe.num_experts, cfg.moe.top_k, tokens) - 1e-9)
-    total = 0.0
-    for p in params:
-        shard = p.nbytes / shard_ways(p.axes, p.shape, mesh.shape(), cfg.train.fsdp)
-        if p.is_expert:
-            count = p.shape[p.axes.index("expert")]
-            held = count // mesh.expert if mesh.expert > 1 and count % mesh.expert == 0 else count
-            shard *= min(touched, held) / held
-        total += shard
-    return round(total)
-
-
 @dataclasses.dataclass(frozen=True)
 class StepBounds:
     compute_s: float
@@ -377,11 +355,19 @@ class StepBounds:
         return max(named, key=named.__getitem__)
 
 
+def hbm_bytes_per_s(acc: catalogue.AcceleratorType) -> float:
+    return acc.hbm_gbps_per_chip * 1e9  # the catalogue's HBM figure is in gigabytes per second
+
+
+def ici_bytes_per_s(acc: catalogue.AcceleratorType) -> float:
+    return acc.ici_gbps_per_chip / 8 * 1e9  # the catalogue's ICI figure is in gigabits per second
+
+
 def step_bounds(flops_per_chip: float, traffic: Traffic, acc: catalogue.AcceleratorType) -> StepBounds:
     return StepBounds(
         compute_s=flops_per_chip / (acc.peak_bf16_tflops_per_chip * 1e12),
-        hbm_s=traffic.hbm / (acc.hbm_gbps_per_chip * 1e9),
-        ici_s=traffic.ici / (acc.ici_gbps_per_chip / 8 * 1e9),
+        hbm_s=traffic.hbm / hbm_bytes_per_s(acc),
+        ici_s=traffic.ici / ici_bytes_per_s(acc),
         dcn_s=traffic.dcn / (DCN_GBPS_PER_CHIP / 8 * 1e9),
     )
 

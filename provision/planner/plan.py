@@ -21,7 +21,6 @@ from provision.planner.estimates import (
     Traffic,
     chip_layout,
     cost,
-    decode_weight_bytes_per_chip,
     hardware_flops_per_chip,
     memory_per_chip,
     mesh_options,
@@ -193,7 +192,6 @@ class Plan:
     # `what_if`: planned for another model, target or mesh than the run's own (command-line overrides).
     mesh_source: str = "plan"
     what_if: bool = False
-    decode_weight_bytes: int = 0  # serving: weight bytes the busiest chip reads per decode step at batch 1
 
     @property
     def fits(self) -> bool:
@@ -226,7 +224,6 @@ def make_plan(params: Sequence[ParamInfo], cfg: trainer_config.Config, target: H
         mfu_ceiling=mfu_ceiling(per_token * tokens, bounds.lower_bound_s, mesh.chips, acc),
         cost=cost(target.chips, target.capacity, steps, bounds.lower_bound_s),
         advice=advise(params, cfg, acc), warnings=tuple(warnings_for(cfg, mesh, layout, bounds)),
-        decode_weight_bytes=decode_weight_bytes_per_chip(params, cfg, mesh),
     )
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from provision import catalogue
 from provision.console import table_lines
-from provision.planner.estimates import GIB, MAX_SLICES, experts_touched
+from provision.planner.estimates import GIB, MAX_SLICES
 from provision.planner.plan import Advice, Hardware, Plan, plan_for
 from trainer.flops import attention_flops_per_token
 
@@ -120,29 +120,9 @@ def plan_document(plan: Plan) -> dict[str, Any]:
     }
 
 
-def plan_lines(plan: Plan, serve: bool = False) -> list[str]:
-    """The compact table `moe-tpu plan` prints (`serve`: with the serving decode step's lines)."""
-    return (_head_lines(plan) + _memory_lines(plan) + _speed_lines(plan) + (serve_lines(plan) if serve else [])
-            + _cost_lines(plan) + _advice_lines(plan))
-
-
-def serve_document(plan: Plan) -> dict[str, Any]:
-    """`plan --serve`: the serving decode step at batch 1 on the plan's mesh (trainer/serve)."""
-    acc, moe = plan.target.accelerator, plan.model.moe
-    return {"serve": {
-        "decode_batch": 1, "experts_touched_per_layer": experts_touched(moe.num_experts, moe.top_k, 1),
-        "decode_weight_bytes_per_chip": plan.decode_weight_bytes,
-        "decode_step_hbm_bound_s": plan.decode_weight_bytes / (acc.hbm_gbps_per_chip * 1e9)}}
-
-
-def serve_lines(plan: Plan) -> list[str]:
-    doc = serve_document(plan)["serve"]
-    return ["", "serving (one decode step at batch 1, weights only)", *_rows(
-        ("weights read per chip", human_bytes(plan.decode_weight_bytes),
-         f"{doc['experts_touched_per_layer']:g} experts a layer touched; mesh {plan.mesh.text()}"),
-        (f"HBM ({plan.target.accelerator.hbm_gbps_per_chip:g} GB/s)", human_seconds(doc["decode_step_hbm_bound_s"]),
-         "per token, at least"),
-    )]
+def plan_lines(plan: Plan) -> list[str]:
+    """The compact table `moe-tpu plan` prints."""
+    return _head_lines(plan) + _memory_lines(plan) + _speed_lines(plan) + _cost_lines(plan) + _advice_lines(plan)
 
 
 def _head_lines(plan: Plan) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from provision import catalogue
 from provision.cloud import storage
+from provision.errors import UsageError
 from provision.resources import Resource, project_of, short
 from provision.targets.base import ENDED, STATUS_FILE, Holding, Kind, Phase, Report, Scope, report_from_status
 
@@ -100,7 +101,7 @@ class VertexKind(Kind):
     sections = ("vertex",)
 
     def checks(self, get) -> list[tuple[str, str]]:
-        found: list[tuple[str, str]] = []
+        found: list[tuple[str, str]] = serve_checks(get)
         scheduling, topology = get("vertex.scheduling"), get("vertex.topology")
         if (scheduling == "SPOT" and isinstance(topology, str)
                 and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host):
@@ -132,6 +133,16 @@ class VertexKind(Kind):
     def target(self, context, *, output_dir: str | None = None) -> JobTarget:
         return JobTarget(context, output_dir=output_dir)
 
+    def service(self, context):
+        """The serve section's model on a dedicated Vertex AI endpoint (provision.endpoints)."""
+        from provision.endpoints import EndpointTarget
+
+        cfg = context.config
+        if cfg.serve is None:
+            raise UsageError(f"{cfg.source}: no serve section: nothing says how to serve run {cfg.run}",
+                             hint="add `serve:` (see examples/serve-vertex.yaml)")
+        return EndpointTarget(context, startup_s=startup_estimate_s(cfg))
+
     def up_line(self, cfg) -> str:
         return f"run {cfg.run}, {cfg.vertex.machine_type} {cfg.vertex.topology}, {cfg.vertex.scheduling}, " \
                f"region {cfg.region}"
@@ -142,23 +153,65 @@ class VertexKind(Kind):
         return [job_submit(context)]
 
     def status(self, context) -> list[Resource]:
+        from provision.endpoints import managed_serving
         from provision.jobs import managed_jobs
 
         cfg, session = context.config, context.session
-        return managed_jobs(session, project_of(cfg, session), cfg.region, run=cfg.run)
+        project = project_of(cfg, session)
+        return [*managed_jobs(session, project, cfg.region, run=cfg.run),
+                *managed_serving(session, project, cfg.region, run=cfg.run)]
 
     def managed(self, session, scope: Scope) -> list[Resource]:
+        from provision.endpoints import managed_serving
         from provision.jobs import managed_jobs
 
-        return [job for region in scope.regions for job in managed_jobs(session, scope.project, region, run=scope.run)]
+        return [res for region in scope.regions for res in (*managed_jobs(session, scope.project, region, run=scope.run),
+                                                            *managed_serving(session, scope.project, region,
+                                                                             run=scope.run))]
 
     def where(self, cfg) -> str:
         return f"region {cfg.region}"
 
     def teardown(self, context) -> list[Resource]:
+        from provision.endpoints import endpoints_down
         from provision.jobs import jobs_down
 
-        return jobs_down(context)
+        return [*jobs_down(context), *endpoints_down(context)]
+
+
+# The serving container's start, for the startup probe: the weights read from Cloud Storage at about this
+# rate per host, then the prefill and decode steps compiled (a few minutes on TPU for a large model); the
+# probe allows twice the estimate. Plausible figures, not measured.
+LOAD_BYTES_PER_S = 200e6
+COMPILE_S = 300.0
+BYTES_PER_WEIGHT = {"auto": 2, "int8": 1}
+
+
+def startup_estimate_s(cfg) -> float:
+    """Seconds the server needs to load its weights and compile, from the planner's parameter count (the
+    compile time alone where the model's size is unknown)."""
+    try:
+        from provision import planner
+
+        total = planner.plan_for(cfg).counts.total
+    except Exception:  # noqa: BLE001 - no plan (a model the planner cannot read): the probe still gets its floor
+        return 2 * COMPILE_S
+    return 2 * (total * BYTES_PER_WEIGHT[cfg.serve.weights] / LOAD_BYTES_PER_S + COMPILE_S)
+
+
+def serve_checks(get) -> list[tuple[str, str]]:
+    """The serve section's rules for Vertex AI: replicas min <= max; one host per replica (online prediction
+    serves single-host v5e only; GKE serves a multi-host slice)."""
+    found: list[tuple[str, str]] = []
+    low, high = get("serve.min_replicas"), get("serve.max_replicas")
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        found.append(("serve.max_replicas", f"max_replicas {high} is below min_replicas {low}"))
+    topology = get("serve.topology")
+    if isinstance(topology, str) and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host:
+        found.append(("serve.topology", f"Vertex AI online prediction serves single-host TPU v5e only (1x1, 2x2, "
+                                        f"2x4), not {topology} ({acc.chips} chips on several hosts); serve it on GKE "
+                                        "(`target: gke` with a gke section) or pick a single-host machine type"))
+    return found
 
 
 KIND = VertexKind()

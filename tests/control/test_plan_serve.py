@@ -1,19 +1,25 @@
-"""`moe-tpu plan --serve`: the weight bytes a serving decode step at batch 1 reads per chip, on the plan's
-mesh. That the figure is the serving engine's own, from its arrays' shardings:
-tests/trainer/test_serve_tensor_parallel.py."""
+"""`moe-tpu plan --serve`: the serving decode step per chip at bf16, int8 and int4. Pure arithmetic over the
+trainer's parameter inventory; nothing is compiled. That the weight bytes are the serving engine's own,
+from its arrays' shardings: tests/trainer/test_serve_tensor_parallel.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
+import numpy as np
+import pytest
 from cli_helpers import invoke as moe
 
 from provision import catalogue, planner
 from trainer.config import load_config
 from trainer.params import param_inventory
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "v5e-64.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
+HUGE = ROOT / "examples" / "moe-1.2t.yaml"
 
 
 def test_decode_weight_bytes_follow_the_touched_experts_and_the_model_axis():
@@ -30,16 +36,179 @@ def test_decode_weight_bytes_follow_the_touched_experts_and_the_model_axis():
     assert planner.experts_touched(8, 2, 1) == 2 and round(planner.experts_touched(8, 2, 8), 2) == 7.2
 
 
-def test_plan_serve_reports_the_decode_step_and_leaves_plan_as_it_was(workdir):
+# ----------------------------------------------------------------------------- a published roofline
+
+# "How to Scale Your Model" (Austin et al., Google DeepMind, 2025), Part 8 "Serving LLaMA 3-70B on TPUs",
+# https://jax-ml.github.io/scaling-book/applied-inference/ (source: github.com/jax-ml/scaling-book,
+# applied-inference.md). Its v5e: 1.97e14 bf16 FLOP/s, 8.2e11 bytes/s of HBM, "16GB" (16e9 bytes) of HBM;
+# communication left out of its latencies ("assumes no communication"), so its ICI is taken as unbounded
+# here. LLaMA 3-70B: 80 layers, d_model 8192, d_ff 28672, 64 heads, 8 KV heads of 128, vocab 128256.
+BOOK_V5E = dataclasses.replace(catalogue.accelerator("v5litepod-16"), hbm_gbps_per_chip=820.0,
+                               hbm_gib_per_chip=16e9 / 2**30, ici_gbps_per_chip=math.inf)
+BOOK_CHIPS = 16  # a 4x4, the model and its KV caches fully sharded over it
+# Section "What's the LLaMA Serving Story?": "KV cache size per token in int8 = 2 * K * H * L = ... 160kiB",
+# and the table's "KV size / token (bytes)" for bf16, 324kB.
+BOOK_KV_INT8_BYTES_PER_TOKEN = 2 * 8 * 128 * 80
+BOOK_KV_BF16_BYTES_PER_TOKEN = 324e3
+# Same table, bf16 row, at 8k context on "4x4 = 16 chips": "num KV caches @ 8k" 43; next question: at the
+# largest batch that fits, "19ms / step"; and "QPS / chip" 0.27 for bfloat16 at a median of 512 decoded
+# tokens per query, i.e. 0.27 x 512 tokens/s per chip.
+BOOK_BF16_LARGEST_BATCH, BOOK_BF16_STEP_S, BOOK_BF16_TOKENS_PER_S_PER_CHIP = 43, 0.019, 0.27 * 512
+# Section "Visualizing the Latency Throughput Tradeoff" (int8 weights on a 4x4, 16-way): "our latency can
+# range anywhere from 5.5ms with low batch size".
+BOOK_INT8_BATCH_1_STEP_S = 0.0055
+# "FFW blocks are compute bound when B > 240" (bf16 weights), 120 with int8 weights and bf16 FLOPs.
+BOOK_CRITICAL_BATCH = {"bf16": 240, "int8": 120}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """LLaMA 3-70B's shape as a trainer config, its inventory from the trainer's own model. FSDP over
+    16 data ways splits every weight 16 ways: the book's "fully sharded" layout."""
+    cfg = load_config("tiny", ["model.vocab_size=128256", "model.d_model=8192", "model.num_layers=80",
+                               "model.num_heads=64", "model.num_kv_heads=8", "model.d_ff=28672",
+                               "model.moe_every=0", "train.fsdp=true"])
+    return cfg, param_inventory(cfg)
+
+
+def book_serving(llama, precision: str, max_len: int) -> planner.Serving:
+    cfg, params = llama
+    return planner.serving(params, cfg, planner.Mesh(data=BOOK_CHIPS, expert=1), BOOK_V5E, precision,
+                           max_len=max_len, kv=planner.KvLayout(hold_ways=BOOK_CHIPS, read_ways=BOOK_CHIPS),
+                           slot_multiple=1)  # its batch is any number of sequences
+
+
+def near(ours: float, theirs: float, within: float = 0.05) -> bool:
+    return abs(ours / theirs - 1) <= within
+
+
+def test_kv_cache_bytes_per_token_match_the_book(llama):
+    cfg, _ = llama
+    # int8 adds the engine's float32 scale per position and KV head (3% here).
+    assert near(planner.kv_bytes_per_token(cfg, "int8"), BOOK_KV_INT8_BYTES_PER_TOKEN)
+    assert near(planner.kv_bytes_per_token(cfg, "bf16"), BOOK_KV_BF16_BYTES_PER_TOKEN)
+
+
+def test_llama_70b_bf16_on_a_4x4_at_8k_reproduces_the_book(llama):
+    s = book_serving(llama, "bf16", 8192)
+    largest = s.largest_batch()
+    step = planner.decode_step(s, largest)
+    assert near(largest, BOOK_BF16_LARGEST_BATCH)
+    assert step.bound_by == "HBM" and near(step.lower_bound_s, BOOK_BF16_STEP_S)
+    assert near(step.tokens_per_s_per_chip, BOOK_BF16_TOKENS_PER_S_PER_CHIP)
+    assert s.fits(largest) and not s.fits(largest + 1)
+
+
+def test_llama_70b_int8_latency_floor_and_critical_batches_match_the_book(llama):
+    assert near(planner.decode_step(book_serving(llama, "int8", 8192), 1).lower_bound_s, BOOK_INT8_BATCH_1_STEP_S)
+    for precision, batch in BOOK_CRITICAL_BATCH.items():  # where compute catches up with the weights' reads
+        step = planner.decode_step(book_serving(llama, precision, 1), batch)
+        assert near(step.compute_s, step.hbm_s)
+
+
+# ----------------------------------------------------------------------------- the touched experts
+
+
+def test_touched_experts_match_a_sampled_router():
+    """E=64, k=2: each token picks 2 distinct experts uniformly; the experts touched by the first B tokens,
+    averaged over trials, against E(1-(1-k/E)^B) for every B from 1 to 256."""
+    experts, top_k, batch, trials = 64, 2, 256, 400
+    rng = np.random.default_rng(0)
+    picks_TxBxK = rng.random((trials, batch, experts)).argpartition(top_k, axis=-1)[..., :top_k]
+    chosen_TxBxE = np.zeros((trials, batch, experts), bool)
+    np.put_along_axis(chosen_TxBxE, picks_TxBxK, True, axis=-1)
+    touched_B = np.logical_or.accumulate(chosen_TxBxE, axis=1).sum(-1).mean(0)
+    formula_B = np.array([planner.experts_touched(experts, top_k, b) for b in range(1, batch + 1)])
+    assert np.all(np.abs(touched_B / formula_B - 1) <= 0.02), np.max(np.abs(touched_B / formula_B - 1))
+    assert touched_B[0] == 2 and formula_B[-1] > 63.9
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+@pytest.fixture(scope="module")
+def huge_plan():
+    """`plan --serve` of the 1.2T example: its serve section is one replica of 64 v5e chips."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(HUGE.parent)
+        code, out, err = moe("--output", "json", "plan", "-c", str(HUGE), "--serve", "--decode-step-ms", "22")
+    assert code == 0, err
+    return json.loads(out)["serve"], err
+
+
+def test_the_1_2t_verdict_says_which_precisions_fit_and_which_bounds_22_ms_meets(huge_plan):
+    doc, err = huge_plan
+    assert doc["chips"] == 64 and doc["hardware_source"] == "serve" and doc["mesh"]["source"] == "serving"
+    fits = {name: row["fits"] for name, row in doc["precisions"].items()}
+    assert fits == {"bf16": False, "int8": False, "int4": True}
+    int4 = doc["precisions"]["int4"]
+    assert int4["memory_bytes_per_chip"] <= int4["hbm_usable_bytes_per_chip"] < doc["precisions"]["int8"][
+        "memory_bytes_per_chip"]
+    assert int4["decode"]["step_bound_by"] == "HBM" and int4["largest_batch_slots"] >= doc["batch_slots"]
+    # 22 ms is slower than every bound at int4, faster than the HBM bound at bf16 and int8.
+    assert doc["claim"]["reachable"] == ["int4"]
+    assert doc["claim"]["meets"]["int4"] == {"HBM": True, "compute": True, "ICI": True}
+    assert doc["claim"]["meets"]["int8"]["HBM"] is False and doc["claim"]["meets"]["bf16"]["HBM"] is False
+    assert doc["verdict"].startswith("SERVES at int4 (not bf16, int8): moe-1.2t")
+    assert "reachable at int4 only" in doc["verdict"] and doc["verdict"] in err
+    step = int4["decode"]
+    cost = doc["price_per_chip_hour_usd"] / (step["tokens_per_s_per_chip"] * 3600) * 1e6
+    assert step["cost_per_million_tokens_usd"] == pytest.approx(cost)
+
+
+def test_a_mesh_for_the_serving_replica_and_one_that_is_not(huge_plan):
+    code, out, _ = moe("--output", "json", "plan", "-c", str(HUGE), "--serve", "--mesh", "expert=8,model=8")
+    doc = json.loads(out)
+    assert code == 0 and doc["mesh"]["data"] == 16 and doc["serve"]["mesh"]["source"] == "--mesh"
+    assert doc["serve"]["mesh"]["server_flag"] == "--mesh data=1,expert=8,model=8"
+    code, out, err = moe("plan", "-c", str(HUGE), "--serve", "--mesh", "data=128,expert=8")  # the training mesh
+    assert (code, out) == (2, "") and "covers 1024 chips, but the serving replica has 64" in err
+
+
+def test_the_kv_cache_is_the_engines():
+    from trainer.serve.kvcache import KVCache
+
+    cfg = load_config("tiny")
+    m = cfg.model
+    for precision, dtype in (("bf16", "bfloat16"), ("int8", "int8")):
+        assert planner.kv_bytes_per_token(cfg, precision) == KVCache.nbytes(m.num_layers, 1, 1, m.kv_heads,
+                                                                             m.head_size, dtype)
+
+
+UNITS = {"bytes", "s", "usd", "tokens", "slots", "experts", "chips", "flops", "ways"}
+
+
+def test_every_serving_figure_carries_its_unit(huge_plan):
+    doc, _ = huge_plan
+
+    def figures(node, path=()):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from figures(value, (*path, key))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield (*path, key)
+
+    found = list(figures(doc))
+    assert len(found) > 60
+    assert [path for path in found if not UNITS & set(path[-1].split("_"))] == []
+
+
+def test_plan_serve_on_the_plans_own_target_and_mesh(workdir):
+    """No serve section: the plan's target and mesh (here --mesh), the engine's default slots and length."""
     code, out, _ = moe("--output", "json", "plan", "-c", str(EXAMPLE), "--serve", "--mesh", "expert=8,model=4")
     doc = json.loads(out)
-    assert code == 0 and doc["serve"]["decode_batch"] == 1 and doc["serve"]["experts_touched_per_layer"] == 2
-    read = doc["serve"]["decode_weight_bytes_per_chip"]
-    # Less than the parameters a chip holds: only 2 of a layer's experts are read.
-    assert 0 < read < doc["memory_params_per_chip_bytes"]
-    hbm = catalogue.accelerator("v5litepod-64").hbm_gbps_per_chip * 1e9
-    assert doc["serve"]["decode_step_hbm_bound_s"] == read / hbm
+    serve = doc["serve"]
+    assert code == 0 and serve["chips"] == 64 and serve["mesh"]["source"] == "--mesh"
+    assert serve["mesh"]["server_flag"] == "--mesh data=2,expert=8,model=4"
+    bf16 = serve["precisions"]["bf16"]
+    one = bf16["decode_batch_1"]
+    assert one["experts_touched_per_layer"] == 2 and 0 < one["weight_read_bytes_per_chip"] < bf16[
+        "weights_bytes_per_chip"]
+    assert one["step_time_hbm_s"] == pytest.approx(
+        (one["weight_read_bytes_per_chip"] + one["kv_read_bytes_per_chip"]) / 819e9)
     code, out, _ = moe("--output", "json", "plan", "-c", str(EXAMPLE), "--mesh", "expert=8,model=4")
     assert code == 0 and "serve" not in json.loads(out)
     code, out, _ = moe("plan", "-c", str(EXAMPLE), "--serve", "--mesh", "expert=8,model=4")
-    assert code == 0 and "serving (one decode step at batch 1, weights only)" in out and "weights read per chip" in out
+    assert code == 0 and "serving   one replica: 64 chips" in out and "largest batch that fits" in out
+    code, _, err = moe("plan", "-c", str(EXAMPLE), "--decode-step-ms", "22")
+    assert code == 2 and "--serve" in err

@@ -1,0 +1,201 @@
+"""The serving plan of a config: one replica's chips and mesh, the price it is billed at, and the decode
+step at each precision (serving.py's arithmetic)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from provision import catalogue
+from provision.errors import UsageError
+from provision.planner.estimates import Mesh, target_mesh
+from provision.planner.plan import Plan, model_ways
+from provision.planner.serving import (
+    PRECISIONS,
+    DecodeStep,
+    Serving,
+    cost_per_million_tokens,
+    decode_step,
+    precision_name,
+    serving,
+    serving_meshes,
+)
+
+if TYPE_CHECKING:
+    from provision.config import Config
+
+# The platforms a replica is billed on, by the config's kind of target, and what the price is.
+PLATFORMS = {"vertex": "Vertex AI prediction", "gke": "GKE TPU node pool"}
+DEFAULT_PLATFORM = "Cloud TPU VM"
+PRICE_BASIS = {
+    "vertex": "the catalogue's Cloud TPU v5e chip-hour price, an estimate: Vertex AI prediction bills its own "
+              "node-hour rate, which the catalogue does not hold",
+    "gke": "the catalogue's Cloud TPU v5e chip-hour price, which GKE's TPU nodes are billed at (the cluster's "
+           "own fee aside)",
+}
+DEFAULT_PRICE_BASIS = "the catalogue's Cloud TPU v5e chip-hour price"
+# The serving engine's own defaults (trainer/serve/cli.py) where the config has no serve section.
+ENGINE_SLOTS, ENGINE_MAX_LEN = 8, 1024
+
+
+def row_name(weights: str, kv: str) -> str:
+    """A precision row's name: "int8", or "int8/kv bf16" where the cache is kept otherwise."""
+    return weights if weights == kv else f"{weights}/kv {kv}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One precision of weights and KV cache on the replica."""
+
+    serving: Serving
+    slots: int
+    step: DecodeStep  # at `slots`
+    step_batch_1: DecodeStep
+    largest_batch: int
+    step_largest: DecodeStep | None  # at the largest batch (None: nothing fits)
+
+    @property
+    def name(self) -> str:
+        return row_name(self.serving.weight_precision, self.serving.kv_precision)
+
+    @property
+    def fits(self) -> bool:
+        return self.serving.fits(self.slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServePlan:
+    plan: Plan
+    accelerator: catalogue.AcceleratorType
+    mesh: Mesh
+    mesh_source: str  # "--mesh", "plan" (the training plan's) or "serving" (chosen here)
+    hardware_source: str  # "serve" (the serve section), "--accelerator" or "plan"
+    slots: int
+    max_len: int
+    platform: str
+    price_basis: str
+    capacity: str
+    price_per_chip_hour: float
+    rows: tuple[Row, ...]
+    configured: str  # the name of the row the config serves at
+    claim_s: float | None = None  # a decode step time to check (--decode-step-ms)
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def chips(self) -> int:
+        return self.mesh.chips
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    def cost_per_million(self, step: DecodeStep) -> float:
+        return cost_per_million_tokens(self.price_per_chip_hour, step.tokens_per_s_per_chip)
+
+
+def _hardware(cfg: Config, plan: Plan, accelerator: str | None) -> tuple[catalogue.AcceleratorType, str]:
+    if accelerator is not None:
+        return plan.target.accelerator, "--accelerator"
+    if cfg.serve is not None:
+        acc = catalogue.accelerator_for_topology(cfg.serve.replica_topology)
+        if acc is not None:
+            return acc, "serve"
+    return plan.target.accelerator, "plan"
+
+
+def _configured(cfg: Config, model_cfg) -> tuple[str, str]:
+    """(weights, KV cache) precision names the config serves at."""
+    serve = cfg.serve
+    weights = "int8" if serve is not None and serve.weights == "int8" else precision_name(model_cfg.param_dtype)
+    kv = serve.kv_cache_dtype if serve is not None and serve.kv_cache_dtype != "auto" else model_cfg.dtype
+    return weights, precision_name(kv)
+
+
+def _rows(params, model_cfg, mesh: Mesh, acc, pairs: Sequence[tuple[str, str]], slots: int, max_len: int,
+          headroom: float) -> tuple[Row, ...]:
+    rows = []
+    for weights, kv in pairs:
+        s = serving(params, model_cfg, mesh, acc, weights, kv_precision=kv, max_len=max_len, headroom=headroom)
+        largest = s.largest_batch()
+        rows.append(Row(serving=s, slots=slots, step=decode_step(s, slots), step_batch_1=decode_step(s, 1),
+                        largest_batch=largest, step_largest=decode_step(s, largest) if largest else None))
+    return tuple(rows)
+
+
+def best_mesh(candidates: Sequence[tuple[Mesh, Sequence[Row]]]) -> tuple[Mesh, str]:
+    """The mesh where the most precise precision fits, then the fastest step at that precision (the
+    least memory when none fits); (mesh, why)."""
+    def score(entry: tuple[Mesh, Sequence[Row]]) -> tuple[int, float]:
+        rows = entry[1]
+        first = next((i for i, row in enumerate(rows) if row.fits), len(rows))
+        if first == len(rows):
+            return first, min(row.serving.memory(row.slots) for row in rows)
+        return first, rows[first].step.lower_bound_s
+
+    mesh, rows = min(candidates, key=score)
+    first = score((mesh, rows))[0]
+    if first == len(rows):
+        return mesh, "no mesh fits at any precision; this one needs the least memory per chip"
+    return mesh, f"the fastest decode step of the meshes where {rows[first].name} fits ({len(candidates)} tried)"
+
+
+def serve_warnings(model_cfg, mesh: Mesh, slots: int, rows: Sequence[Row]) -> list[str]:
+    """What would stop the server on this mesh, or slow every step."""
+    found = []
+    if slots % mesh.token_shards:
+        found.append(f"{slots} slots do not divide over the mesh's {mesh.token_shards} token shards (data x "
+                     "expert): the server refuses it; give it slots a multiple of them, or another --mesh")
+    gathered = rows[0].serving.weights.gathered
+    if gathered:
+        found.append(f"the trainer's FSDP splits weights over data={mesh.data}: every decode step gathers "
+                     f"{gathered / 2**30:.2f} GiB a chip ({rows[0].name}) over ICI; a mesh with data=1 holds "
+                     "them whole")
+    return found
+
+
+def _given_mesh(plan: Plan, mesh_text: str | None, chips: int) -> tuple[Mesh, str]:
+    """--mesh on the replica's chips (UsageError where it does not cover them), or the plan's mesh."""
+    if not mesh_text:
+        return plan.mesh, "plan"
+    try:
+        return target_mesh(mesh_text, chips, 1), "--mesh"
+    except ValueError as exc:
+        message = str(exc).replace("the target has", "the serving replica has")
+        hint = "--mesh must cover one serving replica's chips (the serve section's topology)"
+        raise UsageError(f"cannot plan serving: {message}", hint=hint) from None
+
+
+def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, mesh_text: str | None = None,
+                   claim_ms: float | None = None) -> ServePlan:
+    """The serving plan for a config whose training plan is `plan` (`plan_for` with the same options):
+    the serve section's replica (else the plan's target) on the mesh given, the plan's, or the best for
+    serving."""
+    from trainer.params import param_inventory
+    from trainer.serve.memory import HEADROOM
+
+    params, model_cfg = param_inventory(plan.model), plan.model
+    acc, hardware_source = _hardware(cfg, plan, accelerator)
+    chips = plan.target.chips if hardware_source != "serve" else acc.chips
+    serve = cfg.serve
+    slots = serve.slots if serve is not None else ENGINE_SLOTS
+    max_len = serve.max_len if serve is not None else ENGINE_MAX_LEN
+    configured = _configured(cfg, model_cfg)
+    pairs = [(p, p) for p in PRECISIONS]
+    if configured not in pairs:
+        pairs.append(configured)
+    if mesh_text or (hardware_source == "plan" and plan.mesh.chips == chips):
+        mesh, mesh_source = _given_mesh(plan, mesh_text, chips)
+    else:
+        candidates = [(m, _rows(params, model_cfg, m, acc, pairs, slots, max_len, HEADROOM))
+                      for m in serving_meshes(model_cfg, chips, slots, model_ways(model_cfg))]
+        mesh, why = best_mesh(candidates)
+        mesh, mesh_source = dataclasses.replace(mesh, reason=why), "serving"
+    rows = _rows(params, model_cfg, mesh, acc, pairs, slots, max_len, HEADROOM)
+    platform = PLATFORMS.get(cfg.target, DEFAULT_PLATFORM)
+    capacity = ("spot" if serve.spot else "on-demand") if serve is not None else plan.target.capacity
+    return ServePlan(plan=plan, accelerator=acc, mesh=mesh, mesh_source=mesh_source,
+                     hardware_source=hardware_source, slots=slots, max_len=max_len, platform=platform,
+                     price_basis=PRICE_BASIS.get(cfg.target, DEFAULT_PRICE_BASIS),
+                     capacity=capacity, price_per_chip_hour=catalogue.price_per_chip_hour(capacity), rows=rows,
+                     configured=row_name(*configured), claim_s=None if claim_ms is None else claim_ms / 1000,
+                     warnings=tuple(serve_warnings(model_cfg, mesh, slots, rows)))
