@@ -26,7 +26,6 @@ DEPLOYMENT = "Deployment"
 # A server's load and compile when no local server plays it (simulated seconds; plausible, not measured).
 SERVER_READY_S = 120.0
 CRASH_REASON = "CrashLoopBackOff"
-TPU_RESOURCE = "google.com/tpu"
 
 
 def server_key(pod: PodRecord) -> str:

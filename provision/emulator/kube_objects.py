@@ -123,9 +123,10 @@ def _checked(kind: ObjectKind, body: Any, namespace: str, error) -> KubeObject:
                                        "the request")
     try:
         pattern, limit = (_DNS_1035, 63) if kind.kind == "Service" else (_DNS_LABEL, 253)
+        letter = ", starting with a letter" if kind.kind == "Service" else ""
         if not pattern.match(name) or len(name) > limit:
             raise Invalid("metadata.name", f"Invalid value: {name!r}: a lowercase RFC 1123 name of at most {limit} "
-                                           "characters" + (", starting with a letter" if kind.kind == "Service" else ""))
+                                           f"characters{letter}")
         CHECKS[kind.kind](body.get("spec") or {})
     except Invalid as bad:
         message = f'{kind.kind}.{kind.group or "core"} "{name}" is invalid: {bad.field}: {bad.message}'
