@@ -60,7 +60,7 @@ def work(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-gke")
     train = {**yaml.safe_load(EXAMPLES["tpu-vm"].read_text()), "dry_run": SMALL}
     serve = yaml.safe_load((ROOT / "examples" / "serve-gke.yaml").read_text())
-    serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], "slots": 2, "max_len": 64}}
+    serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], "slots": 8, "max_len": 64}}
     (work / "train.yaml").write_text(yaml.safe_dump(train))
     (work / "serve-gke.yaml").write_text(yaml.safe_dump(serve))
     before = os.environ.get(FAST)
