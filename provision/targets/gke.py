@@ -28,6 +28,7 @@ from provision.targets.base import (
     last_zone_first,
     report_from_status,
 )
+from provision.targets.vertex import startup_estimate_s  # one load-and-compile estimate for both kinds
 
 
 class NodePools(Holding):
@@ -199,24 +200,6 @@ class GkeService(NodePools):
         return predict(self.cfg, self.session.kube(cluster), request, stream)
 
 
-# A server's start, for its startup probe: the weights read from Cloud Storage by one host (a plausible
-# sustained rate, not measured), then the prefill and decode steps compiled; with room to spare, since a
-# probe that gives up too early restarts a server that was about to answer.
-LOAD_BYTES_PER_S = 200e6
-COMPILE_S = 300.0
-STARTUP_MARGIN = 2.0
-
-
-def startup_estimate_s(cfg) -> float:
-    """Seconds the server may take to load its weights and compile before /health answers 200: from
-    the trainer's parameter inventory of the model it serves (trainer.config)."""
-    from provision.planner.plan import load_model_config
-    from trainer.params import param_inventory
-
-    weights = sum(p.nbytes for p in param_inventory(load_model_config(cfg)))
-    return STARTUP_MARGIN * (weights / LOAD_BYTES_PER_S + COMPILE_S)
-
-
 class GkeKind(Kind):
     """`target: gke`: the slice and gke sections, rendered as node pools (and a cluster) and a JobSet."""
 
@@ -258,7 +241,8 @@ class GkeKind(Kind):
             acc = catalogue.accelerator_for_topology(topology)
             spans = f"spans {acc.vms} hosts" if acc is not None and acc.multi_host else "is not its one host"
             found.append(("serve.topology", f"topology {topology!r} {spans}: a GKE Deployment gives each replica "
-                                            f"one host of {machine} ({host}); leave serve.topology unset"))
+                                            f"one host of {machine} ({host}); leave serve.topology unset (a "
+                                            "replica over several hosts, a LeaderWorkerSet, is not built yet)"))
         run = get("run")
         if isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > MAX_GKE_NAME:
             found.append(("run", f"run name {run!r} is too long to serve on GKE: the serving node pool is named "

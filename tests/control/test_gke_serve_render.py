@@ -127,3 +127,13 @@ def test_the_serve_section_on_gke_names_the_key(tmp_path, changes, key, words):
     assert code == 2, out + err
     line = next((ln for ln in err.splitlines() if f": {key}: " in ln), None)
     assert line is not None and words in line, err
+
+
+def test_the_startup_probe_waits_the_load_and_compile_estimate(loaded):
+    from provision.targets.vertex import startup_estimate_s
+
+    files = loaded.kind.render(loaded, renderer_for(loaded))
+    probe = yaml.safe_load(files["deployment.yaml"])["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    estimate = startup_estimate_s(loaded)
+    assert estimate > 300 and probe["periodSeconds"] * probe["failureThreshold"] >= estimate
+    assert probe["periodSeconds"] * (probe["failureThreshold"] - 1) < estimate
