@@ -137,3 +137,8 @@ def test_the_startup_probe_waits_the_load_and_compile_estimate(loaded):
     estimate = startup_estimate_s(loaded)
     assert estimate > 300 and probe["periodSeconds"] * probe["failureThreshold"] >= estimate
     assert probe["periodSeconds"] * (probe["failureThreshold"] - 1) < estimate
+
+
+def test_deploy_without_a_serve_section_names_it(tmp_path):
+    code, out, err = invoke("--dry-run", "deploy", "-c", str(ROOT / "examples" / "gke.yaml"))
+    assert code == 2 and "serve: a GKE Deployment needs a serve section" in err, out + err
