@@ -7,6 +7,7 @@ Regenerate the goldens with MOE_TPU_UPDATE_GOLDENS=1 (then read the diff).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -140,5 +141,6 @@ def test_the_startup_probe_waits_the_load_and_compile_estimate(loaded):
 
 
 def test_deploy_without_a_serve_section_names_it(tmp_path):
-    code, out, err = invoke("--dry-run", "deploy", "-c", str(ROOT / "examples" / "gke.yaml"))
+    with contextlib.chdir(tmp_path):
+        code, out, err = invoke("--dry-run", "deploy", "-c", str(ROOT / "examples" / "gke.yaml"))
     assert code == 2 and "serve: a GKE Deployment needs a serve section" in err, out + err
