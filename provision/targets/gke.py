@@ -243,6 +243,10 @@ class GkeKind(Kind):
             found.append(("serve.topology", f"topology {topology!r} {spans}: a GKE Deployment gives each replica "
                                             f"one host of {machine} ({host}); leave serve.topology unset (a "
                                             "replica over several hosts, a LeaderWorkerSet, is not built yet)"))
+        low, high = get("serve.min_replicas"), get("serve.max_replicas")
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            found.append(("serve.max_replicas", f"max_replicas ({high}) is below min_replicas ({low}): the "
+                                                "HorizontalPodAutoscaler scales between them"))
         run = get("run")
         if isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > MAX_GKE_NAME:
             found.append(("run", f"run name {run!r} is too long to serve on GKE: the serving node pool is named "

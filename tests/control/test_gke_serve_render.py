@@ -121,6 +121,7 @@ def test_render_shows_the_manifests(tmp_path):
     ({"serve__topology": "4x4"}, "serve.topology", "spans 4 hosts"),
     ({"serve__topology": "2x4"}, "serve.topology", "is not its one host"),
     ({"serve__checkpoint": "/tmp/ckpt"}, "serve.checkpoint", "use a gs:// path"),
+    ({"serve__min_replicas": 3, "serve__max_replicas": 2}, "serve.max_replicas", "below min_replicas (3)"),
     ({"run": "a-run-name-that-is-long-for-gke-pool"}, "run", "too long to serve on GKE"),
 ])
 def test_the_serve_section_on_gke_names_the_key(tmp_path, changes, key, words):
