@@ -1,5 +1,6 @@
 """The GKE lifecycle: the cluster (only with gke.create_cluster), one TPU v5e node pool per slice and
-`cpu-np` for a Pathways head (zone by zone on stockout), the run's JobSet, status, down, list.
+`cpu-np` for a Pathways head (zone by zone on stockout), the serving node pool, the run's JobSet and its
+service's objects (gke_serve.py), status, down, list.
 
 Everything here talks to `session.container` and `session.kube(cluster)` and waits on
 `session.clock`; it does not know whether the other end is Google Cloud or the emulator. A cluster
@@ -8,12 +9,13 @@ this tool did not create (no run label on it) is never deleted.
 
 from __future__ import annotations
 
-from provision import catalogue, gke_render
+from provision import catalogue, gke_render, gke_serve, gke_serve_render
 from provision.errors import CloudError, StockoutError, UsageError, WaitTimeout
 from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
 CLUSTER_WAIT_S = 3600.0
+SERVING_KINDS = set(gke_serve.RESOURCE_KIND.values())
 JOBSET_GONE_WAIT_S = 600.0
 
 
@@ -64,7 +66,9 @@ def managed_gke(cfg, session, run: str | None = None, project: str | None = None
     found: list[Resource] = []
     if cluster.status.name == "RUNNING" and cluster.endpoint:
         selector = f"{MANAGED_BY[0]}={MANAGED_BY[1]}" + (f",{RUN_LABEL}={run}" if run else "")
-        found += [_jobset_resource(j, cfg) for j in session.kube(cluster).list_jobsets(cfg.gke.namespace, selector)]
+        kube = session.kube(cluster)
+        found += [_jobset_resource(j, cfg) for j in kube.list_jobsets(cfg.gke.namespace, selector)]
+        found += gke_serve.managed_objects(kube, cfg, run)
     found += [_pool_resource(p, cfg.gke.location, path) for p in session.container.list_node_pools(path)
               if is_managed(_labels(p), run)]
     if is_managed(dict(cluster.resource_labels), run):
@@ -230,6 +234,33 @@ def pools_up(context, zones: list[str] | None = None) -> tuple[str, list]:
                         hint="add zones to `zones:`, try another capacity type, or use a reservation")
 
 
+def serving_pool_up(context, zones: list[str] | None = None) -> Resource:
+    """The run's serving node pool (the serve section's single-host machines), RUNNING: adopted, or made in
+    the first zone with capacity (a zone without is left without the pool before the next)."""
+    cfg, session, console = context.config, context.session, context.console
+    project = project_of(cfg, session)
+    path = gke_render.cluster_path(cfg, project)
+    name = gke_serve_render.serving_pool_id(cfg)
+    tried: list[str] = []
+    for zone in zones or list(cfg.zones):
+        existing = {p.name: p for p in session.container.list_node_pools(path)}
+        if name in existing and existing[name].locations and existing[name].locations[0] != zone:
+            continue  # the pool is in another zone already: that zone comes first
+        try:
+            _pool_in_zone(context, project, gke_serve_render.serving_pool_spec(cfg, zone), existing)
+        except StockoutError as exc:
+            tried.append(f"{zone} ({exc.message})")
+            console.warn(f"no capacity in {zone}: {exc.message}")
+            pool = session.container.get_node_pool(f"{path}/nodePools/{name}")
+            if pool is not None and is_managed(_labels(pool), cfg.run):
+                _delete_pool(context, project, f"{path}/nodePools/{name}")
+            continue
+        return _pool_resource(session.container.get_node_pool(f"{path}/nodePools/{name}"), cfg.gke.location, path)
+    raise StockoutError(f"no capacity for the serving node pool ({cfg.serve.min_replicas} x "
+                        f"{cfg.serve.machine_type}) in any zone tried: {'; '.join(tried)}",
+                        hint="add zones to `zones:`, or try again later")
+
+
 def gke_up(context, zones: list[str] | None = None) -> list[Resource]:
     """The cluster (created only with gke.create_cluster) and the run's node pools, all RUNNING
     (provision.context.RunContext: the config, session, console and renderer)."""
@@ -317,6 +348,9 @@ def gke_down(context) -> list[Resource]:
     path = gke_render.cluster_path(cfg, project)
     before = managed_gke(cfg, session, run=cfg.run, project=project)
     deleted: list[Resource] = []
+    cluster_now = cluster_of(cfg, session, project)
+    if cluster_now is not None and cluster_now.endpoint and any(r.kind in SERVING_KINDS for r in before):
+        deleted += gke_serve.delete_objects(context, session.kube(cluster_now), cfg.run)
     if delete_jobset(context):
         deleted += [r for r in before if r.kind == "jobset"]
     for res in [r for r in before if r.kind == "node_pool"]:

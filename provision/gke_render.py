@@ -98,6 +98,9 @@ class NodePoolSpec:
     service_account: str | None
     oauth_scopes: tuple[str, ...]
     labels: dict[str, str]
+    # The cluster autoscaler's bounds on the pool's nodes (a serving pool: one node per replica); None: fixed.
+    min_nodes: int | None = None
+    max_nodes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """A GKE cluster's Kubernetes API as a run needs it: the official `kubernetes` client, configured from
 the cluster itself (GetCluster's endpoint and CA certificate) and the session's google-auth
-credentials, never from kubectl or a kubeconfig. JobSets through CustomObjectsApi; pods, their logs,
-events and nodes through CoreV1Api; transient answers retried on our clock."""
+credentials, never from kubectl or a kubeconfig. JobSets and PodMonitorings through CustomObjectsApi;
+Deployments (AppsV1Api), Services, pods, their logs, events and nodes (CoreV1Api), HPAs
+(AutoscalingV2Api); a Service's proxy path; transient answers retried on our clock."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from provision.waiting import call_with_retry
 
 T = TypeVar("T")
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+POD_MONITORING = ("monitoring.googleapis.com", "v1", "podmonitorings")
+# A service's objects with a typed API in the client: kind -> (KubeApi's attribute, the method suffix).
+SERVING = {"Deployment": ("apps", "namespaced_deployment"), "Service": ("core", "namespaced_service"),
+           "HorizontalPodAutoscaler": ("autoscaling", "namespaced_horizontal_pod_autoscaler")}
 # Kubernetes API answers worth another try (ApiException.status).
 TRANSIENT_HTTP = (429, 500, 502, 503, 504)
 
@@ -101,6 +106,8 @@ class KubeApi:
         self._client = client.ApiClient(conf)
         self.custom = client.CustomObjectsApi(self._client)
         self.core = client.CoreV1Api(self._client)
+        self.apps = client.AppsV1Api(self._client)
+        self.autoscaling = client.AutoscalingV2Api(self._client)
 
     def close(self) -> None:
         self._client.close()
@@ -163,6 +170,95 @@ class KubeApi:
             request={"namespace": namespace, "name": name, "propagationPolicy": "Foreground"})
         return answer is not None
 
+    # --- a service's objects: Deployments, Services, PodMonitorings, HPAs ------------------------
+    def _typed(self, kind: str, verb: str) -> Callable[..., Any]:
+        api, suffix = SERVING[kind]
+        return getattr(getattr(self, api), f"{verb}_{suffix}")
+
+    def _plain(self, answer: Any) -> dict:
+        """A typed answer (V1Deployment...) as the API's JSON (camelCase keys), like a custom object's."""
+        return answer if isinstance(answer, dict) else self._client.sanitize_for_serialization(answer)
+
+    def create_object(self, kind: str, namespace: str, body: dict) -> dict | None:
+        """Create a Deployment, Service, PodMonitoring or HorizontalPodAutoscaler; None when one of that
+        name exists (409: the caller adopts or refuses it)."""
+        if kind == "PodMonitoring":
+            fn = lambda: self.custom.create_namespaced_custom_object(*POD_MONITORING[:2], namespace,  # noqa: E731
+                                                                     POD_MONITORING[2], body)
+        else:
+            fn = lambda: self._typed(kind, "create")(namespace, body)  # noqa: E731
+        answer = self._call(f"create {kind}", fn, exists_ok=True, request=body)
+        return None if answer is None else self._plain(answer)
+
+    def get_object(self, kind: str, namespace: str, name: str) -> dict | None:
+        if kind == "PodMonitoring":
+            fn = lambda: self.custom.get_namespaced_custom_object(*POD_MONITORING[:2], namespace,  # noqa: E731
+                                                                  POD_MONITORING[2], name)
+        else:
+            fn = lambda: self._typed(kind, "read")(name, namespace)  # noqa: E731
+        answer = self._call(f"get {kind}", fn, missing_ok=True, request={"namespace": namespace, "name": name})
+        return None if answer is None else self._plain(answer)
+
+    def list_objects(self, kind: str, namespace: str, label_selector: str) -> list[dict]:
+        if kind == "PodMonitoring":
+            fn = lambda: self.custom.list_namespaced_custom_object(  # noqa: E731
+                *POD_MONITORING[:2], namespace, POD_MONITORING[2], label_selector=label_selector)
+        else:
+            fn = lambda: self._typed(kind, "list")(namespace, label_selector=label_selector)  # noqa: E731
+        answer = self._plain(self._call(f"list {kind}s", fn, request={"namespace": namespace,
+                                                                       "labelSelector": label_selector}))
+        return list(answer.get("items") or [])
+
+    def replace_object(self, kind: str, namespace: str, name: str, body: dict) -> dict:
+        if kind == "PodMonitoring":
+            fn = lambda: self.custom.replace_namespaced_custom_object(  # noqa: E731
+                *POD_MONITORING[:2], namespace, POD_MONITORING[2], name, body)
+        else:
+            fn = lambda: self._typed(kind, "replace")(name, namespace, body)  # noqa: E731
+        return self._plain(self._call(f"replace {kind}", fn, request=body))
+
+    def delete_object(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete it (a Deployment with its pods, foreground); False when it was already gone."""
+        from kubernetes import client
+
+        options = client.V1DeleteOptions(propagation_policy="Foreground")
+        if kind == "PodMonitoring":
+            fn = lambda: self.custom.delete_namespaced_custom_object(  # noqa: E731
+                *POD_MONITORING[:2], namespace, POD_MONITORING[2], name, body=options)
+        else:
+            fn = lambda: self._typed(kind, "delete")(name, namespace, body=options)  # noqa: E731
+        answer = self._call(f"delete {kind}", fn, missing_ok=True,
+                            request={"namespace": namespace, "name": name, "propagationPolicy": "Foreground"})
+        return answer is not None
+
+    def proxy(self, path: str, body: dict, stream: bool = False) -> Any:
+        """POST `body` (JSON) to `path`, a Service's proxy path on the API server
+        (/api/v1/namespaces/NS/services/NAME:PORT/proxy/...): the answer's JSON, or with `stream` an
+        iterator of its server-sent events' JSON documents. Written on the client's own call_api because
+        its generated proxy methods send no body. The upstream's refusal is a CloudError with its message."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        entry = {"rpc": "k8s service proxy", "request": {"path": path, "body": body}, "status": "OK"}
+        self.calls.append(entry)
+        try:
+            response = self._client.call_api(
+                path, "POST", header_params={"Content-Type": "application/json", "Accept": "*/*"}, body=body,
+                auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
+        except ApiException as exc:
+            entry["status"] = f"{exc.status} {exc.reason}"
+            raise CloudError(f"the service answered {exc.status} {exc.reason}: {_status_message(exc)}") from exc
+        except HTTPError as exc:
+            raise CloudError(f"service proxy: cannot reach the cluster's API server: {exc}") from exc
+        if not stream:
+            import json
+
+            try:
+                return json.loads(response.data)
+            finally:
+                response.release_conn()
+        return _events(response)
+
     # --- pods, logs, events, nodes ------------------------------------------------------------
     def list_pods(self, namespace: str, label_selector: str) -> list[Any]:
         return list(self._call("list pods", lambda: self.core.list_namespaced_pod(
@@ -184,6 +280,27 @@ class KubeApi:
                                request={"labelSelector": label_selector}).items)
 
 
+def _events(response) -> Any:
+    """The JSON documents of a server-sent event stream (`data: {...}` lines), until `data: [DONE]`."""
+    import json
+
+    buffer = b""
+    try:
+        for chunk in response.stream(4096, decode_content=True):
+            buffer += chunk
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                for line in event.decode().splitlines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    yield json.loads(data)
+    finally:
+        response.release_conn()
+
+
 def _token(credentials) -> str:
     """A current access token from google-auth credentials (refreshed when it has expired)."""
     import google.auth.transport.requests
@@ -197,6 +314,8 @@ def _status_message(exc) -> str:
     import json
 
     try:
-        return json.loads(exc.body).get("message") or str(exc.reason)
+        doc = json.loads(exc.body)
+        error = doc.get("error")  # the server's own (OpenAI-shaped) error, through a Service's proxy
+        return doc.get("message") or (error.get("message") if isinstance(error, dict) else error) or str(exc.reason)
     except (TypeError, ValueError, AttributeError):
         return str(exc.reason)

@@ -172,6 +172,12 @@ class PodRecord:
     message: str | None = None
     log_path: str | None = None  # a dry run's trainer output, served as the pod's log
     trainer: bool = False  # the pod whose container `trainer` runs the run's trainer (the local one)
+    # A Deployment's pod (gke_serving.py): its Deployment, the hash of the template it was made from,
+    # when its server first answered /health (None: not yet), and its container's restarts.
+    deployment: str | None = None
+    template_hash: str = ""
+    ready_at: float | None = None
+    restarts: int = 0
 
     def phase(self, now: float) -> str:
         if self.ended_at is not None and now >= self.ended_at:
@@ -213,6 +219,32 @@ class JobSetRecord:
     def success_targets(self) -> list[str]:
         policy = self.manifest.get("spec", {}).get("successPolicy") or {}
         return list(policy.get("targetReplicatedJobs") or [j["name"] for j in self.jobs()])
+
+
+@dataclass
+class KubeObject:
+    """A Deployment, Service, PodMonitoring or HorizontalPodAutoscaler as created (or last replaced)."""
+
+    kind: str
+    name: str
+    namespace: str
+    manifest: dict
+    uid: str
+    create_time: float
+    generation: int = 1
+    resource_version: int = 1
+
+    @property
+    def key(self) -> str:
+        return object_key(self.kind, self.namespace, self.name)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self.manifest.get("metadata", {}).get("labels") or {})
+
+
+def object_key(kind: str, namespace: str, name: str) -> str:
+    return f"{kind}/{namespace}/{name}"
 
 
 @dataclass

@@ -25,6 +25,7 @@ from provision.emulator.gke import (
     ContainerOperation,
     Event,
     JobSetRecord,
+    KubeObject,
     PodRecord,
     PoolRecord,
     TrainerPod,
@@ -46,10 +47,13 @@ class GkeWorld:
         self.jobsets: dict[str, JobSetRecord] = {}  # "NAMESPACE/NAME"
         self.pods: dict[str, PodRecord] = {}  # "NAMESPACE/NAME"
         self.events: list[Event] = []
+        self.objects: dict[str, KubeObject] = {}  # Deployments, Services, PodMonitorings, HPAs: "KIND/NS/NAME"
         self.counter = 0
         # Set by the emulator for each transaction, not saved: whether a dry run's local trainer drives
-        # the trainer pods.
+        # the trainer pods, and the dry run's local servers (local_server.LocalServers) that play a
+        # Deployment's pods (None: a pod's server answers after gke_serving.SERVER_READY_S).
         self.held = False
+        self.servers = None
 
     # --- persistence -------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -58,7 +62,8 @@ class GkeWorld:
                 "operations": [asdict(o) for o in self.operations.values()], "first_zone": self.first_zone,
                 "jobsets": [asdict(j) for j in self.jobsets.values()],
                 "pods": [asdict(p) for p in self.pods.values()],
-                "events": [asdict(e) for e in self.events[-500:]], "counter": self.counter}
+                "events": [asdict(e) for e in self.events[-500:]], "counter": self.counter,
+                "objects": [asdict(o) for o in self.objects.values()]}
 
     @classmethod
     def from_json(cls, d: dict | None) -> GkeWorld:
@@ -73,6 +78,7 @@ class GkeWorld:
         world.pods = {f"{p['namespace']}/{p['name']}": PodRecord(**p) for p in d["pods"]}
         world.events = [Event(**e) for e in d["events"]]
         world.counter = int(d["counter"])
+        world.objects = {o.key: o for o in (KubeObject(**o) for o in d.get("objects", []))}
         return world
 
     def prune(self, now: float) -> None:
@@ -128,9 +134,12 @@ class GkeWorld:
 
     # --- the JobSet controller --------------------------------------------------------------
     def reconcile(self, now: float) -> None:
+        from provision.emulator import gke_serving
+
         for jobset in list(self.jobsets.values()):
             if jobset.terminal is None:
                 self._reconcile(jobset, now)
+        gke_serving.reconcile(self, now)
 
     def _pods_of(self, jobset: JobSetRecord, attempt: int | None = None) -> list[PodRecord]:
         return [p for p in self.pods.values() if p.namespace == jobset.namespace and p.jobset == jobset.name

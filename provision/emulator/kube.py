@@ -1,7 +1,8 @@
 """A Kubernetes API server on 127.0.0.1 for the subset a run uses, over HTTPS with its own CA.
 
 JobSets (jobset.x-k8s.io/v1alpha2: create, get, list, delete, with 409 and 404 as `Status`
-objects), pods (list, get, watch, log), events and nodes (with GKE's TPU labels). The official
+objects), pods (list, get, watch, log), events and nodes (with GKE's TPU labels); a service's
+Deployment, Service (and its proxy), PodMonitoring and HorizontalPodAutoscaler (kube_objects.py). The official
 `kubernetes` client talks to it exactly as to a GKE control plane: the endpoint and the CA
 certificate come from GetCluster. Objects live in the emulated world (gke.py, gke_world.py); every
 request is one transaction, after the JobSet controller has brought the world up to now.
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
+from provision.emulator import kube_objects
+from provision.emulator.kube_base import KubeError, field_matches, list_of, not_found, selector_matches
 from provision.emulator.gke import (
     JOBSET_LABELS,
     TPU_RESOURCE,
@@ -49,56 +52,6 @@ _EVENTS = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
 _NODES = re.compile(r"^/api/v1/nodes(?:/([^/]+))?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MAX_JOBSET_NAME = 40  # so that pod names and the DNS names JobSet makes for them stay within 63
-
-
-class KubeError(Exception):
-    """An answer other than 2xx, as a Kubernetes Status object."""
-
-    def __init__(self, code: int, reason: str, message: str, details: dict | None = None) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message, self.details = code, reason, message, details or {}
-
-    def status(self) -> dict:
-        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message,
-                "reason": self.reason, "details": self.details, "code": self.code}
-
-
-def not_found(kind: str, name: str, group: str = "") -> KubeError:
-    resource = f"{kind}.{group}" if group else kind
-    return KubeError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "group": group, "kind": kind})
-
-
-# --- selectors --------------------------------------------------------------------------------
-
-def selector_matches(selector: str, labels: dict[str, str]) -> bool:
-    """A label selector's equality and existence terms (k=v, k==v, k!=v, k, !k), comma-joined."""
-    for term in (t.strip() for t in selector.split(",") if t.strip()):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            if labels.get(key.strip()) == value.strip():
-                return False
-        elif "=" in term:
-            key, value = term.replace("==", "=").split("=", 1)
-            if labels.get(key.strip()) != value.strip():
-                return False
-        elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
-
-
-def _field_matches(selector: str, fields: dict[str, str]) -> bool:
-    """A field selector's equality terms over the fields an object offers (400 for another field)."""
-    for term in (t.strip() for t in selector.split(",") if t.strip()):
-        key, _, value = term.replace("==", "=").partition("=")
-        if key not in fields:
-            raise KubeError(400, "BadRequest", f'"{key}" is not a known field selector: only '
-                                               f'"{", ".join(sorted(fields))}"')
-        if fields[key] != value:
-            return False
-    return True
 
 
 # --- views ------------------------------------------------------------------------------------
@@ -154,6 +107,8 @@ def _container_status(name: str, pod: PodRecord, now: float) -> dict:
 
 
 def pod_view(gke: GkeWorld, pod: PodRecord, now: float) -> dict:
+    if pod.deployment:
+        return kube_objects.deployment_pod_view(gke, pod, now)
     rec = gke.jobsets.get(f"{pod.namespace}/{pod.jobset}")
     job = next((j for j in rec.jobs() if j["name"] == pod.replicated_job), None) if rec else None
     spec = json.loads(json.dumps(job["template"]["spec"]["template"]["spec"])) if job else {"containers": []}
@@ -182,11 +137,6 @@ def node_view(node: str, pool, now: float) -> dict:
             "metadata": {"name": node, "labels": labels, "creationTimestamp": iso(pool.ready_at)},
             "status": {"capacity": capacity, "allocatable": capacity,
                        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}}
-
-
-def _list(kind: str, items: list[dict], gke: GkeWorld, api_version: str = "v1") -> dict:
-    return {"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": str(gke.counter)},
-            "items": items}
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -244,7 +194,7 @@ def handle(gke: GkeWorld, now: float, method: str, path: str, query: dict[str, s
             pods = [p for p in pods if selector_matches(query.get("labelSelector", ""), p["metadata"]["labels"])]
             if query.get("watch", "").lower() in ("true", "1"):
                 return 200, [{"type": "ADDED", "object": p} for p in pods]
-            return 200, _list("PodList", pods, gke)
+            return 200, list_of("PodList", pods, gke)
         pod = gke.pods.get(f"{namespace}/{name}")
         if pod is None:
             raise not_found("pods", name)
@@ -258,9 +208,9 @@ def handle(gke: GkeWorld, now: float, method: str, path: str, query: dict[str, s
                   "firstTimestamp": iso(e.at), "lastTimestamp": iso(e.at)}
                  for i, e in enumerate(gke.events) if e.namespace == namespace and e.at <= now]
         selector = query.get("fieldSelector", "")
-        items = [e for e in items if _field_matches(selector, {"involvedObject.name": e["involvedObject"]["name"],
+        items = [e for e in items if field_matches(selector, {"involvedObject.name": e["involvedObject"]["name"],
                                                                "involvedObject.kind": e["involvedObject"]["kind"]})]
-        return 200, _list("EventList", items, gke)
+        return 200, list_of("EventList", items, gke)
     if match := _NODES.match(path):
         nodes = [node_view(n, pool, now) for n, pool in gke.nodes(now)]
         if match.group(1):
@@ -268,8 +218,11 @@ def handle(gke: GkeWorld, now: float, method: str, path: str, query: dict[str, s
             if not found:
                 raise not_found("nodes", match.group(1))
             return 200, found[0]
-        return 200, _list("NodeList", [n for n in nodes if selector_matches(query.get("labelSelector", ""),
+        return 200, list_of("NodeList", [n for n in nodes if selector_matches(query.get("labelSelector", ""),
                                                                             n["metadata"]["labels"])], gke)
+    answer = kube_objects.handle(gke, now, method, path, query, body)
+    if answer is not None:
+        return answer
     raise KubeError(404, "NotFound", "the server could not find the requested resource")
 
 
@@ -290,7 +243,7 @@ def _jobsets(gke: GkeWorld, now: float, method: str, namespace: str | None, name
         found = [j for k, j in sorted(gke.jobsets.items()) if namespace in (None, j.namespace)]
         items = [jobset_view(gke, j, now) for j in found
                  if selector_matches(query.get("labelSelector", ""), j.manifest.get("metadata", {}).get("labels", {}))]
-        return 200, _list("JobSetList", items, gke, f"{GROUP}/{VERSION}")
+        return 200, list_of("JobSetList", items, gke, f"{GROUP}/{VERSION}")
     rec = gke.jobsets.get(f"{namespace}/{name}") if namespace and name else None
     if rec is None:
         raise not_found(PLURAL, name or "", GROUP)
@@ -319,7 +272,7 @@ def _log(gke: GkeWorld, pod: PodRecord, now: float, query: dict[str, str]) -> st
     if pod.phase(now) == "Pending":
         raise KubeError(400, "BadRequest", f'container "{container}" in pod "{pod.name}" is waiting to start: '
                                            "ContainerCreating")
-    if container == "trainer" and pod.log_path:
+    if (container == "trainer" or pod.deployment) and pod.log_path:
         try:
             lines = Path(pod.log_path).read_text(errors="replace").splitlines()
         except OSError:
@@ -374,6 +327,8 @@ def _handler(world_call: WorldCall):
             query = {k: v[-1] for k, v in parse_qs(url.query).items()}
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
+            if match := kube_objects.PROXY.match(url.path):
+                return self._proxy(method, match, url.query, raw)
             try:
                 body = json.loads(raw) if raw else None
             except ValueError:
@@ -383,6 +338,41 @@ def _handler(world_call: WorldCall):
             except KubeError as error:
                 return self._send(error.code, error.status())
             self._send(code, answer)
+
+        def _proxy(self, method: str, match, query: str, raw: bytes) -> None:
+            """The Service's proxy: the request forwarded to a Ready pod's local server (outside the world's
+            transaction: a completion takes seconds), its answer streamed back as it comes."""
+            namespace, service, path = match.group(1), match.group(2), match.group(3) or "/"
+            try:
+                servers, key = world_call(lambda world, now: (
+                    world.gke.servers, kube_objects.proxy_target(world.gke, now, namespace, service)))
+                if servers is None:
+                    raise KubeError(503, "ServiceUnavailable", "error trying to reach service: this emulator runs "
+                                                               "no server (a dry run's does)")
+                try:
+                    stream = bool(json.loads(raw).get("stream")) if raw else False
+                except (ValueError, AttributeError):
+                    stream = False
+                try:
+                    code, kind, body = servers.forward(key, method, path + (f"?{query}" if query else ""), raw,
+                                                       stream)
+                except OSError as exc:
+                    raise KubeError(503, "ServiceUnavailable", f"error trying to reach service: {exc}") from None
+            except KubeError as error:
+                return self._send(error.code, error.status())
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            if isinstance(body, bytes):
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for chunk in body:
+                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def _send(self, code: int, answer: Any) -> None:
             if isinstance(answer, str):
@@ -405,6 +395,12 @@ def _handler(world_call: WorldCall):
 
         def do_DELETE(self) -> None:  # noqa: N802
             self._serve("DELETE")
+
+        def do_PUT(self) -> None:  # noqa: N802
+            self._serve("PUT")
+
+        def do_PATCH(self) -> None:  # noqa: N802
+            self._serve("PATCH")
 
     return Handler
 

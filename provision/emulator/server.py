@@ -70,6 +70,7 @@ class Emulator:
         self._kube = None  # the Kubernetes API server (kube.py), started on first use
         # The model servers a deployed model runs (local_server.LocalServers): by default under the state
         # file's directory; none without one (deploys then end on the clock, predictions are refused).
+        # They play Vertex AI's deployed models and a GKE Deployment's pods.
         if servers is None and self.state_path is not None:
             from provision.emulator.local_server import LocalServers
 
@@ -196,6 +197,7 @@ class Emulator:
                 self._reload()
                 self.world.reservations = self.reservations
                 self.world.gke.held = self.external_workloads
+                self.world.gke.servers = self.servers
                 now = self._now = self.clock.now()
                 try:
                     yield self.world, now

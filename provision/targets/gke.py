@@ -1,4 +1,5 @@
-"""TPU v5e node pools on a GKE cluster (the placement) with the run as a JobSet (`target: gke`).
+"""TPU v5e node pools on a GKE cluster (the placement) with the run as a JobSet (`target: gke`), or its
+checkpoint served by a Deployment on a serving node pool (`deploy` with a serve section).
 
 The trainer reports through the status file in its output directory, as on Vertex AI; the JobSet
 says the rest: a job that failed makes its failure policy recreate every job in place (the
@@ -8,9 +9,12 @@ JobSet out of restarts or complete ends the run.
 
 from __future__ import annotations
 
-from provision import catalogue, gke_render
+from collections.abc import Iterator
+
+from provision import catalogue, gke_render, gke_serve_render
 from provision.cloud import storage
 from provision.config.gke_sections import MAX_GKE_NAME
+from provision.errors import CloudError, UsageError
 from provision.resources import Resource
 from provision.targets.base import (
     ENDED,
@@ -20,9 +24,11 @@ from provision.targets.base import (
     Phase,
     Report,
     Scope,
+    ServiceReport,
     last_zone_first,
     report_from_status,
 )
+from provision.targets.vertex import startup_estimate_s  # one load-and-compile estimate for both kinds
 
 
 class NodePools(Holding):
@@ -130,6 +136,70 @@ class GkeTarget(NodePools):
 
 
 
+class GkeService(NodePools):
+    """The serving node pool with the run's server on it: a Deployment (one pod per single-host replica)
+    behind a Service, scraped by a PodMonitoring and scaled by an HPA; ready once a replica answers
+    /health, reached through the Service by the API server's proxy."""
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        serve = self.cfg.serve
+        self.chips = gke_serve_render.serving_accelerator(self.cfg).chips * serve.min_replicas
+
+    def describe(self) -> str:
+        serve = self.cfg.serve
+        return (f"{serve.min_replicas}-{serve.max_replicas} x {serve.machine_type} ({serve.replica_topology}"
+                f"{', spot' if serve.spot else ''}) serving on GKE {self.cfg.gke.cluster}")
+
+    def price(self) -> float:
+        return self.chips * catalogue.price_per_chip_hour("spot" if self.cfg.serve.spot else "on-demand")
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        """The cluster (made only with gke.create_cluster), the serving pool, then the four objects."""
+        from provision.gke import ensure_cluster, serving_pool_up
+        from provision.gke_serve import apply_objects
+
+        cluster, _ = ensure_cluster(self.context)
+        pool = serving_pool_up(self.context, last_zone_first(self.cfg.zones, self.zone))
+        self.zone = pool.zone
+        manifests = gke_serve_render.manifests(self.cfg, self.context.renderer, startup_estimate_s(self.cfg))
+        return [*apply_objects(self.context, self.session.kube(cluster), manifests), pool]
+
+    def _cluster(self):
+        from provision.gke import cluster_of
+
+        cluster = cluster_of(self.cfg, self.session)
+        return cluster if cluster is not None and cluster.endpoint else None
+
+    def report(self) -> ServiceReport:
+        from provision.gke_serve import service_report
+
+        cluster = self._cluster()
+        if cluster is None:
+            return ServiceReport(Phase.DELETED, detail=f"the cluster {self.cfg.gke.cluster} is gone")
+        url = f"https://{cluster.endpoint}{gke_serve_render.proxy_path(self.cfg, '')}"
+        return service_report(self.cfg, self.session.kube(cluster), url)
+
+    def examples(self, url: str, body: str) -> list[str]:
+        """How to call it: the Service forwarded to this machine, or through the API server's proxy."""
+        name, namespace = gke_serve_render.server_name(self.cfg), self.cfg.gke.namespace
+        port = gke_serve_render.SERVICE_PORT
+        return [f"  kubectl -n {namespace} port-forward service/{name} {port}:{port} &",
+                f"  curl -X POST http://127.0.0.1:{port}/v1/completions -H 'content-type: application/json' "
+                f"-d '{body}'",
+                f"  curl -X POST {url}/v1/completions -H \"authorization: Bearer $(gcloud auth print-access-token)\" "
+                f"-H 'content-type: application/json' -d '{body}'"]
+
+    def predict(self, request: dict, stream: bool = False) -> Iterator[dict]:
+        from provision.gke_serve import predict
+
+        cluster = self._cluster()
+        if cluster is None:
+            raise CloudError(f"the cluster {self.cfg.gke.cluster} is gone: nothing serves run {self.cfg.run}",
+                             hint="deploy it with `moe-tpu deploy`")
+        return predict(self.cfg, self.session.kube(cluster), request, stream)
+
+
 class GkeKind(Kind):
     """`target: gke`: the slice and gke sections, rendered as node pools (and a cluster) and a JobSet."""
 
@@ -155,6 +225,36 @@ class GkeKind(Kind):
         if isinstance(output_dir, str) and not output_dir.startswith("gs://"):
             found.append(("trainer.output_dir", f"pods on GKE keep nothing when they end: use a gs:// path, not "
                                                 f"{output_dir!r}"))
+        if isinstance(get("serve"), dict):
+            found += self._serve_checks(get)
+        return found
+
+    @staticmethod
+    def _serve_checks(get) -> list[tuple[str, str]]:
+        """The serve section on GKE: one host per replica (a Deployment's pod), a pool name GKE takes, a
+        checkpoint the pods can read."""
+        found: list[tuple[str, str]] = []
+        machine, topology = get("serve.machine_type"), get("serve.topology")
+        single = catalogue.accelerator_for_machine(machine, "") if isinstance(machine, str) else None
+        host = single.topology if single is not None else None
+        if host is not None and isinstance(topology, str) and topology != host:
+            acc = catalogue.accelerator_for_topology(topology)
+            spans = f"spans {acc.vms} hosts" if acc is not None and acc.multi_host else "is not its one host"
+            found.append(("serve.topology", f"topology {topology!r} {spans}: a GKE Deployment gives each replica "
+                                            f"one host of {machine} ({host}); leave serve.topology unset (a "
+                                            "replica over several hosts, a LeaderWorkerSet, is not built yet)"))
+        low, high = get("serve.min_replicas"), get("serve.max_replicas")
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            found.append(("serve.max_replicas", f"max_replicas ({high}) is below min_replicas ({low}): the "
+                                                "HorizontalPodAutoscaler scales between them"))
+        run = get("run")
+        if isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > MAX_GKE_NAME:
+            found.append(("run", f"run name {run!r} is too long to serve on GKE: the serving node pool is named "
+                                 f"RUN{gke_serve_render.SERVE_POOL_SUFFIX}, at most {MAX_GKE_NAME} characters"))
+        checkpoint = get("serve.checkpoint")
+        if isinstance(checkpoint, str) and not checkpoint.startswith("gs://"):
+            found.append(("serve.checkpoint", f"pods on GKE read the checkpoint from Cloud Storage: use a gs:// "
+                                              f"path, not {checkpoint!r}"))
         return found
 
     @staticmethod
@@ -182,18 +282,33 @@ class GkeKind(Kind):
 
     def summary(self, cfg) -> str:
         acc = cfg.accelerator_type()
-        return (f"GKE cluster {cfg.gke.cluster} ({cfg.gke.location}), runtime {cfg.gke.runtime}: "
+        line = (f"GKE cluster {cfg.gke.cluster} ({cfg.gke.location}), runtime {cfg.gke.runtime}: "
                 f"{cfg.slice.count} x {acc.name} ({acc.topology}, {acc.vms} VM{'' if acc.vms == 1 else 's'}) as "
                 f"node pools, {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
+        if cfg.serve is not None:
+            serve = cfg.serve
+            line += (f"; serves {gke_serve_render.checkpoint(cfg)} as a Deployment on {serve.min_replicas}-"
+                     f"{serve.max_replicas} x {serve.machine_type} ({serve.replica_topology}"
+                     f"{', spot' if serve.spot else ''})")
+        return line
 
     def render(self, cfg, renderer) -> dict[str, str]:
-        return gke_render.render_files(cfg, renderer)
+        files = gke_render.render_files(cfg, renderer)
+        if cfg.serve is not None:
+            files.update(gke_serve_render.serving_files(cfg, renderer, startup_estimate_s(cfg)))
+        return files
 
     def hardware(self, cfg):
         return cfg.accelerator_type(), cfg.slice.count, cfg.slice.capacity
 
     def target(self, context, *, output_dir: str | None = None) -> GkeTarget:
         return GkeTarget(context, output_dir=output_dir)
+
+    def service(self, context) -> GkeService:
+        if context.config.serve is None:
+            raise UsageError(f"{context.config.source}: serve: a GKE Deployment needs a serve section (at least "
+                             "its machine_type)", hint="see examples/serve-gke.yaml")
+        return GkeService(context)
 
     def up_line(self, cfg) -> str:
         acc = cfg.accelerator_type()

@@ -1,0 +1,135 @@
+"""A service on GKE, the Kubernetes half: the server's Deployment, Service, PodMonitoring and
+HorizontalPodAutoscaler applied with the `kubernetes` client (a re-run adopts and replaces what this run
+made, and refuses what it did not), found by label for `list` and `status`, deleted for `down`, the
+Deployment's state as a ServiceReport, and a prediction through the Service's proxy.
+
+Everything here talks to one cluster's `KubeApi` (provision.cloud.kube); the serving node pool is
+provision.gke's (`serving_pool_up`), like the run's other pools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from provision import gke_serve_render
+from provision.errors import CloudError
+from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed
+from provision.targets.base import ServiceReport
+from trainer.outputs import Phase
+
+# The objects in the order they are applied; deleted in the reverse one (the autoscaler first, so that
+# it scales nothing while the Deployment goes).
+KINDS = tuple(gke_serve_render.OBJECTS)
+RESOURCE_KIND = {"Deployment": "deployment", "Service": "service", "PodMonitoring": "podmonitoring",
+                 "HorizontalPodAutoscaler": "hpa"}
+CRASHED = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError")
+
+
+def selector(run: str | None) -> str:
+    return f"{MANAGED_BY[0]}={MANAGED_BY[1]}" + (f",{RUN_LABEL}={run}" if run else "")
+
+
+def _labels(body: dict) -> dict[str, str]:
+    return dict((body.get("metadata") or {}).get("labels") or {})
+
+
+def object_resource(kind: str, body: dict, location: str) -> Resource:
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    state = "Active"
+    if kind == "Deployment":
+        ready, wanted = status.get("availableReplicas") or 0, (body.get("spec") or {}).get("replicas", 1)
+        state = f"{'Available' if ready else 'Unavailable'} ({ready}/{wanted} ready)"
+    return Resource(kind=RESOURCE_KIND[kind], name=f"{meta.get('namespace')}/{meta.get('name')}", state=state,
+                    zone=location, run=_labels(body).get(RUN_LABEL))
+
+
+def managed_objects(kube, cfg, run: str | None) -> list[Resource]:
+    """The serving objects this tool made in gke.namespace (of `run`, or of every run)."""
+    return [object_resource(kind, body, cfg.gke.location) for kind in KINDS
+            for body in kube.list_objects(kind, cfg.gke.namespace, selector(run))]
+
+
+def apply_objects(context, kube, manifests: dict[str, dict]) -> list[Resource]:
+    """Create each object, or replace the one this run made before (a re-run); refuse one of the same
+    name that this run did not make."""
+    cfg, console = context.config, context.console
+    namespace = cfg.gke.namespace
+    made: list[Resource] = []
+    for kind in KINDS:
+        body = manifests[kind]
+        name = body["metadata"]["name"]
+        answer = kube.create_object(kind, namespace, body)
+        if answer is None:
+            existing = kube.get_object(kind, namespace, name)
+            if existing is not None and not is_managed(_labels(existing), cfg.run):
+                raise CloudError(f"a {kind} {namespace}/{name} exists that run {cfg.run} did not make",
+                                 hint="choose another `run` name, or delete that object")
+            if existing is None:  # deleted between the two calls
+                answer = kube.create_object(kind, namespace, body)
+            else:
+                console.info(f"  adopting {kind} {name} (an earlier deploy of this run made it)")
+                version = (existing.get("metadata") or {}).get("resourceVersion")
+                body = {**body, "metadata": {**body["metadata"], "resourceVersion": version}}
+                answer = kube.replace_object(kind, namespace, name, body)
+        else:
+            console.info(f"  created {kind} {namespace}/{name}")
+        made.append(object_resource(kind, answer or body, cfg.gke.location))
+    return made
+
+
+def delete_objects(context, kube, run: str) -> list[Resource]:
+    """Delete the run's serving objects (the HPA first); the ones deleted."""
+    cfg = context.config
+    deleted: list[Resource] = []
+    for kind in reversed(KINDS):
+        for body in kube.list_objects(kind, cfg.gke.namespace, selector(run)):
+            name = body["metadata"]["name"]
+            if kube.delete_object(kind, cfg.gke.namespace, name):
+                context.console.info(f"  deleted {kind} {cfg.gke.namespace}/{name}")
+                deleted.append(object_resource(kind, body, cfg.gke.location))
+    return deleted
+
+
+def service_report(cfg, kube, url: str) -> ServiceReport:
+    """The Deployment's state: ready once a replica is available; failed when a pod's server crashed
+    (with its last words) or the Deployment is gone; starting otherwise (with what it waits for)."""
+    name = gke_serve_render.server_name(cfg)
+    deployment = kube.get_object("Deployment", cfg.gke.namespace, name)
+    if deployment is None:
+        return ServiceReport(Phase.DELETED, detail=f"the Deployment {cfg.gke.namespace}/{name} is gone")
+    status = deployment.get("status") or {}
+    wanted = (deployment.get("spec") or {}).get("replicas", 1)
+    ready = status.get("availableReplicas") or 0
+    pods = kube.list_pods(cfg.gke.namespace, ",".join(f"{k}={v}" for k, v in gke_serve_render.selector(cfg).items()))
+    crashed = [why for pod in pods if (why := _crash(pod))]
+    if crashed and not ready:
+        return ServiceReport(Phase.FAILED, replicas=wanted, detail=crashed[0])
+    if ready:
+        return ServiceReport(Phase.READY, url=url, replicas_ready=ready, replicas=wanted)
+    waiting = "no pod yet (waiting for a node of the serving pool)" if not pods else \
+        f"{len(pods)} pod(s) loading the checkpoint and compiling"
+    return ServiceReport(Phase.STARTING, replicas=wanted, detail=waiting)
+
+
+def _crash(pod) -> str | None:
+    """Why a pod's server is down for good (its container's back-off, with its last words), or None."""
+    for status in pod.status.container_statuses or []:
+        waiting = status.state.waiting if status.state else None
+        if waiting is not None and waiting.reason in CRASHED:
+            last = status.last_state.terminated if status.last_state else None
+            words = (last.message or "").strip() if last is not None else ""
+            code = f" (exit code {last.exit_code})" if last is not None and last.exit_code is not None else ""
+            return (f"pod {pod.metadata.name}: {waiting.reason}: the server exited{code}"
+                    + (f"; its last words:\n{words}" if words else f": {waiting.message or ''}"))
+    return None
+
+
+def predict(cfg, kube, request: dict, stream: bool = False) -> Iterator[dict]:
+    """One OpenAI completions request through the Service, by the API server's service proxy."""
+    path = gke_serve_render.proxy_path(cfg, "/v1/completions")
+    answer = kube.proxy(path, {**request, "stream": stream}, stream=stream)
+    if stream:
+        yield from answer
+    else:
+        yield answer

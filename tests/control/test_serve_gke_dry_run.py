@@ -1,0 +1,102 @@
+"""Issue 33's GKE "done when", end to end in one fresh directory: `moe-tpu --dry-run run` of
+examples/v5e-64.yaml, then `deploy` of examples/serve-gke.yaml (the real server on this machine behind the
+emulated Deployment and Service), `predict` (through the API server's service proxy: the tokens `moe-tpu
+sample` gives for that checkpoint, greedy), `down`, and `list` empty; `--scenario quota` on the serving
+pool exits 1 naming the quota and leaves nothing. The run trains once for the module, both examples made
+as small as the suite's dry runs (cli_helpers.SMALL, a small engine), compiled with XLA's optimisations
+off (compiling dominates here)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import pytest
+import yaml
+from cli_helpers import EXAMPLES, ROOT, SMALL, invoke, nothing_left
+
+from provision.emulator.local_server import LocalServers
+
+PROMPT, TOKENS = "1 2 3", 6
+SERVING = ("Deployment", "Service", "PodMonitoring", "HorizontalPodAutoscaler")
+FAST = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+
+
+def moe_tpu(work, *args: str, scenario: str = "happy") -> tuple[int, dict | None, str]:
+    """`moe-tpu --dry-run --output json ARGS` in `work`: (exit code, its JSON document, stderr)."""
+    with contextlib.chdir(work):
+        code, out, err = invoke("--dry-run", "--scenario", scenario, "--output", "json", *args)
+    return code, json.loads(out) if out.strip() else None, err
+
+
+def rpcs(doc: dict, word: str) -> list[str]:
+    return [c["rpc"] for c in doc["calls"] if word in c["rpc"] and c["status"] == "OK"]
+
+
+def sample(work) -> str:
+    """What `sample` gives for the run's checkpoint, greedy (its command, in this process), compiled as the
+    server compiles."""
+    import jax
+    from click.testing import CliRunner
+
+    from trainer.sample import sample_command
+
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        result = CliRunner().invoke(sample_command, [
+            "--checkpoint", str(work / ".moe-tpu" / "runs" / "moe-demo" / "output"), "--prompt", PROMPT,
+            "--tokens", str(TOKENS), "--temperature", "0"])
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+    assert result.exit_code == 0, result.output
+    return result.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A fresh directory where examples/v5e-64.yaml's run trained, with serve-gke.yaml beside it."""
+    work = tmp_path_factory.mktemp("serve-gke")
+    train = {**yaml.safe_load(EXAMPLES["tpu-vm"].read_text()), "dry_run": SMALL}
+    serve = yaml.safe_load((ROOT / "examples" / "serve-gke.yaml").read_text())
+    serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], "slots": 8, "max_len": 64}}
+    (work / "train.yaml").write_text(yaml.safe_dump(train))
+    (work / "serve-gke.yaml").write_text(yaml.safe_dump(serve))
+    before = os.environ.get(FAST)
+    os.environ[FAST] = "1"
+    try:
+        code, _, err = moe_tpu(work, "run", "-c", "train.yaml")
+        assert code == 0, err[-3000:]
+        yield work
+    finally:
+        servers = LocalServers(work / ".moe-tpu")
+        for key in servers.keys():  # a test that failed halfway leaves no server behind
+            servers.stop(key)
+        os.environ.pop(FAST) if before is None else os.environ.update({FAST: before})
+
+
+def test_deploy_predict_down_on_gke(work):
+    code, deployed, err = moe_tpu(work, "deploy", "-c", "serve-gke.yaml")
+    assert code == 0, err[-3000:]
+    assert rpcs(deployed, "k8s create") == [f"k8s create {kind}" for kind in SERVING]
+    assert rpcs(deployed, "CreateNodePool") == ["google.container.v1.ClusterManager/CreateNodePool"]
+    assert deployed["url"].endswith("/api/v1/namespaces/default/services/moe-demo-gke:8000/proxy")
+    assert deployed["smoke"]["text"] and "k8s service proxy" in rpcs(deployed, "proxy")
+    code, predicted, err = moe_tpu(work, "predict", "--prompt", PROMPT, "--max-tokens", str(TOKENS))
+    assert code == 0, err[-2000:]
+    assert predicted["text"].strip() == sample(work)
+    assert rpcs(predicted, "proxy") == ["k8s service proxy"]
+    code, down, err = moe_tpu(work, "down")
+    assert code == 0, err[-2000:]
+    assert [r for r in rpcs(down, "k8s delete") if "JobSet" not in r] \
+        == [f"k8s delete {kind}" for kind in reversed(SERVING)]
+    assert rpcs(down, "DeleteNodePool") == ["google.container.v1.ClusterManager/DeleteNodePool"]
+    assert nothing_left(work) and LocalServers(work / ".moe-tpu").keys() == []  # the server stopped too
+
+
+def test_quota_on_the_serving_pool_leaves_nothing(work):
+    code, doc, err = moe_tpu(work, "deploy", "-c", "serve-gke.yaml", scenario="quota")
+    assert code == 1 and "PREEMPTIBLE_TPU_LITE_PODSLICE_V5" in err, err[-2000:]
+    assert rpcs(doc, "k8s create") == []
+    assert nothing_left(work)
