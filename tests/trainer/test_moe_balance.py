@@ -239,16 +239,22 @@ def restored_state(output_dir, step):
 
 
 def test_bias_balancing_evens_the_load_of_a_real_run(tmp_path):
-    """256 states, 16 successors, E=16, k=2, dropless, 300 steps: max/mean load (mean of the last 20
-    steps, every MoE layer) <= 1.3 with rate 1e-3, clearly below the same run at rate 0."""
-    data = ["data.synthetic_vocab=256", "data.synthetic_branching=16", "optim.decay_steps=300"]
+    """256 states, 16 successors, E=16, k=2, dropless, 150 steps: max/mean load (mean of the last 20
+    steps, every MoE layer) <= 1.3 with rate 1e-3, clearly below the same run at rate 0.
+
+    150 steps rather than 300: the bias has settled by then (measured 1.18 and 1.16 at rate 1e-3 against
+    1.46 and 1.48 at rate 0, as 300 steps gave 1.19 against 1.49), so both bounds keep the margins they
+    had; at 100 steps the gap (0.23) is under the 0.25 asserted, so the second bound still fails a bias
+    that balances too slowly."""
+    steps = 150
+    data = ["data.synthetic_vocab=256", "data.synthetic_branching=16", f"optim.decay_steps={steps}"]
     ends = {}
     for rate in (1e-3, 0.0):
-        rows = train(tmp_path, f"rate{rate}", 300, BIAS_RUN + data + [f"moe.bias_rate={rate}"])
+        rows = train(tmp_path, f"rate{rate}", steps, BIAS_RUN + data + [f"moe.bias_rate={rate}"])
         ends[rate] = [np.mean([r[f"moe.{i}.load_max_over_mean"] for r in rows[-20:]]) for i in (0, 1)]
         assert rows[-1]["aux_loss"] == 0.0  # balance: bias has no auxiliary loss
     assert max(ends[1e-3]) <= 1.3, ends
-    assert max(ends[1e-3]) < max(ends[0.0]) - 0.25, ends  # measured: 1.19 against 1.49 (float rounding moves it)
+    assert max(ends[1e-3]) < max(ends[0.0]) - 0.25, ends  # measured: 1.18 against 1.48 (float rounding moves it)
 
 
 def test_forty_steps_equal_twenty_a_restore_and_twenty(tmp_path):
