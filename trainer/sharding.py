@@ -32,6 +32,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": None,
     "mlp": "model",
     "vocab": None,
+    # The vocabulary when `train.shard_vocab` is set: the model names its vocabulary axis so (vocab_axis),
+    # and every reader of the rules (parameters, optimiser state, serving, the planner) follows.
+    "sharded_vocab": "model",
     "heads": "model",
     "kv_heads": "model",
     "kv": None,
@@ -80,6 +83,11 @@ def param_specs(variables: Mapping[str, nnx.Variable], mesh: Mesh, fsdp: bool = 
             raise ValueError(f"param {name}: logical names {names} do not match shape {shape}")
         specs[name] = P() if names is None else logical_to_spec(names, shape, mesh, fsdp)
     return specs
+
+
+def vocab_axis(shard_vocab: bool) -> str:
+    """The logical name of the vocabulary axis: split over `model` with `train.shard_vocab`, else whole."""
+    return "sharded_vocab" if shard_vocab else "vocab"
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

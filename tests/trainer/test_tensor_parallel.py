@@ -5,8 +5,8 @@ test_moe_parallel.py: a relative 1e-5 on every step's loss over 20 steps; measur
 a learning rate that decays within the run so that Adam does not amplify last-bit differences) and
 resumes bit-exactly; it splits the expert weights T ways, and its compiled step holds the collectives
 tensor parallelism implies. The matrix is every mesh of issue 34 (the three with `model` and
-data=2,expert=4) x capacity and dropless x `tiny` and `deepseek-tiny`, plus the dense FFN; one layer
-each.
+data=2,expert=4) x capacity and dropless x `tiny` and `deepseek-tiny`, plus the dense FFN and the
+vocabulary split over `model` (untied and tied head); one layer each.
 
 Compiling dominates, so each case compiles its train step once (the same program the collective and
 memory tests below read) and does everything with it: 20 steps, the state at step 10 kept, then steps
@@ -47,9 +47,13 @@ MODES = {
     "dense": ["model.moe_every=0"],  # the dense FFN's tensor parallelism
 }
 MESHES = ["data=2,model=4", "expert=2,model=4", "data=2,expert=2,model=2", "data=2,expert=4"]
-# (config, mode, mesh, overrides...): the done-when matrix, and the dense FFN.
+# (config, mode, mesh, overrides...): the done-when matrix, the dense FFN, and the vocabulary split over
+# `model` (train.shard_vocab) with an untied head and with the head tied to the embedding.
 CASES = [(name, mode, mesh) for name in ("tiny", "deepseek-tiny") for mode in ("capacity", "dropless")
-         for mesh in MESHES] + [("tiny", "dense", "data=2,model=4")]
+         for mesh in MESHES] + [("tiny", "dense", "data=2,model=4"),
+                                ("tiny", "dense", "data=2,model=4", "train.shard_vocab=true"),
+                                ("tiny", "dense", "expert=2,model=4", "train.shard_vocab=true",
+                                 "model.tie_embeddings=true")]
 
 
 def shape_of(text: str) -> dict[str, int]:
@@ -220,6 +224,26 @@ def test_expert_weight_memory_per_device_falls_by_the_model_axis():
     dense = {n: s.spec for n, s in trainer("tiny", "dense", "data=2,model=4").state_shardings["params"].items()}
     assert dense["blocks.0.ffn.w_in"] == dense["blocks.0.ffn.w_gate"] == jax.sharding.PartitionSpec(None, "model")
     assert dense["blocks.0.ffn.w_out"] == jax.sharding.PartitionSpec("model", None)
+
+
+def test_the_vocabulary_is_split_over_model_only_when_asked():
+    """train.shard_vocab: the embedding's rows and the untied head's columns over `model` (Adam's moments
+    too); without it both stay whole. That it trains as one device does is a case of the matrix above."""
+    P = jax.sharding.PartitionSpec
+    split = trainer("tiny", "dense", "data=2,model=4", "train.shard_vocab=true")
+    specs = {n: s.spec for n, s in split.state_shardings["params"].items()}
+    assert (specs["embed"], specs["head"]) == (P("model", None), P(None, "model"))
+    mu = [m for m in jax.tree.leaves(split.state_shardings["opt_state"], is_leaf=lambda x: isinstance(x, dict)
+                                     and "embed" in x) if isinstance(m, dict)]
+    assert mu and all(m["embed"].spec == P("model", None) for m in mu)
+    whole = trainer("tiny", "dense", "data=2,model=4").state_shardings["params"]
+    assert (whole["embed"].spec, whole["head"].spec) == (P(None, None), P(None, None))
+    tied = trainer("tiny", "dense", "expert=2,model=4", "train.shard_vocab=true", "model.tie_embeddings=true")
+    assert tied.state_shardings["params"]["embed"].spec == P("model", None)
+    assert "head" not in tied.state_shardings["params"]
+    assert config_problems(load_config("tiny", ["train.shard_vocab=true", "model.vocab_size=250"]),
+                           {"data": 2, "expert": 1, "model": 4}) == [
+        "model.vocab_size (250) must be divisible by the mesh's model axis (4) to split it (train.shard_vocab)"]
 
 
 @pytest.mark.parametrize("model, kv_heads, split", [(4, 2, False), (2, 2, True), (4, 4, True)])
