@@ -41,8 +41,11 @@ STEPS, RESUME_AT = 20, 10
 COMMON = ["model.num_layers=1", "data.global_batch_size=8", "data.seq_len=32", f"optim.decay_steps={STEPS}",
           "optim.warmup_steps=1", "train.checkpoint_every=100"]
 MODES = {
-    # Capacity counted in 8 routing groups everywhere, so that every mesh drops the same assignments.
-    "capacity": ["moe.capacity_factor=2.0", "moe.routing_groups=8"],
+    # Capacity counted in 8 routing groups everywhere, so that every mesh drops the same assignments. Which
+    # ones is a discrete choice that a last-bit difference can flip where two router scores nearly tie
+    # (seed 0 has one on data=2,expert=2,model=2 at step 2: same drop count, another token dropped, the
+    # loss 1e-4 apart from then on); seed 1 has none within these 20 steps.
+    "capacity": ["moe.capacity_factor=2.0", "moe.routing_groups=8", "train.seed=1"],
     "dropless": ["moe.capacity_factor=0"],
     "dense": ["model.moe_every=0"],  # the dense FFN's tensor parallelism
 }
@@ -337,8 +340,8 @@ def test_the_compiled_step_exchanges_over_expert_and_reduces_over_model():
     exchange's all_to_alls run over `expert` alone (2 forward, 2 backward), the tensor-parallel
     all-reduces over `model`, and nothing gathers weights. Over `model`, forward: attention's output
     and the experts' summed outputs, one [tokens, D] each; backward: the experts' input gradient (with
-    the gates': [tokens, k]) and attention's, which XLA reduces per projection (q, k, v: three
-    [tokens, D] in one collective) rather than once on their sum."""
+    the gates': [tokens, k]) and attention's, once for q, k and v together (one fused product,
+    trainer/layers.py; three separate ones had XLA reduce three [tokens, D])."""
     found = step_collectives(trainer("tiny", "capacity", "expert=2,model=4"))
     row_exchanges = [axes for kind, axes, _ in found if kind == "all-to-all"]
     assert row_exchanges == [("expert",)] * 4, found
@@ -347,9 +350,9 @@ def test_the_compiled_step_exchanges_over_expert_and_reduces_over_model():
     tokens, d_model = 8 // 2 * 32, 64  # this device's rows x sequence, the model width
     activation = tokens * d_model * 4
     assert over_model[:2] == [activation, activation], over_model  # the forward pass
-    assert len(over_model) <= 5, over_model
+    assert len(over_model) == 4, over_model
     # The gates' gradient and the gradient norm's partial sums (scalars) ride along: under 1% here.
-    assert 6 * activation <= sum(over_model) <= 1.01 * 6 * activation, over_model
+    assert 4 * activation <= sum(over_model) <= 1.01 * 4 * activation, over_model
     assert not [a for kind, a, _ in found if kind == "all-reduce" and "model" in a and len(a) > 1], found
     # The planner's figure (provision/planner/estimates.py) within 10% of what the compiled step reduces.
     from provision import planner
