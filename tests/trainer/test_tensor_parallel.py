@@ -377,6 +377,23 @@ def test_the_planners_memory_per_chip_is_within_25_percent_of_xlas():
     assert abs(estimate - peak) <= 0.25 * peak, (estimate, peak)
 
 
+def test_the_planners_memory_per_chip_for_moe_1b_on_a_model_axis_is_within_25_percent_of_xlas():
+    """moe-1b (bfloat16, 32k vocabulary, 1024 x 1024 tokens a step) on expert=2,model=4, compiled ahead
+    of time from abstract inputs (nothing allocated), two of its twelve layers (one dense, one MoE:
+    each kind, in a sixth of the compile). Measured: 0.93x XLA's peak here; all twelve layers 0.86x
+    (12.1 GiB against 14.1 GiB: `python benchmarks/planner_memory.py moe-1b expert=2,model=4 --fast`)."""
+    from provision import catalogue, planner
+
+    cfg = load_config("moe-1b", ["model.num_layers=2"])
+    tr = build_trainer(cfg, sharding.make_mesh({"data": 1, "expert": 2, "model": 4}, jax.devices()[:8]), 100)
+    stats = compiled(tr).memory_analysis()
+    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes)
+    estimate = planner.memory_per_chip(param_inventory(cfg), cfg, planner.Mesh(1, 2, model=4),
+                                       catalogue.accelerator("v5litepod-8")).total
+    assert abs(estimate - peak) <= 0.25 * peak, (estimate, peak)
+
+
 def test_model_axis_problems_name_each_number_to_change():
     from trainer.meshspec import model_axis_problems
 
