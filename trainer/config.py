@@ -134,6 +134,8 @@ class TrainConfig(Section):
     checkpoint_every: Positive = 100
     keep_checkpoints: Positive = 3
     fsdp: Flag = False  # shard the non-expert weights' embed axis over the data axis
+    # split the vocabulary (embedding rows, the head's columns, the logits) over the mesh's model axis
+    shard_vocab: Flag = False
     eval_every: NonNegative = 0  # evaluate every N steps (and at the last step); 0: never
     eval_batches: Positive = 4  # global batches per evaluation (the same ones every time)
     profile_steps: tuple[Integer, Integer] | None = None  # [A, B]: a jax profiler trace of steps A..B (1-based)

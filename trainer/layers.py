@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.sharding import constrain
+from trainer.sharding import constrain, model_ways
 
 lecun = nnx.initializers.lecun_normal()
 
@@ -63,10 +63,7 @@ class Attention(nnx.Module):
         """The attention output [B, L, D]; with `cache` (trainer.serve.kvcache.LayerCache) the L tokens
         sit at the cache's start positions, their keys and values go into it, they attend to every cached
         position up to their own, and the call returns (output, cache)."""
-        x = x_BxLxD.astype(self.dtype)
-        q_BxLxNxH = jnp.einsum("bld,dnh->blnh", x, self.wq[...].astype(self.dtype))
-        k_BxLxKxH = jnp.einsum("bld,dkh->blkh", x, self.wk[...].astype(self.dtype))
-        v_BxLxKxH = jnp.einsum("bld,dkh->blkh", x, self.wv[...].astype(self.dtype))
+        q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._project(x_BxLxD.astype(self.dtype))
         offset = 0 if cache is None else cache.starts_B
         # Tensor parallelism: heads split over `model` (KV heads replicated when fewer); trainer/sharding.py.
         q_BxLxNxH = constrain(rotary(q_BxLxNxH, self.rope_theta, offset), ("batch", "length", "heads", "kv"))
@@ -80,6 +77,25 @@ class Attention(nnx.Module):
                                                      v_BxSxKxH.astype(self.dtype), mask=mask_Bx1xLxS)
         out_BxLxD = jnp.einsum("blnh,nhd->bld", o_BxLxNxH, self.wo[...].astype(self.dtype))
         return out_BxLxD if cache is None else (out_BxLxD, cache)
+
+    def _project(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k and v. Split over `model` (T devices, KV heads too), as one product with the three weights
+        side by side in each device's T-th: the backward pass then sums the input's gradient over
+        `model` once, not once per projection. The concatenation is each device's own slices, so it moves
+        nothing; the parameters stay three (checkpoints are unchanged)."""
+        wq_DxNxH, wk_DxKxH, wv_DxKxH = (w[...].astype(self.dtype) for w in (self.wq, self.wk, self.wv))
+        (d_model, heads, size), kv_heads, ways = wq_DxNxH.shape, wk_DxKxH.shape[1], model_ways()
+        if ways == 1 or heads % ways or kv_heads % ways:  # one device's whole heads, or KV replicated
+            return (jnp.einsum("bld,dnh->blnh", x_BxLxD, wq_DxNxH), jnp.einsum("bld,dkh->blkh", x_BxLxD, wk_DxKxH),
+                    jnp.einsum("bld,dkh->blkh", x_BxLxD, wv_DxKxH))
+        per_device = lambda w: w.reshape(d_model, ways, w.shape[1] // ways, size)  # noqa: E731
+        w_DxTxFxH = constrain(jnp.concatenate([per_device(wq_DxNxH), per_device(wk_DxKxH), per_device(wv_DxKxH)],
+                                              axis=2), ("embed", "heads", None, "kv"))
+        qkv_BxLxTxFxH = jnp.einsum("bld,dtfh->bltfh", x_BxLxD, w_DxTxFxH)
+        batch, length = x_BxLxD.shape[:2]
+        q, kv = heads // ways, kv_heads // ways
+        parts = (qkv_BxLxTxFxH[..., :q, :], qkv_BxLxTxFxH[..., q:q + kv, :], qkv_BxLxTxFxH[..., q + kv:, :])
+        return tuple(p.reshape(batch, length, -1, size) for p in parts)
 
 
 class DenseFFN(nnx.Module):

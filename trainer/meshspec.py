@@ -64,12 +64,14 @@ def mesh_size(text: str | None) -> int | None:
 
 
 def model_axis_problems(model: int, *, num_heads: int, kv_heads: int, dense_d_ff: int | None,
-                        expert_d_ff: int | None, shared_d_ff: int | None = None) -> list[str]:
+                        expert_d_ff: int | None, shared_d_ff: int | None = None,
+                        sharded_vocab: int | None = None) -> list[str]:
     """What a `model` axis of this size cannot split, one message each naming the number to change.
 
     Attention's heads are split over `model`; KV heads too when `model` divides them, and replicated
     when they are fewer and divide `model` (each device's query heads then share one KV head). The
-    FFNs' hidden sizes (None: the model has no such FFN) are split over `model`."""
+    FFNs' hidden sizes (None: the model has no such FFN) are split over `model`, and the vocabulary
+    when `train.shard_vocab` asks for it (sharded_vocab: its size; None: kept whole)."""
     if model <= 1:
         return []
     found = []
@@ -81,6 +83,9 @@ def model_axis_problems(model: int, *, num_heads: int, kv_heads: int, dense_d_ff
                                                                                shared_d_ff)):
         if size is not None and size % model:
             found.append(f"{key} ({size}) must be divisible by the mesh's model axis ({model})")
+    if sharded_vocab is not None and sharded_vocab % model:
+        found.append(f"model.vocab_size ({sharded_vocab}) must be divisible by the mesh's model axis ({model}) "
+                     "to split it (train.shard_vocab)")
     return found
 
 
@@ -107,4 +112,5 @@ def tensor_problems(cfg, model: int) -> list[str]:
     shared = moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff) if has_moe and moe.num_shared_experts else None
     return model_axis_problems(
         model, num_heads=m.num_heads, kv_heads=m.kv_heads, dense_d_ff=m.d_ff if m.num_moe_layers < m.num_layers
-        else None, expert_d_ff=moe.d_ff if has_moe else None, shared_d_ff=shared)
+        else None, expert_d_ff=moe.d_ff if has_moe else None, shared_d_ff=shared,
+        sharded_vocab=m.vocab_size if cfg.train.shard_vocab else None)

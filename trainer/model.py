@@ -58,12 +58,13 @@ class Transformer(nnx.Module):
         self.mesh = mesh
         self.remat = m.remat
         self.num_experts = cfg.moe.num_experts
+        self.vocab = sharding.vocab_axis(cfg.train.shard_vocab)
         self.embed = named_param(rngs, nnx.initializers.normal(1.0), (m.vocab_size, m.d_model),
-                                 ("vocab", "embed"), pdtype)
+                                 (self.vocab, "embed"), pdtype)
         self.blocks = nnx.List([Block(cfg, i, mesh=mesh, rngs=rngs) for i in range(m.num_layers)])
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=self.dtype, param_dtype=pdtype, rngs=rngs)
         self.head = None if m.tie_embeddings else named_param(
-            rngs, lecun, (m.d_model, m.vocab_size), ("embed", "vocab"), pdtype)
+            rngs, lecun, (m.d_model, m.vocab_size), ("embed", self.vocab), pdtype)
 
     def __call__(self, tokens_BxL: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict]:
         with sharding.logical_mesh(self.mesh):  # where the layers' `sharding.constrain` lays activations out
@@ -100,7 +101,11 @@ class Transformer(nnx.Module):
             w_DxV = self.embed[...].T * (self.embed.shape[-1] ** -0.5)
         else:
             w_DxV = self.head[...]
-        return jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype), preferred_element_type=jnp.float32)
+        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype),
+                                  preferred_element_type=jnp.float32)
+        if self.vocab == "vocab":  # whole: XLA lays the logits out as their batch
+            return logits_BxLxV
+        return sharding.constrain(logits_BxLxV, ("batch", "length", self.vocab))
 
     def _constrain(self, x_BxLxD: jax.Array) -> jax.Array:
         spec = sharding.activation_spec(self.mesh)

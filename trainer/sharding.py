@@ -6,7 +6,9 @@ and expert, and with FSDP the `embed` axis over `data`. Tensor parallelism (Mega
 axis: the FFNs' hidden dimension (dense and each expert's) and attention's heads and KV heads (replicated
 when fewer than the axis). Activations between layers are whole on `model`; inside a layer its hidden
 activations are split there (`constrain`), so XLA gathers nothing before the column-parallel products and
-all-reduces the row-parallel products' partial sums.
+all-reduces the row-parallel products' partial sums. Attention's q, k and v are one product on `model`
+(trainer/layers.py), so that the backward pass all-reduces its input gradient once. With
+`train.shard_vocab` the vocabulary goes over `model` too (`vocab_axis`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": None,
     "mlp": "model",
     "vocab": None,
+    # The vocabulary when `train.shard_vocab` is set: the model names its vocabulary axis so (vocab_axis),
+    # and every reader of the rules (parameters, optimiser state, serving, the planner) follows.
+    "sharded_vocab": "model",
     "heads": "model",
     "kv_heads": "model",
     "kv": None,
@@ -82,6 +87,11 @@ def param_specs(variables: Mapping[str, nnx.Variable], mesh: Mesh, fsdp: bool = 
     return specs
 
 
+def vocab_axis(shard_vocab: bool) -> str:
+    """The logical name of the vocabulary axis: split over `model` with `train.shard_vocab`, else whole."""
+    return "sharded_vocab" if shard_vocab else "vocab"
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch rows over data and expert (the MoE block's shard_map expects this), sequence whole."""
     return NamedSharding(mesh, P(BATCH_AXES, None))
@@ -107,6 +117,12 @@ def logical_mesh(mesh: Mesh | None):
         yield
     finally:
         _MESH.reset(token)
+
+
+def model_ways() -> int:
+    """The size of the current `logical_mesh`'s model axis (1 without one)."""
+    mesh = _MESH.get()
+    return 1 if mesh is None else dict(mesh.shape).get("model", 1)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

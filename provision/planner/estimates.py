@@ -272,21 +272,23 @@ def tensor_parallel_bytes(cfg: trainer_config.Config, layout: Layout) -> float:
     """Bytes one chip all-reduces over the `model` axis per step (the payload, as the compiled step's
     all-reduces hold it; a ring moves 2 (T - 1) / T of it in and out). Per layer, forward: attention's
     output and the FFN's, one [tokens, D] each (the MoE block's in float32: its partial sums of the
-    combined tokens; shared experts one more); backward: attention's input gradient once per projection
-    (q, k, v: XLA reduces them separately), the dense FFN's once per input projection (2), the MoE
-    block's input gradient and its gates' [tokens, k] float32. Under remat the forward's twice."""
+    combined tokens; shared experts one more); backward: attention's input gradient once (q, k and v are
+    one product when `model` splits the KV heads too; three when they are replicated), the dense FFN's
+    once per input projection (2), the MoE block's input gradient and its gates' [tokens, k] float32.
+    Under remat the forward's twice."""
     if layout.model <= 1:
         return 0.0
     m, e, c = cfg.model, cfg.moe, _bytes(cfg.dtype)
     rows = layout.tokens * m.d_model
+    attention = (1 if m.kv_heads % layout.model == 0 else 3) * rows * c
     total = 0.0
     for i in range(m.num_layers):
         if m.is_moe_layer(i):
             shared = rows * c if e.num_shared_experts else 0
             forward = rows * c + rows * 4 + shared
-            backward = 3 * rows * c + rows * c + layout.tokens * e.top_k * 4 + 2 * shared
+            backward = attention + rows * c + layout.tokens * e.top_k * 4 + 2 * shared
         else:
-            forward, backward = 2 * rows * c, 3 * rows * c + 2 * rows * c
+            forward, backward = 2 * rows * c, attention + 2 * rows * c
         total += forward * (2 if m.remat else 1) + backward
     return total
 

@@ -33,16 +33,19 @@ def test_param_bytes_per_chip_with_a_model_axis_by_hand():
 
 def test_tensor_parallel_bytes_by_hand():
     """tiny with a dense layer then an MoE layer, 512 tokens per chip (16 rows over data x expert = 2, 64
-    positions), D = 64, float32. Dense: forward 2 x [512, 64] (attention, FFN), backward 3 (q, k, v) + 2
-    (the FFN's two input projections). MoE: forward attention and the float32 expert sum, backward 3 + the
-    experts' input gradient + the gates' [512, 2]."""
+    positions), D = 64, float32. Dense: forward 2 x [512, 64] (attention, FFN), backward 1 (q, k, v in one
+    product) + 2 (the FFN's two input projections). MoE: forward attention and the float32 expert sum,
+    backward 1 + the experts' input gradient + the gates' [512, 2]. With KV heads replicated (2 on
+    model=4) attention's projections are three products, reduced one by one: 3 instead of 1."""
     cfg = load_config("tiny", ["model.moe_every=2"])
     layout = planner.chip_layout(cfg, planner.Mesh(1, 2, model=4))
     assert layout.tokens == 512 and layout.model == 4
     rows = 512 * 64 * 4
-    assert planner.tensor_parallel_bytes(cfg, layout) == 7 * rows + 6 * rows + 512 * 2 * 4
+    assert planner.tensor_parallel_bytes(cfg, layout) == 5 * rows + 4 * rows + 512 * 2 * 4
     remat = load_config("tiny", ["model.moe_every=2", "model.remat=true"])
-    assert planner.tensor_parallel_bytes(remat, layout) == 7 * rows + 6 * rows + 512 * 2 * 4 + 4 * rows
+    assert planner.tensor_parallel_bytes(remat, layout) == 5 * rows + 4 * rows + 512 * 2 * 4 + 4 * rows
+    replicated_kv = load_config("tiny", ["model.moe_every=2", "model.num_kv_heads=2"])
+    assert planner.tensor_parallel_bytes(replicated_kv, layout) == 7 * rows + 6 * rows + 512 * 2 * 4
     assert planner.tensor_parallel_bytes(cfg, planner.chip_layout(cfg, planner.Mesh(4, 2))) == 0
 
 
