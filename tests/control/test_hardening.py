@@ -352,6 +352,7 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
     os.pwrite(fd, b"0" * store.TOKEN_BYTES + b"4242\n", 0)
     fcntl.flock(fd, fcntl.LOCK_EX)  # what a suspended `moe-tpu` holds mid-transaction
     monkeypatch.setattr(store, "LOCK_WAIT_S", 2.0)
+    monkeypatch.setattr(store, "LOCK_NOTICE_S", 0.5)
     try:
         code, out, err = invoke("--dry-run", "slice", "status")
     finally:
