@@ -78,7 +78,7 @@ def _jax_started() -> bool:
 @click.option("--resume", type=click.Choice(["auto", "never"]), default="auto", show_default=True,
               help="auto: continue from the latest checkpoint in --output-dir.")
 @click.option("--metrics", "metrics_path", default=None, metavar="FILE",
-              help="Write JSON-lines metrics here [stdout].")
+              help="Write JSON-lines metrics here; - for stdout [stdout, unless it is a terminal].")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help=f"Seed for parameters and data, 0 to {MAX_SEED} [config].")
 @click.option("--profile-steps", default=None, metavar="A:B",
@@ -149,7 +149,7 @@ def _check_path(path: str | None, param_hint: str, writes: bool) -> None:
     write to (/dev/null; a full /dev/full fails at its first write, with a message)."""
     import stat
 
-    if not path or "://" in path:
+    if not path or "://" in path or path == "-":  # `--metrics -`: stdout
         return
     try:
         mode = os.stat(path).st_mode

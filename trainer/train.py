@@ -384,6 +384,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             if ckpt is not None and step % cfg.train.checkpoint_every == 0:
                 ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, data), force=True)
                 saved = step
+                reporter.checkpointed(step)
     finally:
         profiler.close()
     if ckpt is not None:
