@@ -144,7 +144,7 @@ class Reporter:
             self._own = self.out = open(self.metrics_path, "a", buffering=1)
         elif is_writer:
             out = stdout or sys.stdout
-            self.out = out if metrics_path == STDOUT or stdout is not None or not _terminal(out) else None
+            self.out = out if metrics_path == STDOUT or not _terminal(out) else None
         self.log = None
         path = metrics_log_path(output_dir) if output_dir else None
         same = path and self.metrics_path and not is_remote(path) and os.path.abspath(self.metrics_path) == path
