@@ -46,6 +46,7 @@ class RunSpec:
     metrics_path: str | None = None
     profile_steps: tuple[int, int] | None = None
     num_devices: int | None = None  # use the first N devices (None: all)
+    allow_data_change: bool = False  # resume on data whose fingerprint is not the checkpoint's (trainer/resume.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,10 +303,11 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     if latest is not None and spec.resume == "never":
         raise ConfigError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); use "
                          "--resume auto to continue, or another --output-dir")
+    same_data = True
     if latest is not None:
         saved = ckpt.saved_meta(latest)
         if saved is not None:
-            check_resumable(saved, trainer.cfg, data, spec.steps, reporter)
+            same_data = check_resumable(saved, trainer.cfg, data, spec.steps, reporter, spec.allow_data_change)
     restored = ckpt.restore_latest(trainer.abstract_state) if latest is not None else None
     init_from = trainer.cfg.train.init_from
     if restored is None:
@@ -316,7 +318,8 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     for step, why, moved_to in restored.unreadable:
         reporter.info(f"the checkpoint at step {step} ({ckpt.step_path(step)}) cannot be restored: {why}; "
                       f"moved it to {moved_to} and resumed from step {restored.step} instead")
-    data.restore(restored.data_state)
+    if same_data:  # a position in other data means nothing: that stream starts at its beginning
+        data.restore(restored.data_state)
     reporter.info(f"resumed from {ckpt.directory} at step {restored.step}")
     return restored.state
 

@@ -77,3 +77,24 @@ def test_the_progress_line_shows_eval_loss_eta_and_the_last_checkpoint(tmp_path)
     asked = _Terminal()
     Reporter("-", stdout=asked).metrics({**row, "step": 1})  # --metrics -: the rows here too
     assert json.loads(asked.getvalue())["step"] == 1
+
+
+def test_resuming_on_changed_data_is_refused_unless_allowed_and_then_the_stream_starts_over(trained_tiny, tmp_path):
+    from trainer.checkpoint import Checkpointer
+
+    run = shutil.copytree(trained_tiny.output_dir, tmp_path / "run", ignore=shutil.ignore_patterns(".lock"))
+    args = ["--steps", "121", "--output-dir", str(run), "--set", "data.synthetic_branching=2"]
+    refused = _train(tmp_path, *args)
+    assert refused.exit_code == 2, refused.output
+    assert "the data source is markov:v32:k4:" in refused.output and "markov:v32:k2:" in refused.output
+    assert "(--allow-data-change resumes the model and optimizer on the new data)" in refused.output
+    allowed = _train(tmp_path, *args, "--allow-data-change")
+    assert allowed.exit_code == 0, allowed.output
+    assert "--allow-data-change: the model and optimizer resume, the data stream starts at the beginning" \
+           in allowed.output and "resumed from" in allowed.output
+    ckpt = Checkpointer(str(run / "checkpoints"), every=100, keep=3)
+    try:
+        before, after = ckpt.saved_meta(120), ckpt.saved_meta(121)
+    finally:
+        ckpt.close()
+    assert after["source"].startswith("markov:v32:k2:") and 0 < after["position"] < before["position"]
