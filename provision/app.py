@@ -190,6 +190,10 @@ class App:
         emulator.start(host="127.0.0.1", port=0)
         if workloads is not None:
             workloads.attach(emulator)
+        else:  # no trainer of its own: its waits follow real time while another run's trainer runs here
+            from provision.emulator.local_trainer import OthersGate
+
+            emulator.clock.gate = OthersGate(self.state_dir)
         return emulator
 
     def close(self) -> None:
