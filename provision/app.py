@@ -193,7 +193,7 @@ class App:
         else:  # no trainer of its own: its waits follow real time while another run's trainer runs here
             from provision.emulator.local_trainer import OthersGate
 
-            emulator.clock.gate = OthersGate(self.state_dir)
+            emulator.clock.gate = OthersGate(self.state_dir, self.config.run if self.config is not None else None)
         return emulator
 
     def close(self) -> None:

@@ -199,13 +199,14 @@ class OthersGate:
     """The clock gate of a dry-run command that runs no trainer of its own. All commands in a directory
     share one emulated clock: while another run's trainer runs there in real time, this command's waits
     take real time too (a queue of hours waited here pauses meanwhile), or its leaps would age that run
-    by hours (its trainer's start timeout, its cost) in a few seconds."""
+    by hours (its trainer's start timeout, its cost) in a few seconds. The command's own run's trainer
+    does not count: `down` stops it anyway."""
 
-    def __init__(self, state_dir: Path) -> None:
-        self.state_dir = Path(state_dir)
+    def __init__(self, state_dir: Path, run: str | None = None) -> None:
+        self.state_dir, self.run = Path(state_dir), run
 
     def active(self) -> bool:
-        return others_training(self.state_dir)
+        return others_training(self.state_dir, self.run)
 
     def wait(self, seconds: float) -> None:
         time.sleep(min(seconds, GATE_MAX_WAIT_S))

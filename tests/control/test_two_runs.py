@@ -44,12 +44,15 @@ def test_a_gke_cluster_made_for_one_run_stays_while_another_run_has_pools_on_it(
 
 
 def test_two_runs_rehearsed_at_once_in_one_directory_each_finish_with_their_own_output(tmp_path):
-    # Two TPU VM runs started together (the cheapest target: the test above covers what GKE runs share).
+    # Two TPU VM runs started together (the cheapest target: the test above covers what GKE runs share),
+    # the second one hours in the queue (`long-queue`): the emulated clock is the directory's, and its
+    # leaps must not age the first run past its trainer's start timeout.
     steps = {"moe-a": 4, "moe-b": 6}
+    scenarios = {"moe-a": "happy", "moe-b": "long-queue"}
     configs = _configs(tmp_path, "tpu-vm", steps)
     env = {k: v for k, v in {**os.environ, **CLEAN_ENV}.items() if v is not None}
-    procs = {run: subprocess.Popen([sys.executable, "-m", "provision", "--dry-run", "--output", "json", "run",
-                                    "-c", config], cwd=tmp_path, env=env, text=True,
+    procs = {run: subprocess.Popen([sys.executable, "-m", "provision", "--dry-run", "--scenario", scenarios[run],
+                                    "--output", "json", "run", "-c", config], cwd=tmp_path, env=env, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for run, config in configs.items()}
     done = {run: proc.communicate(timeout=300) for run, proc in procs.items()}
@@ -65,3 +68,26 @@ def test_two_runs_rehearsed_at_once_in_one_directory_each_finish_with_their_own_
         rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
         assert max(row.get("step", 0) for row in rows) == steps[run]
     assert nothing_left(tmp_path)
+
+
+def test_while_another_runs_trainer_runs_here_the_emulated_clock_follows_real_time(tmp_path):
+    from provision.clock import SimClock
+    from provision.emulator.local_trainer import OthersGate, local_output_dir, trainer_record
+
+    output = local_output_dir(tmp_path / ".moe-tpu", "other")
+    output.mkdir(parents=True)
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", str(output)],
+                               stdin=subprocess.PIPE)  # a trainer of run `other`: its cmdline names its output
+    trainer_record(output).write_text(json.dumps({"pid": trainer.pid}))
+    clock = SimClock()
+    clock.gate = OthersGate(tmp_path / ".moe-tpu", run="mine")
+    try:
+        start = clock.now()
+        clock.sleep(3 * 3600)  # a queue of hours, while `other` trains: real time only
+        assert clock.now() - start < 5
+        assert not OthersGate(tmp_path / ".moe-tpu", run="other").active()  # a run's own trainer: not another's
+    finally:
+        trainer.communicate(b"")
+    start = clock.now()
+    clock.sleep(3 * 3600)  # that trainer ended: simulated time leaps again
+    assert clock.now() - start == 3 * 3600
