@@ -20,6 +20,9 @@ LOCAL_STATE_DIR = ".moe-tpu"
 LAST_CONFIG = "last-config"
 # A config is a few kilobytes; past this a file is not one (and is not read whole).
 MAX_CONFIG_BYTES = 64 * 1024 * 1024
+# Commands that only read: a look at another config (`plan -c other.yaml`) must not change which run a
+# later `down` without --config finds, so these leave .moe-tpu/last-config as it was.
+READ_ONLY_COMMANDS = frozenset({"logs", "list", "render", "plan", "validate"})
 
 
 def dry_run_commands(text: str) -> str:
@@ -57,7 +60,8 @@ class App:
     def load_config(self, path: str, check_trainer: bool = False, plan_mesh: bool = False):
         """Load and validate the config. Without `--config` and with no moe-tpu.yaml here, the
         config that the last command in this directory used is taken (so `down` after
-        `slice up -c examples/v5e-64.yaml` finds the run); each load records itself for that."""
+        `slice up -c examples/v5e-64.yaml` finds the run); each load records itself for that, except
+        in READ_ONLY_COMMANDS."""
         from provision.config import DEFAULT_CONFIG, load_config
         from provision.errors import Problem
         from provision.statefiles import echo, input_problem
@@ -74,7 +78,8 @@ class App:
         cfg = load_config(config_path, check_trainer=check_trainer, plan_mesh=plan_mesh)
         for warning in cfg.warnings():
             self.console.warn(warning)
-        self.remember_config(config_path)
+        if self.command not in READ_ONLY_COMMANDS:
+            self.remember_config(config_path)
         self.config = cfg
         return cfg
 
@@ -190,8 +195,13 @@ class App:
         emulator.start(host="127.0.0.1", port=0)
         if workloads is not None:
             workloads.attach(emulator)
-        else:  # real time passes while a model server loads and compiles, as it would in the cloud
-            emulator.clock.gate = servers
+        else:  # no trainer of its own: its waits follow real time while a model server loads and compiles
+            # here, as it would in the cloud, or while another run's trainer runs here
+            from provision.clock import AnyGate
+            from provision.emulator.local_trainer import OthersGate
+
+            others = OthersGate(self.state_dir, self.config.run if self.config is not None else None)
+            emulator.clock.gate = AnyGate(servers, others)
         return emulator
 
     def close(self) -> None:

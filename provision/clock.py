@@ -56,3 +56,19 @@ class SimClock:
     def set(self, value: float) -> None:
         with self._lock:
             self._now = max(self._now, float(value))
+
+
+class AnyGate:
+    """A SimClock gate that is open while any of its gates is: waits in real time as the first open one does."""
+
+    def __init__(self, *gates) -> None:
+        self.gates = gates
+
+    def active(self) -> bool:
+        return any(gate.active() for gate in self.gates)
+
+    def wait(self, seconds: float) -> None:
+        for gate in self.gates:
+            if gate.active():
+                gate.wait(seconds)
+                return

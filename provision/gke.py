@@ -69,11 +69,18 @@ def managed_gke(cfg, session, run: str | None = None, project: str | None = None
         kube = session.kube(cluster)
         found += [_jobset_resource(j, cfg) for j in kube.list_jobsets(cfg.gke.namespace, selector)]
         found += gke_serve.managed_objects(kube, cfg, run)
-    found += [_pool_resource(p, cfg.gke.location, path) for p in session.container.list_node_pools(path)
-              if is_managed(_labels(p), run)]
-    if is_managed(dict(cluster.resource_labels), run):
+    pools = session.container.list_node_pools(path)
+    found += [_pool_resource(p, cfg.gke.location, path) for p in pools if is_managed(_labels(p), run)]
+    # A cluster made for one run is the run's only while no other run has pools on it (see gke_down).
+    if is_managed(dict(cluster.resource_labels), run) and not (run and _other_runs(pools, run)):
         found.append(_cluster_resource(cluster, path))
     return found
+
+
+def _other_runs(pools, run: str) -> list[str]:
+    """The runs other than `run` with node pools this tool made among `pools`, sorted."""
+    return sorted({_labels(p).get(RUN_LABEL, "?") for p in pools
+                   if is_managed(_labels(p)) and _labels(p).get(RUN_LABEL) != run})
 
 
 # --- up --------------------------------------------------------------------------------------------
@@ -356,17 +363,37 @@ def gke_down(context) -> list[Resource]:
     for res in [r for r in before if r.kind == "node_pool"]:
         if _delete_pool(context, project, res.name):
             deleted.append(res)
-    cluster = next((r for r in before if r.kind == "gke_cluster"), None)
+    cluster = _unused_cluster(context, path)
     if cluster is not None:
         operation = session.container.delete_cluster(path)
         if operation is not None:
-            console.info(f"  deleting cluster {cfg.gke.cluster} (this tool created it for run {cfg.run})")
             with console.progress(f"  deleting cluster {cfg.gke.cluster}") as bar:
                 session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
                                        f"delete cluster {cfg.gke.cluster}", progress=bar)
             deleted.append(cluster)
     verify_deleted(managed_gke(cfg, session, run=cfg.run, project=project))
     return deleted
+
+
+def _unused_cluster(context, path: str) -> Resource | None:
+    """The cluster as a Resource when it is to go with the run: this tool created it (for this run, or
+    for one that has left it) and no run has node pools on it any more. Runs rehearsed side by side
+    share one cluster, so the last of them to end deletes it; the others say they keep it."""
+    cfg, session, console = context.config, context.session, context.console
+    cluster = session.container.get_cluster(path)
+    labels = dict(cluster.resource_labels) if cluster is not None else {}
+    if cluster is None or not is_managed(labels):
+        return None
+    owner = labels.get(RUN_LABEL, "?")
+    others = _other_runs(session.container.list_node_pools(path), cfg.run)
+    if others:
+        if owner == cfg.run:
+            console.info(f"  keeping cluster {cfg.gke.cluster} (this tool created it for run {owner}): run(s) "
+                         f"{', '.join(others)} still have node pools on it; the last of them to end deletes it")
+        return None
+    whose = "" if owner == cfg.run else ", which no run uses any more"
+    console.info(f"  deleting cluster {cfg.gke.cluster} (this tool created it for run {owner}{whose})")
+    return _cluster_resource(cluster, path)
 
 
 def gke_status(context) -> list[Resource]:

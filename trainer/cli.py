@@ -9,6 +9,7 @@ a checkpoint, not finished; 2 a usage or config error; 1 any other failure. The 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -77,8 +78,14 @@ def _jax_started() -> bool:
               help="Checkpoints (and profiles): a local path or gs:// [$AIP_CHECKPOINT_DIR; none].")
 @click.option("--resume", type=click.Choice(["auto", "never"]), default="auto", show_default=True,
               help="auto: continue from the latest checkpoint in --output-dir.")
+@click.option("--init-from", "init_from", default=None, metavar="DIR",
+              help="Start a fresh run from another run's latest parameters (its output or checkpoints "
+                   "directory): a fine-tune with a new optimizer and data stream [train.init_from].")
+@click.option("--allow-data-change", is_flag=True, default=False,
+              help="Resume even though the data's fingerprint is not the checkpoint's: the model and optimizer "
+                   "continue, the data stream starts at the beginning of the data now configured.")
 @click.option("--metrics", "metrics_path", default=None, metavar="FILE",
-              help="Write JSON-lines metrics here [stdout].")
+              help="Write JSON-lines metrics here; - for stdout [stdout, unless it is a terminal].")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help=f"Seed for parameters and data, 0 to {MAX_SEED} [config].")
 @click.option("--profile-steps", default=None, metavar="A:B",
@@ -88,7 +95,7 @@ def _jax_started() -> bool:
                    "process 0's) [$MOE_TPU_STATUS_FILE].")
 @click.pass_context
 def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
-                  profile_steps, status_file):
+                  profile_steps, status_file, init_from, allow_data_change):
     """Train the MoE language model (the container's entry point; runs on CPU, GPU and TPU).
 
     Exits 0 when every step is done, 143 when SIGTERM or Ctrl-C stopped it after saving a checkpoint (run
@@ -99,7 +106,7 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
         if status_file:
             _add_status_target(status, status_file, param_hint="--status-file")
         result = _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume,
-                        metrics_path, seed, profile_steps)
+                        metrics_path, seed, profile_steps, init_from, allow_data_change)
     except click.ClickException as e:
         e.message = printable(e.message)  # config values echoed in it may hold terminal escapes
         status.end(FAILED, e.exit_code, e.format_message())
@@ -119,8 +126,10 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
 
 
 def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
-           profile_steps):
+           profile_steps, init_from=None, allow_data_change=False):
     profile = parse_profile_steps(profile_steps)
+    if init_from is not None and not init_from.strip():
+        raise click.BadParameter("an empty path names no run", param_hint="--init-from")
     num_devices = None
     if devices is not None:
         if _jax_started():
@@ -134,7 +143,8 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
     if os.sep in config_name or os.path.exists(config_name):
         _check_path(config_name, "--config", writes=False)
     spec = _build_spec(config_name, overrides, steps, num_devices or devices, mesh_text, output_dir, resume,
-                       metrics_path, seed, profile, in_process=num_devices is not None)
+                       metrics_path, seed, profile, in_process=num_devices is not None, init_from=init_from)
+    spec = dataclasses.replace(spec, allow_data_change=allow_data_change)
     try:
         status.start(spec.steps)
         _save_config(spec)
@@ -149,7 +159,7 @@ def _check_path(path: str | None, param_hint: str, writes: bool) -> None:
     write to (/dev/null; a full /dev/full fails at its first write, with a message)."""
     import stat
 
-    if not path or "://" in path:
+    if not path or "://" in path or path == "-":  # `--metrics -`: stdout
         return
     try:
         mode = os.stat(path).st_mode
@@ -254,7 +264,7 @@ def _initialize_distributed() -> None:
 
 
 def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
-                profile, in_process):
+                profile, in_process, init_from=None):
     import jax
 
     from trainer import sharding
@@ -266,6 +276,8 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
         cfg = load_config(config_name, [*overrides, *extra])
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
+    if init_from is not None:  # a path as given (no YAML reading of it, as --set would do)
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": init_from})})
     available = len(jax.devices())
     if devices is not None and devices > available:
         raise click.UsageError(f"--devices {devices}: jax already runs with {available} devices")

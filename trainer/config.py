@@ -13,7 +13,7 @@ import pathlib
 import stat
 import re
 import typing
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 import pydantic
 import yaml
@@ -141,6 +141,9 @@ class TrainConfig(Section):
     profile_steps: tuple[Integer, Integer] | None = None  # [A, B]: a jax profiler trace of steps A..B (1-based)
     # in OUTPUT_DIR/profile, as --profile-steps A:B does
     tensorboard: Flag = True  # event files in OUTPUT_DIR/tensorboard (or $AIP_TENSORBOARD_LOG_DIR)
+    # A run's output (or checkpoints) directory whose latest parameters a fresh run starts from (a
+    # fine-tune: a new optimizer and data stream; trainer/init_from.py); --init-from sets it.
+    init_from: Annotated[str, Field(min_length=1)] | None = None
 
     @field_validator("profile_steps", mode="before")
     @classmethod

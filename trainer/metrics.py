@@ -112,61 +112,109 @@ class MetricsLog:
             self._flush()
 
 
+# `--metrics -`: the JSON rows on stdout even when it is a terminal.
+STDOUT = "-"
+
+
+def format_eta(seconds: float) -> str:
+    """45s, 3m05s, 2h10m: as long as a glance at a progress line needs."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 class Reporter:
+    """Metrics rows as JSON lines (to --metrics, or to stdout when it is no terminal: a terminal gets
+    the progress line instead, and `--metrics -` asks for the rows there too), and a progress line
+    with the loss, the last evaluation, the ETA and the last checkpoint on stderr."""
+
     def __init__(self, metrics_path: str | None = None, *, is_writer: bool = True,
                  stderr: IO[str] | None = None, stdout: IO[str] | None = None, output_dir: str | None = None,
-                 tensorboard: bool = False):
+                 tensorboard: bool = False, clock: Callable[[], float] = time.monotonic):
         self.is_writer = is_writer
         self.err = stderr or sys.stderr
-        self.metrics_path = metrics_path
+        self.metrics_path = metrics_path if metrics_path != STDOUT else None
+        self.clock = clock
         self._own = None
-        if not is_writer:
-            self.out = None
-        elif metrics_path:
-            self._own = self.out = open(metrics_path, "a", buffering=1)
-        else:
-            self.out = stdout or sys.stdout
+        self.out = None
+        if is_writer and self.metrics_path:
+            self._own = self.out = open(self.metrics_path, "a", buffering=1)
+        elif is_writer:
+            out = stdout or sys.stdout
+            self.out = out if metrics_path == STDOUT or not _terminal(out) else None
         self.log = None
         path = metrics_log_path(output_dir) if output_dir else None
-        same = path and metrics_path and not is_remote(path) and os.path.abspath(metrics_path) == path
+        same = path and self.metrics_path and not is_remote(path) and os.path.abspath(self.metrics_path) == path
         if is_writer and path and not same:
             try:
                 self.log = MetricsLog(path, warn=self.info)
             except StatusError:
                 self.close()
                 raise
+        if is_writer and self.out is None:
+            kept = f"kept in {path}" if path else "not kept (no --output-dir)"
+            self.info(f"metrics rows: {kept}; --metrics FILE writes them to a file, --metrics - here")
         self.events = None
         if is_writer and tensorboard:
             from trainer.tensorboard import open_writer
 
             self.events = open_writer(output_dir, True, warn=self.info)
+        self._since: tuple[float, int] | None = None  # (clock, step) at the first progress line
+        self._eval_loss: float | None = None
+        self._checkpoint: int | None = None
 
     def metrics(self, row: dict[str, Any]) -> None:
-        if self.out is None:
+        if not self.is_writer:
             return
         line = json.dumps({k: _clean(v) for k, v in row.items()}) + "\n"
-        try:
-            self.out.write(line)
-            self.out.flush()
-        except OSError as e:  # a full disk, a closed pipe: the metrics are the run's output, so it stops
-            where = self.metrics_path or "stdout"
-            raise StatusError(f"cannot write the metrics to {where}: {reason(e)}") from None
+        if self.out is not None:
+            try:
+                self.out.write(line)
+                self.out.flush()
+            except OSError as e:  # a full disk, a closed pipe: the metrics are the run's output, so it stops
+                where = self.metrics_path or "stdout"
+                raise StatusError(f"cannot write the metrics to {where}: {reason(e)}") from None
         if self.log is not None:
             self.log.write(line)
         if self.events is not None:
             self.events.write(row)
 
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of `step` was started: the progress line names the last one."""
+        self._checkpoint = step
+
     def progress(self, row: dict[str, Any], total_steps: int) -> None:
         if not self.is_writer:
             return
         parts = [f"step {row['step']}/{total_steps}", f"loss {row['loss']:.4f}"]
+        if row.get("eval_loss") is not None:
+            self._eval_loss = row["eval_loss"]
+        if self._eval_loss is not None:
+            parts.append(f"eval {self._eval_loss:.4f}")
         if row.get("entropy_floor") is not None:
             parts.append(f"floor {row['entropy_floor']:.4f}")
         parts += [f"aux {row['aux_loss']:.4f}", f"drop {row['drop_fraction']:.3f}",
                   f"{row['tokens_per_s']:,.0f} tok/s", f"{row['step_time_s'] * 1e3:.1f} ms/step"]
         if row.get("mfu") is not None:
             parts.append(f"mfu {row['mfu']:.1%}")
+        eta = self._eta(row["step"], total_steps)
+        if eta is not None:
+            parts.append(f"ETA {format_eta(eta)}")
+        if self._checkpoint is not None:
+            parts.append(f"ckpt {self._checkpoint}")
         self.info("  ".join(parts))
+
+    def _eta(self, step: int, total_steps: int) -> float | None:
+        """Seconds left at the pace since the first progress line (evaluations and saves included)."""
+        now = self.clock()
+        if self._since is None:
+            self._since = (now, step)
+            return None
+        start, first = self._since
+        return (now - start) / (step - first) * (total_steps - step) if step > first else None
 
     def info(self, message: str) -> None:
         if self.is_writer:
@@ -185,3 +233,10 @@ class Reporter:
         if getattr(self, "events", None) is not None:
             self.events.close()
             self.events = None
+
+
+def _terminal(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False

@@ -39,22 +39,38 @@ def _dataset(fingerprint: str) -> str:
     return f"the dataset with fingerprint {fingerprint}" if _content_based(fingerprint) else fingerprint
 
 
-def check_resumable(saved: dict, cfg: Config, data: DataIterator, steps: int, reporter: Reporter) -> None:
+def check_resumable(saved: dict, cfg: Config, data: DataIterator, steps: int, reporter: Reporter,
+                    allow_data_change: bool = False) -> bool:
     """Refuse (ConfigError, exit 2) to resume another model's or another data source's checkpoint, naming
-    what differs; say how a longer run changes the learning-rate schedule."""
+    what differs; say how a longer run changes the learning-rate schedule. With `allow_data_change`,
+    other data is said aloud instead of refused. Returns whether the saved data position applies (False:
+    the data changed, and its stream starts at the beginning of the data now configured)."""
     differences = [f"{key} is {value} in the checkpoint, {now} now"
                    for key, value in (saved.get("model") or {}).items()
                    if (now := model_identity(cfg).get(key, value)) != value]
     source = saved.get("source")
+    data_change = None
     if source is not None and source != data.fingerprint and not _path_based(source):
-        differences.append(f"the data is {_dataset(source)} in the checkpoint, {_dataset(data.fingerprint)} now "
-                           f"(data.path {cfg.data.path or cfg.data.source} holds other data than the checkpoints "
-                           "were trained on)" if _content_based(source) else
-                           f"the data source is {source} in the checkpoint, {data.fingerprint} now")
+        data_change = (f"the data is {_dataset(source)} in the checkpoint, {_dataset(data.fingerprint)} now "
+                       f"(data.path {cfg.data.path or cfg.data.source} holds other data than the checkpoints "
+                       "were trained on)" if _content_based(source) else
+                       f"the data source is {source} in the checkpoint, {data.fingerprint} now")
+    if data_change and not allow_data_change:
+        differences.append(data_change)
     if differences:
         raise ConfigError("the checkpoints were written by a different run: " + "; ".join(differences)
                           + ". Resuming would train another model on them; use another --output-dir "
-                            "(or --resume never in a fresh one), or set the config back")
+                            "(or --resume never in a fresh one), or set the config back"
+                          + (" (--allow-data-change resumes the model and optimizer on the new data)"
+                             if differences == [data_change] else ""))
+    if data_change:
+        reporter.info(f"note: {data_change}; --allow-data-change: the model and optimizer resume, the data "
+                      "stream starts at the beginning of the data now configured")
+    _say_schedule(saved, cfg, steps, reporter)
+    return data_change is None
+
+
+def _say_schedule(saved: dict, cfg: Config, steps: int, reporter: Reporter) -> None:
     old = saved.get("decay_steps")
     new = cfg.optim.decay_steps or steps
     if isinstance(old, int) and old != new:

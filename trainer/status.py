@@ -115,6 +115,11 @@ class RunStatus:
         self._set(state=RUNNING, step=step, loss=_finite(loss), tokens_per_s=_finite(tokens_per_s))
         self._write(throttle=True)
 
+    def initialized_from(self, source: dict[str, Any]) -> None:
+        """The checkpoint a fine-tune started from (trainer/init_from.py), kept in the record."""
+        self._set(init_from=source)
+        self._write(throttle=False)
+
     def evaluated(self, step: int, loss: float | None) -> None:
         """After an evaluation at `step` (the `running` of that step writes it)."""
         self._set(eval_loss=_finite(loss), eval_step=step)

@@ -46,6 +46,7 @@ class RunSpec:
     metrics_path: str | None = None
     profile_steps: tuple[int, int] | None = None
     num_devices: int | None = None  # use the first N devices (None: all)
+    allow_data_change: bool = False  # resume on data whose fingerprint is not the checkpoint's (trainer/resume.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +261,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
             raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
         started = time.perf_counter()
-        state = _initial_state(trainer, ckpt, data, spec, reporter)
+        state = _initial_state(trainer, ckpt, data, spec, reporter, status)
         restore_s = time.perf_counter() - started if int(jax.device_get(state["step"])) else 0.0
         evaluator = None
         if eval_data is not None:
@@ -297,24 +298,43 @@ def _already_finished(ckpt: Checkpointer, spec: RunSpec, reporter: Reporter,
 
 
 def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterator, spec: RunSpec,
-                   reporter: Reporter) -> State:
+                   reporter: Reporter, status: RunStatus) -> State:
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None and spec.resume == "never":
         raise ConfigError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); use "
                          "--resume auto to continue, or another --output-dir")
+    same_data = True
     if latest is not None:
         saved = ckpt.saved_meta(latest)
         if saved is not None:
-            check_resumable(saved, trainer.cfg, data, spec.steps, reporter)
+            same_data = check_resumable(saved, trainer.cfg, data, spec.steps, reporter, spec.allow_data_change)
     restored = ckpt.restore_latest(trainer.abstract_state) if latest is not None else None
+    init_from = trainer.cfg.train.init_from
     if restored is None:
-        return trainer.init_fn()
+        return _fresh_state(trainer, init_from, reporter, status)
+    if init_from:
+        reporter.info(f"note: train.init_from ({init_from}) is used at a run's first start only; this run "
+                      "resumes from its own checkpoints")
     for step, why, moved_to in restored.unreadable:
         reporter.info(f"the checkpoint at step {step} ({ckpt.step_path(step)}) cannot be restored: {why}; "
                       f"moved it to {moved_to} and resumed from step {restored.step} instead")
-    data.restore(restored.data_state)
+    if same_data:  # a position in other data means nothing: that stream starts at its beginning
+        data.restore(restored.data_state)
     reporter.info(f"resumed from {ckpt.directory} at step {restored.step}")
     return restored.state
+
+
+def _fresh_state(trainer: Trainer, init_from: str | None, reporter: Reporter, status: RunStatus) -> State:
+    """Step 0: a new model, or (train.init_from) another run's parameters with a fresh optimizer."""
+    if not init_from:
+        return trainer.init_fn()
+    from trainer import init_from as fine_tune
+
+    state, source = fine_tune.initial_state(trainer, init_from)
+    status.initialized_from(source.as_dict())
+    reporter.info(f"initialized from {source.as_dict()['path']} ({source.fingerprint}): its parameters only, with "
+                  "a fresh optimizer and data stream from step 0")
+    return state
 
 
 class Diverged(RuntimeError):
@@ -384,6 +404,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             if ckpt is not None and step % cfg.train.checkpoint_every == 0:
                 ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, data), force=True)
                 saved = step
+                reporter.checkpointed(step)
     finally:
         profiler.close()
     if ckpt is not None:

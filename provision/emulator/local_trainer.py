@@ -185,6 +185,33 @@ class _Workload:
         return self.placed.key
 
 
+def others_training(state_dir: Path, run: str | None = None) -> bool:
+    """Whether a dry run's trainer of a run other than `run` runs in this state directory (its record
+    names a live process)."""
+    try:
+        names = [entry.name for entry in (Path(state_dir) / RUNS_DIR).iterdir() if entry.name != run]
+    except OSError:
+        return False
+    return any(recorded_trainer(local_output_dir(state_dir, name)) is not None for name in names)
+
+
+class OthersGate:
+    """The clock gate of a dry-run command that runs no trainer of its own. All commands in a directory
+    share one emulated clock: while another run's trainer runs there in real time, this command's waits
+    take real time too (a queue of hours waited here pauses meanwhile), or its leaps would age that run
+    by hours (its trainer's start timeout, its cost) in a few seconds. The command's own run's trainer
+    does not count: `down` stops it anyway."""
+
+    def __init__(self, state_dir: Path, run: str | None = None) -> None:
+        self.state_dir, self.run = Path(state_dir), run
+
+    def active(self) -> bool:
+        return others_training(self.state_dir, self.run)
+
+    def wait(self, seconds: float) -> None:
+        time.sleep(min(seconds, GATE_MAX_WAIT_S))
+
+
 class LocalTrainer:
     """Runs the run's trainer beside an emulator started with external_workloads=True."""
 
@@ -227,11 +254,14 @@ class LocalTrainer:
 
     # --- the clock gate --------------------------------------------------------------
     def active(self) -> bool:
-        """Real time counts while the run's slice or job is up to run a trainer, or one runs. Asked
+        """Real time counts while the run's slice or job is up to run a trainer, or one runs (this run's
+        or another's in this directory). Asked
         before every sleep of the emulated clock, so it looks at the world first: a slice that just
         came up starts its trainer now, not after simulated minutes."""
         self._sync_once()
-        return self.current is not None or self.expecting
+        # Another run's trainer in this directory counts too (OthersGate): the clock is the world's.
+        return (self.current is not None or self.expecting
+                or others_training(self.output_dir.parents[2], self.cfg.run))
 
     def wait(self, seconds: float) -> None:
         """Wait in real time until the trainer reports (or ends), at most `seconds`."""

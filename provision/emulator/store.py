@@ -26,9 +26,10 @@ T = TypeVar("T")
 TOKEN_BYTES = 64
 # After the token, the lock file names the process that holds the lock (for a message to whoever waits).
 PID_BYTES = 16
-# A transaction holds the lock for milliseconds: a wait this long is a holder that is stuck (suspended
-# with Ctrl-Z, stopped in a debugger). Whoever waits hears of it at once and gives up after the bound.
-LOCK_NOTICE_S = 0.5
+# A transaction holds the lock for milliseconds, a few hundred on a machine busy with two dry runs'
+# trainers: a wait this long is a holder that is stuck (suspended with Ctrl-Z, stopped in a debugger),
+# not a run beside this one. Whoever waits hears of it then and gives up after the bound.
+LOCK_NOTICE_S = 2.0
 LOCK_WAIT_S = 60.0
 # The world is a few kilobytes per resource; a file past this is not one (and is not read whole).
 MAX_STATE_BYTES = 64 * 1024 * 1024

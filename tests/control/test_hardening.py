@@ -352,6 +352,7 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
     os.pwrite(fd, b"0" * store.TOKEN_BYTES + b"4242\n", 0)
     fcntl.flock(fd, fcntl.LOCK_EX)  # what a suspended `moe-tpu` holds mid-transaction
     monkeypatch.setattr(store, "LOCK_WAIT_S", 2.0)
+    monkeypatch.setattr(store, "LOCK_NOTICE_S", 0.5)
     try:
         code, out, err = invoke("--dry-run", "slice", "status")
     finally:
@@ -486,3 +487,16 @@ def test_a_long_bad_value_is_named_not_printed_back(workdir, changes, value):
     _no_traceback(code, err)
     key = next(iter(changes)).replace("__", ".")[:40]
     assert key in err and value * 250 not in err
+
+
+def test_commands_that_only_read_leave_the_remembered_config_as_it_was(workdir):
+    # `down` without --config after `slice up -c a.yaml` must find run a, whatever was looked at since.
+    acting = _config(workdir, name="a.yaml", run="run-a")
+    other = _config(workdir, name="b.yaml", run="run-b")
+    remembered = workdir / ".moe-tpu" / "last-config"
+    assert invoke("--dry-run", "slice", "status", "-c", str(acting))[0] == 0
+    assert remembered.read_text().strip() == str(acting.resolve())
+    for args in (["plan"], ["validate"], ["render", "--out", str(workdir / "rendered")], ["logs"], ["list"]):
+        code, _, err = invoke("--dry-run", *args, "-c", str(other))
+        assert code in (0, 1), (args, err)  # `logs` of a run that never started: exit 1, said so
+        assert remembered.read_text().strip() == str(acting.resolve()), args
