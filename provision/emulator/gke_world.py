@@ -72,7 +72,9 @@ class GkeWorld:
             return world
         world.clusters = {c["name"]: ClusterRecord(**c) for c in d["clusters"]}
         world.pools = {p["name"]: PoolRecord(**p) for p in d["pools"]}
-        world.operations = {o["name"]: ContainerOperation(**o) for o in d["operations"]}
+        # keyed as container._operation keys them (GetOperation's full name): a world reloaded from the
+        # file, as every transaction after another process's does, must still find them
+        world.operations = {f"{o['location']}/operations/{o['name']}": ContainerOperation(**o) for o in d["operations"]}
         world.first_zone = d.get("first_zone")
         world.jobsets = {f"{j['namespace']}/{j['name']}": JobSetRecord(**j) for j in d["jobsets"]}
         world.pods = {f"{p['namespace']}/{p['name']}": PodRecord(**p) for p in d["pods"]}

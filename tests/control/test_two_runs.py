@@ -91,3 +91,16 @@ def test_while_another_runs_trainer_runs_here_the_emulated_clock_follows_real_ti
     start = clock.now()
     clock.sleep(3 * 3600)  # that trainer ended: simulated time leaps again
     assert clock.now() - start == 3 * 3600
+
+
+def test_a_container_operation_is_found_after_the_world_is_reloaded_from_its_file():
+    # Two commands share the world through its file: each transaction after the other's reloads it,
+    # and a node pool's operation must still answer GetOperation (it answered NOT_FOUND).
+    from provision.emulator.container import _operation
+    from provision.emulator.gke_world import GkeWorld
+
+    gke = GkeWorld()
+    location = "projects/p/locations/us-west4"
+    op = _operation(gke, location, "CREATE_NODE_POOL", f"{location}/clusters/c/nodePools/x", 0.0, 60.0)
+    reloaded = GkeWorld.from_json(json.loads(json.dumps(gke.to_json())))
+    assert reloaded.operations.keys() == gke.operations.keys() == {f"{location}/operations/{op.name}"}
