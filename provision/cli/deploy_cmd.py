@@ -55,7 +55,7 @@ def deploy(app, config_path: str, keep: bool) -> None:
 
         raise CloudError(f"the deploy failed: {outcome.report.detail}",
                          hint="everything it made is deleted; the timeline above shows what happened")
-    smoke = _guarded(app, follower, keep, lambda: list(service.predict(dict(SMOKE_REQUEST))))
+    smoke = _guarded(app, follower, keep, lambda: _smoke(service))
     text = _text(smoke[0]) if smoke else ""
     url = outcome.report.url
     app.console.text(f"serving at {url}")
@@ -63,6 +63,17 @@ def deploy(app, config_path: str, keep: bool) -> None:
     for line in _examples(service, url):
         app.console.text(line)
     _emit(app, follower, "ok", resources, url=url, smoke={"request": SMOKE_REQUEST, "text": text})
+
+
+def _smoke(service) -> list[dict]:
+    """One request through the platform's prediction path; a refusal leaves the service up, saying so."""
+    from provision.errors import CloudError, MoeTpuError
+
+    try:
+        return list(service.predict(dict(SMOKE_REQUEST)))
+    except MoeTpuError as exc:
+        raise CloudError(f"the service is up, but its smoke request failed: {exc.message}",
+                         hint="try `moe-tpu predict --prompt ...`; `moe-tpu down` deletes it") from exc
 
 
 def _guarded(app, follower, keep: bool, body):
