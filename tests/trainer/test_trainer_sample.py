@@ -10,14 +10,16 @@ from trainer.data import make_source
 from trainer.sample import sample_command
 
 
-def test_a_trained_tiny_continues_the_source_with_allowed_transitions(trained_tiny):
-    """A seed of any size and sign is taken (this one draws as seed 1: the engine keeps its low 31 bits)."""
+def test_a_trained_tiny_continues_the_source_with_allowed_transitions(trained_tiny, monkeypatch):
+    """A seed of any size and sign is taken (this one draws as seed 1: the engine keeps its low 31 bits); the
+    checkpoint is named by a relative path, as a user types it (orbax itself takes absolute ones only)."""
     out = trained_tiny.output_dir  # 120 steps through the command line (tests/trainer/conftest.py)
     assert json.loads((out / "config.json").read_text())["name"] == "tiny"
     assert not (out / "profile").exists()  # no trace without --profile-steps
     source = make_source(load_config("tiny"), seed=0)
     prompt = source.rows(7, [0])[0][:16]
-    result = CliRunner().invoke(sample_command, ["--checkpoint", str(out), "--prompt", " ".join(map(str, prompt)),
+    monkeypatch.chdir(out.parent)
+    result = CliRunner().invoke(sample_command, ["--checkpoint", out.name, "--prompt", " ".join(map(str, prompt)),
                                                  "--tokens", "300", "--seed", str(1 - 2**100)])
     assert result.exit_code == 0, result.output
     ids = [int(t) for t in result.stdout.split()]

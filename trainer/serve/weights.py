@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 from typing import Any
 
 import jax
@@ -137,6 +138,8 @@ def _quiet_absl():
 
 
 def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
+    if "://" not in checkpoints:  # orbax takes absolute paths only; a user types a relative one
+        checkpoints = os.path.abspath(checkpoints)
     try:
         manager = ocp.CheckpointManager(checkpoints, item_handlers={"state": ocp.PyTreeCheckpointHandler()},
                                         options=ocp.CheckpointManagerOptions(read_only=True))
