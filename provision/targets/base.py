@@ -200,6 +200,15 @@ class Kind:
         return None
 
 
+def replica_problems(get: Callable[[str], Any], scaler: str) -> list[tuple[str, str]]:
+    """The serve section's replica rule, the same on every kind that serves: min_replicas <= max_replicas."""
+    low, high = get("serve.min_replicas"), get("serve.max_replicas")
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        return [("serve.max_replicas", f"max_replicas ({high}) is below min_replicas ({low}): {scaler} scales "
+                                       "between them")]
+    return []
+
+
 def last_zone_first(zones: list[str], last: str | None) -> list[str]:
     """The config's zones with the one the run last ran in first (a recovery tries it first)."""
     return [last, *(z for z in zones if z != last)] if last in zones else list(zones)

@@ -26,6 +26,7 @@ from provision.targets.base import (
     Scope,
     ServiceReport,
     last_zone_first,
+    replica_problems,
     report_from_status,
 )
 from provision.targets.vertex import startup_estimate_s  # one load-and-compile estimate for both kinds
@@ -243,10 +244,7 @@ class GkeKind(Kind):
             found.append(("serve.topology", f"topology {topology!r} {spans}: a GKE Deployment gives each replica "
                                             f"one host of {machine} ({host}); leave serve.topology unset (a "
                                             "replica over several hosts, a LeaderWorkerSet, is not built yet)"))
-        low, high = get("serve.min_replicas"), get("serve.max_replicas")
-        if isinstance(low, int) and isinstance(high, int) and low > high:
-            found.append(("serve.max_replicas", f"max_replicas ({high}) is below min_replicas ({low}): the "
-                                                "HorizontalPodAutoscaler scales between them"))
+        found += replica_problems(get, "the HorizontalPodAutoscaler")
         run = get("run")
         if isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > MAX_GKE_NAME:
             found.append(("run", f"run name {run!r} is too long to serve on GKE: the serving node pool is named "

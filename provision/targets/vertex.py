@@ -10,7 +10,17 @@ from provision import catalogue
 from provision.cloud import storage
 from provision.errors import UsageError
 from provision.resources import Resource, project_of, short
-from provision.targets.base import ENDED, STATUS_FILE, Holding, Kind, Phase, Report, Scope, report_from_status
+from provision.targets.base import (
+    ENDED,
+    STATUS_FILE,
+    Holding,
+    Kind,
+    Phase,
+    Report,
+    Scope,
+    replica_problems,
+    report_from_status,
+)
 
 PREEMPTION_MARKERS = ("preempt", "spot vm", "was reclaimed")
 
@@ -210,16 +220,15 @@ def startup_estimate_s(cfg) -> float:
 
 def serve_checks(get) -> list[tuple[str, str]]:
     """The serve section's rules for Vertex AI: replicas min <= max; one host per replica (online prediction
-    serves single-host v5e only; GKE serves a multi-host slice)."""
-    found: list[tuple[str, str]] = []
-    low, high = get("serve.min_replicas"), get("serve.max_replicas")
-    if isinstance(low, int) and isinstance(high, int) and low > high:
-        found.append(("serve.max_replicas", f"max_replicas {high} is below min_replicas {low}"))
+    serves single-host v5e only)."""
+    found = replica_problems(get, "Vertex AI's autoscaler")
     topology = get("serve.topology")
     if isinstance(topology, str) and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host:
         found.append(("serve.topology", f"Vertex AI online prediction serves single-host TPU v5e only (1x1, 2x2, "
-                                        f"2x4), not {topology} ({acc.chips} chips on several hosts); serve it on GKE "
-                                        "(`target: gke` with a gke section) or pick a single-host machine type"))
+                                        f"2x4), not {topology} ({acc.chips} chips on several hosts); a replica over "
+                                        "several hosts needs GKE with a LeaderWorkerSet, which moe-tpu does not "
+                                        "deploy yet: leave serve.topology unset, and fit the model on one host "
+                                        "(serve.machine_type ct5lp-hightpu-8t: 8 chips; serve.weights: int8)"))
     return found
 
 

@@ -193,8 +193,8 @@ def test_validate_refuses_what_vertex_ai_cannot_serve(tmp_path):
     serve["serve"] |= {"min_replicas": 3, "max_replicas": 2, "topology": "8x8"}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(serve))
     code, _, err = invoke("validate", "-c", str(tmp_path / "bad.yaml"))
-    assert code == 2 and "serve.max_replicas" in err and "below min_replicas 3" in err
-    assert "serve.topology" in err and "single-host" in err and "target: gke" in err
+    assert code == 2 and "serve.max_replicas" in err and "below min_replicas (3)" in err
+    assert "serve.topology" in err and "single-host" in err and "ct5lp-hightpu-8t" in err
 
 
 def test_deploy_and_predict_help_import_no_cloud_client_and_no_jax():
