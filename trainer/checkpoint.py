@@ -27,6 +27,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message names the step and the path."""
 
 
+@contextlib.contextmanager
+def quiet_orbax():
+    """Orbax logs a warning (through absl) for each item and option a read-only restore leaves alone; they say
+    nothing to whoever trains or serves."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def check_directory(path: str) -> str:
     """Absolute local path, or a gs:// URL once the file-system layer for it is importable."""
     if "://" not in path:

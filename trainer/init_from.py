@@ -9,16 +9,14 @@ the log) with a fingerprint of the checkpoint, so that a fine-tune says which we
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from trainer.checkpoint import CheckpointError, _reason
+from trainer.checkpoint import CheckpointError, _reason, quiet_orbax
 from trainer.config import ConfigError
 
 # A step directory's metadata and manifests (which name its data files) are a few hundred kilobytes
@@ -112,18 +110,6 @@ def _mismatch(saved, target: dict, where: str) -> str | None:
             "checkpoint of this config's model (or set the model back)")
 
 
-@contextlib.contextmanager
-def _quiet_absl():
-    """Orbax warns of each option a read-only restore leaves alone: nothing for whoever trains."""
-    log = logging.getLogger("absl")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
 def initial_state(trainer, directory: str) -> tuple[dict[str, Any], Source]:
     """(the state a fine-tune starts from, its Source): DIR's latest parameters and routing biases on
     this run's mesh, a fresh optimizer state for them, step 0. ConfigError (exit 2) naming what is
@@ -131,7 +117,7 @@ def initial_state(trainer, directory: str) -> tuple[dict[str, Any], Source]:
     import orbax.checkpoint as ocp
 
     checkpoints = checkpoints_of(directory)
-    with _quiet_absl():
+    with quiet_orbax():
         try:
             manager = ocp.CheckpointManager(checkpoints, item_handlers={
                 "state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},

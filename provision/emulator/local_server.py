@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from provision.emulator.local_trainer import compilation_cache_env
+from provision.emulator.local_trainer import compilation_cache_env, process_runs
 
 SERVERS_DIR = "servers"
 KILL_GRACE_S = 10.0
@@ -76,19 +76,7 @@ def _safe(key: str) -> str:
 
 def _alive(pid: int, port: int) -> bool:
     """Whether `pid` still runs a server on `port` (not a zombie, not a reused pid)."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    proc = Path("/proc") / str(pid)
-    if not proc.is_dir():
-        return True  # no /proc (macOS): the pid answers, take it
-    try:
-        if proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-        return str(port).encode() in proc.joinpath("cmdline").read_bytes()
-    except (OSError, IndexError):
-        return False
+    return process_runs(pid, str(port))
 
 
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -103,6 +103,12 @@ class _Adopted:
 
 def _alive(pid: int, output_dir: Path) -> bool:
     """Whether `pid` still runs this output directory's trainer (not a zombie, not a reused pid)."""
+    return process_runs(pid, str(output_dir))
+
+
+def process_runs(pid: int, marker: str) -> bool:
+    """Whether `pid` is alive, ours, not a zombie, and has `marker` in its command line (so a pid reused by
+    another process does not pass for the one recorded)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -115,7 +121,7 @@ def _alive(pid: int, output_dir: Path) -> bool:
     try:
         if proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
             return False
-        return str(output_dir).encode() in proc.joinpath("cmdline").read_bytes()
+        return marker.encode() in proc.joinpath("cmdline").read_bytes()
     except (OSError, IndexError):
         return False
 

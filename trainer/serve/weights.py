@@ -7,9 +7,7 @@ A checkpoint holds {"step", "params", "opt_state", "moe_bias"?}; serving reads "
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import logging
 import math
 import os
 from typing import Any
@@ -118,23 +116,10 @@ def restore_weights(model: ServingModel, checkpoints: str) -> tuple[dict[str, An
     optimizer state in the checkpoint is not read. Raises WeightsError naming what is wrong."""
     import orbax.checkpoint as ocp
 
-    from trainer.checkpoint import _reason
+    from trainer.checkpoint import _reason, quiet_orbax
 
-    with _quiet_absl():
+    with quiet_orbax():
         return _restore(ocp, _reason, model, checkpoints)
-
-
-@contextlib.contextmanager
-def _quiet_absl():
-    """Orbax logs a warning for each item and option a read-only restore leaves alone; they say nothing
-    to whoever serves."""
-    log = logging.getLogger("absl")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
