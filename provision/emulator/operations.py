@@ -44,6 +44,18 @@ SERVING_VERBS = ("upload_model", "create_endpoint", "deploy", "undeploy")
 VIEWS: dict[str, Callable[[Operation, float], operations_pb2.Operation]] = {"tpu": _tpu_view, "vertex": _vertex_view}
 
 
+def _vertex_settle(call: rpc.Call, op: Operation) -> None:
+    if op.verb == "deploy":  # a deploy ends when its model server answers its health route, not at a time
+        from provision.emulator import vertex_serving
+
+        vertex_serving.settle(call)
+
+
+# world.Operation.service -> what brings its unfinished operation up to now before it is shown, where the
+# operation ends on something outside the world (a model server's health) rather than at a set time.
+SETTLE: dict[str, Callable[[rpc.Call, Operation], None]] = {"vertex": _vertex_settle}
+
+
 def view(op: Operation, now: float) -> operations_pb2.Operation:
     """The operation as google.longrunning.Operation at `now`, as its service shows it."""
     return VIEWS[op.service](op, now)
@@ -61,10 +73,8 @@ def _operation(call: rpc.Call, name: str) -> Operation:
 
 def GetOperation(call: rpc.Call, req: operations_pb2.GetOperationRequest):
     op = _operation(call, req.name)
-    if op.service == "vertex" and op.verb == "deploy" and not op.done(call.now):
-        from provision.emulator import vertex_serving  # a deploy ends when its model server is ready
-
-        vertex_serving.settle(call)
+    if not op.done(call.now) and (settle := SETTLE.get(op.service)) is not None:
+        settle(call, op)
     return view(op, call.now)
 
 
