@@ -39,9 +39,6 @@ def check_no_crash(args, stdout: str, stderr: str) -> None:
                                                           f"{text!r}:\n{stderr[-4000:]}"
 
 
-FAST_COMPILE = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # XLA compiles without most optimisations
-
-
 def invoke(*args: str, env: dict[str, str | None] | None = None) -> tuple[int, str, str]:
     """`moe-tpu ARGS` in-process through the real entry point: (exit code, stdout, stderr)."""
     with CliRunner().isolation(env={**CLEAN_ENV, **(env or {})}) as (out, err, _):
@@ -114,30 +111,3 @@ def nothing_left(cwd: Path) -> bool:
     with contextlib.chdir(cwd):
         code, out, _ = invoke("--dry-run", "--output", "json", "list")
     return code == 0 and json.loads(out)["resources"] == []
-
-
-@contextlib.contextmanager
-def trained_for_serving(work: Path, serve_example: str, serve_name: str, **engine):
-    """`work` where examples/v5e-64.yaml's run trained (as small as the suite's dry runs), with the serving
-    example beside it as `serve_name` (its serve section's engine made small by `engine`). The trainer and
-    the servers compile with XLA's optimisations off (compiling dominates there); on the way out, every
-    model server the tests left (one that failed halfway) is stopped."""
-    from provision.emulator.local_server import LocalServers
-
-    train = {**yaml.safe_load(EXAMPLES["tpu-vm"].read_text()), "dry_run": SMALL}
-    serve = yaml.safe_load((ROOT / "examples" / serve_example).read_text())
-    serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], **engine}}
-    (work / "train.yaml").write_text(yaml.safe_dump(train))
-    (work / serve_name).write_text(yaml.safe_dump(serve))
-    before = os.environ.get(FAST_COMPILE)
-    os.environ[FAST_COMPILE] = "1"
-    try:
-        with contextlib.chdir(work):
-            code, _, err = invoke("--dry-run", "run", "-c", "train.yaml")
-        assert code == 0, err[-3000:]
-        yield work
-    finally:
-        servers = LocalServers(work / ".moe-tpu")
-        for key in servers.keys():
-            servers.stop(key)
-        os.environ.pop(FAST_COMPILE) if before is None else os.environ.update({FAST_COMPILE: before})

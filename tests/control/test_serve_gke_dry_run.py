@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 
 import pytest
-from cli_helpers import invoke, nothing_left, trained_for_serving
+import yaml
+from cli_helpers import EXAMPLES, ROOT, SMALL, invoke, nothing_left
 
 from provision.emulator.local_server import LocalServers
 
 PROMPT, TOKENS = "1 2 3", 6
 SERVING = ("Deployment", "Service", "PodMonitoring", "HorizontalPodAutoscaler")
+FAST = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 
 
 def moe_tpu(work, *args: str, scenario: str = "happy") -> tuple[int, dict | None, str]:
@@ -54,9 +57,23 @@ def sample(work) -> str:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """A fresh directory where examples/v5e-64.yaml's run trained, with serve-gke.yaml beside it."""
-    with trained_for_serving(tmp_path_factory.mktemp("serve-gke"), "serve-gke.yaml", "serve-gke.yaml",
-                             slots=8, max_len=64) as work:
+    work = tmp_path_factory.mktemp("serve-gke")
+    train = {**yaml.safe_load(EXAMPLES["tpu-vm"].read_text()), "dry_run": SMALL}
+    serve = yaml.safe_load((ROOT / "examples" / "serve-gke.yaml").read_text())
+    serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], "slots": 8, "max_len": 64}}
+    (work / "train.yaml").write_text(yaml.safe_dump(train))
+    (work / "serve-gke.yaml").write_text(yaml.safe_dump(serve))
+    before = os.environ.get(FAST)
+    os.environ[FAST] = "1"
+    try:
+        code, _, err = moe_tpu(work, "run", "-c", "train.yaml")
+        assert code == 0, err[-3000:]
         yield work
+    finally:
+        servers = LocalServers(work / ".moe-tpu")
+        for key in servers.keys():  # a test that failed halfway leaves no server behind
+            servers.stop(key)
+        os.environ.pop(FAST) if before is None else os.environ.update({FAST: before})
 
 
 def test_deploy_predict_down_on_gke(work):

@@ -17,9 +17,10 @@ import pytest
 import yaml
 
 from provision.emulator.local_server import LocalServers
-from tests.control.cli_helpers import CLEAN_ENV, ROOT, invoke, trained_for_serving
+from tests.control.cli_helpers import CLEAN_ENV, EXAMPLES, ROOT, SMALL, invoke, run_process
 
 PROMPT, TOKENS = "1 2 3", 8
+FAST = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 
 
 def _rpcs(doc: dict) -> list[str]:
@@ -35,10 +36,24 @@ def _in_order(names: list[str], wanted: list[str]) -> bool:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A fresh directory where examples/v5e-64.yaml's run trained (made small), with the serving config beside
-    it as serve.yaml."""
-    with trained_for_serving(tmp_path_factory.mktemp("serve-vertex"), "serve-vertex.yaml", "serve.yaml",
-                             slots=2, max_len=64) as work:
+    it. The trainer and the servers compile with XLA's optimisations off (compiling dominates here)."""
+    work = tmp_path_factory.mktemp("serve-vertex")
+    train = {**yaml.safe_load(EXAMPLES["tpu-vm"].read_text()), "dry_run": SMALL}
+    serve = yaml.safe_load((ROOT / "examples" / "serve-vertex.yaml").read_text())
+    serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], "slots": 2, "max_len": 64}}
+    (work / "train.yaml").write_text(yaml.safe_dump(train))
+    (work / "serve.yaml").write_text(yaml.safe_dump(serve))
+    before = os.environ.get(FAST)
+    os.environ[FAST] = "1"
+    try:
+        trained = run_process(["--dry-run", "run", "-c", "train.yaml"], cwd=work, timeout=300)
+        assert trained.returncode == 0, trained.stderr[-3000:]
         yield work
+    finally:
+        servers = LocalServers(work / ".moe-tpu")
+        for key in servers.keys():  # a test that failed halfway leaves no server behind
+            servers.stop(key)
+        os.environ.pop(FAST) if before is None else os.environ.update({FAST: before})
 
 
 @pytest.fixture
