@@ -33,7 +33,6 @@ from provision.emulator.gke import (
     short_hash,
     tpu_accelerator,
 )
-from provision.emulator.workloads import Placed
 
 
 class GkeWorld:
@@ -359,39 +358,3 @@ class GkeWorld:
         pod = self.pods.get(f"{namespace}/{name}")
         if pod is not None:
             pod.log_path = path
-
-
-class GkePlay:
-    """A JobSet's trainer pod (the Pathways head's trainer, or slice 0's pod 0): the trainer runs while
-    the pod is Running, with the pod's container; its log is the pod's; its exit ends the pod (the
-    JobSet follows), and a preemption takes a spot node of the JobSet's pools."""
-
-    name = "gke"
-    publishes = False
-
-    def placed(self, world, now: float, run: str) -> list[Placed]:
-        return [Placed(key=f"pod/{p.namespace}/{p.name}", argv=(*p.command, *p.args))
-                for p in world.gke.trainer_pods(now) if p.run == run]
-
-    def started(self, world, now: float, placed: Placed, log_path: str) -> None:
-        world.gke.set_log(*_pod_of(placed), log_path)
-
-    def publish(self, world, now: float, placed: Placed, status: dict) -> None:
-        pass
-
-    def ended(self, world, now: float, placed: Placed, code: int, final: dict, preempted: bool,
-              log_path: str) -> None:
-        namespace, name = _pod_of(placed)
-        if preempted:  # the spot node under the run goes; the trainer's pod fails with it
-            world.gke.preempt_trainer(namespace, name, code, now)
-        else:
-            world.gke.end_trainer(namespace, name, code, now, final.get("error") or "", log_path)
-
-
-def _pod_of(placed: Placed) -> tuple[str, str]:
-    """A trainer pod's (namespace, name) from its key pod/NAMESPACE/NAME."""
-    namespace, name = placed.key.split("/", 2)[1:]
-    return namespace, name
-
-
-PLAY = GkePlay()

@@ -25,12 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from provision.emulator import gke_world, tpu, vertex
-from provision.emulator.workloads import Placed, Play
+from provision.emulator.workloads import PLAYS, Placed, Play
 from trainer.outputs import ENDED, STATUS_FILE, TRAINER_LOG
 
-# The services that run a workload for a run, in the order the runner asks them which to start.
-PLAYS: tuple[Play, ...] = (gke_world.PLAY, tpu.PLAY, vertex.PLAY)
 RUNS_DIR = "runs"
 # Beside the output directory: the pid of the trainer that a run started, so that a re-run after a
 # kill follows it (instead of starting a second one on the same checkpoints) and `down` stops it.

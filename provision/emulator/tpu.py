@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable
 
 from google.cloud import tpu_v2
 from google.longrunning import operations_pb2
 from google.rpc import status_pb2
 
-from provision import guest_attributes
 from provision.emulator import offerings, rpc, scenarios, validate
 from provision.emulator.scenarios import DELETING_S, NODE_DELETING_S, Timeline, timeline
 from provision.emulator.tpu_checks import (
@@ -30,7 +28,6 @@ from provision.emulator.tpu_checks import (
     runtime_versions,
 )
 from provision.emulator.validate import ApiError, not_found
-from provision.emulator.workloads import Placed
 from provision.emulator.world import Operation, QueuedRecord, World
 
 SERVICE = "google.cloud.tpu.v2.Tpu"
@@ -411,43 +408,3 @@ METHODS: dict[str, tuple[Callable, Callable, Callable]] = {
     "GetRuntimeVersion": (GetRuntimeVersion, tpu_v2.GetRuntimeVersionRequest.deserialize,
                           tpu_v2.RuntimeVersion.serialize),
 }
-
-
-class TpuPlay:
-    """A queued resource's slice: the trainer runs on its READY nodes (the startup script's container);
-    its status reaches the guest attributes every worker's watcher writes; a preemption suspends the
-    queued resource."""
-
-    name = "tpu"
-    publishes = True
-
-    def placed(self, world: World, now: float, run: str) -> list[Placed]:
-        nodes = [n for n in world.running_nodes(now) if n.run == run]
-        slices = dict.fromkeys(n.queued_resource for n in nodes)
-        return [Placed(key=qr, nodes=tuple((n.node, n.workers) for n in nodes if n.queued_resource == qr))
-                for qr in slices]
-
-    def started(self, world: World, now: float, placed: Placed, log_path: str) -> None:
-        pass
-
-    def publish(self, world: World, now: float, placed: Placed, status: dict) -> None:
-        values = {key: _text(status.get(field)) for field, key in guest_attributes.pairs()
-                  if status.get(field) is not None}
-        values["updated"] = _text(status.get("time") or time.time())
-        for node, workers in placed.nodes:
-            if world.node_at(node, now) is None:
-                continue
-            for worker in range(workers):
-                world.set_guest_attributes(node, worker, guest_attributes.NAMESPACE, values, now)
-
-    def ended(self, world: World, now: float, placed: Placed, code: int, final: dict, preempted: bool,
-              log_path: str) -> None:
-        if preempted:
-            world.preempt_queued_resource(placed.key, now)
-
-
-def _text(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-PLAY = TpuPlay()

@@ -21,7 +21,6 @@ from provision.catalogue import VERTEX_MACHINE_TOPOLOGIES
 from provision.emulator import rpc, scenarios, validate
 from provision.emulator.scenarios import JOB_CANCELLING_S, JOB_DELETING_S, JOB_TERMINAL, job_timeline
 from provision.emulator.validate import ApiError, not_found
-from provision.emulator.workloads import Placed
 from provision.emulator.world import JobRecord, Operation, World, vertex_hosts
 
 SERVICE = "google.cloud.aiplatform.v1.JobService"
@@ -310,34 +309,3 @@ METHODS: dict[str, tuple[Callable, Callable, Callable]] = {
     "DeleteCustomJob": (DeleteCustomJob, v1.DeleteCustomJobRequest.deserialize,
                         operations_pb2.Operation.SerializeToString),
 }
-
-
-class VertexPlay:
-    """A custom job: the trainer runs while it is RUNNING, with the container it was submitted with; its
-    exit ends the job (SUCCEEDED, FAILED with the replica's exit status, or FAILED as a preemption)."""
-
-    name = "vertex"
-    publishes = False
-
-    def placed(self, world: World, now: float, run: str) -> list[Placed]:
-        return [Placed(key=j.name, argv=(*j.command, *j.args)) for j in world.running_jobs(now) if j.run == run]
-
-    def started(self, world: World, now: float, placed: Placed, log_path: str) -> None:
-        pass
-
-    def publish(self, world: World, now: float, placed: Placed, status: dict) -> None:
-        pass
-
-    def ended(self, world: World, now: float, placed: Placed, code: int, final: dict, preempted: bool,
-              log_path: str) -> None:
-        if preempted:
-            world.end_custom_job(placed.key, now, succeeded=False, preempted=True)
-        elif code == 0:
-            world.end_custom_job(placed.key, now, succeeded=True)
-        else:
-            world.end_custom_job(placed.key, now, succeeded=False,
-                                 error=(13, f"The replica workerpool0-0 exited with a non-zero status of {code}. "
-                                            f"{final.get('error') or ''}".strip()))
-
-
-PLAY = VertexPlay()

@@ -193,7 +193,7 @@ def deploy_model(call: rpc.Call, req: v1.DeployModelRequest) -> Operation:
     parent = _name(req.endpoint, ENDPOINT_RE, "endpoints")
     endpoint = live_endpoint(world, req.endpoint)
     deployed = v1.DeployedModel(req.deployed_model)
-    model = live_model(world, deployed.model)
+    live_model(world, deployed.model)  # NOT_FOUND for a model that is not there
     if deployed.model.split("/models/")[0] != parent:
         raise ApiError("INVALID_ARGUMENT", f"Model {deployed.model} is not in the endpoint's location {parent}")
     if "dedicated_resources" not in deployed:
@@ -217,12 +217,18 @@ def deploy_model(call: rpc.Call, req: v1.DeployModelRequest) -> Operation:
         op.response, op.error = None, {"code": STOCKOUT_CODE, "message": STOCKOUT_MESSAGE.format(region=where)}
     endpoint["deployed"][deployed_id] = {"request": _json(deployed), "create_time": now, "operation": op.name,
                                          "server_key": key, "phase": "deploying"}
-    if call.servers is not None and not stocked_out:
-        spec = v1.Model.from_json(json.dumps(model["request"]), ignore_unknown_fields=True).container_spec
-        argv = [*spec.command, *spec.args]
-        call.servers.start(key, argv, _container_env(spec, req.endpoint, deployed_id),
-                           call.servers.dir / f"{key.replace('/', '_')}.log")
     return op
+
+
+def server_launch(call: rpc.Call, endpoint_name: str, deployed_id: str) -> tuple:
+    """LocalServers.start's arguments for a deployed model's server: its model's container, as Vertex AI
+    runs it (key, argv, environment, log path)."""
+    record = live_endpoint(call.world, endpoint_name)["deployed"][deployed_id]
+    model = live_model(call.world, record["request"]["model"])
+    spec = v1.Model.from_json(json.dumps(model["request"]), ignore_unknown_fields=True).container_spec
+    key = record["server_key"]
+    return (key, [*spec.command, *spec.args], _container_env(spec, endpoint_name, deployed_id),
+            call.servers.dir / f"{key.replace('/', '_')}.log")
 
 
 def settle(call: rpc.Call) -> None:
@@ -237,7 +243,11 @@ def settle(call: rpc.Call) -> None:
                 continue
             if call.servers is not None and op.error is None and not op.done(call.now):
                 phase, _, last_words = call.servers.state(record["server_key"])
-                if phase == "ready":
+                if phase == "stopped":
+                    # Its server was never started: the process that made the deploy (and embedded this
+                    # emulator) ended between saving it and starting the server. The cloud would go on.
+                    call.servers.start(*server_launch(call, endpoint["name"], deployed_id))
+                elif phase == "ready":
                     op.done_at = call.now
                 elif phase in ("failed", "stopped"):
                     call.servers.stop(record["server_key"])
@@ -403,7 +413,18 @@ def DeleteEndpoint(call: rpc.Call, req: v1.DeleteEndpointRequest):
 
 def DeployModel(call: rpc.Call, req: v1.DeployModelRequest):
     settle(call)
-    return _started(deploy_model(call, req), call.now)
+    op = deploy_model(call, req)
+    answer = _started(op, call.now)
+    if call.servers is None or op.error is not None:
+        return answer
+    launch = server_launch(call, req.endpoint, op.response["deployed_model"]["id"])
+
+    def then():
+        # Started once the transaction is saved: no server runs for a deploy the world does not hold. A
+        # kill -9 of the process that embeds the emulator, between the two, leaves it to `settle`.
+        call.servers.start(*launch)
+        return answer
+    return rpc.Later(then)
 
 
 def UndeployModel(call: rpc.Call, req: v1.UndeployModelRequest):

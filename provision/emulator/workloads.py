@@ -1,15 +1,24 @@
 """What an emulated service runs for a run, as the dry run's local workload runner asks it.
 
-Each service module says it with one `Play` (tpu.py: a queued resource's slice, vertex.py: a custom
-job, gke_world.py: a JobSet's trainer pod): where a workload of the run is up now (`placed`), with the
-container it carries, and what the service does when the workload starts, reports and ends. The runner
-(local_trainer.py) starts the container it is given and names no service.
+Each service says it with one `Play`: where a workload of the run is up now (`placed`), with the
+container it carries, and what the service does when the workload starts, reports and ends. The
+three live here, beside the emulated world they read (world.py, gke_world.py), not in the services'
+gRPC modules: a dry run's runner needs them for every target, and the Vertex AI and TPU client
+libraries those modules import take a second of CPU to load that a run of another target never needs.
+The runner (local_trainer.py) starts the container it is given and names no service.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from provision import guest_attributes
+
+if TYPE_CHECKING:
+    from provision.emulator.world import World
 
 
 @dataclass(frozen=True)
@@ -45,3 +54,109 @@ class Play(Protocol):
               log_path: str) -> None:
         """The workload exited with `code` (`final`: its last status): the resource follows; `preempted`:
         the dry run preempted it (`--scenario preempt`), as the capacity going away would."""
+
+
+class TpuPlay:
+    """A queued resource's slice: the trainer runs on its READY nodes (the startup script's container);
+    its status reaches the guest attributes every worker's watcher writes; a preemption suspends the
+    queued resource."""
+
+    name = "tpu"
+    publishes = True
+
+    def placed(self, world: World, now: float, run: str) -> list[Placed]:
+        nodes = [n for n in world.running_nodes(now) if n.run == run]
+        slices = dict.fromkeys(n.queued_resource for n in nodes)
+        return [Placed(key=qr, nodes=tuple((n.node, n.workers) for n in nodes if n.queued_resource == qr))
+                for qr in slices]
+
+    def started(self, world: World, now: float, placed: Placed, log_path: str) -> None:
+        pass
+
+    def publish(self, world: World, now: float, placed: Placed, status: dict) -> None:
+        values = {key: _text(status.get(field)) for field, key in guest_attributes.pairs()
+                  if status.get(field) is not None}
+        values["updated"] = _text(status.get("time") or time.time())
+        for node, workers in placed.nodes:
+            if world.node_at(node, now) is None:
+                continue
+            for worker in range(workers):
+                world.set_guest_attributes(node, worker, guest_attributes.NAMESPACE, values, now)
+
+    def ended(self, world: World, now: float, placed: Placed, code: int, final: dict, preempted: bool,
+              log_path: str) -> None:
+        if preempted:
+            world.preempt_queued_resource(placed.key, now)
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+
+
+class VertexPlay:
+    """A custom job: the trainer runs while it is RUNNING, with the container it was submitted with; its
+    exit ends the job (SUCCEEDED, FAILED with the replica's exit status, or FAILED as a preemption)."""
+
+    name = "vertex"
+    publishes = False
+
+    def placed(self, world: World, now: float, run: str) -> list[Placed]:
+        return [Placed(key=j.name, argv=(*j.command, *j.args)) for j in world.running_jobs(now) if j.run == run]
+
+    def started(self, world: World, now: float, placed: Placed, log_path: str) -> None:
+        pass
+
+    def publish(self, world: World, now: float, placed: Placed, status: dict) -> None:
+        pass
+
+    def ended(self, world: World, now: float, placed: Placed, code: int, final: dict, preempted: bool,
+              log_path: str) -> None:
+        if preempted:
+            world.end_custom_job(placed.key, now, succeeded=False, preempted=True)
+        elif code == 0:
+            world.end_custom_job(placed.key, now, succeeded=True)
+        else:
+            world.end_custom_job(placed.key, now, succeeded=False,
+                                 error=(13, f"The replica workerpool0-0 exited with a non-zero status of {code}. "
+                                            f"{final.get('error') or ''}".strip()))
+
+
+
+
+class GkePlay:
+    """A JobSet's trainer pod (the Pathways head's trainer, or slice 0's pod 0): the trainer runs while
+    the pod is Running, with the pod's container; its log is the pod's; its exit ends the pod (the
+    JobSet follows), and a preemption takes a spot node of the JobSet's pools."""
+
+    name = "gke"
+    publishes = False
+
+    def placed(self, world, now: float, run: str) -> list[Placed]:
+        return [Placed(key=f"pod/{p.namespace}/{p.name}", argv=(*p.command, *p.args))
+                for p in world.gke.trainer_pods(now) if p.run == run]
+
+    def started(self, world, now: float, placed: Placed, log_path: str) -> None:
+        world.gke.set_log(*_pod_of(placed), log_path)
+
+    def publish(self, world, now: float, placed: Placed, status: dict) -> None:
+        pass
+
+    def ended(self, world, now: float, placed: Placed, code: int, final: dict, preempted: bool,
+              log_path: str) -> None:
+        namespace, name = _pod_of(placed)
+        if preempted:  # the spot node under the run goes; the trainer's pod fails with it
+            world.gke.preempt_trainer(namespace, name, code, now)
+        else:
+            world.gke.end_trainer(namespace, name, code, now, final.get("error") or "", log_path)
+
+
+def _pod_of(placed: Placed) -> tuple[str, str]:
+    """A trainer pod's (namespace, name) from its key pod/NAMESPACE/NAME."""
+    namespace, name = placed.key.split("/", 2)[1:]
+    return namespace, name
+
+
+# The services that run a workload for a run, in the order the runner asks them which to start.
+PLAYS: tuple[Play, ...] = (GkePlay(), TpuPlay(), VertexPlay())
