@@ -249,7 +249,7 @@ def settle(call: rpc.Call) -> None:
                     call.servers.start(*server_launch(call, endpoint["name"], deployed_id))
                 elif phase == "ready":
                     op.done_at = call.now
-                elif phase in ("failed", "stopped"):
+                elif phase == "failed":
                     call.servers.stop(record["server_key"])
                     op.done_at, op.response = call.now, None
                     op.error = {"code": 3, "message": f"Model server never became ready: the container exited. "

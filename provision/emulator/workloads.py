@@ -93,8 +93,6 @@ def _text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-
-
 class VertexPlay:
     """A custom job: the trainer runs while it is RUNNING, with the container it was submitted with; its
     exit ends the job (SUCCEEDED, FAILED with the replica's exit status, or FAILED as a preemption)."""
@@ -121,8 +119,6 @@ class VertexPlay:
             world.end_custom_job(placed.key, now, succeeded=False,
                                  error=(13, f"The replica workerpool0-0 exited with a non-zero status of {code}. "
                                             f"{final.get('error') or ''}".strip()))
-
-
 
 
 class GkePlay:

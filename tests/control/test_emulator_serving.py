@@ -5,6 +5,8 @@ without a state directory): deploys end on the clock."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from google.api_core import exceptions as gexc
 from google.cloud import aiplatform_v1 as v1
@@ -129,3 +131,32 @@ def test_stockout_fails_the_first_regions_deploy_for_lack_of_capacity(emu, api, 
     assert caught.value.code == 429 or "insufficient in region: us-west4" in str(caught.value)
     assert operation.operation.error.code == vs.STOCKOUT_CODE
     assert not api.endpoints.get_endpoint(name=endpoint.name).deployed_models  # a failed deploy leaves no model
+
+
+def test_a_deploys_server_starts_once_the_deploy_is_saved_and_again_if_it_never_ran(tmp_path):
+    """With a state directory the emulator runs the model's container. Its server starts after the deploy's
+    transaction is saved; a deploy whose server is not running (its process ended between the two) gets it
+    started by the next call, and the deploy ends when it is ready."""
+    fake = str(Path(__file__).with_name("fake_server.py"))
+    with Emulator(state_path=tmp_path / "emulator.json") as emu:
+        session = Session(Endpoint(clock=emu.clock, address=emu.address), [], Console())
+        try:
+            api = session.serving("us-west4")
+            spec = model()
+            spec.container_spec.command[:] = ["python", fake, "--host", "0.0.0.0"]
+            name = api.wait_operation(api.models.upload_model(parent=PARENT, model=spec), "upload").model
+            endpoint = api.wait_operation(api.endpoints.create_endpoint(parent=PARENT, endpoint=v1.Endpoint(
+                display_name="moe-demo", dedicated_endpoint_enabled=True)), "create")
+            operation = api.endpoints.deploy_model(endpoint=endpoint.name, deployed_model=deployed(name),
+                                                   traffic_split={"0": 100})
+            [key] = emu.servers.keys()
+            assert key.startswith(endpoint.name + "/deployedModels/")
+            assert emu.servers.stop(key) and emu.servers.keys() == []  # as if it never started
+            result = api.wait_operation(operation, "deploy")
+            assert emu.servers.keys() == [key] and emu.servers.state(key).phase == "ready"
+            assert result.deployed_model.id == key.rsplit("/", 1)[-1]
+            api.wait_operation(api.endpoints.undeploy_model(endpoint=endpoint.name,
+                                                            deployed_model_id=result.deployed_model.id), "undeploy")
+            assert emu.servers.keys() == []
+        finally:
+            session.close()
