@@ -7,6 +7,7 @@ Deployments (AppsV1Api), Services, pods, their logs, events and nodes (CoreV1Api
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -23,6 +24,12 @@ SERVING = {"Deployment": ("apps", "namespaced_deployment"), "Service": ("core", 
            "HorizontalPodAutoscaler": ("autoscaling", "namespaced_horizontal_pod_autoscaler")}
 # Kubernetes API answers worth another try (ApiException.status).
 TRANSIENT_HTTP = (429, 500, 502, 503, 504)
+# (connect, read) seconds for an API call: the client waits forever by default, so an API server that
+# takes a request and never answers would hang the command. The API server ends a request itself after
+# a minute (its --request-timeout default); urllib3 retries an idempotent call's read timeout. A completion
+# through a Service's proxy may wait its turn behind others: its read timeout (between chunks) is longer.
+API_TIMEOUT_S = (15.0, 60.0)
+PROXY_TIMEOUT_S = (15.0, 600.0)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -81,6 +88,19 @@ def _value_problem(value: Any, type_name: str, where: str) -> tuple[str, str] | 
     return None
 
 
+@functools.cache
+def _timed_client():
+    """The client's ApiClient with API_TIMEOUT_S on every request that names no timeout of its own (a
+    class made on first use: the kubernetes client is imported late)."""
+    from kubernetes import client
+
+    class TimedClient(client.ApiClient):
+        def request(self, *args, _request_timeout=None, **kwargs):
+            return super().request(*args, _request_timeout=_request_timeout or API_TIMEOUT_S, **kwargs)
+
+    return TimedClient
+
+
 class KubeApi:
     """One cluster's API server (close() removes the CA file the client reads)."""
 
@@ -103,7 +123,7 @@ class KubeApi:
             conf.api_key_prefix = {"authorization": "Bearer"}
             conf.refresh_api_key_hook = lambda c: c.api_key.update(authorization=_token(credentials))
             conf.api_key = {"authorization": _token(credentials)}
-        self._client = client.ApiClient(conf)
+        self._client = _timed_client()(conf)
         self.custom = client.CustomObjectsApi(self._client)
         self.core = client.CoreV1Api(self._client)
         self.apps = client.AppsV1Api(self._client)
@@ -244,7 +264,8 @@ class KubeApi:
         try:
             response = self._client.call_api(
                 path, "POST", header_params={"Content-Type": "application/json", "Accept": "*/*"}, body=body,
-                auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
+                auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True,
+                _request_timeout=PROXY_TIMEOUT_S)
         except ApiException as exc:
             entry["status"] = f"{exc.status} {exc.reason}"
             raise CloudError(f"the service answered {exc.status} {exc.reason}: {_status_message(exc)}") from exc

@@ -301,7 +301,10 @@ class KubeServer:
         context.load_cert_chain(cert, key)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(world_call))
         self._server.daemon_threads = True
-        self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        # The TLS handshake happens on a connection's first read, in its own thread: done in accept(), a
+        # client that connects and sends nothing would stop the server taking any other connection.
+        self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
+                                                  do_handshake_on_connect=False)
         self._thread = threading.Thread(target=self._server.serve_forever, name="emulator-kube", daemon=True)
         self._thread.start()
 

@@ -128,8 +128,10 @@ class LocalServers:
 
     def _running(self, record: dict) -> bool:
         child = self._children.get(record["key"])
-        if child is not None and child.poll() is not None:
-            return False
+        if child is not None and child.pid == record["pid"]:
+            # Started here: its handle is the truth. Its command line is not: for a moment after Popen
+            # returns the kernel may still be building the new program's (an empty /proc/PID/cmdline).
+            return child.poll() is None
         return _alive(int(record["pid"]), int(record["port"]))
 
     def start(self, key: str, argv: list[str] | tuple[str, ...], env: dict[str, str], log_path: str | Path) -> None:
@@ -194,22 +196,30 @@ class LocalServers:
         return self._request(record, method, path, body, FORWARD_TIMEOUT_S, stream)
 
     def stop(self, key: str) -> bool:
-        """SIGTERM, then SIGKILL after KILL_GRACE_S; the record removed. False when none ran."""
-        record = self.record(key)
-        if record is None:
+        """SIGTERM, then SIGKILL after KILL_GRACE_S; the record removed. False when none ran. Never waits
+        unbounded: it runs inside the emulator's transaction, and every API call waits on that."""
+        record, child = self.record(key), self._children.pop(key, None)
+        if record is None and child is None:
             return False
-        pid, port = int(record["pid"]), int(record["port"])
-        ran = self._running(record)
-        if ran:
-            _signal(pid, signal.SIGTERM)
-            deadline = time.monotonic() + KILL_GRACE_S
-            while self._running(record) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if _alive(pid, port):
-                _signal(pid, signal.SIGKILL)
-        child = self._children.pop(key, None)
-        if child is not None:
-            child.wait()
+        if child is not None:  # started here: signalled through its handle (no pid reuse until it is reaped)
+            ran = child.poll() is None
+            if ran:
+                child.terminate()
+                try:
+                    child.wait(KILL_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait(KILL_GRACE_S)
+        else:  # started by another command: its pid, checked against its port
+            pid, port = int(record["pid"]), int(record["port"])
+            ran = _alive(pid, port)
+            if ran:
+                _signal(pid, signal.SIGTERM)
+                deadline = time.monotonic() + KILL_GRACE_S
+                while _alive(pid, port) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if _alive(pid, port):
+                    _signal(pid, signal.SIGKILL)
         self._path(key).unlink(missing_ok=True)
         return ran
 

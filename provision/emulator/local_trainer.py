@@ -118,7 +118,9 @@ def process_runs(pid: int, marker: str) -> bool:
     try:
         if proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
             return False
-        return marker.encode() in proc.joinpath("cmdline").read_bytes()
+        cmdline = proc.joinpath("cmdline").read_bytes()
+        # Empty for a moment while the kernel builds a just-started program's (exec): it runs.
+        return not cmdline or marker.encode() in cmdline
     except (OSError, IndexError):
         return False
 

@@ -116,6 +116,34 @@ def test_the_objects_through_the_kubernetes_client(cfg, emulated):
         assert kube.get_object(kind, "default", "moe-demo-gke") is None
 
 
+def test_a_client_that_connects_and_says_nothing_does_not_stop_the_api_server(cfg, emulated):
+    import socket
+
+    app = emulated()
+    kube = app.kube(cfg)
+    host, port = app.emulator.kube_endpoint()[0].rsplit(":", 1)
+    with socket.create_connection((host, int(port))):  # no TLS hello: its handshake waits in its own thread
+        assert kube.list_objects("Deployment", "default", "moe-tpu-run=x") == []
+
+
+def test_an_api_server_that_never_answers_is_a_cloud_error_not_a_hang(cfg, emulated, monkeypatch):
+    import threading
+
+    from provision.cloud import kube as kube_client
+    from provision.emulator import kube as kube_server
+
+    app = emulated()
+    kube = app.kube(cfg)
+    release, answer = threading.Event(), kube_server.handle
+    monkeypatch.setattr(kube_server, "handle", lambda *a: (release.wait(30), answer(*a))[1])
+    monkeypatch.setattr(kube_client, "API_TIMEOUT_S", (5.0, 0.5))
+    try:
+        with pytest.raises(CloudError, match="get Deployment: cannot reach the cluster's API server.*timed out"):
+            kube.get_object("Deployment", "default", "moe-demo-gke")
+    finally:
+        release.set()
+
+
 @pytest.mark.parametrize("kind, change, words", [
     ("HorizontalPodAutoscaler", lambda m: m["spec"].update(maxReplicas=1, minReplicas=2),
      r'HorizontalPodAutoscaler.autoscaling "moe-demo-gke" is invalid: spec.maxReplicas: .*`minReplicas`'),

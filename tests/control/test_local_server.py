@@ -69,3 +69,18 @@ def test_emulator_reset_stops_the_model_servers_of_the_world(tmp_path):
     code, out, _ = invoke("emulator", "reset", "--state", str(tmp_path / "emulator.json"))
     assert code == 0 and "model servers stopped: 1" in out
     assert servers.keys() == [] and servers.state("k").phase == "stopped"
+
+
+def test_a_server_started_here_is_judged_by_its_handle_not_by_proc(tmp_path, monkeypatch):
+    """Just after Popen returns, the kernel may still be building the program's /proc/PID/cmdline (empty):
+    a server started here is not taken for dead then, and stopping it cannot wait forever."""
+    from provision.emulator import local_server
+
+    servers = LocalServers(tmp_path)
+    servers.start("k", ["python", FAKE, "--host", "0.0.0.0", "--port", "8080"], {}, tmp_path / "server.log")
+    monkeypatch.setattr(local_server, "_alive", lambda pid, port: False)  # what an empty cmdline says
+    assert _wait(servers, "k").phase == "ready"
+    pid = servers.record("k")["pid"]
+    assert servers.stop("k") is True and servers.keys() == []
+    monkeypatch.undo()
+    assert not local_server._alive(pid, 0)
