@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from provision import catalogue
+from provision.planner.params_cache import shard_ways
 from trainer.flops import ParamCounts
 from trainer.flops import model_flops_per_token as flops_per_token
 from trainer.meshspec import filled, mesh_axes, text_of
 from trainer.moe.config import expert_capacity
-from trainer.params import DTYPE_BYTES, ParamInfo, shard_ways
+from trainer.params import DTYPE_BYTES, ParamInfo
 
 if TYPE_CHECKING:
     from trainer import config as trainer_config

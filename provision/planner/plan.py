@@ -284,8 +284,8 @@ def mesh_choice(cfg: Config) -> tuple[str | None, str]:
     the mesh `plan` shows and the trainer is then started with) and ""; or None and why the plan
     cannot choose one (the trainer config cannot be read, or no mesh of the target fits the model)."""
     try:
+        from provision.planner.params_cache import param_inventory
         from trainer.config import ConfigError
-        from trainer.params import param_inventory
 
         target = target_of(cfg)
         model_cfg = load_model_config(cfg)
@@ -310,8 +310,8 @@ def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None =
     """The plan for a control-plane config. A model or mesh that cannot be used raises UsageError
     (exit 2); without the trainer's dependencies, MissingDependency."""
     try:
+        from provision.planner.params_cache import param_inventory
         from trainer.config import ConfigError
-        from trainer.params import param_inventory
     except ImportError as exc:
         raise MissingDependency(exc.name or "jax", "trainer") from exc
     try:
@@ -321,6 +321,8 @@ def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None =
         mesh_text = mesh_text or cfg.trainer.mesh
         mesh = target_mesh(mesh_text, target.chips, target.slices) if mesh_text else None
         params = param_inventory(model_cfg)
+    except ImportError as exc:
+        raise MissingDependency(exc.name or "jax", "trainer") from exc
     except (ConfigError, ValueError) as exc:
         raise UsageError(f"cannot plan {model or cfg.trainer.config}: {exc}",
                          hint="check trainer.config and trainer.overrides in the config, and --mesh") from None

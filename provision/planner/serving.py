@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from provision import catalogue
 from provision.planner.estimates import Mesh, hbm_bytes_per_s, ici_bytes_per_s, mesh_options
-from trainer.params import DTYPE_BYTES, ParamInfo, shard_ways
+from provision.planner.params_cache import shard_ways
+from trainer.params import DTYPE_BYTES, ParamInfo
 
 if TYPE_CHECKING:
     from trainer import config as trainer_config
