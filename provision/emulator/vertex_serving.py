@@ -121,7 +121,8 @@ def quota_error(project: str, where: str) -> ApiError:
 # --- the world's records -----------------------------------------------------------------
 # world.serving: {"models": {name: record}, "endpoints": {name: record}, "first_region": str | None}; a
 # record is {"name", "request" (the proto JSON as created), "create_time"}; an endpoint's record has
-# "deployed": {id: {"request", "create_time", "operation", "server_key", "phase": deploying | deployed}}.
+# "deployed": {id: {"request", "create_time", "operation", "server_key", "phase": deploying | deployed,
+# "ready": true once its server answered}}.
 
 
 def _models(world: World) -> dict:
@@ -248,13 +249,19 @@ def settle(call: rpc.Call) -> None:
                     # emulator) ended between saving it and starting the server. The cloud would go on.
                     call.servers.start(*server_launch(call, endpoint["name"], deployed_id))
                 elif phase == "ready":
-                    op.done_at = call.now
+                    op.done_at, record["ready"] = call.now, True
                 elif phase == "failed":
                     call.servers.stop(record["server_key"])
                     op.done_at, op.response = call.now, None
                     op.error = {"code": 3, "message": f"Model server never became ready: the container exited. "
                                                       f"Its last log lines:\n{last_words}"}
             if op.done(call.now):
+                if op.error is None and call.servers is not None and not record.get("ready"):
+                    # Its deployment timeout passed with the server still starting: Vertex AI fails it.
+                    call.servers.stop(record["server_key"])
+                    op.response = None
+                    op.error = {"code": 4, "message": f"Model server never became ready within the deployment "
+                                                      f"timeout ({READY_TIMEOUT_S:.0f}s)."}
                 if op.error is None:
                     record["phase"] = "deployed"
                 else:

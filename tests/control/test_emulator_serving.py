@@ -14,6 +14,7 @@ from google.rpc import error_details_pb2
 
 from provision.cloud import Endpoint, Session
 from provision.console import Console
+from provision.errors import CloudError
 from provision.emulator import Emulator
 from provision.emulator import vertex_serving as vs
 
@@ -139,6 +140,7 @@ def test_a_deploys_server_starts_once_the_deploy_is_saved_and_again_if_it_never_
     started by the next call, and the deploy ends when it is ready."""
     fake = str(Path(__file__).with_name("fake_server.py"))
     with Emulator(state_path=tmp_path / "emulator.json") as emu:
+        emu.clock.gate = emu.servers  # as a command's: real time counts while a server starts
         session = Session(Endpoint(clock=emu.clock, address=emu.address), [], Console())
         try:
             api = session.serving("us-west4")
@@ -158,5 +160,30 @@ def test_a_deploys_server_starts_once_the_deploy_is_saved_and_again_if_it_never_
             api.wait_operation(api.endpoints.undeploy_model(endpoint=endpoint.name,
                                                             deployed_model_id=result.deployed_model.id), "undeploy")
             assert emu.servers.keys() == []
+        finally:
+            session.close()
+
+
+def test_a_server_still_starting_at_the_deployment_timeout_fails_the_deploy(tmp_path):
+    """Vertex AI fails a deploy whose container does not answer its health route within the deployment
+    timeout: the deploy's operation ends with that error, and no deployed model or server is left."""
+    from provision.emulator.vertex_serving import READY_TIMEOUT_S
+
+    with Emulator(state_path=tmp_path / "emulator.json") as emu:  # no gate: the clock runs past the timeout
+        session = Session(Endpoint(clock=emu.clock, address=emu.address), [], Console())
+        try:
+            api = session.serving("us-west4")
+            spec = model()
+            spec.container_spec.command[:] = ["python", "-c", "import time; time.sleep(600)", "--"]
+            name = api.wait_operation(api.models.upload_model(parent=PARENT, model=spec), "upload").model
+            endpoint = api.wait_operation(api.endpoints.create_endpoint(parent=PARENT, endpoint=v1.Endpoint(
+                display_name="moe-demo", dedicated_endpoint_enabled=True)), "create")
+            start = emu.clock.now()
+            with pytest.raises(CloudError, match="never became ready within the deployment timeout"):
+                api.wait_operation(api.endpoints.deploy_model(endpoint=endpoint.name, deployed_model=deployed(name),
+                                                              traffic_split={"0": 100}), "deploy",
+                                   timeout_s=2 * READY_TIMEOUT_S)
+            assert emu.clock.now() - start >= READY_TIMEOUT_S
+            assert emu.servers.keys() == [] and not api.endpoints.get_endpoint(name=endpoint.name).deployed_models
         finally:
             session.close()
