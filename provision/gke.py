@@ -1,5 +1,5 @@
 """The GKE lifecycle: the cluster (only with gke.create_cluster), one TPU v5e node pool per slice and
-`cpu-np` for a Pathways head (zone by zone on stockout), the serving node pool, the run's JobSet and its
+RUN-cpu for a Pathways head (zone by zone on stockout), the serving node pool, the run's JobSet and its
 service's objects (gke_serve.py), status, down, list.
 
 Everything here talks to `session.container` and `session.kube(cluster)` and waits on
@@ -167,9 +167,6 @@ def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
     name = f"{path}/nodePools/{spec.name}"
     request = gke_render.create_node_pool_request(cfg, spec, project, context.renderer)
     pool = existing.get(spec.name)
-    if pool is not None and spec.name == gke_render.CPU_POOL and not is_managed(_labels(pool), cfg.run):
-        console.info(f"  using the cluster's own node pool {spec.name} for the Pathways head")
-        return
     if pool is not None and pool.status.name == "ERROR" and is_managed(_labels(pool), cfg.run):
         console.info(f"  node pool {spec.name} is ERROR from an earlier attempt; deleting it first")
         _delete_pool(context, project, name)
@@ -190,7 +187,7 @@ def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
             pool = _wait_pool(context, name)
         else:
             # A TPU pool that is not made within slice.max_wait counts as no capacity in this zone.
-            wait = cfg.slice.max_wait.total_seconds() if spec.name != gke_render.CPU_POOL else 3600.0
+            wait = cfg.slice.max_wait.total_seconds() if spec.name != gke_render.cpu_pool_id(cfg) else 3600.0
             with console.progress(f"  creating node pool {spec.name}") as bar:
                 try:
                     session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),

@@ -33,7 +33,6 @@ JOBSET_GROUP = "jobset.x-k8s.io"
 JOBSET_VERSION = "v1alpha2"
 JOBSET_PLURAL = "jobsets"
 # The CPU pool the Pathways head runs on (the name Google's tools select it by).
-CPU_POOL = "cpu-np"
 CPU_POOL_NODES = 1
 # The Pathways resource manager's name for v5e (its --instance_type is tpuv5e:TOPOLOGY).
 PATHWAYS_V5E = "tpuv5e"
@@ -64,9 +63,15 @@ def tpu_pool_ids(cfg: Config) -> list[str]:
     return [f"{cfg.run}-s{i}" for i in range(cfg.slice.count)]
 
 
+def cpu_pool_id(cfg: Config) -> str:
+    """A Pathways head's CPU node pool: the run's own (RUN-cpu), so that two runs on one cluster each have
+    theirs and neither's teardown takes the other's head away."""
+    return f"{cfg.run}-cpu"
+
+
 def pool_ids(cfg: Config) -> list[str]:
-    """Every node pool the run needs: the TPU pools, then `cpu-np` for a Pathways head."""
-    return tpu_pool_ids(cfg) + ([CPU_POOL] if cfg.gke.runtime == "pathways" else [])
+    """Every node pool the run needs: the TPU pools, then RUN-cpu for a Pathways head."""
+    return tpu_pool_ids(cfg) + ([cpu_pool_id(cfg)] if cfg.gke.runtime == "pathways" else [])
 
 
 def jobset_name(cfg: Config) -> str:
@@ -134,7 +139,7 @@ class JobSetSpec:
     slice_job: str = SLICE_JOB
     head_job: str = HEAD_JOB
     worker_job: str = WORKER_JOB
-    cpu_pool: str = CPU_POOL
+    cpu_pool: str = ""
     server_image: str = ""
     proxy_image: str = ""
     gcs_scratch: str = ""
@@ -158,7 +163,7 @@ def node_pool_specs(cfg: Config, zone: str) -> list[NodePoolSpec]:
                           spot=cfg.slice.capacity == "spot", reservation=reservation, **common)
              for name in tpu_pool_ids(cfg)]
     if cfg.gke.runtime == "pathways":
-        specs.append(NodePoolSpec(name=CPU_POOL, machine_type=cfg.gke.pathways_settings().cpu_machine_type,
+        specs.append(NodePoolSpec(name=cpu_pool_id(cfg), machine_type=cfg.gke.pathways_settings().cpu_machine_type,
                                   node_count=CPU_POOL_NODES, topology=None, spot=False, reservation=None,
                                   **common))
     return specs
@@ -175,6 +180,7 @@ def jobset_spec(cfg: Config, image: str) -> JobSetSpec:
         settings = cfg.gke.pathways_settings()
         container = container.with_env(**{PROXY_TIMEOUT_ENV: str(int(settings.proxy_timeout.total_seconds()))})
         pathways = dict(server_image=settings.server_image, proxy_image=settings.proxy_image,
+                        cpu_pool=cpu_pool_id(cfg),
                         gcs_scratch=gcs_scratch(cfg), instance_type=f"{PATHWAYS_V5E}:{topology(cfg)}",
                         worker_backoff_limit=acc.vms * WORKER_RESTARTS_PER_VM)
     return JobSetSpec(

@@ -35,7 +35,7 @@ def _gke_config(app, config_path: str, check_trainer: bool = False):
 @config_option
 @click.pass_obj
 def up(app, config_path: str) -> None:
-    """Create the node pools (one per slice, and cpu-np for a Pathways head) and wait until they run.
+    """Create the node pools (one per slice, and RUN-cpu for a Pathways head) and wait until they run.
 
     Tries each zone of `zones:` in order when one has no capacity. A re-run adopts the pools it
     already made; a pool of the run that no longer matches the config is refused.

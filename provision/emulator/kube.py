@@ -19,6 +19,7 @@ import ipaddress
 import json
 import re
 import ssl
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -288,6 +289,17 @@ def _log(gke: GkeWorld, pod: PodRecord, now: float, query: dict[str, str]) -> st
 
 # --- the server -----------------------------------------------------------------------------------
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away before its answer (it timed out, or was killed) is not the server's error:
+        the answer is dropped, as an API server does, without a traceback."""
+        if isinstance(sys.exc_info()[1], (ConnectionError, ssl.SSLEOFError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class KubeServer:
     """The HTTPS server, started on 127.0.0.1 on a free port; its CA certificate for clients."""
 
@@ -299,8 +311,7 @@ class KubeServer:
         key.write_bytes(key_pem)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert, key)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(world_call))
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), _handler(world_call))
         # The TLS handshake happens on a connection's first read, in its own thread: done in accept(), a
         # client that connects and sends nothing would stop the server taking any other connection.
         self._server.socket = context.wrap_socket(self._server.socket, server_side=True,

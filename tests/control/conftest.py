@@ -9,6 +9,18 @@ import pytest
 from cli_helpers import run_json, write_config
 
 
+@pytest.fixture(autouse=True, scope="module")
+def grpc_garbage_collected_here():
+    """The gRPC objects a module's tests left (a closed channel's call states, in reference cycles) are
+    collected at its end, in this thread. Left to the cyclic collector, their finalizers run in whichever
+    thread allocates next, and one that runs in a thread just being started (a data loader's, in a later
+    trainer test of the same worker) was seen to wait forever on the channel's lock."""
+    yield
+    import gc
+
+    gc.collect()
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A fresh working directory for the test (dry-run state and remembered configs land there)."""

@@ -74,14 +74,15 @@ def creates(app) -> list[dict]:
     return [c["request"]["node_pool"] for c in app.calls if c["rpc"] == CREATE_POOL and c["status"] == "OK"]
 
 
-def test_up_creates_compact_tpu_pools_and_cpu_np_and_a_rerun_adopts_them(tmp_path, emulated):
+def test_up_creates_compact_tpu_pools_and_the_runs_cpu_pool_and_a_rerun_adopts_them(tmp_path, emulated):
     cfg = make_config(tmp_path)
     app = emulated()
     resources = gke_up(app.context(cfg))
-    assert [r.name.rsplit("/", 1)[-1] for r in resources] == ["moe-pathways-s0", "moe-pathways-s1", "cpu-np"]
+    assert [r.name.rsplit("/", 1)[-1] for r in resources] == ["moe-pathways-s0", "moe-pathways-s1",
+                                                              "moe-pathways-cpu"]
     assert all(r.state == "RUNNING" and r.zone == "us-east5-a" for r in resources)
     made = creates(app)
-    assert [p["name"] for p in made] == ["moe-pathways-s0", "moe-pathways-s1", "cpu-np"]
+    assert [p["name"] for p in made] == ["moe-pathways-s0", "moe-pathways-s1", "moe-pathways-cpu"]
     for pool in made[:2]:
         assert pool["placement_policy"] == {"type_": "COMPACT", "tpu_topology": "4x8"}
         assert pool["initial_node_count"] == 8 and pool["config"]["machine_type"] == "ct5lp-hightpu-4t"
@@ -93,6 +94,20 @@ def test_up_creates_compact_tpu_pools_and_cpu_np_and_a_rerun_adopts_them(tmp_pat
         "cloud.google.com/gke-tpu-accelerator=tpu-v5-lite-podslice,cloud.google.com/gke-tpu-topology=4x8")
     assert len(nodes) == 16 and {n.status.capacity["google.com/tpu"] for n in nodes} == {"4"}
     assert {n.metadata.labels["cloud.google.com/gke-spot"] for n in nodes} == {"true"}
+
+
+def test_two_pathways_runs_on_one_cluster_each_have_their_cpu_pool_and_one_down_leaves_the_other(tmp_path,
+                                                                                                emulated):
+    app = emulated()
+    mine, other = make_config(tmp_path), make_config(tmp_path, name="other.yaml", run="moe-other")
+    gke_up(app.context(mine))
+    gke_up(app.context(other))
+    assert [p["name"] for p in creates(app)] == ["moe-pathways-s0", "moe-pathways-s1", "moe-pathways-cpu",
+                                                 "moe-other-s0", "moe-other-s1", "moe-other-cpu"]
+    gke_down(app.context(mine))
+    left = managed_gke(other, app.session, run=other.run)
+    assert sorted(r.name.rsplit("/", 1)[-1] for r in left) == ["moe-other-cpu", "moe-other-s0", "moe-other-s1"]
+    assert managed_gke(mine, app.session, run=mine.run) == []
 
 
 def test_a_pool_that_no_longer_matches_is_refused(tmp_path, emulated):
@@ -214,7 +229,7 @@ def test_pods_start_in_order_with_the_jobset_labels_and_a_watch_sees_them(tmp_pa
     pools = {p.spec.node_name.split("-moe-pathways-s")[1][0] for p in workers
              if p.metadata.labels["jobset.sigs.k8s.io/job-index"] == "1"}
     assert len(pools) == 1, "one slice's pods on one node pool (exclusive placement)"
-    assert head[0].spec.node_selector == {"cloud.google.com/gke-nodepool": "cpu-np"}
+    assert head[0].spec.node_selector == {"cloud.google.com/gke-nodepool": "moe-pathways-cpu"}
     events = list(watch.Watch().stream(kube.core.list_namespaced_pod, "default", timeout_seconds=1))
     assert len(events) == 17 and {e["type"] for e in events} == {"ADDED"}
     assert "runs nothing in a dry run" in kube.pod_log("default", workers[0].metadata.name, "pathways-worker")
@@ -284,10 +299,10 @@ def test_run_pathways_trains_and_leaves_nothing(tmp_path):
     events = [e["event"] for e in doc["timeline"]]
     assert events[0] == "provisioning" and "training started" in events and events[-1] == "deleted"
     pools = [c["request"]["node_pool"] for c in doc["calls"] if c["rpc"] == CREATE_POOL]
-    tpu = [p for p in pools if p["name"] != "cpu-np"]
+    tpu = [p for p in pools if p["name"] != "moe-pathways-cpu"]
     assert len(tpu) == 2 and all(p["placement_policy"]["tpu_topology"] == "4x8" for p in tpu)
     assert all(p["placement_policy"]["type_"] == "COMPACT" for p in tpu)
-    assert [p["name"] for p in pools].count("cpu-np") == 1
+    assert [p["name"] for p in pools].count("moe-pathways-cpu") == 1
     assert [c["request"]["kind"] for c in doc["calls"] if c["rpc"] == "k8s create JobSet"] == ["JobSet"]
     assert nothing_left(tmp_path)
 

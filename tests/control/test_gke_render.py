@@ -68,7 +68,7 @@ def golden(name: str, text: str) -> None:
 
 
 @pytest.mark.parametrize("example, names", [
-    (PATHWAYS, ["create_node_pool.moe-pathways-s0.us-east5-a.json", "create_node_pool.cpu-np.us-east5-a.json",
+    (PATHWAYS, ["create_node_pool.moe-pathways-s0.us-east5-a.json", "create_node_pool.moe-pathways-cpu.us-east5-a.json",
                 "jobset.yaml"]),
     (JAX, ["create_cluster.json", "create_node_pool.moe-gke-s0.us-west4-a.json", "jobset.yaml"]),
 ])
@@ -85,7 +85,7 @@ def test_node_pools_hold_the_slice_shape_and_capacity(tmp_path):
     assert tpu.config.machine_type == "ct5lp-hightpu-4t" and tpu.initial_node_count == 8
     assert tpu.placement_policy.type_.name == "COMPACT" and tpu.placement_policy.tpu_topology == "4x8"
     assert tpu.config.spot and tpu.config.resource_labels["moe-tpu-run"] == "moe-pathways"
-    assert cpu.name == "cpu-np" and cpu.config.machine_type == "n2-standard-64" and not cpu.config.spot
+    assert cpu.name == "moe-pathways-cpu" and cpu.config.machine_type == "n2-standard-64" and not cpu.config.spot
     reserved = load_config(write(tmp_path, slice__capacity="reserved", slice__reservation="my-res"))
     pool = gke_render.node_pool_message(gke_render.node_pool_specs(reserved, "us-east5-a")[0])
     affinity = pool.config.reservation_affinity
@@ -178,7 +178,13 @@ def test_pathways_jobset_agrees_with_pathwaysutils_role_by_role():
     # Pods and jobs: node selectors, restart policies, completions, annotations.
     for pod in ("head_pod", "worker_pod"):
         for key in ("nodeSelector", "restartPolicy", "volumes"):
-            assert ours[pod].get(key) == theirs[pod].get(key), (pod, key)
+            if (pod, key) != ("head_pod", "nodeSelector"):
+                assert ours[pod].get(key) == theirs[pod].get(key), (pod, key)
+    # A deliberate difference: the head goes on the run's own CPU pool, not one `cpu-np` that two runs on a
+    # cluster would share (and the first one's teardown would take from the second).
+    pool = "cloud.google.com/gke-nodepool"
+    assert theirs["head_pod"]["nodeSelector"] == {pool: "cpu-np"}
+    assert ours["head_pod"]["nodeSelector"] == {pool: gke_render.cpu_pool_id(cfg)} == {pool: "moe-pathways-cpu"}
     for job in ("head_job", "worker_job"):
         assert ours[job]["name"] == theirs[job]["name"] and ours[job]["replicas"] == theirs[job]["replicas"]
         for key in ("completionMode", "completions", "parallelism"):
@@ -205,7 +211,7 @@ def test_pathways_jobset_for_two_v5litepod_32():
     env = _env(roles["trainer"])
     assert env["JAX_PLATFORMS"] == "proxy" and "PATHWAYS_HEAD" in env
     assert env["PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"] == "60"
-    assert json.dumps(roles["head_pod"]["nodeSelector"]) == '{"cloud.google.com/gke-nodepool": "cpu-np"}'
+    assert json.dumps(roles["head_pod"]["nodeSelector"]) == '{"cloud.google.com/gke-nodepool": "moe-pathways-cpu"}'
 
 
 def test_the_catalogue_names_the_slice_of_a_gke_machine_type():

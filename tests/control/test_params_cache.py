@@ -52,21 +52,26 @@ def test_a_later_command_asks_jax_nothing_and_gets_the_trainers_answers(tmp_path
 
 
 def test_a_damaged_cache_file_is_ignored_and_replaced(tmp_path):
-    path = tmp_path / f"params-{params_cache.source_digest()}.json"
-    answers = _plan(tmp_path)
-    for damage in ("{not json", json.dumps({"format": 1, "models": {"x": 3}, "ways": []}),
-                   json.dumps({"format": 1, "models": {k: [["w", "not a shape", 1, None]] for k in
-                                                       json.loads(path.read_text())["models"]},
-                               "ways": {}})):
+    path = tmp_path / "params-x.json"
+    good = {"format": params_cache.FORMAT, "models": {"m": [["w", [2, 3], "float32", ["embed", None]]]},
+            "ways": {"k": 4}}
+    for damage in ("{not json", "[]", json.dumps({**good, "format": 0}), json.dumps({**good, "ways": []}),
+                   "x" * (params_cache.MAX_BYTES + 1)):
         path.write_text(damage)
-        again = _plan(tmp_path)
-        assert again["jax"] is True and {**again, "jax": False} == {**answers, "jax": False}
-        assert json.loads(path.read_text())["format"] == params_cache.FORMAT
+        store = params_cache._Store(path)
+        assert (store.models, store.ways) == ({}, {}), damage[:40]
+        store.ways["k"], store.added = 2, True
+        store.save()
+        assert json.loads(path.read_text()) == {"format": params_cache.FORMAT, "models": {}, "ways": {"k": 2}}
+    path.write_text(json.dumps({**good, "ways": {"k": 4, "bad": -1, "worse": "2"}}))
+    assert params_cache._Store(path).ways == {"k": 4}  # what this does not write is dropped
 
 
-def test_off_keeps_nothing(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert _plan("off")["jax"] is True
+def test_off_keeps_nothing(tmp_path):
+    store = params_cache._Store(None)  # what cache_dir() gives for "off"
+    store.ways["k"], store.added = 2, True
+    store.save()
     assert list(tmp_path.rglob("*")) == []
+    assert params_cache.cache_dir({params_cache.CACHE_ENV: "off", "XDG_CACHE_HOME": str(tmp_path)}) is None
     assert params_cache.cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/moe-tpu/plan")
     assert params_cache.cache_dir({params_cache.CACHE_ENV: "/y"}) == Path("/y")
