@@ -273,18 +273,9 @@ def test_forty_steps_equal_twenty_a_restore_and_twenty(tmp_path):
     assert np.abs(a["moe_bias"]["blocks.1.ffn.expert_bias"]).max() > 0.05  # it moved
 
 
-@pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
-def test_an_ep8_run_trains_as_a_one_device_run_with_the_bias_on(tmp_path):
-    """float32, dropless: the losses agree within 1e-6 (relative: 2 float32 ulps at a loss of 6) and both
-    runs step the same bias."""
-    overrides = BIAS_RUN + ["optim.decay_steps=8", "moe.bias_rate=0.01"]
-    one = train(tmp_path, "one", 8, overrides, output_dir=str(tmp_path / "one"))
-    ep8 = train(tmp_path, "ep8", 8, overrides, devices=8, expert=8, output_dir=str(tmp_path / "ep8"))
-    np.testing.assert_allclose([r["loss"] for r in ep8], [r["loss"] for r in one], rtol=1e-6, atol=0)
-    bias_one, bias_ep8 = (restored_state(tmp_path / n, 8)["moe_bias"] for n in ("one", "ep8"))
-    for name in bias_one:
-        np.testing.assert_array_equal(bias_ep8[name], bias_one[name], err_msg=name)
-    assert any(np.abs(v).max() > 0 for v in bias_one.values())
+# An expert-parallel run steps the bias exactly as one device does: tests/trainer/test_tensor_parallel.py, whose
+# deepseek-tiny cases (bias balancing, capacity and dropless, on data=2,expert=4, expert=2,model=4 and the
+# others) compare each mesh's bias after 20 steps with the one-device run's, bit for bit.
 
 
 def test_deepseek_tiny_trains_to_the_entropy_floor_as_tiny_does(tmp_path):

@@ -2,11 +2,12 @@
 
 A run on a mesh with `model` trains as the one-device run does (float32, the EP tests' standard of
 test_moe_parallel.py: a relative 1e-5 on every step's loss over 20 steps; measured: at most 2e-6, with
-a learning rate that decays within the run so that Adam does not amplify last-bit differences) and
-resumes bit-exactly; it splits the expert weights T ways, and its compiled step holds the collectives
-tensor parallelism implies. The matrix is every mesh of issue 34 (the three with `model` and
-data=2,expert=4) x capacity and dropless x `tiny` and `deepseek-tiny`, plus the dense FFN and the
-vocabulary split over `model` (untied and tied head); one layer each.
+a learning rate that decays within the run so that Adam does not amplify last-bit differences),
+steps deepseek-tiny's balancing bias exactly as the one device does, and resumes bit-exactly; it splits
+the expert weights T ways, and its compiled step holds the collectives tensor parallelism implies. The
+matrix is every mesh of issue 34 (the three with `model` and data=2,expert=4) x capacity and dropless x
+`tiny` and `deepseek-tiny`, plus the dense FFN and the vocabulary split over `model` (untied and tied
+head); one layer each.
 
 Compiling dominates, so each case compiles its train step once (the same program the collective and
 memory tests below read) and does everything with it: 20 steps, the state at step 10 kept, then steps
@@ -155,8 +156,9 @@ def runs(tmp_path_factory):
     @functools.cache
     def one(name, mode, *overrides):
         tr = trainer(name, mode, "one", *overrides)
-        return train_steps(tr, jax.device_put(initial_state(name, mode, *overrides), tr.state_shardings),
-                           data_iterator(tr.cfg), range(1, STEPS + 1))[1]
+        state, metrics = train_steps(tr, jax.device_put(initial_state(name, mode, *overrides), tr.state_shardings),
+                                     data_iterator(tr.cfg), range(1, STEPS + 1))
+        return metrics, host_params(state).get("moe_bias")
 
     def get(case):
         if case not in cache:
@@ -187,7 +189,7 @@ def test_the_initial_state_does_not_depend_on_the_mesh():
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_a_run_on_a_model_axis_trains_as_one_device_and_resumes_bit_exactly(runs, case):
-    one, straight, resumed, final, final_resumed = runs(case)
+    (one, one_bias), straight, resumed, final, final_resumed = runs(case)
     losses = [r["loss"] for r in straight]
     assert len(losses) == STEPS
     np.testing.assert_allclose(losses, [r["loss"] for r in one], rtol=1e-5, atol=0)
@@ -195,6 +197,11 @@ def test_a_run_on_a_model_axis_trains_as_one_device_and_resumes_bit_exactly(runs
         assert max(r["drop_fraction"] for r in straight) > 0  # capacity really binds: drops agree as well
         np.testing.assert_array_equal([r["drop_fraction"] for r in straight], [r["drop_fraction"] for r in one])
     assert [r["loss"] for r in resumed] == losses[RESUME_AT:]
+    if one_bias is not None:  # deepseek-tiny balances by bias: every mesh steps it as the one device does
+        assert final["moe_bias"].keys() == one_bias.keys()
+        for name, value in one_bias.items():
+            np.testing.assert_array_equal(final["moe_bias"][name], value, err_msg=name)
+        assert any(np.abs(v).max() > 0 for v in one_bias.values())
     assert final.keys() == final_resumed.keys()
     for part in final:
         for name, value in final[part].items():
