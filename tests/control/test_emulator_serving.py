@@ -162,6 +162,8 @@ def test_a_deploys_server_starts_once_the_deploy_is_saved_and_again_if_it_never_
             assert emu.servers.keys() == []
         finally:
             session.close()
+            for key in emu.servers.keys():  # a test that failed halfway leaves no server running
+                emu.servers.stop(key)
 
 
 def test_a_server_still_starting_at_the_deployment_timeout_fails_the_deploy(tmp_path):
@@ -187,3 +189,5 @@ def test_a_server_still_starting_at_the_deployment_timeout_fails_the_deploy(tmp_
             assert emu.servers.keys() == [] and not api.endpoints.get_endpoint(name=endpoint.name).deployed_models
         finally:
             session.close()
+            for key in emu.servers.keys():  # a test that failed halfway leaves no server running
+                emu.servers.stop(key)
