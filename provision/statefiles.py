@@ -94,6 +94,12 @@ def ensure_dir(path: Path) -> None:
                          hint="run in a directory you can write to") from None
 
 
+def user_cache_dir(env, *parts: str) -> Path:
+    """$XDG_CACHE_HOME/PARTS (~/.cache by default): where moe-tpu keeps, for every directory it runs in, what
+    it could compute again (the dry run's compiled train steps, the planner's answers)."""
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").joinpath(*parts)
+
+
 def write_atomic(path: Path, text: str, what: str = "state file") -> None:
     """Replace the regular file at `path` (or create it) with `text`: a temporary file in the same
     directory, then a rename. Whatever else is at `path` is refused (UsageError), not written through."""

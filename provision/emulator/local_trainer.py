@@ -47,8 +47,9 @@ def compilation_cache_env(env) -> dict[str, str]:
     $XDG_CACHE_HOME/moe-tpu/jax (~/.cache by default); none where `env` already names a cache."""
     if env.get("JAX_COMPILATION_CACHE_DIR"):
         return {}
-    cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").joinpath(*COMPILATION_CACHE)
-    return {"JAX_COMPILATION_CACHE_DIR": str(cache)}
+    from provision.statefiles import user_cache_dir
+
+    return {"JAX_COMPILATION_CACHE_DIR": str(user_cache_dir(env, *COMPILATION_CACHE))}
 
 
 def local_output_dir(state_dir: Path, run: str) -> Path:

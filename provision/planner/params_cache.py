@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from provision.statefiles import user_cache_dir, write_atomic
 from trainer.params import ParamInfo
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def cache_dir(env: dict[str, str] | os._Environ = os.environ) -> Path | None:
         return None
     if env.get(CACHE_ENV):
         return Path(env[CACHE_ENV])
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").joinpath(*CACHE)
+    return user_cache_dir(env, *CACHE)
 
 
 @functools.cache
@@ -71,8 +72,6 @@ class _Store:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.lock = threading.Lock()
-        self.models: dict[str, list] = {}
-        self.ways: dict[str, int] = {}
         self.added = False
         self.models, self.ways = self._read()
         if path is not None:
@@ -103,8 +102,6 @@ class _Store:
             models = dict(list(models.items())[-MAX_MODELS:])
             ways = dict(list(ways.items())[-MAX_WAYS:])
             try:
-                from provision.statefiles import write_atomic
-
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(self.path, json.dumps({"format": FORMAT, "models": models, "ways": ways}),
                              "plan cache")
