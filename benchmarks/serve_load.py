@@ -10,7 +10,8 @@ drawn uniformly from `--prompt-len` and `--output-len` or read from `--lengths F
 {"prompt_len", "output_len"}); at most `--concurrency` run at once. Each phase (one per concurrency)
 reports, as one JSON line, TTFT, TPOT (after the first token, vLLM's definition), ITL (time between
 streamed chunks) and end-to-end latency (mean, median, p99, seconds), request and output-token
-throughput, and the server's own TTFT mean from /metrics beside the client's.
+throughput, and the server's own TTFT mean and median (read from its /metrics histogram as Prometheus
+reads a quantile) beside the client's.
 
 The last two JSON lines compare in the same run:
   `interference`: 7 streams decoding while a `--long-prompt`-token prompt arrives: their ITL p99 / p50.
@@ -146,7 +147,9 @@ def load_phases(args, base: str, vocab: int) -> None:
         before = server_ttft_metrics(base)
         results, seconds = asyncio.run(phase(base, lengths, args.rate, concurrency, vocab, args.seed))
         row = {"phase": "load", "concurrency": concurrency, "rate": args.rate, **report(results, seconds)}
-        row["server_ttft_mean"] = ttft_mean_since(base, before)
+        row.update(server_ttft_since(base, before))
+        if row["server_ttft_median"] and row["ttft"]["median"]:
+            row["server_over_client_ttft_median"] = row["server_ttft_median"] / row["ttft"]["median"]
         by_concurrency[concurrency] = row
         print(json.dumps(row), flush=True)
     if len(by_concurrency) > 1:
@@ -156,21 +159,49 @@ def load_phases(args, base: str, vocab: int) -> None:
                           / by_concurrency[low]["output_tokens_per_s"]}), flush=True)
 
 
-def server_ttft_metrics(base: str) -> tuple[float, float]:
+def server_ttft_metrics(base: str) -> dict[float, float]:
+    """The server's TTFT histogram from /metrics: cumulative count by upper bound (inf for +Inf), and the
+    sum under the key "sum"."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
         if family.name == "vllm:time_to_first_token_seconds":
-            values = {s.name: s.value for s in family.samples}
-            return (values.get("vllm:time_to_first_token_seconds_sum", 0.0),
-                    values.get("vllm:time_to_first_token_seconds_count", 0.0))
-    return 0.0, 0.0
+            out = {}
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    out[float(sample.labels["le"])] = sample.value
+                elif sample.name.endswith("_sum"):
+                    out["sum"] = sample.value
+            return out
+    return {}
 
 
-def ttft_mean_since(base: str, before: tuple[float, float]) -> float | None:
-    total, count = server_ttft_metrics(base)
-    return (total - before[0]) / (count - before[1]) if count > before[1] else None
+def histogram_quantile(q: float, cumulative: dict[float, float]) -> float | None:
+    """The q-quantile of a Prometheus histogram as Prometheus computes it: linear within the bucket that
+    holds it (the first bucket from 0)."""
+    bounds = sorted(b for b in cumulative if b != "sum")
+    total = cumulative[bounds[-1]] if bounds else 0
+    if not total:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower  # beyond the last finite bound: that bound, as Prometheus answers
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def server_ttft_since(base: str, before: dict) -> dict:
+    """The server's TTFT mean and median over the requests since `before`."""
+    after = server_ttft_metrics(base)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    count = delta.get(float("inf"), 0.0)
+    return {"server_ttft_mean": delta["sum"] / count if count else None,
+            "server_ttft_median": histogram_quantile(0.5, delta)}
 
 
 def interference(base: str, args, vocab: int) -> None:

@@ -93,7 +93,7 @@ def test_tiny_counts_against_the_trainers_real_state():
     cfg = load_config("tiny")
     trainer, plan = tiny_trainer()
     assert (plan.mesh.data, plan.mesh.expert) == (1, 8)
-    state = trainer.init_fn()
+    state = trainer.initial_state()
     params = sum(x.size for x in jax.tree.leaves(state["params"]))
     moments = sum(x.size for x in jax.tree.leaves(state["opt_state"]) if x.ndim > 0)
     counts = planner.count_params(inventory("tiny"), cfg)

@@ -309,7 +309,7 @@ def test_rematerialised_blocks_step_the_bias_as_plain_ones_do():
         cfg = load_config("tiny", BIAS_RUN + ["moe.bias_rate=0.01", f"model.remat={remat}"])
         trainer = build_trainer(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]), 4)
         data = DataIterator(make_source(cfg, cfg.train.seed), cfg.data.global_batch_size, cfg.model.vocab_size)
-        state = trainer.init_fn()
+        state = trainer.initial_state()
         for _ in range(2):
             state, _ = trainer.step_fn(state, global_batch(trainer, next(data)))
         states.append(jax.device_get(state["moe_bias"]))

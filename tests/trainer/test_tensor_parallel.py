@@ -89,7 +89,7 @@ def compiled(tr):
 
 
 def initialised(tr) -> dict:
-    return tr.init_fn.lower().compile(compiler_options=FAST_COMPILE)()
+    return tr.initial_state()  # as a run starts: compiled without XLA's optimisations on a CPU
 
 
 @functools.cache
