@@ -1,4 +1,5 @@
-"""A fake Cloud Storage server for tests: gcp-storage-emulator on a free loopback port, in memory.
+"""A fake Cloud Storage server for tests: gcp-storage-emulator on a free loopback port, in memory, with
+create-only uploads (tests/gcs_emulator.py).
 
 The real google-cloud-storage client (and gcsfs) talk to it through STORAGE_EMULATOR_HOST, with
 anonymous credentials; nothing leaves this machine."""
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -19,8 +21,9 @@ def fake_gcs_server(default_bucket: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-                               "--port", str(port), "--in-memory", "--default-bucket", default_bucket, "-q"],
+    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("gcs_emulator.py")), "start",
+                               "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+                               "--default-bucket", default_bucket, "-q"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

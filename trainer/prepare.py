@@ -347,13 +347,107 @@ def _write_error(error: OSError, what: str) -> click.ClickException:
     return PrepareError(f"{what}: {error.strerror or error}{hint}")
 
 
-def _upload(local: str, remote: str) -> None:
-    """Every file of `local` to `remote`, the manifest last (a reader that finds it finds the rest)."""
-    import fsspec
+class RemoteOutput:
+    """A dataset under gs:// (or another fsspec URL), held by one `data prepare` at a time and published
+    whole. An object store has no flock and no rename, so: the lock is an object created only where none is
+    (Cloud Storage's ifGenerationMatch=0: of two writers exactly one succeeds), removed at the end; files a
+    stopped prepare left there are overwritten under the lock. The files are written locally, then uploaded
+    with the manifest last, itself created only where none is, so a reader who finds a manifest finds its
+    shards and no writer replaces a manifest another one published. A prepare that fails or is stopped
+    removes what it uploaded and its lock."""
 
-    fs, target = fsspec.core.url_to_fs(remote)
-    for name in sorted(os.listdir(local), key=lambda n: (n == MANIFEST, n)):
-        fs.put_file(os.path.join(local, name), f"{target.rstrip('/')}/{name}")
+    LOCK = ".prepare-lock"
+
+    def __init__(self, output: str):
+        import fsspec
+
+        self.output = output.rstrip("/")
+        try:
+            self.fs, self.prefix = fsspec.core.url_to_fs(self.output)
+        except (ImportError, ValueError) as e:
+            raise PrepareError(f"--output {output}: {e}") from None
+        self.exclusive = "gs" in _protocols(self.fs)  # the only store here whose writes take a precondition
+        self.partial: str | None = None
+        self.locked, self.uploaded, self.published = False, [], False
+
+    def _path(self, name: str) -> str:
+        return f"{self.prefix.rstrip('/')}/{name}"
+
+    def _create(self, name: str, data: bytes | None = None, local: str | None = None) -> None:
+        """Writes the object only if none is there (FileExistsError if one is)."""
+        if not self.exclusive and self.fs.exists(self._path(name)):  # elsewhere: checked, then written
+            raise FileExistsError(self._path(name))
+        kw = {"mode": "create"} if self.exclusive else {}
+        if local is None:
+            self.fs.pipe_file(self._path(name), data, **kw)
+        else:
+            self.fs.put_file(local, self._path(name), **kw)
+
+    def __enter__(self) -> RemoteOutput:
+        import socket
+
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
+        try:
+            self._create(self.LOCK, json.dumps(holder).encode())
+        except FileExistsError:
+            raise PrepareError(f"another `data prepare` is writing to {self.output} ({self._holder()}); wait for it "
+                               f"to finish, or, if that prepare no longer runs, delete {self.output}/{self.LOCK}") \
+                from None
+        except OSError as e:
+            raise _write_error(e, f"cannot write to {self.output}") from None
+        self.locked = True
+        try:
+            if self.fs.exists(self._path(MANIFEST)):
+                raise PrepareError(f"{self.output} already holds a dataset (manifest.json); choose another --output")
+            self.partial = tempfile.mkdtemp(prefix="moe-tpu-prepare-")
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def _holder(self) -> str:
+        """Who holds the lock, as its object says (best effort: it may be gone by now)."""
+        try:
+            held = json.loads(self.fs.cat_file(self._path(self.LOCK))[:4096])
+            return f"its lock says host {held['host']}, process {held['pid']}, since {held['started']}"
+        except Exception:  # noqa: BLE001 - only a detail of the message
+            return f"it holds {self.output}/{self.LOCK}"
+
+    def publish(self, names: list[str]) -> None:
+        """Uploads the finished files, the manifest last and only where no manifest is."""
+        for name in sorted(names, key=lambda n: (n == MANIFEST, n)):
+            local = os.path.join(self.partial, name)
+            if name == MANIFEST:
+                try:
+                    self._create(name, local=local)
+                except FileExistsError:  # only where the lock was deleted under a running prepare
+                    self.uploaded = []  # under another's manifest now: not ours to remove
+                    raise PrepareFailure(f"another prepare published a dataset in {self.output} while this one "
+                                         f"wrote (its lock {self.LOCK} was deleted while it ran), and this one's "
+                                         "shards replaced some of its shards: prepare it again into a new --output") \
+                        from None
+                self.published = True
+            else:
+                self.fs.put_file(local, self._path(name))
+                self.uploaded.append(name)
+
+    def __exit__(self, *exc) -> None:
+        if self.partial is not None:
+            shutil.rmtree(self.partial, ignore_errors=True)
+        if not self.published:
+            for name in self.uploaded:
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(self._path(name))
+        if self.locked:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self._path(self.LOCK))
+            self.locked = False
+
+
+def _protocols(fs) -> set[str]:
+    protocol = fs.protocol
+    return {protocol} if isinstance(protocol, str) else set(protocol)
 
 
 def prepare(inputs: tuple[str, ...], output: str, *, tokenizer_path: str | None, vocab_size: int,
@@ -362,23 +456,14 @@ def prepare(inputs: tuple[str, ...], output: str, *, tokenizer_path: str | None,
     """Tokenizes the corpus into `output`; returns the manifest."""
     files = input_files(inputs)
     corpus = Corpus(files, text_key=text_key, lines=lines)
-    remote = "://" in output
-    target = contextlib.nullcontext() if remote else OutputDir(output)
-    with target:
+    with RemoteOutput(output) if "://" in output else OutputDir(output) as target:
         tokenizer, trained = _tokenizer(corpus, tokenizer_path, vocab_size, say)
-        local = tempfile.mkdtemp(prefix="moe-tpu-prepare-") if remote else target.partial
         try:
             started = time.perf_counter()
-            manifest = _write(corpus, tokenizer, trained, local, eod_token, documents_per_shard, progress)
-            if remote:
-                _upload(local, output)
-            else:
-                target.publish(os.listdir(local))
+            manifest = _write(corpus, tokenizer, trained, target.partial, eod_token, documents_per_shard, progress)
+            target.publish(os.listdir(target.partial))
         except OSError as e:
             raise _write_error(e, f"cannot write the dataset to {output}") from None
-        finally:
-            if remote:
-                shutil.rmtree(local, ignore_errors=True)
     seconds = max(time.perf_counter() - started, 1e-9)
     tokens = manifest["tokens"]
     say(f"wrote {manifest['documents']:,} documents, {tokens:,} tokens in {len(manifest['shards'])} shard(s) to "

@@ -134,12 +134,13 @@ class KvLayout:
 
 
 def engine_kv_layout(cfg: trainer_config.Config, mesh: Mesh) -> KvLayout:
-    """As trainer/serve/engine.py lays it out: the cache replicated on every chip (its out_shardings),
-    each chip attending for its own batch rows (data x expert) and, where `model` divides the KV heads,
-    its share of them."""
+    """As trainer/serve/engine.py lays it out (KVCache.sharding): the KV heads split over `model` where it
+    divides them, else every chip holding all of them; each chip attending for its own batch rows
+    (data x expert) and its heads."""
     heads = mesh.model if cfg.model.kv_heads % mesh.model == 0 else 1
-    return KvLayout(hold_ways=1, read_ways=mesh.token_shards * heads,
-                    note="replicated on every chip, as the engine holds it")
+    note = (f"KV heads split over model={mesh.model}, as the engine holds them" if heads > 1
+            else "every chip holds all KV heads, as the engine does")
+    return KvLayout(hold_ways=heads, read_ways=mesh.token_shards * heads, note=note)
 
 
 def kv_bytes_per_token(cfg: trainer_config.Config, precision: str) -> float:

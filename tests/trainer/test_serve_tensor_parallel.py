@@ -14,6 +14,7 @@ from trainer.config import load_config
 from trainer.params import param_inventory
 from trainer.serve.cli import serve_command
 from trainer.serve.engine import Engine, Request, SamplingParams
+from trainer.serve.memory import memory_plan
 from trainer.serve.weights import build_serving_model, decode_weight_bytes, init_weights
 
 pytestmark = pytest.mark.compile_bound  # small programs, each compiled once: XLA's optimisations cost more
@@ -35,6 +36,7 @@ def greedy(model, weights):
     engine = Engine(model, weights, slots=2, max_len=24, chunk=8)
     requests = [engine.submit(Request(list(p), SamplingParams(max_tokens=6))) for p in PROMPTS]
     engine.run()
+    greedy.engine = engine
     return [r.output for r in requests]
 
 
@@ -49,6 +51,15 @@ def test_expert_2_model_4_decodes_as_one_device_and_reads_fewer_weight_bytes_tha
     expected = greedy(one, weights)
     assert greedy(tp, tp_weights) == expected
     assert [len(o) for o in expected] == [6, 6, 6]
+    # The KV cache's heads are split over `model` as attention's are: a quarter of it on each device, as
+    # the start-up memory check and `plan --serve` count it.
+    cache = greedy.engine.cache  # k and v: [layers, slots, max_len, kv_heads, head_size]
+    assert cache.k.sharding.spec[3] == "model" and cache.k.addressable_shards[0].data.shape == (1, 2, 24, 1, 16)
+    on_a_device = sum(a.addressable_shards[0].data.nbytes for a in (cache.k, cache.v))
+    assert memory_plan(tp, 2, 24, "float32", False)["kv_cache"] == on_a_device == (cache.k.nbytes + cache.v.nbytes) // 4
+    assert planner.engine_kv_layout(tp.cfg, planner.Mesh(1, 2, model=4)).hold_ways == 4
+    int8 = Engine(tp, tp_weights, slots=2, max_len=24, chunk=8, kv_dtype="int8").cache
+    assert int8.k.sharding.spec[3] == int8.k_scale.sharding.spec[3] == "model"
 
     ep, ep_weights = serving_on({"data": 1, "expert": 8}, weights)
     assert ep_weights["params"]["blocks.0.ffn.w_in"].addressable_shards[0].data.shape == (1, 64, 64)

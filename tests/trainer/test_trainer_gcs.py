@@ -1,9 +1,10 @@
-"""A 64 MiB token object on a fake GCS server (gcp-storage-emulator on 127.0.0.1) is read by range: the
-bytes fetched stay within 1.1x those of the rows the host reads, and resident memory stays flat (it grows by
-less than a quarter of the object)."""
+"""On a fake GCS server (gcp-storage-emulator on 127.0.0.1): a 64 MiB token object is read by range (the
+bytes fetched stay within 1.1x those of the rows the host reads, and resident memory stays flat: it grows by
+less than a quarter of the object); `data prepare` into gs:// takes a lock and publishes a dataset whole."""
 
 import logging
 import sys
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -72,3 +73,63 @@ def test_a_large_object_is_read_by_range_with_flat_memory(fake_gcs):
         gcsfs.GCSFileSystem._cat_file = original
     assert used <= read <= 1.1 * used, (read, used)  # only rows, read ahead at most PREFETCH_ROWS
     assert growth < 2 * TOKENS // 4, growth  # a quarter of the object
+
+
+# In a process of its own: gcsfs reads the emulator's address when it is imported.
+REMOTE_PREPARE = r"""
+import json, sys
+import gcsfs
+from trainer.prepare import RemoteOutput, main
+
+def run(args):
+    try:
+        main(args)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+args = [sys.argv[1], "--lines", "-o", "gs://data/ds", "--vocab-size", "260", "--quiet"]
+fs = gcsfs.GCSFileSystem(token="anon")
+names = lambda: sorted(p.rsplit("/", 1)[1] for p in fs.find("data/ds", withdirs=False))
+out = {}
+out["bad"] = run([sys.argv[2], *args[1:]])  # not UTF-8: refused while writing, before anything goes up
+out["after_bad"] = names() if fs.exists("data/ds") else []
+with RemoteOutput("gs://data/ds"):  # a prepare at work there: it holds the lock
+    out["busy"], out["while_busy"] = run(args), names()
+fs.invalidate_cache()
+out["after_busy"] = names()
+fs.pipe_file("data/ds/train-00000.array_record", b"left by a prepare killed halfway")
+out["done"] = run(args)
+fs.invalidate_cache()
+out["files"], out["manifest"] = names(), json.loads(fs.cat_file("data/ds/manifest.json"))
+out["shard"] = fs.cat_file("data/ds/train-00000.array_record")[:40].decode("latin-1")
+out["again"] = run(args)
+fs.invalidate_cache()
+out["after_again"] = names()
+print(json.dumps(out))
+"""
+
+
+def test_prepare_into_gcs_takes_a_lock_publishes_the_manifest_last_and_never_replaces_one(fake_gcs, tmp_path):
+    """`data prepare` into a gs:// prefix: one that fails leaves nothing, not even its lock; a second one
+    refuses while the first holds the lock (an object created only where none is); a stopped prepare's
+    leftovers are overwritten; a published dataset is never replaced."""
+    import json
+    import os
+    import subprocess
+
+    (tmp_path / "a.txt").write_text("one line\nanother line\n")
+    (tmp_path / "bad.txt").write_bytes(b"fine\n\xff\xfe not text\n")
+    checkout = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", REMOTE_PREPARE, str(tmp_path / "a.txt"), str(tmp_path / "bad.txt")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": checkout})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["bad"] == 2 and out["after_bad"] == [] and "bad.txt" in done.stderr  # its lock gone too
+    assert out["busy"] == 2 and out["while_busy"] == [".prepare-lock"], out
+    assert "another `data prepare` is writing to gs://data/ds (its lock says host" in done.stderr
+    assert out["after_busy"] == []  # the holder's lock went with it
+    assert out["done"] == 0 and out["files"] == ["manifest.json", "tokenizer.json", "train-00000.array_record"]
+    assert out["manifest"]["documents"] == 2 and not out["shard"].startswith("left by")  # the leftover replaced
+    assert out["again"] == 2 and "gs://data/ds already holds a dataset" in done.stderr
+    assert out["after_again"] == out["files"]  # no lock left behind, nothing replaced

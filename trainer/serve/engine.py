@@ -74,11 +74,12 @@ class Engine:
         self.slots, self.max_len, self.chunk = slots, max_len, chunk
         self.kv_dtype = jnp.dtype(kv_dtype or model.cfg.dtype)
         replicated = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
+        cache_sharding = KVCache.sharding(model.mesh, m.kv_heads, self.kv_dtype)
         self.cache = jax.jit(lambda: KVCache.empty(m.num_layers, slots, max_len, m.kv_heads, m.head_size,
-                                                   self.kv_dtype), out_shardings=replicated)()
+                                                   self.kv_dtype), out_shardings=cache_sharding)()
         # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=replicated)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=replicated)
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
         self.waiting: collections.deque[Request] = collections.deque()
         self.admitting: Request | None = None  # the request being prefilled, chunk by chunk
         self.active: dict[int, Request] = {}

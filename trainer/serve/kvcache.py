@@ -31,6 +31,27 @@ class KVCache:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @staticmethod
+    def split_ways(mesh, kv_heads: int) -> int:
+        """The devices one cache is split over: its KV heads over the mesh's `model` axis, as attention's
+        heads are (each device keeps and reads the keys and values of its own heads); where `model` does
+        not divide the KV heads (fewer KV heads than `model`: grouped-query attention), every device
+        holds them all."""
+        ways = dict(mesh.shape).get("model", 1)
+        return ways if kv_heads % ways == 0 else 1
+
+    @staticmethod
+    def sharding(mesh, kv_heads: int, dtype) -> KVCache:
+        """The cache's layout on the mesh (split_ways), as a KVCache of NamedShardings."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        heads = "model" if KVCache.split_ways(mesh, kv_heads) > 1 else None
+        values = NamedSharding(mesh, PartitionSpec(None, None, None, heads, None))
+        if jnp.dtype(dtype) != jnp.int8:
+            return KVCache(values, values)
+        scales = NamedSharding(mesh, PartitionSpec(None, None, None, heads))
+        return KVCache(values, values, scales, scales)
+
+    @staticmethod
     def nbytes(layers: int, slots: int, max_len: int, kv_heads: int, head_size: int, dtype) -> int:
         """Bytes of a cache of this shape, without building it (the start-up memory check)."""
         per_position = kv_heads * head_size * jnp.dtype(dtype).itemsize

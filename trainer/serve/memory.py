@@ -12,7 +12,7 @@ HEADROOM = 0.10
 
 
 def memory_plan(model, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> dict[str, int]:
-    """Bytes on the busiest device: its shard of each weight, and the (replicated) KV cache."""
+    """Bytes on the busiest device: its shard of each weight, and its part of the KV cache."""
     import jax.numpy as jnp
 
     from trainer.serve.kvcache import KVCache
@@ -30,6 +30,7 @@ def memory_plan(model, slots: int, max_len: int, kv_dtype, int8_weights: bool) -
             weights += count + 4 * count // math.prod(shard[a] for a in axes)
     m = model.cfg.model
     cache = KVCache.nbytes(m.num_layers, slots, max_len, m.kv_heads, m.head_size, kv_dtype)
+    cache //= KVCache.split_ways(model.mesh, m.kv_heads)
     return {"weights": weights, "kv_cache": cache}
 
 
