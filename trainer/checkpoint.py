@@ -112,6 +112,30 @@ def _from_orbax_threads(record: logging.LogRecord) -> bool:
     return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
+# Orbax writes an array that several devices hold alike (replicated over `data`) in parallel: each replica
+# slices out a part and writes it. Each slice is an operation on the device, compiled once per shape: for
+# the many small arrays of a state (norms, biases, a small model's every weight) that is compiling, not
+# writing. Measured on 8 CPU devices, tiny on data=2,expert=4: the first save took 3.0 s, nearly all of it
+# compiling slices, against 0.1 s on one device. Parallel writing pays for large arrays only.
+REPLICA_PARALLEL_MIN_BYTES = 4 << 20
+
+
+def _replica_parallel_for_large_arrays_only() -> None:
+    """Orbax's handler for jax.Array as orbax registers it (with its store of array metadata, which only
+    an internal module makes), replica-parallel only where a replica's part is at least
+    REPLICA_PARALLEL_MIN_BYTES. Where that module has moved, orbax's own handler stays: slower, as right."""
+    from orbax.checkpoint import type_handlers
+
+    try:
+        from orbax.checkpoint._src.metadata import array_metadata_store
+
+        handler = type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
+                                             array_metadata_store=array_metadata_store.Store())
+    except (ImportError, AttributeError, TypeError):
+        return
+    type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
 def _quiet_failed_saves() -> None:
     if os.environ.get("MOE_TRAIN_DEBUG") == "1":
         return
@@ -154,6 +178,7 @@ class Checkpointer:
         self._pending: int | None = None  # the step whose asynchronous write is in flight
         self.broken = False
         _quiet_failed_saves()
+        _replica_parallel_for_large_arrays_only()
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.directory, str(step)) if "://" not in self.directory else \
