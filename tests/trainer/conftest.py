@@ -41,6 +41,41 @@ def trained_tiny(tmp_path_factory, worker_id):
     return SimpleNamespace(output_dir=out, rows=rows, output=printed.read_text())
 
 
+@pytest.fixture(scope="session")
+def trained_on_prepared(tmp_path_factory, worker_id):
+    """`tiny` trained 150 steps through the command line on a corpus that `data prepare` made (4,000 short
+    English-like documents, a byte-level BPE of 320 tokens, 5% held out and evaluated every 50 steps, steps
+    3-5 profiled): its dataset, its output directory and the records arguments it trained with. Read them,
+    never write into them. Trained once per test run, under a lock, as `trained_tiny` is."""
+    import jax
+
+    from text_corpus import corpus
+    from trainer.cli import train_command
+    from trainer.prepare import prepare_command
+
+    jax.devices()  # this worker's jax on the session's 8 fake devices (see trained_tiny)
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    tmp = shared / "trained-on-prepared"
+    tmp.mkdir(exist_ok=True)
+    ds, out, printed = tmp / "ds", tmp / "out", tmp / "output.txt"
+    records = ["--config", "tiny", "--devices", "1", "--set", "data.source=records", "--set", f"data.path={ds}",
+               "--set", "data.eval_share=0.05"]
+    with open(shared / "trained-on-prepared.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not printed.exists():
+            (tmp / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(4000)))
+            prepared = CliRunner().invoke(prepare_command, [str(tmp / "docs.jsonl"), "-o", str(ds),
+                                                            "--vocab-size", "320", "--quiet"])
+            assert prepared.exit_code == 0, prepared.output
+            result = CliRunner().invoke(train_command, [
+                *records, "--set", "model.vocab_size=320", "--set", "train.eval_every=50",
+                "--set", "train.eval_batches=2", "--set", "train.log_every=10", "--set", "train.profile_steps=[3, 5]",
+                "--steps", "150", "--output-dir", str(out), "--metrics", str(tmp / "m.jsonl")])
+            assert result.exit_code == 0, result.output
+            printed.write_text(result.output)
+    return SimpleNamespace(dataset=ds, output_dir=out, records_args=records, output=printed.read_text())
+
+
 # Modules whose tests each compile several small programs (oracles, sharded blocks on 8 fake devices,
 # compiled HLO read for its collectives, trainers stopped after a few steps) and run each briefly: there
 # XLA's optimisation passes take longer than the programs they speed up. Measured on 2 cores, one module

@@ -1,5 +1,5 @@
 """int8 weights and the int8 KV cache: half the bytes, and a trained `tiny` predicts what it predicts in
-float on held-out sequences of its source."""
+float on held-out sequences of its source, and on held-out text of a corpus that `data prepare` made."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 
 from trainer import sharding
 from trainer.config import load_config
-from trainer.data import make_source
+from trainer.data import make_source, open_data
 from trainer.sample import load_run_config
 from trainer.serve.engine import Engine, Request, SamplingParams
 from trainer.serve.kvcache import KVCache
@@ -42,11 +42,34 @@ def test_int8_weights_take_about_half_of_bfloat16_and_predict_as_float(restored)
     assert weight_bytes(int8["params"]) <= 0.55 * bf16_bytes
     plan = memory_plan(model, 1, 1, "float32", True)  # the start-up plan counts the same bytes
     assert plan["weights"] == weight_bytes(int8["params"])
-    rows_BxL = jnp.asarray(held_out(32, 64), jnp.int32)  # 32 held-out sequences, 64 positions each
+    agree, kl = agreement(forward, weights, int8, held_out(32, 64))  # 32 held-out sequences of 64 positions
+    assert agree >= 0.9 and kl <= 0.02, (agree, kl)
+
+
+def agreement(forward, weights, int8, rows_BxL) -> tuple[float, float]:
+    """How often the int8 model's most likely next token is the float model's, and the mean KL divergence
+    of its next-token distribution from the float one's, over every position of the rows."""
+    rows_BxL = jnp.asarray(rows_BxL, jnp.int32)
     logp = jax.nn.log_softmax(forward(weights, rows_BxL), axis=-1)
     logq = jax.nn.log_softmax(forward(int8, rows_BxL), axis=-1)
     agree = float(jnp.mean(jnp.argmax(logp, -1) == jnp.argmax(logq, -1)))
-    kl = float(jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)))
+    return agree, float(jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)))
+
+
+def test_int8_weights_predict_as_float_on_held_out_text_of_a_prepared_corpus(trained_on_prepared):
+    """`tiny` trained on text that `data prepare` tokenized: on 32 sequences of its held-out share (the
+    documents training never reads), 64 positions each."""
+    cfg = load_run_config(str(trained_on_prepared.output_dir / "config.json"))
+    assert cfg.data.source == "records" and cfg.model.vocab_size == 320
+    model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+    weights, step = restore_weights(model, str(trained_on_prepared.output_dir / "checkpoints"))
+    assert step == 150
+    _, make_eval = open_data(cfg, seed=0, with_eval=True)
+    evaluation = make_eval()
+    rows = np.concatenate([next(evaluation) for _ in range(2)])[:32, :64]
+    assert rows.shape == (32, 64)
+    forward = jax.jit(lambda w, t: model.module(w)(t, train=False)[0])
+    agree, kl = agreement(forward, weights, {**weights, "params": quantize_params(weights["params"])}, rows)
     assert agree >= 0.9 and kl <= 0.02, (agree, kl)
 
 

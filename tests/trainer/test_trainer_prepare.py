@@ -13,18 +13,8 @@ from click.testing import CliRunner
 from tokenizers import Tokenizer
 
 from trainer.cli import train_command
+from text_corpus import corpus
 from trainer.prepare import prepare_command
-
-SUBJECTS = ["the cat", "a dog", "my old friend", "the tall man", "a small bird", "her sister"]
-VERBS = ["sat on", "looked at", "ran to", "jumped over", "walked past"]
-OBJECTS = ["the mat", "a green tree", "the house", "the river", "a red car"]
-
-
-def corpus(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}."
-                     for _ in range(rng.randint(1, 3))) for _ in range(n)]
-
 
 def prepare(args):
     return CliRunner().invoke(prepare_command, [*map(str, args), "--quiet"])
@@ -183,24 +173,15 @@ def unigram_entropy(docs, eod_id) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def test_a_prepared_corpus_trains_below_its_unigram_entropy_and_the_evaluation_is_reported(tmp_path):
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(4000)))
-    assert prepare([tmp_path / "docs.jsonl", "-o", tmp_path / "ds", "--vocab-size", "320"]).exit_code == 0
-    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
-    floor = unigram_entropy(read_documents(tmp_path / "ds", manifest), manifest["eod_id"])
-    common = ["--config", "tiny", "--devices", "1", "--set", "data.source=records", "--set",
-              f"data.path={tmp_path / 'ds'}", "--set", "data.eval_share=0.05"]
+def test_a_prepared_corpus_trains_below_its_unigram_entropy_and_the_evaluation_is_reported(trained_on_prepared):
+    ds, out = trained_on_prepared.dataset, trained_on_prepared.output_dir
+    manifest = json.loads((ds / "manifest.json").read_text())
+    floor = unigram_entropy(read_documents(ds, manifest), manifest["eod_id"])
     # A manifest that the model's vocabulary cannot hold: exit 2, before anything is built.
-    refused = CliRunner().invoke(train_command, [*common, "--steps", "1"])
+    refused = CliRunner().invoke(train_command, [*trained_on_prepared.records_args, "--steps", "1"])
     assert refused.exit_code == 2
     assert "vocabulary of 320 tokens, more than model.vocab_size=256" in refused.output
 
-    out = tmp_path / "out"
-    result = CliRunner().invoke(train_command, [
-        *common, "--set", "model.vocab_size=320", "--set", "train.eval_every=50", "--set", "train.eval_batches=2",
-        "--set", "train.log_every=10", "--set", "train.profile_steps=[3, 5]", "--steps", "150",
-        "--output-dir", str(out), "--metrics", str(tmp_path / "m.jsonl")])
-    assert result.exit_code == 0, result.output
     assert len(list((out / "profile").rglob("*.xplane.pb"))) == 1  # train.profile_steps: one trace
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_loss" in r]
