@@ -79,16 +79,33 @@ def tiny_engine(tiny):
     return engine
 
 
-def test_concurrent_greedy_requests_return_what_they_return_alone_and_compile_once(tiny_engine):
+def thirty_two_requests():
+    """Prompts of 1-256 tokens, 1-24 new ones, greedy."""
+    return random_requests(np.random.RandomState(1), 32, 256, 256, 24)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_engine):
+    """What each of thirty_two_requests() returns run alone on one device."""
+    requests = thirty_two_requests()
+    for r in requests:
+        tiny_engine.submit(r)
+        tiny_engine.run()
+    return [r.output for r in requests]
+
+
+def test_concurrent_greedy_requests_return_what_they_return_alone_and_compile_once(tiny_engine, alone):
     engine = tiny_engine
-    rng = np.random.RandomState(1)
     compiled = engine.compilations()
     assert compiled == 2  # the prefill chunk and the decode step
-    requests = random_requests(rng, 32, 256, 256, 24)  # prompts of 1-256 tokens, 1-24 new ones
-    alone, together = alone_then_together(engine, requests)
-    assert together == alone
-    assert [len(o) for o in together] == [r.sampling.max_tokens for r in requests]
+    requests = thirty_two_requests()
+    for r in requests:
+        engine.submit(r)
+    engine.run()
+    assert [r.output for r in requests] == alone
+    assert [len(o) for o in alone] == [r.sampling.max_tokens for r in requests]
     # 200 more requests of random lengths: nothing compiles again after the warm-up.
+    rng = np.random.RandomState(2)
     for r in random_requests(rng, 200, 256, 40, 8):
         engine.submit(r)
     engine.run()
@@ -163,14 +180,21 @@ def test_a_cancelled_request_frees_its_slot_and_a_failing_one_fails_alone(tiny_e
     assert sorted(tiny_engine.free) == list(range(tiny_engine.slots))
 
 
-def test_experts_over_8_devices_serve_concurrent_requests_as_alone():
-    # A token a device at decode: fewer rows than the tiled FFN's longest span. (deepseek-tiny, its shared
-    # expert and bias, decodes as its forward pass above; the MoE tests cover its layer on the mesh.)
-    model, weights = serving("tiny", devices=8, expert=8)
-    w_in = weights["params"]["blocks.0.ffn.w_in"]
+def test_experts_over_8_devices_serve_concurrent_requests_as_one_device_alone(tiny, alone):
+    """The same 32 requests on 8 devices with expert=8, all at once: each returns, token for token, what it
+    returns alone on one device. (A token a device at decode: fewer rows than the tiled FFN's longest span.
+    deepseek-tiny, its shared expert and bias, decodes as its forward pass above; the MoE tests cover its
+    layer on the mesh.)"""
+    one, weights, _ = tiny
+    mesh = sharding.make_mesh({"data": 1, "expert": 8}, jax.devices()[:8])
+    model = build_serving_model(one.cfg, mesh)
+    on_mesh = jax.device_put(weights, {k: model.shardings[k] for k in weights})
+    w_in = on_mesh["params"]["blocks.0.ffn.w_in"]
     assert w_in.sharding.spec[0] == "expert"  # the experts are split over the mesh
-    engine = Engine(model, weights, slots=8, max_len=80, chunk=16)
-    engine.warm_up()
-    alone, together = alone_then_together(engine, random_requests(np.random.RandomState(2), 10, 256, 60, 12))
-    assert together == alone
+    engine = Engine(model, on_mesh, slots=8, max_len=288, chunk=16)
+    requests = thirty_two_requests()
+    for r in requests:
+        engine.submit(r)
+    engine.run()
+    assert [r.output for r in requests] == alone
     assert engine.compilations() == 2
