@@ -10,6 +10,11 @@ JSON object: XLA's figures (arguments + outputs - donated + temporaries = peak),
 (provision/planner: params, grads, optimizer, activations, total), their ratio and the seconds the
 compile took. --fast compiles as the tests do (XLA's optimisations and CPU fusion emitters off: the
 temporaries are then those of a less optimised program).
+
+Measured (one run each, 8 fake devices, batch 16): v5e-64 on expert=2,model=4 with model.remat=false,
+planner 65.5 GiB against XLA's 75.5 (0.87x); with remat on, 37.8 against 71.3: XLA's CPU scheduler
+hoists the recomputed forward, so its peak hardly drops with remat, and at seq_len 2048 the layers'
+attention scores stay live at once (at seq_len 256, remat on: 29.4 against 32.6, 0.90x).
 """
 
 from __future__ import annotations
