@@ -115,9 +115,9 @@ class Trainer:
 
     def initial_state(self) -> State:
         """Step 0's state, from `init_fn`. On a CPU (dry runs, tests) its program is compiled with XLA's
-        optimisations off: it runs once, in milliseconds either way, and optimising it took 3 to 5 times
-        longer than the rest of its compile (measured on 2 cores: tiny 5.0 -> 1.0 CPU s, deepseek-tiny
-        7.6 -> 1.5; the values differ by float rounding only). Elsewhere it is compiled as usual: on a TPU
+        optimisations off: it runs once, in milliseconds either way, and compiling it optimised took 3 to 5
+        times as long (measured on 2 cores: tiny 5.0 -> 1.0 CPU s, deepseek-tiny 7.6 -> 1.5; the values
+        differ by float rounding only). Elsewhere it is compiled as usual: on a TPU
         its fusions keep a large model's initialisation within memory, and compiling is not the cost."""
         if self.mesh.devices.flat[0].platform != "cpu":
             return self.init_fn()

@@ -103,9 +103,10 @@ class ServerState:
 
 class _Arrival:
     """Stamps each HTTP request with its arrival (`request.state.arrival`), from which TTFT and end-to-end
-    latency count, as a client sees them. A plain ASGI middleware, the first code a request meets: Starlette's
+    latency count. A plain ASGI middleware, the first code a request meets: Starlette's
     `@app.middleware("http")` stamps later and passes every streamed chunk through a task and a queue of its
-    own (measured with benchmarks/serve_load.py: the server's TTFT median read 0.78x the client's with it)."""
+    own (measured with benchmarks/serve_load.py at concurrency 1, one run each: 213 -> 242 output tokens/s,
+    ITL median 4.5 -> 3.9 ms without it)."""
 
     def __init__(self, app):
         self.app = app
