@@ -125,19 +125,18 @@ async def phase(base: str, lengths: list[tuple[int, int]], rate: float, concurre
     return results, seconds
 
 
-def in_client_process(fn, *args):
-    """fn(*args) in a process of its own, started fresh: the clients' Python never competes with the
-    server's for one interpreter lock, as on a real deployment (measured in one process, the client's TTFT
-    median read 1.3x the server's own at 7 ms)."""
+def in_client_process(coroutine_fn, *args):
+    """asyncio.run(coroutine_fn(*args)) in a process of its own, started fresh: the clients' Python never
+    competes with the server's for one interpreter lock, as on a deployment."""
     import concurrent.futures
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+        return pool.submit(_run_async, coroutine_fn, *args).result()
 
 
-def client_phase(*args):
-    return asyncio.run(phase(*args))
+def _run_async(coroutine_fn, *args):
+    return asyncio.run(coroutine_fn(*args))
 
 
 def report(results: list[dict], seconds: float) -> dict:
@@ -161,7 +160,7 @@ def load_phases(args, base: str, vocab: int) -> None:
     by_concurrency = {}
     for concurrency in args.concurrency:
         before = server_ttft_metrics(base)
-        results, seconds = in_client_process(client_phase, base, lengths, args.rate, concurrency, vocab, args.seed)
+        results, seconds = in_client_process(phase, base, lengths, args.rate, concurrency, vocab, args.seed)
         row = {"phase": "load", "concurrency": concurrency, "rate": args.rate, **report(results, seconds)}
         row.update(server_ttft_since(base, before))
         if row["server_ttft_median"] and row["ttft"]["median"]:
@@ -232,13 +231,9 @@ async def interference_scenario(base: str, seed: int, stream_tokens: int, long_p
         return await asyncio.gather(*streams), long
 
 
-def client_interference(*args):
-    return asyncio.run(interference_scenario(*args))
-
-
 def interference(base: str, args, vocab: int) -> None:
     """The streams' chunk gaps while the long prompt is prefilled between their decode steps."""
-    streams, long = in_client_process(client_interference, base, args.seed, args.interference_tokens,
+    streams, long = in_client_process(interference_scenario, base, args.seed, args.interference_tokens,
                                       args.long_prompt, vocab)
     itl = [x for r in streams for x in r["itl"]]
     row = {"phase": "interference", "long_prompt": args.long_prompt, "stream_itl": summary(itl),

@@ -10,35 +10,44 @@ import pytest
 from click.testing import CliRunner
 
 
+def once_per_run(tmp_path_factory, worker_id, name: str, make) -> tuple:
+    """`make(directory)`'s printed output, made once per test run, not once per pytest-xdist worker: the
+    first worker to ask makes it in a directory all workers share (the run's base temporary directory),
+    under a lock the others wait on. Returns (that directory, what `make` printed)."""
+    import jax
+
+    # jax started here with the test session's 8 fake devices: a command's `--devices 1` would otherwise
+    # start it with one, for every later test of this worker.
+    jax.devices()
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    tmp = shared / name
+    tmp.mkdir(exist_ok=True)
+    printed = tmp / "output.txt"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not printed.exists():
+            printed.write_text(make(tmp))
+    return tmp, printed.read_text()
+
+
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory, worker_id):
     """`tiny` trained 120 steps on one device through the command line, as a user runs it: its output
     directory (checkpoint at step 120, config.json), its metric rows and what it printed. Read it, never
-    write into it: the tests that share it run in any order.
-
-    Trained once per test run, not once per pytest-xdist worker: the first worker to ask trains it in a
-    directory all workers share (the run's base temporary directory), under a lock the others wait on."""
-    import jax
-
+    write into it: the tests that share it run in any order. Trained once per test run (once_per_run)."""
     from trainer.cli import train_command
 
-    # jax started here with the test session's 8 fake devices: the command's `--devices 1` would otherwise
-    # start it with one, for every later test of this worker.
-    jax.devices()
-    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    tmp = shared / "trained-tiny"
-    tmp.mkdir(exist_ok=True)
-    out, metrics, printed = tmp / "run", tmp / "m.jsonl", tmp / "output.txt"
-    with open(shared / "trained-tiny.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not printed.exists():
-            result = CliRunner().invoke(train_command, ["--config", "tiny", "--devices", "1", "--steps", "120",
-                                                        "--output-dir", str(out), "--metrics", str(metrics)])
-            assert result.exit_code == 0, result.output
-            printed.write_text(result.output)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    def make(tmp):
+        result = CliRunner().invoke(train_command, [
+            "--config", "tiny", "--devices", "1", "--steps", "120", "--output-dir", str(tmp / "run"),
+            "--metrics", str(tmp / "m.jsonl")])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    tmp, printed = once_per_run(tmp_path_factory, worker_id, "trained-tiny", make)
+    rows = [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 121))
-    return SimpleNamespace(output_dir=out, rows=rows, output=printed.read_text())
+    return SimpleNamespace(output_dir=tmp / "run", rows=rows, output=printed)
 
 
 @pytest.fixture(scope="session")
@@ -46,34 +55,29 @@ def trained_on_prepared(tmp_path_factory, worker_id):
     """`tiny` trained 150 steps through the command line on a corpus that `data prepare` made (4,000 short
     English-like documents, a byte-level BPE of 320 tokens, 5% held out and evaluated every 50 steps, steps
     3-5 profiled): its dataset, its output directory and the records arguments it trained with. Read them,
-    never write into them. Trained once per test run, under a lock, as `trained_tiny` is."""
-    import jax
-
+    never write into them. Trained once per test run (once_per_run)."""
     from text_corpus import corpus
     from trainer.cli import train_command
     from trainer.prepare import prepare_command
 
-    jax.devices()  # this worker's jax on the session's 8 fake devices (see trained_tiny)
-    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    tmp = shared / "trained-on-prepared"
-    tmp.mkdir(exist_ok=True)
-    ds, out, printed = tmp / "ds", tmp / "out", tmp / "output.txt"
-    records = ["--config", "tiny", "--devices", "1", "--set", "data.source=records", "--set", f"data.path={ds}",
-               "--set", "data.eval_share=0.05"]
-    with open(shared / "trained-on-prepared.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not printed.exists():
-            (tmp / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(4000)))
-            prepared = CliRunner().invoke(prepare_command, [str(tmp / "docs.jsonl"), "-o", str(ds),
-                                                            "--vocab-size", "320", "--quiet"])
-            assert prepared.exit_code == 0, prepared.output
-            result = CliRunner().invoke(train_command, [
-                *records, "--set", "model.vocab_size=320", "--set", "train.eval_every=50",
-                "--set", "train.eval_batches=2", "--set", "train.log_every=10", "--set", "train.profile_steps=[3, 5]",
-                "--steps", "150", "--output-dir", str(out), "--metrics", str(tmp / "m.jsonl")])
-            assert result.exit_code == 0, result.output
-            printed.write_text(result.output)
-    return SimpleNamespace(dataset=ds, output_dir=out, records_args=records, output=printed.read_text())
+    def records(tmp):
+        return ["--config", "tiny", "--devices", "1", "--set", "data.source=records", "--set",
+                f"data.path={tmp / 'ds'}", "--set", "data.eval_share=0.05"]
+
+    def make(tmp):
+        (tmp / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(4000)))
+        prepared = CliRunner().invoke(prepare_command, [str(tmp / "docs.jsonl"), "-o", str(tmp / "ds"),
+                                                        "--vocab-size", "320", "--quiet"])
+        assert prepared.exit_code == 0, prepared.output
+        result = CliRunner().invoke(train_command, [
+            *records(tmp), "--set", "model.vocab_size=320", "--set", "train.eval_every=50",
+            "--set", "train.eval_batches=2", "--set", "train.log_every=10", "--set", "train.profile_steps=[3, 5]",
+            "--steps", "150", "--output-dir", str(tmp / "out"), "--metrics", str(tmp / "m.jsonl")])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    tmp, printed = once_per_run(tmp_path_factory, worker_id, "trained-on-prepared", make)
+    return SimpleNamespace(dataset=tmp / "ds", output_dir=tmp / "out", records_args=records(tmp), output=printed)
 
 
 # Modules whose tests each compile several small programs (oracles, sharded blocks on 8 fake devices,
