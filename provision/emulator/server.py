@@ -15,7 +15,7 @@ import ipaddress
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,12 +24,12 @@ from typing import Self, TypeVar
 import grpc
 
 from provision.clock import SimClock
-from provision.emulator import operations, rpc, scenarios
+from provision.emulator import operations, rpc, scenarios, workloads
 from provision.emulator.faults import FaultInjector
 from provision.emulator.scenarios import check_scenario
 from provision.emulator.store import Store
 from provision.emulator.validate import ApiError
-from provision.emulator.world import RunningJob, RunningNode, World
+from provision.emulator.world import World
 
 T = TypeVar("T")
 
@@ -42,9 +42,9 @@ class Emulator:
     ...     jobs = emu.job_client()     # a real google.cloud.aiplatform_v1.JobServiceClient
     ...     emu.clock.advance(600)      # simulated time moves only when someone waits
 
-    `external_workloads=True`: queued resources and custom jobs created through this emulator stay
-    ACTIVE / RUNNING once they get there, until `preempt_queued_resource` or `end_custom_job` (or
-    the user's own delete or cancel) ends them: a dry run's local trainer plays the workload.
+    `external_workloads=True`: queued resources, custom jobs and a JobSet's trainer pods created through
+    this emulator stay ACTIVE / RUNNING once they get there, until their service's hook (`service(name)`)
+    or the user's own delete or cancel ends them: a dry run's local trainer plays the workload.
     """
 
     def __init__(self, state_path: Path | None = None, scenario: str = "happy", clock=None, seed: int = 0,
@@ -242,33 +242,11 @@ class Emulator:
             return fn(rpc.Call(world=world, now=now, scenario=self.scenario, held=self.external_workloads,
                                kube_endpoint=self.kube_endpoint, servers=self.servers))
 
-    # --- hooks for a dry run's local workload (see World) --------------------------
-    def running_nodes(self) -> list[RunningNode]:
-        return self.world_call(lambda world, now: world.running_nodes(now))
-
-    def running_jobs(self) -> list[RunningJob]:
-        return self.world_call(lambda world, now: world.running_jobs(now))
-
-    def preempt_queued_resource(self, name: str) -> bool:
-        return self.world_call(lambda world, now: world.preempt_queued_resource(name, now))
-
-    def end_custom_job(self, name: str, succeeded: bool, error: tuple[int, str] | None = None,
-                       preempted: bool = False) -> bool:
-        return self.world_call(lambda world, now: world.end_custom_job(name, now, succeeded, error, preempted))
-
-    def trainer_pods(self):
-        return self.world_call(lambda world, now: world.gke.trainer_pods(now))
-
-    def end_trainer_pod(self, namespace: str, name: str, code: int, message: str = "",
-                        log_path: str | None = None) -> None:
-        self.world_call(lambda world, now: world.gke.end_trainer(namespace, name, code, now, message, log_path))
-
-    def preempt_gke_node(self, node: str) -> bool:
-        return self.world_call(lambda world, now: world.gke.preempt_node(node, now))
-
-    def set_guest_attributes(self, node_name: str, worker_id: int, namespace: str,
-                             values: Mapping[str, str | int | float]) -> None:
-        self.world_call(lambda world, now: world.set_guest_attributes(node_name, worker_id, namespace, values, now))
+    # --- each service's hooks (workloads.py) ----------------------------------------
+    def service(self, name: str) -> workloads.Hooks:
+        """The hooks of the emulated service whose Play is `name` (workloads.PLAYS): each of its methods
+        one transaction here. They work without serving, on the state file alone."""
+        return workloads.hooks(name, self.world_call)
 
 
 # Each service's methods, imported on its first call (Vertex AI's and GKE's clients are slow to import).

@@ -6,6 +6,9 @@ three live here, beside the emulated world they read (world.py, gke_world.py), n
 gRPC modules: a dry run's runner needs them for every target, and the Vertex AI and TPU client
 libraries those modules import take a second of CPU to load that a run of another target never needs.
 The runner (local_trainer.py) starts the container it is given and names no service.
+
+Each Play also brings its service's `Hooks`: what runs on it now and what ends or preempts it, each
+one emulator transaction, for tests and tools (`Emulator.service(name)`, by the Play's name).
 """
 
 from __future__ import annotations
@@ -13,12 +16,17 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from provision import guest_attributes
 
 if TYPE_CHECKING:
-    from provision.emulator.world import World
+    from provision.emulator.gke import TrainerPod
+    from provision.emulator.world import RunningJob, RunningNode, World
+
+T = TypeVar("T")
+WorldCall = Callable[[Callable[[Any, float], T]], T]  # fn(world, now) as one transaction (Emulator.world_call)
 
 
 @dataclass(frozen=True)
@@ -32,14 +40,23 @@ class Placed:
     nodes: tuple[tuple[str, int], ...] = ()
 
 
+class Hooks:
+    """One service's hooks: each method is one transaction on the emulated world (`world_call`)."""
+
+    def __init__(self, world_call: WorldCall) -> None:
+        self._call = world_call
+
+
 class Play(Protocol):
     """One service's part in a dry run. Every method runs inside one emulator transaction (world, now).
 
-    name: the service's; publishes: whether `publish` writes anything (a transaction is spared if not).
+    name: the service's; publishes: whether `publish` writes anything (a transaction is spared if not);
+    hooks: its Hooks.
     """
 
     name: str
     publishes: bool
+    hooks: type[Hooks]
 
     def placed(self, world: Any, now: float, run: str) -> list[Placed]:
         """Where a workload of `run` is up now, first the one to start."""
@@ -56,6 +73,20 @@ class Play(Protocol):
         the dry run preempted it (`--scenario preempt`), as the capacity going away would."""
 
 
+class TpuHooks(Hooks):
+    """Cloud TPU: the READY nodes, a queued resource's preemption, and what a worker's guest writes."""
+
+    def running_nodes(self) -> list[RunningNode]:
+        return self._call(lambda world, now: world.running_nodes(now))
+
+    def preempt_queued_resource(self, name: str) -> bool:
+        return self._call(lambda world, now: world.preempt_queued_resource(name, now))
+
+    def set_guest_attributes(self, node_name: str, worker_id: int, namespace: str,
+                             values: Mapping[str, str | int | float]) -> None:
+        self._call(lambda world, now: world.set_guest_attributes(node_name, worker_id, namespace, values, now))
+
+
 class TpuPlay:
     """A queued resource's slice: the trainer runs on its READY nodes (the startup script's container);
     its status reaches the guest attributes every worker's watcher writes; a preemption suspends the
@@ -63,6 +94,7 @@ class TpuPlay:
 
     name = "tpu"
     publishes = True
+    hooks = TpuHooks
 
     def placed(self, world: World, now: float, run: str) -> list[Placed]:
         nodes = [n for n in world.running_nodes(now) if n.run == run]
@@ -93,12 +125,24 @@ def _text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+class VertexHooks(Hooks):
+    """Vertex AI custom jobs: those RUNNING, and ending one (World.end_custom_job)."""
+
+    def running_jobs(self) -> list[RunningJob]:
+        return self._call(lambda world, now: world.running_jobs(now))
+
+    def end_custom_job(self, name: str, succeeded: bool, error: tuple[int, str] | None = None,
+                       preempted: bool = False) -> bool:
+        return self._call(lambda world, now: world.end_custom_job(name, now, succeeded, error, preempted))
+
+
 class VertexPlay:
     """A custom job: the trainer runs while it is RUNNING, with the container it was submitted with; its
     exit ends the job (SUCCEEDED, FAILED with the replica's exit status, or FAILED as a preemption)."""
 
     name = "vertex"
     publishes = False
+    hooks = VertexHooks
 
     def placed(self, world: World, now: float, run: str) -> list[Placed]:
         return [Placed(key=j.name, argv=(*j.command, *j.args)) for j in world.running_jobs(now) if j.run == run]
@@ -121,6 +165,20 @@ class VertexPlay:
                                             f"{final.get('error') or ''}".strip()))
 
 
+class GkeHooks(Hooks):
+    """GKE: the trainer pods Running, ending one (the JobSet follows), and reclaiming a spot node."""
+
+    def trainer_pods(self) -> list[TrainerPod]:
+        return self._call(lambda world, now: world.gke.trainer_pods(now))
+
+    def end_trainer_pod(self, namespace: str, name: str, code: int, message: str = "",
+                        log_path: str | None = None) -> None:
+        self._call(lambda world, now: world.gke.end_trainer(namespace, name, code, now, message, log_path))
+
+    def preempt_node(self, node: str) -> bool:
+        return self._call(lambda world, now: world.gke.preempt_node(node, now))
+
+
 class GkePlay:
     """A JobSet's trainer pod (the Pathways head's trainer, or slice 0's pod 0): the trainer runs while
     the pod is Running, with the pod's container; its log is the pod's; its exit ends the pod (the
@@ -128,6 +186,7 @@ class GkePlay:
 
     name = "gke"
     publishes = False
+    hooks = GkeHooks
 
     def placed(self, world, now: float, run: str) -> list[Placed]:
         return [Placed(key=f"pod/{p.namespace}/{p.name}", argv=(*p.command, *p.args))
@@ -156,3 +215,13 @@ def _pod_of(placed: Placed) -> tuple[str, str]:
 
 # The services that run a workload for a run, in the order the runner asks them which to start.
 PLAYS: tuple[Play, ...] = (GkePlay(), TpuPlay(), VertexPlay())
+
+
+def hooks(name: str, world_call: WorldCall) -> Hooks:
+    """The hooks of the service whose Play is `name`, on `world_call`; ValueError naming the services
+    there are for any other name."""
+    play = next((p for p in PLAYS if p.name == name), None)
+    if play is None:
+        known = ", ".join(sorted(p.name for p in PLAYS))
+        raise ValueError(f"no emulated service {name!r}: the services are {known}")
+    return play.hooks(world_call)

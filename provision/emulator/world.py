@@ -8,8 +8,8 @@ reading and writing the file, in store.py.
 
 The hooks at the end (`running_nodes`, `running_jobs`, `preempt_queued_resource`,
 `end_custom_job`, `set_guest_attributes`) let a dry run's local trainer play the workload:
-call them through `Emulator.world_call` (or the Emulator's methods of the same names), which
-hold the world's lock and save it.
+call them through `Emulator.world_call` (or a service's hooks of the same names,
+`Emulator.service(name)`, workloads.py), which hold the world's lock and save it.
 """
 
 from __future__ import annotations

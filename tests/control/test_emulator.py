@@ -451,10 +451,11 @@ def test_guest_attributes_answer_only_what_the_guests_wrote(emu, client):
         return [{f"{e.namespace}/{e.key}": e.value for e in a.query_value.items} for a in response.guest_attributes]
 
     assert read() == [{}] * 8  # nothing invented: no guest wrote anything yet
-    emu.set_guest_attributes(node, 3, "moe-tpu", {"state": "running", "step": 12, "loss": 2.5})
-    emu.set_guest_attributes(node, 3, "other", {"state": "x"})
-    emu.set_guest_attributes(node, 0, "moe-tpu", {"state": "starting"})
-    emu.set_guest_attributes(node, 3, "moe-tpu", {"step": 13})  # merged into what worker 3 wrote
+    tpu = emu.service("tpu")
+    tpu.set_guest_attributes(node, 3, "moe-tpu", {"state": "running", "step": 12, "loss": 2.5})
+    tpu.set_guest_attributes(node, 3, "other", {"state": "x"})
+    tpu.set_guest_attributes(node, 0, "moe-tpu", {"state": "starting"})
+    tpu.set_guest_attributes(node, 3, "moe-tpu", {"step": 13})  # merged into what worker 3 wrote
     everything = read()
     assert len(everything) == 8
     assert everything[3] == {"moe-tpu/state": "running", "moe-tpu/step": "13", "moe-tpu/loss": "2.5",
@@ -474,11 +475,11 @@ def test_guest_attributes_are_checked_and_go_with_the_node(tmp_path):
 
     path = tmp_path / "emulator.json"
     with Emulator(state_path=path) as emu:
-        client = emu.client()
+        client, tpu = emu.client(), emu.service("tpu")
         node = f"{PARENT}/nodes/moe-demo"
         create(client)  # v5litepod-16: workers 0 to 3
         with pytest.raises(WorldError, match="no TPU node"):
-            emu.set_guest_attributes(node, 0, "moe-tpu", {"state": "running"})
+            tpu.set_guest_attributes(node, 0, "moe-tpu", {"state": "running"})
         emu.clock.advance(3600)
         for worker, namespace, values, message in [
                 (4, "moe-tpu", {"state": "x"}, "workers 0 to 3, not 4"),
@@ -486,8 +487,8 @@ def test_guest_attributes_are_checked_and_go_with_the_node(tmp_path):
                 (0, "moe-tpu", {"a/b": "x"}, "key 'a/b'"),
                 (0, "moe-tpu", {"state": None}, "a string or a number")]:
             with pytest.raises(WorldError, match=message):
-                emu.set_guest_attributes(node, worker, namespace, values)
-        emu.set_guest_attributes(node, 1, "moe-tpu", {"state": "running"})
+                tpu.set_guest_attributes(node, worker, namespace, values)
+        tpu.set_guest_attributes(node, 1, "moe-tpu", {"state": "running"})
     with Emulator(state_path=path) as emu:  # persisted
         client = emu.client()
         response = client.get_guest_attributes(request=tpu_v2.GetGuestAttributesRequest(name=node))

@@ -1,5 +1,6 @@
-"""The hooks a dry run's local trainer uses: what runs now, preempting a slice, ending a job, and
-resources held up (external_workloads) until a hook ends them. Read back through the real clients."""
+"""The hooks a dry run's local trainer uses (Emulator.service("tpu"), ("vertex")): what runs now,
+preempting a slice, ending a job, and resources held up (external_workloads) until a hook ends them.
+Read back through the real clients."""
 
 from __future__ import annotations
 
@@ -58,17 +59,17 @@ def test_running_lists_ready_nodes_and_running_jobs_only():
     with Emulator() as emu:
         create_slice(emu)
         name = create_job(emu)
-        assert emu.running_nodes() == [] and emu.running_jobs() == []
+        assert emu.service("tpu").running_nodes() == [] and emu.service("vertex").running_jobs() == []
         emu.clock.advance(ACTIVE_SPOT_S)
-        assert emu.running_nodes() == [RunningNode(
+        assert emu.service("tpu").running_nodes() == [RunningNode(
             node=NODE_NAME, queued_resource=QR_NAME, run="demo", labels={"moe-tpu-run": "demo"},
             metadata={"startup-script": "echo hi"}, accelerator_type="v5litepod-16", workers=4)]
-        assert emu.running_jobs() == [RunningJob(
+        assert emu.service("vertex").running_jobs() == [RunningJob(
             name=name, display_name="demo", run="demo", labels={"moe-tpu-run": "demo"}, image_uri="img:1",
             command=("python", "-m", "trainer"), args=("--steps", "40"), env={"A": "1"},
             machine_type="ct5lp-hightpu-4t", tpu_topology="4x8", workers=8)]
         emu.clock.advance(DAY)  # not held: the job succeeded on its own
-        assert emu.running_jobs() == [] and len(emu.running_nodes()) == 1
+        assert emu.service("vertex").running_jobs() == [] and len(emu.service("tpu").running_nodes()) == 1
 
 
 # --- held resources and preemption ------------------------------------------------------------------
@@ -79,20 +80,20 @@ def test_a_held_slice_stays_active_until_preempted_now():
         create_slice(emu)
         emu.clock.advance(ACTIVE_SPOT_S + sc.PREEMPT_AFTER_ACTIVE_S + DAY)  # `preempt` would have struck
         assert qr_state(emu) == ("ACTIVE", "USER") and node_states(emu) == ["READY"]
-        assert emu.preempt_queued_resource(QR_NAME) is True
+        assert emu.service("tpu").preempt_queued_resource(QR_NAME) is True
         assert qr_state(emu) == ("SUSPENDING", "SERVICE") and node_states(emu) == ["PREEMPTED"]
-        assert emu.running_nodes() == []
-        assert emu.preempt_queued_resource(QR_NAME) is False  # already going
+        assert emu.service("tpu").running_nodes() == []
+        assert emu.service("tpu").preempt_queued_resource(QR_NAME) is False  # already going
         emu.clock.advance(sc.SUSPENDING_S)
         assert qr_state(emu) == ("SUSPENDED", "SERVICE") and node_states(emu) == []
         with pytest.raises(WorldError, match="no queued resource"):
-            emu.preempt_queued_resource(f"{ZONE_PARENT}/queuedResources/other")
+            emu.service("tpu").preempt_queued_resource(f"{ZONE_PARENT}/queuedResources/other")
 
 
 def test_preempting_a_slice_overrides_its_timeline_and_waiting_ones_are_left_alone():
     with Emulator(scenario="happy") as emu:
         create_slice(emu)
-        assert emu.preempt_queued_resource(QR_NAME) is False  # CREATING: nothing to preempt
+        assert emu.service("tpu").preempt_queued_resource(QR_NAME) is False  # CREATING: nothing to preempt
         emu.clock.advance(ACTIVE_SPOT_S + 60)
         assert emu.world_call(lambda world, now: world.preempt_queued_resource(QR_NAME, now)) is True
         emu.clock.advance(sc.SUSPENDING_S)
@@ -106,13 +107,13 @@ def test_a_held_job_runs_until_ended_then_succeeds_now():
         name = create_job(emu)
         emu.clock.advance(RUNNING_AT + DAY)
         assert job_of(emu, name).state == v1.JobState.JOB_STATE_RUNNING
-        assert [j.name for j in emu.running_jobs()] == [name]
-        assert emu.end_custom_job(name, succeeded=True) is True
+        assert [j.name for j in emu.service("vertex").running_jobs()] == [name]
+        assert emu.service("vertex").end_custom_job(name, succeeded=True) is True
         done = job_of(emu, name)
         assert done.state == v1.JobState.JOB_STATE_SUCCEEDED and "error" not in done
         assert done.end_time.timestamp() == emu.clock.now()
-        assert emu.end_custom_job(name, succeeded=False) is False  # already ended
-        assert emu.running_jobs() == []
+        assert emu.service("vertex").end_custom_job(name, succeeded=False) is False  # already ended
+        assert emu.service("vertex").running_jobs() == []
 
 
 @pytest.mark.parametrize("kwargs, error", [
@@ -125,7 +126,7 @@ def test_ending_a_job_as_failed(kwargs, error):
         name = create_job(emu)
         emu.clock.advance(RUNNING_AT + sc.PREEMPT_AFTER_ACTIVE_S + 60)
         assert job_of(emu, name).state == v1.JobState.JOB_STATE_RUNNING  # held: `preempt` does not strike
-        assert emu.end_custom_job(name, succeeded=False, **kwargs) is True
+        assert emu.service("vertex").end_custom_job(name, succeeded=False, **kwargs) is True
         failed = job_of(emu, name)
         assert failed.state == v1.JobState.JOB_STATE_FAILED
         assert (failed.error.code, failed.error.message) == error
@@ -138,14 +139,14 @@ def test_ending_a_job_that_is_being_cancelled_or_missing():
         name = create_job(emu)
         emu.clock.advance(RUNNING_AT)
         emu.job_client().cancel_custom_job(name=name)
-        assert emu.end_custom_job(name, succeeded=True) is False
+        assert emu.service("vertex").end_custom_job(name, succeeded=True) is False
         emu.clock.advance(sc.JOB_CANCELLING_S)
         assert job_of(emu, name).state == v1.JobState.JOB_STATE_CANCELLED
         with pytest.raises(WorldError, match="no custom job"):
-            emu.end_custom_job(f"{REGION_PARENT}/customJobs/1", succeeded=True)
+            emu.service("vertex").end_custom_job(f"{REGION_PARENT}/customJobs/1", succeeded=True)
         other = create_job(emu)
         with pytest.raises(WorldError, match="no error"):
-            emu.end_custom_job(other, succeeded=True, error=(13, "x"))
+            emu.service("vertex").end_custom_job(other, succeeded=True, error=(13, "x"))
 
 
 def test_hooks_persist_in_the_state_file(tmp_path):
@@ -155,8 +156,11 @@ def test_hooks_persist_in_the_state_file(tmp_path):
         create_slice(emu)
         emu.clock.advance(ACTIVE_SPOT_S + RUNNING_AT)
     hook = Emulator(state_path=path)  # not serving: the hooks work on the file alone
-    assert [j.name for j in hook.running_jobs()] == [name] and len(hook.running_nodes()) == 1
-    assert hook.end_custom_job(name, succeeded=True) and hook.preempt_queued_resource(QR_NAME)
+    tpu, vertex = hook.service("tpu"), hook.service("vertex")
+    with pytest.raises(ValueError, match="no emulated service 'tpu-vm': the services are gke, tpu, vertex"):
+        hook.service("tpu-vm")  # a kind of target, not a service
+    assert [j.name for j in vertex.running_jobs()] == [name] and len(tpu.running_nodes()) == 1
+    assert vertex.end_custom_job(name, succeeded=True) and tpu.preempt_queued_resource(QR_NAME)
     with Emulator(state_path=path) as emu:
         assert job_of(emu, name).state == v1.JobState.JOB_STATE_SUCCEEDED
         assert qr_state(emu) == ("SUSPENDING", "SERVICE")

@@ -246,7 +246,7 @@ def test_a_preempted_node_restarts_a_jax_jobset_until_max_restarts_then_fails(tm
     for restarts in (1, 2):
         pods = [p for p in kube.list_pods("default", "moe-tpu-run=moe-gke") if p.status.phase == "Running"]
         assert len(pods) == 16
-        assert emulator.preempt_gke_node(pods[3].spec.node_name)
+        assert emulator.service("gke").preempt_node(pods[3].spec.node_name)
         app.session.clock.sleep(1)
         jobset = kube.get_jobset("default", "moe-gke")
         assert jobset["status"]["restarts"] == min(restarts, 1)
@@ -267,10 +267,10 @@ def test_the_head_completing_completes_a_pathways_jobset(tmp_path, emulated):
     submit_jobset(app.context(cfg))
     app.session.clock.sleep(120)
     emulator = app.emulator
-    (trainer,) = emulator.trainer_pods()
+    (trainer,) = emulator.service("gke").trainer_pods()
     assert trainer.run == "moe-pathways" and trainer.command == ("python", "-m", "trainer")
     assert trainer.env["JAX_PLATFORMS"] == "proxy"
-    emulator.end_trainer_pod(trainer.namespace, trainer.name, 0)
+    emulator.service("gke").end_trainer_pod(trainer.namespace, trainer.name, 0)
     jobset = _kube(cfg, app).get_jobset("default", "moe-pathways")
     assert jobset["status"]["terminalState"] == "Completed"
     assert [r.kind for r in managed_gke(cfg, app.session, run=cfg.run)][0] == "jobset"
