@@ -1,5 +1,6 @@
-"""The serving plan of a config: one replica's chips and mesh, the price it is billed at, and the decode
-step at each precision (serving.py's arithmetic)."""
+"""The serving plan of a config: one replica's chips and mesh, the price it is billed at (on the platform
+its kind of target names: Kind.serve_platform), and the decode step at each precision (serving.py's
+arithmetic)."""
 
 from __future__ import annotations
 
@@ -25,16 +26,6 @@ from provision.planner.serving import (
 if TYPE_CHECKING:
     from provision.config import Config
 
-# The platforms a replica is billed on, by the config's kind of target, and what the price is.
-PLATFORMS = {"vertex": "Vertex AI prediction", "gke": "GKE TPU node pool"}
-DEFAULT_PLATFORM = "Cloud TPU VM"
-PRICE_BASIS = {
-    "vertex": "the catalogue's Cloud TPU v5e chip-hour price, an estimate: Vertex AI prediction bills its own "
-              "node-hour rate, which the catalogue does not hold",
-    "gke": "the catalogue's Cloud TPU v5e chip-hour price, which GKE's TPU nodes are billed at (the cluster's "
-           "own fee aside)",
-}
-DEFAULT_PRICE_BASIS = "the catalogue's Cloud TPU v5e chip-hour price"
 # The serving engine's own defaults (trainer/serve/cli.py) where the config has no serve section.
 ENGINE_SLOTS, ENGINE_MAX_LEN = 8, 1024
 
@@ -191,11 +182,10 @@ def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, m
         mesh, why = best_mesh(candidates)
         mesh, mesh_source = dataclasses.replace(mesh, reason=why), "serving"
     rows = _rows(params, model_cfg, mesh, acc, pairs, slots, max_len, HEADROOM)
-    platform = PLATFORMS.get(cfg.target, DEFAULT_PLATFORM)
     capacity = ("spot" if serve.spot else "on-demand") if serve is not None else plan.target.capacity
     return ServePlan(plan=plan, accelerator=acc, mesh=mesh, mesh_source=mesh_source,
-                     hardware_source=hardware_source, slots=slots, max_len=max_len, platform=platform,
-                     price_basis=PRICE_BASIS.get(cfg.target, DEFAULT_PRICE_BASIS),
+                     hardware_source=hardware_source, slots=slots, max_len=max_len,
+                     platform=cfg.kind.serve_platform, price_basis=cfg.kind.serve_price_basis,
                      capacity=capacity, price_per_chip_hour=catalogue.price_per_chip_hour(capacity), rows=rows,
                      configured=row_name(*configured), claim_s=None if claim_ms is None else claim_ms / 1000,
                      warnings=tuple(serve_warnings(model_cfg, mesh, slots, rows)))

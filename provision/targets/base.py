@@ -123,7 +123,9 @@ class Kind:
     name: the config's `target` value; noun: what it is, in a sentence; group: its own command group
     (an alias of `up | status | down`), up_command that group's `up`; sections: the config sections
     it reads (besides the common ones); own_sections: sections a kind brings to the config file
-    itself (the key -> its pydantic model, validated with the file by provision.config.loading).
+    itself (the key -> its pydantic model, validated with the file by provision.config.loading);
+    serve_platform, serve_price_basis: what `plan --serve` says a replica is billed on and what its
+    price is (by default a Cloud TPU VM's, at the catalogue's chip-hour price).
     """
 
     name: ClassVar[str] = ""
@@ -132,6 +134,8 @@ class Kind:
     up_command: ClassVar[str] = ""  # its own group's `up` (e.g. "slice up")
     sections: ClassVar[tuple[str, ...]] = ()
     own_sections: ClassVar[dict[str, type]] = {}
+    serve_platform: ClassVar[str] = "Cloud TPU VM"
+    serve_price_basis: ClassVar[str] = "the catalogue's Cloud TPU v5e chip-hour price"
 
     # --- the config ----------------------------------------------------------------------------
     def checks(self, get: Callable[[str], Any]) -> list[tuple[str, str]]:

@@ -209,6 +209,9 @@ class GkeKind(Kind):
     group = "gke"
     up_command = "gke up"
     sections = ("slice", "gke")
+    serve_platform = "GKE TPU node pool"
+    serve_price_basis = ("the catalogue's Cloud TPU v5e chip-hour price, which GKE's TPU nodes are billed at (the "
+                         "cluster's own fee aside)")
 
     def checks(self, get) -> list[tuple[str, str]]:
         """The gke section against the slice, the region and the trainer."""

@@ -109,6 +109,9 @@ class VertexKind(Kind):
     group = "job"
     up_command = "job submit"
     sections = ("vertex",)
+    serve_platform = "Vertex AI prediction"
+    serve_price_basis = ("the catalogue's Cloud TPU v5e chip-hour price, an estimate: Vertex AI prediction bills "
+                         "its own node-hour rate, which the catalogue does not hold")
 
     def checks(self, get) -> list[tuple[str, str]]:
         found: list[tuple[str, str]] = serve_checks(get)
