@@ -224,6 +224,80 @@ def test_the_emulators_services_import_by_name_and_never_see_the_emulator():
     assert sees_server == []
 
 
+# --- the kinds of target ------------------------------------------------------------------------------
+
+KIND_NAMES = frozenset({"tpu-vm", "vertex", "gke"})
+# Where a kind's name may decide something: the kinds themselves, the config's union of their sections,
+# and the emulator (its services are Google's, whatever kind of target a run calls them through).
+KINDS_OWN = ("provision/targets/", "provision/emulator/", "provision/config/sections.py")
+# Tables of command names, not branches: the `gke` command group shares its name with its kind.
+COMMAND_TABLES = {"provision/cli/__init__.py": ("COMMANDS", "SHORT_HELP")}
+
+
+def kind_branches(source: str, tables: tuple[str, ...] = ()) -> list[str]:
+    """Where a kind's name decides something in `source`, as "LINE: NAME": an operand of a comparison (or an
+    element of a tuple, list or set compared), a dict literal's key, a subscript's or `.get`'s key, a `match`
+    case's value. `tables`: module-level assignments by these names are passed over."""
+    tree = ast.parse(source)
+    passed = set()
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign):
+            assigned = statement.targets
+        elif isinstance(statement, ast.AnnAssign):
+            assigned = [statement.target]
+        else:
+            continue
+        if any(isinstance(target, ast.Name) and target.id in tables for target in assigned):
+            passed |= {id(node) for node in ast.walk(statement)}
+
+    def named(node: ast.AST | None) -> bool:
+        return isinstance(node, ast.Constant) and node.value in KIND_NAMES
+
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in passed:
+            continue
+        keys: list[ast.AST | None] = []
+        if isinstance(node, ast.Compare):
+            for operand in (node.left, *node.comparators):
+                keys += operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        elif isinstance(node, ast.Dict):
+            keys = list(node.keys)
+        elif isinstance(node, ast.Subscript):
+            keys = [node.slice]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            keys = node.args[:1]
+        elif isinstance(node, ast.MatchValue):
+            keys = [node.value]
+        found += [(key.lineno, key.col_offset, key.value) for key in keys if named(key)]
+    return [f"{line}: {name}" for line, _, name in sorted(found)]
+
+
+def test_no_kind_of_target_is_named_in_a_branch_outside_the_kinds():
+    found = []
+    for path in sorted([*(ROOT / "provision").rglob("*.py"), *(ROOT / "trainer").rglob("*.py")]):
+        name = path.relative_to(ROOT).as_posix()
+        if not name.startswith(KINDS_OWN):
+            found += [f"{name}:{hit}" for hit in kind_branches(path.read_text(encoding="utf-8"),
+                                                               COMMAND_TABLES.get(name, ()))]
+    assert found == []
+    planted = """
+def f(cfg, table):
+    if cfg.target == "gke" or cfg.target not in ("vertex", "other"):
+        return {"tpu-vm": 1}[cfg.target], table["vertex"], table.get("gke")
+    match cfg.target:
+        case "tpu-vm" | "x":
+            pass
+kind = "vertex"  # a value, not a branch
+@click.group("gke")
+def group(): pass
+COMMANDS = {"gke": "provision.cli.gke_cmds:gke_group"}
+"""
+    assert kind_branches(planted) == ["3: gke", "3: vertex", "4: tpu-vm", "4: vertex", "4: gke", "6: tpu-vm",
+                                      "11: gke"]
+    assert kind_branches(planted, ("COMMANDS",))[-1] == "6: tpu-vm"
+
+
 def test_google_is_imported_only_under_cloud_and_the_emulator():
     allowed = ("provision/cloud/", "provision/emulator/")
     found = sorted(f"{path.relative_to(ROOT)}: {name}" for module, path in own_modules().items()
