@@ -141,3 +141,49 @@ def test_beyond_the_waiting_queue_requests_get_429_with_retry_after(served):
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_error" and "2 requests are waiting" in \
         refused.json()["error"]["message"]
+
+
+def test_a_requests_arrival_is_stamped_when_its_first_bytes_come_not_when_its_headers_end():
+    """TTFT on /metrics counts from the arrival stamp, so it must be when the request reached the process.
+    The request's first line is sent, then the rest of its headers 0.3 s later: the server's protocol
+    stamps the first; the app alone (uvicorn's own protocol) could stamp no earlier than the second."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from trainer.serve.server import _Arrival, http_protocol
+
+    async def app(scope, receive, send):
+        body = repr(scope["state"]["arrival"]).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    def arrival_of_a_slow_request(http) -> tuple[float, float]:
+        server = uvicorn.Server(uvicorn.Config(_Arrival(app), host="127.0.0.1", port=0, http=http,
+                                              log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            while not server.started:
+                time.sleep(0.01)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                first = time.perf_counter()
+                conn.sendall(b"GET / HTTP/1.1\r\n")
+                time.sleep(0.3)
+                conn.sendall(b"Host: test\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while chunk := conn.recv(4096):
+                    answer += chunk
+            return first, float(answer.split(b"\r\n\r\n", 1)[1])
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+
+    first, arrival = arrival_of_a_slow_request(http_protocol())
+    assert first <= arrival < first + 0.1
+    first, arrival = arrival_of_a_slow_request("h11")  # the app's stamp alone: after the headers end
+    assert arrival >= first + 0.3

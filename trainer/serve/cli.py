@@ -127,12 +127,12 @@ def _serve(loaded, host: str, port: int, max_waiting: int, template, name: str, 
     import uvicorn
 
     from trainer.serve.loop import EngineLoop
-    from trainer.serve.server import ServerState, create_app
+    from trainer.serve.server import ServerState, create_app, http_protocol
 
     state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting)
     if template is not None:
         state.chat_template = template
-    config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", http=http_protocol(),
                             timeout_graceful_shutdown=grace_seconds, lifespan="off")
 
     class DrainingServer(uvicorn.Server):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -103,18 +104,51 @@ class ServerState:
 
 class _Arrival:
     """Stamps each HTTP request with its arrival (`request.state.arrival`), from which TTFT and end-to-end
-    latency count. A plain ASGI middleware, the first code a request meets: Starlette's
-    `@app.middleware("http")` stamps later and passes every streamed chunk through a task and a queue of its
-    own (measured with benchmarks/serve_load.py at concurrency 1, one run each: 213 -> 242 output tokens/s,
-    ITL median 4.5 -> 3.9 ms without it)."""
+    latency count, where the HTTP protocol (`http_protocol`) has not already stamped it on the request's first
+    bytes. A plain ASGI middleware, the first code a request meets: Starlette's `@app.middleware("http")`
+    stamps later and passes every streamed chunk through a task and a queue of its own (measured with
+    benchmarks/serve_load.py at concurrency 1, one run each: 213 -> 242 output tokens/s, ITL median 4.5 -> 3.9
+    ms without it)."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            scope.setdefault("state", {})["arrival"] = time.perf_counter()
+            scope.setdefault("state", {}).setdefault("arrival", time.perf_counter())
         await self.app(scope, receive, send)
+
+
+def http_protocol():
+    """uvicorn's HTTP protocol for this server (uvicorn.Config's `http`): its httptools protocol, stamping each
+    request's arrival when the request's first bytes reach the process, else "auto".
+
+    By the time the app is called, uvicorn has parsed the headers and a task has started: measured with
+    benchmarks/serve_load.py, 0.1-0.3 ms after the bytes came, some 5% of a short prompt's TTFT that clients
+    see and /metrics would not. uvicorn has no hook for the moment (its protocols are its API for this: the
+    `http` setting takes a class), so the stamp is taken in the protocol's own callbacks."""
+    return _stamped_protocol() or "auto"
+
+
+@functools.cache
+def _stamped_protocol():
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # no httptools: uvicorn's own choice, and the app stamps arrivals
+        return None
+
+    class ArrivalStampedProtocol(HttpToolsProtocol):
+        _received = 0.0
+
+        def data_received(self, data: bytes) -> None:
+            self._received = time.perf_counter()  # the parser calls on_message_begin from in here
+            super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.scope.setdefault("state", {})["arrival"] = self._received
+
+    return ArrivalStampedProtocol
 
 
 def create_app(state: ServerState) -> FastAPI:
