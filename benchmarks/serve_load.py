@@ -5,7 +5,8 @@
     python benchmarks/serve_load.py --requests 64 --rate 20 --seed 1 --concurrency 1,8
 
 Starts the server (trainer/serve) in this process on 127.0.0.1 and streams completions to it over HTTP
-from a client process of its own (as on a deployment, client and server share no interpreter lock).
+from a client process of its own (as on a deployment, client and server share no interpreter lock), on a
+lean HTTP client (StreamingClient) whose own time is not counted as the server's.
 Requests arrive as a Poisson process (`--rate` per second, `--seed`), with prompt and output lengths
 drawn uniformly from `--prompt-len` and `--output-len` or read from `--lengths FILE` (JSON lines
 {"prompt_len", "output_len"}); at most `--concurrency` run at once. Each phase (one per concurrency)
