@@ -209,6 +209,7 @@ def _check_output_dir(output_dir: str | None, status: RunStatus) -> str | None:
 
     from trainer.checkpoint import check_directory
     from trainer.config import ConfigError
+    from trainer.outputs import STATUS_FILE
 
     try:
         output_dir = check_directory(output_dir)
@@ -217,8 +218,8 @@ def _check_output_dir(output_dir: str | None, status: RunStatus) -> str | None:
     if jax.process_index() == 0:
         if "://" not in output_dir:
             _hold_output_dir(output_dir)
-        name = f"{output_dir.rstrip('/')}/status.json" if "://" in output_dir else \
-            os.path.join(output_dir, "status.json")
+        name = f"{output_dir.rstrip('/')}/{STATUS_FILE}" if "://" in output_dir else \
+            os.path.join(output_dir, STATUS_FILE)
         _add_status_target(status, name, param_hint="--output-dir")
     return output_dir
 
