@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from provision.emulator.gke import POD_STARTING_S, KubeObject, PodRecord, short_hash
+from trainer.outputs import Phase
 
 if TYPE_CHECKING:
     from provision.emulator.gke_world import GkeWorld
@@ -109,9 +110,9 @@ def _watch_server(gke: GkeWorld, dep: KubeObject, pod: PodRecord, now: float) ->
         servers.start(key, [*main.get("command", ()), *main.get("args", ())], env, pod.log_path)
         gke.event(pod.namespace, "Pod", pod.name, "Started", "Started container server", now)
     state = servers.state(key)
-    if state.phase == "ready" and pod.ready_at is None:
+    if state.phase == Phase.READY and pod.ready_at is None:
         pod.ready_at = now
-    elif state.phase in ("failed", "stopped"):
+    elif state.phase in (Phase.FAILED, Phase.STOPPED):
         pod.restarts, pod.exit_code, pod.reason = 1, 1, CRASH_REASON
         pod.message = state.last_words or "the server exited"
         pod.ready_at = None

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from provision.emulator.local_trainer import compilation_cache_env, process_runs
+from trainer.outputs import Phase
 
 SERVERS_DIR = "servers"
 KILL_GRACE_S = 10.0
@@ -99,7 +100,7 @@ class LocalServers:
     # --- the emulated clock's gate (provision.clock.SimClock.gate) ---------------------------
     def active(self) -> bool:
         """Real time counts while a server is starting: its load and compile take what they take here."""
-        return any(self.state(key).phase == "starting" for key in self.keys())
+        return any(self.state(key).phase == Phase.STARTING for key in self.keys())
 
     def wait(self, seconds: float) -> None:
         time.sleep(min(seconds, GATE_WAIT_S))
@@ -161,15 +162,15 @@ class LocalServers:
     def state(self, key: str) -> ServerState:
         record = self.record(key)
         if record is None:
-            return ServerState("stopped", None, "")
+            return ServerState(Phase.STOPPED, None, "")
         url = f"http://127.0.0.1:{record['port']}"
         if not self._running(record):
-            return ServerState("failed", url, log_tail(record["log"]) or "the server exited")
+            return ServerState(Phase.FAILED, url, log_tail(record["log"]) or "the server exited")
         try:
             status, _, _ = self._request(record, "GET", "/health", b"", timeout=HEALTH_TIMEOUT_S)
         except OSError:
-            return ServerState("starting", url, "")
-        return ServerState("ready" if status == 200 else "starting", url, "")
+            return ServerState(Phase.STARTING, url, "")
+        return ServerState(Phase.READY if status == 200 else Phase.STARTING, url, "")
 
     def _request(self, record: dict, method: str, path: str, body: bytes, timeout: float, stream: bool = False):
         conn = http.client.HTTPConnection("127.0.0.1", int(record["port"]), timeout=timeout)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from provision.emulator.workloads import PLAYS, Placed, Play
-from trainer.outputs import ENDED, STATUS_FILE, TRAINER_LOG
+from trainer.outputs import ENDED, STATUS_FILE, TRAINER_LOG, Phase
 
 RUNS_DIR = "runs"
 # Beside the output directory: the pid of the trainer that a run started, so that a re-run after a
@@ -378,7 +378,7 @@ class LocalTrainer:
         """`--scenario preempt`: once, after the first checkpoint, the spot VM's notice: SIGTERM."""
         if self.emulator.scenario != "preempt" or self.preempted_once or current.preempting:
             return
-        step = status.get("step") if status.get("state") == "running" else None
+        step = status.get("step") if status.get("state") == Phase.RUNNING else None
         if isinstance(step, int) and step >= self.cfg.dry_run.checkpoint_every + 1:
             self._say(f"  [dry run] preempting at step {step}: SIGTERM to the trainer")
             current.preempting = True
@@ -395,8 +395,8 @@ class LocalTrainer:
             return
         final = dict(status)
         if final.get("state") not in ENDED:
-            final.update(state="failed", exit_code=code, error=self._log_tail() or f"exit code {code}")
-        elif final.get("state") == "failed" and not final.get("error"):
+            final.update(state=Phase.FAILED, exit_code=code, error=self._log_tail() or f"exit code {code}")
+        elif final.get("state") == Phase.FAILED and not final.get("error"):
             final["error"] = self._log_tail()
         current.published = ""
         self._publish(current, final)

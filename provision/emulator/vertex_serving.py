@@ -28,6 +28,7 @@ from provision.emulator import rpc, validate, vertex
 from provision.emulator.validate import ApiError, not_found
 from provision.emulator.vertex import _numeric_id, region
 from provision.emulator.world import Operation, World
+from trainer.outputs import Phase
 
 # The single-host v5e machine types online prediction serves, with their one topology (Vertex AI docs,
 # "Serve models with Cloud TPU": ct5lp-hightpu-1t 1x1, -4t 2x2, -8t 2x4).
@@ -244,13 +245,13 @@ def settle(call: rpc.Call) -> None:
                 continue
             if call.servers is not None and op.error is None and not op.done(call.now):
                 phase, _, last_words = call.servers.state(record["server_key"])
-                if phase == "stopped":
+                if phase == Phase.STOPPED:
                     # Its server was never started: the process that made the deploy (and embedded this
                     # emulator) ended between saving it and starting the server. The cloud would go on.
                     call.servers.start(*server_launch(call, endpoint["name"], deployed_id))
-                elif phase == "ready":
+                elif phase == Phase.READY:
                     op.done_at, record["ready"] = call.now, True
-                elif phase == "failed":
+                elif phase == Phase.FAILED:
                     call.servers.stop(record["server_key"])
                     op.done_at, op.response = call.now, None
                     op.error = {"code": 3, "message": f"Model server never became ready: the container exited. "
