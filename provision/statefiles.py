@@ -87,6 +87,9 @@ def ensure_dir(path: Path) -> None:
                              hint=f"move or delete {echo(path)}")
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
+        kind = _kind(os.stat(path).st_mode) if path.exists() else None
+        if kind is not None:  # a device, a FIFO or a socket is nobody's to delete for this
+            raise UsageError(f"{echo(path)} is {kind}, not a directory", hint="name a directory") from None
         raise UsageError(f"{echo(path)} is a file, not a directory", hint=f"move or delete the file {echo(path)}") \
             from None
     except OSError as exc:

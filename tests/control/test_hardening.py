@@ -453,6 +453,18 @@ def test_render_out_never_writes_through_a_symlink(workdir):
     assert "startup.sh is a symbolic link" in err and victim.read_text() == "mine\n"
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_render_out_that_is_a_fifo_or_a_device_is_named_and_never_offered_for_deletion(workdir, kind):
+    _config(workdir)
+    out = Path("/dev/null") if kind == "device" else workdir / "pipe"
+    if kind == "fifo":
+        os.mkfifo(out)
+    code, out_text, err = invoke("render", "--out", str(out))
+    _no_traceback(code, err)
+    assert code == 2 and f"{out} is a {'FIFO' if kind == 'fifo' else 'device'}, not a directory" in err
+    assert "delete" not in err
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
 def test_a_config_or_state_path_that_is_no_file_is_exit_2_naming_it(workdir, kind):
     path = workdir / "odd"
