@@ -106,11 +106,13 @@ class Codec:
             raise SampleError(f"--prompt {shown!r} is not UTF-8 text") from None
         if self.kind == "tokenizer":
             return self.tokenizer.encode(text, add_special_tokens=False).ids
+        words = text.split()
         try:
-            return [int(t) for t in text.split()]
-        except ValueError:
+            return [int(t) for t in words]
+        except ValueError:  # names the first word that is not an id, not the whole (maybe huge) prompt
+            word = next(w for w in words if not _is_int(w))
             raise SampleError(f"--prompt: this run's data has no tokenizer; give token ids separated by spaces, "
-                              f"got '{text}'") from None
+                              f"got {_brief(word)} (word {words.index(word) + 1} of {len(words)})") from None
 
     def decode(self, ids: list[int]) -> str:
         if self.kind == "tokenizer":
@@ -249,9 +251,24 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
                err=True)
 
 
+def _is_int(word: str) -> bool:
+    try:
+        int(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _brief(text: str, width: int = 40) -> str:
+    """repr() of a piece of the user's input, cut short: a message names it, it does not print it all."""
+    shown = repr(text)
+    return shown if len(shown) <= width else shown[:width - 4] + "...'"
+
+
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
     sample_command.main(args=args, prog_name=prog_name or "python -m trainer.sample")
 
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+

@@ -33,6 +33,7 @@ def refused(result, *needles):
     (["--prompt", "1 -2 300"], ["token id -2 is outside"]),
     (["--prompt", "5 300 -2"], ["token id 300 is outside"]),
     (["--prompt", "\udcff\udcfe"], ["--prompt b'\\xff\\xfe' is not UTF-8 text"]),
+    (["--prompt", "1 2 x " + "3 " * 5000], ["got 'x' (word 3 of 5003)"]),
     (["--tokens", 2**40], [f"--tokens {2**40}", "2,147,483,647 positions"]),
     (["--tokens", 10**9], [f"--tokens {10**9}", "key/value cache", "can hold"]),
 ])

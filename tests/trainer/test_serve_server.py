@@ -187,3 +187,57 @@ def test_a_requests_arrival_is_stamped_when_its_first_bytes_come_not_when_its_he
     assert first <= arrival < first + 0.1
     first, arrival = arrival_of_a_slow_request("h11")  # the app's stamp alone: after the headers end
     assert arrival >= first + 0.3
+
+
+def test_a_top_k_beyond_int32_means_the_whole_vocabulary_and_fails_no_request(served):
+    """Before: the engine's int32 slot arrays overflowed, failing the step of every request in it (500)."""
+    client, _ = served
+    body = {"prompt": "ab", "max_tokens": 4, "temperature": 1.0, "seed": 7}
+    huge = client.post("/v1/completions", json={**body, "top_k": 2**40})
+    assert huge.status_code == 200, huge.text
+    assert huge.json()["choices"][0]["text"] == client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(("method", "path", "kwargs", "status", "message", "param"), [
+    ("POST", "/v1/completions", {"content": b'{"prompt": "a",}', "headers": {"content-type": "application/json"}},
+     400, "the body is not JSON", None),
+    ("POST", "/v1/completions", {"content": b'{"prompt": "a"}', "headers": {"content-type": "text/plain"}}, 400,
+     "content-type: application/json", None),
+    ("POST", "/v1/completions", {"content": b'{"prompt": "\xff"}', "headers": {"content-type": "application/json"}},
+     400, "send UTF-8 JSON", None),
+    ("GET", "/v1/completions", {}, 405, "GET is not allowed on /v1/completions; use POST", None),
+    ("POST", "/v1/completions", {"json": {"prompt": ""}}, 400, "the prompt has no tokens", "prompt"),
+    ("POST", "/v1/completions", {"json": {"prompt": [5, 300]}}, 400, "got 300 in the prompt", "prompt"),
+    ("POST", "/v1/completions", {"json": {"prompt": "a", "stop": 5}}, 400, "stop: ", "stop"),
+    ("POST", "/predict", {"json": {"instances": [{"prompt": "a"}, {"prompt": "a", "top_p": 2}]}}, 400,
+     "instances[1].top_p: ", "instances[1].top_p"),
+    ("POST", "/predict", {"json": {"instances": [{"prompt": "a", "max_tokens": 10**6}]}}, 400,
+     "instances[0]: the prompt's 1 tokens", "instances[0].max_tokens"),
+])
+def test_refusals_are_openai_errors_naming_the_field(served, method, path, kwargs, status, message, param):
+    client, _ = served
+    r = client.request(method, path, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["param"] == param, error
+
+
+def test_a_predict_refused_part_way_leaves_nothing_queued(served):
+    """An instance refused after others were queued (here: beyond the context) cancels those: nothing decodes
+    for an answer that is never sent."""
+    _, state = served
+    held = ServerState("tiny", encode=state.encode, decode=state.decode)
+    app = create_app(held)
+    held.loop = paused = EngineLoop(state.loop.engine)  # not started: what it is given stays in its inbox
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/predict", json={"instances": [{"prompt": "a", "max_tokens": 200},
+                                                                     {"prompt": "b", "max_tokens": 10**6}]})
+
+    refused = asyncio.run(scenario())
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "instances[1].max_tokens"
+    queued = []
+    while not paused.inbox.empty():
+        queued.append(paused.inbox.get_nowait())
+    assert all(req.cancelled for req in queued), queued

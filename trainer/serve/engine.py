@@ -25,7 +25,12 @@ from trainer.serve.weights import ServingModel
 
 
 class RequestError(ValueError):
-    """A request the engine cannot take (too long, bad sampling values); the message says why."""
+    """A request the engine cannot take (too long, bad sampling values); the message says why, `param`
+    which field of the request it is about."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,18 +129,19 @@ class Engine:
         """Raises RequestError when the engine cannot take this request."""
         vocab = self.model.cfg.model.vocab_size
         if not prompt:
-            raise RequestError("the prompt has no tokens")
+            raise RequestError("the prompt has no tokens; give it some text", param="prompt")
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise RequestError(f"token ids must be in [0, {vocab})")
+            culprit = next(t for t in prompt if not 0 <= t < vocab)
+            raise RequestError(f"token ids must be in [0, {vocab}), got {culprit} in the prompt", param="prompt")
         if sampling.max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+            raise RequestError(f"max_tokens must be at least 1, got {sampling.max_tokens}", param="max_tokens")
         if len(prompt) + sampling.max_tokens > self.max_len:
             raise RequestError(f"the prompt's {len(prompt)} tokens plus max_tokens={sampling.max_tokens} exceed "
-                               f"this server's maximum context length of {self.max_len} tokens")
+                               f"this server's maximum context length of {self.max_len} tokens", param="max_tokens")
         if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
             raise RequestError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
         if sampling.stop and self.detokenize is None:
-            raise RequestError("stop strings need a tokenizer, and this model has none")
+            raise RequestError("stop strings need a tokenizer, and this model has none", param="stop")
 
     def submit(self, request: Request) -> Request:
         self.check(request.prompt, request.sampling)
@@ -182,7 +188,7 @@ class Engine:
         self.admitting = None
         slot, s = req.slot, req.sampling
         self.active[slot] = req
-        self.temperature_S[slot], self.top_k_S[slot], self.top_p_S[slot] = s.temperature, s.top_k, s.top_p
+        self.temperature_S[slot], self.top_k_S[slot], self.top_p_S[slot] = s.temperature, _top_k(s.top_k), s.top_p
         self.seed_S[slot] = np.int32(s.seed & 0x7FFFFFFF)
         self._emit(req, int(np.asarray(token_1)[0]))
 
@@ -252,7 +258,14 @@ class Engine:
         return self.temperature_S, self.top_k_S, self.top_p_S, self.seed_S
 
 
+def _top_k(k: int) -> int:
+    """A request's top_k as the int32 the steps take: any k beyond the vocabulary means all of it (the
+    sampler clamps to the vocabulary), and one beyond int32 would fail the step of every request in it."""
+    return min(k, np.iinfo(np.int32).max)
+
+
 def _sampling_arrays(params: list[SamplingParams]):
-    return (np.asarray([p.temperature for p in params], np.float32), np.asarray([p.top_k for p in params], np.int32),
+    return (np.asarray([p.temperature for p in params], np.float32),
+            np.asarray([_top_k(p.top_k) for p in params], np.int32),
             np.asarray([p.top_p for p in params], np.float32),
             np.asarray([p.seed & 0x7FFFFFFF for p in params], np.int32))

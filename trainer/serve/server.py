@@ -35,7 +35,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from trainer.serve.metrics import ServingMetrics
 
@@ -165,12 +166,24 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, e: RequestValidationError):
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param).response()
+        if first.get("type") == "json_invalid":  # its loc holds the character where the JSON breaks
+            at = first.get("loc", (None, None))[-1]
+            reason = (first.get("ctx") or {}).get("error", "invalid")
+            return APIError(400, f"the body is not JSON: {reason} at character {at}").response()
+        return _invalid(first).response()
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, _):
-        return APIError(404, f"no route {request.method} {request.url.path}", kind="not_found_error").response()
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        """Starlette's own refusals (no route, a method the route lacks, a body it cannot parse) as OpenAI
+        error objects too."""
+        if e.status_code == 404:
+            return APIError(404, f"no route {request.method} {request.url.path}", kind="not_found_error").response()
+        if e.status_code == 405:
+            allowed = (e.headers or {}).get("allow") or (e.headers or {}).get("Allow") or "another method"
+            return APIError(405, f"{request.method} is not allowed on {request.url.path}; use {allowed}",
+                            headers=e.headers).response()
+        return APIError(e.status_code, f"the body cannot be read: {e.detail} (send UTF-8 JSON)",
+                        headers=e.headers).response()
 
     health_routes = sorted({"/health", os.environ.get("AIP_HEALTH_ROUTE", "/health")})
     for route in health_routes:
@@ -228,30 +241,63 @@ def _predict(state: ServerState):
         instances = body.get("instances") if isinstance(body, dict) else None
         if not isinstance(instances, list) or not instances:
             raise APIError(400, 'the body must be {"instances": [request, ...]}', param="instances")
-        arrival = request.state.arrival
-        jobs = [_predict_one(state, instance, i, arrival) for i, instance in enumerate(instances)]
-        return {"predictions": await asyncio.gather(*jobs)}
+        # Every instance is checked before any is queued, and a refusal part-way cancels those queued: a
+        # 400 or a 429 leaves nothing decoding for an answer that is never sent.
+        parsed = [_predict_instance(state, instance, i) for i, instance in enumerate(instances)]
+        admitted = []
+        try:
+            for i, (body, ids, limit) in enumerate(parsed):
+                try:
+                    admitted.append(_admit(state, body, ids, limit, request.state.arrival))
+                except APIError as e:
+                    e.message, e.param = f"instances[{i}]: {e.message}", f"instances[{i}].{e.param or 'prompt'}"
+                    raise
+        except APIError:
+            for req in admitted:
+                req.cancelled = True
+            raise
+        done = await asyncio.gather(*(_run_to_end(state, req) for req in admitted))
+        return {"predictions": [{"text": _final_text(state, req), "finish_reason": _finish(req),
+                                 "usage": _usage(req)} for req in done]}
 
     return predict
 
 
-async def _predict_one(state: ServerState, instance: Any, index: int, arrival: float) -> dict:
+def _predict_instance(state: ServerState, instance: Any, index: int) -> tuple[_Sampling, list[int], int | None]:
+    """One instance of a predict body as (the request, its prompt's ids, its max tokens); a 400 names the
+    instance and its field."""
     if not isinstance(instance, dict):
-        raise APIError(400, f"instances[{index}] must be an object with a prompt or messages")
+        raise APIError(400, f"instances[{index}] must be an object with a prompt or messages",
+                       param=f"instances[{index}]")
     chat = "messages" in instance
     try:
         body = (ChatRequest if chat else CompletionRequest).model_validate({**instance, "stream": False})
-    except ValueError as e:
-        raise APIError(400, f"instances[{index}]: {e.errors()[0]['msg']}", param=f"instances[{index}]") from None
-    if chat:
-        text = "".join(state.chat_template["message"].format(role=m.role, content=m.content) for m in body.messages)
-        ids = _prompt_ids(state, text + state.chat_template["generation"])
-        limit = body.max_completion_tokens or body.max_tokens
-    else:
-        ids, limit = _prompt_ids(state, body.prompt), body.max_tokens
-    req = await _run_to_end(state, _admit(state, body, ids, limit, arrival))
-    return {"text": _final_text(state, req), "finish_reason": _finish(req),
-            "usage": _usage(req)}
+    except ValidationError as e:
+        raise _invalid(e.errors()[0], f"instances[{index}]") from None
+    try:
+        if chat:
+            text = "".join(state.chat_template["message"].format(role=m.role, content=m.content)
+                           for m in body.messages)
+            return body, _prompt_ids(state, text + state.chat_template["generation"]), \
+                body.max_completion_tokens or body.max_tokens
+        return body, _prompt_ids(state, body.prompt), body.max_tokens
+    except APIError as e:
+        e.message, e.param = f"instances[{index}]: {e.message}", f"instances[{index}].{e.param or 'prompt'}"
+        raise
+
+
+def _invalid(error: dict, prefix: str | None = None) -> APIError:
+    """A 400 from pydantic's first error, naming the field (`stop.str` for a union's branch is `stop`)."""
+    loc = [str(p) for p in error.get("loc", ())]
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    loc = [p for p in loc if p not in ("str", "list[int]", "list[str]")]
+    field = ".".join(loc)
+    param = ".".join(p for p in (prefix, field) if p) or None
+    if param is None:  # the body as a whole: empty, not an object, or not sent as JSON (curl -d without -H)
+        return APIError(400, f"the body must be a JSON object sent with content-type: application/json "
+                             f"({error.get('msg')})")
+    return APIError(400, f"{param}: {error.get('msg')}", param=param)
 
 
 def _prompt_ids(state: ServerState, prompt) -> list[int]:
@@ -266,7 +312,8 @@ def _prompt_ids(state: ServerState, prompt) -> list[int]:
     try:
         return state.encode(prompt)
     except Exception as e:  # noqa: BLE001 - the codec's own message says what it wanted
-        raise APIError(400, f"prompt: {getattr(e, 'message', None) or e}", param="prompt") from None
+        reason = str(getattr(e, "message", None) or e).removeprefix("--prompt: ").removeprefix("--prompt ")
+        raise APIError(400, f"prompt: {reason}", param="prompt") from None
 
 
 def _admit(state: ServerState, body: _Sampling, ids: list[int], max_tokens: int | None, arrival: float):
@@ -290,8 +337,7 @@ def _admit(state: ServerState, body: _Sampling, ids: list[int], max_tokens: int 
     try:
         state.loop.engine.check(ids, sampling)
     except RequestError as e:
-        param = "max_tokens" if "context length" in str(e) else None
-        raise APIError(400, str(e), param=param) from None
+        raise APIError(400, str(e), param=e.param) from None
     events: asyncio.Queue = asyncio.Queue()
     aio = asyncio.get_running_loop()
     req = EngineRequest(ids, sampling, listener=lambda r: aio.call_soon_threadsafe(events.put_nowait, None))
