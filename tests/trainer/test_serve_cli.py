@@ -3,6 +3,7 @@ slot of a client that goes away, and on SIGTERM finishes the 8 streams in flight
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,17 @@ def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path)
     (other / "checkpoints").symlink_to(run / "checkpoints")
     template = tmp_path / "template.json"
     template.write_text('{"message": "{speaker}"}')
+    no_content = tmp_path / "no-content.json"
+    no_content.write_text('{"message": "{role}: ", "generation": "assistant:"}')
+    truncated = tmp_path / "truncated"
+    shutil.copytree(run, truncated, ignore=shutil.ignore_patterns(".lock"))
+    latest = max((p for p in (truncated / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    metadata = latest / "state" / "_METADATA"
+    metadata.write_bytes(metadata.read_bytes()[:len(metadata.read_bytes()) // 2])
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    busy_port = busy.getsockname()[1]
     cases = [
         (["--checkpoint", str(tmp_path / "none")], f"--checkpoint {tmp_path / 'none'} does not exist"),
         (["--checkpoint", str(other)],
@@ -38,11 +50,45 @@ def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path)
         (["--checkpoint", str(run), "--chunk", "64", "--max-len", "32"], "--chunk 64 must not exceed --max-len 32"),
         (["--checkpoint", str(run), "--mesh", "data=1,expert=3"], "--mesh"),
         (["--checkpoint", str(run), "--slots", "0"], "'--slots'"),
+        (["--checkpoint", str(run), "--chat-template", str(no_content)], "'message' has no {content}"),
+        (["--checkpoint", str(truncated)], f"the metadata of step {latest.name} in"),
+        # The socket is bound before the weights are read: no minutes of loading for a port in use.
+        (["--checkpoint", str(tmp_path / "none"), "--port", str(busy_port)], f"--port {busy_port}: 127.0.0.1:"),
+        (["--checkpoint", str(run), "--host", "999.1.1.1"], "--host '999.1.1.1' is not an address"),
     ]
-    for args, needle in cases:
-        result = CliRunner().invoke(serve_command, args)
-        assert result.exit_code == 2, (args, result.output)
-        assert needle in result.output and "Traceback" not in result.output, (args, result.output)
+    try:
+        for args, needle in cases:
+            result = CliRunner().invoke(serve_command, args)
+            assert result.exit_code == 2, (args, result.output)
+            assert needle in result.output and "Traceback" not in result.output, (args, result.output)
+    finally:
+        busy.close()
+
+
+def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
+    """A server stopped before its steps are compiled exits without waiting for the compile thread (exiting
+    past XLA compiling aborts the process): here a warm-up that never ends stands in for a compile."""
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import socket, sys, threading, types\n"
+        "from trainer.serve import cli\n"
+        "engine = types.SimpleNamespace(slots=1, max_len=2, warm_up=threading.Event().wait)\n"
+        "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None)\n"
+        "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
+        "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 1, None, 'tiny', 1.0))\n")
+    process = subprocess.Popen([sys.executable, str(script), str(free_port())], stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if "compiling the prefill" in line:
+                break
+        time.sleep(0.5)  # uvicorn has installed its handlers
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert "stopped before the steps were compiled" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def free_port() -> int:

@@ -11,9 +11,11 @@ model, a shape that does not fit the device memory); 1 a runtime failure.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -52,7 +54,39 @@ def _chat_template(path: str | None) -> dict | None:
         template["message"].format(role="user", content="x")
     except (KeyError, IndexError, ValueError) as e:
         raise ServeError(f"--chat-template {path}: 'message' may use {{role}} and {{content}} only ({e})") from None
+    if "{content}" not in template["message"]:  # every message's text would be dropped from the prompt
+        raise ServeError(f"--chat-template {path}: 'message' has no {{content}}, so the messages' text would never "
+                         f"reach the model; got {template['message']!r}")
     return template
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything is loaded: a port in use or a host that is not an address
+    of this machine is refused at once (exit 2), not after minutes of reading weights."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ServeError(f"--host {host!r} is not an address or a name this machine resolves ({e}); give an IP "
+                         "address, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"--port {port}: {host}:{port} is in use by another process; pick a free port with "
+                             "--port") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ServeError(f"--host {host}: not an address of this machine ({e.strerror}); give one of its "
+                             "addresses, 127.0.0.1 or 0.0.0.0") from None
+        if e.errno == errno.EACCES:
+            raise ServeError(f"--port {port}: listening on it needs privileges ({e.strerror}); pick a port above "
+                             "1023") from None
+        raise ServeError(f"--host {host} --port {port}: cannot listen there: {e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
@@ -104,10 +138,11 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     template = _chat_template(chat_template_path)
     if chunk > max_len:
         raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
+    sock = _listen(host, port)
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
                   chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   int8_weights=weight_format == "int8", device_memory_gb=device_memory_gb, progress=_progress)
-    code = _serve(loaded, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds)
+    code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds)
     sys.exit(code)
 
 
@@ -123,7 +158,8 @@ def _check_server_packages() -> None:
                              "pip install 'moe-tpu[serve]'") from None
 
 
-def _serve(loaded, host: str, port: int, max_waiting: int, template, name: str, grace_seconds: float) -> int:
+def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
+           grace_seconds: float) -> int:
     import uvicorn
 
     from trainer.serve.loop import EngineLoop
@@ -160,16 +196,22 @@ def _serve(loaded, host: str, port: int, max_waiting: int, template, name: str, 
             failed.append(f"{type(e).__name__}: {e}")
             server.should_exit = True
 
-    threading.Thread(target=compile_then_serve, name="moe-tpu-compile", daemon=True).start()
+    compiling = threading.Thread(target=compile_then_serve, name="moe-tpu-compile", daemon=True)
+    compiling.start()
     # uvicorn raises the signal it stopped for again once it has shut down, for the handler it found:
     # with the default one SIGTERM would end the process by the signal rather than with exit code 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         if state.loop is not None:
             state.loop.stop()
+    if compiling.is_alive():  # stopped while XLA compiles: exiting past it aborts the process (SIGABRT, 134)
+        _progress("stopped before the steps were compiled")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if failed:
         click.echo(f"serve: compiling failed: {failed[0]}", err=True)
         return EXIT_RUNTIME

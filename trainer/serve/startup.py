@@ -47,7 +47,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     try:
         mesh_shape = sharding.parse_mesh(mesh_text or f"data={len(devices) // expert},expert={expert}", len(devices))
     except ValueError as e:
-        raise ServeError(f"--mesh: {e}") from None
+        raise ServeError(str(e) if str(e).startswith("--mesh") else f"--mesh: {e}") from None
     if cfg.moe.num_experts % mesh_shape["expert"]:
         raise ServeError(f"--mesh expert={mesh_shape['expert']} must divide moe.num_experts={cfg.moe.num_experts}")
     problems = meshspec.tensor_problems(cfg, mesh_shape["model"])  # heads and hidden sizes over `model`

@@ -149,8 +149,15 @@ def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[
 
 def _check_shapes(manager, step: int, target: dict, checkpoints: str) -> None:
     """Compares the saved arrays' shapes with the config's before reading: another model's checkpoint
-    fails here with the array's name rather than deep in tensorstore."""
-    saved = manager.item_metadata(step)["state"]
+    fails here with the array's name rather than deep in tensorstore, and a truncated one with its step."""
+    from trainer.checkpoint import _reason
+
+    try:
+        saved = manager.item_metadata(step)["state"]
+    except Exception as e:  # noqa: BLE001 - orbax's JSON, tensorstore and file errors alike
+        raise WeightsError(f"--checkpoint: the metadata of step {step} in {checkpoints} cannot be read (a truncated "
+                           f"or corrupt checkpoint?): {_reason(e)}; serve an intact one, or move step {step}'s "
+                           "directory aside to serve the step before it") from None
     for group, arrays in target.items():
         held = saved.get(group) if hasattr(saved, "get") else None
         if held is None:
