@@ -109,6 +109,13 @@ def _stop(app, follower, keep: bool, event: str) -> None:
         follower.timeline.add("deleted", app.console, resources=len(deleted))
 
 
+def _finite(param, value: float) -> float:
+    """FloatRange lets nan through (it compares false with both ends); the server would refuse it."""
+    if value != value:
+        raise click.BadParameter(f"{value} is not a number in the range 0<=x<=2", param=param)
+    return value
+
+
 def _text(document: dict) -> str:
     choices = document.get("choices") or [{}]
     return str(choices[0].get("text", ""))
@@ -131,7 +138,8 @@ def _emit(app, follower, result: str, resources: list, **fields) -> None:
 @click.option("--prompt", required=True, help="The text to continue (token ids separated by spaces for a run "
                                               "whose data has no tokenizer).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=0.0, show_default=True,
+              callback=lambda _ctx, param, value: _finite(param, value),
               help="0: greedy, the tokens `moe-tpu sample --temperature 0` gives for the checkpoint.")
 @click.option("--stream/--no-stream", default=True, show_default=True,
               help="Print the tokens as they come (StreamRawPredict on Vertex AI), or the whole answer at once.")

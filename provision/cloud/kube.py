@@ -268,6 +268,11 @@ class KubeApi:
                 _request_timeout=PROXY_TIMEOUT_S)
         except ApiException as exc:
             entry["status"] = f"{exc.status} {exc.reason}"
+            if exc.status in (400, 422):  # the server refused the request: the prompt or a limit is the user's
+                from provision.cloud.vertex import PREDICT_HINT
+
+                raise UsageError(f"the service answered {exc.status} {exc.reason}: {_status_message(exc)}",
+                                 hint=PREDICT_HINT) from exc
             raise CloudError(f"the service answered {exc.status} {exc.reason}: {_status_message(exc)}") from exc
         except HTTPError as exc:
             raise CloudError(f"service proxy: cannot reach the cluster's API server: {exc}") from exc

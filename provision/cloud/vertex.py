@@ -8,6 +8,22 @@ from typing import Any
 
 from provision.cloud.api import RetryingApi
 
+# What to do about a request the model's server refused (the same words on every kind that serves).
+PREDICT_HINT = "change --prompt, --max-tokens or --temperature as the message says (`moe-tpu predict --help`)"
+
+
+def server_message(exc: BaseException) -> str:
+    """The message of the OpenAI error object a refusal carries ({"error": {"message": ...}}), else the
+    error's own."""
+    import json
+
+    text = getattr(exc, "message", None) or str(exc)
+    try:
+        error = json.loads(text).get("error")
+        return str(error.get("message")) if isinstance(error, dict) and error.get("message") else text
+    except (ValueError, AttributeError):
+        return text
+
 
 class VertexApi(RetryingApi):
     """Thin, retrying wrapper over google.cloud.aiplatform_v1.JobServiceClient."""
@@ -104,7 +120,7 @@ class ServingApi(RetryingApi):
         try:
             return self.predictions.raw_predict(request={"endpoint": endpoint, "http_body": http_body})
         except Exception as exc:  # noqa: BLE001 - translated, original chained
-            self._raise_translated(exc, "raw predict")
+            self._raise_prediction(exc, "raw predict")
 
     def stream_raw_predict(self, endpoint: str, body: bytes, content_type: str = "application/json"):
         """The same, the answer as a stream of HttpBody chunks (server-sent events from the server)."""
@@ -114,4 +130,16 @@ class ServingApi(RetryingApi):
         try:
             yield from self.predictions.stream_raw_predict(request={"endpoint": endpoint, "http_body": http_body})
         except Exception as exc:  # noqa: BLE001 - translated, original chained
-            self._raise_translated(exc, "stream raw predict")
+            self._raise_prediction(exc, "stream raw predict")
+
+    def _raise_prediction(self, exc: BaseException, action: str):
+        """A request the model's server refused (INVALID_ARGUMENT carrying its OpenAI error object) as a usage
+        error in the server's own words, with what to change; anything else as every call's errors."""
+        from google.api_core import exceptions as gexc
+
+        from provision.errors import UsageError
+
+        if isinstance(exc, gexc.InvalidArgument):
+            raise UsageError(f"{action}: the model's server refused the request: {server_message(exc)}",
+                             hint=PREDICT_HINT) from exc
+        self._raise_translated(exc, action)

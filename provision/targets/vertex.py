@@ -222,10 +222,25 @@ def startup_estimate_s(cfg) -> float:
 
 
 def serve_checks(get) -> list[tuple[str, str]]:
-    """The serve section's rules for Vertex AI: replicas min <= max; one host per replica (online prediction
-    serves single-host v5e only)."""
+    """The serve section's rules for Vertex AI: replicas min <= max; a duty-cycle target in percent; one host
+    per replica, the machine type's own (online prediction serves single-host v5e only)."""
     found = replica_problems(get, "Vertex AI's autoscaler")
-    topology = get("serve.topology")
+    target = get("serve.autoscale_target")
+    if isinstance(target, int) and target > 100:
+        found.append(("serve.autoscale_target", f"Vertex AI's autoscaling target is the accelerators' duty cycle in "
+                                                f"percent, at most 100, not {target} (60: a replica is added above "
+                                                "60% busy)"))
+    topology, machine = get("serve.topology"), get("serve.machine_type")
+    single = catalogue.accelerator_for_machine(machine, "") if isinstance(machine, str) else None
+    if (isinstance(topology, str) and single is not None and topology != single.topology
+            and (acc := catalogue.accelerator_for_topology(topology)) and not acc.multi_host):
+        from provision.config.sections import SERVING_MACHINE_TOPOLOGY
+
+        fitting = [m for m, t in SERVING_MACHINE_TOPOLOGY.items() if t == topology]
+        instead = f"serve.machine_type: {fitting[0]}" if fitting else "another serve.machine_type"
+        found.append(("serve.topology", f"topology {topology!r} is not the one host of {machine} "
+                                        f"({single.topology}, {single.chips} chip(s)): leave serve.topology unset, or "
+                                        f"give {instead}"))
     if isinstance(topology, str) and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host:
         found.append(("serve.topology", f"Vertex AI online prediction serves single-host TPU v5e only (1x1, 2x2, "
                                         f"2x4), not {topology} ({acc.chips} chips on several hosts); a replica over "

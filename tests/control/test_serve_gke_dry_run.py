@@ -87,6 +87,8 @@ def test_deploy_predict_down_on_gke(work):
     assert code == 0, err[-2000:]
     assert predicted["text"].strip() == sample(work)
     assert rpcs(predicted, "proxy") == ["k8s service proxy"]
+    code, _, err = moe_tpu(work, "predict", "--prompt", "", "--max-tokens", "2")
+    assert code == 2 and "the prompt has no tokens" in err and "change --prompt" in err, err[-2000:]
     code, down, err = moe_tpu(work, "down")
     assert code == 0, err[-2000:]
     assert [r for r in rpcs(down, "k8s delete") if "JobSet" not in r] \

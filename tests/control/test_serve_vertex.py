@@ -111,6 +111,10 @@ def test_deploy_predict_down_through_the_real_api(here):
     assert code == 0 and "StreamRawPredict" in _rpcs(streamed), err[-2000:]
     code, out, _ = invoke("--dry-run", "predict", "--prompt", PROMPT, "--max-tokens", str(TOKENS), "--no-stream")
     assert code == 0 and out.strip() == streamed["text"] == _sample(here)
+    # A request the server refuses is the user's to change: exit 2 in the server's words, not a config hint.
+    code, _, err = invoke("--dry-run", "predict", "--prompt", PROMPT, "--max-tokens", "100000")
+    assert code == 2 and "maximum context length" in err and '{"error"' not in err, err[-2000:]
+    assert "change --prompt, --max-tokens" in err and "validate" not in err
     code, out, err = invoke("--dry-run", "--output", "json", "down")
     assert code == 0, err[-2000:]
     assert _in_order(_rpcs(json.loads(out)), ["UndeployModel", "GetOperation", "DeleteEndpoint", "GetOperation",
@@ -195,6 +199,14 @@ def test_validate_refuses_what_vertex_ai_cannot_serve(tmp_path):
     code, _, err = invoke("validate", "-c", str(tmp_path / "bad.yaml"))
     assert code == 2 and "serve.max_replicas" in err and "below min_replicas (3)" in err
     assert "serve.topology" in err and "single-host" in err and "ct5lp-hightpu-8t" in err
+    serve["serve"] |= {"min_replicas": 1, "machine_type": "ct5lp-hightpu-1t", "topology": "2x4",
+                       "autoscale_target": 1000}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(serve))
+    code, _, err = invoke("validate", "-c", str(tmp_path / "bad.yaml"))
+    assert code == 2 and "'2x4' is not the one host of ct5lp-hightpu-1t" in err and "ct5lp-hightpu-8t" in err
+    assert "serve.autoscale_target" in err and "at most 100, not 1000" in err
+    code, _, err = invoke("predict", "-c", str(tmp_path / "bad.yaml"), "--prompt", "1", "--temperature", "nan")
+    assert code == 2 and "'--temperature': nan" in err
 
 
 def test_deploy_and_predict_help_import_no_cloud_client_and_no_jax():
