@@ -234,10 +234,7 @@ def serve_checks(get) -> list[tuple[str, str]]:
     single = catalogue.accelerator_for_machine(machine, "") if isinstance(machine, str) else None
     if (isinstance(topology, str) and single is not None and topology != single.topology
             and (acc := catalogue.accelerator_for_topology(topology)) and not acc.multi_host):
-        from provision.config.sections import SERVING_MACHINE_TOPOLOGY
-
-        fitting = [m for m, t in SERVING_MACHINE_TOPOLOGY.items() if t == topology]
-        instead = f"serve.machine_type: {fitting[0]}" if fitting else "another serve.machine_type"
+        instead = f"serve.machine_type: {acc.vertex_machine_type}"
         found.append(("serve.topology", f"topology {topology!r} is not the one host of {machine} "
                                         f"({single.topology}, {single.chips} chip(s)): leave serve.topology unset, or "
                                         f"give {instead}"))
