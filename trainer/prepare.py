@@ -53,10 +53,40 @@ class PrepareFailure(click.ClickException):
 # ----------------------------------------------------------------------------- reading the corpus
 
 
+def _not_a_file(path: str) -> str | None:
+    """What `path` is when it is something other than a regular file (found without opening it: a FIFO
+    would wait for a writer, a device never ends), else None."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
 def input_files(patterns: tuple[str, ...]) -> list[str]:
+    """The files the patterns name. A pattern that names one thing that is no file is refused, naming what
+    it is; a wildcard passes over directories but refuses a FIFO, a device or a socket it matches."""
     files: list[str] = []
     for pattern in patterns:
-        matches = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
+        if not glob.has_magic(pattern):
+            kind = _not_a_file(pattern)
+            if kind == "a directory":
+                raise PrepareError(f"input '{pattern}' is a directory: name its files, e.g. '{pattern.rstrip('/')}"
+                                   f"/*.jsonl' (or '{pattern.rstrip('/')}/**/*.txt' for every subdirectory too)")
+            if kind:
+                raise PrepareError(f"input '{pattern}' is {kind}, not a file")
+        matches = sorted(glob.glob(pattern, recursive=True))
+        for match in matches:
+            kind = _not_a_file(match)
+            if kind not in (None, "a directory"):
+                raise PrepareError(f"input '{pattern}' matches {match}, which is {kind}, not a file: leave it "
+                                   "out of the pattern")
+        matches = [f for f in matches if os.path.isfile(f)]
         if not matches:
             raise PrepareError(f"input '{pattern}' matches no files")
         files += matches
@@ -159,7 +189,10 @@ def _json_text(path: str, number: int, line: str, text_key: str) -> str:
                            "each line must be one object with a text field") from None
     except ValueError as e:
         raise PrepareError(f"{where} is not JSON: {e}") from None
-    if not isinstance(record, dict) or text_key not in record:
+    if not isinstance(record, dict):
+        raise PrepareError(f"{where} is {_json_kind(record)}, not an object: each line must be one object with "
+                           f"a text field '{text_key}'")
+    if text_key not in record:
         raise PrepareError(f"{where} has no text field '{text_key}' (set --text-key)")
     text = record[text_key]
     if not isinstance(text, str):
@@ -208,6 +241,9 @@ def _parquet(path: str, text_key: str) -> Iterator[str]:
 def load_tokenizer(path: str):
     from tokenizers import Tokenizer
 
+    kind = _not_a_file(path)
+    if kind:
+        raise PrepareError(f"the tokenizer file {path} is {kind}, not a file (give a tokenizer.json)")
     if not os.path.isfile(path):
         raise PrepareError(f"the tokenizer file {path} does not exist")
     try:
@@ -289,7 +325,7 @@ class OutputDir:
             raise PrepareError("--output is empty: name the dataset directory")
         self.output, self.path = output, os.path.abspath(output)
         if os.path.lexists(self.path) and not os.path.isdir(self.path):
-            what = "a link to nothing" if not os.path.exists(self.path) else "a file"
+            what = "a link to nothing" if not os.path.exists(self.path) else _not_a_file(self.path) or "a file"
             raise PrepareError(f"--output {output} is {what}, not a directory")
         self.created = not os.path.exists(self.path)
         self._fd: int | None = None
@@ -621,16 +657,55 @@ def prepare_command(inputs, output, tokenizer_path, vocab_size, text_key, lines,
             say=lambda message: click.echo(message, err=True))
 
 
-def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
-    """The command, with Ctrl-C exiting 130 (what it left half-written is gone by then)."""
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP arrived: raised in the main thread so that what the prepare made is removed on
+    the way out, as Ctrl-C's KeyboardInterrupt is (a BaseException: no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """SIGTERM and SIGHUP raise `Stopped` while the prepare runs; the previous handlers come back after."""
+    import signal
+
+    def stop(signum, _frame):
+        raise Stopped(signum)
+
+    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {}
     try:
-        prepare_command.main(args=args, prog_name=prog_name or "python -m trainer.prepare", standalone_mode=False)
+        for signum in wanted:
+            previous[signum] = signal.signal(signum, stop)
+    except ValueError:  # not the main thread: signals stay as they are
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
+    """The command, with Ctrl-C exiting 130, SIGTERM 143 and SIGHUP 129 (what it left half-written, and a
+    gs:// lock, are gone by then)."""
+    import signal
+
+    try:
+        with _stopped_by_signals():
+            prepare_command.main(args=args, prog_name=prog_name or "python -m trainer.prepare",
+                                 standalone_mode=False)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("interrupted: nothing was written", err=True)
         sys.exit(130)
+    except Stopped as e:
+        click.echo(f"stopped by {signal.Signals(e.signum).name}: nothing was written", err=True)
+        sys.exit(128 + e.signum)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ TensorBoard holds the metrics, and train.profile_steps leaves one trace."""
 
 import json
 import math
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -76,6 +78,13 @@ def test_jsonl_text_and_parquet_in_shards_and_a_manifest_out(tmp_path):
     ("output under a file", "cannot create the output directory {tmp}/a.txt/ds: Not a directory (a part of the "
                             "path is a file)"),
     ("output empty", "--output is empty"),
+    ("input directory", "input '{tmp}/corpus' is a directory: name its files, e.g. '{tmp}/corpus/*.jsonl'"),
+    ("input FIFO", "input '{tmp}/pipe.txt' is a FIFO, not a file"),
+    ("FIFO in a wildcard", "input '{tmp}/*.txt' matches {tmp}/pipe.txt, which is a FIFO, not a file"),
+    ("tokenizer FIFO", "the tokenizer file {tmp}/pipe.txt is a FIFO, not a file"),
+    ("tokenizer directory", "the tokenizer file {tmp}/corpus is a directory, not a file"),
+    ("output FIFO", "--output {tmp}/pipe.txt is a FIFO, not a directory"),
+    ("JSON list", "{tmp}/list.jsonl line 1 is a list, not an object: each line must be one object"),
 ])
 def test_bad_input_exits_2_naming_the_file_or_key(tmp_path, case, needle):
     (tmp_path / "docs.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
@@ -89,8 +98,11 @@ def test_bad_input_exits_2_naming_the_file_or_key(tmp_path, case, needle):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "list.jsonl").write_text('["text", "hello"]\n')
+    os.mkfifo(tmp_path / "pipe.txt")  # opened, it would wait for a writer for ever
     output = {"output is a file": tmp_path / "a.txt", "output under a file": tmp_path / "a.txt" / "ds",
-              "output empty": ""}.get(case, tmp_path / "out")
+              "output empty": "", "output FIFO": tmp_path / "pipe.txt"}.get(case, tmp_path / "out")
     args = {"latin-1 text": [tmp_path / "latin.txt", "--lines"], "latin-1 JSON": [tmp_path / "latin.jsonl"],
             "JSON number": [tmp_path / "number.jsonl"], "deep JSON": [tmp_path / "deep.jsonl"],
             "Parquet ints": [tmp_path / "ints.parquet"], "output is a file": [tmp_path / "docs.jsonl"],
@@ -99,7 +111,12 @@ def test_bad_input_exits_2_naming_the_file_or_key(tmp_path, case, needle):
             "corrupt tokenizer": [tmp_path / "a.txt", "--tokenizer", tmp_path / "bad.json"],
             "no inputs": [f"{tmp_path}/*.none"],
             "no text key": [tmp_path / "docs.jsonl"],
-            "no end token": [tmp_path / "a.txt", "--eod-token", "<eod>", "--vocab-size", "260"]}[case]
+            "no end token": [tmp_path / "a.txt", "--eod-token", "<eod>", "--vocab-size", "260"],
+            "input directory": [tmp_path / "corpus"], "input FIFO": [tmp_path / "pipe.txt"],
+            "FIFO in a wildcard": [f"{tmp_path}/*.txt"], "JSON list": [tmp_path / "list.jsonl"],
+            "tokenizer FIFO": [tmp_path / "a.txt", "--tokenizer", tmp_path / "pipe.txt"],
+            "tokenizer directory": [tmp_path / "a.txt", "--tokenizer", tmp_path / "corpus"],
+            "output FIFO": [tmp_path / "a.txt"]}[case]
     result = prepare([*args, "-o", output])
     assert result.exit_code == 2, result.output
     assert needle.format(tmp=tmp_path) in result.output
@@ -125,6 +142,22 @@ def test_a_second_prepare_into_a_directory_in_use_refuses_and_files_move_in_whol
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "tokenizer.json", "train-00000.array_record"]
     again = prepare([tmp_path / "a.txt", "--lines", "-o", out, "--vocab-size", "260"])
     assert again.exit_code == 2 and "already holds a dataset" in again.output
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_or_sighup_mid_prepare_exits_with_its_code_and_leaves_nothing(tmp_path, monkeypatch, signum, code):
+    from trainer import prepare as module
+
+    (tmp_path / "a.txt").write_text("one line\nanother line\n")
+    trained, before = module.train_bpe, signal.getsignal(signum)
+    monkeypatch.setattr(module, "train_bpe", lambda *a: (os.kill(os.getpid(), signum), trained(*a))[1])
+    for out in (tmp_path / "new", tmp_path / "existing"):
+        (tmp_path / "existing").mkdir(exist_ok=True)
+        with pytest.raises(SystemExit) as exit_:
+            module.main([str(tmp_path / "a.txt"), "--lines", "-o", str(out), "-q", "--vocab-size", "260"])
+        assert exit_.value.code == code
+    assert not (tmp_path / "new").exists() and list((tmp_path / "existing").iterdir()) == []
+    assert signal.getsignal(signum) == before  # the handler it set is gone again
 
 
 FILE_SIZE_LIMITED = """
