@@ -34,6 +34,7 @@ class DataError(ValueError):
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "moe-tpu-dataset"
+MANIFEST_VERSION = 1  # what trainer.prepare writes and this trainer reads
 INT32_MAX = 2**31 - 1
 STATE_LIMIT = 1024  # bytes of one host's iterator state (JSON), gathered from every host at a checkpoint
 
@@ -109,6 +110,11 @@ def _field(manifest: dict, key: str, url: str, kind: type, low: int = 0, high: i
 
 
 def _check_fields(manifest: dict, url: str) -> None:
+    version = _field(manifest, "version", url, int, 1)
+    if version != MANIFEST_VERSION:
+        raise DataError(f"the dataset manifest {url} is of format version {version}; this trainer reads version "
+                        f"{MANIFEST_VERSION}: prepare the dataset with this moe-tpu (`moe-tpu data prepare`), or "
+                        "train with the moe-tpu that prepared it")
     vocab = _field(manifest, "vocab_size", url, int, 2, 1 << 32)
     _field(manifest, "eod_id", url, int, 0, vocab - 1)
     dtype = _field(manifest, "token_dtype", url, str)
@@ -341,8 +347,17 @@ def host_records(dataset, *, seed: int | None, process_index: int, process_count
     return dataset.repeat(None)[process_index::process_count]
 
 
+def _whole_tokens(record: bytes, dtype: np.dtype, where: str) -> None:
+    """A record is a whole number of tokens of the manifest's dtype; else the manifest lies about its shards."""
+    if len(record) % dtype.itemsize:
+        raise DataError(f"{where} holds a document of {len(record)} bytes, not a whole number of {dtype.name} "
+                        f"tokens ({dtype.itemsize} bytes each): the manifest's token_dtype does not match its "
+                        "shards; prepare the dataset again")
+
+
 def _decoder(dtype: np.dtype, eod_id: int):
     def decode(record: bytes) -> dict[str, np.ndarray]:
+        _whole_tokens(record, dtype, "the dataset")
         tokens = np.frombuffer(record, dtype).astype(np.int32)
         return {"tokens": np.concatenate([tokens, np.asarray([eod_id], np.int32)])}
 
@@ -443,6 +458,7 @@ def _records(d: DataConfig, vocab_size: int, path: str, key: str):
         raise DataError(f"{key}: the dataset {path} lists no shards")
     documents = [s.get("documents") for s in manifest["shards"] if s.get("split", "train") == "train"]
     source = document_source(paths, documents)
+    _whole_tokens(source[0], np.dtype(manifest["token_dtype"]), f"{key}: the dataset shard {paths[0]}")
     tokens = sum(s.get("tokens") or 0 for s in manifest["shards"] if s.get("split", "train") == "train")
     if all(s.get("tokens") is not None for s in manifest["shards"]) and tokens + len(source) < d.seq_len + 1:
         raise DataError(f"{key}: the dataset {path} holds {tokens + len(source)} tokens with its end-of-document "

@@ -71,6 +71,10 @@ def edit_manifest(directory, **changes):
     ("manifest FIFO", r"data.path '.*/manifest.json' is a FIFO, not a file"),
     ("truncated shard", r"train-00000.array_record holds 4 documents, its manifest says 9: it was truncated"),
     ("corrupt shard", r"train-00000.array_record cannot be read \(truncated or corrupt\?\)"),
+    ("newer version", r"manifest.json is of format version 2; this trainer reads version 1: prepare the dataset"),
+    ("version as text", r"'version' must be an integer at least 1, got '1'"),
+    ("uint32 over uint16 shards", r"train-00000.array_record holds a document of 38 bytes, not a whole number of "
+                                  r"uint32 tokens \(4 bytes each\): the manifest's token_dtype does not match"),
 ])
 def test_a_manifest_is_checked_field_by_field_and_its_paths_stay_inside(tmp_path, case, message):
     ds = write_dataset(tmp_path / "ds", DOCS)
@@ -82,7 +86,8 @@ def test_a_manifest_is_checked_field_by_field_and_its_paths_stay_inside(tmp_path
               "shard link out": {"shard_file": "elsewhere.array_record"},
               "tokenizer out": {"tokenizer": {"file": "../tokenizer.json", "fingerprint": ""}},
               "negative count": {"shard_documents": -1}, "shard FIFO": {"shard_file": "fifo.array_record"},
-              "truncated shard": {"shard_documents": 9}}.get(case, {})
+              "truncated shard": {"shard_documents": 9}, "newer version": {"version": 2},
+              "version as text": {"version": "1"}, "uint32 over uint16 shards": {"token_dtype": "uint32"}}.get(case, {})
     edit_manifest(ds, **change)
     if case == "shard link out":
         (ds / "elsewhere.array_record").symlink_to(tmp_path / "train-00000.array_record")
