@@ -19,7 +19,7 @@ import time
 
 import click
 
-from trainer.config import MAX_SEED, NAMED_CONFIGS, printable
+from trainer.config import MAX_SEED, MAX_STEPS, NAMED_CONFIGS, printable
 from trainer.status import (
     EXIT_FAILED,
     EXIT_FINISHED,
@@ -69,7 +69,8 @@ def _jax_started() -> bool:
               help=f"A named config ({', '.join(NAMED_CONFIGS)}) or a YAML file.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config key, e.g. --set moe.top_k=1 (repeatable).")
-@click.option("--steps", type=click.IntRange(min=0), default=None, help="Train up to this step [config].")
+@click.option("--steps", type=click.IntRange(min=0, max=MAX_STEPS), default=None,
+              help="Train up to this step [config].")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="CPU only: run on N fake XLA devices.")
 @click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",

@@ -111,10 +111,15 @@ class DataConfig(Section):
         return self
 
 
+# The step counter is an int32 in the train state and the learning-rate schedule: past this, jax cannot take it.
+MAX_STEPS = 2**31 - 1
+StepCount = Annotated[Integer, Field(ge=0, le=MAX_STEPS, description="the step counter is a 32-bit integer")]
+
+
 class OptimConfig(Section):
     lr: Number = Field(3e-3, gt=0)
-    warmup_steps: NonNegative = 10
-    decay_steps: NonNegative = 0  # 0: decay over the run's --steps
+    warmup_steps: StepCount = 10
+    decay_steps: StepCount = 0  # 0: decay over the run's --steps
     min_lr_ratio: Number = Field(0.1, ge=0, le=1)
     weight_decay: Number = Field(0.1, ge=0)
     b1: Number = Field(0.9, ge=0, lt=1)
@@ -128,7 +133,7 @@ MAX_SEED = 2**31 - 1
 
 
 class TrainConfig(Section):
-    steps: NonNegative = 200
+    steps: StepCount = 200
     seed: Integer = Field(0, ge=0, le=MAX_SEED, description="it becomes a 32-bit PRNG key")
     log_every: Positive = 1
     checkpoint_every: Positive = 100
@@ -232,6 +237,8 @@ def check(config: str, overrides: list[str], steps: int | None = None) -> None:
         raise ConfigError(f"train.steps must be at least 1 for a run, got {cfg.train.steps}")
     if steps is not None and steps < 1:
         raise ConfigError(f"steps must be at least 1, got {steps}")
+    if steps is not None and steps > MAX_STEPS:
+        raise ConfigError(f"steps must be at most {MAX_STEPS:,} (the step counter is a 32-bit integer), got {steps}")
 
 
 def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:

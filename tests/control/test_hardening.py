@@ -380,6 +380,8 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
     ({"slice__network": "My Net"}, "slice.network: network 'My Net' is not a network name"),
     ({"slice__subnetwork": "sub net"}, "slice.subnetwork: subnetwork 'sub net' is not a subnetwork name"),
     ({"slice__service_account": "nobody"}, "slice.service_account: service account 'nobody' must be an email"),
+    ({"trainer__steps": 10**22}, "trainer.steps: the trainer rejects it: steps must be at most 2,147,483,647 (the "
+                                 "step counter is a 32-bit integer)"),
     ({"trainer__output_dir": "gs://"}, "trainer.output_dir: output_dir 'gs://' is not a Cloud Storage location"),
     ({"trainer__output_dir": "gs://My-Bucket/x"}, "output_dir 'gs://My-Bucket/x' is not a Cloud Storage location"),
     ({"trainer__output_dir": "gs://my bucket/a"}, "output_dir 'gs://my bucket/a' is not a Cloud Storage"),

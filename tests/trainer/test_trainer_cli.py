@@ -136,6 +136,9 @@ def test_a_mesh_larger_than_the_devices_suggests_the_devices_flag():
     (["--set", "data.source=text", "--set", "data.path=/nonexistent/*.txt"], "matches no files"),
     (["--mesh", "data=2,expert=4", "--set", "moe.routing_groups=3"], "cannot be built for this config"),
     (["--steps", "-1"], "--steps"),
+    (["--steps", "99999999999999999999"], "'--steps': 99999999999999999999 is not in the range 0<=x<=2147483647"),
+    (["--set", "optim.warmup_steps=2147483648"], "optim.warmup_steps must be between 0 and 2147483647 (the step "
+                                                  "counter is a 32-bit integer)"),
     (["--metrics", "/nonexistent/dir/m.jsonl"], "--metrics"),
     (["--output-dir", __file__], "is a file, not a directory"),
     *([(["--output-dir", "gs://bucket/run"], "need the gcsfs package")]
