@@ -26,6 +26,7 @@ import click
 from trainer.status import EXIT_USAGE
 
 CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 1 << 20  # a run's config.json is a few KiB
 # Positions are int32 in the engine's decode step.
 MAX_CONTEXT = 2**31 - 1
 
@@ -62,6 +63,15 @@ def load_run_config(path: str):
     if not epath.Path(path).exists():
         raise SampleError(f"{path} does not exist: the run's config is needed to rebuild its model (the trainer "
                           "writes it to OUTPUT_DIR/config.json)")
+    if "://" not in path:
+        from trainer.datasets import DataError, regular_file
+
+        try:  # found without opening it: a FIFO would wait for a writer for ever, a device never end
+            size = regular_file(path, "the run's config")
+        except DataError as e:
+            raise SampleError(str(e)) from None
+        if size > MAX_CONFIG_BYTES:
+            raise SampleError(f"{path} is {size >> 20} MiB: not a config the trainer wrote")
     try:
         return Config.model_validate(json.loads(epath.Path(path).read_text()))
     except pydantic.ValidationError as e:

@@ -2,6 +2,7 @@
 the synthetic source with transitions the source allows; a directory without a checkpoint exits 2."""
 
 import json
+import os
 
 from click.testing import CliRunner
 
@@ -34,7 +35,15 @@ def test_a_trained_tiny_continues_the_source_with_allowed_transitions(trained_ti
 def test_no_checkpoint_or_no_config_exits_2_naming_the_directory(tmp_path):
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     (tmp_path / "empty" / "config.json").write_text(json.dumps(load_config("tiny").to_dict()))
+    (tmp_path / "fifo" / "checkpoints").mkdir(parents=True)
+    os.mkfifo(tmp_path / "fifo" / "config.json")  # opened, it would wait for a writer for ever
+    (tmp_path / "device" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "device" / "config.json").symlink_to("/dev/zero")  # read, it would never end
     for directory, needle in ((tmp_path / "empty", f"{tmp_path / 'empty' / 'checkpoints'} holds no checkpoint"),
+                              (tmp_path / "fifo", f"the run's config '{tmp_path / 'fifo' / 'config.json'}' is a "
+                                                  "FIFO, not a file"),
+                              (tmp_path / "device", f"the run's config '{tmp_path / 'device' / 'config.json'}' is "
+                                                    "a device, not a file"),
                               (tmp_path / "none", f"--checkpoint {tmp_path / 'none'} does not exist"),
                               (tmp_path, f"--checkpoint {tmp_path} holds no checkpoint")):
         result = CliRunner().invoke(sample_command, ["--checkpoint", str(directory), "--prompt", "1 2"])
