@@ -64,8 +64,12 @@ def _no_special_file(path: str) -> None:
         raise OSError(errno.EINVAL, f"it is {kind}, not a file")
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pairs = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+    pairs = [(r["step"], float(r[key])) for r in rows if _number(r.get(key))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -122,8 +126,8 @@ def _figure(rows: list[dict], title: str):
         drop.plot(steps, values, "o-", label="eval", color="tab:purple")
     _decorate(drop, "dropped token fraction", legend=True)
 
-    loaded = [(r["step"], r["expert_load"]) for r in rows
-              if isinstance(r.get("expert_load"), list) and r["expert_load"]]
+    loaded = [(r["step"], r["expert_load"]) for r in rows  # a list of numbers (a hand-edited row may hold anything)
+              if isinstance(r.get("expert_load"), list) and r["expert_load"] and all(map(_number, r["expert_load"]))]
     if loaded:
         width = max(len(v) for _, v in loaded)
         grid = np.array([v + [0.0] * (width - len(v)) for _, v in loaded], float).T  # experts x steps

@@ -51,8 +51,8 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
     app.console.text(f"trainer: {state}" + (f" at step {status['step']}/{status.get('total_steps')}"
                                             if status.get("step") is not None else "")
                      + (f", eval loss {status['eval_loss']:.4f} at step {status.get('eval_step')}"
-                        if isinstance(status.get("eval_loss"), (int, float)) else ""))
-    if plot_path:
+                        if _number(status.get("eval_loss")) else ""))
+    if plot_path is not None:  # `--plot ''` too: a name to refuse, not a plot to leave out
         plot_path = _plot(app, cfg, rows, plot_path)
     app.console.emit(app.document("ok", output_dir=out, status=status or None, metrics=rows,
                                   **({"plot": plot_path} if plot_path else {})))
@@ -137,7 +137,11 @@ ROW_FIELDS = (("loss", "loss {:.4f}"), ("eval_loss", "eval loss {:.4f}"), ("eval
               ("tokens_per_s", "{:,.0f} tok/s"), ("step_time_s", "{:.3f} s/step"))
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _row_line(row: dict) -> str:
     parts = [f"step {row.get('step')}"]
-    parts += [fmt.format(row[key]) for key, fmt in ROW_FIELDS if isinstance(row.get(key), (int, float))]
+    parts += [fmt.format(row[key]) for key, fmt in ROW_FIELDS if _number(row.get(key))]
     return "  ".join(parts)

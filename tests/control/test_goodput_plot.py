@@ -3,11 +3,12 @@ is preempted once."""
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
 import pytest
-from cli_helpers import invoke
+from cli_helpers import config_from, invoke
 
 from provision import goodput
 
@@ -88,3 +89,18 @@ def test_a_plot_skips_and_counts_the_rows_it_cannot_read(tmp_path):
     assert written.skipped == 4 and written.path == str(tmp_path / "p.png")
     assert "skipped 4 metric row(s) that could not be read" in " ".join(written.notes)
     assert png_size(tmp_path / "p.png") >= (800, 600) and not list(tmp_path.glob(".plot-*"))
+
+
+def test_logs_plots_rows_edited_by_hand_and_refuses_an_empty_plot_name(workdir):
+    config_from(Path(__file__).resolve().parents[2] / "examples" / "v5e-64.yaml", workdir)
+    output = workdir / ".moe-tpu" / "runs" / "moe-demo" / "output"
+    output.mkdir(parents=True)
+    rows = [{"step": 1, "loss": 3.0, "expert_load": [0.5, "a", None]}, {"step": 2, "loss": True, "expert_load": "x"},
+            {"step": 3, "loss": 2.0, "expert_load": [0.25, 0.75]}]
+    (output / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = invoke("--dry-run", "logs", "--plot", str(workdir / "p.png"))
+    assert code == 0 and "internal error" not in err, err
+    assert png_size(workdir / "p.png") >= (800, 600)
+    assert "step 3  loss 2.0000" in out and "step 2  loss" not in out  # true is no loss
+    code, _, err = invoke("--dry-run", "logs", "--plot", "")
+    assert code == 2 and "cannot write the plot : name a file, e.g. run.png" in err, err

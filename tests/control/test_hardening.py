@@ -484,6 +484,17 @@ def test_a_config_or_state_path_that_is_no_file_is_exit_2_naming_it(workdir, kin
     assert str(path) in err
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", "trainer.log", "status.json"])
+def test_logs_refuses_a_fifo_in_the_runs_output_unopened(workdir, name):
+    _config(workdir)
+    output = workdir / ".moe-tpu" / "runs" / "moe-demo" / "output"
+    output.mkdir(parents=True)
+    os.mkfifo(output / name)  # opened, it would wait for a writer for ever
+    code, out, err = invoke("--dry-run", "logs")
+    _no_traceback(code, err)
+    assert f"cannot read {output / name}: it is a FIFO, not a file" in err
+
+
 def test_hints_of_a_dry_run_suggest_dry_run_commands(workdir):
     _config(workdir)
     assert invoke("--dry-run", "slice", "up")[0] == 0
