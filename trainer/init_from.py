@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from typing import Any
 
 import jax
@@ -117,6 +118,8 @@ def initial_state(trainer, directory: str) -> tuple[dict[str, Any], Source]:
     import orbax.checkpoint as ocp
 
     checkpoints = checkpoints_of(directory)
+    if "://" not in checkpoints:  # orbax takes absolute paths only; a user types a relative one
+        checkpoints = os.path.abspath(checkpoints)
     with quiet_orbax():
         try:
             manager = ocp.CheckpointManager(checkpoints, item_handlers={

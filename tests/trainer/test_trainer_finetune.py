@@ -41,8 +41,10 @@ def test_init_from_starts_a_new_run_from_another_runs_parameters_with_a_fresh_op
     assert fingerprint(str(copy)) == status["init_from"]["fingerprint"]
 
 
-def test_init_from_refuses_another_models_checkpoint_naming_the_parameter(trained_tiny, tmp_path):
-    result = _train(tmp_path, "--steps", "2", "--set", "model.d_model=32", "--init-from", str(trained_tiny.output_dir))
+def test_init_from_refuses_another_models_checkpoint_naming_the_parameter(trained_tiny, tmp_path, monkeypatch):
+    # given relative to the working directory, as a user types it (orbax itself takes absolute paths only)
+    monkeypatch.chdir(trained_tiny.output_dir.parent)
+    result = _train(tmp_path, "--steps", "2", "--set", "model.d_model=32", "--init-from", trained_tiny.output_dir.name)
     assert result.exit_code == 2, result.output
     assert "--init-from: the checkpoint" in result.output and "is of another model: params." in result.output
     assert "is [64" in result.output and "this config needs [32" in result.output
