@@ -330,11 +330,14 @@ class RecoveryConfig(_Section):
     max_restarts: NonNegative = 3
 
 
+MAX_TRAINER_STEPS = 2**31 - 1  # trainer.config.MAX_STEPS (not imported: the trainer's config stays unloaded here)
+
+
 class DryRunConfig(_Section):
     """How `run --dry-run` trains for real on this machine: the trainer made small enough for a CPU."""
 
     trainer_config: str = "tiny"
-    steps: Positive = 40
+    steps: Annotated[StrictInt, Field(ge=1, le=MAX_TRAINER_STEPS)] = 40  # the trainer's int32 step counter
     devices: Positive = 8
     mesh: str = "data=2,expert=4"
     checkpoint_every: Positive = 10

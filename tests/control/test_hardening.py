@@ -130,6 +130,7 @@ def test_validate_works_in_a_directory_it_cannot_write(workdir):
     ({"slice__count": 10**12}, "slice.count: must be between 1 and 256"),
     ({"slice__max_wait": "100000h"}, "slice.max_wait: duration '100000h' is too long"),
     ({"vertex__timeout": "9999h"}, "vertex.timeout: duration '9999h' is too long"),
+    ({"dry_run": {"steps": 10**20}}, "dry_run.steps: must be between 1 and 2147483647"),  # the trainer's int32 step
 ])
 def test_out_of_range_values_name_their_key_at_validate(workdir, changes, key):
     _config(workdir, **changes)
