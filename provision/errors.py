@@ -94,7 +94,7 @@ EXTRA_OF_MODULE = {
     "matplotlib": "plot", "pyarrow": "data",
     "pathwaysutils": "pathways",
     "kubernetes": "control", "urllib3": "control", "cryptography": "control",
-    "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve",
+    "fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
 }
 
 
