@@ -121,6 +121,11 @@ def _check_fields(manifest: dict, url: str) -> None:
     if dtype not in ("uint16", "uint32") or (dtype == "uint16" and vocab > 1 << 16):
         raise DataError(f"the dataset manifest {url}: 'token_dtype' must be uint16 (a vocabulary of at most 65536) "
                         f"or uint32, got {dtype!r:.40} for a vocabulary of {vocab}")
+    for key in ("documents", "tokens"):  # totals a prepare writes; a hand-made manifest may leave them out
+        if key in manifest:
+            _field(manifest, key, url, int, 0)
+    if "max_token_id" in manifest:
+        _field(manifest, "max_token_id", url, int, 0, vocab - 1)
     shards = _field(manifest, "shards", url, list)
     for number, shard in enumerate(shards):
         if not isinstance(shard, dict):

@@ -75,6 +75,8 @@ def edit_manifest(directory, **changes):
     ("version as text", r"'version' must be an integer at least 1, got '1'"),
     ("uint32 over uint16 shards", r"train-00000.array_record holds a document of 38 bytes, not a whole number of "
                                   r"uint32 tokens \(4 bytes each\): the manifest's token_dtype does not match"),
+    ("largest id past vocab", r"'max_token_id' must be an integer between 0 and 299, got 1000000"),
+    ("total as text", r"'tokens' must be an integer at least 0, got 'many'"),
 ])
 def test_a_manifest_is_checked_field_by_field_and_its_paths_stay_inside(tmp_path, case, message):
     ds = write_dataset(tmp_path / "ds", DOCS)
@@ -87,7 +89,8 @@ def test_a_manifest_is_checked_field_by_field_and_its_paths_stay_inside(tmp_path
               "tokenizer out": {"tokenizer": {"file": "../tokenizer.json", "fingerprint": ""}},
               "negative count": {"shard_documents": -1}, "shard FIFO": {"shard_file": "fifo.array_record"},
               "truncated shard": {"shard_documents": 9}, "newer version": {"version": 2},
-              "version as text": {"version": "1"}, "uint32 over uint16 shards": {"token_dtype": "uint32"}}.get(case, {})
+              "version as text": {"version": "1"}, "uint32 over uint16 shards": {"token_dtype": "uint32"},
+              "largest id past vocab": {"max_token_id": 10**6}, "total as text": {"tokens": "many"}}.get(case, {})
     edit_manifest(ds, **change)
     if case == "shard link out":
         (ds / "elsewhere.array_record").symlink_to(tmp_path / "train-00000.array_record")
