@@ -4,7 +4,9 @@ and Vertex AI's custom-container predict route.
 Routes:
   POST /v1/completions, /v1/chat/completions   OpenAI's request and response shapes; `stream: true` answers
                                                server-sent events ending `data: [DONE]`. Beyond OpenAI's
-                                               fields: `top_k` (0: all tokens).
+                                               fields: `top_k` (0: all tokens). Not offered, and refused
+                                               (400) when asked for: logprobs, top_logprobs, echo,
+                                               best_of, suffix.
   GET  /v1/models                              the one model served
   GET  /health (and $AIP_HEALTH_ROUTE)         503 until the weights are loaded and the steps compiled
   GET  /metrics                                Prometheus text, vLLM's metric names
@@ -35,7 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException
 
 from trainer.serve.metrics import ServingMetrics
@@ -66,6 +68,21 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
+    # OpenAI's fields that this server does not offer: refused when asked for, not ignored (an answer with
+    # `"logprobs": null` would read as if none had been asked for).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = False
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("logprobs", "top_logprobs", "echo", "best_of", "suffix")
+    @classmethod
+    def _not_offered(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = {"best_of": 1, "top_logprobs": 0}.get(info.field_name)  # what asks for nothing more
+        if value is None or value is False or (type(value) is int and value == neutral):
+            return value
+        raise ValueError(f"this server does not offer {info.field_name}; leave it out")
 
 
 class CompletionRequest(_Sampling):
