@@ -209,6 +209,8 @@ def test_a_top_k_beyond_int32_means_the_whole_vocabulary_and_fails_no_request(se
     ("POST", "/v1/completions", {"json": {"prompt": ""}}, 400, "the prompt has no tokens", "prompt"),
     ("POST", "/v1/completions", {"json": {"prompt": [5, 300]}}, 400, "got 300 in the prompt", "prompt"),
     ("POST", "/v1/completions", {"json": {"prompt": "a", "stop": 5}}, 400, "stop: ", "stop"),
+    ("POST", "/v1/completions", {"json": {"prompt": "a", "max_tokens": "5"}}, 400, "max_tokens: ", "max_tokens"),
+    ("POST", "/v1/completions", {"json": {"prompt": [True]}}, 400, "prompt", "prompt"),
     ("POST", "/v1/completions", {"json": {"prompt": "a", "logprobs": 0}}, 400,
      "this server does not offer logprobs; leave it out", "logprobs"),
     ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "a"}], "echo": True}}, 400,

@@ -58,7 +58,8 @@ class APIError(Exception):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict, as OpenAI's API is: "5" is no max_tokens and true no token id (pydantic's lax mode took both).
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
