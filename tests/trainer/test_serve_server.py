@@ -219,6 +219,8 @@ def test_a_top_k_beyond_int32_means_the_whole_vocabulary_and_fails_no_request(se
      "instances[1].top_p: ", "instances[1].top_p"),
     ("POST", "/predict", {"json": {"instances": [{"prompt": "a", "max_tokens": 10**6}]}}, 400,
      "instances[0]: the prompt's 1 tokens", "instances[0].max_tokens"),
+    ("POST", "/predict", {"json": {"instances": [{"prompt": "a"}] * 9}}, 400,
+     "9 instances in one request; this server queues at most 8 (--max-waiting)", "instances"),
 ])
 def test_refusals_are_openai_errors_naming_the_field(served, method, path, kwargs, status, message, param):
     client, _ = served

@@ -259,6 +259,10 @@ def _predict(state: ServerState):
         instances = body.get("instances") if isinstance(body, dict) else None
         if not isinstance(instances, list) or not instances:
             raise APIError(400, 'the body must be {"instances": [request, ...]}', param="instances")
+        if len(instances) > state.max_waiting:  # a 429 would say "retry", which could never help
+            raise APIError(400, f"{len(instances)} instances in one request; this server queues at most "
+                                f"{state.max_waiting} (--max-waiting): send them in requests of at most that many",
+                           param="instances")
         # Every instance is checked before any is queued, and a refusal part-way cancels those queued: a
         # 400 or a 429 leaves nothing decoding for an answer that is never sent.
         parsed = [_predict_instance(state, instance, i) for i, instance in enumerate(instances)]
