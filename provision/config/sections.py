@@ -199,6 +199,14 @@ class ServeConfig(_Section):
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     spot: bool = False
 
+    @field_validator("checkpoint")
+    @classmethod
+    def _checkpoint_named(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise invalid("is empty: name the run directory to serve, or leave the key out to serve "
+                          "trainer.output_dir")
+        return value
+
     @field_validator("machine_type")
     @classmethod
     def _serving_machine_type(cls, value: str) -> str:

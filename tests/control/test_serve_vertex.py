@@ -200,11 +200,12 @@ def test_validate_refuses_what_vertex_ai_cannot_serve(tmp_path):
     assert code == 2 and "serve.max_replicas" in err and "below min_replicas (3)" in err
     assert "serve.topology" in err and "single-host" in err and "ct5lp-hightpu-8t" in err
     serve["serve"] |= {"min_replicas": 1, "machine_type": "ct5lp-hightpu-1t", "topology": "2x4",
-                       "autoscale_target": 1000}
+                       "autoscale_target": 1000, "checkpoint": " "}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(serve))
     code, _, err = invoke("validate", "-c", str(tmp_path / "bad.yaml"))
     assert code == 2 and "'2x4' is not the one host of ct5lp-hightpu-1t" in err and "ct5lp-hightpu-8t" in err
     assert "serve.autoscale_target" in err and "at most 100, not 1000" in err
+    assert "serve.checkpoint: is empty: name the run directory to serve" in err  # not trainer.output_dir, silently
     code, _, err = invoke("predict", "-c", str(tmp_path / "bad.yaml"), "--prompt", "1", "--temperature", "nan")
     assert code == 2 and "'--temperature': nan" in err
 
