@@ -28,7 +28,7 @@ def echo(value: object, width: int = MAX_ECHO) -> str:
     return escaped if len(escaped) <= width and len(text) <= width else escaped[: width - 3] + "..."
 
 
-def _kind(mode: int) -> str | None:
+def file_kind(mode: int) -> str | None:
     """What a non-regular file is, in words; None for a regular file."""
     if stat.S_ISREG(mode):
         return None
@@ -52,7 +52,7 @@ def check_regular(path: Path, what: str = "state file") -> bool:
                          hint="move or delete that file") from None
     except OSError as exc:
         raise UsageError(f"cannot use {echo(path)} as a {what}: {exc.strerror or exc}") from None
-    kind = _kind(mode)
+    kind = file_kind(mode)
     if kind is not None:
         raise UsageError(f"{echo(path)} is {kind}, not a {what}: refusing to write through it",
                          hint=f"move or delete {echo(path)}")
@@ -69,7 +69,7 @@ def input_problem(path: Path, max_bytes: int) -> str | None:
         return None
     except OSError as exc:
         return f"cannot read it: {exc.strerror or exc}"
-    kind = _kind(st.st_mode)
+    kind = file_kind(st.st_mode)
     if kind is not None:
         return f"is {kind}, not a file"
     if st.st_size > max_bytes:
@@ -87,7 +87,7 @@ def ensure_dir(path: Path) -> None:
                              hint=f"move or delete {echo(path)}")
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        kind = _kind(os.stat(path).st_mode) if path.exists() else None
+        kind = file_kind(os.stat(path).st_mode) if path.exists() else None
         if kind is not None:  # a device, a FIFO or a socket is nobody's to delete for this
             raise UsageError(f"{echo(path)} is {kind}, not a directory", hint="name a directory") from None
         raise UsageError(f"{echo(path)} is a file, not a directory", hint=f"move or delete the file {echo(path)}") \
@@ -134,7 +134,7 @@ def open_lock(path: Path) -> int:
     except OSError as exc:
         raise UsageError(f"cannot open the lock file {echo(path)}: {exc.strerror or exc}",
                          hint=f"move or delete {echo(path)}") from None
-    kind = _kind(os.fstat(fd).st_mode)
+    kind = file_kind(os.fstat(fd).st_mode)
     if kind is not None:  # replaced between the check and the open
         os.close(fd)
         raise UsageError(f"{echo(path)} is {kind}, not a lock file", hint=f"move or delete {echo(path)}")

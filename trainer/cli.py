@@ -158,7 +158,7 @@ def _check_path(path: str | None, param_hint: str, writes: bool) -> None:
     """A local file argument that would hang or never end (a FIFO waits for a peer, /dev/zero never ends,
     a directory is no file) is a usage error naming it, before anything starts. A device is fine to
     write to (/dev/null; a full /dev/full fails at its first write, with a message)."""
-    import stat
+    from trainer.files import kind_of
 
     if not path or "://" in path or path == "-":  # `--metrics -`: stdout
         return
@@ -168,10 +168,8 @@ def _check_path(path: str | None, param_hint: str, writes: bool) -> None:
         return
     except OSError as e:
         raise click.BadParameter(f"cannot use {path}: {e.strerror}", param_hint=param_hint) from None
-    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-            "a socket" if stat.S_ISSOCK(mode) else
-            "a device" if not writes and (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else None)
-    if kind:
+    kind = kind_of(mode)
+    if kind and not (writes and kind == "a device"):
         raise click.BadParameter(f"{path} is {kind}, not a file", param_hint=param_hint)
     if not writes and not os.access(path, os.R_OK):
         raise click.BadParameter(f"{path} cannot be read (permission denied)", param_hint=param_hint)

@@ -20,6 +20,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from trainer import safeyaml
+from trainer.files import kind_of
 from trainer.moe.config import MoEConfig
 from trainer.schema import Flag, Integer, NonNegative, Number, Positive, Section, explain, invalid
 
@@ -307,8 +308,8 @@ def _check_file(path: pathlib.Path, via: str) -> None:
         raise ConfigError(f"cannot read {what}: {e.strerror}") from None
     if stat.S_ISDIR(st.st_mode) and not via:
         raise ConfigError(f"cannot read config {path}: Is a directory")
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device"
+    kind = kind_of(st.st_mode)
+    if kind:
         raise ConfigError(f"{what} is {kind}, not a config file")
     if st.st_size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{what} is {st.st_size:,} bytes: no config (they are a few kilobytes)")

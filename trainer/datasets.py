@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from trainer.config import Config, DataConfig
+from trainer.files import kind_of
 
 
 class DataError(ValueError):
@@ -61,9 +61,8 @@ def regular_file(path: str, key: str) -> int:
         raise DataError(f"{key} '{path}' does not exist") from None
     except OSError as e:
         raise DataError(f"{key} '{path}' cannot be read: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
-                "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+    kind = kind_of(st.st_mode)
+    if kind:
         raise DataError(f"{key} '{path}' is {kind}, not a file")
     return st.st_size
 

@@ -11,12 +11,13 @@ import dataclasses
 import errno
 import json
 import os
-import stat
 import sys
 import tempfile
 from collections.abc import Sequence
 
 import numpy as np
+
+from trainer.files import kind_of
 
 SIZE_IN, DPI = (12.8, 8.0), 100  # 1280 x 800 pixels
 
@@ -58,9 +59,8 @@ def _no_special_file(path: str) -> None:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
         return
-    if not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-                "a socket" if stat.S_ISSOCK(mode) else "a device")
+    kind = kind_of(mode)
+    if kind:
         raise OSError(errno.EINVAL, f"it is {kind}, not a file")
 
 

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import click
 
+from trainer.files import not_a_file
 from trainer.status import EXIT_FAILED, EXIT_USAGE
 
 EOD_TOKEN = "<|endoftext|>"
@@ -53,28 +54,13 @@ class PrepareFailure(click.ClickException):
 # ----------------------------------------------------------------------------- reading the corpus
 
 
-def _not_a_file(path: str) -> str | None:
-    """What `path` is when it is something other than a regular file (found without opening it: a FIFO
-    would wait for a writer, a device never ends), else None."""
-    import stat
-
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    if stat.S_ISREG(mode):
-        return None
-    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-            "a socket" if stat.S_ISSOCK(mode) else "a device")
-
-
 def input_files(patterns: tuple[str, ...]) -> list[str]:
     """The files the patterns name. A pattern that names one thing that is no file is refused, naming what
     it is; a wildcard passes over directories but refuses a FIFO, a device or a socket it matches."""
     files: list[str] = []
     for pattern in patterns:
         if not glob.has_magic(pattern):
-            kind = _not_a_file(pattern)
+            kind = not_a_file(pattern)
             if kind == "a directory":
                 raise PrepareError(f"input '{pattern}' is a directory: name its files, e.g. '{pattern.rstrip('/')}"
                                    f"/*.jsonl' (or '{pattern.rstrip('/')}/**/*.txt' for every subdirectory too)")
@@ -82,7 +68,7 @@ def input_files(patterns: tuple[str, ...]) -> list[str]:
                 raise PrepareError(f"input '{pattern}' is {kind}, not a file")
         matches = sorted(glob.glob(pattern, recursive=True))
         for match in matches:
-            kind = _not_a_file(match)
+            kind = not_a_file(match)
             if kind not in (None, "a directory"):
                 raise PrepareError(f"input '{pattern}' matches {match}, which is {kind}, not a file: leave it "
                                    "out of the pattern")
@@ -241,7 +227,7 @@ def _parquet(path: str, text_key: str) -> Iterator[str]:
 def load_tokenizer(path: str):
     from tokenizers import Tokenizer
 
-    kind = _not_a_file(path)
+    kind = not_a_file(path)
     if kind:
         raise PrepareError(f"the tokenizer file {path} is {kind}, not a file (give a tokenizer.json)")
     if not os.path.isfile(path):
@@ -325,7 +311,7 @@ class OutputDir:
             raise PrepareError("--output is empty: name the dataset directory")
         self.output, self.path = output, os.path.abspath(output)
         if os.path.lexists(self.path) and not os.path.isdir(self.path):
-            what = "a link to nothing" if not os.path.exists(self.path) else _not_a_file(self.path) or "a file"
+            what = "a link to nothing" if not os.path.exists(self.path) else not_a_file(self.path) or "a file"
             raise PrepareError(f"--output {output} is {what}, not a directory")
         self.created = not os.path.exists(self.path)
         self._fd: int | None = None

@@ -35,17 +35,15 @@ def split_gs(url: str) -> tuple[str, str]:
 
 def _read_local(path: str) -> str | None:
     import os
-    import stat
 
     from provision.errors import UsageError
+    from provision.statefiles import file_kind
 
     try:  # found without opening it: a FIFO would wait for a writer for ever, a device never end
-        mode = os.stat(path).st_mode
+        kind = file_kind(os.stat(path).st_mode)
     except OSError:
-        mode = None  # the read below says why
-    if mode is not None and not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-                "a socket" if stat.S_ISSOCK(mode) else "a device")
+        kind = None  # the read below says why
+    if kind:
         raise UsageError(f"cannot read {path}: it is {kind}, not a file", hint=f"move or delete {path}")
     try:
         return Path(path).read_text(encoding="utf-8", errors="replace")
