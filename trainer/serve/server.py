@@ -272,8 +272,7 @@ def _predict(state: ServerState):
                 try:
                     admitted.append(_admit(state, body, ids, limit, request.state.arrival))
                 except APIError as e:
-                    e.message, e.param = f"instances[{i}]: {e.message}", f"instances[{i}].{e.param or 'prompt'}"
-                    raise
+                    raise _of_instance(e, i) from None
         except APIError:
             for req in admitted:
                 req.cancelled = True
@@ -304,8 +303,13 @@ def _predict_instance(state: ServerState, instance: Any, index: int) -> tuple[_S
                 body.max_completion_tokens or body.max_tokens
         return body, _prompt_ids(state, body.prompt), body.max_tokens
     except APIError as e:
-        e.message, e.param = f"instances[{index}]: {e.message}", f"instances[{index}].{e.param or 'prompt'}"
-        raise
+        raise _of_instance(e, index) from None
+
+
+def _of_instance(error: APIError, index: int) -> APIError:
+    """A refusal of one instance of a predict body, naming it (a field unnamed is its prompt)."""
+    error.message, error.param = f"instances[{index}]: {error.message}", f"instances[{index}].{error.param or 'prompt'}"
+    return error
 
 
 def _invalid(error: dict, prefix: str | None = None) -> APIError:
