@@ -13,10 +13,11 @@ import json
 from collections.abc import Iterator
 
 from provision import catalogue
-from provision.errors import CloudError
+from provision.cloud import messages
+from provision.core import Holding, Phase, ServiceReport
+from provision.errors import CloudError, UsageError
+from provision.rendering import deployed_model_body, serving_endpoint_body, serving_model_body
 from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
-from provision.targets.base import Holding, ServiceReport
-from trainer.outputs import Phase
 
 OPERATION_TIMEOUT_S = 3600.0
 
@@ -106,18 +107,13 @@ def _delete(serving, console, kind: str, item, delete, deleted: list[Resource], 
                             created=_seconds(item.create_time)))
 
 
-class EndpointTarget(Holding):
-    """The run's model deployed to a dedicated Vertex AI endpoint (a ServiceTarget). `startup_s`: how long
-    the server may take to load the weights and compile before its startup probe gives up."""
-
-    kind = "vertex"
+class Endpoint(Holding):
+    """The serving workload on Vertex AI: the run's model deployed to a dedicated endpoint. `startup_s`: how
+    long the server may take to load the weights and compile before its startup probe gives up."""
 
     def __init__(self, context, *, startup_s: float) -> None:
         super().__init__(context)
         self.startup_s = startup_s
-        serve = context.config.serve
-        acc = catalogue.accelerator_for_topology(serve.replica_topology)
-        self.chips = (acc.chips if acc else 0) * serve.min_replicas
         self.endpoint: str | None = None
         self.model: str | None = None
         self.operation = None  # the DeployModel operation this process started, if any
@@ -126,15 +122,7 @@ class EndpointTarget(Holding):
     def serving(self):
         return self.session.serving(self.cfg.region)
 
-    def describe(self) -> str:
-        serve = self.cfg.serve
-        return (f"Vertex AI endpoint on {serve.machine_type} {serve.replica_topology}, "
-                f"{serve.min_replicas}-{serve.max_replicas} replica(s){' (spot)' if serve.spot else ''}")
-
-    def price(self) -> float:
-        return self.chips * catalogue.price_per_chip_hour("spot" if self.cfg.serve.spot else "on-demand")
-
-    def provision(self, attempt: int = 0) -> list[Resource]:
+    def start(self) -> list[Resource]:
         """Upload the model, create the endpoint and start the deploy, each adopted where an earlier attempt
         made it; returns what exists then."""
         project = project_of(self.cfg, self.session)
@@ -150,9 +138,6 @@ class EndpointTarget(Holding):
         return managed_serving(self.session, project, self.cfg.region, self.cfg.run)
 
     def _model(self, project: str) -> str:
-        from provision.cloud import messages
-        from provision.rendering import serving_model_body
-
         found = [m for m in run_models(self.session, project, self.cfg.region, self.cfg.run)
                  if m.display_name == self.cfg.run]
         if found:
@@ -164,9 +149,6 @@ class EndpointTarget(Holding):
         return self.serving.wait_operation(operation, "upload model", timeout_s=OPERATION_TIMEOUT_S).model
 
     def _endpoint(self, project: str):
-        from provision.cloud import messages
-        from provision.rendering import serving_endpoint_body
-
         found = [e for e in run_endpoints(self.session, project, self.cfg.region, self.cfg.run)
                  if e.display_name == self.cfg.run]
         if found:
@@ -178,9 +160,6 @@ class EndpointTarget(Holding):
         return self.serving.wait_operation(operation, "create endpoint", timeout_s=OPERATION_TIMEOUT_S)
 
     def _deploy(self, endpoint) -> None:
-        from provision.cloud import messages
-        from provision.rendering import deployed_model_body
-
         serve = self.cfg.serve
         body = messages.deployed_model(deployed_model_body(self.cfg, self.model))
         self.console.info(f"  deploying to endpoint {short(endpoint.name)}: {serve.machine_type} "
@@ -224,8 +203,6 @@ class EndpointTarget(Holding):
         project = project_of(self.cfg, self.session)
         found = [e for e in run_endpoints(self.session, project, self.cfg.region, self.cfg.run) if e.deployed_models]
         if not found:
-            from provision.errors import UsageError
-
             raise UsageError(f"run {self.cfg.run} has no endpoint with a deployed model in {self.cfg.region}",
                              hint=f"deploy it first: `moe-tpu deploy -c {self.cfg.source}`")
         return found[-1].name
@@ -240,6 +217,7 @@ class EndpointTarget(Holding):
                 "print(client.completions.create(model='', prompt='1 2 3', max_tokens=32).choices[0].text)\""]
 
     def teardown(self) -> list[Resource]:
+        """The run's deployed models, endpoints and models; nothing else of the run (its job stays)."""
         return endpoints_down(self.context)
 
     def left(self) -> list[Resource]:

@@ -148,11 +148,12 @@ def test_no_import_cycle_among_the_projects_modules(tmp_path):
 
 # The layers of the house, highest first: a module may import its own layer's and lower layers' modules
 # (function-level imports too), never a higher one's. A kind of target (provision.targets) is one unit
-# that the spec asks (its checks, sections, files); its interfaces (targets.base) are the lifecycle's.
+# that the spec asks (its checks, sections, files); the core it and the lifecycle share (provision.core:
+# placement, workload, deployment, reports, Kind) is a leaf of the base.
 LAYERS = (
     ("cli", ("provision.cli", "provision.app", "provision.__main__")),
     ("spec", ("provision.config", "provision.planner", "provision.targets", "provision.foundation")),
-    ("lifecycle", ("provision.targets.base", "provision.runs", "provision.services", "provision.slices",
+    ("lifecycle", ("provision.runs", "provision.services", "provision.slices",
                    "provision.jobs", "provision.gke", "provision.gke_serve", "provision.context", "provision.goodput",
                    "provision.endpoints")),
     ("render", ("provision.rendering", "provision.gke_render", "provision.gke_serve_render", "provision.container",
@@ -162,7 +163,7 @@ LAYERS = (
                   "provision.cloud.credentials", "provision.cloud.tpu", "provision.cloud.vertex",
                   "provision.cloud.container", "provision.cloud.build", "provision.cloud.storage",
                   "provision.cloud.kube")),
-    ("base", ("provision.errors", "provision.console", "provision.clock", "provision.catalogue",
+    ("base", ("provision.core", "provision.errors", "provision.console", "provision.clock", "provision.catalogue",
               "provision.resources", "provision.statefiles", "provision.waiting", "provision.guest_attributes")),
 )
 

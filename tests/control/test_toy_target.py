@@ -19,7 +19,7 @@ from provision.errors import UsageError
 from provision.resources import Resource
 from provision.services import READY_TIMEOUT_S, ServiceFollower
 from provision.targets import KINDS
-from provision.targets.base import Holding, Kind, Report, Scope, ServiceReport
+from provision.core import Holding, Kind, Report, Scope, ServiceReport
 
 # --- the toy kind's module ------------------------------------------------------------------------
 
