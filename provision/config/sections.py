@@ -39,6 +39,7 @@ from provision.config.shapes import (
     _zone_name,
     gcs_location,
 )
+from provision.targets import KINDS
 from trainer.schema import NonNegative, Positive, did_you_mean, invalid
 
 
@@ -404,8 +405,6 @@ class Config(BaseModel):
     @field_validator("target", mode="before")
     @classmethod
     def _known_kind(cls, value: Any) -> Any:
-        from provision.targets import KINDS
-
         if isinstance(value, str) and value.replace("_", "-").lower() in CLOUD_RUN_NAMES:
             raise invalid("Cloud Run offers GPUs only, never TPUs: serve on TPU v5e with `target: vertex` (a Vertex "
                           "AI endpoint) or `target: gke` (a Deployment), each with a serve section")
@@ -462,8 +461,6 @@ class Config(BaseModel):
     @property
     def kind(self) -> Any:
         """The config's kind of target (a provision.targets.Kind): what the commands ask about it."""
-        from provision.targets import KINDS
-
         return KINDS[self.target]
 
     def warnings(self) -> list[str]:
