@@ -15,15 +15,11 @@ from collections.abc import Iterator
 from provision import catalogue
 from provision.cloud import messages
 from provision.core import Holding, Phase, ServiceReport
-from provision.errors import CloudError, UsageError
+from provision.errors import UsageError
 from provision.rendering import deployed_model_body, serving_endpoint_body, serving_model_body
-from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
+from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 
 OPERATION_TIMEOUT_S = 3600.0
-
-
-def region_parent(project: str, region: str) -> str:
-    return f"projects/{project}/locations/{region}"
 
 
 def _seconds(ts) -> float | None:
@@ -38,12 +34,12 @@ def _ours(items: list, run: str | None) -> list:
 def run_models(session, project: str, region: str, run: str | None = None) -> list:
     """The models this tool uploaded in `region` (by label; with `run`, that run's), oldest first."""
     server_filter = f'display_name="{run}"' if run is not None else ""
-    return _ours(session.serving(region).list_models(region_parent(project, region), server_filter), run)
+    return _ours(session.serving(region).list_models(location_path(project, region), server_filter), run)
 
 
 def run_endpoints(session, project: str, region: str, run: str | None = None) -> list:
     server_filter = f'display_name="{run}"' if run is not None else ""
-    return _ours(session.serving(region).list_endpoints(region_parent(project, region), server_filter), run)
+    return _ours(session.serving(region).list_endpoints(location_path(project, region), server_filter), run)
 
 
 def deployed_resource(endpoint, deployed, region: str) -> Resource:
@@ -89,11 +85,7 @@ def endpoints_down(context) -> list[Resource]:
         _delete(serving, console, "endpoint", endpoint, serving.delete_endpoint, deleted, cfg.region)
     for model in run_models(session, project, cfg.region, cfg.run):
         _delete(serving, console, "model", model, serving.delete_model, deleted, cfg.region)
-    left = managed_serving(session, project, cfg.region, cfg.run)
-    if left:
-        names = ", ".join(f"{r.kind} {short(r.name)} ({r.state})" for r in left)
-        raise CloudError(f"Vertex AI resources still exist after delete: {names}",
-                         hint="run `moe-tpu down` again; if it persists, delete them in the console")
+    verify_deleted(managed_serving(session, project, cfg.region, cfg.run))
     return deleted
 
 
@@ -145,7 +137,7 @@ class Endpoint(Holding):
             return found[-1].name
         body = messages.serving_model(serving_model_body(self.cfg, self.context.image, self.startup_s))
         self.console.info(f"  uploading model {self.cfg.run} (image {self.context.image})")
-        operation = self.serving.upload_model(region_parent(project, self.cfg.region), body)
+        operation = self.serving.upload_model(location_path(project, self.cfg.region), body)
         return self.serving.wait_operation(operation, "upload model", timeout_s=OPERATION_TIMEOUT_S).model
 
     def _endpoint(self, project: str):
@@ -156,7 +148,7 @@ class Endpoint(Holding):
             return found[-1]
         body = messages.serving_endpoint(serving_endpoint_body(self.cfg))
         self.console.info(f"  creating dedicated endpoint {self.cfg.run} in {self.cfg.region}")
-        operation = self.serving.create_endpoint(region_parent(project, self.cfg.region), body)
+        operation = self.serving.create_endpoint(location_path(project, self.cfg.region), body)
         return self.serving.wait_operation(operation, "create endpoint", timeout_s=OPERATION_TIMEOUT_S)
 
     def _deploy(self, endpoint) -> None:

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from provision import catalogue, gke_render, gke_serve, gke_serve_render
 from provision.errors import CloudError, StockoutError, UsageError, WaitTimeout
-from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed, project_of, short, verify_deleted
+from provision.resources import (
+    MANAGED_BY,
+    RUN_LABEL,
+    Resource,
+    is_managed,
+    location_path,
+    project_of,
+    short,
+    verify_deleted,
+)
 from provision.waiting import format_duration, poll
 
 CLUSTER_WAIT_S = 3600.0
@@ -117,7 +126,7 @@ def ensure_cluster(context) -> tuple[object, bool]:
         operation = session.container.create_cluster(gke_render.create_cluster_request(cfg, project, context.renderer))
         if operation is not None:
             with console.progress(f"  creating cluster {cfg.gke.cluster}") as bar:
-                session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
+                session.container.wait(operation, location_path(project, cfg.gke.location),
                                        f"create cluster {cfg.gke.cluster}", progress=bar)
         made = True
     cluster = _wait_cluster(context, path)
@@ -144,7 +153,7 @@ def _delete_pool(context, project: str, name: str) -> bool:
     if operation is None:
         return False
     context.console.info(f"  deleting node pool {short(name)}")
-    session.container.wait(operation, gke_render.location_path(project, context.config.gke.location),
+    session.container.wait(operation, location_path(project, context.config.gke.location),
                            f"delete node pool {short(name)}")
     return True
 
@@ -190,7 +199,7 @@ def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
             wait = cfg.slice.max_wait.total_seconds() if spec.name != gke_render.cpu_pool_id(cfg) else 3600.0
             with console.progress(f"  creating node pool {spec.name}") as bar:
                 try:
-                    session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
+                    session.container.wait(operation, location_path(project, cfg.gke.location),
                                            f"create node pool {spec.name}", progress=bar, timeout_s=wait)
                 except StockoutError:
                     raise
@@ -379,7 +388,7 @@ def pools_down(context, pool_ids: set[str]) -> list[Resource]:
         operation = session.container.delete_cluster(path)
         if operation is not None:
             with console.progress(f"  deleting cluster {cfg.gke.cluster}") as bar:
-                session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
+                session.container.wait(operation, location_path(project, cfg.gke.location),
                                        f"delete cluster {cfg.gke.cluster}", progress=bar)
             deleted.append(cluster)
     return deleted

@@ -19,7 +19,7 @@ from provision.cloud.messages import proto_dict
 from provision.container import trainer_container
 from provision.errors import UsageError
 from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
-from provision.resources import resolve_project
+from provision.resources import location_path, resolve_project
 from provision.templates import render
 
 if TYPE_CHECKING:
@@ -49,10 +49,6 @@ PROXY_TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"
 
 
 # --- names -------------------------------------------------------------------------------
-
-def location_path(project: str, location: str) -> str:
-    return f"projects/{project}/locations/{location}"
-
 
 def cluster_path(cfg: Config, project: str) -> str:
     return f"{location_path(project, cfg.gke.location)}/clusters/{cfg.gke.cluster}"

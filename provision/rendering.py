@@ -20,7 +20,7 @@ from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
 from provision.errors import ConfigError, Problem
 from provision.container import TRAINER_COMMAND, Container, trainer_container
-from provision.resources import MANAGED_BY, RUN_LABEL, resolve_project
+from provision.resources import MANAGED_BY, RUN_LABEL, location_path, resolve_project
 from provision.templates import render, where
 from trainer import status as trainer_status
 
@@ -68,7 +68,7 @@ def request_id(cfg: Config, zone: str, attempt: int = 0, project: str | None = N
 
 
 def parent(cfg: Config, zone: str, project: str | None = None) -> str:
-    return f"projects/{_project(cfg, project)}/locations/{zone}"
+    return location_path(_project(cfg, project), zone)
 
 
 def _project(cfg: Config, project: str | None = None) -> str:
@@ -181,7 +181,7 @@ class CustomJobSpec:
 
 def region_parent(cfg: Config, project: str | None = None) -> str:
     """The parent of Vertex AI resources: projects/P/locations/REGION."""
-    return f"projects/{_project(cfg, project)}/locations/{cfg.region}"
+    return location_path(_project(cfg, project), cfg.region)
 
 
 def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
