@@ -269,7 +269,8 @@ class GkeKind(Kind):
         run = get("run")
         if isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > catalogue.MAX_GKE_NAME:
             found.append(("run", f"run name {run!r} is too long to serve on GKE: the serving node pool is named "
-                                 f"RUN{gke_serve_render.SERVE_POOL_SUFFIX}, at most {catalogue.MAX_GKE_NAME} characters"))
+                                 f"RUN{gke_serve_render.SERVE_POOL_SUFFIX}, at most {catalogue.MAX_GKE_NAME} "
+                                 "characters"))
         checkpoint = get("serve.checkpoint")
         if isinstance(checkpoint, str) and not checkpoint.startswith("gs://"):
             found.append(("serve.checkpoint", f"pods on GKE read the checkpoint from Cloud Storage: use a gs:// "

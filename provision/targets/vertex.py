@@ -86,7 +86,7 @@ class CustomJob(Holding):
         wait = (self.cfg.vertex.max_wait.total_seconds() if self.cfg.vertex.max_wait else 0) + 7 * 86400
         with self.console.progress(f"  waiting for job {short(self.job)} to start") as bar:
             job = poll(lambda: vertex.get_custom_job(self.job),
-                       lambda j: j is None or j.state.name == "JOB_STATE_RUNNING" or j.state.name in jobs.TERMINAL_STATES,
+                       lambda j: j is None or j.state.name in ("JOB_STATE_RUNNING", *jobs.TERMINAL_STATES),
                        self.session.clock, timeout_s=wait, progress=bar,
                        describe=lambda j, t: f"  job {short(self.job)}: {j.state.name if j else 'gone'}",
                        what=f"custom job {short(self.job)} to start")

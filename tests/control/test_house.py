@@ -259,6 +259,27 @@ def test_the_layers_of_the_house():
         "trainer.train (the trainer) imports the control plane (provision.config)"]
 
 
+def documented_layers(text: str) -> dict[str, set[str]]:
+    """The layers table of docs/architecture.md: layer -> the modules its second column names (paths under
+    provision/: `a/` and `a/__init__.py` a package, `a/b.py` a module)."""
+    section = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\w+) \| (.*?) \|[^|]*\|$", section, re.M)
+    names = {}
+    for layer, cell in rows[1:]:  # the header's row first
+        paths = [p.removesuffix("/").removesuffix("/__init__.py").removesuffix(".py")
+                 for p in re.findall(r"`([^`]+)`", cell)]
+        names[layer] = {"provision." + p.replace("/", ".") for p in paths}
+    return names
+
+
+def test_the_architecture_page_lists_the_layers_module_by_module():
+    documented = documented_layers((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    assert documented == {name: set(prefixes) for name, prefixes in LAYERS}
+    assert {prefix for _, prefixes in LAYERS for prefix in prefixes} <= set(own_modules())  # each one exists
+    planted = "## The layers\n\n| layer | modules | what |\n| --- | --- | --- |\n| base | `core.py`, `cloud/` | x |\n"
+    assert documented_layers(planted) == {"base": {"provision.core", "provision.cloud"}}
+
+
 def test_the_emulators_services_import_by_name_and_never_see_the_emulator():
     # A module imported by string is an edge the walk above cannot see (a cycle it would miss).
     graph = import_graph()
