@@ -179,7 +179,7 @@ class Emulator:
 
         with self._lock:
             if self._kube is None:
-                from provision.emulator.kube import KubeServer
+                from provision.emulator.kube_server import KubeServer
 
                 self._kube = KubeServer(self.world_call)
         return self._kube.endpoint, base64.b64encode(self._kube.ca_pem).decode()
