@@ -71,6 +71,9 @@ class _Handler(BaseHTTPRequestHandler):
     Service's proxy, forwarded to a pod's local server); `world_call` is set by _handler."""
 
     protocol_version = "HTTP/1.1"
+    # An answer's headers and body leave in two writes: with Nagle's algorithm the body waited for the
+    # client's delayed acknowledgement of the headers, some 40 ms on every request.
+    disable_nagle_algorithm = True
     world_call: WorldCall
 
     def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
