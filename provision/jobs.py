@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from provision import catalogue
 from provision.errors import CloudError, UsageError
+from provision.rendering import create_custom_job_request
 from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
@@ -87,8 +88,6 @@ def job_differences(wanted, existing) -> list[str]:
 def job_submit(context) -> Resource:
     """Submit the run's custom job (provision.context.RunContext: its config, session, console and
     renderer), or adopt the one an earlier attempt submitted."""
-    from provision.rendering import create_custom_job_request
-
     cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
     request = create_custom_job_request(cfg, context.renderer, project=project)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from provision import catalogue
 from provision.errors import CloudError, StockoutError, UsageError
+from provision.rendering import create_queued_resource_request, queued_resource_id
 from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
@@ -26,8 +27,6 @@ SETTLED_QR_STATES = {"ACTIVE", "FAILED", "SUSPENDED"}
 
 # --- names -------------------------------------------------------------------
 def queued_resource_name(cfg, project: str, zone: str) -> str:
-    from provision.rendering import queued_resource_id
-
     return f"{location_path(project, zone)}/queuedResources/{queued_resource_id(cfg)}"
 
 
@@ -67,8 +66,6 @@ def _node_labels_of(qr) -> dict[str, str]:
 
 
 def _node_resource(node, zone: str) -> Resource:
-    from provision import catalogue
-
     accel = catalogue.ACCELERATORS.get(node.accelerator_type)
     spot = bool(node.scheduling_config.spot or node.scheduling_config.preemptible)
     created = node.create_time.timestamp() if node.create_time else None
@@ -164,8 +161,6 @@ def _wait_nodes_ready(context, project: str, zone: str, qr) -> list:
 
 
 def _create_or_adopt(context, project: str, zone: str, name: str, attempt: int = 0, recreate: bool = False):
-    from provision.rendering import create_queued_resource_request
-
     cfg, session, console = context.config, context.session, context.console
 
     existing = session.tpu.get_queued_resource(name)
