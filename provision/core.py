@@ -101,6 +101,24 @@ class Workload(Protocol):
         """What of it exists now."""
 
 
+class Bundled:
+    """A placement or a workload that the other half of its deployment makes and deletes with itself (a TPU VM's
+    trainer with its slice, a Vertex AI job's machines with the job): nothing of its own to make, delete or
+    find."""
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        return []
+
+    def start(self) -> list[Resource]:
+        return []
+
+    def teardown(self) -> list[Resource]:
+        return []
+
+    def left(self) -> list[Resource]:
+        return []
+
+
 class Deployment:
     """A workload on a placement, composed: what `run` follows (a training job: a `Target`) and what
     `deploy` follows (a service: a `ServiceTarget`, whose workload also predicts). Neither part knows

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from provision import catalogue, guest_attributes, slices
 from provision.core import (
+    Bundled,
     Deployment,
     Holding,
     Kind,
@@ -57,22 +58,13 @@ class Slice(Holding):
         return slices.slice_status(self.context)
 
 
-class SliceTrainer:
+class SliceTrainer(Bundled):
     """The training workload: the trainer the slice's startup script runs on every worker, which publishes
     its state as guest attributes; it starts and ends with the slice, so it has nothing of its own to
     make or delete."""
 
     def __init__(self, placement: Slice) -> None:
         self.slice = placement
-
-    def start(self) -> list[Resource]:
-        return []
-
-    def teardown(self) -> list[Resource]:
-        return []
-
-    def left(self) -> list[Resource]:
-        return []
 
     def report(self) -> Report:
         session, name, zone = self.slice.session, self.slice.queued_resource, self.slice.zone

@@ -11,6 +11,7 @@ from provision.cloud import storage
 from provision.core import (
     ENDED,
     STATUS_FILE,
+    Bundled,
     Deployment,
     Holding,
     Kind,
@@ -28,7 +29,7 @@ from provision.waiting import poll
 PREEMPTION_MARKERS = ("preempt", "spot vm", "was reclaimed")
 
 
-class Machines:
+class Machines(Bundled):
     """A placement Vertex AI makes and deletes with its workload (a custom job's or a deployed model's
     machines): it is described and priced, and this tool makes and deletes nothing of it apart."""
 
@@ -42,15 +43,6 @@ class Machines:
 
     def price(self) -> float:
         return self.chips * catalogue.price_per_chip_hour(self.capacity)
-
-    def provision(self, attempt: int = 0) -> list[Resource]:
-        return []
-
-    def teardown(self) -> list[Resource]:
-        return []
-
-    def left(self) -> list[Resource]:
-        return []
 
 
 def job_machines(cfg) -> Machines:
