@@ -171,10 +171,7 @@ class CustomJobSpec:
     config: Config
     display_name: str
     labels: dict[str, str]
-    image_uri: str
-    command: tuple[str, ...]
-    args: tuple[str, ...]
-    env: dict[str, str]
+    container: Container  # the trainer's: image, command, args, env
     timeout_seconds: int
     max_wait_seconds: int | None
 
@@ -188,9 +185,8 @@ def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
     container = trainer_container(cfg, image)
     max_wait = cfg.vertex.max_wait
     return CustomJobSpec(
-        config=cfg, display_name=cfg.run, labels=labels(cfg), image_uri=container.image,
-        command=container.command, args=container.args,
-        env=container.env, timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
+        config=cfg, display_name=cfg.run, labels=labels(cfg), container=container,
+        timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
         max_wait_seconds=int(max_wait.total_seconds()) if max_wait is not None else None,
     )
 
