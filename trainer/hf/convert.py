@@ -21,11 +21,9 @@ import numpy as np
 from trainer.config import Config
 from trainer.hf import families, names
 from trainer.hf.errors import HFError
+from trainer.hf.orbax_io import CHECKPOINTS, HF_DIR, RUN_CONFIG, open_run, save_params
 from trainer.hf.safetensors_io import CONFIG, DTYPES, TOKENIZER_FILES, HubReader, ShardWriter, read_json
 
-HF_DIR = "hf"  # the source's own files inside an imported checkpoint
-RUN_CONFIG = "config.json"
-CHECKPOINTS = "checkpoints"
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older saves hold; recomputed, never read
 
 
@@ -145,8 +143,6 @@ def copy_side_files(source: str, target: str) -> list[str]:
 
 def import_checkpoint(source: str, output: str) -> dict:
     """SRC (a local Hugging Face directory) -> OUTPUT, a trainer checkpoint; returns what was done."""
-    from trainer.hf.orbax_io import save_params
-
     model = open_hub(source)
     with staged(output) as tmp:
         save_params(os.path.join(tmp, CHECKPOINTS), iter_params(model), model.cfg,
@@ -160,8 +156,6 @@ def import_checkpoint(source: str, output: str) -> dict:
 
 def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_bytes: int = 5 * 10**9) -> dict:
     """A trainer run's (or an imported) checkpoint -> OUTPUT in the Hub's layout; returns what was done."""
-    from trainer.hf.orbax_io import open_run
-
     saved = open_run(run, step)
     side = os.path.join(saved.run, HF_DIR)
     carried = read_json(os.path.join(side, CONFIG)) if os.path.isfile(os.path.join(side, CONFIG)) else {}

@@ -12,6 +12,10 @@ import numpy as np
 from trainer.config import Config
 from trainer.hf.errors import HFError
 
+HF_DIR = "hf"  # the source's own files inside an imported checkpoint (config.json, tokenizer, generation)
+RUN_CONFIG = "config.json"
+CHECKPOINTS = "checkpoints"
+
 
 def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: Config, source: str) -> None:
     """Step 0 of a checkpoints directory holding `params` (no optimizer state: a fine-tune makes its own)."""
@@ -69,7 +73,6 @@ def open_run(run: str, step: int | None) -> SavedRun:
     import orbax.checkpoint as ocp
 
     from trainer.checkpoint import _reason, quiet_orbax
-    from trainer.hf.convert import CHECKPOINTS, RUN_CONFIG
     from trainer.hf.families import load_trainer_config
 
     run = os.path.abspath(run)
