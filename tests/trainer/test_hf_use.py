@@ -1,0 +1,56 @@
+"""A Hugging Face directory used without converting it: `--init-from` reads its tensors straight onto the
+run's mesh (experts over `expert`), and refuses a run config of another model naming the key."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hf_models import hf_model
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A tiny Qwen2-MoE (biases, shared expert, a dense layer) saved by transformers, and its import."""
+    from trainer.hf.convert import import_checkpoint
+
+    tmp = tmp_path_factory.mktemp("hf-use")
+    hf_model("qwen2_moe-sparse-step", seed=7).save_pretrained(tmp / "hub")
+    import_checkpoint(str(tmp / "hub"), str(tmp / "imported"))
+    return tmp
+
+
+def test_init_from_a_hub_directory_reads_its_parameters_onto_the_mesh(hub):
+    import jax
+
+    from trainer import init_from, sharding
+    from trainer.hf.families import load_trainer_config
+    from trainer.hf.orbax_io import open_run
+    from trainer.train import build_trainer
+
+    cfg = load_trainer_config(str(hub / "imported" / "config.json"))
+    trainer = build_trainer(cfg, sharding.make_mesh({"data": 2, "expert": 4}, jax.devices()[:8]), 10)
+    state, source = init_from.initial_state(trainer, str(hub / "hub"))
+    run = open_run(str(hub / "imported"), None)
+    imported = run.read(set(run.shapes))
+    assert sorted(state["params"]) == sorted(imported)
+    for name, value in state["params"].items():
+        assert value.sharding == trainer.state_shardings["params"][name], name
+        assert np.asarray(value).tobytes() == imported[name].tobytes(), name
+    assert state["params"]["blocks.1.ffn.w_in"].sharding.spec[0] == "expert"
+    assert int(state["step"]) == 0
+    assert source.as_dict()["path"] == str(hub / "hub") and source.fingerprint.startswith("hf:sha256:")
+
+
+def test_init_from_a_hub_directory_refuses_a_config_of_another_model(hub):
+    from trainer.cli import train_command
+
+    config = str(hub / "imported" / "config.json")
+    result = CliRunner().invoke(train_command, ["--config", config, "--devices", "1", "--steps", "1",
+                                                "--set", "model.rope_theta=500000", "--init-from", str(hub / "hub")])
+    assert result.exit_code == 2, result.output
+    assert "model.rope_theta is 500000.0 in this run's config, 10000.0 in" in result.output
+    assert "Traceback" not in result.output
+    assert json.loads((hub / "imported" / "config.json").read_text())["model"]["rope_theta"] == 10000.0
