@@ -249,7 +249,9 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
     """
     checkpoints, config_path = locate(directory)
     cfg = load_run_config(config_path)
-    codec = Codec(cfg, tokenizer_path, any_tokenizer)
+    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
+
+    codec = Codec(cfg, tokenizer_path or imported_tokenizer(config_path), any_tokenizer)
     ids = codec.encode(prompt)
     if not ids:
         raise SampleError("--prompt: the prompt has no tokens")

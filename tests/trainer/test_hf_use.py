@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hf_models import hf_model
+from hf_models import VOCAB, hf_model, tokenizer_json
 
 pytest.importorskip("torch")
 
@@ -18,6 +18,7 @@ def hub(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("hf-use")
     hf_model("qwen2_moe-sparse-step", seed=7).save_pretrained(tmp / "hub")
+    tokenizer_json(tmp / "hub" / "tokenizer.json", VOCAB)
     import_checkpoint(str(tmp / "hub"), str(tmp / "imported"))
     return tmp
 
@@ -54,3 +55,26 @@ def test_init_from_a_hub_directory_refuses_a_config_of_another_model(hub):
     assert "model.rope_theta is 500000.0 in this run's config, 10000.0 in" in result.output
     assert "Traceback" not in result.output
     assert json.loads((hub / "imported" / "config.json").read_text())["model"]["rope_theta"] == 10000.0
+
+
+@pytest.mark.compile_bound
+def test_sample_reads_an_imported_model_with_its_own_tokenizer(hub):
+    """`sample` on an import: the prompt's words through the model's tokenizer.json, greedy tokens as
+    transformers generates them, decoded by the same tokenizer."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from trainer.sample import sample_command
+
+    tokenizer = Tokenizer.from_file(str(hub / "hub" / "tokenizer.json"))
+    prompt = "w5 w17 w99 w3 w64"
+    result = CliRunner().invoke(sample_command, ["--checkpoint", str(hub / "imported"), "--prompt", prompt,
+                                                 "--tokens", "12", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(hub / "hub", attn_implementation="eager").eval()
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+                             do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert result.stdout.splitlines()[0] == tokenizer.decode(out[0, len(ids):].tolist())

@@ -98,3 +98,12 @@ def open_run(run: str, step: int | None) -> SavedRun:
         except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
             raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: {_reason(e)}") from None
     return SavedRun(run, cfg, step, manager, {n: tuple(meta.shape) for n, meta in saved.items()})
+
+
+def imported_tokenizer(config_path: str) -> str | None:
+    """The tokenizer.json an import keeps beside the run's config.json (in hf/), or None: what `sample` and
+    `serve` read an imported model's text with when no --tokenizer is given."""
+    if "://" in config_path:
+        return None
+    path = os.path.join(os.path.dirname(config_path), HF_DIR, "tokenizer.json")
+    return path if os.path.isfile(path) else None

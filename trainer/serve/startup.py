@@ -40,7 +40,9 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
 
     checkpoints, config_path = locate(directory)
     cfg = load_run_config(config_path)
-    codec = Codec(cfg, tokenizer_path)
+    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
+
+    codec = Codec(cfg, tokenizer_path or imported_tokenizer(config_path))
     devices = jax.devices()
     # By default the experts spread over as many devices as divide them; the rest replicate them (data).
     expert = math.gcd(len(devices), cfg.moe.num_experts)
