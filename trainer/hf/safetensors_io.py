@@ -87,6 +87,9 @@ class HubReader:
             raise HFError(f"the tensor '{name}' is missing from {self.directory} (no shard holds it)")
         shard = self.where[name]
         if shard not in self._files:
+            # One shard open at a time: a shard is memory-mapped, and the pages read stay resident (and
+            # counted) while it is open; a conversion reads the shards in turn, a layer's at a time.
+            self._files.clear()
             self._files[shard] = self._open(shard)
             missing = sorted(n for n, s in self.where.items() if s == shard and n not in set(self._files[shard].keys()))
             if missing:
