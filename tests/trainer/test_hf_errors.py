@@ -132,3 +132,14 @@ def test_an_output_that_holds_something_is_left_alone(capsys, source, tmp_path):
 def test_a_model_of_no_family_is_not_exported(name, overrides, feature):
     with pytest.raises(HFError, match=feature.replace(".", r"\.").replace("*", r"\*")):
         family_of(load_config(name, overrides))
+
+
+def test_export_of_a_step_the_checkpoint_lacks_names_the_steps_it_has(capsys, saved, tmp_path):
+    from trainer.hf.convert import import_checkpoint
+
+    import_checkpoint(str(saved), str(tmp_path / "imported"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--checkpoint", str(tmp_path / "imported"), "--step", "7", "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--step 7: {tmp_path / 'imported' / 'checkpoints'} holds steps [0]" in err
+    assert not (tmp_path / "out").exists()

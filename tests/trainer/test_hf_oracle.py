@@ -204,3 +204,23 @@ def test_greedy_generation_through_the_serving_engine_equals_transformers(import
     requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=32, temperature=0.0))) for p in prompts]
     engine.run()
     assert [r.output for r in requests] == expected[:, prompts.shape[1]:].tolist()
+
+
+@pytest.mark.compile_bound
+def test_logits_equal_transformers_at_a_wider_initialisation(tmp_path):
+    """initializer_range 0.2 (logits ten times larger, routing far from uniform): within 1e-3."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model = hf_model("qwen3_moe", seed=9, initializer_range=0.2)
+    model.save_pretrained(tmp_path / "hub")
+    import_checkpoint(str(tmp_path / "hub"), str(tmp_path / "imported"))
+    ours, _ = trainer_model(str(tmp_path / "imported"))
+    tokens = np.random.default_rng(10).integers(0, VOCAB, (2, SHORT))
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    graphdef, state = nnx.split(ours)
+    got = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, train=False)[0])(state, jnp.asarray(tokens)))
+    assert np.abs(got - theirs).max() <= 1e-3 and np.array_equal(got.argmax(-1), theirs.argmax(-1))
