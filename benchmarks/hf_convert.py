@@ -42,8 +42,10 @@ def write_checkpoint(directory: Path, layers: int, d: int, f: int, experts: int,
         p = f"model.layers.{i}"
         tensors = {f"{p}.input_layernorm.weight": np.ones(d, np.float32),
                    f"{p}.post_attention_layernorm.weight": np.ones(d, np.float32),
-                   f"{p}.self_attn.q_proj.weight": rand(heads * head, d), f"{p}.self_attn.k_proj.weight": rand(kv * head, d),
-                   f"{p}.self_attn.v_proj.weight": rand(kv * head, d), f"{p}.self_attn.o_proj.weight": rand(d, heads * head),
+                   f"{p}.self_attn.q_proj.weight": rand(heads * head, d),
+                   f"{p}.self_attn.k_proj.weight": rand(kv * head, d),
+                   f"{p}.self_attn.v_proj.weight": rand(kv * head, d),
+                   f"{p}.self_attn.o_proj.weight": rand(d, heads * head),
                    f"{p}.block_sparse_moe.gate.weight": rand(experts, d)}
         for e in range(experts):
             for w, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
@@ -100,7 +102,8 @@ def main() -> int:
         print(f"checkpoint      {mb:,.0f} MB in {args.layers} shards (largest {sizes['largest_shard'] / 1e6:,.0f} MB, "
               f"a layer {sizes['layer'] / 1e6:,.0f} MB)")
         print(f"plain copy      {result['copy_mb_per_s']:8,.0f} MB/s")
-        print(f"hf import       {result['import_mb_per_s']:8,.0f} MB/s   {result['import_over_copy_time']:.1f}x the copy's time")
+        print(f"hf import       {result['import_mb_per_s']:8,.0f} MB/s   "
+              f"{result['import_over_copy_time']:.1f}x the copy's time")
         print(f"import peak RSS {import_rss / 1e6:8,.0f} MB     bound (largest shard + a layer + 500 MB) "
               f"{bound / 1e6:,.0f} MB: {'within' if result['rss_within_bound'] else 'OVER'}")
     return 0

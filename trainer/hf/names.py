@@ -83,8 +83,10 @@ def _attention(cfg: Config, i: int) -> list[Spec]:
     m = cfg.model
     d, n, k, h = m.d_model, m.num_heads, m.kv_heads, m.head_size
     at, hub = f"blocks.{i}.attn", f"model.layers.{i}.self_attn"
-    specs = [_heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, h), _heads_in(f"{at}.wk", f"{hub}.k_proj.weight", d, k, h),
-             _heads_in(f"{at}.wv", f"{hub}.v_proj.weight", d, k, h), _heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, h)]
+    specs = [_heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, h),
+             _heads_in(f"{at}.wk", f"{hub}.k_proj.weight", d, k, h),
+             _heads_in(f"{at}.wv", f"{hub}.v_proj.weight", d, k, h),
+             _heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, h)]
     if m.qkv_bias:
         specs += [_same(f"{at}.b{x}", f"{hub}.{x}_proj.bias", (heads, h), (heads * h,))
                   for x, heads in (("q", n), ("k", k), ("v", k))]
@@ -127,7 +129,8 @@ def _moe(cfg: Config, fam: Family, i: int, layout: str) -> list[Spec]:
 def _dense(cfg: Config, i: int) -> list[Spec]:
     d, f = cfg.model.d_model, cfg.model.d_ff
     ffn, hub = f"blocks.{i}.ffn", f"model.layers.{i}.mlp"
-    return [_linear(f"{ffn}.w_gate", f"{hub}.gate_proj.weight", d, f), _linear(f"{ffn}.w_in", f"{hub}.up_proj.weight", d, f),
+    return [_linear(f"{ffn}.w_gate", f"{hub}.gate_proj.weight", d, f),
+            _linear(f"{ffn}.w_in", f"{hub}.up_proj.weight", d, f),
             _linear(f"{ffn}.w_out", f"{hub}.down_proj.weight", f, d)]
 
 
