@@ -162,7 +162,6 @@ def test_a_trained_model_exports_as_mixtral_and_transformers_gives_its_logits(tr
     import jax.numpy as jnp
 
     from trainer.hf.orbax_io import open_run
-    from trainer.model import build_model
 
     done = export_checkpoint(str(trained_tiny.output_dir), str(tmp_path / "exported"))
     assert done["family"] == "mixtral" and done["step"] == 120
