@@ -28,13 +28,16 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
 
     # Each parameter moved into a jax array as it is read (its numpy copy freed): orbax writes jax arrays
     # from their own buffers, where numpy arrays cost it a copy each (peak 3.9 GB against 5.7 GB for a
-    # 1.7 GB checkpoint, measured with benchmarks/hf_convert.py's model at 4 layers).
+    # 1.7 GB checkpoint, measured with benchmarks/hf_convert.py's model at 4 layers); and at most 1 GB of
+    # them in flight while writing (6.8 GB -> 5.5 GB peak for the benchmark's 3.2 GB checkpoint). Orbax
+    # writes the state whole, so the model is held once: streaming the write too would need a writer of
+    # the checkpoint's format of our own.
     state = {"step": np.zeros((), np.int32), "params": {name: jax.device_put(value) for name, value in params}}
     meta = {"model": model_identity(cfg), "imported_from": source}
     with quiet_orbax():
         manager = ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
             create=True, enable_async_checkpointing=False), item_handlers={
-            "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
+            "state": ocp.StandardCheckpointHandler(save_concurrent_gb=1), "data": ocp.JsonCheckpointHandler()})
         try:
             manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     data=ocp.args.JsonSave(meta)))
