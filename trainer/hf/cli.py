@@ -1,7 +1,7 @@
 """`moe-tpu hf import|export` (also `python -m trainer.hf`): Hugging Face checkpoints in and out.
 
-Exit codes: 0 converted; 2 bad input (the file and the key named; nothing left in -o); 130 / 143 when
-interrupted (what was half-written is removed).
+Exit codes: 0 converted; 1 the output could not be written (a full disk); 2 bad input (the file and the
+key named; nothing left in -o); 130 / 143 when interrupted (what was half-written is removed).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _terminated(signum, frame):
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
-    from trainer.hf.errors import HFError
+    from trainer.hf.errors import HFError, WriteError
 
     import threading
 
@@ -77,6 +77,9 @@ def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
     except HFError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(EXIT_USAGE)
+    except WriteError as e:  # the output could not be written: a runtime failure, nothing left of it
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(1)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

@@ -20,7 +20,7 @@ import numpy as np
 
 from trainer.config import Config
 from trainer.hf import families, names
-from trainer.hf.errors import HFError
+from trainer.hf.errors import HFError, WriteError
 from trainer.hf.orbax_io import CHECKPOINTS, HF_DIR, RUN_CONFIG, open_run, save_params
 from trainer.hf.safetensors_io import CONFIG, DTYPES, TOKENIZER_FILES, HubReader, ShardWriter, read_json
 
@@ -125,6 +125,10 @@ def staged(output: str) -> Iterator[str]:
         if os.path.isdir(output):
             os.rmdir(output)
         os.rename(tmp, output)
+    except OSError as e:  # a full disk, a file-system error: exit 1 (WriteError), nothing left of the output
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteError(f"cannot write {output}: {e.filename or ''}{': ' if e.filename else ''}"
+                         f"{e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from trainer.config import Config
-from trainer.hf.errors import HFError
+from trainer.hf.errors import HFError, WriteError
 
 HF_DIR = "hf"  # the source's own files inside an imported checkpoint (config.json, tokenizer, generation)
 RUN_CONFIG = "config.json"
@@ -21,7 +21,7 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
     """Step 0 of a checkpoints directory holding `params` (no optimizer state: a fine-tune makes its own)."""
     import orbax.checkpoint as ocp
 
-    from trainer.checkpoint import quiet_orbax
+    from trainer.checkpoint import _reason, quiet_orbax
     from trainer.resume import model_identity
 
     import jax
@@ -42,6 +42,8 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
             manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     data=ocp.args.JsonSave(meta)))
             manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - a full disk, a file-system error: exit 1 naming the directory
+            raise WriteError(f"cannot write the checkpoint to {directory}: {_reason(e)}") from None
         finally:
             manager.close()
 
