@@ -143,3 +143,33 @@ def test_export_of_a_step_the_checkpoint_lacks_names_the_steps_it_has(capsys, sa
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"--step 7: {tmp_path / 'imported' / 'checkpoints'} holds steps [0]" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gs_source_imports_as_the_local_one_and_a_missing_shard_is_named(saved, tmp_path, monkeypatch):
+    """On a fake GCS server: the same parameters as from the local directory; nothing left beside -o."""
+    import sys
+
+    from hf_models import safetensors_of  # noqa: F401 - the shards' reader, imported before gcsfs starts
+
+    from tests.gcs_server import fake_gcs_server
+    from trainer.hf.convert import import_checkpoint
+    from trainer.hf.orbax_io import open_run
+
+    if "gcsfs" in sys.modules:
+        pytest.skip("gcsfs was imported before the emulator settings")  # it reads them at import
+    with fake_gcs_server("models") as url:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", url)
+        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        import gcsfs
+
+        gcsfs.GCSFileSystem(token="anon").put(str(saved), "models/mixtral", recursive=True)
+        import_checkpoint("gs://models/mixtral", str(tmp_path / "remote"))
+        import_checkpoint(str(saved), str(tmp_path / "local"))
+        remote, local = open_run(str(tmp_path / "remote"), None), open_run(str(tmp_path / "local"), None)
+        a, b = remote.read(set(remote.shapes)), local.read(set(local.shapes))
+        assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)
+        shard = _index(saved)["weight_map"]["model.norm.weight"]
+        gcsfs.GCSFileSystem(token="anon").rm(f"models/mixtral/{shard}")
+        with pytest.raises(HFError, match=f"names the shard '{shard}', which is missing from gs://models/mixtral"):
+            import_checkpoint("gs://models/mixtral", str(tmp_path / "again"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local", "remote"]

@@ -22,16 +22,16 @@ def hf_group() -> None:
 
 
 @hf_group.command("import")
-@click.argument("source", type=click.Path(file_okay=False))
+@click.argument("source")
 @click.option("-o", "--output", required=True, type=click.Path(), help="New directory for the trainer checkpoint.")
 def import_command(source: str, output: str) -> None:
-    """Convert the Hugging Face checkpoint in SOURCE (config.json, *.safetensors, tokenizer) into a trainer
-    checkpoint that `sample`, `serve` and `--init-from` read.
+    """Convert the Hugging Face checkpoint in SOURCE (a directory or gs:// prefix with config.json,
+    *.safetensors, the tokenizer) into a trainer checkpoint that `sample`, `serve` and `--init-from` read.
 
     \b
     Examples:
       moe-tpu hf import ./Qwen3-30B-A3B -o runs/qwen3
-      moe-tpu hf import ./tiny-mixtral -o runs/tiny-mixtral
+      moe-tpu hf import gs://BUCKET/models/OLMoE-1B-7B -o runs/olmoe
     """
     from trainer.hf.convert import import_checkpoint
 

@@ -22,7 +22,8 @@ from trainer.config import Config
 from trainer.hf import families, names
 from trainer.hf.errors import HFError, WriteError
 from trainer.hf.orbax_io import CHECKPOINTS, HF_DIR, RUN_CONFIG, open_run, save_params
-from trainer.hf.safetensors_io import CONFIG, DTYPES, TOKENIZER_FILES, HubReader, ShardWriter, read_json
+from trainer.hf.safetensors_io import (CONFIG, DTYPES, INDEX, SINGLE, TOKENIZER_FILES, HubReader, ShardWriter,
+                                      read_json)
 
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older saves hold; recomputed, never read
 
@@ -145,8 +146,57 @@ def copy_side_files(source: str, target: str) -> list[str]:
     return copied
 
 
+def fetched(source: str, into: str) -> str:
+    """A gs:// (or other remote) Hugging Face prefix copied into the local directory `into`, a file at a time:
+    config.json, the index and the shards it names (or model.safetensors), and the tokenizer files there are.
+    Returns `into`; a local SOURCE is returned as it is."""
+    if "://" not in source:
+        return source
+    from etils import epath
+
+    remote = epath.Path(source)
+
+    def copy(name: str, needed: bool) -> bool:
+        path = remote / name
+        try:
+            if not path.exists():
+                if needed:
+                    raise HFError(f"{source.rstrip('/')}/{name} does not exist")
+                return False
+            path.copy(epath.Path(into) / name)
+        except OSError as e:
+            raise HFError(f"cannot read {source.rstrip('/')}/{name}: {e}") from None
+        return True
+
+    copy(CONFIG, True)
+    if copy(INDEX, False):
+        index = read_json(os.path.join(into, INDEX))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        for shard in sorted(set(weight_map.values()) if isinstance(weight_map, dict) else ()):
+            if not isinstance(shard, str) or os.path.basename(shard) != shard:
+                raise HFError(f"{source.rstrip('/')}/{INDEX} names the shard {shard!r}, which is no file name")
+            if not copy(shard, False):
+                raise HFError(f"{source.rstrip('/')}/{INDEX} names the shard '{shard}', which is missing from "
+                              f"{source}")
+    else:
+        copy(SINGLE, True)
+    for name in TOKENIZER_FILES:
+        copy(name, False)
+    return into
+
+
 def import_checkpoint(source: str, output: str) -> dict:
-    """SRC (a local Hugging Face directory) -> OUTPUT, a trainer checkpoint; returns what was done."""
+    """SRC (a Hugging Face directory, local or gs://) -> OUTPUT, a trainer checkpoint; returns what was done.
+    A gs:// source is first copied beside OUTPUT (and removed after)."""
+    if "://" in source:
+        parent = os.path.dirname(os.path.abspath(output))
+        if not os.path.isdir(parent):
+            raise HFError(f"-o {output}: its directory {parent} does not exist")
+        download = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.download-", dir=parent)
+        try:
+            return import_checkpoint(fetched(source, download), output)
+        finally:
+            shutil.rmtree(download, ignore_errors=True)
     model = open_hub(source)
     with staged(output) as tmp:
         save_params(os.path.join(tmp, CHECKPOINTS), iter_params(model), model.cfg,
