@@ -96,6 +96,8 @@ EXTRA_OF_MODULE = {
     "pathwaysutils": "pathways",
     "kubernetes": "control", "urllib3": "control", "cryptography": "control",
     "fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
+    # the server renders an imported model's chat template in jinja2's sandbox (trainer/serve/chat.py)
+    "jinja2.sandbox": "serve", "jinja2.exceptions": "serve",
 }
 
 
