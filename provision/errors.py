@@ -91,10 +91,13 @@ EXTRA_OF_MODULE = {
     "jax": "trainer", "jaxlib": "trainer", "flax": "trainer", "optax": "trainer", "orbax": "trainer",
     "numpy": "trainer", "etils": "trainer", "tensorstore": "trainer", "gcsfs": "trainer", "fsspec": "trainer",
     "grain": "trainer", "array_record": "trainer", "tokenizers": "trainer", "tensorboardX": "trainer",
+    "safetensors": "trainer",
     "matplotlib": "plot", "pyarrow": "data",
     "pathwaysutils": "pathways",
     "kubernetes": "control", "urllib3": "control", "cryptography": "control",
     "fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
+    # the server renders an imported model's chat template in jinja2's sandbox (trainer/serve/chat.py)
+    "jinja2.sandbox": "serve", "jinja2.exceptions": "serve",
 }
 
 

@@ -39,11 +39,19 @@ class ModelConfig(Section):
     num_kv_heads: NonNegative = 0  # 0: as many as num_heads (plain multi-head attention)
     head_dim: NonNegative = 0  # 0: d_model // num_heads
     d_ff: Positive = 256  # hidden size of the dense gated FFN layers
-    # layer i is MoE when (i + 1) % moe_every == 0; 0: no MoE layers
+    # layer i is MoE when (i + 1) % moe_every == 0 and i is not in dense_layers; 0: no MoE layers
     moe_every: NonNegative = Field(2, description="0: no MoE layers")
-    rope_theta: Number = 10_000.0
-    norm_eps: Number = 1e-6
+    dense_layers: tuple[NonNegative, ...] = ()  # layers kept dense whatever moe_every says (Qwen's mlp_only_layers)
+    rope_theta: Number = Field(10_000.0, gt=0)
+    norm_eps: Number = Field(1e-6, gt=0)
     tie_embeddings: Flag = False
+    # The tied head multiplies the embedding by d_model**-0.5 (unit-variance embeddings give unit-variance
+    # logits); false: the embedding as it is, as Hugging Face's tied models use it.
+    tied_head_scale: Flag = True
+    qkv_bias: Flag = False  # a bias on the q, k and v projections (Qwen2-MoE)
+    # RMSNorm of q and k before the rotary positions: over each head ("head", Qwen3-MoE), over all heads
+    # together ("full", OLMoE), or none.
+    qk_norm: Literal["none", "head", "full"] = "none"
     remat: Flag = False  # rematerialise each block in the backward pass
 
     @model_validator(mode="after")
@@ -56,6 +64,10 @@ class ModelConfig(Section):
                              f"({self.num_kv_heads})")
         if self.head_size % 2:
             raise ValueError(f"the head size must be even for rotary positions, got {self.head_size}")
+        beyond = [i for i in self.dense_layers if i >= self.num_layers]
+        if beyond:
+            raise ValueError(f"model.dense_layers names layer {beyond[0]}, but the model has {self.num_layers} "
+                             f"(0 to {self.num_layers - 1})")
         return self
 
     @property
@@ -67,7 +79,7 @@ class ModelConfig(Section):
         return self.head_dim or self.d_model // self.num_heads
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.moe_every > 0 and (i + 1) % self.moe_every == 0
+        return self.moe_every > 0 and (i + 1) % self.moe_every == 0 and i not in self.dense_layers
 
     @property
     def num_moe_layers(self) -> int:

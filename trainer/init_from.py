@@ -38,7 +38,8 @@ class Source:
     data: str | None  # the fingerprint of the data it was trained on, as its checkpoint records it
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": f"{self.checkpoints.rstrip('/')}/{self.step}", "step": self.step,
+        path = self.checkpoints if self.fingerprint.startswith("hf:") else f"{self.checkpoints.rstrip('/')}/{self.step}"
+        return {"path": path, "step": self.step,
                 "fingerprint": self.fingerprint, "data": self.data}
 
 
@@ -101,8 +102,15 @@ def _mismatch(saved, target: dict, where: str) -> str | None:
 def initial_state(trainer, directory: str) -> tuple[dict[str, Any], Source]:
     """(the state a fine-tune starts from, its Source): DIR's latest parameters and routing biases on
     this run's mesh, a fresh optimizer state for them, step 0. ConfigError (exit 2) naming what is
-    wrong with DIR; CheckpointError (exit 1) when its files cannot be read."""
+    wrong with DIR; CheckpointError (exit 1) when its files cannot be read. A Hugging Face checkpoint's
+    directory is read by trainer.hf.init."""
     import orbax.checkpoint as ocp
+
+    from trainer.hf import init as from_hub
+
+    if "://" not in directory and from_hub.is_hub_directory(directory):
+        state, (path, step, digest) = from_hub.initial_state(trainer, directory)
+        return state, Source(path, step, digest, None)
 
     checkpoints = checkpoints_of(directory)
     if "://" not in checkpoints:  # orbax takes absolute paths only; a user types a relative one

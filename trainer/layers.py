@@ -21,13 +21,19 @@ def named_param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",))
+    """RMSNorm over the last len(shape) axes (one, or a head axis and its features: q/k over all heads), in
+    float32; `names` are the scale's logical axes."""
+
+    def __init__(self, dim: int | tuple[int, ...], *, eps: float, dtype, param_dtype, rngs: nnx.Rngs,
+                 names: tuple[str, ...] = ("norm",)):
+        shape = (dim,) if isinstance(dim, int) else tuple(dim)
+        self.scale = nnx.Param(jnp.ones(shape, param_dtype), out_sharding=names)
         self.eps, self.dtype = eps, dtype
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        axes = tuple(range(-self.scale.ndim, 0))
         x = x_BxLxD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=axes, keepdims=True) + self.eps)
         return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
@@ -46,10 +52,16 @@ def rotary(x_BxLxNxH: jax.Array, theta: float, offset: int | jax.Array = 0) -> j
 
 
 class Attention(nnx.Module):
-    """Causal multi-head (or grouped-query) self-attention with rotary positions."""
+    """Causal multi-head (or grouped-query) self-attention with rotary positions.
+
+    Options the open checkpoints need: `bias` on q, k and v (Qwen2-MoE); `qk_norm` an RMSNorm of q and k
+    before the rotary positions, over each head ("head", Qwen3-MoE) or over all heads at once ("full",
+    OLMoE), with epsilon `norm_eps`.
+    """
 
     def __init__(self, d_model: int, num_heads: int, kv_heads: int, head_dim: int, *, rope_theta: float,
-                 dtype, param_dtype, rngs: nnx.Rngs):
+                 dtype, param_dtype, rngs: nnx.Rngs, bias: bool = False, qk_norm: str = "none",
+                 norm_eps: float = 1e-6):
         D, N, K, H = d_model, num_heads, kv_heads, head_dim
         self.wq = named_param(rngs, lecun, (D, N, H), ("embed", "heads", "kv"), param_dtype)
         self.wk = named_param(rngs, lecun, (D, K, H), ("embed", "kv_heads", "kv"), param_dtype)
@@ -57,6 +69,18 @@ class Attention(nnx.Module):
         out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=(0, 1),
                                                      out_axis=2)
         self.wo = named_param(rngs, out_init, (N, H, D), ("heads", "kv", "embed"), param_dtype)
+        if bias:
+            zeros = nnx.initializers.zeros
+            self.bq = named_param(rngs, zeros, (N, H), ("heads", "kv"), param_dtype)
+            self.bk = named_param(rngs, zeros, (K, H), ("kv_heads", "kv"), param_dtype)
+            self.bv = named_param(rngs, zeros, (K, H), ("kv_heads", "kv"), param_dtype)
+        if qk_norm != "none":
+            whole = qk_norm == "full"
+            norm = lambda heads, name: RMSNorm((heads, H) if whole else H, eps=norm_eps, dtype=dtype,  # noqa: E731
+                                               param_dtype=param_dtype, rngs=rngs,
+                                               names=(name, "kv") if whole else ("norm",))
+            self.q_norm, self.k_norm = norm(N, "heads"), norm(K, "kv_heads")
+        self.bias, self.qk_norm = bias, qk_norm
         self.rope_theta, self.dtype = rope_theta, dtype
 
     def __call__(self, x_BxLxD: jax.Array, cache=None):
@@ -64,6 +88,11 @@ class Attention(nnx.Module):
         sit at the cache's start positions, their keys and values go into it, they attend to every cached
         position up to their own, and the call returns (output, cache)."""
         q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._project(x_BxLxD.astype(self.dtype))
+        if self.bias:
+            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = (x + b[...].astype(self.dtype) for x, b in
+                                               ((q_BxLxNxH, self.bq), (k_BxLxKxH, self.bk), (v_BxLxKxH, self.bv)))
+        if self.qk_norm != "none":
+            q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
         offset = 0 if cache is None else cache.starts_B
         # Tensor parallelism: heads split over `model` (KV heads replicated when fewer); trainer/sharding.py.
         q_BxLxNxH = constrain(rotary(q_BxLxNxH, self.rope_theta, offset), ("batch", "length", "heads", "kv"))

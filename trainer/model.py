@@ -14,11 +14,15 @@ from trainer.moe import MoEBlock
 
 
 class Block(nnx.Module):
+    """One pre-norm decoder layer: x + attn(norm(x)), then + ffn(norm(x)), the FFN dense or MoE (the
+    config's layer pattern). The same wiring trains (no cache) and decodes (a key/value cache)."""
+
     def __init__(self, cfg: Config, layer: int, *, mesh: Mesh | None, rngs: nnx.Rngs):
         m, dtype, pdtype = cfg.model, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_size, rope_theta=m.rope_theta,
-                              dtype=dtype, param_dtype=pdtype, rngs=rngs)
+                              dtype=dtype, param_dtype=pdtype, rngs=rngs, bias=m.qkv_bias, qk_norm=m.qk_norm,
+                              norm_eps=m.norm_eps)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         self.is_moe = m.is_moe_layer(layer)
         if self.is_moe:
@@ -26,27 +30,28 @@ class Block(nnx.Module):
         else:
             self.ffn = DenseFFN(m.d_model, m.d_ff, dtype=dtype, param_dtype=pdtype, rngs=rngs)
 
-    def __call__(self, x_BxLxD: jax.Array, *, train: bool) -> tuple[jax.Array, dict | None]:
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD))
-        h_BxLxD = self.ffn_norm(x_BxLxD)
-        if self.is_moe:
-            y_BxLxD, aux = self.ffn(h_BxLxD, train=train)
-        else:
-            y_BxLxD, aux = self.ffn(h_BxLxD), None
-        return x_BxLxD + y_BxLxD.astype(x_BxLxD.dtype), aux
-
-    def decode(self, x_BxLxD: jax.Array, cache) -> tuple[jax.Array, object]:
-        """The block at inference over a key/value cache (trainer.serve.kvcache.LayerCache)."""
-        attn_BxLxD, cache = self.attn(self.attn_norm(x_BxLxD), cache=cache)
+    def __call__(self, x_BxLxD: jax.Array, *, train: bool, cache=None) -> tuple[jax.Array, dict | None, object]:
+        """(the block's output, the MoE layer's aux or None, the updated cache or None). With `cache`
+        (trainer.serve.kvcache.LayerCache) the tokens attend through it and MoE routes one token a row."""
+        attended = self.attn(self.attn_norm(x_BxLxD), cache=cache)
+        attn_BxLxD, cache = attended if cache is not None else (attended, None)
         x_BxLxD = x_BxLxD + attn_BxLxD
         h_BxLxD = self.ffn_norm(x_BxLxD)
-        if self.is_moe:  # one token a row: the MoE block splits rows over the mesh's token shards
+        aux = None
+        if not self.is_moe:
+            y_BxLxD = self.ffn(h_BxLxD)
+        elif cache is None:
+            y_BxLxD, aux = self.ffn(h_BxLxD, train=train)
+        else:  # one token a row: the MoE block splits rows over the mesh's token shards
             batch, length, d_model = h_BxLxD.shape
             y_BxLxD = self.ffn(h_BxLxD.reshape(batch * length, 1, d_model), train=False)[0]
             y_BxLxD = y_BxLxD.reshape(batch, length, d_model)
-        else:
-            y_BxLxD = self.ffn(h_BxLxD)
-        return x_BxLxD + y_BxLxD.astype(x_BxLxD.dtype), cache
+        return x_BxLxD + y_BxLxD.astype(x_BxLxD.dtype), aux, cache
+
+    def decode(self, x_BxLxD: jax.Array, cache) -> tuple[jax.Array, object]:
+        """The block at inference over a key/value cache (trainer.serve.kvcache.LayerCache)."""
+        x_BxLxD, _, cache = self(x_BxLxD, train=False, cache=cache)
+        return x_BxLxD, cache
 
 
 class Transformer(nnx.Module):
@@ -63,6 +68,7 @@ class Transformer(nnx.Module):
                                  (self.vocab, "embed"), pdtype)
         self.blocks = nnx.List([Block(cfg, i, mesh=mesh, rngs=rngs) for i in range(m.num_layers)])
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=self.dtype, param_dtype=pdtype, rngs=rngs)
+        self.tied_scale = m.d_model ** -0.5 if m.tied_head_scale else 1.0
         self.head = None if m.tie_embeddings else named_param(
             rngs, lecun, (m.d_model, m.vocab_size), ("embed", self.vocab), pdtype)
 
@@ -76,9 +82,9 @@ class Transformer(nnx.Module):
         auxes = []
         for i, block in enumerate(self.blocks):
             if self.remat:
-                x_BxLxD, aux = nnx.remat(lambda blk, x: blk(x, train=train))(block, x_BxLxD)
+                x_BxLxD, aux, _ = nnx.remat(lambda blk, x: blk(x, train=train))(block, x_BxLxD)
             else:
-                x_BxLxD, aux = block(x_BxLxD, train=train)
+                x_BxLxD, aux, _ = block(x_BxLxD, train=train)
             x_BxLxD = self._constrain(x_BxLxD)
             if aux is not None:
                 auxes.append((i, aux))
@@ -97,8 +103,8 @@ class Transformer(nnx.Module):
 
     def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = self.final_norm(x_BxLxD)
-        if self.head is None:  # tied: scaled so that unit-variance embeddings give unit-variance logits
-            w_DxV = self.embed[...].T * (self.embed.shape[-1] ** -0.5)
+        if self.head is None:  # tied: by default scaled so that unit-variance embeddings give unit-variance logits
+            w_DxV = self.embed[...].T if self.tied_scale == 1.0 else self.embed[...].T * self.tied_scale
         else:
             w_DxV = self.head[...]
         logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype),

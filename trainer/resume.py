@@ -11,7 +11,7 @@ from trainer.metrics import Reporter
 
 # The config keys that decide a checkpoint's arrays and their meaning: a different value is another model.
 MODEL_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "moe_every",
-              "tie_embeddings")
+              "tie_embeddings", "tied_head_scale")
 
 
 def model_identity(cfg: Config) -> dict[str, Any]:

@@ -134,7 +134,9 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
     """
     run = find_run(directory)
     cfg = load_run_config(run.config)
-    codec = Codec(cfg, tokenizer_path, any_tokenizer)
+    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
+
+    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run.config), any_tokenizer)
     ids = codec.encode(prompt)
     if not ids:
         raise SampleError("--prompt: the prompt has no tokens")

@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "data": "provision.cli.data_cmds:data_group",
     "sample": "provision.cli.data_cmds:sample",
     "serve": "provision.cli.serve_cmd:serve",
+    "hf": "provision.cli.hf_cmd:hf",
     "deploy": "provision.cli.deploy_cmd:deploy",
     "predict": "provision.cli.deploy_cmd:predict",
 }
@@ -57,6 +58,7 @@ SHORT_HELP = {
     "data": "Datasets for the trainer: prepare (tokenize into ArrayRecord shards).",
     "sample": "Continue a prompt with a run's latest checkpoint.",
     "serve": "Serve a run's latest checkpoint over an OpenAI-compatible API.",
+    "hf": "Hugging Face checkpoints (Mixtral, Qwen-MoE, OLMoE): import and export.",
     "deploy": "Serve the run's checkpoint on a Vertex AI endpoint or GKE; wait until healthy.",
     "predict": "Send a prompt to the deployed model through the platform's API.",
 }

@@ -212,3 +212,18 @@ def test_plan_serve_on_the_plans_own_target_and_mesh(workdir):
     assert code == 0 and "serving   one replica: 64 chips" in out and "largest batch that fits" in out
     code, _, err = moe("plan", "-c", str(EXAMPLE), "--decode-step-ms", "22")
     assert code == 2 and "--serve" in err
+
+
+@pytest.mark.parametrize("name, total", [("qwen3-30b-a3b", 30_532_122_624), ("olmoe-1b-7b", 6_919_161_856)])
+def test_plan_answers_for_the_open_models_named_configs(workdir, name, total):
+    """The shapes `hf import` gives the open checkpoints (their counts are transformers' own:
+    tests/trainer/test_hf_named.py): plan and plan --serve answer for them on v5e-64."""
+    config = EXAMPLE.read_text().replace("config: v5e-64", f"config: {name}")
+    config = "\n".join(line for line in config.splitlines()
+                       if not line.startswith(("  mesh:", "  overrides:", "    moe.capacity", "    dtype:")))
+    (workdir / "run.yaml").write_text(config)
+    code, out, err = moe("--output", "json", "plan", "-c", "run.yaml", "--serve")
+    doc = json.loads(out)
+    assert code == 0, err
+    assert doc["params_total"] == total and doc["fits"] is True
+    assert doc["serve"]["chips"] == 64 and doc["serve"]["precisions"]["bf16"]["decode_batch_1"]["step_time_hbm_s"] > 0

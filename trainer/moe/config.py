@@ -47,6 +47,8 @@ class MoEConfig(Section):
     num_shared_experts: NonNegative = 0
     # Hidden size of each shared expert; 0 means d_ff.
     shared_d_ff: NonNegative = 0
+    # The shared experts' output times sigmoid(x . w) of a learned [d_model] gate (Qwen2-MoE); false: added as is.
+    shared_gate: Flag = False
     # Token groups that capacity is counted in; 0 means one per token shard of the
     # mesh (data * expert devices), or 1 without a mesh.
     routing_groups: NonNegative = 0
@@ -106,6 +108,8 @@ class MoEConfig(Section):
                 f"routing_groups_limit ({self.routing_groups_limit}) must be >= top_k / (num_experts / "
                 f"expert_groups) = {self.top_k}/{per_group}: the kept groups must hold top_k experts",
             )
+        _check(self.num_shared_experts or not self.shared_gate, "shared_gate needs num_shared_experts >= 1 "
+               "(the shared experts it gates)")
         if self.score == "sigmoid":
             _check(self.softmax_before_topk, "softmax_before_topk=false applies to score='softmax' only")
         if self.routing == "expert_choice":

@@ -69,6 +69,8 @@ class MoEBlock(nnx.Module):
             self.shared_w_in = _param(rngs, (d, fs), d, ("embed", "mlp"), param_dtype)
             self.shared_w_gate = _param(rngs, (d, fs), d, ("embed", "mlp"), param_dtype)
             self.shared_w_out = _param(rngs, (fs, d), fs, ("mlp", "embed"), param_dtype)
+            if cfg.shared_gate:
+                self.shared_gate = _param(rngs, (d, 1), d, ("embed", None), param_dtype)
         if cfg.uses_bias:
             self.expert_bias = ExpertBias(jnp.zeros((e,), jnp.float32))
         # Jitter needs fresh noise every call, so only then does the block keep an RNG stream.
@@ -86,5 +88,8 @@ class MoEBlock(nnx.Module):
             self.expert_bias[...] = updated_bias(bias, jax.lax.stop_gradient(counts_E), self.cfg.bias_rate)
         if self.cfg.num_shared_experts:
             shared = (self.shared_w_in[...], self.shared_w_gate[...], self.shared_w_out[...])
-            y_BxLxD = y_BxLxD + shared_ffn(x_BxLxD, *(w.astype(self.dtype) for w in shared))
+            shared_BxLxD = shared_ffn(x_BxLxD, *(w.astype(self.dtype) for w in shared))
+            if self.cfg.shared_gate:  # Qwen2-MoE: a learned per-token share of the shared expert
+                shared_BxLxD = jax.nn.sigmoid(x_BxLxD @ self.shared_gate[...].astype(self.dtype)) * shared_BxLxD
+            y_BxLxD = y_BxLxD + shared_BxLxD
         return y_BxLxD, aux

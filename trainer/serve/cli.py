@@ -142,6 +142,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
                   chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   int8_weights=weight_format == "int8", device_memory_gb=device_memory_gb, progress=_progress)
+    template = template or loaded.chat_template  # --chat-template, else an imported model's own
     code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds)
     sys.exit(code)
 

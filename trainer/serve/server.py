@@ -243,8 +243,7 @@ def _completions(state: ServerState):
 
 def _chat(state: ServerState):
     async def chat(body: ChatRequest, request: Request):
-        text = "".join(state.chat_template["message"].format(role=m.role, content=m.content) for m in body.messages)
-        ids = _prompt_ids(state, text + state.chat_template["generation"])
+        ids = _prompt_ids(state, _chat_text(state, body.messages))
         return await _serve(state, body, ids, body.max_completion_tokens or body.max_tokens, request, chat=True)
 
     return chat
@@ -297,9 +296,7 @@ def _predict_instance(state: ServerState, instance: Any, index: int) -> tuple[_S
         raise _invalid(e.errors()[0], f"instances[{index}]") from None
     try:
         if chat:
-            text = "".join(state.chat_template["message"].format(role=m.role, content=m.content)
-                           for m in body.messages)
-            return body, _prompt_ids(state, text + state.chat_template["generation"]), \
+            return body, _prompt_ids(state, _chat_text(state, body.messages)), \
                 body.max_completion_tokens or body.max_tokens
         return body, _prompt_ids(state, body.prompt), body.max_tokens
     except APIError as e:
@@ -324,6 +321,17 @@ def _invalid(error: dict, prefix: str | None = None) -> APIError:
         return APIError(400, f"the body must be a JSON object sent with content-type: application/json "
                              f"({error.get('msg')})")
     return APIError(400, f"{param}: {error.get('msg')}", param=param)
+
+
+def _chat_text(state: ServerState, messages) -> str:
+    """The conversation as the prompt: --chat-template's format, or an imported model's own Jinja template
+    (trainer/serve/chat.py); a conversation the template refuses is a 400 naming `messages`."""
+    from trainer.serve.chat import ChatTemplateError, render
+
+    try:
+        return render(state.chat_template, messages)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 def _prompt_ids(state: ServerState, prompt) -> list[int]:

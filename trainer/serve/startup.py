@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 
 import click
@@ -26,6 +27,7 @@ class Loaded:
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     step: int
+    chat_template: object = None  # an imported model's own (trainer/serve/chat.py), or None
 
 
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
@@ -40,7 +42,10 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
 
     run = find_run(directory)
     checkpoints, cfg = run.checkpoints, load_run_config(run.config)
-    codec = Codec(cfg, tokenizer_path)
+    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
+
+    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run.config))
+    chat_template = _hub_chat_template(run.config)
     devices = jax.devices()
     # By default the experts spread over as many devices as divide them; the rest replicate them (data).
     expert = math.gcd(len(devices), cfg.moe.num_experts)
@@ -78,7 +83,19 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
                         detokenize=codec.decode)
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
-    return Loaded(cfg, engine, codec.encode, codec.decode, step)
+    return Loaded(cfg, engine, codec.encode, codec.decode, step, chat_template)
+
+
+def _hub_chat_template(config_path: str):
+    """The chat template an imported Hugging Face model keeps beside its config (trainer/serve/chat.py)."""
+    from trainer.serve.chat import hub_chat_template
+
+    if "://" in config_path:
+        return None
+    try:
+        return hub_chat_template(os.path.dirname(config_path))
+    except ValueError as e:
+        raise ServeError(str(e)) from None
 
 
 def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> None:

@@ -1,0 +1,88 @@
+"""Tiny random models of the four Hugging Face families, built with transformers' own config classes and
+`from_config` (nothing downloaded), and the trainer's model read back from an import."""
+
+from __future__ import annotations
+
+import numpy as np
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=1024)
+
+# name -> (config class name, its keys); each Qwen family with norm_topk_prob on and off, and a layer pattern
+# (a dense layer by decoder_sparse_step or by mlp_only_layers) in one of the two.
+FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe-norm": ("Qwen2MoeConfig", dict(moe_intermediate_size=16, intermediate_size=48, num_experts=8,
+                                              num_experts_per_tok=2, shared_expert_intermediate_size=24,
+                                              norm_topk_prob=True)),
+    "qwen2_moe-sparse-step": ("Qwen2MoeConfig", dict(moe_intermediate_size=16, intermediate_size=48, num_experts=8,
+                                                     num_experts_per_tok=2, shared_expert_intermediate_size=24,
+                                                     norm_topk_prob=False, decoder_sparse_step=2)),
+    "qwen3_moe-norm-dense0": ("Qwen3MoeConfig", dict(moe_intermediate_size=16, intermediate_size=48, num_experts=8,
+                                                     num_experts_per_tok=2, head_dim=16, norm_topk_prob=True,
+                                                     mlp_only_layers=[0])),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=16, intermediate_size=48, num_experts=8,
+                                         num_experts_per_tok=2, head_dim=16, norm_topk_prob=False)),
+    "olmoe-tied": ("OlmoeConfig", dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                                       tie_word_embeddings=True)),
+}
+
+
+def hf_model(name: str, seed: int = 0, initializer_range: float = 0.02, **extra):
+    """A random model of family `name` in float32 with eager attention and eager experts."""
+    import torch
+    import transformers
+
+    cls, keys = FAMILIES[name]
+    config = getattr(transformers, cls)(**COMMON, **keys, initializer_range=initializer_range, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          experts_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1, which would hide a bias or a norm lost
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif name.endswith("norm.weight"):
+                param.normal_(1.0, 0.1)
+    return model.eval()
+
+
+def trainer_model(run_dir: str, cfg=None):
+    """(the trainer's Transformer with the parameters of the import or run at `run_dir`, its parameters);
+    `cfg` replaces the run's config (the same shapes)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from trainer.hf.orbax_io import open_run
+    from trainer.model import ParamCodec, build_model
+
+    run = open_run(run_dir, None)
+    model = build_model(cfg or run.cfg)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    codec = ParamCodec(params)
+    values = run.read(set(codec.names))
+    return nnx.merge(graphdef, codec.unflatten({n: jnp.asarray(values[n]) for n in codec.names}), rest), values
+
+
+def tokenizer_json(path, size: int) -> None:
+    """A word-level tokenizer.json of `size` ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+
+
+def safetensors_of(directory) -> dict[str, np.ndarray]:
+    """Every tensor of a directory's *.safetensors files, as numpy (bfloat16 through ml_dtypes)."""
+    import pathlib
+
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(pathlib.Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="flax") as f:
+            out.update({k: np.asarray(f.get_tensor(k)) for k in f.keys()})
+    return out

@@ -1,0 +1,175 @@
+"""Bad Hugging Face input: each case exits 2 naming the file and the key, with no traceback, and leaves
+nothing in -o (nor a half-written directory beside it). A feature the trainer lacks is refused by its key."""
+
+import json
+import shutil
+
+import pytest
+from hf_models import VOCAB, hf_model, tokenizer_json
+
+pytest.importorskip("torch")
+
+from trainer.config import load_config  # noqa: E402
+from trainer.hf.cli import main  # noqa: E402
+from trainer.hf.errors import HFError  # noqa: E402
+from trainer.hf.families import family_of  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Mixtral saved in shards of about 20 KB, with its index and a fitting tokenizer."""
+    tmp = tmp_path_factory.mktemp("hf-bad")
+    hf_model("mixtral").save_pretrained(tmp / "hub", max_shard_size="20KB")
+    tokenizer_json(tmp / "hub" / "tokenizer.json", VOCAB)
+    return tmp / "hub"
+
+
+@pytest.fixture
+def source(saved, tmp_path):
+    shutil.copytree(saved, tmp_path / "src")
+    return tmp_path / "src"
+
+
+def _import(capsys, source, tmp_path) -> str:
+    """Runs `hf import`; asserts exit 2, no traceback and nothing left in or beside -o; returns stderr."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import", str(source), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    return err
+
+
+def _index(source) -> dict:
+    return json.loads((source / "model.safetensors.index.json").read_text())
+
+
+def test_a_directory_without_config_json(capsys, source, tmp_path):
+    (source / "config.json").unlink()
+    assert "holds no config.json" in _import(capsys, source, tmp_path)
+
+
+def test_an_unknown_model_type(capsys, source, tmp_path):
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    err = _import(capsys, source, tmp_path)
+    assert f"{source / 'config.json'}: model_type 'llama'" in err
+
+
+def test_a_shard_the_index_names_is_missing(capsys, source, tmp_path):
+    shard = _index(source)["weight_map"]["model.layers.1.self_attn.q_proj.weight"]
+    (source / shard).unlink()
+    err = _import(capsys, source, tmp_path)
+    assert "model.safetensors.index.json" in err and f"'{shard}', which is missing" in err
+
+
+def test_a_truncated_safetensors_header(capsys, source, tmp_path):
+    shard = _index(source)["weight_map"]["model.embed_tokens.weight"]
+    (source / shard).write_bytes((source / shard).read_bytes()[:6])
+    err = _import(capsys, source, tmp_path)
+    assert f"{source / shard} is not a readable safetensors file" in err
+
+
+def _rewrite(source, key: str, change) -> str:
+    """Rewrites the shard holding `key` with change(tensors) applied; returns the shard's name."""
+    from hf_models import safetensors_of
+    from safetensors.numpy import save_file
+
+    shard = _index(source)["weight_map"][key]
+    tensors = {k: v for k, v in safetensors_of(source).items() if _index(source)["weight_map"][k] == shard}
+    change(tensors)
+    save_file(tensors, str(source / shard), metadata={"format": "pt"})
+    return shard
+
+
+def test_a_tensor_of_the_wrong_shape(capsys, source, tmp_path):
+    key = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    shard = _rewrite(source, key, lambda t: t.update({key: t[key].T.copy()}))
+    err = _import(capsys, source, tmp_path)
+    assert f"{source / shard}: '{key}' has shape [24, 32]; config.json makes it [32, 24]" in err
+
+
+def test_a_missing_tensor(capsys, source, tmp_path):
+    key = "model.layers.0.post_attention_layernorm.weight"
+    _rewrite(source, key, lambda t: t.pop(key))
+    index = _index(source)
+    del index["weight_map"][key]
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert f"the tensor '{key}' is missing from {source}" in _import(capsys, source, tmp_path)
+
+
+def test_a_tokenizer_of_another_vocabulary(capsys, source, tmp_path):
+    tokenizer_json(source / "tokenizer.json", VOCAB + 50)
+    err = _import(capsys, source, tmp_path)
+    assert f"{source / 'tokenizer.json'} has token id {VOCAB + 49}" in err and "'vocab_size' = 128" in err
+
+
+@pytest.mark.parametrize("key, value", [("sliding_window", 16), ("clip_qkv", 8.0), ("hidden_act", "gelu"),
+                                        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0})])
+def test_a_feature_the_trainer_lacks_is_refused_by_its_key(capsys, source, tmp_path, key, value):
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, key: value}))
+    err = _import(capsys, source, tmp_path)
+    assert f"{source / 'config.json'}: '{key}" in err and "not supported" in err
+
+
+def test_an_output_that_holds_something_is_left_alone(capsys, source, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import", str(source), "-o", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "is not an empty directory" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["mine.txt"]
+
+
+@pytest.mark.parametrize("name, overrides, feature", [
+    ("tiny", ["model.moe_every=2"], "no family has this combination"),
+    ("deepseek-tiny", [], "moe.score=sigmoid"),
+    ("tiny", ["model.tie_embeddings=true", "model.moe_every=1"], "model.tied_head_scale=true"),
+])
+def test_a_model_of_no_family_is_not_exported(name, overrides, feature):
+    with pytest.raises(HFError, match=feature.replace(".", r"\.").replace("*", r"\*")):
+        family_of(load_config(name, overrides))
+
+
+def test_export_of_a_step_the_checkpoint_lacks_names_the_steps_it_has(capsys, saved, tmp_path):
+    from trainer.hf.convert import import_checkpoint
+
+    import_checkpoint(str(saved), str(tmp_path / "imported"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--checkpoint", str(tmp_path / "imported"), "--step", "7", "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--step 7: {tmp_path / 'imported' / 'checkpoints'} holds steps [0]" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_gs_source_imports_as_the_local_one_and_a_missing_shard_is_named(saved, tmp_path, monkeypatch):
+    """On a fake GCS server: the same parameters as from the local directory; nothing left beside -o."""
+    import sys
+
+    from hf_models import safetensors_of  # noqa: F401 - the shards' reader, imported before gcsfs starts
+
+    from tests.gcs_server import fake_gcs_server
+    from trainer.hf.convert import import_checkpoint
+    from trainer.hf.orbax_io import open_run
+
+    if "gcsfs" in sys.modules:
+        pytest.skip("gcsfs was imported before the emulator settings")  # it reads them at import
+    with fake_gcs_server("models") as url:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", url)
+        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        import gcsfs
+
+        gcsfs.GCSFileSystem(token="anon").put(str(saved), "models/mixtral", recursive=True)
+        import_checkpoint("gs://models/mixtral", str(tmp_path / "remote"))
+        import_checkpoint(str(saved), str(tmp_path / "local"))
+        remote, local = open_run(str(tmp_path / "remote"), None), open_run(str(tmp_path / "local"), None)
+        a, b = remote.read(set(remote.shapes)), local.read(set(local.shapes))
+        assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)
+        shard = _index(saved)["weight_map"]["model.norm.weight"]
+        gcsfs.GCSFileSystem(token="anon").rm(f"models/mixtral/{shard}")
+        with pytest.raises(HFError, match=f"names the shard '{shard}', which is missing from gs://models/mixtral"):
+            import_checkpoint("gs://models/mixtral", str(tmp_path / "again"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local", "remote"]

@@ -1,0 +1,229 @@
+"""`hf import` / `hf export` held to transformers itself: for each family (Mixtral with GQA, Qwen2-MoE and
+Qwen3-MoE with norm_topk_prob on and off and a dense layer, OLMoE) a tiny random model from transformers'
+config classes is saved, imported, and must give transformers' logits and choose its experts; import then
+export gives back every tensor bit for bit, and transformers reads the exported config.json alike."""
+
+import json
+
+import numpy as np
+import pytest
+from hf_models import FAMILIES, VOCAB, hf_model, safetensors_of, tokenizer_json, trainer_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from trainer.hf.convert import export_checkpoint, import_checkpoint  # noqa: E402
+
+# Rows 0 and 1 are the 2 x 128-token batch, each continued to 512 tokens; row 2 a 512-token sequence. The
+# model is causal, so the first 128 positions of rows 0 and 1 are exactly the 2 x 128 batch's logits: one
+# program compiled per family, not two.
+LENGTH, SHORT = 512, 128
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def imported(request, tmp_path_factory):
+    """(family, the transformers model, its saved directory, the import of it)."""
+    name = request.param
+    tmp = tmp_path_factory.mktemp(name)
+    model = hf_model(name)
+    model.save_pretrained(tmp / "hub")
+    tokenizer_json(tmp / "hub" / "tokenizer.json", VOCAB - 8)
+    import_checkpoint(str(tmp / "hub"), str(tmp / "imported"))
+    return name, model, tmp
+
+
+@pytest.fixture(scope="module")
+def outputs(imported):
+    """Both models' logits [3, 512, V] and each MoE layer's chosen experts [tokens, k] on one batch."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    name, model, tmp = imported
+    jax.config.update("jax_default_matmul_precision", "highest")
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (3, LENGTH))
+    with torch.no_grad():
+        out = model(torch.tensor(tokens), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    theirs = [np.sort(torch.topk(r.float().softmax(-1), k).indices.numpy(), -1) for r in out.router_logits]
+    ours_model, _ = trainer_model(str(tmp / "imported"))
+    graphdef, state = nnx.split(ours_model)
+    jax.config.update("jax_disable_most_optimizations", True)  # compiling, not running, is this program's cost
+    try:
+        logits, ours = jax.jit(lambda s, t: _forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens))
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+    return out.logits.numpy(), np.asarray(logits), theirs, [np.asarray(o) for o in ours]
+
+
+def _forward(model, tokens_BxL):
+    """The logits, and each MoE layer's chosen experts as its routing chooses them (trainer.moe.routing)."""
+    import jax.numpy as jnp
+
+    from trainer.moe.routing import router_logits, top_k_routing
+
+    x = jnp.take(model.embed[...], tokens_BxL, axis=0)
+    chosen = []
+    for block in model.blocks:
+        if block.is_moe:
+            h = x + block.attn(block.attn_norm(x))
+            h_TxD = block.ffn_norm(h).reshape(-1, h.shape[-1])
+            experts_TxK = top_k_routing(router_logits(h_TxD, block.ffn.router[...]), block.ffn.cfg.top_k)[0]
+            chosen.append(jnp.sort(experts_TxK, -1))
+        x, _, _ = block(x, train=False)
+    return model._logits(x), chosen
+
+
+def test_logits_equal_transformers(outputs):
+    theirs, ours, _, _ = outputs
+    short = np.abs(ours[:2, :SHORT] - theirs[:2, :SHORT]).max()
+    assert short <= 1e-4, f"max |Δ| over 2 x {SHORT} tokens: {short}"
+    assert np.abs(ours - theirs).max() <= 1e-4
+    assert np.array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_each_layer_chooses_transformers_experts(outputs):
+    _, _, theirs, ours = outputs
+    assert len(ours) == len(theirs) >= 1
+    flips = sum(int(np.sum(np.any(a != b, axis=-1))) for a, b in zip(ours, theirs, strict=True))
+    token_layers = sum(len(a) for a in theirs)
+    assert flips <= token_layers // 10_000, f"{flips} of {token_layers} token-layers chose other experts"
+
+
+def test_import_then_export_gives_every_tensor_back_bit_for_bit(imported):
+    name, _, tmp = imported
+    export_checkpoint(str(tmp / "imported"), str(tmp / "exported"))
+    source, exported = safetensors_of(tmp / "hub"), safetensors_of(tmp / "exported")
+    assert sorted(exported) == sorted(source)
+    for key, value in source.items():
+        assert exported[key].dtype == value.dtype and exported[key].shape == value.shape, key
+        assert exported[key].tobytes() == value.tobytes(), key
+    index = json.loads((tmp / "exported" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(source)
+    assert (tmp / "exported" / "tokenizer.json").read_bytes() == (tmp / "hub" / "tokenizer.json").read_bytes()
+    assert (tmp / "exported" / "generation_config.json").exists()
+
+
+def test_transformers_reads_the_exported_config_alike(imported):
+    name, model, tmp = imported
+    if not (tmp / "exported").exists():
+        export_checkpoint(str(tmp / "imported"), str(tmp / "exported"))
+    raw = json.loads((tmp / "exported" / "config.json").read_text())
+    assert ("num_local_experts" if name == "mixtral" else "num_experts") in raw  # the Hub's key names
+    assert raw["rope_theta"] == model.config.rope_parameters["rope_theta"]
+    back = transformers.AutoConfig.from_pretrained(tmp / "exported")
+    for key in ("num_experts_per_tok", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "num_key_value_heads", "norm_topk_prob", "decoder_sparse_step",
+                "mlp_only_layers", "rms_norm_eps"):
+        assert getattr(back, key, None) == getattr(model.config, key, None), key
+    experts = "num_local_experts" if name == "mixtral" else "num_experts"
+    assert getattr(back, experts) == getattr(model.config, experts)
+    assert back.rope_parameters["rope_theta"] == model.config.rope_parameters["rope_theta"]
+
+
+def _params(run_dir) -> dict:
+    from trainer.hf.orbax_io import open_run
+
+    run = open_run(str(run_dir), None)
+    return run.read(set(run.shapes))
+
+
+def test_both_expert_layouts_give_the_same_parameters(tmp_path):
+    """transformers 5 saves fused 3-D experts with save_original_format=False; they import as the per-expert
+    files do, and the fused import exports to the Hub's per-expert tensors of the original."""
+    model = hf_model("qwen3_moe", seed=3)
+    model.save_pretrained(tmp_path / "per-expert")
+    model.save_pretrained(tmp_path / "fused", save_original_format=False)
+    assert any(k.endswith("experts.gate_up_proj") for k in safetensors_of(tmp_path / "fused"))
+    import_checkpoint(str(tmp_path / "per-expert"), str(tmp_path / "a"))
+    import_checkpoint(str(tmp_path / "fused"), str(tmp_path / "b"))
+    a, b = _params(tmp_path / "a"), _params(tmp_path / "b")
+    assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)
+
+
+def test_bfloat16_keeps_its_dtype_and_bits_both_ways(tmp_path):
+    """bfloat16 in, bfloat16 out, bit for bit; and export then import reads the same parameters again."""
+    model = hf_model("qwen2_moe-norm", seed=4).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "hub")
+    import_checkpoint(str(tmp_path / "hub"), str(tmp_path / "imported"))
+    export_checkpoint(str(tmp_path / "imported"), str(tmp_path / "exported"))
+    source, exported = safetensors_of(tmp_path / "hub"), safetensors_of(tmp_path / "exported")
+    assert sorted(source) == sorted(exported)
+    assert all(exported[k].dtype == source[k].dtype == np.dtype("bfloat16") for k in source)
+    assert all(exported[k].tobytes() == source[k].tobytes() for k in source)
+    import_checkpoint(str(tmp_path / "exported"), str(tmp_path / "again"))
+    first, again = _params(tmp_path / "imported"), _params(tmp_path / "again")
+    assert all(first[n].dtype == np.dtype("bfloat16") and first[n].tobytes() == again[n].tobytes() for n in first)
+
+
+@pytest.mark.compile_bound
+def test_a_trained_model_exports_as_mixtral_and_transformers_gives_its_logits(trained_tiny, tmp_path):
+    """`tiny` (every layer MoE, top-2 renormalised, no q/k norm) trained by the trainer is a Mixtral:
+    transformers loads the export and computes the trainer's logits (MoE dropless in both)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from trainer.hf.orbax_io import open_run
+
+    done = export_checkpoint(str(trained_tiny.output_dir), str(tmp_path / "exported"))
+    assert done["family"] == "mixtral" and done["step"] == 120
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", attn_implementation="eager",
+                                                               experts_implementation="eager").eval()
+    cfg = open_run(str(trained_tiny.output_dir), None).cfg
+    dropless = cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"eval_capacity_factor": 0.0})})
+    ours, values = trainer_model(str(trained_tiny.output_dir), dropless)
+    tokens = np.random.default_rng(2).integers(0, cfg.model.vocab_size, (2, 64))
+    with torch.no_grad():
+        expected = theirs(torch.tensor(tokens)).logits.numpy()
+    graphdef, state = nnx.split(ours)
+    got = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, train=False)[0])(state, jnp.asarray(tokens)))
+    assert np.abs(got - expected).max() <= 1e-4 and np.array_equal(got.argmax(-1), expected.argmax(-1))
+
+
+# One case of each family (and of each layer pattern) decodes; the others differ in routing only.
+GENERATES = ("mixtral", "qwen2_moe-sparse-step", "qwen3_moe-norm-dense0", "olmoe-tied")
+
+
+@pytest.mark.compile_bound
+def test_greedy_generation_through_the_serving_engine_equals_transformers(imported):
+    """8 prompts, 32 greedy tokens each, through the engine's prefill and key/value-cache decode (one device,
+    8 slots) against transformers' generate(do_sample=False); neither stops at an end-of-sequence token."""
+    from trainer.sample import restore_params
+    from trainer.serve.engine import Engine, Request, SamplingParams
+
+    name, model, tmp = imported
+    if name not in GENERATES:
+        pytest.skip("one case a family decodes")
+    prompts = np.random.default_rng(5).integers(0, VOCAB, (8, 12))
+    with torch.no_grad():
+        expected = model.generate(torch.tensor(prompts), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
+                                  do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=0)
+    from trainer.hf.orbax_io import open_run
+
+    cfg = open_run(str(tmp / "imported"), None).cfg
+    served, weights, _ = restore_params(cfg, str(tmp / "imported" / "checkpoints"), prompts.shape[1], 32)
+    engine = Engine(served, weights, slots=8, max_len=prompts.shape[1] + 32, chunk=prompts.shape[1])
+    requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=32, temperature=0.0))) for p in prompts]
+    engine.run()
+    assert [r.output for r in requests] == expected[:, prompts.shape[1]:].tolist()
+
+
+@pytest.mark.compile_bound
+def test_logits_equal_transformers_at_a_wider_initialisation(tmp_path):
+    """initializer_range 0.2 (logits ten times larger, routing far from uniform): within 1e-3."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model = hf_model("qwen3_moe", seed=9, initializer_range=0.2)
+    model.save_pretrained(tmp_path / "hub")
+    import_checkpoint(str(tmp_path / "hub"), str(tmp_path / "imported"))
+    ours, _ = trainer_model(str(tmp_path / "imported"))
+    tokens = np.random.default_rng(10).integers(0, VOCAB, (2, SHORT))
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    graphdef, state = nnx.split(ours)
+    got = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, train=False)[0])(state, jnp.asarray(tokens)))
+    assert np.abs(got - theirs).max() <= 1e-3 and np.array_equal(got.argmax(-1), theirs.argmax(-1))

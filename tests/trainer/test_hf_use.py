@@ -1,0 +1,131 @@
+"""A Hugging Face directory used without converting it: `--init-from` reads its tensors straight onto the
+run's mesh (experts over `expert`), and refuses a run config of another model naming the key."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hf_models import VOCAB, hf_model, tokenizer_json
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A tiny Qwen2-MoE (biases, shared expert, a dense layer) saved by transformers, and its import."""
+    from trainer.hf.convert import import_checkpoint
+
+    tmp = tmp_path_factory.mktemp("hf-use")
+    hf_model("qwen2_moe-sparse-step", seed=7).save_pretrained(tmp / "hub")
+    tokenizer_json(tmp / "hub" / "tokenizer.json", VOCAB)
+    import_checkpoint(str(tmp / "hub"), str(tmp / "imported"))
+    return tmp
+
+
+def test_init_from_a_hub_directory_reads_its_parameters_onto_the_mesh(hub):
+    import jax
+
+    from trainer import init_from, sharding
+    from trainer.hf.families import load_trainer_config
+    from trainer.hf.orbax_io import open_run
+    from trainer.train import build_trainer
+
+    cfg = load_trainer_config(str(hub / "imported" / "config.json"))
+    trainer = build_trainer(cfg, sharding.make_mesh({"data": 2, "expert": 4}, jax.devices()[:8]), 10)
+    state, source = init_from.initial_state(trainer, str(hub / "hub"))
+    run = open_run(str(hub / "imported"), None)
+    imported = run.read(set(run.shapes))
+    assert sorted(state["params"]) == sorted(imported)
+    for name, value in state["params"].items():
+        assert value.sharding == trainer.state_shardings["params"][name], name
+        assert np.asarray(value).tobytes() == imported[name].tobytes(), name
+    assert state["params"]["blocks.1.ffn.w_in"].sharding.spec[0] == "expert"
+    assert int(state["step"]) == 0
+    assert source.as_dict()["path"] == str(hub / "hub") and source.fingerprint.startswith("hf:sha256:")
+
+
+def test_init_from_a_hub_directory_refuses_a_config_of_another_model(hub):
+    from trainer.cli import train_command
+
+    config = str(hub / "imported" / "config.json")
+    result = CliRunner().invoke(train_command, ["--config", config, "--devices", "1", "--steps", "1",
+                                                "--set", "model.rope_theta=500000", "--init-from", str(hub / "hub")])
+    assert result.exit_code == 2, result.output
+    assert "model.rope_theta is 500000.0 in this run's config, 10000.0 in" in result.output
+    assert "Traceback" not in result.output
+    assert json.loads((hub / "imported" / "config.json").read_text())["model"]["rope_theta"] == 10000.0
+
+
+@pytest.mark.compile_bound
+def test_sample_reads_an_imported_model_with_its_own_tokenizer(hub):
+    """`sample` on an import: the prompt's words through the model's tokenizer.json, greedy tokens as
+    transformers generates them, decoded by the same tokenizer."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from trainer.sample import sample_command
+
+    tokenizer = Tokenizer.from_file(str(hub / "hub" / "tokenizer.json"))
+    prompt = "w5 w17 w99 w3 w64"
+    result = CliRunner().invoke(sample_command, ["--checkpoint", str(hub / "imported"), "--prompt", prompt,
+                                                 "--tokens", "12", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(hub / "hub", attn_implementation="eager").eval()
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+                             do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert result.stdout.splitlines()[0] == tokenizer.decode(out[0, len(ids):].tolist())
+
+
+def _greedy(served, weights, prompts, tokens: int) -> list[list[int]]:
+    from trainer.serve.engine import Engine, Request, SamplingParams
+
+    engine = Engine(served, weights, slots=len(prompts), max_len=prompts.shape[1] + tokens, chunk=prompts.shape[1])
+    requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=tokens, temperature=0.0)))
+                for p in prompts]
+    engine.run()
+    return [r.output for r in requests]
+
+
+@pytest.mark.compile_bound
+def test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers_computes(hub, tmp_path):
+    """Import's config, --init-from the Hub directory, 3 steps on data=2,expert=4, export: transformers
+    loads the export, its logits are the trainer's within 1e-4, and greedy decoding through the engine on
+    the same 8 devices (experts over expert=4) gives transformers' tokens."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import transformers
+    from hf_models import trainer_model
+
+    from trainer import sharding
+    from trainer.cli import train_command
+    from trainer.hf.convert import export_checkpoint
+    from trainer.hf.families import load_trainer_config
+    from trainer.serve.weights import build_serving_model, restore_weights
+
+    run = tmp_path / "tuned"
+    result = CliRunner().invoke(train_command, ["--config", str(hub / "imported" / "config.json"), "--devices", "8",
+                                                "--mesh", "data=2,expert=4", "--steps", "3", "--output-dir", str(run),
+                                                "--init-from", str(hub / "hub"), "--set", "optim.lr=0.01"])
+    assert result.exit_code == 0, result.output
+    assert export_checkpoint(str(run), str(tmp_path / "exported"))["step"] == 3
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", attn_implementation="eager",
+                                                               experts_implementation="eager").eval()
+    tokens = np.random.default_rng(8).integers(0, VOCAB, (8, 16))  # a chunk of 16: a multiple of the 8 devices
+    with torch.no_grad():
+        logits = theirs(torch.tensor(tokens)).logits.numpy()
+        expected = theirs.generate(torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
+                                   do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    ours, tuned = trainer_model(str(run))
+    _, before = trainer_model(str(hub / "imported"))
+    assert not np.array_equal(tuned["blocks.1.ffn.w_in"], before["blocks.1.ffn.w_in"])  # it did train
+    assert np.abs(np.asarray(ours(jnp.asarray(tokens), train=False)[0]) - logits).max() <= 1e-4
+    cfg = load_trainer_config(str(run / "config.json"))
+    served = build_serving_model(cfg, sharding.make_mesh({"data": 2, "expert": 4}, jax.devices()[:8]))
+    weights, _ = restore_weights(served, str(run / "checkpoints"))
+    assert weights["params"]["blocks.1.ffn.w_in"].sharding.spec[0] == "expert"
+    assert _greedy(served, weights, tokens, 16) == expected[:, tokens.shape[1]:].tolist()

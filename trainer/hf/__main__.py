@@ -1,0 +1,3 @@
+from trainer.hf.cli import main
+
+main()

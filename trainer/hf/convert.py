@@ -1,0 +1,245 @@
+"""Import a Hugging Face checkpoint as a trainer checkpoint, and export one back.
+
+An import writes, in OUT: `config.json` (the trainer's config of the model's shape: what `sample`, `serve`
+and `--init-from` rebuild it from), `checkpoints/0/` (the orbax layout `train` writes, parameters only: a
+fine-tune starts its own optimizer), and `hf/` (the source's config.json, tokenizer files and generation
+defaults, verbatim: the export writes them back). Everything is written to a hidden directory beside OUT
+and renamed at the end, so a failure leaves nothing in OUT. An export writes the Hub's files the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import numpy as np
+
+from trainer.config import Config
+from trainer.hf import families, names
+from trainer.hf.errors import HFError, WriteError
+from trainer.hf.orbax_io import CHECKPOINTS, HF_DIR, RUN_CONFIG, open_run, save_params
+from trainer.hf.safetensors_io import (CONFIG, DTYPES, INDEX, SINGLE, TOKENIZER_FILES, HubReader, ShardWriter,
+                                      read_json)
+
+IGNORED = ("rotary_emb.inv_freq",)  # buffers some older saves hold; recomputed, never read
+
+
+@dataclasses.dataclass(frozen=True)
+class HubModel:
+    """What a Hugging Face directory holds: its config.json, the trainer config, the family, each
+    layer's expert layout, and the reader of its tensors."""
+
+    directory: str
+    hub: dict
+    cfg: Config
+    family: families.Family
+    layouts: list[str]
+    reader: HubReader
+
+
+def open_hub(source: str) -> HubModel:
+    """Reads SRC's config.json and safetensors headers (no tensor yet) and checks the tokenizer."""
+    config_path = os.path.join(source, CONFIG)
+    if not os.path.isdir(source):
+        raise HFError(f"{source} is not a directory holding a Hugging Face checkpoint")
+    if not os.path.exists(config_path):
+        raise HFError(f"{source} holds no {CONFIG}: give a Hugging Face checkpoint's directory")
+    hub = read_json(config_path)
+    if not isinstance(hub, dict):
+        raise HFError(f"{config_path} must hold a JSON object")
+    fam = families.family(hub.get("model_type"), config_path)
+    reader = HubReader(source)
+    embed = "model.embed_tokens.weight"
+    dtype = DTYPES.get(reader.dtype(embed))
+    if dtype is None:
+        raise HFError(f"{reader.where_is(embed)}: '{embed}' is {reader.dtype(embed)}; float32, bfloat16 and float16 "
+                      "checkpoints convert")
+    cfg = families.trainer_config(hub, config_path, dtype)
+    fused = lambda i: f"model.layers.{i}.mlp.experts.gate_up_proj" in reader.names()  # noqa: E731
+    layouts = [names.FUSED if fused(i) else names.PER_EXPERT for i in range(cfg.model.num_layers)]
+    check_tokenizer(source, cfg.model.vocab_size)
+    return HubModel(source, hub, cfg, fam, layouts, reader)
+
+
+def check_tokenizer(directory: str, vocab_size: int) -> None:
+    """A tokenizer.json whose ids reach past the model's vocabulary is another model's."""
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.exists(path):
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception subclass
+        raise HFError(f"{path} cannot be read as a tokenizer: {str(e).splitlines()[0]}") from None
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise HFError(f"{path} has token id {top}, outside the model's vocabulary (config.json 'vocab_size' = "
+                      f"{vocab_size}): it is another model's tokenizer")
+
+
+def read_param(model: HubModel, spec: names.Spec) -> np.ndarray:
+    """One trainer parameter from its Hub tensors, each checked for shape and dtype before it is read."""
+    want_dtype = model.cfg.param_dtype
+    for name, shape in spec.hub.items():
+        got = model.reader.shape(name)
+        if got != shape:
+            raise HFError(f"{model.reader.where_is(name)}: '{name}' has shape {list(got)}; config.json makes it "
+                          f"{list(shape)}")
+        if DTYPES.get(model.reader.dtype(name)) != want_dtype:
+            raise HFError(f"{model.reader.where_is(name)}: '{name}' is {model.reader.dtype(name)}, the checkpoint's "
+                          f"other tensors are {want_dtype}")
+    return spec.to_trainer([model.reader.tensor(name) for name in spec.hub])
+
+
+def iter_params(model: HubModel) -> Iterator[tuple[str, np.ndarray]]:
+    """Every trainer parameter, a layer's at a time; then any tensor of the source no parameter used is an
+    error naming it (a feature the config does not declare)."""
+    used = set()
+    for group in names.all_specs(model.cfg, model.family, model.layouts):
+        for spec in group:
+            used.update(spec.hub)
+            yield spec.param, read_param(model, spec)
+    extra = sorted(n for n in model.reader.names() - used if not n.endswith(IGNORED))
+    if extra:
+        raise HFError(f"{model.reader.where_is(extra[0])}: the tensor '{extra[0]}' (and {len(extra) - 1} more) is "
+                      f"no part of a {model.family.model_type} model as config.json describes it")
+
+
+@contextlib.contextmanager
+def staged(output: str) -> Iterator[str]:
+    """A temporary directory beside OUTPUT that becomes OUTPUT when the block succeeds, and is removed
+    when it fails. OUTPUT must not exist, or be an empty directory."""
+    output = os.path.abspath(output)
+    if os.path.lexists(output) and not (os.path.isdir(output) and not os.listdir(output)):
+        raise HFError(f"-o {output} exists and is not an empty directory: give a new one")
+    parent = os.path.dirname(output)
+    if not os.path.isdir(parent):
+        raise HFError(f"-o {output}: its directory {parent} does not exist")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=parent)
+    try:
+        yield tmp
+        if os.path.isdir(output):
+            os.rmdir(output)
+        os.rename(tmp, output)
+    except OSError as e:  # a full disk, a file-system error: exit 1 (WriteError), nothing left of the output
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteError(f"cannot write {output}: {e.filename or ''}{': ' if e.filename else ''}"
+                         f"{e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_side_files(source: str, target: str) -> list[str]:
+    os.makedirs(target, exist_ok=True)
+    copied = []
+    for name in TOKENIZER_FILES + (CONFIG,):
+        path = os.path.join(source, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(target, name))
+            copied.append(name)
+    return copied
+
+
+def fetched(source: str, into: str) -> str:
+    """A gs:// (or other remote) Hugging Face prefix copied into the local directory `into`, a file at a time:
+    config.json, the index and the shards it names (or model.safetensors), and the tokenizer files there are.
+    Returns `into`; a local SOURCE is returned as it is."""
+    if "://" not in source:
+        return source
+    from etils import epath
+
+    remote = epath.Path(source)
+
+    def copy(name: str, needed: bool) -> bool:
+        path = remote / name
+        try:
+            if not path.exists():
+                if needed:
+                    raise HFError(f"{source.rstrip('/')}/{name} does not exist")
+                return False
+            path.copy(epath.Path(into) / name)
+        except OSError as e:
+            raise HFError(f"cannot read {source.rstrip('/')}/{name}: {e}") from None
+        return True
+
+    copy(CONFIG, True)
+    if copy(INDEX, False):
+        index = read_json(os.path.join(into, INDEX))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        for shard in sorted(set(weight_map.values()) if isinstance(weight_map, dict) else ()):
+            if not isinstance(shard, str) or os.path.basename(shard) != shard:
+                raise HFError(f"{source.rstrip('/')}/{INDEX} names the shard {shard!r}, which is no file name")
+            if not copy(shard, False):
+                raise HFError(f"{source.rstrip('/')}/{INDEX} names the shard '{shard}', which is missing from "
+                              f"{source}")
+    else:
+        copy(SINGLE, True)
+    for name in TOKENIZER_FILES:
+        copy(name, False)
+    return into
+
+
+def import_checkpoint(source: str, output: str) -> dict:
+    """SRC (a Hugging Face directory, local or gs://) -> OUTPUT, a trainer checkpoint; returns what was done.
+    A gs:// source is first copied beside OUTPUT (and removed after)."""
+    if "://" in source:
+        parent = os.path.dirname(os.path.abspath(output))
+        if not os.path.isdir(parent):
+            raise HFError(f"-o {output}: its directory {parent} does not exist")
+        download = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.download-", dir=parent)
+        try:
+            return import_checkpoint(fetched(source, download), output)
+        finally:
+            shutil.rmtree(download, ignore_errors=True)
+    model = open_hub(source)
+    with staged(output) as tmp:
+        save_params(os.path.join(tmp, CHECKPOINTS), iter_params(model), model.cfg,
+                    source=f"hf:{model.family.model_type}:{os.path.abspath(source)}")
+        with open(os.path.join(tmp, RUN_CONFIG), "w", encoding="utf-8") as f:
+            f.write(model.cfg.model_dump_json(indent=2) + "\n")
+        side = copy_side_files(source, os.path.join(tmp, HF_DIR))
+    return {"family": model.family.model_type, "output": os.path.abspath(output), "dtype": model.cfg.param_dtype,
+            "layouts": sorted(set(model.layouts)), "files": side}
+
+
+def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_bytes: int = 5 * 10**9) -> dict:
+    """A trainer run's (or an imported) checkpoint -> OUTPUT in the Hub's layout; returns what was done."""
+    saved = open_run(run, step)
+    side = os.path.join(saved.run, HF_DIR)
+    carried = read_json(os.path.join(side, CONFIG)) if os.path.isfile(os.path.join(side, CONFIG)) else {}
+    fam = families.family_of(saved.cfg, carried.get("model_type"))
+    hub = families.hub_config(saved.cfg, fam, carried)
+    with staged(output) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        for group in names.all_specs(saved.cfg, fam):
+            values = saved.read({spec.param for spec in group})
+            for spec in group:
+                for name, tensor in zip(spec.hub, spec.to_hub(values[spec.param]), strict=True):
+                    writer.add(name, tensor)
+        shards = writer.finish()
+        copied = copy_side_files(side, tmp) if os.path.isdir(side) else []
+        _write_json(os.path.join(tmp, CONFIG), hub)
+        if "generation_config.json" not in copied:
+            _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(hub))
+    return {"family": fam.model_type, "step": saved.step, "output": os.path.abspath(output), "shards": len(shards),
+            "tokenizer": any(n.startswith("tokenizer") for n in copied)}
+
+
+def _generation_config(hub: dict) -> dict:
+    out = {"_from_model_config": True}
+    out.update({k: hub[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hub.get(k) is not None})
+    return out
+
+
+def _write_json(path: str, value: dict) -> None:
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,159 @@
+"""Each trainer parameter and the Hub tensors it is made of: names, shapes and the exact transforms.
+
+The Hub stores PyTorch's `[out, in]`; the trainer `[in, out]` with heads apart (wq [D, N, H], wo [N, H, D])
+and experts stacked (w_gate [E, D, F]). Every transform is a transpose or a reshape, so values cross
+unchanged, bit for bit, both ways. Routed experts are read from either layout on disk: one tensor per
+expert (Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`, the others' `mlp.experts.N.gate/up/down_proj`),
+or fused 3-D tensors (`mlp.experts.gate_up_proj` [E, 2F, D] with gate first, `down_proj` [E, D, F]).
+Both rotary layouts are the half-split one (pairs (i, i + H/2): trainer/layers.py's rotary and
+transformers' rotate_half), so q and k need no permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from trainer.config import Config
+from trainer.hf.families import Family
+
+PER_EXPERT, FUSED = "per-expert", "fused"
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One trainer parameter: its name and shape, the Hub tensors (name -> shape) that make it, and how."""
+
+    param: str
+    shape: tuple[int, ...]
+    hub: dict[str, tuple[int, ...]]
+    to_trainer: Callable[[list[np.ndarray]], np.ndarray]  # the hub tensors, in `hub`'s order
+    to_hub: Callable[[np.ndarray], list[np.ndarray]]
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.T)
+
+
+def _linear(param: str, hub: str, d_in: int, d_out: int) -> Spec:
+    """A [d_in, d_out] trainer matrix that is a Hub [d_out, d_in] Linear weight."""
+    return Spec(param, (d_in, d_out), {hub: (d_out, d_in)}, lambda ts: _t(ts[0]), lambda w: [_t(w)])
+
+
+def _same(param: str, hub: str, shape: tuple[int, ...], hub_shape: tuple[int, ...] | None = None) -> Spec:
+    hub_shape = hub_shape or shape
+    return Spec(param, shape, {hub: hub_shape}, lambda ts: np.ascontiguousarray(ts[0].reshape(shape)),
+                lambda w: [np.ascontiguousarray(w.reshape(hub_shape))])
+
+
+def _heads_in(param: str, hub: str, d: int, n: int, h: int) -> Spec:
+    """q/k/v: the Hub's [n*h, d] as [d, n, h]."""
+    return Spec(param, (d, n, h), {hub: (n * h, d)}, lambda ts: _t(ts[0]).reshape(d, n, h),
+                lambda w: [_t(w.reshape(d, n * h))])
+
+
+def _heads_out(param: str, hub: str, d: int, n: int, h: int) -> Spec:
+    """o: the Hub's [d, n*h] as [n, h, d]."""
+    return Spec(param, (n, h, d), {hub: (d, n * h)}, lambda ts: _t(ts[0]).reshape(n, h, d),
+                lambda w: [_t(w.reshape(n * h, d))])
+
+
+def _experts(param: str, hubs: list[str], e: int, d_in: int, d_out: int) -> Spec:
+    """[E, d_in, d_out] stacked from E Hub tensors [d_out, d_in], one per expert."""
+    return Spec(param, (e, d_in, d_out), {h: (d_out, d_in) for h in hubs}, lambda ts: np.stack([t.T for t in ts]),
+                lambda w: [_t(w[i]) for i in range(e)])
+
+
+def _fused_half(param: str, hub: str, e: int, d: int, f: int, half: int) -> Spec:
+    """w_gate (half 0) or w_in (half 1) [E, D, F] from gate_up_proj [E, 2F, D]; exporting writes the pair
+    with the other half (see fused_gate_up)."""
+    part = slice(half * f, (half + 1) * f)
+    return Spec(param, (e, d, f), {hub: (e, 2 * f, d)},
+                lambda ts: np.ascontiguousarray(ts[0][:, part, :].transpose(0, 2, 1)),
+                lambda w: [np.ascontiguousarray(w.transpose(0, 2, 1))])
+
+
+def fused_gate_up(w_gate_ExDxF: np.ndarray, w_in_ExDxF: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.concatenate([w_gate_ExDxF, w_in_ExDxF], axis=2).transpose(0, 2, 1))
+
+
+def _attention(cfg: Config, i: int) -> list[Spec]:
+    m = cfg.model
+    d, n, k, h = m.d_model, m.num_heads, m.kv_heads, m.head_size
+    at, hub = f"blocks.{i}.attn", f"model.layers.{i}.self_attn"
+    specs = [_heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, h),
+             _heads_in(f"{at}.wk", f"{hub}.k_proj.weight", d, k, h),
+             _heads_in(f"{at}.wv", f"{hub}.v_proj.weight", d, k, h),
+             _heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, h)]
+    if m.qkv_bias:
+        specs += [_same(f"{at}.b{x}", f"{hub}.{x}_proj.bias", (heads, h), (heads * h,))
+                  for x, heads in (("q", n), ("k", k), ("v", k))]
+    if m.qk_norm == "head":
+        specs += [_same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (h,)) for x in "qk"]
+    elif m.qk_norm == "full":
+        specs += [_same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (heads, h), (heads * h,))
+                  for x, heads in (("q", n), ("k", k))]
+    return specs
+
+
+def _moe(cfg: Config, fam: Family, i: int, layout: str) -> list[Spec]:
+    m, moe = cfg.model, cfg.moe
+    d, e, f = m.d_model, moe.num_experts, moe.d_ff
+    ffn, hub = f"blocks.{i}.ffn", f"model.layers.{i}.{fam.moe_prefix}"
+    specs = [_linear(f"{ffn}.router", f"{hub}.gate.weight", d, e)]
+    if layout == FUSED:
+        fused = f"model.layers.{i}.mlp.experts"
+        specs += [_fused_half(f"{ffn}.w_gate", f"{fused}.gate_up_proj", e, d, f, 0),
+                  _fused_half(f"{ffn}.w_in", f"{fused}.gate_up_proj", e, d, f, 1),
+                  Spec(f"{ffn}.w_out", (e, f, d), {f"{fused}.down_proj": (e, d, f)},
+                       lambda ts: np.ascontiguousarray(ts[0].transpose(0, 2, 1)),
+                       lambda w: [np.ascontiguousarray(w.transpose(0, 2, 1))])]
+    else:
+        gate, up, down = fam.expert_names
+        name = lambda j, which: f"{hub}.experts.{j}.{which}.weight"  # noqa: E731
+        specs += [_experts(f"{ffn}.w_gate", [name(j, gate) for j in range(e)], e, d, f),
+                  _experts(f"{ffn}.w_in", [name(j, up) for j in range(e)], e, d, f),
+                  _experts(f"{ffn}.w_out", [name(j, down) for j in range(e)], e, f, d)]
+    if moe.num_shared_experts:
+        fs = moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff)
+        specs += [_linear(f"{ffn}.shared_w_gate", f"{hub}.shared_expert.gate_proj.weight", d, fs),
+                  _linear(f"{ffn}.shared_w_in", f"{hub}.shared_expert.up_proj.weight", d, fs),
+                  _linear(f"{ffn}.shared_w_out", f"{hub}.shared_expert.down_proj.weight", fs, d)]
+        if moe.shared_gate:
+            specs.append(_linear(f"{ffn}.shared_gate", f"{hub}.shared_expert_gate.weight", d, 1))
+    return specs
+
+
+def _dense(cfg: Config, i: int) -> list[Spec]:
+    d, f = cfg.model.d_model, cfg.model.d_ff
+    ffn, hub = f"blocks.{i}.ffn", f"model.layers.{i}.mlp"
+    return [_linear(f"{ffn}.w_gate", f"{hub}.gate_proj.weight", d, f),
+            _linear(f"{ffn}.w_in", f"{hub}.up_proj.weight", d, f),
+            _linear(f"{ffn}.w_out", f"{hub}.down_proj.weight", f, d)]
+
+
+def layer_specs(cfg: Config, fam: Family, i: int, layout: str = PER_EXPERT) -> list[Spec]:
+    """Layer i's parameters, with routed experts in `layout` (PER_EXPERT or FUSED)."""
+    d = cfg.model.d_model
+    hub = f"model.layers.{i}"
+    ffn = _moe(cfg, fam, i, layout) if cfg.model.is_moe_layer(i) else _dense(cfg, i)
+    return [_same(f"blocks.{i}.attn_norm.scale", f"{hub}.input_layernorm.weight", (d,)), *_attention(cfg, i),
+            _same(f"blocks.{i}.ffn_norm.scale", f"{hub}.post_attention_layernorm.weight", (d,)), *ffn]
+
+
+def outer_specs(cfg: Config) -> list[Spec]:
+    """The parameters outside the layers: embedding, final norm, head (none when tied)."""
+    m = cfg.model
+    specs = [_same("embed", "model.embed_tokens.weight", (m.vocab_size, m.d_model)),
+             _same("final_norm.scale", "model.norm.weight", (m.d_model,))]
+    if not m.tie_embeddings:
+        specs.append(_linear("head", "lm_head.weight", m.d_model, m.vocab_size))
+    return specs
+
+
+def all_specs(cfg: Config, fam: Family, layouts: list[str] | None = None) -> list[list[Spec]]:
+    """Every parameter, in groups read or written together: the outer ones, then one group per layer."""
+    layouts = layouts or [PER_EXPERT] * cfg.model.num_layers
+    return [outer_specs(cfg), *(layer_specs(cfg, fam, i, layouts[i]) for i in range(cfg.model.num_layers))]
