@@ -73,7 +73,8 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
         "import socket, sys, threading, types\n"
         "from trainer.serve import cli\n"
         "engine = types.SimpleNamespace(slots=1, max_len=2, warm_up=threading.Event().wait)\n"
-        "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None)\n"
+        "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None, eos_token=None,\n"
+        "                                tokenizer_class='ids')\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
         "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 1, None, 'tiny', 1.0))\n")
     process = subprocess.Popen([sys.executable, str(script), str(free_port())], stderr=subprocess.PIPE, text=True)
@@ -131,7 +132,8 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
 
         def stream(i):
             with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
-                              json={**body, "max_tokens": 120, "seed": i, "temperature": 1.0}) as r:
+                              json={**body, "max_tokens": 120, "seed": i, "temperature": 1.0,
+                                    "stream_options": {"include_usage": True}}) as r:
                 lines = r.iter_lines()
                 next(lines)
                 first.wait()

@@ -160,25 +160,38 @@ def _check_server_packages() -> None:
 
 def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
            grace_seconds: float) -> int:
+    import asyncio
+
     import uvicorn
 
     from trainer.serve.loop import EngineLoop
     from trainer.serve.server import ServerState, create_app, http_protocol
 
-    state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting)
+    state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting,
+                        eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class)
     if template is not None:
         state.chat_template = template
+    # uvicorn's own limit is a backstop past ours: by then every open request has had its error (expire).
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", http=http_protocol(),
-                            timeout_graceful_shutdown=grace_seconds, lifespan="off")
+                            timeout_graceful_shutdown=grace_seconds + 5, lifespan="off")
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT uvicorn closes its socket and waits for the connections in flight; this one
-        also answers 503 to requests arriving meanwhile on connections kept alive."""
+        also answers 503 to requests arriving meanwhile on connections kept alive, and when the grace period
+        runs out ends the requests still open with an error (an event on a stream) rather than dropping
+        their connections. The signal handler only sets flags; what follows runs on the event loop."""
 
         def handle_exit(self, sig, frame):
             state.draining = True
-            _progress("stopping: no new requests; finishing those in flight")
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            _progress("stopping: no new requests; finishing those in flight")
+            cutoff = asyncio.get_running_loop().call_later(grace_seconds, state.expire)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cutoff.cancel()
 
     server = DrainingServer(config)
     failed: list[str] = []

@@ -26,6 +26,8 @@ class Loaded:
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     step: int
+    eos_token: str | None = None
+    tokenizer_class: str = "bytes"
 
 
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
@@ -41,6 +43,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     checkpoints, config_path = locate(directory)
     cfg = load_run_config(config_path)
     codec = Codec(cfg, tokenizer_path)
+    eos_id, eos_token = end_of_document(cfg, codec)
     devices = jax.devices()
     # By default the experts spread over as many devices as divide them; the rest replicate them (data).
     expert = math.gcd(len(devices), cfg.moe.num_experts)
@@ -75,10 +78,29 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
         weights = {**weights, "params": quantize_params(weights["params"])}
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
-                        detokenize=codec.decode)
+                        detokenize=codec.decode, eos_id=eos_id)
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
-    return Loaded(cfg, engine, codec.encode, codec.decode, step)
+    return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind)
+
+
+def end_of_document(cfg, codec) -> tuple[int | None, str | None]:
+    """The end-of-document token the run's data put after each document ((id, text)), at which generation
+    stops; (None, None) for data without documents (bytes of one text, token arrays, synthetic)."""
+    if cfg.data.source != "records":
+        return None, None
+    from trainer.datasets import DataError, load_manifest
+
+    try:
+        manifest = load_manifest(cfg.data.path)
+    except DataError:  # the dataset is gone: a --tokenizer may still name the token
+        manifest = {}
+    eos_id, eos_token = manifest.get("eod_id"), manifest.get("eod_token")
+    if eos_id is None and codec.tokenizer is not None:
+        from trainer.prepare import EOD_TOKEN
+
+        eos_token, eos_id = EOD_TOKEN, codec.tokenizer.token_to_id(EOD_TOKEN)
+    return (eos_id, eos_token) if eos_id is not None else (None, None)
 
 
 def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> None:
