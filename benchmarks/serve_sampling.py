@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         return step
 
     cases = {"forward": run_forward, "greedy": run_engine(0.0, 1.0, 1.0), "top_p": run_engine(0.7, 0.9, args.peak),
-             "top_p_flat": run_engine(0.7, 0.9, 1.0), "softmax": run_engine(1.0, 1.0, 1.0), "before_greedy": run_before(0.0, 1.0),
-             "before_top_p": run_before(0.7, 0.9)}
+             "top_p_flat": run_engine(0.7, 0.9, 1.0), "softmax": run_engine(1.0, 1.0, 1.0),
+             "before_greedy": run_before(0.0, 1.0), "before_top_p": run_before(0.7, 0.9)}
     row = {"config": args.config, "overrides": args.override, "vocab": args.vocab, "slots": slots}
     for name, step in cases.items():
         row[f"{name}_ms"], row[f"{name}_cpu_ms"] = (round(v, 3) for v in timed(step, args.steps))
