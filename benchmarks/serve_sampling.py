@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(model, weights, slots=args.slots, max_len=args.max_len, chunk=16)
     engine.warm_up()
     slots = args.slots
-    engine.positions_S[:] = args.max_len // 2  # every slot busy, half-way through its context
-    engine.tokens_S[:] = np.arange(slots) % args.vocab
+    runner = engine.runner
+    runner.positions_S[:] = args.max_len // 2  # every slot busy, half-way through its context
+    runner.tokens_S[:] = np.arange(slots) % args.vocab
 
     forward = jax.jit(lambda w, c, t, s: model.module(w).decode(t[:, None], c, s), donate_argnums=(1,))
     scale = jnp.float32(1.0)
@@ -82,23 +83,23 @@ def main(argv: list[str] | None = None) -> None:
     before = jax.jit(before_fn, donate_argnums=(1,))
 
     def run_forward():
-        logits, engine.cache = forward(weights, engine.cache, engine.tokens_S, engine.positions_S)
+        logits, runner.cache = forward(weights, runner.cache, runner.tokens_S, runner.positions_S)
         jax.block_until_ready(logits)
 
     def run_engine(temperature, top_p, peak):
         peaked = _peaked(weights, peak)
 
         def step():
-            engine.temperature_S[:], engine.top_p_S[:] = temperature, top_p
-            (tokens, _), engine.cache = engine._decode(peaked, engine.cache, engine.tokens_S,
-                                                       engine.positions_S, engine._slot_sampling(), np.bool_(False))
+            runner.temperature_S[:], runner.top_p_S[:] = temperature, top_p
+            (tokens, _), runner.cache = runner._decode(peaked, runner.cache, runner.tokens_S,
+                                                       runner.positions_S, runner.slot_sampling(), np.bool_(False))
             jax.block_until_ready(tokens)
 
         return step
 
     def run_before(temperature, top_p):
         def step():
-            tokens, engine.cache = before(weights, engine.cache, engine.tokens_S, engine.positions_S,
+            tokens, runner.cache = before(weights, runner.cache, runner.tokens_S, runner.positions_S,
                                           np.full(slots, temperature, np.float32), np.zeros(slots, np.int32),
                                           np.full(slots, top_p, np.float32), np.arange(slots, dtype=np.int32),
                                           scale)

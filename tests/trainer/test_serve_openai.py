@@ -219,3 +219,34 @@ def test_a_grace_period_that_runs_out_ends_each_stream_with_an_error_event_and_l
     assert [r.message for r in caplog.records] == [
         "the grace period ran out: 4 request(s) still running were ended with an error"]
     assert not closing.open
+
+
+def test_metrics_under_64_concurrent_streams_never_errors(served):
+    """/metrics reads the snapshot the engine publishes after each step, never its slots mid-step."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, state = served
+    busy = ServerState("tiny", encode=state.encode, decode=state.decode, max_waiting=64)
+    app = create_app(busy)
+    busy.loop = state.loop
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            async def stream(i):
+                body = {"prompt": f"stream {i}", "max_tokens": 12, "stream": True, "temperature": 1.0, "seed": i}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    return r.status_code, [line async for line in r.aiter_lines() if line][-1]
+
+            streams = asyncio.ensure_future(asyncio.gather(*(stream(i) for i in range(64))))
+            scrapes = []
+            while not streams.done():
+                scrapes.append(await c.get("/metrics"))
+                await asyncio.sleep(0.005)
+            return await streams, scrapes
+
+    ended, scrapes = asyncio.run(scenario())
+    assert ended == [(200, "data: [DONE]")] * 64
+    assert len(scrapes) > 5 and all(r.status_code == 200 for r in scrapes)
+    running = [next(s.value for s in f.samples) for r in scrapes for f in text_string_to_metric_families(r.text)
+               if f.name == "vllm:num_requests_running"]
+    assert max(running) == 8  # every slot was busy at some scrape

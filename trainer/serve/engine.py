@@ -4,24 +4,25 @@ chunks between decode steps, two jitted programs with fixed shapes.
 Verbs: `submit` a request (it waits), `step` (one prefill chunk of the request being admitted into a free
 slot, then one decode step for every slot), and `run` (steps until every request is done). A step never
 waits on a long prompt: it prefills at most one chunk, so the running streams get a token each step.
-The engine is synchronous and single-threaded; trainer.serve.server drives it from a thread.
+The engine is synchronous and single-threaded; trainer.serve.loop drives it from a thread, and after each
+step it publishes a `Snapshot` (running, waiting, cache positions held) that other threads read whole.
+
+Three parts: the scheduler (trainer.serve.scheduler: admission, slots), the model runner
+(trainer.serve.runner: the compiled programs and the cache) and the output processor (trainer.serve.output:
+text, stop strings, when a request is done). The engine wires them and keeps the requests' lifecycle.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import time
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from trainer.serve.kvcache import KVCache
-from trainer.serve.logprobs import TOP, Logprob, records, token_logprobs
-from trainer.serve.sampling import sample_tokens
+from trainer.serve.logprobs import TOP, Logprob
+from trainer.serve.output import OutputProcessor
+from trainer.serve.runner import ModelRunner
+from trainer.serve.scheduler import Scheduler
 from trainer.serve.weights import ServingModel
 
 
@@ -58,7 +59,7 @@ class Request:
     listener: Callable[[Request], None] | None = None
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     output: list[int] = dataclasses.field(default_factory=list)
-    text: str | None = None  # the output's text, cut before a stop string (with a detokenize)
+    text: str | None = None  # the output's text so far, cut before a stop string (with a detokenize)
     finish_reason: str | None = None  # "length", "stop", "cancelled", "error"
     error: str | None = None
     cancelled: bool = False  # set from any thread: the slot is freed at the next step
@@ -72,6 +73,7 @@ class Request:
     logprobs: list[Logprob] = dataclasses.field(default_factory=list)  # one a generated token, when asked
     prompt_logprobs: list[Logprob] = dataclasses.field(default_factory=list)  # prompt tokens 1.. (echo)
     eos: bool = False  # stopped at the end-of-document token (the last of `output`, which has no text)
+    detokenizer: object = None  # the output processor's incremental text state
 
     @property
     def text_ids(self) -> list[int]:
@@ -79,67 +81,45 @@ class Request:
         return self.output[:-1] if self.eos else self.output
 
 
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What the engine holds after a step, published whole for other threads (/metrics)."""
+
+    running: int = 0
+    waiting: int = 0  # queued or being prefilled
+    used_positions: int = 0  # cache positions holding live requests' tokens
+
+
 class Engine:
     def __init__(self, model: ServingModel, weights: dict, *, slots: int = 8, max_len: int = 512, chunk: int = 64,
                  kv_dtype=None, detokenize: Callable[[list[int]], str] | None = None, eos_id: int | None = None):
-        m = model.cfg.model
         shards = model.mesh.shape.get("expert", 1) * model.mesh.shape.get("data", 1)
         if slots % shards or chunk % shards:
             raise RequestError(f"slots ({slots}) and the prefill chunk ({chunk}) must be multiples of the mesh's "
                                f"{shards} devices (the MoE layers split tokens over them)")
-        self.model, self.weights, self.detokenize, self.eos_id = model, weights, detokenize, eos_id
-        self.slots, self.max_len, self.chunk = slots, max_len, chunk
-        self.kv_dtype = jnp.dtype(kv_dtype or model.cfg.dtype)
-        replicated = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
-        cache_sharding = KVCache.sharding(model.mesh, m.kv_heads, self.kv_dtype)
-        self.cache = jax.jit(lambda: KVCache.empty(m.num_layers, slots, max_len, m.kv_heads, m.head_size,
-                                                   self.kv_dtype), out_shardings=cache_sharding)()
-        # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.admitting: Request | None = None  # the request being prefilled, chunk by chunk
-        self.active: dict[int, Request] = {}
-        self.free = list(range(slots))
-        # Host copies of each slot's decode inputs; an idle slot sits at position max_len, whose cache
-        # writes are dropped.
-        self.tokens_S = np.zeros(slots, np.int32)
-        self.positions_S = np.full(slots, max_len, np.int32)
-        self.temperature_S = np.zeros(slots, np.float32)
-        self.top_k_S = np.zeros(slots, np.int32)
-        self.top_p_S = np.ones(slots, np.float32)
-        self.seed_S = np.zeros(slots, np.int32)
+        self.runner = ModelRunner(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv_dtype)
+        self.scheduler = Scheduler(slots)
+        self.output = OutputProcessor(detokenize, eos_id)
+        self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
+        self.snapshot = Snapshot()
 
-    # ------------------------------------------------------------------ the jitted programs
-
-    def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want):
-        """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
-        its target, the token after it (a target < 0: the token drawn here)."""
-        logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1)
-        logits_1xV = jax.lax.dynamic_index_in_dim(logits_1xCxV, last, axis=1, keepdims=False)
-        token_1 = sample_tokens(logits_1xV, *sampling, start_1 + last + 1)
-        targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
-        return (token_1, token_logprobs(logits_1xCxV[0], targets_C, want)), cache
-
-    def _decode_fn(self, weights, cache, tokens_S, positions_S, sampling, want):
-        logits_Sx1xV, cache = self.model.module(weights).decode(tokens_S[:, None], cache, positions_S)
-        next_S = sample_tokens(logits_Sx1xV[:, 0], *sampling, positions_S + 1)
-        return (next_S, token_logprobs(logits_Sx1xV[:, 0], next_S, want)), cache
+    # The parts' state that callers read: the runner's weights and cache, the output's codec and end token.
+    weights = property(lambda self: self.runner.weights, lambda self, v: setattr(self.runner, "weights", v))
+    cache = property(lambda self: self.runner.cache, lambda self, v: setattr(self.runner, "cache", v))
+    detokenize = property(lambda self: self.output.detokenize,
+                          lambda self, v: setattr(self.output, "detokenize", v))
+    eos_id = property(lambda self: self.output.eos_id, lambda self, v: setattr(self.output, "eos_id", v))
+    free = property(lambda self: self.scheduler.free)
+    busy = property(lambda self: self.scheduler.busy)
 
     def compilations(self) -> int:
-        """Programs compiled so far by the two steps (fixed shapes: 2 after warm-up)."""
-        return self._prefill._cache_size() + self._decode._cache_size()
+        return self.runner.compilations()
 
     def warm_up(self) -> None:
-        """Compiles both steps (an idle decode step writes nothing; the prefill's writes into slot 0 are
-        overwritten by its next request before they are read)."""
-        sampling = _sampling_arrays([SamplingParams()])
-        tokens, self.cache = self._prefill(self.weights, self.cache, np.zeros((1, self.chunk), np.int32),
-                                           np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
-                                           np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False))
-        tokens, self.cache = self._decode(self.weights, self.cache, self.tokens_S, self.positions_S,
-                                          self._slot_sampling(), np.bool_(False))
-        jax.block_until_ready(tokens)
+        self.runner.warm_up()
+
+    def used_positions(self) -> int:
+        return self.scheduler.used_positions()
 
     # ------------------------------------------------------------------ requests
 
@@ -169,17 +149,8 @@ class Engine:
 
     def submit(self, request: Request) -> Request:
         self.check(request.prompt, request.sampling)
-        self.waiting.append(request)
+        self.scheduler.waiting.append(request)
         return request
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.waiting or self.admitting or self.active)
-
-    def used_positions(self) -> int:
-        """Cache positions holding live requests' tokens (the KV cache usage)."""
-        held = sum(len(r.prompt) + len(r.output) for r in self.active.values())
-        return held + (self.admitting.prefilled if self.admitting else 0)
 
     def run(self) -> None:
         while self.busy:
@@ -188,138 +159,83 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> None:
-        """One prefill chunk (when a request waits and a slot is free), then one decode step."""
-        self._drop_cancelled()
-        if self.admitting is None and self.waiting and self.free:
-            self.admitting = self.waiting.popleft()
-            self.admitting.slot = self.free.pop(0)
-        if self.admitting is not None:
-            self._prefill_chunk(self.admitting)
-        if self.active:
+        """One prefill chunk (when a request waits and a slot is free), then one decode step; then the
+        snapshot."""
+        for req in self.scheduler.cancelled():
+            self._end(req, "cancelled")
+        req = self.scheduler.next_prefill()
+        if req is not None:
+            self._prefill_chunk(req)
+        if self.scheduler.active:
             self._decode_all()
+        self.publish()
+
+    def publish(self) -> None:
+        s = self.scheduler
+        self.snapshot = Snapshot(len(s.active), len(s.waiting) + (s.admitting is not None), s.used_positions())
 
     def _prefill_chunk(self, req: Request) -> None:
-        start, s = req.prefilled, req.sampling
-        piece = req.prompt[start:start + self.chunk]
-        final = start + len(piece) == len(req.prompt)
-        tokens = np.zeros((1, self.chunk), np.int32)
-        tokens[0, :len(piece)] = piece
-        targets = np.zeros(self.chunk, np.int32)  # the token after each position; -1: the one drawn
-        after = req.prompt[start + 1:start + len(piece) + 1]
-        targets[:len(after)] = after
-        targets[len(piece) - 1] = -1 if final else targets[len(piece) - 1]
-        want = s.prompt_logprobs or (final and s.logprobs is not None)
-        (token_1, scored), self.cache = self._prefill(
-            self.weights, self.cache, tokens, targets, np.asarray([start], np.int32),
-            np.asarray([req.slot], np.int32), np.int32(len(piece) - 1), _sampling_arrays([s]), np.bool_(want))
-        req.prefilled += len(piece)
-        token = int(np.asarray(token_1)[0])
-        targets[len(piece) - 1] = token if final else targets[len(piece) - 1]
-        scored = records(targets[:len(piece)], *scored, s.logprobs or 0) if want else None
+        s = req.sampling
+        start = req.prefilled
+        token, scored = self.runner.prefill(req.prompt, start, req.slot, _row(s), top=s.logprobs,
+                                            prompt_scores=s.prompt_logprobs)
+        req.prefilled = min(start + self.chunk, len(req.prompt))
+        final = req.prefilled == len(req.prompt)
         if s.prompt_logprobs:
-            req.prompt_logprobs.extend(scored[:len(piece) - final])
+            req.prompt_logprobs.extend(scored[:len(scored) - final])
         if not final:
             return
-        self.admitting = None
-        slot = req.slot
-        self.active[slot] = req
-        self.temperature_S[slot], self.top_k_S[slot], self.top_p_S[slot] = s.temperature, _top_k(s.top_k), s.top_p
-        self.seed_S[slot] = np.int32(s.seed & 0x7FFFFFFF)
+        self.scheduler.start_decoding(req)
+        self.runner.occupy(req.slot, _row(s))
         if s.max_tokens == 0:  # the prompt scored (echo): nothing to generate
-            req.finish_reason = "length"
-            self._notify(req)
-            self._release(req)
+            self._end(req, "length")
             return
         self._emit(req, token, scored[-1] if scored else None)
 
     def _decode_all(self) -> None:
-        wanted = [slot for slot, req in self.active.items() if req.sampling.logprobs is not None]
-        (tokens_S, scored), self.cache = self._decode(self.weights, self.cache, self.tokens_S, self.positions_S,
-                                                      self._slot_sampling(), np.bool_(bool(wanted)))
-        tokens_S = np.asarray(tokens_S)
-        scored = [np.asarray(a) for a in scored] if wanted else None
-        for slot, req in list(self.active.items()):
-            top = req.sampling.logprobs
-            record = None if top is None else records([tokens_S[slot]], *(a[slot:slot + 1] for a in scored), top)[0]
-            self._emit(req, int(tokens_S[slot]), record)
+        active = self.scheduler.active
+        wanted = {slot: req.sampling.logprobs for slot, req in active.items() if req.sampling.logprobs is not None}
+        tokens_S, scored = self.runner.decode(wanted)
+        for slot, req in list(active.items()):
+            self._emit(req, int(tokens_S[slot]), scored.get(slot))
 
     def _emit(self, req: Request, token: int, record: Logprob | None = None) -> None:
-        """Records the request's new token; finishes it at max_tokens, the end-of-document token or a stop
-        string; else the token is its slot's next input."""
-        req.output.append(token)
+        """Records the request's new token; ends it when the output processor says it is done, else the token
+        is its slot's next input."""
         req.token_times.append(time.perf_counter())
-        if record is not None:
-            req.logprobs.append(record)
         try:
-            reason = self._finished(req)
+            reason = self.output.on_token(req, token, record)
             if reason is None:
-                self.tokens_S[req.slot] = token
-                self.positions_S[req.slot] = len(req.prompt) + len(req.output) - 1
-            else:
-                req.finish_reason = reason
-            if req.listener is not None:
-                req.listener(req)
+                self.runner.advance(req.slot, token, len(req.prompt) + len(req.output) - 1)
+                if req.listener is not None:
+                    req.listener(req)
+                return
         except Exception as e:  # noqa: BLE001 - one request's failure (its listener, its text) is its own
-            req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
-        if req.finish_reason is not None:
-            self._release(req)
+            reason, req.error = "error", f"{type(e).__name__}: {e}"
+        self._end(req, reason)
 
-    def _finished(self, req: Request) -> str | None:
-        s = req.sampling
-        if req.output[-1] == self.eos_id and not s.ignore_eos:
-            req.eos = True
-            return "stop"
-        if s.stop:
-            text = self.detokenize(req.output)
-            cut = min((i for i in (text.find(stop) for stop in s.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                req.text = text[:cut]
-                return "stop"
-        if len(req.output) >= s.max_tokens:
-            return "length"
-        return None
-
-    def _release(self, req: Request) -> None:
-        slot = req.slot
-        if slot is None:
-            return
-        self.active.pop(slot, None)
-        self.positions_S[slot] = self.max_len
-        self.temperature_S[slot] = 0
-        self.free.append(slot)
-        req.slot = None
-
-    def _drop_cancelled(self) -> None:
-        for req in [r for r in (*self.active.values(), self.admitting, *self.waiting) if r and r.cancelled]:
-            if req is self.admitting:
-                self.admitting = None
-            elif req in self.waiting:
-                self.waiting.remove(req)
-            req.finish_reason = "cancelled"
-            self._release(req)
-            self._notify(req)
-
-    @staticmethod
-    def _notify(req: Request) -> None:
-        """Tells a finished request's listener (the request is over whatever it does)."""
+    def _end(self, req: Request, reason: str) -> None:
+        """Finishes the request: its slot freed, its listener told (the request is over whatever it does)."""
+        req.finish_reason = reason
+        slot = self.scheduler.release(req)
+        if slot is not None:
+            self.runner.vacate(slot)
         if req.listener is not None:
             try:
                 req.listener(req)
             except Exception:  # noqa: BLE001 - the request is gone either way
                 pass
 
-    def _slot_sampling(self):
-        return self.temperature_S, self.top_k_S, self.top_p_S, self.seed_S
+    def fail_in_flight(self, reason: str) -> None:
+        """Fails every request holding a slot (a step that raised): each ends with `reason` as its error."""
+        for req in self.scheduler.in_flight():
+            req.error = reason
+            self._end(req, "error")
+        self.publish()
 
 
-def _top_k(k: int) -> int:
-    """A request's top_k as the int32 the steps take: any k beyond the vocabulary means all of it (the
-    sampler clamps to the vocabulary), and one beyond int32 would fail the step of every request in it."""
-    return min(k, np.iinfo(np.int32).max)
-
-
-def _sampling_arrays(params: list[SamplingParams]):
-    return (np.asarray([p.temperature for p in params], np.float32),
-            np.asarray([_top_k(p.top_k) for p in params], np.int32),
-            np.asarray([p.top_p for p in params], np.float32),
-            np.asarray([p.seed & 0x7FFFFFFF for p in params], np.int32))
+def _row(s: SamplingParams) -> tuple:
+    """The request's sampling as the steps' row: (temperature, top_k, top_p, seed), each in int32 range (a
+    top_k beyond the vocabulary means all of it: the sampler clamps; one beyond int32 would fail the step of
+    every request in it)."""
+    return s.temperature, min(s.top_k, 2**31 - 1), s.top_p, s.seed & 0x7FFFFFFF

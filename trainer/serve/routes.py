@@ -269,8 +269,9 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool):
 
 
 def _safe_text(state, req) -> str:
-    """The text so far, less what may yet turn out to start a stop string or to be half a character."""
-    text = responses.text_of(state.decode, req.text_ids)
+    """The text so far (the engine's, kept a token at a time; else decoded here), less what may yet turn out
+    to start a stop string or to be half a character."""
+    text = req.text if req.text is not None else responses.text_of(state.decode, req.text_ids)
     hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
     text = text[:len(text) - hold] if hold else text
     return text.rstrip("\ufffd")
