@@ -55,6 +55,11 @@ def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path)
         # The socket is bound before the weights are read: no minutes of loading for a port in use.
         (["--checkpoint", str(tmp_path / "none"), "--port", str(busy_port)], f"--port {busy_port}: 127.0.0.1:"),
         (["--checkpoint", str(run), "--host", "999.1.1.1"], "--host '999.1.1.1' is not an address"),
+        (["--checkpoint", str(run), "--grace-seconds", "nan"], "--grace-seconds must be a finite number"),
+        (["--checkpoint", str(run), "--device-memory-gb", "inf"], "--device-memory-gb must be a finite number"),
+        (["--checkpoint", str(run), "--max-len", str(2**31)], "--max-len"),  # past int32 positions
+        # On CPU the host's memory bounds the cache: refused before it is allocated.
+        (["--checkpoint", str(run), "--slots", "1000000", "--max-len", "1000000"], "the model does not fit a device"),
     ]
     try:
         for args, needle in cases:

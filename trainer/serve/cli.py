@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import signal
 import socket
@@ -25,6 +26,8 @@ import click
 from trainer.serve.startup import ServeError, load
 
 EXIT_RUNTIME = 1
+# Positions are int32 in the steps, and an idle slot sits at position max_len, drawing at max_len + 1.
+POSITIONS_MAX = 2**31 - 2
 
 
 def _progress(message: str) -> None:
@@ -95,7 +98,7 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on (0.0.0.0: all).")
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="[$AIP_HTTP_PORT or 8000]")
 @click.option("--slots", type=click.IntRange(min=1), default=8, show_default=True, help="Requests decoded at once.")
-@click.option("--max-len", type=click.IntRange(min=2), default=1024, show_default=True,
+@click.option("--max-len", type=click.IntRange(min=2, max=POSITIONS_MAX), default=1024, show_default=True,
               help="Prompt plus generated tokens per request (the KV cache's length).")
 @click.option("--chunk", type=click.IntRange(min=1), default=64, show_default=True,
               help="Prompt tokens prefilled per engine step, between decode steps.")
@@ -134,6 +137,10 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
         from trainer.cli import set_fake_devices
 
         set_fake_devices(devices)
+    for flag, value in (("--grace-seconds", grace_seconds), ("--device-memory-gb", device_memory_gb)):
+        if value is not None and not math.isfinite(value):
+            raise ServeError(f"{flag} must be a finite number of {'seconds' if 'grace' in flag else 'GiB'}, "
+                             f"got {value}")
     port = port or _default_port()
     template = _chat_template(chat_template_path)
     if chunk > max_len:

@@ -23,10 +23,15 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def response(self):
-        from fastapi.responses import JSONResponse
+        import json
 
+        from fastapi.responses import Response
+
+        # ASCII JSON: a message quoting the request (a model name, a field) may hold a lone surrogate, which
+        # UTF-8 cannot encode (FastAPI's JSONResponse failed on it with a 500).
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return Response(json.dumps(body), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 class StreamOptions(BaseModel):

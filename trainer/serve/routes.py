@@ -283,6 +283,8 @@ def _predict(state):
             body = await request.json()
         except ValueError:
             raise APIError(400, "the body is not JSON") from None
+        except RecursionError:
+            raise APIError(400, "the body's JSON nests deeper than this server parses") from None
         instances = body.get("instances") if isinstance(body, dict) else None
         if not isinstance(instances, list) or not instances:
             raise APIError(400, 'the body must be {"instances": [request, ...]}', param="instances")

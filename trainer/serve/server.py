@@ -73,6 +73,13 @@ class ServerState:
         return self.loop is not None and not self.draining
 
     @property
+    def body_limit(self) -> int:
+        """The largest request body taken, in bytes: room for --max-waiting prompts of the whole context at 64
+        bytes a token (a token id in JSON takes at most 12; a text's token seldom spans 64 bytes), and at
+        least 1 MiB. Larger bodies are refused unread, before any parsing or tokenizing."""
+        return max(2**20, 64 * (self.max_len or 0) * max(self.max_waiting, 1))
+
+    @property
     def max_len(self) -> int | None:
         return self.loop.engine.max_len if self.loop is not None else None
 
@@ -87,6 +94,54 @@ class ServerState:
         if cut:
             log.warning("the grace period ran out: %d request(s) still running were ended with an error", len(cut))
         return len(cut)
+
+
+class _Body:
+    """Reads each request's body before the app does (a plain ASGI middleware): a body past the state's
+    `body_limit` is refused with a 413 as soon as its announced length or its bytes pass it, unread; a client
+    that goes away before its body is whole gets nothing, and the app never runs for it (no half-read body
+    reaches a route, to fail there with a traceback)."""
+
+    def __init__(self, app, state):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = self.state.body_limit
+        announced = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if announced.isdigit() and int(announced) > limit:
+            return await _too_large(send, int(announced), limit)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await _too_large(send, size, limit)
+            if not message.get("more_body"):
+                break
+        body, given = b"".join(chunks), False
+
+        async def replay():
+            nonlocal given
+            if given:
+                return await receive()  # what comes after the body: a disconnect
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _too_large(send, size: int, limit: int) -> None:
+    error = APIError(413, f"the body is {size:,} bytes or more; this server takes at most {limit:,} (64 bytes a "
+                          "token of its context for each request it queues: --max-len x --max-waiting)",
+                     code="request_too_large")
+    response = error.response()
+    await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
 
 
 class _Arrival:
@@ -143,7 +198,8 @@ def create_app(state: ServerState) -> FastAPI:
     state.metrics = ServingMetrics(state)
     app.state.serving = state
 
-    app.add_middleware(_Arrival)
+    app.add_middleware(_Body, state=state)
+    app.add_middleware(_Arrival)  # added last: the outermost, the first code a request meets
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
@@ -169,8 +225,8 @@ def create_app(state: ServerState) -> FastAPI:
             allowed = (e.headers or {}).get("allow") or (e.headers or {}).get("Allow") or "another method"
             return APIError(405, f"{request.method} is not allowed on {request.url.path}; use {allowed}",
                             headers=e.headers).response()
-        return APIError(e.status_code, f"the body cannot be read: {e.detail} (send UTF-8 JSON)",
-                        headers=e.headers).response()
+        return APIError(e.status_code, f"the body cannot be read: {e.detail} (send UTF-8 JSON, nested at most a few "
+                                       "hundred levels)", headers=e.headers).response()
 
     health_routes = sorted({"/health", os.environ.get("AIP_HEALTH_ROUTE", "/health")})
     for route in health_routes:

@@ -66,8 +66,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     progress(f"{cfg.name}: {plan['weights'] / 2**20:,.1f} MiB of weights a device"
              f"{' (int8)' if int8_weights else ''}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
              f"positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); mesh {mesh_shape}")
-    check_fits(plan, device_memory_gb if device_memory_gb else device_memory(devices[0]), slots, max_len, kv,
-               int8_weights)
+    check_fits(plan, device_memory_gb if device_memory_gb else memory_of(devices), slots, max_len, kv, int8_weights)
     progress(f"reading the parameters from {checkpoints}")
     try:
         weights, step = restore_weights(model, checkpoints)
@@ -101,6 +100,18 @@ def end_of_document(cfg, codec) -> tuple[int | None, str | None]:
 
         eos_token, eos_id = EOD_TOKEN, codec.tokenizer.token_to_id(EOD_TOKEN)
     return (eos_id, eos_token) if eos_id is not None else (None, None)
+
+
+def memory_of(devices) -> int | None:
+    """The bytes one device can hold: what it reports, else on CPU the host's memory shared by its (fake)
+    devices, so a cache the host cannot hold is refused before it is allocated."""
+    from trainer.sample import host_memory
+
+    reported = device_memory(devices[0])
+    if reported is not None or devices[0].platform != "cpu":
+        return reported
+    host = host_memory()
+    return host // len(devices) if host else None
 
 
 def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> None:
