@@ -95,6 +95,7 @@ EXTRA_OF_MODULE = {
     "pathwaysutils": "pathways",
     "kubernetes": "control", "urllib3": "control", "cryptography": "control",
     "fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
+    "lm_eval": "eval",
 }
 
 

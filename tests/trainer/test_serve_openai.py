@@ -6,6 +6,7 @@ streaming usage as the openai client reads it, vLLM's tokenizer routes, and the 
 import asyncio
 import json
 import logging
+import time
 
 import httpx
 import jax
@@ -250,3 +251,42 @@ def test_metrics_under_64_concurrent_streams_never_errors(served):
     running = [next(s.value for s in f.samples) for r in scrapes for f in text_string_to_metric_families(r.text)
                if f.name == "vllm:num_requests_running"]
     assert max(running) == 8  # every slot was busy at some scrape
+
+
+def test_lm_evaluation_harness_scores_continuations_as_the_full_forward_pass(served, teacher):
+    """lm-evaluation-harness's own local-completions client (its remote tokenizer through /tokenize, its
+    loglikelihood payload, its parsing of the answer) against the server: each continuation's summed logprob
+    and whether it is greedy, as a full teacher-forced forward pass says."""
+    import threading
+
+    import uvicorn
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    _, state = served
+    harnessed = ServerState("tiny", encode=state.encode, decode=state.decode, max_waiting=8)
+    harnessed.loop = state.loop
+    server = uvicorn.Server(uvicorn.Config(create_app(harnessed), host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        lm = LocalCompletionsAPI(model="tiny", base_url=f"http://127.0.0.1:{port}/v1/completions",
+                                 tokenizer_backend="remote", tokenized_requests=True, batch_size=4, max_retries=1)
+        pairs = [("The cat sat on the", " mat"), ("Paris is the capital of", " France"), ("1 2 3", " 4 5"),
+                 ("ab", "c")]
+        requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+        scored = lm.loglikelihood(requests, disable_tqdm=True)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    for (context, continuation), (logprob, greedy) in zip(pairs, scored, strict=True):
+        ids = list((context + continuation).encode())
+        start = len(context.encode())
+        expected = teacher(ids)
+        want = sum(float(expected[i - 1, ids[i]]) for i in range(start, len(ids)))
+        assert logprob == pytest.approx(want, abs=1e-4)
+        assert greedy == all(expected[i - 1].argmax() == ids[i] for i in range(start, len(ids)))

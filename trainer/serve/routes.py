@@ -21,11 +21,7 @@ from pydantic import ValidationError
 
 from trainer.serve import responses, tokenizer_routes
 from trainer.serve.protocol import APIError, ChatRequest, CompletionRequest, invalid
-
-# Prompts longer than this (characters) are tokenized on a worker thread: a tokenizer takes about a second a
-# megabyte, which on the event loop would stall /health and every stream meanwhile. Shorter ones take less
-# than a thread's hand-off.
-INLINE_TEXT = 4096
+from trainer.serve.tokenizer_routes import encode
 
 
 def add(app: FastAPI, state) -> None:
@@ -86,16 +82,6 @@ async def prompt_ids(state, prompt) -> list[list[int]]:
     if state.encode is None:
         raise APIError(503, "the model is loading", kind="service_unavailable")
     return [await encode(state, text) for text in texts]
-
-
-async def encode(state, text: str) -> list[int]:
-    try:
-        if len(text) <= INLINE_TEXT:
-            return state.encode(text)
-        return await asyncio.to_thread(state.encode, text)
-    except Exception as e:  # noqa: BLE001 - the codec's own message says what it wanted
-        reason = str(getattr(e, "message", None) or e).removeprefix("--prompt: ").removeprefix("--prompt ")
-        raise APIError(400, f"prompt: {reason}", param="prompt") from None
 
 
 def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *, index: int = 0,

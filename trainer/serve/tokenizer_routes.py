@@ -52,9 +52,26 @@ def _ready(state, model: str | None) -> None:
         raise APIError(503, "the model is loading", kind="service_unavailable")
 
 
-def _tokenize(state):
-    from trainer.serve.routes import encode
+# Prompts longer than this (characters) are tokenized on a worker thread: a tokenizer takes about a second a
+# megabyte, which on the event loop would stall /health and every stream meanwhile. Shorter ones take less
+# than a thread's hand-off.
+INLINE_TEXT = 4096
 
+
+async def encode(state, text: str) -> list[int]:
+    """A text's token ids by the server's codec (a 400 naming the prompt when it refuses the text)."""
+    import asyncio
+
+    try:
+        if len(text) <= INLINE_TEXT:
+            return state.encode(text)
+        return await asyncio.to_thread(state.encode, text)
+    except Exception as e:  # noqa: BLE001 - the codec's own message says what it wanted
+        reason = str(getattr(e, "message", None) or e).removeprefix("--prompt: ").removeprefix("--prompt ")
+        raise APIError(400, f"prompt: {reason}", param="prompt") from None
+
+
+def _tokenize(state):
     async def tokenize(body: TokenizeRequest):
         _ready(state, body.model)
         if (body.prompt is None) == (body.messages is None):
