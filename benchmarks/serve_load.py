@@ -147,14 +147,15 @@ class StreamingClient:
 
 async def one_request(client: StreamingClient, prompt_len: int, output_len: int, vocab: int, rng) -> dict:
     prompt = " ".join(str(t) for t in rng.integers(0, min(vocab, 32), prompt_len))
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True}
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # usage in a last chunk without choices
     sent = time.perf_counter()
     chunks, usage = [], None
     async for line in client.lines("/v1/completions", body):
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         data = json.loads(line[6:])
-        if data["choices"][0].get("text"):
+        if data["choices"] and data["choices"][0].get("text"):
             chunks.append(time.perf_counter())
         usage = data.get("usage") or usage
     tokens = usage["completion_tokens"] if usage else 0
