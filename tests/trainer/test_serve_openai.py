@@ -290,3 +290,20 @@ def test_lm_evaluation_harness_scores_continuations_as_the_full_forward_pass(ser
         want = sum(float(expected[i - 1, ids[i]]) for i in range(start, len(ids)))
         assert logprob == pytest.approx(want, abs=1e-4)
         assert greedy == all(expected[i - 1].argmax() == ids[i] for i in range(start, len(ids)))
+
+
+def test_streamed_logprobs_are_the_answers_logprobs_chunk_by_chunk(served):
+    client, _ = served
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+    whole = api.completions.create(model="tiny", prompt="stream me", max_tokens=10, temperature=0, logprobs=2)
+    pieces = list(api.completions.create(model="tiny", prompt="stream me", max_tokens=10, temperature=0,
+                                         logprobs=2, stream=True))
+    streamed = [v for p in pieces if p.choices[0].logprobs for v in p.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.choices[0].logprobs.token_logprobs and len(streamed) == 10
+    messages = [{"role": "user", "content": "hi"}]
+    chat = api.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                              logprobs=True, top_logprobs=2, stream=True))
+    content = [c for k in chunks if k.choices and k.choices[0].logprobs for c in k.choices[0].logprobs.content]
+    assert [c.logprob for c in content] == [c.logprob for c in chat.choices[0].logprobs.content]

@@ -39,15 +39,16 @@ def _top(decode, entry: Logprob, count: int) -> dict[str, float]:
     return best
 
 
-def completion_logprobs(decode, req, count: int, echo: bool) -> dict:
+def completion_logprobs(decode, req, count: int, echo: bool, start: int = 0, end: int | None = None,
+                        offset: int = 0) -> dict:
     """`choices[i].logprobs` of /v1/completions: an entry a returned token (the prompt's first, with echo,
     has no logprob: nothing comes before it), each with its `count` best alternatives and its text's offset
-    in the choice's text."""
+    in the choice's text. A stream's chunk takes generated tokens start..end, its text starting at `offset`."""
     entries: list[Logprob | None] = [None, *req.prompt_logprobs] if echo else []
-    entries += req.logprobs
+    entries += req.logprobs[start:end]
     tokens = ([req.prompt[0]] if echo else []) + [e.token for e in entries if e is not None]
     texts = [text_of(decode, [t]) for t in tokens]
-    offsets, at = [], 0
+    offsets, at = [], offset
     for text in texts:
         offsets.append(at)
         at += len(text)
@@ -56,8 +57,9 @@ def completion_logprobs(decode, req, count: int, echo: bool) -> dict:
             "text_offset": offsets}
 
 
-def chat_logprobs(decode, req, count: int) -> dict:
-    """`choices[i].logprobs` of /v1/chat/completions: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+def chat_logprobs(decode, req, count: int, start: int = 0, end: int | None = None) -> dict:
+    """`choices[i].logprobs` of /v1/chat/completions: {"content": [{token, logprob, bytes, top_logprobs}]}
+    (a stream's chunk: of generated tokens start..end)."""
 
     def item(token: int, logprob: float) -> dict:
         text = text_of(decode, [token])
@@ -65,5 +67,5 @@ def chat_logprobs(decode, req, count: int) -> dict:
 
     content = [{**item(e.token, e.logprob),
                 "top_logprobs": [item(t, v) for t, v in zip(e.top_ids[:count], e.top_logprobs[:count], strict=True)]}
-               for e in req.logprobs]
+               for e in req.logprobs[start:end]]
     return {"content": content, "refusal": None}

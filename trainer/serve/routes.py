@@ -167,9 +167,8 @@ def _check_choices(state, body, prompts: list, logprobs: int | None, echo: bool)
     if body.stream and count > 1:
         raise APIError(400, "stream: true takes one prompt and n: 1 on this server; send the others as requests "
                             "of their own", param="n" if body.n > 1 else "prompt")
-    if body.stream and (logprobs is not None or echo):
-        name = "logprobs" if logprobs is not None else "echo"
-        raise APIError(400, f"{name}: not with stream: true on this server; leave stream out", param=name)
+    if body.stream and echo:
+        raise APIError(400, "echo: not with stream: true on this server; leave stream out", param="echo")
 
 
 async def _answer(state, body, prompts: list[list[int]], max_tokens, request: Request, *, chat: bool,
@@ -181,7 +180,8 @@ async def _answer(state, body, prompts: list[list[int]], max_tokens, request: Re
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].id}"
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_events(state, reqs[0], rid, chat, usage), media_type="text/event-stream")
+        return StreamingResponse(_events(state, reqs[0], rid, chat, usage, logprobs),
+                                 media_type="text/event-stream")
     task = asyncio.ensure_future(asyncio.gather(*(run_to_end(state, req) for req in reqs)))
     while not task.done():  # a client that disconnects cancels its requests
         await asyncio.wait({task}, timeout=0.5)
@@ -206,10 +206,11 @@ def _choice(state, req, index: int, chat: bool, logprobs: int | None, echo: bool
     return choice
 
 
-async def _events(state, req, rid: str, chat: bool, include_usage: bool):
-    """Server-sent events: a chunk per new piece of text, the last with the finish reason; with
-    `stream_options.include_usage`, then a chunk of usage and no choices, as OpenAI sends it."""
-    sent, obj = 0, "chat.completion.chunk" if chat else "text_completion"
+async def _events(state, req, rid: str, chat: bool, include_usage: bool, logprobs: int | None = None):
+    """Server-sent events: a chunk per new piece of text (with the log-probabilities of the tokens since the
+    last chunk, when asked), the last with the finish reason; with `stream_options.include_usage`, then a
+    chunk of usage and no choices, as OpenAI sends it."""
+    sent, scored, obj = 0, 0, "chat.completion.chunk" if chat else "text_completion"
 
     def frame(choices: list, usage=None) -> str:
         body = {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name, "choices": choices}
@@ -217,10 +218,15 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool):
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    def chunk(text: str, finish: str | None) -> str:
-        delta = {"index": 0, "finish_reason": finish}
-        delta.update({"delta": {"content": text} if text or finish is None else {}, "logprobs": None} if chat
-                     else {"text": text, "logprobs": None})
+    def chunk(text: str, finish: str | None, end: int | None) -> str:
+        nonlocal scored
+        lp = None
+        if logprobs is not None:
+            lp = (responses.chat_logprobs(state.decode, req, logprobs, scored, end) if chat else
+                  responses.completion_logprobs(state.decode, req, logprobs, False, scored, end, sent))
+            scored = len(req.logprobs) if end is None else end
+        delta = {"index": 0, "finish_reason": finish, "logprobs": lp}
+        delta.update({"delta": {"content": text} if text or finish is None else {}} if chat else {"text": text})
         return frame([delta])
 
     try:
@@ -231,9 +237,10 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool):
             await req.events.get()
             if req.finish_reason is not None or state.expired:
                 break
+            end = len(req.logprobs)
             text = _safe_text(state, req)
             if len(text) > sent:
-                yield chunk(text[sent:], None)
+                yield chunk(text[sent:], None, end)
                 sent = len(text)
                 req.first_sent = req.first_sent or time.perf_counter()
     finally:
@@ -248,7 +255,7 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool):
         error = {"message": message, "type": "server_error", "param": None, "code": None}
         yield f"data: {json.dumps({'error': error})}\n\n"
     else:
-        yield chunk(responses.final_text(state.decode, req)[sent:], responses.finish_reason(req))
+        yield chunk(responses.final_text(state.decode, req)[sent:], responses.finish_reason(req), None)
         if include_usage:
             yield frame([], responses.usage([req], [req.prompt]))
     yield "data: [DONE]\n\n"
