@@ -161,3 +161,59 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_grace_period_that_runs_out_sends_each_stream_an_error_event_and_logs_one_line(tmp_path):
+    """SIGTERM with streams that cannot finish within --grace-seconds: each gets an error event and [DONE]
+    (not a dropped connection), the log one line (not a traceback per stream), and the server exits 0."""
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import sys, types, jax\n"
+        "from trainer import sharding\n"
+        "from trainer.config import load_config\n"
+        "from trainer.serve import cli\n"
+        "from trainer.serve.engine import Engine\n"
+        "from trainer.serve.weights import build_serving_model, init_weights\n"
+        "model = build_serving_model(load_config('tiny', []), sharding.make_mesh({'data': 1, 'expert': 1}, "
+        "jax.devices()[:1]))\n"
+        "engine = Engine(model, init_weights(model), slots=4, max_len=4096, chunk=16)\n"
+        "loaded = types.SimpleNamespace(engine=engine, encode=lambda t: [int(w) for w in t.split()],\n"
+        "                               decode=lambda ids: ' '.join(map(str, ids)), eos_token=None,\n"
+        "                               tokenizer_class='ids')\n"
+        "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
+        "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 8, None, 'tiny', 0.5))\n")
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    process = subprocess.Popen([sys.executable, str(script), str(port)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if "ready:" in line:
+                break
+        ended, first = [], threading.Barrier(4)
+
+        def stream():
+            body = {"prompt": "1 2 3", "max_tokens": 4000, "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+                lines = r.iter_lines()
+                next(lines)
+                first.wait()
+                ended.append([line for line in lines if line][-2:])
+
+        threads = [threading.Thread(target=stream) for _ in range(3)]
+        for t in threads:
+            t.start()
+        first.wait()
+        process.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        assert process.wait(timeout=60) == 0
+        log = process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert len(ended) == 3
+    for last, done in ended:
+        assert done == "data: [DONE]" and "grace period" in json.loads(last[6:])["error"]["message"]
+    assert log.count("ran out: 3 request(s) still running ended with an error") == 1 and "Traceback" not in log

@@ -167,8 +167,6 @@ def _check_server_packages() -> None:
 
 def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
            grace_seconds: float) -> int:
-    import asyncio
-
     import uvicorn
 
     from trainer.serve.loop import EngineLoop
@@ -181,26 +179,7 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
     # uvicorn's own limit is a backstop past ours: by then every open request has had its error (expire).
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", http=http_protocol(),
                             timeout_graceful_shutdown=grace_seconds + 5, lifespan="off")
-
-    class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT uvicorn closes its socket and waits for the connections in flight; this one
-        also answers 503 to requests arriving meanwhile on connections kept alive, and when the grace period
-        runs out ends the requests still open with an error (an event on a stream) rather than dropping
-        their connections. The signal handler only sets flags; what follows runs on the event loop."""
-
-        def handle_exit(self, sig, frame):
-            state.draining = True
-            super().handle_exit(sig, frame)
-
-        async def shutdown(self, sockets=None):
-            _progress("stopping: no new requests; finishing those in flight")
-            cutoff = asyncio.get_running_loop().call_later(grace_seconds, state.expire)
-            try:
-                await super().shutdown(sockets)
-            finally:
-                cutoff.cancel()
-
-    server = DrainingServer(config)
+    server = _draining_server(config, state, grace_seconds)
     failed: list[str] = []
 
     def compile_then_serve():
@@ -240,6 +219,38 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
         return EXIT_RUNTIME
     _progress("stopped")
     return 0
+
+
+def _draining_server(config, state, grace_seconds: float):
+    """uvicorn's server for `state`. On SIGTERM/SIGINT uvicorn closes its socket and waits for the connections in
+    flight; this one also answers 503 to requests arriving meanwhile on connections kept alive, and when the
+    grace period runs out ends the requests still open with an error (an event on a stream) rather than
+    dropping their connections, in one line of its log. The signal handler only sets flags; what follows runs
+    on the event loop."""
+    import asyncio
+
+    import uvicorn
+
+    def grace_ran_out():
+        cut = state.expire()
+        if cut:
+            _progress(f"--grace-seconds {grace_seconds:g} ran out: {cut} request(s) still running ended with an "
+                      "error")
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            _progress("stopping: no new requests; finishing those in flight")
+            cutoff = asyncio.get_running_loop().call_later(grace_seconds, grace_ran_out)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cutoff.cancel()
+
+    return DrainingServer(config)
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
