@@ -19,11 +19,17 @@ WINDOW = 16
 
 
 class Detokenizer:
-    """The text of a growing list of token ids, a token at a time."""
+    """The text of a growing list of token ids, a token at a time, kept as its pieces (a string grown by += is
+    copied whole at each step while another reference to it is alive)."""
 
     def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode, self.ids, self.text = decode, [], ""
+        self.decode, self.ids, self.pieces, self.length = decode, [], [], 0
         self.prefix = self.read = 0  # ids[prefix:read] is the context already emitted; ids[read:] waits
+        self.tail = ""  # the last characters, where a stop string may have begun
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     def add(self, token: int) -> str:
         """Appends `token`; returns the text it completes (possibly empty, while a character is half made)."""
@@ -32,10 +38,8 @@ class Detokenizer:
         after = self.decode(self.ids[self.prefix:])
         pending = len(self.ids) - self.read
         if len(after) > len(before) and (not after.endswith("\ufffd") or pending >= WINDOW):
-            new = after[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
-            self.text += new
-            return new
+            return self._emit(after[len(before):])
         return ""
 
     def flush(self) -> str:
@@ -45,12 +49,18 @@ class Detokenizer:
         before = self.decode(self.ids[self.prefix:self.read])
         new = self.decode(self.ids[self.prefix:])[len(before):]
         self.prefix = self.read = len(self.ids)
-        self.text += new
+        return self._emit(new)
+
+    def _emit(self, new: str) -> str:
+        if new:
+            self.pieces.append(new)
+            self.length += len(new)
         return new
 
 
 class OutputProcessor:
-    """Decides when a request is done, and keeps its text (`req.text`, with a detokenize) up to date."""
+    """Decides when a request is done. With a detokenize its text grows in `req.detokenizer.pieces` as it is
+    made, and `req.text` is set once it is done (cut before a stop string)."""
 
     def __init__(self, detokenize: Callable[[list[int]], str] | None = None, eos_id: int | None = None):
         self.detokenize, self.eos_id = detokenize, eos_id
@@ -66,42 +76,37 @@ class OutputProcessor:
             self._finish_text(req)
             return "stop"
         if self.detokenize is not None:
-            reason = self._add_text(req, token)
-            if reason is not None:
-                return reason
+            if req.detokenizer is None:
+                req.detokenizer = Detokenizer(self.detokenize)
+            if self._stopped(req, req.detokenizer.add(token)):
+                return "stop"
         if len(req.output) >= s.max_tokens:
             return "stop" if self._finish_text(req) else "length"
         return None
 
-    def _add_text(self, req, token: int) -> str | None:
-        state = req.detokenizer
-        if state is None:
-            state = req.detokenizer = Detokenizer(self.detokenize)
-        start = len(state.text)
-        if not state.add(token) or not req.sampling.stop:
-            req.text = state.text
-            return None
-        return self._cut_at_stop(req, state.text, start)
-
-    def _cut_at_stop(self, req, text: str, start: int) -> str | None:
-        """Cuts the text before the first stop string that ends in its new part (from `start`)."""
-        reach = max(len(stop) for stop in req.sampling.stop) - 1
-        window = max(start - reach, 0)
-        found = [at for at in (text.find(stop, window) for stop in req.sampling.stop) if at >= 0]
-        if found:
-            req.text = text[:min(found)]
-            return "stop"
-        req.text = text
-        return None
+    @staticmethod
+    def _stopped(req, new: str) -> bool:
+        """Whether a stop string ends in the new text: looked for in it and the characters before it that a
+        stop string could straddle (never in the whole text). If so the text is cut before it."""
+        stops, state = req.sampling.stop, req.detokenizer
+        if not new or not stops:
+            return False
+        reach = max(len(stop) for stop in stops) - 1
+        window = state.tail + new
+        found = [at for at in (window.find(stop) for stop in stops) if at >= 0]
+        state.tail = window[max(len(window) - reach, 0):] if reach else ""
+        if not found:
+            return False
+        req.text = state.text[:state.length - len(window) + min(found)]
+        return True
 
     def _finish_text(self, req) -> bool:
-        """The text of the last tokens, which may have waited to complete a character; whether a stop string
-        turned up in it."""
+        """Sets the finished request's text, with that of the last tokens, which may have waited to complete
+        a character; whether a stop string turned up in it (then the text is cut there)."""
         state = req.detokenizer
         if state is None:
             return False
-        start = len(state.text)
-        if state.flush() and req.sampling.stop and self._cut_at_stop(req, state.text, start) == "stop":
+        if self._stopped(req, state.flush()):
             return True
         req.text = state.text
         return False

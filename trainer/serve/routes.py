@@ -211,6 +211,7 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool, logprob
     last chunk, when asked), the last with the finish reason; with `stream_options.include_usage`, then a
     chunk of usage and no choices, as OpenAI sends it."""
     sent, scored, obj = 0, 0, "chat.completion.chunk" if chat else "text_completion"
+    reader = _TextReader(state, req)
 
     def frame(choices: list, usage=None) -> str:
         body = {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name, "choices": choices}
@@ -238,10 +239,10 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool, logprob
             if req.finish_reason is not None or state.expired:
                 break
             end = len(req.logprobs)
-            text = _safe_text(state, req)
-            if len(text) > sent:
-                yield chunk(text[sent:], None, end)
-                sent = len(text)
+            new = reader.new()
+            if new:
+                yield chunk(new, None, end)
+                sent += len(new)
                 req.first_sent = req.first_sent or time.perf_counter()
     finally:
         state.open.discard(req)
@@ -261,13 +262,27 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool, logprob
     yield "data: [DONE]\n\n"
 
 
-def _safe_text(state, req) -> str:
-    """The text so far (the engine's, kept a token at a time; else decoded here), less what may yet turn out
-    to start a stop string or to be half a character."""
-    text = req.text if req.text is not None else responses.text_of(state.decode, req.text_ids)
-    hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
-    text = text[:len(text) - hold] if hold else text
-    return text.rstrip("\ufffd")
+class _TextReader:
+    """A stream's new text at each token, less what may yet turn out to start a stop string. From the pieces
+    the engine's output processor appends (O(new text) a token); without them (no detokenize in the
+    engine), from the whole output decoded here, less half a character at its end."""
+
+    def __init__(self, state, req):
+        self.state, self.req, self.pieces, self.sent, self.held = state, req, 0, 0, ""
+        self.hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
+
+    def new(self) -> str:
+        state = self.req.detokenizer
+        if state is not None:
+            pieces = state.pieces
+            text, self.pieces = self.held + "".join(pieces[self.pieces:len(pieces)]), len(pieces)
+            cut = len(text) - self.hold if self.hold else len(text)
+            self.held = text[max(cut, 0):]
+            return text[:max(cut, 0)]
+        text = responses.text_of(self.state.decode, self.req.text_ids)
+        text = (text[:len(text) - self.hold] if self.hold else text).rstrip("\ufffd")
+        new, self.sent = text[self.sent:], max(self.sent, len(text))
+        return new
 
 
 def _predict(state):
