@@ -147,14 +147,15 @@ class StreamingClient:
 
 async def one_request(client: StreamingClient, prompt_len: int, output_len: int, vocab: int, rng) -> dict:
     prompt = " ".join(str(t) for t in rng.integers(0, min(vocab, 32), prompt_len))
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True}
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # usage in a last chunk without choices
     sent = time.perf_counter()
     chunks, usage = [], None
     async for line in client.lines("/v1/completions", body):
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         data = json.loads(line[6:])
-        if data["choices"][0].get("text"):
+        if data["choices"] and data["choices"][0].get("text"):
             chunks.append(time.perf_counter())
         usage = data.get("usage") or usage
     tokens = usage["completion_tokens"] if usage else 0
@@ -303,14 +304,11 @@ def decode_bound(args) -> None:
     params = sum(p.size for p in loaded["weights"]["params"].values())
     weight_bytes = sum(p.nbytes for p in loaded["weights"]["params"].values())
     cache_bytes = engine.cache.k.nbytes + engine.cache.v.nbytes
-    engine.positions_S[:] = args.bound_max_len // 2
-    step = lambda: engine._decode(engine.weights, engine.cache, engine.tokens_S, engine.positions_S,  # noqa: E731
-                                  engine._slot_sampling())
+    engine.runner.positions_S[:] = args.bound_max_len // 2
     times = []
     for _ in range(args.bound_steps):
         started = time.perf_counter()
-        tokens, engine.cache = step()
-        tokens.block_until_ready()
+        engine.runner.decode({})  # the step and its tokens back on the host
         times.append(time.perf_counter() - started)
     bandwidth = copy_bandwidth(args.copy_mib)
     step_s = statistics.median(times)

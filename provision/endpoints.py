@@ -200,13 +200,19 @@ class Endpoint(Holding):
         return found[-1].name
 
     def examples(self, url: str, body: str) -> list[str]:
-        """How to call the endpoint: curl on rawPredict, and the openai client on the endpoint's base URL."""
-        base = url.removesuffix(":rawPredict")
+        """How to call the endpoint: a completions body on rawPredict, by curl and by Python. RawPredict hands
+        the body as it is to the container's predict route, which is the server's /v1/completions
+        (rendering.PREDICT_ROUTE); the endpoint has no /completions of its own (Vertex AI's OpenAI-compatible
+        routes are chat completions for Model Garden's containers), so the openai client pointed at the
+        endpoint would reach no route of this server."""
+        quoted = body.replace('"', '\\"')
         return ["  curl -X POST -H \"Authorization: Bearer $(gcloud auth print-access-token)\" "
                 f"-H 'content-type: application/json' {url} -d '{body}'",
-                "  python -c \"import openai, subprocess; token = subprocess.check_output(['gcloud', 'auth', "
-                f"'print-access-token'], text=True).strip(); client = openai.OpenAI(base_url='{base}', api_key=token); "
-                "print(client.completions.create(model='', prompt='1 2 3', max_tokens=32).choices[0].text)\""]
+                "  python3 -c \"import json, subprocess, urllib.request; token = subprocess.check_output(['gcloud', "
+                "'auth', 'print-access-token'], text=True).strip(); request = urllib.request.Request("
+                f"'{url}', data=b'{quoted}', headers={{'Authorization': 'Bearer ' + token, "
+                "'content-type': 'application/json'}); "
+                "print(json.load(urllib.request.urlopen(request))['choices'][0]['text'])\""]
 
     def teardown(self) -> list[Resource]:
         """The run's deployed models, endpoints and models; nothing else of the run (its job stays)."""

@@ -104,10 +104,11 @@ def test_every_import_is_declared_in_the_extra_a_missing_one_names(package):
 
 def test_the_trainer_needs_only_the_trainer_extra():
     """The container installs [trainer] (and [pathways] for pathwaysutils, imported only there);
-    [data] (Parquet corpora for trainer.prepare), [plot] (`logs --plot`) and [serve] (trainer.serve's
-    HTTP server, which the serving container installs) are imported only by the features that need them."""
+    [data] (Parquet corpora for trainer.prepare), [plot] (`logs --plot`), [serve] (trainer.serve's
+    HTTP server, which the serving container installs) and [eval] (lm-evaluation-harness, for
+    trainer.serve.evaluate) are imported only by the features that need them."""
     outside = {m: extra_of(m) for m in imported_modules("trainer") if distribution_of(m) not in declared(None)
-               and extra_of(m) not in ("trainer", "pathways", "data", "plot", "serve")}
+               and extra_of(m) not in ("trainer", "pathways", "data", "plot", "serve", "eval")}
     assert outside == {}
     assert {"etils", "tensorstore", "orbax-checkpoint", "jax", "flax"} <= declared("trainer")
 

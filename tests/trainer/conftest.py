@@ -142,3 +142,42 @@ def fewer_xla_optimisations_where_compiling_dominates(request, monkeypatch):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+
+
+def byte_codec():
+    return (lambda text: list(text.encode("utf-8")),
+            lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"))
+
+
+@pytest.fixture(scope="session")
+def served():
+    """`tiny` behind the server (bytes as tokens), its engine warmed up; the client is a TestClient. Shared by
+    the server's test modules: a test that changes the state or the engine puts it back.
+
+    The model and the engine's shapes are test_serve_engine.py's: the run's persistent compilation cache
+    (tests/conftest.py) then holds all four programs (initialisation, prefill, decode) when that module ran
+    first, in either pytest-xdist worker."""
+    import jax
+    from fastapi.testclient import TestClient
+
+    from trainer import sharding
+    from trainer.config import load_config
+    from trainer.serve.engine import Engine
+    from trainer.serve.loop import EngineLoop
+    from trainer.serve.server import ServerState, create_app
+    from trainer.serve.weights import build_serving_model, init_weights
+
+    cfg = load_config("tiny", ["model.num_kv_heads=2"])
+    model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+    encode, decode = byte_codec()
+    engine = Engine(model, init_weights(model), slots=8, max_len=288, chunk=16, detokenize=decode)
+    engine.warm_up()
+    state = ServerState("tiny", encode=encode, decode=decode, max_waiting=8)
+    app = create_app(state)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 503  # not loaded yet
+        state.loop = EngineLoop(engine).start()
+        try:
+            yield client, state
+        finally:
+            state.loop.stop()

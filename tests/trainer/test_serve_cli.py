@@ -55,6 +55,11 @@ def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path)
         # The socket is bound before the weights are read: no minutes of loading for a port in use.
         (["--checkpoint", str(tmp_path / "none"), "--port", str(busy_port)], f"--port {busy_port}: 127.0.0.1:"),
         (["--checkpoint", str(run), "--host", "999.1.1.1"], "--host '999.1.1.1' is not an address"),
+        (["--checkpoint", str(run), "--grace-seconds", "nan"], "--grace-seconds must be a finite number"),
+        (["--checkpoint", str(run), "--device-memory-gb", "inf"], "--device-memory-gb must be a finite number"),
+        (["--checkpoint", str(run), "--max-len", str(2**31)], "--max-len"),  # past int32 positions
+        # On CPU the host's memory bounds the cache: refused before it is allocated.
+        (["--checkpoint", str(run), "--slots", "1000000", "--max-len", "1000000"], "the model does not fit a device"),
     ]
     try:
         for args, needle in cases:
@@ -73,7 +78,8 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
         "import socket, sys, threading, types\n"
         "from trainer.serve import cli\n"
         "engine = types.SimpleNamespace(slots=1, max_len=2, warm_up=threading.Event().wait)\n"
-        "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None)\n"
+        "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None, eos_token=None,\n"
+        "                                tokenizer_class='ids')\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
         "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 1, None, 'tiny', 1.0))\n")
     process = subprocess.Popen([sys.executable, str(script), str(free_port())], stderr=subprocess.PIPE, text=True)
@@ -131,7 +137,8 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
 
         def stream(i):
             with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
-                              json={**body, "max_tokens": 120, "seed": i, "temperature": 1.0}) as r:
+                              json={**body, "max_tokens": 120, "seed": i, "temperature": 1.0,
+                                    "stream_options": {"include_usage": True}}) as r:
                 lines = r.iter_lines()
                 next(lines)
                 first.wait()
@@ -154,3 +161,59 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_grace_period_that_runs_out_sends_each_stream_an_error_event_and_logs_one_line(tmp_path):
+    """SIGTERM with streams that cannot finish within --grace-seconds: each gets an error event and [DONE]
+    (not a dropped connection), the log one line (not a traceback per stream), and the server exits 0."""
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import sys, types, jax\n"
+        "from trainer import sharding\n"
+        "from trainer.config import load_config\n"
+        "from trainer.serve import cli\n"
+        "from trainer.serve.engine import Engine\n"
+        "from trainer.serve.weights import build_serving_model, init_weights\n"
+        "model = build_serving_model(load_config('tiny', []), sharding.make_mesh({'data': 1, 'expert': 1}, "
+        "jax.devices()[:1]))\n"
+        "engine = Engine(model, init_weights(model), slots=4, max_len=4096, chunk=16)\n"
+        "loaded = types.SimpleNamespace(engine=engine, encode=lambda t: [int(w) for w in t.split()],\n"
+        "                               decode=lambda ids: ' '.join(map(str, ids)), eos_token=None,\n"
+        "                               tokenizer_class='ids')\n"
+        "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
+        "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 8, None, 'tiny', 0.5))\n")
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    process = subprocess.Popen([sys.executable, str(script), str(port)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if "ready:" in line:
+                break
+        ended, first = [], threading.Barrier(4)
+
+        def stream():
+            body = {"prompt": "1 2 3", "max_tokens": 4000, "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+                lines = r.iter_lines()
+                next(lines)
+                first.wait()
+                ended.append([line for line in lines if line][-2:])
+
+        threads = [threading.Thread(target=stream) for _ in range(3)]
+        for t in threads:
+            t.start()
+        first.wait()
+        process.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        assert process.wait(timeout=60) == 0
+        log = process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert len(ended) == 3
+    for last, done in ended:
+        assert done == "data: [DONE]" and "grace period" in json.loads(last[6:])["error"]["message"]
+    assert log.count("ran out: 3 request(s) still running ended with an error") == 1 and "Traceback" not in log

@@ -198,3 +198,25 @@ def test_experts_over_8_devices_serve_concurrent_requests_as_one_device_alone(ti
     engine.run()
     assert [r.output for r in requests] == alone
     assert engine.compilations() == 2
+
+
+def test_the_model_runner_scores_a_prompt_in_chunks_as_the_full_forward_pass(tiny, tiny_engine):
+    """The runner alone: a 40-token prompt prefilled in chunks of 16, each position's record holding the
+    logprob of the token after it (the last: the token drawn) as the full forward pass's log-softmax."""
+    _, weights, forward = tiny
+    runner = tiny_engine.runner
+    prompt = np.random.RandomState(4).randint(0, 256, 40).tolist()
+    scored = []
+    for start in range(0, len(prompt), runner.chunk):
+        token, records = runner.prefill(prompt, start, 3, (0.0, 0, 1.0, 0), top=2, prompt_scores=True)
+        scored += records
+    runner.vacate(3)
+    sequence = prompt + [token]
+    padded = jnp.asarray([sequence + [0] * (LENGTH * 3 - len(sequence))], jnp.int32)
+    expected = np.asarray(jax.nn.log_softmax(forward(weights, padded)[0], axis=-1))
+    assert [r.token for r in scored] == sequence[1:]
+    np.testing.assert_allclose([r.logprob for r in scored],
+                               [expected[i, sequence[i + 1]] for i in range(len(prompt))], atol=1e-4, rtol=0)
+    assert all(r.top_ids[0] == expected[i].argmax() and len(r.top_ids) == 2 for i, r in enumerate(scored))
+    assert token == expected[len(prompt) - 1].argmax()
+    assert runner.compilations() == 2

@@ -4,48 +4,14 @@ completions (streaming and not), errors as OpenAI error objects, health, metrics
 import asyncio
 
 import httpx
-import jax
 import openai
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainer import sharding
-from trainer.config import load_config
-from trainer.serve.engine import Engine
 from trainer.serve.loop import EngineLoop
 from trainer.serve.server import ServerState, create_app
-from trainer.serve.weights import build_serving_model, init_weights
 
 pytestmark = pytest.mark.compile_bound
-
-
-def byte_codec():
-    return (lambda text: list(text.encode("utf-8")),
-            lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"))
-
-
-@pytest.fixture(scope="module")
-def served():
-    """`tiny` behind the server (bytes as tokens), its engine warmed up; the client is a TestClient.
-
-    The model and the engine's shapes are test_serve_engine.py's: the run's persistent compilation cache
-    (tests/conftest.py) then holds all four programs (initialisation, prefill, decode) when that module ran
-    first, in either pytest-xdist worker."""
-    cfg = load_config("tiny", ["model.num_kv_heads=2"])
-    model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
-    encode, decode = byte_codec()
-    engine = Engine(model, init_weights(model), slots=8, max_len=288, chunk=16, detokenize=decode)
-    engine.warm_up()
-    state = ServerState("tiny", encode=encode, decode=decode, max_waiting=8)
-    app = create_app(state)
-    with TestClient(app) as client:
-        assert client.get("/health").status_code == 503  # not loaded yet
-        state.loop = EngineLoop(engine).start()
-        try:
-            yield client, state
-        finally:
-            state.loop.stop()
 
 
 def test_the_openai_client_gets_completions_and_chat_completions(served):
@@ -86,7 +52,7 @@ def test_bad_requests_get_openai_error_objects_and_the_server_stays_up(served):
         api.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "model_not_found" and "'tiny'" in e.value.body["message"]
     bad = [({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"), ({"max_tokens": 2}, 400, "prompt"),
-           ({"prompt": "a", "temperature": -1}, 400, "temperature"), ({"prompt": "a", "n": 2}, 400, "n"),
+           ({"prompt": "a", "temperature": -1}, 400, "temperature"), ({"prompt": "a", "n": 0}, 400, "n"),
            ({"prompt": [1, 999]}, 400, "token ids")]
     for round_ in range(10):  # 50 bad requests between good ones
         for body, status, needle in bad:
@@ -211,10 +177,35 @@ def test_a_top_k_beyond_int32_means_the_whole_vocabulary_and_fails_no_request(se
     ("POST", "/v1/completions", {"json": {"prompt": "a", "stop": 5}}, 400, "stop: ", "stop"),
     ("POST", "/v1/completions", {"json": {"prompt": "a", "max_tokens": "5"}}, 400, "max_tokens: ", "max_tokens"),
     ("POST", "/v1/completions", {"json": {"prompt": [True]}}, 400, "prompt", "prompt"),
-    ("POST", "/v1/completions", {"json": {"prompt": "a", "logprobs": 0}}, 400,
-     "this server does not offer logprobs; leave it out", "logprobs"),
+    ("POST", "/v1/completions", {"json": {"prompt": "a", "logprobs": 21}}, 400,
+     "logprobs: Input should be less than or equal to 20", "logprobs"),
     ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "a"}], "echo": True}}, 400,
-     "this server does not offer echo", "echo"),
+     "echo: unknown field; this server does not offer it, leave it out", "echo"),
+    ("POST", "/v1/completions", {"json": {"prompt": "a", "tempurature": 0}}, 400,
+     "tempurature: unknown field; this server does not offer it, leave it out (did you mean 'temperature'?)",
+     "tempurature"),
+    ("POST", "/v1/completions", {"json": {"prompt": "a", "logit_bias": {"5": 100}}}, 400,
+     "logit_bias: this server does not offer logit_bias; leave it out", "logit_bias"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "a"}],
+                                               "presence_penalty": 0.5}}, 400,
+     "presence_penalty: this server does not offer presence_penalty", "presence_penalty"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "a"}],
+                                               "frequency_penalty": -1}}, 400,
+     "frequency_penalty: this server does not offer frequency_penalty", "frequency_penalty"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "a"}],
+                                               "tools": [{"type": "function", "function": {"name": "f"}}]}}, 400,
+     "tools: this server does not offer tools", "tools"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "a"}],
+                                               "response_format": {"type": "json_object"}}}, 400,
+     "response_format: this server does not offer response_format", "response_format"),
+    ("POST", "/v1/completions", {"json": {"prompt": "a", "best_of": 2}}, 400,
+     "best_of: this server does not offer best_of above 1", "best_of"),
+    ("POST", "/v1/completions", {"json": {"prompt": "a", "stream_options": {"include_usage": True}}}, 400,
+     "stream_options: only with stream: true", "stream_options"),
+    ("POST", "/v1/completions", {"json": {"prompt": "x" * 300, "max_tokens": 1}}, 400,
+     "the prompt's 300 tokens leave no room", "prompt"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "x" * 300}]}}, 400,
+     "the prompt's 317 tokens leave no room", "messages"),
     ("POST", "/predict", {"json": {"instances": [{"prompt": "a"}, {"prompt": "a", "top_p": 2}]}}, 400,
      "instances[1].top_p: ", "instances[1].top_p"),
     ("POST", "/predict", {"json": {"instances": [{"prompt": "a", "max_tokens": 10**6}]}}, 400,
@@ -228,6 +219,7 @@ def test_refusals_are_openai_errors_naming_the_field(served, method, path, kwarg
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["param"] == param, error
+    assert "Value error" not in error["message"]
 
 
 def test_a_predict_refused_part_way_leaves_nothing_queued(served):

@@ -4,6 +4,7 @@ checkpoint read back a layer at a time (orbax's partial restore), as host numpy 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterable
 
@@ -117,3 +118,21 @@ def imported_tokenizer(config_path: str) -> str | None:
         return None
     path = os.path.join(os.path.dirname(config_path), HF_DIR, "tokenizer.json")
     return path if os.path.isfile(path) else None
+
+
+def imported_eos(config_path: str) -> int | None:
+    """The end-of-sequence token id an imported model stops at (its generation_config.json's, else its
+    config.json's `eos_token_id`; the first of a list), or None: not an import, or none named."""
+    if "://" in config_path:
+        return None
+    side = os.path.join(os.path.dirname(config_path), HF_DIR)
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(side, name), encoding="utf-8") as f:
+                value = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None

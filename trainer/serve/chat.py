@@ -37,26 +37,28 @@ class HubChatTemplate:
             self.template = env.from_string(source)
         except TemplateError as e:
             raise ValueError(f"{where}: the chat template is not valid Jinja: {e}") from None
-        self.special, self.where = special, where
+        self.source, self.special, self.where = source, special, where
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         from jinja2.exceptions import TemplateError
 
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special)
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
             raise ChatTemplateError(f"the model's chat template ({self.where}) fails on these messages: {e}") from None
 
 
-def render(template, messages) -> str:
+def render(template, messages, add_generation_prompt: bool = True) -> str:
     """The prompt text of `messages` (objects with .role and .content) under `template`: a HubChatTemplate,
-    or the server's format {"message": "...{role}...{content}...", "generation": "..."}."""
+    or the server's format {"message": "...{role}...{content}...", "generation": "..."}; the generation
+    prefix (the assistant's turn) follows when `add_generation_prompt`."""
     if isinstance(template, HubChatTemplate):
-        return template.render([{"role": m.role, "content": m.content} for m in messages])
-    return "".join(template["message"].format(role=m.role, content=m.content) for m in messages) + \
-        template["generation"]
+        return template.render([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt)
+    text = "".join(template["message"].format(role=m.role, content=m.content) for m in messages)
+    return text + template["generation"] if add_generation_prompt else text
 
 
 def _token_text(value) -> str | None:

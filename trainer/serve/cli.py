@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import signal
 import socket
@@ -25,6 +26,8 @@ import click
 from trainer.serve.startup import ServeError, load
 
 EXIT_RUNTIME = 1
+# Positions are int32 in the steps, and an idle slot sits at position max_len, drawing at max_len + 1.
+POSITIONS_MAX = 2**31 - 2
 
 
 def _progress(message: str) -> None:
@@ -95,7 +98,7 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on (0.0.0.0: all).")
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="[$AIP_HTTP_PORT or 8000]")
 @click.option("--slots", type=click.IntRange(min=1), default=8, show_default=True, help="Requests decoded at once.")
-@click.option("--max-len", type=click.IntRange(min=2), default=1024, show_default=True,
+@click.option("--max-len", type=click.IntRange(min=2, max=POSITIONS_MAX), default=1024, show_default=True,
               help="Prompt plus generated tokens per request (the KV cache's length).")
 @click.option("--chunk", type=click.IntRange(min=1), default=64, show_default=True,
               help="Prompt tokens prefilled per engine step, between decode steps.")
@@ -134,6 +137,10 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
         from trainer.cli import set_fake_devices
 
         set_fake_devices(devices)
+    for flag, value in (("--grace-seconds", grace_seconds), ("--device-memory-gb", device_memory_gb)):
+        if value is not None and not math.isfinite(value):
+            raise ServeError(f"{flag} must be a finite number of {'seconds' if 'grace' in flag else 'GiB'}, "
+                             f"got {value}")
     port = port or _default_port()
     template = _chat_template(chat_template_path)
     if chunk > max_len:
@@ -166,22 +173,14 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
     from trainer.serve.loop import EngineLoop
     from trainer.serve.server import ServerState, create_app, http_protocol
 
-    state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting)
+    state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting,
+                        eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class)
     if template is not None:
         state.chat_template = template
+    # uvicorn's own limit is a backstop past ours: by then every open request has had its error (expire).
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", http=http_protocol(),
-                            timeout_graceful_shutdown=grace_seconds, lifespan="off")
-
-    class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT uvicorn closes its socket and waits for the connections in flight; this one
-        also answers 503 to requests arriving meanwhile on connections kept alive."""
-
-        def handle_exit(self, sig, frame):
-            state.draining = True
-            _progress("stopping: no new requests; finishing those in flight")
-            super().handle_exit(sig, frame)
-
-    server = DrainingServer(config)
+                            timeout_graceful_shutdown=grace_seconds + 5, lifespan="off")
+    server = _draining_server(config, state, grace_seconds)
     failed: list[str] = []
 
     def compile_then_serve():
@@ -221,6 +220,38 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
         return EXIT_RUNTIME
     _progress("stopped")
     return 0
+
+
+def _draining_server(config, state, grace_seconds: float):
+    """uvicorn's server for `state`. On SIGTERM/SIGINT uvicorn closes its socket and waits for the connections in
+    flight; this one also answers 503 to requests arriving meanwhile on connections kept alive, and when the
+    grace period runs out ends the requests still open with an error (an event on a stream) rather than
+    dropping their connections, in one line of its log. The signal handler only sets flags; what follows runs
+    on the event loop."""
+    import asyncio
+
+    import uvicorn
+
+    def grace_ran_out():
+        cut = state.expire()
+        if cut:
+            _progress(f"--grace-seconds {grace_seconds:g} ran out: {cut} request(s) still running ended with an "
+                      "error")
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            _progress("stopping: no new requests; finishing those in flight")
+            cutoff = asyncio.get_running_loop().call_later(grace_seconds, grace_ran_out)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cutoff.cancel()
+
+    return DrainingServer(config)
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

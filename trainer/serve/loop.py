@@ -36,18 +36,17 @@ class EngineLoop:
         self._wake.set()
 
     def waiting(self) -> int:
-        """Requests not yet in a decode slot."""
-        e = self.engine
-        return self.inbox.qsize() + len(e.waiting) + (e.admitting is not None)
+        """Requests not yet in a decode slot (the engine's as of its last step: its snapshot)."""
+        return self.inbox.qsize() + self.engine.snapshot.waiting
 
     def running(self) -> int:
-        return len(self.engine.active)
+        return self.engine.snapshot.running
 
     def _run(self) -> None:
         while not self._stop:
             while True:
                 try:
-                    self.engine.waiting.append(self.inbox.get_nowait())
+                    self.engine.scheduler.waiting.append(self.inbox.get_nowait())
                 except queue.Empty:
                     break
             if not self.engine.busy:
@@ -58,16 +57,4 @@ class EngineLoop:
                 self.engine.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the server
                 log.exception("engine step failed")
-                self._fail_running(f"{type(e).__name__}: {e}")
-
-    def _fail_running(self, reason: str) -> None:
-        e = self.engine
-        for req in [*e.active.values(), *([e.admitting] if e.admitting else [])]:
-            req.finish_reason, req.error = "error", reason
-            e._release(req)
-            if req.listener is not None:
-                try:
-                    req.listener(req)
-                except Exception:  # noqa: BLE001
-                    pass
-        e.admitting = None
+                self.engine.fail_in_flight(f"{type(e).__name__}: {e}")

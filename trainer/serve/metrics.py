@@ -41,11 +41,12 @@ class ServingMetrics:
                                          registry=registry).labels(name)
 
     def _kv_usage(self) -> float:
+        """From the snapshot the engine publishes after each step: its slots are never read mid-step."""
         loop = self.state.loop
         if loop is None:
             return 0.0
         engine = loop.engine
-        return engine.used_positions() / (engine.slots * engine.max_len)
+        return engine.snapshot.used_positions / (engine.slots * engine.max_len)
 
     def finished(self, req) -> None:
         if getattr(req, "counted", False):

@@ -27,6 +27,8 @@ class Loaded:
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     step: int
+    eos_token: str | None = None
+    tokenizer_class: str = "bytes"
     chat_template: object = None  # an imported model's own (trainer/serve/chat.py), or None
 
 
@@ -46,6 +48,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
 
     codec = Codec(cfg, tokenizer_path or imported_tokenizer(run.config))
     chat_template = _hub_chat_template(run.config)
+    eos_id, eos_token = end_of_document(cfg, codec, run.config)
     devices = jax.devices()
     # By default the experts spread over as many devices as divide them; the rest replicate them (data).
     expert = math.gcd(len(devices), cfg.moe.num_experts)
@@ -68,8 +71,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     progress(f"{cfg.name}: {plan['weights'] / 2**20:,.1f} MiB of weights a device"
              f"{' (int8)' if int8_weights else ''}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
              f"positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); mesh {mesh_shape}")
-    check_fits(plan, device_memory_gb if device_memory_gb else device_memory(devices[0]), slots, max_len, kv,
-               int8_weights)
+    check_fits(plan, device_memory_gb if device_memory_gb else memory_of(devices), slots, max_len, kv, int8_weights)
     progress(f"reading the parameters from {checkpoints}")
     try:
         weights, step = restore_weights(model, checkpoints)
@@ -80,10 +82,48 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
         weights = {**weights, "params": quantize_params(weights["params"])}
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
-                        detokenize=codec.decode)
+                        detokenize=codec.decode, eos_id=eos_id)
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
-    return Loaded(cfg, engine, codec.encode, codec.decode, step, chat_template)
+    return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template)
+
+
+def end_of_document(cfg, codec, config_path: str | None = None) -> tuple[int | None, str | None]:
+    """The end-of-document token the run's data put after each document ((id, text)), at which generation
+    stops: an imported Hugging Face model's own eos_token_id, else the prepared dataset's; (None, None) for
+    data without documents (bytes of one text, token arrays, synthetic)."""
+    from trainer.hf.orbax_io import imported_eos
+
+    hub = imported_eos(config_path) if config_path else None
+    if hub is not None:
+        return hub, codec.decode([hub]) if codec.tokenizer is not None else None
+    if cfg.data.source != "records":
+        return None, None
+    from trainer.datasets import DataError, load_manifest
+
+    try:
+        manifest = load_manifest(cfg.data.path)
+    except DataError:  # the dataset is gone: a --tokenizer may still name the token
+        manifest = {}
+    eos_id, eos_token = manifest.get("eod_id"), manifest.get("eod_token")
+    if eos_id is None and codec.tokenizer is not None:
+        from trainer.prepare import EOD_TOKEN
+
+        eos_token, eos_id = EOD_TOKEN, codec.tokenizer.token_to_id(EOD_TOKEN)
+    return (eos_id, eos_token) if eos_id is not None else (None, None)
+
+
+def memory_of(devices) -> int | None:
+    """The bytes one device can hold: what it reports, else on CPU the host's memory shared by its (fake)
+    devices, so a cache the host cannot hold is refused before it is allocated."""
+    from trainer.sample import host_memory
+
+    reported = device_memory(devices[0])
+    if reported is not None or devices[0].platform != "cpu":
+        return reported
+    host = host_memory()
+    return host // len(devices) if host else None
+    
 
 
 def _hub_chat_template(config_path: str):

@@ -1,0 +1,94 @@
+"""The server under hostile input, in-process over the shared small engine: deeply nested JSON, lone
+surrogates, bodies past the limit, bodies whose announced length never arrives, and a tokenizer slow on a huge
+prompt: each gets its 4xx (or nothing, for a client that went away), never a 500 or a traceback, and /health
+keeps answering meanwhile."""
+
+import asyncio
+import logging
+import time
+
+import httpx
+import pytest
+
+from trainer.serve.server import ServerState, create_app
+
+pytestmark = pytest.mark.compile_bound
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), [
+    ("/v1/completions", b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}", 400, "nested at most"),
+    ("/predict", b'{"instances": ' + b"[" * 50000 + b"]" * 50000 + b"}", 400, "nests deeper"),
+    ("/v1/completions", b'{"prompt": "a", "model": "\\ud800"}', 404, "does not exist"),
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, "surrogates not allowed"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "surrogates"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', 400, "surrogates"),
+    ("/v1/completions", b'{"prompt": "' + b"x" * (2**20 + 10) + b'"}', 413, "this server takes at most 1,048,576"),
+], ids=["nested-completions", "nested-predict", "surrogate-model", "surrogate-prompt", "surrogate-chat",
+        "surrogate-tokenize", "past-the-limit"])
+def test_hostile_bodies_get_their_4xx_and_no_traceback(served, caplog, path, body, status, needle):
+    client, _ = served
+    with caplog.at_level(logging.WARNING):
+        r = client.post(path, content=body, headers=JSON)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    assert not [rec for rec in caplog.records if rec.exc_info], "a traceback in the log"
+
+
+def test_a_body_past_the_limit_without_a_length_is_cut_off_as_it_arrives(served):
+    client, _ = served
+
+    def chunks():
+        for _ in range(40):
+            yield b"x" * 65536
+
+    r = client.post("/v1/completions", content=chunks(), headers=JSON)
+    assert r.status_code == 413 and "bytes or more" in r.json()["error"]["message"]
+
+
+def test_a_client_gone_before_its_body_arrived_gets_nothing_and_runs_nothing(served, caplog):
+    _, state = served
+    app = create_app(ServerState("tiny", encode=state.encode, decode=state.decode))
+    messages = [{"type": "http.request", "body": b'{"prompt": "a", "max', "more_body": True},
+                {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/predict", "raw_path": b"/predict", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")], "http_version": "1.1",
+             "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(app(scope, receive, send))
+    assert sent == [] and not caplog.records
+
+
+def test_a_slow_tokenizer_on_a_huge_prompt_does_not_stall_health(served):
+    """Tokenizing runs on a worker thread past a few kilobytes: /health answers while it goes on."""
+    _, state = served
+
+    def slow_encode(text):
+        if len(text) > 10000:
+            time.sleep(1.0)  # a tokenizer's second for a megabyte
+        return state.encode(text)
+
+    slow = ServerState("tiny", encode=slow_encode, decode=state.decode)
+    app = create_app(slow)
+    slow.loop = state.loop
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            huge = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "x" * 500_000}))
+            await asyncio.sleep(0.2)
+            started = time.perf_counter()
+            health = await c.get("/health")
+            return health, time.perf_counter() - started, await huge
+
+    health, waited, huge = asyncio.run(scenario())
+    assert health.status_code == 200 and waited < 0.5
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt"

@@ -1,0 +1,134 @@
+"""The engine's model runner: the key/value cache, the two jitted programs with fixed shapes (a prefill chunk
+into one slot, a decode step for every slot) and the host copies of each slot's decode inputs.
+
+It runs what the scheduler asks and returns tokens and log-probability records; it knows nothing of requests'
+lifetimes, text or stop strings (trainer.serve.output).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainer.serve.kvcache import KVCache
+from trainer.serve.logprobs import Logprob, records, token_logprobs
+from trainer.serve.sampling import sample_tokens
+from trainer.serve.weights import ServingModel
+
+
+class ModelRunner:
+    def __init__(self, model: ServingModel, weights: dict, *, slots: int, max_len: int, chunk: int, kv_dtype):
+        m = model.cfg.model
+        self.model, self.weights = model, weights
+        self.slots, self.max_len, self.chunk = slots, max_len, chunk
+        self.kv_dtype = jnp.dtype(kv_dtype or model.cfg.dtype)
+        replicated = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
+        cache_sharding = KVCache.sharding(model.mesh, m.kv_heads, self.kv_dtype)
+        self.cache = jax.jit(lambda: KVCache.empty(m.num_layers, slots, max_len, m.kv_heads, m.head_size,
+                                                   self.kv_dtype), out_shardings=cache_sharding)()
+        # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
+        # Host copies of each slot's decode inputs; an idle slot sits at position max_len, whose cache
+        # writes are dropped, and samples greedily (an argmax: the cheapest).
+        self.tokens_S = np.zeros(slots, np.int32)
+        self.positions_S = np.full(slots, max_len, np.int32)
+        self.temperature_S = np.zeros(slots, np.float32)
+        self.top_k_S = np.zeros(slots, np.int32)
+        self.top_p_S = np.ones(slots, np.float32)
+        self.seed_S = np.zeros(slots, np.int32)
+
+    # ------------------------------------------------------------------ the jitted programs
+
+    def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want):
+        """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
+        its target, the token after it (a target < 0: the token drawn here)."""
+        logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1)
+        logits_1xV = jax.lax.dynamic_index_in_dim(logits_1xCxV, last, axis=1, keepdims=False)
+        token_1 = sample_tokens(logits_1xV, *sampling, start_1 + last + 1)
+        targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
+        return (token_1, token_logprobs(logits_1xCxV[0], targets_C, want)), cache
+
+    def _decode_fn(self, weights, cache, tokens_S, positions_S, sampling, want):
+        logits_Sx1xV, cache = self.model.module(weights).decode(tokens_S[:, None], cache, positions_S)
+        next_S = sample_tokens(logits_Sx1xV[:, 0], *sampling, positions_S + 1)
+        return (next_S, token_logprobs(logits_Sx1xV[:, 0], next_S, want)), cache
+
+    def compilations(self) -> int:
+        """Programs compiled so far by the two steps (fixed shapes: 2 after warm-up)."""
+        return self._prefill._cache_size() + self._decode._cache_size()
+
+    def warm_up(self) -> None:
+        """Compiles both steps (an idle decode step writes nothing; the prefill's writes into slot 0 are
+        overwritten by its next request before they are read)."""
+        sampling = sampling_arrays([(0.0, 0, 1.0, 0)])
+        tokens, self.cache = self._prefill(self.weights, self.cache, np.zeros((1, self.chunk), np.int32),
+                                           np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
+                                           np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False))
+        tokens, self.cache = self._decode(self.weights, self.cache, self.tokens_S, self.positions_S,
+                                          self.slot_sampling(), np.bool_(False))
+        jax.block_until_ready(tokens)
+
+    # ------------------------------------------------------------------ steps
+
+    def prefill(self, prompt: list[int], start: int, slot: int, sampling: tuple, *, top: int | None,
+                prompt_scores: bool) -> tuple[int, list[Logprob] | None]:
+        """One chunk of `prompt` from `start` into `slot`: (the token drawn after the chunk, which counts only
+        when the chunk ends the prompt; each position's record of the token after it when `prompt_scores`,
+        or the drawn token's alone when `top` is not None and the chunk is the last, else None)."""
+        piece = prompt[start:start + self.chunk]
+        final = start + len(piece) == len(prompt)
+        tokens = np.zeros((1, self.chunk), np.int32)
+        tokens[0, :len(piece)] = piece
+        targets = np.zeros(self.chunk, np.int32)  # the token after each position; -1: the one drawn
+        after = prompt[start + 1:start + len(piece) + 1]
+        targets[:len(after)] = after
+        if final:
+            targets[len(piece) - 1] = -1
+        want = prompt_scores or (final and top is not None)
+        (token_1, scored), self.cache = self._prefill(
+            self.weights, self.cache, tokens, targets, np.asarray([start], np.int32), np.asarray([slot], np.int32),
+            np.int32(len(piece) - 1), sampling_arrays([sampling]), np.bool_(want))
+        token = int(np.asarray(token_1)[0])
+        if not want:
+            return token, None
+        if final:
+            targets[len(piece) - 1] = token
+        rows = targets[:len(piece)] if prompt_scores else targets[len(piece) - 1:len(piece)]
+        scored = [a[:len(piece)] if prompt_scores else a[len(piece) - 1:len(piece)] for a in scored]
+        return token, records(rows, *scored, top or 0)
+
+    def decode(self, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
+        """One decode step of every slot: (each slot's next token, the records of the slots in `wanted`, a
+        slot -> how many alternatives)."""
+        (tokens_S, scored), self.cache = self._decode(self.weights, self.cache, self.tokens_S, self.positions_S,
+                                                      self.slot_sampling(), np.bool_(bool(wanted)))
+        tokens_S = np.asarray(tokens_S)
+        if not wanted:
+            return tokens_S, {}
+        scored = [np.asarray(a) for a in scored]
+        return tokens_S, {slot: records([tokens_S[slot]], *(a[slot:slot + 1] for a in scored), top)[0]
+                          for slot, top in wanted.items()}
+
+    # ------------------------------------------------------------------ slots
+
+    def occupy(self, slot: int, sampling: tuple) -> None:
+        self.temperature_S[slot], self.top_k_S[slot], self.top_p_S[slot], self.seed_S[slot] = sampling
+
+    def advance(self, slot: int, token: int, position: int) -> None:
+        """The slot's next decode input: `token` at `position`."""
+        self.tokens_S[slot], self.positions_S[slot] = token, position
+
+    def vacate(self, slot: int) -> None:
+        self.positions_S[slot] = self.max_len
+        self.temperature_S[slot] = 0
+
+    def slot_sampling(self):
+        return self.temperature_S, self.top_k_S, self.top_p_S, self.seed_S
+
+
+def sampling_arrays(rows: list[tuple]):
+    """(temperature, top_k, top_p, seed) rows as the steps' arrays."""
+    return (np.asarray([r[0] for r in rows], np.float32), np.asarray([r[1] for r in rows], np.int32),
+            np.asarray([r[2] for r in rows], np.float32), np.asarray([r[3] for r in rows], np.int32))
