@@ -47,12 +47,17 @@ def test_the_template_renders_as_transformers_renders_it(run, conversation):
 
 
 def test_a_refused_conversation_is_a_400_naming_messages(run):
-    from trainer.serve.server import APIError, ServerState, _chat_text
+    import asyncio
+
+    from trainer.serve.protocol import APIError, ChatRequest
+    from trainer.serve.routes import _chat_ids
+    from trainer.serve.server import ServerState
 
     state = ServerState("m", encode=lambda text: [1], decode=lambda ids: "", max_waiting=1)
     state.chat_template = hub_chat_template(str(run))
+    body = ChatRequest(model="m", messages=[{"role": "tool", "content": "x"}])
     with pytest.raises(APIError) as refused:
-        _chat_text(state, _messages([{"role": "tool", "content": "x"}]))
+        asyncio.run(_chat_ids(state, body))
     assert refused.value.status == 400 and refused.value.param == "messages"
     assert refused.value.message == "unknown role tool"
 
@@ -69,3 +74,20 @@ def test_no_template_leaves_the_servers_own_format(tmp_path):
     assert hub_chat_template(str(tmp_path)) is None
     assert render({"message": "{role}: {content}\n", "generation": "assistant:"},
                   _messages(CONVERSATIONS[0])) == "user: hi\nassistant:"
+
+
+def test_an_imported_model_stops_at_its_own_end_of_sequence_token(run):
+    """The server stops where the model's generation_config.json (else its config.json) says a sequence ends,
+    with the token's text from the model's tokenizer; a run with neither stops on its data's token only."""
+    from trainer.config import load_config
+    from trainer.run_loader import Codec
+    from trainer.serve.startup import end_of_document
+
+    cfg = load_config("tiny", [f"model.vocab_size={VOCAB}"])
+    codec = Codec(cfg, str(run / "hf" / "tokenizer.json"))
+    config_path = str(run / "config.json")
+    assert end_of_document(cfg, codec, config_path) == (None, None)  # synthetic data, no hub files
+    (run / "hf" / "config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
+    assert end_of_document(cfg, codec, config_path) == (3, codec.decode([3]))
+    (run / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert end_of_document(cfg, codec, config_path) == (2, codec.decode([2]))
