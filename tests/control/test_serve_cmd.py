@@ -25,3 +25,11 @@ def test_serve_help_needs_no_jax_and_a_missing_server_package_names_the_extra(tm
     assert "Traceback" not in missing.stderr
     code, _, err = invoke("serve", "--checkpoint", str(tmp_path / "nothing"))
     assert code == 2 and f"--checkpoint {tmp_path / 'nothing'} does not exist" in err
+
+
+def test_eval_is_the_trainers_evaluation_under_the_moe_tpu_name_and_names_its_extra(tmp_path):
+    code, out, _ = invoke("eval", "--help")
+    assert code == 0 and "--tasks" in out and "moe-tpu eval" in out
+    missing = run_without("lm_eval", ["eval", "--checkpoint", str(tmp_path), "--tasks", "arc_easy"])
+    assert missing.returncode == 2 and "pip install 'moe-tpu[eval]'" in missing.stderr
+    assert "Traceback" not in missing.stderr

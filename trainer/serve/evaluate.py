@@ -155,8 +155,8 @@ def write_results(results: dict, path: str) -> None:
     target.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
 
 
-def main(args: list[str] | None = None) -> None:
-    eval_command.main(args=args, prog_name="python -m trainer.serve.evaluate")
+def main(args: list[str] | None = None, prog_name: str = "python -m trainer.serve.evaluate") -> None:
+    eval_command.main(args=args, prog_name=prog_name)
 
 
 if __name__ == "__main__":
