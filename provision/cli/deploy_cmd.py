@@ -42,7 +42,7 @@ def deploy(app, config_path: str, keep: bool) -> None:
     from provision.targets import kind_of
 
     app.command = "deploy"
-    cfg = app.load_config(config_path)
+    cfg = app.load_config(config_path, serve_mesh=True)  # each replica's server started on one mesh, the plan's
     context = app.context(cfg)
     service = kind_of(cfg).service(context)
     app.console.info(f"deploy {cfg.run}: {service.describe()}" + (" [dry run]" if app.dry_run else ""))

@@ -145,17 +145,28 @@ def serve_verdict(plan: ServePlan) -> str:
 def serve_lines(plan: ServePlan) -> list[str]:
     acc, mesh = plan.accelerator, plan.mesh
     where = {"serve": "the serve section", "--accelerator": "--accelerator", "plan": "the plan's target"}
-    mesh_from = {"--mesh": "given with --mesh", "plan": "the plan's mesh",
+    mesh_from = {"--mesh": "given with --mesh", "serve.mesh": "given in serve.mesh", "plan": "the plan's mesh",
                  "serving": f"chosen for serving: {mesh.reason}"}[plan.mesh_source]
     lines = ["", f"serving   one replica: {plan.chips} chips ({acc.topology}, from {where[plan.hardware_source]}), "
                  f"{plan.slots} slots x {plan.max_len} tokens",
-             f"          mesh {mesh.text()} ({mesh_from}); the server takes --mesh {mesh.text()}",
+             f"          mesh {mesh.text()} ({mesh_from}); {_deployed_with(plan)}",
              f"          KV cache {plan.rows[0].serving.kv.note}; {plan.platform} at "
              f"{usd(plan.price_per_chip_hour)} per chip-hour ({plan.capacity}: {plan.price_basis})"]
     for row in plan.rows:
         lines += _row_lines(plan, row)
     lines += [""] + [f"warning   {w}" for w in plan.warnings] if plan.warnings else []
     return lines + ["", serve_verdict(plan)]
+
+
+def _deployed_with(plan: ServePlan) -> str:
+    """Which server the mesh is for: `deploy` renders it into each replica's argv where it is the serve
+    section's (its serve.mesh, or the plan's choice), not where --mesh only asks what if."""
+    flag = f"--mesh {plan.mesh.text()}"
+    if plan.hardware_source == "serve" and plan.mesh_source != "--mesh":
+        return f"deploy starts each replica's server with {flag}"
+    if plan.hardware_source == "serve":
+        return f"the server takes {flag} (deploy uses it once it is the config's serve.mesh)"
+    return f"the server takes {flag}"
 
 
 def _row_lines(plan: ServePlan, row: Row) -> list[str]:
