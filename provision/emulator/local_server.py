@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from provision.emulator.local_trainer import compilation_cache_env, process_runs
+from trainer import signals
 from trainer.outputs import Phase
 
 SERVERS_DIR = "servers"
@@ -103,7 +104,7 @@ class LocalServers:
         return any(self.state(key).phase == Phase.STARTING for key in self.keys())
 
     def wait(self, seconds: float) -> None:
-        time.sleep(min(seconds, GATE_WAIT_S))
+        signals.sleep(min(seconds, GATE_WAIT_S))  # a command's signal ends it at once
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{_safe(key)}.json"
