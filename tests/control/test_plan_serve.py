@@ -149,7 +149,9 @@ def test_the_1_2t_verdict_says_which_precisions_fit_and_which_bounds_22_ms_meets
     assert doc["claim"]["reachable"] == ["int4"]
     assert doc["claim"]["meets"]["int4"] == {"HBM": True, "compute": True, "ICI": True}
     assert doc["claim"]["meets"]["int8"]["HBM"] is False and doc["claim"]["meets"]["bf16"]["HBM"] is False
-    assert doc["verdict"].startswith("SERVES at int4 (not bf16, int8): moe-1.2t")
+    # int4 fits, but the engine serves no int4 weights (trainer/serve/memory.py's list): the verdict says so.
+    assert doc["verdict"].startswith("SERVES AT NO PRECISION THE ENGINE SERVES: moe-1.2t")
+    assert "only int4 fits, and the engine serves bf16, float32 and int8 weights" in doc["verdict"]
     assert "reachable at int4 only" in doc["verdict"] and doc["verdict"] in err
     step = int4["decode"]
     cost = doc["price_per_chip_hour_usd"] / (step["tokens_per_s_per_chip"] * 3600) * 1e6

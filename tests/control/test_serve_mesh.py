@@ -104,3 +104,23 @@ def test_plan_serve_mesh_describes_the_replica_and_leaves_the_training_plan_its_
                                     "reason": "expert=1,model=4: given with --mesh"}
     code, out, _ = moe("plan", "-c", str(SERVING["vertex"]), "--serve", "--mesh", "model=4")
     assert code == 0 and "(deploy uses it once it is the config's serve.mesh)" in out
+
+
+@pytest.mark.parametrize("example", ["serve-vertex", "serve-gke", "moe-1.2t", "v5e-64"])
+def test_the_serve_verdict_names_only_precisions_that_fit_and_that_the_engine_serves(example):
+    """The verdict agrees with the rows beside it and with the engine's own list of weight formats."""
+    from trainer.serve.memory import QUANTIZED_WEIGHTS
+
+    served = _plan(ROOT / "examples" / f"{example}.yaml")
+    engine = {"bf16", "float32", *QUANTIZED_WEIGHTS}
+    rows = served["precisions"]
+    verdict = served["verdict"]
+    servable = [name for name, row in rows.items() if row["fits"] and row["weights_precision"] in engine]
+    if verdict.startswith("SERVES at "):
+        named = verdict.removeprefix("SERVES at ").split(":")[0].split(" (not ")[0].split(", ")
+        assert named == servable
+    else:
+        assert servable == [] and "SERVES AT NO PRECISION" in verdict
+    for name, row in rows.items():
+        if row["weights_precision"] not in engine and row["fits"]:
+            assert f"the engine serves bf16, float32 and {', '.join(QUANTIZED_WEIGHTS)} weights" in verdict

@@ -22,6 +22,7 @@ import time
 
 import click
 
+from trainer.serve.memory import QUANTIZED_WEIGHTS
 from trainer.serve.startup import ServeError, load
 
 EXIT_RUNTIME = 1
@@ -103,7 +104,8 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Requests queued for a slot; beyond them 429 with Retry-After.")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "float32", "int8"]), default="auto",
               show_default=True, help="auto: the model's compute dtype.")
-@click.option("--weights", "weight_format", type=click.Choice(["auto", "int8"]), default="auto", show_default=True,
+@click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
+              show_default=True,
               help="int8: per-channel symmetric int8 weights (about half of bfloat16).")
 @click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
               help="model=T splits each expert and attention's heads T ways [as many devices on expert as "

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import math
 
+# The weight formats the engine quantizes to on load (`--weights`, trainer/serve/quant.py); `auto` keeps the
+# checkpoint's float dtype. The one list: the server's flag and the planner's serve verdict read it.
+QUANTIZED_WEIGHTS = ("int8",)
+
 # Beyond weights and cache: logits, activations of a prefill chunk, XLA's scratch. A share of the device
 # memory, since what it covers grows with the model.
 HEADROOM = 0.10
