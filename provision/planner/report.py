@@ -223,10 +223,13 @@ class Verdict:
     fits: bool
     line: str
     shortfall_bytes: int  # per chip; 0 when it fits
+    fitting_mesh: str | None = None  # where the mesh given does not fit: the one that does on the target
 
 
 def verdict_of(plan: Plan) -> Verdict:
-    return Verdict(fits=plan.fits, line=verdict_line(plan), shortfall_bytes=plan.memory.shortfall)
+    fitting = plan.advice.fitting_mesh
+    return Verdict(fits=plan.fits, line=verdict_line(plan), shortfall_bytes=plan.memory.shortfall,
+                   fitting_mesh=fitting.text() if fitting is not None and not plan.fits else None)
 
 
 def verdict(cfg: Config) -> Verdict:

@@ -72,3 +72,4 @@ def test_a_given_mesh_that_does_not_fit_is_told_the_mesh_that_does_not_a_smaller
     line = planner.verdict_line(plan)
     assert line.startswith("DOES NOT FIT") and "smallest slice that fits: v5litepod-64" not in line
     assert f"fits on 1 x v5litepod-64 with --mesh {plan.advice.fitting_mesh.text()} (the plan's choice)" in line
+    assert planner.verdict_of(plan).fitting_mesh == plan.advice.fitting_mesh.text()  # run's hint names it
