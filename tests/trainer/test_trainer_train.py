@@ -368,3 +368,13 @@ def test_saving_small_arrays_that_devices_hold_alike_compiles_no_slices(tmp_path
     restored, _ = ckpt.restore(1, abstract)
     ckpt.close()
     assert all(np.array_equal(restored[k], state[k]) for k in state)
+
+
+def test_a_run_without_an_output_dir_says_nothing_is_saved_and_ends_with_a_summary(tmp_path):
+    reporter = At(tmp_path / "m.jsonl", 0, lambda: None)
+    result = run_tiny(reporter, 2)
+    lines = reporter.messages.splitlines()
+    assert any(line.startswith("compiled the train step") and line.endswith(
+        "no checkpoint is saved (no --output-dir: give one to keep the run and resume it)") for line in lines)
+    assert lines[-1] == (f"finished step 2 of 2, loss {result.loss:.4f}; no checkpoint is saved (no --output-dir: "
+                         "give one to keep the run and resume it)")
