@@ -378,3 +378,14 @@ def test_a_run_without_an_output_dir_says_nothing_is_saved_and_ends_with_a_summa
         "no checkpoint is saved (no --output-dir: give one to keep the run and resume it)") for line in lines)
     assert lines[-1] == (f"finished step 2 of 2, loss {result.loss:.4f}; no checkpoint is saved (no --output-dir: "
                          "give one to keep the run and resume it)")
+
+
+def test_the_array_handler_is_registered_without_orbaxs_override_warning(caplog):
+    """It was 'WARNING:absl:Type handler registry type ... overriding jax.Array' at every start."""
+    import logging
+
+    from trainer.checkpoint import _replica_parallel_for_large_arrays_only
+
+    with caplog.at_level(logging.DEBUG):
+        _replica_parallel_for_large_arrays_only()
+    assert [r.getMessage() for r in caplog.records if "overriding" in r.getMessage()] == []
