@@ -124,3 +124,19 @@ def test_the_serve_verdict_names_only_precisions_that_fit_and_that_the_engine_se
     for name, row in rows.items():
         if row["weights_precision"] not in engine and row["fits"]:
             assert f"the engine serves bf16, float32 and {', '.join(QUANTIZED_WEIGHTS)} weights" in verdict
+
+
+@pytest.mark.parametrize("kind", sorted(SERVING))
+def test_the_examples_predict_command_works_on_the_dry_runs_checkpoint(kind):
+    """The comment's dry run serves examples/v5e-64.yaml's dry-run checkpoint, trained on synthetic tokens
+    with no tokenizer: the server reads a prompt as token ids only (trainer.sample.Codec)."""
+    import re
+    import shlex
+
+    text = SERVING[kind].read_text()
+    [command] = [line.lstrip("# ").split("&&")[0] for line in text.splitlines() if " predict " in line]
+    args = shlex.split(command)
+    prompt = args[args.index("--prompt") + 1]
+    assert re.fullmatch(r"\d+( \d+)*", prompt), prompt
+    cfg = load_config(ROOT / "examples" / "v5e-64.yaml")
+    assert load_trainer_config(cfg.dry_run.trainer_config).data.source == "synthetic"
