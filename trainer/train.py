@@ -212,18 +212,21 @@ def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
 class StopSignal:
     """Set by SIGTERM (the preemption notice on TPU VMs and Vertex) or SIGINT; the loop saves and stops.
 
-    A second SIGINT stops at once (KeyboardInterrupt), for a user who will not wait for the checkpoint.
+    The handler only records (one that raised could be dropped where it landed, a garbage collection
+    among them); the loop looks before every step. Once it has acted (it is saving the checkpoint), a
+    second SIGINT stops at once (KeyboardInterrupt), for a user who will not wait for the checkpoint.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
+        self.acted = False  # the loop has stopped for it
         self.reason: str | None = None
 
     def install(self) -> Callable[[], None]:
         def handler(signum, frame):
-            if self.requested and signum == signal.SIGINT:
+            if self.acted and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self.requested = True
             self.reason = self.reason or signal.Signals(signum).name
@@ -398,7 +401,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
     try:
         while step < spec.steps:
             if should_stop(stop, step):
-                stopped = True
+                stopped = stop.acted = True
                 break
             profiler.before(step)
             state, metrics = step_fn(state, global_batch(trainer, next(data)))

@@ -215,6 +215,8 @@ def test_a_second_ctrl_c_stops_at_once():
         assert (stop.requested, stop.reason) == (True, "SIGINT")
         os.kill(os.getpid(), signal.SIGTERM)  # a later signal does not rename the first
         assert stop.reason == "SIGINT"
+        os.kill(os.getpid(), signal.SIGINT)  # before the loop acts on the first: the same stop
+        stop.acted = True  # the loop stopped for it and saves the checkpoint: now a second Ctrl-C is at once
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     finally:
@@ -389,3 +391,22 @@ def test_the_array_handler_is_registered_without_orbaxs_override_warning(caplog)
     with caplog.at_level(logging.DEBUG):
         _replica_parallel_for_large_arrays_only()
     assert [r.getMessage() for r in caplog.records if "overriding" in r.getMessage()] == []
+
+
+def test_a_second_sigint_before_the_loop_acts_is_one_stop_and_ctrl_c_exits_130(tmp_path):
+    """Two Ctrl-C in a row land before the loop looks: one stop with its checkpoint (the second used to
+    raise KeyboardInterrupt from the handler, wherever the loop was). `train` then exits 130, status
+    "stopped" (SIGTERM's is 143)."""
+    def twice():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    reporter = At(tmp_path / "a.jsonl", 2, twice)
+    stopped = run_tiny(reporter, 10, output_dir=str(tmp_path / "a"))
+    assert (stopped.step, stopped.stop_reason, stopped.checkpoint_step) == (2, "SIGINT", 2)
+
+    from trainer.cli import stopped_exit_code
+    from trainer.status import STATE_OF_EXIT
+
+    assert [stopped_exit_code(r) for r in ("SIGINT", "SIGTERM", "a preemption notice")] == [130, 143, 143]
+    assert STATE_OF_EXIT[130] == STATE_OF_EXIT[143] == "stopped"  # the VM's watcher reads both as a stop
