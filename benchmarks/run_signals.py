@@ -121,6 +121,9 @@ def main() -> int:
                 counts[(signal.Signals(sig).name, verdict)] += 1
                 if verdict.startswith(("LOST", "left up")):
                     print(f"round {i}: {signal.Signals(sig).name}: {verdict}", file=sys.stderr)
+                if (i + 1) % 100 == 0:  # a long run's progress, in case it is cut short
+                    print(f"{i + 1} signals in {time.perf_counter() - start:.0f} s: {dict(counts)}", file=sys.stderr,
+                          flush=True)
         finally:
             rounds.close()
         took = time.perf_counter() - start
