@@ -53,6 +53,9 @@ class Latch:
         self.handled = False
         self.raised = False  # a checkpoint raised the pending signal's exception (it is on its way out)
         self.raise_for = raise_for
+        self._read_fd = self._write_fd = -1  # the wakeup pipe, while installed (`latch`)
+
+    def _open(self) -> None:
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
         os.set_blocking(self._write_fd, False)
@@ -91,8 +94,10 @@ class Latch:
             pass
 
     def close(self) -> None:
-        os.close(self._read_fd)
-        os.close(self._write_fd)
+        if self._read_fd >= 0:
+            os.close(self._read_fd)
+            os.close(self._write_fd)
+            self._read_fd = self._write_fd = -1
 
 
 _current: Latch | None = None
@@ -109,6 +114,7 @@ def latch(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGH
         yield _current or Latch(raise_for)
         return
     found = Latch(raise_for)
+    found._open()
     previous = {sig: signal.signal(sig, found._record) for sig in signals}
     old_fd = signal.set_wakeup_fd(found._write_fd, warn_on_full_buffer=False)
     _current = found

@@ -99,3 +99,18 @@ def test_signals_at_random_moments_of_dry_runs_are_never_lost(tmp_path):
             signal.signal(sig, handler)
     assert all(v == "acted on" or v.startswith("after the run") for v in verdicts), verdicts
     assert verdicts.count("acted on") >= 4, verdicts  # the rest: sent from a collection after the run ended
+
+
+def test_a_latch_outside_the_main_thread_changes_nothing():
+    """Signals are the main thread's: elsewhere the latch installs nothing and opens no pipe."""
+    handler, fds = signal.getsignal(signal.SIGTERM), len(os.listdir("/proc/self/fd"))
+
+    def body():
+        with signals.latch():
+            signals.checkpoint()
+            signals.sleep(0.01)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert signal.getsignal(signal.SIGTERM) is handler and len(os.listdir("/proc/self/fd")) == fds
