@@ -69,10 +69,10 @@ def build(args, config: str, overrides: list[str], slots: int, max_len: int):
     from trainer.serve.weights import build_serving_model, init_weights, restore_weights
 
     if args.checkpoint and config == args.config:
-        from trainer.sample import Codec, load_run_config, locate
+        from trainer.run_loader import Codec, find_run, load_run_config
 
-        checkpoints, config_path = locate(args.checkpoint)
-        cfg = load_run_config(config_path)
+        run = find_run(args.checkpoint)
+        checkpoints, cfg = run.checkpoints, load_run_config(run.config)
         codec = Codec(cfg, None)
         encode, decode = codec.encode, codec.decode
     else:

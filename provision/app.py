@@ -251,10 +251,8 @@ class App:
         if cfg is None or not self.used_cloud:
             return []
         try:
-            from provision.targets import for_config
-
             context = self.context(cfg)  # its session: the command's own may be closed already
-            found = for_config(context).left()
+            found = cfg.kind.status(context)  # everything of the run, whichever workload was interrupted
             now = context.clock.now()
             return [r.as_dict(now) for r in found]
         except BaseException:  # noqa: BLE001 - interrupted again, or the cloud is gone: report what we know

@@ -141,6 +141,9 @@ def accelerator_for_machine(machine_type: str, tpu_topology: str = "") -> Accele
 # FLEX_START), SPOT at the spot rate.
 CAPACITY_OF_VERTEX_STRATEGY = {"STANDARD": "on-demand", "FLEX_START": "on-demand", "SPOT": "spot"}
 
+# A GKE cluster or node pool name is at most this many characters (RFC 1035).
+MAX_GKE_NAME = 40
+
 # Vertex AI CustomJob states (google.cloud.aiplatform.v1.JobState) a job is still live in, and ends in.
 VERTEX_JOB_ACTIVE = frozenset({"JOB_STATE_QUEUED", "JOB_STATE_PENDING", "JOB_STATE_RUNNING", "JOB_STATE_CANCELLING",
                                "JOB_STATE_UPDATING", "JOB_STATE_PAUSED"})

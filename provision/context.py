@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from provision.image import image_reference
 from provision.rendering import Renderer
 
 if TYPE_CHECKING:
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 def renderer_for(cfg: Config, templates_dir: Path | None = None) -> Renderer:
     """The renderer of `cfg`: these templates and the image the config runs, resolved now (without
     image.tag that hashes the source tree, with these templates)."""
-    from provision.image import image_reference
-
     return Renderer(image=image_reference(cfg, templates_dir), templates_dir=templates_dir)
 
 

@@ -13,16 +13,13 @@ import json
 from collections.abc import Iterator
 
 from provision import catalogue
-from provision.errors import CloudError
-from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
-from provision.targets.base import Holding, ServiceReport
-from trainer.outputs import Phase
+from provision.cloud import messages
+from provision.core import Holding, Phase, ServiceReport
+from provision.errors import UsageError
+from provision.rendering import deployed_model_body, serving_endpoint_body, serving_model_body
+from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 
 OPERATION_TIMEOUT_S = 3600.0
-
-
-def region_parent(project: str, region: str) -> str:
-    return f"projects/{project}/locations/{region}"
 
 
 def _seconds(ts) -> float | None:
@@ -37,12 +34,12 @@ def _ours(items: list, run: str | None) -> list:
 def run_models(session, project: str, region: str, run: str | None = None) -> list:
     """The models this tool uploaded in `region` (by label; with `run`, that run's), oldest first."""
     server_filter = f'display_name="{run}"' if run is not None else ""
-    return _ours(session.serving(region).list_models(region_parent(project, region), server_filter), run)
+    return _ours(session.serving(region).list_models(location_path(project, region), server_filter), run)
 
 
 def run_endpoints(session, project: str, region: str, run: str | None = None) -> list:
     server_filter = f'display_name="{run}"' if run is not None else ""
-    return _ours(session.serving(region).list_endpoints(region_parent(project, region), server_filter), run)
+    return _ours(session.serving(region).list_endpoints(location_path(project, region), server_filter), run)
 
 
 def deployed_resource(endpoint, deployed, region: str) -> Resource:
@@ -88,11 +85,7 @@ def endpoints_down(context) -> list[Resource]:
         _delete(serving, console, "endpoint", endpoint, serving.delete_endpoint, deleted, cfg.region)
     for model in run_models(session, project, cfg.region, cfg.run):
         _delete(serving, console, "model", model, serving.delete_model, deleted, cfg.region)
-    left = managed_serving(session, project, cfg.region, cfg.run)
-    if left:
-        names = ", ".join(f"{r.kind} {short(r.name)} ({r.state})" for r in left)
-        raise CloudError(f"Vertex AI resources still exist after delete: {names}",
-                         hint="run `moe-tpu down` again; if it persists, delete them in the console")
+    verify_deleted(managed_serving(session, project, cfg.region, cfg.run))
     return deleted
 
 
@@ -106,18 +99,13 @@ def _delete(serving, console, kind: str, item, delete, deleted: list[Resource], 
                             created=_seconds(item.create_time)))
 
 
-class EndpointTarget(Holding):
-    """The run's model deployed to a dedicated Vertex AI endpoint (a ServiceTarget). `startup_s`: how long
-    the server may take to load the weights and compile before its startup probe gives up."""
-
-    kind = "vertex"
+class Endpoint(Holding):
+    """The serving workload on Vertex AI: the run's model deployed to a dedicated endpoint. `startup_s`: how
+    long the server may take to load the weights and compile before its startup probe gives up."""
 
     def __init__(self, context, *, startup_s: float) -> None:
         super().__init__(context)
         self.startup_s = startup_s
-        serve = context.config.serve
-        acc = catalogue.accelerator_for_topology(serve.replica_topology)
-        self.chips = (acc.chips if acc else 0) * serve.min_replicas
         self.endpoint: str | None = None
         self.model: str | None = None
         self.operation = None  # the DeployModel operation this process started, if any
@@ -126,15 +114,7 @@ class EndpointTarget(Holding):
     def serving(self):
         return self.session.serving(self.cfg.region)
 
-    def describe(self) -> str:
-        serve = self.cfg.serve
-        return (f"Vertex AI endpoint on {serve.machine_type} {serve.replica_topology}, "
-                f"{serve.min_replicas}-{serve.max_replicas} replica(s){' (spot)' if serve.spot else ''}")
-
-    def price(self) -> float:
-        return self.chips * catalogue.price_per_chip_hour("spot" if self.cfg.serve.spot else "on-demand")
-
-    def provision(self, attempt: int = 0) -> list[Resource]:
+    def start(self) -> list[Resource]:
         """Upload the model, create the endpoint and start the deploy, each adopted where an earlier attempt
         made it; returns what exists then."""
         project = project_of(self.cfg, self.session)
@@ -150,9 +130,6 @@ class EndpointTarget(Holding):
         return managed_serving(self.session, project, self.cfg.region, self.cfg.run)
 
     def _model(self, project: str) -> str:
-        from provision.cloud import messages
-        from provision.rendering import serving_model_body
-
         found = [m for m in run_models(self.session, project, self.cfg.region, self.cfg.run)
                  if m.display_name == self.cfg.run]
         if found:
@@ -160,13 +137,10 @@ class EndpointTarget(Holding):
             return found[-1].name
         body = messages.serving_model(serving_model_body(self.cfg, self.context.image, self.startup_s))
         self.console.info(f"  uploading model {self.cfg.run} (image {self.context.image})")
-        operation = self.serving.upload_model(region_parent(project, self.cfg.region), body)
+        operation = self.serving.upload_model(location_path(project, self.cfg.region), body)
         return self.serving.wait_operation(operation, "upload model", timeout_s=OPERATION_TIMEOUT_S).model
 
     def _endpoint(self, project: str):
-        from provision.cloud import messages
-        from provision.rendering import serving_endpoint_body
-
         found = [e for e in run_endpoints(self.session, project, self.cfg.region, self.cfg.run)
                  if e.display_name == self.cfg.run]
         if found:
@@ -174,13 +148,10 @@ class EndpointTarget(Holding):
             return found[-1]
         body = messages.serving_endpoint(serving_endpoint_body(self.cfg))
         self.console.info(f"  creating dedicated endpoint {self.cfg.run} in {self.cfg.region}")
-        operation = self.serving.create_endpoint(region_parent(project, self.cfg.region), body)
+        operation = self.serving.create_endpoint(location_path(project, self.cfg.region), body)
         return self.serving.wait_operation(operation, "create endpoint", timeout_s=OPERATION_TIMEOUT_S)
 
     def _deploy(self, endpoint) -> None:
-        from provision.cloud import messages
-        from provision.rendering import deployed_model_body
-
         serve = self.cfg.serve
         body = messages.deployed_model(deployed_model_body(self.cfg, self.model))
         self.console.info(f"  deploying to endpoint {short(endpoint.name)}: {serve.machine_type} "
@@ -224,8 +195,6 @@ class EndpointTarget(Holding):
         project = project_of(self.cfg, self.session)
         found = [e for e in run_endpoints(self.session, project, self.cfg.region, self.cfg.run) if e.deployed_models]
         if not found:
-            from provision.errors import UsageError
-
             raise UsageError(f"run {self.cfg.run} has no endpoint with a deployed model in {self.cfg.region}",
                              hint=f"deploy it first: `moe-tpu deploy -c {self.cfg.source}`")
         return found[-1].name
@@ -240,6 +209,7 @@ class EndpointTarget(Holding):
                 "print(client.completions.create(model='', prompt='1 2 3', max_tokens=32).choices[0].text)\""]
 
     def teardown(self) -> list[Resource]:
+        """The run's deployed models, endpoints and models; nothing else of the run (its job stays)."""
         return endpoints_down(self.context)
 
     def left(self) -> list[Resource]:

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from provision import catalogue, gke_render, gke_serve, gke_serve_render
 from provision.errors import CloudError, StockoutError, UsageError, WaitTimeout
-from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed, project_of, short, verify_deleted
+from provision.resources import (
+    MANAGED_BY,
+    RUN_LABEL,
+    Resource,
+    is_managed,
+    location_path,
+    project_of,
+    short,
+    verify_deleted,
+)
 from provision.waiting import format_duration, poll
 
 CLUSTER_WAIT_S = 3600.0
@@ -117,7 +126,7 @@ def ensure_cluster(context) -> tuple[object, bool]:
         operation = session.container.create_cluster(gke_render.create_cluster_request(cfg, project, context.renderer))
         if operation is not None:
             with console.progress(f"  creating cluster {cfg.gke.cluster}") as bar:
-                session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
+                session.container.wait(operation, location_path(project, cfg.gke.location),
                                        f"create cluster {cfg.gke.cluster}", progress=bar)
         made = True
     cluster = _wait_cluster(context, path)
@@ -144,7 +153,7 @@ def _delete_pool(context, project: str, name: str) -> bool:
     if operation is None:
         return False
     context.console.info(f"  deleting node pool {short(name)}")
-    session.container.wait(operation, gke_render.location_path(project, context.config.gke.location),
+    session.container.wait(operation, location_path(project, context.config.gke.location),
                            f"delete node pool {short(name)}")
     return True
 
@@ -190,7 +199,7 @@ def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
             wait = cfg.slice.max_wait.total_seconds() if spec.name != gke_render.cpu_pool_id(cfg) else 3600.0
             with console.progress(f"  creating node pool {spec.name}") as bar:
                 try:
-                    session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
+                    session.container.wait(operation, location_path(project, cfg.gke.location),
                                            f"create node pool {spec.name}", progress=bar, timeout_s=wait)
                 except StockoutError:
                     raise
@@ -345,48 +354,83 @@ def trainer_log(cfg, session, tail: int | None = None) -> str | None:
 # --- down and status -----------------------------------------------------------------------------------
 
 def gke_down(context) -> list[Resource]:
-    """Delete the run's JobSet, its node pools and (only when this tool created it for the run) the
-    cluster; wait for each and verify nothing of the run is left."""
-    cfg, session, console = context.config, context.session, context.console
-    project = project_of(cfg, session)
-    path = gke_render.cluster_path(cfg, project)
-    before = managed_gke(cfg, session, run=cfg.run, project=project)
+    """Delete everything of the run (`down`): its serving objects, its JobSet, every node pool of it and
+    (only when this tool created it and no run has a pool left on it) the cluster; wait for each and
+    verify nothing of the run is left."""
+    cfg, session = context.config, context.session
+    before = managed_gke(cfg, session, run=cfg.run)
     deleted: list[Resource] = []
-    cluster_now = cluster_of(cfg, session, project)
+    cluster_now = cluster_of(cfg, session)
     if cluster_now is not None and cluster_now.endpoint and any(r.kind in SERVING_KINDS for r in before):
         deleted += gke_serve.delete_objects(context, session.kube(cluster_now), cfg.run)
     if delete_jobset(context):
         deleted += [r for r in before if r.kind == "jobset"]
-    for res in [r for r in before if r.kind == "node_pool"]:
-        if _delete_pool(context, project, res.name):
-            deleted.append(res)
+    deleted += pools_down(context, {r.name.rsplit("/", 1)[-1] for r in before if r.kind == "node_pool"})
+    verify_deleted(managed_gke(cfg, session, run=cfg.run))
+    return deleted
+
+
+def pools_down(context, pool_ids: set[str]) -> list[Resource]:
+    """Delete the run's node pools among `pool_ids` (a workload's own: its training pools, or its serving
+    pool), then the cluster when it is to go (see _unused_cluster); the resources deleted."""
+    cfg, session, console = context.config, context.session, context.console
+    project = project_of(cfg, session)
+    path = gke_render.cluster_path(cfg, project)
+    if session.container.get_cluster(path) is None:
+        return []
+    deleted: list[Resource] = []
+    for pool in session.container.list_node_pools(path):
+        if pool.name in pool_ids and is_managed(_labels(pool), cfg.run) \
+                and _delete_pool(context, project, f"{path}/nodePools/{pool.name}"):
+            deleted.append(_pool_resource(pool, cfg.gke.location, path))
     cluster = _unused_cluster(context, path)
     if cluster is not None:
         operation = session.container.delete_cluster(path)
         if operation is not None:
             with console.progress(f"  deleting cluster {cfg.gke.cluster}") as bar:
-                session.container.wait(operation, gke_render.location_path(project, cfg.gke.location),
+                session.container.wait(operation, location_path(project, cfg.gke.location),
                                        f"delete cluster {cfg.gke.cluster}", progress=bar)
             deleted.append(cluster)
-    verify_deleted(managed_gke(cfg, session, run=cfg.run, project=project))
     return deleted
 
 
+def pools_left(context, pool_ids: set[str]) -> list[Resource]:
+    """What pools_down(pool_ids) would delete that exists now: those of the run's node pools, and the
+    cluster when this tool made it and no other pool this tool made is on it."""
+    cfg, session = context.config, context.session
+    path = gke_render.cluster_path(cfg, project_of(cfg, session))
+    cluster = session.container.get_cluster(path)
+    if cluster is None:
+        return []
+    pools = [p for p in session.container.list_node_pools(path) if is_managed(_labels(p))]
+    mine = [p for p in pools if p.name in pool_ids and is_managed(_labels(p), cfg.run)]
+    found = [_pool_resource(p, cfg.gke.location, path) for p in mine]
+    if is_managed(dict(cluster.resource_labels)) and len(mine) == len(pools):
+        found.insert(0, _cluster_resource(cluster, path))
+    return found
+
+
 def _unused_cluster(context, path: str) -> Resource | None:
-    """The cluster as a Resource when it is to go with the run: this tool created it (for this run, or
-    for one that has left it) and no run has node pools on it any more. Runs rehearsed side by side
-    share one cluster, so the last of them to end deletes it; the others say they keep it."""
+    """The cluster as a Resource when it is to go: this tool created it (for this run, or for one that
+    has left it) and no node pool this tool made, of any run, is left on it. Runs rehearsed side by side
+    share one cluster, so the last of them to end deletes it; the others say they keep it; so does a run
+    whose other workload (a service beside a training job) still has its pool there."""
     cfg, session, console = context.config, context.session, context.console
     cluster = session.container.get_cluster(path)
     labels = dict(cluster.resource_labels) if cluster is not None else {}
     if cluster is None or not is_managed(labels):
         return None
     owner = labels.get(RUN_LABEL, "?")
-    others = _other_runs(session.container.list_node_pools(path), cfg.run)
-    if others:
-        if owner == cfg.run:
+    pools = session.container.list_node_pools(path)
+    others = _other_runs(pools, cfg.run)
+    own = sorted(p.name for p in pools if is_managed(_labels(p), cfg.run))
+    if others or own:
+        if owner == cfg.run and others:
             console.info(f"  keeping cluster {cfg.gke.cluster} (this tool created it for run {owner}): run(s) "
                          f"{', '.join(others)} still have node pools on it; the last of them to end deletes it")
+        elif own:
+            console.info(f"  keeping cluster {cfg.gke.cluster}: run {cfg.run}'s node pool(s) {', '.join(own)} "
+                         "are still on it; `moe-tpu down` deletes them and it")
         return None
     whose = "" if owner == cfg.run else ", which no run uses any more"
     console.info(f"  deleting cluster {cfg.gke.cluster} (this tool created it for run {owner}{whose})")

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
-from provision.container import trainer_container
+from provision.container import Container, trainer_container
 from provision.errors import UsageError
 from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
-from provision.resources import resolve_project
+from provision.resources import location_path, resolve_project
 from provision.templates import render
 
 if TYPE_CHECKING:
@@ -49,10 +49,6 @@ PROXY_TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"
 
 
 # --- names -------------------------------------------------------------------------------
-
-def location_path(project: str, location: str) -> str:
-    return f"projects/{project}/locations/{location}"
-
 
 def cluster_path(cfg: Config, project: str) -> str:
     return f"{location_path(project, cfg.gke.location)}/clusters/{cfg.gke.cluster}"
@@ -126,10 +122,7 @@ class JobSetSpec:
     name: str
     namespace: str
     labels: dict[str, str]
-    image_uri: str
-    command: tuple[str, ...]
-    args: tuple[str, ...]
-    env: dict[str, str]
+    container: Container  # the trainer's: image, command, args, env
     slices: int
     vms: int
     chips_per_vm: int
@@ -185,9 +178,7 @@ def jobset_spec(cfg: Config, image: str) -> JobSetSpec:
                         worker_backoff_limit=acc.vms * WORKER_RESTARTS_PER_VM)
     return JobSetSpec(
         config=cfg, runtime=cfg.gke.runtime, name=jobset_name(cfg), namespace=cfg.gke.namespace,
-        labels=job_labels, image_uri=container.image, command=container.command, args=container.args,
-        env=container.env,
-        slices=cfg.slice.count, vms=acc.vms, chips_per_vm=acc.chips_per_vm, topology=topology(cfg),
+        labels=job_labels, container=container, slices=cfg.slice.count, vms=acc.vms, chips_per_vm=acc.chips_per_vm, topology=topology(cfg),
         accelerator_label=catalogue.GKE_V5E_ACCELERATOR, max_restarts=cfg.recovery.max_restarts, **pathways)
 
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from provision import gke_serve_render
+from provision.core import Phase, ServiceReport
 from provision.errors import CloudError
 from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed
-from provision.targets.base import ServiceReport
-from trainer.outputs import Phase
 
 # The objects in the order they are applied; deleted in the reverse one (the autoscaler first, so that
 # it scales nothing while the Deployment goes).

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from provision import catalogue
 from provision.errors import CloudError, UsageError
-from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short
+from provision.rendering import create_custom_job_request
+from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
 ACTIVE_STATES = catalogue.VERTEX_JOB_ACTIVE
 TERMINAL_STATES = catalogue.VERTEX_JOB_TERMINAL
-
-
-def region_parent(project: str, region: str) -> str:
-    return f"projects/{project}/locations/{region}"
 
 
 def state_name(job) -> str:
@@ -56,7 +53,7 @@ def run_jobs(session, project: str, region: str, run: str | None = None) -> list
     The API filters on the display name (the run's name); labels are checked here, which
     spares the filter any question of how label keys with hyphens are quoted."""
     server_filter = f'display_name="{run}"' if run is not None else ""
-    jobs = session.vertex(region).list_custom_jobs(region_parent(project, region), server_filter)
+    jobs = session.vertex(region).list_custom_jobs(location_path(project, region), server_filter)
     jobs = [j for j in jobs if is_managed(dict(j.labels), run)]
     return sorted(jobs, key=lambda j: (j.create_time.timestamp() if j.create_time else 0.0, j.name))
 
@@ -91,8 +88,6 @@ def job_differences(wanted, existing) -> list[str]:
 def job_submit(context) -> Resource:
     """Submit the run's custom job (provision.context.RunContext: its config, session, console and
     renderer), or adopt the one an earlier attempt submitted."""
-    from provision.rendering import create_custom_job_request
-
     cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
     request = create_custom_job_request(cfg, context.renderer, project=project)
@@ -191,9 +186,5 @@ def jobs_down(context) -> list[Resource]:
             console.info(f"  deleting job {short(job.name)} ({state_name(job)})")
             vertex.wait_operation(operation, f"delete {short(job.name)}", timeout_s=3600)
             deleted.append(job_resource(job, cfg.region))
-    left = run_jobs(session, project, cfg.region, cfg.run)
-    if left:
-        names = ", ".join(f"custom_job {short(j.name)} ({state_name(j)})" for j in left)
-        raise CloudError(f"custom jobs still exist after delete: {names}",
-                         hint="run `moe-tpu down` again; if it persists, delete them in the console")
+    verify_deleted(managed_jobs(session, project, cfg.region, cfg.run))
     return deleted

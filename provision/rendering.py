@@ -20,7 +20,7 @@ from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
 from provision.errors import ConfigError, Problem
 from provision.container import TRAINER_COMMAND, Container, trainer_container
-from provision.resources import MANAGED_BY, RUN_LABEL, resolve_project
+from provision.resources import MANAGED_BY, RUN_LABEL, location_path, resolve_project
 from provision.templates import render, where
 from trainer import status as trainer_status
 
@@ -68,7 +68,7 @@ def request_id(cfg: Config, zone: str, attempt: int = 0, project: str | None = N
 
 
 def parent(cfg: Config, zone: str, project: str | None = None) -> str:
-    return f"projects/{_project(cfg, project)}/locations/{zone}"
+    return location_path(_project(cfg, project), zone)
 
 
 def _project(cfg: Config, project: str | None = None) -> str:
@@ -171,26 +171,22 @@ class CustomJobSpec:
     config: Config
     display_name: str
     labels: dict[str, str]
-    image_uri: str
-    command: tuple[str, ...]
-    args: tuple[str, ...]
-    env: dict[str, str]
+    container: Container  # the trainer's: image, command, args, env
     timeout_seconds: int
     max_wait_seconds: int | None
 
 
 def region_parent(cfg: Config, project: str | None = None) -> str:
     """The parent of Vertex AI resources: projects/P/locations/REGION."""
-    return f"projects/{_project(cfg, project)}/locations/{cfg.region}"
+    return location_path(_project(cfg, project), cfg.region)
 
 
 def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
     container = trainer_container(cfg, image)
     max_wait = cfg.vertex.max_wait
     return CustomJobSpec(
-        config=cfg, display_name=cfg.run, labels=labels(cfg), image_uri=container.image,
-        command=container.command, args=container.args,
-        env=container.env, timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
+        config=cfg, display_name=cfg.run, labels=labels(cfg), container=container,
+        timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
         max_wait_seconds=int(max_wait.total_seconds()) if max_wait is not None else None,
     )
 

@@ -69,6 +69,11 @@ def verify_deleted(left: list[Resource]) -> None:
                          hint="run `moe-tpu down` again; if it persists, delete them in the console")
 
 
+def location_path(project: str, location: str) -> str:
+    """The parent of what a Google Cloud API keeps in a zone or a region: projects/P/locations/L."""
+    return f"projects/{project}/locations/{location}"
+
+
 def short(name: str) -> str:
     return name.rsplit("/", 1)[-1]
 

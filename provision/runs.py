@@ -15,9 +15,9 @@ from typing import Any
 
 from provision import goodput
 from provision.cloud import storage
+from provision.core import Report, Target
 from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
-from provision.targets.base import Report, Target
 from provision.waiting import PollPolicy, format_duration, poll
 from trainer import signals
 from trainer.outputs import METRICS_FILE, STATUS_FILE, Phase

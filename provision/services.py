@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from provision.core import ServiceReport, ServiceTarget
 from provision.errors import MoeTpuError
 from provision.resources import Resource, short
 from provision.runs import RunTimeline
-from provision.targets.base import ServiceReport, ServiceTarget
 from provision.waiting import PollPolicy, format_duration, poll
 from trainer.outputs import Phase
 

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 from provision import catalogue
 from provision.errors import CloudError, StockoutError, UsageError
-from provision.resources import RUN_LABEL, Resource, is_managed, project_of, short, verify_deleted
+from provision.rendering import create_queued_resource_request, queued_resource_id
+from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
 # FAILED codes that mean "no capacity here", each worth another zone: RESOURCE_EXHAUSTED (8, a
@@ -25,14 +26,8 @@ SETTLED_QR_STATES = {"ACTIVE", "FAILED", "SUSPENDED"}
 
 
 # --- names -------------------------------------------------------------------
-def zone_parent(project: str, zone: str) -> str:
-    return f"projects/{project}/locations/{zone}"
-
-
 def queued_resource_name(cfg, project: str, zone: str) -> str:
-    from provision.rendering import queued_resource_id
-
-    return f"{zone_parent(project, zone)}/queuedResources/{queued_resource_id(cfg)}"
+    return f"{location_path(project, zone)}/queuedResources/{queued_resource_id(cfg)}"
 
 
 def state_name(qr) -> str:
@@ -71,8 +66,6 @@ def _node_labels_of(qr) -> dict[str, str]:
 
 
 def _node_resource(node, zone: str) -> Resource:
-    from provision import catalogue
-
     accel = catalogue.ACCELERATORS.get(node.accelerator_type)
     spot = bool(node.scheduling_config.spot or node.scheduling_config.preemptible)
     created = node.create_time.timestamp() if node.create_time else None
@@ -97,7 +90,7 @@ def managed_resources(session, project: str, zones: Iterable[str], run: str | No
     """Every queued resource and node this tool made (by label, filtered here), optionally one run's."""
     found: list[Resource] = []
     for zone in zones:
-        parent = zone_parent(project, zone)
+        parent = location_path(project, zone)
         for qr in session.tpu.list_queued_resources(parent):
             labels = _node_labels_of(qr)
             if is_managed(labels, run):
@@ -144,7 +137,7 @@ def nodes_of(session, project: str, zone: str, qr) -> list:
         elif spec.multislice_params.node_id_prefix:
             prefixes.append(spec.multislice_params.node_id_prefix + "-")
     nodes = []
-    for node in session.tpu.list_nodes(zone_parent(project, zone)):
+    for node in session.tpu.list_nodes(location_path(project, zone)):
         node_short = short(node.name)
         if node.queued_resource == qr.name or node_short in ids or any(node_short.startswith(p) for p in prefixes):
             nodes.append(node)
@@ -168,8 +161,6 @@ def _wait_nodes_ready(context, project: str, zone: str, qr) -> list:
 
 
 def _create_or_adopt(context, project: str, zone: str, name: str, attempt: int = 0, recreate: bool = False):
-    from provision.rendering import create_queued_resource_request
-
     cfg, session, console = context.config, context.session, context.console
 
     existing = session.tpu.get_queued_resource(name)
@@ -245,7 +236,7 @@ def check_zones_offer(cfg, session) -> None:
         return
     project = project_of(cfg, session)
     for zone in unknown:
-        offered = session.tpu.list_accelerator_types(zone_parent(project, zone))
+        offered = session.tpu.list_accelerator_types(location_path(project, zone))
         if cfg.slice.accelerator not in offered:
             v5e = [name for name in offered if name in catalogue.ACCELERATORS]
             raise UsageError(f"zone {zone} does not offer {cfg.slice.accelerator}: the API lists "

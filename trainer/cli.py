@@ -20,6 +20,7 @@ import time
 import click
 
 from trainer.config import MAX_SEED, MAX_STEPS, NAMED_CONFIGS, printable
+from trainer.outputs import STATUS_FILE, RunDirectory, join
 from trainer.status import (
     EXIT_FAILED,
     EXIT_FINISHED,
@@ -192,8 +193,7 @@ def _save_config(spec) -> None:
 
     if not spec.output_dir or jax.process_index() != 0:
         return
-    path = f"{spec.output_dir.rstrip('/')}/config.json" if "://" in spec.output_dir else \
-        os.path.join(spec.output_dir, "config.json")
+    path = RunDirectory.at(spec.output_dir).config
     try:
         write_whole(path, json.dumps(spec.config.to_dict(), indent=1) + "\n")
     except Exception as e:  # noqa: BLE001 - OSError locally; gcsfs and google-auth errors remotely
@@ -215,7 +215,6 @@ def _check_output_dir(output_dir: str | None, status: RunStatus) -> str | None:
 
     from trainer.checkpoint import check_directory
     from trainer.config import ConfigError
-    from trainer.outputs import STATUS_FILE
 
     try:
         output_dir = check_directory(output_dir)
@@ -224,9 +223,7 @@ def _check_output_dir(output_dir: str | None, status: RunStatus) -> str | None:
     if jax.process_index() == 0:
         if "://" not in output_dir:
             _hold_output_dir(output_dir)
-        name = f"{output_dir.rstrip('/')}/{STATUS_FILE}" if "://" in output_dir else \
-            os.path.join(output_dir, STATUS_FILE)
-        _add_status_target(status, name, param_hint="--output-dir")
+        _add_status_target(status, join(output_dir, STATUS_FILE), param_hint="--output-dir")
     return output_dir
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from trainer.checkpoint import CheckpointError, _reason, quiet_orbax
 from trainer.config import ConfigError
+from trainer.outputs import NoRun, RunDirectory, join
 
 # A step directory's metadata and manifests (which name its data files) are a few hundred kilobytes
 # at most; its data files live in directories named `d` and are left out of the fingerprint (reading
@@ -41,27 +42,13 @@ class Source:
                 "fingerprint": self.fingerprint, "data": self.data}
 
 
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}"
-
-
 def checkpoints_of(directory: str) -> str:
     """The checkpoints directory of a run's output directory (or DIR itself when it holds step
     directories). ConfigError naming DIR when it is neither."""
-    from etils import epath
-
-    path = epath.Path(directory)
     try:
-        if not path.exists():
-            raise ConfigError(f"--init-from {directory} does not exist")
-        if (path / "checkpoints").is_dir():
-            return _join(directory, "checkpoints")
-        if path.is_dir() and any(child.name.isdigit() for child in path.iterdir()):
-            return directory
-    except OSError as e:
-        raise ConfigError(f"--init-from {directory} cannot be read: {e.strerror or e}") from None
-    raise ConfigError(f"--init-from {directory} holds no checkpoint: give a run's output directory (with "
-                      "checkpoints/ in it) or its checkpoints directory")
+        return RunDirectory.find(directory, "--init-from").checkpoints
+    except NoRun as e:
+        raise ConfigError(str(e)) from None
 
 
 def fingerprint(step_dir: str) -> str:
@@ -137,7 +124,7 @@ def _restore(ocp, manager, trainer, checkpoints: str) -> tuple[dict[str, Any], S
     step = manager.latest_step()
     if step is None:
         raise ConfigError(f"--init-from {checkpoints} holds no finished checkpoint")
-    where = _join(checkpoints, str(step))
+    where = join(checkpoints, str(step))
     groups = [g for g in ("params", "moe_bias") if g in trainer.abstract_state]
     try:
         saved = manager.item_metadata(step)["state"]

@@ -8,6 +8,8 @@ trainer writes and something else reads is named here; its contents are document
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from enum import StrEnum
 
 STATUS_FILE = "status.json"  # the run's state, rewritten whole at each change (trainer/status.py)
@@ -15,6 +17,56 @@ METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step (trainer/metri
 CONFIG_FILE = "config.json"  # the trainer config the run trains with (trainer/cli.py)
 CHECKPOINTS_DIR = "checkpoints"  # Orbax checkpoints, one directory per saved step (trainer/checkpoint.py)
 TRAINER_LOG = "trainer.log"  # the trainer's console output, where a host keeps it (a dry run, a VM)
+
+
+def join(base: str, name: str) -> str:
+    """`name` in the directory `base`, local or a URL (gs://)."""
+    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
+
+
+class NoRun(ValueError):
+    """A directory given for a run that names none (its text names the option and the directory); each
+    command raises it as its own usage error (exit 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDirectory:
+    """A run's output directory and where in it the trainer writes each output: every reader and writer
+    asks it rather than joining the names itself. `checkpoints`: CHECKPOINTS_DIR in it, or the
+    checkpoints directory a user named (`find`)."""
+
+    path: str
+    checkpoints: str
+
+    @classmethod
+    def at(cls, path: str) -> RunDirectory:
+        """The run whose output directory is `path`."""
+        return cls(path, join(path, CHECKPOINTS_DIR))
+
+    @classmethod
+    def find(cls, directory: str, option: str) -> RunDirectory:
+        """The run a user named with `option` (`--checkpoint`, `--init-from`): its output directory (with
+        CHECKPOINTS_DIR in it) or that checkpoints directory itself (step directories in it), local or
+        gs://. NoRun, naming the option and the directory, when it is neither or cannot be read."""
+        from etils import epath  # the trainer's dependency: the control plane never looks a run up
+
+        path = epath.Path(directory)
+        try:
+            if not path.exists():
+                raise NoRun(f"{option} {directory} does not exist")
+            if (path / CHECKPOINTS_DIR).is_dir():
+                return cls.at(directory)
+            if path.is_dir() and any(child.name.isdigit() for child in path.iterdir()):
+                return cls(str(path.parent), directory)
+        except OSError as e:
+            raise NoRun(f"{option} {directory} cannot be read: {e.strerror or e}") from None
+        raise NoRun(f"{option} {directory} holds no checkpoint: give a run's output directory (with "
+                    f"{CHECKPOINTS_DIR}/ in it) or its checkpoints directory")
+
+    @property
+    def config(self) -> str:
+        """The trainer config the run trained with (CONFIG_FILE), which rebuilds its model."""
+        return join(self.path, CONFIG_FILE)
 
 
 class Phase(StrEnum):

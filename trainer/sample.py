@@ -17,134 +17,19 @@ limit above).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import click
 
-from trainer.status import EXIT_USAGE
+from trainer.run_loader import Codec, RunError, find_run, load_run_config
 
-CONFIG_FILE = "config.json"
-MAX_CONFIG_BYTES = 1 << 20  # a run's config.json is a few KiB
 # Positions are int32 in the engine's decode step.
 MAX_CONTEXT = 2**31 - 1
 
 
-class SampleError(click.UsageError):
-    exit_code = EXIT_USAGE
-
-
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
-
-
-def locate(directory: str) -> tuple[str, str]:
-    """(checkpoints directory, config.json path) for a run's output directory or its checkpoints directory."""
-    from etils import epath
-
-    path = epath.Path(directory)
-    if not path.exists():
-        raise SampleError(f"--checkpoint {directory} does not exist")
-    if (path / "checkpoints").exists():
-        return _join(directory, "checkpoints"), _join(directory, CONFIG_FILE)
-    if not path.is_dir() or not any(child.name.isdigit() for child in path.iterdir()):
-        raise SampleError(f"--checkpoint {directory} holds no checkpoint: give a run's output directory (with "
-                          "checkpoints/ in it) or its checkpoints directory")
-    return directory, str(path.parent / CONFIG_FILE)
-
-
-def load_run_config(path: str):
-    import pydantic
-    from etils import epath
-
-    from trainer.config import Config, describe
-
-    if not epath.Path(path).exists():
-        raise SampleError(f"{path} does not exist: the run's config is needed to rebuild its model (the trainer "
-                          "writes it to OUTPUT_DIR/config.json)")
-    if "://" not in path:
-        from trainer.datasets import DataError, regular_file
-
-        try:  # found without opening it: a FIFO would wait for a writer for ever, a device never end
-            size = regular_file(path, "the run's config")
-        except DataError as e:
-            raise SampleError(str(e)) from None
-        if size > MAX_CONFIG_BYTES:
-            raise SampleError(f"{path} is {size >> 20} MiB: not a config the trainer wrote")
-    try:
-        return Config.model_validate(json.loads(epath.Path(path).read_text()))
-    except pydantic.ValidationError as e:
-        raise SampleError(f"{path}: {describe(e.errors()[0])}") from None
-    except ValueError as e:
-        raise SampleError(f"{path} is not a config: {e}") from None
-
-
-class Codec:
-    """Text <-> token ids as the run's data saw them."""
-
-    def __init__(self, cfg, tokenizer_path: str | None, any_tokenizer: bool = False):
-        self.kind, self.tokenizer = "ids", None
-        manifest = _manifest(cfg, needed=tokenizer_path is None)
-        if tokenizer_path is None and manifest is not None:
-            from trainer.datasets import join
-
-            tokenizer_path = join(manifest["directory"], manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
-        if tokenizer_path is not None:
-            from trainer.prepare import PrepareError, fingerprint, load_tokenizer
-
-            try:
-                self.tokenizer, self.kind = load_tokenizer(tokenizer_path), "tokenizer"
-            except PrepareError as e:
-                raise SampleError(e.message) from None
-            theirs = (manifest or {}).get("tokenizer", {}).get("fingerprint", "")
-            if theirs and fingerprint(self.tokenizer) != theirs and not any_tokenizer:
-                raise SampleError(f"--tokenizer {tokenizer_path} (fingerprint {fingerprint(self.tokenizer)}) is not "
-                                  f"the tokenizer the run's dataset '{cfg.data.path}' was prepared with ({theirs}): "
-                                  "its ids would mean other text; leave --tokenizer out, or add --any-tokenizer to "
-                                  "read and write the ids with it all the same")
-        elif cfg.data.source == "text":
-            self.kind = "bytes"
-
-    def encode(self, text: str) -> list[int]:
-        if self.kind == "bytes":  # the bytes as given, valid UTF-8 or not (the terminal's bytes come back)
-            return list(text.encode("utf-8", "surrogateescape"))
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
-            shown = text.encode("utf-8", "surrogateescape")
-            raise SampleError(f"--prompt {shown!r} is not UTF-8 text") from None
-        if self.kind == "tokenizer":
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        words = text.split()
-        try:
-            return [int(t) for t in words]
-        except ValueError:  # names the first word that is not an id, not the whole (maybe huge) prompt
-            word = next(w for w in words if not _is_int(w))
-            raise SampleError(f"--prompt: this run's data has no tokenizer; give token ids separated by spaces, "
-                              f"got {_brief(word)} (word {words.index(word) + 1} of {len(words)})") from None
-
-    def decode(self, ids: list[int]) -> str:
-        if self.kind == "tokenizer":
-            return self.tokenizer.decode(ids)
-        if self.kind == "bytes":
-            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-        return " ".join(map(str, ids))
-
-
-def _manifest(cfg, needed: bool):
-    """The run's dataset manifest (records data), or None. A missing dataset is an error only when its
-    tokenizer is `needed` (no --tokenizer given)."""
-    if cfg.data.source != "records":
-        return None
-    from trainer.datasets import DataError, load_manifest
-
-    try:
-        return load_manifest(cfg.data.path)
-    except DataError as e:
-        if needed:
-            raise SampleError(f"{e}; or give the dataset's tokenizer with --tokenizer FILE") from None
-        return None
+class SampleError(RunError):
+    """A request `sample` refuses (exit 2), naming the option."""
 
 
 def check_request(cfg, ids: list[int], tokens: int, temperature: float, top_k: int) -> None:
@@ -247,15 +132,15 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
       python -m trainer.sample --checkpoint runs/demo --prompt "The cat" --tokens 40
       python -m trainer.sample --checkpoint gs://BUCKET/runs/demo --prompt "The" --temperature 0.7 --top-k 40
     """
-    checkpoints, config_path = locate(directory)
-    cfg = load_run_config(config_path)
+    run = find_run(directory)
+    cfg = load_run_config(run.config)
     codec = Codec(cfg, tokenizer_path, any_tokenizer)
     ids = codec.encode(prompt)
     if not ids:
         raise SampleError("--prompt: the prompt has no tokens")
     check_request(cfg, ids, tokens, temperature, top_k)
     ids = _within_context(cfg, ids)
-    model, weights, step = restore_params(cfg, checkpoints, len(ids), tokens)
+    model, weights, step = restore_params(cfg, run.checkpoints, len(ids), tokens)
     out, rate = generate(model, weights, ids, tokens, temperature=temperature, top_k=top_k, seed=seed)
     click.echo(codec.decode(out))
     click.echo(f"{len(out)} tokens from the checkpoint at step {step} ({cfg.name}), {rate:,.0f} tokens/s",
@@ -271,20 +156,6 @@ def _within_context(cfg, ids: list[int]) -> list[int]:
     click.echo(f"--prompt: its {len(ids):,} tokens exceed the model's context (data.seq_len={context}, the length "
                f"it was trained on): its last {context} are continued", err=True)
     return ids[-context:]
-
-
-def _is_int(word: str) -> bool:
-    try:
-        int(word)
-    except ValueError:
-        return False
-    return True
-
-
-def _brief(text: str, width: int = 40) -> str:
-    """repr() of a piece of the user's input, cut short: a message names it, it does not print it all."""
-    shown = repr(text)
-    return shown if len(shown) <= width else shown[:width - 4] + "...'"
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from trainer.fits import check_fits
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy, step_rngs
 from trainer.moe.layer import ExpertBias
+from trainer.outputs import RunDirectory
 from trainer.resume import check_resumable, checkpoint_meta
 from trainer.sharding import global_batch
 from trainer.status import RunStatus
@@ -271,7 +271,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         data, eval_data = open_data(cfg, cfg.train.seed, process_index=jax.process_index(),
                                     process_count=jax.process_count(), with_eval=cfg.train.eval_every > 0)
         if spec.output_dir:
-            ckpt = Checkpointer(os.path.join(spec.output_dir, "checkpoints"),
+            ckpt = Checkpointer(RunDirectory.at(spec.output_dir).checkpoints,
                                 every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
             done = _already_finished(ckpt, spec, reporter, status)
             if done is not None:

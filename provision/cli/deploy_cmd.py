@@ -126,11 +126,8 @@ def _text(document: dict) -> str:
 
 
 def _examples(service, url: str) -> list[str]:
-    """How to call the service: the kind's own examples where it has them, else a plain curl."""
-    body = '{"prompt": "1 2 3", "max_tokens": 32}'
-    own = getattr(service, "examples", None)
-    return own(url, body) if own is not None else [f"  curl -X POST {url} -H 'content-type: application/json' "
-                                                   f"-d '{body}'"]
+    """How to call the service (its kind's words, provision.core.ServiceTarget.examples)."""
+    return service.examples(url, '{"prompt": "1 2 3", "max_tokens": 32}')
 
 
 def _emit(app, follower, result: str, resources: list, **fields) -> None:

@@ -109,7 +109,8 @@ def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None, pro
       moe-tpu list --project my-project --zone us-west4-a
     """
     from provision import catalogue
-    from provision.targets import KINDS, Scope
+    from provision.core import Scope
+    from provision.targets import KINDS
 
     app.command = "list"
     cfg = _config_if_any(app, config_path, project, zones_option or all_zones)

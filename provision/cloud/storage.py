@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from provision.errors import CloudError, MissingDependency
+from provision.errors import CloudError, MissingDependency, UsageError
+from provision.statefiles import file_kind
 
 
 def join(base: str, name: str) -> str:
@@ -35,9 +36,6 @@ def split_gs(url: str) -> tuple[str, str]:
 
 def _read_local(path: str) -> str | None:
     import os
-
-    from provision.errors import UsageError
-    from provision.statefiles import file_kind
 
     try:  # found without opening it: a FIFO would wait for a writer for ever, a device never end
         kind = file_kind(os.stat(path).st_mode)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from provision.cloud.api import RetryingApi
+from provision.errors import UsageError
 
 # What to do about a request the model's server refused (the same words on every kind that serves).
 PREDICT_HINT = "change --prompt, --max-tokens or --temperature as the message says (`moe-tpu predict --help`)"
@@ -136,8 +137,6 @@ class ServingApi(RetryingApi):
         """A request the model's server refused (INVALID_ARGUMENT carrying its OpenAI error object) as a usage
         error in the server's own words, with what to change; anything else as every call's errors."""
         from google.api_core import exceptions as gexc
-
-        from provision.errors import UsageError
 
         if isinstance(exc, gexc.InvalidArgument):
             raise UsageError(f"{action}: the model's server refused the request: {server_message(exc)}",

@@ -7,9 +7,9 @@ run afterwards on the raw values, and a key that already failed its own rule is 
 there, so one mistake is reported once.
 
 Modules: shapes.py (the shapes of names, durations and ids the rules share), sections.py (the models
-and their field rules; the gke and pathways ones in gke_sections.py), loading.py (the file read through
-the bounded YAML reader, errors translated, the rules between keys) and starter.py (what `init`
-writes). Everything is importable from here.
+and their field rules; the gke and pathways ones in gke_sections.py, the vertex one in
+vertex_sections.py), loading.py (the file read through the bounded YAML reader, errors translated, the
+rules between keys) and starter.py (what `init` writes). Everything is importable from here.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from provision.config.sections import (  # noqa: F401 - the config's API, one im
     RecoveryConfig,
     SliceConfig,
     TrainerConfig,
-    VertexConfig,
 )
 from provision.config.shapes import (  # noqa: F401 - the config's API, one import away
     _PROJECT,
@@ -40,6 +39,7 @@ from provision.config.shapes import (  # noqa: F401 - the config's API, one impo
     MAX_SLICE_COUNT,
     parse_duration,
 )
+from provision.config.vertex_sections import VertexConfig  # noqa: F401 - the config's API, one import away
 from provision.config.starter import (  # noqa: F401 - the config's API, one import away
     starter_config,
 )

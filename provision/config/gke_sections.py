@@ -12,9 +12,9 @@ from provision import catalogue
 from provision.config.shapes import _RFC1035, MAX_ID_LENGTH, _positive_duration, _Section, gcs_location
 from trainer.schema import invalid
 
-# GKE names: a cluster or node pool name is at most 40 characters (RFC 1035); a namespace or a
-# Kueue queue is an RFC 1123 DNS label (Kubernetes object names).
-MAX_GKE_NAME = 40
+# GKE names: a cluster or node pool name is at most catalogue.MAX_GKE_NAME characters (RFC 1035); a
+# namespace or a Kueue queue is an RFC 1123 DNS label (Kubernetes object names).
+MAX_GKE_NAME = catalogue.MAX_GKE_NAME
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LOCATION = re.compile(r"^[a-z]+-[a-z]+[0-9]+(-[a-z])?$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9]([a-z0-9._-]*[a-z0-9])?)+"

@@ -14,6 +14,7 @@ from provision import catalogue
 from provision.config.sections import _SECTIONS, Config
 from provision.config.shapes import _ZONE, DEFAULT_CONFIG, _brief
 from provision.errors import ConfigError, Problem
+from provision.targets import KINDS
 from trainer import safeyaml, schema
 
 # --- loading ---------------------------------------------------------------------------
@@ -66,8 +67,6 @@ def _dotted(loc: tuple[Any, ...]) -> str:
 
 def _own_sections() -> dict[str, type[BaseModel]]:
     """The sections the kinds of target bring to the file (provision.targets.Kind.own_sections)."""
-    from provision.targets import KINDS
-
     return {key: model for kind in KINDS.values() for key, model in kind.own_sections.items()
             if key not in Config.model_fields}
 
@@ -154,8 +153,6 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
 def _kind_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
     """The rules of the config's kind of target (provision.targets.Kind.checks); none when the
     target itself is not a kind."""
-    from provision.targets import KINDS
-
     target = get("target")
     kind = KINDS.get(target) if isinstance(target, str) else None
     return kind.checks(get) if kind is not None else []
@@ -164,8 +161,6 @@ def _kind_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
 def _zone_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
     """Each zone against the region it must lie in: `region`, unless the config's kind of target says
     otherwise (Kind.zone_region: a TPU VM slice's zones lie anywhere unless its subnetwork ties them)."""
-    from provision.targets import KINDS
-
     zones, target = get("zones"), get("target")
     if not isinstance(zones, list):
         return []

@@ -29,9 +29,9 @@ def _tpu_view(op: Operation, now: float) -> operations_pb2.Operation:
 
 def _vertex_view(op: Operation, now: float) -> operations_pb2.Operation:
     if op.verb in SERVING_VERBS:  # online prediction's operations, each with its method's own types
-        from provision.emulator import vertex_serving
+        from provision.emulator import vertex_serving_rpcs
 
-        return vertex_serving.operation_view(op, now)
+        return vertex_serving_rpcs.operation_view(op, now)
     from provision.emulator import vertex
 
     return vertex.operation_view(op, now)

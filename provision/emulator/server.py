@@ -179,7 +179,7 @@ class Emulator:
 
         with self._lock:
             if self._kube is None:
-                from provision.emulator.kube import KubeServer
+                from provision.emulator.kube_server import KubeServer
 
                 self._kube = KubeServer(self.world_call)
         return self._kube.endpoint, base64.b64encode(self._kube.ca_pem).decode()
@@ -264,13 +264,13 @@ def _vertex_methods() -> rpc.Methods:
 
 def _serving_methods(table: str) -> Callable[[], rpc.Methods]:
     def methods() -> rpc.Methods:
-        from provision.emulator import vertex_serving
+        from provision.emulator import vertex_serving_rpcs
 
-        return getattr(vertex_serving, table)
+        return getattr(vertex_serving_rpcs, table)
     return methods
 
 
-# Vertex AI online prediction's services (vertex_serving.py), loaded on their first call.
+# Vertex AI online prediction's services (vertex_serving_rpcs.py), loaded on their first call.
 _SERVING_SERVICES = {"ModelService": _serving_methods("MODEL_METHODS"),
                      "EndpointService": _serving_methods("ENDPOINT_METHODS"),
                      "PredictionService": _serving_methods("PREDICTION_METHODS")}

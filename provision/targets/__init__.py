@@ -1,27 +1,18 @@
-"""The places a run can train: one kind of target is one unit (a `Kind`, in base.py), in one module.
+"""The places a run can train and serve: one kind of target is one unit (a `provision.core.Kind`), in one
+module, and this package is their registry.
 
-tpu_vm.py (a TPU VM slice on a queued resource), vertex.py (a Vertex AI custom job), gke.py (GKE
-node pools and a JobSet). Each owns its config checks, what it renders, the planner's hardware,
-what it makes, lists and deletes, its log source, and the `Target` that `run` follows. A new kind
-is a module here and one line in KINDS; no command names a kind.
+tpu_vm.py (a TPU VM slice on a queued resource), vertex.py (a Vertex AI custom job, and an endpoint),
+gke.py (GKE node pools with a JobSet, and a serving pool with a Deployment). Each owns its config checks,
+what it renders, the planner's hardware, what it makes, lists and deletes, its log source, and the
+deployments (a placement plus a workload, provision.core.Deployment) that `run` and `deploy` follow. A
+new kind is a module here and one line in KINDS; no command names a kind.
 """
 
 from __future__ import annotations
 
+from provision.core import Kind, Target
 from provision.errors import UsageError
 from provision.targets import gke, tpu_vm, vertex
-from provision.targets.base import (
-    ENDED,
-    Kind,
-    Placement,
-    Report,
-    Scope,
-    ServiceReport,
-    ServiceTarget,
-    Target,
-    combine,
-    report_from_status,
-)
 
 # The config's `target` -> its kind (in this order `list` and `down` go through them).
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (tpu_vm.KIND, vertex.KIND, gke.KIND)}
@@ -55,5 +46,4 @@ def for_config(context, *, output_dir: str | None = None) -> Target:
     return kind_of(context.config).target(context, output_dir=output_dir)
 
 
-__all__ = ["ENDED", "KINDS", "Kind", "Placement", "Report", "Scope", "ServiceReport", "ServiceTarget", "Target",
-           "by_group", "combine", "for_config", "kind_of", "report_from_status", "require"]
+__all__ = ["KINDS", "by_group", "for_config", "kind_of", "require"]

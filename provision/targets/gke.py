@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from provision import catalogue, gke_render, gke_serve_render
+from provision import catalogue, gke, gke_render, gke_serve, gke_serve_render
 from provision.cloud import storage
-from provision.config.gke_sections import MAX_GKE_NAME
-from provision.errors import CloudError, UsageError
-from provision.resources import Resource
-from provision.targets.base import (
+from provision.core import (
     ENDED,
     STATUS_FILE,
+    Deployment,
     Holding,
     Kind,
     Phase,
@@ -29,17 +27,21 @@ from provision.targets.base import (
     replica_problems,
     report_from_status,
 )
+from provision.errors import CloudError, UsageError
+from provision.resources import Resource
 from provision.targets.vertex import startup_estimate_s  # one load-and-compile estimate for both kinds
 
 
 class NodePools(Holding):
-    """The placement: TPU v5e node pools (and a Pathways head's CPU pool) on a GKE cluster. A training
-    job (a JobSet) or a service (a Deployment, issue 33) runs on it; only the workload differs."""
+    """The training placement: the run's TPU v5e node pools (and a Pathways head's CPU pool) on a GKE
+    cluster, made with the cluster when gke.create_cluster says so. Its teardown deletes those pools, and
+    the cluster only when this tool made it and no pool of any run is left on it (a service's pool of
+    the same run keeps it)."""
 
     kind = "gke"
 
-    def __init__(self, context, *, output_dir: str | None = None) -> None:
-        super().__init__(context, output_dir=output_dir)
+    def __init__(self, context) -> None:
+        super().__init__(context)
         cfg = context.config
         self.zone: str | None = None
         self.chips = cfg.accelerator_type().chips * cfg.slice.count
@@ -52,48 +54,48 @@ class NodePools(Holding):
         return self.chips * catalogue.price_per_chip_hour(self.cfg.slice.capacity)
 
     def provision(self, attempt: int = 0) -> list[Resource]:
-        """The node pools, the zone they last ran in first; waits until they run."""
-        from provision.gke import gke_up
-
-        resources = gke_up(self.context, last_zone_first(self.cfg.zones, self.zone))
+        """The cluster and the node pools, the zone they last ran in first; waits until they run."""
+        resources = gke.gke_up(self.context, last_zone_first(self.cfg.zones, self.zone))
         pools = [r for r in resources if r.kind == "node_pool" and r.chips]
         self.zone = pools[0].zone if pools else self.zone
         return resources
 
     def teardown(self) -> list[Resource]:
-        """Everything of the run on the cluster: its workload, its pools (its cluster, if made here)."""
-        from provision.gke import gke_down
-
-        return gke_down(self.context)
+        return gke.pools_down(self.context, set(gke_render.pool_ids(self.cfg)))
 
     def left(self) -> list[Resource]:
-        from provision.gke import gke_status
-
-        return gke_status(self.context)
+        return gke.pools_left(self.context, set(gke_render.pool_ids(self.cfg)))
 
 
-class GkeTarget(NodePools):
-    """The node pools with a training job on them: the trainer as a JobSet (multi-controller JAX or
-    Pathways), which reports through the status file in its output directory."""
+def _kube(holding: Holding):
+    """The Kubernetes API of the run's cluster, or None while it has none (gone, or not yet running)."""
+    cluster = gke.cluster_of(holding.cfg, holding.session)
+    return holding.session.kube(cluster) if cluster is not None and cluster.endpoint else None
+
+
+class JobSet(Holding):
+    """The training workload: the trainer as a JobSet (multi-controller JAX or Pathways), which reports
+    through the status file in its output directory."""
 
     def __init__(self, context, *, output_dir: str | None = None) -> None:
         super().__init__(context, output_dir=output_dir)
         self.restarts_seen = 0
 
-    def provision(self, attempt: int = 0) -> list[Resource]:
-        """The node pools, then the JobSet; waits until the trainer's pod runs."""
-        from provision.gke import _jobset_resource, submit_jobset
-
-        resources = super().provision(attempt)
-        jobset = submit_jobset(self.context)
+    def start(self) -> list[Resource]:
+        """The JobSet (or the one this run submitted and that still runs)."""
+        jobset = gke.submit_jobset(self.context)
         self.restarts_seen = int((jobset.get("status") or {}).get("restarts", 0))
-        return [_jobset_resource(jobset, self.cfg), *resources]
+        return [gke._jobset_resource(jobset, self.cfg)]
 
-    def _kube(self):
-        from provision.gke import cluster_of
+    def teardown(self) -> list[Resource]:
+        """The JobSet and its pods; nothing else of the run."""
+        found = self.left()
+        return found if gke.delete_jobset(self.context) else []
 
-        cluster = cluster_of(self.cfg, self.session)
-        return self.session.kube(cluster) if cluster is not None and cluster.endpoint else None
+    def left(self) -> list[Resource]:
+        kube = _kube(self)
+        jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg)) if kube else None
+        return [gke._jobset_resource(jobset, self.cfg)] if jobset is not None else []
 
     def _status(self) -> dict | None:
         return self.session.storage.read_json(storage.join(self.output_dir, STATUS_FILE))
@@ -112,7 +114,7 @@ class GkeTarget(NodePools):
         return f"{said} ({pods})" if pods else said
 
     def report(self) -> Report:
-        kube = self._kube()
+        kube = _kube(self)
         jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg)) if kube else None
         if jobset is None:
             return Report(Phase.FAILED, detail="the JobSet is gone")
@@ -136,15 +138,18 @@ class GkeTarget(NodePools):
         return trainer
 
 
+class ServingPool(Holding):
+    """The serving placement: the run's serving node pool (the serve section's single-host machines) on
+    the cluster, made with the cluster when gke.create_cluster says so. Its teardown deletes that pool,
+    and the cluster only when this tool made it and no pool of any run is left (the run's training pools
+    keep it)."""
 
-class GkeService(NodePools):
-    """The serving node pool with the run's server on it: a Deployment (one pod per single-host replica)
-    behind a Service, scraped by a PodMonitoring and scaled by an HPA; ready once a replica answers
-    /health, reached through the Service by the API server's proxy."""
+    kind = "gke"
 
     def __init__(self, context) -> None:
         super().__init__(context)
         serve = self.cfg.serve
+        self.zone: str | None = None
         self.chips = gke_serve_render.serving_accelerator(self.cfg).chips * serve.min_replicas
 
     def describe(self) -> str:
@@ -156,30 +161,45 @@ class GkeService(NodePools):
         return self.chips * catalogue.price_per_chip_hour("spot" if self.cfg.serve.spot else "on-demand")
 
     def provision(self, attempt: int = 0) -> list[Resource]:
-        """The cluster (made only with gke.create_cluster), the serving pool, then the four objects."""
-        from provision.gke import ensure_cluster, serving_pool_up
-        from provision.gke_serve import apply_objects
-
-        cluster, _ = ensure_cluster(self.context)
-        pool = serving_pool_up(self.context, last_zone_first(self.cfg.zones, self.zone))
+        """The cluster (made only with gke.create_cluster), then the serving pool, RUNNING."""
+        gke.ensure_cluster(self.context)
+        pool = gke.serving_pool_up(self.context, last_zone_first(self.cfg.zones, self.zone))
         self.zone = pool.zone
+        return [pool]
+
+    def teardown(self) -> list[Resource]:
+        return gke.pools_down(self.context, {gke_serve_render.serving_pool_id(self.cfg)})
+
+    def left(self) -> list[Resource]:
+        return gke.pools_left(self.context, {gke_serve_render.serving_pool_id(self.cfg)})
+
+
+class Server(Holding):
+    """The serving workload: the run's server as a Deployment (one pod per single-host replica) behind a
+    Service, scraped by a PodMonitoring and scaled by an HPA; ready once a replica answers /health,
+    reached through the Service by the API server's proxy."""
+
+    def start(self) -> list[Resource]:
+        """The four objects, applied (a re-run adopts and replaces what this run made before)."""
+        cluster = gke.cluster_of(self.cfg, self.session)
         manifests = gke_serve_render.manifests(self.cfg, self.context.renderer, startup_estimate_s(self.cfg))
-        return [*apply_objects(self.context, self.session.kube(cluster), manifests), pool]
+        return gke_serve.apply_objects(self.context, self.session.kube(cluster), manifests)
 
-    def _cluster(self):
-        from provision.gke import cluster_of
+    def teardown(self) -> list[Resource]:
+        """The serving objects; nothing else of the run."""
+        kube = _kube(self)
+        return gke_serve.delete_objects(self.context, kube, self.cfg.run) if kube is not None else []
 
-        cluster = cluster_of(self.cfg, self.session)
-        return cluster if cluster is not None and cluster.endpoint else None
+    def left(self) -> list[Resource]:
+        kube = _kube(self)
+        return gke_serve.managed_objects(kube, self.cfg, self.cfg.run) if kube is not None else []
 
     def report(self) -> ServiceReport:
-        from provision.gke_serve import service_report
-
-        cluster = self._cluster()
-        if cluster is None:
+        cluster = gke.cluster_of(self.cfg, self.session)
+        if cluster is None or not cluster.endpoint:
             return ServiceReport(Phase.DELETED, detail=f"the cluster {self.cfg.gke.cluster} is gone")
         url = f"https://{cluster.endpoint}{gke_serve_render.proxy_path(self.cfg, '')}"
-        return service_report(self.cfg, self.session.kube(cluster), url)
+        return gke_serve.service_report(self.cfg, self.session.kube(cluster), url)
 
     def examples(self, url: str, body: str) -> list[str]:
         """How to call it: the Service forwarded to this machine, or through the API server's proxy."""
@@ -192,13 +212,11 @@ class GkeService(NodePools):
                 f"-H 'content-type: application/json' -d '{body}'"]
 
     def predict(self, request: dict, stream: bool = False) -> Iterator[dict]:
-        from provision.gke_serve import predict
-
-        cluster = self._cluster()
-        if cluster is None:
+        kube = _kube(self)
+        if kube is None:
             raise CloudError(f"the cluster {self.cfg.gke.cluster} is gone: nothing serves run {self.cfg.run}",
                              hint="deploy it with `moe-tpu deploy`")
-        return predict(self.cfg, self.session.kube(cluster), request, stream)
+        return gke_serve.predict(self.cfg, kube, request, stream)
 
 
 class GkeKind(Kind):
@@ -221,10 +239,10 @@ class GkeKind(Kind):
         run, count = get("run"), get("slice.count")
         if isinstance(run, str) and isinstance(count, int):
             longest = len(run) + len(f"-s{count - 1}")
-            if longest > MAX_GKE_NAME:
+            if longest > catalogue.MAX_GKE_NAME:
                 found.append(("run", f"run name {run!r} is too long for GKE: node pools are named RUN-sN, at "
-                                     f"most {MAX_GKE_NAME} characters (use at most "
-                                     f"{len(run) - longest + MAX_GKE_NAME})"))
+                                     f"most {catalogue.MAX_GKE_NAME} characters (use at most "
+                                     f"{len(run) - longest + catalogue.MAX_GKE_NAME})"))
         output_dir = get("trainer.output_dir")
         if isinstance(output_dir, str) and not output_dir.startswith("gs://"):
             found.append(("trainer.output_dir", f"pods on GKE keep nothing when they end: use a gs:// path, not "
@@ -249,9 +267,10 @@ class GkeKind(Kind):
                                             "replica over several hosts, a LeaderWorkerSet, is not built yet)"))
         found += replica_problems(get, "the HorizontalPodAutoscaler")
         run = get("run")
-        if isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > MAX_GKE_NAME:
+        if isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > catalogue.MAX_GKE_NAME:
             found.append(("run", f"run name {run!r} is too long to serve on GKE: the serving node pool is named "
-                                 f"RUN{gke_serve_render.SERVE_POOL_SUFFIX}, at most {MAX_GKE_NAME} characters"))
+                                 f"RUN{gke_serve_render.SERVE_POOL_SUFFIX}, at most {catalogue.MAX_GKE_NAME} "
+                                 "characters"))
         checkpoint = get("serve.checkpoint")
         if isinstance(checkpoint, str) and not checkpoint.startswith("gs://"):
             found.append(("serve.checkpoint", f"pods on GKE read the checkpoint from Cloud Storage: use a gs:// "
@@ -302,14 +321,14 @@ class GkeKind(Kind):
     def hardware(self, cfg):
         return cfg.accelerator_type(), cfg.slice.count, cfg.slice.capacity
 
-    def target(self, context, *, output_dir: str | None = None) -> GkeTarget:
-        return GkeTarget(context, output_dir=output_dir)
+    def target(self, context, *, output_dir: str | None = None) -> Deployment:
+        return Deployment(NodePools(context), JobSet(context, output_dir=output_dir))
 
-    def service(self, context) -> GkeService:
+    def service(self, context) -> Deployment:
         if context.config.serve is None:
             raise UsageError(f"{context.config.source}: serve: a GKE Deployment needs a serve section (at least "
                              "its machine_type)", hint="see examples/serve-gke.yaml")
-        return GkeService(context)
+        return Deployment(ServingPool(context), Server(context))
 
     def up_line(self, cfg) -> str:
         acc = cfg.accelerator_type()
@@ -317,22 +336,16 @@ class GkeKind(Kind):
                 f"{acc.name} ({acc.topology}, {acc.vms} VMs), {cfg.slice.capacity}, runtime {cfg.gke.runtime}")
 
     def up(self, context) -> list[Resource]:
-        from provision.gke import gke_up
-
-        return gke_up(context)
+        return gke.gke_up(context)
 
     def status(self, context) -> list[Resource]:
-        from provision.gke import gke_status
-
-        return gke_status(context)
+        return gke.gke_status(context)
 
     def managed(self, session, scope: Scope) -> list[Resource]:
         cfg = scope.config
         if cfg is None or cfg.gke is None:  # a cluster is found through a config's gke section only
             return []
-        from provision.gke import managed_gke
-
-        return managed_gke(cfg, session, run=scope.run, project=scope.project)
+        return gke.managed_gke(cfg, session, run=scope.run, project=scope.project)
 
     def where(self, cfg) -> str | None:
         return f"GKE cluster {cfg.gke.cluster}" if cfg.gke is not None else None
@@ -340,14 +353,10 @@ class GkeKind(Kind):
     def teardown(self, context) -> list[Resource]:
         if context.config.gke is None:
             return []
-        from provision.gke import gke_down
-
-        return gke_down(context)
+        return gke.gke_down(context)
 
     def log_source(self, context):
-        from provision.gke import trainer_log
-
-        return lambda: trainer_log(context.config, context.session)
+        return lambda: gke.trainer_log(context.config, context.session)
 
 
 KIND = GkeKind()

@@ -6,20 +6,33 @@ state as guest attributes (provision/guest_attributes.py), which `report` reads 
 
 from __future__ import annotations
 
-from provision import catalogue, guest_attributes
+from provision import catalogue, guest_attributes, slices
+from provision.core import (
+    Bundled,
+    Deployment,
+    Holding,
+    Kind,
+    Phase,
+    Report,
+    Scope,
+    combine,
+    last_zone_first,
+    report_from_status,
+)
+from provision.rendering import render_slice_files
 from provision.resources import Resource, project_of, short
-from provision.targets.base import Holding, Kind, Phase, Report, Scope, combine, last_zone_first, report_from_status
 
 GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
 
 
-class SliceTarget(Holding):
-    """A TPU v5e slice on a queued resource; the startup script runs the trainer on every worker."""
+class Slice(Holding):
+    """The placement: a TPU v5e slice on a queued resource, made for the run's training (its startup
+    script runs the trainer on every worker); its teardown deletes the run's queued resources."""
 
     kind = "tpu-vm"
 
-    def __init__(self, context, *, output_dir: str | None = None) -> None:
-        super().__init__(context, output_dir=output_dir)
+    def __init__(self, context) -> None:
+        super().__init__(context)
         cfg = context.config
         self.zone: str | None = None
         self.queued_resource: str | None = None
@@ -33,34 +46,45 @@ class SliceTarget(Holding):
 
     def provision(self, attempt: int = 0) -> list[Resource]:
         """Provision the slice: the zone it last ran in first, then the others in config order."""
-        from provision.slices import slice_up
-
         zones = last_zone_first(self.cfg.zones, self.zone)
-        resources = slice_up(self.context, attempt=attempt, zones=zones)
+        resources = slices.slice_up(self.context, attempt=attempt, zones=zones)
         self.zone, self.queued_resource = resources[0].zone, resources[0].name
         return resources
 
-    def report(self) -> Report:
-        from provision.slices import failure_of, nodes_of, state_name
+    def teardown(self) -> list[Resource]:
+        return slices.slice_down(self.context)
 
-        tpu = self.session.tpu
-        qr = tpu.get_queued_resource(self.queued_resource)
+    def left(self) -> list[Resource]:
+        return slices.slice_status(self.context)
+
+
+class SliceTrainer(Bundled):
+    """The training workload: the trainer the slice's startup script runs on every worker, which publishes
+    its state as guest attributes; it starts and ends with the slice, so it has nothing of its own to
+    make or delete."""
+
+    def __init__(self, placement: Slice) -> None:
+        self.slice = placement
+
+    def report(self) -> Report:
+        session, name, zone = self.slice.session, self.slice.queued_resource, self.slice.zone
+        tpu = session.tpu
+        qr = tpu.get_queued_resource(name)
         deleted = self._deleted(qr)
         if deleted is not None:
             return deleted
-        state = state_name(qr)
+        state = slices.state_name(qr)
         if state != "ACTIVE":
-            code, message = failure_of(qr)
+            code, message = slices.failure_of(qr)
             initiator = qr.state.state_initiator.name
             return Report(Phase.PREEMPTED, detail=f"queued resource {state} (by {initiator})"
                                               + (f": code {code}: {message}" if message else ""))
-        project = project_of(self.cfg, self.session)
         reports = []
-        for node in nodes_of(self.session, project, self.zone, qr):
+        for node in slices.nodes_of(session, project_of(self.slice.cfg, session), zone, qr):
             workers = tpu.get_guest_attributes(node.name, GUEST_NAMESPACE) if node.state.name == "READY" else None
             if workers is None:
                 # A deletion between the two looks takes the nodes too: the queued resource says which it was.
-                deleted = self._deleted(tpu.get_queued_resource(self.queued_resource))
+                deleted = self._deleted(tpu.get_queued_resource(name))
                 now = "gone" if node.state.name == "READY" else node.state.name
                 return deleted or Report(Phase.PREEMPTED, detail=f"node {short(node.name)} is {now}")
             for index, attrs in enumerate(workers):
@@ -71,24 +95,13 @@ class SliceTarget(Holding):
     def _deleted(self, qr) -> Report | None:
         """A "deleted" report when the queued resource is gone or DELETING: only a delete (somebody's
         `down`, the console) does that; the service suspends a preempted one instead."""
-        from provision.slices import state_name
-
+        name = short(self.slice.queued_resource)
         if qr is None:
-            return Report(Phase.DELETED, detail=f"queued resource {short(self.queued_resource)} is gone")
-        if state_name(qr) == "DELETING":
-            return Report(Phase.DELETED, detail=f"queued resource {short(self.queued_resource)} is DELETING "
+            return Report(Phase.DELETED, detail=f"queued resource {name} is gone")
+        if slices.state_name(qr) == "DELETING":
+            return Report(Phase.DELETED, detail=f"queued resource {name} is DELETING "
                                             f"(by {qr.state.state_initiator.name})")
         return None
-
-    def teardown(self) -> list[Resource]:
-        from provision.slices import slice_down
-
-        return slice_down(self.context)
-
-    def left(self) -> list[Resource]:
-        from provision.slices import slice_status
-
-        return slice_status(self.context)
 
 
 def _plural(n: int, word: str) -> str:
@@ -132,15 +145,14 @@ class TpuVmKind(Kind):
                 f"{_plural(acc.vms, 'VM')}), {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
 
     def render(self, cfg, renderer) -> dict[str, str]:
-        from provision.rendering import render_slice_files
-
         return render_slice_files(cfg, renderer)
 
     def hardware(self, cfg):
         return cfg.accelerator_type(), cfg.slice.count, cfg.slice.capacity
 
-    def target(self, context, *, output_dir: str | None = None) -> SliceTarget:
-        return SliceTarget(context, output_dir=output_dir)
+    def target(self, context, *, output_dir: str | None = None) -> Deployment:
+        placement = Slice(context)
+        return Deployment(placement, SliceTrainer(placement))
 
     def up_line(self, cfg) -> str:
         accel = cfg.accelerator_type()
@@ -148,24 +160,20 @@ class TpuVmKind(Kind):
                 f"{accel.vms} VMs), {cfg.slice.capacity}")
 
     def up(self, context, recreate: bool = False) -> list[Resource]:
-        from provision.slices import slice_up
 
-        return slice_up(context, recreate=recreate)
+        return slices.slice_up(context, recreate=recreate)
 
     def status(self, context) -> list[Resource]:
-        from provision.slices import slice_status
 
-        return slice_status(context)
+        return slices.slice_status(context)
 
     def managed(self, session, scope: Scope) -> list[Resource]:
-        from provision.slices import managed_resources
 
-        return managed_resources(session, scope.project, list(scope.zones), run=scope.run)
+        return slices.managed_resources(session, scope.project, list(scope.zones), run=scope.run)
 
     def teardown(self, context) -> list[Resource]:
-        from provision.slices import slice_down
 
-        return slice_down(context)
+        return slices.slice_down(context)
 
 
 KIND = TpuVmKind()

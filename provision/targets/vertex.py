@@ -6,13 +6,13 @@ own state decides how the run ended.
 
 from __future__ import annotations
 
-from provision import catalogue
+from provision import catalogue, endpoints, jobs, planner
 from provision.cloud import storage
-from provision.errors import UsageError
-from provision.resources import Resource, project_of, short
-from provision.targets.base import (
+from provision.core import (
     ENDED,
     STATUS_FILE,
+    Bundled,
+    Deployment,
     Holding,
     Kind,
     Phase,
@@ -21,52 +21,73 @@ from provision.targets.base import (
     replica_problems,
     report_from_status,
 )
+from provision.errors import UsageError
+from provision.rendering import render_custom_job_files, render_serving_files
+from provision.resources import Resource, project_of, short
+from provision.waiting import poll
 
 PREEMPTION_MARKERS = ("preempt", "spot vm", "was reclaimed")
 
 
-class JobTarget(Holding):
-    """A Vertex AI custom job; the trainer reports through the status file in its output directory."""
+class Machines(Bundled):
+    """A placement Vertex AI makes and deletes with its workload (a custom job's or a deployed model's
+    machines): it is described and priced, and this tool makes and deletes nothing of it apart."""
 
     kind = "vertex"
 
-    def __init__(self, context, *, output_dir: str | None = None) -> None:
-        super().__init__(context, output_dir=output_dir)
-        cfg = context.config
-        self.job: str | None = None
-        acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
-        self.chips = acc.chips if acc else 0
+    def __init__(self, describe: str, chips: int, capacity: str) -> None:
+        self._describe, self.chips, self.capacity = describe, chips, capacity
 
     def describe(self) -> str:
-        return f"{self.cfg.vertex.machine_type} {self.cfg.vertex.topology} ({self.cfg.vertex.scheduling})"
+        return self._describe
 
     def price(self) -> float:
-        strategy = self.cfg.vertex.scheduling
-        return self.chips * catalogue.price_per_chip_hour(catalogue.CAPACITY_OF_VERTEX_STRATEGY[strategy])
+        return self.chips * catalogue.price_per_chip_hour(self.capacity)
 
-    def provision(self, attempt: int = 0) -> list[Resource]:
+
+def job_machines(cfg) -> Machines:
+    """The custom job's machines: the vertex section's machine type and topology, billed by scheduling."""
+    vertex = cfg.vertex
+    acc = catalogue.accelerator_for_topology(vertex.topology)
+    return Machines(f"{vertex.machine_type} {vertex.topology} ({vertex.scheduling})", acc.chips if acc else 0,
+                    catalogue.CAPACITY_OF_VERTEX_STRATEGY[vertex.scheduling])
+
+
+def endpoint_machines(cfg) -> Machines:
+    """A deployed model's machines: the serve section's, min_replicas of them billed while it is up."""
+    serve = cfg.serve
+    acc = catalogue.accelerator_for_topology(serve.replica_topology)
+    return Machines(f"Vertex AI endpoint on {serve.machine_type} {serve.replica_topology}, "
+                    f"{serve.min_replicas}-{serve.max_replicas} replica(s){' (spot)' if serve.spot else ''}",
+                    (acc.chips if acc else 0) * serve.min_replicas, "spot" if serve.spot else "on-demand")
+
+
+class CustomJob(Holding):
+    """The training workload: a Vertex AI custom job; the trainer reports through the status file in its
+    output directory."""
+
+    def __init__(self, context, *, output_dir: str | None = None) -> None:
+        super().__init__(context, output_dir=output_dir)
+        self.job: str | None = None
+
+    def start(self) -> list[Resource]:
         """Submit the job (or follow the one already submitted) and wait until it runs or ends."""
-        from provision.jobs import TERMINAL_STATES, job_resource, job_submit
-        from provision.waiting import poll
-
-        resource = job_submit(self.context)
+        resource = jobs.job_submit(self.context)
         self.job = resource.name
         vertex = self.session.vertex(self.cfg.region)
         wait = (self.cfg.vertex.max_wait.total_seconds() if self.cfg.vertex.max_wait else 0) + 7 * 86400
         with self.console.progress(f"  waiting for job {short(self.job)} to start") as bar:
             job = poll(lambda: vertex.get_custom_job(self.job),
-                       lambda j: j is None or j.state.name == "JOB_STATE_RUNNING" or j.state.name in TERMINAL_STATES,
+                       lambda j: j is None or j.state.name in ("JOB_STATE_RUNNING", *jobs.TERMINAL_STATES),
                        self.session.clock, timeout_s=wait, progress=bar,
                        describe=lambda j, t: f"  job {short(self.job)}: {j.state.name if j else 'gone'}",
                        what=f"custom job {short(self.job)} to start")
-        return [job_resource(job, self.cfg.region)] if job is not None else [resource]
+        return [jobs.job_resource(job, self.cfg.region)] if job is not None else [resource]
 
     def _status(self) -> dict | None:
         return self.session.storage.read_json(storage.join(self.output_dir, STATUS_FILE))
 
     def report(self) -> Report:
-        from provision.jobs import error_of
-
         job = self.session.vertex(self.cfg.region).get_custom_job(self.job)
         if job is None:
             return Report(Phase.DELETED, detail=f"custom job {short(self.job)} is gone")
@@ -78,7 +99,7 @@ class JobTarget(Holding):
         if state == "JOB_STATE_SUCCEEDED":
             return Report(**{**trainer.__dict__, "phase": Phase.FINISHED})
         if state in ("JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED"):
-            error = error_of(job) or state
+            error = jobs.error_of(job) or state
             preempted = any(marker in error.lower() for marker in PREEMPTION_MARKERS)
             if state == "JOB_STATE_CANCELLED" and not preempted:
                 return Report(Phase.DELETED, detail=f"custom job {short(self.job)} was cancelled")
@@ -91,14 +112,11 @@ class JobTarget(Holding):
         return trainer
 
     def teardown(self) -> list[Resource]:
-        from provision.jobs import jobs_down
-
-        return jobs_down(self.context)
+        """The run's custom jobs; nothing else of the run (its endpoint stays)."""
+        return jobs.jobs_down(self.context)
 
     def left(self) -> list[Resource]:
-        from provision.jobs import managed_jobs
-
-        return managed_jobs(self.session, project_of(self.cfg, self.session), self.cfg.region, run=self.cfg.run)
+        return jobs.managed_jobs(self.session, project_of(self.cfg, self.session), self.cfg.region, run=self.cfg.run)
 
 
 class VertexKind(Kind):
@@ -139,8 +157,6 @@ class VertexKind(Kind):
 
     def render(self, cfg, renderer) -> dict[str, str]:
         """The CustomJob's files, and with a serve section the endpoint's (Model, Endpoint, DeployedModel)."""
-        from provision.rendering import render_custom_job_files, render_serving_files
-
         files = render_custom_job_files(cfg, renderer)
         if cfg.serve is not None:
             files.update(render_serving_files(cfg, renderer, startup_estimate_s(cfg)))
@@ -152,53 +168,44 @@ class VertexKind(Kind):
             raise ValueError(f"no v5e accelerator type has topology {cfg.vertex.topology!r}")
         return acc, 1, catalogue.CAPACITY_OF_VERTEX_STRATEGY[cfg.vertex.scheduling]
 
-    def target(self, context, *, output_dir: str | None = None) -> JobTarget:
-        return JobTarget(context, output_dir=output_dir)
+    def target(self, context, *, output_dir: str | None = None) -> Deployment:
+        return Deployment(job_machines(context.config), CustomJob(context, output_dir=output_dir))
 
     def service(self, context):
         """The serve section's model on a dedicated Vertex AI endpoint (provision.endpoints)."""
-        from provision.endpoints import EndpointTarget
-
         cfg = context.config
         if cfg.serve is None:
             raise UsageError(f"{cfg.source}: no serve section: nothing says how to serve run {cfg.run}",
                              hint="add `serve:` (see examples/serve-vertex.yaml)")
-        return EndpointTarget(context, startup_s=startup_estimate_s(cfg))
+        return Deployment(endpoint_machines(cfg), endpoints.Endpoint(context, startup_s=startup_estimate_s(cfg)))
 
     def up_line(self, cfg) -> str:
         return f"run {cfg.run}, {cfg.vertex.machine_type} {cfg.vertex.topology}, {cfg.vertex.scheduling}, " \
                f"region {cfg.region}"
 
     def up(self, context) -> list[Resource]:
-        from provision.jobs import job_submit
 
-        return [job_submit(context)]
+        return [jobs.job_submit(context)]
 
     def status(self, context) -> list[Resource]:
-        from provision.endpoints import managed_serving
-        from provision.jobs import managed_jobs
 
         cfg, session = context.config, context.session
         project = project_of(cfg, session)
-        return [*managed_jobs(session, project, cfg.region, run=cfg.run),
-                *managed_serving(session, project, cfg.region, run=cfg.run)]
+        return [*jobs.managed_jobs(session, project, cfg.region, run=cfg.run),
+                *endpoints.managed_serving(session, project, cfg.region, run=cfg.run)]
 
     def managed(self, session, scope: Scope) -> list[Resource]:
-        from provision.endpoints import managed_serving
-        from provision.jobs import managed_jobs
 
         return [res for region in scope.regions
-                for res in (*managed_jobs(session, scope.project, region, run=scope.run),
-                            *managed_serving(session, scope.project, region, run=scope.run))]
+                for res in (*jobs.managed_jobs(session, scope.project, region, run=scope.run),
+                            *endpoints.managed_serving(session, scope.project, region, run=scope.run))]
 
     def where(self, cfg) -> str:
         return f"region {cfg.region}"
 
     def teardown(self, context) -> list[Resource]:
-        from provision.endpoints import endpoints_down
-        from provision.jobs import jobs_down
 
-        return [*jobs_down(context), *endpoints_down(context)]
+        return [*jobs.jobs_down(context), *endpoints.endpoints_down(context)]
 
 
 # The serving container's start, for the startup probe: the weights read from Cloud Storage at about this
@@ -213,8 +220,6 @@ def startup_estimate_s(cfg) -> float:
     """Seconds the server needs to load its weights and compile, from the planner's parameter count (the
     compile time alone where the model's size is unknown)."""
     try:
-        from provision import planner
-
         total = planner.plan_for(cfg).counts.total
     except Exception:  # noqa: BLE001 - no plan (a model the planner cannot read): the probe still gets its floor
         return 2 * COMPILE_S

@@ -141,7 +141,8 @@ def _pathwaysutils_jobset(cfg):
     js = jobset.PathwaysJobSet(name=spec.name, namespace=spec.namespace, pathways_dir=spec.gcs_scratch,
                                tpu_type="ct5lp-hightpu-4t", topology=spec.topology, num_slices=spec.slices,
                                max_restarts=spec.max_restarts)
-    js.add_user_workload(image=spec.image_uri, command=[*spec.command, *spec.args], name="trainer")
+    js.add_user_workload(image=spec.container.image, command=[*spec.container.command, *spec.container.args],
+                         name="trainer")
     return js.to_dict()
 
 

@@ -22,7 +22,7 @@ from provision.context import RunContext
 from provision.errors import CloudError, UsageError
 from provision.resources import Resource
 from provision.runs import Interrupted, Runner
-from provision.targets import Report, Target
+from provision.core import Report, Target
 
 
 class ScriptedTarget:
@@ -192,7 +192,7 @@ def test_the_factory_builds_the_configs_target(cfg, tmp_path):
     assert slice_target.price() == pytest.approx(8 * 0.47)
     vertex = cfg.model_copy(update={"target": "vertex"})
     job = targets.for_config(RunContext.on(vertex, session, Console()), output_dir="gs://b/out")
-    assert (job.kind, job.output_dir) == ("vertex", "gs://b/out")
+    assert (job.kind, job.workload.output_dir) == ("vertex", "gs://b/out")
     assert set(targets.KINDS) == {"tpu-vm", "vertex", "gke"}
     gke_cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "gke-pathways.yaml")
     gke = targets.for_config(RunContext.on(gke_cfg, session, Console()))

@@ -19,7 +19,7 @@ import yaml
 from provision import guest_attributes, rendering
 from provision.config import config_from_dict, load_config
 from provision.context import renderer_for
-from provision.targets.base import report_from_status
+from provision.core import report_from_status
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

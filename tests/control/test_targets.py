@@ -6,7 +6,7 @@ import pytest
 
 from provision.clock import SimClock
 from provision.runs import RunTimeline, Training, _Rate
-from provision.targets import Report, combine, report_from_status
+from provision.core import Report, combine, report_from_status
 
 
 def test_guest_attributes_read_as_a_report():

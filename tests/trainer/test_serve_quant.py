@@ -9,7 +9,7 @@ import pytest
 from trainer import sharding
 from trainer.config import load_config
 from trainer.data import make_source, open_data
-from trainer.sample import load_run_config
+from trainer.run_loader import load_run_config
 from trainer.serve.engine import Engine, Request, SamplingParams
 from trainer.serve.kvcache import KVCache
 from trainer.serve.quant import Int8Weight, quantize_params, weight_bytes

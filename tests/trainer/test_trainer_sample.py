@@ -49,3 +49,26 @@ def test_no_checkpoint_or_no_config_exits_2_naming_the_directory(tmp_path):
         result = CliRunner().invoke(sample_command, ["--checkpoint", str(directory), "--prompt", "1 2"])
         assert result.exit_code == 2, result.output
         assert needle in result.output and "Traceback" not in result.output
+
+
+def test_sample_and_init_from_look_a_run_up_alike(tmp_path):
+    """One lookup (trainer.outputs.RunDirectory.find) names a run for both, in the same words but the option's:
+    an output directory, its checkpoints directory, and a `checkpoints` that is a file or missing (refused)."""
+    import pytest
+
+    from trainer.config import ConfigError
+    from trainer.init_from import checkpoints_of
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "4").mkdir(parents=True)
+    assert checkpoints_of(str(run)) == str(run / "checkpoints")
+    assert checkpoints_of(str(run / "checkpoints")) == str(run / "checkpoints")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "checkpoints").write_text("")  # a file: no checkpoints directory
+    for bad in (odd, tmp_path / "none", run / "checkpoints" / "4"):
+        with pytest.raises(ConfigError) as refused:
+            checkpoints_of(str(bad))
+        result = CliRunner().invoke(sample_command, ["--checkpoint", str(bad), "--prompt", "1 2"])
+        assert result.exit_code == 2
+        assert str(refused.value).replace("--init-from", "--checkpoint") in result.output, result.output

@@ -33,13 +33,13 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     import jax
 
     from trainer import meshspec, sharding
-    from trainer.sample import Codec, load_run_config, locate
+    from trainer.run_loader import Codec, find_run, load_run_config
     from trainer.serve.engine import Engine, RequestError
     from trainer.serve.quant import quantize_params
     from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
-    checkpoints, config_path = locate(directory)
-    cfg = load_run_config(config_path)
+    run = find_run(directory)
+    checkpoints, cfg = run.checkpoints, load_run_config(run.config)
     codec = Codec(cfg, tokenizer_path)
     devices = jax.devices()
     # By default the experts spread over as many devices as divide them; the rest replicate them (data).

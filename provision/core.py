@@ -1,12 +1,16 @@
-"""What every kind of target declares, and the reports that the run loop and the service follower read.
+"""The core every kind of target and the run loop share: placements, workloads, the deployment that
+composes one of each, the reports the run loop and the service follower read, and what a kind declares.
 
 A placement is where things run (a queued resource's slice, GKE node pools, a Vertex AI job's or
 endpoint's machines): it is provisioned, torn down, priced, and says what of it is left. A workload
 is what runs there: a training job (reports step, loss, tokens/s; ends) or a service (reports ready,
-URL, replicas; lives until `down`). A `Target` is a placement with a training job on it, which
-`provision.runs.Runner` follows; a `ServiceTarget` one with a service, which
-`provision.services.ServiceFollower` follows. A new kind of target is a module under
-provision/targets/ (its `Kind`) and one line in `provision.targets.KINDS`.
+URL, replicas; lives until `down`). A `Deployment` is one placement plus one workload, composed: its
+teardown deletes the workload and then what the placement made for that workload, nothing else, so a
+service that fails to deploy never takes a training run's placement with it, nor a finished run a live
+service. Only a kind's `teardown` (`down`) deletes everything of the run. `provision.runs.Runner`
+follows a training deployment (a `Target`), `provision.services.ServiceFollower` a service (a
+`ServiceTarget`). This module imports no kind and no package that imports one: the kinds
+(provision/targets/) and the lifecycle modules all stand on it.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class ServiceReport:
 
 @runtime_checkable
 class Placement(Protocol):
-    """Where a run's workload runs, as the run loop and the service follower see it.
+    """Where a workload runs: what it is, what it costs, and what of it this tool makes and deletes.
 
     kind: the config's `target` value; chips: the chips it bills for while it runs.
     """
@@ -69,19 +73,103 @@ class Placement(Protocol):
         """US dollars per hour while it is up (the catalogue's upper bound)."""
 
     def provision(self, attempt: int = 0) -> list[Resource]:
-        """Create (or adopt) it, with its workload, and wait until the workload can start on it.
-        A refusal by the API is a UsageError; any other failure a MoeTpuError."""
+        """Create (or adopt) it and wait until a workload can start on it. A refusal by the API is a
+        UsageError; any other failure a MoeTpuError."""
 
     def teardown(self) -> list[Resource]:
-        """Delete everything of the run on it; the resources deleted."""
+        """Delete what it made for its workload (and what they shared, once nothing else uses it);
+        the resources deleted."""
 
     def left(self) -> list[Resource]:
-        """What of the run exists on it now (what an interrupt or a failed teardown left)."""
+        """What its teardown would delete that exists now."""
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """What runs on a placement: a training job (`report` -> Report) or a service (-> ServiceReport)."""
+
+    def start(self) -> list[Resource]:
+        """Start it on its placement, provisioned (or adopt what an earlier attempt started)."""
+
+    def report(self) -> Report | ServiceReport:
+        """Its state now."""
+
+    def teardown(self) -> list[Resource]:
+        """Delete it and what it made for itself, nothing else; the resources deleted."""
+
+    def left(self) -> list[Resource]:
+        """What of it exists now."""
+
+
+class Bundled:
+    """A placement or a workload that the other half of its deployment makes and deletes with itself (a TPU VM's
+    trainer with its slice, a Vertex AI job's machines with the job): nothing of its own to make, delete or
+    find."""
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        return []
+
+    def start(self) -> list[Resource]:
+        return []
+
+    def teardown(self) -> list[Resource]:
+        return []
+
+    def left(self) -> list[Resource]:
+        return []
+
+
+class Deployment:
+    """A workload on a placement, composed: what `run` follows (a training job: a `Target`) and what
+    `deploy` follows (a service: a `ServiceTarget`, whose workload also predicts). Neither part knows
+    the other's teardown: the deployment deletes its workload, then what its placement made for it."""
+
+    def __init__(self, placement: Placement, workload: Workload) -> None:
+        self.placement = placement
+        self.workload = workload
+
+    @property
+    def kind(self) -> str:
+        return self.placement.kind
+
+    @property
+    def chips(self) -> int:
+        return self.placement.chips
+
+    def describe(self) -> str:
+        return self.placement.describe()
+
+    def price(self) -> float:
+        return self.placement.price()
+
+    def provision(self, attempt: int = 0) -> list[Resource]:
+        """The placement (for this attempt), then the workload on it; what they made or adopted."""
+        placed = self.placement.provision(attempt)
+        return [*self.workload.start(), *placed]
+
+    def report(self):
+        return self.workload.report()
+
+    def teardown(self) -> list[Resource]:
+        return [*self.workload.teardown(), *self.placement.teardown()]
+
+    def left(self) -> list[Resource]:
+        return [*self.workload.left(), *self.placement.left()]
+
+    def predict(self, request: dict, stream: bool = False) -> Iterator[dict]:
+        """A service's prediction (ServiceTarget.predict): its workload's."""
+        return self.workload.predict(request, stream)
+
+    def examples(self, url: str, body: str) -> list[str]:
+        """How to call a service at `url` (a console line each): its workload's, or a plain curl."""
+        own = getattr(self.workload, "examples", None)
+        return own(url, body) if own is not None else [
+            f"  curl -X POST {url} -H 'content-type: application/json' -d '{body}'"]
 
 
 @runtime_checkable
 class Target(Placement, Protocol):
-    """A placement with a training job on it: what `run` follows until training ends."""
+    """A placement with a training job on it (a Deployment): what `run` follows until training ends."""
 
     def report(self) -> Report:
         """The trainer's state on it now; `preempted` when the capacity went away."""
@@ -89,7 +177,7 @@ class Target(Placement, Protocol):
 
 @runtime_checkable
 class ServiceTarget(Placement, Protocol):
-    """A placement with a service on it: ready at a URL until somebody takes it down."""
+    """A placement with a service on it (a Deployment): ready at a URL until somebody takes it down."""
 
     def report(self) -> ServiceReport:
         """The service's state now."""
@@ -100,6 +188,9 @@ class ServiceTarget(Placement, Protocol):
         the Kubernetes API server's service proxy); yields the response document, or each streamed
         chunk (the server-sent events' JSON, `[DONE]` not included). A refusal by the server is a
         CloudError with its message."""
+
+    def examples(self, url: str, body: str) -> list[str]:
+        """How to call it at `url` with `body` (console lines)."""
 
 
 @dataclass(frozen=True)
@@ -165,11 +256,11 @@ class Kind:
 
     # --- the lifecycle --------------------------------------------------------------------------
     def target(self, context, *, output_dir: str | None = None) -> Target:
-        """The placement and its training workload, as `run` follows it."""
+        """The placement and its training workload (a Deployment), as `run` follows it."""
         raise NotImplementedError
 
     def service(self, context) -> ServiceTarget:
-        """The placement and a service on it (a kind that serves; issue 33's endpoint and Deployment)."""
+        """The placement and a service on it (a Deployment), for a kind that serves."""
         raise UsageError(f"target {self.name!r} runs training jobs only; it serves no model",
                          hint="serving targets: see `moe-tpu --help`")
 
@@ -219,8 +310,8 @@ def last_zone_first(zones: list[str], last: str | None) -> list[str]:
 
 
 class Holding:
-    """What every target holds: the command's context (provision.context.RunContext: the config,
-    the session, the console, the renderer) and where its trainer writes (a dry run's local
+    """What every placement and workload holds: the command's context (provision.context.RunContext:
+    the config, the session, the console, the renderer) and where its trainer writes (a dry run's local
     directory; by default trainer.output_dir)."""
 
     def __init__(self, context, *, output_dir: str | None = None) -> None:

@@ -1,0 +1,134 @@
+"""A trained run read back for inference (`sample`, `python -m trainer.serve`, the serving benchmark): the
+trainer config it saved beside its checkpoints, which rebuilds its model, and the codec between text and
+its token ids as its data saw them. Where the run is, and what it holds, is trainer/outputs.py's
+RunDirectory. Every problem a user can fix is a RunError (exit 2) naming the file or the option."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from trainer.outputs import NoRun, RunDirectory
+from trainer.status import EXIT_USAGE
+
+MAX_CONFIG_BYTES = 1 << 20  # a run's config.json is a few KiB
+
+
+class RunError(click.UsageError):
+    exit_code = EXIT_USAGE
+
+
+def find_run(directory: str, option: str = "--checkpoint") -> RunDirectory:
+    """The run `directory` names (its output directory or its checkpoints directory); RunError if none."""
+    try:
+        return RunDirectory.find(directory, option)
+    except NoRun as e:
+        raise RunError(str(e)) from None
+
+
+def load_run_config(path: str):
+    import pydantic
+    from etils import epath
+
+    from trainer.config import Config, describe
+
+    if not epath.Path(path).exists():
+        raise RunError(f"{path} does not exist: the run's config is needed to rebuild its model (the trainer "
+                          "writes it to OUTPUT_DIR/config.json)")
+    if "://" not in path:
+        from trainer.datasets import DataError, regular_file
+
+        try:  # found without opening it: a FIFO would wait for a writer for ever, a device never end
+            size = regular_file(path, "the run's config")
+        except DataError as e:
+            raise RunError(str(e)) from None
+        if size > MAX_CONFIG_BYTES:
+            raise RunError(f"{path} is {size >> 20} MiB: not a config the trainer wrote")
+    try:
+        return Config.model_validate(json.loads(epath.Path(path).read_text()))
+    except pydantic.ValidationError as e:
+        raise RunError(f"{path}: {describe(e.errors()[0])}") from None
+    except ValueError as e:
+        raise RunError(f"{path} is not a config: {e}") from None
+
+
+class Codec:
+    """Text <-> token ids as the run's data saw them."""
+
+    def __init__(self, cfg, tokenizer_path: str | None, any_tokenizer: bool = False):
+        self.kind, self.tokenizer = "ids", None
+        manifest = _manifest(cfg, needed=tokenizer_path is None)
+        if tokenizer_path is None and manifest is not None:
+            from trainer.datasets import join
+
+            tokenizer_path = join(manifest["directory"], manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
+        if tokenizer_path is not None:
+            from trainer.prepare import PrepareError, fingerprint, load_tokenizer
+
+            try:
+                self.tokenizer, self.kind = load_tokenizer(tokenizer_path), "tokenizer"
+            except PrepareError as e:
+                raise RunError(e.message) from None
+            theirs = (manifest or {}).get("tokenizer", {}).get("fingerprint", "")
+            if theirs and fingerprint(self.tokenizer) != theirs and not any_tokenizer:
+                raise RunError(f"--tokenizer {tokenizer_path} (fingerprint {fingerprint(self.tokenizer)}) is not "
+                                  f"the tokenizer the run's dataset '{cfg.data.path}' was prepared with ({theirs}): "
+                                  "its ids would mean other text; leave --tokenizer out, or add --any-tokenizer to "
+                                  "read and write the ids with it all the same")
+        elif cfg.data.source == "text":
+            self.kind = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        if self.kind == "bytes":  # the bytes as given, valid UTF-8 or not (the terminal's bytes come back)
+            return list(text.encode("utf-8", "surrogateescape"))
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
+            shown = text.encode("utf-8", "surrogateescape")
+            raise RunError(f"--prompt {shown!r} is not UTF-8 text") from None
+        if self.kind == "tokenizer":
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        words = text.split()
+        try:
+            return [int(t) for t in words]
+        except ValueError:  # names the first word that is not an id, not the whole (maybe huge) prompt
+            word = next(w for w in words if not _is_int(w))
+            raise RunError(f"--prompt: this run's data has no tokenizer; give token ids separated by spaces, "
+                              f"got {_brief(word)} (word {words.index(word) + 1} of {len(words)})") from None
+
+    def decode(self, ids: list[int]) -> str:
+        if self.kind == "tokenizer":
+            return self.tokenizer.decode(ids)
+        if self.kind == "bytes":
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return " ".join(map(str, ids))
+
+
+def _manifest(cfg, needed: bool):
+    """The run's dataset manifest (records data), or None. A missing dataset is an error only when its
+    tokenizer is `needed` (no --tokenizer given)."""
+    if cfg.data.source != "records":
+        return None
+    from trainer.datasets import DataError, load_manifest
+
+    try:
+        return load_manifest(cfg.data.path)
+    except DataError as e:
+        if needed:
+            raise RunError(f"{e}; or give the dataset's tokenizer with --tokenizer FILE") from None
+        return None
+
+
+def _is_int(word: str) -> bool:
+    try:
+        int(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _brief(text: str, width: int = 40) -> str:
+    """repr() of a piece of the user's input, cut short: a message names it, it does not print it all."""
+    shown = repr(text)
+    return shown if len(shown) <= width else shown[:width - 4] + "...'"
