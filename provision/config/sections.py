@@ -134,7 +134,7 @@ class ServeConfig(_Section):
     autoscale_target: Positive = 60
     slots: Positive = 8
     max_len: Annotated[StrictInt, Field(ge=2)] = 1024
-    weights: Literal["auto", "int8"] = "auto"
+    weights: Literal["auto", "int8", "int4"] = "auto"  # trainer/serve/memory.py QUANTIZED_WEIGHTS
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     spot: bool = False
     # The server's device mesh on one replica (`--mesh`, e.g. model=4); unset: the mesh `plan --serve`

@@ -97,7 +97,7 @@ def _hardware(cfg: Config, plan: Plan, accelerator: str | None) -> tuple[catalog
 def _configured(cfg: Config, model_cfg) -> tuple[str, str]:
     """(weights, KV cache) precision names the config serves at."""
     serve = cfg.serve
-    weights = "int8" if serve is not None and serve.weights == "int8" else precision_name(model_cfg.param_dtype)
+    weights = serve.weights if serve is not None and serve.weights != "auto" else precision_name(model_cfg.param_dtype)
     kv = serve.kv_cache_dtype if serve is not None and serve.kv_cache_dtype != "auto" else model_cfg.dtype
     return weights, precision_name(kv)
 

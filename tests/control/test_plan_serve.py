@@ -149,9 +149,9 @@ def test_the_1_2t_verdict_says_which_precisions_fit_and_which_bounds_22_ms_meets
     assert doc["claim"]["reachable"] == ["int4"]
     assert doc["claim"]["meets"]["int4"] == {"HBM": True, "compute": True, "ICI": True}
     assert doc["claim"]["meets"]["int8"]["HBM"] is False and doc["claim"]["meets"]["bf16"]["HBM"] is False
-    # int4 fits, but the engine serves no int4 weights (trainer/serve/memory.py's list): the verdict says so.
-    assert doc["verdict"].startswith("SERVES AT NO PRECISION THE ENGINE SERVES: moe-1.2t")
-    assert "only int4 fits, and the engine serves bf16, float32 and int8 weights" in doc["verdict"]
+    # Only int4 fits, and the engine serves int4 weights (trainer/serve/memory.py's list): the verdict serves it.
+    assert doc["verdict"].startswith("SERVES at int4 (not bf16, int8): moe-1.2t"), doc["verdict"]
+    assert "engine" not in doc["verdict"]
     assert "reachable at int4 only" in doc["verdict"] and doc["verdict"] in err
     step = int4["decode"]
     cost = doc["price_per_chip_hour_usd"] / (step["tokens_per_s_per_chip"] * 3600) * 1e6
@@ -216,3 +216,21 @@ def test_plan_serve_on_the_plans_own_target_and_mesh(workdir):
     assert code == 0 and "serving   one replica: 64 chips" in out and "largest batch that fits" in out
     code, _, err = moe("plan", "-c", str(EXAMPLE), "--decode-step-ms", "22")
     assert code == 2 and "--serve" in err
+
+
+def test_the_planners_quantized_weights_are_the_engines_start_up_plan():
+    """int8 (a scale per output channel) and int4 (packed, a scale per group of input values): the bytes a
+    chip holds in `plan --serve` are what the server's start-up memory check counts on the same mesh."""
+    import jax
+
+    from trainer import sharding
+    from trainer.serve.memory import memory_plan
+    from trainer.serve.weights import build_serving_model
+
+    cfg = load_config("tiny", ["model.num_layers=1"])
+    model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 8}, jax.devices()[:8]))
+    params = param_inventory(cfg)
+    held = {p: planner.chip_weights(params, cfg, planner.Mesh(1, 8), p).held for p in ("bf16", "int8", "int4")}
+    assert held["int8"] == memory_plan(model, 1, 1, "float32", "int8")["weights"]
+    assert held["int4"] == memory_plan(model, 1, 1, "float32", "int4")["weights"]
+    assert held["int4"] < 0.6 * held["int8"]

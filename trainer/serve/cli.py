@@ -106,7 +106,8 @@ def _listen(host: str, port: int) -> socket.socket:
               show_default=True, help="auto: the model's compute dtype.")
 @click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
               show_default=True,
-              help="int8: per-channel symmetric int8 weights (about half of bfloat16).")
+              help="int8: per-channel symmetric int8 weights (about half of bfloat16); int4: symmetric, a scale "
+                   "per group of 128 input values, two a byte (about 0.27x).")
 @click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
               help="model=T splits each expert and attention's heads T ways [as many devices on expert as "
                    "divide the experts]")
@@ -143,7 +144,8 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     sock = _listen(host, port)
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
                   chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
-                  int8_weights=weight_format == "int8", device_memory_gb=device_memory_gb, progress=_progress)
+                  quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
+                  progress=_progress)
     code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds)
     sys.exit(code)
 

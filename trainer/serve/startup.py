@@ -29,13 +29,13 @@ class Loaded:
 
 
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
-         int8_weights: bool, device_memory_gb, progress) -> Loaded:
+         quantized: str | None, device_memory_gb, progress) -> Loaded:
     import jax
 
     from trainer import meshspec, sharding
     from trainer.run_loader import Codec, find_run, load_run_config
     from trainer.serve.engine import Engine, RequestError
-    from trainer.serve.quant import quantize_params
+    from trainer.serve import quant, quant4
     from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
     run = find_run(directory)
@@ -59,20 +59,21 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     except WeightsError as e:
         raise ServeError(str(e)) from None
     kv = kv_dtype or cfg.dtype
-    plan = memory_plan(model, slots, max_len, kv, int8_weights)
+    plan = memory_plan(model, slots, max_len, kv, quantized)
+    stored = f" ({quantized})" if quantized else ""
     progress(f"{cfg.name}: {plan['weights'] / 2**20:,.1f} MiB of weights a device"
-             f"{' (int8)' if int8_weights else ''}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
+             f"{stored}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
              f"positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); mesh {mesh_shape}")
     check_fits(plan, device_memory_gb if device_memory_gb else device_memory(devices[0]), slots, max_len, kv,
-               int8_weights)
+               quantized)
     progress(f"reading the parameters from {checkpoints}")
     try:
         weights, step = restore_weights(model, checkpoints)
     except WeightsError as e:
         raise ServeError(str(e)) from None
     progress(f"read the checkpoint at step {step}")
-    if int8_weights:
-        weights = {**weights, "params": quantize_params(weights["params"])}
+    if quantized:  # int8 or int4 (--weights)
+        weights = {**weights, "params": {"int8": quant, "int4": quant4}[quantized].quantize_params(weights["params"])}
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
                         detokenize=codec.decode)
@@ -81,7 +82,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     return Loaded(cfg, engine, codec.encode, codec.decode, step)
 
 
-def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> None:
+def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, quantized: str | None) -> None:
     if limit is None:
         return
     if isinstance(limit, float):  # --device-memory-gb
@@ -93,8 +94,8 @@ def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, 
     advice = ["lower --slots or --max-len (the cache is slots x max-len)"]
     if str(kv_dtype) != "int8":
         advice.append("--kv-cache-dtype int8 (half of bfloat16)")
-    if not int8_weights:
-        advice.append("--weights int8")
+    if quantized != "int4":
+        advice.append("--weights int4 (about a quarter of bfloat16)" if quantized else "--weights int8 or int4")
     advice.append("or put more devices on `expert` (--mesh) to split the experts")
     raise ServeError(f"the model does not fit a device: weights {gib(plan['weights'])} + KV cache "
                      f"{gib(plan['kv_cache'])} ({slots} slots x {max_len} tokens, {kv_dtype}) > "
