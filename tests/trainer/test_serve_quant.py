@@ -16,7 +16,7 @@ from trainer.serve.kvcache import KVCache
 from trainer.serve import quant4
 from trainer.serve.quant import Int8Weight, quantize_params, weight_bytes
 from trainer.serve.memory import memory_plan
-from trainer.serve.weights import build_serving_model, restore_weights
+from trainer.serve.weights import build_serving_model, init_weights, restore_weights
 
 pytestmark = pytest.mark.compile_bound
 
@@ -132,3 +132,26 @@ def test_int4_weights_on_the_grid_come_back_exactly(name, shape):
     stored = quant4.quantize_weight(w, axis)
     assert stored.packed.size * 2 == w.size and stored.scale.shape == scale_shape
     np.testing.assert_array_equal(np.asarray(stored.dequantize()), np.asarray(w))
+
+
+def test_int4_weights_split_over_expert_and_model_as_the_float_ones_and_predict_as_on_one_device():
+    """On expert=2,model=4 (8 fake devices) each packed weight and its scales keep the weight's split where
+    it divides them, a device holds what the start-up memory check counts, and the forward pass returns
+    the one-device int4 model's logits."""
+    cfg = load_config("tiny", ["model.num_layers=1"])
+    one = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+    tp = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 2, "model": 4}, jax.devices()[:8]))
+    weights = init_weights(one)
+    placed = jax.device_put(weights, {k: tp.shardings[k] for k in weights})
+    int4, tp_int4 = ({**w, "params": quant4.quantize_params(w["params"])} for w in (weights, placed))
+    w_out = tp_int4["params"]["blocks.0.ffn.w_out"]  # [E, F, D], F over model: 64 / 2 packed, one group of 64
+    assert w_out.packed.sharding.spec == jax.sharding.PartitionSpec("expert", "model")
+    assert w_out.packed.addressable_shards[0].data.shape == (4, 8, 64)
+    assert w_out.scale.sharding.spec == jax.sharding.PartitionSpec("expert")  # its one group is not split
+    on_device_0 = sum(s.data.nbytes for leaf in jax.tree.leaves(tp_int4["params"]) for s in leaf.addressable_shards
+                      if s.device == jax.devices()[0])
+    assert memory_plan(tp, 1, 1, "float32", "int4")["weights"] == on_device_0
+    tokens_BxL = jnp.asarray(held_out(2, 16), jnp.int32)
+    logits = [jax.jit(lambda w, t, m=m: m.module(w)(t, train=False)[0])(w, tokens_BxL)
+              for m, w in ((one, int4), (tp, tp_int4))]
+    np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=1e-4)
