@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-# The weight formats the engine quantizes to on load (`--weights`, trainer/serve/quant.py); `auto` keeps the
-# checkpoint's float dtype. The one list: the server's flag and the planner's serve verdict read it.
+# The weight formats the engine quantizes to on load (`--weights`, trainer/serve/quant.py and quant4.py); `auto`
+# keeps the checkpoint's float dtype. The one list: the server's flag and the planner's serve verdict read it.
 QUANTIZED_WEIGHTS = ("int8", "int4")
 
 # Beyond weights and cache: logits, activations of a prefill chunk, XLA's scratch. A share of the device
