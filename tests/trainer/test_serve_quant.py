@@ -11,9 +11,9 @@ from trainer import sharding
 from trainer.config import load_config
 from trainer.data import make_source, open_data
 from trainer.run_loader import load_run_config
+from trainer.serve import quant4
 from trainer.serve.engine import Engine, Request, SamplingParams
 from trainer.serve.kvcache import KVCache
-from trainer.serve import quant4
 from trainer.serve.quant import Int8Weight, quantize_params, weight_bytes
 from trainer.serve.memory import memory_plan
 from trainer.serve.weights import build_serving_model, init_weights, restore_weights

@@ -34,8 +34,8 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
 
     from trainer import meshspec, sharding
     from trainer.run_loader import Codec, find_run, load_run_config
-    from trainer.serve.engine import Engine, RequestError
     from trainer.serve import quant, quant4
+    from trainer.serve.engine import Engine, RequestError
     from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
     run = find_run(directory)
