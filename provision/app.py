@@ -57,7 +57,8 @@ class App:
         """Where dry-run state lives: one emulated world per working directory."""
         return self.workdir / LOCAL_STATE_DIR
 
-    def load_config(self, path: str, check_trainer: bool = False, plan_mesh: bool = False):
+    def load_config(self, path: str, check_trainer: bool = False, plan_mesh: bool = False,
+                    serve_mesh: bool = False):
         """Load and validate the config. Without `--config` and with no moe-tpu.yaml here, the
         config that the last command in this directory used is taken (so `down` after
         `slice up -c examples/v5e-64.yaml` finds the run); each load records itself for that, except
@@ -75,7 +76,7 @@ class App:
         problem = input_problem(config_path, MAX_CONFIG_BYTES)
         if problem is not None:
             raise ConfigError([Problem(echo(config_path), "", problem)])
-        cfg = load_config(config_path, check_trainer=check_trainer, plan_mesh=plan_mesh)
+        cfg = load_config(config_path, check_trainer=check_trainer, plan_mesh=plan_mesh, serve_mesh=serve_mesh)
         for warning in cfg.warnings():
             self.console.warn(warning)
         if self.command not in READ_ONLY_COMMANDS:

@@ -9,16 +9,18 @@ from __future__ import annotations
 import threading
 import time
 
+from trainer import signals
+
 
 class RealClock:
-    """Wall-clock time; sleep really sleeps."""
+    """Wall-clock time; sleep really sleeps (and, inside a command's signal latch, wakes at a signal and
+    raises it: trainer/signals.py)."""
 
     def now(self) -> float:
         return time.time()
 
     def sleep(self, seconds: float) -> None:
-        if seconds > 0:
-            time.sleep(seconds)
+        signals.sleep(max(seconds, 0.0))
 
 
 class SimClock:
@@ -40,11 +42,13 @@ class SimClock:
             return self._now
 
     def sleep(self, seconds: float) -> None:
+        signals.checkpoint()  # every wait of a command is a point where it acts on a signal
         gate = self.gate
         if gate is not None and seconds > 0 and gate.active():
             start = time.monotonic()
             gate.wait(seconds)
             self.advance(time.monotonic() - start)
+            signals.checkpoint()
             return
         self.advance(seconds)
 

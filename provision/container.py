@@ -59,12 +59,17 @@ def trainer_container(cfg: Config, image: str, status_file: str | None = None) -
 def server_container(cfg: Config, image: str, checkpoint: str | None = None) -> Container:
     """`python -m trainer.serve` on the run's checkpoints (`checkpoint`, else serve.checkpoint, else its
     trainer.output_dir), listening on SERVER_PORT on every interface of its container, with the serve
-    section's engine limits (slots, max length, weight and KV cache precision) where the config has one."""
+    section's engine limits (slots, max length, weight and KV cache precision) and mesh (Config.serve_mesh:
+    the one `plan --serve` states) where the config has one."""
     serve = cfg.serve
     where = checkpoint or (serve.checkpoint if serve is not None else None) or cfg.trainer.output_dir
     args = ["--checkpoint", where, "--host", "0.0.0.0", "--port", str(SERVER_PORT)]
     if serve is not None:
+        if cfg.serve_mesh is None:  # loaded without it decided: decided now, as load_config would have
+            from provision.config import with_serving_mesh
+
+            cfg = with_serving_mesh(cfg)
         args += ["--slots", str(serve.slots), "--max-len", str(serve.max_len), "--weights", serve.weights,
-                 "--kv-cache-dtype", serve.kv_cache_dtype]
+                 "--kv-cache-dtype", serve.kv_cache_dtype, "--mesh", cfg.serve_mesh]
     return Container(image=image, command=SERVER_COMMAND, args=tuple(args),
                      env={RUN_ENV: cfg.run, "AIP_HTTP_PORT": str(SERVER_PORT)}, ports=(SERVER_PORT,))

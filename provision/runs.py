@@ -19,7 +19,9 @@ from provision.core import Report, Target
 from provision.errors import CloudError, MoeTpuError, UsageError
 from provision.resources import Resource, short
 from provision.waiting import PollPolicy, format_duration, poll
+from trainer import signals
 from trainer.outputs import METRICS_FILE, STATUS_FILE, Phase
+from trainer.signals import Signalled  # noqa: F401 - raised at the run's waits by SIGTERM and SIGHUP
 
 # While a trainer runs, its reports are read this often (and more often at first).
 FOLLOW_POLICY = PollPolicy(initial_s=2.0, factor=1.5, cap_s=30.0, jitter=0.0)
@@ -43,37 +45,15 @@ class Terminated(MoeTpuError):
     exit_code = 143
 
 
-class Signalled(BaseException):
-    """Raised in the main thread by SIGTERM or SIGHUP while a run runs (see `terminate_on_signals`);
-    a BaseException like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
-
-    def __init__(self, signum: int) -> None:
-        import signal
-
-        super().__init__(signal.Signals(signum).name)
-        self.name = signal.Signals(signum).name
-
-
 @contextmanager
 def terminate_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise `Signalled` in the main thread (once: a second one while the run tears
-    down is ignored, so that the teardown finishes); the previous handlers come back afterwards."""
-    import signal
-
-    raised: list[int] = []
-
-    def handler(signum, frame) -> None:
-        if not raised:
-            raised.append(signum)
-            raise Signalled(signum)
-
-    signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    previous = {sig: signal.signal(sig, handler) for sig in signals}
-    try:
+    """Ctrl-C, SIGTERM and SIGHUP recorded for the run (trainer/signals.py: the handlers raise nothing, so
+    none can be dropped where it lands, a garbage-collection callback included): every wait of the run
+    (its clock's sleep) wakes at once and raises it there, as KeyboardInterrupt or `Signalled`, again at
+    every wait until the run acts on it (Runner._guarded); then later ones are ignored so that the
+    teardown finishes. The previous handlers come back afterwards."""
+    with signals.latch():
         yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 @dataclass
@@ -193,10 +173,14 @@ class Runner:
         return self._guarded(self._attempts)
 
     def _guarded(self, body) -> RunOutcome:
-        """`body()`, with Ctrl-C, SIGTERM and SIGHUP ending it as the run's own end would."""
+        """`body()`, with Ctrl-C, SIGTERM and SIGHUP ending it as the run's own end would (one that came
+        after the body's last wait is acted on too)."""
         try:
-            return body()
+            outcome = body()
+            signals.checkpoint()
+            return outcome
         except KeyboardInterrupt:
+            signals.acted()
             self.timeline.add("interrupted", self.console)
             if self.confirm_teardown():
                 self._teardown("deleted after interrupt")
@@ -204,6 +188,7 @@ class Runner:
             raise Interrupted("interrupted; the run's resources are left as they are",
                               hint="run `moe-tpu down` to delete them") from None
         except Signalled as exc:  # what Ctrl-C with --yes does, unless --keep
+            signals.acted()
             self.timeline.add("terminated", self.console, signal=exc.name)
             if not self.keep:
                 self._teardown("deleted after signal")

@@ -133,7 +133,8 @@ def _replica_parallel_for_large_arrays_only() -> None:
                                              array_metadata_store=array_metadata_store.Store())
     except (ImportError, AttributeError, TypeError):
         return
-    type_handlers.register_type_handler(jax.Array, handler, override=True)
+    with quiet_orbax():  # orbax warns of every override (absl, at every start); this one is meant
+        type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
 def _quiet_failed_saves() -> None:

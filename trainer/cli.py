@@ -2,8 +2,8 @@
 
 jax is imported only inside the command body, after `--devices` has set XLA_FLAGS.
 
-Exit codes: 0 finished every step; 143 stopped by SIGTERM or SIGINT (or a preemption notice) after saving
-a checkpoint, not finished; 2 a usage or config error; 1 any other failure. The status file
+Exit codes: 0 finished every step; 143 stopped by SIGTERM (or a preemption notice) and 130 by SIGINT, after
+saving a checkpoint, not finished; 2 a usage or config error; 1 any other failure. The status file
 (trainer/status.py) says the same with its final state and exit code.
 """
 
@@ -24,6 +24,7 @@ from trainer.outputs import STATUS_FILE, RunDirectory, join
 from trainer.status import (
     EXIT_FAILED,
     EXIT_FINISHED,
+    EXIT_INTERRUPTED,
     EXIT_STOPPED,
     EXIT_USAGE,
     FAILED,
@@ -100,7 +101,7 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
                   profile_steps, status_file, init_from, allow_data_change):
     """Train the MoE language model (the container's entry point; runs on CPU, GPU and TPU).
 
-    Exits 0 when every step is done, 143 when SIGTERM or Ctrl-C stopped it after saving a checkpoint (run
+    Exits 0 when every step is done, 143 when SIGTERM (130 when Ctrl-C) stopped it after saving a checkpoint (run
     the same command again to continue), 2 on a usage or config error, 1 on any other failure.
     """
     status = RunStatus()
@@ -122,9 +123,15 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
     finally:
         _release_output_dir()
     if result.stopped_by_signal:
-        status.end(STOPPED, EXIT_STOPPED, step=result.step)
-        ctx.exit(EXIT_STOPPED)
+        code = stopped_exit_code(result.stop_reason)
+        status.end(STOPPED, code, step=result.step)
+        ctx.exit(code)
     status.end(FINISHED, EXIT_FINISHED, step=result.step)
+
+
+def stopped_exit_code(reason: str | None) -> int:
+    """A stop's exit code: 130 for Ctrl-C, 143 for SIGTERM and a preemption notice (128 + the signal)."""
+    return EXIT_INTERRUPTED if reason == "SIGINT" else EXIT_STOPPED
 
 
 def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
@@ -337,7 +344,9 @@ def _run(spec, status: RunStatus):
     except (CheckpointError, Diverged, StatusError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        raise click.ClickException("interrupted twice: stopped without waiting for a checkpoint") from None
+        interrupted = click.ClickException("interrupted twice: stopped without waiting for a checkpoint")
+        interrupted.exit_code = EXIT_INTERRUPTED
+        raise interrupted from None
     except Exception as e:  # noqa: BLE001 - no traceback for users; MOE_TRAIN_DEBUG=1 shows it
         if os.environ.get("MOE_TRAIN_DEBUG") == "1":
             raise

@@ -318,9 +318,10 @@ def document_source(paths: Sequence[str], documents: Sequence[int | None] | None
             reader = array_record_module.ArrayRecordReader(path)
             count = reader.num_records()
             reader.close()
-        except RuntimeError as e:  # ArrayRecord's errors: one line naming the shard
-            raise DataError(f"the dataset shard {path} cannot be read (truncated or corrupt?): "
-                            f"{str(e).splitlines()[0]}") from None
+        except RuntimeError as e:  # ArrayRecord's errors: one line naming the shard (some have no words)
+            said = (str(e).strip().splitlines() or ["ArrayRecord's reader gives no reason"])[0]
+            raise DataError(f"the dataset shard {path} cannot be read (truncated or corrupt?): {said}; "
+                            "prepare the dataset again") from None
         if count == 0:
             raise DataError(f"the dataset shard {path} holds no documents")
         if documents is not None and documents[number] is not None and documents[number] != count:

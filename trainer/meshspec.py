@@ -50,17 +50,24 @@ def text_of(data: int, expert: int, model: int = 1) -> str:
 def parse_mesh(text: str | None, num_devices: int) -> dict[str, int]:
     """`data=D,expert=E,model=T` -> {"data": D, "expert": E, "model": T}; default all devices on data.
     Raises ValueError."""
-    data, expert, model = filled(mesh_axes(text), num_devices) if text else (num_devices, 1, 1)
+    given = mesh_axes(text) if text else {}
+    data, expert, model = filled(given, num_devices) if text else (num_devices, 1, 1)
     if data * expert * model != num_devices:
+        if "data" not in given:  # data fills the devices left: expert x model must divide them
+            raise ValueError(f"--mesh {text} needs a multiple of expert x model = {expert * model} devices, "
+                             f"but there are {num_devices}")
         raise ValueError(f"--mesh {text_of(data, expert, model)} needs {data * expert * model} devices, "
                          f"but there are {num_devices}")
     return {"data": data, "expert": expert, "model": model}
 
 
 def mesh_size(text: str | None) -> int | None:
-    """The device count a `--mesh` asks for; None when it leaves data to fill the devices."""
-    given = mesh_axes(text) if text else {}
-    return given["data"] * given.get("expert", 1) * given.get("model", 1) if "data" in given else None
+    """The device count a `--mesh` asks for (the fewest, expert x model, where it leaves data to fill the
+    devices); None without one."""
+    if not text:
+        return None
+    given = mesh_axes(text)
+    return given.get("data", 1) * given.get("expert", 1) * given.get("model", 1)
 
 
 def model_axis_problems(model: int, *, num_heads: int, kv_heads: int, dense_d_ff: int | None,

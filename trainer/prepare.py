@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import click
 
+from trainer import signals
 from trainer.files import not_a_file
 from trainer.status import EXIT_FAILED, EXIT_USAGE
 
@@ -111,6 +112,7 @@ class Corpus:
             else:
                 texts = _text(path, self.lines)
             for text in texts:
+                signals.checkpoint()  # a signal is acted on between two documents (trainer/signals.py)
                 yield self._pieces(text)
 
     def _pieces(self, text: str) -> list[tuple[str, bool]]:
@@ -270,6 +272,7 @@ class ShardWriter:
         import numpy as np
         from array_record.python import array_record_module
 
+        signals.checkpoint()
         if self._writer is None or self.shards[-1]["documents"] >= self.per_shard:
             self.close()
             name = f"train-{len(self.shards):05d}.array_record"
@@ -644,7 +647,7 @@ def prepare_command(inputs, output, tokenizer_path, vocab_size, text_key, lines,
 
 
 class Stopped(BaseException):
-    """SIGTERM or SIGHUP arrived: raised in the main thread so that what the prepare made is removed on
+    """SIGTERM or SIGHUP arrived: raised at the prepare's next checkpoint so that what it made is removed on
     the way out, as Ctrl-C's KeyboardInterrupt is (a BaseException: no `except Exception` swallows it)."""
 
     def __init__(self, signum: int):
@@ -652,26 +655,19 @@ class Stopped(BaseException):
         self.signum = signum
 
 
-@contextlib.contextmanager
-def _stopped_by_signals():
-    """SIGTERM and SIGHUP raise `Stopped` while the prepare runs; the previous handlers come back after."""
+def _raised_for(signum: int) -> BaseException:
+    """What a checkpoint raises for a signal (again at every checkpoint, should a library swallow it); the
+    way out, which removes what the prepare made, has no checkpoint: a second signal cannot cut it short."""
     import signal
 
-    def stop(signum, _frame):
-        raise Stopped(signum)
+    return KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)
 
-    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    previous = {}
-    try:
-        for signum in wanted:
-            previous[signum] = signal.signal(signum, stop)
-    except ValueError:  # not the main thread: signals stay as they are
-        pass
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+
+def _stopped_by_signals():
+    """Ctrl-C, SIGTERM and SIGHUP recorded while the prepare runs (trainer/signals.py: a handler that raised
+    could be dropped where it landed, a garbage collection among them); the prepare raises them between
+    documents and shards. The previous handlers come back after."""
+    return signals.latch(raise_for=_raised_for)
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

@@ -141,11 +141,23 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
     if not ids:
         raise SampleError("--prompt: the prompt has no tokens")
     check_request(cfg, ids, tokens, temperature, top_k)
+    ids = _within_context(cfg, ids)
     model, weights, step = restore_params(cfg, run.checkpoints, len(ids), tokens)
     out, rate = generate(model, weights, ids, tokens, temperature=temperature, top_k=top_k, seed=seed)
     click.echo(codec.decode(out))
     click.echo(f"{len(out)} tokens from the checkpoint at step {step} ({cfg.name}), {rate:,.0f} tokens/s",
                err=True)
+
+
+def _within_context(cfg, ids: list[int]) -> list[int]:
+    """The prompt's last data.seq_len tokens (the context the model was trained on), saying so when that
+    cuts it: positions past it mean nothing to the model, and their prefill grows with their square."""
+    context = cfg.data.seq_len
+    if len(ids) <= context:
+        return ids
+    click.echo(f"--prompt: its {len(ids):,} tokens exceed the model's context (data.seq_len={context}, the length "
+               f"it was trained on): its last {context} are continued", err=True)
+    return ids[-context:]
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

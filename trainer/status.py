@@ -25,13 +25,14 @@ EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_STOPPED = 143  # 128 + SIGTERM: stopped (checkpoint saved), not finished; run again to continue
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: the same stop, by Ctrl-C
 
 # The states of the status file, which the control plane reads back (and the guest attributes carry):
 # the trainer's phases of trainer/outputs.py.
 STARTING, RUNNING, FINISHED, STOPPED, FAILED = (Phase.STARTING, Phase.RUNNING, Phase.FINISHED, Phase.STOPPED,
                                                 Phase.FAILED)
 # The state an exit code means; any other code is FAILED.
-STATE_OF_EXIT = {EXIT_FINISHED: FINISHED, EXIT_STOPPED: STOPPED}
+STATE_OF_EXIT = {EXIT_FINISHED: FINISHED, EXIT_STOPPED: STOPPED, EXIT_INTERRUPTED: STOPPED}
 
 
 class StatusError(OSError):

@@ -212,18 +212,21 @@ def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
 class StopSignal:
     """Set by SIGTERM (the preemption notice on TPU VMs and Vertex) or SIGINT; the loop saves and stops.
 
-    A second SIGINT stops at once (KeyboardInterrupt), for a user who will not wait for the checkpoint.
+    The handler only records (one that raised could be dropped where it landed, a garbage collection
+    among them); the loop looks before every step. Once it has acted (it is saving the checkpoint), a
+    second SIGINT stops at once (KeyboardInterrupt), for a user who will not wait for the checkpoint.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
+        self.acted = False  # the loop has stopped for it
         self.reason: str | None = None
 
     def install(self) -> Callable[[], None]:
         def handler(signum, frame):
-            if self.requested and signum == signal.SIGINT:
+            if self.acted and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self.requested = True
             self.reason = self.reason or signal.Signals(signum).name
@@ -389,7 +392,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
     except ValueError as e:  # shape checks at trace time reject configs that cannot work
         raise ConfigError(f"the train step cannot be built for this config and mesh: {e}") from None
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
-                  f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}")
+                  f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}"
+                  + ("" if ckpt is not None else f"; {NOTHING_SAVED}"))
     timer = StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
     first_row = {"start_step": start_step, "restore_s": restore_s}  # for goodput: this process's start
     profiler = Profiler(spec.profile_steps, spec.output_dir)
@@ -397,7 +401,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
     try:
         while step < spec.steps:
             if should_stop(stop, step):
-                stopped = True
+                stopped = stop.acted = True
                 break
             profiler.before(step)
             state, metrics = step_fn(state, global_batch(trainer, next(data)))
@@ -429,18 +433,22 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, data), force=True)
         ckpt.wait()
         ckpt.verify(step)
-    _report_end(reporter, ckpt, step, spec.steps, stop.reason if stopped else None)
+    _report_end(reporter, ckpt, step, spec.steps, stop.reason if stopped else None, last_loss)
     return RunResult(step=step, loss=last_loss, stopped_by_signal=stopped,
                      checkpoint_step=step if ckpt is not None else None, start_step=start_step,
                      stop_reason=stop.reason if stopped else None)
 
 
-def _report_end(reporter: Reporter, ckpt: Checkpointer | None, step: int, total: int, stop_reason: str | None):
-    """One line: where the checkpoint is; after a stop also that the run is not finished and how to go on."""
-    where = f"checkpoint at step {step} in {ckpt.step_path(step)}" if ckpt else "no checkpoint (no --output-dir)"
+NOTHING_SAVED = "no checkpoint is saved (no --output-dir: give one to keep the run and resume it)"
+
+
+def _report_end(reporter: Reporter, ckpt: Checkpointer | None, step: int, total: int, stop_reason: str | None,
+                loss: float | None = None):
+    """One line: how far the run got, its last loss and where the checkpoint is (or that none was saved);
+    after a stop also that the run is not finished and how to go on."""
+    where = f"checkpoint at step {step} in {ckpt.step_path(step)}" if ckpt else NOTHING_SAVED
     if stop_reason is None:
-        if ckpt is not None:
-            reporter.info(where)
+        reporter.info(f"finished step {step} of {total}{f', loss {loss:.4f}' if loss is not None else ''}; {where}")
         return
     again = "; run the same command again (--resume auto) to continue" if ckpt is not None else ""
     reporter.info(f"stopped by {stop_reason} at step {step} of {total}, not finished; {where}{again}")

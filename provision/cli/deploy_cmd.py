@@ -42,7 +42,7 @@ def deploy(app, config_path: str, keep: bool) -> None:
     from provision.targets import kind_of
 
     app.command = "deploy"
-    cfg = app.load_config(config_path)
+    cfg = app.load_config(config_path, serve_mesh=True)  # each replica's server started on one mesh, the plan's
     context = app.context(cfg)
     service = kind_of(cfg).service(context)
     app.console.info(f"deploy {cfg.run}: {service.describe()}" + (" [dry run]" if app.dry_run else ""))
@@ -80,21 +80,25 @@ def _guarded(app, follower, keep: bool, body):
     """body(), with Ctrl-C (130), SIGTERM (143) and SIGHUP (129) deleting what the deploy made unless --keep,
     as `run` does."""
     from provision.runs import Interrupted, Signalled, Terminated, terminate_on_signals
+    from trainer import signals
 
-    try:
-        with terminate_on_signals():
-            return body()
-    except KeyboardInterrupt:
-        _stop(app, follower, keep, "interrupted")
-        raise Interrupted("interrupted; " + _left_what(keep), hint=None if not keep else
-                          "run `moe-tpu down` to delete it") from None
-    except Signalled as exc:
-        _stop(app, follower, keep, "terminated")
-        error = Terminated(f"terminated by {exc.name}; " + _left_what(keep),
-                           hint=None if not keep else "run `moe-tpu down` to delete it")
-        if exc.name == "SIGHUP":
-            error.exit_code = 129
-        raise error from None
+    with terminate_on_signals():  # held through the teardown: a second signal does not cut it short
+        try:
+            result = body()
+            signals.checkpoint()  # one that came after the body's last wait
+            return result
+        except KeyboardInterrupt:
+            signals.acted()
+            _stop(app, follower, keep, "interrupted")
+            raise Interrupted("interrupted; " + _left_what(keep), hint=None if not keep else
+                              "run `moe-tpu down` to delete it") from None
+        except Signalled as exc:
+            signals.acted()
+            _stop(app, follower, keep, "terminated")
+            error = Terminated(f"terminated by {exc.name}; " + _left_what(keep),
+                               hint=None if not keep else "run `moe-tpu down` to delete it")
+            error.exit_code = exc.exit_code
+            raise error from None
 
 
 def _left_what(keep: bool) -> str:

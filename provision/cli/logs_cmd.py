@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import click
 
 from provision.cli.options import config_option
+from trainer.outputs import ENDED
 
 FOLLOW_INTERVAL_S = 2.0
 
@@ -42,8 +43,12 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
     out = app.trainer_output_dir(cfg)
     store = storage.LOCAL if app.dry_run or not out.startswith("gs://") else app.session().storage
     pod_log = kind_of(cfg).log_source(app.context(cfg))
-    seen = read_output(reader_of(store, out), pod_log, app.console, RealClock(), follow=follow, tail=tail)
+    alive = _alive(app, cfg, out) if follow else None
+    seen = read_output(reader_of(store, out), pod_log, app.console, RealClock(), follow=follow, tail=tail,
+                       alive=alive)
     rows, status, text = seen.rows, seen.status, seen.text
+    if follow and status.get("state") not in ENDED:
+        _nothing_to_follow(cfg, out, status)
     if not follow and text:
         for line in text.splitlines()[-tail or None:]:
             app.console.info(line)
@@ -77,8 +82,29 @@ def reader_of(store, output_dir: str) -> Callable[[str, Callable], object]:
     return lambda name, reader: reader(store, storage.join(output_dir, name))
 
 
+def _alive(app, cfg, out: str) -> Callable[[], bool]:
+    """Whether anything of the run is up (its placement: a trainer can still write), asked of its target."""
+    from provision.targets import for_config
+
+    target = for_config(app.context(cfg), output_dir=out)
+    return lambda: bool(target.left())
+
+
+def _nothing_to_follow(cfg, out: str, status: dict) -> None:
+    """`--follow` ended with the trainer not ended: nothing of the run is up, so nothing will write."""
+    from provision.errors import CloudError, UsageError
+
+    if not status:
+        raise UsageError(f"nothing to follow: run {cfg.run} has no trainer output in {out} and nothing of it is up",
+                         hint="start it with `moe-tpu run` (or check the config's run and trainer.output_dir)")
+    step = f" at step {status['step']}" if status.get("step") is not None else ""
+    raise CloudError(f"the trainer's status says {status.get('state')!r}{step}, but nothing of run {cfg.run} is "
+                     "up: its trainer was stopped before it could write its end",
+                     hint="`moe-tpu run` resumes it from its last checkpoint")
+
+
 def read_output(read: Callable[[str, Callable], object], pod_log: Callable[[], str | None] | None, console, clock, *,
-                follow: bool, tail: int) -> Seen:
+                follow: bool, tail: int, alive: Callable[[], bool] | None = None) -> Seen:
     """Print the metric rows (the last `tail` first) and, following, the new lines of the trainer's output,
     until the trainer ends (once without `follow`). `read(name, reader)` reads the output directory's file
     `name` with `reader` (provision.cloud.storage.Storage's read_jsonl, read_text or read_json, called on
@@ -106,8 +132,10 @@ def read_output(read: Callable[[str, Callable], object], pod_log: Callable[[], s
         return seen
 
     every = PollPolicy(initial_s=FOLLOW_INTERVAL_S, factor=1.0, cap_s=FOLLOW_INTERVAL_S, jitter=0.0)
-    return poll(look, lambda s: not follow or s.status.get("state") in ENDED, clock, timeout_s=float("inf"),
-                policy=every, what="the trainer to end")
+    def ended(s: Seen) -> bool:  # or nothing will write any more: no part of the run is up
+        return not follow or s.status.get("state") in ENDED or (alive is not None and not alive())
+
+    return poll(look, ended, clock, timeout_s=float("inf"), policy=every, what="the trainer to end")
 
 
 def _plot(app, cfg, rows: list, path: str) -> str:

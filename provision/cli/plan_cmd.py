@@ -18,7 +18,9 @@ from provision.cli.options import config_option
 @click.option("--slices", type=click.IntRange(min=1), default=None,
               help="Plan for this many slices (multislice) instead of the config's.")
 @click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
-              help="The trainer's mesh [the largest expert axis that fits].")
+              help="The trainer's mesh [the largest expert axis that fits]; with --serve, one serving "
+                   "replica's mesh [serve.mesh, else the fastest that fits] (the training plan keeps the "
+                   "config's).")
 @click.option("--serve", is_flag=True,
               help="Also serving: weights and KV cache per chip at bf16, int8 and int4, the decode step's HBM, "
                    "compute and ICI bounds, the largest batch, tokens/s per chip and the cost per million tokens, "
@@ -51,7 +53,9 @@ def plan(app, config_path: str, model: str | None, accelerator: str | None, slic
     cfg = app.load_config(config_path)
     if claim_ms is not None and not serve:
         raise UsageError("--decode-step-ms checks a serving decode step", hint="add --serve")
-    result = planner.plan_for(cfg, model=model, accelerator=accelerator, slices=slices, mesh_text=mesh_text)
+    # With --serve, --mesh is the serving replica's: the training plan keeps trainer.mesh (or its choice).
+    result = planner.plan_for(cfg, model=model, accelerator=accelerator, slices=slices,
+                              mesh_text=None if serve else mesh_text)
     served = (planner.serve_plan_for(cfg, result, accelerator=accelerator, mesh_text=mesh_text, claim_ms=claim_ms)
               if serve else None)
     if app.console.json_mode:

@@ -125,8 +125,9 @@ def _check_plan(app, cfg, force: bool) -> None:
     if not verdict.fits and not force:
         from provision.errors import UsageError
 
-        raise UsageError("the model does not fit on this target (see `moe-tpu plan`)",
-                         hint="choose a larger slice or a smaller model, or pass --force to try anyway")
+        hint = (f"set trainer.mesh: {verdict.fitting_mesh} (the plan's choice), or pass --force to try anyway"
+                if verdict.fitting_mesh else "choose a larger slice or a smaller model, or pass --force to try anyway")
+        raise UsageError("the model does not fit on this target (see `moe-tpu plan`)", hint=hint)
 
 
 def _ask_teardown(app):

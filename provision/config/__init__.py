@@ -20,6 +20,7 @@ from provision.config.loading import (  # noqa: F401 - the config's API, one imp
     load_config,
     trainer_problems,
     with_planned_mesh,
+    with_serving_mesh,
 )
 from provision.config.sections import (  # noqa: F401 - the config's API, one import away
     Config,

@@ -243,7 +243,7 @@ def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Probl
 
 
 def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: dict[str, int]) -> Config:
-    for internal in ("source", "kind_sections", "planned_mesh"):
+    for internal in ("source", "kind_sections", "planned_mesh", "planned_serve_mesh"):
         if internal in raw:
             raw.pop(internal)
             problems.append(Problem(file, internal, f"unknown key {internal!r}"))
@@ -306,12 +306,44 @@ def with_planned_mesh(cfg: Config) -> Config:
     return cfg.model_copy(update={"planned_mesh": mesh})
 
 
-def load_config(path: Path | str, check_trainer: bool = False, plan_mesh: bool = False) -> Config:
+def with_serving_mesh(cfg: Config) -> Config:
+    """The config with the serving replica's mesh decided, once, here, as `plan --serve` states it:
+    serve.mesh filled out on the replica's chips, or where it is unset the plan's choice for the replica
+    (Config.planned_serve_mesh, which every serving container's argv reads through Config.serve_mesh).
+    ConfigError naming serve.mesh where it does not fit the replica or the plan cannot choose."""
+    if cfg.serve is None or cfg.planned_serve_mesh is not None:
+        return cfg
+    from provision.errors import MoeTpuError
+
+    try:
+        from provision.planner import plan_for, serve_plan_for
+
+        served = serve_plan_for(cfg, plan_for(cfg))
+    except ImportError as exc:  # the planner needs the trainer's packages
+        why = f"the plan needs the trainer's packages to choose one ({exc.name or 'jax'} is missing)"
+        raise ConfigError([_serve_mesh_problem(cfg, why)]) from None
+    except MoeTpuError as exc:
+        raise ConfigError([_serve_mesh_problem(cfg, exc.message.removeprefix("cannot plan serving: "))]) from None
+    return cfg.model_copy(update={"planned_serve_mesh": served.mesh.text()})
+
+
+def _serve_mesh_problem(cfg: Config, why: str) -> Problem:
+    if cfg.serve.mesh is not None:
+        return Problem(str(cfg.source), "serve.mesh", f"{why} (`moe-tpu plan --serve` checks a mesh)")
+    return Problem(str(cfg.source), "serve.mesh",
+                   f"not set, and {why}: set `serve.mesh: data=D,expert=E,model=T` on the replica's chips "
+                   "(`moe-tpu plan --serve --mesh ...` checks a choice)")
+
+
+def load_config(path: Path | str, check_trainer: bool = False, plan_mesh: bool = False,
+                serve_mesh: bool = False) -> Config:
     """Read and validate a config file. ConfigError (exit 2) lists every problem at once.
 
     `check_trainer` also runs the trainer's own checks on the trainer section and decides the mesh the
     trainer is started with (`with_planned_mesh`): commands that start training ask for it; `down` and
-    `list` must work whatever the trainer thinks. `plan_mesh` decides the mesh alone (`render`)."""
+    `list` must work whatever the trainer thinks. `plan_mesh` decides the mesh alone (`render`). Each
+    also decides the serving replica's mesh where the config has a serve section (`with_serving_mesh`),
+    and `serve_mesh` that alone (`deploy`)."""
     path = Path(path)
     file = str(path)
     try:
@@ -338,6 +370,8 @@ def load_config(path: Path | str, check_trainer: bool = False, plan_mesh: bool =
                                             for p in trainer):
             trainer.append(mesh_problem(cfg, "the plan cannot choose one while the trainer config is refused"))
         raise ConfigError(trainer)
-    return with_planned_mesh(cfg) if check_trainer or plan_mesh else cfg
+    if check_trainer or plan_mesh:
+        cfg = with_planned_mesh(cfg)
+    return with_serving_mesh(cfg) if check_trainer or plan_mesh or serve_mesh else cfg
 
 

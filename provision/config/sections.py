@@ -134,9 +134,12 @@ class ServeConfig(_Section):
     autoscale_target: Positive = 60
     slots: Positive = 8
     max_len: Annotated[StrictInt, Field(ge=2)] = 1024
-    weights: Literal["auto", "int8"] = "auto"
+    weights: Literal["auto", "int8", "int4"] = "auto"  # trainer/serve/memory.py QUANTIZED_WEIGHTS
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     spot: bool = False
+    # The server's device mesh on one replica (`--mesh`, e.g. model=4); unset: the mesh `plan --serve`
+    # chooses for the replica (Config.serve_mesh), rendered into every serving container's argv.
+    mesh: str | None = None
 
     @field_validator("checkpoint")
     @classmethod
@@ -145,6 +148,11 @@ class ServeConfig(_Section):
             raise invalid("is empty: name the run directory to serve, or leave the key out to serve "
                           "trainer.output_dir")
         return value
+
+    @field_validator("mesh")
+    @classmethod
+    def _mesh_shape(cls, value: str | None) -> str | None:
+        return None if value is None else _mesh_text(value)
 
     @field_validator("machine_type")
     @classmethod
@@ -333,12 +341,22 @@ class Config(BaseModel):
     # Where trainer.mesh is unset: the mesh the plan chose for this config's target, decided once by
     # provision.config.loading.with_planned_mesh (never read from the file); see `trainer_mesh`.
     planned_mesh: str | None = Field(default=None, exclude=True)
+    # Where a serve section is present: the serving replica's mesh as `plan --serve` states it (serve.mesh
+    # filled out, or the plan's choice), decided once by provision.config.loading.with_serving_mesh.
+    planned_serve_mesh: str | None = Field(default=None, exclude=True)
 
     @property
     def trainer_mesh(self) -> str | None:
         """The mesh the trainer is started with (`--mesh`): trainer.mesh, else the plan's choice. None
         only for a config loaded without its mesh resolved (`down`, `list`: nothing is started)."""
         return self.trainer.mesh or self.planned_mesh
+
+    @property
+    def serve_mesh(self) -> str | None:
+        """The mesh every serving container's server is started with (`--mesh`): the plan's statement of
+        serve.mesh, or its choice for the replica. None without a serve section, or for a config loaded
+        without it decided (`down`, `list`, `predict`: no server is started)."""
+        return self.planned_serve_mesh if self.serve is not None else None
 
     @field_validator("target", mode="before")
     @classmethod

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from provision.emulator.local_trainer import compilation_cache_env, process_runs
+from trainer import signals
 from trainer.outputs import Phase
 
 SERVERS_DIR = "servers"
@@ -103,7 +104,7 @@ class LocalServers:
         return any(self.state(key).phase == Phase.STARTING for key in self.keys())
 
     def wait(self, seconds: float) -> None:
-        time.sleep(min(seconds, GATE_WAIT_S))
+        signals.sleep(min(seconds, GATE_WAIT_S))  # a command's signal ends it at once
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{_safe(key)}.json"
@@ -245,8 +246,10 @@ def dry_run_adapter(cfg, state_dir: str | Path) -> Adapt:
     (the config's own trainer.output_dir, or a path whose last part names a run this directory trained)
     becomes that run's local output (local_trainer.local_output_dir); a local checkpoint is served as it
     is. The server runs on one CPU device, as `moe-tpu sample` does, so that a greedy prediction of the
-    dry run is token for token the one `sample` gives for the checkpoint (and it compiles fastest)."""
+    dry run is token for token the one `sample` gives for the checkpoint (and it compiles fastest): the
+    replica's --mesh (its chips, the cloud's) becomes that one device's, as dry_run.mesh shrinks training's."""
     from provision.emulator.local_trainer import local_output_dir
+    from trainer.meshspec import text_of
 
     def adapt(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         checkpoint = flag_value(argv, "--checkpoint")
@@ -254,6 +257,8 @@ def dry_run_adapter(cfg, state_dir: str | Path) -> Adapt:
             path = checkpoint.rstrip("/")
             run = cfg.run if path == cfg.trainer.output_dir.rstrip("/") else path.rsplit("/", 1)[-1]
             argv = set_flag(argv, "--checkpoint", str(local_output_dir(Path(state_dir).resolve(), run)))
+        if flag_value(argv, "--mesh") is not None:  # the replica's mesh, made one device's like the dry run's
+            argv = set_flag(argv, "--mesh", text_of(1, 1))
         return set_flag(argv, "--devices", "1"), env
 
     return adapt

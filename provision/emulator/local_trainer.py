@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from provision.emulator.workloads import PLAYS, Placed, Play
+from trainer import signals
 from trainer.outputs import ENDED, STATUS_FILE, TRAINER_LOG, Phase
 
 RUNS_DIR = "runs"
@@ -34,6 +35,7 @@ RUNS_DIR = "runs"
 TRAINER_RECORD = "trainer.json"
 SYNC_INTERVAL_S = 0.05
 GATE_MAX_WAIT_S = 0.5
+SIGNAL_LOOK_S = 0.05  # how often a wait for the trainer looks for a signal to act on
 KILL_GRACE_S = 10.0
 LOG_TAIL_LINES = 12
 # JAX's persistent compilation cache for the dry run's trainer, unless the environment names one: a
@@ -215,7 +217,7 @@ class OthersGate:
         return others_training(self.state_dir, self.run)
 
     def wait(self, seconds: float) -> None:
-        time.sleep(min(seconds, GATE_MAX_WAIT_S))
+        signals.sleep(min(seconds, GATE_MAX_WAIT_S))  # a command's signal ends it at once
 
 
 class LocalTrainer:
@@ -270,8 +272,13 @@ class LocalTrainer:
                 or others_training(self.output_dir.parents[2], self.cfg.run))
 
     def wait(self, seconds: float) -> None:
-        """Wait in real time until the trainer reports (or ends), at most `seconds`."""
-        self._changed.wait(min(seconds, GATE_MAX_WAIT_S))
+        """Wait in real time until the trainer reports (or ends), at most `seconds`; a command's signal is
+        acted on within SIGNAL_LOOK_S."""
+        deadline = time.monotonic() + min(seconds, GATE_MAX_WAIT_S)
+        while not self._changed.wait(max(0.0, min(SIGNAL_LOOK_S, deadline - time.monotonic()))):
+            signals.checkpoint()
+            if time.monotonic() >= deadline:
+                break
         self._changed.clear()
 
     # --- watching --------------------------------------------------------------------

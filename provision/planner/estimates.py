@@ -89,7 +89,11 @@ def mesh_options(num_experts: int, has_moe: bool, chips: int, slices: int = 1,
 def target_mesh(text: str, chips: int, slices: int) -> Mesh:
     """The mesh `--mesh` text gives on the target's chips (trainer/meshspec.py reads it, as the trainer
     does); ValueError when it does not cover the chips."""
-    data, expert, model = filled(mesh_axes(text), chips)
+    given = mesh_axes(text)
+    data, expert, model = filled(given, chips)
+    if "data" not in given and chips % (expert * model):  # data fills the chips left: none may be left over
+        raise ValueError(f"--mesh {text} needs a multiple of expert x model = {expert * model} chips, but the "
+                         f"target has {chips}")
     if data * expert * model != chips:
         raise ValueError(f"--mesh {text} covers {data * expert * model} chips, but the target has {chips}")
     if (chips // slices) % (expert * model):

@@ -122,6 +122,10 @@ class Advice:
     smallest_slice: catalogue.AcceleratorType | None  # the smallest single slice that fits
     slices_needed: int | None  # how many slices of the target's type fit (None: not within MAX_SLICES)
     accelerator: catalogue.AcceleratorType
+    # Where the mesh given (--mesh, trainer.mesh) does not fit but the plan's own choice on the same
+    # target does: that mesh (the advice is then to change the mesh, not the slice).
+    fitting_mesh: Mesh | None = None
+    slices: int = 1  # the target's
 
 
 def advise(params: Sequence[ParamInfo], cfg: trainer_config.Config, acc: catalogue.AcceleratorType) -> Advice:
@@ -223,8 +227,17 @@ def make_plan(params: Sequence[ParamInfo], cfg: trainer_config.Config, target: H
         flops_per_token=per_token, traffic=traffic, bounds=bounds,
         mfu_ceiling=mfu_ceiling(per_token * tokens, bounds.lower_bound_s, mesh.chips, acc),
         cost=cost(target.chips, target.capacity, steps, bounds.lower_bound_s),
-        advice=advise(params, cfg, acc), warnings=tuple(warnings_for(cfg, mesh, layout, bounds)),
+        advice=_advice(params, cfg, target, memory.fits), warnings=tuple(warnings_for(cfg, mesh, layout, bounds)),
     )
+
+
+def _advice(params: Sequence[ParamInfo], cfg: trainer_config.Config, target: Hardware, fits: bool) -> Advice:
+    """`advise`, and where the plan's mesh does not fit the plan's own choice on the same target that does."""
+    advice = dataclasses.replace(advise(params, cfg, target.accelerator), slices=target.slices)
+    if fits:
+        return advice
+    chosen, memory = choose_mesh(params, cfg, target.accelerator, target.slices)
+    return dataclasses.replace(advice, fitting_mesh=chosen) if memory.fits else advice
 
 
 def load_model_config(cfg: Config, model: str | None = None) -> trainer_config.Config:

@@ -67,10 +67,17 @@ def verdict_line(plan: Plan) -> str:
 
 
 def advice_text(advice: Advice) -> str:
+    """What to change, in agreement with the verdict beside it: where another mesh fits on the very target
+    refused, that mesh (not a "smallest slice" that is the same slice); else larger slices, or more."""
     parts = []
-    if advice.smallest_slice is not None:
+    target_fits = advice.fitting_mesh is not None
+    if target_fits:
+        parts.append(f"fits on {advice.slices} x {advice.accelerator.name} with --mesh {advice.fitting_mesh.text()} "
+                     "(the plan's choice) instead")
+    smaller = advice.smallest_slice is not None and advice.smallest_slice.chips < advice.accelerator.chips
+    if advice.smallest_slice is not None and (not target_fits or smaller):
         parts.append(f"smallest slice that fits: {advice.smallest_slice.name}")
-    if advice.slices_needed is not None:
+    if advice.slices_needed is not None and not (target_fits and advice.slices_needed == advice.slices):
         parts.append(f"fits on {advice.slices_needed} x {advice.accelerator.name}")
     return "; ".join(parts) or (f"fits on no v5e slice, nor on {MAX_SLICES} x {advice.accelerator.name}")
 
@@ -115,7 +122,8 @@ def plan_document(plan: Plan) -> dict[str, Any]:
         "run_cost_on_demand_lower_bound_usd": c.run_usd(c.per_hour_on_demand),
         "run_cost_spot_lower_bound_usd": c.run_usd(c.per_hour_spot),
         "advice": {"smallest_slice": advice.smallest_slice.name if advice.smallest_slice else None,
-                   "slices_needed": advice.slices_needed, "slices_needed_accelerator": advice.accelerator.name},
+                   "slices_needed": advice.slices_needed, "slices_needed_accelerator": advice.accelerator.name,
+                   **({"fitting_mesh": advice.fitting_mesh.text()} if advice.fitting_mesh else {})},
         "warnings": list(plan.warnings),
     }
 
@@ -215,10 +223,13 @@ class Verdict:
     fits: bool
     line: str
     shortfall_bytes: int  # per chip; 0 when it fits
+    fitting_mesh: str | None = None  # where the mesh given does not fit: the one that does on the target
 
 
 def verdict_of(plan: Plan) -> Verdict:
-    return Verdict(fits=plan.fits, line=verdict_line(plan), shortfall_bytes=plan.memory.shortfall)
+    fitting = plan.advice.fitting_mesh
+    return Verdict(fits=plan.fits, line=verdict_line(plan), shortfall_bytes=plan.memory.shortfall,
+                   fitting_mesh=fitting.text() if fitting is not None and not plan.fits else None)
 
 
 def verdict(cfg: Config) -> Verdict:

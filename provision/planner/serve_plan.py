@@ -60,7 +60,7 @@ class ServePlan:
     plan: Plan
     accelerator: catalogue.AcceleratorType
     mesh: Mesh
-    mesh_source: str  # "--mesh", "plan" (the training plan's) or "serving" (chosen here)
+    mesh_source: str  # "--mesh", "serve.mesh", "plan" (the training plan's) or "serving" (chosen here)
     hardware_source: str  # "serve" (the serve section), "--accelerator" or "plan"
     slots: int
     max_len: int
@@ -97,7 +97,7 @@ def _hardware(cfg: Config, plan: Plan, accelerator: str | None) -> tuple[catalog
 def _configured(cfg: Config, model_cfg) -> tuple[str, str]:
     """(weights, KV cache) precision names the config serves at."""
     serve = cfg.serve
-    weights = "int8" if serve is not None and serve.weights == "int8" else precision_name(model_cfg.param_dtype)
+    weights = serve.weights if serve is not None and serve.weights != "auto" else precision_name(model_cfg.param_dtype)
     kv = serve.kv_cache_dtype if serve is not None and serve.kv_cache_dtype != "auto" else model_cfg.dtype
     return weights, precision_name(kv)
 
@@ -113,11 +113,15 @@ def _rows(params, model_cfg, mesh: Mesh, acc, pairs: Sequence[tuple[str, str]], 
     return tuple(rows)
 
 
-def best_mesh(candidates: Sequence[tuple[Mesh, Sequence[Row]]]) -> tuple[Mesh, str]:
-    """The mesh where the most precise precision fits, then the fastest step at that precision (the
-    least memory when none fits); (mesh, why)."""
+def best_mesh(candidates: Sequence[tuple[Mesh, Sequence[Row]]], configured: str) -> tuple[Mesh, str]:
+    """The mesh where the configured precision (the one `deploy` serves at) fits with the fastest step;
+    where it fits on none, the mesh where the most precise other precision fits, then the fastest step
+    at that precision (the least memory when none fits); (mesh, why)."""
+    def order(rows: Sequence[Row]) -> list[Row]:
+        return sorted(rows, key=lambda row: row.name != configured)  # stable: the rest most precise first
+
     def score(entry: tuple[Mesh, Sequence[Row]]) -> tuple[int, float]:
-        rows = entry[1]
+        rows = order(entry[1])
         first = next((i for i, row in enumerate(rows) if row.fits), len(rows))
         if first == len(rows):
             return first, min(row.serving.memory(row.slots) for row in rows)
@@ -127,7 +131,8 @@ def best_mesh(candidates: Sequence[tuple[Mesh, Sequence[Row]]]) -> tuple[Mesh, s
     first = score((mesh, rows))[0]
     if first == len(rows):
         return mesh, "no mesh fits at any precision; this one needs the least memory per chip"
-    return mesh, f"the fastest decode step of the meshes where {rows[first].name} fits ({len(candidates)} tried)"
+    return mesh, (f"the fastest decode step of the meshes where {order(rows)[first].name} fits "
+                  f"({len(candidates)} tried)")
 
 
 def serve_warnings(model_cfg, mesh: Mesh, slots: int, rows: Sequence[Row]) -> list[str]:
@@ -144,16 +149,38 @@ def serve_warnings(model_cfg, mesh: Mesh, slots: int, rows: Sequence[Row]) -> li
     return found
 
 
-def _given_mesh(plan: Plan, mesh_text: str | None, chips: int) -> tuple[Mesh, str]:
-    """--mesh on the replica's chips (UsageError where it does not cover them), or the plan's mesh."""
+# Where the serving mesh was given: the flag or config key named in what is said of it.
+_GIVEN = {"--mesh": "--mesh", "serve.mesh": "serve.mesh"}
+
+
+def _given_mesh(plan: Plan, mesh_text: str | None, source: str, chips: int) -> tuple[Mesh, str]:
+    """`mesh_text` (from --mesh or serve.mesh) on the replica's chips (UsageError naming the source where
+    it does not cover them, or the model cannot be split over it), or the plan's mesh."""
     if not mesh_text:
         return plan.mesh, "plan"
+    name = _GIVEN[source]
     try:
-        return target_mesh(mesh_text, chips, 1), "--mesh"
+        mesh = target_mesh(mesh_text, chips, 1)
     except ValueError as exc:
-        message = str(exc).replace("the target has", "the serving replica has")
-        hint = "--mesh must cover one serving replica's chips (the serve section's topology)"
+        message = str(exc).replace("the target has", "the serving replica has").replace("--mesh", name)
+        hint = f"{name} must cover one serving replica's chips (the serve section's topology)"
         raise UsageError(f"cannot plan serving: {message}", hint=hint) from None
+    problems = serving_mesh_problems(plan.model, mesh)
+    if problems:
+        raise UsageError(f"cannot plan serving: {name} {mesh.text()}: {'; '.join(problems)}",
+                         hint="the server refuses such a mesh; `moe-tpu plan --serve` without it chooses one")
+    return dataclasses.replace(mesh, reason=mesh.reason.replace("--mesh", name)), source
+
+
+def serving_mesh_problems(model_cfg, mesh: Mesh) -> list[str]:
+    """What the server (trainer/serve/startup.py) refuses of this model on this mesh: experts that the
+    expert axis does not divide, and heads or hidden sizes that the model axis does not split."""
+    from trainer import meshspec
+
+    found = []
+    if model_cfg.model.num_moe_layers > 0 and model_cfg.moe.num_experts % mesh.expert:
+        found.append(f"expert={mesh.expert} must divide moe.num_experts ({model_cfg.moe.num_experts})")
+    return found + meshspec.tensor_problems(model_cfg, mesh.model)
 
 
 def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, mesh_text: str | None = None,
@@ -174,12 +201,13 @@ def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, m
     pairs = [(p, p) for p in PRECISIONS]
     if configured not in pairs:
         pairs.append(configured)
-    if mesh_text or (hardware_source == "plan" and plan.mesh.chips == chips):
-        mesh, mesh_source = _given_mesh(plan, mesh_text, chips)
+    given, source = (mesh_text, "--mesh") if mesh_text else (serve.mesh if serve is not None else None, "serve.mesh")
+    if given or (hardware_source == "plan" and plan.mesh.chips == chips):
+        mesh, mesh_source = _given_mesh(plan, given, source, chips)
     else:
         candidates = [(m, _rows(params, model_cfg, m, acc, pairs, slots, max_len, HEADROOM))
                       for m in serving_meshes(model_cfg, chips, slots, model_ways(model_cfg))]
-        mesh, why = best_mesh(candidates)
+        mesh, why = best_mesh(candidates, row_name(*configured))
         mesh, mesh_source = dataclasses.replace(mesh, reason=why), "serving"
     rows = _rows(params, model_cfg, mesh, acc, pairs, slots, max_len, HEADROOM)
     capacity = ("spot" if serve.spot else "on-demand") if serve is not None else plan.target.capacity

@@ -10,8 +10,15 @@ from provision.planner.report import usd as _usd
 from provision.planner.serve_plan import Row, ServePlan
 from provision.planner.serving import DecodeStep
 
-# The weight precisions trainer/serve can load today (--weights auto keeps the checkpoint's, or int8).
-ENGINE_WEIGHTS = frozenset({"bf16", "float32", "int8"})
+from trainer.serve.memory import QUANTIZED_WEIGHTS
+
+# The weight precisions trainer/serve loads: the checkpoint's float dtype (--weights auto) and those it
+# quantizes to on load (the engine's own list).
+ENGINE_WEIGHTS = frozenset({"bf16", "float32", *QUANTIZED_WEIGHTS})
+
+
+def engine_serves(row: Row) -> bool:
+    return row.serving.weight_precision in ENGINE_WEIGHTS
 
 def usd(x: float) -> str:
     """Dollars to the cent, or to three significant figures below a cent (a small model's tokens)."""
@@ -86,8 +93,9 @@ def _bounds(step: DecodeStep) -> tuple[tuple[str, float], ...]:
 
 
 def _best(plan: ServePlan) -> Row | None:
-    """The row to headline: the configured precision when it fits, else the most precise that fits."""
-    fitting = [row for row in plan.rows if row.fits]
+    """The row to headline: the configured precision when it fits, else the most precise that fits and
+    that the engine serves."""
+    fitting = [row for row in plan.rows if row.fits and engine_serves(row)]
     return next((r for r in fitting if r.name == plan.configured), fitting[0] if fitting else None)
 
 
@@ -117,22 +125,25 @@ def serve_verdict(plan: ServePlan) -> str:
     acc = plan.accelerator
     head = (f"{plan.plan.model_name} ({human_count(plan.plan.counts.total)} params) on {plan.chips} v5e chips "
             f"({acc.topology}), mesh {plan.mesh.text()}, {plan.slots} slots x {plan.max_len} tokens")
-    fits = [r.name for r in plan.rows if r.fits]
-    misfits = [r.name for r in plan.rows if not r.fits]
+    fits = [r.name for r in plan.rows if r.fits and engine_serves(r)]
+    misfits = [r.name for r in plan.rows if not r.fits and engine_serves(r)]
+    unserved = [r.name for r in plan.rows if r.fits and not engine_serves(r)]
+    engine = f"the engine serves {_join(sorted(ENGINE_WEIGHTS))} weights (trainer/serve)"
     best = _best(plan)
     if best is None:
         least = min(plan.rows, key=lambda r: r.serving.memory(r.slots))
         text = (f"SERVES AT NO PRECISION: {head}: even {least.name} needs "
-                f"{human_bytes(least.serving.memory(least.slots))} per chip of {human_bytes(least.serving.usable())}")
+                f"{human_bytes(least.serving.memory(least.slots))} per chip of {human_bytes(least.serving.usable())}"
+                if not unserved else
+                f"SERVES AT NO PRECISION THE ENGINE SERVES: {head}: only {_join(unserved)} fits, and {engine}")
     else:
         step = best.step
         text = (f"SERVES at {', '.join(fits)}{' (not ' + ', '.join(misfits) + ')' if misfits else ''}: {head}; "
                 f"{best.name}: step >= {human_seconds(step.lower_bound_s)} ({step.bound_by}-bound), "
                 f"{step.tokens_per_s_per_chip:,.1f} tokens/s per chip, {usd(plan.cost_per_million(step))} per "
                 f"million output tokens ({plan.platform}, {plan.capacity})")
-    if best is not None and best.serving.weight_precision not in ENGINE_WEIGHTS:
-        text += (f" (the engine serves {' and '.join(sorted(ENGINE_WEIGHTS - {'float32'}))} weights only: "
-                 f"trainer/serve/quant.py)")
+        if unserved:
+            text += f"; {_join(unserved)} would fit too, but {engine}"
     if plan.claim_s is not None:
         claim = claim_text(plan)
         text += f". {claim[0].upper()}{claim[1:]}"
@@ -145,17 +156,28 @@ def serve_verdict(plan: ServePlan) -> str:
 def serve_lines(plan: ServePlan) -> list[str]:
     acc, mesh = plan.accelerator, plan.mesh
     where = {"serve": "the serve section", "--accelerator": "--accelerator", "plan": "the plan's target"}
-    mesh_from = {"--mesh": "given with --mesh", "plan": "the plan's mesh",
+    mesh_from = {"--mesh": "given with --mesh", "serve.mesh": "given in serve.mesh", "plan": "the plan's mesh",
                  "serving": f"chosen for serving: {mesh.reason}"}[plan.mesh_source]
     lines = ["", f"serving   one replica: {plan.chips} chips ({acc.topology}, from {where[plan.hardware_source]}), "
                  f"{plan.slots} slots x {plan.max_len} tokens",
-             f"          mesh {mesh.text()} ({mesh_from}); the server takes --mesh {mesh.text()}",
+             f"          mesh {mesh.text()} ({mesh_from}); {_deployed_with(plan)}",
              f"          KV cache {plan.rows[0].serving.kv.note}; {plan.platform} at "
              f"{usd(plan.price_per_chip_hour)} per chip-hour ({plan.capacity}: {plan.price_basis})"]
     for row in plan.rows:
         lines += _row_lines(plan, row)
     lines += [""] + [f"warning   {w}" for w in plan.warnings] if plan.warnings else []
     return lines + ["", serve_verdict(plan)]
+
+
+def _deployed_with(plan: ServePlan) -> str:
+    """Which server the mesh is for: `deploy` renders it into each replica's argv where it is the serve
+    section's (its serve.mesh, or the plan's choice), not where --mesh only asks what if."""
+    flag = f"--mesh {plan.mesh.text()}"
+    if plan.hardware_source == "serve" and plan.mesh_source != "--mesh":
+        return f"deploy starts each replica's server with {flag}"
+    if plan.hardware_source == "serve":
+        return f"the server takes {flag} (deploy uses it once it is the config's serve.mesh)"
+    return f"the server takes {flag}"
 
 
 def _row_lines(plan: ServePlan, row: Row) -> list[str]:

@@ -3,8 +3,9 @@
 Pure arithmetic over the trainer's parameter inventory (trainer.params), a mesh and a chip (a catalogue
 entry): nothing is compiled. The model behind the figures, for one replica decoding a batch of B slots
 whose attention spans `max_len` positions (the engine's fixed-shape step attends over its whole cache):
-- memory per chip: the chip's shard of every weight (as trainer.sharding splits them; int8 and int4 add
-  a float32 scale per output channel, router and norms stay in float) plus its part of the KV cache;
+- memory per chip: the chip's shard of every weight (as trainer.sharding splits them; int8 adds a float32
+  scale per output channel, int4 one per group of 128 input values, router and norms stay in float) plus
+  its part of the KV cache;
 - a layer's routed experts touched by B tokens: E(1-(1-k/E)^B) (each token picks k of E);
 - three lower bounds on the step, each resource at its peak: HBM (the weights the busiest chip reads,
   the touched experts only, plus its share of the KV cache), compute (2 FLOPs per active matmul weight
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
 # Bytes per stored value of each precision plan --serve reports (int4: two values a byte).
 PRECISION_BYTES: dict[str, float] = {"float32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 PRECISIONS = ("bf16", "int8", "int4")
-# A quantized weight keeps a float32 scale per output channel, a quantized cache one per position and
-# KV head (trainer/serve/quant.py, trainer/serve/kvcache.py).
+# A quantized weight keeps float32 scales (int8: one per output channel, int4: one per group of input values),
+# a quantized cache one per position and KV head (trainer/serve/quant.py, quant4.py, kvcache.py).
 SCALE_BYTES = 4
 _NAMES = {"bfloat16": "bf16", "float32": "float32", "float16": "bf16", "int8": "int8"}
 
@@ -85,12 +86,16 @@ def _value_bytes(p: ParamInfo, precision: str | None) -> float:
     over the whole parameter and split with its values: exact where the mesh splits output channels; where
     it splits the input axes, each chip really keeps every channel's scale (a 4 / width share more, a few
     hundredths of a percent at a real model's width)."""
+    from trainer.serve import quant4  # int4's groups, as the engine cuts them
+
     axes = None if precision is None else _quantized_axes(p)
-    if axes is None:
+    if axes is None or (precision == "int4" and quant4.group_axis(p.name, p.shape) is None):
         return float(p.nbytes)
     values = p.size * PRECISION_BYTES[precision]
     if precision in ("bf16", "float32"):
         return values
+    if precision == "int4":
+        return values + SCALE_BYTES * p.size / quant4.group_size(p.shape[quant4.group_axis(p.name, p.shape)])
     return values + SCALE_BYTES * p.size / math.prod(p.shape[a] for a in axes)
 
 

@@ -213,7 +213,7 @@ class VertexKind(Kind):
 # probe allows twice the estimate. Plausible figures, not measured.
 LOAD_BYTES_PER_S = 200e6
 COMPILE_S = 300.0
-BYTES_PER_WEIGHT = {"auto": 2, "int8": 1}
+BYTES_PER_WEIGHT = {"auto": 2, "int8": 1, "int4": 0.5}
 
 
 def startup_estimate_s(cfg) -> float:
@@ -248,7 +248,7 @@ def serve_checks(get) -> list[tuple[str, str]]:
                                         f"2x4), not {topology} ({acc.chips} chips on several hosts); a replica over "
                                         "several hosts needs GKE with a LeaderWorkerSet, which moe-tpu does not "
                                         "deploy yet: leave serve.topology unset, and fit the model on one host "
-                                        "(serve.machine_type ct5lp-hightpu-8t: 8 chips; serve.weights: int8)"))
+                                        "(serve.machine_type ct5lp-hightpu-8t: 8 chips; serve.weights: int8 or int4)"))
     return found
 
 

@@ -150,3 +150,18 @@ def test_the_server_takes_the_serve_sections_engine_limits():
     assert (flags["--max-len"], flags["--weights"], flags["--kv-cache-dtype"]) == (
         str(cfg.serve.max_len), cfg.serve.weights, cfg.serve.kv_cache_dtype)
     assert container.server_container(cfg, IMAGE, "gs://b/other").args[1] == "gs://b/other"
+
+
+def test_every_weight_format_the_engine_quantizes_to_is_a_serve_section_value_and_a_server_flag():
+    """trainer/serve/memory.py's list (int8, int4) is what `weights:` takes, what deploy renders into the
+    server's argv, and what the server's --weights accepts."""
+    from trainer.serve.cli import serve_command
+    from trainer.serve.memory import QUANTIZED_WEIGHTS
+
+    cfg = load_config(ROOT / "examples" / "serve-vertex.yaml")
+    choices = next(p for p in serve_command.params if p.name == "weight_format").type.choices
+    assert "int4" in QUANTIZED_WEIGHTS and set(choices) == {"auto", *QUANTIZED_WEIGHTS}
+    for weights in QUANTIZED_WEIGHTS:
+        serve = type(cfg.serve).model_validate({**cfg.serve.model_dump(), "weights": weights})
+        args = container.server_container(cfg.model_copy(update={"serve": serve}), IMAGE).args
+        assert args[args.index("--weights") + 1] == weights

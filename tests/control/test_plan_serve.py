@@ -149,7 +149,9 @@ def test_the_1_2t_verdict_says_which_precisions_fit_and_which_bounds_22_ms_meets
     assert doc["claim"]["reachable"] == ["int4"]
     assert doc["claim"]["meets"]["int4"] == {"HBM": True, "compute": True, "ICI": True}
     assert doc["claim"]["meets"]["int8"]["HBM"] is False and doc["claim"]["meets"]["bf16"]["HBM"] is False
-    assert doc["verdict"].startswith("SERVES at int4 (not bf16, int8): moe-1.2t")
+    # Only int4 fits, and the engine serves int4 weights (trainer/serve/memory.py's list): the verdict serves it.
+    assert doc["verdict"].startswith("SERVES at int4 (not bf16, int8): moe-1.2t"), doc["verdict"]
+    assert "engine" not in doc["verdict"]
     assert "reachable at int4 only" in doc["verdict"] and doc["verdict"] in err
     step = int4["decode"]
     cost = doc["price_per_chip_hour_usd"] / (step["tokens_per_s_per_chip"] * 3600) * 1e6
@@ -159,7 +161,9 @@ def test_the_1_2t_verdict_says_which_precisions_fit_and_which_bounds_22_ms_meets
 def test_a_mesh_for_the_serving_replica_and_one_that_is_not(huge_plan):
     code, out, _ = moe("--output", "json", "plan", "-c", str(HUGE), "--serve", "--mesh", "expert=8,model=8")
     doc = json.loads(out)
-    assert code == 0 and doc["mesh"]["data"] == 16 and doc["serve"]["mesh"]["source"] == "--mesh"
+    # --mesh is the replica's: the training plan keeps the config's trainer.mesh on its 1,024 chips.
+    assert code == 0 and doc["mesh"]["trainer_flag"] == "--mesh data=128,expert=8"
+    assert doc["serve"]["mesh"]["source"] == "--mesh"
     assert doc["serve"]["mesh"]["server_flag"] == "--mesh data=1,expert=8,model=8"
     code, out, err = moe("plan", "-c", str(HUGE), "--serve", "--mesh", "data=128,expert=8")  # the training mesh
     assert (code, out) == (2, "") and "covers 1024 chips, but the serving replica has 64" in err
@@ -227,3 +231,21 @@ def test_plan_answers_for_the_open_models_named_configs(workdir, name, total):
     assert code == 0, err
     assert doc["params_total"] == total and doc["fits"] is True
     assert doc["serve"]["chips"] == 64 and doc["serve"]["precisions"]["bf16"]["decode_batch_1"]["step_time_hbm_s"] > 0
+
+
+def test_the_planners_quantized_weights_are_the_engines_start_up_plan():
+    """int8 (a scale per output channel) and int4 (packed, a scale per group of input values): the bytes a
+    chip holds in `plan --serve` are what the server's start-up memory check counts on the same mesh."""
+    import jax
+
+    from trainer import sharding
+    from trainer.serve.memory import memory_plan
+    from trainer.serve.weights import build_serving_model
+
+    cfg = load_config("tiny", ["model.num_layers=1"])
+    model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 8}, jax.devices()[:8]))
+    params = param_inventory(cfg)
+    held = {p: planner.chip_weights(params, cfg, planner.Mesh(1, 8), p).held for p in ("bf16", "int8", "int4")}
+    assert held["int8"] == memory_plan(model, 1, 1, "float32", "int8")["weights"]
+    assert held["int4"] == memory_plan(model, 1, 1, "float32", "int4")["weights"]
+    assert held["int4"] < 0.6 * held["int8"]

@@ -90,3 +90,12 @@ def test_a_missing_dataset_and_a_directory_without_checkpoints_are_one_clean_mes
     bare.mkdir()
     (bare / "config.json").write_text("{}")
     refused(sample(bare, "--prompt", "1"), f"--checkpoint {bare} holds no checkpoint")
+
+
+def test_a_prompt_longer_than_the_models_context_is_cut_to_its_last_tokens_saying_so(trained_tiny):
+    """5,000 tokens on tiny (trained on 64): it took minutes of prefill, silently; now its last 64 are
+    continued, and the command says so."""
+    result = sample(trained_tiny.output_dir, "--prompt", "3 " * 5000, "--tokens", "2", "--temperature", "0")
+    assert result.exit_code == 0, result.output
+    assert ("--prompt: its 5,000 tokens exceed the model's context (data.seq_len=64, the length it was trained "
+            "on): its last 64 are continued") in result.output

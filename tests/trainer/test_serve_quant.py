@@ -1,5 +1,6 @@
-"""int8 weights and the int8 KV cache: half the bytes, and a trained `tiny` predicts what it predicts in
-float on held-out sequences of its source, and on held-out text of a corpus that `data prepare` made."""
+"""int8 and int4 weights and the int8 KV cache: half (int8) or under 0.3x (int4) of bfloat16's bytes, and a
+trained `tiny` predicts what it predicts in float on held-out sequences of its source, and on held-out text
+of a corpus that `data prepare` made."""
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,12 @@ from trainer import sharding
 from trainer.config import load_config
 from trainer.data import make_source, open_data
 from trainer.run_loader import load_run_config
+from trainer.serve import quant4
 from trainer.serve.engine import Engine, Request, SamplingParams
 from trainer.serve.kvcache import KVCache
 from trainer.serve.quant import Int8Weight, quantize_params, weight_bytes
 from trainer.serve.memory import memory_plan
-from trainer.serve.weights import build_serving_model, restore_weights
+from trainer.serve.weights import build_serving_model, init_weights, restore_weights
 
 pytestmark = pytest.mark.compile_bound
 
@@ -56,8 +58,9 @@ def agreement(forward, weights, int8, rows_BxL) -> tuple[float, float]:
     return agree, float(jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)))
 
 
-def test_int8_weights_predict_as_float_on_held_out_text_of_a_prepared_corpus(trained_on_prepared):
-    """`tiny` trained on text that `data prepare` tokenized: on 32 sequences of its held-out share (the
+@pytest.fixture(scope="module")
+def prepared(trained_on_prepared):
+    """`tiny` trained on text that `data prepare` tokenized, and 32 sequences of its held-out share (the
     documents training never reads), 64 positions each."""
     cfg = load_run_config(str(trained_on_prepared.output_dir / "config.json"))
     assert cfg.data.source == "records" and cfg.model.vocab_size == 320
@@ -68,9 +71,27 @@ def test_int8_weights_predict_as_float_on_held_out_text_of_a_prepared_corpus(tra
     evaluation = make_eval()
     rows = np.concatenate([next(evaluation) for _ in range(2)])[:32, :64]
     assert rows.shape == (32, 64)
-    forward = jax.jit(lambda w, t: model.module(w)(t, train=False)[0])
+    return model, weights, jax.jit(lambda w, t: model.module(w)(t, train=False)[0]), rows
+
+
+def test_int8_weights_predict_as_float_on_held_out_text_of_a_prepared_corpus(prepared):
+    _, weights, forward, rows = prepared
     agree, kl = agreement(forward, weights, {**weights, "params": quantize_params(weights["params"])}, rows)
     assert agree >= 0.9 and kl <= 0.02, (agree, kl)
+
+
+def test_int4_weights_take_under_0_3x_of_bfloat16_and_predict_as_float_on_held_out_text(prepared):
+    model, weights, forward, rows = prepared
+    int4 = {**weights, "params": quant4.quantize_params(weights["params"])}
+    w_in = int4["params"]["blocks.0.ffn.w_in"]  # [E, D, F] of 8 x 64 x 64: grouped along D, two values a byte
+    assert isinstance(w_in, quant4.Int4Weight) and w_in.packed.dtype == jnp.uint8
+    assert (w_in.packed.shape, w_in.scale.shape) == ((8, 32, 64), (8, 1, 64))
+    assert not isinstance(int4["params"]["blocks.0.ffn.router"], quant4.Int4Weight)
+    bf16_bytes = sum(p.size * 2 for p in weights["params"].values())
+    assert weight_bytes(int4["params"]) <= 0.3 * bf16_bytes
+    assert memory_plan(model, 1, 1, "float32", "int4")["weights"] == weight_bytes(int4["params"])
+    agree, kl = agreement(forward, weights, int4, rows)
+    assert agree >= 0.8 and kl <= 0.05, (agree, kl)
 
 
 def test_the_int8_kv_cache_decodes_close_to_float(restored):
@@ -91,3 +112,46 @@ def test_the_int8_kv_cache_decodes_close_to_float(restored):
     best_BxL = np.asarray(jnp.argmax(forward(weights, jnp.asarray(tokens_BxL)), -1))
     agree = np.mean([best_BxL[i, 11:51] == np.asarray(r.output) for i, r in enumerate(requests)])
     assert agree >= 0.9, agree
+
+
+@pytest.mark.parametrize("name,shape", [("embed", (6, 256)), ("blocks.0.attn.wo", (4, 16, 8)),
+                                        ("blocks.0.ffn.w_out", (3, 384, 5)), ("blocks.0.attn.wq", (96, 2, 4))])
+def test_int4_weights_on_the_grid_come_back_exactly(name, shape):
+    """A weight whose every group is a scale (a power of two: exact in float) times integers of -7..7, 7
+    among them, is its own int4 rounding: unpacked, it must come back bit for bit (the nibbles' order and
+    sign, the groups' axis and length)."""
+    axis = quant4.group_axis(name, shape)
+    group = quant4.group_size(shape[axis])
+    groups = shape[axis] // group
+    rng = np.random.default_rng(0)
+    q = rng.integers(-7, 8, (*shape[:axis], groups, group, *shape[axis + 1:]))
+    q[(slice(None),) * (axis + 1) + (0,)] = 7  # each group's first value
+    scale_shape = (*shape[:axis], groups, *shape[axis + 1:])
+    scale = np.repeat(2.0 ** rng.integers(-8, 0, scale_shape), group, axis=axis)
+    w = jnp.asarray(q.reshape(shape) * scale, jnp.float32)
+    stored = quant4.quantize_weight(w, axis)
+    assert stored.packed.size * 2 == w.size and stored.scale.shape == scale_shape
+    np.testing.assert_array_equal(np.asarray(stored.dequantize()), np.asarray(w))
+
+
+def test_int4_weights_split_over_expert_and_model_as_the_float_ones_and_predict_as_on_one_device():
+    """On expert=2,model=4 (8 fake devices) each packed weight and its scales keep the weight's split where
+    it divides them, a device holds what the start-up memory check counts, and the forward pass returns
+    the one-device int4 model's logits."""
+    cfg = load_config("tiny", ["model.num_layers=1"])
+    one = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+    tp = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 2, "model": 4}, jax.devices()[:8]))
+    weights = init_weights(one)
+    placed = jax.device_put(weights, {k: tp.shardings[k] for k in weights})
+    int4, tp_int4 = ({**w, "params": quant4.quantize_params(w["params"])} for w in (weights, placed))
+    w_out = tp_int4["params"]["blocks.0.ffn.w_out"]  # [E, F, D], F over model: 64 / 2 packed, one group of 64
+    assert w_out.packed.sharding.spec == jax.sharding.PartitionSpec("expert", "model")
+    assert w_out.packed.addressable_shards[0].data.shape == (4, 8, 64)
+    assert w_out.scale.sharding.spec == jax.sharding.PartitionSpec("expert")  # its one group is not split
+    on_device_0 = sum(s.data.nbytes for leaf in jax.tree.leaves(tp_int4["params"]) for s in leaf.addressable_shards
+                      if s.device == jax.devices()[0])
+    assert memory_plan(tp, 1, 1, "float32", "int4")["weights"] == on_device_0
+    tokens_BxL = jnp.asarray(held_out(2, 16), jnp.int32)
+    logits = [jax.jit(lambda w, t, m=m: m.module(w)(t, train=False)[0])(w, tokens_BxL)
+              for m, w in ((one, int4), (tp, tp_int4))]
+    np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=1e-4)

@@ -181,3 +181,16 @@ def test_token_ids_past_the_vocabulary_name_the_setting():
     it = GrainIterator(iter([np.array([[1, 2, 999]])]), "f", 300)
     with pytest.raises(DataError, match=r"data.path: token id 999 is outside the model's vocabulary"):
         next(it)
+
+
+def test_a_shard_truncated_to_half_is_a_data_error_naming_it(tmp_path):
+    """ArrayRecord's reader refuses it with an empty message: that was 'training failed: IndexError' (exit 1)."""
+    import os
+
+    from trainer.datasets import DataError
+
+    ds = write_dataset(tmp_path / "ds", [[1, 2, 3, 4] * 50 for _ in range(200)], vocab=50)
+    shard = sorted(ds.glob("*.array_record"))[0]
+    os.truncate(shard, shard.stat().st_size // 2)
+    with pytest.raises(DataError, match=f"the dataset shard {shard} cannot be read \\(truncated or corrupt\\?\\)"):
+        document_source([str(shard)])

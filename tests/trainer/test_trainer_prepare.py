@@ -244,3 +244,38 @@ def test_a_prepared_corpus_trains_below_its_unigram_entropy_and_the_evaluation_i
         points = events.Scalars(f"moe/layer{layer}/load_max_over_mean")
         np.testing.assert_allclose([e.value for e in points], [r[f"moe.{layer}.load_max_over_mean"] for r in rows],
                                    atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_that_lands_in_a_garbage_collection_still_stops_the_prepare(tmp_path, monkeypatch, signum, code):
+    """The handler runs inside a gc callback: an exception raised there would be 'ignored' and the prepare
+    would write its dataset and exit 0; the latch (trainer/signals.py) keeps the signal for its next document."""
+    import gc
+    import threading
+
+    from trainer import prepare as module
+
+    (tmp_path / "a.txt").write_text("".join(f"line {i}\n" for i in range(50)))
+
+    def in_gc(phase, info):
+        if phase == "start" and threading.current_thread() is threading.main_thread():
+            gc.callbacks.remove(in_gc)
+            os.kill(os.getpid(), signum)
+            for _ in range(10_000):  # bytecodes: the handler runs here, inside the collection
+                pass
+
+    trained = module.train_bpe
+
+    def collecting(*a):
+        gc.callbacks.append(in_gc)
+        gc.collect()
+        return trained(*a)
+
+    monkeypatch.setattr(module, "train_bpe", collecting)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            module.main([str(tmp_path / "a.txt"), "--lines", "-o", str(tmp_path / "out"), "-q", "--vocab-size", "260"])
+    finally:
+        if in_gc in gc.callbacks:
+            gc.callbacks.remove(in_gc)
+    assert exit_.value.code == code and not (tmp_path / "out").exists()

@@ -215,6 +215,8 @@ def test_a_second_ctrl_c_stops_at_once():
         assert (stop.requested, stop.reason) == (True, "SIGINT")
         os.kill(os.getpid(), signal.SIGTERM)  # a later signal does not rename the first
         assert stop.reason == "SIGINT"
+        os.kill(os.getpid(), signal.SIGINT)  # before the loop acts on the first: the same stop
+        stop.acted = True  # the loop stopped for it and saves the checkpoint: now a second Ctrl-C is at once
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     finally:
@@ -368,3 +370,43 @@ def test_saving_small_arrays_that_devices_hold_alike_compiles_no_slices(tmp_path
     restored, _ = ckpt.restore(1, abstract)
     ckpt.close()
     assert all(np.array_equal(restored[k], state[k]) for k in state)
+
+
+def test_a_run_without_an_output_dir_says_nothing_is_saved_and_ends_with_a_summary(tmp_path):
+    reporter = At(tmp_path / "m.jsonl", 0, lambda: None)
+    result = run_tiny(reporter, 2)
+    lines = reporter.messages.splitlines()
+    assert any(line.startswith("compiled the train step") and line.endswith(
+        "no checkpoint is saved (no --output-dir: give one to keep the run and resume it)") for line in lines)
+    assert lines[-1] == (f"finished step 2 of 2, loss {result.loss:.4f}; no checkpoint is saved (no --output-dir: "
+                         "give one to keep the run and resume it)")
+
+
+def test_the_array_handler_is_registered_without_orbaxs_override_warning(caplog):
+    """It was 'WARNING:absl:Type handler registry type ... overriding jax.Array' at every start."""
+    import logging
+
+    from trainer.checkpoint import _replica_parallel_for_large_arrays_only
+
+    with caplog.at_level(logging.DEBUG):
+        _replica_parallel_for_large_arrays_only()
+    assert [r.getMessage() for r in caplog.records if "overriding" in r.getMessage()] == []
+
+
+def test_a_second_sigint_before_the_loop_acts_is_one_stop_and_ctrl_c_exits_130(tmp_path):
+    """Two Ctrl-C in a row land before the loop looks: one stop with its checkpoint (the second used to
+    raise KeyboardInterrupt from the handler, wherever the loop was). `train` then exits 130, status
+    "stopped" (SIGTERM's is 143)."""
+    def twice():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    reporter = At(tmp_path / "a.jsonl", 2, twice)
+    stopped = run_tiny(reporter, 10, output_dir=str(tmp_path / "a"))
+    assert (stopped.step, stopped.stop_reason, stopped.checkpoint_step) == (2, "SIGINT", 2)
+
+    from trainer.cli import stopped_exit_code
+    from trainer.status import STATE_OF_EXIT
+
+    assert [stopped_exit_code(r) for r in ("SIGINT", "SIGTERM", "a preemption notice")] == [130, 143, 143]
+    assert STATE_OF_EXIT[130] == STATE_OF_EXIT[143] == "stopped"  # the VM's watcher reads both as a stop

@@ -23,6 +23,7 @@ import time
 
 import click
 
+from trainer.serve.memory import QUANTIZED_WEIGHTS
 from trainer.serve.startup import ServeError, load
 
 EXIT_RUNTIME = 1
@@ -106,8 +107,10 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Requests queued for a slot; beyond them 429 with Retry-After.")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "float32", "int8"]), default="auto",
               show_default=True, help="auto: the model's compute dtype.")
-@click.option("--weights", "weight_format", type=click.Choice(["auto", "int8"]), default="auto", show_default=True,
-              help="int8: per-channel symmetric int8 weights (about half of bfloat16).")
+@click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
+              show_default=True,
+              help="int8: per-channel symmetric int8 weights (about half of bfloat16); int4: symmetric, a scale "
+                   "per group of 128 input values, two a byte (about 0.27x).")
 @click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
               help="model=T splits each expert and attention's heads T ways [as many devices on expert as "
                    "divide the experts]")
@@ -148,7 +151,8 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     sock = _listen(host, port)
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
                   chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
-                  int8_weights=weight_format == "int8", device_memory_gb=device_memory_gb, progress=_progress)
+                  quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
+                  progress=_progress)
     template = template or loaded.chat_template  # --chat-template, else an imported model's own
     code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds)
     sys.exit(code)

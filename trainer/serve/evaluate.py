@@ -126,7 +126,7 @@ def eval_command(directory, tasks, include_path, limit, num_fewshot, batch_size,
     from trainer.serve.startup import load
 
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=None, slots=batch_size, max_len=max_len,
-                  chunk=min(64, max_len), kv_dtype=None, int8_weights=False, device_memory_gb=None,
+                  chunk=min(64, max_len), kv_dtype=None, quantized=None, device_memory_gb=None,
                   progress=lambda m: click.echo(f"eval: {m}", err=True))
     loaded.engine.warm_up()
     state = ServerState(loaded.cfg.name, encode=loaded.encode, decode=loaded.decode, max_waiting=max(batch_size, 8),

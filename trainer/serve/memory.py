@@ -6,32 +6,44 @@ from __future__ import annotations
 
 import math
 
+# The weight formats the engine quantizes to on load (`--weights`, trainer/serve/quant.py and quant4.py); `auto`
+# keeps the checkpoint's float dtype. The one list: the server's flag and the planner's serve verdict read it.
+QUANTIZED_WEIGHTS = ("int8", "int4")
+
 # Beyond weights and cache: logits, activations of a prefill chunk, XLA's scratch. A share of the device
 # memory, since what it covers grows with the model.
 HEADROOM = 0.10
 
 
-def memory_plan(model, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> dict[str, int]:
-    """Bytes on the busiest device: its shard of each weight, and its part of the KV cache."""
-    import jax.numpy as jnp
-
+def memory_plan(model, slots: int, max_len: int, kv_dtype, quantized) -> dict[str, int]:
+    """Bytes on the busiest device: its shard of each weight, and its part of the KV cache. `quantized`:
+    "int8" or "int4" (True: int8), or None (False): the checkpoint's own dtype."""
     from trainer.serve.kvcache import KVCache
-    from trainer.serve.quant import input_axes
 
-    weights = 0
-    for name, var in model.codec.variables.items():
-        value = var.get_value()
-        shard = model.shardings["params"][name].shard_shape(value.shape)
-        count = math.prod(shard)
-        axes = input_axes(name, value.ndim) if int8_weights else None
-        if axes is None:
-            weights += count * jnp.dtype(value.dtype).itemsize
-        else:  # int8 values and a float32 scale per output channel
-            weights += count + 4 * count // math.prod(shard[a] for a in axes)
+    quantized = "int8" if quantized is True else quantized or None
+    weights = sum(weight_shard_bytes(name, var.get_value(), model.shardings["params"][name], quantized)
+                  for name, var in model.codec.variables.items())
     m = model.cfg.model
     cache = KVCache.nbytes(m.num_layers, slots, max_len, m.kv_heads, m.head_size, kv_dtype)
     cache //= KVCache.split_ways(model.mesh, m.kv_heads)
     return {"weights": weights, "kv_cache": cache}
+
+
+def weight_shard_bytes(name: str, value, sharding, quantized: str | None) -> int:
+    """A device's bytes of one weight: its shard in its own dtype, or quantized as trainer/serve/quant.py
+    (int8: a float32 scale per output channel) or quant4.py (int4: packed, a float32 scale per group)."""
+    import jax.numpy as jnp
+
+    from trainer.serve import quant, quant4
+
+    shard = sharding.shard_shape(value.shape)
+    count = math.prod(shard)
+    if quantized == "int4" and quant4.group_axis(name, value.shape) is not None:
+        return quant4.shard_bytes(value.shape, quant4.group_axis(name, value.shape), sharding)
+    axes = quant.input_axes(name, value.ndim) if quantized == "int8" else None
+    if axes is None:
+        return count * jnp.dtype(value.dtype).itemsize
+    return count + 4 * count // math.prod(shard[a] for a in axes)  # int8 values, a float32 scale a channel
 
 
 def device_memory(device) -> int | None:

@@ -33,13 +33,13 @@ class Loaded:
 
 
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
-         int8_weights: bool, device_memory_gb, progress) -> Loaded:
+         quantized: str | None, device_memory_gb, progress) -> Loaded:
     import jax
 
     from trainer import meshspec, sharding
     from trainer.run_loader import Codec, find_run, load_run_config
+    from trainer.serve import quant, quant4
     from trainer.serve.engine import Engine, RequestError
-    from trainer.serve.quant import quantize_params
     from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
     run = find_run(directory)
@@ -67,19 +67,20 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     except WeightsError as e:
         raise ServeError(str(e)) from None
     kv = kv_dtype or cfg.dtype
-    plan = memory_plan(model, slots, max_len, kv, int8_weights)
+    plan = memory_plan(model, slots, max_len, kv, quantized)
+    stored = f" ({quantized})" if quantized else ""
     progress(f"{cfg.name}: {plan['weights'] / 2**20:,.1f} MiB of weights a device"
-             f"{' (int8)' if int8_weights else ''}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
+             f"{stored}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
              f"positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); mesh {mesh_shape}")
-    check_fits(plan, device_memory_gb if device_memory_gb else memory_of(devices), slots, max_len, kv, int8_weights)
+    check_fits(plan, device_memory_gb if device_memory_gb else memory_of(devices), slots, max_len, kv, quantized)
     progress(f"reading the parameters from {checkpoints}")
     try:
         weights, step = restore_weights(model, checkpoints)
     except WeightsError as e:
         raise ServeError(str(e)) from None
     progress(f"read the checkpoint at step {step}")
-    if int8_weights:
-        weights = {**weights, "params": quantize_params(weights["params"])}
+    if quantized:  # int8 or int4 (--weights)
+        weights = {**weights, "params": {"int8": quant, "int4": quant4}[quantized].quantize_params(weights["params"])}
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
                         detokenize=codec.decode, eos_id=eos_id)
@@ -123,7 +124,6 @@ def memory_of(devices) -> int | None:
         return reported
     host = host_memory()
     return host // len(devices) if host else None
-    
 
 
 def _hub_chat_template(config_path: str):
@@ -138,7 +138,7 @@ def _hub_chat_template(config_path: str):
         raise ServeError(str(e)) from None
 
 
-def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, int8_weights: bool) -> None:
+def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, quantized: str | None) -> None:
     if limit is None:
         return
     if isinstance(limit, float):  # --device-memory-gb
@@ -150,8 +150,8 @@ def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, 
     advice = ["lower --slots or --max-len (the cache is slots x max-len)"]
     if str(kv_dtype) != "int8":
         advice.append("--kv-cache-dtype int8 (half of bfloat16)")
-    if not int8_weights:
-        advice.append("--weights int8")
+    if quantized != "int4":
+        advice.append("--weights int4 (about a quarter of bfloat16)" if quantized else "--weights int8 or int4")
     advice.append("or put more devices on `expert` (--mesh) to split the experts")
     raise ServeError(f"the model does not fit a device: weights {gib(plan['weights'])} + KV cache "
                      f"{gib(plan['kv_cache'])} ({slots} slots x {max_len} tokens, {kv_dtype}) > "

@@ -72,10 +72,11 @@ class ServingModel:
 
 
 def dequantized(value):
-    """A parameter as the model uses it: int8 weights (trainer.serve.quant) come back to float."""
+    """A parameter as the model uses it: int8 and int4 weights (trainer.serve.quant, quant4) come back to float."""
     from trainer.serve.quant import Int8Weight
+    from trainer.serve.quant4 import Int4Weight
 
-    return value.dequantize() if isinstance(value, Int8Weight) else value
+    return value.dequantize() if isinstance(value, (Int8Weight, Int4Weight)) else value
 
 
 def build_serving_model(cfg: Config, mesh: Mesh) -> ServingModel:
