@@ -1,0 +1,92 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): keys and values expanded from one small latent per token.
+
+Per token, x [D] becomes a latent c [C] (kv_lora_rank, RMS-normalised) and one rotary key r [R]
+(qk_rope_head_dim) that every head shares; each head's key is (c W_k [P], r) and its value c W_v [V], with
+P = qk_nope_head_dim and V = v_head_dim. The query is x W_q, or x W_qa -> RMSNorm -> W_qb through a rank
+q_lora_rank bottleneck; each head's query is P values without positions and R with them. The rotary part uses
+trainer/layers.py's half-split pairs (i, i + R/2); hf import permutes the Hub's interleaved pairs into it.
+
+Training and decoding share one path: q, k and v are padded to the key/value cache's head size (the larger
+of P + R and V; zeros change no dot product) and go through the same attention as trainer/layers.py's, so
+today's cache holds the expanded heads. Heads split over the mesh's `model` axis as there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trainer.config import MLAConfig
+from trainer.layers import RMSNorm, lecun, named_param, rotary
+from trainer.sharding import constrain
+
+# The latents' RMSNorms keep this epsilon whatever the layers' norm_eps (as DeepSeek's checkpoints have them).
+LATENT_NORM_EPS = 1e-6
+_HEADS_OUT = ("batch", "length", "heads", "kv")
+
+
+def _init(in_axis, out_axis):
+    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+
+
+class MLAttention(nnx.Module):
+    """Causal multi-head latent attention; `__call__(x_BxLxD, cache=None)` as trainer.layers.Attention's."""
+
+    def __init__(self, d_model: int, num_heads: int, mla: MLAConfig, *, rope_theta: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        D, N, C, R = d_model, num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
+        Q, V = mla.qk_head_dim, mla.v_head_dim
+        norm = lambda dim: RMSNorm(dim, eps=LATENT_NORM_EPS, dtype=dtype, param_dtype=param_dtype, rngs=rngs)  # noqa: E731
+        to_heads = _init(0, (1, 2))
+        if mla.q_lora_rank:
+            self.wq_a = named_param(rngs, lecun, (D, mla.q_lora_rank), ("embed", None), param_dtype)
+            self.q_norm = norm(mla.q_lora_rank)
+            self.wq_b = named_param(rngs, to_heads, (mla.q_lora_rank, N, Q), (None, "heads", "kv"), param_dtype)
+        else:
+            self.wq = named_param(rngs, to_heads, (D, N, Q), ("embed", "heads", "kv"), param_dtype)
+        self.wkv_a = named_param(rngs, lecun, (D, C + R), ("embed", None), param_dtype)
+        self.kv_norm = norm(C)
+        self.wkv_b = named_param(rngs, to_heads, (C, N, mla.qk_nope_head_dim + V), (None, "heads", "kv"),
+                                 param_dtype)
+        self.wo = named_param(rngs, _init((0, 1), 2), (N, V, D), ("heads", "kv", "embed"), param_dtype)
+        self.mla, self.rope_theta, self.dtype = mla, rope_theta, dtype
+        self.head_size = max(Q, V)  # the key/value cache's (ModelConfig.head_size)
+
+    def __call__(self, x_BxLxD: jax.Array, cache=None):
+        """The attention output [B, L, D]; with `cache` (trainer.serve.kvcache.LayerCache) the L tokens sit
+        at the cache's start positions, their expanded keys and values go into it, and the call returns
+        (output, cache)."""
+        x_BxLxD = x_BxLxD.astype(self.dtype)
+        offset = 0 if cache is None else cache.starts_B
+        q_BxLxNxQ, k_BxLxNxQ, v_BxLxNxV = self._heads(x_BxLxD, offset)
+        pad = lambda a: jnp.pad(a, ((0, 0),) * 3 + ((0, self.head_size - a.shape[-1]),))  # noqa: E731
+        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = (constrain(pad(a), _HEADS_OUT) for a in (q_BxLxNxQ, k_BxLxNxQ, v_BxLxNxV))
+        scale = self.mla.qk_head_dim ** -0.5  # of the unpadded heads
+        if cache is None:
+            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, scale=scale, is_causal=True)
+        else:
+            cache, k_BxSxNxH, v_BxSxNxH, mask_Bx1xLxS = cache.append(k_BxLxNxH, v_BxLxNxH)
+            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxSxNxH.astype(self.dtype),
+                                                     v_BxSxNxH.astype(self.dtype), scale=scale, mask=mask_Bx1xLxS)
+        o_BxLxNxV = o_BxLxNxH[..., :self.mla.v_head_dim]
+        out_BxLxD = jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(self.dtype))
+        return out_BxLxD if cache is None else (out_BxLxD, cache)
+
+    def _heads(self, x_BxLxD: jax.Array, offset) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Each head's query [B, L, N, P + R], key [B, L, N, P + R] and value [B, L, N, V], positions applied."""
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        P, C = self.mla.qk_nope_head_dim, self.mla.kv_lora_rank
+        if self.mla.q_lora_rank:
+            q_BxLxN_Q = jnp.einsum("blr,rnq->blnq", self.q_norm(x_BxLxD @ w(self.wq_a)), w(self.wq_b))
+        else:
+            q_BxLxN_Q = jnp.einsum("bld,dnq->blnq", x_BxLxD, w(self.wq))
+        latent_BxLxA = x_BxLxD @ w(self.wkv_a)
+        kv_BxLxNxF = jnp.einsum("blc,cnf->blnf", self.kv_norm(latent_BxLxA[..., :C]), w(self.wkv_b))
+        q_rope = rotary(q_BxLxN_Q[..., P:], self.rope_theta, offset)
+        k_rope_BxLx1xR = rotary(latent_BxLxA[..., None, C:], self.rope_theta, offset)
+        k_nope_BxLxNxP = kv_BxLxNxF[..., :P]
+        k_rope_BxLxNxR = jnp.broadcast_to(k_rope_BxLx1xR, k_nope_BxLxNxP.shape[:-1] + k_rope_BxLx1xR.shape[-1:])
+        q_BxLxNxQ = jnp.concatenate([q_BxLxN_Q[..., :P], q_rope], axis=-1)
+        k_BxLxNxQ = jnp.concatenate([k_nope_BxLxNxP, k_rope_BxLxNxR], axis=-1)
+        return q_BxLxNxQ, k_BxLxNxQ, kv_BxLxNxF[..., P:]
