@@ -36,6 +36,8 @@ class Family:
     shared_expert: bool = False
     sparse_pattern: bool = False  # decoder_sparse_step and mlp_only_layers
     norm_topk_key: str | None = "norm_topk_prob"  # None: always renormalised
+    shared_name: str = "shared_expert"  # the shared expert's module in the MoE block
+    mla: bool = False  # multi-head latent attention and DeepSeek's routing (trainer/hf/deepseek.py)
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -47,6 +49,9 @@ FAMILIES = {f.model_type: f for f in (
            1e-6, "moe_intermediate_size", qk_norm="head", sparse_pattern=True),
     Family("olmoe", "OlmoeForCausalLM", "num_experts", "mlp", ("gate_proj", "up_proj", "down_proj"), 1e4, 1e-5,
            "intermediate_size", qk_norm="full"),
+    *(Family(t, a, "n_routed_experts", "mlp", ("gate_proj", "up_proj", "down_proj"), 1e4, 1e-6, "moe_intermediate_size",
+             shared_expert=True, shared_name="shared_experts", mla=True)
+      for t, a in (("deepseek_v2", "DeepseekV2ForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"))),
 )}
 
 # Keys written from the trainer's config on export; every other key of the imported config.json (token ids,
@@ -133,6 +138,10 @@ def trainer_config(hf: dict, where: str, dtype: str) -> Config:
     with its parameters kept in `dtype`. Dropless MoE: a trained model must not lose tokens at capacity."""
     keys = _Keys(hf, where)
     fam = family(hf.get("model_type"), where)
+    if fam.mla:
+        from trainer.hf import deepseek
+
+        return deepseek.trainer_config(keys, fam, dtype)
     d_model, heads = keys.positive("hidden_size"), keys.positive("num_attention_heads")
     max_positions = keys.get("max_position_embeddings", int, 4096)
     _refuse_unsupported(keys, fam, max_positions)
@@ -172,6 +181,10 @@ def family_of(cfg: Config, hinted: str | None = None) -> Family:
     """The family a trainer model exports as (`hinted`, the imported one, when it still fits), or HFError
     naming the feature that no family has."""
     m, e = cfg.model, cfg.moe
+    if m.mla is not None or hinted in ("deepseek_v2", "deepseek_v3"):
+        from trainer.hf import deepseek
+
+        return deepseek.family_of(cfg)
     beyond = [(e.routing != "token_choice", f"moe.routing={e.routing}"), (e.score != "softmax", f"moe.score={e.score}"),
               (not e.softmax_before_topk, "moe.softmax_before_topk=false"), (e.route_scale != 1, "moe.route_scale"),
               (e.uses_bias, f"moe.balance={e.balance}"), (e.routing_groups_limit > 0, "moe.routing_groups_limit"),
@@ -193,7 +206,7 @@ def family_of(cfg: Config, hinted: str | None = None) -> Family:
 def _fits(fam: Family, cfg: Config) -> bool:
     m, e = cfg.model, cfg.moe
     patterned = m.moe_every != 1 or bool(m.dense_layers)
-    return (fam.qk_norm == m.qk_norm and (m.qkv_bias <= (fam.qkv_bias_key is not None))
+    return (not fam.mla and fam.qk_norm == m.qk_norm and (m.qkv_bias <= (fam.qkv_bias_key is not None))
             and (e.num_shared_experts > 0) == fam.shared_expert and (not patterned or fam.sparse_pattern)
             and (fam.norm_topk_key is not None or e.renormalize) and (e.num_shared_experts <= 1)
             and (fam.qk_norm != "full" or m.head_size * m.num_heads == m.d_model))  # OLMoE derives the head size
@@ -204,6 +217,10 @@ def hub_config(cfg: Config, fam: Family, carried: dict | None = None) -> dict[st
     under the family's own key) so that transformers 4.x and 5.x read it alike; `carried` (the imported
     config.json) gives the keys that are no part of the model's shape."""
     m, e = cfg.model, cfg.moe
+    if fam.mla:
+        from trainer.hf import deepseek
+
+        return deepseek.hub_config(cfg, fam, carried)
     out = {k: v for k, v in (carried or {}).items() if k not in _STRUCTURAL}
     out.update({"architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": m.vocab_size,
                 "hidden_size": m.d_model, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
