@@ -441,6 +441,8 @@ def _section(loc: tuple[str, ...]) -> type[Section]:
     cls: type[Section] = Config
     for part in loc:
         cls = cls.model_fields[part].annotation
+        # an optional section (model.mla: MLAConfig | None): the section
+        cls = next((a for a in typing.get_args(cls) if isinstance(a, type) and issubclass(a, Section)), cls)
     return cls
 
 

@@ -109,3 +109,104 @@ def test_import_then_export_gives_every_tensor_back_bit_for_bit(imported):
         if hasattr(model.config, key):  # V3's config class has no topk_method (noaux_tc, written as the Hub's)
             assert getattr(back, key) == getattr(model.config, key), key
     assert json.loads((tmp / "exported" / "config.json").read_text())["model_type"] == model.config.model_type
+
+
+def _saved(tmp_path, name="deepseek_v3"):
+    hf_model(name, seed=2).save_pretrained(tmp_path / "hub")
+    return tmp_path / "hub"
+
+
+def test_the_multi_token_prediction_layer_is_skipped_with_a_note(tmp_path, capsys):
+    """A V3 file's layer num_hidden_layers (the MTP module) is no part of the model: the import skips it and
+    says so; the parameters are those of the file without it."""
+    from safetensors.numpy import load_file, save_file
+
+    from trainer.hf.cli import main
+
+    hub = _saved(tmp_path)
+    tensors = load_file(hub / "model.safetensors")
+    mtp = {"model.layers.3.eh_proj.weight": np.ones((32, 64), np.float32),
+           "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": np.ones((16, 32), np.float32)}
+    save_file({**tensors, **mtp}, hub / "model.safetensors", metadata={"format": "pt"})
+    main(["import", str(hub), "-o", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "skipped 2 tensors of the multi-token-prediction layer" in out
+    export_checkpoint(str(tmp_path / "out"), str(tmp_path / "exported"))
+    assert sorted(safetensors_of(tmp_path / "exported")) == sorted(tensors)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rope_interleave", False, "'rope_interleave' = False is not supported"),
+    ("topk_method", "greedy", "'topk_method' = 'greedy' is not DeepSeek-V3's"),
+    ("rope_scaling", {"type": "yarn", "factor": 40}, "'rope_scaling.rope_type' = 'yarn' is not supported"),
+    ("num_key_value_heads", 2, "'num_key_value_heads' = 2 must equal 'num_attention_heads' = 4"),
+    ("first_k_dense_replace", 9, "'first_k_dense_replace' must be in [0, 3], got 9"),
+])
+def test_a_deepseek_feature_the_trainer_lacks_exits_2_naming_its_key(tmp_path, capsys, key, value, message):
+    from trainer.hf.cli import main
+
+    hub = _saved(tmp_path)
+    config = json.loads((hub / "config.json").read_text())
+    config.pop("rope_parameters") if key == "rope_scaling" else None
+    (hub / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import", str(hub), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "config.json" in err and message in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_latent_attention_refuses_the_keys_it_does_not_take():
+    from trainer.config import ConfigError, load_config
+
+    for override, key in (("model.num_kv_heads=2", "model.num_kv_heads"), ("model.head_dim=16", "model.head_dim"),
+                          ("model.mla.qk_rope_head_dim=7", "model.mla.qk_rope_head_dim")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config("deepseek-tiny", [override])
+
+
+def test_a_checkpoint_of_the_old_deepseek_tiny_is_refused_naming_model_mla():
+    """deepseek-tiny became latent attention: a checkpoint written before (no model.mla recorded) is another
+    model, refused on resume naming the key."""
+    from trainer.config import ConfigError, load_config
+    from trainer.resume import check_resumable, model_identity
+
+    cfg = load_config("deepseek-tiny")
+    old = {k: v for k, v in model_identity(cfg).items() if k != "model.mla"}
+    check_resumable({"model": model_identity(cfg)}, cfg, None, 10, None)  # today's resumes
+    with pytest.raises(ConfigError, match=r"model\.mla is None in the checkpoint"):
+        check_resumable({"model": old}, cfg, None, 10, None)
+
+
+def test_deepseek_tiny_exports_as_deepseek_v3_and_transformers_gives_its_logits(tmp_path):
+    """The named config (latent attention, sigmoid routing with the selection bias, 2 of 4 groups, a shared
+    expert), at random: export, transformers reads it and computes the trainer's logits."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from trainer.config import load_config
+    from trainer.hf.families import family_of
+    from trainer.hf.orbax_io import save_params
+    from trainer.model import ParamCodec, build_model
+    from trainer.moe.layer import ExpertBias
+
+    cfg = load_config("deepseek-tiny")
+    assert family_of(cfg).model_type == "deepseek_v3"
+    model = build_model(cfg, seed=3)
+    for i, block in enumerate(model.blocks):  # a bias that moves the choice
+        block.ffn.expert_bias[...] = jax.random.normal(jax.random.key(i), block.ffn.expert_bias.shape) * 0.05
+    _, params, biases, _ = nnx.split(model, nnx.Param, ExpertBias, ...)
+    values = {**ParamCodec(params).flatten(params), **ParamCodec(biases).flatten(biases)}
+    run = tmp_path / "run"
+    save_params(str(run / "checkpoints"), ((n, np.asarray(v)) for n, v in values.items()), cfg, source="test")
+    (run / "config.json").write_text(cfg.model_dump_json())
+    export_checkpoint(str(run), str(tmp_path / "exported"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", attn_implementation="eager",
+                                                               experts_implementation="eager").eval()
+    tokens = np.random.default_rng(2).integers(0, cfg.model.vocab_size, (2, 48))
+    with torch.no_grad():
+        expected = theirs(torch.tensor(tokens)).logits.numpy()
+    jax.config.update("jax_default_matmul_precision", "highest")
+    got = np.asarray(model(jnp.asarray(tokens), train=False)[0])
+    assert np.abs(got - expected).max() <= 1e-4 and np.array_equal(got.argmax(-1), expected.argmax(-1))
