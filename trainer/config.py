@@ -31,6 +31,23 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the key and how to fix it."""
 
 
+class YarnConfig(Section):
+    """YaRN's extension of the rotary positions past the length a model was trained at (arXiv 2309.00071), as
+    DeepSeek-V2/V3 use it: the slow rotary frequencies divided by `factor`, the fast ones kept, a ramp between
+    (beta_fast and beta_slow rotations over original_max_position_embeddings); the rotary values scaled by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (else mscale(factor, 1)), and
+    the softmax scale by mscale(factor, mscale_all_dim)**2 when it is set, with mscale(s, m) = 0.1 * m *
+    ln(s) + 1 (1 for s <= 1). 0 stands for a key the checkpoint leaves out."""
+
+    factor: Number = Field(gt=0)
+    original_max_position_embeddings: Positive
+    beta_fast: Number = Field(32.0, gt=0)
+    beta_slow: Number = Field(1.0, gt=0)
+    mscale: Number = Field(0.0, ge=0)
+    mscale_all_dim: Number = Field(0.0, ge=0)
+    truncate: Flag = True  # the ramp's ends rounded out to whole dimensions
+
+
 class MLAConfig(Section):
     """Multi-head latent attention (DeepSeek-V2/V3; trainer/mla.py). Keys and values come from one latent of
     kv_lora_rank values per token (RMS-normalised) and one rotary key of qk_rope_head_dim values shared by all
@@ -42,6 +59,7 @@ class MLAConfig(Section):
     qk_nope_head_dim: Positive = 128
     qk_rope_head_dim: Positive = 64
     v_head_dim: Positive = 128
+    yarn: YarnConfig | None = None  # YaRN rotary scaling of the rotary part (none: plain RoPE)
 
     @model_validator(mode="after")
     def _valid(self) -> Self:

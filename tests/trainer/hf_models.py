@@ -30,16 +30,20 @@ FAMILIES = {
 
 
 # DeepSeek: latent attention (q through a rank or not), a dense first layer, shared experts; V3 with sigmoid
-# scores, a selection bias and groups by their top 2; V2-Lite's shape (no q rank) with groups by their best.
+# scores, a selection bias and groups by their top 2; V2-Lite's shape (no q rank, YaRN) with groups by their best.
 _MLA = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_key_value_heads=4,
             num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=48, moe_intermediate_size=16,
             n_routed_experts=8, num_experts_per_tok=2)
+# YaRN as DeepSeek uses it, over an original length of 64 that the tests' 256 tokens pass (mscale and
+# mscale_all_dim apart, so that both the rotary values and the softmax scale are scaled)
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=32,
+             beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
 DEEPSEEK = {
     "deepseek_v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=16, n_group=4, topk_group=2, n_shared_experts=1,
                                              routed_scaling_factor=2.5, norm_topk_prob=True)),
     "deepseek_v2-lite": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, topk_method="group_limited_greedy",
                                                   n_group=4, topk_group=2, n_shared_experts=2,
-                                                  routed_scaling_factor=1.5)),
+                                                  routed_scaling_factor=1.5, rope_parameters=_YARN)),
 }
 
 

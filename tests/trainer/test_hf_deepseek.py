@@ -138,7 +138,8 @@ def test_the_multi_token_prediction_layer_is_skipped_with_a_note(tmp_path, capsy
 @pytest.mark.parametrize("key, value, message", [
     ("rope_interleave", False, "'rope_interleave' = False is not supported"),
     ("topk_method", "greedy", "'topk_method' = 'greedy' is not DeepSeek-V3's"),
-    ("rope_scaling", {"type": "yarn", "factor": 40}, "'rope_scaling.rope_type' = 'yarn' is not supported"),
+    ("rope_scaling", {"type": "longrope", "factor": 4}, "'rope_scaling.rope_type' = 'longrope' is not supported"),
+    ("rope_scaling", {"type": "yarn", "factor": 4}, "'rope_scaling' of type yarn needs 'factor' and 'original_max"),
     ("num_key_value_heads", 2, "'num_key_value_heads' = 2 must equal 'num_attention_heads' = 4"),
     ("first_k_dense_replace", 9, "'first_k_dense_replace' must be in [0, 3], got 9"),
 ])

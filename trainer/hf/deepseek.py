@@ -53,6 +53,34 @@ def _refuse(keys: families._Keys, fam: families.Family, heads: int) -> None:
                       f"'num_attention_heads' = {heads}: latent attention expands keys and values for every head")
 
 
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "truncate")
+
+
+def _rope(keys: families._Keys, fam: families.Family) -> tuple[float, dict | None]:
+    """(RoPE theta, YaRN's keys or None) from 5.x's rope_parameters or 4.x's rope_scaling; another scaling
+    is refused naming its key."""
+    params = keys.get("rope_parameters", (dict, type(None)), None) or {}
+    scaling = keys.get("rope_scaling", (dict, type(None)), None) or {}
+    source, where = (params, "rope_parameters") if params.get("rope_type", "default") != "default" else \
+        (scaling, "rope_scaling")
+    kind = source.get("rope_type", source.get("type"))
+    if kind not in (None, "default", "yarn"):
+        raise HFError(f"{keys.where}: '{where}.rope_type' = {kind!r} is not supported (plain RoPE or YaRN)")
+    theta = params.get("rope_theta", keys.get("rope_theta", (int, float), fam.default_theta))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise HFError(f"{keys.where}: 'rope_theta' must be a positive number, got {theta!r:.80}")
+    if kind != "yarn":
+        return float(theta), None
+    yarn = {k: source[k] for k in _YARN_KEYS if source.get(k) is not None}
+    if "factor" not in yarn or "original_max_position_embeddings" not in yarn:
+        raise HFError(f"{keys.where}: '{where}' of type yarn needs 'factor' and 'original_max_position_embeddings'")
+    unknown = sorted(set(source) - set(_YARN_KEYS) - {"rope_type", "type", "rope_theta"})
+    if unknown:
+        raise HFError(f"{keys.where}: '{where}.{unknown[0]}' is not supported (YaRN takes {', '.join(_YARN_KEYS)})")
+    return float(theta), yarn
+
+
 def _routing(keys: families._Keys, fam: families.Family, get) -> dict[str, Any]:
     """The MoE section's routing keys: V3's sigmoid with its selection bias, or V2's softmax."""
     scale = float(get("routed_scaling_factor", (int, float)))
@@ -89,9 +117,10 @@ def trainer_config(keys: families._Keys, fam: families.Family, dtype: str) -> Co
         raise HFError(f"{keys.where}: 'first_k_dense_replace' must be in [0, {layers}], got {dense}")
     mla = {key: keys.positive(key, defaults[key]) for key in _MLA_KEYS}
     mla["q_lora_rank"] = keys.get("q_lora_rank", (int, type(None)), defaults["q_lora_rank"]) or 0
+    rope_theta, mla["yarn"] = _rope(keys, fam)
     model = {"vocab_size": keys.positive("vocab_size"), "d_model": d_model, "num_layers": layers, "num_heads": heads,
              "d_ff": keys.positive("intermediate_size"), "moe_every": 1, "dense_layers": list(range(dense)),
-             "rope_theta": families._rope_theta(keys, fam),
+             "rope_theta": rope_theta,
              "norm_eps": float(keys.get("rms_norm_eps", (int, float), fam.default_eps)),
              "tie_embeddings": keys.get("tie_word_embeddings", bool, False), "tied_head_scale": False, "mla": mla}
     width = keys.positive("moe_intermediate_size", defaults["moe_intermediate_size"])
@@ -142,6 +171,9 @@ def hub_config(cfg: Config, fam: families.Family, carried: dict | None = None) -
                 "routed_scaling_factor": e.route_scale, "q_lora_rank": a.q_lora_rank or None,
                 **{key: getattr(a, key) for key in _MLA_KEYS}, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
                 "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "torch_dtype": cfg.param_dtype})
+    if a.yarn is not None:  # the Hub's (4.x) key, which 5.x reads too
+        yarn = {k: v for k, v in a.yarn.model_dump().items() if v or k == "truncate"}
+        out["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", **yarn}
     out.setdefault("max_position_embeddings", 4096)
     groups = e.expert_groups or 1
     if fam.model_type == "deepseek_v3":
