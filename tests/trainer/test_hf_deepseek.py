@@ -236,3 +236,46 @@ def test_greedy_generation_through_the_serving_engine_equals_transformers(import
     requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=32, temperature=0.0))) for p in prompts]
     engine.run()
     assert [r.output for r in requests] == expected[:, prompts.shape[1]:].tolist()
+
+
+def test_fp8_weights_with_block_scales_import_dequantised_to_bfloat16(tmp_path):
+    """A V3 file as the Hub's: every projection in float8 e4m3 with a float32 multiplier per block of 4 x 8
+    (weight_block_size; the Hub's is 128 x 128), quantised here. Each imports as fp8 x its block's multiplier
+    rounded once to bfloat16, within bfloat16 rounding of the float32 product."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from trainer.hf.orbax_io import open_run
+
+    hf_model("deepseek_v3", seed=4).to(torch.bfloat16).save_pretrained(tmp_path / "hub")
+    tensors, block, expected = load_file(tmp_path / "hub" / "model.safetensors"), (4, 8), {}
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        w = tensors[name].astype(np.float32)
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        padded = np.zeros((rows * block[0], cols * block[1]), np.float32)
+        padded[:w.shape[0], :w.shape[1]] = w
+        amax = np.abs(padded.reshape(rows, block[0], cols, block[1])).max(axis=(1, 3))
+        scale = np.maximum(amax, 1e-12).astype(np.float32) / 448.0
+        full = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:w.shape[0], :w.shape[1]]
+        tensors[name] = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale
+        expected[name] = tensors[name].astype(np.float32) * full
+    save_file(tensors, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    import_checkpoint(str(tmp_path / "hub"), str(tmp_path / "imported"))
+    run = open_run(str(tmp_path / "imported"), None)
+    params = run.read(set(run.shapes))
+    assert run.cfg.param_dtype == "bfloat16"
+    export_checkpoint(str(tmp_path / "imported"), str(tmp_path / "exported"))
+    exported = safetensors_of(tmp_path / "exported")  # written back as bfloat16, the file's layout otherwise
+    assert "quantization_config" not in json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert not any(n.endswith("_scale_inv") for n in exported) and len(expected) > 20
+    for name, product in expected.items():
+        got = exported[name]
+        assert got.dtype == np.dtype("bfloat16"), name
+        assert got.tobytes() == product.astype(ml_dtypes.bfloat16).tobytes(), name
+        assert np.all(np.abs(got.astype(np.float32) - product) <= np.abs(product) * 2.0 ** -8), name
+    assert params["blocks.1.attn.kv_norm.scale"].dtype == np.dtype("bfloat16")

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from trainer.config import Config
-from trainer.hf import families
+from trainer.hf import families, fp8
 from trainer.hf.errors import HFError
 from trainer.hf.names import Spec, _heads_in, _heads_out, _linear, _same
 
@@ -38,7 +38,7 @@ _MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim
 # Keys written from the trainer's config on export (beside families' shared ones).
 _STRUCTURAL = {"q_lora_rank", *_MLA_KEYS, "first_k_dense_replace", "n_shared_experts", "n_routed_experts",
                "routed_scaling_factor", "topk_method", "n_group", "topk_group", "rope_interleave", "mlp_bias",
-               "moe_layer_freq", "aux_loss_alpha", "qk_head_dim"}
+               "moe_layer_freq", "aux_loss_alpha", "qk_head_dim", "quantization_config"}
 
 
 def _refuse(keys: families._Keys, fam: families.Family, heads: int) -> None:
@@ -47,7 +47,7 @@ def _refuse(keys: families._Keys, fam: families.Family, heads: int) -> None:
     keys.refuse("mlp_bias", False, "no biases in the FFNs")
     keys.refuse("moe_layer_freq", 1, "after the first_k_dense_replace dense layers every layer is MoE")
     keys.refuse("rope_interleave", True, "the rotary pairs are permuted from the interleaved layout")
-    keys.refuse("quantization_config", None, "quantized weights are not converted")
+    fp8.block_size(keys.hf, keys.where)  # FP8 with block scales, dequantised on import; another is refused
     if keys.get("num_key_value_heads", (int, type(None)), None) not in (None, heads):
         raise HFError(f"{keys.where}: 'num_key_value_heads' = {keys.hf['num_key_value_heads']} must equal "
                       f"'num_attention_heads' = {heads}: latent attention expands keys and values for every head")
