@@ -68,7 +68,10 @@ class MLAttention(nnx.Module):
                  rngs: nnx.Rngs):
         D, N, C, R = d_model, num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
         Q, V = mla.qk_head_dim, mla.v_head_dim
-        norm = lambda dim: RMSNorm(dim, eps=LATENT_NORM_EPS, dtype=dtype, param_dtype=param_dtype, rngs=rngs)  # noqa: E731
+
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, eps=LATENT_NORM_EPS, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
         to_heads = _init(0, (1, 2))
         if mla.q_lora_rank:
             self.wq_a = named_param(rngs, lecun, (D, mla.q_lora_rank), ("embed", None), param_dtype)

@@ -77,7 +77,6 @@ def trainer_model(run_dir: str, cfg=None):
 
     from trainer.hf.orbax_io import open_run
     from trainer.model import ParamCodec, build_model
-
     from trainer.moe.layer import ExpertBias
 
     run = open_run(run_dir, None)

@@ -85,7 +85,8 @@ def read_param(model: HubModel, spec: names.Spec) -> np.ndarray:
     """One trainer parameter from its Hub tensors, each checked for shape and dtype before it is read."""
     want_dtype, bias = model.cfg.param_dtype, spec.param.endswith(BIAS_SUFFIX)  # a bias is float32 state
     block = fp8.block_size(model.hub, os.path.join(model.directory, CONFIG))
-    quantized = {name for name in spec.hub if block and model.reader.dtype(name) == fp8.FP8 and len(spec.hub[name]) == 2}
+    quantized = {name for name, shape in spec.hub.items()
+                 if block and len(shape) == 2 and model.reader.dtype(name) == fp8.FP8}
     for name, shape in spec.hub.items():
         got = model.reader.shape(name)
         if got != shape:
