@@ -279,3 +279,23 @@ def test_fp8_weights_with_block_scales_import_dequantised_to_bfloat16(tmp_path):
         assert got.tobytes() == product.astype(ml_dtypes.bfloat16).tobytes(), name
         assert np.all(np.abs(got.astype(np.float32) - product) <= np.abs(product) * 2.0 ** -8), name
     assert params["blocks.1.attn.kv_norm.scale"].dtype == np.dtype("bfloat16")
+
+
+def test_init_from_the_hub_directory_reads_parameters_and_selection_bias_onto_the_mesh(imported):
+    """--init-from the Hub directory itself, on expert=2,model=2: the imported parameters (latent attention's
+    heads split over `model`) and V3's selection bias, bit for bit."""
+    import jax
+
+    from trainer import init_from, sharding
+    from trainer.hf.orbax_io import open_run
+    from trainer.train import build_trainer
+
+    name, _, tmp = imported
+    run = open_run(str(tmp / "imported"), None)
+    trainer = build_trainer(run.cfg, sharding.make_mesh({"data": 1, "expert": 2, "model": 2}, jax.devices()[:4]), 10)
+    state, _ = init_from.initial_state(trainer, str(tmp / "hub"))
+    saved = run.read(set(run.shapes))
+    got = {**state["params"], **state.get("moe_bias", {})}
+    assert sorted(got) == sorted(saved) and any(n.endswith("expert_bias") for n in got) == (name == "deepseek_v3")
+    assert all(np.asarray(got[n]).tobytes() == saved[n].tobytes() for n in saved)
+    assert state["params"]["blocks.1.attn.wkv_b"].sharding.spec[1] == "model"
