@@ -111,6 +111,22 @@ def test_import_then_export_gives_every_tensor_back_bit_for_bit(imported):
     assert json.loads((tmp / "exported" / "config.json").read_text())["model_type"] == model.config.model_type
 
 
+def _jitted_logits(model, tokens) -> np.ndarray:
+    """The trainer model's logits in float32 at the highest matmul precision, compiled without XLA's
+    optimisations (compiling, not running, is these tiny programs' cost)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    graphdef, state = nnx.split(model)
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, train=False)[0])(state, jnp.asarray(tokens)))
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+
+
 def _saved(tmp_path, name="deepseek_v3"):
     hf_model(name, seed=2).save_pretrained(tmp_path / "hub")
     return tmp_path / "hub"
@@ -183,7 +199,6 @@ def test_deepseek_tiny_exports_as_deepseek_v3_and_transformers_gives_its_logits(
     """The named config (latent attention, sigmoid routing with the selection bias, 2 of 4 groups, a shared
     expert), at random: export, transformers reads it and computes the trainer's logits."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     from trainer.config import load_config
@@ -208,8 +223,7 @@ def test_deepseek_tiny_exports_as_deepseek_v3_and_transformers_gives_its_logits(
     tokens = np.random.default_rng(2).integers(0, cfg.model.vocab_size, (2, 48))
     with torch.no_grad():
         expected = theirs(torch.tensor(tokens)).logits.numpy()
-    jax.config.update("jax_default_matmul_precision", "highest")
-    got = np.asarray(model(jnp.asarray(tokens), train=False)[0])
+    got = _jitted_logits(model, tokens)
     assert np.abs(got - expected).max() <= 1e-4 and np.array_equal(got.argmax(-1), expected.argmax(-1))
 
 
@@ -299,3 +313,15 @@ def test_init_from_the_hub_directory_reads_parameters_and_selection_bias_onto_th
     assert sorted(got) == sorted(saved) and any(n.endswith("expert_bias") for n in got) == (name == "deepseek_v3")
     assert all(np.asarray(got[n]).tobytes() == saved[n].tobytes() for n in saved)
     assert state["params"]["blocks.1.attn.wkv_b"].sharding.spec[1] == "model"
+
+
+def test_at_initializer_range_0_2_the_logits_stay_within_1e_3(tmp_path):
+    """Weights ten times larger (sharper attention, routing and logits): a tiny V3 still gives transformers'
+    logits within 1e-3 over 2 x 128 tokens, with the same top-1."""
+    model = hf_model("deepseek_v3", seed=6, initializer_range=0.2)
+    model.save_pretrained(tmp_path / "hub")
+    import_checkpoint(str(tmp_path / "hub"), str(tmp_path / "imported"))
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (2, SHORT))
+    theirs, _ = _hf_choices(model, tokens)
+    ours = _jitted_logits(trainer_model(str(tmp_path / "imported"))[0], tokens)
+    assert np.abs(ours - theirs).max() <= 1e-3 and np.array_equal(ours.argmax(-1), theirs.argmax(-1))
