@@ -158,6 +158,7 @@ def test_the_multi_token_prediction_layer_is_skipped_with_a_note(tmp_path, capsy
     ("rope_scaling", {"type": "yarn", "factor": 4}, "'rope_scaling' of type yarn needs 'factor' and 'original_max"),
     ("num_key_value_heads", 2, "'num_key_value_heads' = 2 must equal 'num_attention_heads' = 4"),
     ("first_k_dense_replace", 9, "'first_k_dense_replace' must be in [0, 3], got 9"),
+    ("num_experts_per_tok", 1, "'num_experts_per_tok' = 1 with 'norm_topk_prob' is not supported"),
 ])
 def test_a_deepseek_feature_the_trainer_lacks_exits_2_naming_its_key(tmp_path, capsys, key, value, message):
     from trainer.hf.cli import main

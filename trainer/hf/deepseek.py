@@ -91,6 +91,9 @@ def _routing(keys: families._Keys, fam: families.Family, get) -> dict[str, Any]:
     if fam.model_type == "deepseek_v3":
         if method != "noaux_tc":
             raise HFError(f"{keys.where}: 'topk_method' = {method!r} is not DeepSeek-V3's (noaux_tc)")
+        if get("norm_topk_prob", bool) and keys.positive("num_experts_per_tok") == 1:
+            raise HFError(f"{keys.where}: 'num_experts_per_tok' = 1 with 'norm_topk_prob' is not supported (one "
+                          "normalised sigmoid weight is 1: the trainer keeps the score)")
         groups = keys.positive("n_group", DEFAULTS["deepseek_v3"]["n_group"])
         return {**common, "score": "sigmoid", "balance": "bias", "aux_loss_coef": 0.0, "expert_groups": groups,
                 "routing_groups_limit": keys.positive("topk_group", DEFAULTS["deepseek_v3"]["topk_group"]),
@@ -149,6 +152,7 @@ def family_of(cfg: Config) -> families.Family:
                "moe.shared_gate)"), (e.shared_d_ff not in (0, e.d_ff), "moe.shared_d_ff other than moe.d_ff"),
               (m.tie_embeddings and m.tied_head_scale, "model.tied_head_scale=true"),
               (v3 and not e.uses_bias, "sigmoid scores without the selection bias (moe.balance=aux_loss)"),
+              (v3 and e.renormalize and e.top_k == 1, "one sigmoid-scored expert a token kept unnormalised"),
               (v3 and e.routing_groups_limit and e.group_score != "top2_sum", "moe.group_score=max with sigmoid"),
               (not v3 and (e.renormalize or e.uses_bias), "softmax scores renormalised or with a selection bias "
                "(moe.renormalize, moe.balance)"),
