@@ -1,12 +1,13 @@
-"""The four families' config.json, read into the trainer's config and written back with the Hub's key names.
+"""The families' config.json, read into the trainer's config and written back with the Hub's key names.
 
 Sources (transformers 5.25's configuration and modeling files, ../shared/HF-FACTS.md): Mixtral routes every
 layer, renormalises the top k and names its experts `num_local_experts`; Qwen2-MoE adds q/k/v biases and a
 sigmoid-gated shared expert; Qwen3-MoE an RMSNorm of each head's q and k; OLMoE an RMSNorm over all of q and
 of k. The Qwen families interleave dense layers (`decoder_sparse_step`, `mlp_only_layers`) and, with OLMoE,
 renormalise the top k only with `norm_topk_prob`. A feature the trainer does not implement (a sliding window
-in use, a RoPE scaling, `clip_qkv`, biases on the output projection) is refused naming its key. Importing
-this module imports no jax.
+in use, a RoPE scaling, `clip_qkv`, biases on the output projection) is refused naming its key. DeepSeek-V2
+and V3 (latent attention, their routing) are described in deepseek.py, which the functions here hand them to.
+Importing this module imports no jax.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ def family_of(cfg: Config, hinted: str | None = None) -> Family:
     for bad, what in beyond:
         if bad:
             raise HFError(f"the model has {what}, which none of the families (Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                          "OLMoE) has: it cannot be exported")
+                          "OLMoE, DeepSeek) has: it cannot be exported")
     fits = [f for f in FAMILIES.values() if _fits(f, cfg)]
     if not fits:
         raise HFError(f"no family has this combination: q/k norm {m.qk_norm!r}, q/k/v bias {m.qkv_bias}, "

@@ -6,7 +6,8 @@ unchanged, bit for bit, both ways. Routed experts are read from either layout on
 expert (Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`, the others' `mlp.experts.N.gate/up/down_proj`),
 or fused 3-D tensors (`mlp.experts.gate_up_proj` [E, 2F, D] with gate first, `down_proj` [E, D, F]).
 Both rotary layouts are the half-split one (pairs (i, i + H/2): trainer/layers.py's rotary and
-transformers' rotate_half), so q and k need no permutation.
+transformers' rotate_half), so q and k need no permutation; DeepSeek's interleaved rotary rows are permuted
+(deepseek.py, whose latent attention's specs layer_specs takes for a model with model.mla).
 """
 
 from __future__ import annotations
