@@ -72,9 +72,11 @@ def count_params(params: Sequence[ParamInfo], cfg: Config) -> ParamCounts:
 
 def attention_flops_per_token(cfg: Config) -> float:
     """Training FLOPs of the attention scores and their weighted sum: 12 x layers x seq_len x heads x
-    head_size (the PaLM convention)."""
+    head_size (the PaLM convention); with latent attention the scores take the q/k head size and the sum the
+    value head size, 6 x ... x each."""
     m = cfg.model
-    return 12.0 * m.num_layers * cfg.data.seq_len * m.num_heads * m.head_size
+    width = m.head_size if m.mla is None else (m.mla.qk_head_dim + m.mla.v_head_dim) / 2
+    return 12.0 * m.num_layers * cfg.data.seq_len * m.num_heads * width
 
 
 def model_flops_per_token(counts: ParamCounts, cfg: Config) -> float:

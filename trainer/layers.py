@@ -37,11 +37,14 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rotary(x_BxLxNxH: jax.Array, theta: float, offset: int | jax.Array = 0) -> jax.Array:
+def rotary(x_BxLxNxH: jax.Array, theta: float, offset: int | jax.Array = 0,
+           inv_freq: tuple[float, ...] | None = None) -> jax.Array:
     """Rotates feature pairs (i, i + H/2) by position-dependent angles (RoFormer), in float32; the first of
-    the L positions is `offset` (decoding with a key/value cache), a scalar or one per batch row."""
+    the L positions is `offset` (decoding with a key/value cache), a scalar or one per batch row. `inv_freq`
+    (H/2 frequencies) replaces theta's (a scaled RoPE: trainer/mla.py's YaRN)."""
     length, half = x_BxLxNxH.shape[1], x_BxLxNxH.shape[-1] // 2
-    inv_freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    inv_freq_K = (theta ** (-jnp.arange(half, dtype=jnp.float32) / half) if inv_freq is None
+                  else jnp.asarray(inv_freq, jnp.float32))
     # offset is a scalar or one start per batch row ([B]): positions are [L] or [B, L].
     positions = jnp.arange(length, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)[..., None]
     angle = positions[..., None] * inv_freq_K

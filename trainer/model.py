@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from trainer import sharding
 from trainer.config import Config
 from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
+from trainer.mla import MLAttention
 from trainer.moe import MoEBlock
 
 
@@ -20,9 +21,13 @@ class Block(nnx.Module):
     def __init__(self, cfg: Config, layer: int, *, mesh: Mesh | None, rngs: nnx.Rngs):
         m, dtype, pdtype = cfg.model, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
-        self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_size, rope_theta=m.rope_theta,
-                              dtype=dtype, param_dtype=pdtype, rngs=rngs, bias=m.qkv_bias, qk_norm=m.qk_norm,
-                              norm_eps=m.norm_eps)
+        if m.mla is not None:  # multi-head latent attention (DeepSeek)
+            self.attn = MLAttention(m.d_model, m.num_heads, m.mla, rope_theta=m.rope_theta, dtype=dtype,
+                                    param_dtype=pdtype, rngs=rngs)
+        else:
+            self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_size, rope_theta=m.rope_theta,
+                                  dtype=dtype, param_dtype=pdtype, rngs=rngs, bias=m.qkv_bias, qk_norm=m.qk_norm,
+                                  norm_eps=m.norm_eps)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         self.is_moe = m.is_moe_layer(layer)
         if self.is_moe:

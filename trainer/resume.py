@@ -14,9 +14,15 @@ MODEL_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"
               "tie_embeddings", "tied_head_scale")
 
 
+# Recorded since the model gained them: a checkpoint without the key had the default (None: no latent attention).
+LATER_KEYS = {"model.mla": None}
+
+
 def model_identity(cfg: Config) -> dict[str, Any]:
-    """What a checkpoint records of the model it holds: its sizes and its experts."""
-    return {**{f"model.{k}": getattr(cfg.model, k) for k in MODEL_KEYS}, "moe.num_experts": cfg.moe.num_experts}
+    """What a checkpoint records of the model it holds: its sizes, its attention and its experts."""
+    mla = cfg.model.mla.model_dump() if cfg.model.mla else None
+    return {**{f"model.{k}": getattr(cfg.model, k) for k in MODEL_KEYS}, "model.mla": mla,
+            "moe.num_experts": cfg.moe.num_experts}
 
 
 def checkpoint_meta(cfg: Config, steps: int, data: DataIterator) -> dict[str, Any]:
@@ -45,9 +51,10 @@ def check_resumable(saved: dict, cfg: Config, data: DataIterator, steps: int, re
     what differs; say how a longer run changes the learning-rate schedule. With `allow_data_change`,
     other data is said aloud instead of refused. Returns whether the saved data position applies (False:
     the data changed, and its stream starts at the beginning of the data now configured)."""
+    recorded = saved.get("model") or {}
+    recorded = {**LATER_KEYS, **recorded} if recorded else {}
     differences = [f"{key} is {value} in the checkpoint, {now} now"
-                   for key, value in (saved.get("model") or {}).items()
-                   if (now := model_identity(cfg).get(key, value)) != value]
+                   for key, value in recorded.items() if (now := model_identity(cfg).get(key, value)) != value]
     source = saved.get("source")
     data_change = None
     if source is not None and source != data.fingerprint and not _path_based(source):

@@ -218,7 +218,8 @@ def test_plan_serve_on_the_plans_own_target_and_mesh(workdir):
     assert code == 2 and "--serve" in err
 
 
-@pytest.mark.parametrize("name, total", [("qwen3-30b-a3b", 30_532_122_624), ("olmoe-1b-7b", 6_919_161_856)])
+@pytest.mark.parametrize("name, total", [("qwen3-30b-a3b", 30_532_122_624), ("olmoe-1b-7b", 6_919_161_856),
+                                         ("deepseek-v2-lite", 15_706_484_224)])
 def test_plan_answers_for_the_open_models_named_configs(workdir, name, total):
     """The shapes `hf import` gives the open checkpoints (their counts are transformers' own:
     tests/trainer/test_hf_named.py): plan and plan --serve answer for them on v5e-64."""

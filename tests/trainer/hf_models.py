@@ -29,13 +29,31 @@ FAMILIES = {
 }
 
 
+# DeepSeek: latent attention (q through a rank or not), a dense first layer, shared experts; V3 with sigmoid
+# scores, a selection bias and groups by their top 2; V2-Lite's shape (no q rank, YaRN) with groups by their best.
+_MLA = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_key_value_heads=4,
+            num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=48, moe_intermediate_size=16,
+            n_routed_experts=8, num_experts_per_tok=2)
+# YaRN as DeepSeek uses it, over an original length of 64 that the tests' 256 tokens pass (mscale and
+# mscale_all_dim apart, so that both the rotary values and the softmax scale are scaled)
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=32,
+             beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
+DEEPSEEK = {
+    "deepseek_v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=16, n_group=4, topk_group=2, n_shared_experts=1,
+                                             routed_scaling_factor=2.5, norm_topk_prob=True)),
+    "deepseek_v2-lite": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, topk_method="group_limited_greedy",
+                                                  n_group=4, topk_group=2, n_shared_experts=2,
+                                                  routed_scaling_factor=1.5, rope_parameters=_YARN)),
+}
+
+
 def hf_model(name: str, seed: int = 0, initializer_range: float = 0.02, **extra):
     """A random model of family `name` in float32 with eager attention and eager experts."""
     import torch
     import transformers
 
-    cls, keys = FAMILIES[name]
-    config = getattr(transformers, cls)(**COMMON, **keys, initializer_range=initializer_range, **extra)
+    cls, keys = FAMILIES[name] if name in FAMILIES else DEEPSEEK[name]
+    config = getattr(transformers, cls)(**{**COMMON, **keys}, initializer_range=initializer_range, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                           experts_implementation="eager", dtype=torch.float32)
@@ -45,6 +63,9 @@ def hf_model(name: str, seed: int = 0, initializer_range: float = 0.02, **extra)
                 param.normal_(0.0, 0.1)
             elif name.endswith("norm.weight"):
                 param.normal_(1.0, 0.1)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's selection bias, to be used for choosing only
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.05)
     return model.eval()
 
 
@@ -56,13 +77,15 @@ def trainer_model(run_dir: str, cfg=None):
 
     from trainer.hf.orbax_io import open_run
     from trainer.model import ParamCodec, build_model
+    from trainer.moe.layer import ExpertBias
 
     run = open_run(run_dir, None)
     model = build_model(cfg or run.cfg)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    codec = ParamCodec(params)
-    values = run.read(set(codec.names))
-    return nnx.merge(graphdef, codec.unflatten({n: jnp.asarray(values[n]) for n in codec.names}), rest), values
+    graphdef, params, biases, rest = nnx.split(model, nnx.Param, ExpertBias, ...)
+    codec, bias_codec = ParamCodec(params), ParamCodec(biases)  # DeepSeek-V3's selection biases, if any
+    values = run.read(set(codec.names) | set(bias_codec.names))
+    state = [c.unflatten({n: jnp.asarray(values[n]) for n in c.names}) for c in (codec, bias_codec)]
+    return nnx.merge(graphdef, *state, rest), values
 
 
 def tokenizer_json(path, size: int) -> None:

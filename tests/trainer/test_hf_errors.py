@@ -126,7 +126,7 @@ def test_an_output_that_holds_something_is_left_alone(capsys, source, tmp_path):
 
 @pytest.mark.parametrize("name, overrides, feature", [
     ("tiny", ["model.moe_every=2"], "no family has this combination"),
-    ("deepseek-tiny", [], "moe.score=sigmoid"),
+    ("deepseek-tiny", ["moe.balance=aux_loss"], "sigmoid scores without the selection bias"),
     ("tiny", ["model.tie_embeddings=true", "model.moe_every=1"], "model.tied_head_scale=true"),
 ])
 def test_a_model_of_no_family_is_not_exported(name, overrides, feature):

@@ -229,3 +229,15 @@ def test_dropless_config_stays_dropless_in_evaluation():
     cfg = MoEConfig(capacity_factor=0.0)
     assert cfg.is_dropless(True) and cfg.is_dropless(False)
     assert not MoEConfig().is_dropless(True)
+
+
+def test_groups_kept_by_their_best_score_or_by_their_top_two():
+    """DeepSeek-V3 scores a group by the sum of its two best, V2 (group_score max) by its best: here they
+    keep different groups, and the token's experts come from the kept group only."""
+    probs_1xE = jnp.log(jnp.array([[0.40, 0.01, 0.30, 0.29]]))  # softmax gives these back
+    top2, _, _, _ = routing.top_k_routing(probs_1xE, 2, renormalize=False, expert_groups=2, groups_limit=1)
+    best, weights, _, _ = routing.top_k_routing(probs_1xE, 2, renormalize=False, expert_groups=2, groups_limit=1,
+                                                group_score="max", route_scale=1.5)
+    assert sorted(np.asarray(top2)[0].tolist()) == [2, 3]  # 0.30 + 0.29 > 0.40 + 0.01
+    assert sorted(np.asarray(best)[0].tolist()) == [0, 1]  # 0.40 > 0.30
+    np.testing.assert_allclose(np.sort(np.asarray(weights)[0]), [0.015, 0.6], rtol=1e-5)  # unnormalised x 1.5

@@ -37,7 +37,7 @@ def test_chunked_prefill_then_decode_gives_the_full_forward_logits(name, tiny):
     if name == "tiny":
         model, weights, forward = tiny
     else:
-        model, weights = serving(name, overrides=["model.num_kv_heads=2"])
+        model, weights = serving(name)  # latent attention: every head its own keys and values
         forward = jax.jit(lambda w, t: model.module(w)(t, train=False)[0])
     m = model.cfg.model
     tokens_1xL = jnp.asarray(np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)

@@ -18,7 +18,7 @@ MB = 10**6
 
 @click.group("hf")
 def hf_group() -> None:
-    """Hugging Face checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): import and export."""
+    """Hugging Face checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3): import and export."""
 
 
 @hf_group.command("import")
@@ -38,6 +38,9 @@ def import_command(source: str, output: str) -> None:
     done = import_checkpoint(source, output)
     click.echo(f"imported {done['family']} ({done['dtype']}, experts {' and '.join(done['layouts'])}) into "
                f"{done['output']}")
+    if done["skipped"]:
+        click.echo(f"note: skipped {len(done['skipped'])} tensors of the multi-token-prediction layer "
+                   f"({done['skipped'][0]}, ...), which the model does not use")
 
 
 @hf_group.command("export")

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from trainer.config import Config
-from trainer.hf import families, names
+from trainer.hf import deepseek, families, fp8, names
 from trainer.hf.errors import HFError, WriteError
-from trainer.hf.orbax_io import CHECKPOINTS, HF_DIR, RUN_CONFIG, open_run, save_params
+from trainer.hf.orbax_io import BIAS_SUFFIX, CHECKPOINTS, HF_DIR, RUN_CONFIG, open_run, save_params
 from trainer.hf.safetensors_io import (CONFIG, DTYPES, INDEX, SINGLE, TOKENIZER_FILES, HubReader, ShardWriter,
                                       read_json)
 
@@ -84,16 +84,24 @@ def check_tokenizer(directory: str, vocab_size: int) -> None:
 
 def read_param(model: HubModel, spec: names.Spec) -> np.ndarray:
     """One trainer parameter from its Hub tensors, each checked for shape and dtype before it is read."""
-    want_dtype = model.cfg.param_dtype
+    want_dtype, bias = model.cfg.param_dtype, spec.param.endswith(BIAS_SUFFIX)  # a bias is float32 state
+    block = fp8.block_size(model.hub, os.path.join(model.directory, CONFIG))
+    quantized = {name for name, shape in spec.hub.items()
+                 if block and len(shape) == 2 and model.reader.dtype(name) == fp8.FP8}
     for name, shape in spec.hub.items():
         got = model.reader.shape(name)
         if got != shape:
             raise HFError(f"{model.reader.where_is(name)}: '{name}' has shape {list(got)}; config.json makes it "
                           f"{list(shape)}")
-        if DTYPES.get(model.reader.dtype(name)) != want_dtype:
+        if DTYPES.get(model.reader.dtype(name)) != want_dtype and not bias and name not in quantized:
             raise HFError(f"{model.reader.where_is(name)}: '{name}' is {model.reader.dtype(name)}, the checkpoint's "
                           f"other tensors are {want_dtype}")
-    return spec.to_trainer([model.reader.tensor(name) for name in spec.hub])
+    if quantized and want_dtype != "bfloat16":
+        raise HFError(f"{model.reader.where_is(min(quantized))}: FP8 weights dequantise to bfloat16, but the "
+                      f"checkpoint's other tensors are {want_dtype}")
+    value = spec.to_trainer([fp8.dequantized(model.reader, name, block) if name in quantized else
+                             model.reader.tensor(name) for name in spec.hub])
+    return value.astype(np.float32) if bias else value
 
 
 def iter_params(model: HubModel) -> Iterator[tuple[str, np.ndarray]]:
@@ -103,8 +111,10 @@ def iter_params(model: HubModel) -> Iterator[tuple[str, np.ndarray]]:
     for group in names.all_specs(model.cfg, model.family, model.layouts):
         for spec in group:
             used.update(spec.hub)
+            used.update(name + fp8.SCALE_SUFFIX for name in spec.hub)  # FP8 block scales, where there are
             yield spec.param, read_param(model, spec)
-    extra = sorted(n for n in model.reader.names() - used if not n.endswith(IGNORED))
+    extra = sorted(n for n in model.reader.names() - used
+                   if not n.endswith(IGNORED) and not deepseek.skipped(model.hub, n))
     if extra:
         raise HFError(f"{model.reader.where_is(extra[0])}: the tensor '{extra[0]}' (and {len(extra) - 1} more) is "
                       f"no part of a {model.family.model_type} model as config.json describes it")
@@ -204,8 +214,9 @@ def import_checkpoint(source: str, output: str) -> dict:
         with open(os.path.join(tmp, RUN_CONFIG), "w", encoding="utf-8") as f:
             f.write(model.cfg.model_dump_json(indent=2) + "\n")
         side = copy_side_files(source, os.path.join(tmp, HF_DIR))
+    skipped = sorted(n for n in model.reader.names() if deepseek.skipped(model.hub, n))
     return {"family": model.family.model_type, "output": os.path.abspath(output), "dtype": model.cfg.param_dtype,
-            "layouts": sorted(set(model.layouts)), "files": side}
+            "layouts": sorted(set(model.layouts)), "files": side, "skipped": skipped}
 
 
 def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_bytes: int = 5 * 10**9) -> dict:

@@ -1,12 +1,13 @@
-"""The four families' config.json, read into the trainer's config and written back with the Hub's key names.
+"""The families' config.json, read into the trainer's config and written back with the Hub's key names.
 
 Sources (transformers 5.25's configuration and modeling files, ../shared/HF-FACTS.md): Mixtral routes every
 layer, renormalises the top k and names its experts `num_local_experts`; Qwen2-MoE adds q/k/v biases and a
 sigmoid-gated shared expert; Qwen3-MoE an RMSNorm of each head's q and k; OLMoE an RMSNorm over all of q and
 of k. The Qwen families interleave dense layers (`decoder_sparse_step`, `mlp_only_layers`) and, with OLMoE,
 renormalise the top k only with `norm_topk_prob`. A feature the trainer does not implement (a sliding window
-in use, a RoPE scaling, `clip_qkv`, biases on the output projection) is refused naming its key. Importing
-this module imports no jax.
+in use, a RoPE scaling, `clip_qkv`, biases on the output projection) is refused naming its key. DeepSeek-V2
+and V3 (latent attention, their routing) are described in deepseek.py, which the functions here hand them to.
+Importing this module imports no jax.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Family:
     shared_expert: bool = False
     sparse_pattern: bool = False  # decoder_sparse_step and mlp_only_layers
     norm_topk_key: str | None = "norm_topk_prob"  # None: always renormalised
+    shared_name: str = "shared_expert"  # the shared expert's module in the MoE block
+    mla: bool = False  # multi-head latent attention and DeepSeek's routing (trainer/hf/deepseek.py)
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -47,6 +50,9 @@ FAMILIES = {f.model_type: f for f in (
            1e-6, "moe_intermediate_size", qk_norm="head", sparse_pattern=True),
     Family("olmoe", "OlmoeForCausalLM", "num_experts", "mlp", ("gate_proj", "up_proj", "down_proj"), 1e4, 1e-5,
            "intermediate_size", qk_norm="full"),
+    *(Family(t, a, "n_routed_experts", "mlp", ("gate_proj", "up_proj", "down_proj"), 1e4, 1e-6, "moe_intermediate_size",
+             shared_expert=True, shared_name="shared_experts", mla=True)
+      for t, a in (("deepseek_v2", "DeepseekV2ForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"))),
 )}
 
 # Keys written from the trainer's config on export; every other key of the imported config.json (token ids,
@@ -133,6 +139,10 @@ def trainer_config(hf: dict, where: str, dtype: str) -> Config:
     with its parameters kept in `dtype`. Dropless MoE: a trained model must not lose tokens at capacity."""
     keys = _Keys(hf, where)
     fam = family(hf.get("model_type"), where)
+    if fam.mla:
+        from trainer.hf import deepseek
+
+        return deepseek.trainer_config(keys, fam, dtype)
     d_model, heads = keys.positive("hidden_size"), keys.positive("num_attention_heads")
     max_positions = keys.get("max_position_embeddings", int, 4096)
     _refuse_unsupported(keys, fam, max_positions)
@@ -172,6 +182,10 @@ def family_of(cfg: Config, hinted: str | None = None) -> Family:
     """The family a trainer model exports as (`hinted`, the imported one, when it still fits), or HFError
     naming the feature that no family has."""
     m, e = cfg.model, cfg.moe
+    if m.mla is not None or hinted in ("deepseek_v2", "deepseek_v3"):
+        from trainer.hf import deepseek
+
+        return deepseek.family_of(cfg)
     beyond = [(e.routing != "token_choice", f"moe.routing={e.routing}"), (e.score != "softmax", f"moe.score={e.score}"),
               (not e.softmax_before_topk, "moe.softmax_before_topk=false"), (e.route_scale != 1, "moe.route_scale"),
               (e.uses_bias, f"moe.balance={e.balance}"), (e.routing_groups_limit > 0, "moe.routing_groups_limit"),
@@ -181,7 +195,7 @@ def family_of(cfg: Config, hinted: str | None = None) -> Family:
     for bad, what in beyond:
         if bad:
             raise HFError(f"the model has {what}, which none of the families (Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                          "OLMoE) has: it cannot be exported")
+                          "OLMoE, DeepSeek) has: it cannot be exported")
     fits = [f for f in FAMILIES.values() if _fits(f, cfg)]
     if not fits:
         raise HFError(f"no family has this combination: q/k norm {m.qk_norm!r}, q/k/v bias {m.qkv_bias}, "
@@ -193,7 +207,7 @@ def family_of(cfg: Config, hinted: str | None = None) -> Family:
 def _fits(fam: Family, cfg: Config) -> bool:
     m, e = cfg.model, cfg.moe
     patterned = m.moe_every != 1 or bool(m.dense_layers)
-    return (fam.qk_norm == m.qk_norm and (m.qkv_bias <= (fam.qkv_bias_key is not None))
+    return (not fam.mla and fam.qk_norm == m.qk_norm and (m.qkv_bias <= (fam.qkv_bias_key is not None))
             and (e.num_shared_experts > 0) == fam.shared_expert and (not patterned or fam.sparse_pattern)
             and (fam.norm_topk_key is not None or e.renormalize) and (e.num_shared_experts <= 1)
             and (fam.qk_norm != "full" or m.head_size * m.num_heads == m.d_model))  # OLMoE derives the head size
@@ -204,6 +218,10 @@ def hub_config(cfg: Config, fam: Family, carried: dict | None = None) -> dict[st
     under the family's own key) so that transformers 4.x and 5.x read it alike; `carried` (the imported
     config.json) gives the keys that are no part of the model's shape."""
     m, e = cfg.model, cfg.moe
+    if fam.mla:
+        from trainer.hf import deepseek
+
+        return deepseek.hub_config(cfg, fam, carried)
     out = {k: v for k, v in (carried or {}).items() if k not in _STRUCTURAL}
     out.update({"architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": m.vocab_size,
                 "hidden_size": m.d_model, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,

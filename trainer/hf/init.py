@@ -22,9 +22,9 @@ __all__ = ["is_hub_directory", "initial_state"]
 
 # What must agree between the run's config and the checkpoint's beyond the parameters' shapes.
 _MEANING = (("model", ("rope_theta", "norm_eps", "moe_every", "dense_layers", "tie_embeddings", "tied_head_scale",
-                       "qk_norm", "qkv_bias")),
+                       "qk_norm", "qkv_bias", "mla")),
             ("moe", ("num_experts", "top_k", "renormalize", "softmax_before_topk", "score", "num_shared_experts",
-                     "shared_gate", "route_scale")))
+                     "shared_gate", "route_scale", "expert_groups", "routing_groups_limit", "group_score")))
 
 
 def _differences(run: Config, theirs: Config, source: str) -> str | None:
@@ -62,33 +62,38 @@ def initial_state(trainer, directory: str) -> tuple[dict[str, Any], tuple[str, i
         if problem:
             raise HFError(f"--init-from: {problem}; `moe-tpu hf import {directory} -o DIR` writes its config "
                           "(DIR/config.json)")
-        params = _read_onto_mesh(trainer, hub, read_param)
+        params, biases = _read_onto_mesh(trainer, hub, read_param)
     except HFError as e:
         raise ConfigError(str(e)) from None
     shardings = trainer.state_shardings
     state = {"step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"]), "params": params,
              "opt_state": jax.jit(trainer.optimizer.init, out_shardings=shardings["opt_state"])(params)}
-    if "moe_bias" in trainer.abstract_state:
-        state["moe_bias"] = jax.jit(lambda: trainer.init_fn()["moe_bias"], out_shardings=shardings["moe_bias"])()
+    if "moe_bias" in trainer.abstract_state:  # DeepSeek-V3's selection bias from the file, else a fresh one
+        state["moe_bias"] = biases or jax.jit(lambda: trainer.init_fn()["moe_bias"],
+                                              out_shardings=shardings["moe_bias"])()
     return state, (os.path.abspath(directory), 0, fingerprint(directory))
 
 
-def _read_onto_mesh(trainer, hub, read_param) -> dict[str, Any]:
+def _read_onto_mesh(trainer, hub, read_param) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the parameters, the MoE selection biases the file holds), each on the run's mesh."""
     import jax
 
-    wanted = trainer.abstract_state["params"]
+    from trainer.hf.orbax_io import BIAS_SUFFIX
+
+    wanted = {**trainer.abstract_state["params"], **trainer.abstract_state.get("moe_bias", {})}
     specs = [spec for group in names.all_specs(hub.cfg, hub.family, hub.layouts) for spec in group]
     found = {spec.param for spec in specs}
     if set(wanted) != found:
         extra = sorted(set(wanted) ^ found)[0]
         raise HFError(f"--init-from: the parameter {extra} is in {'this run' if extra in wanted else hub.directory}"
                       f"'s model only")
-    params = {}
+    out = {"params": {}, "moe_bias": {}}
     for spec in specs:
         want = wanted[spec.param]
         if tuple(want.shape) != spec.shape:
             raise HFError(f"--init-from: {spec.param} is {list(want.shape)} in this run's model, {list(spec.shape)} "
                           f"in {hub.directory}")
         value = read_param(hub, spec).astype(want.dtype)
-        params[spec.param] = jax.device_put(value, trainer.state_shardings["params"][spec.param])
-    return params
+        part = "moe_bias" if spec.param.endswith(BIAS_SUFFIX) else "params"
+        out[part][spec.param] = jax.device_put(value, trainer.state_shardings[part][spec.param])
+    return out["params"], out["moe_bias"]

@@ -6,7 +6,8 @@ unchanged, bit for bit, both ways. Routed experts are read from either layout on
 expert (Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`, the others' `mlp.experts.N.gate/up/down_proj`),
 or fused 3-D tensors (`mlp.experts.gate_up_proj` [E, 2F, D] with gate first, `down_proj` [E, D, F]).
 Both rotary layouts are the half-split one (pairs (i, i + H/2): trainer/layers.py's rotary and
-transformers' rotate_half), so q and k need no permutation.
+transformers' rotate_half), so q and k need no permutation; DeepSeek's interleaved rotary rows are permuted
+(deepseek.py, whose latent attention's specs layer_specs takes for a model with model.mla).
 """
 
 from __future__ import annotations
@@ -118,11 +119,14 @@ def _moe(cfg: Config, fam: Family, i: int, layout: str) -> list[Spec]:
                   _experts(f"{ffn}.w_out", [name(j, down) for j in range(e)], e, f, d)]
     if moe.num_shared_experts:
         fs = moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff)
-        specs += [_linear(f"{ffn}.shared_w_gate", f"{hub}.shared_expert.gate_proj.weight", d, fs),
-                  _linear(f"{ffn}.shared_w_in", f"{hub}.shared_expert.up_proj.weight", d, fs),
-                  _linear(f"{ffn}.shared_w_out", f"{hub}.shared_expert.down_proj.weight", fs, d)]
+        shared = f"{hub}.{fam.shared_name}"
+        specs += [_linear(f"{ffn}.shared_w_gate", f"{shared}.gate_proj.weight", d, fs),
+                  _linear(f"{ffn}.shared_w_in", f"{shared}.up_proj.weight", d, fs),
+                  _linear(f"{ffn}.shared_w_out", f"{shared}.down_proj.weight", fs, d)]
         if moe.shared_gate:
             specs.append(_linear(f"{ffn}.shared_gate", f"{hub}.shared_expert_gate.weight", d, 1))
+    if moe.uses_bias:  # DeepSeek-V3's selection bias: float32 state beside the parameters (orbax_io.BIAS)
+        specs.append(_same(f"{ffn}.expert_bias", f"{hub}.gate.e_score_correction_bias", (e,)))
     return specs
 
 
@@ -139,7 +143,13 @@ def layer_specs(cfg: Config, fam: Family, i: int, layout: str = PER_EXPERT) -> l
     d = cfg.model.d_model
     hub = f"model.layers.{i}"
     ffn = _moe(cfg, fam, i, layout) if cfg.model.is_moe_layer(i) else _dense(cfg, i)
-    return [_same(f"blocks.{i}.attn_norm.scale", f"{hub}.input_layernorm.weight", (d,)), *_attention(cfg, i),
+    if cfg.model.mla is not None:
+        from trainer.hf.deepseek import mla_specs
+
+        attention = mla_specs(cfg, i)
+    else:
+        attention = _attention(cfg, i)
+    return [_same(f"blocks.{i}.attn_norm.scale", f"{hub}.input_layernorm.weight", (d,)), *attention,
             _same(f"blocks.{i}.ffn_norm.scale", f"{hub}.post_attention_layernorm.weight", (d,)), *ffn]
 
 

@@ -16,6 +16,8 @@ from trainer.hf.errors import HFError, WriteError
 HF_DIR = "hf"  # the source's own files inside an imported checkpoint (config.json, tokenizer, generation)
 RUN_CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
+# Parameters named so are the MoE selection biases: state beside the parameters ("moe_bias"), as train keeps them.
+BIAS_SUFFIX = ".expert_bias"
 
 
 def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: Config, source: str) -> None:
@@ -33,7 +35,12 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
     # them in flight while writing (6.8 GB -> 5.5 GB peak for the benchmark's 3.2 GB checkpoint). Orbax
     # writes the state whole, so the model is held once: streaming the write too would need a writer of
     # the checkpoint's format of our own.
-    state = {"step": np.zeros((), np.int32), "params": {name: jax.device_put(value) for name, value in params}}
+    values = {name: jax.device_put(value) for name, value in params}
+    state = {"step": np.zeros((), np.int32),
+             "params": {n: v for n, v in values.items() if not n.endswith(BIAS_SUFFIX)}}
+    biases = {n: v for n, v in values.items() if n.endswith(BIAS_SUFFIX)}  # DeepSeek-V3's selection bias
+    if biases:
+        state["moe_bias"] = biases
     meta = {"model": model_identity(cfg), "imported_from": source}
     with quiet_orbax():
         manager = ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
@@ -68,15 +75,18 @@ class SavedRun:
         if missing:
             raise HFError(f"the checkpoint at step {self.step} in {self.run} has no parameter '{missing[0]}', which "
                           "its config.json needs")
-        item = {"params": {n: np.zeros(self.shapes[n]) for n in wanted}}
-        restore = {"params": {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in wanted}}
+        where = lambda n: "moe_bias" if n.endswith(BIAS_SUFFIX) else "params"  # noqa: E731
+        item, restore = {}, {}
+        for n in wanted:
+            item.setdefault(where(n), {})[n] = np.zeros(self.shapes[n])
+            restore.setdefault(where(n), {})[n] = ocp.RestoreArgs(restore_type=np.ndarray)
         with quiet_orbax():
             try:
                 restored = self.manager.restore(self.step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                     item=item, restore_args=restore, partial_restore=True)))
             except Exception as e:  # noqa: BLE001 - tensorstore and file errors alike
                 raise HFError(f"cannot read step {self.step} in {self.run}: {_reason(e)}") from None
-        return {n: np.asarray(v) for n, v in restored["state"]["params"].items()}
+        return {n: np.asarray(v) for part in restored["state"].values() for n, v in part.items()}
 
 
 def open_run(run: str, step: int | None) -> SavedRun:
@@ -105,7 +115,8 @@ def open_run(run: str, step: int | None) -> SavedRun:
             raise HFError(f"--step {step}: {checkpoints} holds steps {sorted(steps)}")
         step = max(steps) if step is None else step
         try:
-            saved = manager.item_metadata(step)["state"]["params"]
+            state = manager.item_metadata(step)["state"]
+            saved = {**state["params"], **(state.get("moe_bias") or {})}
         except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
             raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: {_reason(e)}") from None
     return SavedRun(run, cfg, step, manager, {n: tuple(meta.shape) for n, meta in saved.items()})

@@ -86,6 +86,9 @@ class MoEConfig(Section):
     # routing_groups_limit best groups (0: all groups).
     expert_groups: NonNegative = 0
     routing_groups_limit: NonNegative = 0
+    # A group's score when routing_groups_limit keeps the best groups: the sum of its two best selection
+    # scores (DeepSeek-V3), or its best one ("max", DeepSeek-V2's group_limited_greedy).
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
 
     @model_validator(mode="after")
     def _valid(self) -> MoEConfig:

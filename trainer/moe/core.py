@@ -67,7 +67,7 @@ def token_choice(logits_GxTxE, cfg: MoEConfig, bias_E=None):
     fn = lambda logits: routing.top_k_routing(
         logits, cfg.top_k, softmax_before_topk=cfg.softmax_before_topk, renormalize=cfg.renormalize,
         score=cfg.score, bias_E=bias_E, expert_groups=cfg.expert_groups, groups_limit=cfg.routing_groups_limit,
-        route_scale=cfg.route_scale,
+        route_scale=cfg.route_scale, group_score=cfg.group_score,
     )
     return jax.vmap(fn)(logits_GxTxE)
 

@@ -34,6 +34,7 @@ def top_k_routing(
     expert_groups: int = 0,
     groups_limit: int = 0,
     route_scale: float = 1.0,
+    group_score: str = "top2_sum",
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Token choice: each token picks its k highest-scoring experts.
 
@@ -46,8 +47,8 @@ def top_k_routing(
     bias_E (the auxiliary-loss-free balancing bias) is added to the scores for the
     selection only: weights and priority come from the unbiased scores. With
     groups_limit M, the experts form expert_groups groups of consecutive experts,
-    each scored by the sum of its two best biased scores, and a token picks its k
-    experts from its M best groups.
+    each scored by the sum of its two best biased scores (group_score "top2_sum") or by
+    its best one ("max"), and a token picks its k experts from its M best groups.
     """
     if score == "sigmoid":
         scores_TxE = jax.nn.sigmoid(logits_TxE)
@@ -61,7 +62,8 @@ def top_k_routing(
     else:
         select_TxE = scores_TxE if bias_E is None else scores_TxE + jax.lax.stop_gradient(bias_E)
         if groups_limit:
-            select_TxE = limit_to_best_groups(jax.lax.stop_gradient(select_TxE), expert_groups, groups_limit)
+            select_TxE = limit_to_best_groups(jax.lax.stop_gradient(select_TxE), expert_groups, groups_limit,
+                                             group_score)
         _, experts_TxK = jax.lax.top_k(jax.lax.stop_gradient(select_TxE), k)
         chosen_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
     priority_TxK = chosen_TxK if score == "sigmoid" or softmax_before_topk else jax.nn.softmax(chosen_TxK, axis=-1)
@@ -74,16 +76,18 @@ def top_k_routing(
     return experts_TxK.astype(jnp.int32), weights_TxK, priority_TxK, probs_TxE
 
 
-def limit_to_best_groups(select_TxE: jax.Array, num_groups: int, limit: int) -> jax.Array:
+def limit_to_best_groups(select_TxE: jax.Array, num_groups: int, limit: int, group_score: str = "top2_sum"
+                         ) -> jax.Array:
     """The selection scores with every expert outside the token's `limit` best groups at -inf.
 
-    A group's score is the sum of its two best selection scores (its one, for single-expert groups).
+    A group's score is the sum of its two best selection scores (its one, for single-expert groups), or with
+    group_score "max" its best one.
     """
     num_tokens, num_experts = select_TxE.shape
     per_group = num_experts // num_groups
     grouped_TxGxP = select_TxE.reshape(num_tokens, num_groups, per_group)
-    best_TxGx2, _ = jax.lax.top_k(grouped_TxGxP, min(2, per_group))
-    group_score_TxG = best_TxGx2[..., 0] if per_group == 1 else best_TxGx2[..., 0] + best_TxGx2[..., 1]
+    best_TxGx2, _ = jax.lax.top_k(grouped_TxGxP, 1 if group_score == "max" else min(2, per_group))
+    group_score_TxG = best_TxGx2[..., 0] if best_TxGx2.shape[-1] == 1 else best_TxGx2[..., 0] + best_TxGx2[..., 1]
     _, groups_TxM = jax.lax.top_k(group_score_TxG, limit)
     kept_TxG = jnp.any(groups_TxM[:, :, None] == jnp.arange(num_groups, dtype=groups_TxM.dtype), axis=1)
     kept_TxE = jnp.repeat(kept_TxG, per_group, axis=1)

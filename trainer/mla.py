@@ -1,0 +1,132 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): keys and values expanded from one small latent per token.
+
+Per token, x [D] becomes a latent c [C] (kv_lora_rank, RMS-normalised) and one rotary key r [R]
+(qk_rope_head_dim) that every head shares; each head's key is (c W_k [P], r) and its value c W_v [V], with
+P = qk_nope_head_dim and V = v_head_dim. The query is x W_q, or x W_qa -> RMSNorm -> W_qb through a rank
+q_lora_rank bottleneck; each head's query is P values without positions and R with them. The rotary part uses
+trainer/layers.py's half-split pairs (i, i + R/2); hf import permutes the Hub's interleaved pairs into it.
+
+Training and decoding share one path: q, k and v are padded to the key/value cache's head size (the larger
+of P + R and V; zeros change no dot product) and go through the same attention as trainer/layers.py's, so
+today's cache holds the expanded heads. Heads split over the mesh's `model` axis as there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trainer.config import MLAConfig, YarnConfig
+from trainer.layers import RMSNorm, lecun, named_param, rotary
+from trainer.sharding import constrain
+
+# The latents' RMSNorms keep this epsilon whatever the layers' norm_eps (as DeepSeek's checkpoints have them).
+LATENT_NORM_EPS = 1e-6
+_HEADS_OUT = ("batch", "length", "heads", "kv")
+
+
+def _mscale(scale: float, m: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_frequencies(dim: int, theta: float, yarn: YarnConfig) -> tuple[tuple[float, ...], float, float]:
+    """(the dim/2 rotary frequencies, the factor on the rotary values, the factor on the softmax scale) of
+    YaRN: frequencies that turn fewer than beta_slow times over the original length divided by `factor`,
+    those that turn more than beta_fast times kept, a linear ramp between (in float32, as DeepSeek's)."""
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    kept = np.float32(1.0) / (np.float32(theta) ** exponents)
+    stretched = np.float32(1.0) / (np.float32(yarn.factor) * np.float32(theta) ** exponents)
+    at = lambda turns: dim * math.log(yarn.original_max_position_embeddings / (turns * 2 * math.pi)) / (  # noqa: E731
+        2 * math.log(theta))
+    low, high = at(yarn.beta_fast), at(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    inv_freq = stretched * ramp + kept * (np.float32(1.0) - ramp)
+    if yarn.mscale and yarn.mscale_all_dim:
+        values = _mscale(yarn.factor, yarn.mscale) / _mscale(yarn.factor, yarn.mscale_all_dim)
+    else:
+        values = _mscale(yarn.factor, 1.0)
+    softmax = _mscale(yarn.factor, yarn.mscale_all_dim) ** 2 if yarn.mscale_all_dim else 1.0
+    return tuple(float(f) for f in inv_freq), float(values), softmax
+
+
+def _init(in_axis, out_axis):
+    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+
+
+class MLAttention(nnx.Module):
+    """Causal multi-head latent attention; `__call__(x_BxLxD, cache=None)` as trainer.layers.Attention's."""
+
+    def __init__(self, d_model: int, num_heads: int, mla: MLAConfig, *, rope_theta: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        D, N, C, R = d_model, num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
+        Q, V = mla.qk_head_dim, mla.v_head_dim
+
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, eps=LATENT_NORM_EPS, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        to_heads = _init(0, (1, 2))
+        if mla.q_lora_rank:
+            self.wq_a = named_param(rngs, lecun, (D, mla.q_lora_rank), ("embed", None), param_dtype)
+            self.q_norm = norm(mla.q_lora_rank)
+            self.wq_b = named_param(rngs, to_heads, (mla.q_lora_rank, N, Q), (None, "heads", "kv"), param_dtype)
+        else:
+            self.wq = named_param(rngs, to_heads, (D, N, Q), ("embed", "heads", "kv"), param_dtype)
+        self.wkv_a = named_param(rngs, lecun, (D, C + R), ("embed", None), param_dtype)
+        self.kv_norm = norm(C)
+        self.wkv_b = named_param(rngs, to_heads, (C, N, mla.qk_nope_head_dim + V), (None, "heads", "kv"),
+                                 param_dtype)
+        self.wo = named_param(rngs, _init((0, 1), 2), (N, V, D), ("heads", "kv", "embed"), param_dtype)
+        self.mla, self.rope_theta, self.dtype = mla, rope_theta, dtype
+        self.head_size = max(Q, V)  # the key/value cache's (ModelConfig.head_size)
+        self.inv_freq, self.rope_factor, softmax = None, 1.0, 1.0
+        if mla.yarn is not None:
+            self.inv_freq, self.rope_factor, softmax = yarn_frequencies(R, rope_theta, mla.yarn)
+        self.scale = Q ** -0.5 * softmax
+
+    def __call__(self, x_BxLxD: jax.Array, cache=None):
+        """The attention output [B, L, D]; with `cache` (trainer.serve.kvcache.LayerCache) the L tokens sit
+        at the cache's start positions, their expanded keys and values go into it, and the call returns
+        (output, cache)."""
+        x_BxLxD = x_BxLxD.astype(self.dtype)
+        offset = 0 if cache is None else cache.starts_B
+        q_BxLxNxQ, k_BxLxNxQ, v_BxLxNxV = self._heads(x_BxLxD, offset)
+        pad = lambda a: jnp.pad(a, ((0, 0),) * 3 + ((0, self.head_size - a.shape[-1]),))  # noqa: E731
+        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = (constrain(pad(a), _HEADS_OUT) for a in (q_BxLxNxQ, k_BxLxNxQ, v_BxLxNxV))
+        scale = self.scale  # of the unpadded heads
+        if cache is None:
+            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, scale=scale, is_causal=True)
+        else:
+            cache, k_BxSxNxH, v_BxSxNxH, mask_Bx1xLxS = cache.append(k_BxLxNxH, v_BxLxNxH)
+            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxSxNxH.astype(self.dtype),
+                                                     v_BxSxNxH.astype(self.dtype), scale=scale, mask=mask_Bx1xLxS)
+        o_BxLxNxV = o_BxLxNxH[..., :self.mla.v_head_dim]
+        out_BxLxD = jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(self.dtype))
+        return out_BxLxD if cache is None else (out_BxLxD, cache)
+
+    def _heads(self, x_BxLxD: jax.Array, offset) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Each head's query [B, L, N, P + R], key [B, L, N, P + R] and value [B, L, N, V], positions applied."""
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        P, C = self.mla.qk_nope_head_dim, self.mla.kv_lora_rank
+        if self.mla.q_lora_rank:
+            q_BxLxN_Q = jnp.einsum("blr,rnq->blnq", self.q_norm(x_BxLxD @ w(self.wq_a)), w(self.wq_b))
+        else:
+            q_BxLxN_Q = jnp.einsum("bld,dnq->blnq", x_BxLxD, w(self.wq))
+        latent_BxLxA = x_BxLxD @ w(self.wkv_a)
+        kv_BxLxNxF = jnp.einsum("blc,cnf->blnf", self.kv_norm(latent_BxLxA[..., :C]), w(self.wkv_b))
+        q_rope = rotary(q_BxLxN_Q[..., P:], self.rope_theta, offset, self.inv_freq)
+        k_rope_BxLx1xR = rotary(latent_BxLxA[..., None, C:], self.rope_theta, offset, self.inv_freq)
+        if self.rope_factor != 1.0:  # YaRN scales the rotary values (its cos and sin)
+            q_rope, k_rope_BxLx1xR = q_rope * self.rope_factor, k_rope_BxLx1xR * self.rope_factor
+        k_nope_BxLxNxP = kv_BxLxNxF[..., :P]
+        k_rope_BxLxNxR = jnp.broadcast_to(k_rope_BxLx1xR, k_nope_BxLxNxP.shape[:-1] + k_rope_BxLx1xR.shape[-1:])
+        q_BxLxNxQ = jnp.concatenate([q_BxLxN_Q[..., :P], q_rope], axis=-1)
+        k_BxLxNxQ = jnp.concatenate([k_nope_BxLxNxP, k_rope_BxLxNxR], axis=-1)
+        return q_BxLxNxQ, k_BxLxNxQ, kv_BxLxNxF[..., P:]
