@@ -59,6 +59,8 @@ class Codec:
     def __init__(self, cfg, tokenizer_path: str | None, any_tokenizer: bool = False):
         self.kind, self.tokenizer = "ids", None
         manifest = _manifest(cfg, needed=tokenizer_path is None)
+        # The manifest whose own tokenizer decodes (no --tokenizer): check_trained_on compares it with the run's.
+        self.dataset = manifest if tokenizer_path is None else None
         if tokenizer_path is None and manifest is not None:
             from trainer.datasets import join
 

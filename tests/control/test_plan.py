@@ -174,7 +174,8 @@ def test_target_mesh():
     assert planner.target_mesh("expert=8,model=4", 64, 1).text() == "data=2,expert=8,model=4"
     # As the trainer reads it (trainer/meshspec.py): a data axis alone leaves expert at 1.
     for text, chips, slices, needle in (("data=3", 64, 1, "covers 3 chips"), ("data=16", 64, 1, "covers 16 chips"),
-                                        ("expert=128", 64, 1, "needs a multiple of expert x model = 128 chips"), ("foo", 64, 1, "expects"),
+                                        ("expert=128", 64, 1, "needs a multiple of expert x model = 128 chips"),
+                                        ("foo", 64, 1, "expects"),
                                         ("foo=1", 64, 1, "unknown axis 'foo'"), ("data=0", 64, 1, "at least 1"),
                                         ("expert=64", 128, 4, "divide the 32 chips of one slice"),
                                         ("data=2,expert=8,model=8", 128, 4, "expert x model = 64 must divide the 32"),

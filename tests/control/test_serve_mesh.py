@@ -78,7 +78,8 @@ def _with_serve_mesh(tmp_path: Path, mesh: str) -> Path:
 def test_serve_mesh_in_the_config_is_what_the_plan_and_every_server_get(tmp_path):
     config = _with_serve_mesh(tmp_path, "expert=2,model=2")
     served = _plan(config)
-    assert served["mesh"]["source"] == "serve.mesh" and served["mesh"]["server_flag"] == "--mesh data=1,expert=2,model=2"
+    assert served["mesh"]["source"] == "serve.mesh"
+    assert served["mesh"]["server_flag"] == "--mesh data=1,expert=2,model=2"
     assert flag_value(_rendered_server_args(config, tmp_path / "out"), "--mesh") == "data=1,expert=2,model=2"
     code, out, _ = moe("plan", "-c", str(config), "--serve")
     assert code == 0 and "(given in serve.mesh); deploy starts each replica's server with --mesh data=1,expert=2," \
@@ -88,7 +89,8 @@ def test_serve_mesh_in_the_config_is_what_the_plan_and_every_server_get(tmp_path
 def test_a_serve_mesh_that_is_not_the_replicas_is_refused_naming_the_key(tmp_path):
     config = _with_serve_mesh(tmp_path, "model=8")
     code, out, err = moe("validate", "-c", str(config))
-    assert (code, out) == (2, "") and "serve.mesh" in err and "serve.mesh model=8 needs a multiple of expert x model = 8 chips, but the serving replica has 4" in err
+    assert (code, out) == (2, "") and "serve.mesh: serve.mesh model=8 needs a multiple of expert x model = 8 " \
+                                      "chips, but the serving replica has 4" in err
     code, _, err = moe("plan", "-c", str(config), "--serve")
     assert code == 2 and "serve.mesh model=8 needs a multiple of expert x model = 8 chips" in err
     config = _with_serve_mesh(tmp_path, "expert=4")  # v5e-64 has 64 experts: fine; tiny-headed models are not

@@ -99,3 +99,26 @@ def test_a_prompt_longer_than_the_models_context_is_cut_to_its_last_tokens_sayin
     assert result.exit_code == 0, result.output
     assert ("--prompt: its 5,000 tokens exceed the model's context (data.seq_len=64, the length it was trained "
             "on): its last 64 are continued") in result.output
+
+
+def test_a_dataset_prepared_again_after_training_is_noticed_where_its_tokenizer_is_read(trained_on_prepared,
+                                                                                       tmp_path):
+    """The run's dataset re-prepared at the same path with another tokenizer: its ids would decode to other
+    text, silently; sample refuses, naming both fingerprints (--any-tokenizer takes it all the same)."""
+    import shutil
+
+    from trainer.prepare import prepare_command
+
+    run = tmp_path / "out"
+    shutil.copytree(trained_on_prepared.output_dir, run)
+    config = json.loads((run / "config.json").read_text())
+    config["data"]["path"] = str(tmp_path / "ds")
+    (run / "config.json").write_text(json.dumps(config))
+    (tmp_path / "docs.txt").write_text("".join(f"other words {i} here\n" for i in range(300)))
+    again = CliRunner().invoke(prepare_command, [str(tmp_path / "docs.txt"), "--lines", "-o", str(tmp_path / "ds"),
+                                                 "--vocab-size", "300", "--quiet"])
+    assert again.exit_code == 0, again.output
+    refused(sample(run, "--prompt", "the cat", "--tokens", "2"),
+            f"the dataset at data.path '{tmp_path / 'ds'}' is not the one the run trained on", "prepared again")
+    # The run as trained (5% held out: its fingerprint carries that too) samples as ever.
+    assert sample(trained_on_prepared.output_dir, "--prompt", "the cat", "--tokens", "2").exit_code == 0

@@ -134,7 +134,8 @@ def test_a_mesh_larger_than_the_devices_suggests_the_devices_flag():
     # Axes that leave no device for data: no "needs 0 devices", and the --devices hint.
     (["--mesh", "expert=16"], "--mesh expert=16 needs a multiple of expert x model = 16 devices, but there are 8; "
                               "on CPU, add --devices 16 to run on 16 fake devices"),
-    (["--mesh", "expert=3"], "needs a multiple of expert x model = 3 devices, but there are 8; on CPU, add --devices 3"),
+    (["--mesh", "expert=3"], "needs a multiple of expert x model = 3 devices, but there are 8; on CPU, add "
+                             "--devices 3"),
     (["--mesh", "data=2,expert=4", "--set", "moe.num_experts=6"], "moe.num_experts (6) must be divisible"),
     (["--mesh", "data=8", "--set", "data.global_batch_size=12"], "must be divisible by the mesh size"),
     (["--set", "data.source=text", "--set", "data.path=/nonexistent/*.txt"], "matches no files"),
