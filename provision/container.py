@@ -65,10 +65,7 @@ def server_container(cfg: Config, image: str, checkpoint: str | None = None) -> 
     where = checkpoint or (serve.checkpoint if serve is not None else None) or cfg.trainer.output_dir
     args = ["--checkpoint", where, "--host", "0.0.0.0", "--port", str(SERVER_PORT)]
     if serve is not None:
-        if cfg.serve_mesh is None:  # loaded without it decided: decided now, as load_config would have
-            from provision.config import with_serving_mesh
-
-            cfg = with_serving_mesh(cfg)
+        cfg = cfg.with_serve_mesh()  # loaded without it decided: decided now, as load_config would have
         args += ["--slots", str(serve.slots), "--max-len", str(serve.max_len), "--weights", serve.weights,
                  "--kv-cache-dtype", serve.kv_cache_dtype, "--mesh", cfg.serve_mesh]
     return Container(image=image, command=SERVER_COMMAND, args=tuple(args),

@@ -87,19 +87,12 @@ def check_request(cfg, ids: list[int], tokens: int, temperature: float, top_k: i
                           f"context a sample can hold ({MAX_CONTEXT:,} positions)")
 
 
-def host_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # a platform that does not say
-        return None
-
-
 def check_memory(model, prompt: int, tokens: int) -> None:
     """The weights and the key/value cache of `prompt + tokens` positions must fit the device (the host's
     memory on CPU, where the device reports none), checked before either is allocated."""
     import jax
 
-    from trainer.serve.memory import HEADROOM, device_memory, memory_plan
+    from trainer.serve.memory import HEADROOM, device_memory, host_memory, memory_plan
 
     device = jax.devices()[0]
     limit = device_memory(device) or (host_memory() if device.platform == "cpu" else None)

@@ -110,8 +110,8 @@ def read_output(read: Callable[[str, Callable], object], pod_log: Callable[[], s
     `name` with `reader` (provision.cloud.storage.Storage's read_jsonl, read_text or read_json, called on
     the Storage that reads the directory); the waits are waiting.poll's on `clock`, every FOLLOW_INTERVAL_S."""
     from provision.cloud.storage import Storage
-    from trainer.outputs import ENDED, METRICS_FILE, STATUS_FILE, TRAINER_LOG
     from provision.waiting import PollPolicy, poll
+    from trainer.outputs import ENDED, METRICS_FILE, STATUS_FILE, TRAINER_LOG
 
     seen = Seen()
     first = read(METRICS_FILE, Storage.read_jsonl)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from provision import catalogue
-from provision.errors import UsageError
 from provision.cli.options import config_option
+from provision.errors import UsageError
 
 
 @click.command("plan")

@@ -243,7 +243,7 @@ def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Probl
 
 
 def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: dict[str, int]) -> Config:
-    for internal in ("source", "kind_sections", "planned_mesh", "planned_serve_mesh"):
+    for internal in ("source", "kind_sections", "planned_mesh", "planned_serve_mesh", "serve_mesh_decider"):
         if internal in raw:
             raw.pop(internal)
             problems.append(Problem(file, internal, f"unknown key {internal!r}"))
@@ -364,7 +364,7 @@ def load_config(path: Path | str, check_trainer: bool = False, plan_mesh: bool =
     if not isinstance(raw, dict):
         raise ConfigError(problems + [Problem(file, "", "the config must be a YAML mapping of keys "
                                                         "(project, region, zones, run, ...)")])
-    cfg = _validate(raw, file, problems, lines)
+    cfg = _validate(raw, file, problems, lines).model_copy(update={"serve_mesh_decider": with_serving_mesh})
     if check_trainer and (trainer := trainer_problems(cfg)):
         if cfg.trainer.mesh is None and any(p.key.startswith("trainer.") and p.key != "trainer.mesh"
                                             for p in trainer):

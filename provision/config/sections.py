@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
@@ -344,6 +345,10 @@ class Config(BaseModel):
     # Where a serve section is present: the serving replica's mesh as `plan --serve` states it (serve.mesh
     # filled out, or the plan's choice), decided once by provision.config.loading.with_serving_mesh.
     planned_serve_mesh: str | None = Field(default=None, exclude=True)
+    # How a config loaded without its serving mesh decided gets it when a renderer needs it: load_config
+    # sets it to provision.config.loading.with_serving_mesh (a value, so the renderers, a layer below the
+    # config, import neither it nor the planner). See `with_serve_mesh`.
+    serve_mesh_decider: Callable[[Any], Any] | None = Field(default=None, exclude=True, repr=False)
 
     @property
     def trainer_mesh(self) -> str | None:
@@ -357,6 +362,16 @@ class Config(BaseModel):
         serve.mesh, or its choice for the replica. None without a serve section, or for a config loaded
         without it decided (`down`, `list`, `predict`: no server is started)."""
         return self.planned_serve_mesh if self.serve is not None else None
+
+    def with_serve_mesh(self) -> Config:
+        """This config with its serving replica's mesh decided (`serve_mesh` set), as deploy and render load
+        it; itself where it has no serve section or the mesh is decided already."""
+        if self.serve is None or self.planned_serve_mesh is not None:
+            return self
+        if self.serve_mesh_decider is None:
+            raise ValueError("a config with a serve section was built without load_config: its serving mesh "
+                             "cannot be decided")
+        return self.serve_mesh_decider(self)
 
     @field_validator("target", mode="before")
     @classmethod

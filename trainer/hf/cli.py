@@ -69,9 +69,9 @@ def _terminated(signum, frame):
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
-    from trainer.hf.errors import HFError, WriteError
-
     import threading
+
+    from trainer.hf.errors import HFError, WriteError
 
     main_thread = threading.current_thread() is threading.main_thread()  # signals are set there only
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None

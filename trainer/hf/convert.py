@@ -22,8 +22,7 @@ from trainer.config import Config
 from trainer.hf import deepseek, families, fp8, names
 from trainer.hf.errors import HFError, WriteError
 from trainer.hf.orbax_io import BIAS_SUFFIX, CHECKPOINTS, HF_DIR, RUN_CONFIG, open_run, save_params
-from trainer.hf.safetensors_io import (CONFIG, DTYPES, INDEX, SINGLE, TOKENIZER_FILES, HubReader, ShardWriter,
-                                      read_json)
+from trainer.hf.safetensors_io import CONFIG, DTYPES, INDEX, SINGLE, TOKENIZER_FILES, HubReader, ShardWriter, read_json
 
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older saves hold; recomputed, never read
 

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from trainer.config import Config
-from trainer.hf import families, fp8
+from trainer.hf import base as families
+from trainer.hf import fp8
+from trainer.hf.base import Spec, _heads_in, _heads_out, _linear, _same
 from trainer.hf.errors import HFError
-from trainer.hf.names import Spec, _heads_in, _heads_out, _linear, _same
 
 # transformers' defaults where config.json leaves a key out (its configuration classes)
 DEFAULTS = {

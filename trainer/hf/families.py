@@ -12,95 +12,14 @@ Importing this module imports no jax.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
 import pydantic
 
 from trainer.config import Config
+from trainer.hf.base import _STRUCTURAL, FAMILIES, Family, _Keys, family  # noqa: F401 (the families' API)
 from trainer.hf.errors import HFError
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    model_type: str
-    architecture: str
-    experts_key: str  # the Hub's name of the routed expert count
-    moe_prefix: str  # the MoE block's module in a layer: "block_sparse_moe" or "mlp"
-    expert_names: tuple[str, str, str]  # one expert's (gate, up, down) modules on disk
-    default_theta: float
-    default_eps: float
-    expert_width_key: str  # the per-expert hidden size's key
-    qk_norm: str = "none"
-    qkv_bias_key: str | None = None  # the key of q/k/v biases, where the family has them
-    shared_expert: bool = False
-    sparse_pattern: bool = False  # decoder_sparse_step and mlp_only_layers
-    norm_topk_key: str | None = "norm_topk_prob"  # None: always renormalised
-    shared_name: str = "shared_expert"  # the shared expert's module in the MoE block
-    mla: bool = False  # multi-head latent attention and DeepSeek's routing (trainer/hf/deepseek.py)
-
-
-FAMILIES = {f.model_type: f for f in (
-    Family("mixtral", "MixtralForCausalLM", "num_local_experts", "block_sparse_moe", ("w1", "w3", "w2"), 1e6, 1e-5,
-           "intermediate_size", norm_topk_key=None),
-    Family("qwen2_moe", "Qwen2MoeForCausalLM", "num_experts", "mlp", ("gate_proj", "up_proj", "down_proj"), 1e4,
-           1e-6, "moe_intermediate_size", qkv_bias_key="qkv_bias", shared_expert=True, sparse_pattern=True),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", "num_experts", "mlp", ("gate_proj", "up_proj", "down_proj"), 1e4,
-           1e-6, "moe_intermediate_size", qk_norm="head", sparse_pattern=True),
-    Family("olmoe", "OlmoeForCausalLM", "num_experts", "mlp", ("gate_proj", "up_proj", "down_proj"), 1e4, 1e-5,
-           "intermediate_size", qk_norm="full"),
-    *(Family(t, a, "n_routed_experts", "mlp", ("gate_proj", "up_proj", "down_proj"), 1e4, 1e-6, "moe_intermediate_size",
-             shared_expert=True, shared_name="shared_experts", mla=True)
-      for t, a in (("deepseek_v2", "DeepseekV2ForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"))),
-)}
-
-# Keys written from the trainer's config on export; every other key of the imported config.json (token ids,
-# max_position_embeddings, initializer_range, ...) is carried over as it was.
-_STRUCTURAL = {"architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts",
-               "num_local_experts", "num_experts_per_tok", "shared_expert_intermediate_size", "norm_topk_prob",
-               "decoder_sparse_step", "mlp_only_layers", "qkv_bias", "attention_bias", "rms_norm_eps", "rope_theta",
-               "rope_parameters", "rope_scaling", "tie_word_embeddings", "hidden_act", "torch_dtype", "dtype",
-               "router_aux_loss_coef", "router_jitter_noise", "layer_types", "use_sliding_window", "sliding_window",
-               "clip_qkv"}
-
-
-def family(model_type: Any, where: str) -> Family:
-    if model_type not in FAMILIES:
-        raise HFError(f"{where}: model_type {model_type!r} is none of the families this tool converts "
-                      f"({', '.join(sorted(FAMILIES))})")
-    return FAMILIES[model_type]
-
-
-class _Keys:
-    """Typed reads of config.json's keys, each error naming the file and the key."""
-
-    def __init__(self, hf: dict, where: str):
-        self.hf, self.where = hf, where
-
-    def get(self, key: str, kind: type | tuple[type, ...], default: Any = ..., *, alt: str | None = None) -> Any:
-        value = self.hf.get(key, self.hf.get(alt, default) if alt else default)
-        if value is ...:
-            raise HFError(f"{self.where}: the key '{key}' is missing")
-        wanted = (kind,) if isinstance(kind, type) else kind
-        ok = isinstance(value, wanted) and not (isinstance(value, bool) and bool not in wanted)
-        if int in wanted and float in wanted and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            raise HFError(f"{self.where}: '{key}' must be {' or '.join(t.__name__ for t in wanted)}, got {value!r:.80}")
-        return value
-
-    def positive(self, key: str, default: Any = ..., *, alt: str | None = None) -> int:
-        value = self.get(key, int, default, alt=alt)
-        if value < 1:
-            raise HFError(f"{self.where}: '{key}' must be at least 1, got {value}")
-        return value
-
-    def refuse(self, key: str, unused: Any, why: str) -> None:
-        if self.hf.get(key, unused) not in (unused, None):
-            raise HFError(f"{self.where}: '{key}' = {self.hf[key]!r:.80} is not supported ({why}); convert a "
-                          "checkpoint without it")
 
 
 def _rope_theta(keys: _Keys, fam: Family) -> float:

@@ -12,53 +12,12 @@ transformers' rotate_half), so q and k need no permutation; DeepSeek's interleav
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import numpy as np
 
 from trainer.config import Config
-from trainer.hf.families import Family
+from trainer.hf.base import Family, Spec, _heads_in, _heads_out, _linear, _same, _t  # noqa: F401 (names' API)
 
 PER_EXPERT, FUSED = "per-expert", "fused"
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """One trainer parameter: its name and shape, the Hub tensors (name -> shape) that make it, and how."""
-
-    param: str
-    shape: tuple[int, ...]
-    hub: dict[str, tuple[int, ...]]
-    to_trainer: Callable[[list[np.ndarray]], np.ndarray]  # the hub tensors, in `hub`'s order
-    to_hub: Callable[[np.ndarray], list[np.ndarray]]
-
-
-def _t(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x.T)
-
-
-def _linear(param: str, hub: str, d_in: int, d_out: int) -> Spec:
-    """A [d_in, d_out] trainer matrix that is a Hub [d_out, d_in] Linear weight."""
-    return Spec(param, (d_in, d_out), {hub: (d_out, d_in)}, lambda ts: _t(ts[0]), lambda w: [_t(w)])
-
-
-def _same(param: str, hub: str, shape: tuple[int, ...], hub_shape: tuple[int, ...] | None = None) -> Spec:
-    hub_shape = hub_shape or shape
-    return Spec(param, shape, {hub: hub_shape}, lambda ts: np.ascontiguousarray(ts[0].reshape(shape)),
-                lambda w: [np.ascontiguousarray(w.reshape(hub_shape))])
-
-
-def _heads_in(param: str, hub: str, d: int, n: int, h: int) -> Spec:
-    """q/k/v: the Hub's [n*h, d] as [d, n, h]."""
-    return Spec(param, (d, n, h), {hub: (n * h, d)}, lambda ts: _t(ts[0]).reshape(d, n, h),
-                lambda w: [_t(w.reshape(d, n * h))])
-
-
-def _heads_out(param: str, hub: str, d: int, n: int, h: int) -> Spec:
-    """o: the Hub's [d, n*h] as [n, h, d]."""
-    return Spec(param, (n, h, d), {hub: (d, n * h)}, lambda ts: _t(ts[0]).reshape(n, h, d),
-                lambda w: [_t(w.reshape(n * h, d))])
 
 
 def _experts(param: str, hubs: list[str], e: int, d_in: int, d_out: int) -> Spec:

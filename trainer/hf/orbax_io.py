@@ -22,12 +22,11 @@ BIAS_SUFFIX = ".expert_bias"
 
 def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: Config, source: str) -> None:
     """Step 0 of a checkpoints directory holding `params` (no optimizer state: a fine-tune makes its own)."""
+    import jax
     import orbax.checkpoint as ocp
 
     from trainer.checkpoint import _reason, quiet_orbax
     from trainer.resume import model_identity
-
-    import jax
 
     # Each parameter moved into a jax array as it is read (its numpy copy freed): orbax writes jax arrays
     # from their own buffers, where numpy arrays cost it a copy each (peak 3.9 GB against 5.7 GB for a

@@ -5,6 +5,7 @@ server's start-up (which imports `sample`'s checkpoint helpers)."""
 from __future__ import annotations
 
 import math
+import os
 
 # The weight formats the engine quantizes to on load (`--weights`, trainer/serve/quant.py and quant4.py); `auto`
 # keeps the checkpoint's float dtype. The one list: the server's flag and the planner's serve verdict read it.
@@ -53,3 +54,12 @@ def device_memory(device) -> int | None:
     except Exception:  # noqa: BLE001 - a backend without memory statistics
         return None
     return stats.get("bytes_limit")
+
+
+def host_memory() -> int | None:
+    """The host's physical memory in bytes, what a CPU's (fake) devices share; None where the platform does
+    not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -117,7 +117,7 @@ def end_of_document(cfg, codec, config_path: str | None = None) -> tuple[int | N
 def memory_of(devices) -> int | None:
     """The bytes one device can hold: what it reports, else on CPU the host's memory shared by its (fake)
     devices, so a cache the host cannot hold is refused before it is allocated."""
-    from trainer.sample import host_memory
+    from trainer.serve.memory import host_memory
 
     reported = device_memory(devices[0])
     if reported is not None or devices[0].platform != "cpu":
