@@ -19,7 +19,7 @@ from test_runner import cfg  # noqa: F401
 
 from provision.clock import RealClock, SimClock
 from provision.runs import Interrupted, Terminated, terminate_on_signals
-from provision.targets import Report
+from provision.core import Report
 from trainer import signals
 
 ROOT = Path(__file__).resolve().parents[2]

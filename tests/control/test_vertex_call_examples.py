@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from provision.endpoints import EndpointTarget
+from provision.endpoints import Endpoint
 
 BODY = '{"prompt": "1 2 3", "max_tokens": 32}'
 
@@ -49,7 +49,7 @@ def test_the_printed_calls_reach_raw_predict_with_a_completions_body(raw_predict
     gcloud.write_text("#!/bin/sh\necho token-123\n")
     gcloud.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    lines = EndpointTarget.examples(None, url, BODY)
+    lines = Endpoint.examples(None, url, BODY)
     runnable = [line for line in lines if shutil.which(line.split()[0])]
     assert any(line.strip().startswith("python3 -c") for line in runnable)
     for line in runnable:
