@@ -173,3 +173,23 @@ def test_a_gs_source_imports_as_the_local_one_and_a_missing_shard_is_named(saved
         with pytest.raises(HFError, match=f"names the shard '{shard}', which is missing from gs://models/mixtral"):
             import_checkpoint("gs://models/mixtral", str(tmp_path / "again"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["local", "remote"]
+
+
+@pytest.mark.parametrize("signum, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_during_an_import_stops_it_between_tensors_leaving_nothing(capsys, source, tmp_path, signum,
+                                                                            code):
+    """The signal is recorded (trainer/signals.py), never raised from its handler, and acted on at the
+    importer's next tensor: the exit code of that signal, nothing in or beside -o."""
+    import signal
+
+    from trainer import signals
+
+    out = tmp_path / "out"
+    with signals.latch():  # `hf`'s own latch is this one: the signal arrives once it is installed
+        signal.raise_signal(getattr(signal, signum))  # recorded: nothing is raised here
+        with pytest.raises(SystemExit) as exit_info:
+            main(["import", str(source), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == code, err
+    assert "nothing was written" in err and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))

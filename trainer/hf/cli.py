@@ -6,7 +6,6 @@ key named; nothing left in -o); 130 / 143 when interrupted (what was half-writte
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import click
@@ -64,19 +63,16 @@ def export_command(run: str, step: int | None, output: str, max_shard_mb: int) -
                f"{'' if done['tokenizer'] else ', no tokenizer'}) into {done['output']}")
 
 
-def _terminated(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds: the half-written output is removed on the way out
-
-
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
-    import threading
-
+    from trainer import signals
     from trainer.hf.errors import HFError, WriteError
 
-    main_thread = threading.current_thread() is threading.main_thread()  # signals are set there only
-    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        hf_group.main(args=args, prog_name=prog_name or "python -m trainer.hf", standalone_mode=False)
+        # Ctrl-C, SIGTERM and SIGHUP are recorded and acted on between two tensors (trainer/signals.py): a
+        # handler that raised could be swallowed wherever the main thread was; the half-written output is
+        # removed on the way out (convert.staged).
+        with signals.latch():
+            hf_group.main(args=args, prog_name=prog_name or "python -m trainer.hf", standalone_mode=False)
     except HFError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(EXIT_USAGE)
@@ -89,6 +85,6 @@ def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("interrupted: nothing was written", err=True)
         sys.exit(130)
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+    except signals.Signalled as e:
+        click.echo(f"stopped by {e.name}: nothing was written", err=True)
+        sys.exit(e.exit_code)

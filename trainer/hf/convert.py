@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from trainer import signals
 from trainer.config import Config
 from trainer.hf import deepseek, families, fp8, names
 from trainer.hf.errors import HFError, WriteError
@@ -111,6 +112,7 @@ def iter_params(model: HubModel) -> Iterator[tuple[str, np.ndarray]]:
         for spec in group:
             used.update(spec.hub)
             used.update(name + fp8.SCALE_SUFFIX for name in spec.hub)  # FP8 block scales, where there are
+            signals.checkpoint()  # a recorded Ctrl-C or SIGTERM is acted on between two tensors
             yield spec.param, read_param(model, spec)
     extra = sorted(n for n in model.reader.names() - used
                    if not n.endswith(IGNORED) and not deepseek.skipped(model.hub, n))
@@ -230,6 +232,7 @@ def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_
         for group in names.all_specs(saved.cfg, fam):
             values = saved.read({spec.param for spec in group})
             for spec in group:
+                signals.checkpoint()  # a recorded Ctrl-C or SIGTERM is acted on between two tensors
                 for name, tensor in zip(spec.hub, spec.to_hub(values[spec.param]), strict=True):
                     writer.add(name, tensor)
         shards = writer.finish()
