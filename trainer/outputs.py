@@ -17,6 +17,9 @@ METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step (trainer/metri
 CONFIG_FILE = "config.json"  # the trainer config the run trains with (trainer/cli.py)
 CHECKPOINTS_DIR = "checkpoints"  # Orbax checkpoints, one directory per saved step (trainer/checkpoint.py)
 TRAINER_LOG = "trainer.log"  # the trainer's console output, where a host keeps it (a dry run, a VM)
+# An imported Hugging Face model's own files (its config.json, tokenizer, chat template, generation config),
+# which `hf import` keeps and `hf export`, `sample` and `serve` read (trainer/hf/convert.py)
+HUB_DIR = "hf"
 
 
 def join(base: str, name: str) -> str:
@@ -67,6 +70,15 @@ class RunDirectory:
     def config(self) -> str:
         """The trainer config the run trained with (CONFIG_FILE), which rebuilds its model."""
         return join(self.path, CONFIG_FILE)
+
+    @property
+    def hub(self) -> str | None:
+        """An imported model's own files (HUB_DIR), or None: not an import, or a run in gs:// (an import is
+        written locally)."""
+        if "://" in self.path:
+            return None
+        side = os.path.join(self.path, HUB_DIR)
+        return side if os.path.isdir(side) else None
 
 
 class Phase(StrEnum):

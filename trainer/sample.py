@@ -166,7 +166,7 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
     cfg = load_run_config(run.config)
     from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
 
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run.config), any_tokenizer)
+    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), any_tokenizer)
     if codec.dataset is not None and not any_tokenizer:
         check_trained_on(cfg, run.checkpoints, codec.dataset)
     ids = codec.encode(prompt)

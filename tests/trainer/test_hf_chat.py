@@ -43,7 +43,7 @@ def test_the_template_renders_as_transformers_renders_it(run, conversation):
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(run / "hf" / "tokenizer.json"),
                                                      chat_template=TEMPLATE, bos_token="<s>", eos_token="</s>")
     expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    assert render(hub_chat_template(str(run)), _messages(conversation)) == expected
+    assert render(hub_chat_template(str(run / "hf")), _messages(conversation)) == expected
 
 
 def test_a_refused_conversation_is_a_400_naming_messages(run):
@@ -54,7 +54,7 @@ def test_a_refused_conversation_is_a_400_naming_messages(run):
     from trainer.serve.server import ServerState
 
     state = ServerState("m", encode=lambda text: [1], decode=lambda ids: "", max_waiting=1)
-    state.chat_template = hub_chat_template(str(run))
+    state.chat_template = hub_chat_template(str(run / "hf"))
     body = ChatRequest(model="m", messages=[{"role": "tool", "content": "x"}])
     with pytest.raises(APIError) as refused:
         asyncio.run(_chat_ids(state, body))
@@ -67,7 +67,7 @@ def test_the_template_runs_in_a_sandbox(run):
     config["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     (run / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ChatTemplateError, match="fails on these messages"):
-        render(hub_chat_template(str(run)), _messages(CONVERSATIONS[0]))
+        render(hub_chat_template(str(run / "hf")), _messages(CONVERSATIONS[0]))
 
 
 def test_no_template_leaves_the_servers_own_format(tmp_path):
@@ -80,14 +80,15 @@ def test_an_imported_model_stops_at_its_own_end_of_sequence_token(run):
     """The server stops where the model's generation_config.json (else its config.json) says a sequence ends,
     with the token's text from the model's tokenizer; a run with neither stops on its data's token only."""
     from trainer.config import load_config
+    from trainer.outputs import RunDirectory
     from trainer.run_loader import Codec
     from trainer.serve.startup import end_of_document
 
     cfg = load_config("tiny", [f"model.vocab_size={VOCAB}"])
     codec = Codec(cfg, str(run / "hf" / "tokenizer.json"))
-    config_path = str(run / "config.json")
-    assert end_of_document(cfg, codec, config_path) == (None, None)  # synthetic data, no hub files
+    imported = RunDirectory.at(str(run))
+    assert end_of_document(cfg, codec, imported) == (None, None)  # synthetic data, no hub files
     (run / "hf" / "config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
-    assert end_of_document(cfg, codec, config_path) == (3, codec.decode([3]))
+    assert end_of_document(cfg, codec, imported) == (3, codec.decode([3]))
     (run / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
-    assert end_of_document(cfg, codec, config_path) == (2, codec.decode([2]))
+    assert end_of_document(cfg, codec, imported) == (2, codec.decode([2]))

@@ -22,8 +22,9 @@ from trainer import signals
 from trainer.config import Config
 from trainer.hf import deepseek, families, fp8, names
 from trainer.hf.errors import HFError, WriteError
-from trainer.hf.orbax_io import BIAS_SUFFIX, CHECKPOINTS, HF_DIR, RUN_CONFIG, open_run, save_params
+from trainer.hf.orbax_io import BIAS_SUFFIX, open_run, save_params
 from trainer.hf.safetensors_io import CONFIG, DTYPES, INDEX, SINGLE, TOKENIZER_FILES, HubReader, ShardWriter, read_json
+from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE, HUB_DIR
 
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older saves hold; recomputed, never read
 
@@ -210,11 +211,11 @@ def import_checkpoint(source: str, output: str) -> dict:
             shutil.rmtree(download, ignore_errors=True)
     model = open_hub(source)
     with staged(output) as tmp:
-        save_params(os.path.join(tmp, CHECKPOINTS), iter_params(model), model.cfg,
+        save_params(os.path.join(tmp, CHECKPOINTS_DIR), iter_params(model), model.cfg,
                     source=f"hf:{model.family.model_type}:{os.path.abspath(source)}")
-        with open(os.path.join(tmp, RUN_CONFIG), "w", encoding="utf-8") as f:
+        with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             f.write(model.cfg.model_dump_json(indent=2) + "\n")
-        side = copy_side_files(source, os.path.join(tmp, HF_DIR))
+        side = copy_side_files(source, os.path.join(tmp, HUB_DIR))
     skipped = sorted(n for n in model.reader.names() if deepseek.skipped(model.hub, n))
     return {"family": model.family.model_type, "output": os.path.abspath(output), "dtype": model.cfg.param_dtype,
             "layouts": sorted(set(model.layouts)), "files": side, "skipped": skipped}
@@ -223,7 +224,7 @@ def import_checkpoint(source: str, output: str) -> dict:
 def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_bytes: int = 5 * 10**9) -> dict:
     """A trainer run's (or an imported) checkpoint -> OUTPUT in the Hub's layout; returns what was done."""
     saved = open_run(run, step)
-    side = os.path.join(saved.run, HF_DIR)
+    side = os.path.join(saved.run, HUB_DIR)
     carried = read_json(os.path.join(side, CONFIG)) if os.path.isfile(os.path.join(side, CONFIG)) else {}
     fam = families.family_of(saved.cfg, carried.get("model_type"))
     hub = families.hub_config(saved.cfg, fam, carried)

@@ -12,10 +12,8 @@ import numpy as np
 
 from trainer.config import Config
 from trainer.hf.errors import HFError, WriteError
+from trainer.outputs import NoRun, RunDirectory
 
-HF_DIR = "hf"  # the source's own files inside an imported checkpoint (config.json, tokenizer, generation)
-RUN_CONFIG = "config.json"
-CHECKPOINTS = "checkpoints"
 # Parameters named so are the MoE selection biases: state beside the parameters ("moe_bias"), as train keeps them.
 BIAS_SUFFIX = ".expert_bias"
 
@@ -95,15 +93,12 @@ def open_run(run: str, step: int | None) -> SavedRun:
     from trainer.checkpoint import _reason, quiet_orbax
     from trainer.hf.families import load_trainer_config
 
-    run = os.path.abspath(run)
-    if os.path.isdir(os.path.join(run, CHECKPOINTS)):
-        checkpoints = os.path.join(run, CHECKPOINTS)
-    elif os.path.isdir(run) and any(name.isdigit() for name in os.listdir(run)):
-        checkpoints, run = run, os.path.dirname(run)
-    else:
-        raise HFError(f"--checkpoint {run} holds no checkpoint: give a run's output directory (with checkpoints/ "
-                      "in it) or an imported checkpoint")
-    cfg = load_trainer_config(os.path.join(run, RUN_CONFIG))
+    try:
+        found = RunDirectory.find(os.path.abspath(run), "--checkpoint")  # orbax takes absolute paths only
+    except NoRun as e:
+        raise HFError(str(e)) from None
+    run, checkpoints = found.path, found.checkpoints
+    cfg = load_trainer_config(found.config)
     with quiet_orbax():
         manager = ocp.CheckpointManager(checkpoints, item_handlers={"state": ocp.PyTreeCheckpointHandler()},
                                         options=ocp.CheckpointManagerOptions(read_only=True))
@@ -121,24 +116,19 @@ def open_run(run: str, step: int | None) -> SavedRun:
     return SavedRun(run, cfg, step, manager, {n: tuple(meta.shape) for n, meta in saved.items()})
 
 
-def imported_tokenizer(config_path: str) -> str | None:
-    """The tokenizer.json an import keeps beside the run's config.json (in hf/), or None: what `sample` and
-    `serve` read an imported model's text with when no --tokenizer is given."""
-    if "://" in config_path:
-        return None
-    path = os.path.join(os.path.dirname(config_path), HF_DIR, "tokenizer.json")
-    return path if os.path.isfile(path) else None
+def imported_tokenizer(run: RunDirectory) -> str | None:
+    """The tokenizer.json an import keeps in its side directory (HUB_DIR), or None: what `sample` and `serve`
+    read an imported model's text with when no --tokenizer is given."""
+    path = os.path.join(run.hub, "tokenizer.json") if run.hub else None
+    return path if path and os.path.isfile(path) else None
 
 
-def imported_eos(config_path: str) -> int | None:
+def imported_eos(run: RunDirectory) -> int | None:
     """The end-of-sequence token id an imported model stops at (its generation_config.json's, else its
     config.json's `eos_token_id`; the first of a list), or None: not an import, or none named."""
-    if "://" in config_path:
-        return None
-    side = os.path.join(os.path.dirname(config_path), HF_DIR)
-    for name in ("generation_config.json", "config.json"):
+    for name in ("generation_config.json", "config.json") if run.hub else ():
         try:
-            with open(os.path.join(side, name), encoding="utf-8") as f:
+            with open(os.path.join(run.hub, name), encoding="utf-8") as f:
                 value = json.load(f).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             continue

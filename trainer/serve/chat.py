@@ -68,11 +68,13 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def hub_chat_template(run_dir: str) -> HubChatTemplate | None:
-    """The chat template an import keeps in RUN_DIR/hf/ (chat_template.jinja, or tokenizer_config.json's
+def hub_chat_template(side: str | None) -> HubChatTemplate | None:
+    """The chat template an import keeps in its side directory `side` (trainer.outputs.RunDirectory.hub; None:
+    not an import): chat_template.jinja, or tokenizer_config.json's
     `chat_template`: a string, or a list of {"name", "template"} of which "default"), or None.
     ValueError naming the file when it is unreadable or no Jinja."""
-    side = os.path.join(run_dir, "hf")
+    if side is None:
+        return None
     config_path = os.path.join(side, "tokenizer_config.json")
     config: dict = {}
     if os.path.isfile(config_path):

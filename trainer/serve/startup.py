@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable
 
 import click
@@ -46,9 +45,9 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     checkpoints, cfg = run.checkpoints, load_run_config(run.config)
     from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
 
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run.config))
-    chat_template = _hub_chat_template(run.config)
-    eos_id, eos_token = end_of_document(cfg, codec, run.config)
+    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run))
+    chat_template = _hub_chat_template(run)
+    eos_id, eos_token = end_of_document(cfg, codec, run)
     devices = jax.devices()
     # By default the experts spread over as many devices as divide them; the rest replicate them (data).
     expert = math.gcd(len(devices), cfg.moe.num_experts)
@@ -89,13 +88,13 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template)
 
 
-def end_of_document(cfg, codec, config_path: str | None = None) -> tuple[int | None, str | None]:
+def end_of_document(cfg, codec, run=None) -> tuple[int | None, str | None]:
     """The end-of-document token the run's data put after each document ((id, text)), at which generation
     stops: an imported Hugging Face model's own eos_token_id, else the prepared dataset's; (None, None) for
     data without documents (bytes of one text, token arrays, synthetic)."""
     from trainer.hf.orbax_io import imported_eos
 
-    hub = imported_eos(config_path) if config_path else None
+    hub = imported_eos(run) if run is not None else None
     if hub is not None:
         return hub, codec.decode([hub]) if codec.tokenizer is not None else None
     if cfg.data.source != "records":
@@ -126,14 +125,12 @@ def memory_of(devices) -> int | None:
     return host // len(devices) if host else None
 
 
-def _hub_chat_template(config_path: str):
-    """The chat template an imported Hugging Face model keeps beside its config (trainer/serve/chat.py)."""
+def _hub_chat_template(run):
+    """The chat template an imported Hugging Face model keeps in its run (trainer/serve/chat.py), or None."""
     from trainer.serve.chat import hub_chat_template
 
-    if "://" in config_path:
-        return None
     try:
-        return hub_chat_template(os.path.dirname(config_path))
+        return hub_chat_template(run.hub)
     except ValueError as e:
         raise ServeError(str(e)) from None
 
