@@ -109,3 +109,24 @@ def safetensors_of(directory) -> dict[str, np.ndarray]:
         with safe_open(str(path), framework="flax") as f:
             out.update({k: np.asarray(f.get_tensor(k)) for k in f.keys()})
     return out
+
+
+def routed_forward(model, tokens_BxL):
+    """The trainer model's logits, and each MoE layer's chosen experts [tokens, k], sorted, as its routing
+    chooses them (its config: softmax or sigmoid scores, groups, the selection bias), for the oracle tests."""
+    import jax.numpy as jnp
+
+    from trainer.moe.core import token_choice
+    from trainer.moe.routing import router_logits
+
+    x = jnp.take(model.embed[...], tokens_BxL, axis=0)
+    chosen = []
+    for block in model.blocks:
+        if block.is_moe:
+            h = x + block.attn(block.attn_norm(x))
+            h_TxD = block.ffn_norm(h).reshape(-1, h.shape[-1])
+            bias = block.ffn.expert_bias[...] if block.ffn.cfg.uses_bias else None
+            experts = token_choice(router_logits(h_TxD, block.ffn.router[...])[None], block.ffn.cfg, bias)[0][0]
+            chosen.append(jnp.sort(experts, -1))
+        x, _, _ = block(x, train=False)
+    return model._logits(x), chosen

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from hf_models import DEEPSEEK, VOCAB, hf_model, safetensors_of, trainer_model
+from hf_models import DEEPSEEK, VOCAB, hf_model, routed_forward, safetensors_of, trainer_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -44,26 +44,6 @@ def _hf_choices(model, tokens):
     return logits, [np.sort(c.numpy(), -1) for c in chosen]
 
 
-def _forward(model, tokens_BxL):
-    """The logits, and each MoE layer's chosen experts as the trainer's routing chooses them (its config)."""
-    import jax.numpy as jnp
-
-    from trainer.moe.core import token_choice
-    from trainer.moe.routing import router_logits
-
-    x = jnp.take(model.embed[...], tokens_BxL, axis=0)
-    chosen = []
-    for block in model.blocks:
-        if block.is_moe:
-            h = x + block.attn(block.attn_norm(x))
-            h_TxD = block.ffn_norm(h).reshape(-1, h.shape[-1])
-            bias = block.ffn.expert_bias[...] if block.ffn.cfg.uses_bias else None
-            experts = token_choice(router_logits(h_TxD, block.ffn.router[...])[None], block.ffn.cfg, bias)[0][0]
-            chosen.append(jnp.sort(experts, -1))
-        x, _, _ = block(x, train=False)
-    return model._logits(x), chosen
-
-
 @pytest.fixture(scope="module")
 def outputs(imported):
     import jax
@@ -76,7 +56,7 @@ def outputs(imported):
     theirs, their_experts = _hf_choices(model, tokens)
     ours_model, _ = trainer_model(str(tmp / "imported"))
     graphdef, state = nnx.split(ours_model)
-    logits, ours = jax.jit(lambda s, t: _forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens))
+    logits, ours = jax.jit(lambda s, t: routed_forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens))
     return theirs, np.asarray(logits), their_experts, [np.asarray(o) for o in ours]
 
 

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from hf_models import FAMILIES, VOCAB, hf_model, safetensors_of, tokenizer_json, trainer_model
+from hf_models import FAMILIES, VOCAB, hf_model, routed_forward, safetensors_of, tokenizer_json, trainer_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -50,28 +50,10 @@ def outputs(imported):
     graphdef, state = nnx.split(ours_model)
     jax.config.update("jax_disable_most_optimizations", True)  # compiling, not running, is this program's cost
     try:
-        logits, ours = jax.jit(lambda s, t: _forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens))
+        logits, ours = jax.jit(lambda s, t: routed_forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens))
     finally:
         jax.config.update("jax_disable_most_optimizations", False)
     return out.logits.numpy(), np.asarray(logits), theirs, [np.asarray(o) for o in ours]
-
-
-def _forward(model, tokens_BxL):
-    """The logits, and each MoE layer's chosen experts as its routing chooses them (trainer.moe.routing)."""
-    import jax.numpy as jnp
-
-    from trainer.moe.routing import router_logits, top_k_routing
-
-    x = jnp.take(model.embed[...], tokens_BxL, axis=0)
-    chosen = []
-    for block in model.blocks:
-        if block.is_moe:
-            h = x + block.attn(block.attn_norm(x))
-            h_TxD = block.ffn_norm(h).reshape(-1, h.shape[-1])
-            experts_TxK = top_k_routing(router_logits(h_TxD, block.ffn.router[...]), block.ffn.cfg.top_k)[0]
-            chosen.append(jnp.sort(experts_TxK, -1))
-        x, _, _ = block(x, train=False)
-    return model._logits(x), chosen
 
 
 def test_logits_equal_transformers(outputs):
