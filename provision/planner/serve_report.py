@@ -54,11 +54,11 @@ def _row_document(plan: ServePlan, row: Row) -> dict[str, Any]:
         "largest_batch_slots": row.largest_batch,
         "decode": _step_document(plan, row.step), "decode_batch_1": _step_document(plan, row.step_batch_1),
         "decode_largest_batch": _step_document(plan, row.step_largest),
-        **_capacity_document(row),
+        **latent_capacity_document(row),
     }
 
 
-def _capacity_document(row: Row) -> dict[str, Any]:
+def latent_capacity_document(row: Row) -> dict[str, Any]:
     """Latent attention's cache against an uncompressed one in a chip's leftover HBM (empty otherwise)."""
     cap = latent_capacity(row.serving)
     if cap is None:
@@ -209,11 +209,12 @@ def _row_lines(plan: ServePlan, row: Row) -> list[str]:
          f"{usd(plan.cost_per_million(step))} per million output tokens"),
         ("decode step at batch 1", human_seconds(one.lower_bound_s), f"bound by {one.bound_by}"),
         ("largest batch that fits", str(row.largest_batch), largest),
-        *_capacity_rows(row),
+        *latent_capacity_rows(row),
     )]
 
 
-def _capacity_rows(row: Row) -> tuple[tuple[str, str, str], ...]:
+def latent_capacity_rows(row: Row) -> tuple[tuple[str, str, str], ...]:
+    """The row's line on latent attention's cache against an uncompressed one (none otherwise)."""
     cap = latent_capacity(row.serving)
     if cap is None:
         return ()

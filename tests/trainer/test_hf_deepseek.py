@@ -225,9 +225,12 @@ def v3_generated(imported):
     return tmp / "imported", prompts, expected[:, prompts.shape[1]:].tolist()
 
 
+MESHES = {"1 device": {"data": 1, "expert": 1}, "expert=4": {"data": 2, "expert": 4},
+          "expert=2,model=2": {"data": 2, "expert": 2, "model": 2}}
+
+
 @pytest.mark.compile_bound
-@pytest.mark.parametrize("mesh", [{"data": 1, "expert": 1}, {"data": 2, "expert": 4},
-                                  {"data": 2, "expert": 2, "model": 2}], ids=["1 device", "expert=4", "expert=2,model=2"])
+@pytest.mark.parametrize("mesh", list(MESHES.values()), ids=list(MESHES))
 def test_greedy_generation_through_the_serving_engine_equals_transformers(v3_generated, mesh):
     """8 prompts, 32 greedy tokens each, through the engine's prefill and decode over the latent cache (the
     latent and the rotary key a token, the heads' up-projections absorbed; V3's selection bias restored with
