@@ -69,5 +69,7 @@ class EngineLoop:
             try:
                 self.engine.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the server
+                if self._stop:  # aborted meanwhile (`abort`): the requests have their error already
+                    break
                 log.exception("engine step failed")
                 self.engine.fail_in_flight(f"{type(e).__name__}: {e}")
