@@ -176,6 +176,18 @@ def test_a_call_crosses_the_channel_whole():
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(inputs), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all()
 
+    # The leader lets in only a worker it waits for, never whatever else connects to its port.
+    leader = multihost.Leader(multihost.Group(3, 0, "127.0.0.1:1", "127.0.0.1"))
+    leader.workers[2] = None
+    for sent, index in [(b"GET / HTTP/1.1\r\n\r\n", None), (multihost.encode("hello", "", (np.int32(3),)), None),
+                        (multihost.encode("hello", "", (np.int32(2),)), None), (b"", None),
+                        (multihost.encode("hello", "", (np.int32(1),)), 1)]:
+        left, right = socket.socketpair()
+        with left, right:
+            left.sendall(sent)
+            left.shutdown(socket.SHUT_WR)
+            assert leader._hello(right, timeout=5) == index, sent
+
 
 def test_the_group_is_read_from_the_leaderworkerset_environment():
     env = {"LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "2", "LWS_LEADER_ADDRESS": "lead.svc"}
@@ -195,3 +207,20 @@ def test_the_group_is_read_from_the_leaderworkerset_environment():
     assert multihost.local_device_count(multihost.group_of({**env, "MOE_SERVE_LOCAL_DEVICES": "2"}), None) == 2
     with pytest.raises(ValueError, match="split evenly"):
         multihost.local_device_count(group, 6)
+
+
+def test_the_serve_command_refuses_a_group_it_cannot_form_and_starts_pathways_itself(tmp_path):
+    """Exit 2 naming the variable, before anything is loaded; under Pathways the serve path runs the
+    trainer's Pathways start-up (here it finds no proxy named)."""
+    from click.testing import CliRunner
+
+    from trainer.serve.cli import serve_command
+
+    lws = {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "127.0.0.1"}
+    cases = [({**lws, "LWS_LEADER_ADDRESS": ""}, [], "LWS_GROUP_SIZE > 1 needs LWS_LEADER_ADDRESS"),
+             ({**lws, "MOE_SERVE_LOCAL_DEVICES": "4"}, ["--devices", "6"], "--devices 6 is the group's total"),
+             ({"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": ""}, [], "JAX_PLATFORMS=proxy needs JAX_BACKEND_TARGET")]
+    for env, args, needle in cases:
+        result = CliRunner().invoke(serve_command, ["--checkpoint", str(tmp_path), "--port", str(free_port()), *args],
+                                    env=env)
+        assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output, result.output

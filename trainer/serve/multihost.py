@@ -143,8 +143,7 @@ def encode(op: str, name: str = "", inputs: tuple = ()) -> bytes:
 
 
 def decode(frame_header: bytes, payload: bytes) -> tuple[str, str, tuple]:
-    """(op, name, inputs) of a frame `encode` made."""
-    header = json.loads(frame_header)
+    """(op, name, inputs) of a frame `encode` made (a ValueError for anything else)."""
     at = 0
 
     def build(node):
@@ -153,13 +152,17 @@ def decode(frame_header: bytes, payload: bytes) -> tuple[str, str, tuple]:
             return tuple(build(v) for v in node["seq"])
         if "map" in node:
             return {k: build(v) for k, v in node["map"].items()}
-        dtype, shape = np.dtype(node["array"][0]), tuple(node["array"][1])
-        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        a = np.frombuffer(payload, dtype, count=int(np.prod(shape, dtype=np.int64)), offset=at).reshape(shape)
-        at += size
+        dtype, shape = np.dtype(node["array"][0]), tuple(int(n) for n in node["array"][1])
+        count = int(np.prod(shape, dtype=np.int64))
+        a = np.frombuffer(payload, dtype, count=count, offset=at).reshape(shape)
+        at += dtype.itemsize * count
         return a
 
-    return header["op"], header["name"], build(header["inputs"])
+    try:
+        header = json.loads(frame_header)
+        return str(header["op"]), str(header["name"]), build(header["inputs"])
+    except (KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        raise ValueError(f"not a frame of the group's channel ({type(e).__name__}: {e})") from None
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -173,12 +176,15 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def read_frame(sock: socket.socket) -> tuple[str, str, tuple] | None:
-    """The next frame from `sock`, or None at end-of-file."""
+def read_frame(sock: socket.socket, limit: int | None = None) -> tuple[str, str, tuple] | None:
+    """The next frame from `sock`, or None at end-of-file; a ValueError when it is not one `encode` made (or
+    is larger than `limit` bytes)."""
     sizes = _read_exactly(sock, _FRAME.size)
     if sizes is None:
         return None
     header_bytes, payload_bytes = _FRAME.unpack(sizes)
+    if limit is not None and header_bytes + payload_bytes > limit:
+        raise ValueError(f"a frame of {header_bytes + payload_bytes} bytes, past {limit}")
     header, payload = _read_exactly(sock, header_bytes), _read_exactly(sock, payload_bytes)
     if header is None or payload is None:
         return None
@@ -222,18 +228,29 @@ class Leader:
                     missing = sorted(set(range(1, self.group.size)) - set(self.workers))
                     raise RuntimeError(f"worker(s) {missing} did not join the leader's channel within "
                                        f"{timeout:g} s") from None
-                sock.settimeout(timeout)
-                hello = read_frame(sock)
-                if hello is None or hello[0] != "hello":
+                index = self._hello(sock, timeout)
+                if index is None:  # not one of the group's workers: not let in
                     sock.close()
                     continue
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.workers[int(hello[2][0])] = sock
+                self.workers[index] = sock
         finally:
             server.close()
         threading.Thread(target=self._watch, name="moe-tpu-group-watchdog", daemon=True).start()
         return self
+
+    def _hello(self, sock: socket.socket, timeout: float) -> int | None:
+        """The worker index a joining process gives, or None when it gives none the group is waiting for."""
+        sock.settimeout(timeout)
+        try:
+            frame = read_frame(sock, limit=4096)
+        except (OSError, ValueError):
+            return None
+        if frame is None or frame[0] != "hello" or len(frame[2]) != 1 or np.shape(frame[2][0]) != ():
+            return None
+        index = int(frame[2][0])
+        return index if 0 < index < self.group.size and index not in self.workers else None
 
     def mirror(self, name: str, inputs: tuple) -> None:
         """Sends the program call to every worker (the engine's thread, before it runs the call itself)."""
