@@ -175,6 +175,8 @@ def _in_group(serve) -> int:
     except click.ClickException as e:
         e.show()
         code = e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C in a worker (the leader's uvicorn takes it as SIGTERM)
+        code = 130
     except Exception:  # noqa: BLE001 - shown as Python shows it, then out at once
         import traceback
 
