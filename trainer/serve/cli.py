@@ -149,42 +149,17 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     group = _group(devices)
     sock = _listen(host, port) if group is None or group.is_leader else None  # workers serve no HTTP
     _start_processes(group, devices)
-
-    def serve() -> int:
-        loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
-                      chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
-                      quantized=None if weight_format == "auto" else weight_format,
-                      device_memory_gb=device_memory_gb, progress=_progress)
-        if group is not None and not group.is_leader:
-            return _follow(loaded, group)
-        leader = _lead(loaded, group) if group is not None else None
-        chat = template or loaded.chat_template  # --chat-template, else an imported model's own
-        return _serve(loaded, sock, host, port, max_waiting, chat, model_name or loaded.cfg.name, grace_seconds,
-                      leader)
-
-    sys.exit(serve() if group is None else _in_group(serve))
-
-
-def _in_group(serve) -> int:
-    """`serve()` in a multi-host group: any way out but exit 0 leaves at once, past Python's exit handlers:
-    jax.distributed's shutdown waits at a barrier for every process of the group, which may never come."""
-    from trainer.serve import multihost
-
-    try:
-        code = serve()
-    except click.ClickException as e:
-        e.show()
-        code = e.exit_code
-    except KeyboardInterrupt:  # Ctrl-C in a worker (the leader's uvicorn takes it as SIGTERM)
-        code = 130
-    except Exception:  # noqa: BLE001 - shown as Python shows it, then out at once
-        import traceback
-
-        traceback.print_exc()
-        code = EXIT_RUNTIME
-    if code:
-        multihost.exit_now(code)
-    return 0
+    loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
+                  chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
+                  quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
+                  progress=_progress)
+    if group is not None and not group.is_leader:
+        sys.exit(_follow(loaded, group))
+    leader = _lead(loaded, group) if group is not None else None
+    template = template or loaded.chat_template  # --chat-template, else an imported model's own
+    code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
+                  leader)
+    sys.exit(code)
 
 
 def _group(devices: int | None):
@@ -387,7 +362,20 @@ def _draining_server(config, state, grace_seconds: float):
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
-    serve_command.main(args=args, prog_name=prog_name or "python -m trainer.serve")
+    from trainer.serve import multihost
+
+    try:
+        serve_command.main(args=args, prog_name=prog_name or "python -m trainer.serve")
+    except SystemExit as e:  # in a multi-host group, any way out but 0 leaves at once (multihost.leave)
+        multihost.leave(e.code if isinstance(e.code, int) else EXIT_RUNTIME)
+        raise
+    except BaseException:
+        if multihost.joined:
+            import traceback
+
+            traceback.print_exc()
+            multihost.leave(EXIT_RUNTIME)
+        raise
 
 
 if __name__ == "__main__":

@@ -110,14 +110,20 @@ def local_device_count(group: Group, devices: int | None) -> int | None:
     return devices // group.size
 
 
+joined = False  # this process started jax.distributed for a group (`start`)
+
+
 def start(group: Group) -> None:
     """jax.distributed for the group (before anything touches a backend); on CPU its collectives are gloo's."""
     import jax
+
+    global joined
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # A process that stops before joining, or a coordinator gone, ends the others' waits within a minute.
     jax.distributed.initialize(group.coordinator, group.size, group.index, initialization_timeout=300,
                                heartbeat_timeout_seconds=60)
+    joined = True
 
 
 # ---------------------------------------------------------------------- frames
@@ -363,6 +369,13 @@ class Worker:
                     return
                 print(f"serve: the leader of the serving group is gone ({e.strerror or e}): exiting", file=sys.stderr)
                 exit_now(1)
+
+
+def leave(code: int) -> None:
+    """A process of a group that exits with `code` other than 0 leaves at once (`exit_now`); 0 (the group
+    stopped together) goes through Python's exit, jax.distributed's shutdown included."""
+    if joined and code:
+        exit_now(code)
 
 
 def exit_now(code: int) -> None:
