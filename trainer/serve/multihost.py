@@ -30,6 +30,7 @@ The group's environment, as a LeaderWorkerSet sets it (docs: the multi-host inte
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import select
@@ -118,11 +119,13 @@ def start(group: Group) -> None:
     import jax
 
     global joined
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # A process that stops before joining, or a coordinator gone, ends the others' waits within a minute.
-    jax.distributed.initialize(group.coordinator, group.size, group.index, initialization_timeout=300,
-                               heartbeat_timeout_seconds=60)
+    # A process gone before the channel watches it (while loading), or the coordinator gone, ends the
+    # others' waits within a minute (jax's default: 100 s); a jax without the setting keeps its own.
+    timeouts = {"heartbeat_timeout_seconds": 60}
+    if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
+        timeouts = {}
+    jax.distributed.initialize(group.coordinator, group.size, group.index, **timeouts)
     joined = True
 
 
