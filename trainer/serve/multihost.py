@@ -10,16 +10,17 @@ the next. Outputs are replicated, so every process holds the sampled tokens and 
 
 The channel is a TCP connection from each worker to the leader, not jax's broadcast_one_to_all a step: a
 broadcast is a collective (it blocks forever when a peer is gone, and compiles for every new shape), where a
-socket reports a dead peer as end-of-file at once. Frames are a JSON header and the arrays' raw bytes (never
-pickle: nothing received is executed). Workers send a heartbeat byte a second; the leader's watchdog takes
-end-of-file, an error or HEARTBEAT_SILENCE_S of silence as the group failing, and its owner (trainer/serve/cli.py)
-fails the requests, answers 503 on /health and exits non-zero: a step blocked in a collective with a dead
-peer never returns, so nothing waits for it. A worker exits 0 when the leader says stop, non-zero when the
-leader goes away.
+socket reports a dead peer as end-of-file at once. The leader listens on a free port, which it gives the
+workers in one broadcast at start-up, until every worker has joined. Frames are a JSON header and the
+arrays' raw bytes (never pickle: nothing received is executed). Workers send a heartbeat byte a second;
+the leader's watchdog takes end-of-file, an error or HEARTBEAT_SILENCE_S of silence as the group failing,
+and its owner (trainer/serve/cli.py) fails the requests, answers 503 on /health and exits non-zero: a step
+blocked in a collective with a dead peer never returns, so nothing waits for it. A worker exits 0 when the
+leader says stop, non-zero when the leader goes away.
 
 Under Pathways (JAX_PLATFORMS=proxy) one controller drives the whole slice: no group, no channel.
 
-The group's environment, as a LeaderWorkerSet sets it (docs: the multi-host interface):
+The group's environment, as a LeaderWorkerSet sets it (README: Serving):
   LWS_GROUP_SIZE          processes in the group; 1 or unset: one process
   LWS_WORKER_INDEX        0 for the leader, 1.. for the workers
   LWS_LEADER_ADDRESS      the leader's address (no port)
