@@ -10,7 +10,7 @@ service that fails to deploy never takes a training run's placement with it, nor
 service. Only a kind's `teardown` (`down`) deletes everything of the run. `provision.runs.Runner`
 follows a training deployment (a `Target`), `provision.services.ServiceFollower` a service (a
 `ServiceTarget`). This module imports no kind and no package that imports one: the kinds
-(provision/targets/) and the lifecycle modules all stand on it.
+(provision/kinds/) and the lifecycle modules all stand on it.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class Scope:
 
 
 class Kind:
-    """Everything the commands ask about one kind of target; `provision.targets.KINDS` holds one of
+    """Everything the commands ask about one kind of target; `provision.kinds.KINDS` holds one of
     each, by the config's `target` value. The commands (validate, render, plan, list, down, logs,
     up, status, run) ask the kind of the config in hand and never name one.
 

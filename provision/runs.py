@@ -1,6 +1,6 @@
 """`moe-tpu run`: provision, follow training, recover from preemption, tear down.
 
-The loop holds a target (provision/targets/) and calls only what `Target` declares. Every
+The loop holds a target (provision/kinds/) and calls only what `Target` declares. Every
 step lands on a timeline with its time and the cost so far; the trainer's own reports
 (step, loss, tokens/s) drive the progress line and the ETA.
 """
@@ -154,7 +154,7 @@ class Runner:
     def __init__(self, context, target: Target, *, output_dir: str, keep: bool = False,
                  confirm_teardown=None) -> None:
         """`context`: the command's provision.context.RunContext (the config, the session and its
-        clock, the console); `target`: where it trains (provision.targets.for_config)."""
+        clock, the console); `target`: where it trains (provision.kinds.for_config)."""
         self.cfg = context.config
         self.target = target
         self.session = context.session

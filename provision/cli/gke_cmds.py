@@ -7,7 +7,7 @@ import click
 from provision.cli.common import finish, print_resources
 from provision.cli.options import config_option
 
-GROUP = "gke"  # a kind's own name for `up | status | down` (provision.targets.Kind.group)
+GROUP = "gke"  # a kind's own name for `up | status | down` (provision.kinds.Kind.group)
 
 
 @click.group("gke")
@@ -24,7 +24,7 @@ def gke_group() -> None:
 
 
 def _gke_config(app, config_path: str, check_trainer: bool = False):
-    from provision.targets import require
+    from provision.kinds import require
 
     cfg = app.load_config(config_path, check_trainer=check_trainer)
     require(cfg, GROUP)
@@ -40,7 +40,7 @@ def up(app, config_path: str) -> None:
     Tries each zone of `zones:` in order when one has no capacity. A re-run adopts the pools it
     already made; a pool of the run that no longer matches the config is refused.
     """
-    from provision.targets import by_group
+    from provision.kinds import by_group
 
     app.command = "gke up"
     cfg = _gke_config(app, config_path, check_trainer=True)
@@ -57,7 +57,7 @@ def up(app, config_path: str) -> None:
 @click.pass_obj
 def status(app, config_path: str) -> None:
     """Show the run's JobSet, node pools and (when this tool made it) cluster, with state and cost."""
-    from provision.gke import gke_status
+    from provision.kinds.gke.gke import gke_status
 
     app.command = "gke status"
     cfg = _gke_config(app, config_path)
@@ -72,7 +72,7 @@ def status(app, config_path: str) -> None:
 def down(app, config_path: str) -> None:
     """Delete the run's JobSet and node pools, and the cluster only when this tool created it."""
     from provision.cli.lifecycle_cmds import delete_run
-    from provision.targets import by_group
+    from provision.kinds import by_group
 
     _gke_config(app, config_path)
     delete_run(app, config_path, "gke down", kinds=(by_group(GROUP).name,))

@@ -1,4 +1,4 @@
-"""`job submit|status|wait|cancel`: thin wrappers over provision.jobs (Vertex AI custom jobs)."""
+"""`job submit|status|wait|cancel`: thin wrappers over provision.kinds.vertex.jobs (Vertex AI custom jobs)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def job_group() -> None:
 
 
 def _load(app, config_path: str, command: str, check_trainer: bool = False):
-    from provision.targets import require
+    from provision.kinds import require
 
     app.command = command
     cfg = app.load_config(config_path, check_trainer=check_trainer)
@@ -40,7 +40,7 @@ def submit(app, config_path: str, wait: bool) -> None:
     The request is rendered from templates/custom_job.yaml.j2: one worker pool on the
     configured machine type and TPU topology running the trainer image.
     """
-    from provision.jobs import job_submit, job_wait
+    from provision.kinds.vertex.jobs import job_submit, job_wait
 
     cfg = _load(app, config_path, "job submit", check_trainer=True)
     app.console.info(f"job submit: run {cfg.run}, {cfg.vertex.machine_type} {cfg.vertex.topology}, "
@@ -59,7 +59,7 @@ def submit(app, config_path: str, wait: bool) -> None:
 @click.pass_obj
 def status(app, config_path: str) -> None:
     """Show the run's custom jobs, with state, age and cost so far."""
-    from provision.jobs import managed_jobs
+    from provision.kinds.vertex.jobs import managed_jobs
     from provision.resources import project_of
 
     cfg = _load(app, config_path, "job status")
@@ -73,7 +73,7 @@ def status(app, config_path: str) -> None:
 @click.pass_obj
 def wait_cmd(app, config_path: str) -> None:
     """Follow the run's job until it ends; exit 0 when it SUCCEEDED, 1 otherwise."""
-    from provision.jobs import job_wait
+    from provision.kinds.vertex.jobs import job_wait
 
     cfg = _load(app, config_path, "job wait")
     job = job_wait(app.context(cfg))
@@ -86,7 +86,7 @@ def wait_cmd(app, config_path: str) -> None:
 @click.pass_obj
 def cancel(app, config_path: str) -> None:
     """Cancel the run's queued or running job and wait until it is CANCELLED."""
-    from provision.jobs import job_cancel
+    from provision.kinds.vertex.jobs import job_cancel
 
     cfg = _load(app, config_path, "job cancel")
     jobs = job_cancel(app.context(cfg))

@@ -1,5 +1,5 @@
 """`up`, `status`, `down` and `list` for any kind of target: each asks the config's kind
-(provision.targets) and names none. `slice`, `job` and `gke` are a kind's own names for them."""
+(provision.kinds) and names none. `slice`, `job` and `gke` are a kind's own names for them."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def up(app, config_path: str) -> None:
       moe-tpu up -c examples/v5e-64.yaml
       moe-tpu --dry-run up -c examples/gke-pathways.yaml
     """
-    from provision.targets import kind_of
+    from provision.kinds import kind_of
 
     app.command = "up"
     cfg = app.load_config(config_path, check_trainer=True)
@@ -41,7 +41,7 @@ def up(app, config_path: str) -> None:
 @click.pass_obj
 def status(app, config_path: str) -> None:
     """Show what of the run exists on its target, with state, age and cost so far."""
-    from provision.targets import kind_of
+    from provision.kinds import kind_of
 
     app.command = "status"
     cfg = app.load_config(config_path)
@@ -53,7 +53,7 @@ def status(app, config_path: str) -> None:
 def delete_run(app, config_path: str, command: str, kinds: tuple[str, ...] | None = None) -> None:
     """Delete the run's resources of `kinds` (None: of every kind, whatever the config's target) and
     stop a dry run's local trainer; says what went."""
-    from provision.targets import KINDS
+    from provision.kinds import KINDS
 
     app.command = command
     cfg = app.load_config(config_path)
@@ -110,7 +110,7 @@ def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None, pro
     """
     from provision import catalogue
     from provision.core import Scope
-    from provision.targets import KINDS
+    from provision.kinds import KINDS
 
     app.command = "list"
     cfg = _config_if_any(app, config_path, project, zones_option or all_zones)

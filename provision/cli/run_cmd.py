@@ -44,8 +44,8 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
       moe-tpu run -c moe-tpu.yaml --yes
     """
     from provision.errors import MoeTpuError
+    from provision.kinds import for_config
     from provision.runs import Interrupted, RunFailed, Runner, Terminated, run_lock, terminate_on_signals
-    from provision.targets import for_config
 
     app.command = "run"
     cfg = app.load_config(config_path, check_trainer=True)

@@ -8,7 +8,7 @@ import click
 from provision.cli.common import finish, print_resources
 from provision.cli.options import config_option
 
-GROUP = "slice"  # a kind's own name for `up | status | down` (provision.targets.Kind.group)
+GROUP = "slice"  # a kind's own name for `up | status | down` (provision.kinds.Kind.group)
 
 
 @click.group("slice")
@@ -35,7 +35,7 @@ def up(app, config_path: str, recreate: bool) -> None:
     Tries each zone of `zones:` in order when one has no capacity. A re-run after
     a crash adopts the queued resource it already made instead of making another.
     """
-    from provision.targets import require
+    from provision.kinds import require
 
     app.command = "slice up"
     cfg = app.load_config(config_path, check_trainer=True)
@@ -55,7 +55,7 @@ def up(app, config_path: str, recreate: bool) -> None:
 @click.pass_obj
 def status(app, config_path: str) -> None:
     """Show the run's queued resource and nodes, with state, age and cost so far."""
-    from provision.slices import slice_status
+    from provision.kinds.tpu_vm.slices import slice_status
 
     app.command = "slice status"
     cfg = app.load_config(config_path)
@@ -70,6 +70,6 @@ def status(app, config_path: str) -> None:
 def slice_down_cmd(app, config_path: str) -> None:
     """Delete the slice (force: its nodes go with it) and wait until it is gone."""
     from provision.cli.lifecycle_cmds import delete_run
-    from provision.targets import by_group
+    from provision.kinds import by_group
 
     delete_run(app, config_path, "slice down", kinds=(by_group(GROUP).name,))

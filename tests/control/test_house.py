@@ -167,11 +167,11 @@ def test_no_cycle_through_a_package_init_and_no_package_cycle():
     # Planted, as the kinds' registry once had it: a lifecycle module importing a leaf module of the kinds'
     # package, whose __init__ imports every kind, one of which imports that lifecycle module. No cycle of
     # modules, one through the package's __init__.
-    planted = {**plain, "provision.targets.shared": set()}
-    planted["provision.endpoints"] = plain["provision.endpoints"] | {"provision.targets.shared"}
-    planted["provision.targets.vertex"] = plain["provision.targets.vertex"] | {"provision.endpoints"}
+    planted = {**plain, "provision.kinds.shared": set()}
+    planted["provision.services"] = plain["provision.services"] | {"provision.kinds.shared"}
+    planted["provision.kinds.vertex.kind"] = plain["provision.kinds.vertex.kind"] | {"provision.services"}
     assert cycles(planted) == []
-    assert any({"provision.targets", "provision.endpoints"} <= set(c) for c in cycles(with_package_inits(planted)))
+    assert any({"provision.kinds", "provision.services"} <= set(c) for c in cycles(with_package_inits(planted)))
     # Planted, as trainer.sample and trainer.serve once were: two packages (here a module and a package) that
     # import each other's modules, with no cycle of modules.
     two = {**graph, "trainer.serve.startup": graph["trainer.serve.startup"] | {"trainer.sample"}}
@@ -180,7 +180,7 @@ def test_no_cycle_through_a_package_init_and_no_package_cycle():
 
 def test_no_import_cycle_among_the_projects_modules(tmp_path):
     graph = import_graph()
-    assert "provision.targets" in graph["provision.cli.config_cmds"]  # the walk sees function-level imports
+    assert "provision.kinds" in graph["provision.cli.config_cmds"]  # the walk sees function-level imports
     assert cycles(graph) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # it finds one
     # Planted: provision.errors importing the CLI inside a function, and a module importing a name (not a
@@ -196,24 +196,27 @@ def test_no_import_cycle_among_the_projects_modules(tmp_path):
 
 
 # The layers of the house, highest first: a module may import its own layer's and lower layers' modules
-# (function-level imports too), never a higher one's. A kind of target (provision.targets) is one unit
+# (function-level imports too), never a higher one's. A kind of target (provision.kinds) is one unit
 # that the spec asks (its checks, sections, files); the core it and the lifecycle share (provision.core:
 # placement, workload, deployment, reports, Kind) is a leaf of the base.
 LAYERS = (
     ("cli", ("provision.cli", "provision.app", "provision.__main__")),
-    ("spec", ("provision.config", "provision.planner", "provision.targets", "provision.foundation")),
-    ("lifecycle", ("provision.runs", "provision.services", "provision.slices",
-                   "provision.jobs", "provision.gke", "provision.gke_serve", "provision.context", "provision.goodput",
-                   "provision.endpoints")),
-    ("render", ("provision.rendering", "provision.gke_render", "provision.gke_serve_render", "provision.container",
-                "provision.templates", "provision.image")),
+    ("spec", ("provision.config", "provision.planner", "provision.kinds", "provision.kinds.tpu_vm.kind",
+              "provision.kinds.vertex.kind", "provision.kinds.vertex.vertex_sections", "provision.kinds.gke.kind",
+              "provision.kinds.gke.gke_sections", "provision.foundation")),
+    ("lifecycle", ("provision.runs", "provision.services", "provision.context", "provision.goodput",
+                   "provision.kinds.tpu_vm.slices", "provision.kinds.vertex.jobs", "provision.kinds.vertex.endpoints",
+                   "provision.kinds.gke.gke", "provision.kinds.gke.gke_serve")),
+    ("render", ("provision.rendering", "provision.container", "provision.templates", "provision.image",
+                "provision.kinds.gke.gke_render", "provision.kinds.gke.gke_serve_render")),
     ("cloud", ("provision.cloud",)),
     ("adapters", ("provision.cloud.api", "provision.cloud.calls", "provision.cloud.messages",
                   "provision.cloud.credentials", "provision.cloud.tpu", "provision.cloud.vertex",
                   "provision.cloud.container", "provision.cloud.build", "provision.cloud.storage",
                   "provision.cloud.kube")),
     ("base", ("provision.core", "provision.errors", "provision.console", "provision.clock", "provision.catalogue",
-              "provision.resources", "provision.statefiles", "provision.waiting", "provision.guest_attributes")),
+              "provision.resources", "provision.statefiles", "provision.waiting", "provision.guest_attributes",
+              "provision.shapes")),
 )
 
 
@@ -251,11 +254,11 @@ def test_the_layers_of_the_house():
     assert layer_violations(graph) == []
     planted = {module: set(imported) for module, imported in graph.items()}
     planted["provision.rendering"].add("provision.runs")
-    planted["provision.slices"].add("provision.emulator.world")
+    planted["provision.kinds.tpu_vm.slices"].add("provision.emulator.world")
     planted["trainer.train"].add("provision.config")
     assert layer_violations(planted) == [
+        "provision.kinds.tpu_vm.slices (lifecycle) imports the emulator (provision.emulator.world)",
         "provision.rendering (render) imports provision.runs (lifecycle)",
-        "provision.slices (lifecycle) imports the emulator (provision.emulator.world)",
         "trainer.train (the trainer) imports the control plane (provision.config)"]
 
 
@@ -300,7 +303,7 @@ def test_the_emulators_services_import_by_name_and_never_see_the_emulator():
 KIND_NAMES = frozenset({"tpu-vm", "vertex", "gke"})
 # Where a kind's name may decide something: the kinds themselves, the config's union of their sections,
 # and the emulator (its services are Google's, whatever kind of target a run calls them through).
-KINDS_OWN = ("provision/targets/", "provision/emulator/", "provision/config/sections.py")
+KINDS_OWN = ("provision/kinds/", "provision/emulator/", "provision/config/sections.py")
 # Tables of command names, not branches: the `gke` command group shares its name with its kind.
 COMMAND_TABLES = {"provision/cli/__init__.py": ("COMMANDS", "SHORT_HELP")}
 

@@ -10,7 +10,7 @@ from cli_helpers import loaded_config
 from provision.app import App
 from provision.context import renderer_for
 from provision.errors import QuotaError, StockoutError
-from provision.slices import managed_resources, slice_down, slice_status, slice_up
+from provision.kinds.tpu_vm.slices import managed_resources, slice_down, slice_status, slice_up
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "v5e-64.yaml"
 CREATE = "google.cloud.tpu.v2.Tpu/CreateQueuedResource"

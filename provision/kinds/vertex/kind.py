@@ -6,7 +6,7 @@ own state decides how the run ended.
 
 from __future__ import annotations
 
-from provision import catalogue, endpoints, jobs, planner
+from provision import catalogue, planner
 from provision.cloud import storage
 from provision.core import (
     ENDED,
@@ -22,6 +22,7 @@ from provision.core import (
     report_from_status,
 )
 from provision.errors import UsageError
+from provision.kinds.vertex import endpoints, jobs
 from provision.rendering import render_custom_job_files, render_serving_files
 from provision.resources import Resource, project_of, short
 from provision.waiting import poll
@@ -172,7 +173,7 @@ class VertexKind(Kind):
         return Deployment(job_machines(context.config), CustomJob(context, output_dir=output_dir))
 
     def service(self, context):
-        """The serve section's model on a dedicated Vertex AI endpoint (provision.endpoints)."""
+        """The serve section's model on a dedicated Vertex AI endpoint (provision.kinds.vertex.endpoints)."""
         cfg = context.config
         if cfg.serve is None:
             raise UsageError(f"{cfg.source}: no serve section: nothing says how to serve run {cfg.run}",

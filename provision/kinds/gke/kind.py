@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from provision import catalogue, gke, gke_render, gke_serve, gke_serve_render
+from provision import catalogue
 from provision.cloud import storage
 from provision.core import (
     ENDED,
@@ -28,8 +28,9 @@ from provision.core import (
     report_from_status,
 )
 from provision.errors import CloudError, UsageError
+from provision.kinds.gke import gke, gke_render, gke_serve, gke_serve_render
+from provision.kinds.vertex.kind import startup_estimate_s  # one load-and-compile estimate for both kinds
 from provision.resources import Resource
-from provision.targets.vertex import startup_estimate_s  # one load-and-compile estimate for both kinds
 
 
 class NodePools(Holding):

@@ -6,7 +6,7 @@ state as guest attributes (provision/guest_attributes.py), which `report` reads 
 
 from __future__ import annotations
 
-from provision import catalogue, guest_attributes, slices
+from provision import catalogue, guest_attributes
 from provision.core import (
     Bundled,
     Deployment,
@@ -19,6 +19,7 @@ from provision.core import (
     last_zone_first,
     report_from_status,
 )
+from provision.kinds.tpu_vm import slices
 from provision.rendering import render_slice_files
 from provision.resources import Resource, project_of, short
 
