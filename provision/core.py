@@ -242,6 +242,10 @@ class Kind:
         """What is allowed but worth saying about a config of this kind."""
         return []
 
+    def check_offer(self, cfg, session) -> None:
+        """Ask the API whether what `warnings` doubted is offered (`validate` in a dry run); a UsageError
+        where it is not."""
+
     def summary(self, cfg) -> str:
         """One line on what the config asks for (`validate`)."""
         raise NotImplementedError

@@ -79,9 +79,7 @@ def validate(app, config_path: str) -> None:
     cfg = app.load_config(config_path, check_trainer=True)
     files = _rendered(app, cfg)
     if app.dry_run and cfg.warnings():  # zones the catalogue does not list: the emulator's answer decides
-        from provision.kinds.tpu_vm.slices import check_zones_offer
-
-        check_zones_offer(cfg, app.session())
+        cfg.kind.check_offer(cfg, app.session())
     app.console.text(f"config OK: {cfg.source}")
     app.console.text(f"  run {cfg.run}: {_summary(cfg)}")
     app.console.text(f"  rendered {len(files)} files: {', '.join(files)}")

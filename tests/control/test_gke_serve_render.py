@@ -132,7 +132,7 @@ def test_the_serve_section_on_gke_names_the_key(tmp_path, changes, key, words):
 
 
 def test_the_startup_probe_waits_the_load_and_compile_estimate(loaded):
-    from provision.kinds.vertex.kind import startup_estimate_s
+    from provision.kinds.common import startup_estimate_s
 
     files = loaded.kind.render(loaded, renderer_for(loaded))
     probe = yaml.safe_load(files["deployment.yaml"])["spec"]["template"]["spec"]["containers"][0]["startupProbe"]

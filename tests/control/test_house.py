@@ -201,13 +201,15 @@ def test_no_import_cycle_among_the_projects_modules(tmp_path):
 # placement, workload, deployment, reports, Kind) is a leaf of the base.
 LAYERS = (
     ("cli", ("provision.cli", "provision.app", "provision.__main__")),
-    ("spec", ("provision.config", "provision.planner", "provision.kinds", "provision.kinds.tpu_vm.kind",
+    ("spec", ("provision.config", "provision.planner", "provision.kinds", "provision.kinds.common",
+              "provision.kinds.tpu_vm.kind",
               "provision.kinds.vertex.kind", "provision.kinds.vertex.vertex_sections", "provision.kinds.gke.kind",
               "provision.kinds.gke.gke_sections", "provision.foundation")),
     ("lifecycle", ("provision.runs", "provision.services", "provision.context", "provision.goodput",
                    "provision.kinds.tpu_vm.slices", "provision.kinds.vertex.jobs", "provision.kinds.vertex.endpoints",
                    "provision.kinds.gke.gke", "provision.kinds.gke.gke_serve")),
     ("render", ("provision.rendering", "provision.container", "provision.templates", "provision.image",
+                "provision.kinds.tpu_vm.slice_render", "provision.kinds.vertex.vertex_render",
                 "provision.kinds.gke.gke_render", "provision.kinds.gke.gke_serve_render")),
     ("cloud", ("provision.cloud",)),
     ("adapters", ("provision.cloud.api", "provision.cloud.calls", "provision.cloud.messages",

@@ -28,8 +28,8 @@ from provision.core import (
     report_from_status,
 )
 from provision.errors import CloudError, UsageError
+from provision.kinds.common import startup_estimate_s  # one load-and-compile estimate for every kind
 from provision.kinds.gke import gke, gke_render, gke_serve, gke_serve_render
-from provision.kinds.vertex.kind import startup_estimate_s  # one load-and-compile estimate for both kinds
 from provision.resources import Resource
 
 

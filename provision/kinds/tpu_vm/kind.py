@@ -20,7 +20,7 @@ from provision.core import (
     report_from_status,
 )
 from provision.kinds.tpu_vm import slices
-from provision.rendering import render_slice_files
+from provision.kinds.tpu_vm.slice_render import render_slice_files
 from provision.resources import Resource, project_of, short
 
 GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
@@ -139,6 +139,9 @@ class TpuVmKind(Kind):
 
     def warnings(self, cfg) -> list[str]:
         return [w for w in map(catalogue.zone_warning, cfg.zones) if w]
+
+    def check_offer(self, cfg, session) -> None:
+        slices.check_zones_offer(cfg, session)
 
     def summary(self, cfg) -> str:
         acc = cfg.accelerator_type()

@@ -6,7 +6,7 @@ own state decides how the run ended.
 
 from __future__ import annotations
 
-from provision import catalogue, planner
+from provision import catalogue
 from provision.cloud import storage
 from provision.core import (
     ENDED,
@@ -22,8 +22,9 @@ from provision.core import (
     report_from_status,
 )
 from provision.errors import UsageError
+from provision.kinds.common import startup_estimate_s
 from provision.kinds.vertex import endpoints, jobs
-from provision.rendering import render_custom_job_files, render_serving_files
+from provision.kinds.vertex.vertex_render import render_custom_job_files, render_serving_files
 from provision.resources import Resource, project_of, short
 from provision.waiting import poll
 
@@ -207,24 +208,6 @@ class VertexKind(Kind):
     def teardown(self, context) -> list[Resource]:
 
         return [*jobs.jobs_down(context), *endpoints.endpoints_down(context)]
-
-
-# The serving container's start, for the startup probe: the weights read from Cloud Storage at about this
-# rate per host, then the prefill and decode steps compiled (a few minutes on TPU for a large model); the
-# probe allows twice the estimate. Plausible figures, not measured.
-LOAD_BYTES_PER_S = 200e6
-COMPILE_S = 300.0
-BYTES_PER_WEIGHT = {"auto": 2, "int8": 1, "int4": 0.5}
-
-
-def startup_estimate_s(cfg) -> float:
-    """Seconds the server needs to load its weights and compile, from the planner's parameter count (the
-    compile time alone where the model's size is unknown)."""
-    try:
-        total = planner.plan_for(cfg).counts.total
-    except Exception:  # noqa: BLE001 - no plan (a model the planner cannot read): the probe still gets its floor
-        return 2 * COMPILE_S
-    return 2 * (total * BYTES_PER_WEIGHT[cfg.serve.weights] / LOAD_BYTES_PER_S + COMPILE_S)
 
 
 def serve_checks(get) -> list[tuple[str, str]]:
