@@ -13,11 +13,13 @@ from provision.core import (
     STATUS_FILE,
     Bundled,
     Deployment,
+    Flag,
     Holding,
     Kind,
     Phase,
     Report,
     Scope,
+    Verb,
     replica_problems,
     report_from_status,
 )
@@ -127,6 +129,25 @@ class VertexKind(Kind):
     name = "vertex"
     noun = "a Vertex AI custom job"
     group = "job"
+    group_help = """Vertex AI custom jobs on TPU v5e (for configs with `target: vertex`).
+
+    \b
+    Examples:
+      moe-tpu job submit --wait -c examples/vertex.yaml
+      moe-tpu job status -c examples/vertex.yaml
+      moe-tpu job cancel -c examples/vertex.yaml
+      moe-tpu --dry-run --scenario quota job submit -c examples/vertex.yaml
+    """
+    up_flags = (Flag("wait", "Follow the job until it ends; exit 1 unless it SUCCEEDED."),)
+    verbs = (
+        Verb("submit", "up", "Submit the run's custom job (a re-run follows the job it already submitted).\n\nThe "
+                             "request is rendered from templates/custom_job.yaml.j2: one worker pool on the "
+                             "configured machine type and TPU topology running the trainer image.", up_flags,
+             trainer=True),
+        Verb("status", "status", "Show the run's custom jobs (and its endpoint), with state, age and cost so far."),
+        Verb("wait", "wait", "Follow the run's job until it ends; exit 0 when it SUCCEEDED, 1 otherwise."),
+        Verb("cancel", "cancel", "Cancel the run's queued or running job and wait until it is CANCELLED."),
+    )
     up_command = "job submit"
     sections = ("vertex",)
     serve_platform = "Vertex AI prediction"
@@ -185,9 +206,23 @@ class VertexKind(Kind):
         return f"run {cfg.run}, {cfg.vertex.machine_type} {cfg.vertex.topology}, {cfg.vertex.scheduling}, " \
                f"region {cfg.region}"
 
-    def up(self, context) -> list[Resource]:
+    def up(self, context, wait: bool = False) -> list[Resource]:
+        """The custom job, submitted (or adopted); `wait`: followed until it ends (a CloudError unless it
+        SUCCEEDED)."""
+        job = jobs.job_submit(context)
+        return [jobs.job_wait(context, job.name) if wait else job]
 
-        return [jobs.job_submit(context)]
+    def up_lines(self, resources: list[Resource]) -> list[str]:
+        return [f"job {short(job.name)} {job.state}" + ("" if job.state in jobs.TERMINAL_STATES else
+                                                         "; follow it with `moe-tpu job wait`") for job in resources]
+
+    def act(self, action: str, context) -> tuple[list[Resource], list[str]]:
+        if action == "wait":
+            job = jobs.job_wait(context)
+            return [job], [f"job {short(job.name)} {job.state}"]
+        cancelled = jobs.job_cancel(context)
+        return cancelled, [f"job {short(job.name)} {job.state}" for job in cancelled] or [
+            f"run {context.config.run} has no queued or running job"]
 
     def status(self, context) -> list[Resource]:
 
