@@ -32,8 +32,6 @@ from provision.config.sections import (  # noqa: F401 - the config's API, one im
 from provision.config.starter import (  # noqa: F401 - the config's API, one import away
     starter_config,
 )
-from provision.kinds.gke.gke_sections import GkeConfig, PathwaysConfig  # noqa: F401 - the config's API, one import away
-from provision.kinds.vertex.vertex_sections import VertexConfig  # noqa: F401 - the config's API, one import away
 from provision.shapes import (  # noqa: F401 - the config's API, one import away
     _PROJECT,
     DEFAULT_CONFIG,

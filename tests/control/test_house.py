@@ -374,6 +374,59 @@ COMMANDS = {"gke": "provision.cli.gke_cmds:gke_group"}
     assert kind_branches(planted, ("COMMANDS",))[-1] == "6: tpu-vm"
 
 
+# A kind's package: everything of the kind (provision/kinds/NAME/). Outside it only the registry
+# (provision/kinds/__init__.py: the one line) imports it, and no kind imports another; no module path
+# elsewhere carries a kind's name, but for Google's APIs (their clients and their emulator), which are the
+# services' own and serve every kind.
+KIND_PACKAGES = ("tpu_vm", "vertex", "gke")
+GOOGLES_OWN = ("provision/cloud/", "provision/emulator/")
+# The config's sections (one flat model with every kind's section) import the kinds' section models, until
+# the config is a union built from the registry (issue 45, part 4).
+SECTIONS_UNION = "provision.config.sections"
+
+
+def kind_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a kind's package from outside it (the registry's aside), as "IMPORTER -> IMPORTED"."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        mine = module.split(".")[2] if module.startswith("provision.kinds.") else None
+        for other in sorted(imported):
+            parts = other.split(".")
+            theirs = parts[2] if other.startswith("provision.kinds.") and len(parts) > 2 else None
+            if theirs in KIND_PACKAGES and theirs != mine and module not in ("provision.kinds", SECTIONS_UNION):
+                found.append(f"{module} -> {other}")
+    return found
+
+
+def test_a_kind_is_one_package_that_only_the_registry_imports():
+    graph = import_graph()
+    assert sorted(p.name for p in (ROOT / "provision" / "kinds").iterdir() if (p / "__init__.py").is_file()) == \
+        sorted(KIND_PACKAGES)
+    assert kind_imports(graph) == []
+    assert {"provision.kinds.gke.kind", "provision.kinds.vertex.kind"} <= graph["provision.kinds"]
+    paths = [path.relative_to(ROOT) for path in (ROOT / "provision").rglob("*.py")]
+    elsewhere = [path for path in paths if not path.as_posix().startswith(("provision/kinds/", *GOOGLES_OWN))]
+    named = sorted(path.as_posix() for path in elsewhere
+                   if any(name in part for part in path.parts for name in (*KIND_PACKAGES, *KIND_NAMES)))
+    assert named == []
+    planted = {module: set(imported) for module, imported in graph.items()}
+    planted["provision.kinds.gke.kind"].add("provision.kinds.vertex.kind")  # a kind importing another
+    planted["provision.cli.config_cmds"].add("provision.kinds.tpu_vm.slices")  # a command importing a kind's module
+    assert kind_imports(planted) == ["provision.cli.config_cmds -> provision.kinds.tpu_vm.slices",
+                                     "provision.kinds.gke.kind -> provision.kinds.vertex.kind"]
+
+
+def test_a_kinds_own_command_group_is_the_kinds():
+    """The groups that `--help` lists (provision.cli's COMMANDS, read without importing a kind) are the
+    kinds' own, each made from its kind."""
+    from provision.cli import COMMANDS
+    from provision.kinds import KINDS
+
+    made = {name for name, where in COMMANDS.items() if where.startswith("provision.cli.kind_cmds:")}
+    assert made == {kind.group for kind in KINDS.values()}
+    assert all(COMMANDS[name] == f"provision.cli.kind_cmds:{name}" for name in made)
+
+
 def test_google_is_imported_only_under_cloud_and_the_emulator():
     allowed = ("provision/cloud/", "provision/emulator/")
     found = sorted(f"{path.relative_to(ROOT)}: {name}" for module, path in own_modules().items()
