@@ -108,6 +108,9 @@ def test_a_dry_run_run_follows_the_toy_workload_to_its_end(toy_config):
 def test_the_kind_commands_refuse_a_toy_config(toy_config):
     code, _, err = invoke("--dry-run", "slice", "up", "-c", str(toy_config))
     assert code == 2 and "target is 'toy': a toy placement, not a TPU VM slice" in err
+    # A kind's own flag, which the generic `up` offers, is refused for a kind that does not declare it.
+    code, _, err = invoke("--dry-run", "up", "--recreate", "-c", str(toy_config))
+    assert code == 2 and "--recreate does not apply to target 'toy' (a toy placement)" in err and MADE == {}
 
 
 def _context(path) -> RunContext:
