@@ -82,6 +82,15 @@ def test_health_metrics_and_vertex_predict(served):
         assert name in families, name
     generated = [s.value for s in families["vllm:generation_tokens"].samples if s.name.endswith("_total")]
     assert generated[0] >= 5
+    # The prefix cache counts tokens, as vLLM's does: a prompt of 3 whole blocks asked twice finds them the second time.
+    total = lambda name: [s.value for s in families[name].samples if s.name.endswith("_total")][0]  # noqa: E731
+    before = {n: total(n) for n in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}
+    prompt = "".join(chr(65 + i * 7 % 26) for i in range(50))  # 50 bytes: 3 blocks and 2 tokens
+    for _ in range(2):
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    assert total("vllm:prefix_cache_queries") - before["vllm:prefix_cache_queries"] == 100
+    assert total("vllm:prefix_cache_hits") - before["vllm:prefix_cache_hits"] == 48
 
 
 def test_beyond_the_waiting_queue_requests_get_429_with_retry_after(served):

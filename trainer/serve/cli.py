@@ -105,6 +105,12 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Prompt tokens prefilled per engine step, between decode steps.")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests queued for a slot; beyond them 429 with Retry-After.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True, show_default=True,
+              help="Prompts sharing a prefix with an earlier one copy its cached keys and values rather than "
+                   "prefill it again.")
+@click.option("--prefix-cache-tokens", type=click.IntRange(min=16), default=None,
+              help="Tokens of prefixes the prefix cache keeps, in blocks of 16; the least recently used go first "
+                   "[a quarter of the KV cache's slots x max-len].")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "float32", "int8"]), default="auto",
               show_default=True, help="auto: the model's compute dtype.")
 @click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
@@ -124,7 +130,8 @@ def _listen(host: str, port: int) -> socket.socket:
               help="After SIGTERM, how long requests in flight may take to finish.")
 @click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,
               help="The memory per device to plan for [what the device reports].")
-def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_cache_dtype, weight_format, mesh_text,
+def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching, prefix_cache_tokens,
+                  kv_cache_dtype, weight_format, mesh_text,
                   devices, tokenizer_path, chat_template_path, model_name, grace_seconds, device_memory_gb):
     """Serve a training run's latest checkpoint over an OpenAI-compatible HTTP API.
 
@@ -149,8 +156,10 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     if chunk > max_len:
         raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
     sock = _listen(host, port)
+    prefix_tokens = (prefix_cache_tokens or max(16, slots * max_len // 4)) if prefix_caching else 0
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
-                  chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
+                  chunk=chunk, prefix_tokens=prefix_tokens,
+                  kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
                   progress=_progress)
     template = template or loaded.chat_template  # --chat-template, else an imported model's own
