@@ -19,6 +19,9 @@ Then, in the same run:
   `prefix`: `--prefix-requests` requests, one at a time, sharing a `--prefix-len`-token prefix with 32-token
   suffixes of their own, on two servers alike but for prefix caching: TTFT median without / with, and how many of
   the greedy outputs are the same.
+  `stream`: one greedy stream of `--stream-tokens` tokens through the server (its tokens/s after the first, as
+  the client sees them) against `sample`'s own rate (trainer.sample.generate: the engine with one slot) on the
+  same weights.
   `interference`: 7 streams decoding while a `--long-prompt`-token prompt arrives: their ITL p99 / p50.
   `decode_bound`: the decode step at batch 1 of a config of about 100M parameters (`--bound-config`)
   against the memory-bandwidth bound: bytes the step reads (weights + KV cache) / bandwidth of a large
@@ -280,6 +283,25 @@ def server_ttft_since(base: str, before: dict) -> dict:
             "server_ttft_median": histogram_quantile(0.5, delta)}
 
 
+async def _stream_scenario(base: str, tokens: int, vocab: int, seed: int):
+    async with StreamingClient(base) as client:
+        return await one_request(client, 16, tokens, vocab, np.random.default_rng(seed))
+
+
+def single_stream(base: str, args, loaded) -> None:
+    """One greedy stream through the server against `sample`'s tokens/s on the same weights."""
+    from trainer.sample import generate
+
+    vocab = loaded["model"].cfg.model.vocab_size
+    result = in_client_process(_stream_scenario, base, args.stream_tokens, vocab, args.seed)
+    served = (result["tokens"] - 1) / (result["e2e"] - result["ttft"])
+    prompt = np.random.default_rng(args.seed).integers(0, min(vocab, 32), 16).tolist()
+    _, sampled = generate(loaded["model"], loaded["weights"], prompt, args.stream_tokens, temperature=0.0, top_k=0,
+                          seed=0)
+    print(json.dumps({"phase": "stream", "tokens": args.stream_tokens, "server_tokens_per_s": served,
+                      "sample_tokens_per_s": sampled, "sample_over_server": sampled / served}), flush=True)
+
+
 async def interference_scenario(base: str, seed: int, stream_tokens: int, long_prompt: int, vocab: int):
     """7 streams decode; a long prompt arrives once they run."""
     rng = np.random.default_rng(seed + 1)
@@ -417,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--long-prompt", type=int, default=1024)
+    p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--interference-tokens", type=int, default=200)
@@ -427,10 +450,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bound-max-len", type=int, default=256)
     p.add_argument("--bound-steps", type=int, default=20)
     p.add_argument("--copy-mib", type=int, default=512)
-    p.add_argument("--skip", default="", help="comma-separated phases to skip: load,interference,prefix,bound")
+    p.add_argument("--skip", default="", help="comma-separated phases to skip: load,stream,interference,prefix,bound")
     args = p.parse_args(argv)
     skip = set(args.skip.split(",")) - {""}
-    if not {"load", "interference"} <= skip:
+    if not {"load", "stream", "interference"} <= skip:
         loaded = build(args, args.config, [], args.slots, args.max_len)
         server, thread, _ = start_server(loaded, args.port, max_waiting=10_000)
         base = f"http://127.0.0.1:{args.port}"
@@ -438,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if "load" not in skip:
                 load_phases(args, base, vocab)
+            if "stream" not in skip:
+                single_stream(base, args, loaded)
             if "interference" not in skip:
                 interference(base, args, vocab)
         finally:

@@ -187,7 +187,8 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
     from trainer.serve.server import ServerState, create_app, http_protocol
 
     state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting,
-                        eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class)
+                        eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class,
+                        tokenizer=loaded.tokenizer)
     if template is not None:
         state.chat_template = template
     # uvicorn's own limit is a backstop past ours: by then every open request has had its error (expire).

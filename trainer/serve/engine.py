@@ -75,6 +75,7 @@ class Request:
     prompt_logprobs: list[Logprob] = dataclasses.field(default_factory=list)  # prompt tokens 1.. (echo)
     eos: bool = False  # stopped at the end-of-document token (the last of `output`, which has no text)
     detokenizer: object = None  # the output processor's incremental text state
+    constraint: object = None  # the grammar its text keeps to (trainer.serve.structured.Constraint), or None
     prefix_queried: int = 0  # prompt tokens looked up in the prefix cache (vllm:prefix_cache_queries)
     cached_tokens: int = 0  # ... of which were found there, not prefilled (vllm:prefix_cache_hits)
 
@@ -191,7 +192,8 @@ class Engine:
             req.prefilled = req.cached_tokens
         start = req.prefilled
         token, scored = self.runner.prefill(req.prompt, start, req.slot, _row(s), top=s.logprobs,
-                                            prompt_scores=s.prompt_logprobs)
+                                            prompt_scores=s.prompt_logprobs,
+                                            mask_W=req.constraint.row if req.constraint is not None else None)
         req.prefilled = min(start + self.chunk, len(req.prompt))
         final = req.prefilled == len(req.prompt)
         if s.prompt_logprobs:
@@ -222,6 +224,8 @@ class Engine:
             reason = self.output.on_token(req, token, record)
             if reason is None:
                 self.runner.advance(req.slot, token, len(req.prompt) + len(req.output) - 1)
+                if req.constraint is not None:
+                    self.runner.constrain(req.slot, req.constraint.row)
                 if req.listener is not None:
                     req.listener(req)
                 return

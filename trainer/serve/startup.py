@@ -29,6 +29,7 @@ class Loaded:
     eos_token: str | None = None
     tokenizer_class: str = "bytes"
     chat_template: object = None  # an imported model's own (trainer/serve/chat.py), or None
+    tokenizer: object = None  # the codec's tokenizers.Tokenizer, if it has one (structured output)
 
 
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
@@ -88,7 +89,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
                         detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens)
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
-    return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template)
+    return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template, codec.tokenizer)
 
 
 def end_of_document(cfg, codec, run=None) -> tuple[int | None, str | None]:
