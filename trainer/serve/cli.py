@@ -107,6 +107,12 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Prompt tokens prefilled per engine step, between decode steps.")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests queued for a slot; beyond them 429 with Retry-After.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True, show_default=True,
+              help="Prompts sharing a prefix with an earlier one copy its cached keys and values rather than "
+                   "prefill it again.")
+@click.option("--prefix-cache-tokens", type=click.IntRange(min=16), default=None,
+              help="Tokens of prefixes the prefix cache keeps, in blocks of 16; the least recently used go first "
+                   "[a quarter of the KV cache's slots x max-len].")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "float32", "int8"]), default="auto",
               show_default=True, help="auto: the model's compute dtype.")
 @click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
@@ -126,7 +132,8 @@ def _listen(host: str, port: int) -> socket.socket:
               help="After SIGTERM, how long requests in flight may take to finish.")
 @click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,
               help="The memory per device to plan for [what the device reports].")
-def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_cache_dtype, weight_format, mesh_text,
+def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching, prefix_cache_tokens,
+                  kv_cache_dtype, weight_format, mesh_text,
                   devices, tokenizer_path, chat_template_path, model_name, grace_seconds, device_memory_gb):
     """Serve a training run's latest checkpoint over an OpenAI-compatible HTTP API.
 
@@ -149,8 +156,15 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     group = _group(devices)
     sock = _listen(host, port) if group is None or group.is_leader else None  # workers serve no HTTP
     _start_processes(group, devices)
+    prefix_tokens = (prefix_cache_tokens or max(16, slots * max_len // 4)) if prefix_caching else 0
+    if group is not None and prefix_tokens:
+        # The prefix cache's copies are programs the leader runs outside ModelRunner.run, which its workers
+        # would not follow: a group serves without it rather than with caches that differ between hosts.
+        _progress("prefix caching is off in a multi-host group (each host would need the same copies)")
+        prefix_tokens = 0
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
-                  chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
+                  chunk=chunk, prefix_tokens=prefix_tokens,
+                  kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
                   progress=_progress)
     if group is not None and not group.is_leader:
@@ -243,7 +257,8 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
     from trainer.serve.server import ServerState, create_app, http_protocol
 
     state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting,
-                        eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class)
+                        eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class,
+                        tokenizer=loaded.tokenizer)
     if template is not None:
         state.chat_template = template
     # uvicorn's own limit is a backstop past ours: by then every open request has had its error (expire).

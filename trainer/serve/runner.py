@@ -13,7 +13,8 @@ import numpy as np
 
 from trainer.serve.latentcache import CacheLayout
 from trainer.serve.logprobs import Logprob, records, token_logprobs
-from trainer.serve.sampling import sample_tokens
+from trainer.serve.sampling import allowed, sample_tokens
+from trainer.serve.structured import words
 from trainer.serve.weights import ServingModel
 
 
@@ -43,6 +44,9 @@ class ModelRunner:
         self.top_k_S = np.zeros(slots, np.int32)
         self.top_p_S = np.ones(slots, np.float32)
         self.seed_S = np.zeros(slots, np.int32)
+        # Each slot's mask of the tokens it may draw next (trainer.serve.structured); all set: any.
+        self.mask_SxW = np.full((slots, words(m.vocab_size)), -1, np.int32)
+        self.any_1xW = self.mask_SxW[:1].copy()
 
     # ------------------------------------------------------------------ the jitted programs
 
@@ -59,18 +63,18 @@ class ModelRunner:
         outputs, self.cache = self.programs[name](self.weights, self.cache, *inputs)
         return outputs
 
-    def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want):
+    def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW):
         """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
         its target, the token after it (a target < 0: the token drawn here)."""
         logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1)
         logits_1xV = jax.lax.dynamic_index_in_dim(logits_1xCxV, last, axis=1, keepdims=False)
-        token_1 = sample_tokens(logits_1xV, *sampling, start_1 + last + 1)
+        token_1 = sample_tokens(allowed(logits_1xV, mask_1xW), *sampling, start_1 + last + 1)
         targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
         return (token_1, token_logprobs(logits_1xCxV[0], targets_C, want)), cache
 
-    def _decode_fn(self, weights, cache, tokens_S, positions_S, sampling, want):
+    def _decode_fn(self, weights, cache, tokens_S, positions_S, sampling, want, mask_SxW):
         logits_Sx1xV, cache = self.model.module(weights).decode(tokens_S[:, None], cache, positions_S)
-        next_S = sample_tokens(logits_Sx1xV[:, 0], *sampling, positions_S + 1)
+        next_S = sample_tokens(allowed(logits_Sx1xV[:, 0], mask_SxW), *sampling, positions_S + 1)
         return (next_S, token_logprobs(logits_Sx1xV[:, 0], next_S, want)), cache
 
     def compilations(self) -> int:
@@ -82,17 +86,20 @@ class ModelRunner:
         overwritten by its next request before they are read)."""
         sampling = sampling_arrays([(0.0, 0, 1.0, 0)])
         self.run("prefill", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
-                 np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False))
-        tokens = self.run("decode", self.tokens_S, self.positions_S, self.slot_sampling(), np.bool_(False))
+                 np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False),
+                 self.mask_SxW[:1])
+        tokens = self.run("decode", self.tokens_S, self.positions_S, self.slot_sampling(), np.bool_(False),
+                          self.mask_SxW)
         jax.block_until_ready(tokens)
 
     # ------------------------------------------------------------------ steps
 
     def prefill(self, prompt: list[int], start: int, slot: int, sampling: tuple, *, top: int | None,
-                prompt_scores: bool) -> tuple[int, list[Logprob] | None]:
+                prompt_scores: bool, mask_W: np.ndarray | None = None) -> tuple[int, list[Logprob] | None]:
         """One chunk of `prompt` from `start` into `slot`: (the token drawn after the chunk, which counts only
-        when the chunk ends the prompt; each position's record of the token after it when `prompt_scores`,
-        or the drawn token's alone when `top` is not None and the chunk is the last, else None)."""
+        when the chunk ends the prompt, among those `mask_W` allows; each position's record of the token after
+        it when `prompt_scores`, or the drawn token's alone when `top` is not None and the chunk is the last,
+        else None)."""
         piece = prompt[start:start + self.chunk]
         final = start + len(piece) == len(prompt)
         tokens = np.zeros((1, self.chunk), np.int32)
@@ -105,7 +112,8 @@ class ModelRunner:
         want = prompt_scores or (final and top is not None)
         token_1, scored = self.run("prefill", tokens, targets, np.asarray([start], np.int32),
                                    np.asarray([slot], np.int32), np.int32(len(piece) - 1),
-                                   sampling_arrays([sampling]), np.bool_(want))
+                                   sampling_arrays([sampling]), np.bool_(want),
+                                   self.any_1xW if mask_W is None else mask_W[None])
         token = int(host(token_1)[0])
         if not want:
             return token, None
@@ -119,7 +127,7 @@ class ModelRunner:
         """One decode step of every slot: (each slot's next token, the records of the slots in `wanted`, a
         slot -> how many alternatives)."""
         tokens_S, scored = self.run("decode", self.tokens_S, self.positions_S, self.slot_sampling(),
-                                    np.bool_(bool(wanted)))
+                                    np.bool_(bool(wanted)), self.mask_SxW)
         tokens_S = host(tokens_S)
         if not wanted:
             return tokens_S, {}
@@ -136,9 +144,14 @@ class ModelRunner:
         """The slot's next decode input: `token` at `position`."""
         self.tokens_S[slot], self.positions_S[slot] = token, position
 
+    def constrain(self, slot: int, mask_W: np.ndarray | None) -> None:
+        """The tokens the slot may draw next (None: any)."""
+        self.mask_SxW[slot] = -1 if mask_W is None else mask_W
+
     def vacate(self, slot: int) -> None:
         self.positions_S[slot] = self.max_len
         self.temperature_S[slot] = 0
+        self.mask_SxW[slot] = -1
 
     def slot_sampling(self):
         return self.temperature_S, self.top_k_S, self.top_p_S, self.seed_S
