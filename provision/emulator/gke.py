@@ -178,6 +178,9 @@ class PodRecord:
     template_hash: str = ""
     ready_at: float | None = None
     restarts: int = 0
+    # A LeaderWorkerSet's pod (gke_lws.py): its LeaderWorkerSet; job_index is its group, pod_index its
+    # worker index (0: the leader).
+    lws: str | None = None
 
     def phase(self, now: float) -> str:
         if self.ended_at is not None and now >= self.ended_at:

@@ -135,12 +135,13 @@ class GkeWorld:
 
     # --- the JobSet controller --------------------------------------------------------------
     def reconcile(self, now: float) -> None:
-        from provision.emulator import gke_serving
+        from provision.emulator import gke_lws, gke_serving
 
         for jobset in list(self.jobsets.values()):
             if jobset.terminal is None:
                 self._reconcile(jobset, now)
         gke_serving.reconcile(self, now)
+        gke_lws.reconcile(self, now)
 
     def _pods_of(self, jobset: JobSetRecord, attempt: int | None = None) -> list[PodRecord]:
         return [p for p in self.pods.values() if p.namespace == jobset.namespace and p.jobset == jobset.name

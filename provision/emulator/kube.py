@@ -99,6 +99,8 @@ def _container_status(name: str, pod: PodRecord, now: float) -> dict:
 def pod_view(gke: GkeWorld, pod: PodRecord, now: float) -> dict:
     if pod.deployment:
         return kube_objects.deployment_pod_view(gke, pod, now)
+    if pod.lws:
+        return kube_objects.lws_pod_view(gke, pod, now)
     rec = gke.jobsets.get(f"{pod.namespace}/{pod.jobset}")
     job = next((j for j in rec.jobs() if j["name"] == pod.replicated_job), None) if rec else None
     spec = json.loads(json.dumps(job["template"]["spec"]["template"]["spec"])) if job else {"containers": []}
