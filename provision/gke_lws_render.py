@@ -145,7 +145,7 @@ def group_spec(cfg: Config, image: str, startup_s: float) -> GroupSpec:
     if not pathways(cfg):
         return GroupSpec(serving=serving, size=acc.vms, hosts=acc.vms, worker_labels=workers, runtime="jax")
     settings = cfg.gke.pathways_settings()
-    scratch = settings.gcs_scratch or f"{gke_serve_render.checkpoint(cfg).rstrip('/')}/pathways"
+    scratch = gke_render.gcs_scratch(cfg)
     return GroupSpec(serving=serving, size=acc.vms + 1, hosts=acc.vms, worker_labels=workers, runtime="pathways",
                      cpu_pool=f"{cfg.run}{CPU_POOL_SUFFIX}", server_image=settings.server_image,
                      proxy_image=settings.proxy_image, gcs_scratch=scratch,

@@ -247,6 +247,7 @@ class GkeKind(Kind):
     up_command = "gke up"
     sections = ("slice", "gke")
     serve_platform = "GKE TPU node pool"
+    serves_multi_host = True  # a LeaderWorkerSet (gke_lws_render)
     serve_price_basis = ("the catalogue's Cloud TPU v5e chip-hour price, which GKE's TPU nodes are billed at (the "
                          "cluster's own fee aside)")
 

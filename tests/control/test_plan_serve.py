@@ -179,7 +179,7 @@ def test_the_kv_cache_is_the_engines():
                                                                              m.head_size, dtype)
 
 
-UNITS = {"bytes", "s", "usd", "tokens", "slots", "experts", "chips", "flops", "ways"}
+UNITS = {"bytes", "s", "usd", "tokens", "slots", "experts", "chips", "flops", "ways", "hosts"}
 
 
 def test_every_serving_figure_carries_its_unit(huge_plan):
