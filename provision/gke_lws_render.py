@@ -7,7 +7,7 @@ subresource (replicas of groups).
 Every pod of a group runs the server argv the single-host Deployment runs (provision.container's
 server_container, the serve mesh of `plan --serve` in it); the LeaderWorkerSet controller gives each
 pod LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX, from which trainer.serve joins one JAX
-program (docs/architecture.md, "multi-host serving"). With gke.runtime: pathways the group is the
+program. With gke.runtime: pathways the group is the
 layout of Google's Pathways serving recipe: the leader (on a CPU node) holds the Pathways resource
 manager, the proxy and the server (JAX_PLATFORMS=proxy, one controller), the workers are the slice's
 hosts running the Pathways worker.

@@ -226,7 +226,7 @@ class JobSetRecord:
 
 @dataclass
 class KubeObject:
-    """A Deployment, Service, PodMonitoring or HorizontalPodAutoscaler as created (or last replaced)."""
+    """A Deployment, LeaderWorkerSet, Service, PodMonitoring or HPA as created (or last replaced)."""
 
     kind: str
     name: str

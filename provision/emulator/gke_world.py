@@ -46,7 +46,7 @@ class GkeWorld:
         self.jobsets: dict[str, JobSetRecord] = {}  # "NAMESPACE/NAME"
         self.pods: dict[str, PodRecord] = {}  # "NAMESPACE/NAME"
         self.events: list[Event] = []
-        self.objects: dict[str, KubeObject] = {}  # Deployments, Services, PodMonitorings, HPAs: "KIND/NS/NAME"
+        self.objects: dict[str, KubeObject] = {}  # Deployments, LeaderWorkerSets, Services, PodMonitorings, HPAs
         self.counter = 0
         # Set by the emulator for each transaction, not saved: whether a dry run's local trainer drives
         # the trainer pods, and the dry run's local servers (local_server.LocalServers) that play a

@@ -205,3 +205,18 @@ def test_the_emulator_places_a_group_on_one_slice_and_deleting_it_ends_every_pod
     assert (status["replicas"], status["readyReplicas"]) == (1, 1)
     kube_objects.handle(world, later, "DELETE", path, {}, None)
     assert world.pods == {}
+
+
+def test_the_dry_run_gives_a_groups_processes_one_device_each_and_a_pathways_leader_the_cpu(loaded, tmp_path):
+    from provision.emulator.local_server import dry_run_adapter
+    from trainer import meshspec
+
+    argv = list(server_container(loaded, "image").argv)
+    adapt = dry_run_adapter(loaded, tmp_path)
+    group_env = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+    adapted, env = adapt(argv, group_env)
+    devices = int(flag_value(adapted, "--devices"))  # the group's total, MOE_SERVE_LOCAL_DEVICES a process's
+    assert (devices, env["MOE_SERVE_LOCAL_DEVICES"], env["LWS_WORKER_INDEX"]) == (2, "1", "1")
+    assert meshspec.parse_mesh(flag_value(adapted, "--mesh"), devices) == {"data": 1, "expert": 2, "model": 1}
+    adapted, env = adapt(argv, {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "grpc://localhost:29000"})
+    assert "JAX_PLATFORMS" not in env and "JAX_BACKEND_TARGET" not in env and flag_value(adapted, "--devices") == "1"
