@@ -220,3 +220,65 @@ def test_the_dry_run_gives_a_groups_processes_one_device_each_and_a_pathways_lea
     assert meshspec.parse_mesh(flag_value(adapted, "--mesh"), devices) == {"data": 1, "expert": 2, "model": 1}
     adapted, env = adapt(argv, {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "grpc://localhost:29000"})
     assert "JAX_PLATFORMS" not in env and "JAX_BACKEND_TARGET" not in env and flag_value(adapted, "--devices") == "1"
+
+
+class _Servers:
+    """The dry run's local servers as the emulated controller drives them (start, state, stop), each
+    process's phase set by the test: the controller's decisions are what is held here."""
+
+    dir = "/nonexistent"
+
+    def __init__(self) -> None:
+        self.started: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.phase: dict[str, str] = {}
+
+    def start(self, key, argv, env, log_path) -> None:
+        from trainer.outputs import Phase
+
+        self.started[key] = (list(argv), dict(env))
+        self.phase[key] = Phase.STARTING
+
+    def state(self, key):
+        from provision.emulator.local_server import ServerState
+
+        return ServerState(self.phase.get(key, "stopped"), None, "Traceback: the worker died" if key in self.phase
+                           else "")
+
+    def stop(self, key) -> bool:
+        return self.phase.pop(key, None) is not None
+
+
+def test_the_emulator_starts_a_group_with_the_controllers_environment_and_a_dead_worker_fails_it(loaded):
+    from provision.emulator import gke_lws, kube_objects
+    from provision.emulator.gke import ClusterRecord, PoolRecord
+    from provision.emulator.gke_world import GkeWorld
+    from trainer.outputs import Phase
+
+    world, servers = GkeWorld(), _Servers()
+    world.servers = servers
+    cluster = "projects/p/locations/us-west4/clusters/c"
+    world.clusters[cluster] = ClusterRecord(name=cluster, request={}, create_time=0, ready_at=0, preexisting=True)
+    request = {"name": "a", "initial_node_count": 16, "locations": ["us-west4-a"],
+               "config": {"machine_type": "ct5lp-hightpu-4t"}, "placement_policy": {"tpu_topology": "8x8"}}
+    world.pools[f"{cluster}/nodePools/a"] = PoolRecord(name=f"{cluster}/nodePools/a", request=request, create_time=0,
+                                                       ready_at=0)
+    kube_objects.handle(world, 1.0, "POST", "/apis/leaderworkerset.x-k8s.io/v1/namespaces/default/leaderworkersets",
+                        {}, objects(loaded)["LeaderWorkerSet"])
+    world.reconcile(1.0 + 30)  # the pods run: the group's first DRY_RUN_PROCESSES servers start together
+    leader, worker = "pod/default/moe-1-2t-lws-0", "pod/default/moe-1-2t-lws-0-1"
+    assert sorted(servers.started) == [leader, worker]
+    envs = [servers.started[key][1] for key in (leader, worker)]
+    assert [e["LWS_WORKER_INDEX"] for e in envs] == ["0", "1"]
+    assert {(e["LWS_LEADER_ADDRESS"], e["LWS_GROUP_SIZE"], e["JAX_COORDINATOR_ADDRESS"]) for e in envs} \
+        == {("127.0.0.1", "2", envs[0]["JAX_COORDINATOR_ADDRESS"])}
+    assert envs[0]["JAX_COORDINATOR_ADDRESS"].startswith("127.0.0.1:")
+    assert servers.started[leader][0] == servers.started[worker][0]  # one argv, the rendered one
+    servers.phase[leader] = Phase.READY
+    world.reconcile(40.0)
+    lws = world.objects["LeaderWorkerSet/default/moe-1-2t-lws"]
+    assert gke_lws.status(world, lws, 40.0)["readyReplicas"] == 1
+    servers.phase[worker] = Phase.FAILED
+    world.reconcile(50.0)
+    assert gke_lws.status(world, lws, 50.0)["readyReplicas"] == 0 and servers.phase == {}  # the group stopped
+    pod = world.pods["default/moe-1-2t-lws-0-1"]
+    assert (pod.reason, pod.message) == ("CrashLoopBackOff", "Traceback: the worker died")
