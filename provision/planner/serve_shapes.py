@@ -40,7 +40,18 @@ def hosts_document(plan: ServePlan) -> dict:
                            for row in plan.rows},
             "hbm_usable_bytes_per_host": plan.rows[0].serving.usable() * acc.chips_per_vm,
             "one_host": {"topology": ONE_HOST.topology, "chips": ONE_HOST.chips, "fits_at": one.precision},
-            "needs_multi_host": one.precision is None}
+            "needs_multi_host": one.precision is None, "smallest_shape": _smallest(plan, one)}
+
+
+def _smallest(plan: ServePlan, one: Shape) -> dict | None:
+    """Where one host cannot hold the model: the smallest multi-host shape that can (None: one host can, or
+    no v5e shape does)."""
+    shape = smallest_shape(plan, multi_host=True) if one.precision is None else None
+    if shape is None:
+        return None
+    acc = shape.accelerator
+    return {"topology": acc.topology, "chips": acc.chips, "hosts": acc.vms, "fits_at": shape.precision,
+            "mesh": shape.mesh}
 
 
 def hosts_line(plan: ServePlan, document: dict) -> str:
@@ -57,6 +68,10 @@ def hosts_line(plan: ServePlan, document: dict) -> str:
     need = (f"one host ({one['topology']}, {one['chips']} chips) holds it at no precision the engine serves: it "
             "needs multi-host" if document["needs_multi_host"] else
             f"one host ({one['topology']}, {one['chips']} chips) holds it at {one['fits_at']}")
+    smallest = document["smallest_shape"]
+    if smallest is not None:
+        need += (f", the smallest shape that holds it being {smallest['topology']} ({smallest['hosts']} hosts) at "
+                 f"{smallest['fits_at']}")
     return f"hosts     {hosts} ({where}); {per_host}; {need}"
 
 
@@ -82,9 +97,12 @@ def shape_fit(plan: ServePlan, acc: catalogue.AcceleratorType) -> Shape:
     return Shape(acc, first, mesh.text())
 
 
-def smallest_shape(plan: ServePlan) -> Shape | None:
-    """The v5e shape with the fewest chips where a precision the engine serves fits; None: not even 16x16."""
+def smallest_shape(plan: ServePlan, multi_host: bool = False) -> Shape | None:
+    """The v5e shape with the fewest chips (of the multi-host ones with `multi_host`) where a precision the
+    engine serves fits; None: not even 16x16."""
     for acc in sorted(catalogue.ACCELERATORS.values(), key=lambda a: a.chips):
+        if multi_host and not acc.multi_host:
+            continue
         shape = shape_fit(plan, acc)
         if shape.precision is not None:
             return shape

@@ -153,6 +153,8 @@ def test_plan_serve_names_the_hosts_and_that_the_model_needs_several():
     per_host = hosts["precisions"][served["configured_precision"]]["memory_bytes_per_host"]
     assert per_host == 4 * configured["memory_bytes_per_chip"]
     assert hosts["one_host"] == {"topology": "2x4", "chips": 8, "fits_at": None}
+    assert (hosts["smallest_shape"]["topology"], hosts["smallest_shape"]["hosts"]) == ("8x8", 16)
+    assert hosts["smallest_shape"]["fits_at"].startswith("int4")
 
 
 def test_deploy_refuses_a_shape_the_platform_cannot_place_naming_the_one_that_can(tmp_path):
