@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 from pathlib import Path
 
 import jsonschema
@@ -26,6 +27,7 @@ from provision.emulator.local_server import flag_value
 
 EXAMPLE = ROOT / "examples" / "serve-gke-multihost.yaml"
 SCHEMA = Path(__file__).resolve().parent / "schemas" / "leaderworkerset.v1.json"
+GOLDENS = Path(__file__).resolve().parent / "goldens" / "gke"
 STARTUP_S = 600.0
 TPU = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice", "cloud.google.com/gke-tpu-topology": "8x8"}
 
@@ -66,6 +68,20 @@ def objects(cfg):
 def containers(lws: dict, role: str) -> dict[str, dict]:
     spec = lws["spec"]["leaderWorkerTemplate"][role]["spec"]
     return {c["name"]: c for c in spec["containers"]}
+
+
+def test_goldens(loaded, pathways):
+    """The rendered files as goldens (tests/control/goldens/gke/serve-gke-multihost.*); regenerate with
+    MOE_TPU_UPDATE_GOLDENS=1 (then read the diff)."""
+    every = ("leaderworkerset.yaml", "service.yaml", "podmonitoring.yaml", "hpa.yaml")
+    for prefix, cfg, names in (("serve-gke-multihost", loaded, every),
+                               ("serve-gke-multihost-pathways", pathways, every[:1])):  # the rest: the same
+        files = gke_lws_render.group_files(cfg, renderer_for(cfg), STARTUP_S)
+        for name in names:
+            path = GOLDENS / f"{prefix}.{name}.golden"
+            if os.environ.get("MOE_TPU_UPDATE_GOLDENS"):
+                path.write_text(files[name])
+            assert files[name] == path.read_text(), f"{name} differs from {path}"
 
 
 def test_the_leaderworkerset_validates_against_its_crds_schema(loaded, pathways, validator):
