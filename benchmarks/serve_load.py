@@ -298,12 +298,14 @@ def interference(base: str, args, vocab: int) -> None:
 
 def decode_bound(args) -> None:
     """The decode step at batch 1 against bytes read / the bandwidth of a large copy, in this run."""
+    import jax
+
     loaded = build(args, args.bound_config, args.bound_overrides, 1, args.bound_max_len)
     engine, model = loaded["engine"], loaded["model"]
     engine.warm_up()
     params = sum(p.size for p in loaded["weights"]["params"].values())
     weight_bytes = sum(p.nbytes for p in loaded["weights"]["params"].values())
-    cache_bytes = engine.cache.k.nbytes + engine.cache.v.nbytes
+    cache_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.cache))  # keys and values, or latents
     engine.runner.positions_S[:] = args.bound_max_len // 2
     times = []
     for _ in range(args.bound_steps):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer.serve.kvcache import KVCache
+from trainer.serve.latentcache import CacheLayout
 from trainer.serve.logprobs import Logprob, records, token_logprobs
 from trainer.serve.sampling import sample_tokens
 from trainer.serve.weights import ServingModel
@@ -24,9 +24,9 @@ class ModelRunner:
         self.slots, self.max_len, self.chunk = slots, max_len, chunk
         self.kv_dtype = jnp.dtype(kv_dtype or model.cfg.dtype)
         replicated = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
-        cache_sharding = KVCache.sharding(model.mesh, m.kv_heads, self.kv_dtype)
-        self.cache = jax.jit(lambda: KVCache.empty(m.num_layers, slots, max_len, m.kv_heads, m.head_size,
-                                                   self.kv_dtype), out_shardings=cache_sharding)()
+        layout = CacheLayout.of(m)  # keys and values per head, or latent attention's latents
+        cache_sharding = layout.sharding(model.mesh, self.kv_dtype)
+        self.cache = jax.jit(lambda: layout.empty(slots, max_len, self.kv_dtype), out_shardings=cache_sharding)()
         # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
