@@ -226,6 +226,15 @@ class Engine:
             except Exception:  # noqa: BLE001 - the request is gone either way
                 pass
 
+    def fail_all(self, reason: str) -> None:
+        """Fails every request, the waiting ones too (the engine cannot step again)."""
+        waiting = list(self.scheduler.waiting)
+        self.scheduler.waiting.clear()
+        for req in waiting:
+            req.error = reason
+            self._end(req, "error")
+        self.fail_in_flight(reason)
+
     def fail_in_flight(self, reason: str) -> None:
         """Fails every request holding a slot (a step that raised): each ends with `reason` as its error."""
         for req in self.scheduler.in_flight():

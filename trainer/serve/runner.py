@@ -30,6 +30,11 @@ class ModelRunner:
         # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
+        self.programs = {"prefill": self._prefill, "decode": self._decode}
+        # A multi-host group's leader hands each call to its workers first (trainer.serve.multihost).
+        self.on_call = None
+        self._replicated = replicated
+        self._spans_processes = jax.process_count() > 1
         # Host copies of each slot's decode inputs; an idle slot sits at position max_len, whose cache
         # writes are dropped, and samples greedily (an argmax: the cheapest).
         self.tokens_S = np.zeros(slots, np.int32)
@@ -40,6 +45,19 @@ class ModelRunner:
         self.seed_S = np.zeros(slots, np.int32)
 
     # ------------------------------------------------------------------ the jitted programs
+
+    def run(self, name: str, *inputs):
+        """Runs program `name` of `programs` on the weights, the cache and the host arrays `inputs`, keeps the
+        cache it returns and returns its other outputs. Every program call comes here: in a multi-host group
+        the leader's `on_call` hands (name, inputs) to the workers, which run the same call on their devices
+        (each call's inputs are then global arrays, the same on every process)."""
+        if self.on_call is not None:
+            self.on_call(name, inputs)
+        if self._spans_processes:
+            inputs = jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), inputs)
+        outputs, self.cache = self.programs[name](self.weights, self.cache, *inputs)
+        return outputs
 
     def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want):
         """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
@@ -63,11 +81,9 @@ class ModelRunner:
         """Compiles both steps (an idle decode step writes nothing; the prefill's writes into slot 0 are
         overwritten by its next request before they are read)."""
         sampling = sampling_arrays([(0.0, 0, 1.0, 0)])
-        tokens, self.cache = self._prefill(self.weights, self.cache, np.zeros((1, self.chunk), np.int32),
-                                           np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
-                                           np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False))
-        tokens, self.cache = self._decode(self.weights, self.cache, self.tokens_S, self.positions_S,
-                                          self.slot_sampling(), np.bool_(False))
+        self.run("prefill", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
+                 np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False))
+        tokens = self.run("decode", self.tokens_S, self.positions_S, self.slot_sampling(), np.bool_(False))
         jax.block_until_ready(tokens)
 
     # ------------------------------------------------------------------ steps
@@ -87,27 +103,27 @@ class ModelRunner:
         if final:
             targets[len(piece) - 1] = -1
         want = prompt_scores or (final and top is not None)
-        (token_1, scored), self.cache = self._prefill(
-            self.weights, self.cache, tokens, targets, np.asarray([start], np.int32), np.asarray([slot], np.int32),
-            np.int32(len(piece) - 1), sampling_arrays([sampling]), np.bool_(want))
-        token = int(np.asarray(token_1)[0])
+        token_1, scored = self.run("prefill", tokens, targets, np.asarray([start], np.int32),
+                                   np.asarray([slot], np.int32), np.int32(len(piece) - 1),
+                                   sampling_arrays([sampling]), np.bool_(want))
+        token = int(host(token_1)[0])
         if not want:
             return token, None
         if final:
             targets[len(piece) - 1] = token
         rows = targets[:len(piece)] if prompt_scores else targets[len(piece) - 1:len(piece)]
-        scored = [a[:len(piece)] if prompt_scores else a[len(piece) - 1:len(piece)] for a in scored]
+        scored = [host(a)[:len(piece)] if prompt_scores else host(a)[len(piece) - 1:len(piece)] for a in scored]
         return token, records(rows, *scored, top or 0)
 
     def decode(self, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
         """One decode step of every slot: (each slot's next token, the records of the slots in `wanted`, a
         slot -> how many alternatives)."""
-        (tokens_S, scored), self.cache = self._decode(self.weights, self.cache, self.tokens_S, self.positions_S,
-                                                      self.slot_sampling(), np.bool_(bool(wanted)))
-        tokens_S = np.asarray(tokens_S)
+        tokens_S, scored = self.run("decode", self.tokens_S, self.positions_S, self.slot_sampling(),
+                                    np.bool_(bool(wanted)))
+        tokens_S = host(tokens_S)
         if not wanted:
             return tokens_S, {}
-        scored = [np.asarray(a) for a in scored]
+        scored = [host(a) for a in scored]
         return tokens_S, {slot: records([tokens_S[slot]], *(a[slot:slot + 1] for a in scored), top)[0]
                           for slot, top in wanted.items()}
 
@@ -126,6 +142,12 @@ class ModelRunner:
 
     def slot_sampling(self):
         return self.temperature_S, self.top_k_S, self.top_p_S, self.seed_S
+
+
+def host(x) -> np.ndarray:
+    """A step's replicated output on the host: on a mesh over several processes the array is not wholly
+    addressable here, but this process's first shard holds all of it."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_shards[0].data)
 
 
 def sampling_arrays(rows: list[tuple]):

@@ -10,7 +10,8 @@ Routes (trainer.serve.routes, trainer.serve.tokenizer_routes):
                                                naming the field.
   GET  /v1/models                              the one model served
   POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer routes
-  GET  /health (and $AIP_HEALTH_ROUTE)         503 until the weights are loaded and the steps compiled
+  GET  /health (and $AIP_HEALTH_ROUTE)         503 until the weights are loaded and the steps compiled, and
+                                               once a multi-host group has lost a process
   GET  /metrics                                Prometheus text, vLLM's metric names
   POST $AIP_PREDICT_ROUTE (default /predict)   {"instances": [completion or chat request, ...]} ->
                                                {"predictions": [{"text", "finish_reason", "usage"}, ...]}
@@ -64,6 +65,7 @@ class ServerState:
     eos_token: str | None = None  # the tokenizer's end-of-document token (/tokenizer_info)
     tokenizer_class: str = "bytes"
     open: set = dataclasses.field(default_factory=set)  # engine requests whose answer is being waited for
+    failed: str | None = None  # why the server cannot serve any more (a multi-host group lost a process)
 
     @property
     def ready(self) -> bool:
@@ -235,6 +237,8 @@ def create_app(state: ServerState) -> FastAPI:
 
 def _health(state: ServerState):
     async def health():
+        if state.failed:
+            return JSONResponse({"status": "failed", "reason": state.failed}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         if state.loop is None:

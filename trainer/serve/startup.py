@@ -71,7 +71,8 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     progress(f"{cfg.name}: {plan['weights'] / 2**20:,.1f} MiB of weights a device"
              f"{stored}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
              f"positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); mesh {mesh_shape}")
-    check_fits(plan, device_memory_gb if device_memory_gb else memory_of(devices), slots, max_len, kv, quantized)
+    limit = device_memory_gb if device_memory_gb else memory_of(jax.local_devices())  # this process's devices
+    check_fits(plan, limit, slots, max_len, kv, quantized)
     progress(f"reading the parameters from {checkpoints}")
     try:
         weights, step = restore_weights(model, checkpoints)
