@@ -10,7 +10,6 @@ off (compiling dominates here)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 
@@ -108,9 +107,6 @@ def test_deploy_predict_down_on_gke(work):
 
 GROUP_KINDS = ("LeaderWorkerSet", "Service", "PodMonitoring", "HorizontalPodAutoscaler")
 GROUP = ("pod/default/moe-1-2t-lws-0", "pod/default/moe-1-2t-lws-0-1")  # the leader, a worker playing a host
-# The engine across processes (issue 46 part 1): a worker then serves no HTTP; before it, each process of a
-# group serves alone, and the control plane's half is what the test holds.
-ENGINE_GROUPS = importlib.util.find_spec("trainer.serve.multihost") is not None
 
 
 def test_deploy_predict_down_a_leaderworkerset(work):
@@ -124,8 +120,7 @@ def test_deploy_predict_down_a_leaderworkerset(work):
     assert sorted(servers.keys()) == sorted(GROUP)  # the group's processes, not one per host of the slice
     records = [servers.record(key) for key in GROUP]
     assert servers.state(GROUP[0]).phase == Phase.READY
-    if ENGINE_GROUPS:
-        assert servers.state(GROUP[1]).phase == Phase.STARTING  # a worker: alive, no HTTP of its own
+    assert servers.state(GROUP[1]).phase == Phase.STARTING  # a worker of the group: alive, no HTTP of its own
     code, predicted, err = moe_tpu(work, "predict", "-c", "serve-gke-multihost.yaml", "--prompt", PROMPT,
                                    "--max-tokens", str(TOKENS))
     assert code == 0, err[-2000:]
