@@ -243,7 +243,8 @@ class Kind:
     it reads (besides the common ones); own_sections: sections a kind brings to the config file
     itself (the key -> its pydantic model, validated with the file by provision.config.loading);
     serve_platform, serve_price_basis: what `plan --serve` says a replica is billed on and what its
-    price is (by default a Cloud TPU VM's, at the catalogue's chip-hour price).
+    price is (by default a Cloud TPU VM's, at the catalogue's chip-hour price); serves_multi_host:
+    whether it serves a replica over several hosts (GKE's LeaderWorkerSet).
     """
 
     name: ClassVar[str] = ""
@@ -257,6 +258,7 @@ class Kind:
     own_sections: ClassVar[dict[str, type]] = {}
     serve_platform: ClassVar[str] = "Cloud TPU VM"
     serve_price_basis: ClassVar[str] = "the catalogue's Cloud TPU v5e chip-hour price"
+    serves_multi_host: ClassVar[bool] = False
 
     # --- the config ----------------------------------------------------------------------------
     def checks(self, get: Callable[[str], Any]) -> list[tuple[str, str]]:

@@ -43,6 +43,7 @@ def deploy(app, config_path: str, keep: bool) -> None:
 
     app.command = "deploy"
     cfg = app.load_config(config_path, serve_mesh=True)  # each replica's server started on one mesh, the plan's
+    _refuse_unplaceable(cfg)
     context = app.context(cfg)
     service = kind_of(cfg).service(context)
     app.console.info(f"deploy {cfg.run}: {service.describe()}" + (" [dry run]" if app.dry_run else ""))
@@ -63,6 +64,20 @@ def deploy(app, config_path: str, keep: bool) -> None:
     for line in _examples(service, url):
         app.console.text(line)
     _emit(app, follower, "ok", resources, url=url, smoke={"request": SMOKE_REQUEST, "text": text})
+
+
+def _refuse_unplaceable(cfg) -> None:
+    """A replica the model fits at no precision the engine serves is refused (exit 2) before anything is
+    made, naming the shape that holds it and the kind of target that places that shape."""
+    from provision.errors import UsageError
+    from provision.planner import plan_for, serve_plan_for
+    from provision.planner.serve_shapes import placement_problem
+
+    if cfg.serve is None:  # the kind says what it needs
+        return
+    problem = placement_problem(serve_plan_for(cfg, plan_for(cfg)), cfg.kind.serves_multi_host)
+    if problem is not None:
+        raise UsageError(f"{cfg.source}: serve: {problem}", hint="`moe-tpu plan --serve` shows what fits where")
 
 
 def _smoke(service) -> list[dict]:

@@ -1,7 +1,7 @@
 """A GKE cluster's Kubernetes API as a run needs it: the official `kubernetes` client, configured from
 the cluster itself (GetCluster's endpoint and CA certificate) and the session's google-auth
-credentials, never from kubectl or a kubeconfig. JobSets and PodMonitorings through CustomObjectsApi;
-Deployments (AppsV1Api), Services, pods, their logs, events and nodes (CoreV1Api), HPAs
+credentials, never from kubectl or a kubeconfig. JobSets, PodMonitorings and LeaderWorkerSets through
+CustomObjectsApi; Deployments (AppsV1Api), Services, pods, their logs, events and nodes (CoreV1Api), HPAs
 (AutoscalingV2Api); a Service's proxy path; transient answers retried on our clock."""
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from provision.waiting import call_with_retry
 T = TypeVar("T")
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 POD_MONITORING = ("monitoring.googleapis.com", "v1", "podmonitorings")
+LEADER_WORKER_SET = ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
+# A service's custom resources (CustomObjectsApi): kind -> (group, version, plural).
+CUSTOM = {"PodMonitoring": POD_MONITORING, "LeaderWorkerSet": LEADER_WORKER_SET}
 # A service's objects with a typed API in the client: kind -> (KubeApi's attribute, the method suffix).
 SERVING = {"Deployment": ("apps", "namespaced_deployment"), "Service": ("core", "namespaced_service"),
            "HorizontalPodAutoscaler": ("autoscaling", "namespaced_horizontal_pod_autoscaler")}
@@ -200,39 +203,48 @@ class KubeApi:
         return answer if isinstance(answer, dict) else self._client.sanitize_for_serialization(answer)
 
     def create_object(self, kind: str, namespace: str, body: dict) -> dict | None:
-        """Create a Deployment, Service, PodMonitoring or HorizontalPodAutoscaler; None when one of that
-        name exists (409: the caller adopts or refuses it)."""
-        if kind == "PodMonitoring":
-            fn = lambda: self.custom.create_namespaced_custom_object(*POD_MONITORING[:2], namespace,  # noqa: E731
-                                                                     POD_MONITORING[2], body)
+        """Create a Deployment, LeaderWorkerSet, Service, PodMonitoring or HorizontalPodAutoscaler; None when
+        one of that name exists (409: the caller adopts or refuses it)."""
+        if kind in CUSTOM:
+            fn = lambda: self.custom.create_namespaced_custom_object(*CUSTOM[kind][:2], namespace,  # noqa: E731
+                                                                     CUSTOM[kind][2], body)
         else:
             fn = lambda: self._typed(kind, "create")(namespace, body)  # noqa: E731
         answer = self._call(f"create {kind}", fn, exists_ok=True, request=body)
         return None if answer is None else self._plain(answer)
 
     def get_object(self, kind: str, namespace: str, name: str) -> dict | None:
-        if kind == "PodMonitoring":
-            fn = lambda: self.custom.get_namespaced_custom_object(*POD_MONITORING[:2], namespace,  # noqa: E731
-                                                                  POD_MONITORING[2], name)
+        if kind in CUSTOM:
+            fn = lambda: self.custom.get_namespaced_custom_object(*CUSTOM[kind][:2], namespace,  # noqa: E731
+                                                                  CUSTOM[kind][2], name)
         else:
             fn = lambda: self._typed(kind, "read")(name, namespace)  # noqa: E731
         answer = self._call(f"get {kind}", fn, missing_ok=True, request={"namespace": namespace, "name": name})
         return None if answer is None else self._plain(answer)
 
     def list_objects(self, kind: str, namespace: str, label_selector: str) -> list[dict]:
-        if kind == "PodMonitoring":
+        """The objects of `kind` the selector picks ([] for a custom resource the cluster does not serve:
+        a cluster without the LeaderWorkerSet controller has none)."""
+        if kind in CUSTOM:
             fn = lambda: self.custom.list_namespaced_custom_object(  # noqa: E731
-                *POD_MONITORING[:2], namespace, POD_MONITORING[2], label_selector=label_selector)
+                *CUSTOM[kind][:2], namespace, CUSTOM[kind][2], label_selector=label_selector)
         else:
             fn = lambda: self._typed(kind, "list")(namespace, label_selector=label_selector)  # noqa: E731
-        answer = self._plain(self._call(f"list {kind}s", fn, request={"namespace": namespace,
-                                                                       "labelSelector": label_selector}))
-        return list(answer.get("items") or [])
+        answer = self._call(f"list {kind}s", fn, request={"namespace": namespace, "labelSelector": label_selector},
+                            missing_ok=kind in CUSTOM)
+        return list(self._plain(answer).get("items") or []) if answer is not None else []
+
+    def serves(self, kind: str, namespace: str) -> bool:
+        """Whether the cluster's API serves `kind` (a custom resource's CRD is installed): a list answers."""
+        group, version, plural = CUSTOM[kind]
+        answer = self._call(f"list {kind}s", lambda: self.custom.list_namespaced_custom_object(
+            group, version, namespace, plural, limit=1), missing_ok=True, request={"namespace": namespace})
+        return answer is not None
 
     def replace_object(self, kind: str, namespace: str, name: str, body: dict) -> dict:
-        if kind == "PodMonitoring":
+        if kind in CUSTOM:
             fn = lambda: self.custom.replace_namespaced_custom_object(  # noqa: E731
-                *POD_MONITORING[:2], namespace, POD_MONITORING[2], name, body)
+                *CUSTOM[kind][:2], namespace, CUSTOM[kind][2], name, body)
         else:
             fn = lambda: self._typed(kind, "replace")(name, namespace, body)  # noqa: E731
         return self._plain(self._call(f"replace {kind}", fn, request=body))
@@ -242,9 +254,9 @@ class KubeApi:
         from kubernetes import client
 
         options = client.V1DeleteOptions(propagation_policy="Foreground")
-        if kind == "PodMonitoring":
+        if kind in CUSTOM:
             fn = lambda: self.custom.delete_namespaced_custom_object(  # noqa: E731
-                *POD_MONITORING[:2], namespace, POD_MONITORING[2], name, body=options)
+                *CUSTOM[kind][:2], namespace, CUSTOM[kind][2], name, body=options)
         else:
             fn = lambda: self._typed(kind, "delete")(name, namespace, body=options)  # noqa: E731
         answer = self._call(f"delete {kind}", fn, missing_ok=True,

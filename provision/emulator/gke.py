@@ -178,6 +178,9 @@ class PodRecord:
     template_hash: str = ""
     ready_at: float | None = None
     restarts: int = 0
+    # A LeaderWorkerSet's pod (gke_lws.py): its LeaderWorkerSet; job_index is its group, pod_index its
+    # worker index (0: the leader).
+    lws: str | None = None
 
     def phase(self, now: float) -> str:
         if self.ended_at is not None and now >= self.ended_at:
@@ -223,7 +226,7 @@ class JobSetRecord:
 
 @dataclass
 class KubeObject:
-    """A Deployment, Service, PodMonitoring or HorizontalPodAutoscaler as created (or last replaced)."""
+    """A Deployment, LeaderWorkerSet, Service, PodMonitoring or HPA as created (or last replaced)."""
 
     kind: str
     name: str

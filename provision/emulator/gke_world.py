@@ -46,7 +46,7 @@ class GkeWorld:
         self.jobsets: dict[str, JobSetRecord] = {}  # "NAMESPACE/NAME"
         self.pods: dict[str, PodRecord] = {}  # "NAMESPACE/NAME"
         self.events: list[Event] = []
-        self.objects: dict[str, KubeObject] = {}  # Deployments, Services, PodMonitorings, HPAs: "KIND/NS/NAME"
+        self.objects: dict[str, KubeObject] = {}  # Deployments, LeaderWorkerSets, Services, PodMonitorings, HPAs
         self.counter = 0
         # Set by the emulator for each transaction, not saved: whether a dry run's local trainer drives
         # the trainer pods, and the dry run's local servers (local_server.LocalServers) that play a
@@ -135,12 +135,13 @@ class GkeWorld:
 
     # --- the JobSet controller --------------------------------------------------------------
     def reconcile(self, now: float) -> None:
-        from provision.emulator import gke_serving
+        from provision.emulator import gke_lws, gke_serving
 
         for jobset in list(self.jobsets.values()):
             if jobset.terminal is None:
                 self._reconcile(jobset, now)
         gke_serving.reconcile(self, now)
+        gke_lws.reconcile(self, now)
 
     def _pods_of(self, jobset: JobSetRecord, attempt: int | None = None) -> list[PodRecord]:
         return [p for p in self.pods.values() if p.namespace == jobset.namespace and p.jobset == jobset.name

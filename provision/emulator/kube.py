@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from provision.emulator import kube_objects
@@ -99,6 +100,8 @@ def _container_status(name: str, pod: PodRecord, now: float) -> dict:
 def pod_view(gke: GkeWorld, pod: PodRecord, now: float) -> dict:
     if pod.deployment:
         return kube_objects.deployment_pod_view(gke, pod, now)
+    if pod.lws:
+        return kube_objects.lws_pod_view(gke, pod, now)
     rec = gke.jobsets.get(f"{pod.namespace}/{pod.jobset}")
     job = next((j for j in rec.jobs() if j["name"] == pod.replicated_job), None) if rec else None
     spec = json.loads(json.dumps(job["template"]["spec"]["template"]["spec"])) if job else {"containers": []}
@@ -262,7 +265,7 @@ def _log(gke: GkeWorld, pod: PodRecord, now: float, query: dict[str, str]) -> st
     if pod.phase(now) == "Pending":
         raise KubeError(400, "BadRequest", f'container "{container}" in pod "{pod.name}" is waiting to start: '
                                            "ContainerCreating")
-    if (container == "trainer" or pod.deployment) and pod.log_path:
+    if (container == "trainer" or pod.deployment or pod.lws) and pod.log_path:
         try:
             lines = Path(pod.log_path).read_text(errors="replace").splitlines()
         except OSError:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from provision.emulator import gke_serving
+from provision.emulator import gke_lws, gke_serving
 from provision.emulator.gke import KubeObject, PodRecord, iso, object_key, short_hash
 from provision.emulator.kube_base import KubeError, list_of, not_found, selector_matches
 
@@ -52,6 +52,7 @@ KINDS = {k.plural: k for k in (
     ObjectKind("Service", "", "v1", "services"),
     ObjectKind("PodMonitoring", "monitoring.googleapis.com", "v1", "podmonitorings"),
     ObjectKind("HorizontalPodAutoscaler", "autoscaling", "v2", "horizontalpodautoscalers"),
+    ObjectKind("LeaderWorkerSet", "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
 )}
 _PATHS = [(re.compile(rf"^{re.escape(k.prefix)}(?:/namespaces/([^/]+))?/{k.plural}(?:/([^/]+))?$"), k)
           for k in KINDS.values()]
@@ -78,6 +79,8 @@ def handle(gke: GkeWorld, now: float, method: str, path: str, query: dict[str, s
             break
     else:
         return None
+    if kind.kind == gke_lws.LWS and not gke_lws.served(gke):  # no controller, no CRD: the API has no such path
+        raise KubeError(404, "NotFound", "the server could not find the requested resource")
     if method == "POST" and namespace and not name:
         obj = _checked(kind, body, namespace, KubeError)
         if obj.key in gke.objects:
@@ -104,6 +107,8 @@ def handle(gke: GkeWorld, now: float, method: str, path: str, query: dict[str, s
         del gke.objects[obj.key]
         if kind.kind == gke_serving.DEPLOYMENT:
             gke_serving.delete_deployment(gke, obj, now)
+        if kind.kind == gke_lws.LWS:
+            gke_lws.delete(gke, obj, now)
         gke.event(obj.namespace, kind.kind, obj.name, "Deleted", f"{kind.kind} {obj.name} deleted", now)
         if kind.kind == "Service":  # the core API answers a Service's delete with the object
             return 200, view(gke, obj, now)
@@ -218,7 +223,7 @@ def _check_hpa(spec: dict) -> None:
 
 
 CHECKS = {"Deployment": _check_deployment, "Service": _check_service, "PodMonitoring": _check_pod_monitoring,
-          "HorizontalPodAutoscaler": _check_hpa}
+          "HorizontalPodAutoscaler": _check_hpa, "LeaderWorkerSet": lambda spec: gke_lws.check(spec, Invalid)}
 
 
 # --- views --------------------------------------------------------------------------------------
@@ -286,7 +291,7 @@ def _pod_monitoring_status(gke: GkeWorld, obj: KubeObject, now: float) -> dict:
 
 
 STATUS = {"Deployment": _deployment_status, "HorizontalPodAutoscaler": _hpa_status,
-          "PodMonitoring": _pod_monitoring_status}
+          "PodMonitoring": _pod_monitoring_status, "LeaderWorkerSet": gke_lws.status}
 
 
 def deployment_pod_view(gke: GkeWorld, pod: PodRecord, now: float) -> dict:
@@ -313,6 +318,21 @@ def deployment_pod_view(gke: GkeWorld, pod: PodRecord, now: float) -> dict:
                                               "name": f"{pod.deployment}-{pod.template_hash}",
                                               "uid": f"replicaset-{pod.deployment}-{pod.template_hash}"}]},
             "spec": spec, "status": status}
+
+
+def lws_pod_view(gke: GkeWorld, pod: PodRecord, now: float) -> dict:
+    """A LeaderWorkerSet's pod: its template's spec, its labels and the controller's, its node, and its
+    containers' states as a Deployment's pod has them."""
+    lws = gke.objects.get(object_key(gke_lws.LWS, pod.namespace, pod.lws or ""))
+    spec = copy.deepcopy(gke_lws.template(lws, pod.pod_index).get("spec") or {}) if lws else {"containers": []}
+    spec["nodeName"] = pod.node
+    phase, is_ready = pod.phase(now), gke_lws.ready(pod, now)
+    statuses = [_server_status(c["name"], pod, phase, is_ready, now) for c in spec.get("containers", [])]
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": f"pod-{pod.name}",
+                         "labels": gke_lws.pod_labels(gke, pod) or {}, "creationTimestamp": iso(pod.created_at)},
+            "spec": spec, "status": {"phase": phase, "startTime": iso(pod.created_at), "containerStatuses": statuses,
+                                     "conditions": [_condition("Ready", is_ready, "", "", pod.created_at)]}}
 
 
 def _server_status(name: str, pod: PodRecord, phase: str, is_ready: bool, now: float) -> dict:
@@ -346,6 +366,10 @@ def proxy_target(gke: GkeWorld, now: float, namespace: str, service: str) -> str
         raise KubeError(503, "ServiceUnavailable", f'no endpoints available for service "{service}"')
     selector = ",".join(f"{k}={v}" for k, v in (obj.manifest["spec"].get("selector") or {}).items())
     for pod in sorted(gke.pods.values(), key=lambda p: p.name):
+        if pod.lws and pod.namespace == namespace and gke_lws.ready(pod, now) and pod.log_path:
+            if selector and selector_matches(selector, gke_lws.pod_labels(gke, pod) or {}):
+                return gke_lws.server_key(pod)  # a group's leader (the selector picks leaders only)
+            continue
         dep = gke.objects.get(object_key(gke_serving.DEPLOYMENT, pod.namespace, pod.deployment or ""))
         if pod.namespace != namespace or dep is None or not gke_serving.ready(pod, now):
             continue

@@ -247,7 +247,9 @@ def dry_run_adapter(cfg, state_dir: str | Path) -> Adapt:
     becomes that run's local output (local_trainer.local_output_dir); a local checkpoint is served as it
     is. The server runs on one CPU device, as `moe-tpu sample` does, so that a greedy prediction of the
     dry run is token for token the one `sample` gives for the checkpoint (and it compiles fastest): the
-    replica's --mesh (its chips, the cloud's) becomes that one device's, as dry_run.mesh shrinks training's."""
+    replica's --mesh (its chips, the cloud's) becomes that one device's, as dry_run.mesh shrinks training's. A
+    LeaderWorkerSet group's processes (LWS_GROUP_SIZE > 1) have one device each, the mesh expert=N over them;
+    a Pathways leader's server runs on this machine's CPU, as its one controller (no proxy is played)."""
     from provision.emulator.local_trainer import local_output_dir
     from trainer.meshspec import text_of
 
@@ -257,6 +259,13 @@ def dry_run_adapter(cfg, state_dir: str | Path) -> Adapt:
             path = checkpoint.rstrip("/")
             run = cfg.run if path == cfg.trainer.output_dir.rstrip("/") else path.rsplit("/", 1)[-1]
             argv = set_flag(argv, "--checkpoint", str(local_output_dir(Path(state_dir).resolve(), run)))
+        if env.get("JAX_PLATFORMS") == "proxy":  # a Pathways leader's server: no proxy here, this CPU instead
+            env = {k: v for k, v in env.items() if k not in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET")}
+        group = int(env.get("LWS_GROUP_SIZE") or 1)
+        if group > 1:  # a LeaderWorkerSet's group (emulator/gke_lws.py): one CPU device per process, the
+            # mesh over the group's devices on the expert axis (the same sums as one device's: `sample`'s tokens)
+            env = {**env, "MOE_SERVE_LOCAL_DEVICES": "1"}
+            return set_flag(set_flag(argv, "--mesh", text_of(1, group)), "--devices", str(group)), env
         if flag_value(argv, "--mesh") is not None:  # the replica's mesh, made one device's like the dry run's
             argv = set_flag(argv, "--mesh", text_of(1, 1))
         return set_flag(argv, "--devices", "1"), env

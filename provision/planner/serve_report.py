@@ -8,6 +8,7 @@ from typing import Any
 from provision.planner.report import _rows, human_bytes, human_count, human_seconds
 from provision.planner.report import usd as _usd
 from provision.planner.serve_plan import Row, ServePlan
+from provision.planner.serve_shapes import hosts_document, hosts_line
 from provision.planner.serving import DecodeStep, latent_capacity
 
 from trainer.serve.memory import QUANTIZED_WEIGHTS
@@ -86,6 +87,7 @@ def serve_document(plan: ServePlan) -> dict[str, Any]:
         "configured_precision": plan.configured,
         "precisions": {row.name: _row_document(plan, row) for row in plan.rows},
         **({"claim": _claim_document(plan)} if plan.claim_s is not None else {}),
+        "hosts": hosts_document(plan),
         "warnings": list(plan.warnings),
     }}
 
@@ -174,7 +176,8 @@ def serve_lines(plan: ServePlan) -> list[str]:
                  f"{plan.slots} slots x {plan.max_len} tokens",
              f"          mesh {mesh.text()} ({mesh_from}); {_deployed_with(plan)}",
              f"          KV cache {plan.rows[0].serving.kv.note}; {plan.platform} at "
-             f"{usd(plan.price_per_chip_hour)} per chip-hour ({plan.capacity}: {plan.price_basis})"]
+             f"{usd(plan.price_per_chip_hour)} per chip-hour ({plan.capacity}: {plan.price_basis})",
+             hosts_line(plan, hosts_document(plan))]
     for row in plan.rows:
         lines += _row_lines(plan, row)
     lines += [""] + [f"warning   {w}" for w in plan.warnings] if plan.warnings else []

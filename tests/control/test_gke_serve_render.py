@@ -118,7 +118,10 @@ def test_render_shows_the_manifests(tmp_path):
 
 
 @pytest.mark.parametrize("changes, key, words", [
-    ({"serve__topology": "4x4"}, "serve.topology", "spans 4 hosts"),
+    ({"serve__topology": "4x4", "serve__machine_type": "ct5lp-hightpu-8t"}, "serve.machine_type",
+     "multi-host slice of ct5lp-hightpu-4t hosts"),
+    ({"serve__topology": "4x4", "serve__max_replicas": 12, "run": "a-run-name-that-is-long-for-pool"}, "run",
+     "RUN-serve-N, at most 40"),
     ({"serve__topology": "2x4"}, "serve.topology", "is not its one host"),
     ({"serve__checkpoint": "/tmp/ckpt"}, "serve.checkpoint", "use a gs:// path"),
     ({"serve__min_replicas": 3, "serve__max_replicas": 2}, "serve.max_replicas", "below min_replicas (3)"),

@@ -214,7 +214,7 @@ def test_latent_attentions_kv_bytes_and_decode_flops_are_the_engines():
     assert f"an uncompressed cache (2.44 MiB a token) would hold {cap.uncompressed_sequences}" in note
 
 
-UNITS = {"bytes", "s", "usd", "tokens", "slots", "experts", "chips", "flops", "ways"}
+UNITS = {"bytes", "s", "usd", "tokens", "slots", "experts", "chips", "flops", "ways", "hosts"}
 
 
 def test_every_serving_figure_carries_its_unit(huge_plan):

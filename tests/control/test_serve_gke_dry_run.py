@@ -1,4 +1,5 @@
-"""Issue 33's GKE "done when", end to end in one fresh directory: `moe-tpu --dry-run run` of
+"""Issue 33's GKE "done when" (and issue 46's for a replica over several hosts), end to end in one fresh
+directory: `moe-tpu --dry-run run` of
 examples/v5e-64.yaml, then `deploy` of examples/serve-gke.yaml (the real server on this machine behind the
 emulated Deployment and Service), `predict` (through the API server's service proxy: the tokens `moe-tpu
 sample` gives for that checkpoint, greedy), `down`, and `list` empty; `--scenario quota` on the serving
@@ -17,6 +18,8 @@ import yaml
 from cli_helpers import EXAMPLES, ROOT, SMALL, invoke, nothing_left
 
 from provision.emulator.local_server import LocalServers
+from provision.emulator.local_trainer import process_runs
+from trainer.outputs import Phase
 
 PROMPT, TOKENS = "1 2 3", 6
 SERVING = ("Deployment", "Service", "PodMonitoring", "HorizontalPodAutoscaler")
@@ -63,6 +66,11 @@ def work(tmp_path_factory):
     serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], "slots": 8, "max_len": 64}}
     (work / "train.yaml").write_text(yaml.safe_dump(train))
     (work / "serve-gke.yaml").write_text(yaml.safe_dump(serve))
+    # examples/serve-gke-multihost.yaml on the same checkpoint, at the engine's own precision (as `sample`
+    # runs it: int4 moves a few-step model's greedy tokens)
+    group = yaml.safe_load((ROOT / "examples" / "serve-gke-multihost.yaml").read_text())
+    group["serve"].update(checkpoint="gs://my-bucket/moe-demo", slots=8, max_len=64, weights="auto")
+    (work / "serve-gke-multihost.yaml").write_text(yaml.safe_dump(group))
     before = os.environ.get(FAST)
     os.environ[FAST] = "1"
     try:
@@ -95,6 +103,35 @@ def test_deploy_predict_down_on_gke(work):
         == [f"k8s delete {kind}" for kind in reversed(SERVING)]
     assert rpcs(down, "DeleteNodePool") == ["google.container.v1.ClusterManager/DeleteNodePool"]
     assert nothing_left(work) and LocalServers(work / ".moe-tpu").keys() == []  # the server stopped too
+
+
+GROUP_KINDS = ("LeaderWorkerSet", "Service", "PodMonitoring", "HorizontalPodAutoscaler")
+GROUP = ("pod/default/moe-1-2t-lws-0", "pod/default/moe-1-2t-lws-0-1")  # the leader, a worker playing a host
+
+
+def test_deploy_predict_down_a_leaderworkerset(work):
+    """examples/serve-gke-multihost.yaml: a LeaderWorkerSet whose group the emulator starts as local
+    processes (a leader and a worker joined by jax.distributed over the loopback), `predict` through the
+    leader's Service, `down` ending every process of the group."""
+    code, deployed, err = moe_tpu(work, "deploy", "-c", "serve-gke-multihost.yaml")
+    assert code == 0, err[-3000:]
+    assert rpcs(deployed, "k8s create") == [f"k8s create {kind}" for kind in GROUP_KINDS]
+    servers = LocalServers(work / ".moe-tpu")
+    assert sorted(servers.keys()) == sorted(GROUP)  # the group's processes, not one per host of the slice
+    records = [servers.record(key) for key in GROUP]
+    assert servers.state(GROUP[0]).phase == Phase.READY
+    assert servers.state(GROUP[1]).phase == Phase.STARTING  # a worker of the group: alive, no HTTP of its own
+    code, predicted, err = moe_tpu(work, "predict", "-c", "serve-gke-multihost.yaml", "--prompt", PROMPT,
+                                   "--max-tokens", str(TOKENS))
+    assert code == 0, err[-2000:]
+    assert predicted["text"].strip() == sample(work)
+    code, down, err = moe_tpu(work, "down", "-c", "serve-gke-multihost.yaml")
+    assert code == 0, err[-2000:]
+    assert [r for r in rpcs(down, "k8s delete") if "JobSet" not in r] \
+        == [f"k8s delete {kind}" for kind in reversed(GROUP_KINDS)]
+    assert nothing_left(work) and servers.keys() == []
+    for record in records:  # every process of the group ended with the LeaderWorkerSet
+        assert not process_runs(int(record["pid"]), str(record["port"]))
 
 
 def test_quota_on_the_serving_pool_leaves_nothing(work):

@@ -17,10 +17,11 @@ from provision.kinds.gke import gke_serve_render
 from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed
 
 # The objects in the order they are applied; deleted in the reverse one (the autoscaler first, so that
-# it scales nothing while the Deployment goes).
-KINDS = tuple(gke_serve_render.OBJECTS)
+# it scales nothing while the Deployment goes). A replica over several hosts is a LeaderWorkerSet in the
+# Deployment's place (gke_lws_render): listed and deleted with the rest.
+KINDS = ("LeaderWorkerSet", *gke_serve_render.OBJECTS)
 RESOURCE_KIND = {"Deployment": "deployment", "Service": "service", "PodMonitoring": "podmonitoring",
-                 "HorizontalPodAutoscaler": "hpa"}
+                 "HorizontalPodAutoscaler": "hpa", "LeaderWorkerSet": "leaderworkerset"}
 CRASHED = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError")
 
 
@@ -39,6 +40,9 @@ def object_resource(kind: str, body: dict, location: str) -> Resource:
     if kind == "Deployment":
         ready, wanted = status.get("availableReplicas") or 0, (body.get("spec") or {}).get("replicas", 1)
         state = f"{'Available' if ready else 'Unavailable'} ({ready}/{wanted} ready)"
+    elif kind == "LeaderWorkerSet":
+        ready, wanted = status.get("readyReplicas") or 0, (body.get("spec") or {}).get("replicas", 1)
+        state = f"{'Available' if ready else 'Unavailable'} ({ready}/{wanted} groups ready)"
     return Resource(kind=RESOURCE_KIND[kind], name=f"{meta.get('namespace')}/{meta.get('name')}", state=state,
                     zone=location, run=_labels(body).get(RUN_LABEL))
 
@@ -55,7 +59,7 @@ def apply_objects(context, kube, manifests: dict[str, dict]) -> list[Resource]:
     cfg, console = context.config, context.console
     namespace = cfg.gke.namespace
     made: list[Resource] = []
-    for kind in KINDS:
+    for kind in [k for k in KINDS if k in manifests]:
         body = manifests[kind]
         name = body["metadata"]["name"]
         answer = kube.create_object(kind, namespace, body)

@@ -30,7 +30,7 @@ from provision.core import (
 )
 from provision.errors import CloudError, UsageError
 from provision.kinds.common import startup_estimate_s  # one load-and-compile estimate for every kind
-from provision.kinds.gke import gke, gke_render, gke_serve, gke_serve_render
+from provision.kinds.gke import gke, gke_lws, gke_lws_render, gke_render, gke_serve, gke_serve_render
 from provision.resources import Resource
 
 
@@ -152,10 +152,16 @@ class ServingPool(Holding):
         super().__init__(context)
         serve = self.cfg.serve
         self.zone: str | None = None
-        self.chips = gke_serve_render.serving_accelerator(self.cfg).chips * serve.min_replicas
+        self.group = gke_lws_render.multi_host(self.cfg)  # a replica over several hosts: a slice per group
+        self.chips = gke_lws_render.chips(self.cfg) if self.group else \
+            gke_serve_render.serving_accelerator(self.cfg).chips * serve.min_replicas
 
     def describe(self) -> str:
         serve = self.cfg.serve
+        if self.group:
+            return (f"{serve.min_replicas}-{serve.max_replicas} group(s) x {serve.replica_topology} of "
+                    f"{serve.machine_type} (a LeaderWorkerSet{', spot' if serve.spot else ''}) serving on GKE "
+                    f"{self.cfg.gke.cluster}")
         return (f"{serve.min_replicas}-{serve.max_replicas} x {serve.machine_type} ({serve.replica_topology}"
                 f"{', spot' if serve.spot else ''}) serving on GKE {self.cfg.gke.cluster}")
 
@@ -165,15 +171,21 @@ class ServingPool(Holding):
     def provision(self, attempt: int = 0) -> list[Resource]:
         """The cluster (made only with gke.create_cluster), then the serving pool, RUNNING."""
         gke.ensure_cluster(self.context)
-        pool = gke.serving_pool_up(self.context, last_zone_first(self.cfg.zones, self.zone))
-        self.zone = pool.zone
-        return [pool]
+        zones = last_zone_first(self.cfg.zones, self.zone)
+        pools = gke_lws.group_pools_up(self.context, zones) if self.group else \
+            [gke.serving_pool_up(self.context, zones)]
+        self.zone = pools[0].zone
+        return pools
+
+    def _pool_ids(self) -> set[str]:
+        return set(gke_lws_render.group_pool_ids(self.cfg)) if self.group else \
+            {gke_serve_render.serving_pool_id(self.cfg)}
 
     def teardown(self) -> list[Resource]:
-        return gke.pools_down(self.context, {gke_serve_render.serving_pool_id(self.cfg)})
+        return gke.pools_down(self.context, self._pool_ids())
 
     def left(self) -> list[Resource]:
-        return gke.pools_left(self.context, {gke_serve_render.serving_pool_id(self.cfg)})
+        return gke.pools_left(self.context, self._pool_ids())
 
 
 class Server(Holding):
@@ -184,8 +196,13 @@ class Server(Holding):
     def start(self) -> list[Resource]:
         """The four objects, applied (a re-run adopts and replaces what this run made before)."""
         cluster = gke.cluster_of(self.cfg, self.session)
-        manifests = gke_serve_render.manifests(self.cfg, self.context.renderer, startup_estimate_s(self.cfg))
-        return gke_serve.apply_objects(self.context, self.session.kube(cluster), manifests)
+        kube = self.session.kube(cluster)
+        if gke_lws_render.multi_host(self.cfg):  # a LeaderWorkerSet: its controller must be there
+            gke_lws.require_controller(self.cfg, kube)
+            manifests = gke_lws_render.manifests(self.cfg, self.context.renderer, startup_estimate_s(self.cfg))
+        else:
+            manifests = gke_serve_render.manifests(self.cfg, self.context.renderer, startup_estimate_s(self.cfg))
+        return gke_serve.apply_objects(self.context, kube, manifests)
 
     def teardown(self) -> list[Resource]:
         """The serving objects; nothing else of the run."""
@@ -201,6 +218,8 @@ class Server(Holding):
         if cluster is None or not cluster.endpoint:
             return ServiceReport(Phase.DELETED, detail=f"the cluster {self.cfg.gke.cluster} is gone")
         url = f"https://{cluster.endpoint}{gke_serve_render.proxy_path(self.cfg, '')}"
+        if gke_lws_render.multi_host(self.cfg):
+            return gke_lws.service_report(self.cfg, self.session.kube(cluster), url)
         return gke_serve.service_report(self.cfg, self.session.kube(cluster), url)
 
     def examples(self, url: str, body: str) -> list[str]:
@@ -248,6 +267,7 @@ class GkeKind(Kind):
     up_command = "gke up"
     sections = ("slice", "gke")
     serve_platform = "GKE TPU node pool"
+    serves_multi_host = True  # a LeaderWorkerSet (gke_lws_render)
     serve_price_basis = ("the catalogue's Cloud TPU v5e chip-hour price, which GKE's TPU nodes are billed at (the "
                          "cluster's own fee aside)")
 
@@ -279,15 +299,17 @@ class GkeKind(Kind):
         machine, topology = get("serve.machine_type"), get("serve.topology")
         single = catalogue.accelerator_for_machine(machine, "") if isinstance(machine, str) else None
         host = single.topology if single is not None else None
-        if host is not None and isinstance(topology, str) and topology != host:
-            acc = catalogue.accelerator_for_topology(topology)
-            spans = f"spans {acc.vms} hosts" if acc is not None and acc.multi_host else "is not its one host"
-            found.append(("serve.topology", f"topology {topology!r} {spans}: a GKE Deployment gives each replica "
-                                            f"one host of {machine} ({host}); leave serve.topology unset (a "
-                                            "replica over several hosts, a LeaderWorkerSet, is not built yet)"))
+        acc = catalogue.accelerator_for_topology(topology) if isinstance(topology, str) else None
+        if acc is not None and acc.multi_host:  # a LeaderWorkerSet: one group of pods per replica
+            found += gke_lws.serve_checks(get, acc)
+        elif host is not None and isinstance(topology, str) and topology != host:
+            found.append(("serve.topology", f"topology {topology!r} is not its one host: a GKE Deployment gives "
+                                            f"each replica one host of {machine} ({host}); leave serve.topology "
+                                            "unset, or give a multi-host topology (4x4 and up: a LeaderWorkerSet)"))
         found += replica_problems(get, "the HorizontalPodAutoscaler")
         run = get("run")
-        if isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > catalogue.MAX_GKE_NAME:
+        if (isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > catalogue.MAX_GKE_NAME
+                and not (acc is not None and acc.multi_host)):
             found.append(("run", f"run name {run!r} is too long to serve on GKE: the serving node pool is named "
                                  f"RUN{gke_serve_render.SERVE_POOL_SUFFIX}, at most {catalogue.MAX_GKE_NAME} "
                                  "characters"))
@@ -327,14 +349,18 @@ class GkeKind(Kind):
                 f"node pools, {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
         if cfg.serve is not None:
             serve = cfg.serve
-            line += (f"; serves {gke_serve_render.checkpoint(cfg)} as a Deployment on {serve.min_replicas}-"
+            what = "a LeaderWorkerSet (a group of pods per replica)" if gke_lws_render.multi_host(cfg) else \
+                "a Deployment"
+            line += (f"; serves {gke_serve_render.checkpoint(cfg)} as {what} on {serve.min_replicas}-"
                      f"{serve.max_replicas} x {serve.machine_type} ({serve.replica_topology}"
                      f"{', spot' if serve.spot else ''})")
         return line
 
     def render(self, cfg, renderer) -> dict[str, str]:
         files = gke_render.render_files(cfg, renderer)
-        if cfg.serve is not None:
+        if cfg.serve is not None and gke_lws_render.multi_host(cfg):
+            files.update(gke_lws_render.group_files(cfg, renderer, startup_estimate_s(cfg)))
+        elif cfg.serve is not None:
             files.update(gke_serve_render.serving_files(cfg, renderer, startup_estimate_s(cfg)))
         return files
 

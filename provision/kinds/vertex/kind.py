@@ -264,10 +264,11 @@ def serve_checks(get) -> list[tuple[str, str]]:
                                         f"give {instead}"))
     if isinstance(topology, str) and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host:
         found.append(("serve.topology", f"Vertex AI online prediction serves single-host TPU v5e only (1x1, 2x2, "
-                                        f"2x4), not {topology} ({acc.chips} chips on several hosts); a replica over "
-                                        "several hosts needs GKE with a LeaderWorkerSet, which moe-tpu does not "
-                                        "deploy yet: leave serve.topology unset, and fit the model on one host "
-                                        "(serve.machine_type ct5lp-hightpu-8t: 8 chips; serve.weights: int8 or int4)"))
+                                        f"2x4), not {topology} ({acc.chips} chips on {acc.vms} hosts): a replica "
+                                        "over several hosts is served on GKE (target: gke, a LeaderWorkerSet: see "
+                                        "examples/serve-gke-multihost.yaml); or leave serve.topology unset and fit "
+                                        "the model on one host (serve.machine_type ct5lp-hightpu-8t: 8 chips; "
+                                        "serve.weights: int8 or int4)"))
     return found
 
 

@@ -1,0 +1,235 @@
+"""Pure rendering of a replica over several hosts on target: gke (a serve section whose topology is a
+multi-host v5e slice, 4x4 and up): the serving node pools (one whole slice per group), the server as a
+LeaderWorkerSet (leaderworkerset.x-k8s.io/v1: one group of pods per replica, a pod per host, the leader
+taking the traffic), the leader's Service, its PodMonitoring and an HPA on the LeaderWorkerSet's scale
+subresource (replicas of groups).
+
+Every pod of a group runs the server argv the single-host Deployment runs (provision.container's
+server_container, the serve mesh of `plan --serve` in it); the LeaderWorkerSet controller gives each
+pod LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX, from which trainer.serve joins one JAX
+program. With gke.runtime: pathways the group is the
+layout of Google's Pathways serving recipe: the leader (on a CPU node) holds the Pathways resource
+manager, the proxy and the server (JAX_PLATFORMS=proxy, one controller), the workers are the slice's
+hosts running the Pathways worker.
+
+The Service, the PodMonitoring and the HPA reuse the single-host templates (gke_serve_render); their
+selector picks the leaders only (the workers serve no HTTP). The LeaderWorkerSet's pod templates are
+checked against the `kubernetes` client's V1PodTemplateSpec; the tests hold the whole object to the
+CRD's OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from provision import catalogue
+from provision.cloud import CLOUD_PLATFORM_SCOPE
+from provision.cloud.messages import proto_dict
+from provision.container import SERVER_PORT, server_container
+from provision.errors import UsageError
+from provision.kinds.gke import gke_render, gke_serve_render
+from provision.kinds.gke.gke_render import NodePoolSpec, create_node_pool_request, node_pool_body
+from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
+from provision.resources import resolve_project
+from provision.templates import render
+
+if TYPE_CHECKING:
+    from provision.config import Config
+
+LWS_KIND = "LeaderWorkerSet"
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_TEMPLATE = "gke/leaderworkerset.yaml.j2"
+HPA_TEMPLATE = "gke/lws_hpa.yaml.j2"
+# Object -> (its template, the file `render` writes): applied in this order, deleted in the reverse one.
+OBJECTS: dict[str, tuple[str, str]] = {
+    LWS_KIND: (LWS_TEMPLATE, "leaderworkerset.yaml"),
+    "Service": (gke_serve_render.OBJECTS["Service"][0], "service.yaml"),
+    "PodMonitoring": (gke_serve_render.OBJECTS["PodMonitoring"][0], "podmonitoring.yaml"),
+    "HorizontalPodAutoscaler": (HPA_TEMPLATE, "hpa.yaml"),
+}
+# The release of the LeaderWorkerSet controller the manifests are written for (its CRD's schema is the
+# tests' oracle), and how a cluster gets it.
+LWS_RELEASE = "v0.9.0"
+LWS_INSTALL = ("kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/download/"
+               f"{LWS_RELEASE}/manifests.yaml")
+WORKER_ROLE = "server-worker"  # the workers' app.kubernetes.io/component (the leaders': gke_serve_render's)
+GROUP_POOL_SUFFIX = "-serve-"  # RUN-serve-0, RUN-serve-1, ...: one slice per group
+CPU_POOL_SUFFIX = "-serve-cpu"  # Pathways: the leaders' CPU pool
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What the LeaderWorkerSet and its HPA need beyond a single-host ServingSpec: the group's size and
+    the workers' labels; with Pathways, the head's images, ports and pool."""
+
+    serving: gke_serve_render.ServingSpec
+    size: int
+    hosts: int
+    worker_labels: dict[str, str]
+    runtime: str
+    cpu_pool: str = ""
+    server_image: str = ""
+    proxy_image: str = ""
+    gcs_scratch: str = ""
+    instance_type: str = ""
+    rm_port: int = gke_render.RM_PORT
+    proxy_port: int = gke_render.PROXY_PORT
+    worker_port: int = gke_render.WORKER_PORT
+    api_version: str = LWS_API_VERSION
+
+
+# --- what the serve section asks for -----------------------------------------------------------------
+
+def group_accelerator(cfg: Config) -> catalogue.AcceleratorType | None:
+    """The multi-host v5e slice one replica holds, or None (no serve section, or a single-host one)."""
+    if cfg.serve is None:
+        return None
+    acc = catalogue.accelerator_for_topology(cfg.serve.replica_topology)
+    return acc if acc is not None and acc.multi_host else None
+
+
+def multi_host(cfg: Config) -> bool:
+    """Whether the config serves each replica over several hosts (a LeaderWorkerSet, not a Deployment)."""
+    return group_accelerator(cfg) is not None
+
+
+def _group_accelerator(cfg: Config) -> catalogue.AcceleratorType:
+    acc = group_accelerator(cfg)
+    if acc is None or acc.vertex_machine_type != cfg.serve.machine_type:
+        raise UsageError(f"serve.topology {cfg.serve.replica_topology} is not a multi-host slice of "
+                         f"{cfg.serve.machine_type}", hint="multi-host v5e slices are hosts of ct5lp-hightpu-4t")
+    return acc
+
+
+def pathways(cfg: Config) -> bool:
+    return cfg.gke is not None and cfg.gke.runtime == "pathways"
+
+
+def group_pool_ids(cfg: Config) -> list[str]:
+    """One node pool per group, up to serve.max_replicas (GKE makes a multi-host TPU pool whole: the
+    HPA's groups each have their slice), then the Pathways leaders' CPU pool."""
+    pools = [f"{cfg.run}{GROUP_POOL_SUFFIX}{i}" for i in range(cfg.serve.max_replicas)]
+    return pools + ([f"{cfg.run}{CPU_POOL_SUFFIX}"] if pathways(cfg) else [])
+
+
+def group_pool_specs(cfg: Config, zone: str) -> list[NodePoolSpec]:
+    serve, acc = cfg.serve, _group_accelerator(cfg)
+    common = dict(zone=zone, service_account=cfg.slice.service_account, oauth_scopes=(CLOUD_PLATFORM_SCOPE,),
+                  labels=labels(cfg), reservation=None)
+    specs = [NodePoolSpec(name=name, machine_type=serve.machine_type, node_count=acc.vms, topology=acc.topology,
+                          spot=serve.spot, **common) for name in group_pool_ids(cfg) if not name.endswith("-cpu")]
+    if pathways(cfg):
+        specs.append(NodePoolSpec(name=f"{cfg.run}{CPU_POOL_SUFFIX}", node_count=serve.max_replicas, topology=None,
+                                  machine_type=cfg.gke.pathways_settings().cpu_machine_type, spot=False, **common))
+    return specs
+
+
+def chips(cfg: Config) -> int:
+    """The chips the groups' pools hold (billed while the service is up)."""
+    return _group_accelerator(cfg).chips * cfg.serve.max_replicas
+
+
+def leader_selector(cfg: Config) -> dict[str, str]:
+    """The labels of the run's leader pods: the Service, the PodMonitoring and `status` pick them."""
+    return gke_serve_render.selector(cfg)
+
+
+# --- specs --------------------------------------------------------------------------------------
+
+def group_spec(cfg: Config, image: str, startup_s: float) -> GroupSpec:
+    acc = _group_accelerator(cfg)
+    serving = gke_serve_render.ServingSpec(**{**_serving_fields(cfg, image, acc),
+                                              "startup_failures": gke_serve_render.startup_failures(startup_s)})
+    workers = {**labels(cfg), gke_serve_render.ROLE_LABEL[0]: WORKER_ROLE}
+    if not pathways(cfg):
+        return GroupSpec(serving=serving, size=acc.vms, hosts=acc.vms, worker_labels=workers, runtime="jax")
+    settings = cfg.gke.pathways_settings()
+    scratch = gke_render.gcs_scratch(cfg)
+    return GroupSpec(serving=serving, size=acc.vms + 1, hosts=acc.vms, worker_labels=workers, runtime="pathways",
+                     cpu_pool=f"{cfg.run}{CPU_POOL_SUFFIX}", server_image=settings.server_image,
+                     proxy_image=settings.proxy_image, gcs_scratch=scratch,
+                     instance_type=f"{gke_render.PATHWAYS_V5E}:{acc.topology}")
+
+
+def _serving_fields(cfg: Config, image: str, acc: catalogue.AcceleratorType) -> dict[str, Any]:
+    """The single-host ServingSpec's fields for a group's pods: the same container, a host's chips."""
+    container = server_container(cfg, image, gke_serve_render.checkpoint(cfg))
+    return dict(name=gke_serve_render.server_name(cfg), namespace=cfg.gke.namespace, labels=labels(cfg),
+                selector=leader_selector(cfg), pod_labels=leader_selector(cfg), image_uri=container.image,
+                command=container.command, args=container.args, env=container.env,
+                container_port=container.ports[0] if container.ports else SERVER_PORT,
+                chips_per_host=acc.chips_per_vm, topology=acc.topology,
+                accelerator_label=catalogue.GKE_V5E_ACCELERATOR, min_replicas=cfg.serve.min_replicas,
+                max_replicas=cfg.serve.max_replicas, autoscale_target=cfg.serve.autoscale_target)
+
+
+# --- manifests ------------------------------------------------------------------------------------
+
+def manifest_text(kind: str, spec: GroupSpec, renderer: Renderer | None = None) -> str:
+    where = renderer.templates_dir if renderer else None
+    if kind in (LWS_KIND, "HorizontalPodAutoscaler"):
+        return render(OBJECTS[kind][0], spec, where)
+    return render(OBJECTS[kind][0], spec.serving, where)  # the single-host template, the leaders selected
+
+
+def manifests(cfg: Config, renderer: Renderer, startup_s: float) -> dict[str, dict[str, Any]]:
+    """The four objects by kind, in the order they are applied, each checked."""
+    import yaml
+
+    spec = group_spec(cfg, renderer.image, startup_s)
+    found = {}
+    for kind, (template, _) in OBJECTS.items():
+        try:
+            manifest = yaml.safe_load(manifest_text(kind, spec, renderer))
+        except yaml.YAMLError as exc:
+            raise UsageError(f"template {template} does not render valid YAML: {exc}") from None
+        check_manifest(kind, manifest, template)
+        found[kind] = manifest
+    return found
+
+
+def check_manifest(kind: str, manifest: Any, template: str) -> None:
+    """The Service and the PodMonitoring as the single-host ones are checked; the LeaderWorkerSet's pod
+    templates against the client's V1PodTemplateSpec; the HPA against V2HorizontalPodAutoscaler."""
+    from provision.cloud.kube import model_problem
+
+    def bad(where: str, message: str) -> UsageError:
+        return UsageError(f"template {template}: {where}: {message}")
+
+    if kind in ("Service", "PodMonitoring"):
+        return gke_serve_render.check_manifest(kind, manifest)
+    if not isinstance(manifest, dict) or manifest.get("kind") != kind:
+        raise bad("the manifest", f"must be a {kind}")
+    if kind == "HorizontalPodAutoscaler":
+        problem = model_problem(manifest, "V2HorizontalPodAutoscaler", kind)
+    else:
+        template_of = ((manifest.get("spec") or {}).get("leaderWorkerTemplate") or {})
+        problem = model_problem(manifest.get("metadata"), "V1ObjectMeta", f"{kind}.metadata")
+        for role in ("leaderTemplate", "workerTemplate"):
+            where = f"{kind}.spec.leaderWorkerTemplate.{role}"
+            problem = problem or model_problem(template_of.get(role), "V1PodTemplateSpec", where)
+    if problem is not None:
+        raise bad(*problem)
+
+
+# --- every rendered file ------------------------------------------------------------------------------
+
+def group_files(cfg: Config, renderer: Renderer, startup_s: float) -> dict[str, str]:
+    """What `render` writes for a gke config serving over several hosts: the groups' pools per zone (body
+    and request) and the four manifests, each checked before it is written."""
+    project = resolve_project(cfg, PROJECT_PLACEHOLDER)
+    files: dict[str, str] = {}
+    for zone in cfg.zones:
+        for spec in group_pool_specs(cfg, zone):
+            files[f"node_pool.{spec.name}.{zone}.yaml"] = node_pool_body(spec, renderer)
+            request = create_node_pool_request(cfg, spec, project, renderer)
+            files[f"create_node_pool.{spec.name}.{zone}.json"] = json.dumps(proto_dict(request), indent=2,
+                                                                             sort_keys=True) + "\n"
+    manifests(cfg, renderer, startup_s)
+    spec = group_spec(cfg, renderer.image, startup_s)
+    for kind, (_, name) in OBJECTS.items():
+        files[name] = manifest_text(kind, spec, renderer)
+    return files
+
