@@ -189,8 +189,8 @@ def test_experts_over_8_devices_serve_concurrent_requests_as_one_device_alone(ti
     mesh = sharding.make_mesh({"data": 1, "expert": 8}, jax.devices()[:8])
     model = build_serving_model(one.cfg, mesh)
     on_mesh = jax.device_put(weights, {k: model.shardings[k] for k in weights})
-    w_in = on_mesh["params"]["blocks.0.ffn.w_in"]
-    assert w_in.sharding.spec[0] == "expert"  # the experts are split over the mesh
+    w_in = on_mesh["params"]["stacks.0.0.ffn.w_in"]
+    assert w_in.sharding.spec[1] == "expert"  # the experts are split over the mesh (every layer's alike)
     engine = Engine(model, on_mesh, slots=8, max_len=288, chunk=16)
     requests = thirty_two_requests()
     for r in requests:
