@@ -36,7 +36,7 @@ def main() -> int:
     from provision.context import RunContext
     from provision.emulator import Emulator
     from provision.emulator.kube_server import _Handler
-    from provision.gke import cluster_of, ensure_cluster
+    from provision.kinds.gke.gke import cluster_of, ensure_cluster
 
     cfg = load_config(ROOT / "examples" / "serve-gke.yaml")
     emulator = Emulator(clock=SimClock())

@@ -61,8 +61,8 @@ class Rounds:
     def one(self, sig: int, delay_s: float, in_gc: bool) -> str:
         """One run with `sig` sent after `delay_s` (from a garbage collection after it, with `in_gc`)."""
         from provision.errors import MoeTpuError
+        from provision.kinds import for_config
         from provision.runs import Runner, terminate_on_signals
-        from provision.targets import for_config
 
         target = for_config(self.context, output_dir=self.output_dir)
         runner = Runner(self.context, target, output_dir=self.output_dir, confirm_teardown=lambda: True)

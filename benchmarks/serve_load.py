@@ -15,7 +15,13 @@ streamed chunks) and end-to-end latency (mean, median, p99, seconds), request an
 throughput, and the server's own TTFT mean and median (read from its /metrics histogram as Prometheus
 reads a quantile) beside the client's.
 
-The last two JSON lines compare in the same run:
+Then, in the same run:
+  `prefix`: `--prefix-requests` requests, one at a time, sharing a `--prefix-len`-token prefix with 32-token
+  suffixes of their own, on two servers alike but for prefix caching: TTFT median without / with, and how many of
+  the greedy outputs are the same.
+  `stream`: one greedy stream of `--stream-tokens` tokens through the server (its tokens/s after the first, as
+  the client sees them) against `sample`'s own rate (trainer.sample.generate: the engine with one slot) on the
+  same weights.
   `interference`: 7 streams decoding while a `--long-prompt`-token prompt arrives: their ITL p99 / p50.
   `decode_bound`: the decode step at batch 1 of a config of about 100M parameters (`--bound-config`)
   against the memory-bandwidth bound: bytes the step reads (weights + KV cache) / bandwidth of a large
@@ -60,7 +66,7 @@ def start_server(loaded, port: int, max_waiting: int):
     return server, thread, state
 
 
-def build(args, config: str, overrides: list[str], slots: int, max_len: int):
+def build(args, config: str, overrides: list[str], slots: int, max_len: int, prefix_cache: int = 0):
     import jax
 
     from trainer import sharding
@@ -82,7 +88,8 @@ def build(args, config: str, overrides: list[str], slots: int, max_len: int):
     model = build_serving_model(cfg, mesh)
     weights = restore_weights(model, checkpoints)[0] if args.checkpoint and config == args.config else \
         init_weights(model)
-    engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=args.chunk, detokenize=decode)
+    engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=args.chunk, detokenize=decode,
+                    prefix_cache=prefix_cache)
     return {"name": cfg.name, "engine": engine, "encode": encode, "decode": decode, "model": model,
             "weights": weights}
 
@@ -276,6 +283,25 @@ def server_ttft_since(base: str, before: dict) -> dict:
             "server_ttft_median": histogram_quantile(0.5, delta)}
 
 
+async def _stream_scenario(base: str, tokens: int, vocab: int, seed: int):
+    async with StreamingClient(base) as client:
+        return await one_request(client, 16, tokens, vocab, np.random.default_rng(seed))
+
+
+def single_stream(base: str, args, loaded) -> None:
+    """One greedy stream through the server against `sample`'s tokens/s on the same weights."""
+    from trainer.sample import generate
+
+    vocab = loaded["model"].cfg.model.vocab_size
+    result = in_client_process(_stream_scenario, base, args.stream_tokens, vocab, args.seed)
+    served = (result["tokens"] - 1) / (result["e2e"] - result["ttft"])
+    prompt = np.random.default_rng(args.seed).integers(0, min(vocab, 32), 16).tolist()
+    _, sampled = generate(loaded["model"], loaded["weights"], prompt, args.stream_tokens, temperature=0.0, top_k=0,
+                          seed=0)
+    print(json.dumps({"phase": "stream", "tokens": args.stream_tokens, "server_tokens_per_s": served,
+                      "sample_tokens_per_s": sampled, "sample_over_server": sampled / served}), flush=True)
+
+
 async def interference_scenario(base: str, seed: int, stream_tokens: int, long_prompt: int, vocab: int):
     """7 streams decode; a long prompt arrives once they run."""
     rng = np.random.default_rng(seed + 1)
@@ -296,14 +322,59 @@ def interference(base: str, args, vocab: int) -> None:
     print(json.dumps(row), flush=True)
 
 
+async def shared_prefix_scenario(base: str, prompts: list[list[int]], tokens: int):
+    """The prompts one after another, streamed: (each one's TTFT, each one's text)."""
+    ttfts, texts = [], []
+    async with StreamingClient(base) as client:
+        for prompt in prompts:
+            body = {"prompt": " ".join(map(str, prompt)), "max_tokens": tokens, "temperature": 0, "stream": True}
+            sent, first, text = time.perf_counter(), None, ""
+            async for line in client.lines("/v1/completions", body):
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    piece = json.loads(line[6:])["choices"][0].get("text") or ""
+                    if piece and first is None:
+                        first = time.perf_counter()
+                    text += piece
+            ttfts.append(first - sent)
+            texts.append(text)
+    return ttfts, texts
+
+
+def shared_prefix(args) -> None:
+    """TTFT of prompts sharing a long prefix without and with the prefix cache, on two servers built alike."""
+    rows = {}
+    for cached in (False, True):
+        loaded = build(args, args.config, [], args.slots, args.max_len,
+                       prefix_cache=4 * args.prefix_len if cached else 0)
+        vocab = loaded["model"].cfg.model.vocab_size
+        rng = np.random.default_rng(args.seed + 2)  # the same prompts for both
+        prefix = rng.integers(0, vocab, args.prefix_len).tolist()
+        prompts = [prefix + rng.integers(0, vocab, 32).tolist() for _ in range(args.prefix_requests)]
+        server, thread, _ = start_server(loaded, args.port + 1 + cached, max_waiting=10_000)
+        try:
+            rows[cached] = in_client_process(shared_prefix_scenario, f"http://127.0.0.1:{args.port + 1 + cached}",
+                                             prompts, 8)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+    (plain_ttft, plain_text), (cached_ttft, cached_text) = rows[False], rows[True]
+    print(json.dumps({"phase": "prefix", "prefix_len": args.prefix_len, "suffix_len": 32,
+                      "requests": args.prefix_requests, "ttft_median_without": statistics.median(plain_ttft),
+                      "ttft_median_with": statistics.median(cached_ttft),
+                      "ttft_median_ratio": statistics.median(plain_ttft) / statistics.median(cached_ttft),
+                      "same_outputs": sum(a == b for a, b in zip(plain_text, cached_text, strict=True))}), flush=True)
+
+
 def decode_bound(args) -> None:
     """The decode step at batch 1 against bytes read / the bandwidth of a large copy, in this run."""
+    import jax
+
     loaded = build(args, args.bound_config, args.bound_overrides, 1, args.bound_max_len)
     engine, model = loaded["engine"], loaded["model"]
     engine.warm_up()
     params = sum(p.size for p in loaded["weights"]["params"].values())
     weight_bytes = sum(p.nbytes for p in loaded["weights"]["params"].values())
-    cache_bytes = engine.cache.k.nbytes + engine.cache.v.nbytes
+    cache_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.cache))  # keys and values, or latents
     engine.runner.positions_S[:] = args.bound_max_len // 2
     times = []
     for _ in range(args.bound_steps):
@@ -370,6 +441,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--long-prompt", type=int, default=1024)
+    p.add_argument("--stream-tokens", type=int, default=256)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--interference-tokens", type=int, default=200)
     p.add_argument("--bound-config", default="tiny")
     p.add_argument("--bound-overrides", type=lambda t: t.split(), default=[
@@ -378,10 +452,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bound-max-len", type=int, default=256)
     p.add_argument("--bound-steps", type=int, default=20)
     p.add_argument("--copy-mib", type=int, default=512)
-    p.add_argument("--skip", default="", help="comma-separated phases to skip: load,interference,bound")
+    p.add_argument("--skip", default="", help="comma-separated phases to skip: load,stream,interference,prefix,bound")
     args = p.parse_args(argv)
     skip = set(args.skip.split(",")) - {""}
-    if not {"load", "interference"} <= skip:
+    if not {"load", "stream", "interference"} <= skip:
         loaded = build(args, args.config, [], args.slots, args.max_len)
         server, thread, _ = start_server(loaded, args.port, max_waiting=10_000)
         base = f"http://127.0.0.1:{args.port}"
@@ -389,11 +463,15 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if "load" not in skip:
                 load_phases(args, base, vocab)
+            if "stream" not in skip:
+                single_stream(base, args, loaded)
             if "interference" not in skip:
                 interference(base, args, vocab)
         finally:
             server.should_exit = True
             thread.join(timeout=30)
+    if "prefix" not in skip:
+        shared_prefix(args)
     if "bound" not in skip:
         decode_bound(args)
 

@@ -10,7 +10,7 @@ service that fails to deploy never takes a training run's placement with it, nor
 service. Only a kind's `teardown` (`down`) deletes everything of the run. `provision.runs.Runner`
 follows a training deployment (a `Target`), `provision.services.ServiceFollower` a service (a
 `ServiceTarget`). This module imports no kind and no package that imports one: the kinds
-(provision/targets/) and the lifecycle modules all stand on it.
+(provision/kinds/) and the lifecycle modules all stand on it.
 """
 
 from __future__ import annotations
@@ -206,13 +206,40 @@ class Scope:
     config: Any = None
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A flag that only one kind's command has (`--recreate` on a TPU VM's up, `--wait` on a Vertex AI
+    job's): declared by the kind, offered by the generic command and by the kind's own group."""
+
+    name: str  # the flag without its dashes
+    help: str
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One command of a kind's own group (`slice up`, `job submit`, `job cancel`): `does` is `up`,
+    `status` or `down` (the generic command under the kind's name) or an action of the kind's own
+    (`Kind.act`); `trainer`: its config is loaded with the trainer's checks (it starts the trainer)."""
+
+    name: str
+    does: str
+    help: str
+    flags: tuple[Flag, ...] = ()
+    trainer: bool = False
+
+
+GENERIC_VERBS = ("up", "status", "down")
+
+
 class Kind:
-    """Everything the commands ask about one kind of target; `provision.targets.KINDS` holds one of
+    """Everything the commands ask about one kind of target; `provision.kinds.KINDS` holds one of
     each, by the config's `target` value. The commands (validate, render, plan, list, down, logs,
     up, status, run) ask the kind of the config in hand and never name one.
 
     name: the config's `target` value; noun: what it is, in a sentence; group: its own command group
-    (an alias of `up | status | down`), up_command that group's `up`; sections: the config sections
+    (an alias of `up | status | down`, with actions of its own), group_help its help, verbs its commands
+    (provision/cli/kind_cmds.py makes them), up_flags the flags its `up` takes (the generic `up`
+    offers them too), up_command its group's `up`; sections: the config sections
     it reads (besides the common ones); own_sections: sections a kind brings to the config file
     itself (the key -> its pydantic model, validated with the file by provision.config.loading);
     serve_platform, serve_price_basis: what `plan --serve` says a replica is billed on and what its
@@ -222,6 +249,9 @@ class Kind:
     name: ClassVar[str] = ""
     noun: ClassVar[str] = ""
     group: ClassVar[str] = ""
+    group_help: ClassVar[str] = ""
+    verbs: ClassVar[tuple[Verb, ...]] = ()
+    up_flags: ClassVar[tuple[Flag, ...]] = ()
     up_command: ClassVar[str] = ""  # its own group's `up` (e.g. "slice up")
     sections: ClassVar[tuple[str, ...]] = ()
     own_sections: ClassVar[dict[str, type]] = {}
@@ -241,6 +271,10 @@ class Kind:
     def warnings(self, cfg) -> list[str]:
         """What is allowed but worth saying about a config of this kind."""
         return []
+
+    def check_offer(self, cfg, session) -> None:
+        """Ask the API whether what `warnings` doubted is offered (`validate` in a dry run); a UsageError
+        where it is not."""
 
     def summary(self, cfg) -> str:
         """One line on what the config asks for (`validate`)."""
@@ -268,9 +302,20 @@ class Kind:
         """What `up` is about to make, for the console."""
         return f"{self.name} for run {cfg.run}"
 
-    def up(self, context) -> list[Resource]:
-        """Make what the config asks for (without following a workload to its end)."""
+    def up(self, context, **flags: bool) -> list[Resource]:
+        """Make what the config asks for (without following a workload to its end); `flags`: its
+        `up_flags`, as given."""
         raise NotImplementedError
+
+    def up_lines(self, resources: list[Resource]) -> list[str]:
+        """What `up` says of what it made (console lines)."""
+        return [f"  {res.kind} {res.name.rsplit('/', 1)[-1]} {res.state}" + (f" in {res.zone}" if res.zone else "")
+                for res in resources]
+
+    def act(self, action: str, context) -> tuple[list[Resource], list[str]]:
+        """One of its own actions (a `Verb` whose `does` is none of GENERIC_VERBS): the resources it
+        touched and what to say of them."""
+        raise NotImplementedError(action)
 
     def status(self, context) -> list[Resource]:
         """What of the run exists now (`status`)."""

@@ -98,6 +98,7 @@ EXTRA_OF_MODULE = {
     "fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
     # the server renders an imported model's chat template in jinja2's sandbox (trainer/serve/chat.py)
     "jinja2.sandbox": "serve", "jinja2.exceptions": "serve",
+    "llguidance": "serve",  # structured output (trainer/serve/structured.py)
     "lm_eval": "eval",
 }
 

@@ -2,7 +2,7 @@
 
 The startup script's watcher copies these fields of the trainer's status file
 (trainer/status.py) into the worker's guest attributes, under NAMESPACE, with dashes for
-underscores; `moe-tpu run` reads them back (provision/targets/tpu_vm.py), and in a dry run
+underscores; `moe-tpu run` reads them back (provision/kinds/tpu_vm/kind.py), and in a dry run
 the local trainer publishes the same ones into the emulator. Written once, here.
 """
 

@@ -1,6 +1,6 @@
 """`moe-tpu run`: provision, follow training, recover from preemption, tear down.
 
-The loop holds a target (provision/targets/) and calls only what `Target` declares. Every
+The loop holds a target (provision/kinds/) and calls only what `Target` declares. Every
 step lands on a timeline with its time and the cost so far; the trainer's own reports
 (step, loss, tokens/s) drive the progress line and the ETA.
 """
@@ -154,7 +154,7 @@ class Runner:
     def __init__(self, context, target: Target, *, output_dir: str, keep: bool = False,
                  confirm_teardown=None) -> None:
         """`context`: the command's provision.context.RunContext (the config, the session and its
-        clock, the console); `target`: where it trains (provision.targets.for_config)."""
+        clock, the console); `target`: where it trains (provision.kinds.for_config)."""
         self.cfg = context.config
         self.target = target
         self.session = context.session
@@ -169,8 +169,10 @@ class Runner:
         self.trained = False  # a trainer of this run reported running at least once
 
     # --- the loop --------------------------------------------------------------------
-    def run(self) -> RunOutcome:
-        return self._guarded(self._attempts)
+    def run(self, finished: dict | None = None) -> RunOutcome:
+        """Provision, train, follow, recover and tear down; where the run finished earlier (`finished`: its
+        trainer's status, finished_earlier's), train nothing, but take down what it left up."""
+        return self._guarded(self._attempts) if finished is None else self.finished_before(finished)
 
     def _guarded(self, body) -> RunOutcome:
         """`body()`, with Ctrl-C, SIGTERM and SIGHUP ending it as the run's own end would (one that came
@@ -373,6 +375,25 @@ def planned_steps(cfg, dry_run: bool) -> int | None:
         return load_config(cfg.trainer.config, [f for f in cfg.trainer.set_flags() if f != "--set"]).train.steps
     except ConfigError:
         return None
+
+
+def finished_earlier(context, output_dir: str, *, restart: bool, dry_run: bool) -> dict | None:
+    """The trainer's status when the run finished before (said on the console: nothing is trained, and
+    Runner.run takes down what the run left up), else None; `restart` moves the finished output aside
+    first, so that the trainer starts from step 0 (previous_finish's policy)."""
+    store = context.session.storage if output_dir.startswith("gs://") else storage.LOCAL
+    status, moved = previous_finish(store, output_dir, context.config, dry_run=dry_run, restart=restart)
+    if moved is not None:
+        context.console.info(f"--restart: moved the finished run's output to {moved}; training from step 0")
+    if status is None:
+        return None
+    when = status.get("time")
+    on = (" on " + dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+          if isinstance(when, (int, float)) else "")
+    flag = "--dry-run run --restart" if dry_run else "run --restart"
+    context.console.text(f"run {context.config.run} already finished at step {status['step']}{on} ({output_dir}); "
+                         f"nothing to train; `moe-tpu {flag}` trains it again from step 0")
+    return status
 
 
 def previous_finish(store, output_dir: str, cfg, *, dry_run: bool, restart: bool) -> tuple[dict | None, str | None]:

@@ -134,7 +134,7 @@ class ModelConfig(Section):
     @property
     def head_size(self) -> int:
         """The size of a head's keys and values in the key/value cache; with MLA the larger of the query/key and
-        the value sizes (the cache holds expanded heads, the smaller one padded)."""
+        the value sizes (training's attention pads the smaller; the serving cache holds the latent instead)."""
         if self.mla:
             return max(self.mla.qk_head_dim, self.mla.v_head_dim)
         return self.head_dim or self.d_model // self.num_heads

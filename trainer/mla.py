@@ -6,9 +6,13 @@ P = qk_nope_head_dim and V = v_head_dim. The query is x W_q, or x W_qa -> RMSNor
 q_lora_rank bottleneck; each head's query is P values without positions and R with them. The rotary part uses
 trainer/layers.py's half-split pairs (i, i + R/2); hf import permutes the Hub's interleaved pairs into it.
 
-Training and decoding share one path: q, k and v are padded to the key/value cache's head size (the larger
-of P + R and V; zeros change no dot product) and go through the same attention as trainer/layers.py's, so
-today's cache holds the expanded heads. Heads split over the mesh's `model` axis as there.
+Training expands the heads: q, k and v are padded to one head size (the larger of P + R and V; zeros
+change no dot product) and go through the same attention as trainer/layers.py's. Decoding caches the
+latent (c, r) alone (trainer/serve/latentcache.py) and absorbs the up-projections (DeepSeek-V2's "weight
+absorption"): a head's score q_nope . (c W_k) is (q_nope W_k^T) . c, a query in latent space, and its
+output (sum_s p_s c_s) W_v, the weighted latents up-projected once per query; so attention runs over the
+cached latents, never over expanded keys and values. Heads split over the mesh's `model` axis as there;
+the latent, which every head reads, is whole on every device.
 """
 
 from __future__ import annotations
@@ -92,41 +96,70 @@ class MLAttention(nnx.Module):
         self.scale = Q ** -0.5 * softmax
 
     def __call__(self, x_BxLxD: jax.Array, cache=None):
-        """The attention output [B, L, D]; with `cache` (trainer.serve.kvcache.LayerCache) the L tokens sit
-        at the cache's start positions, their expanded keys and values go into it, and the call returns
+        """The attention output [B, L, D]; with `cache` (trainer.serve.latentcache.LatentLayerCache) the L
+        tokens sit at the cache's start positions, their latents go into it, and the call returns
         (output, cache)."""
         x_BxLxD = x_BxLxD.astype(self.dtype)
-        offset = 0 if cache is None else cache.starts_B
-        q_BxLxNxQ, k_BxLxNxQ, v_BxLxNxV = self._heads(x_BxLxD, offset)
+        if cache is not None:
+            return self._absorbed(x_BxLxD, cache)
+        q_BxLxNxQ, k_BxLxNxQ, v_BxLxNxV = self._heads(x_BxLxD)
         pad = lambda a: jnp.pad(a, ((0, 0),) * 3 + ((0, self.head_size - a.shape[-1]),))  # noqa: E731
         q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = (constrain(pad(a), _HEADS_OUT) for a in (q_BxLxNxQ, k_BxLxNxQ, v_BxLxNxV))
-        scale = self.scale  # of the unpadded heads
-        if cache is None:
-            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, scale=scale, is_causal=True)
-        else:
-            cache, k_BxSxNxH, v_BxSxNxH, mask_Bx1xLxS = cache.append(k_BxLxNxH, v_BxLxNxH)
-            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxSxNxH.astype(self.dtype),
-                                                     v_BxSxNxH.astype(self.dtype), scale=scale, mask=mask_Bx1xLxS)
-        o_BxLxNxV = o_BxLxNxH[..., :self.mla.v_head_dim]
-        out_BxLxD = jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(self.dtype))
-        return out_BxLxD if cache is None else (out_BxLxD, cache)
+        o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, scale=self.scale, is_causal=True)
+        o_BxLxNxV = o_BxLxNxH[..., :self.mla.v_head_dim]  # scale above: of the unpadded heads
+        return jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(self.dtype))
 
-    def _heads(self, x_BxLxD: jax.Array, offset) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Each head's query [B, L, N, P + R], key [B, L, N, P + R] and value [B, L, N, V], positions applied."""
+    def _absorbed(self, x_BxLxD: jax.Array, cache):
+        """(output [B, L, D], the updated cache): attention over the cached latents, W_k folded into the
+        query and W_v into the output (the module's docstring), in float32 softmax."""
+        P, dtype = self.mla.qk_nope_head_dim, self.dtype
+        q_nope_BxLxNxP, q_rope_BxLxNxR = self._queries(x_BxLxD, cache.starts_B)
+        latent_BxLxC, rope_BxLxR = self._latent(x_BxLxD, cache.starts_B)
+        cache, latent_BxSxC, rope_BxSxR, mask_Bx1xLxS = cache.append(latent_BxLxC, rope_BxLxR)
+        latent_BxSxC, rope_BxSxR = latent_BxSxC.astype(dtype), rope_BxSxR.astype(dtype)
+        wkv_b_CxNxF = self.wkv_b[...].astype(dtype)
+        q_BxLxNxC = constrain(jnp.einsum("blnp,cnp->blnc", q_nope_BxLxNxP, wkv_b_CxNxF[..., :P]), _HEADS_OUT)
+        scores_BxNxLxS = (jnp.einsum("blnc,bsc->bnls", q_BxLxNxC, latent_BxSxC, preferred_element_type=jnp.float32)
+                          + jnp.einsum("blnr,bsr->bnls", q_rope_BxLxNxR, rope_BxSxR,
+                                       preferred_element_type=jnp.float32)) * self.scale
+        scores_BxNxLxS = jnp.where(mask_Bx1xLxS, scores_BxNxLxS, jnp.finfo(jnp.float32).min)
+        probs_BxNxLxS = jax.nn.softmax(scores_BxNxLxS, axis=-1).astype(dtype)
+        o_BxLxNxC = constrain(jnp.einsum("bnls,bsc->blnc", probs_BxNxLxS, latent_BxSxC), _HEADS_OUT)
+        o_BxLxNxV = jnp.einsum("blnc,cnv->blnv", o_BxLxNxC, wkv_b_CxNxF[..., P:])
+        return jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(dtype)), cache
+
+    def _queries(self, x_BxLxD: jax.Array, offset) -> tuple[jax.Array, jax.Array]:
+        """Each head's query without positions [B, L, N, P] and its rotary part [B, L, N, R], rotated."""
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        P, C = self.mla.qk_nope_head_dim, self.mla.kv_lora_rank
         if self.mla.q_lora_rank:
             q_BxLxN_Q = jnp.einsum("blr,rnq->blnq", self.q_norm(x_BxLxD @ w(self.wq_a)), w(self.wq_b))
         else:
             q_BxLxN_Q = jnp.einsum("bld,dnq->blnq", x_BxLxD, w(self.wq))
-        latent_BxLxA = x_BxLxD @ w(self.wkv_a)
-        kv_BxLxNxF = jnp.einsum("blc,cnf->blnf", self.kv_norm(latent_BxLxA[..., :C]), w(self.wkv_b))
-        q_rope = rotary(q_BxLxN_Q[..., P:], self.rope_theta, offset, self.inv_freq)
-        k_rope_BxLx1xR = rotary(latent_BxLxA[..., None, C:], self.rope_theta, offset, self.inv_freq)
-        if self.rope_factor != 1.0:  # YaRN scales the rotary values (its cos and sin)
-            q_rope, k_rope_BxLx1xR = q_rope * self.rope_factor, k_rope_BxLx1xR * self.rope_factor
+        P = self.mla.qk_nope_head_dim
+        return q_BxLxN_Q[..., :P], self._rotary(q_BxLxN_Q[..., P:], offset)
+
+    def _latent(self, x_BxLxD: jax.Array, offset) -> tuple[jax.Array, jax.Array]:
+        """The token's latent [B, L, C] (normalised) and its rotary key [B, L, R] (rotated): what the serving
+        cache keeps."""
+        C = self.mla.kv_lora_rank
+        latent_BxLxA = x_BxLxD @ self.wkv_a[...].astype(self.dtype)
+        rope_BxLx1xR = self._rotary(latent_BxLxA[..., None, C:], offset)
+        return self.kv_norm(latent_BxLxA[..., :C]), rope_BxLx1xR[:, :, 0]
+
+    def _rotary(self, x_BxLxNxR: jax.Array, offset) -> jax.Array:
+        """Rotary positions from `offset`; YaRN scales the rotated values (its cos and sin)."""
+        x_BxLxNxR = rotary(x_BxLxNxR, self.rope_theta, offset, self.inv_freq)
+        return x_BxLxNxR * self.rope_factor if self.rope_factor != 1.0 else x_BxLxNxR
+
+    def _heads(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Each head's query [B, L, N, P + R], key [B, L, N, P + R] and value [B, L, N, V], positions applied
+        (from 0: training's whole sequences)."""
+        P = self.mla.qk_nope_head_dim
+        q_nope_BxLxNxP, q_rope_BxLxNxR = self._queries(x_BxLxD, 0)
+        latent_BxLxC, rope_BxLxR = self._latent(x_BxLxD, 0)
+        kv_BxLxNxF = jnp.einsum("blc,cnf->blnf", latent_BxLxC, self.wkv_b[...].astype(self.dtype))
         k_nope_BxLxNxP = kv_BxLxNxF[..., :P]
-        k_rope_BxLxNxR = jnp.broadcast_to(k_rope_BxLx1xR, k_nope_BxLxNxP.shape[:-1] + k_rope_BxLx1xR.shape[-1:])
-        q_BxLxNxQ = jnp.concatenate([q_BxLxN_Q[..., :P], q_rope], axis=-1)
+        k_rope_BxLxNxR = jnp.broadcast_to(rope_BxLxR[:, :, None], k_nope_BxLxNxP.shape[:-1] + rope_BxLxR.shape[-1:])
+        q_BxLxNxQ = jnp.concatenate([q_nope_BxLxNxP, q_rope_BxLxNxR], axis=-1)
         k_BxLxNxQ = jnp.concatenate([k_nope_BxLxNxP, k_rope_BxLxNxR], axis=-1)
         return q_BxLxNxQ, k_BxLxNxQ, kv_BxLxNxF[..., P:]

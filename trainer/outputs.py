@@ -83,7 +83,7 @@ class RunDirectory:
 
 class Phase(StrEnum):
     """A run's phase. The first five are the trainer's own states (its status file's "state"); the
-    rest are what the control plane says of the place it runs (provision.targets.Report.phase).
+    rest are what the control plane says of the place it runs (provision.kinds.Report.phase).
 
     A member is its string ("running" == Phase.RUNNING), so status files and JSON documents stay as
     they were."""

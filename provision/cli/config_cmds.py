@@ -79,9 +79,7 @@ def validate(app, config_path: str) -> None:
     cfg = app.load_config(config_path, check_trainer=True)
     files = _rendered(app, cfg)
     if app.dry_run and cfg.warnings():  # zones the catalogue does not list: the emulator's answer decides
-        from provision.slices import check_zones_offer
-
-        check_zones_offer(cfg, app.session())
+        cfg.kind.check_offer(cfg, app.session())
     app.console.text(f"config OK: {cfg.source}")
     app.console.text(f"  run {cfg.run}: {_summary(cfg)}")
     app.console.text(f"  rendered {len(files)} files: {', '.join(files)}")
@@ -90,14 +88,14 @@ def validate(app, config_path: str) -> None:
 
 def _rendered(app, cfg) -> dict[str, str]:
     """Every rendered file of the config's target, by name (its kind's `render`)."""
-    from provision.targets import kind_of
+    from provision.kinds import kind_of
 
     return kind_of(cfg).render(cfg, app.context(cfg).renderer)
 
 
 def _summary(cfg) -> str:
     """One line on what the config asks for (its kind's `summary`)."""
-    from provision.targets import kind_of
+    from provision.kinds import kind_of
 
     return kind_of(cfg).summary(cfg)
 

@@ -1,6 +1,6 @@
 """`moe-tpu deploy` and `moe-tpu predict`: a run's checkpoint served by the config's kind (a Vertex AI endpoint,
 a GKE Deployment) and a prompt sent through that platform's own prediction path. Both ask the kind's
-ServiceTarget (provision.targets) and never name a platform."""
+ServiceTarget (provision.kinds) and never name a platform."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def deploy(app, config_path: str, keep: bool) -> None:
       moe-tpu --dry-run --scenario quota deploy -c examples/serve-vertex.yaml
       moe-tpu --output json deploy -c examples/serve-vertex.yaml --keep
     """
+    from provision.kinds import kind_of
     from provision.services import ServiceFollower
-    from provision.targets import kind_of
 
     app.command = "deploy"
     cfg = app.load_config(config_path, serve_mesh=True)  # each replica's server started on one mesh, the plan's
@@ -155,7 +155,7 @@ def predict(app, config_path: str, prompt: str, max_tokens: int, temperature: fl
       moe-tpu predict -c examples/serve-vertex.yaml --prompt "The cat" --max-tokens 64 --no-stream
       moe-tpu --output json predict --prompt "The cat" --temperature 0.7
     """
-    from provision.targets import kind_of
+    from provision.kinds import kind_of
 
     app.command = "predict"
     cfg = app.load_config(config_path)

@@ -1,5 +1,6 @@
 """`up`, `status`, `down` and `list` for any kind of target: each asks the config's kind
-(provision.targets) and names none. `slice`, `job` and `gke` are a kind's own names for them."""
+(provision.kinds) and names none. A kind's own group (`slice`, `job`, `gke`: kind_cmds.py) runs them
+under its names, with its own flags and actions."""
 
 from __future__ import annotations
 
@@ -12,10 +13,25 @@ from provision.cli.options import config_option
 from provision.errors import UsageError
 
 
+def kind_flags(function):
+    """The flags that a kind's `up` takes (Kind.up_flags), offered by the generic `up` for the kinds
+    that declare them."""
+    from provision.kinds import KINDS
+
+    declared: dict[str, tuple] = {}
+    for kind in KINDS.values():
+        for flag in kind.up_flags:
+            declared.setdefault(flag.name, (flag, []))[1].append(kind.name)
+    for name, (flag, kinds) in reversed(declared.items()):
+        function = click.option(f"--{name}", is_flag=True, help=f"{flag.help} (target: {', '.join(kinds)})")(function)
+    return function
+
+
 @click.command("up")
 @config_option
+@kind_flags
 @click.pass_obj
-def up(app, config_path: str) -> None:
+def up(app, config_path: str, **flags: bool) -> None:
     """Make what the config's target asks for and wait until it is up (a slice, a job, node pools).
 
     \b
@@ -23,16 +39,26 @@ def up(app, config_path: str) -> None:
       moe-tpu up -c examples/v5e-64.yaml
       moe-tpu --dry-run up -c examples/gke-pathways.yaml
     """
-    from provision.targets import kind_of
+    from provision.kinds import kind_of
 
     app.command = "up"
     cfg = app.load_config(config_path, check_trainer=True)
     kind = kind_of(cfg)
-    app.console.info(f"up ({kind.name}): {kind.up_line(cfg)}" + (" [dry run]" if app.dry_run else ""))
-    resources = kind.up(app.context(cfg))
-    for res in resources:
-        app.console.text(f"  {res.kind} {res.name.rsplit('/', 1)[-1]} {res.state}"
-                         + (f" in {res.zone}" if res.zone else ""))
+    given = sorted(name for name, on in flags.items() if on)
+    foreign = [name for name in given if name not in {flag.name for flag in kind.up_flags}]
+    if foreign:
+        raise UsageError(f"--{foreign[0]} does not apply to target {kind.name!r} ({kind.noun})",
+                         hint=f"drop --{foreign[0]}, or see `moe-tpu up --help` for the targets it applies to")
+    bring_up(app, cfg, kind, f"up ({kind.name})", dict.fromkeys(given, True))
+
+
+def bring_up(app, cfg, kind, said: str, flags: dict[str, bool]) -> None:
+    """`up` and a kind's own `up` (`slice up`, `job submit`): the kind makes what the config asks for,
+    with the flags of its own that were given, and says what it made."""
+    app.console.info(f"{said}: {kind.up_line(cfg)}" + (" [dry run]" if app.dry_run else ""))
+    resources = kind.up(app.context(cfg), **flags)
+    for line in kind.up_lines(resources):
+        app.console.text(line)
     finish(app, resources)
 
 
@@ -41,11 +67,16 @@ def up(app, config_path: str) -> None:
 @click.pass_obj
 def status(app, config_path: str) -> None:
     """Show what of the run exists on its target, with state, age and cost so far."""
-    from provision.targets import kind_of
+    from provision.kinds import kind_of
 
     app.command = "status"
     cfg = app.load_config(config_path)
-    resources = kind_of(cfg).status(app.context(cfg))
+    show_status(app, cfg, kind_of(cfg))
+
+
+def show_status(app, cfg, kind) -> None:
+    """`status` and a kind's own (`slice status`): what of the run exists, by its kind."""
+    resources = kind.status(app.context(cfg))
     print_resources(app, resources)
     finish(app, resources)
 
@@ -53,7 +84,7 @@ def status(app, config_path: str) -> None:
 def delete_run(app, config_path: str, command: str, kinds: tuple[str, ...] | None = None) -> None:
     """Delete the run's resources of `kinds` (None: of every kind, whatever the config's target) and
     stop a dry run's local trainer; says what went."""
-    from provision.targets import KINDS
+    from provision.kinds import KINDS
 
     app.command = command
     cfg = app.load_config(config_path)
@@ -110,7 +141,7 @@ def list_cmd(app, config_path: str, all_zones: bool, run_filter: str | None, pro
     """
     from provision import catalogue
     from provision.core import Scope
-    from provision.targets import KINDS
+    from provision.kinds import KINDS
 
     app.command = "list"
     cfg = _config_if_any(app, config_path, project, zones_option or all_zones)

@@ -36,7 +36,7 @@ def logs(app, config_path: str, follow: bool, tail: int, plot_path: str | None) 
     """
     from provision.clock import RealClock
     from provision.cloud import storage
-    from provision.targets import kind_of
+    from provision.kinds import kind_of
 
     app.command = "logs"
     cfg = app.load_config(config_path)
@@ -84,7 +84,7 @@ def reader_of(store, output_dir: str) -> Callable[[str, Callable], object]:
 
 def _alive(app, cfg, out: str) -> Callable[[], bool]:
     """Whether anything of the run is up (its placement: a trainer can still write), asked of its target."""
-    from provision.targets import for_config
+    from provision.kinds import for_config
 
     target = for_config(app.context(cfg), output_dir=out)
     return lambda: bool(target.left())

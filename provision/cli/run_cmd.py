@@ -43,38 +43,24 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
       moe-tpu --dry-run --output json run -c examples/vertex.yaml
       moe-tpu run -c moe-tpu.yaml --yes
     """
-    from provision.errors import MoeTpuError
-    from provision.runs import Interrupted, RunFailed, Runner, Terminated, run_lock, terminate_on_signals
-    from provision.targets import for_config
+    from provision.kinds import for_config
+    from provision.runs import Runner, finished_earlier, run_lock
 
     app.command = "run"
     cfg = app.load_config(config_path, check_trainer=True)
     _check_plan(app, cfg, force)
     with run_lock(app.state_dir, cfg.run):
-        finished = _already_finished(app, cfg, restart)
+        context = app.context(cfg)
+        finished = finished_earlier(context, app.trainer_output_dir(cfg), restart=restart, dry_run=app.dry_run)
         # (a finished run's re-run starts no trainer, even on a slice it finds still up)
         output_dir = app.trainer_output_dir(cfg, train_locally=finished is None)
-        context = app.context(cfg)
         if finished is None:
             app.console.info(f"run {cfg.run}: {cfg.target}, trainer {cfg.trainer.config}, image {context.image}"
                              + (f" [dry run: the trainer runs here, output in {output_dir}]" if app.dry_run else ""))
-        target = for_config(context, output_dir=output_dir)
         confirm = (lambda: True) if yes else _ask_teardown(app)
-        runner = Runner(context, target, output_dir=output_dir, keep=keep, confirm_teardown=confirm)
-        try:
-            with terminate_on_signals():
-                # A run that finished earlier trains nothing, but takes down what it left up.
-                result = runner.run() if finished is None else runner.finished_before(finished)
-        except Interrupted as exc:
-            _emit(app, runner, "interrupted", error=exc.message)
-            raise
-        except Terminated as exc:
-            _print_summary(app, runner.timeline.events, runner.training, f"terminated: {exc.message}")
-            _emit(app, runner, "terminated", error=exc.message, exit_code=exc.exit_code)
-            raise
-        except MoeTpuError as exc:
-            _emit(app, runner, "error", error=exc.message)
-            raise
+        runner = Runner(context, for_config(context, output_dir=output_dir), output_dir=output_dir, keep=keep,
+                        confirm_teardown=confirm)
+        result = _follow(app, runner, finished)
     if finished is not None:
         _emit(app, runner, "ok", already_finished=True, step=finished["step"], output_dir=output_dir)
         return
@@ -82,32 +68,31 @@ def run(app, config_path: str, keep: bool, yes: bool, force: bool, restart: bool
                    "finished" if result.ok else f"failed: {result.error}")
     _emit(app, runner, "ok" if result.ok else "error", **({} if result.ok else {"error": result.error}))
     if not result.ok:
+        from provision.runs import RunFailed
+
         raise RunFailed(result.error, hint="the timeline above shows what happened; `moe-tpu logs` shows "
                                            "the trainer's output")
 
 
-def _already_finished(app, cfg, restart: bool) -> dict | None:
-    """The trainer's status when the run finished before (said; nothing is trained, and the caller takes
-    down what the run left up), else None; the policy is provision.runs.previous_finish's."""
-    import datetime as dt
+def _follow(app, runner, finished: dict | None):
+    """The run's outcome (provision.runs.Runner.run, under the signal latch), each way it can end said
+    in the command's document before its error goes on."""
+    from provision.errors import MoeTpuError
+    from provision.runs import Interrupted, Terminated, terminate_on_signals
 
-    from provision.cloud import storage
-    from provision.runs import previous_finish
-
-    output_dir = app.trainer_output_dir(cfg)
-    store = app.session().storage if output_dir.startswith("gs://") else storage.LOCAL
-    status, moved = previous_finish(store, output_dir, cfg, dry_run=app.dry_run, restart=restart)
-    if moved is not None:
-        app.console.info(f"--restart: moved the finished run's output to {moved}; training from step 0")
-    if status is None:
-        return None
-    when = status.get("time")
-    on = (" on " + dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-          if isinstance(when, (int, float)) else "")
-    flag = "--dry-run run --restart" if app.dry_run else "run --restart"
-    app.console.text(f"run {cfg.run} already finished at step {status['step']}{on} ({output_dir}); "
-                     f"nothing to train; `moe-tpu {flag}` trains it again from step 0")
-    return status
+    try:
+        with terminate_on_signals():
+            return runner.run(finished)
+    except Interrupted as exc:
+        _emit(app, runner, "interrupted", error=exc.message)
+        raise
+    except Terminated as exc:
+        _print_summary(app, runner.timeline.events, runner.training, f"terminated: {exc.message}")
+        _emit(app, runner, "terminated", error=exc.message, exit_code=exc.exit_code)
+        raise
+    except MoeTpuError as exc:
+        _emit(app, runner, "error", error=exc.message)
+        raise
 
 
 def _check_plan(app, cfg, force: bool) -> None:

@@ -6,15 +6,14 @@ models; rules that tie two keys together (zone inside region, runtime fits accel
 run afterwards on the raw values, and a key that already failed its own rule is skipped
 there, so one mistake is reported once.
 
-Modules: shapes.py (the shapes of names, durations and ids the rules share), sections.py (the models
-and their field rules; the gke and pathways ones in gke_sections.py, the vertex one in
-vertex_sections.py), loading.py (the file read through the bounded YAML reader, errors translated, the
-rules between keys) and starter.py (what `init` writes). Everything is importable from here.
+Modules: sections.py (the models and their field rules; the shapes of names, durations and ids they
+share in provision/shapes.py; a kind's own sections in its package, provision/kinds/), loading.py (the
+file read through the bounded YAML reader, errors translated, the rules between keys) and starter.py
+(what `init` writes). Everything is importable from here.
 """
 
 from __future__ import annotations
 
-from provision.config.gke_sections import GkeConfig, PathwaysConfig  # noqa: F401 - the config's API, one import away
 from provision.config.loading import (  # noqa: F401 - the config's API, one import away
     config_from_dict,
     load_config,
@@ -30,7 +29,10 @@ from provision.config.sections import (  # noqa: F401 - the config's API, one im
     SliceConfig,
     TrainerConfig,
 )
-from provision.config.shapes import (  # noqa: F401 - the config's API, one import away
+from provision.config.starter import (  # noqa: F401 - the config's API, one import away
+    starter_config,
+)
+from provision.shapes import (  # noqa: F401 - the config's API, one import away
     _PROJECT,
     DEFAULT_CONFIG,
     MAX_DURATION,
@@ -38,8 +40,4 @@ from provision.config.shapes import (  # noqa: F401 - the config's API, one impo
     MAX_RUN_LENGTH,
     MAX_SLICE_COUNT,
     parse_duration,
-)
-from provision.config.vertex_sections import VertexConfig  # noqa: F401 - the config's API, one import away
-from provision.config.starter import (  # noqa: F401 - the config's API, one import away
-    starter_config,
 )

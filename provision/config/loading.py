@@ -12,9 +12,9 @@ from pydantic import BaseModel, ValidationError
 
 from provision import catalogue
 from provision.config.sections import _SECTIONS, Config
-from provision.config.shapes import _ZONE, DEFAULT_CONFIG, _brief
 from provision.errors import ConfigError, Problem
-from provision.targets import KINDS
+from provision.kinds import KINDS
+from provision.shapes import _ZONE, DEFAULT_CONFIG, _brief
 from trainer import safeyaml, schema
 
 # --- loading ---------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def _dotted(loc: tuple[Any, ...]) -> str:
 
 
 def _own_sections() -> dict[str, type[BaseModel]]:
-    """The sections the kinds of target bring to the file (provision.targets.Kind.own_sections)."""
+    """The sections the kinds of target bring to the file (provision.kinds.Kind.own_sections)."""
     return {key: model for kind in KINDS.values() for key, model in kind.own_sections.items()
             if key not in Config.model_fields}
 
@@ -151,7 +151,7 @@ def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
 
 
 def _kind_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
-    """The rules of the config's kind of target (provision.targets.Kind.checks); none when the
+    """The rules of the config's kind of target (provision.kinds.Kind.checks); none when the
     target itself is not a kind."""
     target = get("target")
     kind = KINDS.get(target) if isinstance(target, str) else None

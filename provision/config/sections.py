@@ -1,19 +1,22 @@
 """The config's sections as frozen pydantic models, each field with its own rule (the shapes they share:
-shapes.py; the gke and pathways sections: gke_sections.py; the vertex section: vertex_sections.py)."""
+provision/shapes.py; the gke and pathways sections: provision/kinds/gke/gke_sections.py; the vertex
+section: provision/kinds/vertex/vertex_sections.py)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from provision import catalogue
-from provision.config.gke_sections import GkeConfig, PathwaysConfig
-from provision.config.shapes import (
+from provision.kinds import KINDS
+from provision.kinds.gke.gke_sections import GkeConfig, PathwaysConfig
+from provision.kinds.vertex.vertex_sections import VertexConfig
+from provision.shapes import (
     _GCS_URL,
     _IMAGE_REPOSITORY,
     _IMAGE_TAG,
@@ -38,8 +41,6 @@ from provision.config.shapes import (
     _zone_name,
     gcs_location,
 )
-from provision.config.vertex_sections import VertexConfig
-from provision.targets import KINDS
 from trainer.schema import NonNegative, Positive, did_you_mean, invalid
 
 
@@ -324,7 +325,7 @@ class Config(BaseModel):
     region: str
     zones: list[Annotated[str, AfterValidator(_zone_name)]]
     run: str
-    # The kind of target (provision.targets.KINDS): which of the sections below it reads, its rules
+    # The kind of target (provision.kinds.KINDS): which of the sections below it reads, its rules
     # between keys, what it renders and makes.
     target: str = "tpu-vm"
     slice: SliceConfig = Field(default_factory=SliceConfig)
@@ -431,7 +432,7 @@ class Config(BaseModel):
 
     @property
     def kind(self) -> Any:
-        """The config's kind of target (a provision.targets.Kind): what the commands ask about it."""
+        """The config's kind of target (a provision.kinds.Kind): what the commands ask about it."""
         return KINDS[self.target]
 
     def warnings(self) -> list[str]:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """The chips a plan is for (the config's slice or Vertex topology); not provision.targets.Target,
+    """The chips a plan is for (the config's slice or Vertex topology); not provision.kinds.Target,
     which provisions them."""
 
     accelerator: catalogue.AcceleratorType

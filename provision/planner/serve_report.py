@@ -8,7 +8,7 @@ from typing import Any
 from provision.planner.report import _rows, human_bytes, human_count, human_seconds
 from provision.planner.report import usd as _usd
 from provision.planner.serve_plan import Row, ServePlan
-from provision.planner.serving import DecodeStep
+from provision.planner.serving import DecodeStep, latent_capacity
 
 from trainer.serve.memory import QUANTIZED_WEIGHTS
 
@@ -54,7 +54,19 @@ def _row_document(plan: ServePlan, row: Row) -> dict[str, Any]:
         "largest_batch_slots": row.largest_batch,
         "decode": _step_document(plan, row.step), "decode_batch_1": _step_document(plan, row.step_batch_1),
         "decode_largest_batch": _step_document(plan, row.step_largest),
+        **latent_capacity_document(row),
     }
+
+
+def latent_capacity_document(row: Row) -> dict[str, Any]:
+    """Latent attention's cache against an uncompressed one in a chip's leftover HBM (empty otherwise)."""
+    cap = latent_capacity(row.serving)
+    if cap is None:
+        return {}
+    return {"latent_cache": {
+        "context_tokens": cap.tokens, "leftover_hbm_bytes_per_chip": cap.leftover,
+        "latent_bytes_per_token": cap.latent_per_token, "uncompressed_bytes_per_token": cap.uncompressed_per_token,
+        "latent_cache_slots": cap.latent_sequences, "uncompressed_cache_slots": cap.uncompressed_sequences}}
 
 
 def serve_document(plan: ServePlan) -> dict[str, Any]:
@@ -197,4 +209,16 @@ def _row_lines(plan: ServePlan, row: Row) -> list[str]:
          f"{usd(plan.cost_per_million(step))} per million output tokens"),
         ("decode step at batch 1", human_seconds(one.lower_bound_s), f"bound by {one.bound_by}"),
         ("largest batch that fits", str(row.largest_batch), largest),
+        *latent_capacity_rows(row),
     )]
+
+
+def latent_capacity_rows(row: Row) -> tuple[tuple[str, str, str], ...]:
+    """The row's line on latent attention's cache against an uncompressed one (none otherwise)."""
+    cap = latent_capacity(row.serving)
+    if cap is None:
+        return ()
+    return ((f"sequences of {cap.tokens:,} tokens", f"{cap.latent_sequences:,}",
+             f"in the {human_bytes(cap.leftover)} a chip has beside its weights: latent cache "
+             f"{human_bytes(cap.latent_per_token)} a token; an uncompressed cache "
+             f"({human_bytes(cap.uncompressed_per_token)} a token) would hold {cap.uncompressed_sequences:,}"),)

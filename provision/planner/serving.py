@@ -141,7 +141,11 @@ class KvLayout:
 def engine_kv_layout(cfg: trainer_config.Config, mesh: Mesh) -> KvLayout:
     """As trainer/serve/engine.py lays it out (KVCache.sharding): the KV heads split over `model` where it
     divides them, else every chip holding all of them; each chip attending for its own batch rows
-    (data x expert) and its heads."""
+    (data x expert) and its heads. Latent attention's cache (LatentCache.sharding) is whole on every chip:
+    each head reads every latent."""
+    if cfg.model.mla is not None:
+        return KvLayout(hold_ways=1, read_ways=mesh.token_shards,
+                        note="latent attention's latents whole on every chip, as the engine holds them")
     heads = mesh.model if cfg.model.kv_heads % mesh.model == 0 else 1
     note = (f"KV heads split over model={mesh.model}, as the engine holds them" if heads > 1
             else "every chip holds all KV heads, as the engine does")
@@ -149,12 +153,28 @@ def engine_kv_layout(cfg: trainer_config.Config, mesh: Mesh) -> KvLayout:
 
 
 def kv_bytes_per_token(cfg: trainer_config.Config, precision: str) -> float:
-    """K and V of one position in every layer (a float32 scale per KV head when quantized)."""
+    """K and V of one position in every layer (a float32 scale per KV head when quantized); with latent
+    attention its latent and rotary key instead (kv_lora_rank + qk_rope_head_dim values, a float32 scale
+    each when quantized: trainer/serve/latentcache.py)."""
     m = cfg.model
+    if m.mla is not None:
+        per_layer = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * PRECISION_BYTES[precision]
+        return m.num_layers * (per_layer + (2 * SCALE_BYTES if precision not in ("bf16", "float32") else 0))
     per_layer = m.kv_heads * m.head_size * PRECISION_BYTES[precision]
     if precision not in ("bf16", "float32"):
         per_layer += m.kv_heads * SCALE_BYTES
     return 2 * m.num_layers * per_layer
+
+
+def uncompressed_kv_bytes_per_token(cfg: trainer_config.Config, precision: str) -> float:
+    """Latent attention's keys and values expanded: every head's key (qk_nope_head_dim + qk_rope_head_dim)
+    and value (v_head_dim) of one position in every layer, as a cache of heads would keep them (a float32
+    scale per head's key and per head's value when quantized)."""
+    m, mla = cfg.model, cfg.model.mla
+    per_layer = m.num_heads * (mla.qk_head_dim + mla.v_head_dim) * PRECISION_BYTES[precision]
+    if precision not in ("bf16", "float32"):
+        per_layer += 2 * m.num_heads * SCALE_BYTES
+    return m.num_layers * per_layer
 
 
 # ----------------------------------------------------------------------------- the decode step
@@ -263,13 +283,53 @@ def decode_step(s: Serving, batch: int) -> DecodeStep:
     touched = experts_touched(e.num_experts, e.top_k, batch) if m.num_moe_layers else 0.0
     weights = s.weights.read(touched)
     kv = batch * s.max_len * s.kv_per_token / s.kv.read_ways
-    attention = 4.0 * batch * s.max_len * m.num_layers * m.num_heads * m.head_size
+    attention = batch * s.max_len * m.num_layers * attention_flops_per_position(s.cfg)
     flops = (2.0 * s.matmul_params * batch + attention) / chips
     ici = decode_ici_bytes(s, batch)
     return DecodeStep(batch=batch, experts_touched=touched, weight_read_bytes=weights, kv_read_bytes=kv,
                       flops=flops, ici_bytes=ici, hbm_s=(weights + kv) / hbm_bytes_per_s(s.acc),
                       compute_s=flops / (s.acc.peak_bf16_tflops_per_chip * 1e12),
                       ici_s=ici / ici_bytes_per_s(s.acc), chips=chips)
+
+
+def attention_flops_per_position(cfg: trainer_config.Config) -> float:
+    """FLOPs of one token's attention to one cached position in one layer: each head's score and weighted
+    sum, 2 FLOPs a multiply-add. Latent attention decodes by absorption (trainer/mla.py): the score is over
+    the latent and the rotary key (kv_lora_rank + qk_rope_head_dim), the sum over the latent; folding the
+    up-projections into the query and the output is a matmul per token, counted with the weights."""
+    m = cfg.model
+    if m.mla is not None:
+        return 2.0 * m.num_heads * (2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim)
+    return 4.0 * m.num_heads * m.head_size
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentCapacity:
+    """Latent attention's cache against an uncompressed one, on one chip: how many sequences of `tokens`
+    tokens each holds in the HBM left beside the chip's weights."""
+
+    tokens: int
+    leftover: float  # bytes: usable HBM less the weights
+    latent_per_token: float  # bytes, every layer's
+    uncompressed_per_token: float  # bytes, every layer's
+    latent_sequences: int
+    uncompressed_sequences: int
+
+
+def latent_capacity(s: Serving, tokens: int = 2048) -> LatentCapacity | None:
+    """For latent attention (None otherwise): the sequences one chip holds with the engine's latent cache
+    (whole on every chip) and with the heads' keys and values (split over `model` where it divides the
+    heads, as the engine splits a cache of heads)."""
+    m = s.cfg.model
+    if m.mla is None:
+        return None
+    leftover = max(s.usable() - s.weights.held, 0.0)
+    expanded = uncompressed_kv_bytes_per_token(s.cfg, s.kv_precision)
+    heads = s.mesh.model if m.num_heads % s.mesh.model == 0 else 1
+    count = lambda per_token, ways: int(leftover // (tokens * per_token / ways))  # noqa: E731
+    return LatentCapacity(tokens=tokens, leftover=leftover, latent_per_token=s.kv_per_token,
+                          uncompressed_per_token=expanded, latent_sequences=count(s.kv_per_token, s.kv.hold_ways),
+                          uncompressed_sequences=count(expanded, heads))
 
 
 def cost_per_million_tokens(price_per_chip_hour: float, tokens_per_s_per_chip: float) -> float:

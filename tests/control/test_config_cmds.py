@@ -198,7 +198,7 @@ def test_validate_a_broken_template(workdir):
     (workdir / "tpl" / "startup.sh.j2").write_text("{{ spec.image }}\n")
     code, out, err = moe("--templates", "tpl", "validate")
     assert (code, out) == (2, "")
-    assert err.startswith("error: template startup.sh.j2: 'provision.rendering.StartupSpec object' "
+    assert err.startswith("error: template startup.sh.j2: 'provision.kinds.tpu_vm.slice_render.StartupSpec object' "
                           "has no attribute 'image'\nhint: templates are read from tpl, then ")
 
 

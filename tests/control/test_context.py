@@ -80,8 +80,9 @@ def test_a_command_that_renders_nothing_never_hashes_the_tree(workdir, hashed):
 
 # --- the layering ---------------------------------------------------------------------------------
 
-LIFECYCLE = ["provision/runs.py", "provision/slices.py", "provision/gke.py", "provision/jobs.py",
-             *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "provision" / "targets").glob("*.py"))]
+LIFECYCLE = ["provision/runs.py", "provision/kinds/tpu_vm/slices.py", "provision/kinds/gke/gke.py",
+             "provision/kinds/vertex/jobs.py", "provision/kinds/__init__.py",
+             *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "provision" / "kinds").glob("*/kind.py"))]
 
 
 def names_in(path: str) -> set[str]:
@@ -93,12 +94,13 @@ def names_in(path: str) -> set[str]:
 def test_the_lifecycle_never_sees_the_templates_directory():
     found = {path: names_in(path) & {"templates_dir", "Renderer", "renderer_for"} for path in LIFECYCLE}
     assert {path: names for path, names in found.items() if names} == {}
-    assert "provision/targets/tpu_vm.py" in LIFECYCLE
+    assert "provision/kinds/tpu_vm/kind.py" in LIFECYCLE
 
 
 def test_rendering_never_hashes_the_source_tree():
     hashing = {"content_tag", "content_hash", "image_reference", "image_inputs", "renderer_for", "plan_image"}
-    for path in ("provision/rendering.py", "provision/gke_render.py", "provision/templates.py"):
+    for path in ("provision/rendering.py", "provision/kinds/tpu_vm/slice_render.py", "provision/templates.py",
+                 "provision/kinds/vertex/vertex_render.py", "provision/kinds/gke/gke_render.py"):
         assert names_in(path) & hashing == set(), path
     assert "content_hash" in names_in("provision/image.py")  # the check reads names that are there
 

@@ -14,11 +14,11 @@ import yaml
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 
-from provision import slices
 from provision.catalogue import V5E_RUNTIMES
 from provision.emulator import Emulator
 from provision.emulator import scenarios as sc
 from provision.emulator.server import parse_reservations
+from provision.kinds.tpu_vm import slices
 from tests.control.cli_helpers import invoke
 from tests.control.test_emulator import PARENT, PROJECT, ZONE, create, queued_resource
 

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from cli_helpers import SMALL, loaded_config, nothing_left, run_process
 
-from provision import gke_render
 from provision.context import renderer_for
 from provision.errors import CloudError, QuotaError, StockoutError, UsageError
-from provision.gke import cluster_of, gke_down, gke_status, gke_up, managed_gke, submit_jobset
+from provision.kinds.gke import gke_render
+from provision.kinds.gke.gke import cluster_of, gke_down, gke_status, gke_up, managed_gke, submit_jobset
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHWAYS = ROOT / "examples" / "gke-pathways.yaml"

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from cli_helpers import config_from, invoke
 
-from provision import gke_render
 from provision.config import load_config
 from provision.context import renderer_for
 from provision.errors import UsageError
+from provision.kinds.gke import gke_render
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHWAYS = ROOT / "examples" / "gke-pathways.yaml"

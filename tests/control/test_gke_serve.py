@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from cli_helpers import loaded_config
 
-from provision import gke_serve_render
 from provision.context import renderer_for
 from provision.errors import CloudError, QuotaError, StockoutError, UsageError
-from provision.gke import cluster_of, gke_down, managed_gke
+from provision.kinds.gke import gke_serve_render
+from provision.kinds.gke.gke import cluster_of, gke_down, managed_gke
 from provision.services import ServiceFollower
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,10 +17,10 @@ import pytest
 import yaml
 from cli_helpers import config_from, invoke
 
-from provision import gke_serve_render
 from provision.config import load_config
 from provision.context import renderer_for
 from provision.errors import UsageError
+from provision.kinds.gke import gke_serve_render
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_GKE = ROOT / "examples" / "serve-gke.yaml"
@@ -132,7 +132,7 @@ def test_the_serve_section_on_gke_names_the_key(tmp_path, changes, key, words):
 
 
 def test_the_startup_probe_waits_the_load_and_compile_estimate(loaded):
-    from provision.targets.vertex import startup_estimate_s
+    from provision.kinds.common import startup_estimate_s
 
     files = loaded.kind.render(loaded, renderer_for(loaded))
     probe = yaml.safe_load(files["deployment.yaml"])["spec"]["template"]["spec"]["containers"][0]["startupProbe"]

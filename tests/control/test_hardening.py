@@ -16,8 +16,8 @@ from cli_helpers import config_from, invoke
 from provision.app import App
 from provision.config import load_config
 from provision.errors import CloudError, StockoutError
-from provision.jobs import job_submit
-from provision.slices import slice_up
+from provision.kinds.tpu_vm.slices import slice_up
+from provision.kinds.vertex.jobs import job_submit
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -306,7 +306,7 @@ def test_emulator_reset_clears_the_world(workdir):
 # --- 10. a run's lifecycle: teardown cut short, a lock held by a stuck command ----------------
 
 def test_slice_up_after_a_teardown_cut_short_waits_it_out_and_creates_anew(tmp_path):
-    from provision.slices import queued_resource_name, slice_down, state_name
+    from provision.kinds.tpu_vm.slices import queued_resource_name, slice_down, state_name
 
     cfg = load_config(_config(tmp_path))
     app = App(dry_run=True, output="json", workdir=tmp_path)
@@ -330,7 +330,7 @@ def test_down_after_a_teardown_cut_short_ends_clean(workdir):
     cfg = load_config(workdir / "moe-tpu.yaml")
     app = App(dry_run=True, output="json", workdir=workdir)
     try:
-        from provision.slices import queued_resource_name
+        from provision.kinds.tpu_vm.slices import queued_resource_name
 
         app.session().tpu.delete_queued_resource(queued_resource_name(cfg, cfg.project, cfg.zones[0]), force=True)
     finally:

@@ -17,7 +17,7 @@ from cli_helpers import loaded_config, run_process
 
 from provision.app import App
 from provision.errors import CloudError, QuotaError, UsageError
-from provision.jobs import job_cancel, job_submit, job_wait, jobs_down, managed_jobs
+from provision.kinds.vertex.jobs import job_cancel, job_submit, job_wait, jobs_down, managed_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "vertex.yaml"

@@ -10,7 +10,7 @@ from cli_helpers import loaded_config
 from provision.app import App
 from provision.context import renderer_for
 from provision.errors import QuotaError, StockoutError
-from provision.slices import managed_resources, slice_down, slice_status, slice_up
+from provision.kinds.tpu_vm.slices import managed_resources, slice_down, slice_status, slice_up
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "v5e-64.yaml"
 CREATE = "google.cloud.tpu.v2.Tpu/CreateQueuedResource"
@@ -135,7 +135,7 @@ def test_flaky_api_is_retried_and_makes_exactly_one_slice(tmp_path, run_in):
 
 def crash_after_create(cfg, run_in) -> None:
     """An invocation that sent its create and died before waiting for anything."""
-    from provision.rendering import create_queued_resource_request
+    from provision.kinds.tpu_vm.slice_render import create_queued_resource_request
 
     crashed = run_in()
     request = create_queued_resource_request(cfg, "us-west4-a", renderer_for(cfg))

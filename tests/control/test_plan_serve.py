@@ -179,6 +179,41 @@ def test_the_kv_cache_is_the_engines():
                                                                              m.head_size, dtype)
 
 
+def test_latent_attentions_kv_bytes_and_decode_flops_are_the_engines():
+    """deepseek-v3-671b (not built: the cache's bytes from its config): the engine's latent cache keeps
+    (kv_lora_rank + qk_rope_head_dim) values a token and layer (int8: a float32 scale for each of the two),
+    which is what the planner counts; the decode step's attention is absorbed (scores over the latent and
+    the rotary key, the weighted sum over the latent), whole on every chip."""
+    from provision.planner.serve_report import latent_capacity_document, latent_capacity_rows
+    from provision.planner.serving import attention_flops_per_position, latent_capacity
+    from trainer.serve.latentcache import CacheLayout
+
+    cfg = load_config("deepseek-v3-671b")
+    layout = CacheLayout.of(cfg.model)
+    assert planner.kv_bytes_per_token(cfg, "bf16") == (512 + 64) * 61 * 2 == layout.nbytes(1, 1, "bfloat16")
+    assert planner.kv_bytes_per_token(cfg, "int8") == (512 + 64 + 8) * 61 == layout.nbytes(1, 1, "int8")
+    assert planner.engine_kv_layout(cfg, planner.Mesh(1, 64, model=4)).hold_ways == 1
+    assert attention_flops_per_position(cfg) == 2 * 128 * (2 * 512 + 64)
+    s = planner.serving(param_inventory(cfg), cfg, planner.Mesh(1, 64, model=4), catalogue.accelerator("v5litepod-256"),
+                        "int8", max_len=2048, headroom=0.1)
+    step = planner.decode_step(s, 8)
+    assert step.flops * 256 == pytest.approx(2 * s.matmul_params * 8 + 8 * 2048 * 61 * 2 * 128 * (2 * 512 + 64))
+    cap = latent_capacity(s)
+    assert cap.leftover == s.usable() - s.weights.held > 0 and cap.latent_per_token == (512 + 64 + 8) * 61
+    assert cap.uncompressed_per_token == 61 * 128 * ((128 + 64 + 128) + 2 * 4)
+    assert cap.latent_sequences == int(cap.leftover // (2048 * cap.latent_per_token)) > 50
+    assert cap.uncompressed_sequences == int(cap.leftover // (2048 * cap.uncompressed_per_token / 4)) > 0
+    assert cap.latent_sequences >= 17 * cap.uncompressed_sequences  # 71 times the bytes, split 4 ways
+    row = planner.Row(serving=s, slots=8, step=step, step_batch_1=step, largest_batch=0, step_largest=None)
+    assert latent_capacity_document(row)["latent_cache"] == {
+        "context_tokens": 2048, "leftover_hbm_bytes_per_chip": cap.leftover,
+        "latent_bytes_per_token": cap.latent_per_token, "uncompressed_bytes_per_token": cap.uncompressed_per_token,
+        "latent_cache_slots": cap.latent_sequences, "uncompressed_cache_slots": cap.uncompressed_sequences}
+    (label, value, note), = latent_capacity_rows(row)
+    assert (label, value) == ("sequences of 2,048 tokens", str(cap.latent_sequences))
+    assert f"an uncompressed cache (2.44 MiB a token) would hold {cap.uncompressed_sequences}" in note
+
+
 UNITS = {"bytes", "s", "usd", "tokens", "slots", "experts", "chips", "flops", "ways"}
 
 
@@ -231,7 +266,13 @@ def test_plan_answers_for_the_open_models_named_configs(workdir, name, total):
     doc = json.loads(out)
     assert code == 0, err
     assert doc["params_total"] == total and doc["fits"] is True
-    assert doc["serve"]["chips"] == 64 and doc["serve"]["precisions"]["bf16"]["decode_batch_1"]["step_time_hbm_s"] > 0
+    bf16 = doc["serve"]["precisions"]["bf16"]
+    assert doc["serve"]["chips"] == 64 and bf16["decode_batch_1"]["step_time_hbm_s"] > 0
+    if name == "deepseek-v2-lite":  # latent attention: 512 + 64 values a token and layer, beside the heads' 16 x 320
+        assert bf16["kv_cache_bytes_per_token"] == bf16["latent_cache"]["latent_bytes_per_token"] == 576 * 27 * 2
+        assert bf16["latent_cache"]["uncompressed_bytes_per_token"] == 16 * 320 * 27 * 2
+    else:
+        assert "latent_cache" not in bf16
 
 
 def test_the_planners_quantized_weights_are_the_engines_start_up_plan():

@@ -13,16 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from provision import targets
+import provision.kinds as targets
 from provision.clock import SimClock
 from provision.cloud import storage
 from provision.config import load_config
 from provision.console import Console
 from provision.context import RunContext
+from provision.core import Report, Target
 from provision.errors import CloudError, UsageError
 from provision.resources import Resource
 from provision.runs import Interrupted, Runner
-from provision.core import Report, Target
 
 
 class ScriptedTarget:

@@ -1,6 +1,6 @@
 """A fourth kind of target, added the way a new one would be: its module (tests/control/toy_kind.py: its own
 config section, checks, rendered file, hardware, a training and a serving deployment) and one line in the
-registry (provision.targets.KINDS). Every command that takes a config then works with it, unchanged."""
+registry (provision.kinds.KINDS). Every command that takes a config then works with it, unchanged."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from provision.config import load_config
 from provision.console import Console
 from provision.context import RunContext
 from provision.errors import UsageError
+from provision.kinds import KINDS
 from provision.services import READY_TIMEOUT_S, ServiceFollower
-from provision.targets import KINDS
+
 
 @pytest.fixture(scope="module")
 def toy_kind():
-    KINDS["toy"] = ToyKind()  # the one line a new kind adds in provision/targets/__init__.py
+    KINDS["toy"] = ToyKind()  # the one line a new kind adds in provision/kinds/__init__.py
     yield KINDS["toy"]
     del KINDS["toy"]
     MADE.clear()
@@ -107,6 +108,9 @@ def test_a_dry_run_run_follows_the_toy_workload_to_its_end(toy_config):
 def test_the_kind_commands_refuse_a_toy_config(toy_config):
     code, _, err = invoke("--dry-run", "slice", "up", "-c", str(toy_config))
     assert code == 2 and "target is 'toy': a toy placement, not a TPU VM slice" in err
+    # A kind's own flag, which the generic `up` offers, is refused for a kind that does not declare it.
+    code, _, err = invoke("--dry-run", "up", "--recreate", "-c", str(toy_config))
+    assert code == 2 and "--recreate does not apply to target 'toy' (a toy placement)" in err and MADE == {}
 
 
 def _context(path) -> RunContext:

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from provision.endpoints import Endpoint
+from provision.kinds.vertex.endpoints import Endpoint
 
 BODY = '{"prompt": "1 2 3", "max_tokens": 32}'
 

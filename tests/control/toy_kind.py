@@ -2,7 +2,7 @@
 file, the planner's hardware, and two deployments (provision.core.Deployment) on a fake "cloud": a training
 placement with a training job that reports two steps and finishes, and a serving placement with a server
 that becomes ready (or never does). All it needs besides this module is one line in the registry
-(provision.targets.KINDS), which tests/control/test_toy_target.py adds."""
+(provision.kinds.KINDS), which tests/control/test_toy_target.py adds."""
 
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ def served():
     cfg = load_config("tiny", ["model.num_kv_heads=2"])
     model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
     encode, decode = byte_codec()
-    engine = Engine(model, init_weights(model), slots=8, max_len=288, chunk=16, detokenize=decode)
+    engine = Engine(model, init_weights(model), slots=8, max_len=288, chunk=16, detokenize=decode, prefix_cache=512)
     engine.warm_up()
     state = ServerState("tiny", encode=encode, decode=decode, max_waiting=8)
     app = create_app(state)

@@ -209,30 +209,57 @@ def test_deepseek_tiny_exports_as_deepseek_v3_and_transformers_gives_its_logits(
     assert np.abs(got - expected).max() <= 1e-4 and np.array_equal(got.argmax(-1), expected.argmax(-1))
 
 
-@pytest.mark.compile_bound
-def test_greedy_generation_through_the_serving_engine_equals_transformers(imported):
-    """8 prompts, 32 greedy tokens each, through the engine's prefill and key/value-cache decode (latent
-    attention's expanded heads in today's cache, V3's selection bias restored with the weights) against
-    transformers' generate(do_sample=False)."""
-    from trainer.hf.orbax_io import open_run
-    from trainer.sample import restore_params
-    from trainer.serve.engine import Engine, Request, SamplingParams
+PROMPTS, NEW = (8, 12), 32
 
+
+@pytest.fixture(scope="module")
+def v3_generated(imported):
+    """(the V3 import's directory, 8 prompts, transformers' greedy continuations); V2-Lite skipped: it differs
+    from V3 in routing and q only, and its logits are held above."""
     name, model, tmp = imported
     if name != "deepseek_v3":
-        pytest.skip("V2-Lite differs in routing and q only; its logits are held above")
-    prompts = np.random.default_rng(5).integers(0, VOCAB, (8, 12))
+        pytest.skip("V2-Lite's logits are held above")
+    prompts = np.random.default_rng(5).integers(0, VOCAB, PROMPTS)
     with torch.no_grad():
         expected = model.generate(torch.tensor(prompts), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
-                                  do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=0)
-    cfg = open_run(str(tmp / "imported"), None).cfg
-    served, weights, _ = restore_params(cfg, str(tmp / "imported" / "checkpoints"), prompts.shape[1], 32)
-    bias, layer = stacks.locate(cfg.model, "blocks.1.ffn.expert_bias")
+                                  do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    return tmp / "imported", prompts, expected[:, prompts.shape[1]:].tolist()
+
+
+MESHES = {"1 device": {"data": 1, "expert": 1}, "expert=4": {"data": 2, "expert": 4},
+          "expert=2,model=2": {"data": 2, "expert": 2, "model": 2}}
+
+
+@pytest.mark.compile_bound
+@pytest.mark.parametrize("mesh", list(MESHES.values()), ids=list(MESHES))
+def test_greedy_generation_through_the_serving_engine_equals_transformers(v3_generated, mesh):
+    """8 prompts, 32 greedy tokens each, through the engine's prefill and decode over the latent cache (the
+    latent and the rotary key a token, the heads' up-projections absorbed; V3's selection bias restored with
+    the weights) against transformers' generate(do_sample=False); on one device and on 8 with the experts
+    split over `expert`, then the heads over `model` too (the latent whole on every device). One engine a
+    mesh: two programs compiled each."""
+    import math
+
+    import jax
+
+    from trainer import sharding
+    from trainer.hf.orbax_io import open_run
+    from trainer.serve.engine import Engine, Request, SamplingParams
+    from trainer.serve.weights import build_serving_model, restore_weights
+
+    run, prompts, expected = v3_generated
+    devices = jax.devices()[:math.prod(mesh.values())]
+    served = build_serving_model(open_run(str(run), None).cfg, sharding.make_mesh(mesh, devices))
+    weights, _ = restore_weights(served, str(run / "checkpoints"))
+    bias, layer = stacks.locate(served.cfg.model, "blocks.1.ffn.expert_bias")
     assert np.abs(np.asarray(weights["moe_bias"][bias][layer])).max() > 0  # the file's bias
-    engine = Engine(served, weights, slots=8, max_len=prompts.shape[1] + 32, chunk=prompts.shape[1])
-    requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=32, temperature=0.0))) for p in prompts]
+    engine = Engine(served, weights, slots=8, max_len=prompts.shape[1] + NEW, chunk=16)
+    assert sorted(vars(engine.cache)) == ["latent", "latent_scale", "rope", "rope_scale"] and \
+        engine.cache.latent.sharding.is_fully_replicated
+    requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=NEW, temperature=0.0))) for p in prompts]
     engine.run()
-    assert [r.output for r in requests] == expected[:, prompts.shape[1]:].tolist()
+    assert [r.output for r in requests] == expected
+    assert engine.compilations() == 2
 
 
 def test_fp8_weights_with_block_scales_import_dequantised_to_bfloat16(tmp_path):

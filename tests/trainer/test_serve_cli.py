@@ -82,7 +82,7 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
         "from trainer.serve import cli\n"
         "engine = types.SimpleNamespace(slots=1, max_len=2, warm_up=threading.Event().wait)\n"
         "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None, eos_token=None,\n"
-        "                                tokenizer_class='ids')\n"
+        "                                tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
         "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 1, None, 'tiny', 1.0))\n")
     process = subprocess.Popen([sys.executable, str(script), str(free_port())], stderr=subprocess.PIPE, text=True)
@@ -182,7 +182,7 @@ def test_a_grace_period_that_runs_out_sends_each_stream_an_error_event_and_logs_
         "engine = Engine(model, init_weights(model), slots=4, max_len=4096, chunk=16)\n"
         "loaded = types.SimpleNamespace(engine=engine, encode=lambda t: [int(w) for w in t.split()],\n"
         "                               decode=lambda ids: ' '.join(map(str, ids)), eos_token=None,\n"
-        "                               tokenizer_class='ids')\n"
+        "                               tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
         "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 8, None, 'tiny', 0.5))\n")
     port = free_port()

@@ -10,6 +10,8 @@ from trainer import sharding
 from trainer.config import load_config
 from trainer.serve.engine import Engine, Request, RequestError, SamplingParams
 from trainer.serve.kvcache import KVCache
+from trainer.serve.latentcache import CacheLayout
+from trainer.serve.memory import memory_plan
 from trainer.serve.weights import build_serving_model, init_weights
 
 pytestmark = pytest.mark.compile_bound  # small programs, each compiled once: XLA's optimisations cost more
@@ -32,27 +34,85 @@ def tiny():
     return model, weights, jax.jit(lambda w, t: model.module(w)(t, train=False)[0])
 
 
-@pytest.mark.parametrize("name", ["tiny", "deepseek-tiny"])
-def test_chunked_prefill_then_decode_gives_the_full_forward_logits(name, tiny):
-    if name == "tiny":
-        model, weights, forward = tiny
-    else:
-        model, weights = serving(name)  # latent attention: every head its own keys and values
-        forward = jax.jit(lambda w, t: model.module(w)(t, train=False)[0])
-    m = model.cfg.model
-    tokens_1xL = jnp.asarray(np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
-    full_LxV = forward(weights, tokens_1xL)[0]
-    decode = jax.jit(lambda w, c, t, s, r: model.module(w).decode(t, c, s, r))
-    cache = KVCache.empty(m.num_layers, 3, 32, m.kv_heads, m.head_size, jnp.float32)
+# deepseek-tiny's latent attention with YaRN over an original length the LENGTH tokens pass (the rotary
+# frequencies, the rotary values and the softmax scale all scaled: positions matter to the cache).
+YARN = "model.mla.yarn={factor: 4, original_max_position_embeddings: 8, mscale: 1.0, mscale_all_dim: 0.8}"
+
+
+@pytest.fixture(scope="module")
+def latent():
+    """A latent-attention model, its weights, its full forward pass and its decode through a cache."""
+    model, weights = serving("deepseek-tiny", overrides=[YARN])
+    return (model, weights, jax.jit(lambda w, t: model.module(w)(t, train=False)[0]),
+            jax.jit(lambda w, c, t, s, r: model.module(w).decode(t, c, s, r)))
+
+
+def chunked_then_one_by_one(decode, weights, cache, tokens_1xL):
+    """The logits [L, V] of two prefill chunks of 8 tokens into slot 2, then a token at a time; the cache."""
     slot_1, pieces = jnp.asarray([2]), []
-    for start in (0, 8):  # two prefill chunks into slot 2 ...
+    for start in (0, 8):
         logits, cache = decode(weights, cache, tokens_1xL[:, start:start + 8], jnp.asarray([start]), slot_1)
         pieces.append(logits[0])
-    for position in range(16, LENGTH):  # ... then a token at a time
+    for position in range(16, tokens_1xL.shape[1]):
         logits, cache = decode(weights, cache, tokens_1xL[:, position:position + 1], jnp.asarray([position]), slot_1)
         pieces.append(logits[0])
-    np.testing.assert_allclose(jnp.concatenate(pieces), full_LxV, atol=1e-5, rtol=0)
+    return jnp.concatenate(pieces), cache
+
+
+def test_chunked_prefill_then_decode_gives_the_full_forward_logits(tiny):
+    model, weights, forward = tiny
+    m = model.cfg.model
+    tokens_1xL = jnp.asarray(np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
+    decode = jax.jit(lambda w, c, t, s, r: model.module(w).decode(t, c, s, r))
+    cache = KVCache.empty(m.num_layers, 3, 32, m.kv_heads, m.head_size, jnp.float32)
+    got_LxV, cache = chunked_then_one_by_one(decode, weights, cache, tokens_1xL)
+    np.testing.assert_allclose(got_LxV, forward(weights, tokens_1xL)[0], atol=1e-5, rtol=0)
     assert not np.any(np.asarray(cache.k[:, [0, 1]])), "other slots' rows are untouched"
+
+
+def test_latent_attention_decodes_through_its_latents_as_the_full_forward(latent):
+    """Every position's logits through the latent cache (the latent and the rotary key a token and layer,
+    nothing per head; decoding absorbs the heads' up-projections, trainer/mla.py) equal the full forward's."""
+    model, weights, forward, decode = latent
+    m = model.cfg.model
+    tokens_1xL = jnp.asarray(np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
+    cache = CacheLayout.of(m).empty(3, 32, jnp.float32)
+    assert cache.latent.shape == (m.num_layers, 3, 32, m.mla.kv_lora_rank)
+    assert cache.rope.shape == (m.num_layers, 3, 32, m.mla.qk_rope_head_dim)
+    got_LxV, cache = chunked_then_one_by_one(decode, weights, cache, tokens_1xL)
+    np.testing.assert_allclose(got_LxV, forward(weights, tokens_1xL)[0], atol=1e-5, rtol=0)
+    assert not any(np.any(np.asarray(a[:, [0, 1]])) for a in jax.tree.leaves(cache)), "other slots untouched"
+
+
+def test_the_int8_latent_cache_attends_close_to_float(latent):
+    """int8 latents and rotary keys with a float32 scale each a position: under a third of float32's bytes,
+    and one layer's attention through it (two prefill chunks, then a token at a time) within 2% of the
+    layer's full forward (which the float cache gives: the test above). Held at one layer: a random model's
+    routing flips at near ties for any change of its input, and would measure those."""
+    model, weights, *_ = latent
+    m = model.cfg.model
+    layout = CacheLayout.of(m)
+    values = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
+    assert layout.nbytes(3, 32, "int8") == (values + 8) / (4 * values) * layout.nbytes(3, 32, "float32")
+    assert layout.nbytes(3, 32, "int8") < layout.nbytes(3, 32, "float32") / 3
+
+    @jax.jit
+    def through_the_cache(w, x_1xLxD, cache):
+        attention, pieces = model.module(w).layers()[1].attn, []
+        for start, stop in ((0, 8), (8, 16), *((p, p + 1) for p in range(16, LENGTH))):
+            out, view = attention(x_1xLxD[:, start:stop], cache=cache.layer(1, jnp.asarray([start]), jnp.asarray([2])))
+            cache = view.cache
+            pieces.append(out)
+        return jnp.concatenate(pieces, axis=1), attention(x_1xLxD), cache
+
+    x_1xLxD = jax.random.normal(jax.random.key(0), (1, LENGTH, m.d_model))
+    got, full, cache = through_the_cache(weights, x_1xLxD, layout.empty(3, 32, "int8"))
+    assert cache.latent.dtype == cache.rope.dtype == jnp.int8
+    error = float(jnp.abs(got - full).max() / jnp.abs(full).max())
+    assert 0 < error <= 0.02, error
+    engine = Engine(model, weights, slots=2, max_len=32, chunk=8, kv_dtype="int8")  # the engine's, as laid out
+    assert [a.dtype for a in jax.tree.leaves(engine.cache)] == [jnp.int8, jnp.int8, jnp.float32, jnp.float32]
+    assert memory_plan(model, 2, 32, "int8", None)["kv_cache"] == sum(a.nbytes for a in jax.tree.leaves(engine.cache))
 
 
 def random_requests(rng, count, vocab, max_prompt, max_new):

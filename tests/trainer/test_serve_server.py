@@ -82,6 +82,15 @@ def test_health_metrics_and_vertex_predict(served):
         assert name in families, name
     generated = [s.value for s in families["vllm:generation_tokens"].samples if s.name.endswith("_total")]
     assert generated[0] >= 5
+    # The prefix cache counts tokens, as vLLM's does: a prompt of 3 whole blocks asked twice finds them the second time.
+    total = lambda name: [s.value for s in families[name].samples if s.name.endswith("_total")][0]  # noqa: E731
+    before = {n: total(n) for n in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}
+    prompt = "".join(chr(65 + i * 7 % 26) for i in range(50))  # 50 bytes: 3 blocks and 2 tokens
+    for _ in range(2):
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    assert total("vllm:prefix_cache_queries") - before["vllm:prefix_cache_queries"] == 100
+    assert total("vllm:prefix_cache_hits") - before["vllm:prefix_cache_hits"] == 48
 
 
 def test_beyond_the_waiting_queue_requests_get_429_with_retry_after(served):
@@ -196,8 +205,8 @@ def test_a_top_k_beyond_int32_means_the_whole_vocabulary_and_fails_no_request(se
                                                "tools": [{"type": "function", "function": {"name": "f"}}]}}, 400,
      "tools: this server does not offer tools", "tools"),
     ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "a"}],
-                                               "response_format": {"type": "json_object"}}}, 400,
-     "response_format: this server does not offer response_format", "response_format"),
+                                               "response_format": {"type": "json_schema"}}}, 400,
+     "response_format.json_schema: want {", "response_format"),
     ("POST", "/v1/completions", {"json": {"prompt": "a", "best_of": 2}}, 400,
      "best_of: this server does not offer best_of above 1", "best_of"),
     ("POST", "/v1/completions", {"json": {"prompt": "a", "stream_options": {"include_usage": True}}}, 400,

@@ -27,6 +27,8 @@ from trainer.serve.memory import QUANTIZED_WEIGHTS
 from trainer.serve.startup import ServeError, load
 
 EXIT_RUNTIME = 1
+# After a multi-host group lost a process: how long /health answers 503 before the leader exits.
+FAILED_HEALTH_S = 5.0
 # Positions are int32 in the steps, and an idle slot sits at position max_len, drawing at max_len + 1.
 POSITIONS_MAX = 2**31 - 2
 
@@ -105,6 +107,12 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Prompt tokens prefilled per engine step, between decode steps.")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests queued for a slot; beyond them 429 with Retry-After.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True, show_default=True,
+              help="Prompts sharing a prefix with an earlier one copy its cached keys and values rather than "
+                   "prefill it again.")
+@click.option("--prefix-cache-tokens", type=click.IntRange(min=16), default=None,
+              help="Tokens of prefixes the prefix cache keeps, in blocks of 16; the least recently used go first "
+                   "[a quarter of the KV cache's slots x max-len].")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "bfloat16", "float32", "int8"]), default="auto",
               show_default=True, help="auto: the model's compute dtype.")
 @click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
@@ -124,7 +132,8 @@ def _listen(host: str, port: int) -> socket.socket:
               help="After SIGTERM, how long requests in flight may take to finish.")
 @click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,
               help="The memory per device to plan for [what the device reports].")
-def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_cache_dtype, weight_format, mesh_text,
+def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching, prefix_cache_tokens,
+                  kv_cache_dtype, weight_format, mesh_text,
                   devices, tokenizer_path, chat_template_path, model_name, grace_seconds, device_memory_gb):
     """Serve a training run's latest checkpoint over an OpenAI-compatible HTTP API.
 
@@ -136,10 +145,6 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
            -d '{"prompt": "The cat", "max_tokens": 20}'
     """
     _check_server_packages()
-    if devices is not None:
-        from trainer.cli import set_fake_devices
-
-        set_fake_devices(devices)
     for flag, value in (("--grace-seconds", grace_seconds), ("--device-memory-gb", device_memory_gb)):
         if value is not None and not math.isfinite(value):
             raise ServeError(f"{flag} must be a finite number of {'seconds' if 'grace' in flag else 'GiB'}, "
@@ -148,14 +153,88 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, kv_
     template = _chat_template(chat_template_path)
     if chunk > max_len:
         raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
-    sock = _listen(host, port)
+    group = _group(devices)
+    sock = _listen(host, port) if group is None or group.is_leader else None  # workers serve no HTTP
+    _start_processes(group, devices)
+    prefix_tokens = (prefix_cache_tokens or max(16, slots * max_len // 4)) if prefix_caching else 0
+    if group is not None and prefix_tokens:
+        # The prefix cache's copies are programs the leader runs outside ModelRunner.run, which its workers
+        # would not follow: a group serves without it rather than with caches that differ between hosts.
+        _progress("prefix caching is off in a multi-host group (each host would need the same copies)")
+        prefix_tokens = 0
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
-                  chunk=chunk, kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
+                  chunk=chunk, prefix_tokens=prefix_tokens,
+                  kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
                   progress=_progress)
+    if group is not None and not group.is_leader:
+        sys.exit(_follow(loaded, group))
+    leader = _lead(loaded, group) if group is not None else None
     template = template or loaded.chat_template  # --chat-template, else an imported model's own
-    code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds)
+    code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
+                  leader)
     sys.exit(code)
+
+
+def _group(devices: int | None):
+    """The multi-host group the environment describes (trainer/serve/multihost.py), or None."""
+    from trainer.serve import multihost
+
+    try:
+        group = multihost.group_of(os.environ)
+        if group is not None:
+            multihost.local_device_count(group, devices)
+    except ValueError as e:
+        raise ServeError(str(e)) from None
+    return group
+
+
+def _start_processes(group, devices: int | None) -> None:
+    """Before anything starts jax: the group's jax.distributed (trainer/serve/multihost.py), else the Pathways
+    proxy's start-up (trainer/distributed.py: one controller drives the slice, no group); fake CPU devices
+    for --devices (in a group, this process's share, or MOE_SERVE_LOCAL_DEVICES)."""
+    from trainer import distributed
+    from trainer.cli import set_fake_devices
+    from trainer.serve import multihost
+
+    local = multihost.local_device_count(group, devices) if group is not None else devices
+    if local is not None:
+        set_fake_devices(local)
+    if group is not None:
+        _progress(f"process {group.index} of a group of {group.size}: joining the coordinator at {group.coordinator}")
+        multihost.start(group)
+    elif distributed.wants_pathways(os.environ):
+        try:
+            distributed.initialize(os.environ)
+        except RuntimeError as e:
+            raise ServeError(str(e)) from None
+
+
+def _follow(loaded, group) -> int:
+    """A worker of a multi-host group: runs each program call the leader hands over until it says stop (0);
+    the leader gone: 1."""
+    from trainer.serve import multihost
+
+    # A group being deleted gets SIGTERM in every process: the leader drains its requests, then stops the
+    # workers, which must keep stepping with it until then.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    worker = multihost.Worker(group).connect()
+    _progress(f"worker {group.index} of {group.size}: following the leader at {group.leader}")
+    if worker.follow(loaded.engine.runner.run):
+        _progress("the leader is gone: exiting")
+        return EXIT_RUNTIME
+    _progress("stopped by the leader")
+    return 0
+
+
+def _lead(loaded, group):
+    """The leader of a multi-host group: its workers joined, each program call handed to them."""
+    from trainer.serve import multihost
+
+    _progress(f"waiting for the group's {group.size - 1} worker(s)")
+    leader = multihost.Leader(group).connect()
+    loaded.engine.runner.on_call = leader.mirror
+    return leader
 
 
 def _check_server_packages() -> None:
@@ -171,14 +250,15 @@ def _check_server_packages() -> None:
 
 
 def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
-           grace_seconds: float) -> int:
+           grace_seconds: float, leader=None) -> int:
     import uvicorn
 
     from trainer.serve.loop import EngineLoop
     from trainer.serve.server import ServerState, create_app, http_protocol
 
     state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting,
-                        eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class)
+                        eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class,
+                        tokenizer=loaded.tokenizer)
     if template is not None:
         state.chat_template = template
     # uvicorn's own limit is a backstop past ours: by then every open request has had its error (expire).
@@ -186,6 +266,8 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
                             timeout_graceful_shutdown=grace_seconds + 5, lifespan="off")
     server = _draining_server(config, state, grace_seconds)
     failed: list[str] = []
+    if leader is not None:
+        leader.on_failure = lambda reason: _group_failed(state, reason)
 
     def compile_then_serve():
         try:
@@ -213,17 +295,53 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
             state.loop.stop()
     if compiling.is_alive():  # stopped while XLA compiles: exiting past it aborts the process (SIGABRT, 134)
         _progress("stopped before the steps were compiled")
+        if leader is not None:
+            leader.stop(timeout=0)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    code = 0
     if failed:
         click.echo(f"serve: compiling failed: {failed[0]}", err=True)
-        return EXIT_RUNTIME
-    if not server.started:
+        code = EXIT_RUNTIME
+    elif not server.started:
         click.echo(f"serve: cannot listen on {host}:{port}", err=True)
-        return EXIT_RUNTIME
-    _progress("stopped")
-    return 0
+        code = EXIT_RUNTIME
+    if leader is not None:
+        _stop_group(leader, code)
+    if not code:
+        _progress("stopped")
+    return code
+
+
+def _stop_group(leader, code: int) -> None:
+    """Tells the workers to stop; exits at once (past jax's exit handlers, whose barrier would wait for them)
+    unless they all did and this process ends well."""
+    from trainer.serve import multihost
+
+    if leader.stop():
+        _progress(f"stopped the group's {len(leader.workers)} worker(s)")
+        if not code:
+            return
+    else:
+        _progress(f"the group's workers did not stop within {multihost.STOP_TIMEOUT_S:g} s")
+    multihost.exit_now(code or EXIT_RUNTIME)
+
+
+def _group_failed(state, reason: str) -> None:
+    """A process of the multi-host group is gone (called on the channel's watchdog thread): every request
+    ends with an error, /health answers 503 for FAILED_HEALTH_S so that probes see why, then the process exits
+    1 without waiting for the engine's thread, which a step blocked in a collective with the lost process
+    holds for good."""
+    from trainer.serve import multihost
+
+    _progress(f"{reason}: the group cannot step without it; failing every request and exiting")
+    state.failed = reason
+    state.draining = True
+    if state.loop is not None:
+        state.loop.abort(f"the serving group lost a process: {reason}")
+    time.sleep(FAILED_HEALTH_S)
+    multihost.exit_now(EXIT_RUNTIME)
 
 
 def _draining_server(config, state, grace_seconds: float):
@@ -259,7 +377,20 @@ def _draining_server(config, state, grace_seconds: float):
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
-    serve_command.main(args=args, prog_name=prog_name or "python -m trainer.serve")
+    from trainer.serve import multihost
+
+    try:
+        serve_command.main(args=args, prog_name=prog_name or "python -m trainer.serve")
+    except SystemExit as e:  # in a multi-host group, any way out but 0 leaves at once (multihost.leave)
+        multihost.leave(e.code if isinstance(e.code, int) else EXIT_RUNTIME)
+        raise
+    except BaseException:
+        if multihost.joined:
+            import traceback
+
+            traceback.print_exc()
+            multihost.leave(EXIT_RUNTIME)
+        raise
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from trainer.serve.logprobs import TOP, Logprob
 from trainer.serve.output import OutputProcessor
+from trainer.serve.prefix import PrefixCache
 from trainer.serve.runner import ModelRunner
 from trainer.serve.scheduler import Scheduler
 from trainer.serve.weights import ServingModel
@@ -74,6 +75,9 @@ class Request:
     prompt_logprobs: list[Logprob] = dataclasses.field(default_factory=list)  # prompt tokens 1.. (echo)
     eos: bool = False  # stopped at the end-of-document token (the last of `output`, which has no text)
     detokenizer: object = None  # the output processor's incremental text state
+    constraint: object = None  # the grammar its text keeps to (trainer.serve.structured.Constraint), or None
+    prefix_queried: int = 0  # prompt tokens looked up in the prefix cache (vllm:prefix_cache_queries)
+    cached_tokens: int = 0  # ... of which were found there, not prefilled (vllm:prefix_cache_hits)
 
     @property
     def text_ids(self) -> list[int]:
@@ -92,7 +96,9 @@ class Snapshot:
 
 class Engine:
     def __init__(self, model: ServingModel, weights: dict, *, slots: int = 8, max_len: int = 512, chunk: int = 64,
-                 kv_dtype=None, detokenize: Callable[[list[int]], str] | None = None, eos_id: int | None = None):
+                 kv_dtype=None, detokenize: Callable[[list[int]], str] | None = None, eos_id: int | None = None,
+                 prefix_cache: int = 0):
+        """`prefix_cache`: the tokens of prompt prefixes kept for later prompts (trainer.serve.prefix; 0: none)."""
         shards = model.mesh.shape.get("expert", 1) * model.mesh.shape.get("data", 1)
         if slots % shards or chunk % shards:
             raise RequestError(f"slots ({slots}) and the prefill chunk ({chunk}) must be multiples of the mesh's "
@@ -100,6 +106,7 @@ class Engine:
         self.runner = ModelRunner(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv_dtype)
         self.scheduler = Scheduler(slots)
         self.output = OutputProcessor(detokenize, eos_id)
+        self.prefix = PrefixCache(self.runner.cache, prefix_cache) if prefix_cache else None
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
         self.snapshot = Snapshot()
 
@@ -117,6 +124,8 @@ class Engine:
 
     def warm_up(self) -> None:
         self.runner.warm_up()
+        if self.prefix is not None:
+            self.runner.cache = self.prefix.warm_up(self.runner.cache)
 
     def used_positions(self) -> int:
         return self.scheduler.used_positions()
@@ -176,15 +185,23 @@ class Engine:
 
     def _prefill_chunk(self, req: Request) -> None:
         s = req.sampling
+        if req.prefilled == 0 and self.prefix is not None and not s.prompt_logprobs and not req.prefix_queried:
+            # Admission: the longest cached prefix is copied in, and the prefill goes on after it.
+            req.prefix_queried = len(req.prompt)
+            self.runner.cache, req.cached_tokens = self.prefix.load(self.runner.cache, req.prompt, req.slot)
+            req.prefilled = req.cached_tokens
         start = req.prefilled
         token, scored = self.runner.prefill(req.prompt, start, req.slot, _row(s), top=s.logprobs,
-                                            prompt_scores=s.prompt_logprobs)
+                                            prompt_scores=s.prompt_logprobs,
+                                            mask_W=req.constraint.row if req.constraint is not None else None)
         req.prefilled = min(start + self.chunk, len(req.prompt))
         final = req.prefilled == len(req.prompt)
         if s.prompt_logprobs:
             req.prompt_logprobs.extend(scored[:len(scored) - final])
         if not final:
             return
+        if self.prefix is not None:
+            self.prefix.store(self.runner.cache, req.prompt, req.slot)
         self.scheduler.start_decoding(req)
         self.runner.occupy(req.slot, _row(s))
         if s.max_tokens == 0:  # the prompt scored (echo): nothing to generate
@@ -207,6 +224,8 @@ class Engine:
             reason = self.output.on_token(req, token, record)
             if reason is None:
                 self.runner.advance(req.slot, token, len(req.prompt) + len(req.output) - 1)
+                if req.constraint is not None:
+                    self.runner.constrain(req.slot, req.constraint.row)
                 if req.listener is not None:
                     req.listener(req)
                 return
@@ -225,6 +244,15 @@ class Engine:
                 req.listener(req)
             except Exception:  # noqa: BLE001 - the request is gone either way
                 pass
+
+    def fail_all(self, reason: str) -> None:
+        """Fails every request, the waiting ones too (the engine cannot step again)."""
+        waiting = list(self.scheduler.waiting)
+        self.scheduler.waiting.clear()
+        for req in waiting:
+            req.error = reason
+            self._end(req, "error")
+        self.fail_in_flight(reason)
 
     def fail_in_flight(self, reason: str) -> None:
         """Fails every request holding a slot (a step that raised): each ends with `reason` as its error."""

@@ -30,6 +30,19 @@ class EngineLoop:
         if self.thread.is_alive():
             self.thread.join(timeout=30)
 
+    def abort(self, reason: str) -> None:
+        """Ends every request, queued or running, with `reason` as its error, and stops the loop, from any
+        thread: for a step that will never return (a multi-host group that lost a process leaves it blocked
+        in a collective), so nothing waits on the engine's thread."""
+        self._stop = True
+        self._wake.set()
+        while True:
+            try:
+                self.engine.scheduler.waiting.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        self.engine.fail_all(reason)
+
     def submit(self, request: Request) -> None:
         """Queues a request the caller has checked (Engine.check); thread-safe."""
         self.inbox.put(request)
@@ -56,5 +69,7 @@ class EngineLoop:
             try:
                 self.engine.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the server
+                if self._stop:  # aborted meanwhile (`abort`): the requests have their error already
+                    break
                 log.exception("engine step failed")
                 self.engine.fail_in_flight(f"{type(e).__name__}: {e}")

@@ -17,16 +17,15 @@ HEADROOM = 0.10
 
 
 def memory_plan(model, slots: int, max_len: int, kv_dtype, quantized) -> dict[str, int]:
-    """Bytes on the busiest device: its shard of each weight, and its part of the KV cache. `quantized`:
-    "int8" or "int4" (True: int8), or None (False): the checkpoint's own dtype."""
-    from trainer.serve.kvcache import KVCache
+    """Bytes on the busiest device: its shard of each weight, and its part of the KV cache (latent attention's
+    latents: all of them). `quantized`: "int8" or "int4" (True: int8), or None (False): the checkpoint's own
+    dtype."""
+    from trainer.serve.latentcache import CacheLayout
 
     quantized = "int8" if quantized is True else quantized or None
     weights = sum(weight_shard_bytes(name, var.get_value(), model.shardings["params"][name], quantized)
                   for name, var in model.codec.variables.items())
-    m = model.cfg.model
-    cache = KVCache.nbytes(m.num_layers, slots, max_len, m.kv_heads, m.head_size, kv_dtype)
-    cache //= KVCache.split_ways(model.mesh, m.kv_heads)
+    cache = CacheLayout.of(model.cfg.model).device_bytes(model.mesh, slots, max_len, kv_dtype)
     return {"weights": weights, "kv_cache": cache}
 
 

@@ -37,6 +37,11 @@ class ServingMetrics:
                              buckets=LATENCY_BUCKETS, registry=registry).labels(name)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels,
                                      registry=registry).labels(name)
+        # vLLM's prefix cache counters count tokens: those looked up, and those found (not prefilled).
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels, registry=registry).labels(name)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
+                                   registry=registry).labels(name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
                                          registry=registry).labels(name)
 
@@ -55,6 +60,8 @@ class ServingMetrics:
         times = req.token_times
         self.prompt_tokens.inc(len(req.prompt) if times else 0)
         self.generation_tokens.inc(len(req.output))
+        self.prefix_queries.inc(req.prefix_queried)
+        self.prefix_hits.inc(req.cached_tokens)
         if not times:
             return
         # A stream's first token counts when its text leaves (what the client sees), else when it is made.

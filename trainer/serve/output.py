@@ -80,6 +80,9 @@ class OutputProcessor:
                 req.detokenizer = Detokenizer(self.detokenize)
             if self._stopped(req, req.detokenizer.add(token)):
                 return "stop"
+        if req.constraint is not None and req.constraint.accept(token):  # its grammar is complete
+            self._finish_text(req)
+            return "stop"
         if len(req.output) >= s.max_tokens:
             return "stop" if self._finish_text(req) else "length"
         return None

@@ -43,8 +43,7 @@ class StreamOptions(BaseModel):
 # is refused, naming the field.
 NOT_OFFERED = {"logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "parallel_tool_calls": (None,), "suffix": (None, ""),
-               "response_format": (None, {"type": "text"})}
+               "function_call": (None, "none"), "parallel_tool_calls": (None,), "suffix": (None, "")}
 
 
 class _Sampling(BaseModel):
@@ -70,7 +69,8 @@ class _Sampling(BaseModel):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
+    response_format: Any = None  # OpenAI's, and vLLM's structured_outputs: trainer.serve.structured reads both
+    structured_outputs: Any = None
 
     @field_validator(*(name for name in NOT_OFFERED if name != "suffix"))
     @classmethod

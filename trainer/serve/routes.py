@@ -117,13 +117,27 @@ def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *
     except RequestError as e:
         param = "messages" if chat and e.param == "prompt" else e.param
         raise APIError(400, str(e), param=param) from None
+    constraint = _constraint(state, body)
     events: asyncio.Queue = asyncio.Queue()
     aio = asyncio.get_running_loop()
     req = EngineRequest(ids, sampling, listener=lambda r: aio.call_soon_threadsafe(events.put_nowait, None))
-    req.events, req.arrival = events, arrival
+    req.events, req.arrival, req.constraint = events, arrival, constraint
     state.open.add(req)
     state.loop.submit(req)
     return req
+
+
+def _constraint(state, body):
+    """The matcher of the grammar the request's response_format or structured_outputs asks for, or None."""
+    from trainer.serve.structured import StructuredError
+
+    if body.response_format is None and body.structured_outputs is None:
+        return None
+    try:
+        grammar = state.grammars.grammar(body.response_format, body.structured_outputs)
+        return state.grammars.constraint(grammar) if grammar is not None else None
+    except StructuredError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def admit_all(state, parsed: list[tuple], arrival: float, name=None) -> list:

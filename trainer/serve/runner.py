@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer.serve.kvcache import KVCache
+from trainer.serve.latentcache import CacheLayout
 from trainer.serve.logprobs import Logprob, records, token_logprobs
-from trainer.serve.sampling import sample_tokens
+from trainer.serve.sampling import allowed, sample_tokens
+from trainer.serve.structured import words
 from trainer.serve.weights import ServingModel
 
 
@@ -24,12 +25,17 @@ class ModelRunner:
         self.slots, self.max_len, self.chunk = slots, max_len, chunk
         self.kv_dtype = jnp.dtype(kv_dtype or model.cfg.dtype)
         replicated = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
-        cache_sharding = KVCache.sharding(model.mesh, m.kv_heads, self.kv_dtype)
-        self.cache = jax.jit(lambda: KVCache.empty(m.num_layers, slots, max_len, m.kv_heads, m.head_size,
-                                                   self.kv_dtype), out_shardings=cache_sharding)()
+        layout = CacheLayout.of(m)  # keys and values per head, or latent attention's latents
+        cache_sharding = layout.sharding(model.mesh, self.kv_dtype)
+        self.cache = jax.jit(lambda: layout.empty(slots, max_len, self.kv_dtype), out_shardings=cache_sharding)()
         # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
+        self.programs = {"prefill": self._prefill, "decode": self._decode}
+        # A multi-host group's leader hands each call to its workers first (trainer.serve.multihost).
+        self.on_call = None
+        self._replicated = replicated
+        self._spans_processes = jax.process_count() > 1
         # Host copies of each slot's decode inputs; an idle slot sits at position max_len, whose cache
         # writes are dropped, and samples greedily (an argmax: the cheapest).
         self.tokens_S = np.zeros(slots, np.int32)
@@ -38,21 +44,37 @@ class ModelRunner:
         self.top_k_S = np.zeros(slots, np.int32)
         self.top_p_S = np.ones(slots, np.float32)
         self.seed_S = np.zeros(slots, np.int32)
+        # Each slot's mask of the tokens it may draw next (trainer.serve.structured); all set: any.
+        self.mask_SxW = np.full((slots, words(m.vocab_size)), -1, np.int32)
+        self.any_1xW = self.mask_SxW[:1].copy()
 
     # ------------------------------------------------------------------ the jitted programs
 
-    def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want):
+    def run(self, name: str, *inputs):
+        """Runs program `name` of `programs` on the weights, the cache and the host arrays `inputs`, keeps the
+        cache it returns and returns its other outputs. Every program call comes here: in a multi-host group
+        the leader's `on_call` hands (name, inputs) to the workers, which run the same call on their devices
+        (each call's inputs are then global arrays, the same on every process)."""
+        if self.on_call is not None:
+            self.on_call(name, inputs)
+        if self._spans_processes:
+            inputs = jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), inputs)
+        outputs, self.cache = self.programs[name](self.weights, self.cache, *inputs)
+        return outputs
+
+    def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW):
         """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
         its target, the token after it (a target < 0: the token drawn here)."""
         logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1)
         logits_1xV = jax.lax.dynamic_index_in_dim(logits_1xCxV, last, axis=1, keepdims=False)
-        token_1 = sample_tokens(logits_1xV, *sampling, start_1 + last + 1)
+        token_1 = sample_tokens(allowed(logits_1xV, mask_1xW), *sampling, start_1 + last + 1)
         targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
         return (token_1, token_logprobs(logits_1xCxV[0], targets_C, want)), cache
 
-    def _decode_fn(self, weights, cache, tokens_S, positions_S, sampling, want):
+    def _decode_fn(self, weights, cache, tokens_S, positions_S, sampling, want, mask_SxW):
         logits_Sx1xV, cache = self.model.module(weights).decode(tokens_S[:, None], cache, positions_S)
-        next_S = sample_tokens(logits_Sx1xV[:, 0], *sampling, positions_S + 1)
+        next_S = sample_tokens(allowed(logits_Sx1xV[:, 0], mask_SxW), *sampling, positions_S + 1)
         return (next_S, token_logprobs(logits_Sx1xV[:, 0], next_S, want)), cache
 
     def compilations(self) -> int:
@@ -63,20 +85,21 @@ class ModelRunner:
         """Compiles both steps (an idle decode step writes nothing; the prefill's writes into slot 0 are
         overwritten by its next request before they are read)."""
         sampling = sampling_arrays([(0.0, 0, 1.0, 0)])
-        tokens, self.cache = self._prefill(self.weights, self.cache, np.zeros((1, self.chunk), np.int32),
-                                           np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
-                                           np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False))
-        tokens, self.cache = self._decode(self.weights, self.cache, self.tokens_S, self.positions_S,
-                                          self.slot_sampling(), np.bool_(False))
+        self.run("prefill", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
+                 np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False),
+                 self.mask_SxW[:1])
+        tokens = self.run("decode", self.tokens_S, self.positions_S, self.slot_sampling(), np.bool_(False),
+                          self.mask_SxW)
         jax.block_until_ready(tokens)
 
     # ------------------------------------------------------------------ steps
 
     def prefill(self, prompt: list[int], start: int, slot: int, sampling: tuple, *, top: int | None,
-                prompt_scores: bool) -> tuple[int, list[Logprob] | None]:
+                prompt_scores: bool, mask_W: np.ndarray | None = None) -> tuple[int, list[Logprob] | None]:
         """One chunk of `prompt` from `start` into `slot`: (the token drawn after the chunk, which counts only
-        when the chunk ends the prompt; each position's record of the token after it when `prompt_scores`,
-        or the drawn token's alone when `top` is not None and the chunk is the last, else None)."""
+        when the chunk ends the prompt, among those `mask_W` allows; each position's record of the token after
+        it when `prompt_scores`, or the drawn token's alone when `top` is not None and the chunk is the last,
+        else None)."""
         piece = prompt[start:start + self.chunk]
         final = start + len(piece) == len(prompt)
         tokens = np.zeros((1, self.chunk), np.int32)
@@ -87,27 +110,28 @@ class ModelRunner:
         if final:
             targets[len(piece) - 1] = -1
         want = prompt_scores or (final and top is not None)
-        (token_1, scored), self.cache = self._prefill(
-            self.weights, self.cache, tokens, targets, np.asarray([start], np.int32), np.asarray([slot], np.int32),
-            np.int32(len(piece) - 1), sampling_arrays([sampling]), np.bool_(want))
-        token = int(np.asarray(token_1)[0])
+        token_1, scored = self.run("prefill", tokens, targets, np.asarray([start], np.int32),
+                                   np.asarray([slot], np.int32), np.int32(len(piece) - 1),
+                                   sampling_arrays([sampling]), np.bool_(want),
+                                   self.any_1xW if mask_W is None else mask_W[None])
+        token = int(host(token_1)[0])
         if not want:
             return token, None
         if final:
             targets[len(piece) - 1] = token
         rows = targets[:len(piece)] if prompt_scores else targets[len(piece) - 1:len(piece)]
-        scored = [a[:len(piece)] if prompt_scores else a[len(piece) - 1:len(piece)] for a in scored]
+        scored = [host(a)[:len(piece)] if prompt_scores else host(a)[len(piece) - 1:len(piece)] for a in scored]
         return token, records(rows, *scored, top or 0)
 
     def decode(self, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
         """One decode step of every slot: (each slot's next token, the records of the slots in `wanted`, a
         slot -> how many alternatives)."""
-        (tokens_S, scored), self.cache = self._decode(self.weights, self.cache, self.tokens_S, self.positions_S,
-                                                      self.slot_sampling(), np.bool_(bool(wanted)))
-        tokens_S = np.asarray(tokens_S)
+        tokens_S, scored = self.run("decode", self.tokens_S, self.positions_S, self.slot_sampling(),
+                                    np.bool_(bool(wanted)), self.mask_SxW)
+        tokens_S = host(tokens_S)
         if not wanted:
             return tokens_S, {}
-        scored = [np.asarray(a) for a in scored]
+        scored = [host(a) for a in scored]
         return tokens_S, {slot: records([tokens_S[slot]], *(a[slot:slot + 1] for a in scored), top)[0]
                           for slot, top in wanted.items()}
 
@@ -120,12 +144,23 @@ class ModelRunner:
         """The slot's next decode input: `token` at `position`."""
         self.tokens_S[slot], self.positions_S[slot] = token, position
 
+    def constrain(self, slot: int, mask_W: np.ndarray | None) -> None:
+        """The tokens the slot may draw next (None: any)."""
+        self.mask_SxW[slot] = -1 if mask_W is None else mask_W
+
     def vacate(self, slot: int) -> None:
         self.positions_S[slot] = self.max_len
         self.temperature_S[slot] = 0
+        self.mask_SxW[slot] = -1
 
     def slot_sampling(self):
         return self.temperature_S, self.top_k_S, self.top_p_S, self.seed_S
+
+
+def host(x) -> np.ndarray:
+    """A step's replicated output on the host: on a mesh over several processes the array is not wholly
+    addressable here, but this process's first shard holds all of it."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_shards[0].data)
 
 
 def sampling_arrays(rows: list[tuple]):

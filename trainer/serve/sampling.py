@@ -115,6 +115,18 @@ def _preselected(scaled_BxV, top_k_B, top_p_B, keys_B):
     return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32), held_B
 
 
+def allowed(logits_BxV: jax.Array, mask_BxW: jax.Array) -> jax.Array:
+    """The logits with -inf where a row's bit mask (trainer.serve.structured: bit v % 32 of word v // 32, int32)
+    has token v off; a step whose rows are all unconstrained (every bit set) skips the unpacking."""
+    def masked():  # shifts of each word by 0..31, not a gather of a word per token (slow on CPU)
+        rows, vocab = logits_BxV.shape
+        on_BxWx32 = (mask_BxW[:, :, None] >> jnp.arange(32, dtype=mask_BxW.dtype)) & 1
+        on_BxV = on_BxWx32.reshape(rows, -1)[:, :vocab]
+        return jnp.where(on_BxV == 1, logits_BxV, -jnp.inf)
+
+    return jax.lax.cond(jnp.all(mask_BxW == -1), lambda: logits_BxV, masked)
+
+
 def sample_tokens(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
                   seed_B: jax.Array, position_B: jax.Array) -> jax.Array:
     """The next token of each row, int32 [B]: argmax where temperature is 0, else a draw from the softmax

@@ -6,11 +6,14 @@ Routes (trainer.serve.routes, trainer.serve.tokenizer_routes):
                                                log-probabilities (and echo) as OpenAI's legacy API and vLLM
                                                give them; `stream: true` answers server-sent events ending
                                                `data: [DONE]`. Beyond OpenAI's fields: vLLM's `top_k` (0: all
-                                               tokens) and `ignore_eos`. What is not offered is refused (400)
-                                               naming the field.
+                                               tokens) and `ignore_eos`; structured output, OpenAI's
+                                               `response_format` and vLLM's `structured_outputs`
+                                               (trainer.serve.structured). What is not offered is refused
+                                               (400) naming the field.
   GET  /v1/models                              the one model served
   POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer routes
-  GET  /health (and $AIP_HEALTH_ROUTE)         503 until the weights are loaded and the steps compiled
+  GET  /health (and $AIP_HEALTH_ROUTE)         503 until the weights are loaded and the steps compiled, and
+                                               once a multi-host group has lost a process
   GET  /metrics                                Prometheus text, vLLM's metric names
   POST $AIP_PREDICT_ROUTE (default /predict)   {"instances": [completion or chat request, ...]} ->
                                                {"predictions": [{"text", "finish_reason", "usage"}, ...]}
@@ -63,7 +66,9 @@ class ServerState:
     metrics: ServingMetrics = None  # set by create_app
     eos_token: str | None = None  # the tokenizer's end-of-document token (/tokenizer_info)
     tokenizer_class: str = "bytes"
+    tokenizer: Any = None  # the codec's tokenizers.Tokenizer ("tokenizer" class): structured output's tokens
     open: set = dataclasses.field(default_factory=set)  # engine requests whose answer is being waited for
+    failed: str | None = None  # why the server cannot serve any more (a multi-host group lost a process)
 
     @property
     def ready(self) -> bool:
@@ -75,6 +80,14 @@ class ServerState:
         bytes a token (a token id in JSON takes at most 12; a text's token seldom spans 64 bytes), and at
         least 1 MiB. Larger bodies are refused unread, before any parsing or tokenizing."""
         return max(2**20, 64 * (self.max_len or 0) * max(self.max_waiting, 1))
+
+    @functools.cached_property
+    def grammars(self):
+        """Structured output's grammars for the engine's tokens (built on first use, once loaded)."""
+        from trainer.serve.structured import Grammars
+
+        engine = self.loop.engine
+        return Grammars(self.tokenizer_class, engine.model.cfg.model.vocab_size, engine.eos_id, self.tokenizer)
 
     @property
     def max_len(self) -> int | None:
@@ -235,6 +248,8 @@ def create_app(state: ServerState) -> FastAPI:
 
 def _health(state: ServerState):
     async def health():
+        if state.failed:
+            return JSONResponse({"status": "failed", "reason": state.failed}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         if state.loop is None:

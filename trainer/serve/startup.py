@@ -29,16 +29,18 @@ class Loaded:
     eos_token: str | None = None
     tokenizer_class: str = "bytes"
     chat_template: object = None  # an imported model's own (trainer/serve/chat.py), or None
+    tokenizer: object = None  # the codec's tokenizers.Tokenizer, if it has one (structured output)
 
 
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
-         quantized: str | None, device_memory_gb, progress) -> Loaded:
+         quantized: str | None, device_memory_gb, progress, prefix_tokens: int = 0) -> Loaded:
     import jax
 
     from trainer import meshspec, sharding
     from trainer.run_loader import Codec, find_run, load_run_config
     from trainer.serve import quant, quant4
     from trainer.serve.engine import Engine, RequestError
+    from trainer.serve.prefix import BLOCK
     from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
     run = find_run(directory)
@@ -67,11 +69,14 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
         raise ServeError(str(e)) from None
     kv = kv_dtype or cfg.dtype
     plan = memory_plan(model, slots, max_len, kv, quantized)
+    plan["prefix_cache"] = plan["kv_cache"] // (slots * max_len) * (prefix_tokens // BLOCK * BLOCK)  # its own pool
     stored = f" ({quantized})" if quantized else ""
     progress(f"{cfg.name}: {plan['weights'] / 2**20:,.1f} MiB of weights a device"
              f"{stored}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
-             f"positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); mesh {mesh_shape}")
-    check_fits(plan, device_memory_gb if device_memory_gb else memory_of(devices), slots, max_len, kv, quantized)
+             f"positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); prefix cache {prefix_tokens:,} tokens, "
+             f"{plan['prefix_cache'] / 2**20:,.1f} MiB; mesh {mesh_shape}")
+    limit = device_memory_gb if device_memory_gb else memory_of(jax.local_devices())  # this process's devices
+    check_fits(plan, limit, slots, max_len, kv, quantized)
     progress(f"reading the parameters from {checkpoints}")
     try:
         weights, step = restore_weights(model, checkpoints)
@@ -82,10 +87,10 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
         weights = {**weights, "params": {"int8": quant, "int4": quant4}[quantized].quantize_params(weights["params"])}
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
-                        detokenize=codec.decode, eos_id=eos_id)
+                        detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens)
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
-    return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template)
+    return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template, codec.tokenizer)
 
 
 def end_of_document(cfg, codec, run=None) -> tuple[int | None, str | None]:
@@ -140,17 +145,20 @@ def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, 
         return
     if isinstance(limit, float):  # --device-memory-gb
         limit = int(limit * 2**30)
-    need = plan["weights"] + plan["kv_cache"]
+    need = plan["weights"] + plan["kv_cache"] + plan.get("prefix_cache", 0)
     if need <= limit * (1 - HEADROOM):
         return
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     advice = ["lower --slots or --max-len (the cache is slots x max-len)"]
+    if plan.get("prefix_cache"):
+        advice.append("lower --prefix-cache-tokens or --no-enable-prefix-caching")
     if str(kv_dtype) != "int8":
         advice.append("--kv-cache-dtype int8 (half of bfloat16)")
     if quantized != "int4":
         advice.append("--weights int4 (about a quarter of bfloat16)" if quantized else "--weights int8 or int4")
     advice.append("or put more devices on `expert` (--mesh) to split the experts")
     raise ServeError(f"the model does not fit a device: weights {gib(plan['weights'])} + KV cache "
-                     f"{gib(plan['kv_cache'])} ({slots} slots x {max_len} tokens, {kv_dtype}) > "
+                     f"{gib(plan['kv_cache'])} ({slots} slots x {max_len} tokens, {kv_dtype}) + prefix cache "
+                     f"{gib(plan.get('prefix_cache', 0))} > "
                      f"{gib(limit * (1 - HEADROOM))} ({100 - HEADROOM * 100:.0f}% of the device's {gib(limit)}); "
                      + "; ".join(advice))

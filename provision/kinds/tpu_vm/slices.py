@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from provision import catalogue
 from provision.errors import CloudError, StockoutError, UsageError
-from provision.rendering import create_queued_resource_request, queued_resource_id
+from provision.kinds.tpu_vm.slice_render import create_queued_resource_request, queued_resource_id
 from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 

@@ -6,20 +6,23 @@ state as guest attributes (provision/guest_attributes.py), which `report` reads 
 
 from __future__ import annotations
 
-from provision import catalogue, guest_attributes, slices
+from provision import catalogue, guest_attributes
 from provision.core import (
     Bundled,
     Deployment,
+    Flag,
     Holding,
     Kind,
     Phase,
     Report,
     Scope,
+    Verb,
     combine,
     last_zone_first,
     report_from_status,
 )
-from provision.rendering import render_slice_files
+from provision.kinds.tpu_vm import slices
+from provision.kinds.tpu_vm.slice_render import render_slice_files
 from provision.resources import Resource, project_of, short
 
 GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
@@ -114,6 +117,24 @@ class TpuVmKind(Kind):
     name = "tpu-vm"
     noun = "a TPU VM slice on a queued resource"
     group = "slice"
+    group_help = """TPU v5e slices on queued resources.
+
+    \b
+    Examples:
+      moe-tpu slice up -c examples/v5e-64.yaml
+      moe-tpu slice status -c examples/v5e-64.yaml
+      moe-tpu slice down -c examples/v5e-64.yaml
+      moe-tpu --dry-run --scenario stockout slice up -c examples/v5e-64.yaml
+    """
+    up_flags = (Flag("recreate", "Delete a queued resource of the run that no longer matches the config, and create "
+                                 "it anew."),)
+    verbs = (
+        Verb("up", "up", "Provision the slice and wait until every node is READY.\n\nTries each zone of `zones:` in "
+                         "order when one has no capacity. A re-run after a crash adopts the queued resource it "
+                         "already made instead of making another.", up_flags, trainer=True),
+        Verb("status", "status", "Show the run's queued resource and nodes, with state, age and cost so far."),
+        Verb("down", "down", "Delete the slice (force: its nodes go with it) and wait until it is gone."),
+    )
     up_command = "slice up"
     sections = ("slice",)
 
@@ -139,6 +160,9 @@ class TpuVmKind(Kind):
     def warnings(self, cfg) -> list[str]:
         return [w for w in map(catalogue.zone_warning, cfg.zones) if w]
 
+    def check_offer(self, cfg, session) -> None:
+        slices.check_zones_offer(cfg, session)
+
     def summary(self, cfg) -> str:
         acc = cfg.accelerator_type()
         return (f"{cfg.slice.count} x {acc.name} ({acc.topology}, {_plural(acc.chips, 'chip')}, "
@@ -160,8 +184,15 @@ class TpuVmKind(Kind):
                 f"{accel.vms} VMs), {cfg.slice.capacity}")
 
     def up(self, context, recreate: bool = False) -> list[Resource]:
+        """The slice; `recreate`: a queued resource of the run that no longer matches the config is made anew."""
 
         return slices.slice_up(context, recreate=recreate)
+
+    def up_lines(self, resources: list[Resource]) -> list[str]:
+        qr, nodes = resources[0], resources[1:]
+        return [f"slice ready: {short(qr.name)} in {qr.zone}",
+                *(f"  node {short(node.name)} {node.state}: {len(node.workers)} workers: {' '.join(node.workers)}"
+                  for node in nodes)]
 
     def status(self, context) -> list[Resource]:
 

@@ -9,8 +9,9 @@ this tool did not create (no run label on it) is never deleted.
 
 from __future__ import annotations
 
-from provision import catalogue, gke_render, gke_serve, gke_serve_render
+from provision import catalogue
 from provision.errors import CloudError, StockoutError, UsageError, WaitTimeout
+from provision.kinds.gke import gke_render, gke_serve, gke_serve_render
 from provision.resources import (
     MANAGED_BY,
     RUN_LABEL,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from provision import catalogue
 from provision.errors import CloudError, UsageError
-from provision.rendering import create_custom_job_request
+from provision.kinds.vertex.vertex_render import create_custom_job_request
 from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 

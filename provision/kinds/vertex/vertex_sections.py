@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import field_validator
 
 from provision import catalogue
-from provision.config.shapes import (
+from provision.shapes import (
     _SERVICE_ACCOUNT,
     _VERTEX_NETWORK,
     _VERTEX_TENSORBOARD,

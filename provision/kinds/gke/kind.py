@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from provision import catalogue, gke, gke_render, gke_serve, gke_serve_render
+from provision import catalogue
 from provision.cloud import storage
 from provision.core import (
     ENDED,
@@ -23,13 +23,15 @@ from provision.core import (
     Report,
     Scope,
     ServiceReport,
+    Verb,
     last_zone_first,
     replica_problems,
     report_from_status,
 )
 from provision.errors import CloudError, UsageError
+from provision.kinds.common import startup_estimate_s  # one load-and-compile estimate for every kind
+from provision.kinds.gke import gke, gke_render, gke_serve, gke_serve_render
 from provision.resources import Resource
-from provision.targets.vertex import startup_estimate_s  # one load-and-compile estimate for both kinds
 
 
 class NodePools(Holding):
@@ -225,6 +227,24 @@ class GkeKind(Kind):
     name = "gke"
     noun = "GKE node pools"
     group = "gke"
+    group_help = """GKE node pools for target: gke (and the cluster, with gke.create_cluster: true).
+
+    \b
+    Examples:
+      moe-tpu gke up -c examples/gke-pathways.yaml
+      moe-tpu gke status -c examples/gke-pathways.yaml
+      moe-tpu gke down -c examples/gke-pathways.yaml
+      moe-tpu --dry-run --scenario stockout gke up -c examples/gke-pathways.yaml
+    """
+    verbs = (
+        Verb("up", "up", "Create the node pools (one per slice, and RUN-cpu for a Pathways head) and wait until "
+                         "they run.\n\nTries each zone of `zones:` in order when one has no capacity. A re-run "
+                         "adopts the pools it already made; a pool of the run that no longer matches the config "
+                         "is refused.", trainer=True),
+        Verb("status", "status", "Show the run's JobSet, node pools and (when this tool made it) cluster, with state "
+                                 "and cost."),
+        Verb("down", "down", "Delete the run's JobSet and node pools, and the cluster only when this tool created it."),
+    )
     up_command = "gke up"
     sections = ("slice", "gke")
     serve_platform = "GKE TPU node pool"

@@ -16,7 +16,7 @@ from provision import catalogue
 from provision.cloud import messages
 from provision.core import Holding, Phase, ServiceReport
 from provision.errors import UsageError
-from provision.rendering import deployed_model_body, serving_endpoint_body, serving_model_body
+from provision.kinds.vertex.vertex_render import deployed_model_body, serving_endpoint_body, serving_model_body
 from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 
 OPERATION_TIMEOUT_S = 3600.0
@@ -202,7 +202,7 @@ class Endpoint(Holding):
     def examples(self, url: str, body: str) -> list[str]:
         """How to call the endpoint: a completions body on rawPredict, by curl and by Python. RawPredict hands
         the body as it is to the container's predict route, which is the server's /v1/completions
-        (rendering.PREDICT_ROUTE); the endpoint has no /completions of its own (Vertex AI's OpenAI-compatible
+        (vertex_render.PREDICT_ROUTE); the endpoint has no /completions of its own (Vertex AI's OpenAI-compatible
         routes are chat completions for Model Garden's containers), so the openai client pointed at the
         endpoint would reach no route of this server."""
         quoted = body.replace('"', '\\"')

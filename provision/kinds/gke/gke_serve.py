@@ -4,16 +4,16 @@ made, and refuses what it did not), found by label for `list` and `status`, dele
 Deployment's state as a ServiceReport, and a prediction through the Service's proxy.
 
 Everything here talks to one cluster's `KubeApi` (provision.cloud.kube); the serving node pool is
-provision.gke's (`serving_pool_up`), like the run's other pools.
+provision.kinds.gke.gke's (`serving_pool_up`), like the run's other pools.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from provision import gke_serve_render
 from provision.core import Phase, ServiceReport
 from provision.errors import CloudError
+from provision.kinds.gke import gke_serve_render
 from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed
 
 # The objects in the order they are applied; deleted in the reverse one (the autoscaler first, so that

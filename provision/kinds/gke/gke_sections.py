@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import field_validator
 
 from provision import catalogue
-from provision.config.shapes import _RFC1035, MAX_ID_LENGTH, _positive_duration, _Section, gcs_location
+from provision.shapes import _RFC1035, MAX_ID_LENGTH, _positive_duration, _Section, gcs_location
 from trainer.schema import invalid
 
 # GKE names: a cluster or node pool name is at most catalogue.MAX_GKE_NAME characters (RFC 1035); a

@@ -6,23 +6,27 @@ own state decides how the run ended.
 
 from __future__ import annotations
 
-from provision import catalogue, endpoints, jobs, planner
+from provision import catalogue
 from provision.cloud import storage
 from provision.core import (
     ENDED,
     STATUS_FILE,
     Bundled,
     Deployment,
+    Flag,
     Holding,
     Kind,
     Phase,
     Report,
     Scope,
+    Verb,
     replica_problems,
     report_from_status,
 )
 from provision.errors import UsageError
-from provision.rendering import render_custom_job_files, render_serving_files
+from provision.kinds.common import startup_estimate_s
+from provision.kinds.vertex import endpoints, jobs
+from provision.kinds.vertex.vertex_render import render_custom_job_files, render_serving_files
 from provision.resources import Resource, project_of, short
 from provision.waiting import poll
 
@@ -125,6 +129,25 @@ class VertexKind(Kind):
     name = "vertex"
     noun = "a Vertex AI custom job"
     group = "job"
+    group_help = """Vertex AI custom jobs on TPU v5e (for configs with `target: vertex`).
+
+    \b
+    Examples:
+      moe-tpu job submit --wait -c examples/vertex.yaml
+      moe-tpu job status -c examples/vertex.yaml
+      moe-tpu job cancel -c examples/vertex.yaml
+      moe-tpu --dry-run --scenario quota job submit -c examples/vertex.yaml
+    """
+    up_flags = (Flag("wait", "Follow the job until it ends; exit 1 unless it SUCCEEDED."),)
+    verbs = (
+        Verb("submit", "up", "Submit the run's custom job (a re-run follows the job it already submitted).\n\nThe "
+                             "request is rendered from templates/custom_job.yaml.j2: one worker pool on the "
+                             "configured machine type and TPU topology running the trainer image.", up_flags,
+             trainer=True),
+        Verb("status", "status", "Show the run's custom jobs (and its endpoint), with state, age and cost so far."),
+        Verb("wait", "wait", "Follow the run's job until it ends; exit 0 when it SUCCEEDED, 1 otherwise."),
+        Verb("cancel", "cancel", "Cancel the run's queued or running job and wait until it is CANCELLED."),
+    )
     up_command = "job submit"
     sections = ("vertex",)
     serve_platform = "Vertex AI prediction"
@@ -172,7 +195,7 @@ class VertexKind(Kind):
         return Deployment(job_machines(context.config), CustomJob(context, output_dir=output_dir))
 
     def service(self, context):
-        """The serve section's model on a dedicated Vertex AI endpoint (provision.endpoints)."""
+        """The serve section's model on a dedicated Vertex AI endpoint (provision.kinds.vertex.endpoints)."""
         cfg = context.config
         if cfg.serve is None:
             raise UsageError(f"{cfg.source}: no serve section: nothing says how to serve run {cfg.run}",
@@ -183,9 +206,23 @@ class VertexKind(Kind):
         return f"run {cfg.run}, {cfg.vertex.machine_type} {cfg.vertex.topology}, {cfg.vertex.scheduling}, " \
                f"region {cfg.region}"
 
-    def up(self, context) -> list[Resource]:
+    def up(self, context, wait: bool = False) -> list[Resource]:
+        """The custom job, submitted (or adopted); `wait`: followed until it ends (a CloudError unless it
+        SUCCEEDED)."""
+        job = jobs.job_submit(context)
+        return [jobs.job_wait(context, job.name) if wait else job]
 
-        return [jobs.job_submit(context)]
+    def up_lines(self, resources: list[Resource]) -> list[str]:
+        return [f"job {short(job.name)} {job.state}" + ("" if job.state in jobs.TERMINAL_STATES else
+                                                         "; follow it with `moe-tpu job wait`") for job in resources]
+
+    def act(self, action: str, context) -> tuple[list[Resource], list[str]]:
+        if action == "wait":
+            job = jobs.job_wait(context)
+            return [job], [f"job {short(job.name)} {job.state}"]
+        cancelled = jobs.job_cancel(context)
+        return cancelled, [f"job {short(job.name)} {job.state}" for job in cancelled] or [
+            f"run {context.config.run} has no queued or running job"]
 
     def status(self, context) -> list[Resource]:
 
@@ -206,24 +243,6 @@ class VertexKind(Kind):
     def teardown(self, context) -> list[Resource]:
 
         return [*jobs.jobs_down(context), *endpoints.endpoints_down(context)]
-
-
-# The serving container's start, for the startup probe: the weights read from Cloud Storage at about this
-# rate per host, then the prefill and decode steps compiled (a few minutes on TPU for a large model); the
-# probe allows twice the estimate. Plausible figures, not measured.
-LOAD_BYTES_PER_S = 200e6
-COMPILE_S = 300.0
-BYTES_PER_WEIGHT = {"auto": 2, "int8": 1, "int4": 0.5}
-
-
-def startup_estimate_s(cfg) -> float:
-    """Seconds the server needs to load its weights and compile, from the planner's parameter count (the
-    compile time alone where the model's size is unknown)."""
-    try:
-        total = planner.plan_for(cfg).counts.total
-    except Exception:  # noqa: BLE001 - no plan (a model the planner cannot read): the probe still gets its floor
-        return 2 * COMPILE_S
-    return 2 * (total * BYTES_PER_WEIGHT[cfg.serve.weights] / LOAD_BYTES_PER_S + COMPILE_S)
 
 
 def serve_checks(get) -> list[tuple[str, str]]:

@@ -1,18 +1,20 @@
 """The places a run can train and serve: one kind of target is one unit (a `provision.core.Kind`), in one
-module, and this package is their registry.
+package, and this package is their registry.
 
-tpu_vm.py (a TPU VM slice on a queued resource), vertex.py (a Vertex AI custom job, and an endpoint),
-gke.py (GKE node pools with a JobSet, and a serving pool with a Deployment). Each owns its config checks,
-what it renders, the planner's hardware, what it makes, lists and deletes, its log source, and the
-deployments (a placement plus a workload, provision.core.Deployment) that `run` and `deploy` follow. A
-new kind is a module here and one line in KINDS; no command names a kind.
+tpu_vm/ (a TPU VM slice on a queued resource), vertex/ (a Vertex AI custom job, and an endpoint), gke/
+(GKE node pools with a JobSet, and a serving pool with a Deployment). Each owns its config sections and
+checks, what it renders, the planner's hardware, what it makes, lists and deletes, its log source, and
+the deployments (a placement plus a workload, provision.core.Deployment) that `run` and `deploy` follow.
+A new kind is a package here and one line in KINDS; no command names a kind, and no kind imports another.
 """
 
 from __future__ import annotations
 
 from provision.core import Kind, Target
 from provision.errors import UsageError
-from provision.targets import gke, tpu_vm, vertex
+from provision.kinds.gke import kind as gke
+from provision.kinds.tpu_vm import kind as tpu_vm
+from provision.kinds.vertex import kind as vertex
 
 # The config's `target` -> its kind (in this order `list` and `down` go through them).
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (tpu_vm.KIND, vertex.KIND, gke.KIND)}

@@ -2,7 +2,7 @@
 from the config's `serve:` section), the server's Deployment, its Service, its PodMonitoring and its
 HorizontalPodAutoscaler.
 
-Typed specs go into Jinja templates, as in provision/gke_render.py. The Deployment, the Service and
+Typed specs go into Jinja templates, as in gke_render.py. The Deployment, the Service and
 the HorizontalPodAutoscaler are checked against the `kubernetes` client's models (V1Deployment,
 V1Service, V2HorizontalPodAutoscaler) through provision.cloud.kube.model_problem; the PodMonitoring is
 a custom resource of Google Cloud Managed Service for Prometheus that the client has no model of, so
@@ -21,7 +21,7 @@ from provision.cloud import CLOUD_PLATFORM_SCOPE
 from provision.cloud.messages import proto_dict
 from provision.container import SERVER_PORT, server_container
 from provision.errors import UsageError
-from provision.gke_render import NodePoolSpec, create_node_pool_request, node_pool_body
+from provision.kinds.gke.gke_render import NodePoolSpec, create_node_pool_request, node_pool_body
 from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
 from provision.resources import resolve_project
 from provision.templates import render

@@ -1,0 +1,127 @@
+"""Pure rendering of Vertex AI's requests: the CustomJob that trains, and the Model, Endpoint and
+DeployedModel that serve; each parsed into the API's own message (provision/cloud/messages.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from provision.cloud import messages
+from provision.cloud.messages import proto_dict
+from provision.container import Container, trainer_container
+from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
+from provision.resources import location_path, resolve_project
+from provision.templates import render
+
+if TYPE_CHECKING:
+    from provision.config import Config
+
+
+CUSTOM_JOB_TEMPLATE = "custom_job.yaml.j2"
+
+
+@dataclass(frozen=True)
+class CustomJobSpec:
+    """What the Vertex AI CustomJob body needs."""
+
+    config: Config
+    display_name: str
+    labels: dict[str, str]
+    container: Container  # the trainer's: image, command, args, env
+    timeout_seconds: int
+    max_wait_seconds: int | None
+
+
+def region_parent(cfg: Config, project: str | None = None) -> str:
+    """The parent of Vertex AI resources: projects/P/locations/REGION."""
+    return location_path(resolve_project(cfg, project), cfg.region)
+
+
+def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
+    container = trainer_container(cfg, image)
+    max_wait = cfg.vertex.max_wait
+    return CustomJobSpec(
+        config=cfg, display_name=cfg.run, labels=labels(cfg), container=container,
+        timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
+        max_wait_seconds=int(max_wait.total_seconds()) if max_wait is not None else None,
+    )
+
+
+def custom_job_body(cfg: Config, renderer: Renderer) -> str:
+    """The rendered CustomJob body (YAML text)."""
+    return render(CUSTOM_JOB_TEMPLATE, custom_job_spec(cfg, renderer.image), renderer.templates_dir)
+
+
+def create_custom_job_request(cfg: Config, renderer: Renderer, project: str | None = None) -> Any:
+    """The CreateCustomJobRequest, body parsed strictly into google.cloud.aiplatform.v1.CustomJob."""
+    return messages.create_custom_job_request(region_parent(cfg, project), custom_job_body(cfg, renderer),
+                                              CUSTOM_JOB_TEMPLATE)
+
+
+def render_custom_job_files(cfg: Config, renderer: Renderer) -> dict[str, str]:
+    """A Vertex AI job's files: the CustomJob body and its request."""
+    request = create_custom_job_request(cfg, renderer, project=cfg.project or PROJECT_PLACEHOLDER)
+    return {"custom_job.yaml": custom_job_body(cfg, renderer),
+            "create_custom_job.json": json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"}
+
+
+# The metric Vertex AI autoscales a TPU deployment on (DedicatedResources.autoscaling_metric_specs).
+DUTY_CYCLE_METRIC = "aiplatform.googleapis.com/prediction/online/accelerator/duty_cycle"
+
+
+HEALTH_ROUTE = "/health"
+
+
+PREDICT_ROUTE = "/v1/completions"  # RawPredict passes an OpenAI completions body through as it is
+
+
+PROBE_PERIOD_S = 10
+
+
+def serving_model_body(cfg: Config, image: str, startup_s: float) -> dict[str, Any]:
+    """The Model to upload (aiplatform.v1.Model, proto JSON): the server's container with Vertex AI's
+    custom-container contract (its port, the predict and health routes) and a startup probe on the health
+    route that waits `startup_s` (the load-and-compile estimate) before the replica counts as failed."""
+    from provision.container import server_container
+
+    server = server_container(cfg, image)
+    probe = {"http_get": {"path": HEALTH_ROUTE, "port": server.ports[0]}, "period_seconds": PROBE_PERIOD_S,
+             "timeout_seconds": 5, "failure_threshold": max(3, -(-int(startup_s) // PROBE_PERIOD_S))}
+    return {"display_name": cfg.run, "labels": labels(cfg),
+            "container_spec": {"image_uri": server.image, "command": list(server.command), "args": list(server.args),
+                               "env": [{"name": k, "value": v} for k, v in sorted(server.env.items())],
+                               "ports": [{"container_port": port} for port in server.ports],
+                               "predict_route": PREDICT_ROUTE, "health_route": HEALTH_ROUTE,
+                               "startup_probe": probe}}
+
+
+def serving_endpoint_body(cfg: Config) -> dict[str, Any]:
+    """The Endpoint (dedicated: streaming predictions need one)."""
+    return {"display_name": cfg.run, "labels": labels(cfg), "dedicated_endpoint_enabled": True}
+
+
+def deployed_model_body(cfg: Config, model: str) -> dict[str, Any]:
+    """The DeployedModel: dedicated resources on the serve section's single-host v5e machine, its replicas,
+    autoscaled on the accelerators' duty cycle, spot if asked."""
+    serve = cfg.serve
+    return {"model": model, "display_name": cfg.run,
+            "dedicated_resources": {
+                "machine_spec": {"machine_type": serve.machine_type, "tpu_topology": serve.replica_topology},
+                "min_replica_count": serve.min_replicas, "max_replica_count": serve.max_replicas,
+                "autoscaling_metric_specs": [{"metric_name": DUTY_CYCLE_METRIC, "target": serve.autoscale_target}],
+                "spot": serve.spot}}
+
+
+def render_serving_files(cfg: Config, renderer: Renderer, startup_s: float) -> dict[str, str]:
+    """A Vertex AI endpoint's files: the Model, the Endpoint and the DeployedModel, checked against the API's
+    types (MODEL stands in for the uploaded model's name)."""
+    project = cfg.project or PROJECT_PLACEHOLDER
+    parent = region_parent(cfg, project)
+    model = messages.serving_model(serving_model_body(cfg, renderer.image, startup_s))
+    endpoint = messages.serving_endpoint(serving_endpoint_body(cfg))
+    deployed = messages.deployed_model(deployed_model_body(cfg, f"{parent}/models/MODEL"))
+    return {f"{name}.json": json.dumps(proto_dict(message), indent=2, sort_keys=True) + "\n"
+            for name, message in (("serving_model", model), ("serving_endpoint", endpoint),
+                                  ("deployed_model", deployed))}
