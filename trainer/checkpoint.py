@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from trainer import stacks
 from trainer.config import ConfigError
 
 
@@ -151,6 +152,56 @@ def _quiet_failed_saves() -> None:
         sys.unraisablehook = _dropping_closed_loops(sys.unraisablehook)
 
 
+def _walk(tree: Any, on_names) -> Any:
+    """`tree` with every dict keyed by parameter names ("params", "moe_bias", an optimizer's moments) replaced
+    by on_names(that dict); the rest (optax's named tuples among them) rebuilt as it is."""
+    if isinstance(tree, dict):
+        if any(isinstance(k, str) and (stacks.is_stacked(k) or k.startswith(stacks.LAYER_PREFIX)) for k in tree):
+            return on_names(tree)
+        return {k: _walk(v, on_names) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_walk(v, on_names) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_walk(v, on_names) for v in tree)
+    return tree
+
+
+def per_layer_layout(model, abstract: Any) -> Any:
+    """An abstract state (ShapeDtypeStructs) of the stacked layout (trainer/stacks.py) as the per-layer layout
+    that checkpoints written before it hold (`blocks.{i}.…`), each layer's array laid out as its slice."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def layer(a):
+        where = getattr(a, "sharding", None)
+        if isinstance(where, NamedSharding):
+            where = NamedSharding(where.mesh, PartitionSpec(*tuple(where.spec)[1:]))
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=where)
+
+    def on_names(flat: dict) -> dict:
+        out = {}
+        for name, a in flat.items():
+            out.update({n: layer(a) for n in stacks.layer_names(model, name)} if stacks.is_stacked(name) else
+                       {name: a})
+        return out
+
+    return _walk(abstract, on_names)
+
+
+def stacked_layout(model, restored: Any, abstract: Any) -> Any:
+    """A state restored in the per-layer layout, converted to the stacked one and laid out as `abstract`."""
+    import jax.numpy as jnp
+
+    converted = _walk(restored, lambda flat: stacks.stack_flat(model, flat, jnp.stack))
+    return jax.tree.map(lambda value, a: jax.device_put(value, a.sharding), converted, abstract)
+
+
+def holds_per_layer_layout(saved: Any) -> bool:
+    """Whether a checkpoint's state metadata names its layers' parameters one layer at a time (`blocks.{i}.…`,
+    written before the layers were stacked): readers restore it so and convert (stacked_layout)."""
+    params = saved.get("params") if hasattr(saved, "get") else None
+    return hasattr(params, "keys") and any(str(k).startswith(stacks.LAYER_PREFIX) for k in params.keys())
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
     step: int
@@ -260,8 +311,9 @@ class Checkpointer:
                 return None
         return dict(meta) if isinstance(meta, dict) else None
 
-    def restore_latest(self, abstract_state: Any) -> Restored | None:
-        """The newest checkpoint that restores; None when there is none.
+    def restore_latest(self, abstract_state: Any, model=None) -> Restored | None:
+        """The newest checkpoint that restores; None when there is none. With `model` (the ModelConfig), a
+        checkpoint of the per-layer layout is read so and converted to the stacked one (trainer/stacks.py).
 
         A newer one that fails to restore while an older one restores is damaged (the older one proves
         that the config matches): it is renamed `STEP.unreadable-TIME`, out of the way of the step that
@@ -269,7 +321,7 @@ class Checkpointer:
         """
         unreadable: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
-            restored, reason = self._try_restore(step, abstract_state)
+            restored, reason = self._try_restore(step, abstract_state, model)
             if not _everywhere(reason is None):  # each process reads its own shards: all must succeed
                 unreadable.append((step, reason or "another process could not read its part"))
                 continue
@@ -294,14 +346,19 @@ class Checkpointer:
                 return f"it holds {meta.name} of shape {list(meta.shape)}, this config needs {list(want.shape)}"
         return None
 
-    def _try_restore(self, step: int, abstract_state: Any) -> tuple[tuple[Any, dict] | None, str | None]:
+    def _try_restore(self, step: int, abstract_state: Any, model=None) -> tuple[tuple[Any, dict] | None, str | None]:
         """((state, data state), None) at `step`, or (None, why they cannot be read)."""
         with _failures_reported_once():
             try:
-                mismatch = self._mismatch(step, abstract_state)
+                target = abstract_state
+                if model is not None and holds_per_layer_layout(self.manager.item_metadata(step)["state"]):
+                    target = per_layer_layout(model, abstract_state)
+                mismatch = self._mismatch(step, target)
                 if mismatch:
                     return None, mismatch
-                state, data_state = self.restore(step, abstract_state)
+                state, data_state = self.restore(step, target)
+                if target is not abstract_state:
+                    state = stacked_layout(model, state, abstract_state)
                 if int(state["step"]) != step:
                     return None, f"it holds step {int(state['step'])}"
                 return (state, data_state), None

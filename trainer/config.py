@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import difflib
 import pathlib
-import stat
 import re
+import stat
 import typing
 from typing import Annotated, Any, Literal, Self
 
@@ -95,6 +95,9 @@ class ModelConfig(Section):
     # together ("full", OLMoE), or none.
     qk_norm: Literal["none", "head", "full"] = "none"
     remat: Flag = False  # rematerialise each block in the backward pass
+    # Scan over each repeating pattern of layers (one block compiled a pattern: trainer/stacks.py); false runs
+    # the same stacked parameters a layer at a time (each layer compiled apart; the reference in tests).
+    scan_layers: Flag = True
     # Multi-head latent attention in place of multi-head attention (DeepSeek); none: today's attention.
     mla: MLAConfig | None = None
 

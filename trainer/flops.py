@@ -62,7 +62,7 @@ def count_params(params: Sequence[ParamInfo], cfg: Config) -> ParamCounts:
     unvisited = experts * (num_experts - top_k) // num_experts
     # The embedding lookup is a gather, not a matmul; tied, the table is also the head (one matmul).
     lookup = 0 if cfg.model.tie_embeddings else sum(p.size for p in params if p.name == "embed")
-    dense = sum(p.size for p in params if len(p.shape) >= 2 and not p.is_expert)
+    dense = sum(p.size for p in params if p.is_matrix and not p.is_expert)
     return ParamCounts(
         total=total, active=total - unvisited, per_expert=experts // (num_experts * n_moe) if n_moe else 0,
         embedding=sum(p.size for p in params if p.is_vocab), experts=experts,

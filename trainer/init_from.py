@@ -17,7 +17,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from trainer.checkpoint import CheckpointError, _reason, quiet_orbax
+from trainer.checkpoint import (
+    CheckpointError,
+    _reason,
+    holds_per_layer_layout,
+    per_layer_layout,
+    quiet_orbax,
+    stacked_layout,
+)
 from trainer.config import ConfigError
 from trainer.outputs import NoRun, RunDirectory, join
 
@@ -140,7 +147,9 @@ def _restore(ocp, manager, trainer, checkpoints: str) -> tuple[dict[str, Any], S
         raise CheckpointError(f"--init-from: cannot read the checkpoint {where}: {_reason(e)}") from None
     if "moe_bias" in groups and not hasattr(saved.get("moe_bias") if hasattr(saved, "get") else None, "get"):
         groups.remove("moe_bias")  # trained without routing biases: this run's start from zero
-    target = {g: trainer.abstract_state[g] for g in groups}
+    wanted = {g: trainer.abstract_state[g] for g in groups}
+    # A checkpoint written before the layers were stacked is read a layer at a time and stacked.
+    target = per_layer_layout(trainer.cfg.model, wanted) if holds_per_layer_layout(saved) else wanted
     problem = _mismatch(saved, target, where)
     if problem:
         raise ConfigError(problem)
@@ -154,11 +163,14 @@ def _restore(ocp, manager, trainer, checkpoints: str) -> tuple[dict[str, Any], S
         raise
     except Exception as e:  # noqa: BLE001 - tensorstore, JSON and file errors alike
         raise CheckpointError(f"--init-from: cannot read the checkpoint {where}: {_reason(e)}") from None
-    params = dict(restored["state"]["params"])
+    read = dict(restored["state"])
+    if target is not wanted:
+        read = stacked_layout(trainer.cfg.model, {g: dict(read[g]) for g in groups}, wanted)
+    params = dict(read["params"])
     shardings = trainer.state_shardings
     state = {"step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"]), "params": params,
              "opt_state": jax.jit(trainer.optimizer.init, out_shardings=shardings["opt_state"])(params)}
     if "moe_bias" in trainer.abstract_state:
-        state["moe_bias"] = (dict(restored["state"]["moe_bias"]) if "moe_bias" in groups else
+        state["moe_bias"] = (dict(read["moe_bias"]) if "moe_bias" in groups else
                              jax.jit(lambda: trainer.init_fn()["moe_bias"], out_shardings=shardings["moe_bias"])())
     return state, source

@@ -12,6 +12,9 @@ from trainer.config import Config
 from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
 from trainer.mla import MLAttention
 from trainer.moe import MoEBlock
+from trainer.stacks import Stack, layer_stacks
+
+LAYERS_AXIS = "layers"  # the logical name of the stacked parameters' leading axis (trainer/sharding.py)
 
 
 class Block(nnx.Module):
@@ -60,18 +63,27 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """`model(tokens_BxL, train=...) -> (logits_BxLxV float32, aux)`; aux sums/averages the MoE layers'."""
+    """`model(tokens_BxL, train=...) -> (logits_BxLxV float32, aux)`; aux sums/averages the MoE layers'.
+
+    The layers are held as stacks (trainer/stacks.py): `stacks[s][j]` is one Block whose variables carry a
+    leading axis over the layers start + j + period * r of stack s, and one step of a `jax.lax.scan` runs a
+    period of them, so that a model compiles one block per pattern whatever its depth. `model.scan_layers:
+    false` runs the same stacked parameters a layer at a time in Python (each layer traced apart: the
+    reference the scan is tested against)."""
 
     def __init__(self, cfg: Config, *, mesh: Mesh | None = None, rngs: nnx.Rngs):
         m, pdtype = cfg.model, jnp.dtype(cfg.param_dtype)
         self.dtype = jnp.dtype(cfg.dtype)
         self.mesh = mesh
         self.remat = m.remat
+        self.scan_layers = m.scan_layers
         self.num_experts = cfg.moe.num_experts
         self.vocab = sharding.vocab_axis(cfg.train.shard_vocab)
         self.embed = named_param(rngs, nnx.initializers.normal(1.0), (m.vocab_size, m.d_model),
                                  (self.vocab, "embed"), pdtype)
-        self.blocks = nnx.List([Block(cfg, i, mesh=mesh, rngs=rngs) for i in range(m.num_layers)])
+        self.layout = layer_stacks(m)
+        self.stacks = nnx.List([nnx.List([_stacked_block(cfg, stack, j, mesh, rngs) for j in range(stack.period)])
+                                for stack in self.layout])
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=self.dtype, param_dtype=pdtype, rngs=rngs)
         self.tied_scale = m.d_model ** -0.5 if m.tied_head_scale else 1.0
         self.head = None if m.tie_embeddings else named_param(
@@ -79,21 +91,12 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict]:
         with sharding.logical_mesh(self.mesh):  # where the layers' `sharding.constrain` lays activations out
-            return self._forward(tokens_BxL, train=train)
-
-    def _forward(self, tokens_BxL: jax.Array, *, train: bool) -> tuple[jax.Array, dict]:
-        x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
-        x_BxLxD = self._constrain(x_BxLxD)
-        auxes = []
-        for i, block in enumerate(self.blocks):
-            if self.remat:
-                x_BxLxD, aux, _ = nnx.remat(lambda blk, x: blk(x, train=train))(block, x_BxLxD)
-            else:
-                x_BxLxD, aux, _ = block(x_BxLxD, train=train)
-            x_BxLxD = self._constrain(x_BxLxD)
-            if aux is not None:
-                auxes.append((i, aux))
-        return self._logits(x_BxLxD), combine_aux(auxes, self.num_experts)
+            x_BxLxD = self._constrain(jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype))
+            auxes = []
+            for s in range(len(self.layout)):
+                x_BxLxD, _, stack_auxes = self._run_stack(s, x_BxLxD, train=train)
+                auxes += stack_auxes
+            return self._logits(x_BxLxD), combine_aux(sorted(auxes, key=lambda a: a[0]), self.num_experts)
 
     def decode(self, tokens_BxL: jax.Array, cache, starts_B: jax.Array, rows_B: jax.Array | None = None):
         """Inference through a key/value cache (trainer.serve.kvcache.KVCache): batch row b holds tokens
@@ -101,10 +104,65 @@ class Transformer(nnx.Module):
         MoE layers in their evaluation mode. Returns (logits_BxLxV float32, the updated cache)."""
         with sharding.logical_mesh(self.mesh):  # tensor parallelism's activation layouts, as in training
             x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
-            for i, block in enumerate(self.blocks):
-                x_BxLxD, view = block.decode(x_BxLxD, cache.layer(i, starts_B, rows_B))
-                cache = view.cache
+            for s in range(len(self.layout)):
+                x_BxLxD, cache, _ = self._run_stack(s, x_BxLxD, train=False, cache=(cache, starts_B, rows_B))
             return self._logits(x_BxLxD), cache
+
+    def _run_stack(self, s: int, x_BxLxD: jax.Array, *, train: bool, cache=None):
+        """Stack s's layers over x: (x after them, the updated cache or None, [(layer, its MoE aux)]).
+
+        One step runs a period of layers on that step's slice of the stacked parameters (and, decoding, on
+        the whole cache, each layer through its own view: trainer.serve.kvcache.KVCache.layer). What the
+        blocks change (the MoE balancing biases, the jitter streams' counts) comes out stacked and is put
+        back into the stack's blocks."""
+        stack, blocks = self.layout[s], self.stacks[s]
+        graphdef, params, state = nnx.split(blocks, nnx.Param, ...)
+        layers_RxP = jnp.asarray([[stack.layer(j, r) for j in range(stack.period)] for r in range(stack.repeats)],
+                                 jnp.int32)
+        kv, starts_B, rows_B = cache if cache is not None else (None, None, None)
+
+        def step(carry, xs):
+            x, kv = carry
+            layer_params, layer_state, layers_P = xs
+            period = nnx.merge(graphdef, layer_params, layer_state)
+            auxes = []
+            for j, block in enumerate(period):
+                if kv is not None:
+                    x, view = block.decode(x, kv.layer(layers_P[j], starts_B, rows_B))
+                    kv = view.cache
+                    continue
+                if self.remat:
+                    x, aux, _ = nnx.remat(lambda blk, h: blk(h, train=train))(block, x)
+                else:
+                    x, aux, _ = block(x, train=train)
+                x = self._constrain(x)
+                auxes.append(aux)
+            return (x, kv), (nnx.state(period, nnx.Not(nnx.Param)), auxes)
+
+        xs = (params, state, layers_RxP)
+        if self.scan_layers:
+            (x_BxLxD, kv), (state, auxes) = jax.lax.scan(step, (x_BxLxD, kv), xs)
+        else:  # the reference: the same step a layer at a time, its outputs stacked as the scan stacks them
+            outs = []
+            for r in range(stack.repeats):
+                (x_BxLxD, kv), out = step((x_BxLxD, kv), jax.tree.map(lambda a, r=r: a[r], xs))
+                outs.append(out)
+            state, auxes = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        nnx.update(blocks, state)
+        layer_auxes = [(stack.layer(j, r), jax.tree.map(lambda a, r=r: a[r], aux))
+                       for j, aux in enumerate(auxes) if aux is not None for r in range(stack.repeats)]
+        return x_BxLxD, kv, layer_auxes
+
+    def layers(self) -> list[Block]:
+        """Each layer's Block in order, with its own slice of the stacked variables (copies: what a call
+        changes in them stays there), for tests and tools that walk the model a layer at a time."""
+        out = {}
+        for stack, blocks in zip(self.layout, self.stacks, strict=True):
+            graphdef, state = nnx.split(blocks)
+            for r in range(stack.repeats):
+                period = nnx.merge(graphdef, jax.tree.map(lambda a, r=r: a[r], state))
+                out.update({stack.layer(j, r): block for j, block in enumerate(period)})
+        return [out[i] for i in sorted(out)]
 
     def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = self.final_norm(x_BxLxD)
@@ -146,6 +204,24 @@ def combine_aux(layer_auxes: list[tuple[int, dict]], num_experts: int) -> dict[s
     }
 
 
+def _stacked_block(cfg: Config, stack: Stack, j: int, mesh: Mesh | None, rngs: nnx.Rngs) -> Block:
+    """The Block of layers stack.layer(j, r), r < stack.repeats (all of one structure), its variables stacked
+    along a new leading axis, named "layers" for the sharding rules (never split)."""
+    blocks = [Block(cfg, stack.layer(j, r), mesh=mesh, rngs=rngs) for r in range(stack.repeats)]
+    graphdef, _ = nnx.split(blocks[0])
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+
+    def stacked(*variables: nnx.Variable) -> nnx.Variable:
+        value = jnp.stack([v.get_value() for v in variables])
+        names = sharding.variable_names(variables[0])
+        if names is None:
+            return variables[0].replace(value)
+        return variables[0].replace(value, out_sharding=(LAYERS_AXIS, *names))
+
+    states = [nnx.state(block) for block in blocks]
+    return nnx.merge(graphdef, jax.tree.map(stacked, *states, is_leaf=is_var))
+
+
 def build_model(cfg: Config, *, mesh: Mesh | None = None, seed: int = 0) -> Transformer:
     """Builds the model eagerly and unsharded (tests, small runs); train.init_state does it sharded."""
     with nnx.use_eager_sharding(False):
@@ -167,7 +243,7 @@ def _path_name(path) -> str:
 
 
 class ParamCodec:
-    """Converts an nnx.State of Params to a flat {"blocks.0.attn.wq": array} dict and back.
+    """Converts an nnx.State of Params to a flat {"stacks.0.1.attn.wq": array} dict and back.
 
     Flat string-keyed dicts are what the optimizer, the checkpoints and the sharding specs see; the
     codec keeps the nnx tree structure (and the Params' metadata) to rebuild the model inside jit.
@@ -194,7 +270,10 @@ def step_rngs(rest: nnx.State, step: jax.Array) -> nnx.State:
 
     def fold(var):  # new Variables: nnx mutates them (the count), which needs this trace's objects
         if isinstance(var, nnx.RngKey):
-            return var.replace(jax.random.fold_in(var[...], step))
+            fold_in = lambda key: jax.random.fold_in(key, step)  # noqa: E731
+            for _ in range(var[...].ndim):  # a stacked stream: one key a layer
+                fold_in = jax.vmap(fold_in)
+            return var.replace(fold_in(var[...]))
         return var.replace(var[...])
 
     return jax.tree.map(fold, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))

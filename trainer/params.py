@@ -44,6 +44,12 @@ class ParamInfo:
         return "expert" in self.axes
 
     @property
+    def is_matrix(self) -> bool:
+        """A weight tokens are multiplied by: two axes or more besides the stacked layers' (trainer/stacks.py),
+        where a norm's scale is one."""
+        return sum(a != "layers" for a in self.axes) >= 2
+
+    @property
     def is_vocab(self) -> bool:
         """The embedding table or the output head."""
         return "vocab" in self.axes

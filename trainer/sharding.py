@@ -42,6 +42,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv": None,
     "norm": None,
     "length": None,
+    "layers": None,  # the stacked layers' leading axis (trainer/stacks.py): each device holds every layer
 }
 FSDP_RULES = {**RULES, "embed": "data"}
 

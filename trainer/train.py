@@ -328,7 +328,7 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
         saved = ckpt.saved_meta(latest)
         if saved is not None:
             same_data = check_resumable(saved, trainer.cfg, data, spec.steps, reporter, spec.allow_data_change)
-    restored = ckpt.restore_latest(trainer.abstract_state) if latest is not None else None
+    restored = ckpt.restore_latest(trainer.abstract_state, trainer.cfg.model) if latest is not None else None
     init_from = trainer.cfg.train.init_from
     if restored is None:
         return _fresh_state(trainer, init_from, reporter, status)

@@ -121,7 +121,7 @@ def routed_forward(model, tokens_BxL):
 
     x = jnp.take(model.embed[...], tokens_BxL, axis=0)
     chosen = []
-    for block in model.blocks:
+    for block in model.layers():
         if block.is_moe:
             h = x + block.attn(block.attn_norm(x))
             h_TxD = block.ffn_norm(h).reshape(-1, h.shape[-1])

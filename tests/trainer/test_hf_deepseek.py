@@ -12,6 +12,7 @@ from hf_models import DEEPSEEK, VOCAB, hf_model, routed_forward, safetensors_of,
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from trainer import stacks  # noqa: E402
 from trainer.hf.convert import export_checkpoint, import_checkpoint  # noqa: E402
 
 # Rows 0 and 1 are the 2 x 128-token batch continued to 256 tokens; the model is causal, so their first 128
@@ -191,7 +192,7 @@ def test_deepseek_tiny_exports_as_deepseek_v3_and_transformers_gives_its_logits(
     cfg = load_config("deepseek-tiny")
     assert family_of(cfg).model_type == "deepseek_v3"
     model = build_model(cfg, seed=3)
-    for i, block in enumerate(model.blocks):  # a bias that moves the choice
+    for i, block in enumerate(b for period in model.stacks for b in period if b.is_moe):  # a bias that moves
         block.ffn.expert_bias[...] = jax.random.normal(jax.random.key(i), block.ffn.expert_bias.shape) * 0.05
     _, params, biases, _ = nnx.split(model, nnx.Param, ExpertBias, ...)
     values = {**ParamCodec(params).flatten(params), **ParamCodec(biases).flatten(biases)}
@@ -250,7 +251,8 @@ def test_greedy_generation_through_the_serving_engine_equals_transformers(v3_gen
     devices = jax.devices()[:math.prod(mesh.values())]
     served = build_serving_model(open_run(str(run), None).cfg, sharding.make_mesh(mesh, devices))
     weights, _ = restore_weights(served, str(run / "checkpoints"))
-    assert np.abs(np.asarray(weights["moe_bias"]["blocks.1.ffn.expert_bias"])).max() > 0  # the file's bias
+    bias, layer = stacks.locate(served.cfg.model, "blocks.1.ffn.expert_bias")
+    assert np.abs(np.asarray(weights["moe_bias"][bias][layer])).max() > 0  # the file's bias
     engine = Engine(served, weights, slots=8, max_len=prompts.shape[1] + NEW, chunk=16)
     assert sorted(vars(engine.cache)) == ["latent", "latent_scale", "rope", "rope_scale"] and \
         engine.cache.latent.sharding.is_fully_replicated
@@ -300,7 +302,7 @@ def test_fp8_weights_with_block_scales_import_dequantised_to_bfloat16(tmp_path):
         assert got.dtype == np.dtype("bfloat16"), name
         assert got.tobytes() == product.astype(ml_dtypes.bfloat16).tobytes(), name
         assert np.all(np.abs(got.astype(np.float32) - product) <= np.abs(product) * 2.0 ** -8), name
-    assert params["blocks.1.attn.kv_norm.scale"].dtype == np.dtype("bfloat16")
+    assert params[stacks.locate(run.cfg.model, "blocks.1.attn.kv_norm.scale")[0]].dtype == np.dtype("bfloat16")
 
 
 def test_init_from_the_hub_directory_reads_parameters_and_selection_bias_onto_the_mesh(imported):
@@ -320,7 +322,7 @@ def test_init_from_the_hub_directory_reads_parameters_and_selection_bias_onto_th
     got = {**state["params"], **state.get("moe_bias", {})}
     assert sorted(got) == sorted(saved) and any(n.endswith("expert_bias") for n in got) == (name == "deepseek_v3")
     assert all(np.asarray(got[n]).tobytes() == saved[n].tobytes() for n in saved)
-    assert state["params"]["blocks.1.attn.wkv_b"].sharding.spec[1] == "model"
+    assert state["params"][stacks.locate(run.cfg.model, "blocks.1.attn.wkv_b")[0]].sharding.spec[2] == "model"
 
 
 def test_at_initializer_range_0_2_the_logits_stay_within_1e_3(tmp_path):

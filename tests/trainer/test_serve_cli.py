@@ -44,7 +44,7 @@ def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path)
     cases = [
         (["--checkpoint", str(tmp_path / "none")], f"--checkpoint {tmp_path / 'none'} does not exist"),
         (["--checkpoint", str(other)],
-         "holds nothing for params.blocks.0.attn.kv_norm.scale; the run's config needs [32]"),  # latent attention
+         "holds nothing for params.stacks.0.0.attn.kv_norm.scale; the run's config needs [2, 32]"),  # latent attention
         (["--checkpoint", str(run), "--device-memory-gb", "0.0001"], "--kv-cache-dtype int8"),
         (["--checkpoint", str(run), "--device-memory-gb", "0.0001"], "--weights int8 or int4"),
         (["--checkpoint", str(run), "--device-memory-gb", "0.0001", "--weights", "int8"], "--weights int4 (about"),

@@ -98,7 +98,7 @@ def test_the_int8_latent_cache_attends_close_to_float(latent):
 
     @jax.jit
     def through_the_cache(w, x_1xLxD, cache):
-        attention, pieces = model.module(w).blocks[1].attn, []
+        attention, pieces = model.module(w).layers()[1].attn, []
         for start, stop in ((0, 8), (8, 16), *((p, p + 1) for p in range(16, LENGTH))):
             out, view = attention(x_1xLxD[:, start:stop], cache=cache.layer(1, jnp.asarray([start]), jnp.asarray([2])))
             cache = view.cache
@@ -249,8 +249,8 @@ def test_experts_over_8_devices_serve_concurrent_requests_as_one_device_alone(ti
     mesh = sharding.make_mesh({"data": 1, "expert": 8}, jax.devices()[:8])
     model = build_serving_model(one.cfg, mesh)
     on_mesh = jax.device_put(weights, {k: model.shardings[k] for k in weights})
-    w_in = on_mesh["params"]["blocks.0.ffn.w_in"]
-    assert w_in.sharding.spec[0] == "expert"  # the experts are split over the mesh
+    w_in = on_mesh["params"]["stacks.0.0.ffn.w_in"]
+    assert w_in.sharding.spec[1] == "expert"  # the experts are split over the mesh (every layer's alike)
     engine = Engine(model, on_mesh, slots=8, max_len=288, chunk=16)
     requests = thirty_two_requests()
     for r in requests:

@@ -14,8 +14,8 @@ from trainer.run_loader import load_run_config
 from trainer.serve import quant4
 from trainer.serve.engine import Engine, Request, SamplingParams
 from trainer.serve.kvcache import KVCache
-from trainer.serve.quant import Int8Weight, quantize_params, weight_bytes
 from trainer.serve.memory import memory_plan
+from trainer.serve.quant import Int8Weight, quantize_params, weight_bytes
 from trainer.serve.weights import build_serving_model, init_weights, restore_weights
 
 pytestmark = pytest.mark.compile_bound
@@ -39,7 +39,7 @@ def test_int8_weights_take_about_half_of_bfloat16_and_predict_as_float(restored)
     model, weights, forward = restored
     int8 = {**weights, "params": quantize_params(weights["params"])}
     quantized = [n for n, p in int8["params"].items() if isinstance(p, Int8Weight)]
-    assert "blocks.0.ffn.w_in" in quantized and "blocks.0.ffn.router" not in quantized
+    assert "stacks.0.0.ffn.w_in" in quantized and "stacks.0.0.ffn.router" not in quantized
     bf16_bytes = sum(p.size * 2 for p in weights["params"].values())
     assert weight_bytes(int8["params"]) <= 0.55 * bf16_bytes
     plan = memory_plan(model, 1, 1, "float32", True)  # the start-up plan counts the same bytes
@@ -83,10 +83,10 @@ def test_int8_weights_predict_as_float_on_held_out_text_of_a_prepared_corpus(pre
 def test_int4_weights_take_under_0_3x_of_bfloat16_and_predict_as_float_on_held_out_text(prepared):
     model, weights, forward, rows = prepared
     int4 = {**weights, "params": quant4.quantize_params(weights["params"])}
-    w_in = int4["params"]["blocks.0.ffn.w_in"]  # [E, D, F] of 8 x 64 x 64: grouped along D, two values a byte
+    w_in = int4["params"]["stacks.0.0.ffn.w_in"]  # [layers, E, D, F], 2 x 8 x 64 x 64: grouped along D, 2 a byte
     assert isinstance(w_in, quant4.Int4Weight) and w_in.packed.dtype == jnp.uint8
-    assert (w_in.packed.shape, w_in.scale.shape) == ((8, 32, 64), (8, 1, 64))
-    assert not isinstance(int4["params"]["blocks.0.ffn.router"], quant4.Int4Weight)
+    assert (w_in.packed.shape, w_in.scale.shape) == ((2, 8, 32, 64), (2, 8, 1, 64))
+    assert not isinstance(int4["params"]["stacks.0.0.ffn.router"], quant4.Int4Weight)
     bf16_bytes = sum(p.size * 2 for p in weights["params"].values())
     assert weight_bytes(int4["params"]) <= 0.3 * bf16_bytes
     assert memory_plan(model, 1, 1, "float32", "int4")["weights"] == weight_bytes(int4["params"])
@@ -115,7 +115,8 @@ def test_the_int8_kv_cache_decodes_close_to_float(restored):
 
 
 @pytest.mark.parametrize("name,shape", [("embed", (6, 256)), ("blocks.0.attn.wo", (4, 16, 8)),
-                                        ("blocks.0.ffn.w_out", (3, 384, 5)), ("blocks.0.attn.wq", (96, 2, 4))])
+                                        ("blocks.0.ffn.w_out", (3, 384, 5)), ("blocks.0.attn.wq", (96, 2, 4)),
+                                        ("stacks.0.1.ffn.w_out", (2, 3, 384, 5)), ("stacks.0.0.attn.wo", (3, 4, 16, 8))])
 def test_int4_weights_on_the_grid_come_back_exactly(name, shape):
     """A weight whose every group is a scale (a power of two: exact in float) times integers of -7..7, 7
     among them, is its own int4 rounding: unpacked, it must come back bit for bit (the nibbles' order and
@@ -144,10 +145,10 @@ def test_int4_weights_split_over_expert_and_model_as_the_float_ones_and_predict_
     weights = init_weights(one)
     placed = jax.device_put(weights, {k: tp.shardings[k] for k in weights})
     int4, tp_int4 = ({**w, "params": quant4.quantize_params(w["params"])} for w in (weights, placed))
-    w_out = tp_int4["params"]["blocks.0.ffn.w_out"]  # [E, F, D], F over model: 64 / 2 packed, one group of 64
-    assert w_out.packed.sharding.spec == jax.sharding.PartitionSpec("expert", "model")
-    assert w_out.packed.addressable_shards[0].data.shape == (4, 8, 64)
-    assert w_out.scale.sharding.spec == jax.sharding.PartitionSpec("expert")  # its one group is not split
+    w_out = tp_int4["params"]["stacks.0.0.ffn.w_out"]  # [1, E, F, D], F over model: 64 / 2 packed, a group of 64
+    assert w_out.packed.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "model")
+    assert w_out.packed.addressable_shards[0].data.shape == (1, 4, 8, 64)
+    assert w_out.scale.sharding.spec == jax.sharding.PartitionSpec(None, "expert")  # its one group is not split
     on_device_0 = sum(s.data.nbytes for leaf in jax.tree.leaves(tp_int4["params"]) for s in leaf.addressable_shards
                       if s.device == jax.devices()[0])
     assert memory_plan(tp, 1, 1, "float32", "int4")["weights"] == on_device_0

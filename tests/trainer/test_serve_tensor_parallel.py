@@ -43,10 +43,10 @@ def greedy(model, weights):
 def test_expert_2_model_4_decodes_as_one_device_and_reads_fewer_weight_bytes_than_expert_8():
     one, weights = serving_on({"data": 1, "expert": 1})
     tp, tp_weights = serving_on({"data": 1, "expert": 2, "model": 4}, weights)
-    w_in = tp_weights["params"]["blocks.0.ffn.w_in"]  # [E, D, F]: experts over `expert`, F over `model`
-    assert w_in.sharding.spec == jax.sharding.PartitionSpec("expert", None, "model")
-    assert w_in.addressable_shards[0].data.shape == (4, 64, 16)
-    assert tp_weights["params"]["blocks.0.attn.wq"].sharding.spec[1] == "model"  # heads split too
+    w_in = tp_weights["params"]["stacks.0.0.ffn.w_in"]  # [1, E, D, F]: experts over `expert`, F over `model`
+    assert w_in.sharding.spec == jax.sharding.PartitionSpec(None, "expert", None, "model")
+    assert w_in.addressable_shards[0].data.shape == (1, 4, 64, 16)
+    assert tp_weights["params"]["stacks.0.0.attn.wq"].sharding.spec[2] == "model"  # heads split too
 
     expected = greedy(one, weights)
     assert greedy(tp, tp_weights) == expected
@@ -62,7 +62,7 @@ def test_expert_2_model_4_decodes_as_one_device_and_reads_fewer_weight_bytes_tha
     assert int8.k.sharding.spec[3] == int8.k_scale.sharding.spec[3] == "model"
 
     ep, ep_weights = serving_on({"data": 1, "expert": 8}, weights)
-    assert ep_weights["params"]["blocks.0.ffn.w_in"].addressable_shards[0].data.shape == (1, 64, 64)
+    assert ep_weights["params"]["stacks.0.0.ffn.w_in"].addressable_shards[0].data.shape == (1, 1, 64, 64)
     tp_bytes, ep_bytes = decode_weight_bytes(tp, tp_weights), decode_weight_bytes(ep, ep_weights)
     # By hand, float32: expert=8 reads the embedding and the head, the block's attention, router and
     # norms whole, and its one expert (3 x 64 x 64); expert=2,model=4 a quarter of attention and

@@ -220,20 +220,21 @@ def bytes_per_device(tr, name: str) -> int:
 def test_expert_weight_memory_per_device_falls_by_the_model_axis():
     expert_only = trainer("tiny", "capacity", "data=4,expert=2")
     split = trainer("tiny", "capacity", "expert=2,model=4")
-    for name in ("blocks.0.ffn.w_in", "blocks.0.ffn.w_gate", "blocks.0.ffn.w_out"):
+    for name in ("stacks.0.0.ffn.w_in", "stacks.0.0.ffn.w_gate", "stacks.0.0.ffn.w_out"):
         assert bytes_per_device(expert_only, name) == 4 * bytes_per_device(split, name), name
     specs = {n: s.spec for n, s in split.state_shardings["params"].items()}
-    assert specs["blocks.0.ffn.w_in"] == jax.sharding.PartitionSpec("expert", None, "model")
-    assert specs["blocks.0.ffn.w_out"] == jax.sharding.PartitionSpec("expert", "model", None)
-    assert specs["blocks.0.attn.wq"] == jax.sharding.PartitionSpec(None, "model", None)
-    assert specs["blocks.0.attn.wo"] == jax.sharding.PartitionSpec("model", None, None)
+    assert specs["stacks.0.0.ffn.w_in"] == jax.sharding.PartitionSpec(None, "expert", None, "model")
+    assert specs["stacks.0.0.ffn.w_out"] == jax.sharding.PartitionSpec(None, "expert", "model", None)
+    assert specs["stacks.0.0.attn.wq"] == jax.sharding.PartitionSpec(None, None, "model", None)
+    assert specs["stacks.0.0.attn.wo"] == jax.sharding.PartitionSpec(None, "model", None, None)
     # Adam's moments are laid out as their parameters.
     mu = jax.tree.leaves(split.state_shardings["opt_state"], is_leaf=lambda x: isinstance(x, dict) and
-                         "blocks.0.ffn.w_in" in x)
-    assert any(isinstance(m, dict) and m["blocks.0.ffn.w_in"].spec == specs["blocks.0.ffn.w_in"] for m in mu)
+                         "stacks.0.0.ffn.w_in" in x)
+    assert any(isinstance(m, dict) and m["stacks.0.0.ffn.w_in"].spec == specs["stacks.0.0.ffn.w_in"] for m in mu)
     dense = {n: s.spec for n, s in trainer("tiny", "dense", "data=2,model=4").state_shardings["params"].items()}
-    assert dense["blocks.0.ffn.w_in"] == dense["blocks.0.ffn.w_gate"] == jax.sharding.PartitionSpec(None, "model")
-    assert dense["blocks.0.ffn.w_out"] == jax.sharding.PartitionSpec("model", None)
+    assert dense["stacks.0.0.ffn.w_in"] == dense["stacks.0.0.ffn.w_gate"] == jax.sharding.PartitionSpec(
+        None, None, "model")
+    assert dense["stacks.0.0.ffn.w_out"] == jax.sharding.PartitionSpec(None, "model", None)
 
 
 def test_the_vocabulary_is_split_over_model_only_when_asked():
@@ -259,9 +260,10 @@ def test_the_vocabulary_is_split_over_model_only_when_asked():
 @pytest.mark.parametrize("model, kv_heads, split", [(4, 2, False), (2, 2, True), (4, 4, True)])
 def test_kv_heads_fewer_than_the_model_axis_are_replicated(model, kv_heads, split):
     tr = trainer("tiny", "dropless", f"data={8 // model},model={model}", f"model.num_kv_heads={kv_heads}")
-    spec = tr.state_shardings["params"]["blocks.0.attn.wk"].spec
-    assert spec == jax.sharding.PartitionSpec(None, "model" if split else None, None)
-    assert tr.state_shardings["params"]["blocks.0.attn.wq"].spec == jax.sharding.PartitionSpec(None, "model", None)
+    spec = tr.state_shardings["params"]["stacks.0.0.attn.wk"].spec
+    assert spec == jax.sharding.PartitionSpec(None, None, "model" if split else None, None)
+    assert tr.state_shardings["params"]["stacks.0.0.attn.wq"].spec == jax.sharding.PartitionSpec(
+        None, None, "model", None)
 
 
 # ----------------------------------------------------------------------------- refusals

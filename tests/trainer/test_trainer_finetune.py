@@ -47,7 +47,7 @@ def test_init_from_refuses_another_models_checkpoint_naming_the_parameter(traine
     result = _train(tmp_path, "--steps", "2", "--set", "model.d_model=32", "--init-from", trained_tiny.output_dir.name)
     assert result.exit_code == 2, result.output
     assert "--init-from: the checkpoint" in result.output and "is of another model: params." in result.output
-    assert "is [64" in result.output and "this config needs [32" in result.output
+    assert "params.embed is [256, 64] in it, this config needs [256, 32]" in result.output
     for bad, needle in ((tmp_path / "nowhere", "does not exist"), (tmp_path, "holds no checkpoint")):
         result = _train(tmp_path, "--steps", "1", "--init-from", str(bad))
         assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output

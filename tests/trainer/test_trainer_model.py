@@ -63,7 +63,9 @@ def test_every_param_has_logical_names_and_codec_round_trips():
     codec = ParamCodec(params)
     assert all(sharding.variable_names(v) is not None for v in codec.variables.values())
     flat = codec.flatten(params)
-    assert "blocks.0.attn.wq" in flat and "blocks.1.ffn.w_in" in flat and "blocks.0.ffn.w_in" in flat
+    # Layers 0 (dense) and 1 (MoE) are one stack of period 2, each position's parameters with a layer axis.
+    assert flat["stacks.0.0.attn.wq"].shape[0] == 1 and flat["stacks.0.1.ffn.w_in"].ndim == 4
+    assert "stacks.0.0.ffn.w_in" in flat and flat["stacks.0.0.ffn.w_in"].ndim == 3  # dense [1, D, F]
     back = codec.flatten(codec.unflatten(flat))
     assert all(back[k] is flat[k] for k in flat)
 
@@ -72,14 +74,15 @@ def test_sharding_rules_map_names_to_the_mesh():
     mesh = sharding.make_mesh({"data": 2, "expert": 4}, jax.devices()[:8])
     variables = ParamCodec(nnx.state(build_model(load_config("tiny")), nnx.Param)).variables
     specs = sharding.param_specs(variables, mesh)
-    assert specs["blocks.0.ffn.w_in"] == P("expert", None, None)
-    assert specs["blocks.0.ffn.w_out"] == P("expert", None, None)
-    assert specs["blocks.0.attn.wq"] == P(None, None, None)
+    # The stacked layers' leading axis is never split.
+    assert specs["stacks.0.0.ffn.w_in"] == P(None, "expert", None, None)
+    assert specs["stacks.0.0.ffn.w_out"] == P(None, "expert", None, None)
+    assert specs["stacks.0.0.attn.wq"] == P(None, None, None, None)
     assert specs["embed"] == P(None, None)
     fsdp = sharding.param_specs(variables, mesh, fsdp=True)
-    assert fsdp["blocks.0.attn.wq"] == P("data", None, None)
-    assert fsdp["blocks.0.ffn.w_in"] == P("expert", "data", None)
-    assert fsdp["blocks.0.attn_norm.scale"] == P(None)
+    assert fsdp["stacks.0.0.attn.wq"] == P(None, "data", None, None)
+    assert fsdp["stacks.0.0.ffn.w_in"] == P(None, "expert", "data", None)
+    assert fsdp["stacks.0.0.attn_norm.scale"] == P(None, None)
     assert sharding.batch_sharding(mesh).spec == P(("data", "expert"), None)
     # A dimension the mesh cannot divide stays whole.
     assert sharding.logical_to_spec(("expert", "embed"), (6, 64), mesh) == P(None, None)

@@ -9,6 +9,7 @@ read a tensor at a time and put straight onto the run's mesh, each in its own sh
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from typing import Any
@@ -75,25 +76,54 @@ def initial_state(trainer, directory: str) -> tuple[dict[str, Any], tuple[str, i
 
 
 def _read_onto_mesh(trainer, hub, read_param) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the parameters, the MoE selection biases the file holds), each on the run's mesh."""
+    """(the parameters, the MoE selection biases the file holds), each on the run's mesh: a layer's tensor goes
+    straight into its slice of the stacked parameter (trainer/stacks.py), on the devices that hold that slice,
+    so that the host holds one tensor at a time."""
     import jax
 
+    from trainer import stacks
     from trainer.hf.orbax_io import BIAS_SUFFIX
 
     wanted = {**trainer.abstract_state["params"], **trainer.abstract_state.get("moe_bias", {})}
     specs = [spec for group in names.all_specs(hub.cfg, hub.family, hub.layouts) for spec in group]
-    found = {spec.param for spec in specs}
+    places = {spec.param: stacks.locate(trainer.cfg.model, spec.param) for spec in specs}
+    found = {target for target, _ in places.values()}
     if set(wanted) != found:
         extra = sorted(set(wanted) ^ found)[0]
         raise HFError(f"--init-from: the parameter {extra} is in {'this run' if extra in wanted else hub.directory}"
                       f"'s model only")
     out = {"params": {}, "moe_bias": {}}
     for spec in specs:
-        want = wanted[spec.param]
-        if tuple(want.shape) != spec.shape:
-            raise HFError(f"--init-from: {spec.param} is {list(want.shape)} in this run's model, {list(spec.shape)} "
+        target, index = places[spec.param]
+        want = wanted[target]
+        shape = tuple(want.shape) if index is None else tuple(want.shape[1:])
+        if shape != spec.shape:
+            raise HFError(f"--init-from: {spec.param} is {list(shape)} in this run's model, {list(spec.shape)} "
                           f"in {hub.directory}")
         value = read_param(hub, spec).astype(want.dtype)
         part = "moe_bias" if spec.param.endswith(BIAS_SUFFIX) else "params"
-        out[part][spec.param] = jax.device_put(value, trainer.state_shardings[part][spec.param])
+        where = trainer.state_shardings[part][target]
+        if index is None:
+            out[part][target] = jax.device_put(value, where)
+            continue
+        held = out[part].get(target)
+        if held is None:
+            held = jax.jit(functools.partial(jax.numpy.zeros, want.shape, want.dtype), out_shardings=where)()
+        out[part][target] = _layer_writer(where)(held, jax.device_put(value, _slice_sharding(where)), index)
     return out["params"], out["moe_bias"]
+
+
+def _slice_sharding(where):
+    """A stacked parameter's sharding for one of its layers (the leading axis, never split, dropped)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(where.mesh, PartitionSpec(*tuple(where.spec)[1:]))
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_writer(where):
+    """stacked.at[index].set(layer) in place (the stacked array donated), laid out as `where`."""
+    import jax
+
+    return jax.jit(lambda stacked, layer, index: jax.lax.dynamic_update_index_in_dim(stacked, layer, index, 0),
+                   out_shardings=where, donate_argnums=0)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from trainer import stacks
 from trainer.config import Config
 from trainer.hf.errors import HFError, WriteError
 from trainer.outputs import NoRun, RunDirectory
@@ -26,13 +27,14 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
     from trainer.checkpoint import _reason, quiet_orbax
     from trainer.resume import model_identity
 
-    # Each parameter moved into a jax array as it is read (its numpy copy freed): orbax writes jax arrays
+    # Each parameter moved into a jax array once it is whole (its numpy copy freed): orbax writes jax arrays
     # from their own buffers, where numpy arrays cost it a copy each (peak 3.9 GB against 5.7 GB for a
     # 1.7 GB checkpoint, measured with benchmarks/hf_convert.py's model at 4 layers); and at most 1 GB of
     # them in flight while writing (6.8 GB -> 5.5 GB peak for the benchmark's 3.2 GB checkpoint). Orbax
     # writes the state whole, so the model is held once: streaming the write too would need a writer of
-    # the checkpoint's format of our own.
-    values = {name: jax.device_put(value) for name, value in params}
+    # the checkpoint's format of our own. A layer's parameter goes straight into its slice of the stacked one
+    # (trainer/stacks.py), which becomes a jax array when its last layer is in.
+    values = {name: jax.device_put(value) for name, value in stacked(cfg, params)}
     state = {"step": np.zeros((), np.int32),
              "params": {n: v for n, v in values.items() if not n.endswith(BIAS_SUFFIX)}}
     biases = {n: v for n, v in values.items() if n.endswith(BIAS_SUFFIX)}  # DeepSeek-V3's selection bias
@@ -53,25 +55,78 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
             manager.close()
 
 
+def stacked(cfg: Config, params: Iterable[tuple[str, np.ndarray]]) -> Iterable[tuple[str, np.ndarray]]:
+    """(name, array) of the stacked layout from (name, array) of layers' own names (`blocks.{i}.…`), each layer's
+    array copied into its slice of the stacked one as it comes (and freed); a stacked array is yielded once
+    all its layers are in. Names outside the layers pass as they are."""
+    filling: dict[str, tuple[np.ndarray, set[int]]] = {}
+    for name, value in params:
+        target, index = stacks.locate(cfg.model, name)
+        if index is None:
+            yield name, value
+            continue
+        layers = len(stacks.layer_names(cfg.model, target))
+        buffer, done = filling.setdefault(target, (np.empty((layers, *value.shape), value.dtype), set()))
+        buffer[index] = value
+        done.add(index)
+        if len(done) == layers:
+            del filling[target]
+            yield target, buffer
+    if filling:
+        name = min(filling)
+        missing = sorted(set(range(len(filling[name][0]))) - filling[name][1])
+        raise HFError(f"the parameter {name} lacks layers {missing}")
+
+
 @dataclasses.dataclass
 class SavedRun:
-    """A run's checkpoint opened for reading: its config, step, and `read(names)` of parameters."""
+    """A run's checkpoint opened for reading: its config, step, and `read(names)` of parameters by the layers'
+    own names (`blocks.{i}.…`), whether it holds them stacked (trainer/stacks.py) or a layer at a time (written
+    before the layers were stacked). A stacked array is read whole once and kept while layers of it remain
+    to be read: orbax restores whole arrays."""
 
     run: str  # the run's output directory (config.json, checkpoints/, hf/)
     cfg: Config
     step: int
     manager: object
-    shapes: dict[str, tuple[int, ...]]
+    shapes: dict[str, tuple[int, ...]]  # as saved
+    _kept: dict = dataclasses.field(default_factory=dict)  # stacked name -> (array, its layers not yet read)
+
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The saved parameters' shapes by the layers' own names."""
+        out = {}
+        for name, shape in self.shapes.items():
+            out.update({n: shape[1:] for n in stacks.layer_names(self.cfg.model, name)} if stacks.is_stacked(name)
+                       else {name: shape})
+        return out
 
     def read(self, wanted: set[str]) -> dict[str, np.ndarray]:
+        missing = sorted(wanted - set(self.shapes) - set(self.layer_shapes()))
+        if missing:
+            raise HFError(f"the checkpoint at step {self.step} in {self.run} has no parameter '{missing[0]}', which "
+                          "its config.json needs")
+        places = {n: stacks.locate(self.cfg.model, n) if n not in self.shapes else (n, None) for n in wanted}
+        needed = {target for target, _ in places.values()} - set(self._kept)
+        for target, value in self._read_saved(needed).items():
+            self._kept[target] = (value, set(stacks.layer_names(self.cfg.model, target)) if stacks.is_stacked(
+                target) else {target})
+        out = {}
+        for name, (target, index) in places.items():
+            value, left = self._kept[target]
+            out[name] = value if index is None else value[index]
+            left.discard(name)
+            if not left:
+                del self._kept[target]
+        return out
+
+    def _read_saved(self, wanted: set[str]) -> dict[str, np.ndarray]:
+        """Arrays by their saved names, read whole."""
         import orbax.checkpoint as ocp
 
         from trainer.checkpoint import _reason, quiet_orbax
 
-        missing = sorted(wanted - set(self.shapes))
-        if missing:
-            raise HFError(f"the checkpoint at step {self.step} in {self.run} has no parameter '{missing[0]}', which "
-                          "its config.json needs")
+        if not wanted:
+            return {}
         where = lambda n: "moe_bias" if n.endswith(BIAS_SUFFIX) else "params"  # noqa: E731
         item, restore = {}, {}
         for n in wanted:

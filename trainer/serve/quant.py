@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from trainer.stacks import is_stacked
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -30,6 +32,9 @@ class Int8Weight:
 def input_axes(name: str, ndim: int) -> tuple[int, ...] | None:
     """The axes a weight contracts over (reduced for its scale), or None: kept in float."""
     leaf = name.rsplit(".", 1)[-1]
+    if is_stacked(name):  # the stacked layers' weight [layers, ...] (trainer/stacks.py): its layers' axes, one on
+        axes = input_axes(leaf, ndim - 1)
+        return None if axes is None else tuple(a + 1 for a in axes)
     if ndim < 2 or leaf in ("router", "scale"):
         return None
     if leaf == "embed":  # [V, D]: a row per token, and the tied head's output channel

@@ -135,7 +135,8 @@ def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[
         step = manager.latest_step()
         if step is None:
             raise WeightsError(f"--checkpoint: {checkpoints} holds no checkpoint")
-        target = model.abstract()
+        wanted = model.abstract()
+        target = _layout_of(manager, step, model, wanted)
         _check_shapes(manager, step, target, checkpoints)
         args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                       partial_restore=True)
@@ -143,9 +144,26 @@ def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[
             restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
         except Exception as e:  # noqa: BLE001 - tensorstore and file errors alike
             raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: {_reason(e)}") from None
-        return {k: dict(restored[k]) for k in target}, step
+        restored = {k: dict(restored[k]) for k in target}
+        if target is not wanted:
+            from trainer.checkpoint import stacked_layout
+
+            restored = stacked_layout(model.cfg.model, restored, wanted)
+        return restored, step
     finally:
         manager.close()
+
+
+def _layout_of(manager, step: int, model: ServingModel, wanted: dict) -> dict:
+    """What to read: `wanted`, or its per-layer layout for a checkpoint written before the layers were stacked
+    (converted after reading); a step whose metadata cannot be read is left to _check_shapes to report."""
+    from trainer.checkpoint import holds_per_layer_layout, per_layer_layout
+
+    try:
+        saved = manager.item_metadata(step)["state"]
+    except Exception:  # noqa: BLE001
+        return wanted
+    return per_layer_layout(model.cfg.model, wanted) if holds_per_layer_layout(saved) else wanted
 
 
 def _check_shapes(manager, step: int, target: dict, checkpoints: str) -> None:
@@ -184,6 +202,7 @@ def decode_weight_bytes(model: ServingModel, weights: dict[str, Any], tokens: in
         names = sharding.variable_names(model.codec.variables[name]) or ()
         for leaf in jax.tree.leaves(value):  # an int8 weight's values and scales
             for shard in leaf.addressable_shards:
-                held = shard.data.shape[0] if names[:1] == ("expert",) else 1  # experts on this device
+                # experts on this device (a stacked weight's: of each of its layers)
+                held = shard.data.shape[names.index("expert")] if "expert" in names else 1
                 per_device[shard.device] += shard.data.nbytes * min(touched, held) / held
     return round(max(per_device.values()))
