@@ -9,7 +9,7 @@ end-of-document token appended and packed into rows (concat-then-split), and row
 The iterator's state is Grain's (a record index and a split offset, tens of bytes per host); it goes
 into every checkpoint, one entry per host, and a restored iterator yields exactly the next batch.
 
-A prepared dataset is a directory (local or gs://) holding `manifest.json` (trainer/prepare.py writes it)
+A prepared dataset is a directory (local or gs://) holding `manifest.json` (trainer/prepare/ writes it)
 and the shards it names; `load_manifest` reads it and `check_manifest` refuses one that the model's
 vocabulary cannot hold.
 """
