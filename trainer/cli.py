@@ -324,8 +324,9 @@ def _run(spec, status: RunStatus):
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
+    from trainer.divergence import Diverged
     from trainer.metrics import NotAFile, Reporter
-    from trainer.train import Diverged, run
+    from trainer.train import run
 
     _quiet_library_logs()
     try:

@@ -19,6 +19,7 @@ from trainer import meshspec, sharding
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, OptimConfig
 from trainer.data import DataIterator, open_data
+from trainer.divergence import Diverged
 from trainer.fits import check_fits
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy, step_rngs
@@ -355,21 +356,6 @@ def _fresh_state(trainer: Trainer, init_from: str | None, reporter: Reporter, st
     reporter.info(f"initialized from {source.as_dict()['path']} ({source.fingerprint}): its parameters only, with "
                   "a fresh optimizer and data stream from step 0")
     return state
-
-
-class Diverged(RuntimeError):
-    """The loss or the gradient norm stopped being finite; the message names the step and the last good
-    checkpoint (exit 1). Nothing of that step is saved."""
-
-    def __init__(self, step: int, metrics: dict, ckpt: Checkpointer | None):
-        loss, grad_norm = float(metrics["total_loss"]), float(metrics["grad_norm"])
-        good = ckpt.latest_step() if ckpt is not None else None
-        kept = (f"the last good checkpoint, step {good} in {ckpt.directory}, is kept" if good is not None else
-                "no checkpoint was saved before it")
-        super().__init__(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; stopped "
-                         f"before saving anything of it ({kept}). Lower optim.lr (or raise optim.warmup_steps "
-                         "or lower optim.clip_norm) and run again")
-        self.step = step
 
 
 def compile_step(trainer: Trainer):
