@@ -35,10 +35,10 @@ __all__ = ["EOD_TOKEN", "MANIFEST", "PIECE_CHARS", "TOKENIZER_FILE", "OutputDir"
 
 def prepare(inputs: tuple[str, ...], output: str, *, tokenizer_path: str | None, vocab_size: int,
             text_key: str = "text", lines: bool = False, documents_per_shard: int = 100_000,
-            eod_token: str = EOD_TOKEN, progress: bool = True, say=print) -> dict:
+            eod_token: str = EOD_TOKEN, progress: bool = True, say=print, bad_text: str = "refuse") -> dict:
     """Tokenizes the corpus into `output`; returns the manifest."""
     files = input_files(inputs)
-    corpus = Corpus(files, text_key=text_key, lines=lines)
+    corpus = Corpus(files, text_key=text_key, lines=lines, replace_bad_text=bad_text == "replace")
     with RemoteOutput(output) if "://" in output else OutputDir(output) as target:
         tokenizer, trained = _tokenizer(corpus, tokenizer_path, vocab_size, say)
         try:
@@ -51,6 +51,9 @@ def prepare(inputs: tuple[str, ...], output: str, *, tokenizer_path: str | None,
     tokens = manifest["tokens"]
     say(f"wrote {manifest['documents']:,} documents, {tokens:,} tokens in {len(manifest['shards'])} shard(s) to "
         f"{output} in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s)")
+    if corpus.check.replaced:
+        say(f"note: {corpus.check.replaced:,} byte(s) or character(s) that are not text (not UTF-8, NUL, unpaired "
+            "surrogates) were read as U+FFFD (--bad-text replace)")
     if corpus.hard_cuts:
         say(f"note: {corpus.hard_cuts:,} run(s) of {PIECE_CHARS:,} characters without a space or line break were "
             f"cut there and tokenized as separate pieces (a tokenizer's memory grows with its longest word)")
@@ -77,9 +80,12 @@ def _tokenizer(corpus: Corpus, tokenizer_path: str | None, vocab_size: int, say)
 @click.option("--lines", is_flag=True, help="Text files hold one document per line [one per file].")
 @click.option("--documents-per-shard", type=click.IntRange(min=1), default=100_000, show_default=True)
 @click.option("--eod-token", default=EOD_TOKEN, show_default=True, help="The tokenizer's end-of-document token.")
+@click.option("--bad-text", type=click.Choice(["refuse", "replace"]), default="refuse", show_default=True,
+              help="A byte that is not UTF-8, a NUL or an unpaired surrogate: refuse it (naming the file and byte "
+                   "offset), or read each as U+FFFD and count them.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def prepare_command(inputs, output, tokenizer_path, vocab_size, text_key, lines, documents_per_shard, eod_token,
-                    quiet):
+                    bad_text, quiet):
     """Tokenize text, JSON lines or Parquet files into ArrayRecord shards and a manifest for the trainer.
 
     \b
@@ -90,7 +96,7 @@ def prepare_command(inputs, output, tokenizer_path, vocab_size, text_key, lines,
     """
     prepare(tuple(inputs), output, tokenizer_path=tokenizer_path, vocab_size=vocab_size, text_key=text_key,
             lines=lines, documents_per_shard=documents_per_shard, eod_token=eod_token, progress=not quiet,
-            say=lambda message: click.echo(message, err=True))
+            say=lambda message: click.echo(message, err=True), bad_text=bad_text)
 
 
 class Stopped(BaseException):

@@ -7,7 +7,10 @@ import click
 from trainer.status import EXIT_FAILED, EXIT_USAGE
 
 
-class PrepareError(click.UsageError):
+class PrepareError(click.ClickException):
+    """Input or options a user can fix (exit 2): the message names the file, its line or offset, or the
+    option; no usage banner, since most are about the data, not the command line."""
+
     exit_code = EXIT_USAGE
 
 

@@ -3,9 +3,11 @@ Parquet), each cut into pieces a tokenizer takes in bounded memory."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator
 
 from trainer import signals
@@ -38,6 +40,9 @@ def input_files(patterns: tuple[str, ...]) -> list[str]:
         if not matches:
             raise PrepareError(f"input '{pattern}' matches no files")
         files += matches
+    for path in files:  # before any is read: a file that cannot be read is named now, not after hours of work
+        with _opened(path):
+            pass
     return files
 
 
@@ -51,8 +56,9 @@ class Corpus:
     tokens as they were), else hard every PIECE_CHARS characters; `hard_cuts` counts the latter.
     """
 
-    def __init__(self, files: list[str], *, text_key: str, lines: bool):
+    def __init__(self, files: list[str], *, text_key: str, lines: bool, replace_bad_text: bool = False):
         self.files, self.text_key, self.lines = files, text_key, lines
+        self.check = TextCheck(replace_bad_text)
         self.hard_cuts = 0
 
     def __iter__(self) -> Iterator[list[str]]:
@@ -67,11 +73,11 @@ class Corpus:
     def _documents(self) -> Iterator[list[tuple[str, bool]]]:
         for path in self.files:
             if path.endswith((".jsonl", ".json")):
-                texts = _jsonl(path, self.text_key)
+                texts = _jsonl(path, self.text_key, self.check)
             elif path.endswith(".parquet"):
-                texts = _parquet(path, self.text_key)
+                texts = _parquet(path, self.text_key, self.check)
             else:
-                texts = _text(path, self.lines)
+                texts = _text(path, self.lines, self.check)
             for text in texts:
                 signals.checkpoint()  # a signal is acted on between two documents (trainer/signals.py)
                 yield self._pieces(text)
@@ -92,41 +98,98 @@ class Corpus:
         return pieces
 
 
-def _text(path: str, lines: bool) -> Iterator[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            if lines:
-                yield from (line.rstrip("\n") for line in f if line.strip())
-            else:
-                yield f.read()
-    except UnicodeDecodeError:
-        raise PrepareError(_not_utf8(path)) from None
-    except OSError as e:
-        raise PrepareError(f"cannot read {path}: {e.strerror}") from None
+class TextCheck:
+    """What is not text in the input: a byte that is not UTF-8 (a surrogate's bytes among them), a NUL, and in
+    JSON an unpaired surrogate escape. Refused by default, naming the file and the byte offset (most often the
+    file is in another encoding, UTF-16 or not text at all); with `replace` (--bad-text replace) each is read
+    as U+FFFD, the Unicode replacement character, and counted for the summary."""
+
+    BAD = re.compile("[\0\ud800-\udfff]")  # NUL, and surrogates: UTF-8 has no encoding for a lone one
+
+    def __init__(self, replace: bool = False):
+        self.replace, self.replaced = replace, 0
+
+    def decode(self, raw: bytes, path: str, offset: int, number: int | None = None) -> str:
+        """The text of `raw`, the bytes at `offset` of `path` (line `number`, or the whole file)."""
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if not self.replace:
+                raise PrepareError(_not_utf8(path, raw, offset, e.start, number)) from None
+            text = raw.decode("utf-8", "replace")
+            self.replaced += text.count(REPLACEMENT) - raw.count(REPLACEMENT.encode())
+        if "\0" in text:
+            if not self.replace:
+                at = raw.index(b"\0")
+                line = number or raw.count(b"\n", 0, at) + 1
+                raise PrepareError(f"{path} line {line} holds a NUL byte at byte offset {offset + at}, which is not "
+                                   f"text (a UTF-16 file, or no text file?): {_REMEDY}")
+            self.replaced += text.count("\0")
+            text = text.replace("\0", REPLACEMENT)
+        return text
+
+    def clean(self, text: str, where: str) -> str:
+        """`text` from JSON or Parquet, where NULs and lone surrogates arrive as escapes."""
+        bad = self.BAD.search(text)
+        if bad is None:
+            return text
+        if not self.replace:
+            what = "a NUL" if bad.group() == "\0" else f"an unpaired surrogate (\\u{ord(bad.group()):04x})"
+            raise PrepareError(f"{where} holds {what}, which is not text: {_REMEDY}")
+        self.replaced += len(self.BAD.findall(text))
+        return self.BAD.sub(REPLACEMENT, text)
 
 
-def _not_utf8(path: str) -> str:
-    """Where the file's first byte that is not UTF-8 is, by line and column (a second pass, on failure only)."""
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return (f"{path} line {number} is not UTF-8 text: byte 0x{line[e.start]:02x} at column {e.start + 1} "
-                        "(convert the file to UTF-8, e.g. with iconv)")
-    return f"{path} is not UTF-8 text (convert it to UTF-8, e.g. with iconv)"
+REPLACEMENT = "\ufffd"
+_REMEDY = "convert the file to UTF-8 text (e.g. with iconv), or read each such byte as U+FFFD with --bad-text replace"
 
 
-def _jsonl(path: str, text_key: str) -> Iterator[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+def _lines(text: str) -> list[str]:
+    """Lines as Python's universal newlines cut them: at \\n, \\r\\n and \\r."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
+def _text(path: str, lines: bool, check: TextCheck) -> Iterator[str]:
+    """The file's documents: the whole file, or each line that is not blank. Read as bytes and decoded here,
+    so that a byte that is not text is named by its offset in the file."""
+    with _opened(path) as f:
+        if not lines:
+            yield "\n".join(_lines(check.decode(f.read(), path, 0)))
+            return
+        offset = 0
+        for number, raw in enumerate(f, 1):
+            for line in _lines(check.decode(raw, path, offset, number)):
                 if line.strip():
-                    yield _json_text(path, number, line, text_key)
-    except UnicodeDecodeError:
-        raise PrepareError(_not_utf8(path)) from None
+                    yield line
+            offset += len(raw)
+
+
+@contextlib.contextmanager
+def _opened(path: str):
+    try:
+        with open(path, "rb") as f:
+            yield f
     except OSError as e:
         raise PrepareError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _not_utf8(path: str, raw: bytes, offset: int, at: int, number: int | None) -> str:
+    """Where the first byte that is not UTF-8 is: by line and column, and by its offset in the file."""
+    line = number or raw.count(b"\n", 0, at) + 1
+    column = at - (raw.rfind(b"\n", 0, at) + 1) + 1
+    return (f"{path} line {line} is not UTF-8 text: byte 0x{raw[at]:02x} at column {column} (byte offset "
+            f"{offset + at} in the file); {_REMEDY}")
+
+
+def _jsonl(path: str, text_key: str, check: TextCheck) -> Iterator[str]:
+    with _opened(path) as f:
+        offset = 0
+        for number, raw in enumerate(f, 1):
+            line = check.decode(raw, path, offset, number)
+            if line.strip():
+                yield check.clean(_json_text(path, number, line, text_key),
+                                  f"{path} line {number} (byte offset {offset}): the field '{text_key}'")
+            offset += len(raw)
 
 
 def _json_text(path: str, number: int, line: str, text_key: str) -> str:
@@ -146,11 +209,6 @@ def _json_text(path: str, number: int, line: str, text_key: str) -> str:
     text = record[text_key]
     if not isinstance(text, str):
         raise PrepareError(f"{where}: the field '{text_key}' holds {_json_kind(text)}, not text")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise PrepareError(f"{where}: the field '{text_key}' holds an unpaired surrogate "
-                           f"(\\u{ord(text[e.start]):04x}), which is not text") from None
     return text
 
 
@@ -159,7 +217,7 @@ def _json_kind(value) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def _parquet(path: str, text_key: str) -> Iterator[str]:
+def _parquet(path: str, text_key: str, check: TextCheck) -> Iterator[str]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -178,7 +236,12 @@ def _parquet(path: str, text_key: str) -> Iterator[str]:
     row = 0
     try:
         for batch in file.iter_batches(columns=[text_key], batch_size=BATCH_DOCUMENTS):
-            yield from (text for text in batch.column(0).to_pylist() if text is not None)
+            for number, text in enumerate(batch.column(0).to_pylist(), row + 1):
+                if text is not None:
+                    yield check.clean(text, f"{path} row {number}: the column '{text_key}'")
             row += batch.num_rows
+    except UnicodeDecodeError:  # Parquet's strings are UTF-8 by the format, unchecked by the reader
+        raise PrepareError(f"{path}: the column '{text_key}' holds bytes that are not UTF-8 text in rows {row + 1} "
+                           f"to {row + BATCH_DOCUMENTS}; convert the file to UTF-8 text") from None
     except (OSError, pa.ArrowException) as e:
         raise PrepareError(f"cannot read {path} as Parquet after row {row}: {str(e).splitlines()[0]}") from None

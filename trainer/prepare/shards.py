@@ -73,7 +73,7 @@ def _write(corpus: Corpus, tokenizer, trained: bool, local: str, eod_token: str,
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     writer = ShardWriter(local, dtype, per_shard)
-    corpus.hard_cuts = 0
+    corpus.hard_cuts = corpus.check.replaced = 0  # counted again: the tokenizer was trained on a first pass
     try:
         with _Progress(sum(os.path.getsize(f) for f in corpus.files), enabled=progress) as bar:
             encoder = _Encoder(tokenizer, writer, bar)
