@@ -340,8 +340,12 @@ def _run(spec, status: RunStatus):
         raise click.BadParameter(f"cannot write {spec.metrics_path}: {e.strerror}", param_hint="--metrics") from None
     try:
         return run(spec, reporter, status=status)
-    except (ConfigError, DataError) as e:
+    except ConfigError as e:
         raise click.UsageError(str(e)) from None
+    except DataError as e:  # the data is at fault, not the command line: exit 2 without the usage banner
+        bad_data = click.ClickException(str(e))
+        bad_data.exit_code = EXIT_USAGE
+        raise bad_data from None
     except (CheckpointError, Diverged, StatusError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
