@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 2:
         print("usage: python -m trainer.plot METRICS.jsonl OUT.png", file=sys.stderr)
         return 2
+    kind = kind_of(os.stat(argv[0]).st_mode) if os.path.exists(argv[0]) else None
+    if kind:  # found without opening it: a FIFO would wait for a writer for ever
+        print(f"cannot read {argv[0]}: it is {kind}, not a file", file=sys.stderr)
+        return 2
     try:
         with open(argv[0]) as f:
             rows = [_row(line) for line in f if line.strip()]

@@ -188,6 +188,7 @@ def train(args):
     ("cannot fit", r"the model cannot fit: .* GiB per device on the mesh .*, more than the host's available memory"),
     ("escapes", r"data.path '/x\\x1b\[2Jy' does not exist"),
     ("metrics FIFO", r"cannot write the metrics file .*metrics.jsonl: it is a FIFO, not a file"),
+    ("status FIFO", r"the status file .*/fifo is a FIFO, not a file: name a file"),
 ])
 def test_round_two_leftovers_are_usage_errors_with_clear_messages(tmp_path, case, message):
     os.mkfifo(tmp_path / "fifo")
@@ -200,11 +201,26 @@ def test_round_two_leftovers_are_usage_errors_with_clear_messages(tmp_path, case
             "batch overflow": ["--set", "data.global_batch_size=99999999999999999999"],
             "cannot fit": ["--set", "model.d_model=4000000"],
             "escapes": ["--set", "data.source=tokens", "--set", "data.path=/x\x1b[2Jy"],
-            "metrics FIFO": ["--output-dir", tmp_path / "out"]}.get(case, ["--config", tmp_path / "base.yaml"])
+            "metrics FIFO": ["--output-dir", tmp_path / "out"],
+            "status FIFO": ["--status-file", tmp_path / "fifo"]}.get(case, ["--config", tmp_path / "base.yaml"])
     result = train(args)
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and "\x1b" not in result.output
     assert __import__("re").search(message, result.output), result.output
+    assert (tmp_path / "fifo").is_fifo()  # the status file's rename did not replace it
+
+
+def test_a_fifo_as_the_plots_metrics_or_the_servers_chat_template_is_refused_unopened(tmp_path, capsys):
+    """Both opened it and waited for a writer for ever."""
+    from trainer.plot import main as plot
+    from trainer.serve.cli import _chat_template
+    from trainer.serve.startup import ServeError
+
+    os.mkfifo(tmp_path / "fifo")
+    assert plot([str(tmp_path / "fifo"), str(tmp_path / "out.png")]) == 2
+    assert f"cannot read {tmp_path / 'fifo'}: it is a FIFO, not a file" in capsys.readouterr().err
+    with pytest.raises(ServeError, match=f"--chat-template {tmp_path / 'fifo'} is a FIFO, not a file"):
+        _chat_template(str(tmp_path / "fifo"))
 
 
 FILE_SIZE_LIMITED = """
