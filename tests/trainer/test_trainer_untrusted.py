@@ -244,3 +244,16 @@ def test_a_checkpoint_the_disk_cannot_hold_names_its_step_and_leaves_no_temporar
     assert f"cannot save the checkpoint at step 1 to {out}/checkpoints: File too large" in run.stderr
     assert "Traceback" not in run.stderr and "ERROR" not in run.stderr
     assert not [p for p in (out / "checkpoints").iterdir() if "tmp" in p.name]
+
+
+def test_a_plot_of_rows_edited_to_sizes_no_axis_holds_leaves_them_out(tmp_path, capsys):
+    """An expert load of 1e308 and -1e308 (its colour range overflows), NaN and a step of 10**30 were an
+    internal error in matplotlib ('Axis limits cannot be NaN or Inf')."""
+    from trainer.plot import main as plot
+
+    rows = ['{"step": 1, "loss": 3.0, "expert_load": [0.5, 0.5]}', '{"step": 2, "loss": NaN, "expert_load": '
+            '[1e308, -1e308]}', '{"step": 3, "loss": 1e308, "tokens_per_s": -1e308, "expert_load": [NaN, 0.5]}',
+            '{"step": 1000000000000000000000000000000, "loss": 2.0}', '{"step": 4, "loss": 2.5}']
+    (tmp_path / "m.jsonl").write_text("\n".join(rows) + "\n")
+    assert plot([str(tmp_path / "m.jsonl"), str(tmp_path / "p.png")]) == 0, capsys.readouterr().err
+    assert "skipped 1 metric row(s)" in capsys.readouterr().err and (tmp_path / "p.png").stat().st_size > 0
