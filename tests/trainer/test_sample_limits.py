@@ -150,5 +150,5 @@ def test_a_serving_mesh_that_needs_more_devices_says_how_to_fake_them_on_cpu(tra
 
     with pytest.raises(ServeError, match=r"--mesh data=2,expert=8 needs 16 devices, but there are 8; on CPU, add "
                                          r"--devices 16 to run on 16 fake devices"):
-        load(str(trained_tiny.output_dir), tokenizer_path=None, mesh_text="data=2,expert=8", slots=1, max_len=32, chunk=16,
-             kv_dtype=None, quantized=None, device_memory_gb=None, progress=print)
+        load(str(trained_tiny.output_dir), tokenizer_path=None, mesh_text="data=2,expert=8", slots=1, max_len=32,
+             chunk=16, kv_dtype=None, quantized=None, device_memory_gb=None, progress=print)

@@ -275,14 +275,17 @@ def test_rerunning_a_finished_run_says_so_without_compiling(tmp_path):
 
 
 def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    """A learning rate that blows the model up: exit 1 naming the step, no checkpoint of a non-finite
-    state saved (the good ones stay, none rotated out), and the status file says failed."""
+    """A learning rate that blows the model up: exit 1 naming the step, no checkpoint of that state saved (the
+    good ones stay, none rotated out), and the status file says failed. Its loss stays finite (10**7 nats at
+    step 2, where it trained to the end and said 'finished'): past four times a uniform guess's loss
+    (ln 256 nats on tiny) the run stops as for a NaN."""
     args = ["--config", "tiny", "--devices", "1", "--steps", "40", "--set", "optim.lr=1e4",
             "--set", "train.checkpoint_every=1", "--set", "train.keep_checkpoints=2", "--output-dir", str(tmp_path),
             "--metrics", str(tmp_path / "m.jsonl")]
     result = CliRunner().invoke(train_command, args)
     assert result.exit_code == 1, result.output
     assert "training diverged at step " in result.output and "Traceback" not in result.output
+    assert "nats, over 22.2 (4 times the loss of guessing every token uniformly" in result.output
     step = int(result.output.split("training diverged at step ")[1].split(":")[0])
     assert step < 40
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
@@ -291,19 +294,6 @@ def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_pa
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(params))
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["state"] == "failed" and status["exit_code"] == 1 and f"step {step}" in status["error"]
-
-
-def test_a_loss_that_diverges_but_stays_finite_stops_the_run_too(tmp_path):
-    """optim.lr=1: the loss climbs to tens of nats and stays finite; it trained to the end and said
-    'finished'. Past four times a uniform guess's loss (ln 256 nats on tiny) the run stops as for a NaN."""
-    args = ["--config", "tiny", "--devices", "1", "--steps", "12", "--set", "optim.lr=1", "--set",
-            "optim.warmup_steps=1", "--output-dir", str(tmp_path), "--metrics", str(tmp_path / "m.jsonl")]
-    result = CliRunner().invoke(train_command, args)
-    assert result.exit_code == 1, result.output
-    assert "training diverged at step " in result.output and "nats, over 22.2 (4 times the loss of guessing" \
-        in result.output
-    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert all(math.isfinite(row["loss"]) for row in rows) and max(row["loss"] for row in rows) <= 22.2
 
 
 def test_resuming_another_models_checkpoint_is_refused_naming_the_difference(tmp_path):

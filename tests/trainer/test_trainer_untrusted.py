@@ -74,7 +74,8 @@ def edit_manifest(directory, **changes):
     ("newer version", r"manifest.json is of format version 2; this trainer reads version 1: prepare the dataset"),
     ("version as text", r"'version' must be an integer at least 1, got '1'"),
     ("uint32 over uint16 shards", r"train-00000.array_record holds a document of 38 bytes, not a whole number of "
-                                  r"uint32 tokens \(4 bytes each\): the manifest's 'token_dtype' \(uint32\) does not match"),
+                                  r"uint32 tokens \(4 bytes each\): the manifest's 'token_dtype' \(uint32\) does not "
+                                  r"match"),
     ("largest id past vocab", r"'max_token_id' must be an integer between 0 and 299, got 1000000"),
     ("total as text", r"'tokens' must be an integer at least 0, got 'many'"),
 ])
