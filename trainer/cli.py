@@ -289,26 +289,11 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
     try:
         mesh_shape = sharding.parse_mesh(mesh_text, count)
     except ValueError as e:
-        raise click.UsageError(f"{e}{_devices_hint(mesh_text, count)}") from None
+        raise click.UsageError(f"{e}{sharding.devices_hint(mesh_text, count)}") from None
     profile = profile or cfg.train.profile_steps
     return RunSpec(config=cfg, steps=cfg.train.steps if steps is None else steps, mesh_shape=mesh_shape,
                    output_dir=output_dir or None, resume=resume, metrics_path=metrics_path,
                    profile_steps=profile, num_devices=devices if in_process else None)
-
-
-def _devices_hint(mesh_text: str | None, count: int) -> str:
-    """On CPU a mesh of another size is one flag away: `--devices N` fakes N devices."""
-    import jax
-
-    from trainer import sharding
-
-    if jax.devices()[0].platform != "cpu":
-        return ""
-    try:
-        wanted = sharding.mesh_size(mesh_text)
-    except ValueError:
-        return ""
-    return f"; on CPU, add --devices {wanted} to run on {wanted} fake devices" if wanted and wanted != count else ""
 
 
 def _quiet_library_logs() -> None:
@@ -324,8 +309,9 @@ def _run(spec, status: RunStatus):
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
+    from trainer.divergence import Diverged
     from trainer.metrics import NotAFile, Reporter
-    from trainer.train import Diverged, run
+    from trainer.train import run
 
     _quiet_library_logs()
     try:
@@ -339,8 +325,12 @@ def _run(spec, status: RunStatus):
         raise click.BadParameter(f"cannot write {spec.metrics_path}: {e.strerror}", param_hint="--metrics") from None
     try:
         return run(spec, reporter, status=status)
-    except (ConfigError, DataError) as e:
+    except ConfigError as e:
         raise click.UsageError(str(e)) from None
+    except DataError as e:  # the data is at fault, not the command line: exit 2 without the usage banner
+        bad_data = click.ClickException(str(e))
+        bad_data.exit_code = EXIT_USAGE
+        raise bad_data from None
     except (CheckpointError, Diverged, StatusError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:

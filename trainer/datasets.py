@@ -9,13 +9,15 @@ end-of-document token appended and packed into rows (concat-then-split), and row
 The iterator's state is Grain's (a record index and a split offset, tens of bytes per host); it goes
 into every checkpoint, one entry per host, and a restored iterator yields exactly the next batch.
 
-A prepared dataset is a directory (local or gs://) holding `manifest.json` (trainer/prepare.py writes it)
+A prepared dataset is a directory (local or gs://) holding `manifest.json` (trainer/prepare/ writes it)
 and the shards it names; `load_manifest` reads it and `check_manifest` refuses one that the model's
 vocabulary cannot hold.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import os
@@ -67,24 +69,24 @@ def regular_file(path: str, key: str) -> int:
     return st.st_size
 
 
-def load_manifest(path: str) -> dict[str, Any]:
+def load_manifest(path: str, key: str = "data.path") -> dict[str, Any]:
     """The manifest of the dataset directory `path` (or of the manifest file itself), every field checked:
     a manifest is input like any other, and its paths must stay inside the dataset's directory."""
     import fsspec
 
     url = path if path.endswith(".json") else join(path, MANIFEST)
     if not is_remote(path) and url != path and os.path.exists(path) and not os.path.isdir(path):
-        raise DataError(f"data.path '{path}' is not a dataset directory (data.source=records reads the directory "
+        raise DataError(f"{key} '{path}' is not a dataset directory (data.source=records reads the directory "
                         "that `moe-tpu data prepare` wrote)")
     try:
-        if not is_remote(url) and regular_file(url, "data.path") > MANIFEST_MAX_BYTES:
+        if not is_remote(url) and regular_file(url, key) > MANIFEST_MAX_BYTES:
             raise DataError(f"{url} is over {MANIFEST_MAX_BYTES >> 20} MiB: no dataset manifest")
         with fsspec.open(url, "rt", encoding="utf-8") as f:
             manifest = json.loads(f.read(MANIFEST_MAX_BYTES + 1))
     except (FileNotFoundError, DataError) as e:
         if isinstance(e, DataError) and "does not exist" not in str(e):
             raise
-        raise DataError(f"data.path '{path}' holds no {MANIFEST} (write one with `python -m trainer.prepare`)") \
+        raise DataError(f"{key} '{path}' holds no {MANIFEST} (write one with `python -m trainer.prepare`)") \
             from None
     except (OSError, ValueError, RecursionError) as e:
         raise DataError(f"cannot read the dataset manifest {url}: {e}") from None
@@ -223,11 +225,11 @@ class TokenRows:
     a remote object is never fetched whole: each row is one ranged read through fsspec (gcsfs for gs://).
     """
 
-    def __init__(self, path: str, dtype: str, seq_len: int):
-        self.path, self.seq_len = path, seq_len
-        self.dtype, self.offset, n = self._layout(path, np.dtype(dtype))
+    def __init__(self, path: str, dtype: str, seq_len: int, key: str = "data.path"):
+        self.path, self.seq_len, self.key = path, seq_len, key
+        self.dtype, self.offset, n = self._layout(path, np.dtype(dtype), key)
         if n < seq_len + 1:
-            raise DataError(f"data.path '{path}' holds {n} tokens, fewer than one row of data.seq_len + 1 = "
+            raise DataError(f"{key} '{path}' holds {n} tokens, fewer than one row of data.seq_len + 1 = "
                             f"{seq_len + 1}")
         self.num_tokens = n
         self._rows = (n - 1) // seq_len
@@ -236,12 +238,12 @@ class TokenRows:
                                                               offset=self.offset, shape=(n,))
 
     @staticmethod
-    def _layout(path: str, dtype: np.dtype) -> tuple[np.dtype, int, int]:
+    def _layout(path: str, dtype: np.dtype, key: str) -> tuple[np.dtype, int, int]:
         """(dtype, byte offset of the first token, token count), from the .npy header or the file size."""
         import fsspec
 
         if not is_remote(path):
-            regular_file(path, "data.path")
+            regular_file(path, key)
         try:
             fs, target = fsspec.core.url_to_fs(path)
             size = fs.size(target)
@@ -254,10 +256,10 @@ class TokenRows:
                 shape, _, dtype = read_header(f)
                 offset = f.tell()
         except FileNotFoundError:
-            raise DataError(f"data.path '{path}' does not exist") from None
+            raise DataError(f"{key} '{path}' does not exist") from None
         except (OSError, ValueError) as e:
-            raise DataError(f"cannot read tokens from data.path '{path}': {e}") from None
-        return _checked_npy(path, np.dtype(dtype), offset, int(math.prod(shape)), size)
+            raise DataError(f"cannot read tokens from {key} '{path}': {e}") from None
+        return _checked_npy(path, np.dtype(dtype), offset, int(math.prod(shape)), size, key)
 
     def __len__(self) -> int:
         return self._rows
@@ -280,7 +282,7 @@ class TokenRows:
         """int32 ids; a value that int32 cannot hold would wrap into the vocabulary unseen, so it is refused."""
         if self.dtype.itemsize >= 4 and tokens.size and (tokens.max() > INT32_MAX or tokens.min() < 0):
             bad = tokens.max() if tokens.max() > INT32_MAX else tokens.min()
-            raise DataError(f"data.path '{self.path}' holds token id {int(bad)} (row {row}): no vocabulary holds it")
+            raise DataError(f"{self.key} '{self.path}' holds token id {int(bad)} (row {row}): no vocabulary holds it")
         return np.asarray(tokens, np.int32)
 
     def __getstate__(self):  # memory maps and file-system clients are reopened, not pickled
@@ -293,13 +295,14 @@ class TokenRows:
                                     shape=(self.num_tokens,))
 
 
-def _checked_npy(path: str, dtype: np.dtype, offset: int, count: int, size: int) -> tuple[np.dtype, int, int]:
+def _checked_npy(path: str, dtype: np.dtype, offset: int, count: int, size: int,
+                 key: str = "data.path") -> tuple[np.dtype, int, int]:
     """A .npy header's claims against the file: integer tokens, and as many bytes as the header says."""
     if dtype.kind not in "ui":
-        raise DataError(f"data.path '{path}' holds {dtype.name} values; token ids must be integers (uint16, uint32, "
+        raise DataError(f"{key} '{path}' holds {dtype.name} values; token ids must be integers (uint16, uint32, "
                         "int32, ...)")
     if offset + count * dtype.itemsize > size:
-        raise DataError(f"data.path '{path}' is truncated: its header says {count:,} tokens "
+        raise DataError(f"{key} '{path}' is truncated: its header says {count:,} tokens "
                         f"({count * dtype.itemsize:,} bytes), the file holds {max(size - offset, 0):,} bytes of them")
     return dtype, offset, count
 
@@ -332,6 +335,55 @@ def document_source(paths: Sequence[str], documents: Sequence[int | None] | None
     except RuntimeError as e:
         raise DataError(f"the dataset shards of {os.path.dirname(paths[0])} cannot be read: "
                         f"{str(e).splitlines()[0]}") from None
+
+
+class CheckedDocuments:
+    """The shards' records as Grain reads them, each checked against the manifest before it is decoded: a
+    whole number of `token_dtype` tokens, every id below `vocab_size`. A hand-edited manifest that lies about
+    either is named by its key and the shard that shows it: at start-up (`check_first`: the first record of
+    every shard) or at the record that shows it, never as token ids the model takes for other text."""
+
+    def __init__(self, source, paths: Sequence[str], documents: Sequence[int | None], manifest: dict, key: str):
+        self.source, self.paths, self.key = source, list(paths), key
+        self.dtype, self.vocab = np.dtype(manifest["token_dtype"]), manifest["vocab_size"]
+        self.url = join(manifest["directory"], MANIFEST)
+        known = all(isinstance(n, int) for n in documents) and sum(documents) == len(source)
+        self.starts = list(itertools.accumulate([0, *documents[:-1]])) if known else None
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> bytes:
+        record = self.source[index]
+        self._check(record, index)
+        return record
+
+    def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
+        records = self.source.__getitems__(indices)
+        for index, record in zip(indices, records, strict=True):
+            self._check(record, index)
+        return records
+
+    def check_first(self) -> None:
+        for start in self.starts or [0]:
+            self[start]
+
+    def _shard(self, index: int) -> str:
+        if self.starts is None:
+            return f"of {self.url.rpartition('/')[0]}"
+        return self.paths[bisect.bisect_right(self.starts, index) - 1]
+
+    def _check(self, record: bytes, index: int) -> None:
+        if len(record) % self.dtype.itemsize:
+            raise DataError(f"{self.key}: the dataset shard {self._shard(index)} holds a document of {len(record)} "
+                            f"bytes, not a whole number of {self.dtype.name} tokens ({self.dtype.itemsize} bytes "
+                            f"each): the manifest's 'token_dtype' ({self.dtype.name}) does not match its shards "
+                            f"({self.url}); prepare the dataset again")
+        ids = np.frombuffer(record, self.dtype)
+        if ids.size and int(ids.max()) >= self.vocab:
+            raise DataError(f"{self.key}: the dataset shard {self._shard(index)} holds token id {int(ids.max())}, "
+                            f"past the manifest's 'vocab_size' ({self.vocab}): its 'vocab_size' or 'token_dtype' "
+                            f"({self.dtype.name}) does not match its shards ({self.url}); prepare the dataset again")
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -454,16 +506,16 @@ def _records(d: DataConfig, vocab_size: int, path: str, key: str):
     import grain
 
     if d.source == "tokens":
-        rows = TokenRows(path, d.token_dtype, d.seq_len)
+        rows = TokenRows(path, d.token_dtype, d.seq_len, key)
         return grain.MapDataset.source(rows), None, f"{tokens_fingerprint(path, rows)}:l{d.seq_len}"
-    manifest = load_manifest(path)
+    manifest = load_manifest(path, key)
     check_manifest(manifest, vocab_size, key)
     paths = shard_paths(manifest)
     if not paths:
         raise DataError(f"{key}: the dataset {path} lists no shards")
     documents = [s.get("documents") for s in manifest["shards"] if s.get("split", "train") == "train"]
-    source = document_source(paths, documents)
-    _whole_tokens(source[0], np.dtype(manifest["token_dtype"]), f"{key}: the dataset shard {paths[0]}")
+    source = CheckedDocuments(document_source(paths, documents), paths, documents, manifest, key)
+    source.check_first()
     tokens = sum(s.get("tokens") or 0 for s in manifest["shards"] if s.get("split", "train") == "train")
     if all(s.get("tokens") is not None for s in manifest["shards"]) and tokens + len(source) < d.seq_len + 1:
         raise DataError(f"{key}: the dataset {path} holds {tokens + len(source)} tokens with its end-of-document "
@@ -518,9 +570,24 @@ def open_datasets(cfg: Config, seed: int, *, process_index: int = 0, process_cou
     if eval_records is None:
         return train, None
     key = "data.eval_path" if d.eval_path else "data.path"
-    return train, lambda: GrainIterator(pipeline(eval_records, eval_documents, None), fingerprint,
-                                        cfg.model.vocab_size, process_index=process_index,
-                                        process_count=process_count, name=key)
+
+    def evaluation() -> GrainIterator:
+        return GrainIterator(pipeline(eval_records, eval_documents, None), fingerprint, cfg.model.vocab_size,
+                             process_index=process_index, process_count=process_count, name=key)
+
+    _read_once(evaluation(), cfg.train.eval_batches)
+    return train, evaluation
+
+
+def _read_once(batches: GrainIterator, count: int) -> None:
+    """Every evaluation reads the same `count` batches: read (and checked) here, at start-up, so that what
+    would refuse them (a token past the vocabulary, say) stops the run before its first step, not at its
+    first evaluation, steps into the training."""
+    try:
+        for _ in range(count):
+            next(batches)
+    finally:
+        batches.close()
 
 
 def resolve_eval_path(pattern: str) -> str:

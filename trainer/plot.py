@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import math
 import os
 import sys
 import tempfile
@@ -22,8 +23,14 @@ from trainer.files import kind_of
 SIZE_IN, DPI = (12.8, 8.0), 100  # 1280 x 800 pixels
 
 
+PLOTTABLE = 1e100  # past this a panel's range (largest less smallest) may overflow to infinity
+
+
 def _readable(row) -> bool:
-    return isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+    """A row with a step a trainer could have written (a hand-edited one may hold anything: 10**30 is no step
+    that matplotlib can place)."""
+    return (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+            and 0 <= row["step"] < 2**53)
 
 
 def latest_rows(rows: Sequence[dict]) -> list[dict]:
@@ -65,7 +72,10 @@ def _no_special_file(path: str) -> None:
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A value to plot: a finite number of a size a figure can hold (a hand-edited row may hold 1e308, whose
+    range across a panel overflows, or NaN, which no axis can place)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and abs(value) < PLOTTABLE and math.isfinite(value))
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -152,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print("usage: python -m trainer.plot METRICS.jsonl OUT.png", file=sys.stderr)
+        return 2
+    kind = kind_of(os.stat(argv[0]).st_mode) if os.path.exists(argv[0]) else None
+    if kind:  # found without opening it: a FIFO would wait for a writer for ever
+        print(f"cannot read {argv[0]}: it is {kind}, not a file", file=sys.stderr)
         return 2
     try:
         with open(argv[0]) as f:

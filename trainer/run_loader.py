@@ -6,6 +6,7 @@ RunDirectory. Every problem a user can fix is a RunError (exit 2) naming the fil
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
@@ -54,13 +55,16 @@ def load_run_config(path: str):
 
 
 class Codec:
-    """Text <-> token ids as the run's data saw them."""
+    """Text <-> token ids as the run's data saw them: with no --tokenizer, the tokenizer of the run's dataset,
+    checked (with `checkpoints`) to be the one the run trained with."""
 
-    def __init__(self, cfg, tokenizer_path: str | None, any_tokenizer: bool = False):
+    def __init__(self, cfg, tokenizer_path: str | None, any_tokenizer: bool = False, checkpoints: str | None = None):
         self.kind, self.tokenizer = "ids", None
         manifest = _manifest(cfg, needed=tokenizer_path is None)
         # The manifest whose own tokenizer decodes (no --tokenizer): check_trained_on compares it with the run's.
         self.dataset = manifest if tokenizer_path is None else None
+        if self.dataset is not None and checkpoints is not None and not any_tokenizer:
+            check_trained_on(cfg, checkpoints, self.dataset)
         if tokenizer_path is None and manifest is not None:
             from trainer.datasets import join
 
@@ -105,6 +109,43 @@ class Codec:
         if self.kind == "bytes":
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return " ".join(map(str, ids))
+
+
+def check_trained_on(cfg, checkpoints: str, manifest: dict) -> None:
+    """The dataset whose tokenizer decodes is the one the run trained on: one prepared again at data.path
+    since (another tokenizer, say) would give the model's ids other text, silently. Its fingerprint
+    (trainer/datasets.py: the tokenizer's among its content) against the latest checkpoint's."""
+    from trainer.datasets import dataset_fingerprint
+
+    trained = _trained_on(checkpoints)
+    if trained is None or not trained.startswith("dataset:sha256:"):
+        return  # a checkpoint that named its data by path, or none readable: restoring the weights says so
+    now = dataset_fingerprint(manifest)
+    if not trained.startswith(now):
+        raise RunError(f"the dataset at data.path '{cfg.data.path}' is not the one the run trained on (fingerprint "
+                       f"{now}, the run's {trained.split(':heldout')[0]}): prepared again since? Its tokenizer's "
+                       "ids may mean other text; "
+                       "give the run's tokenizer with --tokenizer FILE, or add --any-tokenizer to use the "
+                       "dataset's all the same")
+
+
+def _trained_on(checkpoints: str) -> str | None:
+    """The data fingerprint saved with the latest checkpoint (None where it cannot be read)."""
+    import orbax.checkpoint as ocp
+
+    from trainer.checkpoint import quiet_orbax
+
+    path = checkpoints if "://" in checkpoints else os.path.abspath(checkpoints)
+    try:
+        with quiet_orbax():
+            manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
+            step = manager.latest_step()
+            meta = None if step is None else manager.restore(
+                step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    except Exception:  # noqa: BLE001 - a damaged checkpoint: restoring the weights reports it, naming it
+        return None
+    source = meta.get("source") if isinstance(meta, dict) else None
+    return source if isinstance(source, str) else None
 
 
 def _manifest(cfg, needed: bool):

@@ -17,7 +17,6 @@ limit above).
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -30,43 +29,6 @@ MAX_CONTEXT = 2**31 - 1
 
 class SampleError(RunError):
     """A request `sample` refuses (exit 2), naming the option."""
-
-
-def check_trained_on(cfg, checkpoints: str, manifest: dict) -> None:
-    """The dataset whose tokenizer decodes is the one the run trained on: one prepared again at data.path
-    since (another tokenizer, say) would give the model's ids other text, silently. Its fingerprint
-    (trainer/datasets.py: the tokenizer's among its content) against the latest checkpoint's."""
-    from trainer.datasets import dataset_fingerprint
-
-    trained = _trained_on(checkpoints)
-    if trained is None or not trained.startswith("dataset:sha256:"):
-        return  # a checkpoint that named its data by path, or none readable: restoring the weights says so
-    now = dataset_fingerprint(manifest)
-    if not trained.startswith(now):
-        raise SampleError(f"the dataset at data.path '{cfg.data.path}' is not the one the run trained on (fingerprint "
-                          f"{now}, the run's {trained.split(':heldout')[0]}): prepared again since? Its tokenizer's "
-                          "ids may mean other text; "
-                          "give the run's tokenizer with --tokenizer FILE, or add --any-tokenizer to use the "
-                          "dataset's all the same")
-
-
-def _trained_on(checkpoints: str) -> str | None:
-    """The data fingerprint saved with the latest checkpoint (None where it cannot be read)."""
-    import orbax.checkpoint as ocp
-
-    from trainer.checkpoint import quiet_orbax
-
-    path = checkpoints if "://" in checkpoints else os.path.abspath(checkpoints)
-    try:
-        with quiet_orbax():
-            manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
-            step = manager.latest_step()
-            meta = None if step is None else manager.restore(
-                step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
-    except Exception:  # noqa: BLE001 - a damaged checkpoint: restoring the weights reports it, naming it
-        return None
-    source = meta.get("source") if isinstance(meta, dict) else None
-    return source if isinstance(source, str) else None
 
 
 def check_request(cfg, ids: list[int], tokens: int, temperature: float, top_k: int) -> None:
@@ -100,6 +62,12 @@ def check_memory(model, prompt: int, tokens: int) -> None:
     need = plan["weights"] + plan["kv_cache"]
     if limit is not None and need > limit * (1 - HEADROOM):
         gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
+        if plan["weights"] > limit * (1 - HEADROOM):  # no --tokens would do: the model itself is too large
+            m = model.cfg.model
+            raise SampleError(f"the run's model ({model.cfg.name}: model.vocab_size={m.vocab_size:,}, d_model="
+                              f"{m.d_model:,}, {m.num_layers} layers) needs {gib(plan['weights'])} of weights, more "
+                              f"than the {gib(limit * (1 - HEADROOM))} the {device.platform} device can hold: "
+                              "is its config.json the one the trainer wrote?")
         raise SampleError(f"--tokens {tokens}: the prompt's {prompt} tokens plus {tokens} need a key/value cache "
                           f"of {gib(plan['kv_cache'])} beside {gib(plan['weights'])} of weights, more than the "
                           f"{gib(limit * (1 - HEADROOM))} the {device.platform} device can hold; ask for fewer")
@@ -166,9 +134,7 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
     cfg = load_run_config(run.config)
     from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
 
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), any_tokenizer)
-    if codec.dataset is not None and not any_tokenizer:
-        check_trained_on(cfg, run.checkpoints, codec.dataset)
+    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), any_tokenizer, checkpoints=run.checkpoints)
     ids = codec.encode(prompt)
     if not ids:
         raise SampleError("--prompt: the prompt has no tokens")

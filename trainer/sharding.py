@@ -158,3 +158,14 @@ def global_batch(trainer, rows_BxT: np.ndarray) -> jax.Array:
     """This process's rows of a batch as the global batch array, sharded as the trainer's batches are."""
     global_shape = (trainer.cfg.data.global_batch_size, rows_BxT.shape[1])
     return jax.make_array_from_process_local_data(trainer.batch_sharding, rows_BxT, global_shape)
+
+
+def devices_hint(mesh_text: str | None, count: int) -> str:
+    """On CPU a mesh of another size is one flag away: `--devices N` fakes N devices."""
+    if jax.devices()[0].platform != "cpu":
+        return ""
+    try:
+        wanted = mesh_size(mesh_text)
+    except ValueError:
+        return ""
+    return f"; on CPU, add --devices {wanted} to run on {wanted} fake devices" if wanted and wanted != count else ""

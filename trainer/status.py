@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from trainer.files import not_a_file
 from trainer.outputs import ENDED, Phase  # noqa: F401 - ENDED: the trainer's end states, named here too
 
 EXIT_FINISHED = 0
@@ -89,6 +90,9 @@ class RunStatus:
         """A new target; a local one's directory is created now (an error here names the path)."""
         if not is_remote(path):
             path = os.path.abspath(path)
+            kind = not_a_file(path)  # a FIFO or device there would be renamed over, a directory refuses it
+            if kind:
+                raise StatusError(f"the status file {path} is {kind}, not a file: name a file")
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
             except OSError as e:

@@ -19,6 +19,7 @@ from trainer import meshspec, sharding
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, OptimConfig
 from trainer.data import DataIterator, open_data
+from trainer.divergence import Diverged, loss_ceiling
 from trainer.fits import check_fits
 from trainer.metrics import Reporter
 from trainer.model import ParamCodec, Transformer, cross_entropy, step_rngs
@@ -357,21 +358,6 @@ def _fresh_state(trainer: Trainer, init_from: str | None, reporter: Reporter, st
     return state
 
 
-class Diverged(RuntimeError):
-    """The loss or the gradient norm stopped being finite; the message names the step and the last good
-    checkpoint (exit 1). Nothing of that step is saved."""
-
-    def __init__(self, step: int, metrics: dict, ckpt: Checkpointer | None):
-        loss, grad_norm = float(metrics["total_loss"]), float(metrics["grad_norm"])
-        good = ckpt.latest_step() if ckpt is not None else None
-        kept = (f"the last good checkpoint, step {good} in {ckpt.directory}, is kept" if good is not None else
-                "no checkpoint was saved before it")
-        super().__init__(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; stopped "
-                         f"before saving anything of it ({kept}). Lower optim.lr (or raise optim.warmup_steps "
-                         "or lower optim.clip_norm) and run again")
-        self.step = step
-
-
 def compile_step(trainer: Trainer):
     """The train step compiled ahead of the loop, so that no logged step time includes compilation."""
     batch = jax.ShapeDtypeStruct((trainer.cfg.data.global_batch_size, trainer.cfg.data.seq_len + 1),
@@ -397,7 +383,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
     timer = StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
     first_row = {"start_step": start_step, "restore_s": restore_s}  # for goodput: this process's start
     profiler = Profiler(spec.profile_steps, spec.output_dir)
-    last_loss, stopped = None, False
+    last_loss, stopped, ceiling = None, False, loss_ceiling(cfg.model.vocab_size)
     try:
         while step < spec.steps:
             if should_stop(stop, step):
@@ -406,8 +392,9 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             profiler.before(step)
             state, metrics = step_fn(state, global_batch(trainer, next(data)))
             step += 1
-            if not bool(jax.device_get(metrics["finite"])):  # before anything of this step is saved
-                raise Diverged(step, jax.device_get(metrics), ckpt)
+            finite, loss = jax.device_get((metrics["finite"], metrics["loss"]))
+            if not finite or loss > ceiling:  # before anything of this step is saved
+                raise Diverged(step, jax.device_get(metrics), ckpt, ceiling)
             evaluate = evaluator is not None and evaluator.due(step)
             if step % cfg.train.log_every == 0 or step == spec.steps or evaluate:
                 row = timer.row(step, jax.device_get(metrics), entropy_floor)

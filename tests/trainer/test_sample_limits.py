@@ -120,5 +120,35 @@ def test_a_dataset_prepared_again_after_training_is_noticed_where_its_tokenizer_
     assert again.exit_code == 0, again.output
     refused(sample(run, "--prompt", "the cat", "--tokens", "2"),
             f"the dataset at data.path '{tmp_path / 'ds'}' is not the one the run trained on", "prepared again")
+    # The server reads the tokenizer the same way, and refuses the same way, before anything is built.
+    from trainer.run_loader import RunError
+    from trainer.serve.startup import load
+
+    with pytest.raises(RunError, match=f"the dataset at data.path '{tmp_path / 'ds'}' is not the one the run"):
+        load(str(run), tokenizer_path=None, mesh_text=None, slots=1, max_len=32, chunk=16, kv_dtype=None,
+             quantized=None, device_memory_gb=None, progress=print)
     # The run as trained (5% held out: its fingerprint carries that too) samples as ever.
     assert sample(trained_on_prepared.output_dir, "--prompt", "the cat", "--tokens", "2").exit_code == 0
+
+
+def test_a_config_whose_model_no_device_holds_is_blamed_not_the_tokens(trained_tiny, tmp_path):
+    """config.json edited to a vocabulary of 10**9: it was '--tokens 64: ... ask for fewer', which no
+    --tokens could mend."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_tiny.output_dir, run)
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["vocab_size"] = 10**9
+    (run / "config.json").write_text(json.dumps(config))
+    refused(sample(run, "--prompt", "1 2"), "the run's model (tiny: model.vocab_size=1,000,000,000", "of weights",
+            "is its config.json the one the trainer wrote?")
+
+
+def test_a_serving_mesh_that_needs_more_devices_says_how_to_fake_them_on_cpu(trained_tiny):
+    from trainer.serve.startup import ServeError, load
+
+    with pytest.raises(ServeError, match=r"--mesh data=2,expert=8 needs 16 devices, but there are 8; on CPU, add "
+                                         r"--devices 16 to run on 16 fake devices"):
+        load(str(trained_tiny.output_dir), tokenizer_path=None, mesh_text="data=2,expert=8", slots=1, max_len=32,
+             chunk=16, kv_dtype=None, quantized=None, device_memory_gb=None, progress=print)

@@ -194,3 +194,41 @@ def test_a_shard_truncated_to_half_is_a_data_error_naming_it(tmp_path):
     os.truncate(shard, shard.stat().st_size // 2)
     with pytest.raises(DataError, match=f"the dataset shard {shard} cannot be read \\(truncated or corrupt\\?\\)"):
         document_source([str(shard)])
+
+
+@pytest.mark.parametrize("case, message", [
+    ("vocab_size below the ids", r"data.path: the dataset shard .*/train-00001.array_record holds token id 250, past "
+                                 r"the manifest's 'vocab_size' \(200\)"),
+    ("token_dtype uint32 for uint16", r"data.path: the dataset shard .*/train-00000.array_record holds token id "
+                                      r"\d+, past the manifest's 'vocab_size' \(300\): its 'vocab_size' or "
+                                      r"'token_dtype' \(uint32\) does not match its shards"),
+    ("eval ids past the vocabulary", r"data.eval_path: token id 999 is outside the model's vocabulary"),
+    ("eval a FIFO", r"data.eval_path '.*/eval.bin' is a FIFO, not a file"),
+])
+def test_a_manifest_that_lies_and_eval_data_the_model_cannot_read_are_named_at_start_up(tmp_path, case, message):
+    """A hand-edited manifest is named by its key and the shard that shows the lie (the first record of every
+    shard is read at start-up; every record when it is read); the evaluation batches are read at start-up, so
+    that one the model cannot take stops the run before its first step, not at its first evaluation."""
+    import os
+
+    even = [[1, 2, 3, 4, 5, 6]] * 8  # whole uint32 tokens too: only their values show the lie
+    if case.startswith("vocab_size"):
+        write_dataset(tmp_path / "ds", [[1, 2, 3, 4], [250, 1, 2, 3]] + even, 300)  # shard 1 opens with 250
+        manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+        (tmp_path / "ds" / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 200}))
+        cfg = records_config(tmp_path / "ds", 300)
+    elif case.startswith("token_dtype"):
+        write_dataset(tmp_path / "ds", even, 300)
+        manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+        (tmp_path / "ds" / "manifest.json").write_text(json.dumps({**manifest, "token_dtype": "uint32"}))
+        cfg = records_config(tmp_path / "ds", 300)
+    else:
+        np.arange(1, 2000, dtype=np.uint16).__mod__(250).astype(np.uint16).tofile(tmp_path / "train.bin")
+        if case == "eval a FIFO":
+            os.mkfifo(tmp_path / "eval.bin")
+        else:
+            np.full(2000, 999, np.uint16).tofile(tmp_path / "eval.bin")
+        cfg = load_config("tiny", ["data.source=tokens", f"data.path={tmp_path}/train.bin", "data.seq_len=16",
+                                   f"data.eval_path={tmp_path}/eval.bin", "train.eval_every=5"])
+    with pytest.raises(DataError, match=message):
+        open_data(cfg, seed=0, with_eval=True)

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 
 import numpy as np
@@ -69,7 +70,14 @@ def test_jsonl_text_and_parquet_in_shards_and_a_manifest_out(tmp_path):
     ("no inputs", "input '{tmp}/*.none' matches no files"),
     ("no text key", "{tmp}/docs.jsonl line 1 has no text field 'text'"),
     ("no end token", "the tokenizer has no end-of-document token '<eod>'"),
-    ("latin-1 text", "{tmp}/latin.txt line 2 is not UTF-8 text: byte 0xe9 at column 4"),
+    ("latin-1 text", "{tmp}/latin.txt line 2 is not UTF-8 text: byte 0xe9 at column 4 (byte offset 8 in the file)"),
+    ("latin-1 whole file", "{tmp}/latin.txt line 2 is not UTF-8 text: byte 0xe9 at column 4 (byte offset 8 in"),
+    ("NUL in text", "{tmp}/nul.txt line 2 holds a NUL byte at byte offset 8, which is not text"),
+    ("UTF-16 text", "{tmp}/utf16.txt line 1 is not UTF-8 text: byte 0xff at column 1 (byte offset 0 in the file)"),
+    ("surrogate bytes", "{tmp}/surrogate.txt line 1 is not UTF-8 text: byte 0xed at column 3 (byte offset 2"),
+    ("surrogate escape", "{tmp}/surrogate.jsonl line 2 (byte offset 15): the field 'text' holds an unpaired "
+                         "surrogate (\\udc80), which is not text"),
+    ("NUL escape", "{tmp}/nul.jsonl line 1 (byte offset 0): the field 'text' holds a NUL, which is not text"),
     ("latin-1 JSON", "{tmp}/latin.jsonl line 1 is not UTF-8 text: byte 0xe9"),
     ("JSON number", "{tmp}/number.jsonl line 2: the field 'text' holds a number, not text"),
     ("deep JSON", "{tmp}/deep.jsonl line 1 nests too deep to read"),
@@ -92,6 +100,11 @@ def test_bad_input_exits_2_naming_the_file_or_key(tmp_path, case, needle):
     (tmp_path / "a.txt").write_text("some text here\n")
     (tmp_path / "latin.txt").write_bytes(b"fine\ncaf\xe9\n")
     (tmp_path / "latin.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    (tmp_path / "nul.txt").write_bytes(b"fine\nnul\0here\n")
+    (tmp_path / "utf16.txt").write_text("text\n", encoding="utf-16")
+    (tmp_path / "surrogate.txt").write_bytes(b"ab\xed\xb2\x80cd\n")  # a lone surrogate's UTF-8-style bytes
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "ok"}\n{"text": "a\\udc80b"}\n')
+    (tmp_path / "nul.jsonl").write_text('{"text": "a\\u0000b"}\n')
     (tmp_path / "number.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
     (tmp_path / "deep.jsonl").write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     import pyarrow as pa
@@ -104,6 +117,9 @@ def test_bad_input_exits_2_naming_the_file_or_key(tmp_path, case, needle):
     output = {"output is a file": tmp_path / "a.txt", "output under a file": tmp_path / "a.txt" / "ds",
               "output empty": "", "output FIFO": tmp_path / "pipe.txt"}.get(case, tmp_path / "out")
     args = {"latin-1 text": [tmp_path / "latin.txt", "--lines"], "latin-1 JSON": [tmp_path / "latin.jsonl"],
+            "latin-1 whole file": [tmp_path / "latin.txt"], "NUL in text": [tmp_path / "nul.txt", "--lines"],
+            "UTF-16 text": [tmp_path / "utf16.txt"], "surrogate bytes": [tmp_path / "surrogate.txt"],
+            "surrogate escape": [tmp_path / "surrogate.jsonl"], "NUL escape": [tmp_path / "nul.jsonl"],
             "JSON number": [tmp_path / "number.jsonl"], "deep JSON": [tmp_path / "deep.jsonl"],
             "Parquet ints": [tmp_path / "ints.parquet"], "output is a file": [tmp_path / "docs.jsonl"],
             "output under a file": [tmp_path / "a.txt"], "output empty": [tmp_path / "a.txt"],
@@ -120,9 +136,58 @@ def test_bad_input_exits_2_naming_the_file_or_key(tmp_path, case, needle):
     result = prepare([*args, "-o", output])
     assert result.exit_code == 2, result.output
     assert needle.format(tmp=tmp_path) in result.output
-    assert "Traceback" not in result.output
+    assert "Traceback" not in result.output and "Usage:" not in result.output  # the data is at fault, not argv
     assert not (tmp_path / "out").exists()  # nothing half-written: the directory it made is gone again
     assert (tmp_path / "a.txt").read_text() == "some text here\n"
+
+
+def test_bad_text_replace_reads_what_is_not_text_as_the_replacement_character_and_counts_it(tmp_path):
+    (tmp_path / "mixed.txt").write_bytes(b"caf\xe9 au lait\nnul\0byte\n")
+    (tmp_path / "mixed.jsonl").write_text('{"text": "lone \\udc80 here"}\n')
+    result = prepare([tmp_path / "mixed.txt", tmp_path / "mixed.jsonl", "--lines", "--bad-text", "replace",
+                      "--vocab-size", "270", "-o", tmp_path / "out"])
+    assert result.exit_code == 0, result.output
+    assert "note: 3 byte(s) or character(s) that are not text" in result.output  # counted once, not per pass
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    texts = [tokenizer.decode(d.tolist()) for d in read_documents(tmp_path / "out", manifest)]
+    assert texts == ["caf\ufffd au lait", "nul\ufffdbyte", "lone \ufffd here"]
+
+
+UNREADABLE = """
+import sys
+from trainer.prepare import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="setpriv (util-linux) drops root's file-permission override")
+def test_an_unreadable_input_and_an_unwritable_output_name_the_path_and_the_permission(tmp_path):
+    """Root reads and writes whatever the mode bits say; the command runs without the capabilities that let
+    it (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), as any other user would. The unreadable file is named before
+    a tokenizer is trained on the others."""
+    import subprocess
+    import sys
+
+    (tmp_path / "a.txt").write_text("readable\n")
+    (tmp_path / "b.txt").write_text("secret\n")
+    (tmp_path / "b.txt").chmod(0o000)
+    (tmp_path / "locked").mkdir(mode=0o555)
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+
+    def run(*args):
+        return subprocess.run([*drop, sys.executable, "-c", UNREADABLE, *map(str, args), "-q"], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+    unreadable = run(f"{tmp_path}/*.txt", "-o", tmp_path / "out")
+    assert unreadable.returncode == 2, unreadable.stderr
+    assert f"cannot read {tmp_path}/b.txt: Permission denied" in unreadable.stderr
+    assert "trained" not in unreadable.stderr and not (tmp_path / "out").exists()
+    unwritable = run(tmp_path / "a.txt", "-o", tmp_path / "locked" / "ds")
+    assert unwritable.returncode == 2, unwritable.stderr
+    assert f"cannot create the output directory {tmp_path}/locked/ds: Permission denied" in unwritable.stderr
+    into = run(tmp_path / "a.txt", "-o", tmp_path / "locked")
+    assert into.returncode == 2 and f"--output {tmp_path}/locked is not writable (permission denied)" in into.stderr
 
 
 def test_a_second_prepare_into_a_directory_in_use_refuses_and_files_move_in_whole(tmp_path):

@@ -74,7 +74,8 @@ def edit_manifest(directory, **changes):
     ("newer version", r"manifest.json is of format version 2; this trainer reads version 1: prepare the dataset"),
     ("version as text", r"'version' must be an integer at least 1, got '1'"),
     ("uint32 over uint16 shards", r"train-00000.array_record holds a document of 38 bytes, not a whole number of "
-                                  r"uint32 tokens \(4 bytes each\): the manifest's token_dtype does not match"),
+                                  r"uint32 tokens \(4 bytes each\): the manifest's 'token_dtype' \(uint32\) does not "
+                                  r"match"),
     ("largest id past vocab", r"'max_token_id' must be an integer between 0 and 299, got 1000000"),
     ("total as text", r"'tokens' must be an integer at least 0, got 'many'"),
 ])
@@ -188,6 +189,7 @@ def train(args):
     ("cannot fit", r"the model cannot fit: .* GiB per device on the mesh .*, more than the host's available memory"),
     ("escapes", r"data.path '/x\\x1b\[2Jy' does not exist"),
     ("metrics FIFO", r"cannot write the metrics file .*metrics.jsonl: it is a FIFO, not a file"),
+    ("status FIFO", r"the status file .*/fifo is a FIFO, not a file: name a file"),
 ])
 def test_round_two_leftovers_are_usage_errors_with_clear_messages(tmp_path, case, message):
     os.mkfifo(tmp_path / "fifo")
@@ -200,11 +202,26 @@ def test_round_two_leftovers_are_usage_errors_with_clear_messages(tmp_path, case
             "batch overflow": ["--set", "data.global_batch_size=99999999999999999999"],
             "cannot fit": ["--set", "model.d_model=4000000"],
             "escapes": ["--set", "data.source=tokens", "--set", "data.path=/x\x1b[2Jy"],
-            "metrics FIFO": ["--output-dir", tmp_path / "out"]}.get(case, ["--config", tmp_path / "base.yaml"])
+            "metrics FIFO": ["--output-dir", tmp_path / "out"],
+            "status FIFO": ["--status-file", tmp_path / "fifo"]}.get(case, ["--config", tmp_path / "base.yaml"])
     result = train(args)
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and "\x1b" not in result.output
     assert __import__("re").search(message, result.output), result.output
+    assert (tmp_path / "fifo").is_fifo()  # the status file's rename did not replace it
+
+
+def test_a_fifo_as_the_plots_metrics_or_the_servers_chat_template_is_refused_unopened(tmp_path, capsys):
+    """Both opened it and waited for a writer for ever."""
+    from trainer.plot import main as plot
+    from trainer.serve.cli import _chat_template
+    from trainer.serve.startup import ServeError
+
+    os.mkfifo(tmp_path / "fifo")
+    assert plot([str(tmp_path / "fifo"), str(tmp_path / "out.png")]) == 2
+    assert f"cannot read {tmp_path / 'fifo'}: it is a FIFO, not a file" in capsys.readouterr().err
+    with pytest.raises(ServeError, match=f"--chat-template {tmp_path / 'fifo'} is a FIFO, not a file"):
+        _chat_template(str(tmp_path / "fifo"))
 
 
 FILE_SIZE_LIMITED = """
@@ -228,3 +245,16 @@ def test_a_checkpoint_the_disk_cannot_hold_names_its_step_and_leaves_no_temporar
     assert f"cannot save the checkpoint at step 1 to {out}/checkpoints: File too large" in run.stderr
     assert "Traceback" not in run.stderr and "ERROR" not in run.stderr
     assert not [p for p in (out / "checkpoints").iterdir() if "tmp" in p.name]
+
+
+def test_a_plot_of_rows_edited_to_sizes_no_axis_holds_leaves_them_out(tmp_path, capsys):
+    """An expert load of 1e308 and -1e308 (its colour range overflows), NaN and a step of 10**30 were an
+    internal error in matplotlib ('Axis limits cannot be NaN or Inf')."""
+    from trainer.plot import main as plot
+
+    rows = ['{"step": 1, "loss": 3.0, "expert_load": [0.5, 0.5]}', '{"step": 2, "loss": NaN, "expert_load": '
+            '[1e308, -1e308]}', '{"step": 3, "loss": 1e308, "tokens_per_s": -1e308, "expert_load": [NaN, 0.5]}',
+            '{"step": 1000000000000000000000000000000, "loss": 2.0}', '{"step": 4, "loss": 2.5}']
+    (tmp_path / "m.jsonl").write_text("\n".join(rows) + "\n")
+    assert plot([str(tmp_path / "m.jsonl"), str(tmp_path / "p.png")]) == 0, capsys.readouterr().err
+    assert "skipped 1 metric row(s)" in capsys.readouterr().err and (tmp_path / "p.png").stat().st_size > 0

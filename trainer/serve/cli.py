@@ -48,6 +48,11 @@ def _default_port() -> int:
 def _chat_template(path: str | None) -> dict | None:
     if path is None:
         return None
+    from trainer.files import not_a_file
+
+    kind = not_a_file(path)  # found without opening it: a FIFO would wait for a writer for ever
+    if kind:
+        raise ServeError(f"--chat-template {path} is {kind}, not a file")
     try:
         template = json.loads(open(path, encoding="utf-8").read())
     except (OSError, ValueError) as e:

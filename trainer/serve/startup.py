@@ -47,7 +47,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     checkpoints, cfg = run.checkpoints, load_run_config(run.config)
     from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
 
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run))
+    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), checkpoints=checkpoints)
     chat_template = _hub_chat_template(run)
     eos_id, eos_token = end_of_document(cfg, codec, run)
     devices = jax.devices()
@@ -56,7 +56,8 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     try:
         mesh_shape = sharding.parse_mesh(mesh_text or f"data={len(devices) // expert},expert={expert}", len(devices))
     except ValueError as e:
-        raise ServeError(str(e) if str(e).startswith("--mesh") else f"--mesh: {e}") from None
+        raise ServeError((str(e) if str(e).startswith("--mesh") else f"--mesh: {e}")
+                         + sharding.devices_hint(mesh_text, len(devices))) from None
     if cfg.moe.num_experts % mesh_shape["expert"]:
         raise ServeError(f"--mesh expert={mesh_shape['expert']} must divide moe.num_experts={cfg.moe.num_experts}")
     problems = meshspec.tensor_problems(cfg, mesh_shape["model"])  # heads and hidden sizes over `model`

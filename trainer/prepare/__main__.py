@@ -1,0 +1,3 @@
+from trainer.prepare import main
+
+main()
