@@ -41,7 +41,7 @@ def evaluate(app, endpoint: bool, config_path: str, args: tuple[str, ...]) -> No
       moe-tpu eval --endpoint -c examples/serve-vertex.yaml --tasks arc_easy --limit 20
     """
     module = _trainer_side("trainer.serve.evaluate")
-    if not endpoint:
+    if not endpoint or "--help" in args or "-h" in args:  # the trainer's options (the same with --endpoint)
         module.main(list(args), prog_name="moe-tpu eval")
         return
     from provision.errors import UsageError
