@@ -87,7 +87,7 @@ def _sample(work) -> str:
     return result.stdout.strip()
 
 
-def test_deploy_predict_down_through_the_real_api(here):
+def test_deploy_predict_down_through_the_real_api(here, monkeypatch):
     code, out, err = invoke("--dry-run", "--output", "json", "deploy", "-c", "serve.yaml")
     assert code == 0, err[-3000:]
     doc = json.loads(out)
@@ -115,11 +115,73 @@ def test_deploy_predict_down_through_the_real_api(here):
     code, _, err = invoke("--dry-run", "predict", "--prompt", PROMPT, "--max-tokens", "100000")
     assert code == 2 and "maximum context length" in err and '{"error"' not in err, err[-2000:]
     assert "change --prompt, --max-tokens" in err and "validate" not in err
+    _eval_through_the_endpoint_scores_as_the_local_eval(here, monkeypatch)
     code, out, err = invoke("--dry-run", "--output", "json", "down")
     assert code == 0, err[-2000:]
     assert _in_order(_rpcs(json.loads(out)), ["UndeployModel", "GetOperation", "DeleteEndpoint", "GetOperation",
                                               "DeleteModel", "GetOperation", "ListEndpoints", "ListModels"])
     _nothing_left(here)
+
+
+TASK = """task: tiny_ids_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def _ids_task(work) -> None:
+    """A local 5-item multiple-choice task in the run's text: token ids separated by spaces (its data has no
+    tokenizer)."""
+    rows = [{"question": " ".join(str(3 * i + k) for k in range(1, 5)), "choices": [str(i + 1), f"{i + 2} {i + 3}"],
+             "answer": i % 2} for i in range(5)]
+    (work / "tasks").mkdir(exist_ok=True)
+    (work / "tasks" / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (work / "tasks" / "ids.yaml").write_text(TASK.format(data=work / "tasks" / "ids.jsonl"))
+
+
+def _loglikelihoods(path) -> dict[tuple[int, int], float]:
+    samples = json.loads(path.read_text())["samples"]["tiny_ids_mc"]
+    return {(s["doc_id"], i): r[0][0] for s in samples for i, r in enumerate(s["resps"])}
+
+
+def _eval_through_the_endpoint_scores_as_the_local_eval(work, monkeypatch) -> None:
+    """`eval --endpoint` sends lm-eval's requests through RawPredict to the deployed server: per example, the
+    loglikelihoods `eval` finds for the same checkpoint on a local engine (one device, as the dry run's server)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(work / "hf-datasets"))
+    _ids_task(work)
+    task = ["--tasks", "tiny_ids_mc", "--include-path", str(work / "tasks"), "--limit", "5", "--batch-size", "2"]
+    code, _, err = invoke("--dry-run", "--output", "json", "eval", "--endpoint", "-c", "serve.yaml", *task)
+    assert code == 0, err[-3000:]
+    run = work / ".moe-tpu" / "runs" / "moe-demo" / "output"
+    remote = _loglikelihoods(run / "eval" / "endpoint-results.json")
+    local = run_process(["eval", "--checkpoint", str(run), "--max-len", "64", "--devices", "1", *task], cwd=work,
+                        timeout=300)
+    assert local.returncode == 0, local.stderr[-3000:]
+    here_ = _loglikelihoods(run / "eval" / "results.json")
+    assert len(remote) == 10 and remote.keys() == here_.keys()
+    assert all(abs(remote[k] - here_[k]) <= 1e-4 for k in remote), (remote, here_)
+    assert len({round(v, 3) for v in remote.values()}) > 1  # scores of the model, not one constant
+
+
+def test_eval_endpoint_with_nothing_deployed_is_a_usage_error(here):
+    _nothing_left(here)
+    _ids_task(here)
+    code, _, err = invoke("--dry-run", "eval", "--endpoint", "-c", "serve.yaml", "--tasks", "tiny_ids_mc",
+                          "--include-path", str(here / "tasks"), "--limit", "5")
+    assert code == 2 and "has no endpoint with a deployed model" in err and "deploy -c serve.yaml" in err, err[-2000:]
+    code, _, err = invoke("--dry-run", "eval", "--endpoint", "-c", "serve.yaml", "--checkpoint", "runs/x",
+                          "--tasks", "tiny_ids_mc")
+    assert code == 2 and "leave --checkpoint out" in err
 
 
 def test_a_refused_quota_fails_the_deploy_naming_it_and_leaves_nothing(here):

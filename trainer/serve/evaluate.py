@@ -7,6 +7,9 @@ so the harness downloads no tokenizer). Tasks are the harness's registry names a
 `--include-path`. The results (lm-eval's results JSON) are written to `--output`, by default
 `<run>/eval/results.json` beside the run's checkpoints, and its table is printed.
 
+`moe-tpu eval --endpoint` evaluates the run's deployed model instead, through the platform's prediction API
+(`main`'s `forward`; trainer.serve.relay carries lm-eval's requests to it), into `<run>/eval/endpoint-results.json`.
+
 Exit codes: 0 evaluated; 2 a usage error (a flag, the checkpoint, an unknown task, lm-eval not installed);
 1 a runtime failure.
 """
@@ -104,8 +107,9 @@ def _limit(text: str | None):
 @click.option("--output", default=None, metavar="FILE", help="[<run>/eval/results.json]")
 @click.option("--tokenizer", "tokenizer_path", default=None, metavar="FILE")
 @click.option("--devices", type=click.IntRange(min=1), default=None, help="CPU only: N fake XLA devices.")
-def eval_command(directory, tasks, include_path, limit, num_fewshot, batch_size, max_len, output, tokenizer_path,
-                 devices):
+@click.pass_obj
+def eval_command(forward, directory, tasks, include_path, limit, num_fewshot, batch_size, max_len, output,
+                 tokenizer_path, devices):
     """Evaluate a run's latest checkpoint with lm-evaluation-harness, through the serving engine.
 
     \b
@@ -121,10 +125,27 @@ def eval_command(directory, tasks, include_path, limit, num_fewshot, batch_size,
     if not names:
         raise ServeError(f"--tasks {tasks!r}: name at least one task")
     manager = task_manager(names, include_path)  # before minutes of loading
+    options = {"limit": count, "batch_size": batch_size, "num_fewshot": num_fewshot}
+    if forward is not None:
+        results = through_endpoint(forward, directory, tokenizer_path, max_len, names, manager, **options)
+    else:
+        results = through_engine(directory, tokenizer_path, max_len, names, manager, **options)
+    path = output or os.path.join(str(directory).rstrip("/"), "eval", "endpoint-results.json" if forward is not None
+                                  else "results.json")
+    write_results(results, path)
+    from lm_eval.utils import make_table
+
+    click.echo(make_table(results))
+    click.echo(f"eval: results written to {path}", err=True)
+
+
+def through_engine(directory, tokenizer_path, max_len: int, names: list[str], manager, **options) -> dict:
+    """The harness against the run's latest checkpoint, served here by the engine on 127.0.0.1."""
     from trainer.serve.loop import EngineLoop
     from trainer.serve.server import ServerState
     from trainer.serve.startup import load
 
+    batch_size = options["batch_size"]
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=None, slots=batch_size, max_len=max_len,
                   chunk=min(64, max_len), kv_dtype=None, quantized=None, device_memory_gb=None,
                   progress=lambda m: click.echo(f"eval: {m}", err=True))
@@ -134,16 +155,31 @@ def eval_command(directory, tasks, include_path, limit, num_fewshot, batch_size,
     state.loop = EngineLoop(loaded.engine).start()
     try:
         with served(state) as url:
-            results = harness(url, state.model_name, max_len, names, manager, limit=count, batch_size=batch_size,
-                              num_fewshot=num_fewshot)
+            return harness(url, state.model_name, max_len, names, manager, **options)
     finally:
         state.loop.stop()
-    path = output or os.path.join(str(directory).rstrip("/"), "eval", "results.json")
-    write_results(results, path)
-    from lm_eval.utils import make_table
 
-    click.echo(make_table(results))
-    click.echo(f"eval: results written to {path}", err=True)
+
+def through_endpoint(forward, directory, tokenizer_path, max_len: int, names: list[str], manager, **options) -> dict:
+    """The harness against the deployed model that `forward` (a completions body -> its answer) reaches through
+    the platform's prediction API, by a relay on 127.0.0.1 (trainer.serve.relay says why a relay); the run in
+    `directory` gives the tokenizer the endpoint's server loaded. One request first, so that an endpoint that is
+    not there fails with the platform's words before the harness starts."""
+    from trainer.serve.relay import Relay, relayed, run_tokenizer
+
+    relay = Relay(forward, run_tokenizer(directory, tokenizer_path, max_len))
+    forward({"prompt": [0], "max_tokens": 1, "temperature": 0.0, "stream": False})
+    click.echo("eval: the endpoint answers; evaluating through it", err=True)
+    with relayed(relay) as url:
+        try:
+            results = harness(url, relay.tokenizer.model_name, max_len, names, manager, **options)
+        except Exception:
+            if relay.error is not None:  # the platform's refusal, not lm-eval's report of a 502
+                raise relay.error from None
+            raise
+    if relay.error is not None:
+        raise relay.error
+    return results
 
 
 def write_results(results: dict, path: str) -> None:
@@ -155,8 +191,11 @@ def write_results(results: dict, path: str) -> None:
     target.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
 
 
-def main(args: list[str] | None = None, prog_name: str = "python -m trainer.serve.evaluate") -> None:
-    eval_command.main(args=args, prog_name=prog_name)
+def main(args: list[str] | None = None, prog_name: str = "python -m trainer.serve.evaluate", forward=None) -> None:
+    """The command; `forward` (a completions body -> its answer's JSON) evaluates a deployed model through it
+    rather than the checkpoint through a local engine (`moe-tpu eval --endpoint`), the checkpoint then naming
+    the run whose tokenizer the endpoint's server loaded."""
+    eval_command.main(args=args, prog_name=prog_name, obj=forward)
 
 
 if __name__ == "__main__":
