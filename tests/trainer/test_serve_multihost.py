@@ -38,16 +38,16 @@ def free_port() -> int:
 class Group:
     """The group's processes, started as a LeaderWorkerSet starts its pods: the same command, LWS_* apart."""
 
-    def __init__(self, run, tmp_path):
+    def __init__(self, run, tmp_path, *, mesh=MESH, local_devices=4, slots=SLOTS, max_len=MAX_LEN):
         self.port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
         self.base = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "trainer.serve", "--checkpoint", str(run), "--port", str(self.port),
-                   "--mesh", MESH, "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--chunk", str(CHUNK)]
+                   "--mesh", mesh, "--slots", str(slots), "--max-len", str(max_len), "--chunk", str(CHUNK)]
         self.logs = [tmp_path / f"process-{i}.log" for i in range(2)]
         self.processes = []
         for i in range(2):
             env = {**os.environ, "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(i), "LWS_LEADER_ADDRESS": "127.0.0.1",
-                   "JAX_COORDINATOR_ADDRESS": coordinator, "MOE_SERVE_LOCAL_DEVICES": "4"}
+                   "JAX_COORDINATOR_ADDRESS": coordinator, "MOE_SERVE_LOCAL_DEVICES": str(local_devices)}
             with open(self.logs[i], "w") as log:
                 self.processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
         self.leader, self.worker = self.processes
@@ -128,13 +128,25 @@ def test_two_processes_serve_what_one_serves_and_stop_together_on_sigterm(group,
     assert "stopped the group's 1 worker(s)" in group.log(0) and "stopped by the leader" in group.log(1)
 
 
-def test_a_worker_killed_mid_stream_fails_the_requests_turns_health_503_and_the_leader_exits_1(group):
+@pytest.fixture
+def small_group(trained_tiny, tmp_path):
+    """A group of 2 processes x 1 device (expert=2) with a short cache: compiled in a fraction of `group`'s time,
+    for what needs a group but not its mesh."""
+    started = Group(trained_tiny.output_dir, tmp_path, mesh="expert=2", local_devices=1, slots=4, max_len=512)
+    try:
+        yield started
+    finally:
+        started.kill()
+
+
+def test_a_worker_killed_mid_stream_fails_the_requests_turns_health_503_and_the_leader_exits_1(small_group):
+    group = small_group
     group.wait_ready()
     errors = []
 
     def stream():
         with httpx.stream("POST", f"{group.base}/v1/completions", timeout=60,
-                          json={"prompt": "3 17 9", "max_tokens": 1000, "stream": True}) as r:
+                          json={"prompt": "3 17 9", "max_tokens": 500, "stream": True}) as r:
             lines = r.iter_lines()
             next(lines)
             started.wait()
