@@ -55,7 +55,7 @@ def start_server(loaded, port: int, max_waiting: int):
     from trainer.serve.server import ServerState, create_app, http_protocol
 
     state = ServerState(loaded["name"], encode=loaded["encode"], decode=loaded["decode"], max_waiting=max_waiting)
-    loaded["engine"].warm_up()
+    loaded["engine"].warm_up(every_span=True)  # no stream measured waits on a compilation
     state.loop = EngineLoop(loaded["engine"]).start()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning",
                                            http=http_protocol(), lifespan="off"))

@@ -98,14 +98,16 @@ class Transformer(nnx.Module):
                 auxes += stack_auxes
             return self._logits(x_BxLxD), combine_aux(sorted(auxes, key=lambda a: a[0]), self.num_experts)
 
-    def decode(self, tokens_BxL: jax.Array, cache, starts_B: jax.Array, rows_B: jax.Array | None = None):
+    def decode(self, tokens_BxL: jax.Array, cache, starts_B: jax.Array, rows_B: jax.Array | None = None,
+               span: int | None = None):
         """Inference through a key/value cache (trainer.serve.kvcache.KVCache): batch row b holds tokens
-        at positions starts_B[b].. of cache slot rows_B[b] (None: slot b). The same blocks as training;
-        MoE layers in their evaluation mode. Returns (logits_BxLxV float32, the updated cache)."""
+        at positions starts_B[b].. of cache slot rows_B[b] (None: slot b), attending over the first `span`
+        positions of the slots (a static length past every token's position; None: all). The same blocks
+        as training; MoE layers in their evaluation mode. Returns (logits_BxLxV float32, the updated cache)."""
         with sharding.logical_mesh(self.mesh):  # tensor parallelism's activation layouts, as in training
             x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
             for s in range(len(self.layout)):
-                x_BxLxD, cache, _ = self._run_stack(s, x_BxLxD, train=False, cache=(cache, starts_B, rows_B))
+                x_BxLxD, cache, _ = self._run_stack(s, x_BxLxD, train=False, cache=(cache, starts_B, rows_B, span))
             return self._logits(x_BxLxD), cache
 
     def _run_stack(self, s: int, x_BxLxD: jax.Array, *, train: bool, cache=None):
@@ -119,7 +121,7 @@ class Transformer(nnx.Module):
         graphdef, params, state = nnx.split(blocks, nnx.Param, ...)
         layers_RxP = jnp.asarray([[stack.layer(j, r) for j in range(stack.period)] for r in range(stack.repeats)],
                                  jnp.int32)
-        kv, starts_B, rows_B = cache if cache is not None else (None, None, None)
+        kv, starts_B, rows_B, span = cache if cache is not None else (None, None, None, None)
 
         def step(carry, xs):
             x, kv = carry
@@ -128,7 +130,7 @@ class Transformer(nnx.Module):
             auxes = []
             for j, block in enumerate(period):
                 if kv is not None:
-                    x, view = block.decode(x, kv.layer(layers_P[j], starts_B, rows_B))
+                    x, view = block.decode(x, kv.layer(layers_P[j], starts_B, rows_B, span))
                     kv = view.cache
                     continue
                 if self.remat:

@@ -100,7 +100,7 @@ def generate(model, weights, prompt: list[int], tokens: int, *, temperature: flo
 
     chunk = min(len(prompt), 256)
     engine = Engine(model, weights, slots=1, max_len=len(prompt) + tokens, chunk=chunk)
-    engine.warm_up()  # compiled before the first token, so that the rate counts decoding only
+    engine.warm_up(every_span=True)  # compiled before the first token, so that the rate counts decoding only
     request = engine.submit(Request(prompt, SamplingParams(max_tokens=tokens, temperature=temperature,
                                                            top_k=top_k, seed=seed)))
     engine.run()

@@ -156,20 +156,20 @@ def alone(tiny_engine):
 
 def test_concurrent_greedy_requests_return_what_they_return_alone_and_compile_once(tiny_engine, alone):
     engine = tiny_engine
-    compiled = engine.compilations()
-    assert compiled == 2  # the prefill chunk and the decode step
+    # The prefill chunk and the decode step, one program a span of the cache read, each compiled once.
+    assert engine.compilations() == len(engine.runner.programs) <= 2 * len(engine.runner.spans())
     requests = thirty_two_requests()
     for r in requests:
         engine.submit(r)
     engine.run()
     assert [r.output for r in requests] == alone
     assert [len(o) for o in alone] == [r.sampling.max_tokens for r in requests]
-    # 200 more requests of random lengths: nothing compiles again after the warm-up.
+    # 200 more requests of random lengths: no program compiles again, and no more than a span each.
     rng = np.random.RandomState(2)
     for r in random_requests(rng, 200, 256, 40, 8):
         engine.submit(r)
     engine.run()
-    assert engine.compilations() == compiled
+    assert engine.compilations() == len(engine.runner.programs) <= 2 * len(engine.runner.spans())
     assert engine.free and sorted(engine.free) == list(range(engine.slots)) and not engine.busy
 
 
@@ -257,7 +257,7 @@ def test_experts_over_8_devices_serve_concurrent_requests_as_one_device_alone(ti
         engine.submit(r)
     engine.run()
     assert [r.output for r in requests] == alone
-    assert engine.compilations() == 2
+    assert engine.compilations() == len(engine.runner.programs) <= 2 * len(engine.runner.spans())
 
 
 def test_the_model_runner_scores_a_prompt_in_chunks_as_the_full_forward_pass(tiny, tiny_engine):
@@ -279,4 +279,4 @@ def test_the_model_runner_scores_a_prompt_in_chunks_as_the_full_forward_pass(tin
                                [expected[i, sequence[i + 1]] for i in range(len(prompt))], atol=1e-4, rtol=0)
     assert all(r.top_ids[0] == expected[i].argmax() and len(r.top_ids) == 2 for i, r in enumerate(scored))
     assert token == expected[len(prompt) - 1].argmax()
-    assert runner.compilations() == 2
+    assert runner.compilations() == len(runner.programs) <= 2 * len(runner.spans())

@@ -1,5 +1,5 @@
 """The continuous-batching engine: fixed decode slots over one key/value cache, prompts prefilled in
-chunks between decode steps, two jitted programs with fixed shapes.
+chunks between decode steps, jitted programs with fixed shapes (one per span of the cache a step reads).
 
 Verbs: `submit` a request (it waits), `step` (one prefill chunk of the request being admitted into a free
 slot, then one decode step for every slot), and `run` (steps until every request is done). A step never
@@ -122,8 +122,9 @@ class Engine:
     def compilations(self) -> int:
         return self.runner.compilations()
 
-    def warm_up(self) -> None:
-        self.runner.warm_up()
+    def warm_up(self, every_span: bool = False) -> None:
+        """Compiles the steps before the first request (ModelRunner.warm_up)."""
+        self.runner.warm_up(every_span)
         if self.prefix is not None:
             self.runner.cache = self.prefix.warm_up(self.runner.cache)
 

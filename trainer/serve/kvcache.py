@@ -63,8 +63,9 @@ class KVCache:
     def quantized(self) -> bool:
         return self.k_scale is not None
 
-    def layer(self, index: int, starts_B: jax.Array, rows_B: jax.Array | None = None) -> LayerCache:
-        return LayerCache(self, index, starts_B, rows_B)
+    def layer(self, index: int, starts_B: jax.Array, rows_B: jax.Array | None = None,
+              span: int | None = None) -> LayerCache:
+        return LayerCache(self, index, starts_B, rows_B, span)
 
 
 def quantize(x_BxLxKxH: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -75,18 +76,28 @@ def quantize(x_BxLxKxH: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale_BxLxK
 
 
+def read_at(index, rows_B: jax.Array | None, span: int | None) -> tuple:
+    """The index of one layer's cached positions 0..span of slots rows_B (None: every slot) in a cache
+    array [layers, slots, max_len, ...]."""
+    positions = slice(None, span)
+    return (index, slice(None), positions) if rows_B is None else (index, rows_B, positions)
+
+
 @dataclasses.dataclass
 class LayerCache:
     """One layer's view of the cache for one call: batch row b holds the tokens at positions
-    starts_B[b].. of slot rows_B[b] (rows_B None: row b is slot b, every slot in the batch)."""
+    starts_B[b].. of slot rows_B[b] (rows_B None: row b is slot b, every slot in the batch). Attention reads
+    the first `span` positions of each slot (None: all max_len), a static length covering every position
+    the call's tokens attend to: a step then costs what its live positions need, not the whole cache."""
 
     cache: KVCache
     index: int
     starts_B: jax.Array
     rows_B: jax.Array | None
+    span: int | None = None
 
     def append(self, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array):
-        """(the updated view, keys [B, max_len, K, H], values, mask [B, 1, L, max_len]): the new keys and
+        """(the updated view, keys [B, span, K, H], values, mask [B, 1, L, span]): the new keys and
         values written at their positions, and which cached positions each new token may attend to."""
         batch, length = k_BxLxKxH.shape[:2]
         positions_BxL = self.starts_B[:, None] + jnp.arange(length, dtype=self.starts_B.dtype)
@@ -103,12 +114,11 @@ class LayerCache:
             c = KVCache(c.k.at[at].set(k_BxLxKxH.astype(c.k.dtype), mode="drop"),
                         c.v.at[at].set(v_BxLxKxH.astype(c.v.dtype), mode="drop"))
         keys, values = self._read(c, "k"), self._read(c, "v")
-        max_len = c.k.shape[2]
-        mask_Bx1xLxS = jnp.arange(max_len)[None, None, None, :] <= positions_BxL[:, None, :, None]
-        return LayerCache(c, self.index, self.starts_B, self.rows_B), keys, values, mask_Bx1xLxS
+        mask_Bx1xLxS = jnp.arange(keys.shape[1])[None, None, None, :] <= positions_BxL[:, None, :, None]
+        return LayerCache(c, self.index, self.starts_B, self.rows_B, self.span), keys, values, mask_Bx1xLxS
 
     def _read(self, c: KVCache, name: str) -> jax.Array:
-        sel = (self.index,) if self.rows_B is None else (self.index, self.rows_B)
+        sel = read_at(self.index, self.rows_B, self.span)
         values = getattr(c, name)[sel]
         if not c.quantized:
             return values

@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from trainer.serve.kvcache import KVCache, quantize
+from trainer.serve.kvcache import KVCache, quantize, read_at
 
 
 @jax.tree_util.register_dataclass
@@ -60,22 +60,25 @@ class LatentCache:
     def quantized(self) -> bool:
         return self.latent_scale is not None
 
-    def layer(self, index: int, starts_B: jax.Array, rows_B: jax.Array | None = None) -> LatentLayerCache:
-        return LatentLayerCache(self, index, starts_B, rows_B)
+    def layer(self, index: int, starts_B: jax.Array, rows_B: jax.Array | None = None,
+              span: int | None = None) -> LatentLayerCache:
+        return LatentLayerCache(self, index, starts_B, rows_B, span)
 
 
 @dataclasses.dataclass
 class LatentLayerCache:
     """One layer's view of the latent cache for one call, as kvcache.LayerCache's: batch row b holds the
-    tokens at positions starts_B[b].. of slot rows_B[b] (rows_B None: row b is slot b)."""
+    tokens at positions starts_B[b].. of slot rows_B[b] (rows_B None: row b is slot b), reading the first
+    `span` positions of each slot (None: all)."""
 
     cache: LatentCache
     index: int
     starts_B: jax.Array
     rows_B: jax.Array | None
+    span: int | None = None
 
     def append(self, latent_BxLxC: jax.Array, rope_BxLxR: jax.Array):
-        """(the updated view, latents [B, max_len, C], rotary keys [B, max_len, R], mask [B, 1, L, max_len]):
+        """(the updated view, latents [B, span, C], rotary keys [B, span, R], mask [B, 1, L, span]):
         the new tokens' latents written at their positions, and which cached positions each may attend to."""
         batch, length = latent_BxLxC.shape[:2]
         positions_BxL = self.starts_B[:, None] + jnp.arange(length, dtype=self.starts_B.dtype)
@@ -89,13 +92,13 @@ class LatentLayerCache:
                 new[f"{name}_scale"] = getattr(c, f"{name}_scale").at[at].set(scale, mode="drop")
             new[name] = getattr(c, name).at[at].set(x.astype(getattr(c, name).dtype), mode="drop")
         c = dataclasses.replace(c, **new)
-        max_len = c.latent.shape[2]
-        mask_Bx1xLxS = jnp.arange(max_len)[None, None, None, :] <= positions_BxL[:, None, :, None]
-        view = LatentLayerCache(c, self.index, self.starts_B, self.rows_B)
-        return view, self._read(c, "latent"), self._read(c, "rope"), mask_Bx1xLxS
+        latents = self._read(c, "latent")
+        mask_Bx1xLxS = jnp.arange(latents.shape[1])[None, None, None, :] <= positions_BxL[:, None, :, None]
+        view = LatentLayerCache(c, self.index, self.starts_B, self.rows_B, self.span)
+        return view, latents, self._read(c, "rope"), mask_Bx1xLxS
 
     def _read(self, c: LatentCache, name: str) -> jax.Array:
-        sel = (self.index,) if self.rows_B is None else (self.index, self.rows_B)
+        sel = read_at(self.index, self.rows_B, self.span)
         values = getattr(c, name)[sel]
         if not c.quantized:
             return values

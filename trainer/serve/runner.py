@@ -1,11 +1,14 @@
-"""The engine's model runner: the key/value cache, the two jitted programs with fixed shapes (a prefill chunk
-into one slot, a decode step for every slot) and the host copies of each slot's decode inputs.
+"""The engine's model runner: the key/value cache, the jitted programs with fixed shapes (a prefill chunk
+into one slot, a decode step for every slot, each in one program per span of the cache it reads) and the host
+copies of each slot's decode inputs.
 
 It runs what the scheduler asks and returns tokens and log-probability records; it knows nothing of requests'
 lifetimes, text or stop strings (trainer.serve.output).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,10 @@ from trainer.serve.logprobs import Logprob, records, token_logprobs
 from trainer.serve.sampling import allowed, sample_tokens
 from trainer.serve.structured import words
 from trainer.serve.weights import ServingModel
+
+# The shortest span a step reads: below it a step's cost is its fixed work (the weights, the sampling), not
+# attention, and fewer spans compile fewer programs.
+MIN_SPAN = 128
 
 
 class ModelRunner:
@@ -28,10 +35,9 @@ class ModelRunner:
         layout = CacheLayout.of(m)  # keys and values per head, or latent attention's latents
         cache_sharding = layout.sharding(model.mesh, self.kv_dtype)
         self.cache = jax.jit(lambda: layout.empty(slots, max_len, self.kv_dtype), out_shardings=cache_sharding)()
-        # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(replicated, cache_sharding))
-        self.programs = {"prefill": self._prefill, "decode": self._decode}
+        self._cache_sharding = cache_sharding
+        # "prefill/<span>" and "decode/<span>", made on first use (program).
+        self.programs: dict = {}
         # A multi-host group's leader hands each call to its workers first (trainer.serve.multihost).
         self.on_call = None
         self._replicated = replicated
@@ -60,36 +66,67 @@ class ModelRunner:
         if self._spans_processes:
             inputs = jax.tree.map(
                 lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), inputs)
-        outputs, self.cache = self.programs[name](self.weights, self.cache, *inputs)
+        outputs, self.cache = self.program(name)(self.weights, self.cache, *inputs)
         return outputs
 
-    def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW):
+    def program(self, name: str):
+        """Program `name`, "prefill/<span>" or "decode/<span>": the step attending over the first <span>
+        positions of the cache (a bucket: span_for), jitted on first use, on a group's workers as on its
+        leader. Steps read only their live span, so a short request's step costs what its tokens need
+        whatever max_len is; the buckets keep the programs few (one per span in spans(), each step)."""
+        if name not in self.programs:
+            step, span = name.split("/")
+            fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn}[step], span=int(span))
+            # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
+            self.programs[name] = jax.jit(fn, donate_argnums=(1,),
+                                          out_shardings=(self._replicated, self._cache_sharding))
+        return self.programs[name]
+
+    def spans(self) -> list[int]:
+        """The spans a step may read: the chunk (at least MIN_SPAN) doubled until it reaches max_len, which
+        ends the list (ceil(log2(max_len / that)) + 1 of them)."""
+        out = [min(max(self.chunk, MIN_SPAN), self.max_len)]
+        while out[-1] < self.max_len:
+            out.append(min(2 * out[-1], self.max_len))
+        return out
+
+    def span_for(self, length: int) -> int:
+        """The shortest span covering positions 0..length."""
+        return next(span for span in self.spans() if span >= min(length, self.max_len))
+
+    def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW,
+                    *, span):
         """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
         its target, the token after it (a target < 0: the token drawn here)."""
-        logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1)
+        logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1, span)
         logits_1xV = jax.lax.dynamic_index_in_dim(logits_1xCxV, last, axis=1, keepdims=False)
         token_1 = sample_tokens(allowed(logits_1xV, mask_1xW), *sampling, start_1 + last + 1)
         targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
         return (token_1, token_logprobs(logits_1xCxV[0], targets_C, want)), cache
 
-    def _decode_fn(self, weights, cache, tokens_S, positions_S, sampling, want, mask_SxW):
-        logits_Sx1xV, cache = self.model.module(weights).decode(tokens_S[:, None], cache, positions_S)
+    def _decode_fn(self, weights, cache, tokens_S, positions_S, sampling, want, mask_SxW, *, span):
+        logits_Sx1xV, cache = self.model.module(weights).decode(tokens_S[:, None], cache, positions_S, span=span)
         next_S = sample_tokens(allowed(logits_Sx1xV[:, 0], mask_SxW), *sampling, positions_S + 1)
         return (next_S, token_logprobs(logits_Sx1xV[:, 0], next_S, want)), cache
 
     def compilations(self) -> int:
-        """Programs compiled so far by the two steps (fixed shapes: 2 after warm-up)."""
-        return self._prefill._cache_size() + self._decode._cache_size()
+        """Programs compiled so far by the steps: one a step and span used (2 after warm-up, the smallest
+        span's; at most 2 * len(spans()) however long the server runs)."""
+        return sum(program._cache_size() for program in self.programs.values())
 
-    def warm_up(self) -> None:
-        """Compiles both steps (an idle decode step writes nothing; the prefill's writes into slot 0 are
-        overwritten by its next request before they are read)."""
+    def warm_up(self, every_span: bool = False) -> None:
+        """Compiles both steps at the smallest span, the one short requests use, and with `every_span` the
+        decode step at every span, so that no stream waits on a compilation between two of its tokens (an
+        idle decode step writes nothing; the prefill's writes into slot 0 are overwritten by its next
+        request before they are read). Other spans compile when a step first reaches them."""
         sampling = sampling_arrays([(0.0, 0, 1.0, 0)])
-        self.run("prefill", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
+        spans = self.spans()
+        self.run(f"prefill/{spans[0]}", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
                  np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False),
                  self.mask_SxW[:1])
-        tokens = self.run("decode", self.tokens_S, self.positions_S, self.slot_sampling(), np.bool_(False),
-                          self.mask_SxW)
+        for span in spans if every_span else spans[:1]:
+            tokens = self.run(f"decode/{span}", self.tokens_S, self.positions_S, self.slot_sampling(),
+                              np.bool_(False), self.mask_SxW)
         jax.block_until_ready(tokens)
 
     # ------------------------------------------------------------------ steps
@@ -110,7 +147,8 @@ class ModelRunner:
         if final:
             targets[len(piece) - 1] = -1
         want = prompt_scores or (final and top is not None)
-        token_1, scored = self.run("prefill", tokens, targets, np.asarray([start], np.int32),
+        span = self.span_for(start + self.chunk)  # covers the chunk's every position, its padding's too
+        token_1, scored = self.run(f"prefill/{span}", tokens, targets, np.asarray([start], np.int32),
                                    np.asarray([slot], np.int32), np.int32(len(piece) - 1),
                                    sampling_arrays([sampling]), np.bool_(want),
                                    self.any_1xW if mask_W is None else mask_W[None])
@@ -126,7 +164,9 @@ class ModelRunner:
     def decode(self, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
         """One decode step of every slot: (each slot's next token, the records of the slots in `wanted`, a
         slot -> how many alternatives)."""
-        tokens_S, scored = self.run("decode", self.tokens_S, self.positions_S, self.slot_sampling(),
+        live_S = self.positions_S[self.positions_S < self.max_len]  # an idle slot's position is max_len
+        span = self.span_for(int(live_S.max()) + 1 if live_S.size else 1)
+        tokens_S, scored = self.run(f"decode/{span}", self.tokens_S, self.positions_S, self.slot_sampling(),
                                     np.bool_(bool(wanted)), self.mask_SxW)
         tokens_S = host(tokens_S)
         if not wanted:
