@@ -1,5 +1,6 @@
-"""The trainer's side of a conversion: parameters written as the orbax checkpoint `train` writes, and a run's
-checkpoint read back a layer at a time (orbax's partial restore), as host numpy arrays."""
+"""The trainer's side of a conversion: parameters written as the orbax checkpoint `train` writes, a tensor at
+a time, and a run's checkpoint read back a layer at a time (each layer's slice read from its array's
+tensorstore), as host numpy arrays."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ class Streamed:
 
 class Feed:
     """The hand-over between the thread reading the tensors and orbax's writer: one value at a time in a queue,
-    at most two in flight (the next one is read while one is written)."""
+    one in flight (the next one is read while it is written)."""
 
     def __init__(self, cfg: Config, names: Iterable[str]):
         self.cfg = cfg
@@ -101,7 +102,7 @@ class Feed:
             self.streams.setdefault(target, Streamed(target, layers))
         self.left = {name: set(range(s.layers)) if s.layers else {None} for name, s in self.streams.items()}
         self.queue: queue.Queue = queue.Queue()
-        self.room = threading.Semaphore(2)
+        self.room = threading.Semaphore(1)
         self.stopped = threading.Event()
 
     def put(self, name: str, value: np.ndarray) -> None:
@@ -170,13 +171,17 @@ def _streamed_handler_class():
                 if name not in stores:
                     stream, info, arg = where[name]
                     shape = value.shape if stream.layers is None else (stream.layers, *value.shape)
+                    # A chunk a layer: a slice written into a chunk of the whole stack would keep the chunk in
+                    # tensorstore's memory until its last layer came (measured: the model again).
+                    chunk = value.shape if stream.layers is None else (1, *value.shape)
                     spec = ts_utils.build_array_write_spec(
-                        info=info, arg=arg, global_shape=shape, local_shape=shape, dtype=value.dtype,
+                        info=info, arg=arg, global_shape=shape, local_shape=chunk, dtype=value.dtype,
                         use_ocdbt=info.is_ocdbt_checkpoint, metadata_key=self._metadata_key,
                         process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint))
                     stores[name] = await ts.open(ts.Spec(spec.json), create=True, open=True,
                                                  context=info.ts_context)
-                await (stores[name] if index is None else stores[name][index]).write(value)
+                await (stores[name] if index is None else stores[name][index]).write(
+                    value, can_reference_source_data_indefinitely=True)  # never changed after: no copy
                 del value
                 self.feed.room.release()
                 left -= 1
