@@ -197,7 +197,8 @@ def test_deepseek_tiny_exports_as_deepseek_v3_and_transformers_gives_its_logits(
     _, params, biases, _ = nnx.split(model, nnx.Param, ExpertBias, ...)
     values = {**ParamCodec(params).flatten(params), **ParamCodec(biases).flatten(biases)}
     run = tmp_path / "run"
-    save_params(str(run / "checkpoints"), ((n, np.asarray(v)) for n, v in values.items()), cfg, source="test")
+    save_params(str(run / "checkpoints"), ((n, np.asarray(v)) for n, v in values.items()), cfg, source="test",
+                names=list(values))
     (run / "config.json").write_text(cfg.model_dump_json())
     export_checkpoint(str(run), str(tmp_path / "exported"))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", attn_implementation="eager",

@@ -212,7 +212,9 @@ def import_checkpoint(source: str, output: str) -> dict:
     model = open_hub(source)
     with staged(output) as tmp:
         save_params(os.path.join(tmp, CHECKPOINTS_DIR), iter_params(model), model.cfg,
-                    source=f"hf:{model.family.model_type}:{os.path.abspath(source)}")
+                    source=f"hf:{model.family.model_type}:{os.path.abspath(source)}",
+                    names=[spec.param for group in names.all_specs(model.cfg, model.family, model.layouts)
+                           for spec in group])
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             f.write(model.cfg.model_dump_json(indent=2) + "\n")
         side = copy_side_files(source, os.path.join(tmp, HUB_DIR))
