@@ -14,6 +14,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -143,8 +144,19 @@ def staged(output: str) -> Iterator[str]:
         raise WriteError(f"cannot write {output}: {e.filename or ''}{': ' if e.filename else ''}"
                          f"{e.strerror or e}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         raise
+
+
+def _remove(tmp: str) -> None:
+    """Removes the staging directory, again while it is still there: a checkpoint writer that was stopped may
+    still be closing files in it (tensorstore finishes its writes on threads of its own), and one removal
+    racing those can leave a directory behind (bounded: 5 s)."""
+    for _ in range(50):
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.lexists(tmp):
+            return
+        time.sleep(0.1)
 
 
 def copy_side_files(source: str, target: str) -> list[str]:
