@@ -99,7 +99,9 @@ def generate(model, weights, prompt: list[int], tokens: int, *, temperature: flo
     from trainer.serve.engine import Engine, Request, SamplingParams
 
     chunk = min(len(prompt), 256)
-    engine = Engine(model, weights, slots=1, max_len=len(prompt) + tokens, chunk=chunk)
+    # One span, the whole length: one slot's shorter reads save little, and each span is a compilation.
+    engine = Engine(model, weights, slots=1, max_len=len(prompt) + tokens, chunk=chunk,
+                    min_span=len(prompt) + tokens)
     engine.warm_up(every_span=True)  # compiled before the first token, so that the rate counts decoding only
     request = engine.submit(Request(prompt, SamplingParams(max_tokens=tokens, temperature=temperature,
                                                            top_k=top_k, seed=seed)))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from trainer.serve.logprobs import TOP, Logprob
 from trainer.serve.output import OutputProcessor
 from trainer.serve.prefix import PrefixCache
-from trainer.serve.runner import ModelRunner
+from trainer.serve.runner import MIN_SPAN, ModelRunner
 from trainer.serve.scheduler import Scheduler
 from trainer.serve.weights import ServingModel
 
@@ -97,13 +97,15 @@ class Snapshot:
 class Engine:
     def __init__(self, model: ServingModel, weights: dict, *, slots: int = 8, max_len: int = 512, chunk: int = 64,
                  kv_dtype=None, detokenize: Callable[[list[int]], str] | None = None, eos_id: int | None = None,
-                 prefix_cache: int = 0):
-        """`prefix_cache`: the tokens of prompt prefixes kept for later prompts (trainer.serve.prefix; 0: none)."""
+                 prefix_cache: int = 0, min_span: int = MIN_SPAN):
+        """`prefix_cache`: the tokens of prompt prefixes kept for later prompts (trainer.serve.prefix; 0: none);
+        `min_span`: the shortest span of the cache a step reads (trainer.serve.runner.ModelRunner.spans)."""
         shards = model.mesh.shape.get("expert", 1) * model.mesh.shape.get("data", 1)
         if slots % shards or chunk % shards:
             raise RequestError(f"slots ({slots}) and the prefill chunk ({chunk}) must be multiples of the mesh's "
                                f"{shards} devices (the MoE layers split tokens over them)")
-        self.runner = ModelRunner(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv_dtype)
+        self.runner = ModelRunner(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv_dtype,
+                                  min_span=min_span)
         self.scheduler = Scheduler(slots)
         self.output = OutputProcessor(detokenize, eos_id)
         self.prefix = PrefixCache(self.runner.cache, prefix_cache) if prefix_cache else None

@@ -26,10 +26,12 @@ MIN_SPAN = 128
 
 
 class ModelRunner:
-    def __init__(self, model: ServingModel, weights: dict, *, slots: int, max_len: int, chunk: int, kv_dtype):
+    def __init__(self, model: ServingModel, weights: dict, *, slots: int, max_len: int, chunk: int, kv_dtype,
+                 min_span: int = MIN_SPAN):
         m = model.cfg.model
         self.model, self.weights = model, weights
         self.slots, self.max_len, self.chunk = slots, max_len, chunk
+        self.min_span = min_span  # the shortest span (spans); max_len or more: one span, every step reads it all
         self.kv_dtype = jnp.dtype(kv_dtype or model.cfg.dtype)
         replicated = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
         layout = CacheLayout.of(m)  # keys and values per head, or latent attention's latents
@@ -85,7 +87,7 @@ class ModelRunner:
     def spans(self) -> list[int]:
         """The spans a step may read: the chunk (at least MIN_SPAN) doubled until it reaches max_len, which
         ends the list (ceil(log2(max_len / that)) + 1 of them)."""
-        out = [min(max(self.chunk, MIN_SPAN), self.max_len)]
+        out = [min(max(self.chunk, self.min_span), self.max_len)]
         while out[-1] < self.max_len:
             out.append(min(2 * out[-1], self.max_len))
         return out
