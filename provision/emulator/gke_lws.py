@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from provision.emulator.gke import POD_STARTING_S, KubeObject, PodRecord, iso
-from provision.emulator.gke_serving import CRASH_REASON, SERVER_READY_S, template_hash
+from provision.emulator.gke_serving import CRASH_REASON, SERVER_READY_S, end_pod, ready, server_key, template_hash
 from trainer.outputs import Phase
 
 if TYPE_CHECKING:
@@ -138,10 +138,6 @@ def _new_group(gke: GkeWorld, lws: KubeObject, group: int, wanted: str, now: flo
     return pods
 
 
-def server_key(pod: PodRecord) -> str:
-    return f"pod/{pod.namespace}/{pod.name}"
-
-
 def _server(lws: KubeObject, pod: PodRecord) -> dict | None:
     containers = (template(lws, pod.pod_index).get("spec") or {}).get("containers") or []
     return next((c for c in containers if c.get("name") == SERVER_CONTAINER), None)
@@ -191,20 +187,9 @@ def _watch_group(gke: GkeWorld, lws: KubeObject, pods: list[PodRecord], now: flo
             pod.ready_at = now
 
 
-def end_pod(gke: GkeWorld, pod: PodRecord, now: float, message: str) -> None:
-    if gke.servers is not None:
-        gke.servers.stop(server_key(pod))
-    gke.pods.pop(f"{pod.namespace}/{pod.name}", None)
-    gke.event(pod.namespace, "Pod", pod.name, "Killing", f"Stopping container server: {message}", now)
-
-
 def delete(gke: GkeWorld, lws: KubeObject, now: float) -> None:
     for pod in [p for p in gke.pods.values() if p.namespace == lws.namespace and p.lws == lws.name]:
         end_pod(gke, pod, now, "the LeaderWorkerSet was deleted")
-
-
-def ready(pod: PodRecord, now: float) -> bool:
-    return pod.ready_at is not None and pod.ready_at <= now and not pod.restarts and pod.phase(now) == "Running"
 
 
 def status(gke: GkeWorld, lws: KubeObject, now: float) -> dict:

@@ -30,7 +30,7 @@ CRASH_REASON = "CrashLoopBackOff"
 
 
 def server_key(pod: PodRecord) -> str:
-    """The local server's key for a Deployment's pod."""
+    """The local server's key for a serving pod (a Deployment's or a LeaderWorkerSet's)."""
     return f"pod/{pod.namespace}/{pod.name}"
 
 
@@ -122,8 +122,8 @@ def _watch_server(gke: GkeWorld, dep: KubeObject, pod: PodRecord, now: float) ->
 
 
 def end_pod(gke: GkeWorld, pod: PodRecord, now: float, message: str) -> None:
-    """The pod is deleted now (its server stopped); it is gone from the API."""
-    if gke.servers is not None and pod.deployment:
+    """The pod is deleted now (its server stopped, a Deployment's or a LeaderWorkerSet's); it is gone from the API."""
+    if gke.servers is not None and (pod.deployment or pod.lws):
         gke.servers.stop(server_key(pod))
     gke.pods.pop(f"{pod.namespace}/{pod.name}", None)
     gke.event(pod.namespace, "Pod", pod.name, "Killing", f"Stopping container server: {message}", now)

@@ -326,7 +326,7 @@ def lws_pod_view(gke: GkeWorld, pod: PodRecord, now: float) -> dict:
     lws = gke.objects.get(object_key(gke_lws.LWS, pod.namespace, pod.lws or ""))
     spec = copy.deepcopy(gke_lws.template(lws, pod.pod_index).get("spec") or {}) if lws else {"containers": []}
     spec["nodeName"] = pod.node
-    phase, is_ready = pod.phase(now), gke_lws.ready(pod, now)
+    phase, is_ready = pod.phase(now), gke_serving.ready(pod, now)
     statuses = [_server_status(c["name"], pod, phase, is_ready, now) for c in spec.get("containers", [])]
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": f"pod-{pod.name}",
@@ -366,9 +366,9 @@ def proxy_target(gke: GkeWorld, now: float, namespace: str, service: str) -> str
         raise KubeError(503, "ServiceUnavailable", f'no endpoints available for service "{service}"')
     selector = ",".join(f"{k}={v}" for k, v in (obj.manifest["spec"].get("selector") or {}).items())
     for pod in sorted(gke.pods.values(), key=lambda p: p.name):
-        if pod.lws and pod.namespace == namespace and gke_lws.ready(pod, now) and pod.log_path:
+        if pod.lws and pod.namespace == namespace and gke_serving.ready(pod, now) and pod.log_path:
             if selector and selector_matches(selector, gke_lws.pod_labels(gke, pod) or {}):
-                return gke_lws.server_key(pod)  # a group's leader (the selector picks leaders only)
+                return gke_serving.server_key(pod)  # a group's leader (the selector picks leaders only)
             continue
         dep = gke.objects.get(object_key(gke_serving.DEPLOYMENT, pod.namespace, pod.deployment or ""))
         if pod.namespace != namespace or dep is None or not gke_serving.ready(pod, now):
