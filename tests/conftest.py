@@ -101,6 +101,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return (os.cpu_count() or 1) + 1
 
 
+def pytest_configure(config):
+    """pytest-xdist hands out the files with the most tests first unless told otherwise (its
+    `--loadscope-reorder`, on by default), whatever order the items below come in: a long file of few tests
+    (test_two_runs.py has 3) then starts near the end. The order below is the one wanted."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
     def rank(item) -> int:
         path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
