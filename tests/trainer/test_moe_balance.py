@@ -220,6 +220,10 @@ def test_the_bias_is_state_not_a_parameter():
 # ----------------------------------------------------------------------------- the bias in training
 
 BIAS_RUN = ["moe.capacity_factor=0", "moe.balance=bias", "moe.num_experts=16", "moe.top_k=2"]
+# The balancing run's data and schedule (150 steps). The resume test trains the same model (its bias at rate
+# 1e-3) so that its train step is the same program: the run's compilation cache (tests/conftest.py) holds it
+# when that test comes, and compiling it optimised is most of either test's time.
+BALANCED = BIAS_RUN + ["data.synthetic_vocab=256", "data.synthetic_branching=16", "optim.decay_steps=150"]
 
 
 def train(tmp_path, name, steps, overrides, devices=1, expert=1, **spec):
@@ -247,10 +251,9 @@ def test_bias_balancing_evens_the_load_of_a_real_run(tmp_path):
     had; at 100 steps the gap (0.23) is under the 0.25 asserted, so the second bound still fails a bias
     that balances too slowly."""
     steps = 150
-    data = ["data.synthetic_vocab=256", "data.synthetic_branching=16", f"optim.decay_steps={steps}"]
     ends = {}
     for rate in (1e-3, 0.0):
-        rows = train(tmp_path, f"rate{rate}", steps, BIAS_RUN + data + [f"moe.bias_rate={rate}"])
+        rows = train(tmp_path, f"rate{rate}", steps, BALANCED + [f"moe.bias_rate={rate}"])
         ends[rate] = [np.mean([r[f"moe.{i}.load_max_over_mean"] for r in rows[-20:]]) for i in (0, 1)]
         assert rows[-1]["aux_loss"] == 0.0  # balance: bias has no auxiliary loss
     assert max(ends[1e-3]) <= 1.3, ends
@@ -258,8 +261,9 @@ def test_bias_balancing_evens_the_load_of_a_real_run(tmp_path):
 
 
 def test_forty_steps_equal_twenty_a_restore_and_twenty(tmp_path):
-    """Loss, parameters and bias bit-exact."""
-    overrides = BIAS_RUN + ["optim.decay_steps=40", "train.checkpoint_every=20", "moe.bias_rate=0.01"]
+    """Loss, parameters and bias bit-exact. The model, data and schedule are the balancing test's run at rate
+    1e-3 (BALANCED): its train step, compiled once."""
+    overrides = BALANCED + ["train.checkpoint_every=20", "moe.bias_rate=0.001"]
     straight = train(tmp_path, "a", 40, overrides, output_dir=str(tmp_path / "a"))
     first = train(tmp_path, "b1", 20, overrides, output_dir=str(tmp_path / "b"))
     second = train(tmp_path, "b2", 40, overrides, output_dir=str(tmp_path / "b"))
@@ -270,7 +274,8 @@ def test_forty_steps_equal_twenty_a_restore_and_twenty(tmp_path):
     for part in ("params", "moe_bias"):
         for name in a[part]:
             assert np.asarray(a[part][name]).tobytes() == np.asarray(b[part][name]).tobytes(), name
-    assert np.abs(a["moe_bias"]["stacks.0.0.ffn.expert_bias"][1]).max() > 0.05  # it moved
+    moved = np.abs(a["moe_bias"]["stacks.0.0.ffn.expert_bias"]).max()
+    assert moved > 0.01  # it moved: 40 steps of 1e-3, ten more one way than the other (measured 0.019)
 
 
 # An expert-parallel run steps the bias exactly as one device does: tests/trainer/test_tensor_parallel.py, whose
