@@ -17,6 +17,7 @@ from __future__ import annotations
 from provision.config.loading import (  # noqa: F401 - the config's API, one import away
     config_from_dict,
     load_config,
+    top_sections,
     trainer_problems,
     with_planned_mesh,
     with_serving_mesh,
@@ -26,7 +27,7 @@ from provision.config.sections import (  # noqa: F401 - the config's API, one im
     DryRunConfig,
     ImageConfig,
     RecoveryConfig,
-    SliceConfig,
+    ServeConfig,
     TrainerConfig,
 )
 from provision.config.starter import (  # noqa: F401 - the config's API, one import away
