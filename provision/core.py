@@ -239,9 +239,10 @@ class Kind:
     name: the config's `target` value; noun: what it is, in a sentence; group: its own command group
     (an alias of `up | status | down`, with actions of its own), group_help its help, verbs its commands
     (provision/cli/kind_cmds.py makes them), up_flags the flags its `up` takes (the generic `up`
-    offers them too), up_command its group's `up`; sections: the config sections
-    it reads (besides the common ones); own_sections: sections a kind brings to the config file
-    itself (the key -> its pydantic model, validated with the file by provision.config.loading);
+    offers them too), up_command its group's `up`; sections: the model of what the kind adds to the
+    common config (provision.config.Config), in its package: its sections as fields (pydantic models),
+    its rules between keys as `rules` and where its zones may lie as `zone_region` (both read the
+    validated config); the config of the kind is the common one plus it (provision.config.kind_config);
     serve_platform, serve_price_basis: what `plan --serve` says a replica is billed on and what its
     price is (by default a Cloud TPU VM's, at the catalogue's chip-hour price); serves_multi_host:
     whether it serves a replica over several hosts (GKE's LeaderWorkerSet).
@@ -254,22 +255,12 @@ class Kind:
     verbs: ClassVar[tuple[Verb, ...]] = ()
     up_flags: ClassVar[tuple[Flag, ...]] = ()
     up_command: ClassVar[str] = ""  # its own group's `up` (e.g. "slice up")
-    sections: ClassVar[tuple[str, ...]] = ()
-    own_sections: ClassVar[dict[str, type]] = {}
+    sections: ClassVar[type | None] = None
     serve_platform: ClassVar[str] = "Cloud TPU VM"
     serve_price_basis: ClassVar[str] = "the catalogue's Cloud TPU v5e chip-hour price"
     serves_multi_host: ClassVar[bool] = False
 
     # --- the config ----------------------------------------------------------------------------
-    def checks(self, get: Callable[[str], Any]) -> list[tuple[str, str]]:
-        """Rules between keys for a config of this kind, as (dotted key, message); `get(key)` is the raw
-        value (or its default; provision.config.loading's _BAD where that key failed its own rule)."""
-        return []
-
-    def zone_region(self, get: Callable[[str], Any]) -> tuple[Any, str] | None:
-        """The region every zone must lie in and why (a clause for the message); None: anywhere."""
-        return get("region"), ""
-
     def warnings(self, cfg) -> list[str]:
         """What is allowed but worth saying about a config of this kind."""
         return []
@@ -342,10 +333,10 @@ class Kind:
         return None
 
 
-def replica_problems(get: Callable[[str], Any], scaler: str) -> list[tuple[str, str]]:
+def replica_problems(serve, scaler: str) -> list[tuple[str, str]]:
     """The serve section's replica rule, the same on every kind that serves: min_replicas <= max_replicas."""
-    low, high = get("serve.min_replicas"), get("serve.max_replicas")
-    if isinstance(low, int) and isinstance(high, int) and low > high:
+    low, high = serve.min_replicas, serve.max_replicas
+    if low > high:
         return [("serve.max_replicas", f"max_replicas ({high}) is below min_replicas ({low}): {scaler} scales "
                                        "between them")]
     return []

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from provision.config import Config, config_from_dict, starter_config
+from provision.config import Config, config_from_dict, starter_config, top_sections
 from provision.errors import UsageError
 
 # Outputs that are a directory under which the run gets its own.
@@ -65,15 +65,15 @@ def _terraform_output(directory: Path) -> str:
 
 def config_keys(outputs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """(dotted config key -> value for the outputs named after one, the names that are not)."""
-    sections = {name: field.annotation for name, field in Config.model_fields.items()
-                if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields")}
+    sections = top_sections()
     keys: dict[str, Any] = {}
     other: list[str] = []
     for name, value in outputs.items():
         section = next((s for s in sections if name.startswith(f"{s}_")), None)
         if section is not None and name[len(section) + 1:] in sections[section].model_fields:
             keys[f"{section}.{name[len(section) + 1:]}"] = value
-        elif section is None and name in Config.model_fields and name not in sections and name != "source":
+        elif section is None and name in Config.model_fields and name not in sections \
+                and not Config.model_fields[name].exclude:
             keys[name] = value
         else:
             other.append(name)

@@ -1,15 +1,18 @@
 """The shapes of names, durations and ids that the config's rules share, and the base of its sections.
 
 Every rule here raises trainer.schema.invalid (the project's own error kind), which
-provision/config/loading.py reports under the dotted key."""
+provision/config/loading.py reports under the dotted key; the rules between keys, validators of the models
+that hold those keys, raise theirs together through `broken`."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 
 from provision import catalogue
 from provision.waiting import format_duration
@@ -122,4 +125,66 @@ def _zone_name(zone: str) -> str:
 
 
 class _Section(BaseModel):
+    """A section of the config file: its fields' own rules, and its rules between them (`rule`)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="after")
+    def _rules(self) -> _Section:
+        broken(check(self))
+        return self
+
+
+# The pydantic error type of a model's broken rules between keys: its context's `found` holds (key, message)
+# pairs, each key dotted below the model's own place in the file (provision/config/loading.py reports each).
+RULES = "rules_between_keys"
+
+
+def rule(*reads: str) -> Callable[[Callable], Callable]:
+    """Mark a method of a config model as one of its rules between keys: it reads the keys `reads` (dotted
+    below the model) and returns what is wrong as (dotted key below the model, message) pairs. A subclass
+    replaces a rule by defining one of the same name. The model's validator runs them all (`_Section`'s,
+    provision.config.Config's); a config whose keys failed their own rules runs them too, each only where
+    none of the keys it reads failed (provision.config.loading), so one mistake is reported once."""
+    def mark(method: Callable) -> Callable:
+        method.reads = reads
+        return method
+    return mark
+
+
+def _rules_of(model: type) -> list[Callable]:
+    """A model's rules, the base's first, each by its name the most derived one."""
+    names = dict.fromkeys(name for cls in reversed(model.__mro__) for name, value in vars(cls).items()
+                          if hasattr(value, "reads"))
+    return [getattr(model, name) for name in names]
+
+
+def _failed(read: str, failed: frozenset[str]) -> bool:
+    """Whether the key `read` or a section above it failed its own rule (a rule that reads a list or a
+    section as a whole passes over what in it is not what its own rules let through)."""
+    return any(key == read or read.startswith((f"{key}.", f"{key}[")) for key in failed)
+
+
+def check(model: BaseModel, failed: frozenset[str] = frozenset(), prefix: str = "") -> list[tuple[str, str]]:
+    """What `model`'s rules find, as (dotted key below it, message); with `failed` (dotted keys of the file,
+    `prefix` the model's place in it) the model stands in for a config that failed validation: each rule
+    that reads a failed key is passed over, and one that cannot read its values (a failed one it did not
+    name) finds nothing."""
+    found: list[tuple[str, str]] = []
+    for method in _rules_of(type(model)):
+        if not failed:
+            found += method(model)
+        elif not any(_failed(prefix + read, failed) for read in method.reads):
+            try:
+                found += method(model)
+            except (AttributeError, TypeError, ValueError, KeyError, IndexError):
+                continue
+    return found
+
+
+def broken(found: list[tuple[str, str]]) -> None:
+    """Raise the rules between keys that `found` says are broken, (dotted key below the model, message)
+    each, as one error: a model validator raises once, so every rule of the model is reported together."""
+    if found:
+        raise PydanticCustomError(RULES, "{count} rule(s) between keys broken", {"count": len(found),
+                                                                              "found": tuple(found)})

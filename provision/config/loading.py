@@ -1,20 +1,22 @@
-"""Reading a config file: the bounded YAML (trainer/safeyaml.py), the keys' lines, the pydantic
-errors as messages naming the dotted key, the rules between keys, and the trainer's own checks."""
+"""Reading a config file: the bounded YAML (trainer/safeyaml.py), the keys' lines, the config validated
+as the union of the registry's kinds' configs (provision.config.sections.config_union), the pydantic errors
+and the broken rules between keys as messages naming the dotted key, and the trainer's own checks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import typing
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from provision import catalogue
-from provision.config.sections import _SECTIONS, Config
+from provision.config.sections import DEFAULT_TARGET, Config, config_union, kind_config, target_problem
 from provision.errors import ConfigError, Problem
 from provision.kinds import KINDS
-from provision.shapes import _ZONE, DEFAULT_CONFIG, _brief
+from provision.shapes import DEFAULT_CONFIG, RULES, _brief, check
 from trainer import safeyaml, schema
 
 # --- loading ---------------------------------------------------------------------------
@@ -65,16 +67,59 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _own_sections() -> dict[str, type[BaseModel]]:
-    """The sections the kinds of target bring to the file (provision.kinds.Kind.own_sections)."""
-    return {key: model for kind in KINDS.values() for key, model in kind.own_sections.items()
-            if key not in Config.model_fields}
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (`X | None` too), or None."""
+    for member in (annotation, *typing.get_args(annotation)):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            return member
+    return None
 
 
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+def _kind_sections() -> dict[str, Any]:
+    """Each section a kind brings to the config (Kind.sections' fields), by key: the kind's sections
+    model, the first kind's of those that read it (the slice section: two kinds')."""
+    found: dict[str, Any] = {}
+    for kind in KINDS.values():
+        fields = kind.sections.model_fields if kind.sections is not None else {}
+        for key, field in fields.items():
+            if _model_of(field.annotation) is not None:
+                found.setdefault(key, kind.sections)
+    return found
+
+
+def _section_models() -> dict[str, type[BaseModel]]:
+    """Every section's model by its key, the common ones, the kinds' and those within them (gke.pathways)."""
+    models: dict[str, type[BaseModel]] = {}
+    fields = [*Config.model_fields.items(), *((key, sections.model_fields[key])
+                                               for key, sections in _kind_sections().items())]
+    while fields:
+        key, field = fields.pop(0)
+        model = _model_of(field.annotation)
+        if model is not None and key not in models:
+            models[key] = model
+            fields += model.model_fields.items()
+    return models
+
+
+def top_sections() -> dict[str, type[BaseModel]]:
+    """The sections a config file may have at its top, by key: the common ones and every kind's."""
+    return {key: _model_of(field.annotation) for key, field in _top_keys().model_fields.items()
+            if _model_of(field.annotation) is not None}
+
+
+def _top_keys() -> Any:
+    """The keys a config file may have at its top (for an unknown one's hint): the common ones, with
+    every kind's sections after `target`."""
+    common = [(key, field) for key, field in Config.model_fields.items() if not field.exclude]
+    at = next(i for i, (key, _) in enumerate(common) if key == "target") + 1
+    kinds = [(key, sections.model_fields[key]) for key, sections in _kind_sections().items()]
+    return SimpleNamespace(model_fields=dict([*common[:at], *kinds, *common[at:]]))
+
+
+def _model_at(loc: tuple[Any, ...]) -> Any:
     if not loc:
-        return Config
-    sections = {**_own_sections(), **_SECTIONS}
+        return _top_keys()
+    sections = _section_models()
     if loc[-1] in sections and all(isinstance(part, str) for part in loc):
         return sections[loc[-1]]
     return None
@@ -85,95 +130,70 @@ def _message(err: Any) -> str:
     return schema.explain(err, _model_at, show=_brief)
 
 
-def _get(raw: dict[str, Any], failed: set[str], key: str) -> Any:
-    """The raw value of a dotted key (or its schema default); _BAD where that key failed."""
-    parts = key.split(".")
-    if any(".".join(parts[:i]) in failed for i in range(1, len(parts) + 1)):
-        return _BAD
-    node: Any = raw
-    model: type[BaseModel] = Config
-    for part in parts:
-        if model is Config and part not in Config.model_fields:  # a kind's own section
-            model = _own_sections()[part]
-            node = node.get(part) if isinstance(node, dict) and isinstance(node.get(part), dict) else {}
+@functools.cache
+def _union(kinds: tuple[Any, ...]) -> Any:
+    return config_union(kinds)
+
+
+def _as_kind(raw: dict[str, Any], file: str) -> tuple[type[Config], dict[str, Any], dict[str, Any], list[Any],
+                                                   list[Problem]]:
+    """The config `raw` is of (the kind's config, or where `target` names no kind the common one alone),
+    its data, the sections of other kinds left in the file (key -> the model of the kind that reads it), the
+    errors of those (each validated by that model) and a bad `target`'s problem."""
+    target = raw["target"] if "target" in raw else DEFAULT_TARGET
+    why = target_problem(target, list(KINDS))
+    model = kind_config(KINDS[target]) if why is None else Config
+    foreign = {key: sections for key, sections in _kind_sections().items()
+               if key in raw and key not in model.model_fields}
+    others, errors = {}, []
+    for key, sections in foreign.items():
+        try:
+            others[key] = getattr(sections.model_validate({key: raw[key]}), key)
+        except ValidationError as exc:
+            errors += exc.errors()
+    data = {key: value for key, value in raw.items() if key not in foreign and key != "target"}
+    data.update(other_sections=others, source=Path(file))
+    if why is not None:
+        return model, data, foreign, errors, [Problem(file, "target", why)]
+    return model, {**data, "target": target}, foreign, errors, []
+
+
+def _stand_in(model: type[BaseModel], data: Any) -> Any:
+    """`model` built from the file's values as given, unvalidated (a key left out: its default), for the rules
+    between keys of a config that failed validation (provision.shapes.check passes over the failed keys)."""
+    if not isinstance(data, dict):
+        return data
+    values = {}
+    for name, field in model.model_fields.items():
+        if name not in data:
             continue
-        field = model.model_fields[part]
-        if isinstance(node, dict) and node.get(part) is not None:
-            node = node[part]
-        else:
-            node = None if field.is_required() else field.get_default(call_default_factory=True)
-            if isinstance(node, BaseModel):
-                node = node.model_dump()
-        model = _SECTIONS.get(part, model)
-    return node
+        value, section = data[name], _model_of(field.annotation)
+        if section is not None and value is None and (field.default is not None or field.default_factory):
+            value = {}
+        values[name] = _stand_in(section, value) if section is not None else value
+    return model.model_construct(**values)
 
 
-_BAD = object()
+def _found(model: Any, failed: frozenset[str], prefix: str = "") -> list[tuple[str, str]]:
+    """What the rules between keys of `model` and of its sections find, keys dotted below it."""
+    found: list[tuple[str, str]] = []
+    for name in type(model).model_fields:
+        section = getattr(model, name, None)
+        if isinstance(section, BaseModel):
+            found += [(f"{name}.{key}", message) for key, message in _found(section, failed, f"{prefix}{name}.")]
+    return found + check(model, failed, prefix)
 
 
-def _cross_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
-    """Rules between keys, as (dotted key, message)."""
-    found = _zone_checks(get)
-    region, zones = get("region"), get("zones")
-    acc_name, runtime = get("slice.accelerator"), get("slice.runtime_version")
-    if isinstance(acc_name, str) and isinstance(runtime, str) and acc_name in catalogue.ACCELERATORS:
-        fits = catalogue.accelerator(acc_name).runtime_versions
-        if runtime not in fits:
-            found.append(("slice.runtime_version", f"runtime version {runtime!r} does not fit {acc_name}; "
-                                                   f"use {', '.join(fits)}"))
-    capacity, reservation = get("slice.capacity"), get("slice.reservation")
-    if capacity == "reserved" and reservation is None:
-        found.append(("slice.reservation",
-                      "capacity 'reserved' needs slice.reservation (the reservation's name)"))
-    if capacity in ("spot", "on-demand") and isinstance(reservation, str):
-        found.append(("slice.reservation", f"a reservation is only used with capacity 'reserved' "
-                                           f"(capacity is {capacity!r})"))
-    if isinstance(reservation, str) and reservation.count("/") == 5 and isinstance(zones, list):
-        res_zone = reservation.split("/")[3]
-        others = [z for z in zones if isinstance(z, str) and z != res_zone]
-        if others:  # a TPU consumes a reservation in its own zone only
-            found.append(("slice.reservation", f"reservation {reservation!r} is in {res_zone}; it cannot serve "
-                                               f"zone(s) {', '.join(others)} (list only {res_zone} in `zones:`, "
-                                               "or give the reservation's short name)"))
-    machine, topology = get("vertex.machine_type"), get("vertex.topology")
-    allowed = catalogue.VERTEX_MACHINE_TOPOLOGIES.get(machine) if isinstance(machine, str) else None
-    if allowed and isinstance(topology, str) and topology not in allowed:
-        found.append(("vertex.topology", f"topology {topology!r} does not fit machine type {machine!r}; "
-                                         f"it takes {', '.join(allowed)}"))
-    tensorboard = get("vertex.tensorboard")
-    if isinstance(tensorboard, str) and get("vertex.service_account") is None:
-        found.append(("vertex.tensorboard", "a Vertex AI TensorBoard needs vertex.service_account (the job "
-                                            "writes to TensorBoard as that account)"))
-    if isinstance(tensorboard, str) and isinstance(region, str) and f"/locations/{region}/" not in tensorboard:
-        found.append(("vertex.tensorboard", f"TensorBoard {tensorboard!r} is not in the job's region {region!r}"))
-    found += _kind_checks(get)
+def _rules_of_failed(model: type[Config], data: dict[str, Any], raw: dict[str, Any], foreign: dict[str, Any],
+                     failed: frozenset[str]) -> list[tuple[str, str]]:
+    """The rules between keys of a config whose keys `failed` their own rules (so validation ran none of the
+    rules of a model with a failed key): each run on the file's values where no key it reads failed."""
+    found = _found(_stand_in(model, data), failed)
+    for key, sections in foreign.items():
+        section = getattr(_stand_in(sections, {key: raw[key]}), key, None)
+        if isinstance(section, BaseModel):
+            found += [(f"{key}.{below}", message) for below, message in _found(section, failed, f"{key}.")]
     return found
-
-
-def _kind_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
-    """The rules of the config's kind of target (provision.kinds.Kind.checks); none when the
-    target itself is not a kind."""
-    target = get("target")
-    kind = KINDS.get(target) if isinstance(target, str) else None
-    return kind.checks(get) if kind is not None else []
-
-
-def _zone_checks(get: Callable[[str], Any]) -> list[tuple[str, str]]:
-    """Each zone against the region it must lie in: `region`, unless the config's kind of target says
-    otherwise (Kind.zone_region: a TPU VM slice's zones lie anywhere unless its subnetwork ties them)."""
-    zones, target = get("zones"), get("target")
-    if not isinstance(zones, list):
-        return []
-    kind = KINDS.get(target) if isinstance(target, str) else None
-    rule = kind.zone_region(get) if kind is not None else (get("region"), "")
-    if rule is None:
-        return []
-    region, where = rule
-    if not isinstance(region, str):
-        return []
-    return [(f"zones[{i}]", f"zone {zone!r} is not in region {region!r}{where}")
-            for i, zone in enumerate(zones)
-            if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != region]
 
 
 def trainer_problems(cfg: Config) -> list[Problem]:
@@ -243,41 +263,35 @@ def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Probl
 
 
 def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: dict[str, int]) -> Config:
-    for internal in ("source", "kind_sections", "planned_mesh", "planned_serve_mesh", "serve_mesh_decider"):
+    for internal in (key for key, field in Config.model_fields.items() if field.exclude):
         if internal in raw:
             raw.pop(internal)
             problems.append(Problem(file, internal, f"unknown key {internal!r}"))
+    model, data, foreign, errors, target = _as_kind(raw, file)
+    problems += target
+    kinds = tuple(KINDS.values())
+    member = int(model is not Config and len(kinds) > 1)  # the union's errors name its member first
     config: Config | None = None
-    failed: set[str] = set()
-    own, errors = _own_sections_of(raw)
-    fields = {key: value for key, value in raw.items() if key not in _own_sections()}
     try:
-        config = Config.model_validate({**fields, "kind_sections": own, "source": Path(file)})
+        config = _union(kinds).validate_python(data) if member else model.model_validate(data)
     except ValidationError as exc:
-        errors += exc.errors()
+        errors += [{**err, "loc": tuple(err["loc"])[member:]} for err in exc.errors()]
+    failed: set[str] = set()
+    found: list[tuple[str, str]] = []
     for err in errors:
         key = _dotted(err["loc"])
-        failed.add(key)
-        problems.append(Problem(file, key, _message(err)))
+        if err["type"] == RULES:
+            found += [(f"{key}.{below}" if key else below, message) for below, message in err["ctx"]["found"]]
+        else:
+            failed.add(key)
+            problems.append(Problem(file, key, _message(err)))
     problems += [Problem(file, key, msg) for key, msg in _control_characters(raw) if key not in failed]
-    problems += [Problem(file, key, msg) for key, msg in _cross_checks(lambda k: _get(raw, failed, k))]
+    if failed:
+        found = _rules_of_failed(model, data, raw, foreign, frozenset(failed))
+    problems += [Problem(file, key, message) for key, message in found]
     if problems or config is None:
         raise ConfigError(_in_file_order(problems, lines))
     return config
-
-
-def _own_sections_of(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """The kinds' own sections in `raw`, each validated by its model, and the errors (their locations
-    under the section's key)."""
-    sections, errors = {}, []
-    for key, model in _own_sections().items():
-        if key not in raw:
-            continue
-        try:
-            sections[key] = model.model_validate({} if raw[key] is None else raw[key])
-        except ValidationError as exc:
-            errors += [{**err, "loc": (key, *err["loc"])} for err in exc.errors()]
-    return sections, errors
 
 
 def mesh_problem(cfg: Config, why: str) -> Problem:

@@ -1,116 +1,53 @@
-"""The config's sections as frozen pydantic models, each field with its own rule (the shapes they share:
-provision/shapes.py; the gke and pathways sections: provision/kinds/gke/gke_sections.py; the vertex
-section: provision/kinds/vertex/vertex_sections.py)."""
+"""The config as frozen pydantic models: the sections every kind of target reads, each field with its own
+rule (the shapes they share: provision/shapes.py), the common `Config`, and the union of the kinds'
+configs tagged by `target`, built from the kinds it is given (`config_union`: each kind's config is
+`Config` plus its `Kind.sections`, the sections of its package and its rules between keys)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    TypeAdapter,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from provision import catalogue
-from provision.kinds import KINDS
-from provision.kinds.gke.gke_sections import GkeConfig, PathwaysConfig
-from provision.kinds.vertex.vertex_sections import VertexConfig
 from provision.shapes import (
     _GCS_URL,
     _IMAGE_REPOSITORY,
     _IMAGE_TAG,
-    _NETWORK,
     _OVERRIDE_KEY,
     _PROJECT,
     _REGION,
     _RFC1035,
-    _SERVICE_ACCOUNT,
-    _SUBNETWORK,
     _SYSTEM_TREES,
     _ZONE,
     DEFAULT_CONFIG,
     MAX_ID_LENGTH,
     MAX_RUN_LENGTH,
-    MAX_SLICE_COUNT,
     SYSTEM_DIRS,
     _brief,
     _mesh_text,
-    _positive_duration,
     _Section,
     _zone_name,
+    broken,
+    check,
     gcs_location,
+    rule,
 )
 from trainer.schema import NonNegative, Positive, did_you_mean, invalid
-
-
-class SliceConfig(_Section):
-    accelerator: str = "v5litepod-64"
-    runtime_version: str = catalogue.V5E_RUNTIME
-    count: Annotated[StrictInt, Field(ge=1, le=MAX_SLICE_COUNT)] = 1
-    capacity: Literal["on-demand", "spot", "reserved"] = "spot"
-    reservation: str | None = None
-    max_wait: timedelta = timedelta(hours=2)
-    network: str = "default"
-    subnetwork: str | None = None
-    service_account: str | None = None
-
-    @field_validator("accelerator")
-    @classmethod
-    def _known_accelerator(cls, value: str) -> str:
-        if value not in catalogue.ACCELERATORS:
-            names = list(catalogue.ACCELERATORS)
-            raise invalid(f"unknown accelerator type {value!r}{did_you_mean(value, names)} "
-                        f"(v5e types: {', '.join(names)})")
-        return value
-
-    @field_validator("reservation")
-    @classmethod
-    def _reservation_name(cls, value: str | None) -> str | None:
-        """A reservation's name (RFC 1035, like every Compute Engine resource name) or its full
-        name projects/PROJECT/locations/ZONE/reservations/NAME (the API's reservation_name)."""
-        if value is None:
-            return value
-        parts = value.split("/")
-        full = (len(parts) == 6 and parts[0] == "projects" and parts[2] == "locations"
-                and parts[4] == "reservations" and bool(_PROJECT.match(parts[1])) and bool(_ZONE.match(parts[3])))
-        name = parts[5] if full else value
-        if (len(parts) != 1 and not full) or not _RFC1035.match(name) or len(name) > MAX_ID_LENGTH:
-            raise invalid(f"reservation {value!r} is not a reservation name (lowercase letters, digits and "
-                        "hyphens, starting with a letter, at most 63) nor "
-                        "projects/PROJECT/locations/ZONE/reservations/NAME")
-        return value
-
-    @field_validator("max_wait", mode="before")
-    @classmethod
-    def _duration(cls, value: Any) -> timedelta:
-        return _positive_duration(value)
-
-    @field_validator("network")
-    @classmethod
-    def _network_name(cls, value: str) -> str:
-        if not _NETWORK.match(value):
-            raise invalid(f"network {_brief(value)} is not a network name (lowercase letters, digits and hyphens, "
-                        "starting with a letter, at most 63) nor projects/PROJECT/global/networks/NAME")
-        return value
-
-    @field_validator("subnetwork")
-    @classmethod
-    def _subnetwork_name(cls, value: str | None) -> str | None:
-        if value is not None and not _SUBNETWORK.match(value):
-            raise invalid(f"subnetwork {_brief(value)} is not a subnetwork name (lowercase letters, digits and "
-                        "hyphens, starting with a letter, at most 63) nor "
-                        "projects/PROJECT/regions/REGION/subnetworks/NAME")
-        return value
-
-    @field_validator("service_account")
-    @classmethod
-    def _service_account_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _SERVICE_ACCOUNT.match(value):
-            raise invalid(f"service account {_brief(value)} must be an email like "
-                        "trainer@my-project.iam.gserviceaccount.com")
-        return value
-
 
 # The single-host v5e machine types that serve (Vertex AI online prediction and a GKE serving node
 # pool), with the one topology each has on one host.
@@ -305,40 +242,50 @@ class DryRunConfig(_Section):
         return _mesh_text(value)
 
 
-_SECTIONS: dict[str, type[_Section]] = {
-    "slice": SliceConfig, "vertex": VertexConfig, "image": ImageConfig,
-    "trainer": TrainerConfig, "recovery": RecoveryConfig, "dry_run": DryRunConfig,
-    "gke": GkeConfig, "pathways": PathwaysConfig, "serve": ServeConfig,
-}
-
-
 # What a config might call Cloud Run, which serves on GPUs only (refused with the reason and the alternatives).
 CLOUD_RUN_NAMES = ("cloud-run", "cloudrun", "run")
+# The kind a config without `target:` is of.
+DEFAULT_TARGET = "tpu-vm"
+
+
+def target_problem(value: Any, names: list[str]) -> str | None:
+    """What is wrong with `target: value` where the kinds are `names` (None: one of them): the one key
+    read before the union of the kinds' configs, which it picks the member of."""
+    if isinstance(value, str) and value.replace("_", "-").lower() in CLOUD_RUN_NAMES:
+        return ("Cloud Run offers GPUs only, never TPUs: serve on TPU v5e with `target: vertex` (a Vertex "
+                "AI endpoint) or `target: gke` (a Deployment), each with a serve section")
+    if not isinstance(value, str) or value not in names:
+        quoted = [repr(name) for name in names]
+        one_of = ", ".join(quoted[:-1]) + f" or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+        return f"must be one of {one_of}, got {_brief(value)}"
+    return None
 
 
 class Config(BaseModel):
-    """One run, as the config file describes it."""
+    """One run, as the config file describes it: what every kind of target reads. A loaded config is
+    one kind's (`config_union`): this plus the kind's sections and rules between keys."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # The config's kind (a provision.core.Kind), on each kind's config class (`kind_config`).
+    of_kind: ClassVar[Any] = None
 
     project: str | None = None
     region: str
     zones: list[Annotated[str, AfterValidator(_zone_name)]]
     run: str
-    # The kind of target (provision.kinds.KINDS): which of the sections below it reads, its rules
+    # The kind of target (provision.kinds.KINDS): which sections the config has besides these, its rules
     # between keys, what it renders and makes.
-    target: str = "tpu-vm"
-    slice: SliceConfig = Field(default_factory=SliceConfig)
-    vertex: VertexConfig = Field(default_factory=VertexConfig)
+    target: str = DEFAULT_TARGET
     image: ImageConfig
     trainer: TrainerConfig
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     dry_run: DryRunConfig = Field(default_factory=DryRunConfig)
-    gke: GkeConfig | None = None  # target: gke only
     serve: ServeConfig | None = None  # `deploy`: how the kind that serves (vertex, gke) serves a checkpoint
-    # The sections a kind brings to the file itself (Kind.own_sections), validated by loading.py
-    # with the kind's model: key -> the section.
-    kind_sections: dict[str, Any] = Field(default_factory=dict, exclude=True)
+    # Sections of other kinds left in the file (as the starter's `vertex:` for a switch of target), each
+    # validated by its model by provision.config.loading: key -> the section. `down` and `list` read
+    # them (`as_kind`): they look for the run's resources of every kind.
+    other_sections: dict[str, Any] = Field(default_factory=dict, exclude=True)
     source: Path = Field(default=Path(DEFAULT_CONFIG), exclude=True)
     # Where trainer.mesh is unset: the mesh the plan chose for this config's target, decided once by
     # provision.config.loading.with_planned_mesh (never read from the file); see `trainer_mesh`.
@@ -374,19 +321,7 @@ class Config(BaseModel):
                              "cannot be decided")
         return self.serve_mesh_decider(self)
 
-    @field_validator("target", mode="before")
-    @classmethod
-    def _known_kind(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.replace("_", "-").lower() in CLOUD_RUN_NAMES:
-            raise invalid("Cloud Run offers GPUs only, never TPUs: serve on TPU v5e with `target: vertex` (a Vertex "
-                          "AI endpoint) or `target: gke` (a Deployment), each with a serve section")
-        if not isinstance(value, str) or value not in KINDS:
-            names = [repr(name) for name in KINDS]
-            one_of = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
-            raise invalid(f"must be one of {one_of}, got {_brief(value)}")
-        return value
-
-    @field_validator("slice", "vertex", "recovery", "dry_run", mode="before")
+    @field_validator("recovery", "dry_run", mode="before")
     @classmethod
     def _empty_section(cls, value: Any) -> Any:
         return {} if value is None else value
@@ -427,13 +362,25 @@ class Config(BaseModel):
                         f"the resource ids derived from it stay within {MAX_ID_LENGTH}")
         return value
 
-    def accelerator_type(self) -> catalogue.AcceleratorType:
-        return catalogue.accelerator(self.slice.accelerator)
+    @model_validator(mode="after")
+    def _rules(self) -> Config:
+        """The rules between keys (`provision.shapes.rule`): the common ones and the kind's, raised together."""
+        broken(check(self))
+        return self
+
+    @rule("zones", "region")
+    def _zones_in_region(self) -> list[tuple[str, str]]:
+        """Each zone in the config's region (a kind's config whose zones lie elsewhere replaces this rule)."""
+        return [(f"zones[{i}]", f"zone {zone!r} is not in region {self.region!r}")
+                for i, zone in enumerate(self.zones)
+                if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != self.region]
 
     @property
     def kind(self) -> Any:
         """The config's kind of target (a provision.kinds.Kind): what the commands ask about it."""
-        return KINDS[self.target]
+        if self.of_kind is None:
+            raise TypeError("a Config of no kind: load one (provision.config.load_config)")
+        return self.of_kind
 
     def warnings(self) -> list[str]:
         """What is allowed but worth saying, as its kind of target says (a TPU VM slice: zones the
@@ -441,7 +388,44 @@ class Config(BaseModel):
         return self.kind.warnings(self)
 
     def section(self, key: str) -> Any:
-        """A section that the config's kind of target brings to the file (Kind.own_sections), or None."""
-        return self.kind_sections.get(key)
+        """A section of the file by its key: the config's kind's own, another kind's left in the file, or None."""
+        return getattr(self, key) if key in type(self).model_fields else self.other_sections.get(key)
+
+    def as_kind(self, kind: Any) -> Config:
+        """This config as `kind` reads it (itself where it is of that kind): the common keys, and the
+        kind's sections from its own or those left in the file (their defaults where absent). For `down`
+        and `list`, which look for every kind's resources of the run; its rules between keys unchecked."""
+        if kind is self.of_kind:
+            return self
+        model = kind_config(kind)
+        common = {name: getattr(self, name) for name in Config.model_fields if name != "target"}
+        sections = {name: self.section(name) for name in model.model_fields if name not in Config.model_fields}
+        return model.model_construct(**common, **{k: v for k, v in sections.items() if v is not None},
+                                     target=kind.name)
 
 
+@functools.cache
+def kind_config(kind: Any) -> type[Config]:
+    """The config of one kind of target: `Config` plus the kind's sections model (`Kind.sections`: its
+    sections as fields, its rules between keys as `rules`), `target` the kind's name."""
+    bases = (kind.sections, Config) if kind.sections is not None else (Config,)
+    model = create_model(f"Config_{kind.name.replace('-', '_')}", __base__=bases, __module__=__name__,
+                         target=(Literal[kind.name], kind.name))
+    model.of_kind = kind
+    return model
+
+
+def config_union(kinds: tuple[Any, ...]) -> TypeAdapter:
+    """The config as a union of the kinds' configs, tagged by `target` (the registry's kinds, given by the
+    loader: this module imports none)."""
+    members = tuple(kind_config(kind) for kind in kinds)
+    if len(members) == 1:
+        return TypeAdapter(members[0])
+    return TypeAdapter(Annotated[Union[members], Field(discriminator="target")])  # noqa: UP007 - a tuple of members
+
+
+def common_sections() -> dict[str, type[BaseModel]]:
+    """The sections every kind reads, by key (provision.config.loading adds the kinds')."""
+    return {name: field.annotation for name, field in Config.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)} | \
+        {"serve": ServeConfig}

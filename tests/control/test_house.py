@@ -202,7 +202,7 @@ def test_no_import_cycle_among_the_projects_modules(tmp_path):
 LAYERS = (
     ("cli", ("provision.cli", "provision.app", "provision.__main__")),
     ("spec", ("provision.config", "provision.planner", "provision.kinds", "provision.kinds.common",
-              "provision.kinds.tpu_vm.kind",
+              "provision.kinds.slice_section", "provision.kinds.tpu_vm.kind", "provision.kinds.tpu_vm.slice_sections",
               "provision.kinds.vertex.kind", "provision.kinds.vertex.vertex_sections", "provision.kinds.gke.kind",
               "provision.kinds.gke.gke_sections", "provision.foundation")),
     ("lifecycle", ("provision.runs", "provision.services", "provision.context", "provision.goodput",
@@ -305,9 +305,9 @@ def test_the_emulators_services_import_by_name_and_never_see_the_emulator():
 # --- the kinds of target ------------------------------------------------------------------------------
 
 KIND_NAMES = frozenset({"tpu-vm", "vertex", "gke"})
-# Where a kind's name may decide something: the kinds themselves, the config's union of their sections,
-# and the emulator (its services are Google's, whatever kind of target a run calls them through).
-KINDS_OWN = ("provision/kinds/", "provision/emulator/", "provision/config/sections.py")
+# Where a kind's name may decide something: the kinds themselves and the emulator (its services are
+# Google's, whatever kind of target a run calls them through).
+KINDS_OWN = ("provision/kinds/", "provision/emulator/")
 # Tables of command names, not branches: the `gke` command group shares its name with its kind.
 COMMAND_TABLES = {"provision/cli/__init__.py": ("COMMANDS", "SHORT_HELP")}
 
@@ -382,9 +382,6 @@ COMMANDS = {"gke": "provision.cli.gke_cmds:gke_group"}
 # services' own and serve every kind.
 KIND_PACKAGES = ("tpu_vm", "vertex", "gke")
 GOOGLES_OWN = ("provision/cloud/", "provision/emulator/")
-# The config's sections (one flat model with every kind's section) import the kinds' section models, until
-# the config is a union built from the registry (issue 45, part 4).
-SECTIONS_UNION = "provision.config.sections"
 
 
 def kind_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -395,7 +392,7 @@ def kind_imports(graph: dict[str, set[str]]) -> list[str]:
         for other in sorted(imported):
             parts = other.split(".")
             theirs = parts[2] if other.startswith("provision.kinds.") and len(parts) > 2 else None
-            if theirs in KIND_PACKAGES and theirs != mine and module not in ("provision.kinds", SECTIONS_UNION):
+            if theirs in KIND_PACKAGES and theirs != mine and module != "provision.kinds":
                 found.append(f"{module} -> {other}")
     return found
 

@@ -190,7 +190,7 @@ def test_the_factory_builds_the_configs_target(cfg, tmp_path):
     slice_target = targets.for_config(RunContext.on(cfg, session, Console()))
     assert (slice_target.kind, slice_target.chips) == ("tpu-vm", 8)
     assert slice_target.price() == pytest.approx(8 * 0.47)
-    vertex = cfg.model_copy(update={"target": "vertex"})
+    vertex = cfg.as_kind(targets.KINDS["vertex"])  # the same file read as target: vertex
     job = targets.for_config(RunContext.on(vertex, session, Console()), output_dir="gs://b/out")
     assert (job.kind, job.workload.output_dir) == ("vertex", "gs://b/out")
     assert set(targets.KINDS) == {"tpu-vm", "vertex", "gke"}

@@ -208,7 +208,8 @@ def test_init_from_saved_outputs_writes_a_config_that_validates(tmp_path, monkey
     assert (cfg.project, cfg.region, cfg.zones) == ("acme-ml", "us-west4", ["us-west4-a"])
     assert (cfg.slice.network, cfg.slice.subnetwork, cfg.slice.service_account) == (
         "moe-tpu-net", "moe-tpu-us-west4", "moe-tpu-trainer@acme-ml.iam.gserviceaccount.com")
-    assert cfg.vertex.service_account == "moe-tpu-trainer@acme-ml.iam.gserviceaccount.com"
+    # the vertex section the starter keeps for a switch of target (read as target: vertex would read it)
+    assert cfg.section("vertex").service_account == "moe-tpu-trainer@acme-ml.iam.gserviceaccount.com"
     assert (cfg.image.repository, cfg.image.staging, cfg.image.build_service_account) == (
         "us-west4-docker.pkg.dev/acme-ml/moe-tpu/trainer", "gs://acme-ml-moe-tpu/staging",
         "moe-tpu-builder@acme-ml.iam.gserviceaccount.com")

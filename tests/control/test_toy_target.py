@@ -74,6 +74,12 @@ def test_validate_render_and_plan_ask_the_toy_kind(toy_config, tmp_path):
                                          "capacity": "on-demand"}
 
 
+def test_the_toy_kind_brings_its_section_to_the_configs_union(toy_config):
+    cfg = load_config(toy_config)
+    assert cfg.kind is KINDS["toy"] and cfg.toy.chips == 4 and cfg.section("toy") is cfg.toy
+    assert "toy" in type(cfg).model_fields and "slice" not in type(cfg).model_fields
+
+
 def test_the_toy_section_is_checked_by_its_model_and_its_rules(toy_kind, workdir):
     path = workdir / "bad.yaml"
     path.write_text(TOY.format(chips=99, ready_after=3).replace("  chips: 99", "  chips: 99\n  colour: red"))

@@ -1,4 +1,4 @@
-"""A fourth kind of target, written the way a new one would be: its own config section and checks, a rendered
+"""A fourth kind of target, written the way a new one would be: its own config section and rule, a rendered
 file, the planner's hardware, and two deployments (provision.core.Deployment) on a fake "cloud": a training
 placement with a training job that reports two steps and finishes, and a serving placement with a server
 that becomes ready (or never does). All it needs besides this module is one line in the registry
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from provision import catalogue
 from provision.core import Deployment, Holding, Kind, Report, Scope, ServiceReport
 from provision.resources import Resource
+from provision.shapes import rule
 
 
 class ToySection(BaseModel):
@@ -22,6 +23,17 @@ class ToySection(BaseModel):
     chips: int = Field(default=8, ge=1)
     greeting: str = "hello from the toy trainer"
     ready_after: int = Field(default=3, ge=0)
+
+
+class ToySections(BaseModel):
+    """What `target: toy` adds to the config (the kind's `sections`): its section, and its rule."""
+
+    toy: ToySection = Field(default_factory=ToySection)
+
+    @rule("toy.chips")
+    def _few_chips(self) -> list[tuple[str, str]]:
+        chips = self.toy.chips
+        return [("toy.chips", f"a toy placement has at most 8 chips, not {chips}")] if chips > 8 else []
 
 
 # The toy's "cloud": what it made, by name (a fake of a service's API).
@@ -121,13 +133,7 @@ class ToyKind(Kind):
     noun = "a toy placement"
     group = "toy"
     up_command = "up"
-    sections = ("toy",)
-    own_sections = {"toy": ToySection}
-
-    def checks(self, get):
-        chips = get("toy.chips")
-        return [("toy.chips", f"a toy placement has at most 8 chips, not {chips}")] \
-            if isinstance(chips, int) and chips > 8 else []
+    sections = ToySections
 
     def summary(self, cfg) -> str:
         return f"a toy placement of {cfg.section('toy').chips} chips"

@@ -8,30 +8,10 @@ the prediction goes through the leader's Service as the single-host one does.
 
 from __future__ import annotations
 
-from provision import catalogue
 from provision.core import Phase, ServiceReport
 from provision.errors import CloudError, StockoutError
 from provision.kinds.gke import gke, gke_lws_render, gke_render, gke_serve, gke_serve_render
 from provision.resources import is_managed, project_of
-
-
-def serve_checks(get, acc: catalogue.AcceleratorType) -> list[tuple[str, str]]:
-    """The serve section over a multi-host slice: hosts of its machine type, pool names GKE takes."""
-    found: list[tuple[str, str]] = []
-    machine = get("serve.machine_type")
-    if isinstance(machine, str) and machine != acc.vertex_machine_type:
-        found.append(("serve.machine_type", f"topology {acc.topology} is a multi-host slice of "
-                                            f"{acc.vertex_machine_type} hosts ({acc.chips_per_vm} chips each), not "
-                                            f"{machine}: set serve.machine_type: {acc.vertex_machine_type}"))
-    run, most = get("run"), get("serve.max_replicas")
-    if isinstance(run, str):
-        longest = max(len(f"{gke_lws_render.GROUP_POOL_SUFFIX}{(most if isinstance(most, int) else 1) - 1}"),
-                      len(gke_lws_render.CPU_POOL_SUFFIX))
-        if len(run) + longest > catalogue.MAX_GKE_NAME:
-            found.append(("run", f"run name {run!r} is too long to serve on GKE: the groups' node pools are named "
-                                 f"RUN{gke_lws_render.GROUP_POOL_SUFFIX}N, at most {catalogue.MAX_GKE_NAME} "
-                                 f"characters (use at most {catalogue.MAX_GKE_NAME - longest})"))
-    return found
 
 
 def group_pools_up(context, zones: list[str]) -> list:

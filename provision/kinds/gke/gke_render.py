@@ -117,7 +117,6 @@ class ClusterSpec:
 class JobSetSpec:
     """What the JobSet manifest needs, for either runtime."""
 
-    config: Config
     runtime: str
     name: str
     namespace: str
@@ -177,7 +176,7 @@ def jobset_spec(cfg: Config, image: str) -> JobSetSpec:
                         gcs_scratch=gcs_scratch(cfg), instance_type=f"{PATHWAYS_V5E}:{topology(cfg)}",
                         worker_backoff_limit=acc.vms * WORKER_RESTARTS_PER_VM)
     return JobSetSpec(
-        config=cfg, runtime=cfg.gke.runtime, name=jobset_name(cfg), namespace=cfg.gke.namespace,
+        runtime=cfg.gke.runtime, name=jobset_name(cfg), namespace=cfg.gke.namespace,
         labels=job_labels, container=container, slices=cfg.slice.count, vms=acc.vms, chips_per_vm=acc.chips_per_vm,
         topology=topology(cfg),
         accelerator_label=catalogue.GKE_V5E_ACCELERATOR, max_restarts=cfg.recovery.max_restarts, **pathways)

@@ -9,6 +9,7 @@ JobSet out of restarts or complete ends the run.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from provision import catalogue
@@ -25,12 +26,12 @@ from provision.core import (
     ServiceReport,
     Verb,
     last_zone_first,
-    replica_problems,
     report_from_status,
 )
 from provision.errors import CloudError, UsageError
 from provision.kinds.common import startup_estimate_s  # one load-and-compile estimate for every kind
 from provision.kinds.gke import gke, gke_lws, gke_lws_render, gke_render, gke_serve, gke_serve_render
+from provision.kinds.gke.gke_sections import GkeSections
 from provision.resources import Resource
 
 
@@ -265,82 +266,11 @@ class GkeKind(Kind):
         Verb("down", "down", "Delete the run's JobSet and node pools, and the cluster only when this tool created it."),
     )
     up_command = "gke up"
-    sections = ("slice", "gke")
+    sections = GkeSections
     serve_platform = "GKE TPU node pool"
     serves_multi_host = True  # a LeaderWorkerSet (gke_lws_render)
     serve_price_basis = ("the catalogue's Cloud TPU v5e chip-hour price, which GKE's TPU nodes are billed at (the "
                          "cluster's own fee aside)")
-
-    def checks(self, get) -> list[tuple[str, str]]:
-        """The gke section against the slice, the region and the trainer."""
-        if get("gke") is None:
-            return [("gke", "target 'gke' needs a gke section (at least cluster and location)")]
-        found = self._placement_checks(get)
-        run, count = get("run"), get("slice.count")
-        if isinstance(run, str) and isinstance(count, int):
-            longest = len(run) + len(f"-s{count - 1}")
-            if longest > catalogue.MAX_GKE_NAME:
-                found.append(("run", f"run name {run!r} is too long for GKE: node pools are named RUN-sN, at "
-                                     f"most {catalogue.MAX_GKE_NAME} characters (use at most "
-                                     f"{len(run) - longest + catalogue.MAX_GKE_NAME})"))
-        output_dir = get("trainer.output_dir")
-        if isinstance(output_dir, str) and not output_dir.startswith("gs://"):
-            found.append(("trainer.output_dir", f"pods on GKE keep nothing when they end: use a gs:// path, not "
-                                                f"{output_dir!r}"))
-        if isinstance(get("serve"), dict):
-            found += self._serve_checks(get)
-        return found
-
-    @staticmethod
-    def _serve_checks(get) -> list[tuple[str, str]]:
-        """The serve section on GKE: one host per replica (a Deployment's pod), a pool name GKE takes, a
-        checkpoint the pods can read."""
-        found: list[tuple[str, str]] = []
-        machine, topology = get("serve.machine_type"), get("serve.topology")
-        single = catalogue.accelerator_for_machine(machine, "") if isinstance(machine, str) else None
-        host = single.topology if single is not None else None
-        acc = catalogue.accelerator_for_topology(topology) if isinstance(topology, str) else None
-        if acc is not None and acc.multi_host:  # a LeaderWorkerSet: one group of pods per replica
-            found += gke_lws.serve_checks(get, acc)
-        elif host is not None and isinstance(topology, str) and topology != host:
-            found.append(("serve.topology", f"topology {topology!r} is not its one host: a GKE Deployment gives "
-                                            f"each replica one host of {machine} ({host}); leave serve.topology "
-                                            "unset, or give a multi-host topology (4x4 and up: a LeaderWorkerSet)"))
-        found += replica_problems(get, "the HorizontalPodAutoscaler")
-        run = get("run")
-        if (isinstance(run, str) and len(run) + len(gke_serve_render.SERVE_POOL_SUFFIX) > catalogue.MAX_GKE_NAME
-                and not (acc is not None and acc.multi_host)):
-            found.append(("run", f"run name {run!r} is too long to serve on GKE: the serving node pool is named "
-                                 f"RUN{gke_serve_render.SERVE_POOL_SUFFIX}, at most {catalogue.MAX_GKE_NAME} "
-                                 "characters"))
-        checkpoint = get("serve.checkpoint")
-        if isinstance(checkpoint, str) and not checkpoint.startswith("gs://"):
-            found.append(("serve.checkpoint", f"pods on GKE read the checkpoint from Cloud Storage: use a gs:// "
-                                              f"path, not {checkpoint!r}"))
-        return found
-
-    @staticmethod
-    def _placement_checks(get) -> list[tuple[str, str]]:
-        found: list[tuple[str, str]] = []
-        runtime, pathways = get("gke.runtime"), get("gke.pathways")
-        if runtime == "jax" and isinstance(pathways, dict):
-            found.append(("gke.pathways", "a pathways section is only used with runtime 'pathways' (runtime is "
-                                          "'jax')"))
-        region, location, zones = get("region"), get("gke.location"), get("zones")
-        if isinstance(location, str) and isinstance(region, str) and location.rsplit("-", 1)[0] != region \
-                and location != region:
-            found.append(("gke.location", f"location {location!r} is not in region {region!r}"))
-        elif isinstance(location, str) and location != region and isinstance(zones, list):
-            others = [z for z in zones if isinstance(z, str) and z != location]
-            if others:  # a zonal cluster has its node pools in its own zone
-                found.append(("zones", f"the cluster is zonal ({location}): its node pools cannot go in "
-                                       f"{', '.join(others)}; list only {location} in `zones:`"))
-        acc_name, topology = get("slice.accelerator"), get("gke.topology")
-        acc = catalogue.ACCELERATORS.get(acc_name) if isinstance(acc_name, str) else None
-        if acc is not None and isinstance(topology, str) and topology != acc.topology:
-            found.append(("gke.topology", f"topology {topology!r} is not that of slice.accelerator {acc_name} "
-                                          f"({acc.topology}); set one of them"))
-        return found
 
     def summary(self, cfg) -> str:
         acc = cfg.accelerator_type()
@@ -388,18 +318,20 @@ class GkeKind(Kind):
         return gke.gke_status(context)
 
     def managed(self, session, scope: Scope) -> list[Resource]:
-        cfg = scope.config
+        cfg = scope.config.as_kind(self) if scope.config is not None else None
         if cfg is None or cfg.gke is None:  # a cluster is found through a config's gke section only
             return []
         return gke.managed_gke(cfg, session, run=scope.run, project=scope.project)
 
     def where(self, cfg) -> str | None:
-        return f"GKE cluster {cfg.gke.cluster}" if cfg.gke is not None else None
+        section = cfg.section("gke")  # the file's gke section, whatever the config's target
+        return f"GKE cluster {section.cluster}" if section is not None else None
 
     def teardown(self, context) -> list[Resource]:
-        if context.config.gke is None:
+        cfg = context.config.as_kind(self)  # the file's gke section, whatever the config's target
+        if cfg.gke is None:
             return []
-        return gke.gke_down(context)
+        return gke.gke_down(context if cfg is context.config else dataclasses.replace(context, config=cfg))
 
     def log_source(self, context):
         return lambda: gke.trainer_log(context.config, context.session)

@@ -23,6 +23,7 @@ from provision.core import (
 )
 from provision.kinds.tpu_vm import slices
 from provision.kinds.tpu_vm.slice_render import render_slice_files
+from provision.kinds.tpu_vm.slice_sections import TpuVmSections
 from provision.resources import Resource, project_of, short
 
 GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
@@ -136,26 +137,7 @@ class TpuVmKind(Kind):
         Verb("down", "down", "Delete the slice (force: its nodes go with it) and wait until it is gone."),
     )
     up_command = "slice up"
-    sections = ("slice",)
-
-    def checks(self, get) -> list[tuple[str, str]]:
-        acc_name, count, output_dir = get("slice.accelerator"), get("slice.count"), get("trainer.output_dir")
-        multi_host = (isinstance(acc_name, str) and acc_name in catalogue.ACCELERATORS
-                      and (catalogue.accelerator(acc_name).multi_host or (isinstance(count, int) and count > 1)))
-        if multi_host and isinstance(output_dir, str) and not output_dir.startswith("gs://"):
-            return [("trainer.output_dir", f"{acc_name} x {count} has several TPU VMs, each with its own disk: "
-                                           f"checkpoints in {output_dir!r} would be split between them; use a "
-                                           "gs:// path")]
-        return []
-
-    def zone_region(self, get):
-        """A queued resource is zonal and v5e is in one zone per region, so a slice fails over across
-        regions: its zones lie anywhere, unless `slice.subnetwork` ties them to its region."""
-        subnetwork = get("slice.subnetwork")
-        if not isinstance(subnetwork, str):
-            return None
-        region = subnetwork.split("/")[3] if subnetwork.startswith("projects/") else get("region")
-        return region, f", where slice.subnetwork {subnetwork!r} is (a subnetwork serves its own region only)"
+    sections = TpuVmSections
 
     def warnings(self, cfg) -> list[str]:
         return [w for w in map(catalogue.zone_warning, cfg.zones) if w]

@@ -24,6 +24,7 @@ from trainer import status as trainer_status
 
 if TYPE_CHECKING:
     from provision.config import Config
+    from provision.kinds.slice_section import SliceConfig
 
 
 QUEUED_RESOURCE_TEMPLATE = "queued_resource.yaml.j2"
@@ -70,7 +71,6 @@ def parent(cfg: Config, zone: str, project: str | None = None) -> str:
 class StartupSpec:
     """What the TPU VM startup script needs."""
 
-    config: Config
     run: str
     image_uri: str
     registry_host: str
@@ -121,9 +121,10 @@ class StartupSpec:
 
 @dataclass(frozen=True)
 class QueuedResourceSpec:
-    """What the QueuedResource body needs, for one zone."""
+    """What the QueuedResource body needs, for one zone: the slice section (the kind's own), and its
+    values resolved for the zone."""
 
-    config: Config
+    slice: SliceConfig
     accelerator: catalogue.AcceleratorType
     zone: str
     parent: str
@@ -151,7 +152,7 @@ def startup_spec(cfg: Config, image: str) -> StartupSpec:
 
     output_dir = cfg.trainer.output_dir
     return StartupSpec(
-        config=cfg, run=cfg.run, image_uri=image, registry_host=cfg.image.registry_host,
+        run=cfg.run, image_uri=image, registry_host=cfg.image.registry_host,
         container_name="moe-tpu-trainer", log_file="/var/log/moe-tpu/startup.log",
         trainer_log_file="/var/log/moe-tpu/trainer.log",
         container=trainer_container(cfg, image, status_file=STATUS_FILE), labels=labels(cfg),
@@ -168,7 +169,7 @@ def queued_resource_spec(cfg: Config, zone: str, renderer: Renderer,
     if reservation and "/" not in reservation:
         reservation = f"{parent(cfg, zone, project)}/reservations/{reservation}"
     return QueuedResourceSpec(
-        config=cfg, accelerator=cfg.accelerator_type(), zone=zone,
+        slice=cfg.slice, accelerator=cfg.accelerator_type(), zone=zone,
         parent=parent(cfg, zone, project), node_id=node_id(cfg),
         multislice=cfg.slice.count > 1, node_count=cfg.slice.count, labels=labels(cfg),
         reservation_name=reservation, max_wait_seconds=int(cfg.slice.max_wait.total_seconds()),

@@ -20,13 +20,13 @@ from provision.core import (
     Report,
     Scope,
     Verb,
-    replica_problems,
     report_from_status,
 )
 from provision.errors import UsageError
 from provision.kinds.common import startup_estimate_s
 from provision.kinds.vertex import endpoints, jobs
 from provision.kinds.vertex.vertex_render import render_custom_job_files, render_serving_files
+from provision.kinds.vertex.vertex_sections import VertexSections
 from provision.resources import Resource, project_of, short
 from provision.waiting import poll
 
@@ -149,23 +149,10 @@ class VertexKind(Kind):
         Verb("cancel", "cancel", "Cancel the run's queued or running job and wait until it is CANCELLED."),
     )
     up_command = "job submit"
-    sections = ("vertex",)
+    sections = VertexSections
     serve_platform = "Vertex AI prediction"
     serve_price_basis = ("the catalogue's Cloud TPU v5e chip-hour price, an estimate: Vertex AI prediction bills "
                          "its own node-hour rate, which the catalogue does not hold")
-
-    def checks(self, get) -> list[tuple[str, str]]:
-        found: list[tuple[str, str]] = serve_checks(get)
-        scheduling, topology = get("vertex.scheduling"), get("vertex.topology")
-        if (scheduling == "SPOT" and isinstance(topology, str)
-                and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host):
-            found.append(("vertex.scheduling", f"Vertex AI does not offer SPOT for multi-host TPU topologies "
-                                               f"({topology}); use STANDARD or FLEX_START"))
-        output_dir = get("trainer.output_dir")
-        if isinstance(output_dir, str) and not output_dir.startswith("gs://"):
-            found.append(("trainer.output_dir", f"a Vertex AI job keeps its checkpoints in Cloud Storage: use a "
-                                                f"gs:// path, not {output_dir!r} (a local path vanishes with the job)"))
-        return found
 
     def summary(self, cfg) -> str:
         acc = catalogue.accelerator_for_topology(cfg.vertex.topology)
@@ -243,33 +230,6 @@ class VertexKind(Kind):
     def teardown(self, context) -> list[Resource]:
 
         return [*jobs.jobs_down(context), *endpoints.endpoints_down(context)]
-
-
-def serve_checks(get) -> list[tuple[str, str]]:
-    """The serve section's rules for Vertex AI: replicas min <= max; a duty-cycle target in percent; one host
-    per replica, the machine type's own (online prediction serves single-host v5e only)."""
-    found = replica_problems(get, "Vertex AI's autoscaler")
-    target = get("serve.autoscale_target")
-    if isinstance(target, int) and target > 100:
-        found.append(("serve.autoscale_target", f"Vertex AI's autoscaling target is the accelerators' duty cycle in "
-                                                f"percent, at most 100, not {target} (60: a replica is added above "
-                                                "60% busy)"))
-    topology, machine = get("serve.topology"), get("serve.machine_type")
-    single = catalogue.accelerator_for_machine(machine, "") if isinstance(machine, str) else None
-    if (isinstance(topology, str) and single is not None and topology != single.topology
-            and (acc := catalogue.accelerator_for_topology(topology)) and not acc.multi_host):
-        instead = f"serve.machine_type: {acc.vertex_machine_type}"
-        found.append(("serve.topology", f"topology {topology!r} is not the one host of {machine} "
-                                        f"({single.topology}, {single.chips} chip(s)): leave serve.topology unset, or "
-                                        f"give {instead}"))
-    if isinstance(topology, str) and (acc := catalogue.accelerator_for_topology(topology)) and acc.multi_host:
-        found.append(("serve.topology", f"Vertex AI online prediction serves single-host TPU v5e only (1x1, 2x2, "
-                                        f"2x4), not {topology} ({acc.chips} chips on {acc.vms} hosts): a replica "
-                                        "over several hosts is served on GKE (target: gke, a LeaderWorkerSet: see "
-                                        "examples/serve-gke-multihost.yaml); or leave serve.topology unset and fit "
-                                        "the model on one host (serve.machine_type ct5lp-hightpu-8t: 8 chips; "
-                                        "serve.weights: int8 or int4)"))
-    return found
 
 
 KIND = VertexKind()

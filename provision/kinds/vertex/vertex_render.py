@@ -17,6 +17,7 @@ from provision.templates import render
 
 if TYPE_CHECKING:
     from provision.config import Config
+    from provision.kinds.vertex.vertex_sections import VertexConfig
 
 
 CUSTOM_JOB_TEMPLATE = "custom_job.yaml.j2"
@@ -24,9 +25,11 @@ CUSTOM_JOB_TEMPLATE = "custom_job.yaml.j2"
 
 @dataclass(frozen=True)
 class CustomJobSpec:
-    """What the Vertex AI CustomJob body needs."""
+    """What the Vertex AI CustomJob body needs: the vertex section (the kind's own), the container and
+    where the trainer writes."""
 
-    config: Config
+    vertex: VertexConfig
+    output_dir: str
     display_name: str
     labels: dict[str, str]
     container: Container  # the trainer's: image, command, args, env
@@ -43,7 +46,8 @@ def custom_job_spec(cfg: Config, image: str) -> CustomJobSpec:
     container = trainer_container(cfg, image)
     max_wait = cfg.vertex.max_wait
     return CustomJobSpec(
-        config=cfg, display_name=cfg.run, labels=labels(cfg), container=container,
+        vertex=cfg.vertex, output_dir=cfg.trainer.output_dir, display_name=cfg.run, labels=labels(cfg),
+        container=container,
         timeout_seconds=int(cfg.vertex.timeout.total_seconds()),
         max_wait_seconds=int(max_wait.total_seconds()) if max_wait is not None else None,
     )

@@ -1,13 +1,16 @@
-"""The vertex section (target: vertex): the Vertex AI custom job's machines, scheduling and limits."""
+"""What `target: vertex` adds to the common config: the vertex section (the Vertex AI custom job's
+machines, scheduling and limits), its own rules, and its rules against the rest of the config (the
+region, the trainer's output, the serve section as Vertex AI serves it)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any, Literal
 
-from pydantic import field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from provision import catalogue
+from provision.core import replica_problems
 from provision.shapes import (
     _SERVICE_ACCOUNT,
     _VERTEX_NETWORK,
@@ -15,6 +18,7 @@ from provision.shapes import (
     _brief,
     _positive_duration,
     _Section,
+    rule,
 )
 from trainer.schema import did_you_mean, invalid
 
@@ -78,3 +82,88 @@ class VertexConfig(_Section):
             topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
             raise invalid(f"unknown v5e topology {value!r} (v5e topologies: {', '.join(topologies)})")
         return value
+
+    @rule("machine_type", "topology")
+    def _topology_fits(self) -> list[tuple[str, str]]:
+        allowed = catalogue.VERTEX_MACHINE_TOPOLOGIES.get(self.machine_type)
+        if allowed and self.topology not in allowed:
+            return [("topology", f"topology {self.topology!r} does not fit machine type {self.machine_type!r}; "
+                                 f"it takes {', '.join(allowed)}")]
+        return []
+
+    @rule("tensorboard", "service_account")
+    def _tensorboard_account(self) -> list[tuple[str, str]]:
+        if self.tensorboard is not None and self.service_account is None:
+            return [("tensorboard", "a Vertex AI TensorBoard needs vertex.service_account (the job writes to "
+                                    "TensorBoard as that account)")]
+        return []
+
+    @rule("scheduling", "topology")
+    def _spot_on_one_host(self) -> list[tuple[str, str]]:
+        acc = catalogue.accelerator_for_topology(self.topology)
+        if self.scheduling == "SPOT" and acc is not None and acc.multi_host:
+            return [("scheduling", f"Vertex AI does not offer SPOT for multi-host TPU topologies "
+                                   f"({self.topology}); use STANDARD or FLEX_START")]
+        return []
+
+
+class VertexSections(BaseModel):
+    """The vertex section, and its rules against the rest of the config (Kind.sections of `vertex`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vertex: VertexConfig = Field(default_factory=VertexConfig)
+
+    @field_validator("vertex", mode="before")
+    @classmethod
+    def _empty_vertex(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @rule("vertex.tensorboard", "region")
+    def _tensorboard_region(self) -> list[tuple[str, str]]:
+        tensorboard = self.vertex.tensorboard
+        if tensorboard is not None and f"/locations/{self.region}/" not in tensorboard:
+            return [("vertex.tensorboard", f"TensorBoard {tensorboard!r} is not in the job's region {self.region!r}")]
+        return []
+
+    @rule("serve.min_replicas", "serve.max_replicas")
+    def _replicas(self) -> list[tuple[str, str]]:
+        return replica_problems(self.serve, "Vertex AI's autoscaler") if self.serve is not None else []
+
+    @rule("serve.autoscale_target")
+    def _duty_cycle(self) -> list[tuple[str, str]]:
+        target = self.serve.autoscale_target if self.serve is not None else 0
+        if target <= 100:
+            return []
+        return [("serve.autoscale_target", f"Vertex AI's autoscaling target is the accelerators' duty cycle in "
+                                           f"percent, at most 100, not {target} (60: a replica is added above 60% "
+                                           "busy)")]
+
+    @rule("serve.topology", "serve.machine_type")
+    def _one_host(self) -> list[tuple[str, str]]:
+        """A replica on one host, the machine type's own: online prediction serves single-host v5e only."""
+        if self.serve is None or self.serve.topology is None:
+            return []
+        topology, machine = self.serve.topology, self.serve.machine_type
+        single = catalogue.accelerator_for_machine(machine, "")
+        acc = catalogue.accelerator_for_topology(topology)
+        if acc is not None and acc.multi_host:
+            return [("serve.topology", f"Vertex AI online prediction serves single-host TPU v5e only (1x1, 2x2, "
+                                       f"2x4), not {topology} ({acc.chips} chips on {acc.vms} hosts): a replica "
+                                       "over several hosts is served on GKE (target: gke, a LeaderWorkerSet: see "
+                                       "examples/serve-gke-multihost.yaml); or leave serve.topology unset and fit "
+                                       "the model on one host (serve.machine_type ct5lp-hightpu-8t: 8 chips; "
+                                       "serve.weights: int8 or int4)")]
+        if single is not None and acc is not None and topology != single.topology:
+            return [("serve.topology", f"topology {topology!r} is not the one host of {machine} "
+                                       f"({single.topology}, {single.chips} chip(s)): leave serve.topology unset, "
+                                       f"or give serve.machine_type: {acc.vertex_machine_type}")]
+        return []
+
+    @rule("trainer.output_dir")
+    def _checkpoints_in_storage(self) -> list[tuple[str, str]]:
+        output_dir = self.trainer.output_dir
+        if output_dir.startswith("gs://"):
+            return []
+        return [("trainer.output_dir", f"a Vertex AI job keeps its checkpoints in Cloud Storage: use a gs:// path, "
+                                       f"not {output_dir!r} (a local path vanishes with the job)")]
