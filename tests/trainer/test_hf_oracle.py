@@ -165,30 +165,40 @@ def test_a_trained_model_exports_as_mixtral_and_transformers_gives_its_logits(tr
 
 # One case of each family (and of each layer pattern) decodes; the others differ in routing only.
 GENERATES = ("mixtral", "qwen2_moe-sparse-step", "qwen3_moe-norm-dense0", "olmoe-tied")
+# One device, and 8 with the experts over expert=4 and the heads (4, and 2 of keys and values) over model=2.
+MESHES = ({"data": 1, "expert": 1}, {"data": 1, "expert": 4, "model": 2})
 
 
 @pytest.mark.compile_bound
 def test_greedy_generation_through_the_serving_engine_equals_transformers(imported):
-    """8 prompts, 32 greedy tokens each, through the engine's prefill and key/value-cache decode (one device,
-    8 slots) against transformers' generate(do_sample=False); neither stops at an end-of-sequence token."""
-    from trainer.sample import restore_params
+    """8 prompts, 32 greedy tokens each, through the engine's prefill and key/value-cache decode (8 slots, one
+    batch) on each mesh of MESHES against transformers' generate(do_sample=False); neither stops at an
+    end-of-sequence token."""
+    import jax
+
+    from trainer import sharding
+    from trainer.hf.orbax_io import open_run
     from trainer.serve.engine import Engine, Request, SamplingParams
+    from trainer.serve.weights import build_serving_model, restore_weights
 
     name, model, tmp = imported
     if name not in GENERATES:
         pytest.skip("one case a family decodes")
-    prompts = np.random.default_rng(5).integers(0, VOCAB, (8, 12))
+    prompts = np.random.default_rng(5).integers(0, VOCAB, (8, 16))  # a chunk of 16: a multiple of 8 devices
     with torch.no_grad():
         expected = model.generate(torch.tensor(prompts), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
                                   do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=0)
-    from trainer.hf.orbax_io import open_run
-
+    expected = expected[:, prompts.shape[1]:].tolist()
     cfg = open_run(str(tmp / "imported"), None).cfg
-    served, weights, _ = restore_params(cfg, str(tmp / "imported" / "checkpoints"), prompts.shape[1], 32)
-    engine = Engine(served, weights, slots=8, max_len=prompts.shape[1] + 32, chunk=prompts.shape[1])
-    requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=32, temperature=0.0))) for p in prompts]
-    engine.run()
-    assert [r.output for r in requests] == expected[:, prompts.shape[1]:].tolist()
+    for shape in MESHES:
+        devices = jax.devices()[:shape["expert"] * shape.get("model", 1)]
+        served = build_serving_model(cfg, sharding.make_mesh(shape, devices))
+        weights, _ = restore_weights(served, str(tmp / "imported" / "checkpoints"))
+        engine = Engine(served, weights, slots=8, max_len=prompts.shape[1] + 32, chunk=prompts.shape[1])
+        requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=32, temperature=0.0)))
+                    for p in prompts]
+        engine.run()
+        assert [r.output for r in requests] == expected, shape
 
 
 @pytest.mark.compile_bound

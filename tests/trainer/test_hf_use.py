@@ -83,21 +83,11 @@ def test_sample_reads_an_imported_model_with_its_own_tokenizer(hub):
     assert result.stdout.splitlines()[0] == tokenizer.decode(out[0, len(ids):].tolist())
 
 
-def _greedy(served, weights, prompts, tokens: int) -> list[list[int]]:
-    from trainer.serve.engine import Engine, Request, SamplingParams
-
-    engine = Engine(served, weights, slots=len(prompts), max_len=prompts.shape[1] + tokens, chunk=prompts.shape[1])
-    requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=tokens, temperature=0.0)))
-                for p in prompts]
-    engine.run()
-    return [r.output for r in requests]
-
-
 @pytest.mark.compile_bound
 def test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers_computes(hub, tmp_path):
-    """Import's config, --init-from the Hub directory, 3 steps on data=2,expert=4, export: transformers
-    loads the export, its logits are the trainer's within 1e-4, and greedy decoding through the engine on
-    the same 8 devices (experts over expert=4) gives transformers' tokens."""
+    """Import's config, --init-from the Hub directory, 20 steps on data=2,expert=4 (one compiled step), export:
+    transformers loads the export, its logits are the trainer's within 1e-4, and the run's checkpoint serves
+    on the same 8 devices with the experts over expert=4 (test_hf_oracle.py decodes every family there)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -112,17 +102,15 @@ def test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers
 
     run = tmp_path / "tuned"
     result = CliRunner().invoke(train_command, ["--config", str(hub / "imported" / "config.json"), "--devices", "8",
-                                                "--mesh", "data=2,expert=4", "--steps", "3", "--output-dir", str(run),
+                                                "--mesh", "data=2,expert=4", "--steps", "20", "--output-dir", str(run),
                                                 "--init-from", str(hub / "hub"), "--set", "optim.lr=0.01"])
     assert result.exit_code == 0, result.output
-    assert export_checkpoint(str(run), str(tmp_path / "exported"))["step"] == 3
+    assert export_checkpoint(str(run), str(tmp_path / "exported"))["step"] == 20
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", attn_implementation="eager",
                                                                experts_implementation="eager").eval()
-    tokens = np.random.default_rng(8).integers(0, VOCAB, (8, 16))  # a chunk of 16: a multiple of the 8 devices
+    tokens = np.random.default_rng(8).integers(0, VOCAB, (8, 16))
     with torch.no_grad():
         logits = theirs(torch.tensor(tokens)).logits.numpy()
-        expected = theirs.generate(torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
-                                   do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
     ours, tuned = trainer_model(str(run))
     _, before = trainer_model(str(hub / "imported"))
     cfg = load_trainer_config(str(run / "config.json"))
@@ -132,4 +120,4 @@ def test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers
     served = build_serving_model(cfg, sharding.make_mesh({"data": 2, "expert": 4}, jax.devices()[:8]))
     weights, _ = restore_weights(served, str(run / "checkpoints"))
     assert weights["params"][w_in].sharding.spec[1] == "expert"
-    assert _greedy(served, weights, tokens, 16) == expected[:, tokens.shape[1]:].tolist()
+    assert all(np.array_equal(np.asarray(weights["params"][n]), tuned[n]) for n in tuned)

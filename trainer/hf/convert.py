@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -101,9 +101,23 @@ def read_param(model: HubModel, spec: names.Spec) -> np.ndarray:
     if quantized and want_dtype != "bfloat16":
         raise HFError(f"{model.reader.where_is(min(quantized))}: FP8 weights dequantise to bfloat16, but the "
                       f"checkpoint's other tensors are {want_dtype}")
-    value = spec.to_trainer([fp8.dequantized(model.reader, name, block) if name in quantized else
-                             model.reader.tensor(name) for name in spec.hub])
+    value = spec.to_trainer(Tensors(list(spec.hub), lambda name: fp8.dequantized(model.reader, name, block)
+                                    if name in quantized else model.reader.tensor(name)))
     return value.astype(np.float32) if bias else value
+
+
+class Tensors(Sequence):
+    """A parameter's Hub tensors, each read when it is indexed and held by no one here: a stack of E experts
+    takes them one at a time (names._experts), never all E beside the stack."""
+
+    def __init__(self, names: list[str], read: Callable[[str], np.ndarray]):
+        self.names, self.read = names, read
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i):
+        return self.read(self.names[i])
 
 
 def iter_params(model: HubModel) -> Iterator[tuple[str, np.ndarray]]:

@@ -6,9 +6,7 @@ once to bfloat16), read from the file by its byte range: safetensors' numpy read
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 
 import numpy as np
 
@@ -38,12 +36,12 @@ def _raw(path: str, name: str) -> np.ndarray:
     """The float8 e4m3 tensor `name` of the safetensors file at `path`, memory-mapped from its byte range."""
     import ml_dtypes
 
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        entry = json.loads(f.read(length))[name]
-    begin, end = entry["data_offsets"]
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + length + begin, shape=(end - begin,))
-    return data.view(ml_dtypes.float8_e4m3fn).reshape(entry["shape"])
+    from trainer.hf.safetensors_io import header
+
+    start, entries = header(path)
+    begin, end = entries[name]["data_offsets"]
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
+    return data.view(ml_dtypes.float8_e4m3fn).reshape(entries[name]["shape"])
 
 
 def dequantized(reader, name: str, block: tuple[int, int]) -> np.ndarray:

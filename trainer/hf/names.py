@@ -22,8 +22,20 @@ PER_EXPERT, FUSED = "per-expert", "fused"
 
 def _experts(param: str, hubs: list[str], e: int, d_in: int, d_out: int) -> Spec:
     """[E, d_in, d_out] stacked from E Hub tensors [d_out, d_in], one per expert."""
-    return Spec(param, (e, d_in, d_out), {h: (d_out, d_in) for h in hubs}, lambda ts: np.stack([t.T for t in ts]),
+    return Spec(param, (e, d_in, d_out), {h: (d_out, d_in) for h in hubs}, _stacked_t,
                 lambda w: [_t(w[i]) for i in range(e)])
+
+
+def _stacked_t(tensors) -> np.ndarray:
+    """np.stack([t.T for t in tensors]), each tensor transposed into its place as it is read (convert.Tensors
+    reads one when indexed), so that the stack and one tensor are held, not every tensor as well."""
+    out = None
+    for i in range(len(tensors)):
+        t = tensors[i]
+        if out is None:
+            out = np.empty((len(tensors), *t.T.shape), t.dtype)
+        out[i] = t.T
+    return out
 
 
 def _fused_half(param: str, hub: str, e: int, d: int, f: int, half: int) -> Spec:

@@ -5,6 +5,7 @@ tensorstore), as host numpy arrays."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -183,10 +184,32 @@ def _streamed_handler_class():
                 await (stores[name] if index is None else stores[name][index]).write(
                     value, can_reference_source_data_indefinitely=True)  # never changed after: no copy
                 del value
+                release_freed_memory()
                 self.feed.room.release()
                 left -= 1
 
     return Handler
+
+
+def release_freed_memory() -> None:
+    """Hands the memory freed since back to the system (glibc's malloc_trim; elsewhere nothing). glibc keeps what
+    tensorstore's threads and the tensors read free in its per-thread heaps, for reuse that a conversion's next
+    tensor, of another size, seldom makes: measured on benchmarks/hf_convert.py's 3.2 GB checkpoint, 0.5 GB was
+    still held after the import (0.1 GB once trimmed), and trimming after each value took its peak from 1.0-1.2 GB
+    to 0.7 GB."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).malloc_trim  # the C library the interpreter runs on
+    except (OSError, AttributeError):  # not glibc: its allocator is its own business
+        return None
 
 
 def StreamedHandler(feed: Feed):  # noqa: N802 - builds the handler class lazily, so importing this module stays light

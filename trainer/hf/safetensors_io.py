@@ -1,15 +1,17 @@
 """A Hugging Face checkpoint's files: config.json, safetensors shards (with their index) read a tensor at a
-time with safetensors' safe_open, and shards written back with the Hub's names and index.
+time, and shards written back with the Hub's names and index.
 
-Only the headers are read up front (names, shapes, dtypes); a tensor's bytes are read when it is asked for,
-so a conversion holds about one layer at a time, never the model. Every problem is an HFError naming the
-file and the tensor.
+Only the headers are read up front (names, shapes, dtypes: safetensors' safe_open checks them); a tensor's
+bytes are read when it is asked for, into an array of its own with plain reads of its byte range, so a
+conversion holds about one layer at a time, never the model. Every problem is an HFError naming the file and
+the tensor.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,24 @@ def read_json(path: str) -> Any:
         raise HFError(f"cannot read {path}: {e.strerror}") from None
 
 
+def header(path: str) -> tuple[int, dict]:
+    """(the offset of a safetensors file's data, its JSON header): an 8-byte little-endian length, then the
+    header, whose `data_offsets` count from the end of it."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return 8 + length, json.loads(f.read(length))
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype name (bfloat16 and float8 through ml_dtypes, as jax has them)."""
+    import ml_dtypes
+
+    extra = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+    plain = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+             "U8": "u1", "BOOL": "?"}
+    return np.dtype(extra[name] if name in extra else plain[name])
+
+
 def is_hub_directory(path: str) -> bool:
     """Whether `path` is a local directory holding config.json and safetensors weights."""
     return (os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG))
@@ -68,6 +88,7 @@ class HubReader:
         else:
             raise HFError(f"{directory} holds neither {INDEX} nor {SINGLE}: no safetensors weights")
         self._files: dict[str, Any] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # shard -> header(), read when a tensor of it is
         self._last: tuple[str, np.ndarray] | None = None  # gate_up_proj is asked for twice in a row (its halves)
 
     def _open(self, shard: str):
@@ -87,9 +108,9 @@ class HubReader:
             raise HFError(f"the tensor '{name}' is missing from {self.directory} (no shard holds it)")
         shard = self.where[name]
         if shard not in self._files:
-            # One shard open at a time: a shard is memory-mapped, and the pages read stay resident (and
-            # counted) while it is open; a conversion reads the shards in turn, a layer's at a time.
+            # One shard open at a time (safe_open maps the file; its headers are all that is read through it).
             self._files.clear()
+            self._headers.clear()
             self._files[shard] = self._open(shard)
             missing = sorted(n for n, s in self.where.items() if s == shard and n not in set(self._files[shard].keys()))
             if missing:
@@ -108,14 +129,34 @@ class HubReader:
         return self._file(name).get_slice(name).get_dtype()
 
     def tensor(self, name: str) -> np.ndarray:
+        """The tensor `name`, read from its byte range into an array of its own.
+
+        Not through safe_open's get_tensor: that reads from the shard's memory map, whose pages stay resident
+        (and counted in the process's memory) until the shard is closed, and copies each tensor twice more on
+        its way to numpy. A plain read leaves the bytes in the page cache only (which the kernel reclaims)."""
         if self._last is not None and self._last[0] == name:
             return self._last[1]
-        from safetensors import SafetensorError
-
+        self._last = None
+        part = self._file(name).get_slice(name)  # the shard's header checked by safe_open: offsets in the file
+        shape, dtype = tuple(part.get_shape()), part.get_dtype()
+        shard = self.where[name]
+        where = os.path.join(self.directory, shard)
         try:
-            value = np.asarray(self._file(name).get_tensor(name))
-        except SafetensorError as e:
-            raise HFError(f"{os.path.join(self.directory, self.where[name])}: cannot read '{name}': {e}") from None
+            if shard not in self._headers:
+                self._headers[shard] = header(where)
+            start, entries = self._headers[shard]
+            begin, end = entries[name]["data_offsets"]
+            value = np.empty(shape, numpy_dtype(dtype))
+            if value.nbytes != end - begin:
+                raise HFError(f"{where}: '{name}' has {end - begin} bytes, its shape {list(shape)} and {dtype} make "
+                              f"{value.nbytes}")
+            with open(where, "rb") as f:
+                f.seek(start + begin)
+                got = f.readinto(memoryview(value.reshape(-1).view(np.uint8)))
+        except (OSError, KeyError, ValueError) as e:
+            raise HFError(f"{where}: cannot read '{name}': {e}") from None
+        if got != value.nbytes:
+            raise HFError(f"{where}: cannot read '{name}': the file ends after {got} of its {value.nbytes} bytes")
         self._last = (name, value)
         return value
 
