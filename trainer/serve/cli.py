@@ -281,9 +281,8 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
     def compile_then_serve():
         try:
             started = time.perf_counter()
-            spans = loaded.engine.runner.spans() if every_span else loaded.engine.runner.spans()[:1]
             _progress(f"compiling the prefill and decode steps ({loaded.engine.slots} slots x "
-                      f"{loaded.engine.max_len} tokens; spans {', '.join(map(str, spans))})")
+                      f"{loaded.engine.max_len} tokens, {'every span' if every_span else 'the first span'})")
             loaded.engine.warm_up(every_span)
             state.loop = EngineLoop(loaded.engine).start()
             _progress(f"compiled in {time.perf_counter() - started:.1f}s")
