@@ -13,9 +13,11 @@ thousands of tokens (the exact path, a full sort: the worst case); `softmax` dra
 temperature 1. `before_*` is the former sampler on the same steps.
 
 `structured_*`: the engine's decode throughput (tokens/s, --slots requests at temperature 1 run to
---structured-tokens each, the median of 5 alternating runs) with every request held to a JSON schema (an array
-of objects with enums, numbers and strings; llguidance's masks computed on the host each step) against the same
-requests unconstrained. The grammar's tokens are the bytes (ids 0-255; the rest of the vocabulary no text).
+--structured-tokens each, the median of --structured-runs alternating runs) with every request held to a JSON
+schema (an array of objects with enums, numbers and strings; llguidance's masks computed on the host each step)
+against the same requests unconstrained; `_cpu`: the same per CPU second of the process (every thread's), which
+other processes' load on the machine changes less. The grammar's tokens are the bytes (ids 0-255; the rest of
+the vocabulary no text).
 """
 
 from __future__ import annotations
@@ -41,17 +43,21 @@ from trainer.serve.sampling import exact  # noqa: E402
 from trainer.serve.weights import build_serving_model, init_weights  # noqa: E402
 
 
-def timed(step, steps: int) -> tuple[float, float]:
-    """Median wall and CPU milliseconds of `step()` (which blocks until its result is ready)."""
-    step()
-    step()
-    walls, cpus = [], []
-    for _ in range(steps):
-        wall, cpu = time.perf_counter(), time.process_time()
+def timed(cases: dict, steps: int) -> dict[str, tuple[float, float]]:
+    """Each case's median wall and CPU milliseconds of `step()` (which blocks until its result is ready). The
+    cases take turns, a step each, so that a machine whose load changes during the run (other processes on its
+    cores) slows every case alike and the ratios hold; one case timed after another compared different loads."""
+    for step in cases.values():
         step()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return statistics.median(walls) * 1e3, statistics.median(cpus) * 1e3
+        step()
+    walls, cpus = {name: [] for name in cases}, {name: [] for name in cases}
+    for _ in range(steps):
+        for name, step in cases.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            step()
+            walls[name].append(time.perf_counter() - wall)
+            cpus[name].append(time.process_time() - cpu)
+    return {name: (statistics.median(walls[name]) * 1e3, statistics.median(cpus[name]) * 1e3) for name in cases}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--peak", type=float, default=8.0, help="the logit scale of the `top_p` case")
     p.add_argument("--structured-tokens", type=int, default=96)
+    p.add_argument("--structured-runs", type=int, default=9, help="alternating runs of each, unheld and held")
     args = p.parse_args(argv)
 
     cfg = load_config(args.config, [f"model.vocab_size={args.vocab}", *args.override])
@@ -118,15 +125,17 @@ def main(argv: list[str] | None = None) -> None:
              "top_p_flat": run_engine(0.7, 0.9, 1.0), "softmax": run_engine(1.0, 1.0, 1.0),
              "before_greedy": run_before(0.0, 1.0), "before_top_p": run_before(0.7, 0.9)}
     row = {"config": args.config, "overrides": args.override, "vocab": args.vocab, "slots": slots}
-    for name, step in cases.items():
-        row[f"{name}_ms"], row[f"{name}_cpu_ms"] = (round(v, 3) for v in timed(step, args.steps))
+    for name, (wall, cpu) in timed(cases, args.steps).items():
+        row[f"{name}_ms"], row[f"{name}_cpu_ms"] = round(wall, 3), round(cpu, 3)
     for name in cases:
         if name != "forward":
             row[f"{name}_over_forward"] = round(row[f"{name}_ms"] / row["forward_ms"], 3)
     runner.positions_S[:] = args.max_len  # idle again: the engine's own requests next
-    plain, held = structured(engine, args)
+    rates = structured(engine, args)
+    (plain, plain_cpu), (held, held_cpu) = rates[False], rates[True]
     row.update(structured_tokens_per_s=round(plain, 1), structured_masked_tokens_per_s=round(held, 1),
-               structured_masked_over_plain=round(held / plain, 3))
+               structured_masked_over_plain=round(held / plain, 3),
+               structured_masked_over_plain_cpu=round(held_cpu / plain_cpu, 3))
     row["load_average"] = os.getloadavg()[0]
     print(json.dumps(row))
 
@@ -137,14 +146,16 @@ ITEMS = {"type": "array", "minItems": 100, "items": {  # never complete within t
     "required": ["kind", "age", "score", "name"], "additionalProperties": False}}
 
 
-def structured(engine, args) -> tuple[float, float]:
-    """Decode tokens/s of --slots sampled requests unconstrained and held to ITEMS (median of 5 runs each)."""
+def structured(engine, args) -> dict[bool, tuple[float, float]]:
+    """Decode tokens/s of --slots sampled requests unconstrained and held to ITEMS, each the median of
+    --structured-runs runs that alternate (a load that changes during the run slows both alike): (tokens per
+    wall second, tokens per CPU second of this process, all its threads) by whether held."""
     from trainer.serve.structured import Grammars
 
     grammars = Grammars("bytes", args.vocab, None)
     grammar = grammars.grammar({"type": "json_schema", "json_schema": {"name": "items", "schema": ITEMS}}, None)
-    rates = {False: [], True: []}
-    for _ in range(5):
+    rates = {False: ([], []), True: ([], [])}
+    for _ in range(args.structured_runs):
         for held in (False, True):
             requests = []
             for i in range(args.slots):
@@ -154,11 +165,13 @@ def structured(engine, args) -> tuple[float, float]:
                 requests.append(engine.submit(req))
             while engine.scheduler.waiting or engine.scheduler.admitting:  # every prompt in: decoding alone
                 engine.step()
-            started = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             before = sum(len(r.output) for r in requests)
             engine.run()
-            rates[held].append((sum(len(r.output) for r in requests) - before) / (time.perf_counter() - started))
-    return statistics.median(rates[False]), statistics.median(rates[True])
+            tokens = sum(len(r.output) for r in requests) - before
+            rates[held][0].append(tokens / (time.perf_counter() - wall))
+            rates[held][1].append(tokens / (time.process_time() - cpu))
+    return {held: (statistics.median(wall), statistics.median(cpu)) for held, (wall, cpu) in rates.items()}
 
 
 def _peaked(weights, peak: float):

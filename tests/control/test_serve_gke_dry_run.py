@@ -84,7 +84,38 @@ def work(tmp_path_factory):
         os.environ.pop(FAST) if before is None else os.environ.update({FAST: before})
 
 
-def test_deploy_predict_down_on_gke(work):
+IDS_TASK = """task: tiny_ids_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def eval_endpoint(work, monkeypatch) -> tuple[int, str]:
+    """`moe-tpu --dry-run eval --endpoint` on a local 2-item multiple-choice task in the run's text (token ids):
+    (exit code, stderr)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(work / "hf-datasets"))
+    rows = [{"question": f"{i + 1} {i + 2} {i + 3}", "choices": [str(i + 4), f"{i + 5} {i + 6}"], "answer": i % 2}
+            for i in range(2)]
+    (work / "tasks").mkdir(exist_ok=True)
+    (work / "tasks" / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (work / "tasks" / "ids.yaml").write_text(IDS_TASK.format(data=work / "tasks" / "ids.jsonl"))
+    with contextlib.chdir(work):
+        code, _, err = invoke("--dry-run", "eval", "--endpoint", "-c", "serve-gke.yaml", "--tasks", "tiny_ids_mc",
+                              "--include-path", str(work / "tasks"), "--limit", "2", "--batch-size", "2")
+    return code, err
+
+
+def test_deploy_predict_down_on_gke(work, monkeypatch):
     code, deployed, err = moe_tpu(work, "deploy", "-c", "serve-gke.yaml")
     assert code == 0, err[-3000:]
     assert rpcs(deployed, "k8s create") == [f"k8s create {kind}" for kind in SERVING]
@@ -97,12 +128,21 @@ def test_deploy_predict_down_on_gke(work):
     assert rpcs(predicted, "proxy") == ["k8s service proxy"]
     code, _, err = moe_tpu(work, "predict", "--prompt", "", "--max-tokens", "2")
     assert code == 2 and "the prompt has no tokens" in err and "change --prompt" in err, err[-2000:]
+    # lm-eval's requests through the Service's proxy: a loglikelihood per choice, the model's own (not one value)
+    code, err = eval_endpoint(work, monkeypatch)
+    assert code == 0, err[-3000:]
+    results = json.loads((work / ".moe-tpu" / "runs" / "moe-demo" / "output" / "eval" / "endpoint-results.json")
+                         .read_text())
+    scores = [r[0][0] for s in results["samples"]["tiny_ids_mc"] for r in s["resps"]]
+    assert len(scores) == 4 and all(v < 0 for v in scores) and len({round(v, 4) for v in scores}) > 1, scores
     code, down, err = moe_tpu(work, "down")
     assert code == 0, err[-2000:]
     assert [r for r in rpcs(down, "k8s delete") if "JobSet" not in r] \
         == [f"k8s delete {kind}" for kind in reversed(SERVING)]
     assert rpcs(down, "DeleteNodePool") == ["google.container.v1.ClusterManager/DeleteNodePool"]
     assert nothing_left(work) and LocalServers(work / ".moe-tpu").keys() == []  # the server stopped too
+    code, err = eval_endpoint(work, monkeypatch)  # nothing deployed: the user's to deploy (exit 2), not a crash
+    assert code == 2 and "has nothing deployed on GKE" in err and "deploy -c serve-gke.yaml" in err, err
 
 
 GROUP_KINDS = ("LeaderWorkerSet", "Service", "PodMonitoring", "HorizontalPodAutoscaler")

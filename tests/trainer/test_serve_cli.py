@@ -80,7 +80,7 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
     script.write_text(
         "import socket, sys, threading, types\n"
         "from trainer.serve import cli\n"
-        "engine = types.SimpleNamespace(slots=1, max_len=2, warm_up=threading.Event().wait)\n"
+        "engine = types.SimpleNamespace(slots=1, max_len=2, warm_up=lambda every_span: threading.Event().wait())\n"
         "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None, eos_token=None,\n"
         "                                tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
@@ -116,7 +116,8 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     process = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--checkpoint", str(trained_tiny.output_dir),
-                                "--port", str(port), "--slots", "8", "--max-len", "512", "--chunk", "16"],
+                                "--port", str(port), "--slots", "8", "--max-len", "512", "--chunk", "16",
+                                "--warm-up", "smallest"],  # its requests are short: the other spans never compile
                                env=env, stderr=subprocess.PIPE, text=True)
     try:
         lines = []

@@ -42,7 +42,8 @@ class Group:
         self.port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
         self.base = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "trainer.serve", "--checkpoint", str(run), "--port", str(self.port),
-                   "--mesh", mesh, "--slots", str(slots), "--max-len", str(max_len), "--chunk", str(CHUNK)]
+                   "--mesh", mesh, "--slots", str(slots), "--max-len", str(max_len), "--chunk", str(CHUNK),
+                   "--warm-up", "smallest"]  # a span a request reaches compiles then, on every process
         self.logs = [tmp_path / f"process-{i}.log" for i in range(2)]
         self.processes = []
         for i in range(2):

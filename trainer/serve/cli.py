@@ -133,13 +133,17 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--chat-template", "chat_template_path", default=None, metavar="FILE",
               help='JSON {"message": "{role}: {content}\\n", "generation": "assistant:"} [that one].')
 @click.option("--model-name", default=None, help="The model's id in the API [the config's name].")
+@click.option("--warm-up", "warm_up", type=click.Choice(["all", "smallest"]), default="all", show_default=True,
+              help="The steps compiled before the server says it is ready: all: every span of the cache a request "
+                   "can reach, so no request waits on a compilation; smallest: the shortest span's alone (a quicker "
+                   "start; a request reaching a longer span compiles it, and every stream waits meanwhile).")
 @click.option("--grace-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="After SIGTERM, how long requests in flight may take to finish.")
 @click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,
               help="The memory per device to plan for [what the device reports].")
 def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching, prefix_cache_tokens,
                   kv_cache_dtype, weight_format, mesh_text,
-                  devices, tokenizer_path, chat_template_path, model_name, grace_seconds, device_memory_gb):
+                  devices, tokenizer_path, chat_template_path, model_name, warm_up, grace_seconds, device_memory_gb):
     """Serve a training run's latest checkpoint over an OpenAI-compatible HTTP API.
 
     \b
@@ -177,7 +181,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
     leader = _lead(loaded, group) if group is not None else None
     template = template or loaded.chat_template  # --chat-template, else an imported model's own
     code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
-                  leader)
+                  leader, every_span=warm_up == "all")
     sys.exit(code)
 
 
@@ -255,7 +259,7 @@ def _check_server_packages() -> None:
 
 
 def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
-           grace_seconds: float, leader=None) -> int:
+           grace_seconds: float, leader=None, every_span: bool = True) -> int:
     import uvicorn
 
     from trainer.serve.loop import EngineLoop
@@ -278,8 +282,8 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
         try:
             started = time.perf_counter()
             _progress(f"compiling the prefill and decode steps ({loaded.engine.slots} slots x "
-                      f"{loaded.engine.max_len} tokens)")
-            loaded.engine.warm_up()
+                      f"{loaded.engine.max_len} tokens, {'every span' if every_span else 'the first span'})")
+            loaded.engine.warm_up(every_span)
             state.loop = EngineLoop(loaded.engine).start()
             _progress(f"compiled in {time.perf_counter() - started:.1f}s")
             _progress(f"ready: {name} at http://{host}:{port}/v1 (health /health, metrics /metrics)")

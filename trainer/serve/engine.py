@@ -214,10 +214,24 @@ class Engine:
 
     def _decode_all(self) -> None:
         active = self.scheduler.active
+        self._fill_masks()
+        if not active:
+            return
         wanted = {slot: req.sampling.logprobs for slot, req in active.items() if req.sampling.logprobs is not None}
         tokens_S, scored = self.runner.decode(wanted)
         for slot, req in list(active.items()):
             self._emit(req, int(tokens_S[slot]), scored.get(slot))
+
+    def _fill_masks(self) -> None:
+        """Each constrained slot's mask of its next token, after the token it took, written in place into the
+        decode step's input (the runner's mask rows). A request whose grammar's end alone may follow is done.
+
+        Not overlapped with the device's forward pass (the step split in two, masks computed between): on the
+        CPU the split step cost more than the masks it hid (8 slots at a 32,768-token vocabulary, measured
+        interleaved: 3.4 ms of CPU against 2.8 ms for the one program and the masks computed before it)."""
+        for slot, req in list(self.scheduler.active.items()):
+            if req.constraint is not None and not req.constraint.fill(self.runner.mask_SxW[slot]):
+                self._end(req, self.output.complete(req))
 
     def _emit(self, req: Request, token: int, record: Logprob | None = None) -> None:
         """Records the request's new token; ends it when the output processor says it is done, else the token
@@ -227,8 +241,6 @@ class Engine:
             reason = self.output.on_token(req, token, record)
             if reason is None:
                 self.runner.advance(req.slot, token, len(req.prompt) + len(req.output) - 1)
-                if req.constraint is not None:
-                    self.runner.constrain(req.slot, req.constraint.row)
                 if req.listener is not None:
                     req.listener(req)
                 return

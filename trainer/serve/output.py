@@ -87,6 +87,11 @@ class OutputProcessor:
             return "stop" if self._finish_text(req) else "length"
         return None
 
+    def complete(self, req) -> str:
+        """The finish reason of a request whose grammar is complete, its text finished."""
+        self._finish_text(req)
+        return "stop"
+
     @staticmethod
     def _stopped(req, new: str) -> bool:
         """Whether a stop string ends in the new text: looked for in it and the characters before it that a

@@ -117,15 +117,17 @@ class ModelRunner:
         return sum(program._cache_size() for program in self.programs.values())
 
     def warm_up(self, every_span: bool = False) -> None:
-        """Compiles both steps at the smallest span, the one short requests use, and with `every_span` the
-        decode step at every span, so that no stream waits on a compilation between two of its tokens (an
-        idle decode step writes nothing; the prefill's writes into slot 0 are overwritten by its next
-        request before they are read). Other spans compile when a step first reaches them."""
+        """Compiles both steps at the smallest span, the one short requests use, and with `every_span` at every
+        span (a long prompt's later chunks reach each as a long output's steps do), so that no request waits on a
+        compilation, nor any stream between two of its tokens (an idle decode step writes nothing; the
+        prefill's writes into slot 0 are overwritten by its next request before they are read). Without it the
+        other spans compile when a step first reaches them."""
         sampling = sampling_arrays([(0.0, 0, 1.0, 0)])
         spans = self.spans()
-        self.run(f"prefill/{spans[0]}", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
-                 np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False),
-                 self.mask_SxW[:1])
+        for span in spans if every_span else spans[:1]:
+            self.run(f"prefill/{span}", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
+                     np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False),
+                     self.mask_SxW[:1])
         for span in spans if every_span else spans[:1]:
             tokens = self.run(f"decode/{span}", self.tokens_S, self.positions_S, self.slot_sampling(),
                               np.bool_(False), self.mask_SxW)
@@ -185,10 +187,6 @@ class ModelRunner:
     def advance(self, slot: int, token: int, position: int) -> None:
         """The slot's next decode input: `token` at `position`."""
         self.tokens_S[slot], self.positions_S[slot] = token, position
-
-    def constrain(self, slot: int, mask_W: np.ndarray | None) -> None:
-        """The tokens the slot may draw next (None: any)."""
-        self.mask_SxW[slot] = -1 if mask_W is None else mask_W
 
     def vacate(self, slot: int) -> None:
         self.positions_S[slot] = self.max_len

@@ -234,11 +234,22 @@ class Server(Holding):
                 f"-H 'content-type: application/json' -d '{body}'"]
 
     def predict(self, request: dict, stream: bool = False) -> Iterator[dict]:
+        """Through the Service; with nothing deployed (no cluster, no Service) a UsageError, as Vertex AI's
+        endpoint without a model: the user's to deploy, not a failure of the platform."""
         kube = _kube(self)
         if kube is None:
-            raise CloudError(f"the cluster {self.cfg.gke.cluster} is gone: nothing serves run {self.cfg.run}",
-                             hint="deploy it with `moe-tpu deploy`")
-        return gke_serve.predict(self.cfg, kube, request, stream)
+            raise self._nothing_deployed(f"the cluster {self.cfg.gke.cluster} is gone")
+        try:
+            yield from gke_serve.predict(self.cfg, kube, request, stream)
+        except CloudError:  # the proxy's refusal: looked into only then, so a request costs no call more
+            name = gke_serve_render.server_name(self.cfg)
+            if kube.get_object("Service", self.cfg.gke.namespace, name) is None:
+                raise self._nothing_deployed(f"there is no Service {self.cfg.gke.namespace}/{name}") from None
+            raise
+
+    def _nothing_deployed(self, why: str) -> UsageError:
+        return UsageError(f"run {self.cfg.run} has nothing deployed on GKE cluster {self.cfg.gke.cluster}: {why}",
+                          hint=f"deploy it first: `moe-tpu deploy -c {self.cfg.source}`")
 
 
 class GkeKind(Kind):
