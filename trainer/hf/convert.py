@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import shutil
 import tempfile
@@ -163,12 +164,22 @@ def staged(output: str) -> Iterator[str]:
 
 
 def _remove(tmp: str) -> None:
-    """Removes the staging directory, again while it is still there: a checkpoint writer that was stopped may
-    still be closing files in it (tensorstore finishes its writes on threads of its own), and one removal
-    racing those can leave a directory behind (bounded: 5 s)."""
-    for _ in range(50):
+    """Removes the staging directory and sees that it stays gone: a checkpoint writer that was stopped may still
+    be closing files in it (tensorstore finishes its writes on threads of its own, and its OCDBT store writes a
+    manifest once the context that holds it is collected), so a removal racing those can leave a directory
+    behind. The context is collected first; then the directory is removed until it has stayed absent for a
+    second (bounded: 10 s), which a failed import alone pays."""
+    gc.collect()
+    absent_since = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.lexists(tmp):
+        now = time.monotonic()
+        if os.path.lexists(tmp):
+            absent_since = None
+        elif absent_since is None:
+            absent_since = now
+        elif now - absent_since >= 1.0:
             return
         time.sleep(0.1)
 
