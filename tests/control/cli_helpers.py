@@ -117,6 +117,6 @@ def nothing_left(cwd: Path) -> bool:
 def trained_copy(trained: Path, to: Path) -> Path:
     """`to`: a copy of trained_demo's directory (conftest.py), as that run left it but for the config it
     remembered (the shared directory's: the next command here names its own)."""
-    shutil.copytree(trained, to, dirs_exist_ok=True, ignore=shutil.ignore_patterns("trained"))
+    shutil.copytree(trained, to, dirs_exist_ok=True)
     (to / ".moe-tpu" / "last-config").unlink(missing_ok=True)
     return to

@@ -70,10 +70,10 @@ def trained_demo(tmp_path_factory, worker_id):
     import yaml
 
     shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    work = shared / "trained-demo"
+    work, done = shared / "trained-demo", shared / "trained-demo.done"
     with open(shared / "trained-demo.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (work / "trained").exists():
+        if not done.exists():
             shutil.rmtree(work, ignore_errors=True)  # a worker that failed halfway
             work.mkdir()
             train = {**yaml.safe_load(EXAMPLES["tpu-vm"].read_text()), "dry_run": SMALL}
@@ -87,6 +87,6 @@ def trained_demo(tmp_path_factory, worker_id):
                 os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS") if before is None \
                     else os.environ.update(JAX_DISABLE_MOST_OPTIMIZATIONS=before)
             assert code == 0, err[-3000:]
-            (work / "trained").touch()
+            done.touch()
     return work
 
