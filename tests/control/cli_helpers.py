@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,11 @@ def nothing_left(cwd: Path) -> bool:
     with contextlib.chdir(cwd):
         code, out, _ = invoke("--dry-run", "--output", "json", "list")
     return code == 0 and json.loads(out)["resources"] == []
+
+
+def trained_copy(trained: Path, to: Path) -> Path:
+    """`to`: a copy of trained_demo's directory (conftest.py), as that run left it but for the config it
+    remembered (the shared directory's: the next command here names its own)."""
+    shutil.copytree(trained, to, dirs_exist_ok=True)
+    (to / ".moe-tpu" / "last-config").unlink(missing_ok=True)
+    return to

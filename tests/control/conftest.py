@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from cli_helpers import run_json, write_config
+from cli_helpers import EXAMPLES, SMALL, invoke, run_json, write_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,3 +58,35 @@ def dry_run(tmp_path_factory):
         return done[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def trained_demo(tmp_path_factory, worker_id):
+    """A fresh directory where examples/v5e-64.yaml's run trained (made small: SMALL) by `moe-tpu --dry-run run
+    -c train.yaml`, the trainer compiled with XLA's optimisations off: the serving modules' checkpoint. Trained
+    once per test run, not once per module or pytest-xdist worker: the first worker to ask trains it in the
+    directory all workers share, under a lock the others wait on. Read it, never write into it: a module that
+    deploys from it works in a copy (cli_helpers.trained_copy)."""
+    import yaml
+
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    work, done = shared / "trained-demo", shared / "trained-demo.done"
+    with open(shared / "trained-demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(work, ignore_errors=True)  # a worker that failed halfway
+            work.mkdir()
+            train = {**yaml.safe_load(EXAMPLES["tpu-vm"].read_text()), "dry_run": SMALL}
+            (work / "train.yaml").write_text(yaml.safe_dump(train))
+            before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
+            os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+            try:
+                with contextlib.chdir(work):  # the trainer the dry run starts is a process of its own
+                    code, _, err = invoke("--dry-run", "run", "-c", "train.yaml")
+            finally:
+                os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS") if before is None \
+                    else os.environ.update(JAX_DISABLE_MOST_OPTIMIZATIONS=before)
+            assert code == 0, err[-3000:]
+            done.touch()
+    return work
+

@@ -1,7 +1,8 @@
 """Issue 33's Vertex AI lines end to end, as a user runs them from a fresh directory: train with `run`, then
 `deploy`, `predict`, `down`, `list`; a refused quota, a checkpoint of another model, SIGTERM during DeployModel,
-and a re-run after kill -9. The dry run trains once for the module (the examples' run made small: the tests'
-shared dry_run size, and a small engine) and the real server answers every prediction."""
+and a re-run after kill -9. The dry run trains once for the test run (the examples' run made small: the tests'
+shared dry_run size; conftest.py's trained_demo), served by a small engine, and the real server answers every
+prediction."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from provision.emulator.local_server import LocalServers
-from tests.control.cli_helpers import CLEAN_ENV, EXAMPLES, ROOT, SMALL, invoke, run_process
+from tests.control.cli_helpers import CLEAN_ENV, ROOT, SMALL, invoke, run_process, trained_copy
 
 PROMPT, TOKENS = "1 2 3", 8
 FAST = "JAX_DISABLE_MOST_OPTIMIZATIONS"
@@ -34,20 +35,16 @@ def _in_order(names: list[str], wanted: list[str]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """A fresh directory where examples/v5e-64.yaml's run trained (made small), with the serving config beside
-    it. The trainer and the servers compile with XLA's optimisations off (compiling dominates here)."""
-    work = tmp_path_factory.mktemp("serve-vertex")
-    train = {**yaml.safe_load(EXAMPLES["tpu-vm"].read_text()), "dry_run": SMALL}
+def workdir(tmp_path_factory, trained_demo):
+    """A fresh directory where examples/v5e-64.yaml's run trained (made small: a copy of trained_demo's), with
+    the serving config beside it. The servers compile with XLA's optimisations off (compiling dominates here)."""
+    work = trained_copy(trained_demo, tmp_path_factory.mktemp("serve-vertex"))
     serve = yaml.safe_load((ROOT / "examples" / "serve-vertex.yaml").read_text())
     serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], "slots": 2, "max_len": 64}}
-    (work / "train.yaml").write_text(yaml.safe_dump(train))
     (work / "serve.yaml").write_text(yaml.safe_dump(serve))
     before = os.environ.get(FAST)
     os.environ[FAST] = "1"
     try:
-        trained = run_process(["--dry-run", "run", "-c", "train.yaml"], cwd=work, timeout=300)
-        assert trained.returncode == 0, trained.stderr[-3000:]
         yield work
     finally:
         servers = LocalServers(work / ".moe-tpu")

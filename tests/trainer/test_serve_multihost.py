@@ -23,7 +23,9 @@ from trainer.serve import multihost
 
 pytestmark = pytest.mark.compile_bound
 
-MESH, SLOTS, MAX_LEN, CHUNK, NEW = "expert=4,model=2", 8, 1040, 64, 8
+# A chunk of 256: the long prompts still arrive in 4 chunks between the others' decode steps, and each process
+# compiles 5 programs (prefill at spans 256, 512 and 1,024, decode at 256 and 1,040) where 64 took 6.
+MESH, SLOTS, MAX_LEN, CHUNK, NEW = "expert=4,model=2", 8, 1040, 256, 8
 _draw = random.Random(46)
 SHORT = [[_draw.randrange(256) for _ in range(_draw.randint(2, 40))] for _ in range(32)]
 LONG = [[_draw.randrange(256) for _ in range(1024)] for _ in range(2)]
@@ -108,7 +110,7 @@ def test_two_processes_serve_what_one_serves_and_stop_together_on_sigterm(group,
     threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate(SHORT)]
     for t in threads:
         t.start()
-    time.sleep(0.5)  # the short ones are decoding when the long prompts come, prefilled 64 tokens a step
+    time.sleep(0.5)  # the short ones are decoding when the long prompts come, prefilled a chunk a step
     threads += [threading.Thread(target=ask, args=(len(SHORT) + i, p)) for i, p in enumerate(LONG)]
     for t in threads[len(SHORT):]:
         t.start()
