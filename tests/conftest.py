@@ -88,7 +88,8 @@ def _elsewhere(tmp_path_factory, monkeypatch):
 # pytest-xdist hands each worker whole files (--dist loadfile) in collection order; a long file handed
 # out last keeps one worker busy while the other has nothing left. These are the files that take a
 # minute or more on 2 cores (measured with --durations=0), longest first; the rest keep their order.
-LONGEST_FIRST = ("control/test_run.py", "trainer/test_moe_parallel.py", "trainer/test_tensor_parallel.py",
+LONGEST_FIRST = ("trainer/test_serve_multihost.py", "control/test_run.py", "trainer/test_hf_oracle.py",
+                 "trainer/test_hf_use.py", "trainer/test_moe_parallel.py", "trainer/test_tensor_parallel.py",
                  "trainer/test_moe_balance.py", "trainer/test_moe_structure.py", "trainer/test_serve_engine.py",
                  "trainer/test_trainer_cli.py", "trainer/test_trainer_train.py", "control/test_gke.py",
                  "control/test_serve_vertex.py", "control/test_serve_gke_dry_run.py", "control/test_two_runs.py",
