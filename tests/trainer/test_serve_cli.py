@@ -185,7 +185,8 @@ def test_a_grace_period_that_runs_out_sends_each_stream_an_error_event_and_logs_
         "                               decode=lambda ids: ' '.join(map(str, ids)), eos_token=None,\n"
         "                               tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
-        "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 8, None, 'tiny', 0.5))\n")
+        "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 8, None, 'tiny', 0.5, "
+        "every_span=False))\n")  # the quick start: 4,096 tokens are six spans, and the test needs none warm
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
            "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
