@@ -120,3 +120,29 @@ def trained_copy(trained: Path, to: Path) -> Path:
     shutil.copytree(trained, to, dirs_exist_ok=True)
     (to / ".moe-tpu" / "last-config").unlink(missing_ok=True)
     return to
+
+
+# lm-eval's local multiple-choice task `tiny_ids_mc`, in a dry run's text: token ids separated by spaces (the
+# trained demo has no tokenizer). `eval --endpoint`'s tests on every kind that serves read it.
+IDS_TASK = """task: tiny_ids_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def write_ids_task(work: Path, rows: list[dict]) -> Path:
+    """`tiny_ids_mc` over `rows` ({"question", "choices", "answer"}) in work/tasks; returns that directory."""
+    tasks = work / "tasks"
+    tasks.mkdir(exist_ok=True)
+    (tasks / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / "ids.yaml").write_text(IDS_TASK.format(data=tasks / "ids.jsonl"))
+    return tasks

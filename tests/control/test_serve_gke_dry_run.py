@@ -15,7 +15,7 @@ import os
 
 import pytest
 import yaml
-from cli_helpers import ROOT, SMALL, invoke, nothing_left, trained_copy
+from cli_helpers import ROOT, SMALL, invoke, nothing_left, trained_copy, write_ids_task
 
 from provision.emulator.local_server import LocalServers
 from provision.emulator.local_trainer import process_runs
@@ -81,21 +81,6 @@ def work(tmp_path_factory, trained_demo):
         os.environ.pop(FAST) if before is None else os.environ.update({FAST: before})
 
 
-IDS_TASK = """task: tiny_ids_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
-
-
 def eval_endpoint(work, monkeypatch) -> tuple[int, str]:
     """`moe-tpu --dry-run eval --endpoint` on a local 2-item multiple-choice task in the run's text (token ids):
     (exit code, stderr)."""
@@ -103,9 +88,7 @@ def eval_endpoint(work, monkeypatch) -> tuple[int, str]:
     monkeypatch.setenv("HF_DATASETS_CACHE", str(work / "hf-datasets"))
     rows = [{"question": f"{i + 1} {i + 2} {i + 3}", "choices": [str(i + 4), f"{i + 5} {i + 6}"], "answer": i % 2}
             for i in range(2)]
-    (work / "tasks").mkdir(exist_ok=True)
-    (work / "tasks" / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (work / "tasks" / "ids.yaml").write_text(IDS_TASK.format(data=work / "tasks" / "ids.jsonl"))
+    write_ids_task(work, rows)
     with contextlib.chdir(work):
         code, _, err = invoke("--dry-run", "eval", "--endpoint", "-c", "serve-gke.yaml", "--tasks", "tiny_ids_mc",
                               "--include-path", str(work / "tasks"), "--limit", "2", "--batch-size", "2")

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from provision.emulator.local_server import LocalServers
-from tests.control.cli_helpers import CLEAN_ENV, ROOT, SMALL, invoke, run_process, trained_copy
+from tests.control.cli_helpers import CLEAN_ENV, ROOT, SMALL, invoke, run_process, trained_copy, write_ids_task
 
 PROMPT, TOKENS = "1 2 3", 8
 FAST = "JAX_DISABLE_MOST_OPTIMIZATIONS"
@@ -120,29 +120,12 @@ def test_deploy_predict_down_through_the_real_api(here, monkeypatch):
     _nothing_left(here)
 
 
-TASK = """task: tiny_ids_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
-
-
 def _ids_task(work) -> None:
     """A local 5-item multiple-choice task in the run's text: token ids separated by spaces (its data has no
     tokenizer)."""
     rows = [{"question": " ".join(str(3 * i + k) for k in range(1, 5)), "choices": [str(i + 1), f"{i + 2} {i + 3}"],
              "answer": i % 2} for i in range(5)]
-    (work / "tasks").mkdir(exist_ok=True)
-    (work / "tasks" / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (work / "tasks" / "ids.yaml").write_text(TASK.format(data=work / "tasks" / "ids.jsonl"))
+    write_ids_task(work, rows)
 
 
 def _loglikelihoods(path) -> dict[tuple[int, int], float]:
