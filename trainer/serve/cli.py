@@ -24,6 +24,7 @@ import time
 import click
 
 from trainer.serve.memory import QUANTIZED_WEIGHTS
+from trainer.serve.spans import DEFAULT_CHUNK
 from trainer.serve.startup import ServeError, load
 
 EXIT_RUNTIME = 1
@@ -108,7 +109,7 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--slots", type=click.IntRange(min=1), default=8, show_default=True, help="Requests decoded at once.")
 @click.option("--max-len", type=click.IntRange(min=2, max=POSITIONS_MAX), default=1024, show_default=True,
               help="Prompt plus generated tokens per request (the KV cache's length).")
-@click.option("--chunk", type=click.IntRange(min=1), default=64, show_default=True,
+@click.option("--chunk", type=click.IntRange(min=1), default=DEFAULT_CHUNK, show_default=True,
               help="Prompt tokens prefilled per engine step, between decode steps.")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests queued for a slot; beyond them 429 with Retry-After.")

@@ -17,12 +17,9 @@ import numpy as np
 from trainer.serve.latentcache import CacheLayout
 from trainer.serve.logprobs import Logprob, records, token_logprobs
 from trainer.serve.sampling import allowed, sample_tokens
+from trainer.serve.spans import MIN_SPAN, ladder
 from trainer.serve.structured import words
 from trainer.serve.weights import ServingModel
-
-# The shortest span a step reads: below it a step's cost is its fixed work (the weights, the sampling), not
-# attention, and fewer spans compile fewer programs.
-MIN_SPAN = 128
 
 
 class ModelRunner:
@@ -85,12 +82,8 @@ class ModelRunner:
         return self.programs[name]
 
     def spans(self) -> list[int]:
-        """The spans a step may read: the chunk (at least MIN_SPAN) doubled until it reaches max_len, which
-        ends the list (ceil(log2(max_len / that)) + 1 of them)."""
-        out = [min(max(self.chunk, self.min_span), self.max_len)]
-        while out[-1] < self.max_len:
-            out.append(min(2 * out[-1], self.max_len))
-        return out
+        """The spans a step may read (trainer/serve/spans.py)."""
+        return ladder(self.chunk, self.max_len, self.min_span)
 
     def span_for(self, length: int) -> int:
         """The shortest span covering positions 0..length."""
