@@ -144,7 +144,11 @@ class ModelConfig(Section):
 
     @property
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        """How many layers is_moe_layer counts, without asking each (the planner asks for every mesh it weighs)."""
+        if self.moe_every <= 0:
+            return 0
+        dense = {i for i in self.dense_layers if 0 <= i < self.num_layers and (i + 1) % self.moe_every == 0}
+        return self.num_layers // self.moe_every - len(dense)
 
 
 MAX_BATCH_TOKENS = 2**31 - 1  # a batch is one int32 array, indexed by int32 on the devices

@@ -74,6 +74,9 @@ class _Store:
         self.lock = threading.Lock()
         self.added = False
         self.models, self.ways = self._read()
+        # shard_ways' answers by the question itself: the planner asks the same ones many thousand times a
+        # plan, and writing each as its file key costs more than the rest of the estimate.
+        self.answered: dict[tuple, int] = {}
         if path is not None:
             atexit.register(self.save)
 
@@ -141,6 +144,10 @@ def shard_ways(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh_shape:
                fsdp: bool) -> int:
     """trainer.params.shard_ways(...), from the cache where it was asked before."""
     store = _store()
+    asked = (tuple(axes), tuple(shape), tuple(mesh_shape), fsdp)
+    known = store.answered.get(asked)  # asked before in this process: no key to write out
+    if known is not None:
+        return known
     key = json.dumps([axes, shape, mesh_shape, fsdp])
     ways = store.ways.get(key)
     if ways is None:
@@ -150,4 +157,5 @@ def shard_ways(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh_shape:
         with store.lock:
             store.ways[key] = ways
             store.added = True
+    store.answered[asked] = ways
     return ways

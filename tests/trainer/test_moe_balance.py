@@ -284,14 +284,16 @@ def test_forty_steps_equal_twenty_a_restore_and_twenty(tmp_path):
 
 
 def test_deepseek_tiny_trains_to_the_entropy_floor_as_tiny_does(tmp_path):
-    """The named config: sigmoid gating, bias balancing, a shared expert, 2 of 4 groups, dropless."""
+    """The named config: sigmoid gating, bias balancing, a shared expert, 2 of 4 groups, dropless. 60 steps: the
+    mean loss of the last ten is within 0.05 of the floor by then (measured: +0.046 at 60 steps, +0.018 at 120,
+    +0.229 at 20), well inside the 0.15 asserted."""
     cfg = load_config("deepseek-tiny")
     assert (cfg.moe.score, cfg.moe.balance, cfg.moe.num_shared_experts, cfg.moe.routing_groups_limit) == \
         ("sigmoid", "bias", 1, 2)
     path = tmp_path / "m.jsonl"
     reporter = Reporter(str(path))
     try:
-        run(RunSpec(config=cfg, steps=120, num_devices=1, mesh_shape={"data": 1, "expert": 1}), reporter)
+        run(RunSpec(config=cfg, steps=60, num_devices=1, mesh_shape={"data": 1, "expert": 1}), reporter)
     finally:
         reporter.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]

@@ -2,6 +2,8 @@
 
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainer import flops
 from trainer.config import NAMED_CONFIGS, Config, ConfigError, check, load_config, named_configs
@@ -198,3 +200,13 @@ def test_the_readme_lists_every_named_config():
     listed = re.search(r"Named configs: (.*?)\. `--set", readme, re.S).group(1)
     names = re.findall(r"`([\w.-]+)`", re.sub(r"\([^)]*\)", "", listed))  # what the parentheses say aside
     assert sorted(names) == sorted(named_configs())
+
+
+@given(layers=st.integers(1, 64), every=st.integers(0, 4), dense=st.sets(st.integers(0, 63), max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_the_count_of_moe_layers_is_the_layers_is_moe_layer_names(layers, every, dense):
+    """num_moe_layers counts without asking each layer (the planner's estimates ask it for every mesh)."""
+    kept_dense = tuple(sorted(i for i in dense if i < layers))
+    model = load_config("tiny").model.model_copy(
+        update={"num_layers": layers, "moe_every": every, "dense_layers": kept_dense})
+    assert model.num_moe_layers == sum(model.is_moe_layer(i) for i in range(layers))
