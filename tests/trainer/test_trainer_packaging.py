@@ -40,3 +40,23 @@ def test_test_code_stays_out_of_the_package():
     assert importlib.util.find_spec("trainer.moe.oracle") is None
     assert [f.name for f in dataclasses.fields(Topology)] == \
         ["expert_axis", "num_expert_shards", "token_axes", "exchange", "grouped_matmul", "model_axis"]
+
+
+WRITER_WITHOUT_TORCH = textwrap.dedent("""
+    import sys, tempfile
+    from trainer.tensorboard import TensorBoardWriter
+
+    writer = TensorBoardWriter(tempfile.mkdtemp())
+    writer.write({"step": 1, "loss": 2.5})
+    writer.close()
+    assert "torch" not in sys.modules, "the writer imported torch"
+    import torch  # noqa: F401 - still importable after
+    print("no torch")
+""")
+
+
+def test_the_tensorboard_writer_leaves_torch_unimported_and_importable():
+    """tensorboardX would import torch (installed here for the oracles): a second of every trainer's start."""
+    res = subprocess.run([sys.executable, "-c", WRITER_WITHOUT_TORCH], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "no torch"
