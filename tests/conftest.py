@@ -92,17 +92,24 @@ def _elsewhere(tmp_path_factory, monkeypatch):
 
 # --- the longest files start first ------------------------------------------------------------
 # pytest-xdist hands each worker whole files (--dist loadfile) in collection order; a long file handed
-# out last keeps one worker busy while the other has nothing left. These are the files that take a
-# minute or more on 2 cores (measured with --durations=0), longest first; the rest keep their order.
-LONGEST_FIRST = ("trainer/test_serve_multihost.py", "control/test_run.py", "trainer/test_hf_oracle.py",
-                 "trainer/test_hf_use.py", "trainer/test_moe_parallel.py", "trainer/test_tensor_parallel.py",
-                 "trainer/test_moe_balance.py", "trainer/test_moe_structure.py", "trainer/test_serve_engine.py",
-                 "trainer/test_trainer_cli.py", "trainer/test_trainer_train.py", "control/test_gke.py",
-                 "control/test_serve_vertex.py", "control/test_serve_gke_dry_run.py", "control/test_two_runs.py",
-                 "trainer/test_trainer_sample.py",
-                 # half a minute each, and last but a few in collection order (measured in one process, CPU
-                 # seconds: 31 with the shared prepared run, 25 with its two trainer processes)
-                 "trainer/test_trainer_prepare.py", "trainer/test_trainer_multiprocess.py")
+# out last keeps one worker busy while the others have nothing left. Longest first keeps that tail short:
+# every file of 8 s or more (worker seconds, measured with --durations=0 on 2 cores, session fixtures
+# counted where they are first asked for), longest first; the rest keep their order after them. The
+# multi-host file goes first: its processes wait on each other, and the others' work fills the wait.
+LONGEST_FIRST = (
+    "trainer/test_serve_multihost.py", "trainer/test_tensor_parallel.py", "control/test_run.py",
+    "trainer/test_hf_oracle.py", "trainer/test_moe_parallel.py", "trainer/test_moe_balance.py",
+    "trainer/test_serve_engine.py", "trainer/test_trainer_train.py", "control/test_serve_vertex.py",
+    "trainer/test_hf_deepseek.py", "trainer/test_moe_structure.py", "control/test_gke.py",
+    "control/test_serve_gke_dry_run.py", "trainer/test_trainer_cli.py", "trainer/test_hf_use.py",
+    "trainer/test_trainer_prepare.py", "control/test_plan.py", "control/test_cli.py", "control/test_two_runs.py",
+    "trainer/test_serve_cli.py", "trainer/test_serve_quant.py", "trainer/test_scan.py",
+    "control/test_run_signals.py", "trainer/test_trainer_multiprocess.py", "control/test_jobs.py",
+    "trainer/test_serve_openai.py", "trainer/test_hf_errors.py", "control/test_plan_words.py",
+    "trainer/test_trainer_finetune.py", "trainer/test_sample_limits.py", "control/test_goodput_plot.py",
+    "trainer/test_moe_layer.py", "trainer/test_trainer_model.py", "trainer/test_serve_prefix.py",
+    "control/test_gke_serve.py", "trainer/test_serve_tensor_parallel.py", "control/test_hardening.py",
+    "trainer/test_moe_routing.py", "trainer/test_trainer_sample.py", "control/test_image.py")
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
