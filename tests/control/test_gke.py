@@ -15,8 +15,8 @@ from cli_helpers import SMALL, loaded_config, nothing_left, run_process
 
 from provision.context import renderer_for
 from provision.errors import CloudError, QuotaError, StockoutError, UsageError
-from provision.kinds.gke import gke_render
 from provision.kinds.gke.gke import cluster_of, gke_down, gke_status, gke_up, managed_gke, submit_jobset
+from tests.control import render_calls as calls
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHWAYS = ROOT / "examples" / "gke-pathways.yaml"
@@ -196,7 +196,7 @@ def test_jobsets_answer_409_and_404_as_status_objects(tmp_path, emulated):
     app = emulated()
     gke_up(app.context(cfg))
     kube = _kube(cfg, app)
-    body = gke_render.jobset_manifest(cfg, renderer_for(cfg))
+    body = calls.jobset_manifest(cfg, renderer_for(cfg))
     kube.custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "default", "jobsets", body)
     with pytest.raises(ApiException) as again:
         kube.custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "default", "jobsets", body)

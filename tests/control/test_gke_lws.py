@@ -24,6 +24,7 @@ from provision.container import server_container
 from provision.context import renderer_for
 from provision.emulator.local_server import flag_value
 from provision.kinds.gke import gke_lws_render, gke_render
+from tests.control import render_calls as calls
 
 EXAMPLE = ROOT / "examples" / "serve-gke-multihost.yaml"
 SCHEMA = Path(__file__).resolve().parent / "schemas" / "leaderworkerset.v1.json"
@@ -62,7 +63,7 @@ def pathways(loaded):
 
 
 def objects(cfg):
-    return gke_lws_render.manifests(cfg, renderer_for(cfg), STARTUP_S)
+    return calls.group_manifests(cfg, STARTUP_S)
 
 
 def containers(lws: dict, role: str) -> dict[str, dict]:
@@ -76,7 +77,7 @@ def test_goldens(loaded, pathways):
     every = ("leaderworkerset.yaml", "service.yaml", "podmonitoring.yaml", "hpa.yaml")
     for prefix, cfg, names in (("serve-gke-multihost", loaded, every),
                                ("serve-gke-multihost-pathways", pathways, every[:1])):  # the rest: the same
-        files = gke_lws_render.group_files(cfg, renderer_for(cfg), STARTUP_S)
+        files = calls.group_files(cfg, STARTUP_S)
         for name in names:
             path = GOLDENS / f"{prefix}.{name}.golden"
             if os.environ.get("MOE_TPU_UPDATE_GOLDENS"):
@@ -123,12 +124,12 @@ def test_a_group_is_the_slices_hosts_each_pod_the_servers_argv_with_plan_serves_
 
 def test_each_group_has_a_whole_slice_and_pathways_a_cpu_pool_for_its_leaders(loaded, pathways):
     two = loaded.model_copy(update={"serve": loaded.serve.model_copy(update={"max_replicas": 2})})
-    specs = gke_lws_render.group_pool_specs(two, "us-west4-a")
+    specs = calls.group_pool_specs(two, "us-west4-a")
     assert [(s.name, s.node_count, s.topology) for s in specs] == [("moe-1-2t-lws-serve-0", 16, "8x8"),
                                                                    ("moe-1-2t-lws-serve-1", 16, "8x8")]
     body = yaml.safe_load(gke_render.node_pool_body(specs[0]))
     assert body["placement_policy"] == {"type": "COMPACT", "tpu_topology": "8x8"}
-    [*_, cpu] = gke_lws_render.group_pool_specs(pathways, "us-west4-a")
+    [*_, cpu] = calls.group_pool_specs(pathways, "us-west4-a")
     assert (cpu.name, cpu.topology, cpu.machine_type) == ("moe-1-2t-lws-serve-cpu", None, "n2-standard-64")
 
 

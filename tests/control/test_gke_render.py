@@ -17,6 +17,7 @@ from provision.config import load_config
 from provision.context import renderer_for
 from provision.errors import UsageError
 from provision.kinds.gke import gke_render
+from tests.control import render_calls as calls
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHWAYS = ROOT / "examples" / "gke-pathways.yaml"
@@ -74,20 +75,20 @@ def golden(name: str, text: str) -> None:
 ])
 def test_goldens(example, names):
     loaded = load_config(example)
-    files = gke_render.render_files(loaded, renderer_for(loaded))
+    files = calls.gke_files(loaded, renderer_for(loaded))
     for name in names:
         golden(f"{example.stem}.{name}", files[name])
 
 
 def test_node_pools_hold_the_slice_shape_and_capacity(tmp_path):
     cfg = load_config(PATHWAYS)
-    tpu, _, cpu = (gke_render.node_pool_message(s) for s in gke_render.node_pool_specs(cfg, "us-east5-a"))
+    tpu, _, cpu = (gke_render.node_pool_message(s) for s in calls.node_pool_specs(cfg, "us-east5-a"))
     assert tpu.config.machine_type == "ct5lp-hightpu-4t" and tpu.initial_node_count == 8
     assert tpu.placement_policy.type_.name == "COMPACT" and tpu.placement_policy.tpu_topology == "4x8"
     assert tpu.config.spot and tpu.config.resource_labels["moe-tpu-run"] == "moe-pathways"
     assert cpu.name == "moe-pathways-cpu" and cpu.config.machine_type == "n2-standard-64" and not cpu.config.spot
     reserved = load_config(write(tmp_path, slice__capacity="reserved", slice__reservation="my-res"))
-    pool = gke_render.node_pool_message(gke_render.node_pool_specs(reserved, "us-east5-a")[0])
+    pool = gke_render.node_pool_message(calls.node_pool_specs(reserved, "us-east5-a")[0])
     affinity = pool.config.reservation_affinity
     assert not pool.config.spot and affinity.consume_reservation_type.name == "SPECIFIC_RESERVATION"
     assert list(affinity.values) == ["my-res"] and affinity.key == "compute.googleapis.com/reservation-name"
@@ -100,22 +101,22 @@ def test_a_field_the_api_does_not_know_is_refused(tmp_path):
     (templates / "gke_node_pool.yaml.j2").write_text(source.replace("initial_node_count:", "node_count_typo:"))
     cfg = load_config(PATHWAYS)
     renderer = renderer_for(cfg, templates)
-    spec = gke_render.node_pool_specs(cfg, cfg.zones[0])[0]
+    spec = calls.node_pool_specs(cfg, cfg.zones[0])[0]
     with pytest.raises(UsageError, match="google.container.v1.NodePool"):
         gke_render.node_pool_message(spec, renderer)
     jobset = (ROOT / "templates" / "jobset.yaml.j2").read_text()
     (templates / "jobset.yaml.j2").write_text(jobset.replace("imagePullPolicy:", "imagePulPolicy:", 1))
     with pytest.raises(UsageError, match="unknown field 'imagePulPolicy'"):
-        gke_render.jobset_manifest(cfg, renderer)
+        calls.jobset_manifest(cfg, renderer)
     (templates / "jobset.yaml.j2").write_text(jobset.replace("$(PATHWAYS_HEAD):{{ spec.rm_port }}",
                                                              "$(PATHWAYS_HAED):{{ spec.rm_port }}", 1))
     with pytest.raises(UsageError, match=r"uses \$\(PATHWAYS_HAED\)"):
-        gke_render.jobset_manifest(cfg, renderer)
+        calls.jobset_manifest(cfg, renderer)
 
 
 def test_jax_jobset_has_one_pod_per_vm_and_the_multislice_environment(tmp_path):
     cfg = load_config(write(tmp_path, JAX, slice__count=2, gke__queue="team-a", recovery__max_restarts=5))
-    manifest = gke_render.jobset_manifest(cfg, renderer_for(cfg))
+    manifest = calls.jobset_manifest(cfg, renderer_for(cfg))
     (job,) = manifest["spec"]["replicatedJobs"]
     assert job["replicas"] == 2
     spec = job["template"]["spec"]
@@ -137,7 +138,7 @@ def test_jax_jobset_has_one_pod_per_vm_and_the_multislice_environment(tmp_path):
 
 def _pathwaysutils_jobset(cfg):
     jobset = pytest.importorskip("pathwaysutils.experimental.gke.jobset")
-    spec = gke_render.jobset_spec(cfg, renderer_for(cfg).image)
+    spec = calls.jobset_spec(cfg, renderer_for(cfg).image)
     js = jobset.PathwaysJobSet(name=spec.name, namespace=spec.namespace, pathways_dir=spec.gcs_scratch,
                                tpu_type="ct5lp-hightpu-4t", topology=spec.topology, num_slices=spec.slices,
                                max_restarts=spec.max_restarts)
@@ -164,7 +165,7 @@ def _env(container) -> dict[str, object]:
 
 def test_pathways_jobset_agrees_with_pathwaysutils_role_by_role():
     cfg = load_config(PATHWAYS)
-    ours, theirs = _roles(gke_render.jobset_manifest(cfg, renderer_for(cfg))), _roles(_pathwaysutils_jobset(cfg))
+    ours, theirs = _roles(calls.jobset_manifest(cfg, renderer_for(cfg))), _roles(_pathwaysutils_jobset(cfg))
     for role in ("rm", "proxy", "worker"):
         for key in ("args", "ports", "resources", "restartPolicy"):
             assert ours[role].get(key) == theirs[role].get(key), (role, key)
@@ -185,7 +186,7 @@ def test_pathways_jobset_agrees_with_pathwaysutils_role_by_role():
     # cluster would share (and the first one's teardown would take from the second).
     pool = "cloud.google.com/gke-nodepool"
     assert theirs["head_pod"]["nodeSelector"] == {pool: "cpu-np"}
-    assert ours["head_pod"]["nodeSelector"] == {pool: gke_render.cpu_pool_id(cfg)} == {pool: "moe-pathways-cpu"}
+    assert ours["head_pod"]["nodeSelector"] == {pool: gke_render.cpu_pool_id(cfg.run)} == {pool: "moe-pathways-cpu"}
     for job in ("head_job", "worker_job"):
         assert ours[job]["name"] == theirs[job]["name"] and ours[job]["replicas"] == theirs[job]["replicas"]
         for key in ("completionMode", "completions", "parallelism"):
@@ -196,7 +197,7 @@ def test_pathways_jobset_agrees_with_pathwaysutils_role_by_role():
     # The worker's backoffLimit is a deliberate difference (see the template).
     assert ours["worker_job"]["template"]["spec"]["backoffLimit"] == 8 * gke_render.WORKER_RESTARTS_PER_VM
     # The JobSet: coordinator, startup, success and failure policies, network.
-    ours_spec = gke_render.jobset_manifest(cfg, renderer_for(cfg))["spec"]
+    ours_spec = calls.jobset_manifest(cfg, renderer_for(cfg))["spec"]
     theirs_spec = _pathwaysutils_jobset(cfg)["spec"]
     for key in ("coordinator", "startupPolicy", "successPolicy", "failurePolicy", "network"):
         assert ours_spec[key] == theirs_spec[key], key
@@ -204,7 +205,7 @@ def test_pathways_jobset_agrees_with_pathwaysutils_role_by_role():
 
 def test_pathways_jobset_for_two_v5litepod_32():
     loaded = load_config(PATHWAYS)
-    roles = _roles(gke_render.jobset_manifest(loaded, renderer_for(loaded)))
+    roles = _roles(calls.jobset_manifest(loaded, renderer_for(loaded)))
     assert roles["worker_job"]["replicas"] == 2
     assert roles["worker_job"]["template"]["spec"]["completions"] == 8
     assert roles["worker"]["resources"]["limits"] == {"google.com/tpu": "4"}

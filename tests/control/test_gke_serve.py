@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from cli_helpers import loaded_config
 
-from provision.context import renderer_for
 from provision.errors import CloudError, QuotaError, StockoutError, UsageError
 from provision.kinds.gke import gke_serve_render
 from provision.kinds.gke.gke import cluster_of, gke_down, managed_gke
 from provision.services import ServiceFollower
+from tests.control import render_calls as calls
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_GKE = ROOT / "examples" / "serve-gke.yaml"
@@ -90,7 +90,7 @@ def cfg(tmp_path):
 def test_the_objects_through_the_kubernetes_client(cfg, emulated):
     app = emulated()
     kube = app.kube(cfg)
-    manifests = gke_serve_render.manifests(cfg, renderer_for(cfg), 600.0)
+    manifests = calls.serving_manifests(cfg, 600.0)
     for kind, body in manifests.items():
         made = kube.create_object(kind, "default", body)
         assert made["metadata"]["name"] == "moe-demo-gke" and made["metadata"]["uid"]
@@ -109,7 +109,7 @@ def test_the_objects_through_the_kubernetes_client(cfg, emulated):
     hpa = kube.get_object("HorizontalPodAutoscaler", "default", "moe-demo-gke")
     assert hpa["status"]["desiredReplicas"] == 1
     with pytest.raises(CloudError, match='503.*no endpoints available for service "moe-demo-gke:8000"'):
-        list(kube.proxy(gke_serve_render.proxy_path(cfg, "/v1/completions"), {"prompt": "x"}))
+        list(kube.proxy(gke_serve_render.proxy_path(cfg.gke, cfg.run, "/v1/completions"), {"prompt": "x"}))
     for kind in manifests:
         assert kube.delete_object(kind, "default", "moe-demo-gke") is True
         assert kube.delete_object(kind, "default", "moe-demo-gke") is False  # 404
@@ -153,7 +153,7 @@ def test_an_api_server_that_never_answers_is_a_cloud_error_not_a_hang(cfg, emula
     ("PodMonitoring", lambda m: m["spec"].update(endpoints=[]), "spec.endpoints: Required value"),
 ])
 def test_the_api_server_refuses_what_kubernetes_refuses(cfg, emulated, kind, change, words):
-    body = gke_serve_render.manifests(cfg, renderer_for(cfg), 600.0)[kind]
+    body = calls.serving_manifests(cfg, 600.0)[kind]
     change(body)
     with pytest.raises(UsageError, match=words):
         emulated().kube(cfg).create_object(kind, "default", body)

@@ -21,6 +21,7 @@ from provision.config import load_config
 from provision.context import renderer_for
 from provision.errors import UsageError
 from provision.kinds.gke import gke_serve_render
+from tests.control import render_calls as calls
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_GKE = ROOT / "examples" / "serve-gke.yaml"
@@ -35,7 +36,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def manifests(loaded):
-    return gke_serve_render.manifests(loaded, renderer_for(loaded), STARTUP_S)
+    return calls.serving_manifests(loaded, STARTUP_S)
 
 
 def golden(name: str, text: str) -> None:
@@ -46,7 +47,7 @@ def golden(name: str, text: str) -> None:
 
 
 def test_goldens(loaded):
-    files = gke_serve_render.serving_files(loaded, renderer_for(loaded), STARTUP_S)
+    files = calls.serving_files(loaded, STARTUP_S)
     for name in ("deployment.yaml", "service.yaml", "podmonitoring.yaml", "hpa.yaml",
                  "create_node_pool.moe-demo-gke-serve.us-west4-a.json"):
         golden(f"serve-gke.{name}", files[name])
@@ -81,8 +82,8 @@ def test_the_hpa_is_googles_recipe(loaded, manifests):
 
 
 def test_the_serving_pool_is_single_host_and_autoscaled(loaded):
-    spec = gke_serve_render.serving_pool_spec(loaded, "us-west4-a")
-    request = gke_serve_render.create_node_pool_request(loaded, spec, "my-project")
+    spec = calls.serving_pool_spec(loaded, "us-west4-a")
+    request = gke_serve_render.create_node_pool_request(loaded.gke, spec, "my-project")
     pool = request.node_pool
     assert (pool.config.machine_type, pool.initial_node_count, pool.config.spot) == ("ct5lp-hightpu-4t", 1, True)
     assert (pool.autoscaling.min_node_count, pool.autoscaling.max_node_count) == (1, 4)

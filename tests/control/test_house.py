@@ -426,6 +426,43 @@ def test_a_kinds_own_command_group_is_the_kinds():
     assert all(COMMANDS[name] == f"provision.cli.kind_cmds:{name}" for name in made)
 
 
+# A kind's renderers (provision/kinds/NAME/*render*.py) take the kind's own sections and one
+# provision.rendering.RenderContext, made from the config in that one place by the kind's `render` or its
+# lifecycle; never the whole config.
+def config_parameters(source: str) -> list[str]:
+    """Each parameter in `source` named `cfg` or annotated with `Config` (bare, dotted, quoted, in a union), of
+    a function, a method or a lambda, as "LINE: FUNCTION(PARAMETER)"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        given = node.args
+        for arg in (*given.posonlyargs, *given.args, given.vararg, *given.kwonlyargs, given.kwarg):
+            annotation = ast.unparse(arg.annotation) if arg is not None and arg.annotation is not None else ""
+            if arg is not None and (arg.arg == "cfg" or re.search(r"\bConfig\b", annotation)):
+                found.append(f"{node.lineno}: {getattr(node, 'name', '<lambda>')}({arg.arg})")
+    return found
+
+
+def test_a_kinds_renderers_never_take_the_whole_config():
+    renderers = sorted((ROOT / "provision" / "kinds").glob("*/*render*.py"))
+    assert len(renderers) >= 5  # each kind's: the slice, the custom job, GKE's three
+    found = [f"{path.relative_to(ROOT).as_posix()}:{hit}" for path in renderers
+             for hit in config_parameters(path.read_text(encoding="utf-8"))]
+    assert found == []
+    planted = """
+def fine(gke: GkeConfig, slice: SliceConfig, ctx: RenderContext, zone: str) -> str: ...
+def named(cfg, zone): ...
+def annotated(zone: str, config: Config): ...
+def quoted(*, c: "provision.config.Config | None" = None, **rest: Config): ...
+class Spec:
+    def method(self, cfg): ...
+check = lambda ctx, cfg=None: ctx
+"""
+    assert config_parameters(planted) == ["3: named(cfg)", "4: annotated(config)", "5: quoted(c)", "5: quoted(rest)",
+                                          "7: method(cfg)", "8: <lambda>(cfg)"]
+
+
 def test_google_is_imported_only_under_cloud_and_the_emulator():
     allowed = ("provision/cloud/", "provision/emulator/")
     found = sorted(f"{path.relative_to(ROOT)}: {name}" for module, path in own_modules().items()

@@ -135,10 +135,10 @@ def test_flaky_api_is_retried_and_makes_exactly_one_slice(tmp_path, run_in):
 
 def crash_after_create(cfg, run_in) -> None:
     """An invocation that sent its create and died before waiting for anything."""
-    from provision.kinds.tpu_vm.slice_render import create_queued_resource_request
+    from tests.control.render_calls import queued_resource_request
 
     crashed = run_in()
-    request = create_queued_resource_request(cfg, "us-west4-a", renderer_for(cfg))
+    request = queued_resource_request(cfg, "us-west4-a", renderer_for(cfg))
     crashed.session.tpu.client.create_queued_resource(request=request)
     crashed.close()
 

@@ -27,6 +27,7 @@ from provision.context import renderer_for
 from provision.errors import UsageError
 from provision.kinds.tpu_vm import slice_render
 from provision.kinds.vertex import vertex_render
+from tests.control import render_calls as calls
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDENS = Path(__file__).resolve().parent / "goldens"
@@ -76,7 +77,7 @@ def test_vertex_golden(name):
 
 def test_custom_job_request_is_the_real_message_with_the_trainer_argv():
     cfg = load_config(VERTEX)
-    request = vertex_render.create_custom_job_request(cfg, renderer_for(cfg))
+    request = calls.custom_job_request(cfg, renderer_for(cfg))
     assert request.parent == "projects/my-project/locations/us-west4"
     pool = request.custom_job.job_spec.worker_pool_specs[0]
     assert (pool.machine_spec.machine_type, pool.machine_spec.tpu_topology, pool.replica_count) == (
@@ -94,16 +95,16 @@ def test_a_vertex_tensorboard_is_the_jobs_tensorboard(tmp_path):
     path = tmp_path / "moe-tpu.yaml"
     path.write_text(yaml.safe_dump(doc))
     loaded = load_config(path)
-    spec = vertex_render.create_custom_job_request(loaded, renderer_for(loaded)).custom_job.job_spec
+    spec = calls.custom_job_request(loaded, renderer_for(loaded)).custom_job.job_spec
     assert (spec.tensorboard, spec.service_account) == (board, "trainer@my-project.iam.gserviceaccount.com")
     loaded = load_config(VERTEX)
-    assert vertex_render.create_custom_job_request(loaded, renderer_for(loaded)).custom_job.job_spec.tensorboard == ""
+    assert calls.custom_job_request(loaded, renderer_for(loaded)).custom_job.job_spec.tensorboard == ""
 
 
 def test_a_template_field_the_custom_job_does_not_know_is_an_error(tmp_path):
     (tmp_path / vertex_render.CUSTOM_JOB_TEMPLATE).write_text("display_name: x\nno_such_field: 1\n")
     with pytest.raises(UsageError, match="google.cloud.aiplatform.v1.CustomJob"):
-        vertex_render.create_custom_job_request(load_config(VERTEX), rendering.Renderer("img:v1", tmp_path))
+        calls.custom_job_request(load_config(VERTEX), rendering.Renderer("img:v1", tmp_path))
 
 
 def test_rendering_is_deterministic():
@@ -114,23 +115,24 @@ def test_rendering_is_deterministic():
 def test_ids_and_labels():
     cfg = load_config(EXAMPLE)
     assert rendering.labels(cfg) == {"managed-by": "moe-tpu", "moe-tpu-run": "moe-demo"}
-    assert (slice_render.queued_resource_id(cfg), slice_render.node_id(cfg)) == ("moe-demo", "moe-demo-tpu")
-    rid = slice_render.request_id(cfg, "us-west4-a")
-    assert uuid.UUID(rid).version == 5 and rid == slice_render.request_id(cfg, "us-west4-a")
-    assert rid != slice_render.request_id(cfg, "us-central1-a")
-    assert rid != slice_render.request_id(cfg, "us-west4-a", attempt=1)
+    assert (slice_render.queued_resource_id(cfg.run), slice_render.node_id(cfg.run)) == ("moe-demo", "moe-demo-tpu")
+    ctx = calls.slice_context(cfg, "img:v1")
+    rid = slice_render.request_id(cfg.slice, ctx, "us-west4-a")
+    assert uuid.UUID(rid).version == 5 and rid == slice_render.request_id(cfg.slice, ctx, "us-west4-a")
+    assert rid != slice_render.request_id(cfg.slice, ctx, "us-central1-a")
+    assert rid != slice_render.request_id(cfg.slice, ctx, "us-west4-a", attempt=1)
 
 
 def test_request_id_changes_with_the_request_body_and_only_with_it():
     """A changed capacity, label or startup script is a different request: it must not reuse the id an
     earlier body was sent under (the API could answer with that earlier operation)."""
     loaded = load_config(EXAMPLE)
-    same = slice_render.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded)).request_id
+    same = calls.queued_resource_request(loaded, "us-west4-a", renderer_for(loaded)).request_id
     loaded = load_config(EXAMPLE)
-    assert same == slice_render.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded)).request_id
+    assert same == calls.queued_resource_request(loaded, "us-west4-a", renderer_for(loaded)).request_id
     for change in ({"capacity": "on-demand"}, {"runtime_version": "v2-alpha-tpuv5-lite", "count": 2}):
         loaded = cfg_with(**change)
-        changed = slice_render.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded)).request_id
+        changed = calls.queued_resource_request(loaded, "us-west4-a", renderer_for(loaded)).request_id
         assert changed != same, change
 
 
@@ -138,14 +140,14 @@ def test_longest_run_keeps_ids_within_63():
     raw = example_raw()
     raw["run"] = "r" * 50
     cfg = config_from_dict(raw)
-    assert max(len(slice_render.node_id(cfg)) + len("-99"), len(slice_render.queued_resource_id(cfg))) <= 63
+    assert max(len(slice_render.node_id(cfg.run)) + len("-99"), len(slice_render.queued_resource_id(cfg.run))) <= 63
 
 
 def test_request_is_the_real_message():
     from google.cloud import tpu_v2
 
     loaded = load_config(EXAMPLE)
-    req = slice_render.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded))
+    req = calls.queued_resource_request(loaded, "us-west4-a", renderer_for(loaded))
     assert isinstance(req, tpu_v2.CreateQueuedResourceRequest)
     assert (req.parent, req.queued_resource_id) == ("projects/my-project/locations/us-west4-a", "moe-demo")
     qr = req.queued_resource
@@ -154,7 +156,7 @@ def test_request_is_the_real_message():
     assert (spec.node.accelerator_type, spec.node.runtime_version) == ("v5litepod-64", "v2-alpha-tpuv5-lite")
     assert dict(spec.node.labels) == {"managed-by": "moe-tpu", "moe-tpu-run": "moe-demo"}
     loaded = load_config(EXAMPLE)
-    assert spec.node.metadata["startup-script"] == slice_render.startup_script(loaded, renderer_for(loaded))
+    assert spec.node.metadata["startup-script"] == calls.startup_script(loaded, renderer_for(loaded))
     assert "spot" in qr and "guaranteed" not in qr
     assert qr.queueing_policy.valid_until_duration.total_seconds() == 6 * 3600  # slice.max_wait: 6h
 
@@ -162,7 +164,7 @@ def test_request_is_the_real_message():
 def test_multislice_reserved_with_service_account():
     cfg = cfg_with(zones=["us-west4-a"], count=4, capacity="reserved", reservation="my-res", subnetwork="tpu-subnet",
                    service_account="trainer@my-project.iam.gserviceaccount.com", max_wait="1h30m")
-    qr = slice_render.create_queued_resource_request(cfg, "us-west4-a", renderer_for(cfg)).queued_resource
+    qr = calls.queued_resource_request(cfg, "us-west4-a", renderer_for(cfg)).queued_resource
     spec = qr.tpu.node_spec[0]
     assert (spec.node_id, spec.multislice_params.node_count, spec.multislice_params.node_id_prefix) == (
         "", 4, "moe-demo-tpu")
@@ -176,7 +178,7 @@ def test_multislice_reserved_with_service_account():
 
 def test_on_demand_is_guaranteed_without_reservation():
     loaded = cfg_with(capacity="on-demand")
-    request = slice_render.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded))
+    request = calls.queued_resource_request(loaded, "us-west4-a", renderer_for(loaded))
     qr = request.queued_resource
     assert "guaranteed" in qr and "spot" not in qr and qr.reservation_name == ""
 
@@ -186,21 +188,21 @@ def test_no_project_is_a_usage_error():
     del raw["project"]
     with pytest.raises(UsageError, match="names no project"):
         loaded = config_from_dict(raw)
-        slice_render.create_queued_resource_request(loaded, "us-west4-a", renderer_for(loaded))
+        calls.queued_resource_request(loaded, "us-west4-a", renderer_for(loaded))
 
 
 def test_project_from_elsewhere_when_the_config_names_none():
     raw = example_raw()
     del raw["project"]
     cfg = config_from_dict(raw)
-    req = slice_render.create_queued_resource_request(cfg, "us-west4-a", renderer_for(cfg), project="adc-project")
+    req = calls.queued_resource_request(cfg, "us-west4-a", renderer_for(cfg), project="adc-project")
     assert req.parent == "projects/adc-project/locations/us-west4-a"
     assert req.queued_resource.tpu.node_spec[0].parent == req.parent
     renderer = renderer_for(cfg)
-    assert req.request_id == slice_render.create_queued_resource_request(cfg, "us-west4-a", renderer,
-                                                                      project="adc-project").request_id
-    assert req.request_id != slice_render.create_queued_resource_request(cfg, "us-west4-a", renderer,
-                                                                      project="other-one").request_id
+    assert req.request_id == calls.queued_resource_request(cfg, "us-west4-a", renderer,
+                                                           project="adc-project").request_id
+    assert req.request_id != calls.queued_resource_request(cfg, "us-west4-a", renderer,
+                                                           project="other-one").request_id
     files = rendering.render_all(cfg, renderer_for(cfg))
     request_json = files["create_queued_resource.us-west4-a.json"]
     assert '"parent": "projects/PROJECT/locations/us-west4-a"' in request_json
@@ -222,11 +224,11 @@ def test_config_values_reach_the_script_only_quoted(tmp_path):
     raw = example_raw()
     raw["trainer"].update(config=NASTY, output_dir=f"gs://bucket/{NASTY}", overrides={"model.note": NASTY})
     cfg = config_from_dict(raw)
-    script = slice_render.startup_script(cfg, renderer_for(cfg))
+    script = calls.startup_script(cfg, renderer_for(cfg))
     subprocess.run(["bash", "-n"], input=script.encode(), check=True)
     env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "moe-demo", "IMAGE": "img:v1"}
     args = _run_docker_args(script, env)
-    assert args[args.index("img:v1") + 1:] == list(slice_render.startup_spec(cfg, "img:v1").trainer_args)
+    assert args[args.index("img:v1") + 1:] == list(calls.startup_spec(cfg, "img:v1").trainer_args)
     assert args[args.index("img:v1") + 1:] == [
         "--config", NASTY, "--output-dir", f"gs://bucket/{NASTY}", "--resume", "auto", "--steps", "2000",
         "--mesh", "data=8,expert=8", "--status-file", "/var/lib/moe-tpu/status.json", "--set", f"model.note={NASTY}"]
@@ -239,7 +241,7 @@ def test_config_values_reach_the_script_only_quoted(tmp_path):
 
 def test_startup_script_shape():
     loaded = load_config(EXAMPLE)
-    script = slice_render.startup_script(loaded, renderer_for(loaded))
+    script = calls.startup_script(loaded, renderer_for(loaded))
     assert script.startswith("#!/bin/bash\n")
     for needle in ["set -euo pipefail", 'exec >>"$LOG" 2>&1', "flock -n 9",
                    'gcloud auth configure-docker "$REGISTRY" --quiet', 'docker pull "$IMAGE"',
@@ -250,9 +252,9 @@ def test_startup_script_shape():
 def test_own_templates_override_the_builtin_ones(tmp_path):
     (tmp_path / "startup.sh.j2").write_text("#!/bin/sh\necho {{ spec.run | shquote }}\n")
     cfg = load_config(EXAMPLE)
-    assert slice_render.startup_script(cfg, rendering.Renderer("img:v1", tmp_path)) == "#!/bin/sh\necho moe-demo\n"
+    assert calls.startup_script(cfg, rendering.Renderer("img:v1", tmp_path)) == "#!/bin/sh\necho moe-demo\n"
     # queued_resource.yaml.j2 is not there: the builtin one is used, with the user's script inside.
-    req = slice_render.create_queued_resource_request(cfg, "us-west4-a", rendering.Renderer("img:v1", tmp_path))
+    req = calls.queued_resource_request(cfg, "us-west4-a", rendering.Renderer("img:v1", tmp_path))
     node = req.queued_resource.tpu.node_spec[0].node
     assert node.metadata["startup-script"] == "#!/bin/sh\necho moe-demo\n"
 
@@ -271,15 +273,14 @@ def test_own_templates_override_the_builtin_ones(tmp_path):
 def test_template_problems_are_usage_errors(tmp_path, template, text, message):
     (tmp_path / template).write_text(text)
     with pytest.raises(UsageError) as info:
-        slice_render.create_queued_resource_request(load_config(EXAMPLE), "us-west4-a",
-                                                  rendering.Renderer("img:v1", tmp_path))
+        calls.queued_resource_request(load_config(EXAMPLE), "us-west4-a", rendering.Renderer("img:v1", tmp_path))
     assert info.value.message.startswith(message)
     assert info.value.exit_code == 2
 
 
 def test_missing_templates_dir_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
-        slice_render.startup_script(load_config(EXAMPLE), rendering.Renderer("img:v1", tmp_path / "nope"))
+        calls.startup_script(load_config(EXAMPLE), rendering.Renderer("img:v1", tmp_path / "nope"))
 
 
 def test_rendering_takes_the_image_it_is_given_and_never_hashes_the_tree(monkeypatch):
@@ -317,5 +318,5 @@ def test_any_value_comes_back_intact(output_dir, note):
     raw["trainer"].update(output_dir=output_dir, overrides={"model.note": note})
     cfg = config_from_dict(raw)
     env = {"PATH": os.environ["PATH"], "CONTAINER": "c", "RUN": "r", "IMAGE": "img:v1"}
-    args = _run_docker_args(slice_render.startup_script(cfg, renderer_for(cfg)), env)
-    assert args[args.index("img:v1") + 1:] == list(slice_render.startup_spec(cfg, "img:v1").trainer_args)
+    args = _run_docker_args(calls.startup_script(cfg, renderer_for(cfg)), env)
+    assert args[args.index("img:v1") + 1:] == list(calls.startup_spec(cfg, "img:v1").trainer_args)

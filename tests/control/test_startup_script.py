@@ -21,7 +21,7 @@ from provision.config import config_from_dict, load_config
 from provision.container import TRAINER_COMMAND
 from provision.context import renderer_for
 from provision.core import report_from_status
-from provision.kinds.tpu_vm import slice_render
+from tests.control import render_calls as calls
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -56,7 +56,7 @@ def shellcheck(script: str) -> subprocess.CompletedProcess:
 ])
 def test_shellcheck_has_nothing_to_say(cfg):
     loaded = cfg()
-    result = shellcheck(slice_render.startup_script(loaded, renderer_for(loaded)))
+    result = shellcheck(calls.startup_script(loaded, renderer_for(loaded)))
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 
@@ -80,7 +80,7 @@ def docker_run_args(script: str, **env: str) -> list[str]:
 
 def test_the_container_gets_the_trainer_arguments_intact():
     cfg = cfg_with(config=NASTY, output_dir=f"gs://bucket/{NASTY}", overrides={"model.note": NASTY})
-    script = slice_render.startup_script(cfg, renderer_for(cfg))
+    script = calls.startup_script(cfg, renderer_for(cfg))
     args = docker_run_args(script)
     after_image = args[args.index("img:v1") + 1:]
     # The image's entry point is the trainer command: together they are trainer_argv.
@@ -95,7 +95,7 @@ def test_the_container_gets_the_trainer_arguments_intact():
 
 def test_what_the_container_gets_besides():
     loaded = load_config(EXAMPLES / "v5e-64.yaml")
-    args = docker_run_args(slice_render.startup_script(loaded, renderer_for(loaded)))
+    args = docker_run_args(calls.startup_script(loaded, renderer_for(loaded)))
     before_image = args[:args.index("img:v1")]
     assert before_image == [
         "--detach", "--name", "c", "--net=host", "--privileged", "--group-add", "44",
@@ -106,14 +106,14 @@ def test_what_the_container_gets_besides():
 def test_a_local_output_dir_outlives_the_container():
     # Relative (examples/local.yaml: runs/moe-local): under the mounted working directory.
     loaded = load_config(EXAMPLES / "local.yaml")
-    script = slice_render.startup_script(loaded, renderer_for(loaded))
+    script = calls.startup_script(loaded, renderer_for(loaded))
     args = docker_run_args(script)
     assert args[args.index("--workdir") + 1] == "/var/lib/moe-tpu/work"
     assert args[args.index("--output-dir") + 1] == "runs/moe-local"
     assert "OUTPUT_DIR=" not in script
     # Absolute: mounted at the same path, and owned by the trainer's user.
     loaded = cfg_with("local.yaml", output_dir="/mnt/disks/ckpt/run 1")
-    script = slice_render.startup_script(loaded, renderer_for(loaded))
+    script = calls.startup_script(loaded, renderer_for(loaded))
     assert "OUTPUT_DIR='/mnt/disks/ckpt/run 1'\n" in script
     assert 'chown "$TRAINER_UID:$TRAINER_UID" "$OUTPUT_DIR"' in script
     args = docker_run_args(script, OUTPUT_DIR="/mnt/disks/ckpt/run 1")
@@ -122,7 +122,7 @@ def test_a_local_output_dir_outlives_the_container():
 
 def test_script_shape():
     loaded = load_config(EXAMPLES / "v5e-64.yaml")
-    script = slice_render.startup_script(loaded, renderer_for(loaded))
+    script = calls.startup_script(loaded, renderer_for(loaded))
     for line in ["STATE_DIR=/var/lib/moe-tpu", "STATUS_FILE=/var/lib/moe-tpu/status.json",
                  "IMAGE=us-west4-docker.pkg.dev/my-project/moe/trainer:v1", "TRAINER_UID=1000",
                  'rm -f "$STATUS_FILE"', 'nohup python3 "$WATCHER" "$STATUS_FILE" 10 docker wait "$CONTAINER" '
@@ -134,7 +134,7 @@ def test_script_shape():
 
 def watcher_source() -> str:
     loaded = load_config(EXAMPLES / "v5e-64.yaml")
-    script = slice_render.startup_script(loaded, renderer_for(loaded))
+    script = calls.startup_script(loaded, renderer_for(loaded))
     start = script.index("<<'WATCHER_PY'\n") + len("<<'WATCHER_PY'\n")
     return script[start:script.index("\nWATCHER_PY\n", start)]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from provision import catalogue
 from provision.errors import CloudError, StockoutError, UsageError, WaitTimeout
 from provision.kinds.gke import gke_render, gke_serve, gke_serve_render
+from provision.rendering import trainer_context
 from provision.resources import (
     MANAGED_BY,
     RUN_LABEL,
@@ -34,7 +35,7 @@ JOBSET_GONE_WAIT_S = 600.0
 def cluster_of(cfg, session, project: str | None = None):
     """The run's cluster (a container_v1.Cluster), None when it does not exist."""
     project = project or project_of(cfg, session)
-    return session.container.get_cluster(gke_render.cluster_path(cfg, project))
+    return session.container.get_cluster(gke_render.cluster_path(cfg.gke, project))
 
 
 def _labels(pool) -> dict[str, str]:
@@ -69,7 +70,7 @@ def managed_gke(cfg, session, run: str | None = None, project: str | None = None
     """What this tool made on the config's cluster (by label): the JobSets in gke.namespace, the node
     pools, and the cluster itself when this tool created it; [] when there is no such cluster."""
     project = project or project_of(cfg, session)
-    path = gke_render.cluster_path(cfg, project)
+    path = gke_render.cluster_path(cfg.gke, project)
     cluster = session.container.get_cluster(path)
     if cluster is None:
         return []
@@ -115,7 +116,7 @@ def ensure_cluster(context) -> tuple[object, bool]:
     Returns (cluster, made_now)."""
     cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
-    path = gke_render.cluster_path(cfg, project)
+    path = gke_render.cluster_path(cfg.gke, project)
     cluster = session.container.get_cluster(path)
     made = False
     if cluster is None:
@@ -124,7 +125,9 @@ def ensure_cluster(context) -> tuple[object, bool]:
                              f"{cfg.gke.location} (project {project})",
                              hint="name an existing GKE Standard cluster, or set `gke.create_cluster: true`")
         console.info(f"  creating cluster {cfg.gke.cluster} in {cfg.gke.location}")
-        operation = session.container.create_cluster(gke_render.create_cluster_request(cfg, project, context.renderer))
+        training = trainer_context(cfg, context.image, project)
+        request = gke_render.create_cluster_request(cfg.gke, cfg.slice, training, context.renderer)
+        operation = session.container.create_cluster(request)
         if operation is not None:
             with console.progress(f"  creating cluster {cfg.gke.cluster}") as bar:
                 session.container.wait(operation, location_path(project, cfg.gke.location),
@@ -173,9 +176,9 @@ def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
     """Create one node pool in its zone and wait until it runs (or adopt the one that matches).
     StockoutError when the zone has no capacity for it."""
     cfg, session, console = context.config, context.session, context.console
-    path = gke_render.cluster_path(cfg, project)
+    path = gke_render.cluster_path(cfg.gke, project)
     name = f"{path}/nodePools/{spec.name}"
-    request = gke_render.create_node_pool_request(cfg, spec, project, context.renderer)
+    request = gke_render.create_node_pool_request(cfg.gke, spec, project, context.renderer)
     pool = existing.get(spec.name)
     if pool is not None and pool.status.name == "ERROR" and is_managed(_labels(pool), cfg.run):
         console.info(f"  node pool {spec.name} is ERROR from an earlier attempt; deleting it first")
@@ -197,7 +200,7 @@ def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
             pool = _wait_pool(context, name)
         else:
             # A TPU pool that is not made within slice.max_wait counts as no capacity in this zone.
-            wait = cfg.slice.max_wait.total_seconds() if spec.name != gke_render.cpu_pool_id(cfg) else 3600.0
+            wait = cfg.slice.max_wait.total_seconds() if spec.name != gke_render.cpu_pool_id(cfg.run) else 3600.0
             with console.progress(f"  creating node pool {spec.name}") as bar:
                 try:
                     session.container.wait(operation, location_path(project, cfg.gke.location),
@@ -223,25 +226,26 @@ def pools_up(context, zones: list[str] | None = None) -> tuple[str, list]:
     zone and the pools. A zone that had no capacity loses the run's pools again before the next."""
     cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
-    path = gke_render.cluster_path(cfg, project)
+    path = gke_render.cluster_path(cfg.gke, project)
+    tpu_ids, own_ids = gke_render.tpu_pool_ids(cfg.run, cfg.slice), gke_render.pool_ids(cfg.run, cfg.gke, cfg.slice)
     tried: list[str] = []
     for zone in zones or list(cfg.zones):
         existing = {p.name: p for p in session.container.list_node_pools(path)}
-        placed = {p.locations[0] for n, p in existing.items() if n in gke_render.tpu_pool_ids(cfg) and p.locations}
+        placed = {p.locations[0] for n, p in existing.items() if n in tpu_ids and p.locations}
         if placed and zone not in placed:
             continue  # the run's pools are already in another zone: that zone comes first
         try:
-            for spec in gke_render.node_pool_specs(cfg, zone):
+            for spec in gke_render.node_pool_specs(cfg.gke, cfg.slice, trainer_context(cfg, context.image), zone):
                 _pool_in_zone(context, project, spec, existing)
         except StockoutError as exc:
             tried.append(f"{zone} ({exc.message})")
             console.warn(f"no capacity in {zone}: {exc.message}")
-            for pool_id in gke_render.pool_ids(cfg):
+            for pool_id in own_ids:
                 pool = session.container.get_node_pool(f"{path}/nodePools/{pool_id}")
                 if pool is not None and is_managed(_labels(pool), cfg.run):
                     _delete_pool(context, project, f"{path}/nodePools/{pool_id}")
             continue
-        pools = [p for p in session.container.list_node_pools(path) if p.name in gke_render.pool_ids(cfg)]
+        pools = [p for p in session.container.list_node_pools(path) if p.name in own_ids]
         return zone, pools
     raise StockoutError(f"no capacity for {cfg.slice.count} x {cfg.slice.accelerator} ({cfg.slice.capacity}) "
                         f"node pools in any zone tried: {'; '.join(tried)}",
@@ -253,15 +257,16 @@ def serving_pool_up(context, zones: list[str] | None = None) -> Resource:
     the first zone with capacity (a zone without is left without the pool before the next)."""
     cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
-    path = gke_render.cluster_path(cfg, project)
-    name = gke_serve_render.serving_pool_id(cfg)
+    path = gke_render.cluster_path(cfg.gke, project)
+    name = gke_serve_render.serving_pool_id(cfg.run)
     tried: list[str] = []
     for zone in zones or list(cfg.zones):
         existing = {p.name: p for p in session.container.list_node_pools(path)}
         if name in existing and existing[name].locations and existing[name].locations[0] != zone:
             continue  # the pool is in another zone already: that zone comes first
         try:
-            _pool_in_zone(context, project, gke_serve_render.serving_pool_spec(cfg, zone), existing)
+            spec = gke_serve_render.serving_pool_spec(cfg.serve, cfg.slice, trainer_context(cfg, context.image), zone)
+            _pool_in_zone(context, project, spec, existing)
         except StockoutError as exc:
             tried.append(f"{zone} ({exc.message})")
             console.warn(f"no capacity in {zone}: {exc.message}")
@@ -281,7 +286,7 @@ def gke_up(context, zones: list[str] | None = None) -> list[Resource]:
     cfg, session = context.config, context.session
     cluster, _ = ensure_cluster(context)
     project = project_of(cfg, session)
-    path = gke_render.cluster_path(cfg, project)
+    path = gke_render.cluster_path(cfg.gke, project)
     _, pools = pools_up(context, zones)
     resources = [_pool_resource(p, cfg.gke.location, path) for p in pools]
     if is_managed(dict(cluster.resource_labels), cfg.run):
@@ -298,7 +303,7 @@ def submit_jobset(context) -> dict:
     if cluster is None:
         raise CloudError(f"cluster {cfg.gke.cluster} is gone", hint="run `moe-tpu gke up` first")
     kube = session.kube(cluster)
-    manifest = gke_render.jobset_manifest(cfg, context.renderer)
+    manifest = gke_render.jobset_manifest(cfg.gke, cfg.slice, trainer_context(cfg, context.image), context.renderer)
     name, namespace = manifest["metadata"]["name"], cfg.gke.namespace
     existing = kube.get_jobset(namespace, name)
     if existing is not None:
@@ -325,7 +330,7 @@ def delete_jobset(context) -> bool:
     if cluster is None or not cluster.endpoint:
         return False
     kube = session.kube(cluster)
-    name = gke_render.jobset_name(cfg)
+    name = gke_render.jobset_name(cfg.run)
     if not kube.delete_jobset(cfg.gke.namespace, name):
         return False
     context.console.info(f"  deleting JobSet {cfg.gke.namespace}/{name}")
@@ -342,7 +347,7 @@ def trainer_log(cfg, session, tail: int | None = None) -> str | None:
         return None
     kube = session.kube(cluster)
     job = gke_render.HEAD_JOB if cfg.gke.runtime == "pathways" else gke_render.SLICE_JOB
-    selector = (f"jobset.sigs.k8s.io/jobset-name={gke_render.jobset_name(cfg)},"
+    selector = (f"jobset.sigs.k8s.io/jobset-name={gke_render.jobset_name(cfg.run)},"
                 f"jobset.sigs.k8s.io/replicatedjob-name={job},jobset.sigs.k8s.io/job-index=0,"
                 "batch.kubernetes.io/job-completion-index=0")
     pods = [p for p in kube.list_pods(cfg.gke.namespace, selector) if p.status.phase != "Pending"]
@@ -376,7 +381,7 @@ def pools_down(context, pool_ids: set[str]) -> list[Resource]:
     pool), then the cluster when it is to go (see _unused_cluster); the resources deleted."""
     cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
-    path = gke_render.cluster_path(cfg, project)
+    path = gke_render.cluster_path(cfg.gke, project)
     if session.container.get_cluster(path) is None:
         return []
     deleted: list[Resource] = []
@@ -399,7 +404,7 @@ def pools_left(context, pool_ids: set[str]) -> list[Resource]:
     """What pools_down(pool_ids) would delete that exists now: those of the run's node pools, and the
     cluster when this tool made it and no other pool this tool made is on it."""
     cfg, session = context.config, context.session
-    path = gke_render.cluster_path(cfg, project_of(cfg, session))
+    path = gke_render.cluster_path(cfg.gke, project_of(cfg, session))
     cluster = session.container.get_cluster(path)
     if cluster is None:
         return []

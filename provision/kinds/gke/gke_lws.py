@@ -11,6 +11,7 @@ from __future__ import annotations
 from provision.core import Phase, ServiceReport
 from provision.errors import CloudError, StockoutError
 from provision.kinds.gke import gke, gke_lws_render, gke_render, gke_serve, gke_serve_render
+from provision.rendering import trainer_context
 from provision.resources import is_managed, project_of
 
 
@@ -19,15 +20,16 @@ def group_pools_up(context, zones: list[str]) -> list:
     capacity for every one of them (a zone without loses the ones made there before the next)."""
     cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
-    path = gke_render.cluster_path(cfg, project)
-    names = gke_lws_render.group_pool_ids(cfg)
+    path = gke_render.cluster_path(cfg.gke, project)
+    names = gke_lws_render.group_pool_ids(cfg.run, cfg.gke, cfg.serve)
+    training = trainer_context(cfg, context.image)  # the labels every pool carries
     tried: list[str] = []
     for zone in zones:
         existing = {p.name: p for p in session.container.list_node_pools(path)}
         if any(n in existing and existing[n].locations and existing[n].locations[0] != zone for n in names):
             continue  # the pools are in another zone already: that zone comes first
         try:
-            for spec in gke_lws_render.group_pool_specs(cfg, zone):
+            for spec in gke_lws_render.group_pool_specs(cfg.gke, cfg.serve, cfg.slice, training, zone):
                 gke._pool_in_zone(context, project, spec, existing)
         except StockoutError as exc:
             tried.append(f"{zone} ({exc.message})")
@@ -56,7 +58,7 @@ def require_controller(cfg, kube) -> None:
 def service_report(cfg, kube, url: str) -> ServiceReport:
     """The LeaderWorkerSet's state: ready once a group is (its leader answers /health); failed when a pod
     of a group crashed (its last words) or the object is gone; starting otherwise."""
-    name = gke_serve_render.server_name(cfg)
+    name = gke_serve_render.server_name(cfg.run)
     lws = kube.get_object(gke_lws_render.LWS_KIND, cfg.gke.namespace, name)
     if lws is None:
         return ServiceReport(Phase.DELETED, detail=f"the LeaderWorkerSet {cfg.gke.namespace}/{name} is gone")

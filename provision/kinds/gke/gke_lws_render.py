@@ -27,16 +27,18 @@ from typing import TYPE_CHECKING, Any
 from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE
 from provision.cloud.messages import proto_dict
-from provision.container import SERVER_PORT, server_container
+from provision.container import SERVER_PORT
 from provision.errors import UsageError
 from provision.kinds.gke import gke_render, gke_serve_render
 from provision.kinds.gke.gke_render import NodePoolSpec, create_node_pool_request, node_pool_body
-from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
+from provision.rendering import RenderContext, Renderer
 from provision.resources import resolve_project
 from provision.templates import render
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.config.sections import ServeConfig
+    from provision.kinds.gke.gke_sections import GkeConfig
+    from provision.kinds.slice_section import SliceConfig
 
 LWS_KIND = "LeaderWorkerSet"
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -82,87 +84,92 @@ class GroupSpec:
 
 # --- what the serve section asks for -----------------------------------------------------------------
 
-def group_accelerator(cfg: Config) -> catalogue.AcceleratorType | None:
+def group_accelerator(serve: ServeConfig | None) -> catalogue.AcceleratorType | None:
     """The multi-host v5e slice one replica holds, or None (no serve section, or a single-host one)."""
-    if cfg.serve is None:
+    if serve is None:
         return None
-    acc = catalogue.accelerator_for_topology(cfg.serve.replica_topology)
+    acc = catalogue.accelerator_for_topology(serve.replica_topology)
     return acc if acc is not None and acc.multi_host else None
 
 
-def multi_host(cfg: Config) -> bool:
-    """Whether the config serves each replica over several hosts (a LeaderWorkerSet, not a Deployment)."""
-    return group_accelerator(cfg) is not None
+def multi_host(serve: ServeConfig | None) -> bool:
+    """Whether the serve section serves each replica over several hosts (a LeaderWorkerSet, not a Deployment)."""
+    return group_accelerator(serve) is not None
 
 
-def _group_accelerator(cfg: Config) -> catalogue.AcceleratorType:
-    acc = group_accelerator(cfg)
-    if acc is None or acc.vertex_machine_type != cfg.serve.machine_type:
-        raise UsageError(f"serve.topology {cfg.serve.replica_topology} is not a multi-host slice of "
-                         f"{cfg.serve.machine_type}", hint="multi-host v5e slices are hosts of ct5lp-hightpu-4t")
+def _group_accelerator(serve: ServeConfig) -> catalogue.AcceleratorType:
+    acc = group_accelerator(serve)
+    if acc is None or acc.vertex_machine_type != serve.machine_type:
+        raise UsageError(f"serve.topology {serve.replica_topology} is not a multi-host slice of "
+                         f"{serve.machine_type}", hint="multi-host v5e slices are hosts of ct5lp-hightpu-4t")
     return acc
 
 
-def pathways(cfg: Config) -> bool:
-    return cfg.gke is not None and cfg.gke.runtime == "pathways"
+def pathways(gke: GkeConfig | None) -> bool:
+    return gke is not None and gke.runtime == "pathways"
 
 
-def group_pool_ids(cfg: Config) -> list[str]:
+def group_pool_ids(run: str, gke: GkeConfig | None, serve: ServeConfig) -> list[str]:
     """One node pool per group, up to serve.max_replicas (GKE makes a multi-host TPU pool whole: the
     HPA's groups each have their slice), then the Pathways leaders' CPU pool."""
-    pools = [f"{cfg.run}{GROUP_POOL_SUFFIX}{i}" for i in range(cfg.serve.max_replicas)]
-    return pools + ([f"{cfg.run}{CPU_POOL_SUFFIX}"] if pathways(cfg) else [])
+    pools = [f"{run}{GROUP_POOL_SUFFIX}{i}" for i in range(serve.max_replicas)]
+    return pools + ([f"{run}{CPU_POOL_SUFFIX}"] if pathways(gke) else [])
 
 
-def group_pool_specs(cfg: Config, zone: str) -> list[NodePoolSpec]:
-    serve, acc = cfg.serve, _group_accelerator(cfg)
-    common = dict(zone=zone, service_account=cfg.slice.service_account, oauth_scopes=(CLOUD_PLATFORM_SCOPE,),
-                  labels=labels(cfg), reservation=None)
+def group_pool_specs(gke: GkeConfig, serve: ServeConfig, slice: SliceConfig, ctx: RenderContext,
+                     zone: str) -> list[NodePoolSpec]:
+    acc = _group_accelerator(serve)
+    common = dict(zone=zone, service_account=slice.service_account, oauth_scopes=(CLOUD_PLATFORM_SCOPE,),
+                  labels=ctx.labels, reservation=None)
     specs = [NodePoolSpec(name=name, machine_type=serve.machine_type, node_count=acc.vms, topology=acc.topology,
-                          spot=serve.spot, **common) for name in group_pool_ids(cfg) if not name.endswith("-cpu")]
-    if pathways(cfg):
-        specs.append(NodePoolSpec(name=f"{cfg.run}{CPU_POOL_SUFFIX}", node_count=serve.max_replicas, topology=None,
-                                  machine_type=cfg.gke.pathways_settings().cpu_machine_type, spot=False, **common))
+                          spot=serve.spot, **common)
+             for name in group_pool_ids(ctx.run, gke, serve) if not name.endswith("-cpu")]
+    if pathways(gke):
+        specs.append(NodePoolSpec(name=f"{ctx.run}{CPU_POOL_SUFFIX}", node_count=serve.max_replicas, topology=None,
+                                  machine_type=gke.pathways_settings().cpu_machine_type, spot=False, **common))
     return specs
 
 
-def chips(cfg: Config) -> int:
+def chips(serve: ServeConfig) -> int:
     """The chips the groups' pools hold (billed while the service is up)."""
-    return _group_accelerator(cfg).chips * cfg.serve.max_replicas
+    return _group_accelerator(serve).chips * serve.max_replicas
 
 
-def leader_selector(cfg: Config) -> dict[str, str]:
-    """The labels of the run's leader pods: the Service, the PodMonitoring and `status` pick them."""
-    return gke_serve_render.selector(cfg)
+def leader_selector(labels: dict[str, str]) -> dict[str, str]:
+    """The labels of the run's leader pods (the run's `labels` and the server's role): the Service, the
+    PodMonitoring and `status` pick them."""
+    return gke_serve_render.selector(labels)
 
 
 # --- specs --------------------------------------------------------------------------------------
 
-def group_spec(cfg: Config, image: str, startup_s: float) -> GroupSpec:
-    acc = _group_accelerator(cfg)
-    serving = gke_serve_render.ServingSpec(**{**_serving_fields(cfg, image, acc),
+def group_spec(gke: GkeConfig, serve: ServeConfig, ctx: RenderContext, startup_s: float) -> GroupSpec:
+    """`ctx`: a serving workload's (its container the server's, on the run's checkpoint)."""
+    acc = _group_accelerator(serve)
+    serving = gke_serve_render.ServingSpec(**{**_serving_fields(gke, serve, ctx, acc),
                                               "startup_failures": gke_serve_render.startup_failures(startup_s)})
-    workers = {**labels(cfg), gke_serve_render.ROLE_LABEL[0]: WORKER_ROLE}
-    if not pathways(cfg):
+    workers = {**ctx.labels, gke_serve_render.ROLE_LABEL[0]: WORKER_ROLE}
+    if not pathways(gke):
         return GroupSpec(serving=serving, size=acc.vms, hosts=acc.vms, worker_labels=workers, runtime="jax")
-    settings = cfg.gke.pathways_settings()
-    scratch = gke_render.gcs_scratch(cfg)
+    settings = gke.pathways_settings()
+    scratch = gke_render.gcs_scratch(gke, ctx.output_dir)
     return GroupSpec(serving=serving, size=acc.vms + 1, hosts=acc.vms, worker_labels=workers, runtime="pathways",
-                     cpu_pool=f"{cfg.run}{CPU_POOL_SUFFIX}", server_image=settings.server_image,
+                     cpu_pool=f"{ctx.run}{CPU_POOL_SUFFIX}", server_image=settings.server_image,
                      proxy_image=settings.proxy_image, gcs_scratch=scratch,
                      instance_type=f"{gke_render.PATHWAYS_V5E}:{acc.topology}")
 
 
-def _serving_fields(cfg: Config, image: str, acc: catalogue.AcceleratorType) -> dict[str, Any]:
+def _serving_fields(gke: GkeConfig, serve: ServeConfig, ctx: RenderContext,
+                    acc: catalogue.AcceleratorType) -> dict[str, Any]:
     """The single-host ServingSpec's fields for a group's pods: the same container, a host's chips."""
-    container = server_container(cfg, image, gke_serve_render.checkpoint(cfg))
-    return dict(name=gke_serve_render.server_name(cfg), namespace=cfg.gke.namespace, labels=labels(cfg),
-                selector=leader_selector(cfg), pod_labels=leader_selector(cfg), image_uri=container.image,
-                command=container.command, args=container.args, env=container.env,
+    container = ctx.container
+    return dict(name=gke_serve_render.server_name(ctx.run), namespace=gke.namespace, labels=ctx.labels,
+                selector=leader_selector(ctx.labels), pod_labels=leader_selector(ctx.labels),
+                image_uri=container.image, command=container.command, args=container.args, env=container.env,
                 container_port=container.ports[0] if container.ports else SERVER_PORT,
                 chips_per_host=acc.chips_per_vm, topology=acc.topology,
-                accelerator_label=catalogue.GKE_V5E_ACCELERATOR, min_replicas=cfg.serve.min_replicas,
-                max_replicas=cfg.serve.max_replicas, autoscale_target=cfg.serve.autoscale_target)
+                accelerator_label=catalogue.GKE_V5E_ACCELERATOR, min_replicas=serve.min_replicas,
+                max_replicas=serve.max_replicas, autoscale_target=serve.autoscale_target)
 
 
 # --- manifests ------------------------------------------------------------------------------------
@@ -174,11 +181,12 @@ def manifest_text(kind: str, spec: GroupSpec, renderer: Renderer | None = None) 
     return render(OBJECTS[kind][0], spec.serving, where)  # the single-host template, the leaders selected
 
 
-def manifests(cfg: Config, renderer: Renderer, startup_s: float) -> dict[str, dict[str, Any]]:
+def manifests(gke: GkeConfig, serve: ServeConfig, ctx: RenderContext, renderer: Renderer,
+              startup_s: float) -> dict[str, dict[str, Any]]:
     """The four objects by kind, in the order they are applied, each checked."""
     import yaml
 
-    spec = group_spec(cfg, renderer.image, startup_s)
+    spec = group_spec(gke, serve, ctx, startup_s)
     found = {}
     for kind, (template, _) in OBJECTS.items():
         try:
@@ -216,19 +224,21 @@ def check_manifest(kind: str, manifest: Any, template: str) -> None:
 
 # --- every rendered file ------------------------------------------------------------------------------
 
-def group_files(cfg: Config, renderer: Renderer, startup_s: float) -> dict[str, str]:
+def group_files(gke: GkeConfig, serve: ServeConfig, slice: SliceConfig, ctx: RenderContext, renderer: Renderer,
+                startup_s: float) -> dict[str, str]:
     """What `render` writes for a gke config serving over several hosts: the groups' pools per zone (body
-    and request) and the four manifests, each checked before it is written."""
-    project = resolve_project(cfg, PROJECT_PLACEHOLDER)
+    and request) and the four manifests, each checked before it is written (`ctx` a serving workload's,
+    made with the project placeholder where the config names none)."""
+    project = resolve_project(ctx)
     files: dict[str, str] = {}
-    for zone in cfg.zones:
-        for spec in group_pool_specs(cfg, zone):
+    for zone in ctx.zones:
+        for spec in group_pool_specs(gke, serve, slice, ctx, zone):
             files[f"node_pool.{spec.name}.{zone}.yaml"] = node_pool_body(spec, renderer)
-            request = create_node_pool_request(cfg, spec, project, renderer)
+            request = create_node_pool_request(gke, spec, project, renderer)
             files[f"create_node_pool.{spec.name}.{zone}.json"] = json.dumps(proto_dict(request), indent=2,
                                                                              sort_keys=True) + "\n"
-    manifests(cfg, renderer, startup_s)
-    spec = group_spec(cfg, renderer.image, startup_s)
+    manifests(gke, serve, ctx, renderer, startup_s)
+    spec = group_spec(gke, serve, ctx, startup_s)
     for kind, (_, name) in OBJECTS.items():
         files[name] = manifest_text(kind, spec, renderer)
     return files

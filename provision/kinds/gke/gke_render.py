@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any
 from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
-from provision.container import Container, trainer_container
+from provision.container import Container
 from provision.errors import UsageError
-from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
+from provision.rendering import RenderContext, Renderer
 from provision.resources import location_path, resolve_project
 from provision.templates import render
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.kinds.gke.gke_sections import GkeConfig
+    from provision.kinds.slice_section import SliceConfig
 
 NODE_POOL_TEMPLATE = "gke_node_pool.yaml.j2"
 CLUSTER_TEMPLATE = "gke_cluster.yaml.j2"
@@ -50,37 +51,37 @@ PROXY_TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"
 
 # --- names -------------------------------------------------------------------------------
 
-def cluster_path(cfg: Config, project: str) -> str:
-    return f"{location_path(project, cfg.gke.location)}/clusters/{cfg.gke.cluster}"
+def cluster_path(gke: GkeConfig, project: str) -> str:
+    return f"{location_path(project, gke.location)}/clusters/{gke.cluster}"
 
 
-def tpu_pool_ids(cfg: Config) -> list[str]:
+def tpu_pool_ids(run: str, slice: SliceConfig) -> list[str]:
     """One node pool per slice: RUN-s0, RUN-s1, ..."""
-    return [f"{cfg.run}-s{i}" for i in range(cfg.slice.count)]
+    return [f"{run}-s{i}" for i in range(slice.count)]
 
 
-def cpu_pool_id(cfg: Config) -> str:
+def cpu_pool_id(run: str) -> str:
     """A Pathways head's CPU node pool: the run's own (RUN-cpu), so that two runs on one cluster each have
     theirs and neither's teardown takes the other's head away."""
-    return f"{cfg.run}-cpu"
+    return f"{run}-cpu"
 
 
-def pool_ids(cfg: Config) -> list[str]:
+def pool_ids(run: str, gke: GkeConfig, slice: SliceConfig) -> list[str]:
     """Every node pool the run needs: the TPU pools, then RUN-cpu for a Pathways head."""
-    return tpu_pool_ids(cfg) + ([cpu_pool_id(cfg)] if cfg.gke.runtime == "pathways" else [])
+    return tpu_pool_ids(run, slice) + ([cpu_pool_id(run)] if gke.runtime == "pathways" else [])
 
 
-def jobset_name(cfg: Config) -> str:
-    return cfg.run
+def jobset_name(run: str) -> str:
+    return run
 
 
-def topology(cfg: Config) -> str:
-    return cfg.gke.topology or cfg.accelerator_type().topology
+def topology(gke: GkeConfig, slice: SliceConfig) -> str:
+    return gke.topology or catalogue.accelerator(slice.accelerator).topology
 
 
-def gcs_scratch(cfg: Config) -> str:
+def gcs_scratch(gke: GkeConfig, output_dir: str) -> str:
     """Pathways' scratch space: gke.pathways.gcs_scratch, else trainer.output_dir/pathways."""
-    return cfg.gke.pathways_settings().gcs_scratch or f"{cfg.trainer.output_dir.rstrip('/')}/pathways"
+    return gke.pathways_settings().gcs_scratch or f"{output_dir.rstrip('/')}/pathways"
 
 
 # --- specs the templates receive ------------------------------------------------------------
@@ -142,44 +143,45 @@ class JobSetSpec:
     worker_port: int = WORKER_PORT
 
 
-def node_pool_specs(cfg: Config, zone: str) -> list[NodePoolSpec]:
+def node_pool_specs(gke: GkeConfig, slice: SliceConfig, ctx: RenderContext, zone: str) -> list[NodePoolSpec]:
     """The run's node pools in `zone`, in creation order."""
-    acc = cfg.accelerator_type()
-    reservation = cfg.slice.reservation if cfg.slice.capacity == "reserved" else None
+    acc = catalogue.accelerator(slice.accelerator)
+    reservation = slice.reservation if slice.capacity == "reserved" else None
     if reservation and "/" in reservation:
         reservation = reservation.rsplit("/", 1)[-1]
-    common = dict(zone=zone, service_account=cfg.slice.service_account, oauth_scopes=(CLOUD_PLATFORM_SCOPE,),
-                  labels=labels(cfg))
+    common = dict(zone=zone, service_account=slice.service_account, oauth_scopes=(CLOUD_PLATFORM_SCOPE,),
+                  labels=ctx.labels)
     specs = [NodePoolSpec(name=name, machine_type=acc.vertex_machine_type, node_count=acc.vms,
-                          topology=topology(cfg) if acc.multi_host else None,
-                          spot=cfg.slice.capacity == "spot", reservation=reservation, **common)
-             for name in tpu_pool_ids(cfg)]
-    if cfg.gke.runtime == "pathways":
-        specs.append(NodePoolSpec(name=cpu_pool_id(cfg), machine_type=cfg.gke.pathways_settings().cpu_machine_type,
+                          topology=topology(gke, slice) if acc.multi_host else None,
+                          spot=slice.capacity == "spot", reservation=reservation, **common)
+             for name in tpu_pool_ids(ctx.run, slice)]
+    if gke.runtime == "pathways":
+        specs.append(NodePoolSpec(name=cpu_pool_id(ctx.run), machine_type=gke.pathways_settings().cpu_machine_type,
                                   node_count=CPU_POOL_NODES, topology=None, spot=False, reservation=None,
                                   **common))
     return specs
 
 
-def jobset_spec(cfg: Config, image: str) -> JobSetSpec:
-    acc = cfg.accelerator_type()
-    container = trainer_container(cfg, image)
-    job_labels = labels(cfg)
-    if cfg.gke.queue:
-        job_labels = {**job_labels, QUEUE_LABEL: cfg.gke.queue}
+def jobset_spec(gke: GkeConfig, slice: SliceConfig, ctx: RenderContext) -> JobSetSpec:
+    """`ctx`: a training workload's (its container the trainer's)."""
+    acc = catalogue.accelerator(slice.accelerator)
+    container = ctx.container
+    job_labels = ctx.labels
+    if gke.queue:
+        job_labels = {**job_labels, QUEUE_LABEL: gke.queue}
     pathways: dict[str, Any] = {}
-    if cfg.gke.runtime == "pathways":
-        settings = cfg.gke.pathways_settings()
+    if gke.runtime == "pathways":
+        settings = gke.pathways_settings()
         container = container.with_env(**{PROXY_TIMEOUT_ENV: str(int(settings.proxy_timeout.total_seconds()))})
         pathways = dict(server_image=settings.server_image, proxy_image=settings.proxy_image,
-                        cpu_pool=cpu_pool_id(cfg),
-                        gcs_scratch=gcs_scratch(cfg), instance_type=f"{PATHWAYS_V5E}:{topology(cfg)}",
+                        cpu_pool=cpu_pool_id(ctx.run), gcs_scratch=gcs_scratch(gke, ctx.output_dir),
+                        instance_type=f"{PATHWAYS_V5E}:{topology(gke, slice)}",
                         worker_backoff_limit=acc.vms * WORKER_RESTARTS_PER_VM)
     return JobSetSpec(
-        runtime=cfg.gke.runtime, name=jobset_name(cfg), namespace=cfg.gke.namespace,
-        labels=job_labels, container=container, slices=cfg.slice.count, vms=acc.vms, chips_per_vm=acc.chips_per_vm,
-        topology=topology(cfg),
-        accelerator_label=catalogue.GKE_V5E_ACCELERATOR, max_restarts=cfg.recovery.max_restarts, **pathways)
+        runtime=gke.runtime, name=jobset_name(ctx.run), namespace=gke.namespace,
+        labels=job_labels, container=container, slices=slice.count, vms=acc.vms, chips_per_vm=acc.chips_per_vm,
+        topology=topology(gke, slice),
+        accelerator_label=catalogue.GKE_V5E_ACCELERATOR, max_restarts=ctx.max_restarts, **pathways)
 
 
 # --- node pools and the cluster ---------------------------------------------------------------
@@ -193,37 +195,37 @@ def node_pool_message(spec: NodePoolSpec, renderer: Renderer | None = None):
     return messages.node_pool(node_pool_body(spec, renderer), NODE_POOL_TEMPLATE)
 
 
-def create_node_pool_request(cfg: Config, spec: NodePoolSpec, project: str, renderer: Renderer | None = None):
-    return messages.create_node_pool_request(cluster_path(cfg, project), node_pool_message(spec, renderer))
+def create_node_pool_request(gke: GkeConfig, spec: NodePoolSpec, project: str, renderer: Renderer | None = None):
+    return messages.create_node_pool_request(cluster_path(gke, project), node_pool_message(spec, renderer))
 
 
-def cluster_spec(cfg: Config) -> ClusterSpec:
-    return ClusterSpec(name=cfg.gke.cluster, network=cfg.slice.network, subnetwork=cfg.slice.subnetwork,
-                       labels=labels(cfg))
+def cluster_spec(gke: GkeConfig, slice: SliceConfig, ctx: RenderContext) -> ClusterSpec:
+    return ClusterSpec(name=gke.cluster, network=slice.network, subnetwork=slice.subnetwork, labels=ctx.labels)
 
 
-def cluster_body(cfg: Config, renderer: Renderer | None = None) -> str:
-    return render(CLUSTER_TEMPLATE, cluster_spec(cfg), renderer.templates_dir if renderer else None)
+def cluster_body(gke: GkeConfig, slice: SliceConfig, ctx: RenderContext, renderer: Renderer | None = None) -> str:
+    return render(CLUSTER_TEMPLATE, cluster_spec(gke, slice, ctx), renderer.templates_dir if renderer else None)
 
 
-def create_cluster_request(cfg: Config, project: str, renderer: Renderer | None = None):
-    return messages.create_cluster_request(location_path(project, cfg.gke.location), cluster_body(cfg, renderer),
-                                           CLUSTER_TEMPLATE)
+def create_cluster_request(gke: GkeConfig, slice: SliceConfig, ctx: RenderContext, renderer: Renderer | None = None):
+    """The CreateClusterRequest in the context's project (a UsageError where it has none)."""
+    return messages.create_cluster_request(location_path(resolve_project(ctx), gke.location),
+                                           cluster_body(gke, slice, ctx, renderer), CLUSTER_TEMPLATE)
 
 
 # --- the JobSet ------------------------------------------------------------------------------
 
-def jobset_text(cfg: Config, renderer: Renderer) -> str:
-    return render(JOBSET_TEMPLATE, jobset_spec(cfg, renderer.image), renderer.templates_dir)
+def jobset_text(gke: GkeConfig, slice: SliceConfig, ctx: RenderContext, renderer: Renderer) -> str:
+    return render(JOBSET_TEMPLATE, jobset_spec(gke, slice, ctx), renderer.templates_dir)
 
 
-def jobset_manifest(cfg: Config, renderer: Renderer) -> dict[str, Any]:
+def jobset_manifest(gke: GkeConfig, slice: SliceConfig, ctx: RenderContext, renderer: Renderer) -> dict[str, Any]:
     """The JobSet as a dict, its pod templates checked against the Kubernetes models and every
     $(VAR) a container uses defined in that container's env."""
     import yaml
 
     try:
-        manifest = yaml.safe_load(jobset_text(cfg, renderer))
+        manifest = yaml.safe_load(jobset_text(gke, slice, ctx, renderer))
     except yaml.YAMLError as exc:
         raise UsageError(f"template {JOBSET_TEMPLATE} does not render valid YAML: {exc}") from None
     check_jobset(manifest)
@@ -283,23 +285,24 @@ def _check_vars(container: dict, where: str, bad) -> None:
 
 # --- every rendered file -----------------------------------------------------------------------
 
-def render_files(cfg: Config, renderer: Renderer) -> dict[str, str]:
+def render_files(gke: GkeConfig, slice: SliceConfig, ctx: RenderContext, renderer: Renderer) -> dict[str, str]:
     """The files `render` writes for target: gke: per zone each node pool body and request, the
-    cluster (with create_cluster), the JobSet manifest."""
-    project = resolve_project(cfg, PROJECT_PLACEHOLDER)
+    cluster (with create_cluster), the JobSet manifest (`ctx` a training workload's, made with the project
+    placeholder where the config names none)."""
+    project = resolve_project(ctx)
     files: dict[str, str] = {}
-    if cfg.gke.create_cluster:
-        files["cluster.yaml"] = cluster_body(cfg, renderer)
-        request = create_cluster_request(cfg, project, renderer)
+    if gke.create_cluster:
+        files["cluster.yaml"] = cluster_body(gke, slice, ctx, renderer)
+        request = create_cluster_request(gke, slice, ctx, renderer)
         files["create_cluster.json"] = json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"
-    for zone in cfg.zones:
-        for spec in node_pool_specs(cfg, zone):
+    for zone in ctx.zones:
+        for spec in node_pool_specs(gke, slice, ctx, zone):
             files[f"node_pool.{spec.name}.{zone}.yaml"] = node_pool_body(spec, renderer)
-            request = create_node_pool_request(cfg, spec, project, renderer)
+            request = create_node_pool_request(gke, spec, project, renderer)
             files[f"create_node_pool.{spec.name}.{zone}.json"] = json.dumps(proto_dict(request), indent=2,
                                                                              sort_keys=True) + "\n"
-    jobset_manifest(cfg, renderer)  # checked before it is written
-    files["jobset.yaml"] = jobset_text(cfg, renderer)
+    jobset_manifest(gke, slice, ctx, renderer)  # checked before it is written
+    files["jobset.yaml"] = jobset_text(gke, slice, ctx, renderer)
     return files
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from provision.core import Phase, ServiceReport
 from provision.errors import CloudError
 from provision.kinds.gke import gke_serve_render
+from provision.rendering import labels
 from provision.resources import MANAGED_BY, RUN_LABEL, Resource, is_managed
 
 # The objects in the order they are applied; deleted in the reverse one (the autoscaler first, so that
@@ -97,14 +98,15 @@ def delete_objects(context, kube, run: str) -> list[Resource]:
 def service_report(cfg, kube, url: str) -> ServiceReport:
     """The Deployment's state: ready once a replica is available; failed when a pod's server crashed
     (with its last words) or the Deployment is gone; starting otherwise (with what it waits for)."""
-    name = gke_serve_render.server_name(cfg)
+    name = gke_serve_render.server_name(cfg.run)
     deployment = kube.get_object("Deployment", cfg.gke.namespace, name)
     if deployment is None:
         return ServiceReport(Phase.DELETED, detail=f"the Deployment {cfg.gke.namespace}/{name} is gone")
     status = deployment.get("status") or {}
     wanted = (deployment.get("spec") or {}).get("replicas", 1)
     ready = status.get("availableReplicas") or 0
-    pods = kube.list_pods(cfg.gke.namespace, ",".join(f"{k}={v}" for k, v in gke_serve_render.selector(cfg).items()))
+    pod_selector = gke_serve_render.selector(labels(cfg))
+    pods = kube.list_pods(cfg.gke.namespace, ",".join(f"{k}={v}" for k, v in pod_selector.items()))
     crashed = [why for pod in pods if (why := _crash(pod))]
     if crashed and not ready:
         return ServiceReport(Phase.FAILED, replicas=wanted, detail=crashed[0])
@@ -130,7 +132,7 @@ def _crash(pod) -> str | None:
 
 def predict(cfg, kube, request: dict, stream: bool = False) -> Iterator[dict]:
     """One OpenAI completions request through the Service, by the API server's service proxy."""
-    path = gke_serve_render.proxy_path(cfg, "/v1/completions")
+    path = gke_serve_render.proxy_path(cfg.gke, cfg.run, "/v1/completions")
     answer = kube.proxy(path, {**request, "stream": stream}, stream=stream)
     if stream:
         yield from answer

@@ -19,15 +19,17 @@ from typing import TYPE_CHECKING, Any
 from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE
 from provision.cloud.messages import proto_dict
-from provision.container import SERVER_PORT, server_container
+from provision.container import SERVER_PORT
 from provision.errors import UsageError
 from provision.kinds.gke.gke_render import NodePoolSpec, create_node_pool_request, node_pool_body
-from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
+from provision.rendering import RenderContext, Renderer
 from provision.resources import resolve_project
 from provision.templates import render
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.config.sections import ServeConfig
+    from provision.kinds.gke.gke_sections import GkeConfig
+    from provision.kinds.slice_section import SliceConfig
 
 # Object -> (its template, the file `render` writes, the kubernetes client's model; None: a CRD).
 OBJECTS: dict[str, tuple[str, str, str | None]] = {
@@ -83,54 +85,55 @@ class ServingSpec:
 
 # --- names --------------------------------------------------------------------------------------
 
-def serving_pool_id(cfg: Config) -> str:
-    return f"{cfg.run}{SERVE_POOL_SUFFIX}"
+def serving_pool_id(run: str) -> str:
+    return f"{run}{SERVE_POOL_SUFFIX}"
 
 
-def server_name(cfg: Config) -> str:
+def server_name(run: str) -> str:
     """The Deployment's, the Service's, the PodMonitoring's and the HPA's name: the run's."""
-    return cfg.run
+    return run
 
 
-def selector(cfg: Config) -> dict[str, str]:
-    """The labels that pick the run's server pods (not its JobSet's, which carry the run label too)."""
-    return {**labels(cfg), ROLE_LABEL[0]: ROLE_LABEL[1]}
+def selector(labels: dict[str, str]) -> dict[str, str]:
+    """The labels that pick the run's server pods: the run's `labels` (provision.rendering.labels) and the
+    server's role (not its JobSet's pods, which carry the run label too)."""
+    return {**labels, ROLE_LABEL[0]: ROLE_LABEL[1]}
 
 
-def checkpoint(cfg: Config) -> str:
-    return cfg.serve.checkpoint or cfg.trainer.output_dir
+def checkpoint(serve: ServeConfig, output_dir: str) -> str:
+    """What the server serves: serve.checkpoint, else the run's trainer.output_dir."""
+    return serve.checkpoint or output_dir
 
 
-def serving_accelerator(cfg: Config) -> catalogue.AcceleratorType:
+def serving_accelerator(serve: ServeConfig) -> catalogue.AcceleratorType:
     """The v5e slice one replica holds: the serve section's machine type (and topology) on one host."""
-    acc = catalogue.accelerator_for_machine(cfg.serve.machine_type, "")
-    if acc is None or acc.topology != cfg.serve.replica_topology:
-        raise UsageError(f"serve.topology {cfg.serve.replica_topology} is not the one host of "
-                         f"{cfg.serve.machine_type}", hint="leave serve.topology unset")
+    acc = catalogue.accelerator_for_machine(serve.machine_type, "")
+    if acc is None or acc.topology != serve.replica_topology:
+        raise UsageError(f"serve.topology {serve.replica_topology} is not the one host of "
+                         f"{serve.machine_type}", hint="leave serve.topology unset")
     return acc
 
 
-def serve_url(cfg: Config) -> str:
+def serve_url(gke: GkeConfig, run: str) -> str:
     """Where the Service answers inside the cluster."""
-    return f"http://{server_name(cfg)}.{cfg.gke.namespace}.svc.cluster.local:{SERVICE_PORT}"
+    return f"http://{server_name(run)}.{gke.namespace}.svc.cluster.local:{SERVICE_PORT}"
 
 
-def proxy_path(cfg: Config, path: str) -> str:
+def proxy_path(gke: GkeConfig, run: str, path: str) -> str:
     """`path` on the Service, through the API server's service proxy (how a client outside reaches it)."""
-    return f"/api/v1/namespaces/{cfg.gke.namespace}/services/{server_name(cfg)}:{SERVICE_PORT}/proxy{path}"
+    return f"/api/v1/namespaces/{gke.namespace}/services/{server_name(run)}:{SERVICE_PORT}/proxy{path}"
 
 
 # --- specs --------------------------------------------------------------------------------------
 
-def serving_pool_spec(cfg: Config, zone: str) -> NodePoolSpec:
+def serving_pool_spec(serve: ServeConfig, slice: SliceConfig, ctx: RenderContext, zone: str) -> NodePoolSpec:
     """One node per replica, autoscaled between the serve section's replicas (the HPA adds pods, the
     cluster autoscaler the hosts they need)."""
-    serve = cfg.serve
-    serving_accelerator(cfg)
-    return NodePoolSpec(name=serving_pool_id(cfg), zone=zone, machine_type=serve.machine_type,
+    serving_accelerator(serve)
+    return NodePoolSpec(name=serving_pool_id(ctx.run), zone=zone, machine_type=serve.machine_type,
                         node_count=serve.min_replicas, topology=None, spot=serve.spot, reservation=None,
-                        service_account=cfg.slice.service_account, oauth_scopes=(CLOUD_PLATFORM_SCOPE,),
-                        labels=labels(cfg), min_nodes=serve.min_replicas, max_nodes=serve.max_replicas)
+                        service_account=slice.service_account, oauth_scopes=(CLOUD_PLATFORM_SCOPE,),
+                        labels=ctx.labels, min_nodes=serve.min_replicas, max_nodes=serve.max_replicas)
 
 
 def startup_failures(startup_s: float) -> int:
@@ -138,16 +141,17 @@ def startup_failures(startup_s: float) -> int:
     return max(1, math.ceil(startup_s / STARTUP_PERIOD_S))
 
 
-def serving_spec(cfg: Config, image: str, startup_s: float) -> ServingSpec:
-    acc = serving_accelerator(cfg)
-    container = server_container(cfg, image, checkpoint(cfg))
+def serving_spec(gke: GkeConfig, serve: ServeConfig, ctx: RenderContext, startup_s: float) -> ServingSpec:
+    """`ctx`: a serving workload's (its container the server's, on the run's checkpoint)."""
+    acc = serving_accelerator(serve)
+    container = ctx.container
     port = container.ports[0] if container.ports else SERVER_PORT
     return ServingSpec(
-        name=server_name(cfg), namespace=cfg.gke.namespace, labels=labels(cfg), selector=selector(cfg),
-        pod_labels=selector(cfg), image_uri=container.image, command=container.command, args=container.args,
-        env=container.env, container_port=port, chips_per_host=acc.chips_per_vm, topology=acc.topology,
-        accelerator_label=catalogue.GKE_V5E_ACCELERATOR, min_replicas=cfg.serve.min_replicas,
-        max_replicas=cfg.serve.max_replicas, autoscale_target=cfg.serve.autoscale_target,
+        name=server_name(ctx.run), namespace=gke.namespace, labels=ctx.labels, selector=selector(ctx.labels),
+        pod_labels=selector(ctx.labels), image_uri=container.image, command=container.command,
+        args=container.args, env=container.env, container_port=port, chips_per_host=acc.chips_per_vm,
+        topology=acc.topology, accelerator_label=catalogue.GKE_V5E_ACCELERATOR, min_replicas=serve.min_replicas,
+        max_replicas=serve.max_replicas, autoscale_target=serve.autoscale_target,
         startup_failures=startup_failures(startup_s))
 
 
@@ -157,11 +161,12 @@ def manifest_text(kind: str, spec: ServingSpec, renderer: Renderer | None = None
     return render(OBJECTS[kind][0], spec, renderer.templates_dir if renderer else None)
 
 
-def manifests(cfg: Config, renderer: Renderer, startup_s: float) -> dict[str, dict[str, Any]]:
+def manifests(gke: GkeConfig, serve: ServeConfig, ctx: RenderContext, renderer: Renderer,
+              startup_s: float) -> dict[str, dict[str, Any]]:
     """The four objects by kind, in the order they are applied, each checked."""
     import yaml
 
-    spec = serving_spec(cfg, renderer.image, startup_s)
+    spec = serving_spec(gke, serve, ctx, startup_s)
     found = {}
     for kind, (template, _, _) in OBJECTS.items():
         try:
@@ -235,19 +240,21 @@ def _check_pod_monitoring(manifest: dict, bad) -> None:
 
 # --- every rendered file ------------------------------------------------------------------------------
 
-def serving_files(cfg: Config, renderer: Renderer, startup_s: float) -> dict[str, str]:
+def serving_files(gke: GkeConfig, serve: ServeConfig, slice: SliceConfig, ctx: RenderContext, renderer: Renderer,
+                  startup_s: float) -> dict[str, str]:
     """What `render` writes for a gke config with a serve section: the serving pool per zone (body and
-    request) and the four manifests, each checked before it is written."""
-    project = resolve_project(cfg, PROJECT_PLACEHOLDER)
+    request) and the four manifests, each checked before it is written (`ctx` a serving workload's, made
+    with the project placeholder where the config names none)."""
+    project = resolve_project(ctx)
     files: dict[str, str] = {}
-    for zone in cfg.zones:
-        spec = serving_pool_spec(cfg, zone)
+    for zone in ctx.zones:
+        spec = serving_pool_spec(serve, slice, ctx, zone)
         files[f"node_pool.{spec.name}.{zone}.yaml"] = node_pool_body(spec, renderer)
-        request = create_node_pool_request(cfg, spec, project, renderer)
+        request = create_node_pool_request(gke, spec, project, renderer)
         files[f"create_node_pool.{spec.name}.{zone}.json"] = json.dumps(proto_dict(request), indent=2,
                                                                          sort_keys=True) + "\n"
-    manifests(cfg, renderer, startup_s)
-    spec = serving_spec(cfg, renderer.image, startup_s)
+    manifests(gke, serve, ctx, renderer, startup_s)
+    spec = serving_spec(gke, serve, ctx, startup_s)
     for kind, (_, name, _) in OBJECTS.items():
         files[name] = manifest_text(kind, spec, renderer)
     return files

@@ -32,6 +32,7 @@ from provision.errors import CloudError, UsageError
 from provision.kinds.common import startup_estimate_s  # one load-and-compile estimate for every kind
 from provision.kinds.gke import gke, gke_lws, gke_lws_render, gke_render, gke_serve, gke_serve_render
 from provision.kinds.gke.gke_sections import GkeSections
+from provision.rendering import PROJECT_PLACEHOLDER, server_context, trainer_context
 from provision.resources import Resource
 
 
@@ -64,10 +65,10 @@ class NodePools(Holding):
         return resources
 
     def teardown(self) -> list[Resource]:
-        return gke.pools_down(self.context, set(gke_render.pool_ids(self.cfg)))
+        return gke.pools_down(self.context, set(gke_render.pool_ids(self.cfg.run, self.cfg.gke, self.cfg.slice)))
 
     def left(self) -> list[Resource]:
-        return gke.pools_left(self.context, set(gke_render.pool_ids(self.cfg)))
+        return gke.pools_left(self.context, set(gke_render.pool_ids(self.cfg.run, self.cfg.gke, self.cfg.slice)))
 
 
 def _kube(holding: Holding):
@@ -97,7 +98,7 @@ class JobSet(Holding):
 
     def left(self) -> list[Resource]:
         kube = _kube(self)
-        jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg)) if kube else None
+        jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg.run)) if kube else None
         return [gke._jobset_resource(jobset, self.cfg)] if jobset is not None else []
 
     def _status(self) -> dict | None:
@@ -118,7 +119,7 @@ class JobSet(Holding):
 
     def report(self) -> Report:
         kube = _kube(self)
-        jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg)) if kube else None
+        jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg.run)) if kube else None
         if jobset is None:
             return Report(Phase.FAILED, detail="the JobSet is gone")
         status = jobset.get("status") or {}
@@ -153,9 +154,9 @@ class ServingPool(Holding):
         super().__init__(context)
         serve = self.cfg.serve
         self.zone: str | None = None
-        self.group = gke_lws_render.multi_host(self.cfg)  # a replica over several hosts: a slice per group
-        self.chips = gke_lws_render.chips(self.cfg) if self.group else \
-            gke_serve_render.serving_accelerator(self.cfg).chips * serve.min_replicas
+        self.group = gke_lws_render.multi_host(self.cfg.serve)  # a replica over several hosts: a slice per group
+        self.chips = gke_lws_render.chips(serve) if self.group else \
+            gke_serve_render.serving_accelerator(serve).chips * serve.min_replicas
 
     def describe(self) -> str:
         serve = self.cfg.serve
@@ -179,8 +180,8 @@ class ServingPool(Holding):
         return pools
 
     def _pool_ids(self) -> set[str]:
-        return set(gke_lws_render.group_pool_ids(self.cfg)) if self.group else \
-            {gke_serve_render.serving_pool_id(self.cfg)}
+        return set(gke_lws_render.group_pool_ids(self.cfg.run, self.cfg.gke, self.cfg.serve)) if self.group else \
+            {gke_serve_render.serving_pool_id(self.cfg.run)}
 
     def teardown(self) -> list[Resource]:
         return gke.pools_down(self.context, self._pool_ids())
@@ -198,11 +199,14 @@ class Server(Holding):
         """The four objects, applied (a re-run adopts and replaces what this run made before)."""
         cluster = gke.cluster_of(self.cfg, self.session)
         kube = self.session.kube(cluster)
-        if gke_lws_render.multi_host(self.cfg):  # a LeaderWorkerSet: its controller must be there
-            gke_lws.require_controller(self.cfg, kube)
-            manifests = gke_lws_render.manifests(self.cfg, self.context.renderer, startup_estimate_s(self.cfg))
+        cfg, serving = self.cfg, server_context(self.cfg, self.context.image)
+        if gke_lws_render.multi_host(cfg.serve):  # a LeaderWorkerSet: its controller must be there
+            gke_lws.require_controller(cfg, kube)
+            manifests = gke_lws_render.manifests(cfg.gke, cfg.serve, serving, self.context.renderer,
+                                                 startup_estimate_s(cfg))
         else:
-            manifests = gke_serve_render.manifests(self.cfg, self.context.renderer, startup_estimate_s(self.cfg))
+            manifests = gke_serve_render.manifests(cfg.gke, cfg.serve, serving, self.context.renderer,
+                                                   startup_estimate_s(cfg))
         return gke_serve.apply_objects(self.context, kube, manifests)
 
     def teardown(self) -> list[Resource]:
@@ -218,14 +222,14 @@ class Server(Holding):
         cluster = gke.cluster_of(self.cfg, self.session)
         if cluster is None or not cluster.endpoint:
             return ServiceReport(Phase.DELETED, detail=f"the cluster {self.cfg.gke.cluster} is gone")
-        url = f"https://{cluster.endpoint}{gke_serve_render.proxy_path(self.cfg, '')}"
-        if gke_lws_render.multi_host(self.cfg):
+        url = f"https://{cluster.endpoint}{gke_serve_render.proxy_path(self.cfg.gke, self.cfg.run, '')}"
+        if gke_lws_render.multi_host(self.cfg.serve):
             return gke_lws.service_report(self.cfg, self.session.kube(cluster), url)
         return gke_serve.service_report(self.cfg, self.session.kube(cluster), url)
 
     def examples(self, url: str, body: str) -> list[str]:
         """How to call it: the Service forwarded to this machine, or through the API server's proxy."""
-        name, namespace = gke_serve_render.server_name(self.cfg), self.cfg.gke.namespace
+        name, namespace = gke_serve_render.server_name(self.cfg.run), self.cfg.gke.namespace
         port = gke_serve_render.SERVICE_PORT
         return [f"  kubectl -n {namespace} port-forward service/{name} {port}:{port} &",
                 f"  curl -X POST http://127.0.0.1:{port}/v1/completions -H 'content-type: application/json' "
@@ -242,7 +246,7 @@ class Server(Holding):
         try:
             yield from gke_serve.predict(self.cfg, kube, request, stream)
         except CloudError:  # the proxy's refusal: looked into only then, so a request costs no call more
-            name = gke_serve_render.server_name(self.cfg)
+            name = gke_serve_render.server_name(self.cfg.run)
             if kube.get_object("Service", self.cfg.gke.namespace, name) is None:
                 raise self._nothing_deployed(f"there is no Service {self.cfg.gke.namespace}/{name}") from None
             raise
@@ -290,19 +294,22 @@ class GkeKind(Kind):
                 f"node pools, {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
         if cfg.serve is not None:
             serve = cfg.serve
-            what = "a LeaderWorkerSet (a group of pods per replica)" if gke_lws_render.multi_host(cfg) else \
+            what = "a LeaderWorkerSet (a group of pods per replica)" if gke_lws_render.multi_host(serve) else \
                 "a Deployment"
-            line += (f"; serves {gke_serve_render.checkpoint(cfg)} as {what} on {serve.min_replicas}-"
+            checkpoint = gke_serve_render.checkpoint(serve, cfg.trainer.output_dir)
+            line += (f"; serves {checkpoint} as {what} on {serve.min_replicas}-"
                      f"{serve.max_replicas} x {serve.machine_type} ({serve.replica_topology}"
                      f"{', spot' if serve.spot else ''})")
         return line
 
     def render(self, cfg, renderer) -> dict[str, str]:
-        files = gke_render.render_files(cfg, renderer)
-        if cfg.serve is not None and gke_lws_render.multi_host(cfg):
-            files.update(gke_lws_render.group_files(cfg, renderer, startup_estimate_s(cfg)))
-        elif cfg.serve is not None:
-            files.update(gke_serve_render.serving_files(cfg, renderer, startup_estimate_s(cfg)))
+        training = trainer_context(cfg, renderer.image, PROJECT_PLACEHOLDER)
+        files = gke_render.render_files(cfg.gke, cfg.slice, training, renderer)
+        if cfg.serve is not None:
+            serving = server_context(cfg, renderer.image, PROJECT_PLACEHOLDER)
+            group = gke_lws_render.multi_host(cfg.serve)
+            render_serving = gke_lws_render.group_files if group else gke_serve_render.serving_files
+            files.update(render_serving(cfg.gke, cfg.serve, cfg.slice, serving, renderer, startup_estimate_s(cfg)))
         return files
 
     def hardware(self, cfg):

@@ -22,8 +22,9 @@ from provision.core import (
     report_from_status,
 )
 from provision.kinds.tpu_vm import slices
-from provision.kinds.tpu_vm.slice_render import render_slice_files
+from provision.kinds.tpu_vm.slice_render import STATUS_FILE, render_slice_files
 from provision.kinds.tpu_vm.slice_sections import TpuVmSections
+from provision.rendering import PROJECT_PLACEHOLDER, trainer_context
 from provision.resources import Resource, project_of, short
 
 GUEST_NAMESPACE = guest_attributes.NAMESPACE + "/"
@@ -151,7 +152,8 @@ class TpuVmKind(Kind):
                 f"{_plural(acc.vms, 'VM')}), {cfg.slice.capacity}, zones {', '.join(cfg.zones)}")
 
     def render(self, cfg, renderer) -> dict[str, str]:
-        return render_slice_files(cfg, renderer)
+        ctx = trainer_context(cfg, renderer.image, PROJECT_PLACEHOLDER, status_file=STATUS_FILE)
+        return render_slice_files(cfg.slice, ctx, renderer)
 
     def hardware(self, cfg):
         return cfg.accelerator_type(), cfg.slice.count, cfg.slice.capacity

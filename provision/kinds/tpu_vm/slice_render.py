@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING, Any
 from provision import catalogue
 from provision.cloud import CLOUD_PLATFORM_SCOPE, messages
 from provision.cloud.messages import proto_dict
-from provision.container import TRAINER_COMMAND, Container, trainer_container
+from provision.container import TRAINER_COMMAND, Container
 from provision.errors import ConfigError, Problem
-from provision.rendering import PROJECT_PLACEHOLDER, Renderer, labels
+from provision.rendering import RenderContext, Renderer
 from provision.resources import location_path, resolve_project
 from provision.templates import render, where
 from trainer import status as trainer_status
 
 if TYPE_CHECKING:
-    from provision.config import Config
     from provision.kinds.slice_section import SliceConfig
 
 
@@ -42,20 +41,20 @@ _REQUEST_NAMESPACE = uuid.UUID("6f1c3a52-5d1e-4c7e-9a43-1e0b7d6a2f10")
 MAX_METADATA_VALUE_BYTES = 256 * 1024
 
 
-def queued_resource_id(cfg: Config) -> str:
-    return cfg.run
+def queued_resource_id(run: str) -> str:
+    return run
 
 
-def node_id(cfg: Config) -> str:
+def node_id(run: str) -> str:
     """The node id (one slice) or node_id_prefix (multislice; the service appends -0, -1, ...)."""
-    return f"{cfg.run}-tpu"
+    return f"{run}-tpu"
 
 
-def request_id(cfg: Config, zone: str, attempt: int = 0, project: str | None = None, content: Any = None) -> str:
+def request_id(slice: SliceConfig, ctx: RenderContext, zone: str, attempt: int = 0, content: Any = None) -> str:
     """Deterministic request id for CreateQueuedResource: the same request (project, zone, run, body)
     always gets the same id, so a create re-sent after a crash is recognised as the same request; a
     changed body, or `attempt` > 0 (a deliberate re-create), gets another."""
-    key = f"{project or cfg.project}/{zone}/{cfg.run}/{cfg.slice.accelerator}"
+    key = f"{ctx.project}/{zone}/{ctx.run}/{slice.accelerator}"
     if content is not None:
         key += "/" + hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     if attempt:
@@ -63,8 +62,8 @@ def request_id(cfg: Config, zone: str, attempt: int = 0, project: str | None = N
     return str(uuid.uuid5(_REQUEST_NAMESPACE, key))
 
 
-def parent(cfg: Config, zone: str, project: str | None = None) -> str:
-    return location_path(resolve_project(cfg, project), zone)
+def parent(ctx: RenderContext, zone: str) -> str:
+    return location_path(resolve_project(ctx), zone)
 
 
 @dataclass(frozen=True)
@@ -146,16 +145,20 @@ VM_STATE_DIR = "/var/lib/moe-tpu"
 STATUS_FILE = f"{VM_STATE_DIR}/status.json"
 
 
-def startup_spec(cfg: Config, image: str) -> StartupSpec:
+def startup_spec(ctx: RenderContext) -> StartupSpec:
+    """`ctx`: a training workload's, its trainer writing its status to STATUS_FILE
+    (provision.rendering.trainer_context's `status_file`), which the watcher reads."""
     from provision import guest_attributes
     from provision.image import TRAINER_UID
 
-    output_dir = cfg.trainer.output_dir
+    if STATUS_FILE not in ctx.container.args:
+        raise ValueError(f"a TPU VM's trainer is started with --status-file {STATUS_FILE}: make its context so")
+    output_dir = ctx.output_dir
     return StartupSpec(
-        run=cfg.run, image_uri=image, registry_host=cfg.image.registry_host,
+        run=ctx.run, image_uri=ctx.container.image, registry_host=ctx.registry_host,
         container_name="moe-tpu-trainer", log_file="/var/log/moe-tpu/startup.log",
         trainer_log_file="/var/log/moe-tpu/trainer.log",
-        container=trainer_container(cfg, image, status_file=STATUS_FILE), labels=labels(cfg),
+        container=ctx.container, labels=ctx.labels,
         state_dir=VM_STATE_DIR, status_file=STATUS_FILE, work_dir=f"{VM_STATE_DIR}/work",
         watcher_file=f"{VM_STATE_DIR}/watch-status.py", watch_interval_s=10, trainer_uid=TRAINER_UID,
         guest_namespace=guest_attributes.NAMESPACE, guest_fields=guest_attributes.pairs(),
@@ -163,68 +166,66 @@ def startup_spec(cfg: Config, image: str) -> StartupSpec:
     )
 
 
-def queued_resource_spec(cfg: Config, zone: str, renderer: Renderer,
-                         project: str | None = None) -> QueuedResourceSpec:
-    reservation = cfg.slice.reservation if cfg.slice.capacity == "reserved" else None
+def queued_resource_spec(slice: SliceConfig, ctx: RenderContext, zone: str, renderer: Renderer) -> QueuedResourceSpec:
+    reservation = slice.reservation if slice.capacity == "reserved" else None
     if reservation and "/" not in reservation:
-        reservation = f"{parent(cfg, zone, project)}/reservations/{reservation}"
+        reservation = f"{parent(ctx, zone)}/reservations/{reservation}"
     return QueuedResourceSpec(
-        slice=cfg.slice, accelerator=cfg.accelerator_type(), zone=zone,
-        parent=parent(cfg, zone, project), node_id=node_id(cfg),
-        multislice=cfg.slice.count > 1, node_count=cfg.slice.count, labels=labels(cfg),
-        reservation_name=reservation, max_wait_seconds=int(cfg.slice.max_wait.total_seconds()),
-        startup_script=startup_script(cfg, renderer),
+        slice=slice, accelerator=catalogue.accelerator(slice.accelerator), zone=zone,
+        parent=parent(ctx, zone), node_id=node_id(ctx.run),
+        multislice=slice.count > 1, node_count=slice.count, labels=ctx.labels,
+        reservation_name=reservation, max_wait_seconds=int(slice.max_wait.total_seconds()),
+        startup_script=startup_script(ctx, renderer),
         service_account_scopes=(CLOUD_PLATFORM_SCOPE,),
     )
 
 
-def startup_script(cfg: Config, renderer: Renderer) -> str:
+def startup_script(ctx: RenderContext, renderer: Renderer) -> str:
     """The script every TPU VM worker runs as root at boot (metadata key startup-script)."""
     templates_dir = renderer.templates_dir
-    script = render(STARTUP_TEMPLATE, startup_spec(cfg, renderer.image), templates_dir)
+    script = render(STARTUP_TEMPLATE, startup_spec(ctx), templates_dir)
     size = len(script.encode("utf-8"))
     if size > MAX_METADATA_VALUE_BYTES:
-        overrides = len(" ".join(cfg.trainer.set_flags()).encode("utf-8"))
+        overrides = len(" ".join(ctx.overrides).encode("utf-8"))
         limit_kib = MAX_METADATA_VALUE_BYTES // 1024
         head = f"the startup script it renders is {size / 1024:.0f} KiB; a TPU VM metadata value holds at most " \
                f"{limit_kib} KiB"
         if overrides > MAX_METADATA_VALUE_BYTES // 2:
-            problem = Problem(str(cfg.source), "trainer.overrides", f"{head} (the overrides take {overrides // 1024} "
+            problem = Problem(ctx.source, "trainer.overrides", f"{head} (the overrides take {overrides // 1024} "
                               "KiB of it: put them in a trainer config file named by trainer.config)")
         else:
-            problem = Problem(str(cfg.source), "", f"{head} ({STARTUP_TEMPLATE} makes most of it; "
+            problem = Problem(ctx.source, "", f"{head} ({STARTUP_TEMPLATE} makes most of it; "
                               f"{where(templates_dir)})")
         raise ConfigError([problem])
     return script
 
 
-def queued_resource_body(cfg: Config, zone: str, renderer: Renderer,
-                         project: str | None = None) -> str:
+def queued_resource_body(slice: SliceConfig, ctx: RenderContext, zone: str, renderer: Renderer) -> str:
     """The rendered QueuedResource body (YAML text) for one zone."""
-    spec = queued_resource_spec(cfg, zone, renderer, project)
+    spec = queued_resource_spec(slice, ctx, zone, renderer)
     return render(QUEUED_RESOURCE_TEMPLATE, spec, renderer.templates_dir)
 
 
-def create_queued_resource_request(cfg: Config, zone: str, renderer: Renderer,
-                                   attempt: int = 0, project: str | None = None) -> Any:
+def create_queued_resource_request(slice: SliceConfig, ctx: RenderContext, zone: str, renderer: Renderer,
+                                   attempt: int = 0) -> Any:
     """The CreateQueuedResourceRequest for one zone, body parsed strictly into the real message.
 
-    `project` overrides cfg.project (for a config without one, the credentials' project);
-    without either it is a UsageError.
+    Its project is the context's (the config's, else the one the context was made with: the credentials');
+    without one it is a UsageError.
     """
-    body = messages.queued_resource(queued_resource_body(cfg, zone, renderer, project), QUEUED_RESOURCE_TEMPLATE)
+    body = messages.queued_resource(queued_resource_body(slice, ctx, zone, renderer), QUEUED_RESOURCE_TEMPLATE)
     return messages.create_queued_resource_request(
-        parent(cfg, zone, project), queued_resource_id(cfg),
-        request_id(cfg, zone, attempt, project, content=proto_dict(body)), body)
+        parent(ctx, zone), queued_resource_id(ctx.run),
+        request_id(slice, ctx, zone, attempt, content=proto_dict(body)), body)
 
 
-def render_slice_files(cfg: Config, renderer: Renderer) -> dict[str, str]:
-    """A TPU VM slice's files: the startup script and, per zone, the QueuedResource body and request."""
-    project = cfg.project or PROJECT_PLACEHOLDER
-    files = {"startup.sh": startup_script(cfg, renderer)}
-    for zone in cfg.zones:
-        files[f"queued_resource.{zone}.yaml"] = queued_resource_body(cfg, zone, renderer, project)
-        request = create_queued_resource_request(cfg, zone, renderer, project=project)
+def render_slice_files(slice: SliceConfig, ctx: RenderContext, renderer: Renderer) -> dict[str, str]:
+    """A TPU VM slice's files: the startup script and, per zone, the QueuedResource body and request (`ctx`
+    made with the project placeholder where the config names none)."""
+    files = {"startup.sh": startup_script(ctx, renderer)}
+    for zone in ctx.zones:
+        files[f"queued_resource.{zone}.yaml"] = queued_resource_body(slice, ctx, zone, renderer)
+        request = create_queued_resource_request(slice, ctx, zone, renderer)
         text = json.dumps(proto_dict(request), indent=2, sort_keys=True) + "\n"
         files[f"create_queued_resource.{zone}.json"] = text
     return files

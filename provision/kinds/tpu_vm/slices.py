@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 from provision import catalogue
 from provision.errors import CloudError, StockoutError, UsageError
-from provision.kinds.tpu_vm.slice_render import create_queued_resource_request, queued_resource_id
+from provision.kinds.tpu_vm.slice_render import STATUS_FILE, create_queued_resource_request, queued_resource_id
+from provision.rendering import trainer_context
 from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
@@ -27,7 +28,7 @@ SETTLED_QR_STATES = {"ACTIVE", "FAILED", "SUSPENDED"}
 
 # --- names -------------------------------------------------------------------
 def queued_resource_name(cfg, project: str, zone: str) -> str:
-    return f"{location_path(project, zone)}/queuedResources/{queued_resource_id(cfg)}"
+    return f"{location_path(project, zone)}/queuedResources/{queued_resource_id(cfg.run)}"
 
 
 def state_name(qr) -> str:
@@ -175,7 +176,8 @@ def _create_or_adopt(context, project: str, zone: str, name: str, attempt: int =
         console.info(f"  {short(name)} in {zone} is being deleted (an earlier teardown); waiting until it is gone")
         _delete_and_wait(context, name)
         existing = None
-    request = create_queued_resource_request(cfg, zone, context.renderer, attempt=attempt, project=project)
+    render_ctx = trainer_context(cfg, context.image, project, status_file=STATUS_FILE)
+    request = create_queued_resource_request(cfg.slice, render_ctx, zone, context.renderer, attempt=attempt)
     if existing is not None:
         differences = qr_differences(request.queued_resource, existing)
         if differences and recreate:

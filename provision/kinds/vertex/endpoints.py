@@ -17,6 +17,7 @@ from provision.cloud import messages
 from provision.core import Holding, Phase, ServiceReport
 from provision.errors import UsageError
 from provision.kinds.vertex.vertex_render import deployed_model_body, serving_endpoint_body, serving_model_body
+from provision.rendering import RenderContext, server_context
 from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 
 OPERATION_TIMEOUT_S = 3600.0
@@ -129,13 +130,16 @@ class Endpoint(Holding):
             self._deploy(endpoint)
         return managed_serving(self.session, project, self.cfg.region, self.cfg.run)
 
+    def _render_context(self, project: str | None = None) -> RenderContext:
+        return server_context(self.cfg, self.context.image, project)
+
     def _model(self, project: str) -> str:
         found = [m for m in run_models(self.session, project, self.cfg.region, self.cfg.run)
                  if m.display_name == self.cfg.run]
         if found:
             self.console.info(f"  using model {short(found[-1].name)} that an earlier attempt uploaded")
             return found[-1].name
-        body = messages.serving_model(serving_model_body(self.cfg, self.context.image, self.startup_s))
+        body = messages.serving_model(serving_model_body(self._render_context(project), self.startup_s))
         self.console.info(f"  uploading model {self.cfg.run} (image {self.context.image})")
         operation = self.serving.upload_model(location_path(project, self.cfg.region), body)
         return self.serving.wait_operation(operation, "upload model", timeout_s=OPERATION_TIMEOUT_S).model
@@ -146,14 +150,14 @@ class Endpoint(Holding):
         if found:
             self.console.info(f"  using endpoint {short(found[-1].name)} that an earlier attempt created")
             return found[-1]
-        body = messages.serving_endpoint(serving_endpoint_body(self.cfg))
+        body = messages.serving_endpoint(serving_endpoint_body(self._render_context(project)))
         self.console.info(f"  creating dedicated endpoint {self.cfg.run} in {self.cfg.region}")
         operation = self.serving.create_endpoint(location_path(project, self.cfg.region), body)
         return self.serving.wait_operation(operation, "create endpoint", timeout_s=OPERATION_TIMEOUT_S)
 
     def _deploy(self, endpoint) -> None:
         serve = self.cfg.serve
-        body = messages.deployed_model(deployed_model_body(self.cfg, self.model))
+        body = messages.deployed_model(deployed_model_body(serve, self._render_context(), self.model))
         self.console.info(f"  deploying to endpoint {short(endpoint.name)}: {serve.machine_type} "
                           f"{serve.replica_topology}, {serve.min_replicas}-{serve.max_replicas} replica(s)")
         self.operation = self.serving.deploy_model(endpoint.name, body, {"0": 100})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from provision import catalogue
 from provision.errors import CloudError, UsageError
 from provision.kinds.vertex.vertex_render import create_custom_job_request
+from provision.rendering import trainer_context
 from provision.resources import RUN_LABEL, Resource, is_managed, location_path, project_of, short, verify_deleted
 from provision.waiting import format_duration, poll
 
@@ -90,7 +91,7 @@ def job_submit(context) -> Resource:
     renderer), or adopt the one an earlier attempt submitted."""
     cfg, session, console = context.config, context.session, context.console
     project = project_of(cfg, session)
-    request = create_custom_job_request(cfg, context.renderer, project=project)
+    request = create_custom_job_request(cfg.vertex, trainer_context(cfg, context.image, project), context.renderer)
     existing = active_job(cfg, session, project)
     if existing is not None:
         if differences := job_differences(request.custom_job, existing):

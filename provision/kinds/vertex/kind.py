@@ -27,6 +27,7 @@ from provision.kinds.common import startup_estimate_s
 from provision.kinds.vertex import endpoints, jobs
 from provision.kinds.vertex.vertex_render import render_custom_job_files, render_serving_files
 from provision.kinds.vertex.vertex_sections import VertexSections
+from provision.rendering import PROJECT_PLACEHOLDER, server_context, trainer_context
 from provision.resources import Resource, project_of, short
 from provision.waiting import poll
 
@@ -167,9 +168,11 @@ class VertexKind(Kind):
 
     def render(self, cfg, renderer) -> dict[str, str]:
         """The CustomJob's files, and with a serve section the endpoint's (Model, Endpoint, DeployedModel)."""
-        files = render_custom_job_files(cfg, renderer)
+        files = render_custom_job_files(cfg.vertex, trainer_context(cfg, renderer.image, PROJECT_PLACEHOLDER),
+                                        renderer)
         if cfg.serve is not None:
-            files.update(render_serving_files(cfg, renderer, startup_estimate_s(cfg)))
+            serving = server_context(cfg, renderer.image, PROJECT_PLACEHOLDER)
+            files.update(render_serving_files(cfg.serve, serving, startup_estimate_s(cfg)))
         return files
 
     def hardware(self, cfg):
