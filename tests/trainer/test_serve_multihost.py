@@ -24,7 +24,8 @@ from trainer.serve import multihost
 pytestmark = pytest.mark.compile_bound
 
 # A chunk of 256: the long prompts still arrive in 4 chunks between the others' decode steps, and each process
-# compiles 5 programs (prefill at spans 256, 512 and 1,024, decode at 256 and 1,040) where 64 took 6.
+# compiles at most 7 programs (prefill at spans 256, 512 and 1,024, decode at 256 and 1,040 for the first 4
+# slots, one a device of `expert`, or all 8) where 64 took 6.
 MESH, SLOTS, MAX_LEN, CHUNK, NEW = "expert=4,model=2", 8, 1040, 256, 8
 _draw = random.Random(46)
 SHORT = [[_draw.randrange(256) for _ in range(_draw.randint(2, 40))] for _ in range(32)]

@@ -297,7 +297,8 @@ class _TextReader:
         state = self.req.detokenizer
         if state is not None:
             pieces = state.pieces
-            text, self.pieces = self.held + "".join(pieces[self.pieces:len(pieces)]), len(pieces)
+            count = len(pieces)  # once: the engine's thread may add a piece meanwhile, which the next call reads
+            text, self.pieces = self.held + "".join(pieces[self.pieces:count]), count
             cut = len(text) - self.hold if self.hold else len(text)
             self.held = text[max(cut, 0):]
             return text[:max(cut, 0)]
