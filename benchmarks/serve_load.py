@@ -19,9 +19,11 @@ Then, in the same run:
   `prefix`: `--prefix-requests` requests, one at a time, sharing a `--prefix-len`-token prefix with 32-token
   suffixes of their own, on two servers alike but for prefix caching: TTFT median without / with, and how many of
   the greedy outputs are the same.
-  `stream`: one greedy stream of `--stream-tokens` tokens through the server (its tokens/s after the first, as
-  the client sees them) against `sample`'s own rate (trainer.sample.generate: the engine with one slot) on the
-  same weights.
+  `stream`: one greedy completion of `--stream-tokens` tokens through the server, streamed (its tokens/s after the
+  first, as the client sees them) and not (its tokens over the whole request), against `sample`'s own rate
+  (trainer.sample.generate: the engine with one slot) on the same weights and prompt, in `--stream-runs` turns of
+  the three: the medians, `sample_over_server_stream` and `sample_over_server_plain`, and whether the texts
+  are `sample`'s.
   `interference`: 7 streams decoding while a `--long-prompt`-token prompt arrives: their ITL p99 / p50.
   `decode_bound`: the decode step at batch 1 of a config of about 100M parameters (`--bound-config`)
   against the memory-bandwidth bound: bytes the step reads (weights + KV cache) / bandwidth of a large
@@ -95,8 +97,8 @@ def build(args, config: str, overrides: list[str], slots: int, max_len: int, pre
 
 
 class StreamingClient:
-    """POSTs JSON and streams the answer's lines, over HTTP/1.1 on asyncio's streams, with a kept-alive
-    connection per request in flight; h11 does the HTTP.
+    """POSTs JSON and streams the answer's lines (a JSON body: one), over HTTP/1.1 on asyncio's streams, with a
+    kept-alive connection per request in flight; h11 does the HTTP.
 
     Written here rather than taken from httpx or aiohttp because the client must not be what it measures:
     timed against the server's own stamps (perf_counter is one clock for every process here), those spend 0.3
@@ -144,6 +146,8 @@ class StreamingClient:
                         yield line.decode()
                 elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                     done = isinstance(event, h11.EndOfMessage) and conn.our_state is h11.DONE
+                    if pending:  # a last line without its newline (a JSON body)
+                        yield pending.decode()
                     return
         finally:
             if done:
@@ -152,24 +156,28 @@ class StreamingClient:
                 writer.close()
 
 
-async def one_request(client: StreamingClient, prompt_len: int, output_len: int, vocab: int, rng) -> dict:
+async def one_request(client: StreamingClient, prompt_len: int, output_len: int, vocab: int, rng,
+                      text: bool = False) -> dict:
+    """One streamed greedy completion; with `text`, its prompt and text as well."""
     prompt = " ".join(str(t) for t in rng.integers(0, min(vocab, 32), prompt_len))
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # usage in a last chunk without choices
     sent = time.perf_counter()
-    chunks, usage = [], None
+    chunks, usage, pieces = [], None, []
     async for line in client.lines("/v1/completions", body):
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         data = json.loads(line[6:])
         if data["choices"] and data["choices"][0].get("text"):
             chunks.append(time.perf_counter())
+            pieces.append(data["choices"][0]["text"])
         usage = data.get("usage") or usage
     tokens = usage["completion_tokens"] if usage else 0
     ttft = chunks[0] - sent if chunks else None
     e2e = time.perf_counter() - sent
-    return {"ttft": ttft, "e2e": e2e, "tokens": tokens, "itl": list(np.diff(chunks)),
-            "tpot": (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None}
+    out = {"ttft": ttft, "e2e": e2e, "tokens": tokens, "itl": list(np.diff(chunks)),
+           "tpot": (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None}
+    return {**out, "prompt": prompt, "text": "".join(pieces)} if text else out
 
 
 async def phase(base: str, lengths: list[tuple[int, int]], rate: float, concurrency: int, vocab: int, seed: int):
@@ -283,23 +291,48 @@ def server_ttft_since(base: str, before: dict) -> dict:
             "server_ttft_median": histogram_quantile(0.5, delta)}
 
 
-async def _stream_scenario(base: str, tokens: int, vocab: int, seed: int):
+async def _stream_turn(base: str, tokens: int, vocab: int, seed: int) -> dict:
+    """One greedy completion of `tokens` tokens streamed, then the same not streamed: each one's tokens/s as
+    the client sees it and its text. Streamed: after the first token (vLLM's TPOT), as `sample` counts;
+    not streamed: every token over the whole request (its HTTP, the prompt's prefill), which is stricter."""
     async with StreamingClient(base) as client:
-        return await one_request(client, 16, tokens, vocab, np.random.default_rng(seed))
+        rng = np.random.default_rng(seed)  # the prompt `single_stream` gives `sample`
+        streamed = await one_request(client, 16, tokens, vocab, rng, text=True)
+        body = {"prompt": streamed["prompt"], "max_tokens": tokens, "temperature": 0}
+        sent = time.perf_counter()
+        answer = json.loads("".join([line async for line in client.lines("/v1/completions", body)]))
+        seconds = time.perf_counter() - sent
+    return {"stream": (streamed["tokens"] - 1) / (streamed["e2e"] - streamed["ttft"]), "stream_text": streamed["text"],
+            "plain": answer["usage"]["completion_tokens"] / seconds, "plain_text": answer["choices"][0]["text"]}
 
 
 def single_stream(base: str, args, loaded) -> None:
-    """One greedy stream through the server against `sample`'s tokens/s on the same weights."""
+    """One greedy stream through the server, streamed and not, against `sample`'s tokens/s (trainer.sample.generate,
+    its own count) on the same weights and prompt, in --stream-runs turns (a load that changes during the run slows
+    each alike): the medians and their ratios, and whether the texts are `sample`'s."""
+    import concurrent.futures
+    import multiprocessing
+
     from trainer.sample import generate
 
     vocab = loaded["model"].cfg.model.vocab_size
-    result = in_client_process(_stream_scenario, base, args.stream_tokens, vocab, args.seed)
-    served = (result["tokens"] - 1) / (result["e2e"] - result["ttft"])
     prompt = np.random.default_rng(args.seed).integers(0, min(vocab, 32), 16).tolist()
-    _, sampled = generate(loaded["model"], loaded["weights"], prompt, args.stream_tokens, temperature=0.0, top_k=0,
-                          seed=0)
-    print(json.dumps({"phase": "stream", "tokens": args.stream_tokens, "server_tokens_per_s": served,
-                      "sample_tokens_per_s": sampled, "sample_over_server": sampled / served}), flush=True)
+    rates, same = {"stream": [], "plain": [], "sample": []}, True
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
+        for _ in range(args.stream_runs):
+            served = client.submit(_run_async, _stream_turn, base, args.stream_tokens, vocab, args.seed).result()
+            out, sampled = generate(loaded["model"], loaded["weights"], prompt, args.stream_tokens, temperature=0.0,
+                                    top_k=0, seed=0)
+            for name in ("stream", "plain"):
+                rates[name].append(served[name])
+                same &= served[f"{name}_text"] == loaded["decode"](out)
+            rates["sample"].append(sampled)
+    row = {"phase": "stream", "tokens": args.stream_tokens, "runs": args.stream_runs, "same_text": same}
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    row.update({f"{name}_tokens_per_s": value for name, value in medians.items()})
+    row.update(sample_over_server_stream=medians["sample"] / medians["stream"],
+               sample_over_server_plain=medians["sample"] / medians["plain"])
+    print(json.dumps(row), flush=True)
 
 
 async def interference_scenario(base: str, seed: int, stream_tokens: int, long_prompt: int, vocab: int):
@@ -442,6 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--long-prompt", type=int, default=1024)
     p.add_argument("--stream-tokens", type=int, default=256)
+    p.add_argument("--stream-runs", type=int, default=5)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--interference-tokens", type=int, default=200)

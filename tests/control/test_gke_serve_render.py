@@ -143,12 +143,14 @@ def test_the_startup_probe_waits_the_load_and_compile_estimate(loaded):
     estimate = startup_estimate_s(loaded)
     assert estimate > 300 and probe["periodSeconds"] * probe["failureThreshold"] >= estimate
     assert probe["periodSeconds"] * (probe["failureThreshold"] - 1) < estimate
-    # The server compiles both steps at every span before it is ready (serve --warm-up all): a cache of twice
-    # the length is one span more, and the estimate grows by that span's compilation, twice over.
+    # The server compiles the prefill at every span before it is ready, and the decode at every span for one
+    # slot and for all (serve --warm-up all): a cache of twice the length is one span more, and the estimate
+    # grows by that span's three compilations, twice over.
     from provision.kinds.common import COMPILE_S
 
     longer = loaded.model_copy(update={"serve": loaded.serve.model_copy(update={"max_len": 2 * loaded.serve.max_len})})
-    assert startup_estimate_s(longer) - estimate == pytest.approx(2 * COMPILE_S)
+    assert loaded.serve.slots > 1
+    assert startup_estimate_s(longer) - estimate == pytest.approx(2 * 3 * COMPILE_S)
 
 
 def test_deploy_without_a_serve_section_names_it(tmp_path):

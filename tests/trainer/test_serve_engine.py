@@ -1,6 +1,8 @@
 """The serving forward pass and engine: decoding through the key/value cache computes what the full
 forward pass does; concurrent requests get what they get alone; the two steps compile once."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,9 +158,11 @@ def alone(tiny_engine):
 
 def test_concurrent_greedy_requests_return_what_they_return_alone_and_compile_once(tiny_engine, alone):
     engine = tiny_engine
-    # The prefill chunk and the decode step, one program a span of the cache read, each compiled once, all in
-    # the warm-up.
-    assert engine.compilations() == len(engine.runner.programs) == 2 * len(engine.runner.spans())
+    # The prefill chunk at every span of the cache read, the decode step at every span and row count (one slot,
+    # every slot), each compiled once, all in the warm-up.
+    runner = engine.runner
+    assert runner.rows() == [1, engine.slots]
+    assert engine.compilations() == len(runner.programs) == runner.programs_bound() == 3 * len(runner.spans())
     requests = thirty_two_requests()
     for r in requests:
         engine.submit(r)
@@ -170,8 +174,33 @@ def test_concurrent_greedy_requests_return_what_they_return_alone_and_compile_on
     for r in random_requests(rng, 200, 256, 40, 8):
         engine.submit(r)
     engine.run()
-    assert engine.compilations() == len(engine.runner.programs) == 2 * len(engine.runner.spans())
+    assert engine.compilations() == len(runner.programs) == runner.programs_bound()
+    assert {name.split("/")[2] for name in runner.calls if name.startswith("decode/")} == {"1", str(engine.slots)}
     assert engine.free and sorted(engine.free) == list(range(engine.slots)) and not engine.busy
+
+
+def test_a_lone_request_decodes_on_one_row_and_returns_what_it_returns_beside_another(tiny_engine):
+    """The decode step runs the first rows that cover the live slots (the scheduler fills the lowest free ones):
+    one row while a request decodes alone, every slot beside another request, and one row again once that one
+    ended; each request's tokens are the same either way."""
+    runner = tiny_engine.runner
+
+    def decodes(requests):
+        before = collections.Counter(runner.calls)
+        for r in requests:
+            tiny_engine.submit(r)
+        tiny_engine.run()
+        ran = runner.calls - before
+        return [ran[f"decode/{runner.spans()[0]}/{rows}"] for rows in (1, tiny_engine.slots)]
+
+    alone = [Request([4, 8, 15], SamplingParams(max_tokens=12)), Request([16, 23, 42], SamplingParams(max_tokens=4))]
+    for r in alone:
+        ran = decodes([r])
+        assert ran == [r.sampling.max_tokens - 1, 0]  # the first token comes from the prefill
+    together = [Request(r.prompt, r.sampling) for r in alone]
+    ones, alls = decodes(together)
+    assert [r.output for r in together] == [r.output for r in alone]
+    assert together[1].finish_reason == "length" and alls == 3 and ones == 12 - 1 - 3  # alone before and after
 
 
 def test_greedy_decoding_continues_as_the_full_forward_pass_argmax(tiny, tiny_engine):
@@ -258,7 +287,7 @@ def test_experts_over_8_devices_serve_concurrent_requests_as_one_device_alone(ti
         engine.submit(r)
     engine.run()
     assert [r.output for r in requests] == alone
-    assert engine.compilations() == len(engine.runner.programs) <= 2 * len(engine.runner.spans())
+    assert engine.compilations() == len(engine.runner.programs) <= engine.runner.programs_bound()
 
 
 def test_the_model_runner_scores_a_prompt_in_chunks_as_the_full_forward_pass(tiny, tiny_engine):
@@ -280,4 +309,4 @@ def test_the_model_runner_scores_a_prompt_in_chunks_as_the_full_forward_pass(tin
                                [expected[i, sequence[i + 1]] for i in range(len(prompt))], atol=1e-4, rtol=0)
     assert all(r.top_ids[0] == expected[i].argmax() and len(r.top_ids) == 2 for i, r in enumerate(scored))
     assert token == expected[len(prompt) - 1].argmax()
-    assert runner.compilations() == len(runner.programs) <= 2 * len(runner.spans())
+    assert runner.compilations() == len(runner.programs) <= runner.programs_bound()

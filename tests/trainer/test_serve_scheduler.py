@@ -21,6 +21,19 @@ def test_requests_are_admitted_in_order_into_free_slots_one_prefill_at_a_time():
     assert s.release(a) is None  # released once
 
 
+def test_a_request_takes_the_lowest_free_slot():
+    """So the slots in use stay the first ones, and a decode step runs their rows alone."""
+    s = Scheduler(3)
+    a, b, c, d = (Request([1]) for _ in range(4))
+    s.waiting.extend([a, b, c])
+    for _ in range(3):
+        s.start_decoding(s.next_prefill())
+    s.release(b)
+    s.release(a)
+    s.waiting.append(d)
+    assert s.next_prefill() is d and d.slot == 0
+
+
 def test_cancelled_requests_leave_the_queue_the_prefill_and_the_slots():
     s = Scheduler(2)
     running, admitting, queued, kept = (Request([1]) for _ in range(4))

@@ -136,8 +136,9 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--model-name", default=None, help="The model's id in the API [the config's name].")
 @click.option("--warm-up", "warm_up", type=click.Choice(["all", "smallest"]), default="all", show_default=True,
               help="The steps compiled before the server says it is ready: all: every span of the cache a request "
-                   "can reach, so no request waits on a compilation; smallest: the shortest span's alone (a quicker "
-                   "start; a request reaching a longer span compiles it, and every stream waits meanwhile).")
+                   "can reach and, decoding, one slot's and every slot's, so no request waits on a compilation; "
+                   "smallest: the shortest span's and one slot's alone (a quicker start; a request reaching a longer "
+                   "span, or decoding beside another, compiles it, and every stream waits meanwhile).")
 @click.option("--grace-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="After SIGTERM, how long requests in flight may take to finish.")
 @click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,

@@ -1,5 +1,6 @@
 """The continuous-batching engine: fixed decode slots over one key/value cache, prompts prefilled in
-chunks between decode steps, jitted programs with fixed shapes (one per span of the cache a step reads).
+chunks between decode steps, jitted programs with fixed shapes (one per span of the cache a step reads and,
+decoding, per row count: a lone request's step runs its slot's row alone).
 
 Verbs: `submit` a request (it waits), `step` (one prefill chunk of the request being admitted into a free
 slot, then one decode step for every slot), and `run` (steps until every request is done). A step never

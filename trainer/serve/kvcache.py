@@ -76,17 +76,17 @@ def quantize(x_BxLxKxH: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale_BxLxK
 
 
-def read_at(index, rows_B: jax.Array | None, span: int | None) -> tuple:
-    """The index of one layer's cached positions 0..span of slots rows_B (None: every slot) in a cache
-    array [layers, slots, max_len, ...]."""
+def read_at(index, rows_B: jax.Array | None, span: int | None, batch: int) -> tuple:
+    """The index of one layer's cached positions 0..span of slots rows_B (None: the first `batch` slots, a
+    slice: no gather) in a cache array [layers, slots, max_len, ...]."""
     positions = slice(None, span)
-    return (index, slice(None), positions) if rows_B is None else (index, rows_B, positions)
+    return (index, slice(None, batch), positions) if rows_B is None else (index, rows_B, positions)
 
 
 @dataclasses.dataclass
 class LayerCache:
     """One layer's view of the cache for one call: batch row b holds the tokens at positions
-    starts_B[b].. of slot rows_B[b] (rows_B None: row b is slot b, every slot in the batch). Attention reads
+    starts_B[b].. of slot rows_B[b] (rows_B None: row b is slot b, the first B slots in the batch). Attention reads
     the first `span` positions of each slot (None: all max_len), a static length covering every position
     the call's tokens attend to: a step then costs what its live positions need, not the whole cache."""
 
@@ -113,12 +113,12 @@ class LayerCache:
         else:
             c = KVCache(c.k.at[at].set(k_BxLxKxH.astype(c.k.dtype), mode="drop"),
                         c.v.at[at].set(v_BxLxKxH.astype(c.v.dtype), mode="drop"))
-        keys, values = self._read(c, "k"), self._read(c, "v")
+        keys, values = self._read(c, "k", batch), self._read(c, "v", batch)
         mask_Bx1xLxS = jnp.arange(keys.shape[1])[None, None, None, :] <= positions_BxL[:, None, :, None]
         return LayerCache(c, self.index, self.starts_B, self.rows_B, self.span), keys, values, mask_Bx1xLxS
 
-    def _read(self, c: KVCache, name: str) -> jax.Array:
-        sel = read_at(self.index, self.rows_B, self.span)
+    def _read(self, c: KVCache, name: str, batch: int) -> jax.Array:
+        sel = read_at(self.index, self.rows_B, self.span, batch)
         values = getattr(c, name)[sel]
         if not c.quantized:
             return values

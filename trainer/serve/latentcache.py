@@ -92,13 +92,13 @@ class LatentLayerCache:
                 new[f"{name}_scale"] = getattr(c, f"{name}_scale").at[at].set(scale, mode="drop")
             new[name] = getattr(c, name).at[at].set(x.astype(getattr(c, name).dtype), mode="drop")
         c = dataclasses.replace(c, **new)
-        latents = self._read(c, "latent")
+        latents = self._read(c, "latent", batch)
         mask_Bx1xLxS = jnp.arange(latents.shape[1])[None, None, None, :] <= positions_BxL[:, None, :, None]
         view = LatentLayerCache(c, self.index, self.starts_B, self.rows_B, self.span)
-        return view, latents, self._read(c, "rope"), mask_Bx1xLxS
+        return view, latents, self._read(c, "rope", batch), mask_Bx1xLxS
 
-    def _read(self, c: LatentCache, name: str) -> jax.Array:
-        sel = read_at(self.index, self.rows_B, self.span)
+    def _read(self, c: LatentCache, name: str, batch: int) -> jax.Array:
+        sel = read_at(self.index, self.rows_B, self.span, batch)
         values = getattr(c, name)[sel]
         if not c.quantized:
             return values

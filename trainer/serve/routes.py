@@ -9,6 +9,7 @@ ServerState.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -90,8 +91,10 @@ async def prompt_ids(state, prompt) -> list[list[int]]:
 
 def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *, index: int = 0,
           logprobs: int | None = None, echo: bool = False, chat: bool = False):
-    """A request checked and queued in the engine, with an asyncio queue its tokens arrive on. Choice
-    `index` of a request with a seed draws with seed + index: the same request gets the same choices."""
+    """A request checked and queued in the engine, with an asyncio queue its listener signals on: at each token
+    when it streams, else once, when it is done (an answer waits for the whole text: a wake-up a token would
+    be the event loop's work for nothing, on the engine's interpreter lock). Choice `index` of a request with a
+    seed draws with seed + index: the same request gets the same choices."""
     from trainer.serve.engine import Request as EngineRequest
     from trainer.serve.engine import RequestError, SamplingParams
 
@@ -119,8 +122,9 @@ def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *
         raise APIError(400, str(e), param=param) from None
     constraint = _constraint(state, body)
     events: asyncio.Queue = asyncio.Queue()
-    aio = asyncio.get_running_loop()
-    req = EngineRequest(ids, sampling, listener=lambda r: aio.call_soon_threadsafe(events.put_nowait, None))
+    wake = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, events.put_nowait, None)
+    streams = bool(body.stream)
+    req = EngineRequest(ids, sampling, listener=lambda r: wake() if streams or r.finish_reason is not None else None)
     req.events, req.arrival, req.constraint = events, arrival, constraint
     state.open.add(req)
     state.loop.submit(req)
@@ -230,12 +234,12 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool, logprob
     chunk of usage and no choices, as OpenAI sends it."""
     sent, scored, obj = 0, 0, "chat.completion.chunk" if chat else "text_completion"
     reader = _TextReader(state, req)
+    # Every chunk's fields but its choices (and usage), as json.dumps writes them, encoded once: a chunk a token.
+    head = json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name})[:-1]
 
-    def frame(choices: list, usage=None) -> str:
-        body = {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name, "choices": choices}
-        if include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
+    def frame(choices: list, usage=None) -> bytes:
+        tail = f', "usage": {json.dumps(usage)}' if include_usage else ""
+        return f'data: {head}, "choices": {json.dumps(choices)}{tail}}}\n\n'.encode()
 
     def chunk(text: str, finish: str | None, end: int | None) -> str:
         nonlocal scored
@@ -293,7 +297,8 @@ class _TextReader:
         state = self.req.detokenizer
         if state is not None:
             pieces = state.pieces
-            text, self.pieces = self.held + "".join(pieces[self.pieces:len(pieces)]), len(pieces)
+            count = len(pieces)  # once: the engine's thread may add a piece meanwhile, which the next call reads
+            text, self.pieces = self.held + "".join(pieces[self.pieces:count]), count
             cut = len(text) - self.hold if self.hold else len(text)
             self.held = text[max(cut, 0):]
             return text[:max(cut, 0)]

@@ -1,6 +1,6 @@
 """The engine's model runner: the key/value cache, the jitted programs with fixed shapes (a prefill chunk
-into one slot, a decode step for every slot, each in one program per span of the cache it reads) and the host
-copies of each slot's decode inputs.
+into one slot, a decode step for the first slots, each in one program per span of the cache it reads and, for
+the decode, per row count) and the host copies of each slot's decode inputs.
 
 It runs what the scheduler asks and returns tokens and log-probability records; it knows nothing of requests'
 lifetimes, text or stop strings (trainer.serve.output).
@@ -8,6 +8,7 @@ lifetimes, text or stop strings (trainer.serve.output).
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 from trainer.serve.latentcache import CacheLayout
 from trainer.serve.logprobs import Logprob, records, token_logprobs
 from trainer.serve.sampling import allowed, sample_tokens
-from trainer.serve.spans import MIN_SPAN, ladder
+from trainer.serve.spans import MIN_SPAN, ladder, row_counts
 from trainer.serve.structured import words
 from trainer.serve.weights import ServingModel
 
@@ -35,8 +36,11 @@ class ModelRunner:
         cache_sharding = layout.sharding(model.mesh, self.kv_dtype)
         self.cache = jax.jit(lambda: layout.empty(slots, max_len, self.kv_dtype), out_shardings=cache_sharding)()
         self._cache_sharding = cache_sharding
-        # "prefill/<span>" and "decode/<span>", made on first use (program).
+        # The data and expert axes split a step's tokens: a decode step runs a multiple of their devices' rows.
+        self._shards = model.mesh.shape.get("expert", 1) * model.mesh.shape.get("data", 1)
+        # "prefill/<span>" and "decode/<span>/<rows>", made on first use (program), and how often each ran.
         self.programs: dict = {}
+        self.calls: collections.Counter = collections.Counter()
         # A multi-host group's leader hands each call to its workers first (trainer.serve.multihost).
         self.on_call = None
         self._replicated = replicated
@@ -66,15 +70,17 @@ class ModelRunner:
             inputs = jax.tree.map(
                 lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), inputs)
         outputs, self.cache = self.program(name)(self.weights, self.cache, *inputs)
+        self.calls[name] += 1
         return outputs
 
     def program(self, name: str):
-        """Program `name`, "prefill/<span>" or "decode/<span>": the step attending over the first <span>
-        positions of the cache (a bucket: span_for), jitted on first use, on a group's workers as on its
-        leader. Steps read only their live span, so a short request's step costs what its tokens need
-        whatever max_len is; the buckets keep the programs few (one per span in spans(), each step)."""
+        """Program `name`, "prefill/<span>" or "decode/<span>/<rows>": the step attending over the first <span>
+        positions of the cache (a bucket: span_for), the decode for the first <rows> slots (rows_for), jitted
+        on first use, on a group's workers as on its leader. Steps read only their live span and rows, so a
+        short request's step costs what its tokens need whatever max_len is, and a lone stream's what one
+        row needs whatever the slots; the buckets keep the programs few (programs_bound)."""
         if name not in self.programs:
-            step, span = name.split("/")
+            step, span = name.split("/")[:2]
             fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn}[step], span=int(span))
             # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
             self.programs[name] = jax.jit(fn, donate_argnums=(1,),
@@ -89,6 +95,19 @@ class ModelRunner:
         """The shortest span covering positions 0..length."""
         return next(span for span in self.spans() if span >= min(length, self.max_len))
 
+    def rows(self) -> list[int]:
+        """The row counts a decode step runs (trainer/serve/spans.py)."""
+        return row_counts(self.slots, self._shards)
+
+    def rows_for(self, slots: int) -> int:
+        """The fewest rows covering slots 0..slots - 1."""
+        return next(rows for rows in self.rows() if rows >= slots)
+
+    def programs_bound(self) -> int:
+        """The most programs the steps compile however long the server runs: the prefill at every span, the
+        decode at every span and row count."""
+        return len(self.spans()) * (1 + len(self.rows()))
+
     def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW,
                     *, span):
         """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
@@ -99,31 +118,34 @@ class ModelRunner:
         targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
         return (token_1, token_logprobs(logits_1xCxV[0], targets_C, want)), cache
 
-    def _decode_fn(self, weights, cache, tokens_S, positions_S, sampling, want, mask_SxW, *, span):
-        logits_Sx1xV, cache = self.model.module(weights).decode(tokens_S[:, None], cache, positions_S, span=span)
-        next_S = sample_tokens(allowed(logits_Sx1xV[:, 0], mask_SxW), *sampling, positions_S + 1)
-        return (next_S, token_logprobs(logits_Sx1xV[:, 0], next_S, want)), cache
+    def _decode_fn(self, weights, cache, tokens_R, positions_R, sampling, want, mask_RxW, *, span):
+        """The next token of each of the first R slots (R: the inputs' rows), written into their cache rows in
+        place (the cache is donated; the other slots' rows are neither read nor copied)."""
+        logits_Rx1xV, cache = self.model.module(weights).decode(tokens_R[:, None], cache, positions_R, span=span)
+        next_R = sample_tokens(allowed(logits_Rx1xV[:, 0], mask_RxW), *sampling, positions_R + 1)
+        return (next_R, token_logprobs(logits_Rx1xV[:, 0], next_R, want)), cache
 
     def compilations(self) -> int:
-        """Programs compiled so far by the steps: one a step and span used (2 after warm-up, the smallest
-        span's; at most 2 * len(spans()) however long the server runs)."""
+        """Programs compiled so far by the steps: one a step, span and (decode) row count used (2 after the
+        smallest warm-up; at most programs_bound() however long the server runs)."""
         return sum(program._cache_size() for program in self.programs.values())
 
     def warm_up(self, every_span: bool = False) -> None:
-        """Compiles both steps at the smallest span, the one short requests use, and with `every_span` at every
-        span (a long prompt's later chunks reach each as a long output's steps do), so that no request waits on a
-        compilation, nor any stream between two of its tokens (an idle decode step writes nothing; the
-        prefill's writes into slot 0 are overwritten by its next request before they are read). Without it the
-        other spans compile when a step first reaches them."""
+        """Compiles both steps at the smallest span, the one short requests use, the decode for the fewest rows,
+        a lone request's, and with `every_span` at every span (a long prompt's later chunks reach each as a long
+        output's steps do) and the decode at every row count, so that no request waits on a compilation, nor
+        any stream between two of its tokens (an idle decode step writes nothing; the prefill's writes into
+        slot 0 are overwritten by its next request before they are read). Without it the other spans and row
+        counts compile when a step first reaches them."""
         sampling = sampling_arrays([(0.0, 0, 1.0, 0)])
-        spans = self.spans()
-        for span in spans if every_span else spans[:1]:
+        spans = self.spans() if every_span else self.spans()[:1]
+        for span in spans:
             self.run(f"prefill/{span}", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
                      np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False),
                      self.mask_SxW[:1])
-        for span in spans if every_span else spans[:1]:
-            tokens = self.run(f"decode/{span}", self.tokens_S, self.positions_S, self.slot_sampling(),
-                              np.bool_(False), self.mask_SxW)
+        for span in spans:
+            for rows in self.rows() if every_span else self.rows()[:1]:
+                tokens = self.run(f"decode/{span}/{rows}", *self.decode_inputs(rows, False))
         jax.block_until_ready(tokens)
 
     # ------------------------------------------------------------------ steps
@@ -159,12 +181,12 @@ class ModelRunner:
         return token, records(rows, *scored, top or 0)
 
     def decode(self, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
-        """One decode step of every slot: (each slot's next token, the records of the slots in `wanted`, a
-        slot -> how many alternatives)."""
-        live_S = self.positions_S[self.positions_S < self.max_len]  # an idle slot's position is max_len
-        span = self.span_for(int(live_S.max()) + 1 if live_S.size else 1)
-        tokens_S, scored = self.run(f"decode/{span}", self.tokens_S, self.positions_S, self.slot_sampling(),
-                                    np.bool_(bool(wanted)), self.mask_SxW)
+        """One decode step of the first slots, as many as cover every live one (rows_for): (each of those
+        slots' next token, the records of the slots in `wanted`, a slot -> how many alternatives)."""
+        live_S = np.flatnonzero(self.positions_S < self.max_len)  # an idle slot's position is max_len
+        span = self.span_for(int(self.positions_S[live_S].max()) + 1 if live_S.size else 1)
+        rows = self.rows_for(int(live_S[-1]) + 1 if live_S.size else 1)
+        tokens_S, scored = self.run(f"decode/{span}/{rows}", *self.decode_inputs(rows, bool(wanted)))
         tokens_S = host(tokens_S)
         if not wanted:
             return tokens_S, {}
@@ -188,6 +210,11 @@ class ModelRunner:
 
     def slot_sampling(self):
         return self.temperature_S, self.top_k_S, self.top_p_S, self.seed_S
+
+    def decode_inputs(self, rows: int, want: bool) -> tuple:
+        """The decode step's host inputs for the first `rows` slots (views, not copies)."""
+        return (self.tokens_S[:rows], self.positions_S[:rows], tuple(a[:rows] for a in self.slot_sampling()),
+                np.bool_(want), self.mask_SxW[:rows])
 
 
 def host(x) -> np.ndarray:

@@ -1,5 +1,7 @@
-"""The engine's scheduler: which request is admitted into which decode slot, in arrival order, one prefill chunk
-a step; which are running; freeing a slot when its request ends or is cancelled.
+"""The engine's scheduler: which request is admitted into which decode slot (the lowest free one, so that the
+slots in use stay the first ones and a decode step runs those rows alone: trainer.serve.runner's rows_for), in
+arrival order, one prefill chunk a step; which are running; freeing a slot when its request ends or is
+cancelled.
 
 It holds requests, never arrays: trainer.serve.runner runs what it picks.
 """
@@ -7,6 +9,7 @@ It holds requests, never arrays: trainer.serve.runner runs what it picks.
 from __future__ import annotations
 
 import collections
+import heapq
 
 
 class Scheduler:
@@ -15,7 +18,7 @@ class Scheduler:
         self.waiting: collections.deque = collections.deque()
         self.admitting = None  # the request being prefilled, chunk by chunk
         self.active: dict[int, object] = {}  # slot -> request decoding there
-        self.free = list(range(slots))
+        self.free = list(range(slots))  # a heap: the lowest first
 
     @property
     def busy(self) -> bool:
@@ -23,10 +26,10 @@ class Scheduler:
 
     def next_prefill(self):
         """The request whose next chunk this step prefills (the one being admitted, else the first waiting one
-        when a slot is free, which it takes), or None."""
+        when a slot is free, which it takes: the lowest), or None."""
         if self.admitting is None and self.waiting and self.free:
             self.admitting = self.waiting.popleft()
-            self.admitting.slot = self.free.pop(0)
+            self.admitting.slot = heapq.heappop(self.free)
         return self.admitting
 
     def start_decoding(self, req) -> None:
@@ -42,7 +45,7 @@ class Scheduler:
         if self.admitting is req:
             self.admitting = None
         self.active.pop(slot, None)
-        self.free.append(slot)
+        heapq.heappush(self.free, slot)
         req.slot = None
         return slot
 

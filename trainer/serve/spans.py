@@ -1,6 +1,7 @@
-"""The spans of the cache a serving step reads: one compiled program of each step per span, the chunk (at
-least MIN_SPAN) doubled until it reaches max_len. Light (no jax), so that a deploy's startup estimate
-(provision/kinds/common.py) counts the programs the server it starts compiles before it is ready."""
+"""The spans of the cache a serving step reads and the rows a decode step runs: one compiled program of the
+prefill per span, and of the decode per span and row count; the spans the chunk (at least MIN_SPAN) doubled
+until it reaches max_len. Light (no jax), so that a deploy's startup estimate (provision/kinds/common.py)
+counts the programs the server it starts compiles before it is ready."""
 
 from __future__ import annotations
 
@@ -16,3 +17,18 @@ def ladder(chunk: int, max_len: int, min_span: int = MIN_SPAN) -> list[int]:
     while out[-1] < max_len:
         out.append(min(2 * out[-1], max_len))
     return out
+
+
+def row_counts(slots: int, shards: int = 1) -> list[int]:
+    """The rows a decode step runs, fewest first: the first `shards` slots alone (one token a device of the
+    mesh's data and expert axes, which split the step's tokens; on one device, one slot: a lone stream's
+    step), or every slot. Two counts and no more: each is one more decode program a span to compile before
+    a server is ready, and a count between them saves a share of the step's reads of the cache and the
+    experts' weights that the one-row step already saves where it matters most, a stream alone."""
+    return sorted({min(shards, slots), slots})
+
+
+def programs(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: int = MIN_SPAN) -> int:
+    """The programs a server compiles at every span (serve --warm-up all): the prefill and a decode a row
+    count, at each span."""
+    return len(ladder(chunk, max_len, min_span)) * (1 + len(row_counts(slots, shards)))
