@@ -15,6 +15,7 @@ import yaml
 from click.testing import CliRunner
 
 from provision.cli import main
+from tests.lm_eval_tasks import MULTIPLE_CHOICE
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"tpu-vm": ROOT / "examples" / "v5e-64.yaml", "vertex": ROOT / "examples" / "vertex.yaml",
@@ -122,27 +123,12 @@ def trained_copy(trained: Path, to: Path) -> Path:
     return to
 
 
-# lm-eval's local multiple-choice task `tiny_ids_mc`, in a dry run's text: token ids separated by spaces (the
-# trained demo has no tokenizer). `eval --endpoint`'s tests on every kind that serves read it.
-IDS_TASK = """task: tiny_ids_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
-
-
 def write_ids_task(work: Path, rows: list[dict]) -> Path:
-    """`tiny_ids_mc` over `rows` ({"question", "choices", "answer"}) in work/tasks; returns that directory."""
+    """lm-eval's local multiple-choice task `tiny_ids_mc` over `rows` ({"question", "choices", "answer"}) in
+    work/tasks, in a dry run's text (token ids separated by spaces: the trained demo has no tokenizer), for
+    `eval --endpoint`'s tests on every kind that serves; returns that directory."""
     tasks = work / "tasks"
     tasks.mkdir(exist_ok=True)
     (tasks / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tasks / "ids.yaml").write_text(IDS_TASK.format(data=tasks / "ids.jsonl"))
+    (tasks / "ids.yaml").write_text(MULTIPLE_CHOICE.format(name="tiny_ids_mc", data=tasks / "ids.jsonl"))
     return tasks

@@ -9,24 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.lm_eval_tasks import MULTIPLE_CHOICE
 from trainer.serve.evaluate import eval_command, harness, served, task_manager, write_results
 from trainer.serve.server import ServerState
 
 pytestmark = pytest.mark.compile_bound
-
-MC = """task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
 
 GEN = """task: tiny_gen
 dataset_path: json
@@ -52,10 +39,10 @@ def tasks(tmp_path):
     mc = [{"question": f"Q{i}: which is {words[i % 8]}?", "choices": [f" {w}" for w in rng.choice(words, 3, False)],
            "answer": int(rng.randint(3))} for i in range(20)]
     gen = [{"question": f"Say {words[i % 8]}:", "answer": words[i % 8]} for i in range(10)]
-    for name, rows, template in (("mc", mc, MC), ("gen", gen, GEN)):
+    for name, rows, template in (("mc", mc, MULTIPLE_CHOICE), ("gen", gen, GEN)):
         data = tmp_path / f"{name}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (tmp_path / f"{name}.yaml").write_text(template.format(data=data))
+        (tmp_path / f"{name}.yaml").write_text(template.format(name=f"tiny_{name}", data=data))
     return mc
 
 
