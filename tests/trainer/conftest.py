@@ -1,6 +1,7 @@
 """Runs that several test modules assert on, trained once per test session; XLA's optimisations off
 where they cost more than they save."""
 
+import contextlib
 import fcntl
 import json
 import os
@@ -125,23 +126,51 @@ def _old_emitters_where_most_optimisations_are_off() -> None:
 _old_emitters_where_most_optimisations_are_off()
 
 
-@pytest.fixture(autouse=True)
-def fewer_xla_optimisations_where_compiling_dominates(request, monkeypatch):
-    """For the modules above and for tests marked `compile_bound` in other modules."""
-    if (request.module.__name__.rsplit(".", 1)[-1] not in COMPILE_BOUND
-            and request.node.get_closest_marker("compile_bound") is None):
-        yield
-        return
+@contextlib.contextmanager
+def fewer_xla_optimisations():
+    """Most of XLA's optimisations off (and its older emitters, above) for what compiles in this process
+    meanwhile and in the processes it starts."""
     import jax
 
-    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip())
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
+    if jax.config.read("jax_disable_most_optimizations"):
         yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+        patch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip())
+        jax.config.update("jax_disable_most_optimizations", True)
+        try:
+            yield
+        finally:
+            jax.config.update("jax_disable_most_optimizations", False)
+
+
+def _compile_bound(node) -> bool:
+    return (node.module.__name__.rsplit(".", 1)[-1] in COMPILE_BOUND
+            or node.get_closest_marker("compile_bound") is not None)
+
+
+# Module-scoped: pytest sets up a module's wider-scoped fixtures before any function-scoped one, so a switch
+# of function scope alone came too late for them (test_serve_engine's engine compiled its nine programs
+# optimised, 23 CPU s where 9 do).
+@pytest.fixture(autouse=True, scope="module")
+def fewer_xla_optimisations_where_a_module_compiles_mostly(request):
+    """For the modules above and those marked `compile_bound` as a whole, their module fixtures included."""
+    if _compile_bound(request.node):
+        with fewer_xla_optimisations():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture(autouse=True)
+def fewer_xla_optimisations_where_compiling_dominates(request):
+    """For the tests marked `compile_bound` in other modules."""
+    if _compile_bound(request.node):
+        with fewer_xla_optimisations():
+            yield
+    else:
+        yield
 
 
 def byte_codec():
@@ -171,7 +200,8 @@ def served():
     model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
     encode, decode = byte_codec()
     engine = Engine(model, init_weights(model), slots=8, max_len=288, chunk=16, detokenize=decode, prefix_cache=512)
-    engine.warm_up()
+    with fewer_xla_optimisations():  # as its modules compile (all compile_bound), and test_serve_engine's programs
+        engine.warm_up()
     state = ServerState("tiny", encode=encode, decode=decode, max_waiting=8)
     app = create_app(state)
     with TestClient(app) as client:

@@ -23,11 +23,11 @@ from trainer.serve import multihost
 
 pytestmark = pytest.mark.compile_bound
 
-# A chunk of 512: the long prompts still arrive in 2 chunks between the others' decode steps, and each process
-# compiles at most 6 programs (prefill at spans 512 and 1,024; decode at 512 and 1,040 for the first 4 slots,
-# one a device of `expert`, or all 8), where a chunk of 256 took 7 (measured before the decode's row counts,
-# the three processes together: 71 -> 64 CPU seconds from 256).
-MESH, SLOTS, MAX_LEN, CHUNK, NEW = "expert=4,model=2", 8, 1040, 512, 8
+# A chunk of 512: the long prompts still arrive in 2 chunks between the others' decode steps. 4 slots, one a
+# device of `expert`: the decode's one row count (trainer/serve/spans.py), so that each process compiles 4
+# programs (prefill and decode at spans 512 and 1,040), where 8 slots compiled 6 (the decode for 4 rows and
+# for 8; a program's name crosses the channel whatever its rows, and the small group below runs two counts).
+MESH, SLOTS, MAX_LEN, CHUNK, NEW = "expert=4,model=2", 4, 1040, 512, 8
 _draw = random.Random(46)
 SHORT = [[_draw.randrange(256) for _ in range(_draw.randint(2, 40))] for _ in range(32)]
 LONG = [[_draw.randrange(256) for _ in range(1024)] for _ in range(2)]
