@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from cli_helpers import EXAMPLES, SMALL, invoke, run_json, write_config
+from cli_helpers import EXAMPLES, SMALL, invoke, run_json, unoptimised_xla, write_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -78,14 +77,9 @@ def trained_demo(tmp_path_factory, worker_id):
             work.mkdir()
             train = {**yaml.safe_load(EXAMPLES["tpu-vm"].read_text()), "dry_run": SMALL}
             (work / "train.yaml").write_text(yaml.safe_dump(train))
-            before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
-            os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-            try:
-                with contextlib.chdir(work):  # the trainer the dry run starts is a process of its own
-                    code, _, err = invoke("--dry-run", "run", "-c", "train.yaml")
-            finally:
-                os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS") if before is None \
-                    else os.environ.update(JAX_DISABLE_MOST_OPTIMIZATIONS=before)
+            # the trainer the dry run starts is a process of its own
+            with unoptimised_xla(), contextlib.chdir(work):
+                code, _, err = invoke("--dry-run", "run", "-c", "train.yaml")
             assert code == 0, err[-3000:]
             done.touch()
     return work

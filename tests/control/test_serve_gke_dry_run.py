@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 
 import pytest
 import yaml
-from cli_helpers import ROOT, SMALL, invoke, nothing_left, trained_copy, write_ids_task
+from cli_helpers import ROOT, SMALL, invoke, nothing_left, trained_copy, unoptimised_xla, write_ids_task
 
 from provision.emulator.local_server import LocalServers
 from provision.emulator.local_trainer import process_runs
@@ -23,7 +22,6 @@ from trainer.outputs import Phase
 
 PROMPT, TOKENS = "1 2 3", 6
 SERVING = ("Deployment", "Service", "PodMonitoring", "HorizontalPodAutoscaler")
-FAST = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 
 
 def moe_tpu(work, *args: str, scenario: str = "happy") -> tuple[int, dict | None, str]:
@@ -70,15 +68,13 @@ def work(tmp_path_factory, trained_demo):
     group = yaml.safe_load((ROOT / "examples" / "serve-gke-multihost.yaml").read_text())
     group["serve"].update(checkpoint="gs://my-bucket/moe-demo", slots=8, max_len=64, weights="auto")
     (work / "serve-gke-multihost.yaml").write_text(yaml.safe_dump(group))
-    before = os.environ.get(FAST)
-    os.environ[FAST] = "1"
-    try:
-        yield work
-    finally:
-        servers = LocalServers(work / ".moe-tpu")
-        for key in servers.keys():  # a test that failed halfway leaves no server behind
-            servers.stop(key)
-        os.environ.pop(FAST) if before is None else os.environ.update({FAST: before})
+    with unoptimised_xla():
+        try:
+            yield work
+        finally:
+            servers = LocalServers(work / ".moe-tpu")
+            for key in servers.keys():  # a test that failed halfway leaves no server behind
+                servers.stop(key)
 
 
 def eval_endpoint(work, monkeypatch) -> tuple[int, str]:

@@ -18,10 +18,18 @@ import pytest
 import yaml
 
 from provision.emulator.local_server import LocalServers
-from tests.control.cli_helpers import CLEAN_ENV, ROOT, SMALL, invoke, run_process, trained_copy, write_ids_task
+from tests.control.cli_helpers import (
+    CLEAN_ENV,
+    ROOT,
+    SMALL,
+    invoke,
+    run_process,
+    trained_copy,
+    unoptimised_xla,
+    write_ids_task,
+)
 
 PROMPT, TOKENS = "1 2 3", 8
-FAST = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 
 
 def _rpcs(doc: dict) -> list[str]:
@@ -42,15 +50,13 @@ def workdir(tmp_path_factory, trained_demo):
     serve = yaml.safe_load((ROOT / "examples" / "serve-vertex.yaml").read_text())
     serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], "slots": 2, "max_len": 64}}
     (work / "serve.yaml").write_text(yaml.safe_dump(serve))
-    before = os.environ.get(FAST)
-    os.environ[FAST] = "1"
-    try:
-        yield work
-    finally:
-        servers = LocalServers(work / ".moe-tpu")
-        for key in servers.keys():  # a test that failed halfway leaves no server behind
-            servers.stop(key)
-        os.environ.pop(FAST) if before is None else os.environ.update({FAST: before})
+    with unoptimised_xla():
+        try:
+            yield work
+        finally:
+            servers = LocalServers(work / ".moe-tpu")
+            for key in servers.keys():  # a test that failed halfway leaves no server behind
+                servers.stop(key)
 
 
 @pytest.fixture
