@@ -4,13 +4,20 @@ import os
 import re
 
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-# XLA's CPU compiler splits each program's code generation over threads; with a worker a core busy, the split
-# costs more CPU than it saves time: one part each compiles the suite's small programs with about 9% less CPU
-# (measured on 2 cores: test_moe_structure + test_scan 42.0 -> 38.1 CPU seconds; programs compiled with the
-# optimisations on, as test_trainer_finetune's, the same either way). The processes the tests start inherit it.
+# XLA's CPU compiler, set for every process of the run (the trainers and servers the tests start inherit it):
+# - Code generation on one thread: split over threads with a worker a core busy, it costs more CPU than it
+#   saves time (test_moe_structure + test_scan 42.0 -> 38.1 CPU seconds).
+# - Its older emitters and LLVM's optimisation level 1 rather than 2: the suite's programs are small and run
+#   for seconds at most, so compiling them is the cost. Unoptimised programs compile about three times
+#   faster (benchmarks/xla_cpu_compile.py); a tiny train step with XLA's optimisations on 35% faster, for 15%
+#   more per step (test_moe_balance's 20-step run 10.3 -> 6.4 CPU s, its 150-step one 14.9 -> 10.8), with
+#   the same losses to the bit. The whole suite, with the serving tests' compile cuts made beside it:
+#   1,361 -> 1,092 CPU s, pytest 564 s on 2 cores.
 _flags = re.sub(r"--xla_cpu_parallel_codegen_split_count=\d+", "", _flags)
+_flags = re.sub(r"--xla_cpu_use_fusion_emitters=\S+|--xla_backend_optimization_level=\d+", "", _flags)
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8"
-                           " --xla_cpu_parallel_codegen_split_count=1").strip()
+                           " --xla_cpu_parallel_codegen_split_count=1"
+                           " --xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # gcsfs reads this once, at import, and with it on asks a real GCS endpoint over gRPC for a bucket's type: off
 # for the whole run, so that the fake GCS server's tests pass whichever test imported gcsfs first.

@@ -118,18 +118,15 @@ def nothing_left(cwd: Path) -> bool:
 @contextlib.contextmanager
 def unoptimised_xla():
     """The processes started meanwhile (a dry run's trainer, its servers) compile as the compile-bound tests do
-    (tests/trainer/conftest.py): most of XLA's optimisations off, with its older CPU emitters, which compile
-    unoptimised programs about three times faster than its fusion emitters (benchmarks/xla_cpu_compile.py).
-    Where the programs run briefly, compiling them is what costs."""
-    wanted = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
-              "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()}
-    before = {name: os.environ.get(name) for name in wanted}
-    os.environ.update(wanted)
+    (tests/trainer/conftest.py): most of XLA's optimisations off. Where the programs run briefly, compiling
+    them is what costs."""
+    before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     try:
         yield
     finally:
-        for name, value in before.items():
-            os.environ.pop(name) if value is None else os.environ.update({name: value})
+        os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS") if before is None \
+            else os.environ.update(JAX_DISABLE_MOST_OPTIMIZATIONS=before)
 
 
 def trained_copy(trained: Path, to: Path) -> Path:

@@ -4,7 +4,6 @@ where they cost more than they save."""
 import contextlib
 import fcntl
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -94,42 +93,10 @@ COMPILE_BOUND = {"test_moe_parallel", "test_moe_structure", "test_moe_layer", "t
                  "test_trainer_model", "test_trainer_cli", "test_trainer_multiprocess", "test_trainer_sample"}
 
 
-# XLA's CPU fusion emitters (its newer code generator, on by default) compile slower than its older loop
-# emitters when most optimisations are off, and faster when they are on. Measured on 2 cores, CPU seconds,
-# new -> old emitters: test_moe_parallel's ten expert=8 forward-and-gradient cases with optimisations off
-# 42.5 -> 24.2; test_moe_balance's forty-step run with them on 50.9 -> 82.0. So the old ones go with the
-# optimisations off, and only there. No public jax option sets them per compilation: the compile options
-# jax builds get the override that XLA reads as it would the flag in XLA_FLAGS (the processes the tests
-# start take the flag itself). Where jax has no such function any more, compiling is only slower.
-OLD_EMITTERS = ("xla_cpu_use_fusion_emitters", False)
-
-
-def _old_emitters_where_most_optimisations_are_off() -> None:
-    from jax._src import compiler
-
-    original = getattr(compiler, "get_compile_options", None)
-    if original is None or getattr(original, "old_emitters", False):
-        return
-
-    def get_compile_options(*args, **kwargs):
-        options = original(*args, **kwargs)
-        if jax.config.read("jax_disable_most_optimizations"):
-            options.env_option_overrides = [*options.env_option_overrides, OLD_EMITTERS]
-        return options
-
-    import jax
-
-    get_compile_options.old_emitters = True
-    compiler.get_compile_options = get_compile_options
-
-
-_old_emitters_where_most_optimisations_are_off()
-
-
 @contextlib.contextmanager
 def fewer_xla_optimisations():
-    """Most of XLA's optimisations off (and its older emitters, above) for what compiles in this process
-    meanwhile and in the processes it starts."""
+    """Most of XLA's optimisations off for what compiles in this process meanwhile and in the processes it
+    starts (XLA's CPU code generator for the whole suite: tests/conftest.py)."""
     import jax
 
     if jax.config.read("jax_disable_most_optimizations"):
@@ -137,7 +104,6 @@ def fewer_xla_optimisations():
         return
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-        patch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip())
         jax.config.update("jax_disable_most_optimizations", True)
         try:
             yield
