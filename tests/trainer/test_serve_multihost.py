@@ -29,7 +29,7 @@ pytestmark = pytest.mark.compile_bound
 # for 8; a program's name crosses the channel whatever its rows, and the small group below runs two counts).
 MESH, SLOTS, MAX_LEN, CHUNK, NEW = "expert=4,model=2", 4, 1040, 512, 8
 _draw = random.Random(46)
-SHORT = [[_draw.randrange(256) for _ in range(_draw.randint(2, 40))] for _ in range(32)]
+SHORT = [[_draw.randrange(256) for _ in range(_draw.randint(2, 40))] for _ in range(12)]
 LONG = [[_draw.randrange(256) for _ in range(1024)] for _ in range(2)]
 
 
