@@ -42,6 +42,36 @@ def test_stream_is_server_sent_events_ending_done(served):
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
 
 
+def test_a_stream_reader_that_lags_is_woken_once_for_every_token_since_and_misses_none():
+    """The engine thread's wake-ups to a stream's reader on the event loop: 50 tokens while the loop is busy are
+    one wake-up, not 50; one after the reader cleared it (before it reads) is another; none is lost."""
+    import threading
+
+    from trainer.serve.routes import _Wake
+
+    async def main():
+        events = asyncio.Queue()
+        wake, produced, read = _Wake(asyncio.get_running_loop(), events), [], []
+
+        def engine(tokens):
+            for token in tokens:
+                produced.append(token)
+                wake()
+
+        for tokens in (range(50), range(50, 51), range(51, 90)):
+            thread = threading.Thread(target=engine, args=(tokens,))
+            thread.start()
+            thread.join()  # the loop does not run meanwhile: the reader lags
+            await asyncio.sleep(0)  # the loop runs what the thread scheduled
+            assert events.qsize() == 1
+            await events.get()
+            wake.pending = False  # as the stream's reader does, before it reads
+            read.extend(produced[len(read):])
+        assert read == list(range(90)) and events.empty()
+
+    asyncio.run(main())
+
+
 def test_bad_requests_get_openai_error_objects_and_the_server_stays_up(served):
     client, _ = served
     api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)

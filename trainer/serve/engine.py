@@ -70,6 +70,7 @@ class Request:
     slot: int | None = None
     prefilled: int = 0  # prompt tokens already in the cache
     events: object = None  # the server's asyncio queue its listener signals on
+    wake: object = None  # and what the listener calls to signal it (trainer/serve/routes.py)
     counted: bool = False  # in the server's metrics already
     first_sent: float | None = None  # when the server sent the first token's text (streaming)
     logprobs: list[Logprob] = dataclasses.field(default_factory=list)  # one a generated token, when asked

@@ -122,13 +122,29 @@ def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *
         raise APIError(400, str(e), param=param) from None
     constraint = _constraint(state, body)
     events: asyncio.Queue = asyncio.Queue()
-    wake = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, events.put_nowait, None)
+    wake = _Wake(asyncio.get_running_loop(), events)
     streams = bool(body.stream)
     req = EngineRequest(ids, sampling, listener=lambda r: wake() if streams or r.finish_reason is not None else None)
-    req.events, req.arrival, req.constraint = events, arrival, constraint
+    req.events, req.arrival, req.constraint, req.wake = events, arrival, constraint, wake
     state.open.add(req)
     state.loop.submit(req)
     return req
+
+
+class _Wake:
+    """The engine thread's signal to a request's reader on the event loop, with at most one pending: a reader
+    that lags behind the engine takes every token since in one chunk, where a wake-up a token would each be a
+    write to the loop's self-pipe and a turn of the loop, on the engine's interpreter lock. The reader clears
+    `pending` before it reads the text, so a token added after that read wakes it again."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+        self.pending = False
+        self._signal = functools.partial(loop.call_soon_threadsafe, events.put_nowait, None)
+
+    def __call__(self) -> None:
+        if not self.pending:
+            self.pending = True
+            self._signal()
 
 
 def _constraint(state, body):
@@ -258,6 +274,7 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool, logprob
                           "finish_reason": None}])
         while req.finish_reason is None and not state.expired:
             await req.events.get()
+            req.wake.pending = False
             if req.finish_reason is not None or state.expired:
                 break
             end = len(req.logprobs)
