@@ -129,6 +129,21 @@ def unoptimised_xla():
             else os.environ.update(JAX_DISABLE_MOST_OPTIMIZATIONS=before)
 
 
+@contextlib.contextmanager
+def serving_from(work: Path):
+    """While a module's deploys serve from `work`: their servers compile unoptimised (unoptimised_xla), and
+    none is left running after, whatever failed halfway."""
+    from provision.emulator.local_server import LocalServers
+
+    with unoptimised_xla():
+        try:
+            yield
+        finally:
+            servers = LocalServers(work / ".moe-tpu")
+            for key in servers.keys():
+                servers.stop(key)
+
+
 def trained_copy(trained: Path, to: Path) -> Path:
     """`to`: a copy of trained_demo's directory (conftest.py), as that run left it but for the config it
     remembered (the shared directory's: the next command here names its own)."""

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import yaml
-from cli_helpers import ROOT, SMALL, invoke, nothing_left, trained_copy, unoptimised_xla, write_ids_task
+from cli_helpers import ROOT, SMALL, invoke, nothing_left, serving_from, trained_copy, write_ids_task
 
 from provision.emulator.local_server import LocalServers
 from provision.emulator.local_trainer import process_runs
@@ -68,13 +68,8 @@ def work(tmp_path_factory, trained_demo):
     group = yaml.safe_load((ROOT / "examples" / "serve-gke-multihost.yaml").read_text())
     group["serve"].update(checkpoint="gs://my-bucket/moe-demo", slots=8, max_len=64, weights="auto")
     (work / "serve-gke-multihost.yaml").write_text(yaml.safe_dump(group))
-    with unoptimised_xla():
-        try:
-            yield work
-        finally:
-            servers = LocalServers(work / ".moe-tpu")
-            for key in servers.keys():  # a test that failed halfway leaves no server behind
-                servers.stop(key)
+    with serving_from(work):
+        yield work
 
 
 def eval_endpoint(work, monkeypatch) -> tuple[int, str]:

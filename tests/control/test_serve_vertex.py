@@ -24,8 +24,8 @@ from tests.control.cli_helpers import (
     SMALL,
     invoke,
     run_process,
+    serving_from,
     trained_copy,
-    unoptimised_xla,
     write_ids_task,
 )
 
@@ -50,13 +50,8 @@ def workdir(tmp_path_factory, trained_demo):
     serve = yaml.safe_load((ROOT / "examples" / "serve-vertex.yaml").read_text())
     serve = {**serve, "dry_run": SMALL, "serve": {**serve["serve"], "slots": 2, "max_len": 64}}
     (work / "serve.yaml").write_text(yaml.safe_dump(serve))
-    with unoptimised_xla():
-        try:
-            yield work
-        finally:
-            servers = LocalServers(work / ".moe-tpu")
-            for key in servers.keys():  # a test that failed halfway leaves no server behind
-                servers.stop(key)
+    with serving_from(work):
+        yield work
 
 
 @pytest.fixture
