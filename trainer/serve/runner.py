@@ -18,7 +18,7 @@ import numpy as np
 from trainer.serve.latentcache import CacheLayout
 from trainer.serve.logprobs import Logprob, records, token_logprobs
 from trainer.serve.sampling import allowed, sample_tokens
-from trainer.serve.spans import MIN_SPAN, ladder, row_counts
+from trainer.serve.spans import MIN_SPAN, ladder, programs, row_counts
 from trainer.serve.structured import words
 from trainer.serve.weights import ServingModel
 
@@ -105,8 +105,8 @@ class ModelRunner:
 
     def programs_bound(self) -> int:
         """The most programs the steps compile however long the server runs: the prefill at every span, the
-        decode at every span and row count."""
-        return len(self.spans()) * (1 + len(self.rows()))
+        decode at every span and row count (trainer/serve/spans.py, as a deploy's startup estimate counts them)."""
+        return programs(self.chunk, self.max_len, self.slots, self._shards, self.min_span)
 
     def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW,
                     *, span):
