@@ -59,6 +59,7 @@ def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path)
         (["--checkpoint", str(tmp_path / "none"), "--port", str(busy_port)], f"--port {busy_port}: 127.0.0.1:"),
         (["--checkpoint", str(run), "--host", "999.1.1.1"], "--host '999.1.1.1' is not an address"),
         (["--checkpoint", str(run), "--grace-seconds", "nan"], "--grace-seconds must be a finite number"),
+        (["--checkpoint", str(run), "--stream-interval", "-0.5"], "'--stream-interval'"),
         (["--checkpoint", str(run), "--device-memory-gb", "inf"], "--device-memory-gb must be a finite number"),
         (["--checkpoint", str(run), "--max-len", str(2**31)], "--max-len"),  # past int32 positions
         # On CPU the host's memory bounds the cache: refused before it is allocated.
@@ -117,7 +118,8 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     process = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--checkpoint", str(trained_tiny.output_dir),
                                 "--port", str(port), "--slots", "8", "--max-len", "512", "--chunk", "16",
-                                "--warm-up", "smallest"],  # its requests are short: the other spans never compile
+                                "--warm-up", "smallest",  # its requests are short: the other spans never compile
+                                "--stream-interval", "0.5"],  # a stream's chunks: at most one each half second
                                env=env, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -137,7 +139,7 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
                 break
         assert running == 0 and generated < 480
 
-        done, first = [], threading.Barrier(9)
+        done, chunk_counts, first = [], [], threading.Barrier(9)
 
         def stream(i):
             with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
@@ -147,6 +149,7 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
                 next(lines)
                 first.wait()
                 rest = [line for line in lines if line]
+            chunk_counts.append(len(rest))
             done.append((time.monotonic(), rest[-1], json.loads(rest[-2][6:])["usage"]["completion_tokens"]))
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
@@ -159,6 +162,8 @@ def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(traine
             t.join(timeout=120)
         assert process.wait(timeout=120) == 0
         assert len(done) == 8 and all(end == "data: [DONE]" and n == 120 for _, end, n in done)
+        # 120 tokens each in chunks of every token since the last, at most one each half second
+        assert all(chunks < 40 for chunks in chunk_counts), chunk_counts
         assert any(at > signalled for at, _, _ in done)  # they were still running when the signal came
         assert "stopping: no new requests" in process.stderr.read()
     finally:

@@ -2,6 +2,8 @@
 completions (streaming and not), errors as OpenAI error objects, health, metrics, Vertex AI's predict."""
 
 import asyncio
+import json
+import time
 
 import httpx
 import openai
@@ -45,24 +47,13 @@ def test_stream_is_server_sent_events_ending_done(served):
 def test_a_stream_reader_that_lags_is_woken_once_for_every_token_since_and_misses_none():
     """The engine thread's wake-ups to a stream's reader on the event loop: 50 tokens while the loop is busy are
     one wake-up, not 50; one after the reader cleared it (before it reads) is another; none is lost."""
-    import threading
-
     from trainer.serve.routes import _Wake
 
     async def main():
         events = asyncio.Queue()
         wake, produced, read = _Wake(asyncio.get_running_loop(), events), [], []
-
-        def engine(tokens):
-            for token in tokens:
-                produced.append(token)
-                wake()
-
         for tokens in (range(50), range(50, 51), range(51, 90)):
-            thread = threading.Thread(target=engine, args=(tokens,))
-            thread.start()
-            thread.join()  # the loop does not run meanwhile: the reader lags
-            await asyncio.sleep(0)  # the loop runs what the thread scheduled
+            await _engine_thread(wake, produced, tokens)
             assert events.qsize() == 1
             await events.get()
             wake.pending = False  # as the stream's reader does, before it reads
@@ -70,6 +61,74 @@ def test_a_stream_reader_that_lags_is_woken_once_for_every_token_since_and_misse
         assert read == list(range(90)) and events.empty()
 
     asyncio.run(main())
+
+
+def test_tokens_within_the_stream_interval_wait_for_a_later_signal_and_the_end_always_signals():
+    """With --stream-interval, a token within the interval of the last wake-up signals nothing (the reader takes
+    it with a later one); once the interval has passed the next token signals; a request's end signals at
+    once, however soon."""
+    import time
+
+    from trainer.serve.routes import _Wake
+
+    async def main():
+        events = asyncio.Queue()
+        wake, produced = _Wake(asyncio.get_running_loop(), events, interval=0.2), []
+        await _engine_thread(wake, produced, range(3))  # the first signals; the next two are within 0.2 s
+        assert events.qsize() == 1
+        await events.get()
+        wake.pending = False
+        await _engine_thread(wake, produced, range(3, 6))
+        assert events.empty()  # read by nobody yet: they wait
+        time.sleep(0.25)
+        await _engine_thread(wake, produced, range(6, 7))  # past the interval: this one signals, for all since
+        assert events.qsize() == 1
+        await events.get()
+        wake.pending = False
+        await _engine_thread(wake, produced, range(7, 8), final=True)  # the end: at once
+        assert events.qsize() == 1 and produced == list(range(8))
+
+    asyncio.run(main())
+
+
+def test_a_streams_chunks_come_at_most_once_an_interval_and_carry_the_same_text(served):
+    """The server's stream interval (serve --stream-interval): with a second, a stream of 30 tokens that takes
+    less is its first token's chunk and then one with the rest; with none, its chunks add up to the same text."""
+    client, state = served
+    body = {"prompt": "interval", "max_tokens": 30, "temperature": 0, "stream": True, "ignore_eos": True}
+
+    def texts(interval: float) -> list[str]:
+        state.stream_interval = interval
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+        return [c["choices"][0]["text"] for c in chunks if c["choices"][0]["text"]]
+
+    default = state.stream_interval
+    try:
+        started = time.perf_counter()
+        slow = texts(1.0)
+        took, each = time.perf_counter() - started, texts(0.0)
+    finally:
+        state.stream_interval = default
+    assert "".join(slow) == "".join(each)
+    if took < 1.0:  # a machine so loaded that 30 tokens take a second gets a third chunk, rightly
+        assert len(slow) <= 2 < len("".join(slow)), slow  # the first token's text (unless empty), then the rest
+
+
+async def _engine_thread(wake, produced: list, tokens, final: bool = False) -> None:
+    """`tokens` from another thread, as the engine's emits them, the event loop not running meanwhile (a reader
+    that lags); then one turn of the loop, which runs what the thread scheduled."""
+    import threading
+
+    def engine():
+        for token in tokens:
+            produced.append(token)
+            wake(final)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    thread.join()
+    await asyncio.sleep(0)
 
 
 def test_bad_requests_get_openai_error_objects_and_the_server_stays_up(served):

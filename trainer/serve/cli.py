@@ -27,6 +27,14 @@ from trainer.serve.memory import QUANTIZED_WEIGHTS
 from trainer.serve.spans import DEFAULT_CHUNK
 from trainer.serve.startup import ServeError, load
 
+# `serve --stream-interval`'s default: a stream's chunks come at most this often (seconds), each with every
+# token since: 50 a second, more than a reader of the text can tell apart. Where a decode step takes longer
+# (a large model), every token is a chunk; where it is shorter (a small one), chunks take less of the
+# engine's interpreter lock (trainer/serve/routes.py, _Wake): one greedy stream on the CPU, `sample` over
+# the server streamed was 1.27-1.73x with a chunk a token, 0.97-1.42x at 10 ms and 0.94-1.22x at 20 ms,
+# as not streamed (benchmarks/serve_load.py). The server's state (trainer/serve/server.py) takes it from here.
+STREAM_INTERVAL = 0.02
+
 EXIT_RUNTIME = 1
 # After a multi-host group lost a process: how long /health answers 503 before the leader exits.
 FAILED_HEALTH_S = 5.0
@@ -141,11 +149,16 @@ def _listen(host: str, port: int) -> socket.socket:
                    "span, or decoding beside another, compiles it, and every stream waits meanwhile).")
 @click.option("--grace-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="After SIGTERM, how long requests in flight may take to finish.")
+@click.option("--stream-interval", type=click.FloatRange(min=0, max=1), default=STREAM_INTERVAL, show_default=True,
+              metavar="SECONDS",
+              help="A stream's chunks come at most this often, each with every token since (0: a chunk a token); "
+                   "a decode step longer than this makes every token a chunk.")
 @click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,
               help="The memory per device to plan for [what the device reports].")
 def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching, prefix_cache_tokens,
                   kv_cache_dtype, weight_format, mesh_text,
-                  devices, tokenizer_path, chat_template_path, model_name, warm_up, grace_seconds, device_memory_gb):
+                  devices, tokenizer_path, chat_template_path, model_name, warm_up, grace_seconds, stream_interval,
+                  device_memory_gb):
     """Serve a training run's latest checkpoint over an OpenAI-compatible HTTP API.
 
     \b
@@ -183,7 +196,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
     leader = _lead(loaded, group) if group is not None else None
     template = template or loaded.chat_template  # --chat-template, else an imported model's own
     code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
-                  leader, every_span=warm_up == "all")
+                  leader, every_span=warm_up == "all", stream_interval=stream_interval)
     sys.exit(code)
 
 
@@ -261,7 +274,7 @@ def _check_server_packages() -> None:
 
 
 def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
-           grace_seconds: float, leader=None, every_span: bool = True) -> int:
+           grace_seconds: float, leader=None, every_span: bool = True, stream_interval: float = STREAM_INTERVAL) -> int:
     import uvicorn
 
     from trainer.serve.loop import EngineLoop
@@ -269,7 +282,7 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
 
     state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting,
                         eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class,
-                        tokenizer=loaded.tokenizer)
+                        tokenizer=loaded.tokenizer, stream_interval=stream_interval)
     if template is not None:
         state.chat_template = template
     # uvicorn's own limit is a backstop past ours: by then every open request has had its error (expire).

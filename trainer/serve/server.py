@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from trainer.serve import routes
+from trainer.serve.cli import STREAM_INTERVAL
 from trainer.serve.metrics import ServingMetrics
 from trainer.serve.protocol import APIError, ChatRequest, CompletionRequest, invalid
 
@@ -69,6 +70,7 @@ class ServerState:
     tokenizer: Any = None  # the codec's tokenizers.Tokenizer ("tokenizer" class): structured output's tokens
     open: set = dataclasses.field(default_factory=set)  # engine requests whose answer is being waited for
     failed: str | None = None  # why the server cannot serve any more (a multi-host group lost a process)
+    stream_interval: float = STREAM_INTERVAL  # --stream-interval
 
     @property
     def ready(self) -> bool:
