@@ -47,11 +47,11 @@ def test_stream_is_server_sent_events_ending_done(served):
 def test_a_stream_reader_that_lags_is_woken_once_for_every_token_since_and_misses_none():
     """The engine thread's wake-ups to a stream's reader on the event loop: 50 tokens while the loop is busy are
     one wake-up, not 50; one after the reader cleared it (before it reads) is another; none is lost."""
-    from trainer.serve.routes import _Wake
+    from trainer.serve.streams import Wake
 
     async def main():
         events = asyncio.Queue()
-        wake, produced, read = _Wake(asyncio.get_running_loop(), events), [], []
+        wake, produced, read = Wake(asyncio.get_running_loop(), events), [], []
         for tokens in (range(50), range(50, 51), range(51, 90)):
             await _engine_thread(wake, produced, tokens)
             assert events.qsize() == 1
@@ -69,11 +69,11 @@ def test_tokens_within_the_stream_interval_wait_for_a_later_signal_and_the_end_a
     once, however soon."""
     import time
 
-    from trainer.serve.routes import _Wake
+    from trainer.serve.streams import Wake
 
     async def main():
         events = asyncio.Queue()
-        wake, produced = _Wake(asyncio.get_running_loop(), events, interval=0.2), []
+        wake, produced = Wake(asyncio.get_running_loop(), events, interval=0.2), []
         await _engine_thread(wake, produced, range(3))  # the first signals; the next two are within 0.2 s
         assert events.qsize() == 1
         await events.get()

@@ -26,14 +26,7 @@ import click
 from trainer.serve.memory import QUANTIZED_WEIGHTS
 from trainer.serve.spans import DEFAULT_CHUNK
 from trainer.serve.startup import ServeError, load
-
-# `serve --stream-interval`'s default: a stream's chunks come at most this often (seconds), each with every
-# token since: 50 a second, more than a reader of the text can tell apart. Where a decode step takes longer
-# (a large model), every token is a chunk; where it is shorter (a small one), chunks take less of the
-# engine's interpreter lock (trainer/serve/routes.py, _Wake): one greedy stream on the CPU, `sample` over
-# the server streamed was 1.27-1.73x with a chunk a token, 0.97-1.42x at 10 ms and 0.94-1.22x at 20 ms,
-# as not streamed (benchmarks/serve_load.py). The server's state (trainer/serve/server.py) takes it from here.
-STREAM_INTERVAL = 0.02
+from trainer.serve.streams import STREAM_INTERVAL
 
 EXIT_RUNTIME = 1
 # After a multi-host group lost a process: how long /health answers 503 before the leader exits.

@@ -9,7 +9,6 @@ ServerState.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import random
@@ -22,6 +21,7 @@ from pydantic import ValidationError
 
 from trainer.serve import chat, responses, tokenizer_routes
 from trainer.serve.protocol import APIError, ChatRequest, CompletionRequest, invalid
+from trainer.serve.streams import Wake
 from trainer.serve.tokenizer_routes import encode
 
 
@@ -122,7 +122,7 @@ def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *
         raise APIError(400, str(e), param=param) from None
     constraint = _constraint(state, body)
     events: asyncio.Queue = asyncio.Queue()
-    wake = _Wake(asyncio.get_running_loop(), events, state.stream_interval)
+    wake = Wake(asyncio.get_running_loop(), events, state.stream_interval)
     streams = bool(body.stream)
     req = EngineRequest(ids, sampling, listener=lambda r: wake(r.finish_reason is not None) if streams or
                         r.finish_reason is not None else None)
@@ -130,28 +130,6 @@ def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *
     state.open.add(req)
     state.loop.submit(req)
     return req
-
-
-class _Wake:
-    """The engine thread's signal to a request's reader on the event loop. At most one is pending: a reader that
-    lags behind the engine takes every token since in one chunk. And a token that comes within `interval`
-    seconds of the last signal waits for the next token's signal (one engine step later at most; a request's
-    end always signals): a signal is a write to the loop's self-pipe, a turn of the loop and a chunk, all on
-    the engine's interpreter lock, and one a token slowed a small model's decode step (0.6 ms on the CPU) by
-    a third. The reader clears `pending` before it reads the text, so a token added after that read signals
-    again."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue, interval: float = 0.0):
-        self.pending, self.interval, self.last = False, interval, float("-inf")
-        self._signal = functools.partial(loop.call_soon_threadsafe, events.put_nowait, None)
-
-    def __call__(self, final: bool = False) -> None:
-        if self.pending:
-            return
-        now = time.perf_counter()
-        if final or now - self.last >= self.interval:
-            self.pending, self.last = True, now
-            self._signal()
 
 
 def _constraint(state, body):

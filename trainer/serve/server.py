@@ -43,9 +43,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from trainer.serve import routes
-from trainer.serve.cli import STREAM_INTERVAL
 from trainer.serve.metrics import ServingMetrics
 from trainer.serve.protocol import APIError, ChatRequest, CompletionRequest, invalid
+from trainer.serve.streams import STREAM_INTERVAL
 
 DEFAULT_CHAT_TEMPLATE = {"message": "{role}: {content}\n", "generation": "assistant:"}
 
