@@ -23,7 +23,7 @@ Then, in the same run:
   first, as the client sees them; at the server's default stream interval, and with a chunk a token:
   `stream_per_token`) and not (its tokens over the whole request), against `sample`'s own rate
   (trainer.sample.generate: the engine with one slot) on the same weights and prompt, in `--stream-runs` turns of
-  the three: the medians, `sample_over_server_stream` and `sample_over_server_plain`, and whether the texts
+  the four: the medians, `sample_over_server_stream` (`_stream_per_token`, `_plain`), and whether the texts
   are `sample`'s; and the same ratios of each one's fastest turn (`_best`).
   `interference`: 7 streams decoding while a `--long-prompt`-token prompt arrives: their ITL p99 / p50.
   `decode_bound`: the decode step at batch 1 of a config of about 100M parameters (`--bound-config`)
