@@ -3,9 +3,12 @@ and how often they come. Light (no jax, no web framework): the command line read
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # not imported: the command line reads STREAM_INTERVAL, and asyncio costs its start 30 ms
+    import asyncio
 
 # `serve --stream-interval`'s default: a stream's chunks come at most this often (seconds), each with every
 # token since: 50 a second, more than a reader of the text can tell apart. Where a decode step takes longer
