@@ -120,13 +120,9 @@ def unoptimised_xla():
     """The processes started meanwhile (a dry run's trainer, its servers) compile as the compile-bound tests do
     (tests/trainer/conftest.py): most of XLA's optimisations off. Where the programs run briefly, compiling
     them is what costs."""
-    before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
-    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
         yield
-    finally:
-        os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS") if before is None \
-            else os.environ.update(JAX_DISABLE_MOST_OPTIMIZATIONS=before)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 VOCAB = 128
@@ -109,6 +111,32 @@ def safetensors_of(directory) -> dict[str, np.ndarray]:
         with safe_open(str(path), framework="flax") as f:
             out.update({k: np.asarray(f.get_tensor(k)) for k in f.keys()})
     return out
+
+
+@contextlib.contextmanager
+def unoptimised():
+    """What jax compiles meanwhile in this process, without most of XLA's optimisations: compiling, not running,
+    is the oracle tests' tiny programs' cost."""
+    import jax
+
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+def routed_outputs(model, tokens_BxL) -> tuple[np.ndarray, list[np.ndarray]]:
+    """routed_forward's logits and chosen experts on the host, compiled unoptimised."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    with unoptimised():
+        logits, chosen = jax.jit(lambda s, t: routed_forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens_BxL))
+    return np.asarray(logits), [np.asarray(c) for c in chosen]
 
 
 def routed_forward(model, tokens_BxL):

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from hf_models import DEEPSEEK, VOCAB, hf_model, routed_forward, safetensors_of, trainer_model
+from hf_models import DEEPSEEK, VOCAB, hf_model, routed_outputs, safetensors_of, trainer_model, unoptimised
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -48,21 +48,14 @@ def _hf_choices(model, tokens):
 @pytest.fixture(scope="module")
 def outputs(imported):
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     name, model, tmp = imported
     jax.config.update("jax_default_matmul_precision", "highest")
     tokens = np.random.default_rng(1).integers(0, VOCAB, (3, LENGTH))
     theirs, their_experts = _hf_choices(model, tokens)
     ours_model, _ = trainer_model(str(tmp / "imported"))
-    graphdef, state = nnx.split(ours_model)
-    jax.config.update("jax_disable_most_optimizations", True)  # compiling, not running, is this program's cost
-    try:
-        logits, ours = jax.jit(lambda s, t: routed_forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens))
-    finally:
-        jax.config.update("jax_disable_most_optimizations", False)
-    return theirs, np.asarray(logits), their_experts, [np.asarray(o) for o in ours]
+    logits, ours = routed_outputs(ours_model, tokens)
+    return theirs, logits, their_experts, ours
 
 
 def test_logits_equal_transformers(outputs):
@@ -105,11 +98,8 @@ def _jitted_logits(model, tokens) -> np.ndarray:
 
     jax.config.update("jax_default_matmul_precision", "highest")
     graphdef, state = nnx.split(model)
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
+    with unoptimised():
         return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, train=False)[0])(state, jnp.asarray(tokens)))
-    finally:
-        jax.config.update("jax_disable_most_optimizations", False)
 
 
 def _saved(tmp_path, name="deepseek_v3"):

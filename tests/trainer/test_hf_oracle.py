@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from hf_models import FAMILIES, VOCAB, hf_model, routed_forward, safetensors_of, tokenizer_json, trainer_model
+from hf_models import FAMILIES, VOCAB, hf_model, routed_outputs, safetensors_of, tokenizer_json, trainer_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -36,8 +36,6 @@ def imported(request, tmp_path_factory):
 def outputs(imported):
     """Both models' logits [3, 512, V] and each MoE layer's chosen experts [tokens, k] on one batch."""
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     name, model, tmp = imported
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -47,13 +45,8 @@ def outputs(imported):
     k = model.config.num_experts_per_tok
     theirs = [np.sort(torch.topk(r.float().softmax(-1), k).indices.numpy(), -1) for r in out.router_logits]
     ours_model, _ = trainer_model(str(tmp / "imported"))
-    graphdef, state = nnx.split(ours_model)
-    jax.config.update("jax_disable_most_optimizations", True)  # compiling, not running, is this program's cost
-    try:
-        logits, ours = jax.jit(lambda s, t: routed_forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens))
-    finally:
-        jax.config.update("jax_disable_most_optimizations", False)
-    return out.logits.numpy(), np.asarray(logits), theirs, [np.asarray(o) for o in ours]
+    logits, ours = routed_outputs(ours_model, tokens)
+    return out.logits.numpy(), logits, theirs, ours
 
 
 def test_logits_equal_transformers(outputs):
