@@ -106,6 +106,8 @@ RUN_BY = {
         "tests/control/test_goodput_plot.py::test_a_preempted_dry_run_reports_goodput_and_its_logs_plot_to_a_png",
     # docs/deploying.md
     "moe-tpu --dry-run deploy -c examples/serve-vertex.yaml": f"{SV}::test_deploy_predict_down_through_the_real_api",
+    "moe-tpu --dry-run eval --endpoint -c examples/serve-vertex.yaml --tasks arc_easy --limit 20":
+        f"{SV}::test_deploy_predict_down_through_the_real_api",
     "moe-tpu --dry-run predict --prompt '1 2 3' --max-tokens 16": f"{SV}::test_deploy_predict_down_through_the_real_api",
     "moe-tpu --dry-run down": f"{SV}::test_deploy_predict_down_through_the_real_api",
     "moe-tpu --dry-run deploy -c examples/serve-gke.yaml": f"{SG}::test_deploy_predict_down_on_gke",
