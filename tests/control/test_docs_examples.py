@@ -2,7 +2,8 @@
 cannot drift from the tool.
 
 What claims to run: a fenced block whose language is `bash`. (A `yaml` block is a file to write, a `text`
-block is output; neither is a command.) Each line of a `bash` block (continuations joined, `# ...` comments
+block is output; neither is a command. A `yaml` block whose first line is `# NAME.yaml` is the file the
+examples call NAME.yaml: the cheap commands below run with it written.) Each line of a `bash` block (continuations joined, `# ...` comments
 dropped, `&&` split) must be one of these, and is checked as it says:
 
 - `moe-tpu ...`, `python -m trainer[.prepare|.sample|.serve|.serve.evaluate|.hf] ...`: parsed on the real
@@ -10,7 +11,7 @@ dropped, `&&` split) must be one of these, and is checked as it says:
   bad value fails here; nothing runs). The commands that hand their arguments to the trainer's own command
   line (`train`, `sample`, `serve`, `eval`, `hf`, `data prepare`) are parsed again by that command.
   Then it runs in the suite, one of two ways:
-  - CHEAP commands (`plan`, `validate`, `--help`) whose files are in the repository run right here, in this
+  - CHEAP commands (`plan`, `validate`, `--help`) whose files are in the repository or the docs run right here, in this
     process through the real entry point; they must exit 0, and `# ` lines under one in its block (its output
     as the docs show it) must be in what it printed (a trailing `...` marks an output cut short).
   - every other one is in RUN_BY, which names the test that runs that command: the test must exist in the
@@ -76,8 +77,6 @@ RUN_BY = {
         "tests/trainer/test_serve_evaluate.py::test_lm_eval_runs_local_tasks_against_the_engine_and_scores_as_the_"
         "forward_pass",
     "moe-tpu serve --checkpoint runs/qwen3-tuned --warm-up smallest": SERVED,
-    "moe-tpu plan -c serve.yaml --serve":
-        "tests/control/test_plan_serve.py::test_plan_answers_for_the_open_models_named_configs",
     "moe-tpu --dry-run deploy -c serve.yaml": f"{SV}::test_deploy_predict_down_through_the_real_api",
     "moe-tpu --dry-run predict -c serve.yaml --prompt 'The cat' --max-tokens 16":
         f"{SV}::test_deploy_predict_down_through_the_real_api",
@@ -152,13 +151,13 @@ NOT_RUN = {
 }
 
 
-def blocks(path: Path) -> list[tuple[int, list[str]]]:
-    """The `bash` blocks of a page: (line number of the fence, the block's lines)."""
+def blocks(path: Path, language: str = "bash") -> list[tuple[int, list[str]]]:
+    """The blocks of a page in that language: (line number of the fence, the block's lines)."""
     found, current, start = [], None, 0
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         fence = re.match(r"\s*```(\S*)", line)
         if fence and current is None:
-            current, start = ([] if fence.group(1) == "bash" else False), number
+            current, start = ([] if fence.group(1) == language else False), number
         elif fence:
             if current is not False:
                 found.append((start, current))
@@ -185,6 +184,22 @@ def commands(lines: list[str]) -> list[tuple[str, list[str]]]:
             for part in line.split(" && "):
                 found.append((shlex.join(shlex.split(part, comments=True)), []))
     return found
+
+
+def written_files() -> dict[str, str]:
+    """The files the docs write out as `yaml` blocks that begin `# NAME.yaml`: name -> text."""
+    found = {}
+    for page in PAGES:
+        for _, lines in blocks(page, "yaml"):
+            name = re.fullmatch(r"# ([\w.-]+\.ya?ml)", lines[0].strip()) if lines else None
+            if name:
+                found[name.group(1)] = "\n".join(lines) + "\n"
+    return found
+
+
+def has_files(argv: list[str]) -> bool:
+    written = written_files()
+    return all((ROOT / f).is_file() or f in written for f in files_named(argv))
 
 
 def examples() -> list[tuple[str, str, list[str]]]:
@@ -315,7 +330,7 @@ def check_line(argv: list[str], text: str) -> list[str]:
         if "--help" in argv or "-h" in argv:
             return []  # run by test_the_cheap_examples_run_and_print_what_the_docs_show
         path, _ = parse(argv)
-        if path[0] in CHEAP and all((ROOT / f).is_file() for f in files_named(argv)):
+        if path[0] in CHEAP and has_files(argv):
             return []  # run there too
         return run_by_problems(text, argv)
     if head in ("pip", "python3", "python") and "install" in argv:
@@ -357,14 +372,15 @@ def check_route(argv: list[str]) -> list[str]:
 
 def test_the_cheap_examples_run_and_print_what_the_docs_show(tmp_path, monkeypatch):
     (tmp_path / "examples").symlink_to(ROOT / "examples")  # the examples' paths, and nothing written in the tree
+    for name, text in written_files().items():
+        (tmp_path / name).write_text(text)
     monkeypatch.chdir(tmp_path)
     ran = 0
     for where, text, shown in examples():
         argv = shlex.split(text)
         if argv[0] != "moe-tpu":
             continue
-        cheap = "--help" in argv or (parse(argv)[0][0] in CHEAP and all((ROOT / f).is_file()
-                                                                       for f in files_named(argv)))
+        cheap = "--help" in argv or (parse(argv)[0][0] in CHEAP and has_files(argv))
         if not cheap:
             continue
         code, out, err = invoke(*argv[1:], env={"COLUMNS": "200"})
@@ -374,7 +390,7 @@ def test_the_cheap_examples_run_and_print_what_the_docs_show(tmp_path, monkeypat
         expected = expected[:-3].rstrip() if expected.endswith("...") else expected
         assert " ".join(expected.split()) in said, f"{where}: `{text}` no longer prints {expected!r}"
         ran += 1
-    assert ran >= 3
+    assert ran >= 4
 
 
 def test_every_run_by_entry_is_an_example():
