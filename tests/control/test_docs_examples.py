@@ -405,3 +405,22 @@ def test_a_command_the_tool_does_not_have_fails_to_parse(bad):
     """The check above is not vacuous: what the tool would refuse, parsing refuses."""
     with pytest.raises(click.UsageError):
         parse(bad)
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_docs_links_resolve():
+    """A link between the pages names a file that exists and, after `#`, one of its headings: moving a
+    section cannot leave a link behind."""
+    broken = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([\w./-]+\.md)(?:#([\w-]+))?\)", page.read_text(encoding="utf-8")):
+            linked = (page.parent / target).resolve()
+            headings = [] if not linked.is_file() else [
+                _anchor(h) for h in re.findall(r"^#+ (.*)$", linked.read_text(encoding="utf-8"), re.M)]
+            if not linked.is_file() or (anchor and anchor not in headings):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert broken == []
