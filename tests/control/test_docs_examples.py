@@ -34,6 +34,7 @@ in-process runs, a few seconds with the session's plan cache.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 import shlex
@@ -186,6 +187,7 @@ def commands(lines: list[str]) -> list[tuple[str, list[str]]]:
     return found
 
 
+@functools.cache
 def written_files() -> dict[str, str]:
     """The files the docs write out as `yaml` blocks that begin `# NAME.yaml`: name -> text."""
     found = {}
@@ -202,10 +204,11 @@ def has_files(argv: list[str]) -> bool:
     return all((ROOT / f).is_file() or f in written for f in files_named(argv))
 
 
-def examples() -> list[tuple[str, str, list[str]]]:
+@functools.cache
+def examples() -> tuple[tuple[str, str, tuple[str, ...]], ...]:
     """(where, the command, the output shown) for every command of every `bash` block."""
-    return [(f"{page.relative_to(ROOT)}:{start}", text, shown) for page in PAGES for start, lines in blocks(page)
-            for text, shown in commands(lines)]
+    return tuple((f"{page.relative_to(ROOT)}:{start}", text, tuple(shown)) for page in PAGES
+                 for start, lines in blocks(page) for text, shown in commands(lines))
 
 
 # --- parsing on the real command tree ---------------------------------------------------------------------
