@@ -3,17 +3,18 @@ cannot drift from the tool.
 
 What claims to run: a fenced block whose language is `bash`. (A `yaml` block is a file to write, a `text`
 block is output; neither is a command. A `yaml` block whose first line is `# NAME.yaml` is the file the
-examples call NAME.yaml: the cheap commands below run with it written.) Each line of a `bash` block (continuations joined, `# ...` comments
-dropped, `&&` split) must be one of these, and is checked as it says:
+examples call NAME.yaml: the cheap commands below run with it written.) Each line of a `bash` block
+(continuations joined, `# ...` comments dropped, `&&` split) must be one of these, and is checked as it says:
 
 - `moe-tpu ...`, `python -m trainer[.prepare|.sample|.serve|.serve.evaluate|.hf] ...`: parsed on the real
   Click command tree with `make_context`, group by group down to the command (an unknown command, option or
   bad value fails here; nothing runs). The commands that hand their arguments to the trainer's own command
   line (`train`, `sample`, `serve`, `eval`, `hf`, `data prepare`) are parsed again by that command.
   Then it runs in the suite, one of two ways:
-  - CHEAP commands (`plan`, `validate`, `--help`) whose files are in the repository or the docs run right here, in this
-    process through the real entry point; they must exit 0, and `# ` lines under one in its block (its output
-    as the docs show it) must be in what it printed (a trailing `...` marks an output cut short).
+  - CHEAP commands (`plan`, `validate`, `--help`) whose files are in the repository or the docs run right
+    here, in this process through the real entry point; they must exit 0, and `# ` lines under one in its
+    block (its output as the docs show it) must be in what it printed (a trailing `...` marks an output cut
+    short).
   - every other one is in RUN_BY, which names the test that runs that command: the test must exist in the
     file named, and the file must hold as string literals the command's words (`slice`, `up`, the root flags,
     each option given, under any of its names) and name every repository file the example names (e.g.
@@ -57,11 +58,16 @@ PYTHON_M = {"trainer": "train", "trainer.prepare": "data prepare", "trainer.samp
             "trainer.serve": "serve", "trainer.serve.evaluate": "eval", "trainer.hf": "hf"}
 CHEAP = {"plan", "validate"}
 
-# Example command (as written, comments dropped, whitespace collapsed) -> the test that runs it.
+# Example command (as shlex.join writes it, comments dropped) -> the test that runs it.
 SV, SG = "tests/control/test_serve_vertex.py", "tests/control/test_serve_gke_dry_run.py"
 RUN = "tests/control/test_run.py::test_run_trains_and_tears_down"
-HF_TUNE = "tests/trainer/test_hf_use.py::test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers_computes"
+HF_TUNE = ("tests/trainer/test_hf_use.py::"
+           "test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers_computes")
+DEPLOYED = f"{SV}::test_deploy_predict_down_through_the_real_api"  # and `eval` local and --endpoint, through it
+TRAINED = "tests/trainer/test_trainer_train.py::test_rerunning_a_finished_run_says_so_without_compiling"
+JOBS = "tests/control/test_jobs.py::test_cli_submit_wait_then_status_down_list"
 SLICE = "tests/control/test_cli.py::test_dry_run_lifecycle_json_documents"
+LWS = f"{SG}::test_deploy_predict_down_a_leaderworkerset"
 SERVED = "tests/trainer/test_serve_cli.py::test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm"
 RUN_BY = {
     # the README
@@ -74,16 +80,14 @@ RUN_BY = {
         "tests/trainer/test_trainer_prepare.py::test_jsonl_text_and_parquet_in_shards_and_a_manifest_out",
     "moe-tpu train --config runs/qwen3/config.json --init-from runs/qwen3 --output-dir runs/qwen3-tuned --set "
     "data.source=records --set data.path=data/corpus --steps 200": HF_TUNE,
-    "moe-tpu eval --checkpoint runs/qwen3-tuned --tasks arc_easy --limit 100":
-        "tests/trainer/test_serve_evaluate.py::test_lm_eval_runs_local_tasks_against_the_engine_and_scores_as_the_"
-        "forward_pass",
+    "moe-tpu eval --checkpoint runs/qwen3-tuned --tasks arc_easy --limit 100": DEPLOYED,
     "moe-tpu serve --checkpoint runs/qwen3-tuned --warm-up smallest": SERVED,
-    "moe-tpu --dry-run deploy -c serve.yaml": f"{SV}::test_deploy_predict_down_through_the_real_api",
+    "moe-tpu --dry-run deploy -c serve.yaml": DEPLOYED,
     "moe-tpu --dry-run predict -c serve.yaml --prompt 'The cat' --max-tokens 16":
-        f"{SV}::test_deploy_predict_down_through_the_real_api",
+        DEPLOYED,
     "moe-tpu --dry-run eval --endpoint -c serve.yaml --tasks arc_easy --limit 20":
-        f"{SV}::test_deploy_predict_down_through_the_real_api",
-    "moe-tpu --dry-run down -c serve.yaml": f"{SV}::test_deploy_predict_down_through_the_real_api",
+        DEPLOYED,
+    "moe-tpu --dry-run down -c serve.yaml": DEPLOYED,
     # docs/running.md, docs/dry-runs.md, docs/reliability.md
     "moe-tpu --dry-run run -c examples/v5e-64.yaml": RUN,
     "moe-tpu --dry-run --scenario preempt run -c examples/v5e-64.yaml --restart":
@@ -91,12 +95,12 @@ RUN_BY = {
     "moe-tpu --dry-run image build -c examples/v5e-64.yaml":
         "tests/control/test_image.py::test_dry_run_writes_the_context_and_prints_the_plan",
     "moe-tpu --dry-run run -c examples/vertex.yaml": RUN,
-    "moe-tpu --dry-run job submit -c examples/vertex.yaml --wait":
-        "tests/control/test_jobs.py::test_cli_submit_wait_then_status_down_list",
-    "moe-tpu --dry-run down -c examples/vertex.yaml": "tests/control/test_jobs.py::test_cli_submit_wait_then_status_down_list",
+    "moe-tpu --dry-run job submit -c examples/vertex.yaml --wait": JOBS,
+    "moe-tpu --dry-run down -c examples/vertex.yaml": JOBS,
     "moe-tpu --dry-run run -c examples/gke.yaml":
         "tests/control/test_gke.py::test_run_preempt_restarts_the_jobset_and_resumes_from_a_checkpoint",
-    "moe-tpu --dry-run run -c examples/gke-pathways.yaml": "tests/control/test_gke.py::test_run_pathways_trains_and_leaves_nothing",
+    "moe-tpu --dry-run run -c examples/gke-pathways.yaml":
+        "tests/control/test_gke.py::test_run_pathways_trains_and_leaves_nothing",
     "moe-tpu --dry-run slice up -c examples/v5e-64.yaml": SLICE,
     "moe-tpu --dry-run --scenario stockout slice up -c examples/v5e-64.yaml":
         "tests/control/test_cli.py::test_the_example_fails_over_to_its_second_zone_on_stockout",
@@ -105,32 +109,29 @@ RUN_BY = {
     "moe-tpu --dry-run logs --plot run.png":
         "tests/control/test_goodput_plot.py::test_a_preempted_dry_run_reports_goodput_and_its_logs_plot_to_a_png",
     # docs/deploying.md
-    "moe-tpu --dry-run deploy -c examples/serve-vertex.yaml": f"{SV}::test_deploy_predict_down_through_the_real_api",
+    "moe-tpu --dry-run deploy -c examples/serve-vertex.yaml": DEPLOYED,
     "moe-tpu --dry-run eval --endpoint -c examples/serve-vertex.yaml --tasks arc_easy --limit 20":
-        f"{SV}::test_deploy_predict_down_through_the_real_api",
-    "moe-tpu --dry-run predict --prompt '1 2 3' --max-tokens 16": f"{SV}::test_deploy_predict_down_through_the_real_api",
-    "moe-tpu --dry-run down": f"{SV}::test_deploy_predict_down_through_the_real_api",
+        DEPLOYED,
+    "moe-tpu --dry-run predict --prompt '1 2 3' --max-tokens 16": DEPLOYED,
+    "moe-tpu --dry-run down": DEPLOYED,
     "moe-tpu --dry-run deploy -c examples/serve-gke.yaml": f"{SG}::test_deploy_predict_down_on_gke",
-    "moe-tpu --dry-run deploy -c examples/serve-gke-multihost.yaml": f"{SG}::test_deploy_predict_down_a_leaderworkerset",
-    "moe-tpu --dry-run predict -c examples/serve-gke-multihost.yaml --prompt '1 2 3'":
-        f"{SG}::test_deploy_predict_down_a_leaderworkerset",
-    "moe-tpu --dry-run down -c examples/serve-gke-multihost.yaml": f"{SG}::test_deploy_predict_down_a_leaderworkerset",
+    "moe-tpu --dry-run deploy -c examples/serve-gke-multihost.yaml": LWS,
+    "moe-tpu --dry-run predict -c examples/serve-gke-multihost.yaml --prompt '1 2 3'": LWS,
+    "moe-tpu --dry-run down -c examples/serve-gke-multihost.yaml": LWS,
     # docs/hugging-face.md
     "moe-tpu train --config runs/qwen3/config.json --init-from ./Qwen3-30B-A3B --output-dir runs/qwen3-tuned": HF_TUNE,
     # docs/serving.md
     "python -m trainer.serve --checkpoint runs/demo": SERVED,
     "moe-tpu serve --checkpoint runs/demo --warm-up smallest --port 8000": SERVED,
-    "moe-tpu eval --checkpoint runs/demo --tasks arc_easy,hellaswag --limit 100":
-        "tests/trainer/test_serve_evaluate.py::test_lm_eval_runs_local_tasks_against_the_engine_and_scores_as_the_"
-        "forward_pass",
+    "moe-tpu eval --checkpoint runs/demo --tasks arc_easy,hellaswag --limit 100": DEPLOYED,
     # docs/training.md
-    "python -m trainer --config tiny --steps 20": "tests/trainer/test_trainer_train.py::test_rerunning_a_finished_run_says_so_without_compiling",
+    "python -m trainer --config tiny --steps 20": TRAINED,
     "python -m trainer --config tiny --devices 8 --mesh data=2,expert=4 --steps 5":
         "tests/trainer/test_trainer_cli.py::test_expert_parallel_invariance_through_the_command_line",
-    "python -m trainer --config tiny --steps 20 --output-dir runs/demo":
-        "tests/trainer/test_trainer_train.py::test_rerunning_a_finished_run_says_so_without_compiling",
+    "python -m trainer --config tiny --steps 20 --output-dir runs/demo": TRAINED,
     "python -m trainer --config tiny --steps 10 --init-from runs/demo --output-dir runs/tuned":
-        "tests/trainer/test_trainer_finetune.py::test_init_from_starts_a_new_run_from_another_runs_parameters_with_a_fresh_optimizer",
+        "tests/trainer/test_trainer_finetune.py::"
+        "test_init_from_starts_a_new_run_from_another_runs_parameters_with_a_fresh_optimizer",
     "python -m trainer.prepare 'corpus/*.jsonl' -o data/corpus --vocab-size 8192":
         "tests/trainer/test_trainer_prepare.py::test_jsonl_text_and_parquet_in_shards_and_a_manifest_out",
     "python -m trainer --config tiny --set data.source=records --set data.path=data/corpus --set model.vocab_size=8192 "
@@ -403,7 +404,8 @@ def test_every_run_by_entry_is_an_example():
 
 
 @pytest.mark.parametrize("bad", [["moe-tpu", "deploy", "--no-such-flag"], ["moe-tpu", "slice", "upp"],
-                                 ["moe-tpu", "serve", "--warm-up", "some"], ["python", "-m", "trainer", "--stepz", "1"]])
+                                 ["moe-tpu", "serve", "--warm-up", "some"],
+                                 ["python", "-m", "trainer", "--stepz", "1"]])
 def test_a_command_the_tool_does_not_have_fails_to_parse(bad):
     """The check above is not vacuous: what the tool would refuse, parsing refuses."""
     with pytest.raises(click.UsageError):
