@@ -54,8 +54,8 @@ class Group:
         for i in range(2):
             # XLA's optimisations off, as in this process (the module is compile_bound): compiling dominates.
             env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "LWS_GROUP_SIZE": "2",
-                   "LWS_WORKER_INDEX": str(i), "LWS_LEADER_ADDRESS": "127.0.0.1", "JAX_COORDINATOR_ADDRESS": coordinator,
-                   "MOE_SERVE_LOCAL_DEVICES": str(local_devices), **envs[i]}
+                   "LWS_WORKER_INDEX": str(i), "LWS_LEADER_ADDRESS": "127.0.0.1",
+                   "JAX_COORDINATOR_ADDRESS": coordinator, "MOE_SERVE_LOCAL_DEVICES": str(local_devices), **envs[i]}
             with open(self.logs[i], "w") as log:
                 self.processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
         self.leader, self.worker = self.processes

@@ -170,7 +170,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
     for flag, value in (("--grace-seconds", grace_seconds), ("--step-timeout", step_timeout),
                         ("--device-memory-gb", device_memory_gb)):
         if value is not None and not math.isfinite(value):
-            raise ServeError(f"{flag} must be a finite number of {'seconds' if 'grace' in flag else 'GiB'}, "
+            raise ServeError(f"{flag} must be a finite number of {'GiB' if 'memory' in flag else 'seconds'}, "
                              f"got {value}")
     port = port or _default_port()
     template = _chat_template(chat_template_path)
