@@ -2,7 +2,8 @@
 loopback, the environment a LeaderWorkerSet sets) serve one model on an expert=4,model=2 mesh over both, and
 return token for token what 1 process x 8 devices returns on that mesh, chunked 1,024-token prompts arriving
 mid-stream included; SIGTERM to the leader drains, stops the worker, and both exit 0; a worker killed
-mid-stream fails the requests with an error, turns /health 503 and the leader exits non-zero."""
+mid-stream fails the requests with an error, turns /health 503 and the leader exits non-zero; so does a worker
+held in its step (its heartbeat going on), or a step failing on the leader alone, and the worker exits too."""
 
 import json
 import os

@@ -290,10 +290,7 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
                             timeout_graceful_shutdown=grace_seconds + 5, lifespan="off")
     server = _draining_server(config, state, grace_seconds)
     failed: list[str] = []
-    group_failed = None
-    if leader is not None:
-        group_failed = leader.on_failure = lambda reason: _group_failed(state, reason, server)
-        leader.stuck = lambda: state.loop.stuck() if state.loop is not None else None
+    group_failed = _watch_group(leader, state, server) if leader is not None else None
 
     def compile_then_serve():
         try:
@@ -352,6 +349,14 @@ def _stop_group(leader, code: int) -> None:
     else:
         _progress(f"the group's workers did not stop within {multihost.STOP_TIMEOUT_S:g} s")
     multihost.exit_now(code or EXIT_RUNTIME)
+
+
+def _watch_group(leader, state, server):
+    """Hands the channel's watchdog the engine's progress (a group whose step is stuck fails) and the group's
+    failure, which it returns for the engine's loop (a step that raised on the leader fails the group too)."""
+    leader.stuck = lambda: state.loop.stuck() if state.loop is not None else None
+    leader.on_failure = lambda reason: _group_failed(state, reason, server)
+    return leader.on_failure
 
 
 _failing = threading.Lock()
