@@ -111,6 +111,10 @@ def test_a_group_is_the_slices_hosts_each_pod_the_servers_argv_with_plan_serves_
         assert [*server["command"], *server["args"]] == argv and flag_value(server["args"], "--mesh") == mesh
         assert server["resources"]["limits"] == {"google.com/tpu": "4"}
         assert ("readinessProbe" in server) == (role == "leaderTemplate")  # readiness on the leader only
+        # Liveness on the leader's progress signal (no step done for --step-timeout: 503), not on /health.
+        assert ("livenessProbe" in server) == (role == "leaderTemplate")
+    live = containers(lws, "leaderTemplate")["server"]["livenessProbe"]
+    assert live["httpGet"] == {"path": "/livez", "port": "http"} and live["failureThreshold"] >= 2
     leader_labels = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"]
     worker_labels = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
     for kind in ("Service", "PodMonitoring"):  # the leaders take the traffic and export the metrics

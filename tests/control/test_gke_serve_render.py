@@ -60,6 +60,7 @@ def test_the_deployment_holds_one_host_and_probes_health(loaded, manifests):
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
                                    "cloud.google.com/gke-tpu-topology": "2x2"}
     assert server["readinessProbe"]["httpGet"]["path"] == server["startupProbe"]["httpGet"]["path"] == "/health"
+    assert server["livenessProbe"]["httpGet"]["path"] == "/livez"  # the engine's progress, not readiness
     probe = server["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] >= STARTUP_S
     assert manifests["Deployment"]["spec"]["replicas"] == loaded.serve.min_replicas

@@ -59,6 +59,8 @@ def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path)
         (["--checkpoint", str(tmp_path / "none"), "--port", str(busy_port)], f"--port {busy_port}: 127.0.0.1:"),
         (["--checkpoint", str(run), "--host", "999.1.1.1"], "--host '999.1.1.1' is not an address"),
         (["--checkpoint", str(run), "--grace-seconds", "nan"], "--grace-seconds must be a finite number"),
+        (["--checkpoint", str(run), "--step-timeout", "inf"], "--step-timeout must be a finite number of seconds"),
+        (["--checkpoint", str(run), "--step-timeout", "0"], "'--step-timeout'"),
         (["--checkpoint", str(run), "--stream-interval", "-0.5"], "'--stream-interval'"),
         (["--checkpoint", str(run), "--device-memory-gb", "inf"], "--device-memory-gb must be a finite number"),
         (["--checkpoint", str(run), "--max-len", str(2**31)], "--max-len"),  # past int32 positions

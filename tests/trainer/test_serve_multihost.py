@@ -2,7 +2,8 @@
 loopback, the environment a LeaderWorkerSet sets) serve one model on an expert=4,model=2 mesh over both, and
 return token for token what 1 process x 8 devices returns on that mesh, chunked 1,024-token prompts arriving
 mid-stream included; SIGTERM to the leader drains, stops the worker, and both exit 0; a worker killed
-mid-stream fails the requests with an error, turns /health 503 and the leader exits non-zero."""
+mid-stream fails the requests with an error, turns /health 503 and the leader exits non-zero; so does a worker
+held in its step (its heartbeat going on), or a step failing on the leader alone, and the worker exits too."""
 
 import json
 import os
@@ -42,17 +43,20 @@ def free_port() -> int:
 class Group:
     """The group's processes, started as a LeaderWorkerSet starts its pods: the same command, LWS_* apart."""
 
-    def __init__(self, run, tmp_path, *, mesh=MESH, local_devices=4, slots=SLOTS, max_len=MAX_LEN):
+    def __init__(self, run, tmp_path, *, mesh=MESH, local_devices=4, slots=SLOTS, max_len=MAX_LEN, args=(),
+                 envs=({}, {})):
         self.port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
         self.base = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "trainer.serve", "--checkpoint", str(run), "--port", str(self.port),
                    "--mesh", mesh, "--slots", str(slots), "--max-len", str(max_len), "--chunk", str(CHUNK),
-                   "--warm-up", "smallest"]  # a span a request reaches compiles then, on every process
+                   "--warm-up", "smallest", *args]  # a span a request reaches compiles then, on every process
         self.logs = [tmp_path / f"process-{i}.log" for i in range(2)]
         self.processes = []
         for i in range(2):
-            env = {**os.environ, "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(i), "LWS_LEADER_ADDRESS": "127.0.0.1",
-                   "JAX_COORDINATOR_ADDRESS": coordinator, "MOE_SERVE_LOCAL_DEVICES": str(local_devices)}
+            # XLA's optimisations off, as in this process (the module is compile_bound): compiling dominates.
+            env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "LWS_GROUP_SIZE": "2",
+                   "LWS_WORKER_INDEX": str(i), "LWS_LEADER_ADDRESS": "127.0.0.1",
+                   "JAX_COORDINATOR_ADDRESS": coordinator, "MOE_SERVE_LOCAL_DEVICES": str(local_devices), **envs[i]}
             with open(self.logs[i], "w") as log:
                 self.processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
         self.leader, self.worker = self.processes
@@ -134,10 +138,11 @@ def test_two_processes_serve_what_one_serves_and_stop_together_on_sigterm(group,
 
 
 @pytest.fixture
-def small_group(trained_tiny, tmp_path):
+def small_group(trained_tiny, tmp_path, request):
     """A group of 2 processes x 1 device (expert=2) with a short cache: compiled in a fraction of `group`'s time,
-    for what needs a group but not its mesh."""
-    started = Group(trained_tiny.output_dir, tmp_path, mesh="expert=2", local_devices=1, slots=4, max_len=512)
+    for what needs a group but not its mesh. Parametrized indirectly, its parameter is Group's `args` and `envs`."""
+    started = Group(trained_tiny.output_dir, tmp_path, mesh="expert=2", local_devices=1, slots=4, max_len=512,
+                    **getattr(request, "param", {}))
     try:
         yield started
     finally:
@@ -175,7 +180,37 @@ def test_a_worker_killed_mid_stream_fails_the_requests_turns_health_503_and_the_
     assert len(errors) == 3 and all(e.startswith("the request failed: ") for e in errors), errors
     assert group.leader.wait(timeout=30 - (time.monotonic() - killed)) == 1
     assert "serve: worker 1 of the serving group stopped (" in group.log(0)
-    assert "the group cannot step without it; failing every request and exiting" in group.log(0)
+    assert "the group cannot go on; failing every request and exiting" in group.log(0)
+
+
+@pytest.mark.parametrize("small_group", [
+    {"args": ("--step-timeout", "3"), "envs": ({}, {"MOE_SERVE_FAULT": "hold:fault"})},
+    {"envs": ({"MOE_SERVE_FAULT": "fail:fault"}, {})},
+], indirect=True, ids=["worker-held-in-its-step", "leaders-step-fails-alone"])
+def test_a_group_that_stops_stepping_answers_503_and_every_process_exits_non_zero(small_group):
+    """A worker held inside its step while its heartbeat goes on (the leader then waits in a collective), or a
+    leader whose own step fails after it handed the call to the worker (which then waits for it): the leader
+    answers 503 within 30 s, fails the open stream and exits 1, and the worker exits non-zero."""
+    group = small_group
+    group.wait_ready()
+    with httpx.stream("POST", f"{group.base}/v1/completions", timeout=60,
+                      json={"prompt": "3 17 9", "max_tokens": 500, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        open("fault", "w").close()  # MOE_SERVE_FAULT's trigger, in the processes' working directory (the test's)
+        faulted = time.monotonic()
+        health = None
+        while time.monotonic() - faulted < 30 and health is None:
+            answer = httpx.get(f"{group.base}/health", timeout=5)
+            health = answer.json() if answer.status_code == 503 else time.sleep(0.2)
+        rest = [line for line in lines if line]
+    assert health is not None, group.log(0) + group.log(1)
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["error"]["message"].startswith("the request failed: ")
+    assert group.leader.wait(timeout=30 - (time.monotonic() - faulted)) == 1, group.log(0)
+    assert group.worker.wait(timeout=30) != 0, group.log(1)
+    assert "MOE_SERVE_FAULT" in group.log(0) + group.log(1)
+    assert "the group cannot go on; failing every request and exiting" in group.log(0)
 
 
 def test_a_call_crosses_the_channel_whole():

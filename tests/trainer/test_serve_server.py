@@ -3,6 +3,7 @@ completions (streaming and not), errors as OpenAI error objects, health, metrics
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -10,6 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from trainer.serve.engine import Request, SamplingParams
 from trainer.serve.loop import EngineLoop
 from trainer.serve.server import ServerState, create_app
 
@@ -180,6 +182,86 @@ def test_health_metrics_and_vertex_predict(served):
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     assert total("vllm:prefix_cache_queries") - before["vllm:prefix_cache_queries"] == 100
     assert total("vllm:prefix_cache_hits") - before["vllm:prefix_cache_hits"] == 48
+
+
+def _held_request(max_tokens: int = 2):
+    """A request whose listener, on the engine's thread inside its step, holds at the first token until released."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(_):
+        if not inside.is_set():
+            inside.set()
+            release.wait(30)
+
+    return Request(list(b"held"), SamplingParams(max_tokens=max_tokens), listener=hold), inside, release
+
+
+def test_a_step_that_does_not_return_turns_health_503_and_the_engines_thread_alone_fails_the_requests(served):
+    """The progress signal: idle past --step-timeout is healthy, a step held past it is not (/health and /livez
+    503 naming why), and healthy again once it returns. A failure signalled meanwhile (`fail`, as a group's
+    watchdog does) changes nothing until the engine's thread is back, which then fails every request."""
+    client, state = served
+    engine = state.loop.engine
+    state.loop.stop()
+    loop = state.loop = EngineLoop(engine, step_timeout=0.4).start()
+    req, inside, release = _held_request()
+    try:
+        time.sleep(0.6)  # idle past --step-timeout: an idle turn is progress
+        assert client.get("/health").status_code == client.get("/livez").status_code == 200
+        loop.submit(req)
+        assert inside.wait(30)
+        time.sleep(0.6)
+        for path in ("/health", "/livez"):
+            r = client.get(path)
+            assert r.status_code == 503 and r.json()["reason"].startswith("no engine step completed for "), r.text
+        release.set()
+        while req.finish_reason is None:
+            time.sleep(0.01)
+        assert req.finish_reason == "length" and client.get("/health").status_code == 200
+
+        req, inside, release = _held_request(max_tokens=8)
+        queued = Request(list(b"queued"), SamplingParams(max_tokens=2))
+        loop.submit(req)
+        assert inside.wait(30)
+        loop.submit(queued)
+        loop.fail("the group failed")
+        time.sleep(0.1)
+        assert req.finish_reason is None and queued.finish_reason is None  # nothing done from this thread
+        release.set()
+        loop.thread.join(30)
+        assert not loop.thread.is_alive() and not engine.busy
+        assert [(r.finish_reason, r.error) for r in (req, queued)] == [("error", "the group failed")] * 2
+    finally:
+        release.set()
+        loop.stop()
+        state.loop = EngineLoop(engine).start()
+
+
+def test_a_failed_step_with_on_failed_step_fails_every_request_and_ends_the_loop(served):
+    """As a multi-host group's leader runs it: a step that raises fails every request, the waiting ones too, and
+    the loop ends after telling its owner, on the engine's thread (where the single-process server goes on)."""
+    _, state = served
+    engine = state.loop.engine
+    state.loop.stop()
+    told = []
+
+    def step_fails(name, inputs):  # the runner's on_call (a group's leader hands the call to its workers there)
+        raise RuntimeError("the step failed")
+
+    loop = EngineLoop(engine, on_failed_step=lambda reason: told.append((reason, threading.current_thread().name)))
+    requests = [Request(list(b"abc"), SamplingParams(max_tokens=2)) for _ in range(3)]
+    for req in requests:
+        loop.submit(req)
+    engine.runner.on_call = step_fails
+    try:
+        loop.start().thread.join(30)
+        assert not loop.thread.is_alive() and not engine.busy
+        assert told == [("RuntimeError: the step failed", "moe-tpu-engine")]
+        assert [(r.finish_reason, r.error) for r in requests] == [("error", "RuntimeError: the step failed")] * 3
+    finally:
+        engine.runner.on_call = None
+        loop.stop()
+        state.loop = EngineLoop(engine).start()
 
 
 def test_beyond_the_waiting_queue_requests_get_429_with_retry_after(served):

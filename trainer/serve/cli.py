@@ -24,6 +24,7 @@ import time
 import click
 
 from trainer.serve.memory import QUANTIZED_WEIGHTS
+from trainer.serve.loop import STEP_TIMEOUT_S
 from trainer.serve.spans import DEFAULT_CHUNK
 from trainer.serve.startup import ServeError, load
 from trainer.serve.streams import STREAM_INTERVAL
@@ -146,12 +147,16 @@ def _listen(host: str, port: int) -> socket.socket:
               metavar="SECONDS",
               help="A stream's chunks come at most this often, each with every token since (0: a chunk a token); "
                    "a decode step longer than this makes every token a chunk.")
+@click.option("--step-timeout", type=click.FloatRange(min=0, min_open=True), default=STEP_TIMEOUT_S, show_default=True,
+              metavar="SECONDS",
+              help="An engine step not done after this long is stuck (one that compiles a program may take 15 "
+                   "minutes): /health answers 503 and, in a multi-host group, every process exits 1.")
 @click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,
               help="The memory per device to plan for [what the device reports].")
 def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching, prefix_cache_tokens,
                   kv_cache_dtype, weight_format, mesh_text,
                   devices, tokenizer_path, chat_template_path, model_name, warm_up, grace_seconds, stream_interval,
-                  device_memory_gb):
+                  step_timeout, device_memory_gb):
     """Serve a training run's latest checkpoint over an OpenAI-compatible HTTP API.
 
     \b
@@ -162,9 +167,10 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
            -d '{"prompt": "The cat", "max_tokens": 20}'
     """
     _check_server_packages()
-    for flag, value in (("--grace-seconds", grace_seconds), ("--device-memory-gb", device_memory_gb)):
+    for flag, value in (("--grace-seconds", grace_seconds), ("--step-timeout", step_timeout),
+                        ("--device-memory-gb", device_memory_gb)):
         if value is not None and not math.isfinite(value):
-            raise ServeError(f"{flag} must be a finite number of {'seconds' if 'grace' in flag else 'GiB'}, "
+            raise ServeError(f"{flag} must be a finite number of {'GiB' if 'memory' in flag else 'seconds'}, "
                              f"got {value}")
     port = port or _default_port()
     template = _chat_template(chat_template_path)
@@ -189,7 +195,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
     leader = _lead(loaded, group) if group is not None else None
     template = template or loaded.chat_template  # --chat-template, else an imported model's own
     code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
-                  leader, every_span=warm_up == "all", stream_interval=stream_interval)
+                  leader, every_span=warm_up == "all", stream_interval=stream_interval, step_timeout=step_timeout)
     sys.exit(code)
 
 
@@ -267,7 +273,8 @@ def _check_server_packages() -> None:
 
 
 def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
-           grace_seconds: float, leader=None, every_span: bool = True, stream_interval: float = STREAM_INTERVAL) -> int:
+           grace_seconds: float, leader=None, every_span: bool = True, stream_interval: float = STREAM_INTERVAL,
+           step_timeout: float = STEP_TIMEOUT_S) -> int:
     import uvicorn
 
     from trainer.serve.loop import EngineLoop
@@ -283,8 +290,7 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
                             timeout_graceful_shutdown=grace_seconds + 5, lifespan="off")
     server = _draining_server(config, state, grace_seconds)
     failed: list[str] = []
-    if leader is not None:
-        leader.on_failure = lambda reason: _group_failed(state, reason)
+    group_failed = _watch_group(leader, state, server) if leader is not None else None
 
     def compile_then_serve():
         try:
@@ -292,7 +298,7 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
             _progress(f"compiling the prefill and decode steps ({loaded.engine.slots} slots x "
                       f"{loaded.engine.max_len} tokens, {'every span' if every_span else 'the first span'})")
             loaded.engine.warm_up(every_span)
-            state.loop = EngineLoop(loaded.engine).start()
+            state.loop = EngineLoop(loaded.engine, step_timeout=step_timeout, on_failed_step=group_failed).start()
             _progress(f"compiled in {time.perf_counter() - started:.1f}s")
             _progress(f"ready: {name} at http://{host}:{port}/v1 (health /health, metrics /metrics)")
         except Exception as e:  # noqa: BLE001 - reported, and the server stops with exit code 1
@@ -345,18 +351,34 @@ def _stop_group(leader, code: int) -> None:
     multihost.exit_now(code or EXIT_RUNTIME)
 
 
-def _group_failed(state, reason: str) -> None:
-    """A process of the multi-host group is gone (called on the channel's watchdog thread): every request
-    ends with an error, /health answers 503 for FAILED_HEALTH_S so that probes see why, then the process exits
-    1 without waiting for the engine's thread, which a step blocked in a collective with the lost process
-    holds for good."""
+def _watch_group(leader, state, server):
+    """Hands the channel's watchdog the engine's progress (a group whose step is stuck fails) and the group's
+    failure, which it returns for the engine's loop (a step that raised on the leader fails the group too)."""
+    leader.stuck = lambda: state.loop.stuck() if state.loop is not None else None
+    leader.on_failure = lambda reason: _group_failed(state, reason, server)
+    return leader.on_failure
+
+
+_failing = threading.Lock()
+
+
+def _group_failed(state, reason: str, server) -> None:
+    """The multi-host group cannot step any more (a process gone or not stepping, found by the channel's
+    watchdog, or a step that raised on the engine's thread); the first call acts, once: the engine's thread is
+    told to fail every request (it does when its step returns), the server ends the open ones now on its event
+    loop, /health answers 503 for FAILED_HEALTH_S so that probes see why, then the process exits 1 without
+    waiting for the engine's thread, which a step blocked in a collective holds for good."""
     from trainer.serve import multihost
 
-    _progress(f"{reason}: the group cannot step without it; failing every request and exiting")
+    if not _failing.acquire(blocking=False):
+        return
+    _progress(f"{reason}: the group cannot go on; failing every request and exiting")
     state.failed = reason
     state.draining = True
     if state.loop is not None:
-        state.loop.abort(f"the serving group lost a process: {reason}")
+        state.loop.fail(f"the serving group failed: {reason}")
+    if server.event_loop is not None:
+        server.event_loop.call_soon_threadsafe(state.expire)
     time.sleep(FAILED_HEALTH_S)
     multihost.exit_now(EXIT_RUNTIME)
 
@@ -378,6 +400,12 @@ def _draining_server(config, state, grace_seconds: float):
                       "error")
 
     class DrainingServer(uvicorn.Server):
+        event_loop = None  # the server's, once it starts: where other threads hand it work
+
+        async def startup(self, sockets=None):
+            self.event_loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
         def handle_exit(self, sig, frame):
             state.draining = True
             super().handle_exit(sig, frame)

@@ -13,10 +13,14 @@ broadcast is a collective (it blocks forever when a peer is gone, and compiles f
 socket reports a dead peer as end-of-file at once. The leader listens on a free port, which it gives the
 workers in one broadcast at start-up, until every worker has joined. Frames are a JSON header and the
 arrays' raw bytes (never pickle: nothing received is executed). Workers send a heartbeat byte a second;
-the leader's watchdog takes end-of-file, an error or HEARTBEAT_SILENCE_S of silence as the group failing,
-and its owner (trainer/serve/cli.py) fails the requests, answers 503 on /health and exits non-zero: a step
-blocked in a collective with a dead peer never returns, so nothing waits for it. A worker exits 0 when the
-leader says stop, non-zero when the leader goes away.
+the leader's watchdog takes end-of-file, an error or HEARTBEAT_SILENCE_S of silence as the group failing.
+A heartbeat shows a process alive, not stepping: a worker that stops stepping (or a leader whose own step
+failed after its workers were handed the call) leaves the others waiting in a collective, so the watchdog
+also asks the engine whether its step is stuck (trainer.serve.loop: no step completed for --step-timeout
+seconds), and a step that raises on the leader fails the group too. On any of these its owner
+(trainer/serve/cli.py) fails the requests, answers 503 on /health and exits non-zero: a step blocked in a
+collective never returns, so nothing waits for it. A worker exits 0 when the leader says stop, non-zero
+when its own step fails or the leader goes away.
 
 Under Pathways (JAX_PLATFORMS=proxy) one controller drives the whole slice: no group, no channel.
 
@@ -26,6 +30,9 @@ The group's environment, as a LeaderWorkerSet sets it (README: Serving):
   LWS_LEADER_ADDRESS      the leader's address (no port)
   JAX_COORDINATOR_ADDRESS HOST:PORT of jax.distributed's coordinator [LWS_LEADER_ADDRESS:8476]
   MOE_SERVE_LOCAL_DEVICES CPU only: fake XLA devices of this process
+  MOE_SERVE_FAULT         tests only: hold:PATH or fail:PATH, this process's next program call, once PATH
+                          exists, holds for ever (its heartbeat going on) or raises (the leader's after
+                          handing it to the workers)
 """
 
 from __future__ import annotations
@@ -215,10 +222,13 @@ def _exchange_port(port: int) -> int:
 class Leader:
     """The leader's end of the channel: hands each program call to the workers (`mirror`, the runner's
     `on_call`), watches them (a thread), tells them to stop. `on_failure(reason)` is called once, on the
-    watchdog's thread, when a worker is gone while the group serves."""
+    watchdog's thread, when a worker is gone while the group serves, or when `stuck()` (set by the owner:
+    the engine's loop) gives a reason."""
 
     def __init__(self, group: Group, on_failure: Callable[[str], None] | None = None):
         self.group, self.on_failure = group, on_failure
+        self.stuck: Callable[[], str | None] | None = None
+        self._fault = fault_of(os.environ)
         self.workers: dict[int, socket.socket] = {}
         self.stopping = threading.Event()
         self.failed: str | None = None
@@ -272,6 +282,8 @@ class Leader:
                 sock.sendall(frame)
             except OSError as e:
                 raise RuntimeError(f"worker {index} of the serving group is gone ({e.strerror or e})") from None
+        if self._fault is not None:
+            self._fault()
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
         """Tells the workers to stop; True when each closed its end within `timeout`."""
@@ -308,6 +320,9 @@ class Leader:
             if silent and not self.stopping.is_set():
                 return self._fail(f"worker {silent[0]} of the serving group sent nothing for "
                                   f"{HEARTBEAT_SILENCE_S:g} s")
+            stuck = self.stuck() if self.stuck is not None and not self.stopping.is_set() else None
+            if stuck:
+                return self._fail(f"the serving group stopped stepping: {stuck}")
         self._all_closed.set()
 
     def _fail(self, reason: str) -> None:
@@ -326,6 +341,7 @@ class Worker:
         self.group = group
         self.sock: socket.socket | None = None
         self.stopping = threading.Event()
+        self._fault = fault_of(os.environ)
 
     def connect(self, timeout: float = CONNECT_TIMEOUT_S) -> Worker:
         port = _exchange_port(0)
@@ -360,6 +376,8 @@ class Worker:
                 self.stopping.set()
                 self.sock.close()
                 return 0
+            if self._fault is not None:
+                self._fault()
             run(name, *inputs)
 
     def _heartbeat(self) -> None:
@@ -373,6 +391,24 @@ class Worker:
                     return
                 print(f"serve: the leader of the serving group is gone ({e.strerror or e}): exiting", file=sys.stderr)
                 exit_now(1)
+
+
+def fault_of(env: Mapping[str, str]) -> Callable[[], None] | None:
+    """MOE_SERVE_FAULT's fault point (tests only; see the module's docstring), or None when unset: called before
+    each program call of this process (a worker's) or after handing it to the workers (the leader's)."""
+    action, _, path = env.get("MOE_SERVE_FAULT", "").partition(":")
+    if action not in ("hold", "fail") or not path:
+        return None
+
+    def fault() -> None:
+        if not os.path.exists(path):
+            return
+        print(f"serve: MOE_SERVE_FAULT={action}:{path}: this process's step {action}s", file=sys.stderr)
+        while action == "hold":
+            time.sleep(3600)
+        raise RuntimeError(f"the step failed (MOE_SERVE_FAULT={action}:{path})")
+
+    return fault
 
 
 def leave(code: int) -> None:

@@ -174,11 +174,17 @@ async def run_to_end(state, req) -> Any:
             req.cancelled = True  # the client went away (or the grace ran out): its slot frees at the next step
     state.metrics.finished(req)
     if req.finish_reason is None:
-        raise APIError(503, "the server is shutting down and this request did not finish within its grace "
-                            "period (--grace-seconds)", kind="service_unavailable")
+        raise APIError(503, _cut_short(state, "request"), kind="service_unavailable")
     if req.finish_reason == "error":
         raise APIError(500, f"the request failed: {req.error}", kind="server_error")
     return req
+
+
+def _cut_short(state, what: str) -> str:
+    """Why the server ended a request before the engine did: the group failed, or the grace period ran out."""
+    if state.failed:
+        return f"the request failed: {state.failed}"
+    return f"the server is shutting down and this {what} did not finish within its grace period (--grace-seconds)"
 
 
 def _check_choices(state, body, prompts: list, logprobs: int | None, echo: bool) -> None:
@@ -274,9 +280,7 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool, logprob
             req.cancelled = True
     state.metrics.finished(req)
     if req.finish_reason in (None, "error"):
-        message = (f"the request failed: {req.error}" if req.finish_reason else
-                   "the server is shutting down and this stream did not finish within its grace period "
-                   "(--grace-seconds)")
+        message = f"the request failed: {req.error}" if req.finish_reason else _cut_short(state, "stream")
         error = {"message": message, "type": "server_error", "param": None, "code": None}
         yield f"data: {json.dumps({'error': error})}\n\n"
     else:

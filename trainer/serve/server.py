@@ -12,8 +12,11 @@ Routes (trainer.serve.routes, trainer.serve.tokenizer_routes):
                                                (400) naming the field.
   GET  /v1/models                              the one model served
   POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer routes
-  GET  /health (and $AIP_HEALTH_ROUTE)         503 until the weights are loaded and the steps compiled, and
-                                               once a multi-host group has lost a process
+  GET  /health (and $AIP_HEALTH_ROUTE)         503 until the weights are loaded and the steps compiled, while
+                                               the engine is stuck (no step done for --step-timeout s), and
+                                               once a multi-host group has lost a process or stopped stepping
+  GET  /livez                                  liveness: 503 while the engine is stuck or once the group failed
+                                               (200 while loading or draining)
   GET  /metrics                                Prometheus text, vLLM's metric names
   POST $AIP_PREDICT_ROUTE (default /predict)   {"instances": [completion or chat request, ...]} ->
                                                {"predictions": [{"text", "finish_reason", "usage"}, ...]}
@@ -96,9 +99,9 @@ class ServerState:
         return self.loop.engine.max_len if self.loop is not None else None
 
     def expire(self) -> int:
-        """Ends every open request with an error (the grace period ran out): streams get an error event,
-        others a 503, and nothing is logged per request. Call on the event loop. Returns how many there were
-        (the caller's one line)."""
+        """Ends every open request with an error (the grace period ran out, or the group failed): streams get
+        an error event, others a 503, and nothing is logged per request. Call on the event loop. Returns how many
+        there were (the caller's one line)."""
         self.expired = True
         cut = [req for req in self.open if req.finish_reason is None]
         for req in cut:
@@ -242,6 +245,7 @@ def create_app(state: ServerState) -> FastAPI:
     health_routes = sorted({"/health", os.environ.get("AIP_HEALTH_ROUTE", "/health")})
     for route in health_routes:
         app.add_api_route(route, _health(state), methods=["GET"])
+    app.add_api_route("/livez", _live(state), methods=["GET"])
     app.add_api_route("/metrics", lambda: Response(state.metrics.render(), media_type=state.metrics.content_type),
                       methods=["GET"])
     routes.add(app, state)
@@ -250,12 +254,28 @@ def create_app(state: ServerState) -> FastAPI:
 
 def _health(state: ServerState):
     async def health():
-        if state.failed:
-            return JSONResponse({"status": "failed", "reason": state.failed}, status_code=503)
-        if state.draining:
+        if state.draining and not state.failed:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        if state.loop is None:
+        if state.loop is None and not state.failed:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ok"}
+        return _liveness(state)
 
     return health
+
+
+def _live(state):
+    async def live():
+        return _liveness(state)
+
+    return live
+
+
+def _liveness(state):
+    """503 naming why when the engine is stuck (trainer.serve.loop: no step completed, nor an idle turn, for
+    --step-timeout seconds) or the group failed; else 200."""
+    if state.failed:
+        return JSONResponse({"status": "failed", "reason": state.failed}, status_code=503)
+    stuck = state.loop.stuck() if state.loop is not None else None
+    if stuck:
+        return JSONResponse({"status": "stuck", "reason": stuck}, status_code=503)
+    return {"status": "ok"}

@@ -41,6 +41,11 @@ OBJECTS: dict[str, tuple[str, str, str | None]] = {
 SERVE_POOL_SUFFIX = "-serve"
 SERVICE_PORT = 8000  # the Service's port, in front of the container's SERVER_PORT
 HEALTH_PATH = "/health"
+# The server's liveness route: 503 once its engine has completed no step for --step-timeout seconds while it
+# had work (trainer/serve/loop.py), or its multi-host group failed; the probe restarts it (a group: every pod).
+LIVENESS_PATH = "/livez"
+LIVENESS_PERIOD_S = 10
+LIVENESS_FAILURES = 3
 METRICS_PATH = "/metrics"
 SCRAPE_INTERVAL = "15s"
 # The HPA's metric, spelled as Google's recipe for vLLM on GKE TPUs spells it: Managed Service for
@@ -78,6 +83,9 @@ class ServingSpec:
     termination_grace_s: int = TERMINATION_GRACE_S
     service_port: int = SERVICE_PORT
     health_path: str = HEALTH_PATH
+    liveness_path: str = LIVENESS_PATH
+    liveness_period_s: int = LIVENESS_PERIOD_S
+    liveness_failures: int = LIVENESS_FAILURES
     metrics_path: str = METRICS_PATH
     scrape_interval: str = SCRAPE_INTERVAL
     hpa_metric: str = HPA_METRIC
