@@ -121,3 +121,23 @@ def test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers
     weights, _ = restore_weights(served, str(run / "checkpoints"))
     assert weights["params"][w_in].sharding.spec[1] == "expert"
     assert all(np.array_equal(np.asarray(weights["params"][n]), tuned[n]) for n in tuned)
+
+
+
+def test_import_makes_the_directory_of_its_output_and_a_failed_one_leaves_none(hub, tmp_path):
+    """`hf import -o runs/x` failed until runs/ existed; now runs/ is made, and removed again with the rest when
+    the import fails (here the failure is raised inside the block that makes them)."""
+    from trainer.hf.cli import main
+    from trainer.hf.convert import made_parents
+    from trainer.hf.errors import HFError
+
+    main(["import", str(hub / "hub"), "-o", str(tmp_path / "runs" / "deep" / "x")])
+    assert (tmp_path / "runs" / "deep" / "x" / "checkpoints").is_dir()
+    with pytest.raises(HFError), made_parents(str(tmp_path / "other" / "runs" / "x")) as parent:
+        assert parent == str(tmp_path / "other" / "runs")
+        raise HFError("a bad tensor")
+    assert not (tmp_path / "other").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(HFError, match=f"-o {tmp_path / 'file' / 'x'}: cannot make its directory"), made_parents(
+            str(tmp_path / "file" / "x")):
+        pass
