@@ -294,7 +294,7 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
     import jax
 
     from trainer import sharding
-    from trainer.config import ConfigError, load_config
+    from trainer.config import ConfigError, load_config, with_absolute_paths
     from trainer.train import RunSpec
 
     extra = [f"train.seed={seed}"] if seed is not None else []
@@ -304,6 +304,7 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
         raise click.UsageError(str(e)) from None
     if init_from is not None:  # a path as given (no YAML reading of it, as --set would do)
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": init_from})})
+    cfg = with_absolute_paths(cfg)  # the run's config.json then works from any directory
     available = len(jax.devices())
     if devices is not None and devices > available:
         raise click.UsageError(f"--devices {devices}: jax already runs with {available} devices")

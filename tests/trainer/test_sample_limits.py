@@ -127,7 +127,10 @@ def test_a_dataset_prepared_again_after_training_is_noticed_where_its_tokenizer_
     with pytest.raises(RunError, match=f"the dataset at data.path '{tmp_path / 'ds'}' is not the one the run"):
         load(str(run), tokenizer_path=None, mesh_text=None, slots=1, max_len=32, chunk=16, kv_dtype=None,
              quantized=None, device_memory_gb=None, progress=print)
-    # The run as trained (5% held out: its fingerprint carries that too) samples as ever.
+    # The run as trained (5% held out: its fingerprint carries that too) samples as ever, from another directory
+    # than the one it trained in with data.path=ds: its config.json keeps that path absolute.
+    config = json.loads((trained_on_prepared.output_dir / "config.json").read_text())
+    assert config["data"]["path"] == str(trained_on_prepared.dataset)
     assert sample(trained_on_prepared.output_dir, "--prompt", "the cat", "--tokens", "2").exit_code == 0
 
 
