@@ -54,6 +54,22 @@ def load_run_config(path: str):
         raise RunError(f"{path} is not a config: {e}") from None
 
 
+def context_of(cfg, run: RunDirectory | None) -> tuple[int, str]:
+    """(the positions a checkpoint's model takes, what says so), the one answer `sample` and `serve` give: an
+    imported Hugging Face model's `max_position_embeddings` (its hf/config.json, which the import keeps), else
+    data.seq_len, the length the run was trained on (positions past it mean nothing to the model)."""
+    hub = run.hub if run is not None else None
+    if hub:
+        try:
+            with open(os.path.join(hub, "config.json"), encoding="utf-8") as f:
+                positions = json.load(f).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            positions = None
+        if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
+            return positions, f"max_position_embeddings={positions} in {os.path.join(hub, 'config.json')}"
+    return cfg.data.seq_len, f"data.seq_len={cfg.data.seq_len}, the length it was trained on"
+
+
 class Codec:
     """Text <-> token ids as the run's data saw them: with no --tokenizer, the tokenizer of the run's dataset,
     checked (with `checkpoints`) to be the one the run trained with."""

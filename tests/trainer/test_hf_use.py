@@ -62,8 +62,9 @@ def test_init_from_a_hub_directory_refuses_a_config_of_another_model(hub):
 
 @pytest.mark.compile_bound
 def test_sample_reads_an_imported_model_with_its_own_tokenizer(hub):
-    """`sample` on an import: the prompt's words through the model's tokenizer.json, greedy tokens as
-    transformers generates them, decoded by the same tokenizer."""
+    """`sample` on an import: the prompt's words through the model's tokenizer.json, kept whole up to the model's
+    context (max_position_embeddings, not the import's data.seq_len of 64: 100 tokens were cut to their last 64),
+    greedy tokens as transformers generates them, decoded by the same tokenizer."""
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -71,10 +72,11 @@ def test_sample_reads_an_imported_model_with_its_own_tokenizer(hub):
     from trainer.sample import sample_command
 
     tokenizer = Tokenizer.from_file(str(hub / "hub" / "tokenizer.json"))
-    prompt = "w5 w17 w99 w3 w64"
+    prompt = " ".join(f"w{(i * 37) % (VOCAB - 1) + 1}" for i in range(100))
     result = CliRunner().invoke(sample_command, ["--checkpoint", str(hub / "imported"), "--prompt", prompt,
                                                  "--tokens", "12", "--temperature", "0"])
     assert result.exit_code == 0, result.output
+    assert "exceed the model's context" not in result.output
     model = transformers.AutoModelForCausalLM.from_pretrained(hub / "hub", attn_implementation="eager").eval()
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     with torch.no_grad():

@@ -97,6 +97,8 @@ def test_a_prompt_longer_than_the_models_context_is_cut_to_its_last_tokens_sayin
     continued, and the command says so."""
     result = sample(trained_tiny.output_dir, "--prompt", "3 " * 5000, "--tokens", "2", "--temperature", "0")
     assert result.exit_code == 0, result.output
+    # the text alone on stdout: a newline after it would read as one the model wrote (stderr ends the line)
+    assert len(result.stdout.split()) == 2 and not result.stdout.endswith("\n")
     assert ("--prompt: its 5,000 tokens exceed the model's context (data.seq_len=64, the length it was trained "
             "on): its last 64 are continued") in result.output
 

@@ -37,11 +37,10 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     import jax
 
     from trainer import meshspec, sharding
-    from trainer.run_loader import Codec, find_run, load_run_config
-    from trainer.serve import quant, quant4
+    from trainer.run_loader import Codec, context_of, find_run, load_run_config
     from trainer.serve.engine import Engine, RequestError
     from trainer.serve.prefix import BLOCK
-    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
+    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights, stored_as
 
     run = find_run(directory)
     checkpoints, cfg = run.checkpoints, load_run_config(run.config)
@@ -50,6 +49,10 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), checkpoints=checkpoints)
     chat_template = _hub_chat_template(run)
     eos_id, eos_token = end_of_document(cfg, codec, run)
+    context, what = context_of(cfg, run)  # as `sample` reads it
+    if max_len > context:
+        progress(f"note: --max-len {max_len:,} reaches past the model's context ({what}); a request may use "
+                 "positions the model never learnt")
     devices = jax.devices()
     # By default the experts spread over as many devices as divide them; the rest replicate them (data).
     expert = math.gcd(len(devices), cfg.moe.num_experts)
@@ -84,8 +87,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     except WeightsError as e:
         raise ServeError(str(e)) from None
     progress(f"read the checkpoint at step {step}")
-    if quantized:  # int8 or int4 (--weights)
-        weights = {**weights, "params": {"int8": quant, "int4": quant4}[quantized].quantize_params(weights["params"])}
+    weights = stored_as(weights, quantized)  # int8 or int4 (--weights), as `sample --weights` stores them
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
                         detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens)
