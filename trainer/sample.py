@@ -26,7 +26,7 @@ import sys
 
 import click
 
-from trainer.run_loader import Codec, RunError, context_of, find_run, load_run_config
+from trainer.run_loader import Codec, RunError, context_of, end_of_document, find_run, load_run_config
 from trainer.serve.memory import QUANTIZED_WEIGHTS
 
 # Positions are int32 in the engine's decode step.
@@ -149,7 +149,6 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, weight_f
       python -m trainer.sample --checkpoint runs/demo --prompt "The" --temperature 0 --weights int4 --output json
     """
     from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
-    from trainer.serve.startup import end_of_document
 
     run = find_run(directory)
     cfg = load_run_config(run.config)

@@ -143,3 +143,36 @@ def test_import_makes_the_directory_of_its_output_and_a_failed_one_leaves_none(h
     with pytest.raises(HFError, match=f"-o {tmp_path / 'file' / 'x'}: cannot make its directory"), made_parents(
             str(tmp_path / "file" / "x")):
         pass
+
+
+def test_serve_takes_a_hugging_face_directory_through_an_import_it_caches(hub, tmp_path, monkeypatch):
+    """`serve --checkpoint HF_DIR` exited 2, "holds no checkpoint": now the directory is imported once into the
+    cache ($MOE_TPU_CACHE) and served from there, with its tokenizer and chat template (here the server stops
+    at its memory check, past the import); a second start reads the cached import, the same parameters."""
+    import os
+    import shutil
+    import socket
+
+    from trainer.hf.orbax_io import open_run
+    from trainer.run_loader import find_run, load_run_config
+    from trainer.serve.chat import hub_chat_template
+    from trainer.serve.cli import serve_command
+
+    monkeypatch.setenv("MOE_TPU_CACHE", str(tmp_path / "cache"))
+    model = shutil.copytree(hub / "hub", tmp_path / "model")
+    (model / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(serve_command, ["--checkpoint", str(model), "--port", str(port),
+                                                "--device-memory-gb", "0.00001"])
+    assert result.exit_code == 2 and "the model does not fit a device" in result.output, result.output
+    assert f"{model} is a Hugging Face checkpoint: importing it into {tmp_path / 'cache' / 'hf'}" in result.output
+    seen = []
+    run = find_run(str(model), progress=seen.append)
+    assert seen == [] and run.path.startswith(str(tmp_path / "cache" / "hf"))  # the cached import, as it was
+    assert load_run_config(run.config) == load_run_config(str(hub / "imported" / "config.json"))
+    assert hub_chat_template(run.hub) is not None and os.path.isfile(os.path.join(run.hub, "tokenizer.json"))
+    ours, theirs = open_run(run.path, None), open_run(str(hub / "imported"), None)
+    assert all(np.array_equal(a, theirs.read({n})[n]) for n, a in ours.read(set(ours.shapes)).items())
