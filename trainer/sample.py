@@ -120,7 +120,8 @@ def generate(model, weights, prompt: list[int], tokens: int, *, temperature: flo
 
 @click.command("sample", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--checkpoint", "directory", required=True, metavar="DIR",
-              help="A run's output directory (or the checkpoints directory in it), local or gs://.")
+              help="A run's output directory (or the checkpoints directory in it), local or gs://, or a "
+                   "Hugging Face checkpoint's directory (imported once into a cache).")
 @click.option("--prompt", required=True, help="The text to continue (token ids separated by spaces for data "
                                               "without a tokenizer).")
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,

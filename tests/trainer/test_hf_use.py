@@ -148,7 +148,7 @@ def test_import_makes_the_directory_of_its_output_and_a_failed_one_leaves_none(h
 def test_serve_takes_a_hugging_face_directory_through_an_import_it_caches(hub, tmp_path, monkeypatch):
     """`serve --checkpoint HF_DIR` exited 2, "holds no checkpoint": now the directory is imported once into the
     cache ($MOE_TPU_CACHE) and served from there, with its tokenizer and chat template (here the server stops
-    at its memory check, past the import); a second start reads the cached import, the same parameters."""
+    at its --mesh, past the import and the chat template); a second start reads the cached import, the same parameters."""
     import os
     import shutil
     import socket
@@ -166,8 +166,8 @@ def test_serve_takes_a_hugging_face_directory_through_an_import_it_caches(hub, t
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = CliRunner().invoke(serve_command, ["--checkpoint", str(model), "--port", str(port),
-                                                "--device-memory-gb", "0.00001"])
-    assert result.exit_code == 2 and "the model does not fit a device" in result.output, result.output
+                                                "--mesh", "data=1,expert=3"])  # refused past the import, cheaply
+    assert result.exit_code == 2 and "--mesh data=1,expert=3" in result.output, result.output
     assert f"{model} is a Hugging Face checkpoint: importing it into {tmp_path / 'cache' / 'hf'}" in result.output
     seen = []
     run = find_run(str(model), progress=seen.append)
