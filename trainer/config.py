@@ -280,6 +280,23 @@ class Config(Section):
         return self.model_dump()
 
 
+def with_absolute_paths(cfg: Config, base: str | None = None) -> Config:
+    """`cfg` with its local paths (data.path, data.eval_path, train.init_from) made absolute from `base` (the
+    working directory): a run keeps them so, and its config.json then means the same files from any
+    directory, for `sample`, `serve`, a resumed run and a deploy alike. URLs (gs://) are left as they are."""
+    import os
+
+    def absolute(path: str | None) -> str | None:
+        if not path or "://" in path or os.path.isabs(path):
+            return path
+        return os.path.normpath(os.path.join(base or os.getcwd(), path))
+
+    data = {k: absolute(getattr(cfg.data, k)) for k in ("path", "eval_path")}
+    train = {"init_from": absolute(cfg.train.init_from)}
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update=data),
+                                  "train": cfg.train.model_copy(update=train)})
+
+
 def printable(text: str) -> str:
     """`text` with its control characters (terminal escapes above all) written as escapes: a value from a
     config is echoed in messages, and must not drive the user's terminal."""

@@ -54,8 +54,8 @@ def trained_tiny(tmp_path_factory, worker_id):
 def trained_on_prepared(tmp_path_factory, worker_id):
     """`tiny` trained 150 steps through the command line on a corpus that `data prepare` made (4,000 short
     English-like documents, a byte-level BPE of 320 tokens, 5% held out and evaluated every 50 steps, steps
-    3-5 profiled): its dataset, its output directory and the records arguments it trained with. Read them,
-    never write into them. Trained once per test run (once_per_run)."""
+    3-5 profiled; data.path given relative to the directory it trained in): its dataset, its output directory
+    and the records arguments it trained with (data.path absolute). Read them, never write into them. Trained once per test run (once_per_run)."""
     from text_corpus import corpus
     from trainer.cli import train_command
     from trainer.prepare import prepare_command
@@ -65,14 +65,22 @@ def trained_on_prepared(tmp_path_factory, worker_id):
                 f"data.path={tmp / 'ds'}", "--set", "data.eval_share=0.05"]
 
     def make(tmp):
+        import os
+
         (tmp / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(4000)))
         prepared = CliRunner().invoke(prepare_command, [str(tmp / "docs.jsonl"), "-o", str(tmp / "ds"),
                                                         "--vocab-size", "320", "--quiet"])
         assert prepared.exit_code == 0, prepared.output
-        result = CliRunner().invoke(train_command, [
-            *records(tmp), "--set", "model.vocab_size=320", "--set", "train.eval_every=50",
-            "--set", "train.eval_batches=2", "--set", "train.log_every=10", "--set", "train.profile_steps=[3, 5]",
-            "--steps", "150", "--output-dir", str(tmp / "out"), "--metrics", str(tmp / "m.jsonl")])
+        here = os.getcwd()
+        os.chdir(tmp)  # data.path given relative to the directory trained in, as the README writes it
+        try:
+            result = CliRunner().invoke(train_command, [
+                *records(tmp), "--set", "data.path=ds", "--set", "model.vocab_size=320", "--set",
+                "train.eval_every=50", "--set", "train.eval_batches=2", "--set", "train.log_every=10",
+                "--set", "train.profile_steps=[3, 5]", "--steps", "150", "--output-dir", str(tmp / "out"),
+                "--metrics", str(tmp / "m.jsonl")])
+        finally:
+            os.chdir(here)
         assert result.exit_code == 0, result.output
         return result.output
 

@@ -62,8 +62,9 @@ def test_init_from_a_hub_directory_refuses_a_config_of_another_model(hub):
 
 @pytest.mark.compile_bound
 def test_sample_reads_an_imported_model_with_its_own_tokenizer(hub):
-    """`sample` on an import: the prompt's words through the model's tokenizer.json, greedy tokens as
-    transformers generates them, decoded by the same tokenizer."""
+    """`sample` on an import: the prompt's words through the model's tokenizer.json, kept whole up to the model's
+    context (max_position_embeddings, not the import's data.seq_len of 64: 100 tokens were cut to their last 64),
+    greedy tokens as transformers generates them, decoded by the same tokenizer."""
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -71,10 +72,11 @@ def test_sample_reads_an_imported_model_with_its_own_tokenizer(hub):
     from trainer.sample import sample_command
 
     tokenizer = Tokenizer.from_file(str(hub / "hub" / "tokenizer.json"))
-    prompt = "w5 w17 w99 w3 w64"
+    prompt = " ".join(f"w{(i * 37) % (VOCAB - 1) + 1}" for i in range(100))
     result = CliRunner().invoke(sample_command, ["--checkpoint", str(hub / "imported"), "--prompt", prompt,
                                                  "--tokens", "12", "--temperature", "0"])
     assert result.exit_code == 0, result.output
+    assert "exceed the model's context" not in result.output
     model = transformers.AutoModelForCausalLM.from_pretrained(hub / "hub", attn_implementation="eager").eval()
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     with torch.no_grad():
@@ -121,3 +123,56 @@ def test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers
     weights, _ = restore_weights(served, str(run / "checkpoints"))
     assert weights["params"][w_in].sharding.spec[1] == "expert"
     assert all(np.array_equal(np.asarray(weights["params"][n]), tuned[n]) for n in tuned)
+
+
+
+def test_import_makes_the_directory_of_its_output_and_a_failed_one_leaves_none(hub, tmp_path):
+    """`hf import -o runs/x` failed until runs/ existed; now runs/ is made, and removed again with the rest when
+    the import fails (here the failure is raised inside the block that makes them)."""
+    from trainer.hf.cli import main
+    from trainer.hf.convert import made_parents
+    from trainer.hf.errors import HFError
+
+    main(["import", str(hub / "hub"), "-o", str(tmp_path / "runs" / "deep" / "x")])
+    assert (tmp_path / "runs" / "deep" / "x" / "checkpoints").is_dir()
+    with pytest.raises(HFError), made_parents(str(tmp_path / "other" / "runs" / "x")) as parent:
+        assert parent == str(tmp_path / "other" / "runs")
+        raise HFError("a bad tensor")
+    assert not (tmp_path / "other").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(HFError, match=f"-o {tmp_path / 'file' / 'x'}: cannot make its directory"), made_parents(
+            str(tmp_path / "file" / "x")):
+        pass
+
+
+def test_serve_takes_a_hugging_face_directory_through_an_import_it_caches(hub, tmp_path, monkeypatch):
+    """`serve --checkpoint HF_DIR` exited 2, "holds no checkpoint": now the directory is imported once into the
+    cache ($MOE_TPU_CACHE) and served from there, with its tokenizer and chat template (here the server stops
+    at its --mesh, past the import and the chat template); a second start reads the cached import, the same parameters."""
+    import os
+    import shutil
+    import socket
+
+    from trainer.hf.orbax_io import open_run
+    from trainer.run_loader import find_run, load_run_config
+    from trainer.serve.chat import hub_chat_template
+    from trainer.serve.cli import serve_command
+
+    monkeypatch.setenv("MOE_TPU_CACHE", str(tmp_path / "cache"))
+    model = shutil.copytree(hub / "hub", tmp_path / "model")
+    (model / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(serve_command, ["--checkpoint", str(model), "--port", str(port),
+                                                "--mesh", "data=1,expert=3"])  # refused past the import, cheaply
+    assert result.exit_code == 2 and "--mesh data=1,expert=3" in result.output, result.output
+    assert f"{model} is a Hugging Face checkpoint: importing it into {tmp_path / 'cache' / 'hf'}" in result.output
+    seen = []
+    run = find_run(str(model), progress=seen.append)
+    assert seen == [] and run.path.startswith(str(tmp_path / "cache" / "hf"))  # the cached import, as it was
+    assert load_run_config(run.config) == load_run_config(str(hub / "imported" / "config.json"))
+    assert hub_chat_template(run.hub) is not None and os.path.isfile(os.path.join(run.hub, "tokenizer.json"))
+    ours, theirs = open_run(run.path, None), open_run(str(hub / "imported"), None)
+    assert all(np.array_equal(a, theirs.read({n})[n]) for n, a in ours.read(set(ours.shapes)).items())

@@ -139,15 +139,47 @@ def iter_params(model: HubModel) -> Iterator[tuple[str, np.ndarray]]:
 
 
 @contextlib.contextmanager
+def made_parents(output: str) -> Iterator[str]:
+    """OUTPUT's directory (`-o runs/x` makes runs/), made where it is missing; the directories made are removed
+    again when the block fails (nothing of the command is left). Yields the directory."""
+    parent = os.path.dirname(os.path.abspath(output))
+    missing = []
+    at = parent
+    while not os.path.isdir(at) and at != os.path.dirname(at):
+        missing.append(at)
+        at = os.path.dirname(at)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        _remove_empty(missing)
+        raise HFError(f"-o {output}: cannot make its directory {parent}: {e.strerror or e}") from None
+    try:
+        yield parent
+    except BaseException:
+        _remove_empty(missing)
+        raise
+
+
+def _remove_empty(directories: list[str]) -> None:
+    """The directories made_parents made, innermost first, each where it is still empty."""
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+@contextlib.contextmanager
 def staged(output: str) -> Iterator[str]:
     """A temporary directory beside OUTPUT that becomes OUTPUT when the block succeeds, and is removed
-    when it fails. OUTPUT must not exist, or be an empty directory."""
+    when it fails. OUTPUT must not exist, or be an empty directory; its directory is made where missing."""
     output = os.path.abspath(output)
     if os.path.lexists(output) and not (os.path.isdir(output) and not os.listdir(output)):
         raise HFError(f"-o {output} exists and is not an empty directory: give a new one")
-    parent = os.path.dirname(output)
-    if not os.path.isdir(parent):
-        raise HFError(f"-o {output}: its directory {parent} does not exist")
+    with made_parents(output) as parent, _staged(output, parent) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _staged(output: str, parent: str) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=parent)
     try:
         yield tmp
@@ -238,14 +270,12 @@ def import_checkpoint(source: str, output: str) -> dict:
     """SRC (a Hugging Face directory, local or gs://) -> OUTPUT, a trainer checkpoint; returns what was done.
     A gs:// source is first copied beside OUTPUT (and removed after)."""
     if "://" in source:
-        parent = os.path.dirname(os.path.abspath(output))
-        if not os.path.isdir(parent):
-            raise HFError(f"-o {output}: its directory {parent} does not exist")
-        download = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.download-", dir=parent)
-        try:
-            return import_checkpoint(fetched(source, download), output)
-        finally:
-            shutil.rmtree(download, ignore_errors=True)
+        with made_parents(output) as parent:
+            download = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.download-", dir=parent)
+            try:
+                return import_checkpoint(fetched(source, download), output)
+            finally:
+                shutil.rmtree(download, ignore_errors=True)
     model = open_hub(source)
     with staged(output) as tmp:
         save_params(os.path.join(tmp, CHECKPOINTS_DIR), iter_params(model), model.cfg,
