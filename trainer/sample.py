@@ -134,9 +134,9 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenize
     """
     run = find_run(directory)
     cfg = load_run_config(run.config)
-    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
+    from trainer.sidefiles import tokenizer_file  # the model's own (an import, a fine-tune of one)
 
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), any_tokenizer, checkpoints=run.checkpoints)
+    codec = Codec(cfg, tokenizer_path or tokenizer_file(run), any_tokenizer, checkpoints=run.checkpoints)
     ids = codec.encode(prompt)
     if not ids:
         raise SampleError("--prompt: the prompt has no tokens")

@@ -45,9 +45,9 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
 
     run = find_run(directory)
     checkpoints, cfg = run.checkpoints, load_run_config(run.config)
-    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
+    from trainer.sidefiles import tokenizer_file  # the model's own (an import, a fine-tune of one)
 
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), checkpoints=checkpoints)
+    codec = Codec(cfg, tokenizer_path or tokenizer_file(run), checkpoints=checkpoints)
     chat_template = _hub_chat_template(run)
     eos_id, eos_token = end_of_document(cfg, codec, run)
     devices = jax.devices()
@@ -98,9 +98,9 @@ def end_of_document(cfg, codec, run=None) -> tuple[int | None, str | None]:
     """The end-of-document token the run's data put after each document ((id, text)), at which generation
     stops: an imported Hugging Face model's own eos_token_id, else the prepared dataset's; (None, None) for
     data without documents (bytes of one text, token arrays, synthetic)."""
-    from trainer.hf.orbax_io import imported_eos
+    from trainer.sidefiles import eos_token_id
 
-    hub = imported_eos(run) if run is not None else None
+    hub = eos_token_id(run) if run is not None else None
     if hub is not None:
         return hub, codec.decode([hub]) if codec.tokenizer is not None else None
     if cfg.data.source != "records":
