@@ -356,7 +356,13 @@ def _fresh_state(trainer: Trainer, init_from: str | None, reporter: Reporter, st
 
     state, source = fine_tune.initial_state(trainer, init_from)
     if output_dir and jax.process_index() == 0:
-        carried = sidefiles.carry(init_from, output_dir)
+        try:
+            carried = sidefiles.carry(init_from, output_dir)
+        except OSError as e:  # a full disk: a runtime failure (exit 1), said in the system's words
+            from trainer.checkpoint import CheckpointError
+
+            raise CheckpointError(f"cannot copy the model's own files (tokenizer, chat template) from {init_from} "
+                                  f"into {output_dir}: {e.strerror or e}") from None
         if carried:
             reporter.info(f"carried the model's own files from {init_from}: {', '.join(carried)}")
     status.initialized_from(source.as_dict())
