@@ -135,14 +135,18 @@ def hub_config(run: RunDirectory) -> dict:
 
 
 def export(run: RunDirectory, cfg, target: str) -> dict:
-    """The side files of an export, written into `target`: the model's own (HUB_DIR) as they are; else, for a
-    run trained on a prepared dataset, its tokenizer.json with a tokenizer_config.json (PreTrainedTokenizerFast,
-    the dataset's end-of-document token as eos) that transformers' AutoTokenizer loads. Returns {"files":
-    their names, "eos_token_id": the dataset's (None for the model's own), "note": why there is no tokenizer}."""
-    if run.hub:
-        return {"files": copy_files(run.hub, target), "eos_token_id": None, "note": None}
+    """The side files of an export, written into `target`: the model's own (HUB_DIR) as they are; where they
+    hold no tokenizer and the run trained on a prepared dataset, its tokenizer.json with a tokenizer_config.json
+    (PreTrainedTokenizerFast, the dataset's end-of-document token as eos) that transformers' AutoTokenizer
+    loads. Returns {"files": their names, "eos_token_id": the dataset's (None for the model's own), "note": why
+    there is no tokenizer}."""
+    own = copy_files(run.hub, target) if run.hub else []
+    if TOKENIZER in own or "tokenizer.model" in own:
+        return {"files": own, "eos_token_id": None, "note": None}
     if cfg.data.source != "records":
-        return {"files": [], "eos_token_id": None, "note": f"the run's data (data.source={cfg.data.source}) has none"}
+        where = "the model's own files hold none and " if run.hub else ""
+        return {"files": own, "eos_token_id": None, "note": f"{where}the run's data (data.source={cfg.data.source}) "
+                                                            "has none"}
     from trainer.datasets import inside, load_manifest
 
     try:
@@ -153,7 +157,7 @@ def export(run: RunDirectory, cfg, target: str) -> dict:
 
         text = epath.Path(source).read_text()
     except Exception as e:  # noqa: BLE001 - a DataError, OSError, or a remote store's own: said, not raised
-        return {"files": [], "eos_token_id": None, "note": f"its dataset's cannot be read: {e}"}
+        return {"files": own, "eos_token_id": None, "note": f"its dataset's cannot be read: {e}"}
     with open(os.path.join(target, TOKENIZER), "w", encoding="utf-8") as f:
         f.write(text)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": manifest["eod_token"],
@@ -161,4 +165,4 @@ def export(run: RunDirectory, cfg, target: str) -> dict:
     with open(os.path.join(target, TOKENIZER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
-    return {"files": [TOKENIZER, TOKENIZER_CONFIG], "eos_token_id": manifest["eod_id"], "note": None}
+    return {"files": [*own, TOKENIZER, TOKENIZER_CONFIG], "eos_token_id": manifest["eod_id"], "note": None}
