@@ -294,7 +294,7 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
     import jax
 
     from trainer import sharding
-    from trainer.config import ConfigError, load_config, with_absolute_paths
+    from trainer.config import NO_DATA, ConfigError, load_config, with_absolute_paths
     from trainer.train import RunSpec
 
     extra = [f"train.seed={seed}"] if seed is not None else []
@@ -302,6 +302,8 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
         cfg = load_config(config_name, [*overrides, *extra])
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
+    if cfg.data.source == "none":  # an import's config: the data is the user's choice, never a silent default
+        raise click.UsageError(NO_DATA)
     if init_from is not None:  # a path as given (no YAML reading of it, as --set would do)
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": init_from})})
     cfg = with_absolute_paths(cfg)  # the run's config.json then works from any directory

@@ -154,8 +154,15 @@ class ModelConfig(Section):
 MAX_BATCH_TOKENS = 2**31 - 1  # a batch is one int32 array, indexed by int32 on the devices
 
 
+# What `train` says of a config that names no data (data.source: none, as `hf import` writes it).
+NO_DATA = ("data.source is none: this config names no data to train on (an imported model's config: its training "
+           "data is not in its checkpoint). Give a dataset `moe-tpu data prepare` wrote with the model's tokenizer, "
+           "--set data.source=records --set data.path=DIR, or ask for random tokens with --set data.source=synthetic")
+
+
 class DataConfig(Section):
-    source: Literal["synthetic", "text", "tokens", "records"] = "synthetic"
+    # none: no data chosen yet (an import's config); `train` refuses it (NO_DATA), `sample` and `serve` need none
+    source: Literal["synthetic", "text", "tokens", "records", "none"] = "synthetic"
     seq_len: Integer = Field(64, ge=2)
     global_batch_size: Positive = 16
     path: str = ""  # text: a glob of local files; tokens: a .npy or raw .bin file; records: a prepared dataset
@@ -326,6 +333,8 @@ def check(config: str, overrides: list[str], steps: int | None = None) -> None:
     Imports neither jax nor flax: the control plane calls it before it creates anything.
     """
     cfg = load_config(config, list(overrides))
+    if cfg.data.source == "none":
+        raise ConfigError(NO_DATA)
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
         raise ConfigError(f"steps must be an integer, got {steps!r}")
     if steps is None and cfg.train.steps < 1:

@@ -87,9 +87,9 @@ def end_of_document(cfg, codec, run=None) -> tuple[int | None, str | None]:
     """The end-of-document token the run's data put after each document ((id, text)), at which generation
     stops: an imported Hugging Face model's own eos_token_id, else the prepared dataset's; (None, None) for
     data without documents (bytes of one text, token arrays, synthetic)."""
-    from trainer.hf.orbax_io import imported_eos
+    from trainer.sidefiles import eos_token_id
 
-    hub = imported_eos(run) if run is not None else None
+    hub = eos_token_id(run) if run is not None else None
     if hub is not None:
         return hub, codec.decode([hub]) if codec.tokenizer is not None else None
     if cfg.data.source != "records":

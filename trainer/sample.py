@@ -149,11 +149,11 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, weight_f
       python -m trainer.sample --checkpoint gs://BUCKET/runs/demo --prompt "The" --temperature 0.7 --top-k 40
       python -m trainer.sample --checkpoint runs/demo --prompt "The" --temperature 0 --weights int4 --output json
     """
-    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
-
     run = find_run(directory)
     cfg = load_run_config(run.config)
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), any_tokenizer, checkpoints=run.checkpoints)
+    from trainer.sidefiles import tokenizer_file  # the model's own (an import, a fine-tune of one)
+
+    codec = Codec(cfg, tokenizer_path or tokenizer_file(run), any_tokenizer, checkpoints=run.checkpoints)
     ids = codec.encode(prompt)
     if not ids:
         raise SampleError("--prompt: the prompt has no tokens")

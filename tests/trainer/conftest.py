@@ -96,9 +96,11 @@ def trained_on_prepared(tmp_path_factory, worker_id):
 # test_trainer_cli 93 -> 69, test_trainer_multiprocess 30 -> 19, test_trainer_sample 41 -> 35. Modules
 # that train for hundreds of steps keep them (test_moe_balance's 300-step runs take twice as long
 # without; test_trainer_train and test_trainer_prepare gain nothing). The variable reaches the trainers
-# the tests start as processes.
+# the tests start as processes. test_hf_use's module fixture fine-tunes 20 steps on 8 devices (its train step
+# compiled in 53 s with them, far longer than its steps run).
 COMPILE_BOUND = {"test_moe_parallel", "test_moe_structure", "test_moe_layer", "test_moe_routing",
-                 "test_trainer_model", "test_trainer_cli", "test_trainer_multiprocess", "test_trainer_sample"}
+                 "test_trainer_model", "test_trainer_cli", "test_trainer_multiprocess", "test_trainer_sample",
+                 "test_hf_use"}
 
 
 @contextlib.contextmanager

@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from trainer import signals
-from trainer.config import Config
+from trainer import sidefiles, signals
+from trainer.config import Config, DataConfig
 from trainer.hf import deepseek, families, fp8, names
 from trainer.hf.errors import HFError, WriteError
 from trainer.hf.orbax_io import BIAS_SUFFIX, open_run, save_params
-from trainer.hf.safetensors_io import CONFIG, DTYPES, INDEX, SINGLE, TOKENIZER_FILES, HubReader, ShardWriter, read_json
-from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE, HUB_DIR
+from trainer.hf.safetensors_io import CONFIG, DTYPES, INDEX, SINGLE, HubReader, ShardWriter, read_json
+from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE, HUB_DIR, RunDirectory
 
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older saves hold; recomputed, never read
 
@@ -216,17 +216,6 @@ def _remove(tmp: str) -> None:
         time.sleep(0.1)
 
 
-def copy_side_files(source: str, target: str) -> list[str]:
-    os.makedirs(target, exist_ok=True)
-    copied = []
-    for name in TOKENIZER_FILES + (CONFIG,):
-        path = os.path.join(source, name)
-        if os.path.isfile(path):
-            shutil.copyfile(path, os.path.join(target, name))
-            copied.append(name)
-    return copied
-
-
 def fetched(source: str, into: str) -> str:
     """A gs:// (or other remote) Hugging Face prefix copied into the local directory `into`, a file at a time:
     config.json, the index and the shards it names (or model.safetensors), and the tokenizer files there are.
@@ -261,40 +250,54 @@ def fetched(source: str, into: str) -> str:
                               f"{source}")
     else:
         copy(SINGLE, True)
-    for name in TOKENIZER_FILES:
+    for name in sidefiles.TOKENIZER_FILES:
         copy(name, False)
     return into
 
 
-def import_checkpoint(source: str, output: str) -> dict:
+def import_checkpoint(source: str, output: str, seq_len: int | None = None) -> dict:
     """SRC (a Hugging Face directory, local or gs://) -> OUTPUT, a trainer checkpoint; returns what was done.
-    A gs:// source is first copied beside OUTPUT (and removed after)."""
+    The run's config names no data (data.source none: `train` asks for it) and the model's context,
+    max_position_embeddings, or `seq_len` where that is less. A gs:// source is first copied beside OUTPUT
+    (and removed after)."""
     if "://" in source:
         with made_parents(output) as parent:
             download = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.download-", dir=parent)
             try:
-                return import_checkpoint(fetched(source, download), output)
+                return import_checkpoint(fetched(source, download), output, seq_len)
             finally:
                 shutil.rmtree(download, ignore_errors=True)
     model = open_hub(source)
+    context = min(max_positions(model.hub), seq_len or MAX_CONTEXT)
+    cfg = model.cfg.model_copy(update={"data": DataConfig(source="none", seq_len=context)})
     with staged(output) as tmp:
         save_params(os.path.join(tmp, CHECKPOINTS_DIR), iter_params(model), model.cfg,
                     source=f"hf:{model.family.model_type}:{os.path.abspath(source)}",
                     names=[spec.param for group in names.all_specs(model.cfg, model.family, model.layouts)
                            for spec in group])
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
-            f.write(model.cfg.model_dump_json(indent=2) + "\n")
-        side = copy_side_files(source, os.path.join(tmp, HUB_DIR))
+            f.write(cfg.model_dump_json(indent=2) + "\n")
+        side = sidefiles.copy_files(source, os.path.join(tmp, HUB_DIR))
     skipped = sorted(n for n in model.reader.names() if deepseek.skipped(model.hub, n))
     return {"family": model.family.model_type, "output": os.path.abspath(output), "dtype": model.cfg.param_dtype,
-            "layouts": sorted(set(model.layouts)), "files": side, "skipped": skipped}
+            "layouts": sorted(set(model.layouts)), "files": side, "skipped": skipped, "seq_len": context}
+
+
+DEFAULT_POSITIONS = 4096  # a config.json without max_position_embeddings (transformers' default for most)
+MAX_CONTEXT = 2**31 - 1
+
+
+def max_positions(hub: dict) -> int:
+    """The model's context: config.json's max_position_embeddings (DEFAULT_POSITIONS where it names none)."""
+    value = hub.get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 2 else DEFAULT_POSITIONS
 
 
 def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_bytes: int = 5 * 10**9) -> dict:
     """A trainer run's (or an imported) checkpoint -> OUTPUT in the Hub's layout; returns what was done."""
     saved = open_run(run, step)
-    side = os.path.join(saved.run, HUB_DIR)
-    carried = read_json(os.path.join(side, CONFIG)) if os.path.isfile(os.path.join(side, CONFIG)) else {}
+    found = RunDirectory.at(saved.run)
+    carried = sidefiles.hub_config(found)  # the imported model's own config.json (its ids, its context)
     fam = families.family_of(saved.cfg, carried.get("model_type"))
     hub = families.hub_config(saved.cfg, fam, carried)
     with staged(output) as tmp:
@@ -306,12 +309,15 @@ def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_
                 for name, tensor in zip(spec.hub, spec.to_hub(values[spec.param]), strict=True):
                     writer.add(name, tensor)
         shards = writer.finish()
-        copied = copy_side_files(side, tmp) if os.path.isdir(side) else []
+        side = sidefiles.export(found, saved.cfg, tmp)
+        if side["eos_token_id"] is not None:  # the dataset's end-of-document token: where generation stops
+            hub.setdefault("eos_token_id", side["eos_token_id"])
         _write_json(os.path.join(tmp, CONFIG), hub)
-        if "generation_config.json" not in copied:
-            _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(hub))
+        if sidefiles.GENERATION_CONFIG not in side["files"]:
+            _write_json(os.path.join(tmp, sidefiles.GENERATION_CONFIG), _generation_config(hub))
     return {"family": fam.model_type, "step": saved.step, "output": os.path.abspath(output), "shards": len(shards),
-            "tokenizer": any(n.startswith("tokenizer") for n in copied)}
+            "tokenizer": sidefiles.TOKENIZER in side["files"] or "tokenizer.model" in side["files"],
+            "note": side["note"]}
 
 
 def _generation_config(hub: dict) -> dict:

@@ -305,25 +305,3 @@ def open_run(run: str, step: int | None) -> SavedRun:
         except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
             raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: {_reason(e)}") from None
     return SavedRun(run, cfg, step, manager, {n: tuple(meta.shape) for n, meta in saved.items()})
-
-
-def imported_tokenizer(run: RunDirectory) -> str | None:
-    """The tokenizer.json an import keeps in its side directory (HUB_DIR), or None: what `sample` and `serve`
-    read an imported model's text with when no --tokenizer is given."""
-    path = os.path.join(run.hub, "tokenizer.json") if run.hub else None
-    return path if path and os.path.isfile(path) else None
-
-
-def imported_eos(run: RunDirectory) -> int | None:
-    """The end-of-sequence token id an imported model stops at (its generation_config.json's, else its
-    config.json's `eos_token_id`; the first of a list), or None: not an import, or none named."""
-    for name in ("generation_config.json", "config.json") if run.hub else ():
-        try:
-            with open(os.path.join(run.hub, name), encoding="utf-8") as f:
-                value = json.load(f).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            continue
-        value = value[0] if isinstance(value, list) and value else value
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None

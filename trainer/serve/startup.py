@@ -45,9 +45,9 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
 
     run = find_run(directory, progress=progress)  # a Hugging Face directory: its import (trainer/hf/cache.py)
     checkpoints, cfg = run.checkpoints, load_run_config(run.config)
-    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
+    from trainer.sidefiles import tokenizer_file  # the model's own (an import, a fine-tune of one)
 
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), checkpoints=checkpoints)
+    codec = Codec(cfg, tokenizer_path or tokenizer_file(run), checkpoints=checkpoints)
     chat_template = _hub_chat_template(run)
     eos_id, eos_token = end_of_document(cfg, codec, run)
     context, what = context_of(cfg, run)  # as `sample` reads it
