@@ -152,7 +152,7 @@ def test_sample_reads_a_fine_tuned_import_with_its_own_tokenizer_as_transformers
     assert "exceed the model's context" not in result.output
     model = transformers.AutoModelForCausalLM.from_pretrained(tuned.exported, attn_implementation="eager").eval()
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    assert len(ids) == 100
+    assert len(ids) > 64  # past the 64 positions an import used to sample within
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
                              do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)

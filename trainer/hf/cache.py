@@ -14,8 +14,9 @@ import os
 from collections.abc import Callable, Mapping
 
 from trainer.hf.errors import HFError, WriteError
-from trainer.hf.safetensors_io import TOKENIZER_FILES, is_hub_directory
+from trainer.hf.safetensors_io import is_hub_directory
 from trainer.outputs import CHECKPOINTS_DIR
+from trainer.sidefiles import TOKENIZER_FILES
 
 CACHE_ENV = "MOE_TPU_CACHE"
 
