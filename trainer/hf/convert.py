@@ -158,6 +158,9 @@ def staged(output: str) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise WriteError(f"cannot write {output}: {e.filename or ''}{': ' if e.filename else ''}"
                          f"{e.strerror or e}") from None
+    except WriteError as e:  # the checkpoint writer's: said of OUTPUT, not of the staging directory removed
+        _remove(tmp)
+        raise WriteError(str(e).replace(tmp, output)) from None
     except BaseException:
         _remove(tmp)
         raise
