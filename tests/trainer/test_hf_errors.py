@@ -220,6 +220,29 @@ def test_a_gs_source_imports_as_the_local_one_and_a_missing_shard_is_named(saved
     assert sorted(p.name for p in tmp_path.iterdir()) == ["local", "remote"]
 
 
+FILE_SIZE_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+from trainer.hf.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_write_the_disk_cannot_hold_is_said_once_naming_the_output(saved, tmp_path):
+    """The checkpoint writer fails at a layer, while tensors are still read: exit 1 with one line naming -o
+    (not its staging directory) and the system's reason, nothing logged with a traceback, nothing left."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, "import", str(saved), "-o", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr == f"Error: cannot write the checkpoint to {out}/checkpoints: File too large (os error 27)\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("signum, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_during_an_import_stops_it_between_tensors_leaving_nothing(capsys, source, tmp_path, signum,
                                                                             code):
