@@ -190,17 +190,21 @@ def _staged(output: str, parent: str) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise WriteError(f"cannot write {output}: {e.filename or ''}{': ' if e.filename else ''}"
                          f"{e.strerror or e}") from None
-    except BaseException:
-        _remove(tmp)
+    except WriteError as e:  # the checkpoint writer's: said of OUTPUT, not of the staging directory removed
+        _remove(tmp, settle=1.0)
+        raise WriteError(str(e).replace(tmp, output)) from None
+    except BaseException:  # bad input or a signal: the checkpoint writer, if any, ended its save (orbax_io)
+        _remove(tmp, settle=0.0)
         raise
 
 
-def _remove(tmp: str) -> None:
-    """Removes the staging directory and sees that it stays gone: a checkpoint writer that was stopped may still
-    be closing files in it (tensorstore finishes its writes on threads of its own, and its OCDBT store writes a
-    manifest once the context that holds it is collected), so a removal racing those can leave a directory
-    behind. The context is collected first; then the directory is removed until it has stayed absent for a
-    second (bounded: 10 s), which a failed import alone pays."""
+def _remove(tmp: str, settle: float) -> None:
+    """Removes the staging directory and sees that it stays gone for `settle` seconds. A checkpoint writer that
+    failed may still be closing files in it (tensorstore finishes its writes on threads of its own, and its
+    OCDBT store writes a manifest once the context that holds it is collected), so a removal racing those can
+    leave a directory behind: the context is collected first, then the directory removed until it has stayed
+    absent that long (bounded: 10 s). A writer stopped by the reading side has ended its save before this, and
+    needs no wait."""
     gc.collect()
     absent_since = None
     deadline = time.monotonic() + 10
@@ -211,7 +215,7 @@ def _remove(tmp: str) -> None:
             absent_since = None
         elif absent_since is None:
             absent_since = now
-        elif now - absent_since >= 1.0:
+        if absent_since is not None and now - absent_since >= settle:
             return
         time.sleep(0.1)
 

@@ -4,9 +4,11 @@ tensorstore), as host numpy arrays."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import queue
 import threading
@@ -55,7 +57,7 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
             failed.append(e)
             feed.stop()
 
-    with quiet_orbax():
+    with quiet_orbax(), _failures_reported_here():
         ocp.type_handlers.register_type_handler(Streamed, StreamedHandler(feed), override=True)
         manager = ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
             create=True, enable_async_checkpointing=False), item_handlers={
@@ -66,19 +68,38 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
             for name, value in params:
                 feed.put(name, value)
             feed.finish()
-        except BaseException:
-            feed.abort()
+        except BaseException as e:
+            feed.abort()  # the writer ends its save without the values left: nothing raised in orbax's threads
             writer.join()
             manager.close()
+            if isinstance(e, Stopped) and failed:  # the writer failed first: that failure is the one to report
+                raise WriteError(f"cannot write the checkpoint to {directory}: {_reason(failed[0])}") from None
             raise
         writer.join()
         manager.close()
-    if failed and not isinstance(failed[0], Stopped):
+    if failed:
         raise WriteError(f"cannot write the checkpoint to {directory}: {_reason(failed[0])}") from None
 
 
+def _logged_without_traceback(record: logging.LogRecord) -> bool:
+    return record.exc_info is None
+
+
+@contextlib.contextmanager
+def _failures_reported_here():
+    """A failed write (a full disk) is logged, traceback and all, by each of orbax's threads that hands it on,
+    before manager.save raises it: save_params reports it once (WriteError), so meanwhile orbax's records that
+    carry an exception are dropped."""
+    log = logging.getLogger("absl")
+    log.addFilter(_logged_without_traceback)
+    try:
+        yield
+    finally:
+        log.removeFilter(_logged_without_traceback)
+
+
 class Stopped(Exception):
-    """The writer's side of a conversion that stopped: a bad tensor, a signal, or the writer's own failure."""
+    """Raised in the reading thread when the writer failed; the failure itself is reported from `failed`."""
 
 
 @dataclasses.dataclass
@@ -129,10 +150,8 @@ class Feed:
         self.stopped.set()
 
     def get(self):
-        item = self.queue.get()
-        if item is None:
-            raise Stopped()
-        return item
+        """The next (name, index, value), or None once the reading side stopped (a bad tensor, a signal)."""
+        return self.queue.get()
 
 
 def _streamed_handler_class():
@@ -168,7 +187,13 @@ def _streamed_handler_class():
                 await info.await_path_creation()
             stores, left = {}, sum(s.layers or 1 for s in self.feed.streams.values())
             while left:
-                name, index, value = await asyncio.to_thread(self.feed.get)
+                item = await asyncio.to_thread(self.feed.get)
+                if item is None:
+                    # The reading side stopped and reports why. The save ends here, quietly, its values left
+                    # unwritten: an error raised here would be logged, traceback and all, by each of orbax's
+                    # threads that waits on this one; the half-made checkpoint is removed with its directory.
+                    return
+                name, index, value = item
                 if name not in stores:
                     stream, info, arg = where[name]
                     shape = value.shape if stream.layers is None else (stream.layers, *value.shape)
