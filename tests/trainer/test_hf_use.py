@@ -18,6 +18,9 @@ pytest.importorskip("torch")
 # A chat template of the model's own, in its words (the word-level tokenizer's), unlike the server's default.
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}w3 {{ m['role'] }} {{ m['content'] }} {{ eos_token }} {% endfor %}"
             "{% if add_generation_prompt %}w4{% endif %}")
+# Words the model's tokenizer reads as one token in transformers too: transformers matches the special tokens
+# (bos w1, eos w2) inside words, so that it reads w17 as w1 and an unknown 7, where `tokenizers` reads w17.
+WORDS = [w for w in range(3, VOCAB) if not str(w).startswith(("1", "2"))]
 SPECIAL = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w1", "eos_token": "w2",
            "chat_template": TEMPLATE}
 
@@ -145,14 +148,14 @@ def test_sample_reads_a_fine_tuned_import_with_its_own_tokenizer_as_transformers
     from trainer.sample import sample_command
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tuned.exported)
-    prompt = " ".join(f"w{(i * 37) % (VOCAB - 3) + 3}" for i in range(100))  # no bos or eos (w1, w2) within
+    prompt = " ".join(f"w{WORDS[(i * 37) % len(WORDS)]}" for i in range(100))
     result = CliRunner().invoke(sample_command, ["--checkpoint", str(tuned.run), "--prompt", prompt,
                                                  "--tokens", "12", "--temperature", "0"])
     assert result.exit_code == 0, result.output
     assert "exceed the model's context" not in result.output
     model = transformers.AutoModelForCausalLM.from_pretrained(tuned.exported, attn_implementation="eager").eval()
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    assert len(ids) > 64  # past the 64 positions an import used to sample within
+    assert len(ids) == 100  # past the 64 positions an import used to sample within
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
                              do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
@@ -263,3 +266,38 @@ def test_serve_takes_a_hugging_face_directory_through_an_import_it_caches(hub, t
     assert hub_chat_template(run.hub) is not None and os.path.isfile(os.path.join(run.hub, "tokenizer.json"))
     ours, theirs = open_run(run.path, None), open_run(str(hub / "imported"), None)
     assert all(np.array_equal(a, theirs.read({n})[n]) for n, a in ours.read(set(ours.shapes)).items())
+
+
+@pytest.mark.compile_bound
+def test_lm_eval_scores_the_served_fine_tune_as_transformers_scores_its_export(tuned, tmp_path, monkeypatch):
+    """lm-evaluation-harness two ways on one multiple-choice task: its `hf` model on the fine-tune's export (what a
+    user runs with `lm_eval --model hf`), and its `local-completions` model on the fine-tuned run served by the
+    engine (`eval --checkpoint`): the same log-likelihood for every choice, within 1e-3."""
+    import lm_eval
+
+    from tests.lm_eval_tasks import MULTIPLE_CHOICE
+    from trainer.serve.evaluate import task_manager, through_engine
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(11)
+    rows = [{"question": " ".join(f"w{a + i}" for i in range(6)), "answer": 0,
+             "choices": [f" w{c}" for c in rng.choice(WORDS, 3, replace=False)]} for a in rng.integers(30, 94, 8)]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "mc.yaml").write_text(MULTIPLE_CHOICE.format(name="hf_mc", data=tmp_path / "mc.jsonl"))
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(tuned.exported), "dtype": "float32", "device": "cpu"},
+        tasks=["hf_mc"], task_manager=task_manager(["hf_mc"], str(tmp_path)), log_samples=True,
+        batch_size=4)["samples"]["hf_mc"]
+    # What `eval --checkpoint` runs, called as the command calls it: lm-eval, run inside click's CliRunner, would
+    # log to the runner's stderr after the runner closed it.
+    served = through_engine(str(tuned.run), None, 64, ["hf_mc"], task_manager(["hf_mc"], str(tmp_path)), limit=None,
+                            batch_size=8, num_fewshot=None)["samples"]["hf_mc"]
+
+    def loglikelihoods(samples):
+        return {s["doc_id"]: [float(resp[0][0]) for resp in s["resps"]] for s in samples}
+
+    ours, reference = loglikelihoods(served), loglikelihoods(theirs)
+    assert sorted(ours) == sorted(reference) == list(range(len(rows)))
+    for doc, values in reference.items():
+        np.testing.assert_allclose(ours[doc], values, atol=1e-3, rtol=0, err_msg=f"document {doc}")
