@@ -9,7 +9,7 @@ PASS_THROUGH = {"add_help_option": False,
                 "context_settings": {"ignore_unknown_options": True, "allow_extra_args": True}}
 
 
-def _trainer_main(module: str, args: tuple[str, ...], prog_name: str) -> None:
+def trainer_main(module: str, args: tuple[str, ...], prog_name: str) -> None:
     import importlib
 
     try:
@@ -36,7 +36,7 @@ def prepare(args: tuple[str, ...]) -> None:
       moe-tpu data prepare 'corpus/*.txt' -o gs://BUCKET/datasets/corpus --vocab-size 32768
       moe-tpu data prepare docs.jsonl --tokenizer tokenizer.json -o data/docs
     """
-    _trainer_main("trainer.prepare", args, "moe-tpu data prepare")
+    trainer_main("trainer.prepare", args, "moe-tpu data prepare")
 
 
 @click.command("sample", **PASS_THROUGH)
@@ -48,4 +48,4 @@ def sample(args: tuple[str, ...]) -> None:
     Examples:
       moe-tpu sample --checkpoint gs://BUCKET/runs/demo --prompt "The cat" --tokens 40
     """
-    _trainer_main("trainer.sample", args, "moe-tpu sample")
+    trainer_main("trainer.sample", args, "moe-tpu sample")

@@ -204,7 +204,7 @@ def operation_view(op: Operation, now: float) -> operations_pb2.Operation:
 # --- changes to the world --------------------------------------------------------------
 
 
-def _numeric_id(world: World) -> str:
+def numeric_id(world: World) -> str:
     """A 19-digit id, as the service gives its resources (deterministic for the world's seed)."""
     return str(10**18 + int(world.next_token()[:16], 16) % (9 * 10**18))
 
@@ -232,7 +232,7 @@ def create_custom_job(world: World, req: v1.CreateCustomJobRequest, now: float, 
     for key, value in DEFAULT_DISK.items():
         if not getattr(pool.disk_spec, key):
             setattr(pool.disk_spec, key, value)
-    name = f"{req.parent}/customJobs/{_numeric_id(world)}"
+    name = f"{req.parent}/customJobs/{numeric_id(world)}"
     tl = job_timeline(scenario, region=where, held=held,
                       stocked_out=scenario == "stockout" and where == world.first_region)
     record = JobRecord(name=name, request=as_json(job), create_time=now, timeline=tl)
@@ -265,7 +265,7 @@ def delete_custom_job(world: World, name: str, now: float) -> Operation:
     if job.deleted_at is None:
         job.deleted_at = now
     # Unconfirmed: the service names its operations projects/P/locations/R/operations/ID.
-    op = Operation(name=f"{parent}/operations/{_numeric_id(world)}", service="vertex", verb="delete",
+    op = Operation(name=f"{parent}/operations/{numeric_id(world)}", service="vertex", verb="delete",
                    target=name, create_time=now, done_at=job.deleted_at + JOB_DELETING_S)
     return world.add_operation(op)
 
