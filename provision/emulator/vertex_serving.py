@@ -24,7 +24,7 @@ from google.rpc import error_details_pb2
 from provision.emulator import rpc, validate
 from provision.emulator.validate import ApiError, not_found
 from provision.emulator.vertex import numeric_id, region
-from provision.emulator.world import Operation, World
+from provision.emulator.world import Operation, World, register_part
 from trainer.outputs import Phase
 
 # The single-host v5e machine types online prediction serves, with their one topology (Vertex AI docs,
@@ -117,18 +117,41 @@ def quota_error(project: str, where: str) -> ApiError:
 
 
 # --- the world's records -----------------------------------------------------------------
-# world.serving: {"models": {name: record}, "endpoints": {name: record}, "first_region": str | None}; a
-# record is {"name", "request" (the proto JSON as created), "create_time"}; an endpoint's record has
-# "deployed": {id: {"request", "create_time", "operation", "server_key", "phase": deploying | deployed,
-# "ready": true once its server answered}}.
+
+@register_part
+class OnlineServing:
+    """Vertex AI's models and endpoints in the emulated world (its part, saved under "vertex_serving"), plain
+    JSON: `records` is {"models": {name: record}, "endpoints": {name: record}, "first_region": str | None};
+    a record is {"name", "request" (the proto JSON as created), "create_time"}; an endpoint's record has
+    "deployed": {id: {"request", "create_time", "operation", "server_key", "phase": deploying | deployed,
+    "ready": true once its server answered}}."""
+
+    KEY = "vertex_serving"
+
+    def __init__(self, records: dict | None = None) -> None:
+        self.records: dict = records or {}
+
+    @classmethod
+    def of(cls, world: World) -> OnlineServing:
+        return world.part(cls.KEY)
+
+    def to_json(self) -> dict:
+        return self.records
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> OnlineServing:
+        return cls(dict(d or {}))
+
+    def prune(self, now: float) -> None:
+        pass  # a deleted model or endpoint leaves the records at once
 
 
 def model_records(world: World) -> dict:
-    return world.serving.setdefault("models", {})
+    return OnlineServing.of(world).records.setdefault("models", {})
 
 
 def endpoint_records(world: World) -> dict:
-    return world.serving.setdefault("endpoints", {})
+    return OnlineServing.of(world).records.setdefault("endpoints", {})
 
 
 def live_model(world: World, name: str) -> dict:
@@ -203,11 +226,12 @@ def deploy_model(call: rpc.Call, req: v1.DeployModelRequest) -> Operation:
     project, where = region(parent)
     if call.scenario == "quota":
         raise quota_error(project, where)
-    if world.serving.get("first_region") is None:
-        world.serving["first_region"] = where
+    serving = OnlineServing.of(world).records
+    if serving.get("first_region") is None:
+        serving["first_region"] = where
     deployed_id = str(numeric_id(world))[:16]
     deployed.id = deployed_id
-    stocked_out = call.scenario == "stockout" and where == world.serving["first_region"]
+    stocked_out = call.scenario == "stockout" and where == serving["first_region"]
     key = f"{req.endpoint}/deployedModels/{deployed_id}"
     op = _operation(world, req.endpoint, "deploy", req.endpoint, now,
                     STOCKOUT_AFTER_S if stocked_out else (READY_TIMEOUT_S if call.servers else DEPLOYING_S),

@@ -460,6 +460,14 @@ COMMANDS = {"gke": "provision.cli.gke_cmds:gke_group"}
     assert kind_branches(planted, ("COMMANDS",))[-1] == "6: tpu-vm"
 
 
+def test_the_emulators_shared_world_names_no_kind():
+    """The services' own records are their parts, which their modules register (provision/emulator/world.py's
+    `Part`): the shared world neither branches on a kind's name nor imports a service's world."""
+    world = ROOT / "provision" / "emulator" / "world.py"
+    assert kind_branches(world.read_text(encoding="utf-8")) == []
+    assert [m for m in import_graph()["provision.emulator.world"] if re.search(r"gke|vertex|kube", m)] == []
+
+
 # A kind's package: everything of the kind (provision/kinds/NAME/). Outside it only the registry
 # (provision/kinds/__init__.py: the one line) imports it, and no kind imports another; no module path
 # elsewhere carries a kind's name, but for Google's APIs (their clients and their emulator), which are the
