@@ -74,7 +74,6 @@ class RunningJob:
     workers: int  # TPU VMs
 
 
-
 @register_part
 class CustomJobs:
     """Vertex AI's custom jobs in the emulated world, by name, and the region `stockout` keeps out of
