@@ -377,7 +377,8 @@ class Checkpointer:
                     path.rename(to)
                 except Exception as e:  # noqa: BLE001
                     raise CheckpointError(f"the checkpoint at step {step} ({path}) cannot be restored, nor moved "
-                                          f"out of the way: {short_reason(e)}; move or delete it, then run again") from None
+                                          f"out of the way: {short_reason(e)}; move or delete it, then run "
+                                          "again") from None
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("moe-tpu: unreadable checkpoints moved")
         self.manager.reload()

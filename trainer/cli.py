@@ -113,6 +113,9 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
     except click.ClickException as e:
         e.message = printable(e.message)  # config values echoed in it may hold terminal escapes
         status.end(FAILED, e.exit_code, e.format_message())
+        if e.exit_code == EXIT_USAGE:  # refused (a bad --init-from, data, config): no half-made run is left
+            _release_output_dir()
+            _remove_refused_output_dir()
         raise
     except KeyboardInterrupt:  # before the loop's own handler is in place
         status.end(FAILED, EXIT_RUNTIME, "interrupted")
@@ -122,6 +125,7 @@ def train_command(ctx, config_name, overrides, steps, devices, mesh_text, output
         raise
     finally:
         _release_output_dir()
+        _made.clear()
     if result.stopped_by_signal:
         code = stopped_exit_code(result.stop_reason)
         status.end(STOPPED, code, step=result.step)
@@ -228,11 +232,24 @@ def _check_output_dir(output_dir: str | None, status: RunStatus) -> str | None:
 
 
 _held: list[int] = []  # the output directory's lock, held while the command trains
+_made: list[tuple[str, str]] = []  # (the local output directory, the outermost of it this command made)
 
 
 def _release_output_dir() -> None:
     while _held:
         os.close(_held.pop())
+
+
+def _remove_refused_output_dir() -> None:
+    """The output directory this command made, removed when the run was refused before its first checkpoint:
+    what it holds (status.json, config.json, the lock) is this command's alone, and describes no run."""
+    import shutil
+
+    while _made:
+        output_dir, outermost = _made.pop()
+        checkpoints = RunDirectory.at(output_dir).checkpoints
+        if not (os.path.isdir(checkpoints) and any(name.isdigit() for name in os.listdir(checkpoints))):
+            shutil.rmtree(outermost, ignore_errors=True)
 
 
 def _hold_output_dir(output_dir: str) -> None:
@@ -242,6 +259,11 @@ def _hold_output_dir(output_dir: str) -> None:
 
     path = os.path.join(output_dir, ".lock")
     try:
+        outermost = os.path.abspath(output_dir)  # the outermost directory this command makes
+        while not os.path.lexists(os.path.dirname(outermost)):
+            outermost = os.path.dirname(outermost)
+        if not os.path.lexists(outermost):
+            _made.append((os.path.abspath(output_dir), outermost))
         os.makedirs(output_dir, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
     except OSError as e:
@@ -272,7 +294,7 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
     import jax
 
     from trainer import sharding
-    from trainer.config import ConfigError, load_config
+    from trainer.config import NO_DATA, ConfigError, load_config, with_absolute_paths
     from trainer.train import RunSpec
 
     extra = [f"train.seed={seed}"] if seed is not None else []
@@ -280,8 +302,11 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
         cfg = load_config(config_name, [*overrides, *extra])
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
+    if cfg.data.source == "none":  # an import's config: the data is the user's choice, never a silent default
+        raise click.UsageError(NO_DATA)
     if init_from is not None:  # a path as given (no YAML reading of it, as --set would do)
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": init_from})})
+    cfg = with_absolute_paths(cfg)  # the run's config.json then works from any directory
     available = len(jax.devices())
     if devices is not None and devices > available:
         raise click.UsageError(f"--devices {devices}: jax already runs with {available} devices")

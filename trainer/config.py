@@ -154,8 +154,15 @@ class ModelConfig(Section):
 MAX_BATCH_TOKENS = 2**31 - 1  # a batch is one int32 array, indexed by int32 on the devices
 
 
+# What `train` says of a config that names no data (data.source: none, as `hf import` writes it).
+NO_DATA = ("data.source is none: this config names no data to train on (an imported model's config: its training "
+           "data is not in its checkpoint). Give a dataset `moe-tpu data prepare` wrote with the model's tokenizer, "
+           "--set data.source=records --set data.path=DIR, or ask for random tokens with --set data.source=synthetic")
+
+
 class DataConfig(Section):
-    source: Literal["synthetic", "text", "tokens", "records"] = "synthetic"
+    # none: no data chosen yet (an import's config); `train` refuses it (NO_DATA), `sample` and `serve` need none
+    source: Literal["synthetic", "text", "tokens", "records", "none"] = "synthetic"
     seq_len: Integer = Field(64, ge=2)
     global_batch_size: Positive = 16
     path: str = ""  # text: a glob of local files; tokens: a .npy or raw .bin file; records: a prepared dataset
@@ -280,6 +287,23 @@ class Config(Section):
         return self.model_dump()
 
 
+def with_absolute_paths(cfg: Config, base: str | None = None) -> Config:
+    """`cfg` with its local paths (data.path, data.eval_path, train.init_from) made absolute from `base` (the
+    working directory): a run keeps them so, and its config.json then means the same files from any
+    directory, for `sample`, `serve`, a resumed run and a deploy alike. URLs (gs://) are left as they are."""
+    import os
+
+    def absolute(path: str | None) -> str | None:
+        if not path or "://" in path or os.path.isabs(path):
+            return path
+        return os.path.normpath(os.path.join(base or os.getcwd(), path))
+
+    data = {k: absolute(getattr(cfg.data, k)) for k in ("path", "eval_path")}
+    train = {"init_from": absolute(cfg.train.init_from)}
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update=data),
+                                  "train": cfg.train.model_copy(update=train)})
+
+
 def printable(text: str) -> str:
     """`text` with its control characters (terminal escapes above all) written as escapes: a value from a
     config is echoed in messages, and must not drive the user's terminal."""
@@ -309,6 +333,8 @@ def check(config: str, overrides: list[str], steps: int | None = None) -> None:
     Imports neither jax nor flax: the control plane calls it before it creates anything.
     """
     cfg = load_config(config, list(overrides))
+    if cfg.data.source == "none":
+        raise ConfigError(NO_DATA)
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
         raise ConfigError(f"steps must be an integer, got {steps!r}")
     if steps is None and cfg.train.steps < 1:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from trainer.config import Config, DataConfig
+from trainer.config import NO_DATA, Config, DataConfig
 from trainer.datasets import DataError, open_datasets, regular_file
 
 
@@ -126,6 +126,8 @@ def make_source(cfg: Config, seed: int) -> Source:
         return MarkovSource(d.synthetic_vocab, d.synthetic_branching, d.synthetic_concentration, d.seq_len, seed)
     if d.source == "text":
         return text_source(d, seed)
+    if d.source == "none":
+        raise DataError(NO_DATA)
     raise ValueError(f"data.source={d.source} is read through trainer.datasets (open_data)")
 
 

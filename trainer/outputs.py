@@ -17,8 +17,8 @@ METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step (trainer/metri
 CONFIG_FILE = "config.json"  # the trainer config the run trains with (trainer/cli.py)
 CHECKPOINTS_DIR = "checkpoints"  # Orbax checkpoints, one directory per saved step (trainer/checkpoint.py)
 TRAINER_LOG = "trainer.log"  # the trainer's console output, where a host keeps it (a dry run, a VM)
-# An imported Hugging Face model's own files (its config.json, tokenizer, chat template, generation config),
-# which `hf import` keeps and `hf export`, `sample` and `serve` read (trainer/hf/convert.py)
+# A Hugging Face model's own files (its config.json, tokenizer, chat template, generation config), which `hf
+# import` keeps, a fine-tune carries, and `hf export`, `sample` and `serve` read (trainer/sidefiles.py)
 HUB_DIR = "hf"
 
 

@@ -20,12 +20,25 @@ class RunError(click.UsageError):
     exit_code = EXIT_USAGE
 
 
-def find_run(directory: str, option: str = "--checkpoint") -> RunDirectory:
-    """The run `directory` names (its output directory or its checkpoints directory); RunError if none."""
+def find_run(directory: str, option: str = "--checkpoint", progress=None) -> RunDirectory:
+    """The run `directory` names (its output directory or its checkpoints directory), or the import of a Hugging
+    Face directory (config.json and safetensors: trainer/hf/cache.py imports it once, saying so with `progress`,
+    stderr by default); RunError if none."""
+    if "://" not in directory:
+        from trainer.hf.cache import imported, is_hub_directory
+
+        if is_hub_directory(directory):
+            from trainer.hf.errors import HFError, WriteError
+
+            try:
+                directory = imported(directory, progress or (lambda message: click.echo(message, err=True)))
+            except (HFError, WriteError) as e:
+                raise RunError(f"{option} {directory}: {e}") from None
     try:
         return RunDirectory.find(directory, option)
     except NoRun as e:
-        raise RunError(str(e)) from None
+        hint = ", or a Hugging Face checkpoint's directory (config.json and *.safetensors)"
+        raise RunError(f"{e}{hint if 'holds no checkpoint' in str(e) else ''}") from None
 
 
 def load_run_config(path: str):
@@ -52,6 +65,47 @@ def load_run_config(path: str):
         raise RunError(f"{path}: {describe(e.errors()[0])}") from None
     except ValueError as e:
         raise RunError(f"{path} is not a config: {e}") from None
+
+
+def context_of(cfg, run: RunDirectory | None) -> tuple[int, str]:
+    """(the positions a checkpoint's model takes, what says so), the one answer `sample` and `serve` give: an
+    imported Hugging Face model's `max_position_embeddings` (its hf/config.json, which the import keeps), else
+    data.seq_len, the length the run was trained on (positions past it mean nothing to the model)."""
+    hub = run.hub if run is not None else None
+    if hub:
+        try:
+            with open(os.path.join(hub, "config.json"), encoding="utf-8") as f:
+                positions = json.load(f).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            positions = None
+        if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
+            return positions, f"max_position_embeddings={positions} in {os.path.join(hub, 'config.json')}"
+    return cfg.data.seq_len, f"data.seq_len={cfg.data.seq_len}, the length it was trained on"
+
+
+def end_of_document(cfg, codec, run=None) -> tuple[int | None, str | None]:
+    """The end-of-document token the run's data put after each document ((id, text)), at which generation
+    stops: an imported Hugging Face model's own eos_token_id, else the prepared dataset's; (None, None) for
+    data without documents (bytes of one text, token arrays, synthetic)."""
+    from trainer.sidefiles import eos_token_id
+
+    hub = eos_token_id(run) if run is not None else None
+    if hub is not None:
+        return hub, codec.decode([hub]) if codec.tokenizer is not None else None
+    if cfg.data.source != "records":
+        return None, None
+    from trainer.datasets import DataError, load_manifest
+
+    try:
+        manifest = load_manifest(cfg.data.path)
+    except DataError:  # the dataset is gone: a --tokenizer may still name the token
+        manifest = {}
+    eos_id, eos_token = manifest.get("eod_id"), manifest.get("eod_token")
+    if eos_id is None and codec.tokenizer is not None:
+        from trainer.prepare import EOD_TOKEN
+
+        eos_token, eos_id = EOD_TOKEN, codec.tokenizer.token_to_id(EOD_TOKEN)
+    return (eos_id, eos_token) if eos_id is not None else (None, None)
 
 
 class Codec:

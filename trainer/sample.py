@@ -5,7 +5,11 @@ config the trainer saved beside it (`config.json`), its parameters only, and dec
 engine (trainer/serve/engine.py, one slot): the prompt prefilled, then one token per step, each attending to
 the cached keys and values of all the tokens before it. MoE layers are dropless, as in serving.
 Text goes through the dataset's tokenizer (a prepared dataset's `tokenizer.json`), bytes for byte-level
-text, and token ids written as numbers otherwise. Prints the continuation on stdout and the speed on stderr.
+text, and token ids written as numbers otherwise. Prints the continuation on stdout, exactly (no newline of
+its own: the line is ended on stderr), or with --output json the prompt's and the new ids with the text, and
+the speed on stderr. As the server does, it stops at the end-of-document token and keeps the prompt whole up
+to the model's context (trainer/run_loader.py context_of; a longer prompt's last tokens are continued), and
+`--weights int8|int4` stores the weights as `serve --weights` does.
 
 Every limit is checked before anything is allocated: the prompt and --tokens against the positions and
 the memory the key/value cache needs, --top-k against the vocabulary, the temperature finite, the prompt's
@@ -17,11 +21,13 @@ limit above).
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
 
-from trainer.run_loader import Codec, RunError, find_run, load_run_config
+from trainer.run_loader import Codec, RunError, context_of, end_of_document, find_run, load_run_config
+from trainer.serve.memory import QUANTIZED_WEIGHTS
 
 # Positions are int32 in the engine's decode step.
 MAX_CONTEXT = 2**31 - 1
@@ -49,7 +55,7 @@ def check_request(cfg, ids: list[int], tokens: int, temperature: float, top_k: i
                           f"context a sample can hold ({MAX_CONTEXT:,} positions)")
 
 
-def check_memory(model, prompt: int, tokens: int) -> None:
+def check_memory(model, prompt: int, tokens: int, quantized: str | None = None) -> None:
     """The weights and the key/value cache of `prompt + tokens` positions must fit the device (the host's
     memory on CPU, where the device reports none), checked before either is allocated."""
     import jax
@@ -58,7 +64,7 @@ def check_memory(model, prompt: int, tokens: int) -> None:
 
     device = jax.devices()[0]
     limit = device_memory(device) or (host_memory() if device.platform == "cpu" else None)
-    plan = memory_plan(model, 1, prompt + tokens, jax.numpy.dtype(model.cfg.dtype), False)
+    plan = memory_plan(model, 1, prompt + tokens, jax.numpy.dtype(model.cfg.dtype), quantized)
     need = plan["weights"] + plan["kv_cache"]
     if limit is not None and need > limit * (1 - HEADROOM):
         gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
@@ -73,35 +79,36 @@ def check_memory(model, prompt: int, tokens: int) -> None:
                           f"{gib(limit * (1 - HEADROOM))} the {device.platform} device can hold; ask for fewer")
 
 
-def restore_params(cfg, checkpoints: str, prompt: int, tokens: int):
+def restore_params(cfg, checkpoints: str, prompt: int, tokens: int, quantized: str | None = None):
     """(the serving model on one device, its weights, the step) from the latest checkpoint in
-    `checkpoints`: the parameters only, not the optimizer state; refused before reading if the weights and
-    the cache of `prompt + tokens` positions do not fit."""
+    `checkpoints`: the parameters only, not the optimizer state, stored as `serve --weights QUANTIZED` stores
+    them; refused before reading if the weights and the cache of `prompt + tokens` positions do not fit."""
     import jax
 
     from trainer import sharding
-    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
+    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights, stored_as
 
     mesh = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
     try:
         model = build_serving_model(cfg, mesh)
-        check_memory(model, prompt, tokens)
+        check_memory(model, prompt, tokens, quantized)
         weights, step = restore_weights(model, checkpoints)
     except WeightsError as e:
         raise SampleError(str(e)) from None
-    return model, weights, step
+    return model, stored_as(weights, quantized), step
 
 
 def generate(model, weights, prompt: list[int], tokens: int, *, temperature: float, top_k: int,
-             seed: int) -> tuple[list[int], float]:
-    """(the `tokens` new ids, tokens per second after the first one), through the serving engine with
-    one slot: the prompt prefilled, then one token per step through the key/value cache."""
+             seed: int, eos_id: int | None = None) -> tuple[list[int], float]:
+    """(the new ids, at most `tokens`, the last one `eos_id` where generation stopped at it, as the server's
+    do; tokens per second after the first one), through the serving engine with one slot: the prompt
+    prefilled, then one token per step through the key/value cache."""
     from trainer.serve.engine import Engine, Request, SamplingParams
 
     chunk = min(len(prompt), 256)
     # One span, the whole length: one slot's shorter reads save little, and each span is a compilation.
     engine = Engine(model, weights, slots=1, max_len=len(prompt) + tokens, chunk=chunk,
-                    min_span=len(prompt) + tokens)
+                    min_span=len(prompt) + tokens, eos_id=eos_id)
     engine.warm_up(every_span=True)  # compiled before the first token, so that the rate counts decoding only
     request = engine.submit(Request(prompt, SamplingParams(max_tokens=tokens, temperature=temperature,
                                                            top_k=top_k, seed=seed)))
@@ -113,50 +120,72 @@ def generate(model, weights, prompt: list[int], tokens: int, *, temperature: flo
 
 @click.command("sample", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--checkpoint", "directory", required=True, metavar="DIR",
-              help="A run's output directory (or the checkpoints directory in it), local or gs://.")
+              help="A run's output directory (or the checkpoints directory in it), local or gs://, or a "
+                   "Hugging Face checkpoint's directory (imported once into a cache).")
 @click.option("--prompt", required=True, help="The text to continue (token ids separated by spaces for data "
                                               "without a tokenizer).")
-@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True, help="How many tokens to add.")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="How many tokens to add (fewer where the model ends its text, as the server stops).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True, help="0: greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: the whole vocabulary.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
+              show_default=True, help="int8 or int4: the weights quantized as `serve --weights` quantizes them, so "
+                                      "that greedy tokens are those of a deployment with the same --weights.")
+@click.option("--output", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="text: the continuation on stdout, exactly (no newline added); json: one object with the "
+                   "prompt's and the new token ids, the text and why it ended.")
 @click.option("--tokenizer", "tokenizer_path", default=None, metavar="FILE",
               help="A tokenizer.json [the run's dataset's].")
 @click.option("--any-tokenizer", is_flag=True,
               help="Use --tokenizer even if the run's dataset was prepared with another (its ids mean other text).")
-def sample_command(directory, prompt, tokens, temperature, top_k, seed, tokenizer_path, any_tokenizer):
+def sample_command(directory, prompt, tokens, temperature, top_k, seed, weight_format, output_format, tokenizer_path,
+                   any_tokenizer):
     """Continue a prompt with the latest checkpoint of a training run.
 
     \b
     Examples:
       python -m trainer.sample --checkpoint runs/demo --prompt "The cat" --tokens 40
       python -m trainer.sample --checkpoint gs://BUCKET/runs/demo --prompt "The" --temperature 0.7 --top-k 40
+      python -m trainer.sample --checkpoint runs/demo --prompt "The" --temperature 0 --weights int4 --output json
     """
     run = find_run(directory)
     cfg = load_run_config(run.config)
-    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
+    from trainer.sidefiles import tokenizer_file  # the model's own (an import, a fine-tune of one)
 
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), any_tokenizer, checkpoints=run.checkpoints)
+    codec = Codec(cfg, tokenizer_path or tokenizer_file(run), any_tokenizer, checkpoints=run.checkpoints)
     ids = codec.encode(prompt)
     if not ids:
         raise SampleError("--prompt: the prompt has no tokens")
     check_request(cfg, ids, tokens, temperature, top_k)
-    ids = _within_context(cfg, ids)
-    model, weights, step = restore_params(cfg, run.checkpoints, len(ids), tokens)
-    out, rate = generate(model, weights, ids, tokens, temperature=temperature, top_k=top_k, seed=seed)
-    click.echo(codec.decode(out))
-    click.echo(f"{len(out)} tokens from the checkpoint at step {step} ({cfg.name}), {rate:,.0f} tokens/s",
-               err=True)
+    ids = _within_context(cfg, run, ids)
+    quantized = None if weight_format == "auto" else weight_format
+    model, weights, step = restore_params(cfg, run.checkpoints, len(ids), tokens, quantized)
+    eos_id, _ = end_of_document(cfg, codec, run)  # where the server stops, this stops
+    out, rate = generate(model, weights, ids, tokens, temperature=temperature, top_k=top_k, seed=seed, eos_id=eos_id)
+    stopped = eos_id is not None and out[-1] == eos_id
+    text = codec.decode(out[:-1] if stopped else out)
+    if output_format == "json":
+        click.echo(json.dumps({"model": cfg.name, "step": step, "weights": weight_format, "prompt_ids": ids,
+                               "ids": out, "text": text, "finish_reason": "stop" if stopped else "length"}))
+    else:  # the text alone: a newline after it would read as one the model wrote (stderr ends the line)
+        click.echo(text, nl=False)
+    ended = f", ended by the end-of-document token {eos_id}" if stopped else ""
+    line_end = "\n" if output_format == "text" and text and not text.endswith("\n") else ""
+    stored = f", {quantized} weights" if quantized else ""
+    click.echo(f"{line_end}{len(out)} tokens from the checkpoint at step {step} ({cfg.name}{stored}){ended}, "
+               f"{rate:,.0f} tokens/s", err=True)
 
 
-def _within_context(cfg, ids: list[int]) -> list[int]:
-    """The prompt's last data.seq_len tokens (the context the model was trained on), saying so when that
-    cuts it: positions past it mean nothing to the model, and their prefill grows with their square."""
-    context = cfg.data.seq_len
+def _within_context(cfg, run, ids: list[int]) -> list[int]:
+    """The prompt's last tokens that the model's context holds (run_loader.context_of, which `serve` reads too),
+    saying so when that cuts it: positions past it mean nothing to the model, and their prefill grows with
+    their square."""
+    context, what = context_of(cfg, run)
     if len(ids) <= context:
         return ids
-    click.echo(f"--prompt: its {len(ids):,} tokens exceed the model's context (data.seq_len={context}, the length "
-               f"it was trained on): its last {context} are continued", err=True)
+    click.echo(f"--prompt: its {len(ids):,} tokens exceed the model's context ({what}): its last {context} are "
+               "continued", err=True)
     return ids[-context:]
 
 

@@ -332,7 +332,7 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     restored = ckpt.restore_latest(trainer.abstract_state, trainer.cfg.model) if latest is not None else None
     init_from = trainer.cfg.train.init_from
     if restored is None:
-        return _fresh_state(trainer, init_from, reporter, status)
+        return _fresh_state(trainer, init_from, reporter, status, spec.output_dir)
     if init_from:
         reporter.info(f"note: train.init_from ({init_from}) is used at a run's first start only; this run "
                       "resumes from its own checkpoints")
@@ -345,13 +345,26 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer | None, data: DataIterat
     return restored.state
 
 
-def _fresh_state(trainer: Trainer, init_from: str | None, reporter: Reporter, status: RunStatus) -> State:
-    """Step 0: a new model, or (train.init_from) another run's parameters with a fresh optimizer."""
+def _fresh_state(trainer: Trainer, init_from: str | None, reporter: Reporter, status: RunStatus,
+                 output_dir: str | None = None) -> State:
+    """Step 0: a new model, or (train.init_from) another run's parameters with a fresh optimizer, and its side
+    files (tokenizer, chat template, generation defaults: trainer/sidefiles.py) in the run's own."""
     if not init_from:
         return trainer.initial_state()
     from trainer import init_from as fine_tune
+    from trainer import sidefiles
 
     state, source = fine_tune.initial_state(trainer, init_from)
+    if output_dir and jax.process_index() == 0:
+        try:
+            carried = sidefiles.carry(init_from, output_dir)
+        except OSError as e:  # a full disk: a runtime failure (exit 1), said in the system's words
+            from trainer.checkpoint import CheckpointError
+
+            raise CheckpointError(f"cannot copy the model's own files (tokenizer, chat template) from {init_from} "
+                                  f"into {output_dir}: {e.strerror or e}") from None
+        if carried:
+            reporter.info(f"carried the model's own files from {init_from}: {', '.join(carried)}")
     status.initialized_from(source.as_dict())
     reporter.info(f"initialized from {source.as_dict()['path']} ({source.fingerprint}): its parameters only, with "
                   "a fresh optimizer and data stream from step 0")

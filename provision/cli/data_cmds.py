@@ -41,11 +41,17 @@ def prepare(args: tuple[str, ...]) -> None:
 
 @click.command("sample", **PASS_THROUGH)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def sample(args: tuple[str, ...]) -> None:
+@click.pass_obj
+def sample(app, args: tuple[str, ...]) -> None:
     """Continue a prompt with a run's latest checkpoint; every option is the trainer's (see `--help`).
+    `moe-tpu --output json sample` prints its JSON (the prompt's and the new token ids, the text).
 
     \b
     Examples:
       moe-tpu sample --checkpoint gs://BUCKET/runs/demo --prompt "The cat" --tokens 40
+      moe-tpu --output json sample --checkpoint runs/demo --prompt "The cat" --temperature 0 --weights int4
     """
+    given = any(a == "--output" or a.startswith("--output=") for a in args)
+    if app is not None and app.console.json_mode and not given:
+        args = (*args, "--output", "json")
     trainer_main("trainer.sample", args, "moe-tpu sample")

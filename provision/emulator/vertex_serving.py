@@ -196,7 +196,8 @@ def create_endpoint(world: World, req: v1.CreateEndpointRequest, now: float) -> 
     name = f"{req.parent}/endpoints/{req.endpoint_id or numeric_id(world)}"
     if name in endpoint_records(world):
         raise ApiError("ALREADY_EXISTS", f"Endpoint {name} already exists.")
-    record = endpoint_records(world)[name] = {"name": name, "request": _json(endpoint), "create_time": now, "deployed": {}}
+    record = {"name": name, "request": _json(endpoint), "create_time": now, "deployed": {}}
+    endpoint_records(world)[name] = record
     return _operation(world, req.parent, "create_endpoint", name, now, CREATE_S, response=_json(endpoint_view(record)))
 
 

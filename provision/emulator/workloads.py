@@ -148,7 +148,8 @@ class VertexPlay:
     hooks = VertexHooks
 
     def placed(self, world: World, now: float, run: str) -> list[Placed]:
-        return [Placed(key=j.name, argv=(*j.command, *j.args)) for j in CustomJobs.of(world).running(now) if j.run == run]
+        return [Placed(key=j.name, argv=(*j.command, *j.args)) for j in CustomJobs.of(world).running(now)
+                if j.run == run]
 
     def started(self, world: World, now: float, placed: Placed, log_path: str) -> None:
         pass

@@ -196,6 +196,8 @@ class Plan:
     # `what_if`: planned for another model, target or mesh than the run's own (command-line overrides).
     mesh_source: str = "plan"
     what_if: bool = False
+    # trainer.mesh, set aside: it does not cover the chips of the other slice planned for (--accelerator, --slices)
+    config_mesh: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -318,6 +320,20 @@ def mesh_choice(cfg: Config) -> tuple[str | None, str]:
     return mesh.text(), ""
 
 
+def _config_mesh(cfg: Config, target, what_if: bool) -> str | None:
+    """The config's trainer.mesh where it applies: always on the config's own slice (a mesh that does not cover
+    it is refused), and on another (--accelerator, --slices) only when it covers that one's chips; else None,
+    and the plan picks a mesh for the slice it is given."""
+    text = cfg.trainer.mesh
+    if not text or not what_if:
+        return text
+    try:
+        target_mesh(text, target.chips, target.slices)
+    except ValueError:
+        return None
+    return text
+
+
 def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None = None,
              slices: int | None = None, mesh_text: str | None = None) -> Plan:
     """The plan for a control-plane config. A model or mesh that cannot be used raises UsageError
@@ -331,7 +347,7 @@ def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None =
         model_cfg = load_model_config(cfg, model)
         target = target_of(cfg, accelerator, slices)
         given = mesh_text
-        mesh_text = mesh_text or cfg.trainer.mesh
+        mesh_text = mesh_text or _config_mesh(cfg, target, what_if=accelerator is not None or slices is not None)
         mesh = target_mesh(mesh_text, target.chips, target.slices) if mesh_text else None
         params = param_inventory(model_cfg)
     except ImportError as exc:
@@ -345,5 +361,7 @@ def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None =
     if source == "trainer.mesh":
         plan = dataclasses.replace(plan, mesh=dataclasses.replace(
             plan.mesh, reason=plan.mesh.reason.replace("given with --mesh", "given in trainer.mesh")))
+    elif source == "plan" and cfg.trainer.mesh:  # the config's mesh is for its own slice, not this one
+        plan = dataclasses.replace(plan, config_mesh=cfg.trainer.mesh)
     what_if = any(x is not None for x in (model, accelerator, slices)) or source == "--mesh"
     return dataclasses.replace(plan, mesh_source=source, what_if=what_if)

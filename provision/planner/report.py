@@ -152,6 +152,9 @@ def mesh_source_text(plan: Plan) -> str:
         return "given with --mesh (a what-if: the run's trainer gets trainer.mesh, or its own plan's choice)"
     if plan.mesh_source == "trainer.mesh":
         return f"given in trainer.mesh: the trainer is started with {flag}"
+    if plan.config_mesh:
+        return (f"chosen by the plan for this target (trainer.mesh {plan.config_mesh} covers the config's own "
+                "target, not this one: the run's trainer is started with it there)")
     if plan.what_if:
         return ("chosen by the plan for this model and target (trainer.mesh is not set: the run's trainer "
                 "gets the plan's choice for the config's own target)")

@@ -75,7 +75,8 @@ RUN_BY = {
     "moe-tpu hf import ./Qwen3-30B-A3B -o runs/qwen3":
         "tests/trainer/test_hf_deepseek.py::test_the_multi_token_prediction_layer_is_skipped_with_a_note",
     "moe-tpu sample --checkpoint runs/qwen3 --prompt 'The cat' --temperature 0":
-        "tests/trainer/test_hf_use.py::test_sample_reads_an_imported_model_with_its_own_tokenizer",
+        "tests/trainer/test_hf_use.py::"
+        "test_sample_reads_a_fine_tuned_import_with_its_own_tokenizer_as_transformers_reads_its_export",
     "moe-tpu data prepare 'corpus/*.jsonl' -o data/corpus --tokenizer runs/qwen3/hf/tokenizer.json":
         "tests/trainer/test_trainer_prepare.py::test_jsonl_text_and_parquet_in_shards_and_a_manifest_out",
     "moe-tpu train --config runs/qwen3/config.json --init-from runs/qwen3 --output-dir runs/qwen3-tuned --set "
@@ -119,7 +120,11 @@ RUN_BY = {
     "moe-tpu --dry-run predict -c examples/serve-gke-multihost.yaml --prompt '1 2 3'": LWS,
     "moe-tpu --dry-run down -c examples/serve-gke-multihost.yaml": LWS,
     # docs/hugging-face.md
-    "moe-tpu train --config runs/qwen3/config.json --init-from ./Qwen3-30B-A3B --output-dir runs/qwen3-tuned": HF_TUNE,
+    "moe-tpu data prepare 'corpus/*.jsonl' --tokenizer runs/qwen3/hf/tokenizer.json -o data/corpus-qwen3":
+        "tests/trainer/test_trainer_prepare.py::test_jsonl_text_and_parquet_in_shards_and_a_manifest_out",
+    "moe-tpu train --config runs/qwen3/config.json --init-from ./Qwen3-30B-A3B --output-dir runs/qwen3-tuned --set "
+    "data.source=records --set data.path=data/corpus-qwen3 --set data.seq_len=2048": HF_TUNE,
+    "moe-tpu hf export --checkpoint runs/qwen3-tuned -o exported/qwen3": HF_TUNE,
     # docs/serving.md
     "python -m trainer.serve --checkpoint runs/demo": SERVED,
     "moe-tpu serve --checkpoint runs/demo --warm-up smallest --port 8000": SERVED,
@@ -147,9 +152,6 @@ NOT_RUN = {
     "python -m trainer --config tiny --devices 8 --mesh expert=2,model=4 --steps 5": "training on a `model` axis is "
     "run through the trainer's functions (test_tensor_parallel.py, test_moe_balance.py); through the command line "
     "only a mesh it refuses",
-    "moe-tpu hf export --checkpoint runs/qwen3-tuned -o exported/qwen3": "the export is run through export_checkpoint, "
-    "the function the command calls (test_hf_use.py, test_hf_oracle.py); the command line only on a step it refuses "
-    "(test_hf_errors.py)",
 }
 
 

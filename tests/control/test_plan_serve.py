@@ -253,6 +253,23 @@ def test_plan_serve_on_the_plans_own_target_and_mesh(workdir):
     assert code == 2 and "--serve" in err
 
 
+def test_plan_serve_for_another_slice_picks_its_own_meshes(workdir):
+    """--accelerator v5litepod-256 on a config whose trainer.mesh covers its 64 chips: it was refused ("covers 64
+    chips, but the target has 256"); the config's mesh is the config's slice's, and each plan picks its own for
+    the slice given. A --mesh given for it is still held to its chips."""
+    args = ["plan", "-c", str(EXAMPLE), "--accelerator", "v5litepod-256"]
+    code, out, err = moe("--output", "json", *args, "--serve")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["mesh"]["source"] == "plan" and "trainer.mesh data=8,expert=8 covers the config's own" in doc[
+        "mesh"]["source_text"]
+    assert doc["serve"]["chips"] == 256 and doc["serve"]["mesh"]["source"] == "serving"
+    serving = doc["serve"]["mesh"]
+    assert serving["data_ways"] * serving["expert_ways"] * serving["model_ways"] == 256
+    code, _, err = moe(*args, "--mesh", "data=8,expert=8")
+    assert code == 2 and "covers 64 chips, but the target has 256" in err
+
+
 @pytest.mark.parametrize("name, total", [("qwen3-30b-a3b", 30_532_122_624), ("olmoe-1b-7b", 6_919_161_856),
                                          ("deepseek-v2-lite", 15_706_484_224)])
 def test_plan_answers_for_the_open_models_named_configs(workdir, name, total):

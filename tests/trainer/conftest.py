@@ -54,8 +54,8 @@ def trained_tiny(tmp_path_factory, worker_id):
 def trained_on_prepared(tmp_path_factory, worker_id):
     """`tiny` trained 150 steps through the command line on a corpus that `data prepare` made (4,000 short
     English-like documents, a byte-level BPE of 320 tokens, 5% held out and evaluated every 50 steps, steps
-    3-5 profiled): its dataset, its output directory and the records arguments it trained with. Read them,
-    never write into them. Trained once per test run (once_per_run)."""
+    3-5 profiled; data.path given relative to the directory it trained in): its dataset, its output directory
+    and the records arguments it trained with (data.path absolute). Read them, never write into them. Trained once per test run (once_per_run)."""
     from text_corpus import corpus
     from trainer.cli import train_command
     from trainer.prepare import prepare_command
@@ -65,14 +65,22 @@ def trained_on_prepared(tmp_path_factory, worker_id):
                 f"data.path={tmp / 'ds'}", "--set", "data.eval_share=0.05"]
 
     def make(tmp):
+        import os
+
         (tmp / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(4000)))
         prepared = CliRunner().invoke(prepare_command, [str(tmp / "docs.jsonl"), "-o", str(tmp / "ds"),
                                                         "--vocab-size", "320", "--quiet"])
         assert prepared.exit_code == 0, prepared.output
-        result = CliRunner().invoke(train_command, [
-            *records(tmp), "--set", "model.vocab_size=320", "--set", "train.eval_every=50",
-            "--set", "train.eval_batches=2", "--set", "train.log_every=10", "--set", "train.profile_steps=[3, 5]",
-            "--steps", "150", "--output-dir", str(tmp / "out"), "--metrics", str(tmp / "m.jsonl")])
+        here = os.getcwd()
+        os.chdir(tmp)  # data.path given relative to the directory trained in, as the README writes it
+        try:
+            result = CliRunner().invoke(train_command, [
+                *records(tmp), "--set", "data.path=ds", "--set", "model.vocab_size=320", "--set",
+                "train.eval_every=50", "--set", "train.eval_batches=2", "--set", "train.log_every=10",
+                "--set", "train.profile_steps=[3, 5]", "--steps", "150", "--output-dir", str(tmp / "out"),
+                "--metrics", str(tmp / "m.jsonl")])
+        finally:
+            os.chdir(here)
         assert result.exit_code == 0, result.output
         return result.output
 
@@ -88,9 +96,11 @@ def trained_on_prepared(tmp_path_factory, worker_id):
 # test_trainer_cli 93 -> 69, test_trainer_multiprocess 30 -> 19, test_trainer_sample 41 -> 35. Modules
 # that train for hundreds of steps keep them (test_moe_balance's 300-step runs take twice as long
 # without; test_trainer_train and test_trainer_prepare gain nothing). The variable reaches the trainers
-# the tests start as processes.
+# the tests start as processes. test_hf_use's module fixture fine-tunes 20 steps on 8 devices (its train step
+# compiled in 53 s with them, far longer than its steps run).
 COMPILE_BOUND = {"test_moe_parallel", "test_moe_structure", "test_moe_layer", "test_moe_routing",
-                 "test_trainer_model", "test_trainer_cli", "test_trainer_multiprocess", "test_trainer_sample"}
+                 "test_trainer_model", "test_trainer_cli", "test_trainer_multiprocess", "test_trainer_sample",
+                 "test_hf_use"}
 
 
 @contextlib.contextmanager

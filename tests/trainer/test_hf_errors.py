@@ -1,8 +1,11 @@
 """Bad Hugging Face input: each case exits 2 naming the file and the key, with no traceback, and leaves
 nothing in -o (nor a half-written directory beside it). A feature the trainer lacks is refused by its key."""
 
+import contextlib
 import json
+import logging
 import shutil
+import threading
 
 import pytest
 from hf_models import VOCAB, hf_model, tokenizer_json
@@ -30,15 +33,33 @@ def source(saved, tmp_path):
     return tmp_path / "src"
 
 
-def _import(capsys, source, tmp_path) -> str:
+@contextlib.contextmanager
+def _tracebacks():
+    """Collects what would print a traceback beside the CLI's message: a record logged with an exception (orbax's
+    threads log each failure so, through absl) or an exception a thread left uncaught."""
+    caught = []
+    handler = logging.Handler()
+    handler.emit = lambda record: caught.append(record.getMessage()) if record.exc_info else None
+    logging.getLogger().addHandler(handler)
+    hook, threading.excepthook = threading.excepthook, lambda args: caught.append(repr(args.exc_value))
+    try:
+        yield caught
+    finally:
+        logging.getLogger().removeHandler(handler)
+        threading.excepthook = hook
+
+
+def _import(capsys, source, tmp_path, out=None) -> str:
     """Runs `hf import`; asserts exit 2, no traceback and nothing left in or beside -o; returns stderr."""
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit) as exit_info:
+    out = out or tmp_path / "out"
+    existed = out.exists()
+    with _tracebacks() as caught, pytest.raises(SystemExit) as exit_info:
         main(["import", str(source), "-o", str(out)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
-    assert "Traceback" not in err
-    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    assert "Traceback" not in err and not caught
+    assert (list(out.iterdir()) == [] if existed else not out.exists())  # the user's empty -o stays, empty
+    assert not list(out.parent.glob(f".{out.name}.partial-*"))
     return err
 
 
@@ -65,9 +86,14 @@ def test_a_shard_the_index_names_is_missing(capsys, source, tmp_path):
     assert "model.safetensors.index.json" in err and f"'{shard}', which is missing" in err
 
 
-def test_a_truncated_safetensors_header(capsys, source, tmp_path):
-    shard = _index(source)["weight_map"]["model.embed_tokens.weight"]
+@pytest.mark.parametrize("key", ["model.embed_tokens.weight", "model.layers.1.block_sparse_moe.experts.3.w2.weight"])
+def test_a_truncated_safetensors_header(capsys, source, tmp_path, key):
+    """The embedding's shard is read before the checkpoint is written, layer 1's once writing began: that one
+    into the user's own empty -o, which stays, empty."""
+    shard = _index(source)["weight_map"][key]
     (source / shard).write_bytes((source / shard).read_bytes()[:6])
+    if "layers" in key:
+        (tmp_path / "out").mkdir()
     err = _import(capsys, source, tmp_path)
     assert f"{source / shard} is not a readable safetensors file" in err
 
@@ -98,6 +124,25 @@ def test_a_missing_tensor(capsys, source, tmp_path):
     del index["weight_map"][key]
     (source / "model.safetensors.index.json").write_text(json.dumps(index))
     assert f"the tensor '{key}' is missing from {source}" in _import(capsys, source, tmp_path)
+
+
+def test_an_fp8_weight_without_its_block_scales(capsys, source, tmp_path):
+    """A bfloat16 checkpoint with FP8 block scaling declared, one of layer 1's experts in FP8 without its
+    `_scale_inv` (found once writing began)."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    key = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
+    for shard in set(_index(source)["weight_map"].values()):
+        tensors = {k: v.astype(ml_dtypes.float8_e4m3fn if k == key else ml_dtypes.bfloat16)
+                   for k, v in load_file(source / shard).items()}
+        save_file(tensors, str(source / shard), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [4, 8]}
+    (source / "config.json").write_text(json.dumps(config))
+    err = _import(capsys, source, tmp_path)
+    shard = source / _index(source)["weight_map"][key]
+    assert f"{shard}: '{key}' is FP8 but '{key}_scale_inv' (its block scales) is missing" in err
 
 
 def test_a_tokenizer_of_another_vocabulary(capsys, source, tmp_path):
@@ -175,6 +220,29 @@ def test_a_gs_source_imports_as_the_local_one_and_a_missing_shard_is_named(saved
     assert sorted(p.name for p in tmp_path.iterdir()) == ["local", "remote"]
 
 
+FILE_SIZE_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+from trainer.hf.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_write_the_disk_cannot_hold_is_said_once_naming_the_output(saved, tmp_path):
+    """The checkpoint writer fails at a layer, while tensors are still read: exit 1 with one line naming -o
+    (not its staging directory) and the system's reason, nothing logged with a traceback, nothing left."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, "import", str(saved), "-o", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr == f"Error: cannot write the checkpoint to {out}/checkpoints: File too large (os error 27)\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("signum, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_during_an_import_stops_it_between_tensors_leaving_nothing(capsys, source, tmp_path, signum,
                                                                             code):
@@ -187,9 +255,9 @@ def test_a_signal_during_an_import_stops_it_between_tensors_leaving_nothing(caps
     out = tmp_path / "out"
     with signals.latch():  # `hf`'s own latch is this one: the signal arrives once it is installed
         signal.raise_signal(getattr(signal, signum))  # recorded: nothing is raised here
-        with pytest.raises(SystemExit) as exit_info:
+        with _tracebacks() as caught, pytest.raises(SystemExit) as exit_info:
             main(["import", str(source), "-o", str(out)])
     err = capsys.readouterr().err
     assert exit_info.value.code == code, err
-    assert "nothing was written" in err and "Traceback" not in err
+    assert "nothing was written" in err and "Traceback" not in err and not caught
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))

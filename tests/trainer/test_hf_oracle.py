@@ -104,9 +104,11 @@ def _params(run_dir) -> dict:
 
 
 def test_both_expert_layouts_give_the_same_parameters(tmp_path):
-    """transformers 5 saves fused 3-D experts with save_original_format=False; they import as the per-expert
-    files do, and the fused import exports to the Hub's per-expert tensors of the original."""
-    model = hf_model("qwen3_moe", seed=3)
+    """transformers 5 saves fused 3-D experts with save_original_format=False (Mixtral's router then under `mlp`
+    too); they import as the per-expert files do, and the fused import exports to the Hub's per-expert tensors
+    of the original, bit for bit. (Every family's fused tensors are read by the same transforms; which tensors
+    each family's layouts hold is the next test's.)"""
+    model = hf_model("mixtral", seed=3)
     model.save_pretrained(tmp_path / "per-expert")
     model.save_pretrained(tmp_path / "fused", save_original_format=False)
     assert any(k.endswith("experts.gate_up_proj") for k in safetensors_of(tmp_path / "fused"))
@@ -114,6 +116,32 @@ def test_both_expert_layouts_give_the_same_parameters(tmp_path):
     import_checkpoint(str(tmp_path / "fused"), str(tmp_path / "b"))
     a, b = _params(tmp_path / "a"), _params(tmp_path / "b")
     assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)
+    export_checkpoint(str(tmp_path / "b"), str(tmp_path / "exported"))
+    source, exported = safetensors_of(tmp_path / "per-expert"), safetensors_of(tmp_path / "exported")
+    assert sorted(exported) == sorted(source) and all(exported[k].tobytes() == source[k].tobytes() for k in source)
+
+
+def test_every_layout_transformers_writes_is_read_whole(tmp_path):
+    """For each family (DeepSeek's too), the Hub's per-expert files (transformers 4.x's save and 5.x's default)
+    and 5.x's fused ones: the tensors the import reads are the files' tensors, none missing and none left over,
+    and every MoE layer is read in the layout written."""
+    from hf_models import DEEPSEEK
+
+    from trainer.hf import names
+    from trainer.hf.convert import IGNORED, open_hub
+
+    for name in [*FAMILIES, *DEEPSEEK]:
+        model = hf_model(name)
+        for layout, fused in ((names.PER_EXPERT, False), (names.FUSED, True)):
+            where = tmp_path / name / layout
+            model.save_pretrained(where, save_original_format=not fused)
+            hub = open_hub(str(where))
+            moe = [i for i in range(hub.cfg.model.num_layers) if hub.cfg.model.is_moe_layer(i)]
+            assert moe and {hub.layouts[i] for i in moe} == {layout}, (name, layout)
+            specs = [spec for group in names.all_specs(hub.cfg, hub.family, hub.layouts) for spec in group]
+            read = {tensor for spec in specs for tensor in spec.hub}
+            on_disk = {t for t in hub.reader.names() if not t.endswith(IGNORED)}
+            assert read == on_disk, (name, layout, sorted(read ^ on_disk)[:4])
 
 
 def test_bfloat16_keeps_its_dtype_and_bits_both_ways(tmp_path):

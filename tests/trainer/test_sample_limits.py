@@ -97,6 +97,8 @@ def test_a_prompt_longer_than_the_models_context_is_cut_to_its_last_tokens_sayin
     continued, and the command says so."""
     result = sample(trained_tiny.output_dir, "--prompt", "3 " * 5000, "--tokens", "2", "--temperature", "0")
     assert result.exit_code == 0, result.output
+    # the text alone on stdout: a newline after it would read as one the model wrote (stderr ends the line)
+    assert len(result.stdout.split()) == 2 and not result.stdout.endswith("\n")
     assert ("--prompt: its 5,000 tokens exceed the model's context (data.seq_len=64, the length it was trained "
             "on): its last 64 are continued") in result.output
 
@@ -127,7 +129,10 @@ def test_a_dataset_prepared_again_after_training_is_noticed_where_its_tokenizer_
     with pytest.raises(RunError, match=f"the dataset at data.path '{tmp_path / 'ds'}' is not the one the run"):
         load(str(run), tokenizer_path=None, mesh_text=None, slots=1, max_len=32, chunk=16, kv_dtype=None,
              quantized=None, device_memory_gb=None, progress=print)
-    # The run as trained (5% held out: its fingerprint carries that too) samples as ever.
+    # The run as trained (5% held out: its fingerprint carries that too) samples as ever, from another directory
+    # than the one it trained in with data.path=ds: its config.json keeps that path absolute.
+    config = json.loads((trained_on_prepared.output_dir / "config.json").read_text())
+    assert config["data"]["path"] == str(trained_on_prepared.dataset)
     assert sample(trained_on_prepared.output_dir, "--prompt", "the cat", "--tokens", "2").exit_code == 0
 
 

@@ -68,3 +68,22 @@ def test_a_tokens_text_costs_the_same_at_the_end_of_a_long_output():
     assert out.on_token(req, text[-1]) == "length"
     assert max(seen) <= WINDOW + 1 and max(tails) == max(map(len, stops)) - 1
     assert req.text == text.decode("utf-8", "replace") == "".join(req.detokenizer.pieces)
+
+
+def test_top_logprobs_keep_every_alternative_when_two_tokens_share_a_text():
+    """Bytes 0xE2 and 0xF0 each decode alone to U+FFFD: as keys of one text they merged, and the position
+    returned 2 alternatives of the 3 asked for; the later one is now named by its id."""
+    from types import SimpleNamespace
+
+    from trainer.serve.logprobs import Logprob
+    from trainer.serve.responses import completion_logprobs
+
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731 - the server's byte codec
+    entry = Logprob(token=0xF0, logprob=-1.5, top_ids=(0xE2, 0xF0, 0x61), top_logprobs=(-1.0, -1.5, -2.0))
+    req = SimpleNamespace(prompt=[0x61], prompt_logprobs=[], logprobs=[entry])
+    top = completion_logprobs(decode, req, 3, echo=False)["top_logprobs"][0]
+    assert top == {"\ufffd": -1.0, f"token_id:{0xF0}": -1.5, "a": -2.0}
+    chosen_not_among = Logprob(token=0xE2, logprob=-3.0, top_ids=(0xF0, 0x61), top_logprobs=(-1.0, -2.0))
+    req.logprobs = [chosen_not_among]
+    assert completion_logprobs(decode, req, 2, echo=False)["top_logprobs"][0] == {
+        "\ufffd": -1.0, "a": -2.0, f"token_id:{0xE2}": -3.0}

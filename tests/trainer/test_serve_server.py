@@ -359,6 +359,10 @@ def test_a_top_k_beyond_int32_means_the_whole_vocabulary_and_fails_no_request(se
     ("POST", "/v1/completions", {"json": {"prompt": [True]}}, 400, "prompt", "prompt"),
     ("POST", "/v1/completions", {"json": {"prompt": "a", "logprobs": 21}}, 400,
      "logprobs: Input should be less than or equal to 20", "logprobs"),
+    # Python's JSON reads NaN: it was "should be less than or equal to 2", which no NaN can mend
+    ("POST", "/v1/completions", {"content": b'{"prompt": "a", "temperature": NaN}',
+                                 "headers": {"content-type": "application/json"}}, 400,
+     "temperature: Input should be a finite number", "temperature"),
     ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "a"}], "echo": True}}, 400,
      "echo: unknown field; this server does not offer it, leave it out", "echo"),
     ("POST", "/v1/completions", {"json": {"prompt": "a", "tempurature": 0}}, 400,

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer import flops
-from trainer.config import NAMED_CONFIGS, Config, ConfigError, check, load_config, named_configs
+from trainer.config import NAMED_CONFIGS, NO_DATA, Config, ConfigError, check, load_config, named_configs
 from trainer.moe import MoEConfig
 
 
@@ -68,6 +68,7 @@ def test_bad_configs_raise_config_error_naming_the_key(overrides, needle):
     ("tiny", [], 0, "steps must be at least 1, got 0"),
     ("tiny", ["train.steps=0"], None, "train.steps must be at least 1 for a run, got 0"),
     ("tiny", ["model=3"], None, "model must be a mapping, got 3"),
+    ("tiny", ["data.source=none"], None, NO_DATA),  # an import's config: a run on the cloud asks for its data too
 ])
 def test_check_rejects_what_load_config_rejects_naming_the_key(config, overrides, steps, message):
     with pytest.raises(ConfigError) as err:

@@ -44,8 +44,11 @@ def test_init_from_starts_a_new_run_from_another_runs_parameters_with_a_fresh_op
 def test_init_from_refuses_another_models_checkpoint_naming_the_parameter(trained_tiny, tmp_path, monkeypatch):
     # given relative to the working directory, as a user types it (orbax itself takes absolute paths only)
     monkeypatch.chdir(trained_tiny.output_dir.parent)
-    result = _train(tmp_path, "--steps", "2", "--set", "model.d_model=32", "--init-from", trained_tiny.output_dir.name)
+    out = tmp_path / "runs" / "tuned"
+    result = _train(tmp_path, "--steps", "2", "--set", "model.d_model=32", "--init-from", trained_tiny.output_dir.name,
+                    "--output-dir", str(out))
     assert result.exit_code == 2, result.output
+    assert not (tmp_path / "runs").exists()  # refused: no half-made run (status.json, config.json) is left
     assert "--init-from: the checkpoint" in result.output and "is of another model: params." in result.output
     assert "params.embed is [256, 64] in it, this config needs [256, 32]" in result.output
     for bad, needle in ((tmp_path / "nowhere", "does not exist"), (tmp_path, "holds no checkpoint")):

@@ -344,3 +344,54 @@ def test_a_signal_that_lands_in_a_garbage_collection_still_stops_the_prepare(tmp
         if in_gc in gc.callbacks:
             gc.callbacks.remove(in_gc)
     assert exit_.value.code == code and not (tmp_path / "out").exists()
+
+
+def test_a_models_tokenizer_ends_documents_with_the_eos_the_files_beside_it_name(tmp_path):
+    """An imported model's tokenizer.json with no '<|endoftext|>': its tokenizer_config.json's eos_token (an
+    object with its content, as the Hub writes it) ends the documents, else its generation_config.json's
+    eos_token_id; --eod-token still decides when given."""
+    from tokenizers import models, pre_tokenizers
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1, "<s>": 2, "a": 3, "b": 4}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>", "lstrip": False}}))
+    (tmp_path / "a.txt").write_text("a b a\nb b\n")
+
+    def eod(out, *extra):
+        result = prepare([tmp_path / "a.txt", "--lines", "-o", tmp_path / out, "--tokenizer", model / "tokenizer.json",
+                          *extra])
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((tmp_path / out / "manifest.json").read_text())
+        return manifest["eod_token"], manifest["eod_id"]
+
+    assert eod("ds") == ("</s>", 1)
+    assert eod("given", "--eod-token", "<s>") == ("<s>", 2)
+    (model / "tokenizer_config.json").unlink()
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    assert eod("generation") == ("<s>", 2)
+
+
+def test_an_export_of_a_run_trained_from_scratch_carries_its_datasets_tokenizer(trained_on_prepared, tmp_path):
+    """`hf export` of a run trained on prepared text writes its dataset's tokenizer.json with a
+    tokenizer_config.json that transformers' AutoTokenizer (so lm-eval's --model hf) loads: the same ids, the
+    dataset's end-of-document token as eos (config.json and generation_config.json too), its context."""
+    transformers = pytest.importorskip("transformers")
+    from trainer.hf.cli import hf_group
+
+    exported = tmp_path / "exported"
+    result = CliRunner().invoke(hf_group, ["export", "--checkpoint", str(trained_on_prepared.output_dir), "-o",
+                                           str(exported)])
+    assert result.exit_code == 0, result.output
+    assert "no tokenizer" not in result.output
+    manifest = json.loads((trained_on_prepared.dataset / "manifest.json").read_text())
+    ours = Tokenizer.from_file(str(trained_on_prepared.dataset / "tokenizer.json"))
+    theirs = transformers.AutoTokenizer.from_pretrained(exported)
+    text = "The cat sat on the mat, and then it slept."
+    assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text).ids
+    assert (theirs.eos_token, theirs.eos_token_id) == (manifest["eod_token"], manifest["eod_id"])
+    config = transformers.AutoConfig.from_pretrained(exported)
+    assert config.eos_token_id == manifest["eod_id"] and config.max_position_embeddings == 64  # tiny's seq_len
+    assert transformers.GenerationConfig.from_pretrained(exported).eos_token_id == manifest["eod_id"]

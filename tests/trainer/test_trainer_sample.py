@@ -13,23 +13,32 @@ from trainer.sample import sample_command
 
 def test_a_trained_tiny_continues_the_source_with_allowed_transitions(trained_tiny, monkeypatch):
     """A seed of any size and sign is taken (this one draws as seed 1: the engine keeps its low 31 bits); the
-    checkpoint is named by a relative path, as a user types it (orbax itself takes absolute ones only)."""
+    checkpoint is named by a relative path, as a user types it (orbax itself takes absolute ones only). Through
+    `moe-tpu --output json sample --weights int4` (the global flag reaches it; the weights stored as
+    `serve --weights int4` stores them, trainer.serve.weights.stored_as): the prompt's and the new ids, and
+    their text."""
+    from provision.cli import cli
+
     out = trained_tiny.output_dir  # 120 steps through the command line (tests/trainer/conftest.py)
     assert json.loads((out / "config.json").read_text())["name"] == "tiny"
     assert not (out / "profile").exists()  # no trace without --profile-steps
     source = make_source(load_config("tiny"), seed=0)
-    prompt = source.rows(7, [0])[0][:16]
+    prompt = source.rows(7, [0])[0][:16].tolist()
     monkeypatch.chdir(out.parent)
-    result = CliRunner().invoke(sample_command, ["--checkpoint", out.name, "--prompt", " ".join(map(str, prompt)),
-                                                 "--tokens", "300", "--seed", str(1 - 2**100)])
+    result = CliRunner().invoke(cli, ["--output", "json", "sample", "--checkpoint", out.name, "--prompt",
+                                      " ".join(map(str, prompt)), "--tokens", "300", "--seed", str(1 - 2**100),
+                                      "--weights", "int4"])
     assert result.exit_code == 0, result.output
-    ids = [int(t) for t in result.stdout.split()]
-    assert len(ids) == 300
+    doc = json.loads(result.stdout)
+    assert (doc["prompt_ids"], doc["weights"], doc["finish_reason"], doc["step"]) == (prompt, "int4", "length", 120)
+    ids = doc["ids"]
+    assert len(ids) == 300 and doc["text"] == " ".join(map(str, ids))
     allowed = {(s, int(t)) for s in range(source.succ_VxK.shape[0]) for t in source.succ_VxK[s]}
     pairs = list(zip([int(prompt[-1]), *ids], ids, strict=False))
     share = sum(p in allowed for p in pairs) / len(pairs)
     assert share >= 0.95, share
-    assert "300 tokens from the checkpoint at step 120 (tiny)" in result.stderr and "tokens/s" in result.stderr
+    assert "300 tokens from the checkpoint at step 120 (tiny, int4 weights)" in result.stderr
+    assert "tokens/s" in result.stderr
 
 
 def test_no_checkpoint_or_no_config_exits_2_naming_the_directory(tmp_path):

@@ -23,20 +23,23 @@ def hf_group() -> None:
 @hf_group.command("import")
 @click.argument("source")
 @click.option("-o", "--output", required=True, type=click.Path(), help="New directory for the trainer checkpoint.")
-def import_command(source: str, output: str) -> None:
+@click.option("--seq-len", type=click.IntRange(min=2), default=None,
+              help="The run's context (data.seq_len), at most the model's [its max_position_embeddings].")
+def import_command(source: str, output: str, seq_len: int | None) -> None:
     """Convert the Hugging Face checkpoint in SOURCE (a directory or gs:// prefix with config.json,
     *.safetensors, the tokenizer) into a trainer checkpoint that `sample`, `serve` and `--init-from` read.
+    Its config.json names no data: a fine-tune from it gives --set data.source=records --set data.path=DIR.
 
     \b
     Examples:
       moe-tpu hf import ./Qwen3-30B-A3B -o runs/qwen3
-      moe-tpu hf import gs://BUCKET/models/OLMoE-1B-7B -o runs/olmoe
+      moe-tpu hf import gs://BUCKET/models/OLMoE-1B-7B -o runs/olmoe --seq-len 4096
     """
     from trainer.hf.convert import import_checkpoint
 
-    done = import_checkpoint(source, output)
-    click.echo(f"imported {done['family']} ({done['dtype']}, experts {' and '.join(done['layouts'])}) into "
-               f"{done['output']}")
+    done = import_checkpoint(source, output, seq_len)
+    click.echo(f"imported {done['family']} ({done['dtype']}, experts {' and '.join(done['layouts'])}, context "
+               f"{done['seq_len']:,} tokens) into {done['output']}")
     if done["skipped"]:
         click.echo(f"note: skipped {len(done['skipped'])} tensors of the multi-token-prediction layer "
                    f"({done['skipped'][0]}, ...), which the model does not use")
@@ -50,7 +53,8 @@ def import_command(source: str, output: str) -> None:
               help="Largest safetensors shard, in MB.")
 def export_command(run: str, step: int | None, output: str, max_shard_mb: int) -> None:
     """Write a trainer checkpoint as Hugging Face files: config.json with the Hub's keys, safetensors shards
-    and their index, generation_config.json and the tokenizer (when the checkpoint was imported).
+    and their index, generation_config.json and the tokenizer: an imported (or fine-tuned import's) model's
+    own files, else the run's dataset's tokenizer.json with a tokenizer_config.json.
 
     \b
     Examples:
@@ -61,6 +65,8 @@ def export_command(run: str, step: int | None, output: str, max_shard_mb: int) -
     done = export_checkpoint(run, output, step, max_shard_mb * MB)
     click.echo(f"exported step {done['step']} as {done['family']} ({done['shards']} shards"
                f"{'' if done['tokenizer'] else ', no tokenizer'}) into {done['output']}")
+    if done["note"]:
+        click.echo(f"note: no tokenizer: {done['note']}")
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from trainer import signals
-from trainer.config import Config
+from trainer import sidefiles, signals
+from trainer.config import Config, DataConfig
 from trainer.hf import deepseek, families, fp8, names
 from trainer.hf.errors import HFError, WriteError
 from trainer.hf.orbax_io import BIAS_SUFFIX, open_run, save_params
-from trainer.hf.safetensors_io import CONFIG, DTYPES, INDEX, SINGLE, TOKENIZER_FILES, HubReader, ShardWriter, read_json
-from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE, HUB_DIR
+from trainer.hf.safetensors_io import CONFIG, DTYPES, INDEX, SINGLE, HubReader, ShardWriter, read_json
+from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE, HUB_DIR, RunDirectory
 
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older saves hold; recomputed, never read
 
@@ -139,15 +139,47 @@ def iter_params(model: HubModel) -> Iterator[tuple[str, np.ndarray]]:
 
 
 @contextlib.contextmanager
+def made_parents(output: str) -> Iterator[str]:
+    """OUTPUT's directory (`-o runs/x` makes runs/), made where it is missing; the directories made are removed
+    again when the block fails (nothing of the command is left). Yields the directory."""
+    parent = os.path.dirname(os.path.abspath(output))
+    missing = []
+    at = parent
+    while not os.path.isdir(at) and at != os.path.dirname(at):
+        missing.append(at)
+        at = os.path.dirname(at)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        _remove_empty(missing)
+        raise HFError(f"-o {output}: cannot make its directory {parent}: {e.strerror or e}") from None
+    try:
+        yield parent
+    except BaseException:
+        _remove_empty(missing)
+        raise
+
+
+def _remove_empty(directories: list[str]) -> None:
+    """The directories made_parents made, innermost first, each where it is still empty."""
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+@contextlib.contextmanager
 def staged(output: str) -> Iterator[str]:
     """A temporary directory beside OUTPUT that becomes OUTPUT when the block succeeds, and is removed
-    when it fails. OUTPUT must not exist, or be an empty directory."""
+    when it fails. OUTPUT must not exist, or be an empty directory; its directory is made where missing."""
     output = os.path.abspath(output)
     if os.path.lexists(output) and not (os.path.isdir(output) and not os.listdir(output)):
         raise HFError(f"-o {output} exists and is not an empty directory: give a new one")
-    parent = os.path.dirname(output)
-    if not os.path.isdir(parent):
-        raise HFError(f"-o {output}: its directory {parent} does not exist")
+    with made_parents(output) as parent, _staged(output, parent) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _staged(output: str, parent: str) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=parent)
     try:
         yield tmp
@@ -158,17 +190,21 @@ def staged(output: str) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise WriteError(f"cannot write {output}: {e.filename or ''}{': ' if e.filename else ''}"
                          f"{e.strerror or e}") from None
-    except BaseException:
-        _remove(tmp)
+    except WriteError as e:  # the checkpoint writer's: said of OUTPUT, not of the staging directory removed
+        _remove(tmp, settle=1.0)
+        raise WriteError(str(e).replace(tmp, output)) from None
+    except BaseException:  # bad input or a signal: the checkpoint writer, if any, ended its save (orbax_io)
+        _remove(tmp, settle=0.0)
         raise
 
 
-def _remove(tmp: str) -> None:
-    """Removes the staging directory and sees that it stays gone: a checkpoint writer that was stopped may still
-    be closing files in it (tensorstore finishes its writes on threads of its own, and its OCDBT store writes a
-    manifest once the context that holds it is collected), so a removal racing those can leave a directory
-    behind. The context is collected first; then the directory is removed until it has stayed absent for a
-    second (bounded: 10 s), which a failed import alone pays."""
+def _remove(tmp: str, settle: float) -> None:
+    """Removes the staging directory and sees that it stays gone for `settle` seconds. A checkpoint writer that
+    failed may still be closing files in it (tensorstore finishes its writes on threads of its own, and its
+    OCDBT store writes a manifest once the context that holds it is collected), so a removal racing those can
+    leave a directory behind: the context is collected first, then the directory removed until it has stayed
+    absent that long (bounded: 10 s). A writer stopped by the reading side has ended its save before this, and
+    needs no wait."""
     gc.collect()
     absent_since = None
     deadline = time.monotonic() + 10
@@ -179,20 +215,9 @@ def _remove(tmp: str) -> None:
             absent_since = None
         elif absent_since is None:
             absent_since = now
-        elif now - absent_since >= 1.0:
+        if absent_since is not None and now - absent_since >= settle:
             return
         time.sleep(0.1)
-
-
-def copy_side_files(source: str, target: str) -> list[str]:
-    os.makedirs(target, exist_ok=True)
-    copied = []
-    for name in TOKENIZER_FILES + (CONFIG,):
-        path = os.path.join(source, name)
-        if os.path.isfile(path):
-            shutil.copyfile(path, os.path.join(target, name))
-            copied.append(name)
-    return copied
 
 
 def fetched(source: str, into: str) -> str:
@@ -229,42 +254,54 @@ def fetched(source: str, into: str) -> str:
                               f"{source}")
     else:
         copy(SINGLE, True)
-    for name in TOKENIZER_FILES:
+    for name in sidefiles.TOKENIZER_FILES:
         copy(name, False)
     return into
 
 
-def import_checkpoint(source: str, output: str) -> dict:
+def import_checkpoint(source: str, output: str, seq_len: int | None = None) -> dict:
     """SRC (a Hugging Face directory, local or gs://) -> OUTPUT, a trainer checkpoint; returns what was done.
-    A gs:// source is first copied beside OUTPUT (and removed after)."""
+    The run's config names no data (data.source none: `train` asks for it) and the model's context,
+    max_position_embeddings, or `seq_len` where that is less. A gs:// source is first copied beside OUTPUT
+    (and removed after)."""
     if "://" in source:
-        parent = os.path.dirname(os.path.abspath(output))
-        if not os.path.isdir(parent):
-            raise HFError(f"-o {output}: its directory {parent} does not exist")
-        download = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.download-", dir=parent)
-        try:
-            return import_checkpoint(fetched(source, download), output)
-        finally:
-            shutil.rmtree(download, ignore_errors=True)
+        with made_parents(output) as parent:
+            download = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.download-", dir=parent)
+            try:
+                return import_checkpoint(fetched(source, download), output, seq_len)
+            finally:
+                shutil.rmtree(download, ignore_errors=True)
     model = open_hub(source)
+    context = min(max_positions(model.hub), seq_len or MAX_CONTEXT)
+    cfg = model.cfg.model_copy(update={"data": DataConfig(source="none", seq_len=context)})
     with staged(output) as tmp:
         save_params(os.path.join(tmp, CHECKPOINTS_DIR), iter_params(model), model.cfg,
                     source=f"hf:{model.family.model_type}:{os.path.abspath(source)}",
                     names=[spec.param for group in names.all_specs(model.cfg, model.family, model.layouts)
                            for spec in group])
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
-            f.write(model.cfg.model_dump_json(indent=2) + "\n")
-        side = copy_side_files(source, os.path.join(tmp, HUB_DIR))
+            f.write(cfg.model_dump_json(indent=2) + "\n")
+        side = sidefiles.copy_files(source, os.path.join(tmp, HUB_DIR))
     skipped = sorted(n for n in model.reader.names() if deepseek.skipped(model.hub, n))
     return {"family": model.family.model_type, "output": os.path.abspath(output), "dtype": model.cfg.param_dtype,
-            "layouts": sorted(set(model.layouts)), "files": side, "skipped": skipped}
+            "layouts": sorted(set(model.layouts)), "files": side, "skipped": skipped, "seq_len": context}
+
+
+DEFAULT_POSITIONS = 4096  # a config.json without max_position_embeddings (transformers' default for most)
+MAX_CONTEXT = 2**31 - 1
+
+
+def max_positions(hub: dict) -> int:
+    """The model's context: config.json's max_position_embeddings (DEFAULT_POSITIONS where it names none)."""
+    value = hub.get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 2 else DEFAULT_POSITIONS
 
 
 def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_bytes: int = 5 * 10**9) -> dict:
     """A trainer run's (or an imported) checkpoint -> OUTPUT in the Hub's layout; returns what was done."""
     saved = open_run(run, step)
-    side = os.path.join(saved.run, HUB_DIR)
-    carried = read_json(os.path.join(side, CONFIG)) if os.path.isfile(os.path.join(side, CONFIG)) else {}
+    found = RunDirectory.at(saved.run)
+    carried = sidefiles.hub_config(found)  # the imported model's own config.json (its ids, its context)
     fam = families.family_of(saved.cfg, carried.get("model_type"))
     hub = families.hub_config(saved.cfg, fam, carried)
     with staged(output) as tmp:
@@ -276,12 +313,15 @@ def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_
                 for name, tensor in zip(spec.hub, spec.to_hub(values[spec.param]), strict=True):
                     writer.add(name, tensor)
         shards = writer.finish()
-        copied = copy_side_files(side, tmp) if os.path.isdir(side) else []
+        side = sidefiles.export(found, saved.cfg, tmp)
+        if side["eos_token_id"] is not None:  # the dataset's end-of-document token: where generation stops
+            hub.setdefault("eos_token_id", side["eos_token_id"])
         _write_json(os.path.join(tmp, CONFIG), hub)
-        if "generation_config.json" not in copied:
-            _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(hub))
+        if sidefiles.GENERATION_CONFIG not in side["files"]:
+            _write_json(os.path.join(tmp, sidefiles.GENERATION_CONFIG), _generation_config(hub))
     return {"family": fam.model_type, "step": saved.step, "output": os.path.abspath(output), "shards": len(shards),
-            "tokenizer": any(n.startswith("tokenizer") for n in copied)}
+            "tokenizer": sidefiles.TOKENIZER in side["files"] or "tokenizer.model" in side["files"],
+            "note": side["note"]}
 
 
 def _generation_config(hub: dict) -> dict:

@@ -178,7 +178,7 @@ def hub_config(cfg: Config, fam: base.Family, carried: dict | None = None) -> di
     if a.yarn is not None:  # the Hub's (4.x) key, which 5.x reads too
         yarn = {k: v for k, v in a.yarn.model_dump().items() if v or k == "truncate"}
         out["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", **yarn}
-    out.setdefault("max_position_embeddings", 4096)
+    out.setdefault("max_position_embeddings", cfg.data.seq_len)  # the context it was trained on, unless imported
     groups = e.expert_groups or 1
     if fam.model_type == "deepseek_v3":
         out.update(topk_method="noaux_tc", n_group=groups, topk_group=e.routing_groups_limit or groups,

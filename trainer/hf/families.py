@@ -148,7 +148,7 @@ def hub_config(cfg: Config, fam: Family, carried: dict | None = None) -> dict[st
                 fam.experts_key: e.num_experts, "num_experts_per_tok": e.top_k, "rms_norm_eps": m.norm_eps,
                 "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings,
                 "router_aux_loss_coef": e.aux_loss_coef, "torch_dtype": cfg.param_dtype})
-    out.setdefault("max_position_embeddings", 4096)
+    out.setdefault("max_position_embeddings", cfg.data.seq_len)  # the context it was trained on, unless imported
     out["intermediate_size"] = e.d_ff if fam.expert_width_key == "intermediate_size" else m.d_ff
     if fam.expert_width_key != "intermediate_size":
         out[fam.expert_width_key] = e.d_ff

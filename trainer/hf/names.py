@@ -4,7 +4,8 @@ The Hub stores PyTorch's `[out, in]`; the trainer `[in, out]` with heads apart (
 and experts stacked (w_gate [E, D, F]). Every transform is a transpose or a reshape, so values cross
 unchanged, bit for bit, both ways. Routed experts are read from either layout on disk: one tensor per
 expert (Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`, the others' `mlp.experts.N.gate/up/down_proj`),
-or fused 3-D tensors (`mlp.experts.gate_up_proj` [E, 2F, D] with gate first, `down_proj` [E, D, F]).
+or fused 3-D tensors (`mlp.experts.gate_up_proj` [E, 2F, D] with gate first, `down_proj` [E, D, F]), which
+transformers 5 writes with `save_original_format=False`, Mixtral's router then as `mlp.gate` too.
 Both rotary layouts are the half-split one (pairs (i, i + H/2): trainer/layers.py's rotary and
 transformers' rotate_half), so q and k need no permutation; DeepSeek's interleaved rotary rows are permuted
 (deepseek.py, whose latent attention's specs layer_specs takes for a model with model.mla).
@@ -73,10 +74,11 @@ def _attention(cfg: Config, i: int) -> list[Spec]:
 def _moe(cfg: Config, fam: Family, i: int, layout: str) -> list[Spec]:
     m, moe = cfg.model, cfg.moe
     d, e, f = m.d_model, moe.num_experts, moe.d_ff
-    ffn, hub = f"blocks.{i}.ffn", f"model.layers.{i}.{fam.moe_prefix}"
+    # transformers 5 names a fused MoE block `mlp` in every family (Mixtral's per-expert files say block_sparse_moe)
+    ffn, hub = f"blocks.{i}.ffn", f"model.layers.{i}.{'mlp' if layout == FUSED else fam.moe_prefix}"
     specs = [linear(f"{ffn}.router", f"{hub}.gate.weight", d, e)]
     if layout == FUSED:
-        fused = f"model.layers.{i}.mlp.experts"
+        fused = f"{hub}.experts"
         specs += [_fused_half(f"{ffn}.w_gate", f"{fused}.gate_up_proj", e, d, f, 0),
                   _fused_half(f"{ffn}.w_in", f"{fused}.gate_up_proj", e, d, f, 1),
                   Spec(f"{ffn}.w_out", (e, f, d), {f"{fused}.down_proj": (e, d, f)},

@@ -4,9 +4,11 @@ tensorstore), as host numpy arrays."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import queue
 import threading
@@ -55,7 +57,7 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
             failed.append(e)
             feed.stop()
 
-    with quiet_orbax():
+    with quiet_orbax(), _failures_reported_here():
         ocp.type_handlers.register_type_handler(Streamed, StreamedHandler(feed), override=True)
         manager = ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
             create=True, enable_async_checkpointing=False), item_handlers={
@@ -66,19 +68,38 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
             for name, value in params:
                 feed.put(name, value)
             feed.finish()
-        except BaseException:
-            feed.abort()
+        except BaseException as e:
+            feed.abort()  # the writer ends its save without the values left: nothing raised in orbax's threads
             writer.join()
             manager.close()
+            if isinstance(e, Stopped) and failed:  # the writer failed first: that failure is the one to report
+                raise WriteError(f"cannot write the checkpoint to {directory}: {short_reason(failed[0])}") from None
             raise
         writer.join()
         manager.close()
-    if failed and not isinstance(failed[0], Stopped):
+    if failed:
         raise WriteError(f"cannot write the checkpoint to {directory}: {short_reason(failed[0])}") from None
 
 
+def _logged_without_traceback(record: logging.LogRecord) -> bool:
+    return record.exc_info is None
+
+
+@contextlib.contextmanager
+def _failures_reported_here():
+    """A failed write (a full disk) is logged, traceback and all, by each of orbax's threads that hands it on,
+    before manager.save raises it: save_params reports it once (WriteError), so meanwhile orbax's records that
+    carry an exception are dropped."""
+    log = logging.getLogger("absl")
+    log.addFilter(_logged_without_traceback)
+    try:
+        yield
+    finally:
+        log.removeFilter(_logged_without_traceback)
+
+
 class Stopped(Exception):
-    """The writer's side of a conversion that stopped: a bad tensor, a signal, or the writer's own failure."""
+    """Raised in the reading thread when the writer failed; the failure itself is reported from `failed`."""
 
 
 @dataclasses.dataclass
@@ -129,10 +150,8 @@ class Feed:
         self.stopped.set()
 
     def get(self):
-        item = self.queue.get()
-        if item is None:
-            raise Stopped()
-        return item
+        """The next (name, index, value), or None once the reading side stopped (a bad tensor, a signal)."""
+        return self.queue.get()
 
 
 def _streamed_handler_class():
@@ -168,7 +187,13 @@ def _streamed_handler_class():
                 await info.await_path_creation()
             stores, left = {}, sum(s.layers or 1 for s in self.feed.streams.values())
             while left:
-                name, index, value = await asyncio.to_thread(self.feed.get)
+                item = await asyncio.to_thread(self.feed.get)
+                if item is None:
+                    # The reading side stopped and reports why. The save ends here, quietly, its values left
+                    # unwritten: an error raised here would be logged, traceback and all, by each of orbax's
+                    # threads that waits on this one; the half-made checkpoint is removed with its directory.
+                    return
+                name, index, value = item
                 if name not in stores:
                     stream, info, arg = where[name]
                     shape = value.shape if stream.layers is None else (stream.layers, *value.shape)
@@ -305,25 +330,3 @@ def open_run(run: str, step: int | None) -> SavedRun:
         except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
             raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: {short_reason(e)}") from None
     return SavedRun(run, cfg, step, manager, {n: tuple(meta.shape) for n, meta in saved.items()})
-
-
-def imported_tokenizer(run: RunDirectory) -> str | None:
-    """The tokenizer.json an import keeps in its side directory (HUB_DIR), or None: what `sample` and `serve`
-    read an imported model's text with when no --tokenizer is given."""
-    path = os.path.join(run.hub, "tokenizer.json") if run.hub else None
-    return path if path and os.path.isfile(path) else None
-
-
-def imported_eos(run: RunDirectory) -> int | None:
-    """The end-of-sequence token id an imported model stops at (its generation_config.json's, else its
-    config.json's `eos_token_id`; the first of a list), or None: not an import, or none named."""
-    for name in ("generation_config.json", "config.json") if run.hub else ():
-        try:
-            with open(os.path.join(run.hub, name), encoding="utf-8") as f:
-                value = json.load(f).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            continue
-        value = value[0] if isinstance(value, list) and value else value
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None

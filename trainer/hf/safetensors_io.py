@@ -22,10 +22,6 @@ CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_JSON_BYTES = 64 << 20  # config.json and the index are kilobytes to a few megabytes
-# Files beside the weights that travel with the model: the tokenizer, its chat template, generation defaults.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
 
 
 def read_json(path: str) -> Any:

@@ -35,15 +35,22 @@ __all__ = ["EOD_TOKEN", "MANIFEST", "PIECE_CHARS", "TOKENIZER_FILE", "OutputDir"
 
 def prepare(inputs: tuple[str, ...], output: str, *, tokenizer_path: str | None, vocab_size: int,
             text_key: str = "text", lines: bool = False, documents_per_shard: int = 100_000,
-            eod_token: str = EOD_TOKEN, progress: bool = True, say=print, bad_text: str = "refuse") -> dict:
-    """Tokenizes the corpus into `output`; returns the manifest."""
+            eod_token: str | None = None, progress: bool = True, say=print, bad_text: str = "refuse") -> dict:
+    """Tokenizes the corpus into `output`; returns the manifest. The end-of-document token is `eod_token`, else
+    the model's end-of-sequence token that the files beside `tokenizer_path` name (an imported model's
+    tokenizer_config.json), else EOD_TOKEN."""
     files = input_files(inputs)
     corpus = Corpus(files, text_key=text_key, lines=lines, replace_bad_text=bad_text == "replace")
     with RemoteOutput(output) if "://" in output else OutputDir(output) as target:
         tokenizer, trained = _tokenizer(corpus, tokenizer_path, vocab_size, say)
+        if eod_token is None and tokenizer_path:
+            from trainer.sidefiles import eos_token
+
+            eod_token = eos_token(os.path.dirname(os.path.abspath(tokenizer_path)), tokenizer)
         try:
             started = time.perf_counter()
-            manifest = write_shards(corpus, tokenizer, trained, target.partial, eod_token, documents_per_shard, progress)
+            manifest = write_shards(corpus, tokenizer, trained, target.partial, eod_token or EOD_TOKEN,
+                                    documents_per_shard, progress)
             target.publish(os.listdir(target.partial))
         except OSError as e:
             raise write_error(e, f"cannot write the dataset to {output}") from None
@@ -79,7 +86,9 @@ def _tokenizer(corpus: Corpus, tokenizer_path: str | None, vocab_size: int, say)
 @click.option("--text-key", default="text", show_default=True, help="The text field of JSON lines and Parquet.")
 @click.option("--lines", is_flag=True, help="Text files hold one document per line [one per file].")
 @click.option("--documents-per-shard", type=click.IntRange(min=1), default=100_000, show_default=True)
-@click.option("--eod-token", default=EOD_TOKEN, show_default=True, help="The tokenizer's end-of-document token.")
+@click.option("--eod-token", default=None, metavar="TOKEN",
+              help=f"The tokenizer's end-of-document token [the model's eos_token that the tokenizer_config.json "
+                   f"beside --tokenizer names, else {EOD_TOKEN}].")
 @click.option("--bad-text", type=click.Choice(["refuse", "replace"]), default="refuse", show_default=True,
               help="A byte that is not UTF-8, a NUL or an unpaired surrogate: refuse it (naming the file and byte "
                    "offset), or read each as U+FFFD and count them.")

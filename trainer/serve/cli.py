@@ -105,7 +105,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--checkpoint", "directory", required=True, metavar="DIR",
-              help="A run's output directory (or the checkpoints directory in it), local or gs://.")
+              help="A run's output directory (or the checkpoints directory in it), local or gs://, or a "
+                   "Hugging Face checkpoint's directory (imported once into a cache).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on (0.0.0.0: all).")
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="[$AIP_HTTP_PORT or 8000]")
 @click.option("--slots", type=click.IntRange(min=1), default=8, show_default=True, help="Requests decoded at once.")

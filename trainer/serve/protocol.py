@@ -48,7 +48,8 @@ NOT_OFFERED = {"logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "fr
 
 class _Sampling(BaseModel):
     # Strict, as OpenAI's API is: "5" is no max_tokens and true no token id (pydantic's lax mode took both).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Numbers finite: a NaN (which Python's JSON reads) is no temperature, and no bound names what is wrong with it.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)

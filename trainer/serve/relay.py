@@ -49,13 +49,13 @@ class Tokenizer:
 def run_tokenizer(directory: str, tokenizer_path: str | None, max_len: int) -> Tokenizer:
     """The tokenizer of the run in `directory`, as the server loads it (trainer.serve.startup.load), without its
     weights."""
-    from trainer.hf.orbax_io import imported_tokenizer
     from trainer.run_loader import Codec, find_run, load_run_config
     from trainer.serve.startup import end_of_document
+    from trainer.sidefiles import tokenizer_file
 
     run = find_run(directory)
     cfg = load_run_config(run.config)
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run))
+    codec = Codec(cfg, tokenizer_path or tokenizer_file(run))
     eos_id, eos_token = end_of_document(cfg, codec, run)
     return Tokenizer(cfg.name, codec.encode, codec.decode, codec.kind, eos_id, eos_token, cfg.model.vocab_size, max_len)
 

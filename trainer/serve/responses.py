@@ -31,11 +31,17 @@ def usage(requests: list, prompts: list[list[int]]) -> dict:
 
 def _top(decode, entry: Logprob, count: int) -> dict[str, float]:
     """The `count` best tokens' logprobs by their text, and the chosen token's (vLLM adds it when it is not
-    among them). Two ids of one text keep the better's logprob."""
+    among them). A token whose text an earlier (better) one has already (two byte tokens that each decode to
+    U+FFFD, say) is named `token_id:ID`, as vLLM names tokens by id: every alternative asked for is there."""
     best: dict[str, float] = {}
+    seen: set[int] = set()
     pairs = [*zip(entry.top_ids[:count], entry.top_logprobs[:count], strict=True), (entry.token, entry.logprob)]
     for token, logprob in pairs:
-        best.setdefault(text_of(decode, [token]), logprob)
+        if token in seen:  # the chosen token among the best
+            continue
+        seen.add(token)
+        text = text_of(decode, [token])
+        best[text if text not in best else f"token_id:{token}"] = logprob
     return best
 
 

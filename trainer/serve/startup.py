@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import click
 
+from trainer.run_loader import end_of_document  # noqa: F401 - the server's stop, read where `sample` reads it
 from trainer.serve.memory import HEADROOM, device_memory, memory_plan
 from trainer.status import EXIT_USAGE
 
@@ -37,19 +38,22 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     import jax
 
     from trainer import meshspec, sharding
-    from trainer.run_loader import Codec, find_run, load_run_config
-    from trainer.serve import quant, quant4
+    from trainer.run_loader import Codec, context_of, find_run, load_run_config
     from trainer.serve.engine import Engine, RequestError
     from trainer.serve.prefix import BLOCK
-    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
+    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights, stored_as
 
-    run = find_run(directory)
+    run = find_run(directory, progress=progress)  # a Hugging Face directory: its import (trainer/hf/cache.py)
     checkpoints, cfg = run.checkpoints, load_run_config(run.config)
-    from trainer.hf.orbax_io import imported_tokenizer  # an imported Hugging Face model's own
+    from trainer.sidefiles import tokenizer_file  # the model's own (an import, a fine-tune of one)
 
-    codec = Codec(cfg, tokenizer_path or imported_tokenizer(run), checkpoints=checkpoints)
+    codec = Codec(cfg, tokenizer_path or tokenizer_file(run), checkpoints=checkpoints)
     chat_template = _hub_chat_template(run)
     eos_id, eos_token = end_of_document(cfg, codec, run)
+    context, what = context_of(cfg, run)  # as `sample` reads it
+    if max_len > context:
+        progress(f"note: --max-len {max_len:,} reaches past the model's context ({what}); a request may use "
+                 "positions the model never learnt")
     devices = jax.devices()
     # By default the experts spread over as many devices as divide them; the rest replicate them (data).
     expert = math.gcd(len(devices), cfg.moe.num_experts)
@@ -84,39 +88,13 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     except WeightsError as e:
         raise ServeError(str(e)) from None
     progress(f"read the checkpoint at step {step}")
-    if quantized:  # int8 or int4 (--weights)
-        weights = {**weights, "params": {"int8": quant, "int4": quant4}[quantized].quantize_params(weights["params"])}
+    weights = stored_as(weights, quantized)  # int8 or int4 (--weights), as `sample --weights` stores them
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
                         detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens)
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
     return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template, codec.tokenizer)
-
-
-def end_of_document(cfg, codec, run=None) -> tuple[int | None, str | None]:
-    """The end-of-document token the run's data put after each document ((id, text)), at which generation
-    stops: an imported Hugging Face model's own eos_token_id, else the prepared dataset's; (None, None) for
-    data without documents (bytes of one text, token arrays, synthetic)."""
-    from trainer.hf.orbax_io import imported_eos
-
-    hub = imported_eos(run) if run is not None else None
-    if hub is not None:
-        return hub, codec.decode([hub]) if codec.tokenizer is not None else None
-    if cfg.data.source != "records":
-        return None, None
-    from trainer.datasets import DataError, load_manifest
-
-    try:
-        manifest = load_manifest(cfg.data.path)
-    except DataError:  # the dataset is gone: a --tokenizer may still name the token
-        manifest = {}
-    eos_id, eos_token = manifest.get("eod_id"), manifest.get("eod_token")
-    if eos_id is None and codec.tokenizer is not None:
-        from trainer.prepare import EOD_TOKEN
-
-        eos_token, eos_id = EOD_TOKEN, codec.tokenizer.token_to_id(EOD_TOKEN)
-    return (eos_id, eos_token) if eos_id is not None else (None, None)
 
 
 def memory_of(devices) -> int | None:

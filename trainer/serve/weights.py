@@ -71,6 +71,16 @@ class ServingModel:
         return tree
 
 
+def stored_as(weights: dict[str, Any], quantized: str | None) -> dict[str, Any]:
+    """The weights as the engine holds them for `--weights` (one path for `serve` and `sample`): "int8" or
+    "int4" quantizes the parameters (trainer/serve/quant.py, quant4.py), None keeps the checkpoint's dtype."""
+    if not quantized:
+        return weights
+    from trainer.serve import quant, quant4
+
+    return {**weights, "params": {"int8": quant, "int4": quant4}[quantized].quantize_params(weights["params"])}
+
+
 def dequantized(value):
     """A parameter as the model uses it: int8 and int4 weights (trainer.serve.quant, quant4) come back to float."""
     from trainer.serve.quant import Int8Weight

@@ -1,7 +1,8 @@
 """A service on GKE, the Kubernetes half: the server's Deployment, Service, PodMonitoring and
 HorizontalPodAutoscaler applied with the `kubernetes` client (a re-run adopts and replaces what this run
 made, and refuses what it did not), found by label for `list` and `status`, deleted for `down`, the
-replicas' state as a ServiceReport (the Deployment's, or gke_lws's LeaderWorkerSet's), and a prediction through the Service's proxy.
+replicas' state as a ServiceReport (the Deployment's, or gke_lws's LeaderWorkerSet's), and a prediction
+through the Service's proxy.
 
 Everything here talks to one cluster's `KubeApi` (provision.cloud.kube); the serving node pool is
 provision.kinds.gke.gke's (`serving_pool_up`), like the run's other pools.
