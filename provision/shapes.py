@@ -27,35 +27,35 @@ DEFAULT_CONFIG = "moe-tpu.yaml"
 MAX_ID_LENGTH = 63
 MAX_RUN_LENGTH = 50
 
-_RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
-_REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
-_ZONE = catalogue.ZONE_NAME
+RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
+ZONE = catalogue.ZONE_NAME
 _DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
-_IMAGE_REPOSITORY = re.compile(
+IMAGE_REPOSITORY = re.compile(
     r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)+(:[0-9]+)?"  # host
     r"(/[a-z0-9]([a-z0-9._-]*[a-z0-9])?){3,}$"  # /project/repository/image[/...]
 )
-_IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-_SERVICE_ACCOUNT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[a-z0-9.-]+\.iam\.gserviceaccount\.com$"
+IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+SERVICE_ACCOUNT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[a-z0-9.-]+\.iam\.gserviceaccount\.com$"
                               r"|^[0-9]+-compute@developer\.gserviceaccount\.com$")
 # A Vertex AI TensorBoard instance: projects/PROJECT/locations/REGION/tensorboards/ID (IDs are numbers).
-_VERTEX_TENSORBOARD = re.compile(r"^projects/[a-z0-9-]+/locations/[a-z]+-[a-z]+[0-9]+/tensorboards/[0-9]+$")
-_VERTEX_NETWORK = re.compile(r"^projects/[0-9]+/global/networks/[a-z]([-a-z0-9]*[a-z0-9])?$")
+VERTEX_TENSORBOARD = re.compile(r"^projects/[a-z0-9-]+/locations/[a-z]+-[a-z]+[0-9]+/tensorboards/[0-9]+$")
+VERTEX_NETWORK = re.compile(r"^projects/[0-9]+/global/networks/[a-z]([-a-z0-9]*[a-z0-9])?$")
 # Compute Engine network and subnetwork names (RFC 1035, at most 63), or their resource names.
-_NETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/global/networks/)?[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
-_SUBNETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/regions/[a-z]+-[a-z]+[0-9]+/subnetworks/)?"
+NETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/global/networks/)?[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+SUBNETWORK = re.compile(r"^(projects/[a-z][a-z0-9-]{4,28}[a-z0-9]/regions/[a-z]+-[a-z]+[0-9]+/subnetworks/)?"
                          r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 # Cloud Storage: gs://BUCKET[/PATH]; bucket names are 3 to 63 lowercase letters, digits, '-', '_' and '.'
 # (up to 222 with dots), starting and ending with a letter or digit (the path: any object name; control
 # characters are refused for every value).
-_GCS_URL = re.compile(r"^gs://(?=[a-z0-9._-]{3,222}(/|$))[a-z0-9]([a-z0-9_-]|\.(?!\.))*[a-z0-9](/.*)?$")
+GCS_URL = re.compile(r"^gs://(?=[a-z0-9._-]{3,222}(/|$))[a-z0-9]([a-z0-9_-]|\.(?!\.))*[a-z0-9](/.*)?$")
 # Where a local trainer.output_dir must never be: the startup script chowns it and mounts it into
 # the container.
 SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc",
                "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
-_SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
-_OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
+OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # Config durations stay far below what a request's Duration can hold; nobody queues or trains for longer.
 MAX_DURATION = timedelta(days=30)
 # Slices in one multislice queued resource; more is no quota anyone has, and no longer a valid request.
@@ -79,7 +79,7 @@ def parse_duration(value: Any) -> timedelta:
         raise ValueError(f"duration {value!r} is too long (at most {longest})") from None
 
 
-def _positive_duration(value: Any) -> timedelta:
+def positive_duration(value: Any) -> timedelta:
     """A config duration longer than 0s, as a validator error otherwise."""
     try:
         delta = parse_duration(value)
@@ -92,13 +92,13 @@ def _positive_duration(value: Any) -> timedelta:
     return delta
 
 
-def _brief(value: Any, width: int = 80) -> str:
+def brief(value: Any, width: int = 80) -> str:
     """repr() of a value from the file, cut short: a message names it, it does not print it all."""
     text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def _mesh_text(value: str) -> str:
+def mesh_text(value: str) -> str:
     """A mesh the trainer reads (trainer/meshspec.py); whether it covers the chips is the planner's check."""
     try:
         meshspec.mesh_axes(value)
@@ -118,19 +118,19 @@ def gcs_location(value: str | None, what: str, example: str) -> str | None:
     return value.rstrip("/") if value is not None else None
 
 
-def _zone_name(zone: str) -> str:
-    if not _ZONE.match(zone):
+def zone_name(zone: str) -> str:
+    if not ZONE.match(zone):
         raise invalid(f"zone {zone!r} is not a zone name like us-west4-a")
     return zone  # one the catalogue does not list for v5e is a warning (Config.warnings)
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     """A section of the config file: its fields' own rules, and its rules between them (`rule`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     @model_validator(mode="after")
-    def _rules(self) -> _Section:
+    def _rules(self) -> Section:
         broken(check(self))
         return self
 
@@ -143,7 +143,7 @@ RULES = "rules_between_keys"
 def rule(*reads: str) -> Callable[[Callable], Callable]:
     """Mark a method of a config model as one of its rules between keys: it reads the keys `reads` (dotted
     below the model) and returns what is wrong as (dotted key below the model, message) pairs. A subclass
-    replaces a rule by defining one of the same name. The model's validator runs them all (`_Section`'s,
+    replaces a rule by defining one of the same name. The model's validator runs them all (`Section`'s,
     provision.config.Config's); a config whose keys failed their own rules runs them too, each only where
     none of the keys it reads failed (provision.config.loading), so one mistake is reported once."""
     def mark(method: Callable) -> Callable:

@@ -54,7 +54,7 @@ def check_directory(path: str) -> str:
     return path
 
 
-def _reason(error: BaseException) -> str:
+def short_reason(error: BaseException) -> str:
     """The first line of the error's root cause, short: orbax wraps tensorstore's, which run to pages. An
     operating-system error inside them (a full disk) is said in the system's words."""
     while error.__cause__ is not None:
@@ -226,7 +226,7 @@ class Checkpointer:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
                 "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
         except Exception as e:  # noqa: BLE001 - any file-system error: one message naming the path
-            raise CheckpointError(f"cannot use {self.directory} for checkpoints: {_reason(e)}") from None
+            raise CheckpointError(f"cannot use {self.directory} for checkpoints: {short_reason(e)}") from None
         self._pending: int | None = None  # the step whose asynchronous write is in flight
         self.broken = False
         _quiet_failed_saves()
@@ -283,7 +283,7 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - the save's failure is what the user must hear
             good = None
         kept = f"; the last good checkpoint, step {good}, is kept" if good is not None and good != step else ""
-        return CheckpointError(f"cannot save the checkpoint{at} to {self.directory}: {_reason(error)}{kept}")
+        return CheckpointError(f"cannot save the checkpoint{at} to {self.directory}: {short_reason(error)}{kept}")
 
     def _remove_partial(self, step: int) -> None:
         if jax.process_index() != 0:
@@ -363,7 +363,7 @@ class Checkpointer:
                     return None, f"it holds step {int(state['step'])}"
                 return (state, data_state), None
             except Exception as e:  # noqa: BLE001 - tensorstore, JSON and file errors alike
-                reason = _reason(e)
+                reason = short_reason(e)
         return None, reason
 
     def _move_aside(self, steps: list[int]) -> list[str]:
@@ -377,7 +377,8 @@ class Checkpointer:
                     path.rename(to)
                 except Exception as e:  # noqa: BLE001
                     raise CheckpointError(f"the checkpoint at step {step} ({path}) cannot be restored, nor moved "
-                                          f"out of the way: {_reason(e)}; move or delete it, then run again") from None
+                                          f"out of the way: {short_reason(e)}; move or delete it, then run "
+                                          "again") from None
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("moe-tpu: unreadable checkpoints moved")
         self.manager.reload()

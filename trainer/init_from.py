@@ -19,10 +19,10 @@ import jax.numpy as jnp
 
 from trainer.checkpoint import (
     CheckpointError,
-    _reason,
     holds_per_layer_layout,
     per_layer_layout,
     quiet_orbax,
+    short_reason,
     stacked_layout,
 )
 from trainer.config import ConfigError
@@ -128,7 +128,7 @@ def initial_state(trainer, directory: str) -> tuple[dict[str, Any], Source]:
                 "state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
                 options=ocp.CheckpointManagerOptions(read_only=True))
         except Exception as e:  # noqa: BLE001 - a file-system error: one message naming the path
-            raise CheckpointError(f"--init-from: cannot read {checkpoints}: {_reason(e)}") from None
+            raise CheckpointError(f"--init-from: cannot read {checkpoints}: {short_reason(e)}") from None
         try:
             return _restore(ocp, manager, trainer, checkpoints)
         finally:
@@ -144,7 +144,7 @@ def _restore(ocp, manager, trainer, checkpoints: str) -> tuple[dict[str, Any], S
     try:
         saved = manager.item_metadata(step)["state"]
     except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
-        raise CheckpointError(f"--init-from: cannot read the checkpoint {where}: {_reason(e)}") from None
+        raise CheckpointError(f"--init-from: cannot read the checkpoint {where}: {short_reason(e)}") from None
     if "moe_bias" in groups and not hasattr(saved.get("moe_bias") if hasattr(saved, "get") else None, "get"):
         groups.remove("moe_bias")  # trained without routing biases: this run's start from zero
     wanted = {g: trainer.abstract_state[g] for g in groups}
@@ -162,7 +162,7 @@ def _restore(ocp, manager, trainer, checkpoints: str) -> tuple[dict[str, Any], S
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - tensorstore, JSON and file errors alike
-        raise CheckpointError(f"--init-from: cannot read the checkpoint {where}: {_reason(e)}") from None
+        raise CheckpointError(f"--init-from: cannot read the checkpoint {where}: {short_reason(e)}") from None
     read = dict(restored["state"])
     if target is not wanted:
         read = stacked_layout(trainer.cfg.model, {g: dict(read[g]) for g in groups}, wanted)

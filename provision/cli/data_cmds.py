@@ -9,7 +9,7 @@ PASS_THROUGH = {"add_help_option": False,
                 "context_settings": {"ignore_unknown_options": True, "allow_extra_args": True}}
 
 
-def _trainer_main(module: str, args: tuple[str, ...], prog_name: str) -> None:
+def trainer_main(module: str, args: tuple[str, ...], prog_name: str) -> None:
     import importlib
 
     try:
@@ -36,7 +36,7 @@ def prepare(args: tuple[str, ...]) -> None:
       moe-tpu data prepare 'corpus/*.txt' -o gs://BUCKET/datasets/corpus --vocab-size 32768
       moe-tpu data prepare docs.jsonl --tokenizer tokenizer.json -o data/docs
     """
-    _trainer_main("trainer.prepare", args, "moe-tpu data prepare")
+    trainer_main("trainer.prepare", args, "moe-tpu data prepare")
 
 
 @click.command("sample", **PASS_THROUGH)
@@ -54,4 +54,4 @@ def sample(app, args: tuple[str, ...]) -> None:
     given = any(a == "--output" or a.startswith("--output=") for a in args)
     if app is not None and app.console.json_mode and not given:
         args = (*args, "--output", "json")
-    _trainer_main("trainer.sample", args, "moe-tpu sample")
+    trainer_main("trainer.sample", args, "moe-tpu sample")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from provision.cli.data_cmds import PASS_THROUGH, _trainer_main
+from provision.cli.data_cmds import PASS_THROUGH, trainer_main
 
 
 @click.command("hf", **PASS_THROUGH)
@@ -18,4 +18,4 @@ def hf(args: tuple[str, ...]) -> None:
       moe-tpu hf import ./Mixtral-8x7B-v0.1 -o runs/mixtral
       moe-tpu hf export --checkpoint runs/mixtral-finetune -o exported/mixtral
     """
-    _trainer_main("trainer.hf.cli", args, "moe-tpu hf")
+    trainer_main("trainer.hf.cli", args, "moe-tpu hf")

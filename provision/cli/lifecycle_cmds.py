@@ -179,9 +179,9 @@ def _list_project(app, cfg, project: str | None) -> str:
     from provision.resources import project_of
 
     if project is not None:
-        from provision.config import _PROJECT
+        from provision.config import PROJECT
 
-        if not _PROJECT.match(project):
+        if not PROJECT.match(project):
             raise UsageError(f"--project {project}: not a project id",
                              hint="6 to 30 lowercase letters, digits or hyphens, starting with a letter")
         return project

@@ -38,11 +38,11 @@ from provision.config.starter import (  # noqa: F401 - the config's API, one imp
     starter_config,
 )
 from provision.shapes import (  # noqa: F401 - the config's API, one import away
-    _PROJECT,
     DEFAULT_CONFIG,
     MAX_DURATION,
     MAX_ID_LENGTH,
     MAX_RUN_LENGTH,
     MAX_SLICE_COUNT,
+    PROJECT,
     parse_duration,
 )

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from provision.config.sections import DEFAULT_TARGET, Config, config_union, kind_config, target_problem
 from provision.errors import ConfigError, Problem
 from provision.kinds import KINDS
-from provision.shapes import DEFAULT_CONFIG, RULES, _brief, check
+from provision.shapes import DEFAULT_CONFIG, RULES, brief, check
 from trainer import safeyaml, schema
 
 # --- loading ---------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def _model_at(loc: tuple[Any, ...]) -> Any:
 
 def _message(err: Any) -> str:
     """A pydantic error in the project's words (trainer.schema.explain: the trainer's config says the same)."""
-    return schema.explain(err, _model_at, show=_brief)
+    return schema.explain(err, _model_at, show=brief)
 
 
 @functools.cache
@@ -240,12 +240,12 @@ def _control_characters(raw: Any, path: str = "") -> list[tuple[str, str]]:
             for key, value in node.items():
                 dotted = f"{where}.{key}" if where else str(key)
                 if isinstance(key, str) and not key.isprintable():
-                    found.append((dotted, f"key {_brief(key)} holds control characters"))
+                    found.append((dotted, f"key {brief(key)} holds control characters"))
                 stack.append((value, dotted))
         elif isinstance(node, list):
             stack.extend((item, f"{where}[{i}]") for i, item in enumerate(node))
         elif isinstance(node, str) and not node.isprintable():
-            found.append((where, f"{_brief(node)} holds a control character (NUL, a newline, an escape...); "
+            found.append((where, f"{brief(node)} holds a control character (NUL, a newline, an escape...); "
                                  "values reach templates and a shell script, so they must be plain text"))
     return found
 

@@ -25,27 +25,27 @@ from pydantic import (
 
 from provision import catalogue
 from provision.shapes import (
-    _GCS_URL,
-    _IMAGE_REPOSITORY,
-    _IMAGE_TAG,
-    _OVERRIDE_KEY,
-    _PROJECT,
-    _REGION,
-    _RFC1035,
-    _SYSTEM_TREES,
-    _ZONE,
     DEFAULT_CONFIG,
+    GCS_URL,
+    IMAGE_REPOSITORY,
+    IMAGE_TAG,
     MAX_ID_LENGTH,
     MAX_RUN_LENGTH,
+    OVERRIDE_KEY,
+    PROJECT,
+    REGION,
+    RFC1035,
     SYSTEM_DIRS,
-    _brief,
-    _mesh_text,
-    _Section,
-    _zone_name,
+    SYSTEM_TREES,
+    ZONE,
+    Section,
+    brief,
     broken,
     check,
     gcs_location,
+    mesh_text,
     rule,
+    zone_name,
 )
 from trainer.schema import NonNegative, Positive, did_you_mean, invalid
 
@@ -56,7 +56,7 @@ SERVING_MACHINE_TOPOLOGY: dict[str, str] = {
 }
 
 
-class ServeConfig(_Section):
+class ServeConfig(Section):
     """How `deploy` serves a checkpoint (read by the kinds that serve: `vertex`, an endpoint; `gke`, a
     Deployment): where, on how many replicas, and the engine's limits (trainer/serve's flags)."""
 
@@ -91,14 +91,14 @@ class ServeConfig(_Section):
     @field_validator("mesh")
     @classmethod
     def _mesh_shape(cls, value: str | None) -> str | None:
-        return None if value is None else _mesh_text(value)
+        return None if value is None else mesh_text(value)
 
     @field_validator("machine_type")
     @classmethod
     def _serving_machine_type(cls, value: str) -> str:
         names = list(SERVING_MACHINE_TOPOLOGY)
         if value not in names:
-            raise invalid(f"machine type {_brief(value)} does not serve{did_you_mean(value, names)} "
+            raise invalid(f"machine type {brief(value)} does not serve{did_you_mean(value, names)} "
                           f"(single-host v5e machine types: {', '.join(names)})")
         return value
 
@@ -107,7 +107,7 @@ class ServeConfig(_Section):
     def _known_topology(cls, value: str | None) -> str | None:
         if value is not None and catalogue.accelerator_for_topology(value) is None:
             topologies = [a.topology for a in catalogue.ACCELERATORS.values()]
-            raise invalid(f"unknown v5e topology {_brief(value)} (v5e topologies: {', '.join(topologies)})")
+            raise invalid(f"unknown v5e topology {brief(value)} (v5e topologies: {', '.join(topologies)})")
         return value
 
     @property
@@ -115,7 +115,7 @@ class ServeConfig(_Section):
         return self.topology or SERVING_MACHINE_TOPOLOGY[self.machine_type]
 
 
-class ImageConfig(_Section):
+class ImageConfig(Section):
     repository: str
     # None: the content-hash tag that `moe-tpu image build` gives this source tree (see provision.image).
     tag: str | None = None
@@ -128,7 +128,7 @@ class ImageConfig(_Section):
     @field_validator("repository")
     @classmethod
     def _repository_shape(cls, value: str) -> str:
-        if not _IMAGE_REPOSITORY.match(value):
+        if not IMAGE_REPOSITORY.match(value):
             raise invalid(f"image repository {value!r} does not look like HOST/PROJECT/REPOSITORY/IMAGE "
                         "(e.g. us-west4-docker.pkg.dev/my-project/moe/trainer; the tag goes in image.tag)")
         return value
@@ -136,7 +136,7 @@ class ImageConfig(_Section):
     @field_validator("tag")
     @classmethod
     def _tag_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _IMAGE_TAG.match(value):
+        if value is not None and not IMAGE_TAG.match(value):
             raise invalid(f"image tag {value!r} is not a valid tag (letters, digits, '_', '.', '-'; "
                         "at most 128 characters)")
         return value
@@ -158,7 +158,7 @@ class ImageConfig(_Section):
         return self.repository.split("/", 1)[0]
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     config: str = "tiny"
     output_dir: str
     steps: Positive | None = None
@@ -179,23 +179,23 @@ class TrainerConfig(_Section):
     def _output_location(cls, value: str) -> str:
         """A Cloud Storage location with a valid bucket name, or a local directory that is not a system one."""
         if "://" in value or value.startswith("gs:"):
-            if not _GCS_URL.match(value):
-                raise invalid(f"output_dir {_brief(value)} is not a Cloud Storage location like gs://my-bucket/run "
+            if not GCS_URL.match(value):
+                raise invalid(f"output_dir {brief(value)} is not a Cloud Storage location like gs://my-bucket/run "
                             "(bucket names: 3 to 63 lowercase letters, digits, '-', '_' or '.', starting and "
                             "ending with a letter or digit)")
             return value
         normal = "/" + "/".join(part for part in value.split("/") if part and part != ".") if value.startswith("/") \
             else None
-        if normal is not None and (normal in SYSTEM_DIRS or normal.startswith(tuple(t + "/" for t in _SYSTEM_TREES))
+        if normal is not None and (normal in SYSTEM_DIRS or normal.startswith(tuple(t + "/" for t in SYSTEM_TREES))
                                    or ".." in normal.split("/")):
-            raise invalid(f"output_dir {_brief(value)} is a system directory (or inside one): the trainer's VM "
+            raise invalid(f"output_dir {brief(value)} is a system directory (or inside one): the trainer's VM "
                         "would take it over; use gs://BUCKET/PATH, or a directory of its own such as /mnt/moe")
         return value
 
     @field_validator("mesh")
     @classmethod
     def _mesh_shape(cls, value: str | None) -> str | None:
-        return None if value is None else _mesh_text(value)
+        return None if value is None else mesh_text(value)
 
     @field_validator("overrides", mode="before")
     @classmethod
@@ -205,7 +205,7 @@ class TrainerConfig(_Section):
         if not isinstance(value, dict):
             raise invalid(f"overrides must be a mapping of key: value, got {value!r}")
         for key, item in value.items():
-            if not isinstance(key, str) or not _OVERRIDE_KEY.match(key):
+            if not isinstance(key, str) or not OVERRIDE_KEY.match(key):
                 raise invalid(f"override key {key!r} must be a dotted name like model.num_experts")
             if not isinstance(item, (str, int, float, bool)):
                 raise invalid(f"override {key!r} must be a string, a number or true/false, got {item!r}")
@@ -220,14 +220,14 @@ class TrainerConfig(_Section):
         return flags
 
 
-class RecoveryConfig(_Section):
+class RecoveryConfig(Section):
     max_restarts: NonNegative = 3
 
 
 MAX_TRAINER_STEPS = 2**31 - 1  # trainer.config.MAX_STEPS (not imported: the trainer's config stays unloaded here)
 
 
-class DryRunConfig(_Section):
+class DryRunConfig(Section):
     """How `run --dry-run` trains for real on this machine: the trainer made small enough for a CPU."""
 
     trainer_config: str = "tiny"
@@ -239,7 +239,7 @@ class DryRunConfig(_Section):
     @field_validator("mesh")
     @classmethod
     def _mesh_shape(cls, value: str) -> str:
-        return _mesh_text(value)
+        return mesh_text(value)
 
 
 # What a config might call Cloud Run, which serves on GPUs only (refused with the reason and the alternatives).
@@ -257,7 +257,7 @@ def target_problem(value: Any, names: list[str]) -> str | None:
     if not isinstance(value, str) or value not in names:
         quoted = [repr(name) for name in names]
         one_of = ", ".join(quoted[:-1]) + f" or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
-        return f"must be one of {one_of}, got {_brief(value)}"
+        return f"must be one of {one_of}, got {brief(value)}"
     return None
 
 
@@ -272,7 +272,7 @@ class Config(BaseModel):
 
     project: str | None = None
     region: str
-    zones: list[Annotated[str, AfterValidator(_zone_name)]]
+    zones: list[Annotated[str, AfterValidator(zone_name)]]
     run: str
     # The kind of target (provision.kinds.KINDS): which sections the config has besides these, its rules
     # between keys, what it renders and makes.
@@ -329,7 +329,7 @@ class Config(BaseModel):
     @field_validator("project")
     @classmethod
     def _project_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _PROJECT.match(value):
+        if value is not None and not PROJECT.match(value):
             raise invalid(f"project id {value!r} must be 6 to 30 lowercase letters, digits or hyphens, "
                         "start with a letter and not end with a hyphen")
         return value
@@ -337,7 +337,7 @@ class Config(BaseModel):
     @field_validator("region")
     @classmethod
     def _region_shape(cls, value: str) -> str:
-        if not _REGION.match(value):
+        if not REGION.match(value):
             raise invalid(f"region {value!r} is not a region name like us-west4")
         return value
 
@@ -354,7 +354,7 @@ class Config(BaseModel):
     @field_validator("run")
     @classmethod
     def _run_name(cls, value: str) -> str:
-        if not _RFC1035.match(value):
+        if not RFC1035.match(value):
             raise invalid(f"run name {value!r} must be lowercase letters, digits and hyphens, start with a "
                         "letter and not end with a hyphen (it becomes resource ids: RFC 1035)")
         if len(value) > MAX_RUN_LENGTH:
@@ -373,7 +373,7 @@ class Config(BaseModel):
         """Each zone in the config's region (a kind's config whose zones lie elsewhere replaces this rule)."""
         return [(f"zones[{i}]", f"zone {zone!r} is not in region {self.region!r}")
                 for i, zone in enumerate(self.zones)
-                if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != self.region]
+                if isinstance(zone, str) and ZONE.match(zone) and catalogue.zone_region(zone) != self.region]
 
     @property
     def kind(self) -> Any:

@@ -59,7 +59,7 @@ def as_json(message) -> dict:
 
 
 def _gke(call: rpc.Call) -> GkeWorld:
-    gke = call.world.gke
+    gke = GkeWorld.of(call.world)
     gke.held = call.held
     return gke
 

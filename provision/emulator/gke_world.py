@@ -33,10 +33,15 @@ from provision.emulator.gke import (
     short_hash,
     tpu_accelerator,
 )
+from provision.emulator.world import World, register_part
 
 
+@register_part
 class GkeWorld:
-    """Everything GKE in the emulated world; changed only inside an Emulator transaction."""
+    """Everything GKE in the emulated world (its part, saved under "gke"); changed only inside an Emulator
+    transaction."""
+
+    KEY = "gke"
 
     def __init__(self) -> None:
         self.clusters: dict[str, ClusterRecord] = {}
@@ -53,6 +58,10 @@ class GkeWorld:
         # Deployment's pods (None: a pod's server answers after gke_serving.SERVER_READY_S).
         self.held = False
         self.servers = None
+
+    @classmethod
+    def of(cls, world: World) -> GkeWorld:
+        return world.part(cls.KEY)
 
     # --- persistence -------------------------------------------------------------------
     def to_json(self) -> dict:

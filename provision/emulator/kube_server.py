@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from provision.emulator import kube, kube_objects
+from provision.emulator.gke_world import GkeWorld
 from provision.emulator.kube import WorldCall
 from provision.emulator.kube_base import KubeError
 
@@ -92,7 +93,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(400, KubeError(400, "BadRequest", "the body is not JSON").status())
         try:
             code, answer = self.world_call(
-                lambda world, now: kube.handle(world.gke, now, method, url.path, query, body))
+                lambda world, now: kube.handle(GkeWorld.of(world), now, method, url.path, query, body))
         except KubeError as error:
             return self._send(error.code, error.status())
         self._send(code, answer)
@@ -103,7 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
         namespace, service, path = match.group(1), match.group(2), match.group(3) or "/"
         try:
             servers, key = self.world_call(lambda world, now: (
-                world.gke.servers, kube_objects.proxy_target(world.gke, now, namespace, service)))
+                GkeWorld.of(world).servers, kube_objects.proxy_target(GkeWorld.of(world), now, namespace, service)))
             if servers is None:
                 raise KubeError(503, "ServiceUnavailable", "error trying to reach service: this emulator runs "
                                                            "no server (a dry run's does)")

@@ -163,7 +163,7 @@ def _cap(tl: Timeline, valid_until_s: float | None) -> Timeline:
 def job_timeline(scenario: str, *, region: str, stocked_out: bool, held: bool = False) -> Timeline:
     """The timeline of a custom job created now under `scenario`: QUEUED -> PENDING -> RUNNING -> end.
 
-    `held`: once RUNNING it stays so; only World.end_custom_job (or a cancel) ends it.
+    `held`: once RUNNING it stays so; only vertex_world.CustomJobs.end (or a cancel) ends it.
     Every job is preempted under `preempt` (spot or not): the scenario rehearses recovery.
     """
     queued, pending = JOB_QUEUED_S, JOB_PENDING_S

@@ -26,6 +26,7 @@ import grpc
 from provision.clock import SimClock
 from provision.emulator import operations, rpc, scenarios, workloads
 from provision.emulator.faults import FaultInjector
+from provision.emulator.gke_world import GkeWorld
 from provision.emulator.scenarios import check_scenario
 from provision.emulator.store import Store
 from provision.emulator.validate import ApiError
@@ -196,8 +197,8 @@ class Emulator:
             with self._store.locked():
                 self._reload()
                 self.world.reservations = self.reservations
-                self.world.gke.held = self.external_workloads
-                self.world.gke.servers = self.servers
+                gke = GkeWorld.of(self.world)
+                gke.held, gke.servers = self.external_workloads, self.servers
                 now = self._now = self.clock.now()
                 try:
                     yield self.world, now

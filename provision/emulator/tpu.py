@@ -17,15 +17,15 @@ from google.rpc import status_pb2
 from provision.emulator import offerings, rpc, scenarios, validate
 from provision.emulator.scenarios import DELETING_S, NODE_DELETING_S, Timeline, timeline
 from provision.emulator.tpu_checks import (
-    _by_name,
-    _check_node,
-    _check_node_specs,
-    _check_reservation,
-    _valid_until_s,
     accelerator_types,
+    by_name,
     capacity,
+    check_node,
+    check_node_specs,
+    check_reservation,
     quota_error,
     runtime_versions,
+    valid_until_s,
 )
 from provision.emulator.validate import ApiError, not_found
 from provision.emulator.world import Operation, QueuedRecord, World
@@ -168,10 +168,10 @@ def create_queued_resource(world: World, req: tpu_v2.CreateQueuedResourceRequest
     validate.queued_resource_id(req.queued_resource_id)
     name = f"{req.parent}/queuedResources/{req.queued_resource_id}"
     qr = QR(req.queued_resource)
-    nodes, multislice = _check_node_specs(qr, req.parent, zone, req.queued_resource_id)
+    nodes, multislice = check_node_specs(qr, req.parent, zone, req.queued_resource_id)
     spot, reserved = capacity(qr)
     chips = sum(offerings.accelerator_type(qr.tpu.node_spec[i].node.accelerator_type).chips for _, i in nodes)
-    too_big = _check_reservation(world, qr, project, zone, spot, chips)
+    too_big = check_reservation(world, qr, project, zone, spot, chips)
     if world.queued_at(name, now) is not None:
         raise ApiError("ALREADY_EXISTS", f"Resource '{name}' already exists")
     in_use = world.node_names_in_use(now)
@@ -184,7 +184,7 @@ def create_queued_resource(world: World, req: tpu_v2.CreateQueuedResourceRequest
         world.first_zone = zone
     tl = timeline(scenario, zone=zone, spot=spot, reserved=reserved,
                   stocked_out=too_big or (scenario == "stockout" and zone == world.first_zone),
-                  valid_until_s=_valid_until_s(qr, now), held=held)
+                  valid_until_s=valid_until_s(qr, now), held=held)
     qr.name = ""
     rec = QueuedRecord(name=name, request=as_json(qr), create_time=now, timeline=tl, nodes=nodes,
                        multislice=multislice)
@@ -200,7 +200,7 @@ def create_node(world: World, req: tpu_v2.CreateNodeRequest, now: float, scenari
     project, zone = validate.location(req.parent)
     validate.node_id(req.node_id)
     node = Node(req.node)
-    acc = _check_node(node, zone)
+    acc = check_node(node, zone)
     node.accelerator_type = acc.name
     name = f"{req.parent}/nodes/{req.node_id}"
     if name in world.node_names_in_use(now):
@@ -368,7 +368,7 @@ def ListAcceleratorTypes(call: rpc.Call, req: tpu_v2.ListAcceleratorTypesRequest
 def GetAcceleratorType(call: rpc.Call, req: tpu_v2.GetAcceleratorTypeRequest):
     _, zone, _ = validate.resource(req.name, "acceleratorTypes")
     parent = req.name.rsplit("/acceleratorTypes/", 1)[0]
-    return _by_name(accelerator_types(parent, zone), req.name)
+    return by_name(accelerator_types(parent, zone), req.name)
 
 
 def ListRuntimeVersions(call: rpc.Call, req: tpu_v2.ListRuntimeVersionsRequest):
@@ -380,7 +380,7 @@ def ListRuntimeVersions(call: rpc.Call, req: tpu_v2.ListRuntimeVersionsRequest):
 def GetRuntimeVersion(call: rpc.Call, req: tpu_v2.GetRuntimeVersionRequest):
     _, zone, _ = validate.resource(req.name, "runtimeVersions")
     parent = req.name.rsplit("/runtimeVersions/", 1)[0]
-    return _by_name(runtime_versions(parent, zone), req.name)
+    return by_name(runtime_versions(parent, zone), req.name)
 
 
 _OPERATION = operations_pb2.Operation.SerializeToString

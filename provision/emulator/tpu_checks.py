@@ -52,7 +52,7 @@ def _node_ids(spec: QR.Tpu.NodeSpec, index: int, qr_id: str) -> tuple[list[str],
     return [f"{prefix}-{i}" for i in range(count)], True
 
 
-def _check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[tuple[str, int]], bool]:
+def check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[tuple[str, int]], bool]:
     """Validate every node spec; (node names with their spec index, multislice?)."""
     if not qr.tpu.node_spec:
         raise ApiError("INVALID_ARGUMENT", "queued_resource.tpu.node_spec must name at least one node")
@@ -64,7 +64,7 @@ def _check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[
                            f"node_spec[{index}].parent {spec.parent!r} must equal the request parent {parent!r}")
         ids, many = _node_ids(spec, index, qr_id)
         multislice = multislice or many
-        acc = _check_node(spec.node, zone)
+        acc = check_node(spec.node, zone)
         spec.node.accelerator_type = acc.name  # recorded: the world reads the type back by name
         nodes.extend((f"{parent}/nodes/{i}", index) for i in ids)
     if len({n for n, _ in nodes}) != len(nodes):
@@ -72,7 +72,7 @@ def _check_node_specs(qr: QR, parent: str, zone: str, qr_id: str) -> tuple[list[
     return nodes, multislice
 
 
-def _check_node(node: Node, zone: str):
+def check_node(node: Node, zone: str):
     """A node's own checks, for queued resources and CreateNode alike; its accelerator type."""
     acc = validate.accelerator(zone, _accelerator_name(zone, node))
     validate.runtime_version(acc, node.runtime_version)
@@ -81,7 +81,7 @@ def _check_node(node: Node, zone: str):
     return acc
 
 
-def _check_reservation(world: World, qr: QR, project: str, zone: str, spot: bool, chips: int) -> bool:
+def check_reservation(world: World, qr: QR, project: str, zone: str, spot: bool, chips: int) -> bool:
     """Check reservation_name against the emulated world's reservations (World.reservations, set with
     MOE_TPU_EMULATOR_RESERVATIONS); True when the request is too big for the reservation (it queues,
     then fails with insufficient reserved capacity). Sources and confirmation: docs/emulator-fidelity.md."""
@@ -99,7 +99,7 @@ def _check_reservation(world: World, qr: QR, project: str, zone: str, spot: bool
     return chips > size
 
 
-def _valid_until_s(qr: QR, now: float) -> float | None:
+def valid_until_s(qr: QR, now: float) -> float | None:
     if "queueing_policy" not in qr:
         return None
     policy = qr.queueing_policy
@@ -133,7 +133,7 @@ def runtime_versions(parent: str, zone: str) -> list[tpu_v2.RuntimeVersion]:
     return [tpu_v2.RuntimeVersion(name=f"{parent}/runtimeVersions/{v}", version=v) for v in versions]
 
 
-def _by_name(items: list, name: str):
+def by_name(items: list, name: str):
     for item in items:
         if item.name == name:
             return item

@@ -21,7 +21,8 @@ from provision.catalogue import VERTEX_MACHINE_TOPOLOGIES
 from provision.emulator import rpc, scenarios, validate
 from provision.emulator.scenarios import JOB_CANCELLING_S, JOB_DELETING_S, JOB_TERMINAL, job_timeline
 from provision.emulator.validate import ApiError, not_found
-from provision.emulator.world import JobRecord, Operation, World, vertex_hosts
+from provision.emulator.vertex_world import CustomJobs, JobRecord, vertex_hosts
+from provision.emulator.world import Operation, World
 
 SERVICE = "google.cloud.aiplatform.v1.JobService"
 CustomJob = v1.CustomJob
@@ -204,14 +205,14 @@ def operation_view(op: Operation, now: float) -> operations_pb2.Operation:
 # --- changes to the world --------------------------------------------------------------
 
 
-def _numeric_id(world: World) -> str:
+def numeric_id(world: World) -> str:
     """A 19-digit id, as the service gives its resources (deterministic for the world's seed)."""
     return str(10**18 + int(world.next_token()[:16], 16) % (9 * 10**18))
 
 
 def live_job(world: World, name: str, now: float) -> JobRecord:
     job_name(name)
-    job = world.job_at(name, now)
+    job = CustomJobs.of(world).job_at(name, now)
     if job is None:
         raise not_found(name)
     return job
@@ -224,19 +225,20 @@ def create_custom_job(world: World, req: v1.CreateCustomJobRequest, now: float, 
     check_job(job)
     if scenario == "quota":
         raise quota_error(project, where)
-    if world.first_region is None:
-        world.first_region = where
+    jobs = CustomJobs.of(world)
+    if jobs.first_region is None:
+        jobs.first_region = where
     for field in ("name", "state", "create_time", "start_time", "end_time", "update_time", "error"):
         CustomJob.pb(job).ClearField(field)
     pool = job.job_spec.worker_pool_specs[0]
     for key, value in DEFAULT_DISK.items():
         if not getattr(pool.disk_spec, key):
             setattr(pool.disk_spec, key, value)
-    name = f"{req.parent}/customJobs/{_numeric_id(world)}"
+    name = f"{req.parent}/customJobs/{numeric_id(world)}"
     tl = job_timeline(scenario, region=where, held=held,
-                      stocked_out=scenario == "stockout" and where == world.first_region)
+                      stocked_out=scenario == "stockout" and where == jobs.first_region)
     record = JobRecord(name=name, request=as_json(job), create_time=now, timeline=tl)
-    world.jobs[name] = record
+    jobs.jobs[name] = record
     return record
 
 
@@ -265,7 +267,7 @@ def delete_custom_job(world: World, name: str, now: float) -> Operation:
     if job.deleted_at is None:
         job.deleted_at = now
     # Unconfirmed: the service names its operations projects/P/locations/R/operations/ID.
-    op = Operation(name=f"{parent}/operations/{_numeric_id(world)}", service="vertex", verb="delete",
+    op = Operation(name=f"{parent}/operations/{numeric_id(world)}", service="vertex", verb="delete",
                    target=name, create_time=now, done_at=job.deleted_at + JOB_DELETING_S)
     return world.add_operation(op)
 
@@ -284,7 +286,7 @@ def GetCustomJob(call: rpc.Call, req: v1.GetCustomJobRequest):
 def ListCustomJobs(call: rpc.Call, req: v1.ListCustomJobsRequest):
     region(req.parent)
     tests = parse_filter(req.filter)
-    jobs = [j for j in call.world.jobs.values()
+    jobs = [j for j in CustomJobs.of(call.world).jobs.values()
             if j.name.startswith(req.parent + "/") and (state := j.state_at(call.now)) is not None
             and all(test(j.request, state) for test in tests)]
     jobs.sort(key=lambda j: j.create_time)  # stable: jobs created at one moment stay in creation order

@@ -23,8 +23,8 @@ from google.rpc import error_details_pb2
 
 from provision.emulator import rpc, validate
 from provision.emulator.validate import ApiError, not_found
-from provision.emulator.vertex import _numeric_id, region
-from provision.emulator.world import Operation, World
+from provision.emulator.vertex import numeric_id, region
+from provision.emulator.world import Operation, World, register_part
 from trainer.outputs import Phase
 
 # The single-host v5e machine types online prediction serves, with their one topology (Vertex AI docs,
@@ -117,23 +117,46 @@ def quota_error(project: str, where: str) -> ApiError:
 
 
 # --- the world's records -----------------------------------------------------------------
-# world.serving: {"models": {name: record}, "endpoints": {name: record}, "first_region": str | None}; a
-# record is {"name", "request" (the proto JSON as created), "create_time"}; an endpoint's record has
-# "deployed": {id: {"request", "create_time", "operation", "server_key", "phase": deploying | deployed,
-# "ready": true once its server answered}}.
+
+@register_part
+class OnlineServing:
+    """Vertex AI's models and endpoints in the emulated world (its part, saved under "vertex_serving"), plain
+    JSON: `records` is {"models": {name: record}, "endpoints": {name: record}, "first_region": str | None};
+    a record is {"name", "request" (the proto JSON as created), "create_time"}; an endpoint's record has
+    "deployed": {id: {"request", "create_time", "operation", "server_key", "phase": deploying | deployed,
+    "ready": true once its server answered}}."""
+
+    KEY = "vertex_serving"
+
+    def __init__(self, records: dict | None = None) -> None:
+        self.records: dict = records or {}
+
+    @classmethod
+    def of(cls, world: World) -> OnlineServing:
+        return world.part(cls.KEY)
+
+    def to_json(self) -> dict:
+        return self.records
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> OnlineServing:
+        return cls(dict(d or {}))
+
+    def prune(self, now: float) -> None:
+        pass  # a deleted model or endpoint leaves the records at once
 
 
-def _models(world: World) -> dict:
-    return world.serving.setdefault("models", {})
+def model_records(world: World) -> dict:
+    return OnlineServing.of(world).records.setdefault("models", {})
 
 
-def _endpoints(world: World) -> dict:
-    return world.serving.setdefault("endpoints", {})
+def endpoint_records(world: World) -> dict:
+    return OnlineServing.of(world).records.setdefault("endpoints", {})
 
 
 def live_model(world: World, name: str) -> dict:
     _name(name, MODEL_RE, "models")
-    record = _models(world).get(name.split("@")[0])
+    record = model_records(world).get(name.split("@")[0])
     if record is None:
         raise not_found(name)
     return record
@@ -141,7 +164,7 @@ def live_model(world: World, name: str) -> dict:
 
 def live_endpoint(world: World, name: str) -> dict:
     _name(name, ENDPOINT_RE, "endpoints")
-    record = _endpoints(world).get(name)
+    record = endpoint_records(world).get(name)
     if record is None:
         raise not_found(name)
     return record
@@ -149,7 +172,7 @@ def live_endpoint(world: World, name: str) -> dict:
 
 def _operation(world: World, parent: str, verb: str, target: str, now: float, after: float,
                response: dict | None = None, error: dict | None = None) -> Operation:
-    op = Operation(name=f"{parent}/operations/{_numeric_id(world)}", service="vertex", verb=verb, target=target,
+    op = Operation(name=f"{parent}/operations/{numeric_id(world)}", service="vertex", verb=verb, target=target,
                    create_time=now, done_at=now + after, response=response, error=error)
     return world.add_operation(op)
 
@@ -158,8 +181,8 @@ def upload_model(world: World, req: v1.UploadModelRequest, now: float) -> Operat
     region(req.parent)
     model = v1.Model(req.model)
     check_model(model)
-    name = f"{req.parent}/models/{_numeric_id(world)}"
-    _models(world)[name] = {"name": name, "request": _json(model), "create_time": now}
+    name = f"{req.parent}/models/{numeric_id(world)}"
+    model_records(world)[name] = {"name": name, "request": _json(model), "create_time": now}
     return _operation(world, req.parent, "upload_model", name, now, UPLOAD_S,
                       response={"model": name, "model_version_id": "1"})
 
@@ -170,10 +193,11 @@ def create_endpoint(world: World, req: v1.CreateEndpointRequest, now: float) -> 
     if not endpoint.display_name:
         raise ApiError("INVALID_ARGUMENT", "endpoint.display_name is required")
     validate.labels(dict(endpoint.labels))
-    name = f"{req.parent}/endpoints/{req.endpoint_id or _numeric_id(world)}"
-    if name in _endpoints(world):
+    name = f"{req.parent}/endpoints/{req.endpoint_id or numeric_id(world)}"
+    if name in endpoint_records(world):
         raise ApiError("ALREADY_EXISTS", f"Endpoint {name} already exists.")
-    record = _endpoints(world)[name] = {"name": name, "request": _json(endpoint), "create_time": now, "deployed": {}}
+    record = {"name": name, "request": _json(endpoint), "create_time": now, "deployed": {}}
+    endpoint_records(world)[name] = record
     return _operation(world, req.parent, "create_endpoint", name, now, CREATE_S, response=_json(endpoint_view(record)))
 
 
@@ -203,11 +227,12 @@ def deploy_model(call: rpc.Call, req: v1.DeployModelRequest) -> Operation:
     project, where = region(parent)
     if call.scenario == "quota":
         raise quota_error(project, where)
-    if world.serving.get("first_region") is None:
-        world.serving["first_region"] = where
-    deployed_id = str(_numeric_id(world))[:16]
+    serving = OnlineServing.of(world).records
+    if serving.get("first_region") is None:
+        serving["first_region"] = where
+    deployed_id = str(numeric_id(world))[:16]
     deployed.id = deployed_id
-    stocked_out = call.scenario == "stockout" and where == world.serving["first_region"]
+    stocked_out = call.scenario == "stockout" and where == serving["first_region"]
     key = f"{req.endpoint}/deployedModels/{deployed_id}"
     op = _operation(world, req.endpoint, "deploy", req.endpoint, now,
                     STOCKOUT_AFTER_S if stocked_out else (READY_TIMEOUT_S if call.servers else DEPLOYING_S),
@@ -233,7 +258,7 @@ def server_launch(call: rpc.Call, endpoint_name: str, deployed_id: str) -> tuple
 def settle(call: rpc.Call) -> None:
     """Bring every deploy in progress up to date: ended once its server is ready (or failed, with the
     server's last words), or at its operation's end without servers or on a stockout."""
-    for endpoint in list(_endpoints(call.world).values()):
+    for endpoint in list(endpoint_records(call.world).values()):
         for deployed_id, record in list(endpoint["deployed"].items()):
             if record["phase"] != "deploying":
                 continue
@@ -285,19 +310,19 @@ def delete_endpoint(world: World, name: str, now: float) -> Operation:
     endpoint = live_endpoint(world, name)
     if endpoint["deployed"]:
         raise ApiError("FAILED_PRECONDITION", f"Endpoint {name} has deployed models; undeploy them first.")
-    del _endpoints(world)[name]
+    del endpoint_records(world)[name]
     return _operation(world, name.rsplit("/endpoints/", 1)[0], "delete", name, now, DELETE_S)
 
 
 def delete_model(world: World, name: str, now: float) -> Operation:
     record = live_model(world, name)
-    users = [e["name"] for e in _endpoints(world).values()
+    users = [e["name"] for e in endpoint_records(world).values()
              if any(d["request"].get("model", "").split("@")[0] == record["name"] for d in e["deployed"].values())]
     if users:
         # The docs: a model deployed to an endpoint cannot be deleted; the message is unconfirmed.
         raise ApiError("FAILED_PRECONDITION", f"Model {name} is deployed to endpoint(s) {', '.join(users)}; "
                                               "undeploy it first.")
-    del _models(world)[record["name"]]
+    del model_records(world)[record["name"]]
     return _operation(world, record["name"].rsplit("/models/", 1)[0], "delete", name, now, DELETE_S)
 
 
@@ -308,7 +333,7 @@ def model_view(record: dict, world: World) -> v1.Model:
     model = v1.Model.from_json(json.dumps(record["request"]), ignore_unknown_fields=True)
     model.name, model.version_id = record["name"], "1"
     model.create_time = model.update_time = rpc.timestamp(record["create_time"])
-    for endpoint in _endpoints(world).values():
+    for endpoint in endpoint_records(world).values():
         for deployed_id, deployed in endpoint["deployed"].items():
             if deployed["request"].get("model", "").split("@")[0] == record["name"]:
                 model.deployed_models.append(v1.DeployedModelRef(endpoint=endpoint["name"],

@@ -19,15 +19,15 @@ from provision.emulator.validate import ApiError
 from provision.emulator.vertex import region
 from provision.emulator.vertex_serving import (
     DEFAULT_PREDICT_ROUTE,
-    _endpoints,
-    _models,
     create_endpoint,
     delete_endpoint,
     delete_model,
     deploy_model,
+    endpoint_records,
     endpoint_view,
     live_endpoint,
     live_model,
+    model_records,
     model_view,
     server_launch,
     settle,
@@ -82,7 +82,7 @@ def GetModel(call: rpc.Call, req: v1.GetModelRequest):
 
 def ListModels(call: rpc.Call, req: v1.ListModelsRequest):
     region(req.parent)
-    found = [m for m in _models(call.world).values() if m["name"].startswith(req.parent + "/models/")
+    found = [m for m in model_records(call.world).values() if m["name"].startswith(req.parent + "/models/")
              and _matches(m, req.filter)]
     items, token = rpc.page(sorted(found, key=lambda m: (m["create_time"], m["name"])), req.page_size, req.page_token)
     return v1.ListModelsResponse(models=[model_view(m, call.world) for m in items], next_page_token=token)
@@ -104,7 +104,7 @@ def GetEndpoint(call: rpc.Call, req: v1.GetEndpointRequest):
 def ListEndpoints(call: rpc.Call, req: v1.ListEndpointsRequest):
     region(req.parent)
     settle(call)
-    found = [e for e in _endpoints(call.world).values() if e["name"].startswith(req.parent + "/endpoints/")
+    found = [e for e in endpoint_records(call.world).values() if e["name"].startswith(req.parent + "/endpoints/")
              and _matches(e, req.filter)]
     items, token = rpc.page(sorted(found, key=lambda e: (e["create_time"], e["name"])), req.page_size, req.page_token)
     return v1.ListEndpointsResponse(endpoints=[endpoint_view(e) for e in items], next_page_token=token)

@@ -2,7 +2,7 @@
 
 Each service says it with one `Play`: where a workload of the run is up now (`placed`), with the
 container it carries, and what the service does when the workload starts, reports and ends. The
-three live here, beside the emulated world they read (world.py, gke_world.py), not in the services'
+three live here, beside the emulated world they read (world.py, gke_world.py, vertex_world.py), not in the services'
 gRPC modules: a dry run's runner needs them for every target, and the Vertex AI and TPU client
 libraries those modules import take a second of CPU to load that a run of another target never needs.
 The runner (local_trainer.py) starts the container it is given and names no service.
@@ -20,10 +20,13 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from provision import guest_attributes
+from provision.emulator.vertex_world import CustomJobs
 
 if TYPE_CHECKING:
     from provision.emulator.gke import TrainerPod
-    from provision.emulator.world import RunningJob, RunningNode, World
+    from provision.emulator.gke_world import GkeWorld
+    from provision.emulator.vertex_world import RunningJob
+    from provision.emulator.world import RunningNode, World
 
 T = TypeVar("T")
 WorldCall = Callable[[Callable[[Any, float], T]], T]  # fn(world, now) as one transaction (Emulator.world_call)
@@ -126,14 +129,14 @@ def _text(value) -> str:
 
 
 class VertexHooks(Hooks):
-    """Vertex AI custom jobs: those RUNNING, and ending one (World.end_custom_job)."""
+    """Vertex AI custom jobs: those RUNNING, and ending one (vertex_world.CustomJobs.end)."""
 
     def running_jobs(self) -> list[RunningJob]:
-        return self._call(lambda world, now: world.running_jobs(now))
+        return self._call(lambda world, now: CustomJobs.of(world).running(now))
 
     def end_custom_job(self, name: str, succeeded: bool, error: tuple[int, str] | None = None,
                        preempted: bool = False) -> bool:
-        return self._call(lambda world, now: world.end_custom_job(name, now, succeeded, error, preempted))
+        return self._call(lambda world, now: CustomJobs.of(world).end(name, now, succeeded, error, preempted))
 
 
 class VertexPlay:
@@ -145,7 +148,8 @@ class VertexPlay:
     hooks = VertexHooks
 
     def placed(self, world: World, now: float, run: str) -> list[Placed]:
-        return [Placed(key=j.name, argv=(*j.command, *j.args)) for j in world.running_jobs(now) if j.run == run]
+        return [Placed(key=j.name, argv=(*j.command, *j.args)) for j in CustomJobs.of(world).running(now)
+                if j.run == run]
 
     def started(self, world: World, now: float, placed: Placed, log_path: str) -> None:
         pass
@@ -156,11 +160,11 @@ class VertexPlay:
     def ended(self, world: World, now: float, placed: Placed, code: int, final: dict, preempted: bool,
               log_path: str) -> None:
         if preempted:
-            world.end_custom_job(placed.key, now, succeeded=False, preempted=True)
+            CustomJobs.of(world).end(placed.key, now, succeeded=False, preempted=True)
         elif code == 0:
-            world.end_custom_job(placed.key, now, succeeded=True)
+            CustomJobs.of(world).end(placed.key, now, succeeded=True)
         else:
-            world.end_custom_job(placed.key, now, succeeded=False,
+            CustomJobs.of(world).end(placed.key, now, succeeded=False,
                                  error=(13, f"The replica workerpool0-0 exited with a non-zero status of {code}. "
                                             f"{final.get('error') or ''}".strip()))
 
@@ -169,14 +173,14 @@ class GkeHooks(Hooks):
     """GKE: the trainer pods Running, ending one (the JobSet follows), and reclaiming a spot node."""
 
     def trainer_pods(self) -> list[TrainerPod]:
-        return self._call(lambda world, now: world.gke.trainer_pods(now))
+        return self._call(lambda world, now: _gke(world).trainer_pods(now))
 
     def end_trainer_pod(self, namespace: str, name: str, code: int, message: str = "",
                         log_path: str | None = None) -> None:
-        self._call(lambda world, now: world.gke.end_trainer(namespace, name, code, now, message, log_path))
+        self._call(lambda world, now: _gke(world).end_trainer(namespace, name, code, now, message, log_path))
 
     def preempt_node(self, node: str) -> bool:
-        return self._call(lambda world, now: world.gke.preempt_node(node, now))
+        return self._call(lambda world, now: _gke(world).preempt_node(node, now))
 
 
 class GkePlay:
@@ -190,10 +194,10 @@ class GkePlay:
 
     def placed(self, world, now: float, run: str) -> list[Placed]:
         return [Placed(key=f"pod/{p.namespace}/{p.name}", argv=(*p.command, *p.args))
-                for p in world.gke.trainer_pods(now) if p.run == run]
+                for p in _gke(world).trainer_pods(now) if p.run == run]
 
     def started(self, world, now: float, placed: Placed, log_path: str) -> None:
-        world.gke.set_log(*_pod_of(placed), log_path)
+        _gke(world).set_log(*_pod_of(placed), log_path)
 
     def publish(self, world, now: float, placed: Placed, status: dict) -> None:
         pass
@@ -202,9 +206,15 @@ class GkePlay:
               log_path: str) -> None:
         namespace, name = _pod_of(placed)
         if preempted:  # the spot node under the run goes; the trainer's pod fails with it
-            world.gke.preempt_trainer(namespace, name, code, now)
+            _gke(world).preempt_trainer(namespace, name, code, now)
         else:
-            world.gke.end_trainer(namespace, name, code, now, final.get("error") or "", log_path)
+            _gke(world).end_trainer(namespace, name, code, now, final.get("error") or "", log_path)
+
+
+def _gke(world: World) -> GkeWorld:
+    """The world's GKE part (gke_world's, found by its key: that module imports the local runners, which
+    import this one)."""
+    return world.part("gke")
 
 
 def _pod_of(placed: Placed) -> tuple[str, str]:

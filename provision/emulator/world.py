@@ -1,13 +1,15 @@
-"""The emulated world's state: per-service records, long-running operations, and their JSON form.
-No gRPC here.
+"""The emulated world's state: the TPU API's records, long-running operations, the services' parts,
+and their JSON form. No gRPC here.
 
 Records hold what was asked and when; every state is computed from the clock when read
 (`state_at`), so the world changes only when something is created, deleted, cancelled or ended,
 and persists as JSON. The proto views and the RPCs live in tpu.py, vertex.py and operations.py;
-reading and writing the file, in store.py.
+reading and writing the file, in store.py. What another service keeps is its part (`Part`), which its
+own module registers: GKE's in gke_world.py, Vertex AI's custom jobs in vertex_world.py, its models and
+endpoints in vertex_serving.py.
 
-The hooks at the end (`running_nodes`, `running_jobs`, `preempt_queued_resource`,
-`end_custom_job`, `set_guest_attributes`) let a dry run's local trainer play the workload:
+The hooks at the end (`running_nodes`, `preempt_queued_resource`, `set_guest_attributes`; a part's
+own, such as vertex_world's `running` and `end`) let a dry run's local trainer play the workload:
 call them through `Emulator.world_call` (or a service's hooks of the same names,
 `Emulator.service(name)`, workloads.py), which hold the world's lock and save it.
 """
@@ -18,11 +20,10 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Protocol, TypeVar
 
-from provision.catalogue import VERTEX_MACHINE_TOPOLOGIES
 from provision.emulator import offerings, scenarios
-from provision.emulator.gke_world import GkeWorld
-from provision.emulator.scenarios import DELETING_S, JOB_DELETING_S, NODE_DELETING_S, Timeline
+from provision.emulator.scenarios import DELETING_S, NODE_DELETING_S, Timeline
 
 STATE_VERSION = 2
 NODE_STATE_BY_QR_STATE = {"PROVISIONING": "CREATING", "ACTIVE": "READY", "SUSPENDING": "PREEMPTED"}
@@ -32,6 +33,7 @@ REQUEST_ID_TTL_S = 3600.0
 RUN_LABEL = "moe-tpu-run"
 # Guest attribute namespaces and keys: letters, digits, - and _ (GCE's rule; the length is unconfirmed).
 GUEST_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+T = TypeVar("T")
 
 
 # The services whose long-running operations live in `World.operations` (google.longrunning).
@@ -143,50 +145,6 @@ class QueuedRecord:
                    guest_attributes=dict(d.get("guest_attributes", {})), standalone=bool(d.get("standalone")))
 
 
-@dataclass
-class JobRecord:
-    """One Vertex AI custom job as created, plus what happened to it since."""
-
-    name: str
-    request: dict  # the CustomJob as submitted (proto JSON, proto field names)
-    create_time: float
-    timeline: Timeline  # JobState names
-    deleted_at: float | None = None
-
-    def state_at(self, now: float) -> str | None:
-        """The job's state at `now`; None once deleted."""
-        if self.deleted_at is not None and now >= self.deleted_at + JOB_DELETING_S:
-            return None
-        return self.timeline.state_at(now - self.create_time)
-
-    def pool(self) -> dict:
-        """The (only) worker pool spec as submitted."""
-        return self.request["job_spec"]["worker_pool_specs"][0]
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "request": self.request, "create_time": self.create_time,
-                "timeline": self.timeline.to_json(), "deleted_at": self.deleted_at}
-
-    @classmethod
-    def from_json(cls, d: dict) -> JobRecord:
-        return cls(name=d["name"], request=d["request"], create_time=float(d["create_time"]),
-                   timeline=Timeline.from_json(d["timeline"]), deleted_at=d.get("deleted_at"))
-
-
-def vertex_hosts(machine_type: str, topology: str) -> int:
-    """TPU VMs behind a Vertex worker: one for -1t and -8t, one per 4 chips for -4t."""
-    if machine_type != "ct5lp-hightpu-4t":
-        return 1
-    rows, cols = (int(x) for x in topology.split("x"))
-    return max(1, rows * cols // 4)
-
-
-def job_topology(pool: dict) -> str:
-    """The pool's tpu_topology, or the machine type's own when it sets none."""
-    spec = pool.get("machine_spec", {})
-    return spec.get("tpu_topology") or VERTEX_MACHINE_TOPOLOGIES[spec["machine_type"]][0]
-
-
 @dataclass(frozen=True)
 class RunningNode:
     """A TPU node that is READY now: where a dry run's trainer would run."""
@@ -200,23 +158,6 @@ class RunningNode:
     workers: int  # TPU VMs (network endpoints)
 
 
-@dataclass(frozen=True)
-class RunningJob:
-    """A Vertex AI custom job that is RUNNING now, with its container as submitted."""
-
-    name: str
-    display_name: str
-    run: str | None  # the moe-tpu-run label
-    labels: dict[str, str]
-    image_uri: str
-    command: tuple[str, ...]
-    args: tuple[str, ...]
-    env: dict[str, str]
-    machine_type: str
-    tpu_topology: str
-    workers: int  # TPU VMs
-
-
 @dataclass
 class FaultState:
     """`flaky` bookkeeping, persisted so a sequence of commands stays deterministic."""
@@ -226,6 +167,35 @@ class FaultState:
     lost_creates: dict[str, int] = field(default_factory=dict)  # method -> answers lost
 
 
+class Part(Protocol):
+    """What one service keeps in the shared world beside the TPU API's records (GKE's clusters and
+    Kubernetes objects, Vertex AI's custom jobs, its models and endpoints): saved as JSON under its `KEY`,
+    read back (`from_json(None)`: an empty one), and pruned with the world. A service's module registers
+    its part (`@register_part`), and finds it with `World.part(KEY)`; the world names none."""
+
+    KEY: ClassVar[str]
+
+    def to_json(self) -> Any: ...
+
+    @classmethod
+    def from_json(cls, d: Any) -> Part: ...
+
+    def prune(self, now: float) -> None: ...
+
+
+PARTS: dict[str, type[Part]] = {}  # KEY -> the part's class, as the services' modules register them
+
+
+def register_part(cls: T) -> T:
+    """Register a service's part of the world under its KEY (a class decorator)."""
+    PARTS[cls.KEY] = cls  # type: ignore[attr-defined]
+    return cls
+
+
+# The world's own keys in its JSON; any other key is a service's part.
+OWN_KEYS = frozenset({"version", "now", "seed", "tpu", "operations", "request_ids", "id_counter", "faults"})
+
+
 class World:
     """Everything the emulator knows; changed only inside an Emulator transaction (or a test)."""
 
@@ -233,8 +203,6 @@ class World:
         self.seed = seed
         self.queued: dict[str, QueuedRecord] = {}
         self.first_zone: str | None = None  # the zone `stockout` keeps out of capacity
-        self.jobs: dict[str, JobRecord] = {}
-        self.first_region: str | None = None  # the region `stockout` keeps out of capacity
         self.operations: dict[str, Operation] = {}
         self.request_ids: dict[str, str] = {}  # request id -> operation name
         self.id_counter = 0
@@ -242,19 +210,24 @@ class World:
         # "ZONE/NAME" -> chips: the reservations the emulated project holds. Not saved with the world:
         # the emulator sets them from its own configuration (MOE_TPU_EMULATOR_RESERVATIONS).
         self.reservations: dict[str, int] = {}
-        self.gke = GkeWorld()
-        # Vertex AI online prediction's models and endpoints, plain JSON (vertex_serving.py says the shape).
-        self.serving: dict = {}
+        # The services' parts by KEY, those registered when the world was made or read; `unread`: the
+        # saved parts of services not registered then, kept as saved until one asks for its part.
+        self.parts: dict[str, Part] = {key: cls.from_json(None) for key, cls in PARTS.items()}
+        self.unread: dict[str, Any] = {}
+
+    def part(self, key: str) -> Any:
+        """The part of the service registered under `key` (its module's class says its type)."""
+        if key not in self.parts:
+            self.parts[key] = PARTS[key].from_json(self.unread.pop(key, None))
+        return self.parts[key]
 
     # --- persistence -------------------------------------------------------
     def to_json(self, now: float) -> dict:
         return {"version": STATE_VERSION, "now": now, "seed": self.seed,
                 "tpu": {"queued_resources": [r.to_json() for r in self.queued.values()],
                         "first_zone": self.first_zone},
-                "vertex": {"custom_jobs": [j.to_json() for j in self.jobs.values()],
-                           "first_region": self.first_region},
                 "operations": [op.to_json() for op in self.operations.values()],
-                "gke": self.gke.to_json(), "vertex_serving": self.serving,
+                **self.unread, **{key: p.to_json() for key, p in self.parts.items()},
                 "request_ids": self.request_ids, "id_counter": self.id_counter,
                 "faults": {"rpc_count": self.faults.rpc_count, "failures_in_a_row": self.faults.failures_in_a_row,
                            "lost_creates": self.faults.lost_creates}}
@@ -269,11 +242,9 @@ class World:
         world = cls(seed=int(d.get("seed", 0)))
         world.queued = {r["name"]: QueuedRecord.from_json(r) for r in d["tpu"]["queued_resources"]}
         world.first_zone = d["tpu"].get("first_zone")
-        world.jobs = {j["name"]: JobRecord.from_json(j) for j in d["vertex"]["custom_jobs"]}
-        world.first_region = d["vertex"].get("first_region")
         world.operations = {op["name"]: Operation.from_json(op) for op in d["operations"]}
-        world.gke = GkeWorld.from_json(d.get("gke"))
-        world.serving = dict(d.get("vertex_serving") or {})
+        world.parts = {key: kind.from_json(d.get(key)) for key, kind in PARTS.items()}
+        world.unread = {key: value for key, value in d.items() if key not in OWN_KEYS and key not in PARTS}
         world.request_ids = {str(k): str(v) for k, v in d["request_ids"].items()}
         world.id_counter = int(d["id_counter"])
         faults = d["faults"]
@@ -286,9 +257,8 @@ class World:
         ids past their idempotency window."""
         for name in [n for n, r in self.queued.items() if r.state_at(now) is None]:
             del self.queued[name]
-        for name in [n for n, j in self.jobs.items() if j.state_at(now) is None]:
-            del self.jobs[name]
-        self.gke.prune(now)
+        for p in self.parts.values():
+            p.prune(now)
         for rid in [r for r, op in self.request_ids.items()
                     if op not in self.operations or now >= self.operations[op].create_time + REQUEST_ID_TTL_S]:
             del self.request_ids[rid]
@@ -322,10 +292,6 @@ class World:
                     return rec, index
         return None
 
-    def job_at(self, name: str, now: float) -> JobRecord | None:
-        job = self.jobs.get(name)
-        return job if job is not None and job.state_at(now) is not None else None
-
     def node_names_in_use(self, now: float) -> set[str]:
         """Node names taken: nodes that exist, and those a queued resource still waits to create."""
         taken = set()
@@ -350,25 +316,6 @@ class World:
                                          workers=rec.accelerator(index).vms))
         return sorted(found, key=lambda n: n.node)
 
-    def running_jobs(self, now: float) -> list[RunningJob]:
-        """Every custom job RUNNING at `now`, by name."""
-        found = []
-        for job in self.jobs.values():
-            if job.state_at(now) != "JOB_STATE_RUNNING":
-                continue
-            pool = job.pool()
-            container = pool.get("container_spec", {})
-            labels = dict(job.request.get("labels", {}))
-            machine_type = pool["machine_spec"]["machine_type"]
-            topology = job_topology(pool)
-            found.append(RunningJob(
-                name=job.name, display_name=job.request.get("display_name", ""), run=labels.get(RUN_LABEL),
-                labels=labels, image_uri=container.get("image_uri", ""),
-                command=tuple(container.get("command", ())), args=tuple(container.get("args", ())),
-                env={e["name"]: e.get("value", "") for e in container.get("env", ())},
-                machine_type=machine_type, tpu_topology=topology, workers=vertex_hosts(machine_type, topology)))
-        return sorted(found, key=lambda j: j.name)
-
     def preempt_queued_resource(self, name: str, now: float) -> bool:
         """Preempt a queued resource at `now`: SUSPENDING (its nodes PREEMPTED) for SUSPENDING_S, then
         SUSPENDED with its nodes gone, whatever its timeline said. False when it is not PROVISIONING
@@ -381,31 +328,6 @@ class World:
         offset = now - rec.create_time
         rec.timeline = scenarios.ended(rec.timeline, offset, (
             (offset, "SUSPENDING"), (offset + scenarios.SUSPENDING_S, "SUSPENDED")), None)
-        return True
-
-    def end_custom_job(self, name: str, now: float, succeeded: bool,
-                       error: tuple[int, str] | None = None, preempted: bool = False) -> bool:
-        """End a custom job at `now`: SUCCEEDED, or FAILED with `error` (google.rpc code, message), or
-        FAILED as the `preempt` scenario fails a job. Without an error a failure is a replica's
-        non-zero exit. False when the job has already ended or is being cancelled; WorldError when
-        there is no such job or both `succeeded` and a failure are asked for."""
-        job = self.job_at(name, now)
-        if job is None:
-            raise WorldError(f"no custom job {name!r} in the emulated world")
-        if succeeded and (error is not None or preempted):
-            raise WorldError("a job that succeeded has no error and was not preempted")
-        if job.state_at(now) in (*scenarios.JOB_TERMINAL, "JOB_STATE_CANCELLING"):
-            return False
-        if succeeded:
-            final, failure = "JOB_STATE_SUCCEEDED", None
-        elif preempted:
-            final, failure = "JOB_STATE_FAILED", dict(scenarios.JOB_PREEMPTED_ERROR)
-        else:
-            final = "JOB_STATE_FAILED"
-            failure = ({"code": int(error[0]), "message": str(error[1])} if error is not None
-                       else scenarios.replica_exit_error(1))
-        offset = now - job.create_time
-        job.timeline = scenarios.ended(job.timeline, offset, ((offset, final),), failure)
         return True
 
     def set_guest_attributes(self, node_name: str, worker_id: int, namespace: str,

@@ -12,23 +12,23 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from provision import catalogue
 from provision.shapes import (
-    _NETWORK,
-    _PROJECT,
-    _RFC1035,
-    _SERVICE_ACCOUNT,
-    _SUBNETWORK,
-    _ZONE,
     MAX_ID_LENGTH,
     MAX_SLICE_COUNT,
-    _brief,
-    _positive_duration,
-    _Section,
+    NETWORK,
+    PROJECT,
+    RFC1035,
+    SERVICE_ACCOUNT,
+    SUBNETWORK,
+    ZONE,
+    Section,
+    brief,
+    positive_duration,
     rule,
 )
 from trainer.schema import did_you_mean, invalid
 
 
-class SliceConfig(_Section):
+class SliceConfig(Section):
     accelerator: str = "v5litepod-64"
     runtime_version: str = catalogue.V5E_RUNTIME
     count: Annotated[StrictInt, Field(ge=1, le=MAX_SLICE_COUNT)] = 1
@@ -57,9 +57,9 @@ class SliceConfig(_Section):
             return value
         parts = value.split("/")
         full = (len(parts) == 6 and parts[0] == "projects" and parts[2] == "locations"
-                and parts[4] == "reservations" and bool(_PROJECT.match(parts[1])) and bool(_ZONE.match(parts[3])))
+                and parts[4] == "reservations" and bool(PROJECT.match(parts[1])) and bool(ZONE.match(parts[3])))
         name = parts[5] if full else value
-        if (len(parts) != 1 and not full) or not _RFC1035.match(name) or len(name) > MAX_ID_LENGTH:
+        if (len(parts) != 1 and not full) or not RFC1035.match(name) or len(name) > MAX_ID_LENGTH:
             raise invalid(f"reservation {value!r} is not a reservation name (lowercase letters, digits and "
                         "hyphens, starting with a letter, at most 63) nor "
                         "projects/PROJECT/locations/ZONE/reservations/NAME")
@@ -68,21 +68,21 @@ class SliceConfig(_Section):
     @field_validator("max_wait", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> timedelta:
-        return _positive_duration(value)
+        return positive_duration(value)
 
     @field_validator("network")
     @classmethod
     def _network_name(cls, value: str) -> str:
-        if not _NETWORK.match(value):
-            raise invalid(f"network {_brief(value)} is not a network name (lowercase letters, digits and hyphens, "
+        if not NETWORK.match(value):
+            raise invalid(f"network {brief(value)} is not a network name (lowercase letters, digits and hyphens, "
                         "starting with a letter, at most 63) nor projects/PROJECT/global/networks/NAME")
         return value
 
     @field_validator("subnetwork")
     @classmethod
     def _subnetwork_name(cls, value: str | None) -> str | None:
-        if value is not None and not _SUBNETWORK.match(value):
-            raise invalid(f"subnetwork {_brief(value)} is not a subnetwork name (lowercase letters, digits and "
+        if value is not None and not SUBNETWORK.match(value):
+            raise invalid(f"subnetwork {brief(value)} is not a subnetwork name (lowercase letters, digits and "
                         "hyphens, starting with a letter, at most 63) nor "
                         "projects/PROJECT/regions/REGION/subnetworks/NAME")
         return value
@@ -90,8 +90,8 @@ class SliceConfig(_Section):
     @field_validator("service_account")
     @classmethod
     def _service_account_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _SERVICE_ACCOUNT.match(value):
-            raise invalid(f"service account {_brief(value)} must be an email like "
+        if value is not None and not SERVICE_ACCOUNT.match(value):
+            raise invalid(f"service account {brief(value)} must be an email like "
                         "trainer@my-project.iam.gserviceaccount.com")
         return value
 

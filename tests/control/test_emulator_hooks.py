@@ -10,7 +10,8 @@ from google.cloud import tpu_v2
 
 from provision.emulator import Emulator
 from provision.emulator import scenarios as sc
-from provision.emulator.world import RunningJob, RunningNode, WorldError
+from provision.emulator.vertex_world import RunningJob
+from provision.emulator.world import RunningNode, WorldError
 
 ZONE_PARENT = "projects/p/locations/us-west4-a"
 REGION_PARENT = "projects/p/locations/us-west4"

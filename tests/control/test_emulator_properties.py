@@ -110,3 +110,23 @@ def test_world_invariants(steps):
                     assert state == "ACTIVE"
         # 4. node names are unique among live nodes
         assert len(live_nodes) == len(set(live_nodes))
+
+
+def test_a_services_part_of_the_world_is_its_own_and_kept_whether_or_not_its_module_is_loaded():
+    """The world names no service beside the TPU API: each registers its part, found by its key, saved under
+    it; a saved part of a service that no module registered (here `elsewhere`) is written back as it was."""
+    from provision.emulator.gke_world import GkeWorld
+    from provision.emulator.vertex_world import CustomJobs, JobRecord
+    from provision.emulator.scenarios import Timeline
+    from provision.emulator.world import PARTS
+
+    assert {PARTS["gke"], PARTS["vertex"]} == {GkeWorld, CustomJobs}
+    world = World()
+    jobs = CustomJobs.of(world)
+    jobs.jobs["j"] = JobRecord(name="j", request={}, create_time=START, timeline=Timeline(((0.0, "JOB_STATE_QUEUED"),)))
+    jobs.first_region = "us-east5"
+    saved = {**world.to_json(START), "elsewhere": {"records": [1, 2]}}
+    reloaded = World.from_json(json.loads(json.dumps(saved)))
+    assert CustomJobs.of(reloaded).first_region == "us-east5" and list(CustomJobs.of(reloaded).jobs) == ["j"]
+    assert isinstance(reloaded.part("gke"), GkeWorld)
+    assert reloaded.to_json(START)["elsewhere"] == {"records": [1, 2]}

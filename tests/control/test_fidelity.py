@@ -261,7 +261,7 @@ def test_the_fidelity_table_names_every_emulator_validation_rule():
     assert rules
     missing = [r for r in rules if f"validate.{r}" not in table]
     assert not missing
-    for rule in ("tpu_checks._check_reservation", "tpu_checks._check_node_specs", "tpu.create_node",
+    for rule in ("tpu_checks.check_reservation", "tpu_checks.check_node_specs", "tpu.create_node",
                  "tpu_checks.capacity", "scenarios.VALID_UNTIL_CODE", "offerings.types_in", "vertex."):
         assert rule in table
     for row in (line for line in table.splitlines() if line.startswith("| ") and "---" not in line):

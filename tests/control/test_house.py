@@ -69,6 +69,14 @@ def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
+def import_base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The module `from BASE import ...` names, absolute (a relative one read from `module`)."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    return ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+
+
 def imported_names(module: str, path: Path) -> set[str]:
     """The dotted names a module imports at run time (relative imports made absolute)."""
     names = set()
@@ -76,10 +84,7 @@ def imported_names(module: str, path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
             continue
-        base = node.module or ""
-        if node.level:
-            package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+        base = import_base(module, path.name == "__init__.py", node)
         # `from package import module` imports that module (its package's __init__ runs first
         # anyway); `from module import name` imports the module, and so does `from package import
         # module, name` for the name that is no module of it.
@@ -302,6 +307,86 @@ def test_the_emulators_services_import_by_name_and_never_see_the_emulator():
     assert sees_server == []
 
 
+# --- private names --------------------------------------------------------------------------------------
+
+# What modules share has a public name in the module that owns it: no module of provision/ or trainer/ uses
+# another's private name (`_x`; `__x__` is no private name). Over the rule, each with its reason:
+SHARED_PRIVATELY = {
+    # The planner is being reworked in another change (its arithmetic moved to a package of its own);
+    # its tables' row helpers get public names there.
+    "provision/planner/serve_report.py: from provision.planner.report import _rows",
+    "provision/planner/serve_shapes.py: from provision.planner.serve_plan import _rows",
+}
+
+
+def private_uses(module: str, source: str, is_package: bool = False) -> list[str]:
+    """Each private name of another of the project's modules that `source` (the module `module`) uses, as
+    "LINE: USE": `from m import _x` (relative imports too), and `m._x` where `m` is a module of the
+    project's bound to a name (`import a.b as m`, `import a.b` then `a.b._x`, `from a import b` then
+    `b._x`), at any depth of the file."""
+    modules = own_modules()
+    private = re.compile(r"^_(?!_.*__$)")
+    bound: dict[str, str] = {}
+    found = []
+    nodes = list(ast.walk(ast.parse(source)))
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                name = alias.name if alias.asname else alias.name.split(".")[0]
+                if name in modules:
+                    bound[alias.asname or name] = name
+        elif isinstance(node, ast.ImportFrom):
+            base = import_base(module, is_package, node)
+            if not base.startswith(OWN):
+                continue
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+                if private.match(alias.name) and base != module:
+                    found.append((node.lineno, f"from {base} import {alias.name}"))
+    for node in nodes:
+        if isinstance(node, ast.Attribute) and private.match(node.attr):
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            owner = ".".join([bound[value.id], *reversed(chain)]) if isinstance(value, ast.Name) and \
+                value.id in bound else None
+            if owner in modules and owner != module:
+                found.append((node.lineno, f"{owner}.{node.attr}"))
+    return [f"{line}: {use}" for line, use in sorted(found)]
+
+
+def test_no_module_uses_another_modules_private_name():
+    found = []
+    for module, path in sorted(own_modules().items()):
+        name = path.relative_to(ROOT).as_posix()
+        for hit in private_uses(module, path.read_text(encoding="utf-8"), path.name == "__init__.py"):
+            use = hit.split(": ", 1)[1]
+            if f"{name}: {use}" not in SHARED_PRIVATELY:
+                found.append(f"{name}:{hit}")
+    assert found == []
+    planted = """
+import provision.shapes
+import provision.kinds.gke.gke as lifecycle
+from provision.kinds.gke import gke_serve, gke_render as render
+from provision.kinds.gke.gke import _delete_pool, pool_in_zone
+from .base import _Keys, Spec
+from . import names
+import os
+
+def f(pool):
+    _delete_pool(pool), lifecycle._labels(pool), provision.shapes._ZONE, render.__name__, os._exit
+    gke_serve._crash(pool), names._t(pool), lifecycle.pool_labels(pool), _local(pool)
+    from trainer.hf.base import _same
+"""
+    assert private_uses("trainer.hf.deepseek", planted) == [
+        "5: from provision.kinds.gke.gke import _delete_pool", "6: from trainer.hf.base import _Keys",
+        "11: provision.kinds.gke.gke._labels", "11: provision.shapes._ZONE", "12: provision.kinds.gke.gke_serve._crash",
+        "12: trainer.hf.names._t", "13: from trainer.hf.base import _same"]
+    assert private_uses("trainer.hf.base", planted)[1:2] == ["11: provision.kinds.gke.gke._labels"]  # its own _Keys
+
+
 # --- the kinds of target ------------------------------------------------------------------------------
 
 KIND_NAMES = frozenset({"tpu-vm", "vertex", "gke"})
@@ -374,6 +459,14 @@ COMMANDS = {"gke": "provision.cli.gke_cmds:gke_group"}
     assert kind_branches(planted) == ["3: gke", "3: vertex", "4: tpu-vm", "4: vertex", "4: gke", "6: tpu-vm",
                                       "11: gke"]
     assert kind_branches(planted, ("COMMANDS",))[-1] == "6: tpu-vm"
+
+
+def test_the_emulators_shared_world_names_no_kind():
+    """The services' own records are their parts, which their modules register (provision/emulator/world.py's
+    `Part`): the shared world neither branches on a kind's name nor imports a service's world."""
+    world = ROOT / "provision" / "emulator" / "world.py"
+    assert kind_branches(world.read_text(encoding="utf-8")) == []
+    assert [m for m in imported_names("provision.emulator.world", world) if re.search(r"gke|vertex|kube", m)] == []
 
 
 # A kind's package: everything of the kind (provision/kinds/NAME/). Outside it only the registry

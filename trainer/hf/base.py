@@ -1,5 +1,5 @@
 """What every family's description shares: the families' table (Family), typed reads of a config.json
-(_Keys), and a trainer parameter's Hub tensors with their transforms (Spec and its common shapes).
+(Keys), and a trainer parameter's Hub tensors with their transforms (Spec and its common shapes).
 
 families.py and names.py describe Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE with these, and hand DeepSeek's
 models to deepseek.py, which builds on this module alone: none of the three imports another that imports it.
@@ -52,7 +52,7 @@ FAMILIES = {f.model_type: f for f in (
 
 # Keys written from the trainer's config on export; every other key of the imported config.json (token ids,
 # max_position_embeddings, initializer_range, ...) is carried over as it was.
-_STRUCTURAL = {"architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+STRUCTURAL = {"architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts",
                "num_local_experts", "num_experts_per_tok", "shared_expert_intermediate_size", "norm_topk_prob",
                "decoder_sparse_step", "mlp_only_layers", "qkv_bias", "attention_bias", "rms_norm_eps", "rope_theta",
@@ -68,7 +68,7 @@ def family(model_type: Any, where: str) -> Family:
     return FAMILIES[model_type]
 
 
-class _Keys:
+class Keys:
     """Typed reads of config.json's keys, each error naming the file and the key."""
 
     def __init__(self, hf: dict, where: str):
@@ -109,28 +109,28 @@ class Spec:
     to_hub: Callable[[np.ndarray], list[np.ndarray]]
 
 
-def _t(x: np.ndarray) -> np.ndarray:
+def transposed(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.T)
 
 
-def _linear(param: str, hub: str, d_in: int, d_out: int) -> Spec:
+def linear(param: str, hub: str, d_in: int, d_out: int) -> Spec:
     """A [d_in, d_out] trainer matrix that is a Hub [d_out, d_in] Linear weight."""
-    return Spec(param, (d_in, d_out), {hub: (d_out, d_in)}, lambda ts: _t(ts[0]), lambda w: [_t(w)])
+    return Spec(param, (d_in, d_out), {hub: (d_out, d_in)}, lambda ts: transposed(ts[0]), lambda w: [transposed(w)])
 
 
-def _same(param: str, hub: str, shape: tuple[int, ...], hub_shape: tuple[int, ...] | None = None) -> Spec:
+def same(param: str, hub: str, shape: tuple[int, ...], hub_shape: tuple[int, ...] | None = None) -> Spec:
     hub_shape = hub_shape or shape
     return Spec(param, shape, {hub: hub_shape}, lambda ts: np.ascontiguousarray(ts[0].reshape(shape)),
                 lambda w: [np.ascontiguousarray(w.reshape(hub_shape))])
 
 
-def _heads_in(param: str, hub: str, d: int, n: int, h: int) -> Spec:
+def heads_in(param: str, hub: str, d: int, n: int, h: int) -> Spec:
     """q/k/v: the Hub's [n*h, d] as [d, n, h]."""
-    return Spec(param, (d, n, h), {hub: (n * h, d)}, lambda ts: _t(ts[0]).reshape(d, n, h),
-                lambda w: [_t(w.reshape(d, n * h))])
+    return Spec(param, (d, n, h), {hub: (n * h, d)}, lambda ts: transposed(ts[0]).reshape(d, n, h),
+                lambda w: [transposed(w.reshape(d, n * h))])
 
 
-def _heads_out(param: str, hub: str, d: int, n: int, h: int) -> Spec:
+def heads_out(param: str, hub: str, d: int, n: int, h: int) -> Spec:
     """o: the Hub's [d, n*h] as [n, h, d]."""
-    return Spec(param, (n, h, d), {hub: (d, n * h)}, lambda ts: _t(ts[0]).reshape(n, h, d),
-                lambda w: [_t(w.reshape(n * h, d))])
+    return Spec(param, (n, h, d), {hub: (d, n * h)}, lambda ts: transposed(ts[0]).reshape(n, h, d),
+                lambda w: [transposed(w.reshape(n * h, d))])

@@ -20,9 +20,8 @@ from typing import Any
 import numpy as np
 
 from trainer.config import Config
-from trainer.hf import base as families
-from trainer.hf import fp8
-from trainer.hf.base import Spec, _heads_in, _heads_out, _linear, _same
+from trainer.hf import base, fp8
+from trainer.hf.base import Spec, heads_in, heads_out, linear, same
 from trainer.hf.errors import HFError
 
 # transformers' defaults where config.json leaves a key out (its configuration classes)
@@ -42,7 +41,7 @@ _STRUCTURAL = {"q_lora_rank", *_MLA_KEYS, "first_k_dense_replace", "n_shared_exp
                "moe_layer_freq", "aux_loss_alpha", "qk_head_dim", "quantization_config"}
 
 
-def _refuse(keys: families._Keys, fam: families.Family, heads: int) -> None:
+def _refuse(keys: base.Keys, fam: base.Family, heads: int) -> None:
     keys.refuse("hidden_act", "silu", "the experts and FFNs are SwiGLU (silu)")
     keys.refuse("attention_bias", False, "no biases in the attention")
     keys.refuse("mlp_bias", False, "no biases in the FFNs")
@@ -58,7 +57,7 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
               "truncate")
 
 
-def _rope(keys: families._Keys, fam: families.Family) -> tuple[float, dict | None]:
+def _rope(keys: base.Keys, fam: base.Family) -> tuple[float, dict | None]:
     """(RoPE theta, YaRN's keys or None) from 5.x's rope_parameters or 4.x's rope_scaling; another scaling
     is refused naming its key."""
     params = keys.get("rope_parameters", (dict, type(None)), None) or {}
@@ -82,7 +81,7 @@ def _rope(keys: families._Keys, fam: families.Family) -> tuple[float, dict | Non
     return float(theta), yarn
 
 
-def _routing(keys: families._Keys, fam: families.Family, get) -> dict[str, Any]:
+def _routing(keys: base.Keys, fam: base.Family, get) -> dict[str, Any]:
     """The MoE section's routing keys: V3's sigmoid with its selection bias, or V2's softmax."""
     scale = float(get("routed_scaling_factor", (int, float)))
     if scale <= 0:
@@ -109,7 +108,7 @@ def _routing(keys: families._Keys, fam: families.Family, get) -> dict[str, Any]:
     return out
 
 
-def trainer_config(keys: families._Keys, fam: families.Family, dtype: str) -> Config:
+def trainer_config(keys: base.Keys, fam: base.Family, dtype: str) -> Config:
     """The trainer's config of a DeepSeek-V2 or V3 config.json (read by families.trainer_config)."""
     defaults = DEFAULTS[fam.model_type]
     get = lambda key, kind: keys.get(key, kind, defaults.get(key, ...))  # noqa: E731
@@ -140,7 +139,7 @@ def trainer_config(keys: families._Keys, fam: families.Family, dtype: str) -> Co
         raise HFError(f"{keys.where}: the model it describes is not one the trainer builds: {e}") from None
 
 
-def family_of(cfg: Config) -> families.Family:
+def family_of(cfg: Config) -> base.Family:
     """deepseek_v3 for sigmoid routing with a selection bias, deepseek_v2 for softmax routing; HFError naming
     the key that neither has."""
     m, e = cfg.model, cfg.moe
@@ -161,13 +160,13 @@ def family_of(cfg: Config) -> families.Family:
     for bad, what in beyond:
         if bad:
             raise HFError(f"the model has {what}, which neither DeepSeek-V2 nor DeepSeek-V3 has: it cannot be exported")
-    return families.FAMILIES["deepseek_v3" if v3 else "deepseek_v2"]
+    return base.FAMILIES["deepseek_v3" if v3 else "deepseek_v2"]
 
 
-def hub_config(cfg: Config, fam: families.Family, carried: dict | None = None) -> dict[str, Any]:
+def hub_config(cfg: Config, fam: base.Family, carried: dict | None = None) -> dict[str, Any]:
     """config.json of `cfg` as DeepSeek-V2 or V3, with the Hub's key names; `carried` as families.hub_config."""
     m, e, a = cfg.model, cfg.moe, cfg.model.mla
-    out = {k: v for k, v in (carried or {}).items() if k not in families._STRUCTURAL | _STRUCTURAL}
+    out = {k: v for k, v in (carried or {}).items() if k not in base.STRUCTURAL | _STRUCTURAL}
     out.update({"architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": m.vocab_size,
                 "hidden_size": m.d_model, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
                 "num_key_value_heads": m.num_heads, "intermediate_size": m.d_ff, "hidden_act": "silu",
@@ -217,17 +216,17 @@ def mla_specs(cfg: Config, i: int) -> list[Spec]:
     at, hub = f"blocks.{i}.attn", f"model.layers.{i}.self_attn"
     q_order = rope_order(n, q, a.qk_nope_head_dim)
     if a.q_lora_rank:
-        specs = [_linear(f"{at}.wq_a", f"{hub}.q_a_proj.weight", d, a.q_lora_rank),
-                 _same(f"{at}.q_norm.scale", f"{hub}.q_a_layernorm.weight", (a.q_lora_rank,)),
-                 _rows(_heads_in(f"{at}.wq_b", f"{hub}.q_b_proj.weight", a.q_lora_rank, n, q), q_order)]
+        specs = [linear(f"{at}.wq_a", f"{hub}.q_a_proj.weight", d, a.q_lora_rank),
+                 same(f"{at}.q_norm.scale", f"{hub}.q_a_layernorm.weight", (a.q_lora_rank,)),
+                 _rows(heads_in(f"{at}.wq_b", f"{hub}.q_b_proj.weight", a.q_lora_rank, n, q), q_order)]
     else:
-        specs = [_rows(_heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, q), q_order)]
+        specs = [_rows(heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, q), q_order)]
     return specs + [
-        _rows(_linear(f"{at}.wkv_a", f"{hub}.kv_a_proj_with_mqa.weight", d, c + a.qk_rope_head_dim),
+        _rows(linear(f"{at}.wkv_a", f"{hub}.kv_a_proj_with_mqa.weight", d, c + a.qk_rope_head_dim),
               rope_order(1, c + a.qk_rope_head_dim, c)),
-        _same(f"{at}.kv_norm.scale", f"{hub}.kv_a_layernorm.weight", (c,)),
-        _heads_in(f"{at}.wkv_b", f"{hub}.kv_b_proj.weight", c, n, a.qk_nope_head_dim + a.v_head_dim),
-        _heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, a.v_head_dim)]
+        same(f"{at}.kv_norm.scale", f"{hub}.kv_a_layernorm.weight", (c,)),
+        heads_in(f"{at}.wkv_b", f"{hub}.kv_b_proj.weight", c, n, a.qk_nope_head_dim + a.v_head_dim),
+        heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, a.v_head_dim)]
 
 
 def skipped(hub: dict, name: str) -> bool:

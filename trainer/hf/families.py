@@ -18,11 +18,11 @@ from typing import Any
 import pydantic
 
 from trainer.config import Config
-from trainer.hf.base import _STRUCTURAL, FAMILIES, Family, _Keys, family  # noqa: F401 (the families' API)
+from trainer.hf.base import FAMILIES, STRUCTURAL, Family, Keys, family  # noqa: F401 (the families' API)
 from trainer.hf.errors import HFError
 
 
-def _rope_theta(keys: _Keys, fam: Family) -> float:
+def _rope_theta(keys: Keys, fam: Family) -> float:
     """The RoPE base, from 5.x's rope_parameters or 4.x's top-level rope_theta; any scaling is refused."""
     params = keys.get("rope_parameters", (dict, type(None)), None) or {}
     scaling = keys.get("rope_scaling", (dict, type(None)), None) or {}
@@ -37,7 +37,7 @@ def _rope_theta(keys: _Keys, fam: Family) -> float:
     return float(theta)
 
 
-def _refuse_unsupported(keys: _Keys, fam: Family, max_positions: int) -> None:
+def _refuse_unsupported(keys: Keys, fam: Family, max_positions: int) -> None:
     keys.refuse("hidden_act", "silu", "the experts and FFNs are SwiGLU (silu)")
     keys.refuse("clip_qkv", None, "q, k and v are not clipped")
     if fam.model_type != "qwen2_moe":  # Qwen3-MoE and OLMoE put it on the output projection too
@@ -56,7 +56,7 @@ def _refuse_unsupported(keys: _Keys, fam: Family, max_positions: int) -> None:
 def trainer_config(hf: dict, where: str, dtype: str) -> Config:
     """The trainer's config of the checkpoint described by `hf` (config.json's contents, read from `where`),
     with its parameters kept in `dtype`. Dropless MoE: a trained model must not lose tokens at capacity."""
-    keys = _Keys(hf, where)
+    keys = Keys(hf, where)
     fam = family(hf.get("model_type"), where)
     if fam.mla:
         from trainer.hf import deepseek
@@ -141,7 +141,7 @@ def hub_config(cfg: Config, fam: Family, carried: dict | None = None) -> dict[st
         from trainer.hf import deepseek
 
         return deepseek.hub_config(cfg, fam, carried)
-    out = {k: v for k, v in (carried or {}).items() if k not in _STRUCTURAL}
+    out = {k: v for k, v in (carried or {}).items() if k not in STRUCTURAL}
     out.update({"architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": m.vocab_size,
                 "hidden_size": m.d_model, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
                 "num_key_value_heads": m.kv_heads, "head_dim": m.head_size, "hidden_act": "silu",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from trainer.config import Config
-from trainer.hf.base import Family, Spec, _heads_in, _heads_out, _linear, _same, _t  # noqa: F401 (names' API)
+from trainer.hf.base import Family, Spec, heads_in, heads_out, linear, same, transposed  # noqa: F401 (names' API)
 
 PER_EXPERT, FUSED = "per-expert", "fused"
 
@@ -24,7 +24,7 @@ PER_EXPERT, FUSED = "per-expert", "fused"
 def _experts(param: str, hubs: list[str], e: int, d_in: int, d_out: int) -> Spec:
     """[E, d_in, d_out] stacked from E Hub tensors [d_out, d_in], one per expert."""
     return Spec(param, (e, d_in, d_out), {h: (d_out, d_in) for h in hubs}, _stacked_t,
-                lambda w: [_t(w[i]) for i in range(e)])
+                lambda w: [transposed(w[i]) for i in range(e)])
 
 
 def _stacked_t(tensors) -> np.ndarray:
@@ -56,17 +56,17 @@ def _attention(cfg: Config, i: int) -> list[Spec]:
     m = cfg.model
     d, n, k, h = m.d_model, m.num_heads, m.kv_heads, m.head_size
     at, hub = f"blocks.{i}.attn", f"model.layers.{i}.self_attn"
-    specs = [_heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, h),
-             _heads_in(f"{at}.wk", f"{hub}.k_proj.weight", d, k, h),
-             _heads_in(f"{at}.wv", f"{hub}.v_proj.weight", d, k, h),
-             _heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, h)]
+    specs = [heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, h),
+             heads_in(f"{at}.wk", f"{hub}.k_proj.weight", d, k, h),
+             heads_in(f"{at}.wv", f"{hub}.v_proj.weight", d, k, h),
+             heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, h)]
     if m.qkv_bias:
-        specs += [_same(f"{at}.b{x}", f"{hub}.{x}_proj.bias", (heads, h), (heads * h,))
+        specs += [same(f"{at}.b{x}", f"{hub}.{x}_proj.bias", (heads, h), (heads * h,))
                   for x, heads in (("q", n), ("k", k), ("v", k))]
     if m.qk_norm == "head":
-        specs += [_same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (h,)) for x in "qk"]
+        specs += [same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (h,)) for x in "qk"]
     elif m.qk_norm == "full":
-        specs += [_same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (heads, h), (heads * h,))
+        specs += [same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (heads, h), (heads * h,))
                   for x, heads in (("q", n), ("k", k))]
     return specs
 
@@ -76,7 +76,7 @@ def _moe(cfg: Config, fam: Family, i: int, layout: str) -> list[Spec]:
     d, e, f = m.d_model, moe.num_experts, moe.d_ff
     # transformers 5 names a fused MoE block `mlp` in every family (Mixtral's per-expert files say block_sparse_moe)
     ffn, hub = f"blocks.{i}.ffn", f"model.layers.{i}.{'mlp' if layout == FUSED else fam.moe_prefix}"
-    specs = [_linear(f"{ffn}.router", f"{hub}.gate.weight", d, e)]
+    specs = [linear(f"{ffn}.router", f"{hub}.gate.weight", d, e)]
     if layout == FUSED:
         fused = f"{hub}.experts"
         specs += [_fused_half(f"{ffn}.w_gate", f"{fused}.gate_up_proj", e, d, f, 0),
@@ -93,22 +93,22 @@ def _moe(cfg: Config, fam: Family, i: int, layout: str) -> list[Spec]:
     if moe.num_shared_experts:
         fs = moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff)
         shared = f"{hub}.{fam.shared_name}"
-        specs += [_linear(f"{ffn}.shared_w_gate", f"{shared}.gate_proj.weight", d, fs),
-                  _linear(f"{ffn}.shared_w_in", f"{shared}.up_proj.weight", d, fs),
-                  _linear(f"{ffn}.shared_w_out", f"{shared}.down_proj.weight", fs, d)]
+        specs += [linear(f"{ffn}.shared_w_gate", f"{shared}.gate_proj.weight", d, fs),
+                  linear(f"{ffn}.shared_w_in", f"{shared}.up_proj.weight", d, fs),
+                  linear(f"{ffn}.shared_w_out", f"{shared}.down_proj.weight", fs, d)]
         if moe.shared_gate:
-            specs.append(_linear(f"{ffn}.shared_gate", f"{hub}.shared_expert_gate.weight", d, 1))
+            specs.append(linear(f"{ffn}.shared_gate", f"{hub}.shared_expert_gate.weight", d, 1))
     if moe.uses_bias:  # DeepSeek-V3's selection bias: float32 state beside the parameters (orbax_io.BIAS)
-        specs.append(_same(f"{ffn}.expert_bias", f"{hub}.gate.e_score_correction_bias", (e,)))
+        specs.append(same(f"{ffn}.expert_bias", f"{hub}.gate.e_score_correction_bias", (e,)))
     return specs
 
 
 def _dense(cfg: Config, i: int) -> list[Spec]:
     d, f = cfg.model.d_model, cfg.model.d_ff
     ffn, hub = f"blocks.{i}.ffn", f"model.layers.{i}.mlp"
-    return [_linear(f"{ffn}.w_gate", f"{hub}.gate_proj.weight", d, f),
-            _linear(f"{ffn}.w_in", f"{hub}.up_proj.weight", d, f),
-            _linear(f"{ffn}.w_out", f"{hub}.down_proj.weight", f, d)]
+    return [linear(f"{ffn}.w_gate", f"{hub}.gate_proj.weight", d, f),
+            linear(f"{ffn}.w_in", f"{hub}.up_proj.weight", d, f),
+            linear(f"{ffn}.w_out", f"{hub}.down_proj.weight", f, d)]
 
 
 def layer_specs(cfg: Config, fam: Family, i: int, layout: str = PER_EXPERT) -> list[Spec]:
@@ -122,17 +122,17 @@ def layer_specs(cfg: Config, fam: Family, i: int, layout: str = PER_EXPERT) -> l
         attention = mla_specs(cfg, i)
     else:
         attention = _attention(cfg, i)
-    return [_same(f"blocks.{i}.attn_norm.scale", f"{hub}.input_layernorm.weight", (d,)), *attention,
-            _same(f"blocks.{i}.ffn_norm.scale", f"{hub}.post_attention_layernorm.weight", (d,)), *ffn]
+    return [same(f"blocks.{i}.attn_norm.scale", f"{hub}.input_layernorm.weight", (d,)), *attention,
+            same(f"blocks.{i}.ffn_norm.scale", f"{hub}.post_attention_layernorm.weight", (d,)), *ffn]
 
 
 def outer_specs(cfg: Config) -> list[Spec]:
     """The parameters outside the layers: embedding, final norm, head (none when tied)."""
     m = cfg.model
-    specs = [_same("embed", "model.embed_tokens.weight", (m.vocab_size, m.d_model)),
-             _same("final_norm.scale", "model.norm.weight", (m.d_model,))]
+    specs = [same("embed", "model.embed_tokens.weight", (m.vocab_size, m.d_model)),
+             same("final_norm.scale", "model.norm.weight", (m.d_model,))]
     if not m.tie_embeddings:
-        specs.append(_linear("head", "lm_head.weight", m.d_model, m.vocab_size))
+        specs.append(linear("head", "lm_head.weight", m.d_model, m.vocab_size))
     return specs
 
 

@@ -37,7 +37,7 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
     handler for `Streamed` leaves (StreamedHandler) writes each one as it is handed over."""
     import orbax.checkpoint as ocp
 
-    from trainer.checkpoint import _reason, quiet_orbax
+    from trainer.checkpoint import quiet_orbax, short_reason
     from trainer.resume import model_identity
 
     feed = Feed(cfg, names)
@@ -73,12 +73,12 @@ def save_params(directory: str, params: Iterable[tuple[str, np.ndarray]], cfg: C
             writer.join()
             manager.close()
             if isinstance(e, Stopped) and failed:  # the writer failed first: that failure is the one to report
-                raise WriteError(f"cannot write the checkpoint to {directory}: {_reason(failed[0])}") from None
+                raise WriteError(f"cannot write the checkpoint to {directory}: {short_reason(failed[0])}") from None
             raise
         writer.join()
         manager.close()
     if failed:
-        raise WriteError(f"cannot write the checkpoint to {directory}: {_reason(failed[0])}") from None
+        raise WriteError(f"cannot write the checkpoint to {directory}: {short_reason(failed[0])}") from None
 
 
 def _logged_without_traceback(record: logging.LogRecord) -> bool:
@@ -269,7 +269,7 @@ class SavedRun:
         if missing:
             raise HFError(f"the checkpoint at step {self.step} in {self.run} has no parameter '{missing[0]}', which "
                           "its config.json needs")
-        from trainer.checkpoint import _reason
+        from trainer.checkpoint import short_reason
 
         out = {}
         for name in wanted:
@@ -278,14 +278,14 @@ class SavedRun:
             try:
                 out[name] = np.asarray((store if index is None else store[index]).read().result())
             except Exception as e:  # noqa: BLE001 - tensorstore's errors: a missing or damaged chunk
-                raise HFError(f"cannot read '{target}' at step {self.step} in {self.run}: {_reason(e)}") from None
+                raise HFError(f"cannot read '{target}' at step {self.step} in {self.run}: {short_reason(e)}") from None
         return out
 
     def _store(self, name: str):
         """The tensorstore of a saved array, opened once (its metadata only: no data is read)."""
         import tensorstore as ts
 
-        from trainer.checkpoint import _reason
+        from trainer.checkpoint import short_reason
 
         if name not in self._stores:
             state = os.path.join(str(self.manager.directory), str(self.step), "state")
@@ -298,7 +298,7 @@ class SavedRun:
                 driver = "zarr3" if layout.get("use_zarr3") else "zarr"
                 self._stores[name] = ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True).result()
             except Exception as e:  # noqa: BLE001 - a damaged or foreign directory, tensorstore's errors alike
-                raise HFError(f"cannot read '{name}' at step {self.step} in {self.run}: {_reason(e)}") from None
+                raise HFError(f"cannot read '{name}' at step {self.step} in {self.run}: {short_reason(e)}") from None
         return self._stores[name]
 
 
@@ -306,7 +306,7 @@ def open_run(run: str, step: int | None) -> SavedRun:
     """A run's output directory (or its checkpoints directory), at `step` or its latest."""
     import orbax.checkpoint as ocp
 
-    from trainer.checkpoint import _reason, quiet_orbax
+    from trainer.checkpoint import quiet_orbax, short_reason
     from trainer.hf.families import load_trainer_config
 
     try:
@@ -328,5 +328,5 @@ def open_run(run: str, step: int | None) -> SavedRun:
             state = manager.item_metadata(step)["state"]
             saved = {**state["params"], **(state.get("moe_bias") or {})}
         except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
-            raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: {_reason(e)}") from None
+            raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: {short_reason(e)}") from None
     return SavedRun(run, cfg, step, manager, {n: tuple(meta.shape) for n, meta in saved.items()})

@@ -24,9 +24,9 @@ import click
 
 from trainer import signals
 from trainer.prepare.errors import PrepareError, PrepareFailure
-from trainer.prepare.publishing import OutputDir, RemoteOutput, _write_error
+from trainer.prepare.publishing import OutputDir, RemoteOutput, write_error
 from trainer.prepare.readers import PIECE_CHARS, Corpus, input_files
-from trainer.prepare.shards import MANIFEST, _write
+from trainer.prepare.shards import MANIFEST, write_shards
 from trainer.prepare.tokenizer import EOD_TOKEN, TOKENIZER_FILE, fingerprint, load_tokenizer, train_bpe
 
 __all__ = ["EOD_TOKEN", "MANIFEST", "PIECE_CHARS", "TOKENIZER_FILE", "OutputDir", "PrepareError", "PrepareFailure",
@@ -49,11 +49,11 @@ def prepare(inputs: tuple[str, ...], output: str, *, tokenizer_path: str | None,
             eod_token = eos_token(os.path.dirname(os.path.abspath(tokenizer_path)), tokenizer)
         try:
             started = time.perf_counter()
-            manifest = _write(corpus, tokenizer, trained, target.partial, eod_token or EOD_TOKEN, documents_per_shard,
-                              progress)
+            manifest = write_shards(corpus, tokenizer, trained, target.partial, eod_token or EOD_TOKEN,
+                                    documents_per_shard, progress)
             target.publish(os.listdir(target.partial))
         except OSError as e:
-            raise _write_error(e, f"cannot write the dataset to {output}") from None
+            raise write_error(e, f"cannot write the dataset to {output}") from None
     seconds = max(time.perf_counter() - started, 1e-9)
     tokens = manifest["tokens"]
     say(f"wrote {manifest['documents']:,} documents, {tokens:,} tokens in {len(manifest['shards'])} shard(s) to "

@@ -40,7 +40,7 @@ class OutputDir:
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:
-            raise _write_error(e, f"cannot create the output directory {self.output}") from None
+            raise write_error(e, f"cannot create the output directory {self.output}") from None
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise PrepareError(f"--output {self.output} is not writable (permission denied)")
         self._lock()
@@ -51,7 +51,7 @@ class OutputDir:
         try:
             self.partial = tempfile.mkdtemp(prefix=".partial-", dir=self.path)
         except OSError as e:
-            raise _write_error(e, f"cannot write in {self.output}") from None
+            raise write_error(e, f"cannot write in {self.output}") from None
         return self
 
     def _lock(self) -> None:
@@ -79,7 +79,7 @@ class OutputDir:
             os.close(self._fd)
 
 
-def _write_error(error: OSError, what: str) -> click.ClickException:
+def write_error(error: OSError, what: str) -> click.ClickException:
     """A full disk is a runtime failure (exit 1); a path that cannot be written is the user's to fix (exit 2)."""
     if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return PrepareFailure(f"{what}: {os.strerror(error.errno)}; nothing was written (free some space, or "
@@ -136,7 +136,7 @@ class RemoteOutput:
                                f"to finish, or, if that prepare no longer runs, delete {self.output}/{self.LOCK}") \
                 from None
         except OSError as e:
-            raise _write_error(e, f"cannot write to {self.output}") from None
+            raise write_error(e, f"cannot write to {self.output}") from None
         self.locked = True
         try:
             if self.fs.exists(self._path(MANIFEST)):

@@ -62,7 +62,7 @@ def _os_error(error: Exception) -> OSError:
     return OSError(errno.EIO, text.splitlines()[0] if text else type(error).__name__)
 
 
-def _write(corpus: Corpus, tokenizer, trained: bool, local: str, eod_token: str, per_shard: int,
+def write_shards(corpus: Corpus, tokenizer, trained: bool, local: str, eod_token: str, per_shard: int,
            progress: bool) -> dict:
     """Shards, the tokenizer and the manifest into the directory `local`; returns the manifest."""
     import numpy as np

@@ -127,20 +127,20 @@ def restore_weights(model: ServingModel, checkpoints: str) -> tuple[dict[str, An
     optimizer state in the checkpoint is not read. Raises WeightsError naming what is wrong."""
     import orbax.checkpoint as ocp
 
-    from trainer.checkpoint import _reason, quiet_orbax
+    from trainer.checkpoint import quiet_orbax, short_reason
 
     with quiet_orbax():
-        return _restore(ocp, _reason, model, checkpoints)
+        return _restore(ocp, short_reason, model, checkpoints)
 
 
-def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
+def _restore(ocp, short_reason, model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
     if "://" not in checkpoints:  # orbax takes absolute paths only; a user types a relative one
         checkpoints = os.path.abspath(checkpoints)
     try:
         manager = ocp.CheckpointManager(checkpoints, item_handlers={"state": ocp.PyTreeCheckpointHandler()},
                                         options=ocp.CheckpointManagerOptions(read_only=True))
     except Exception as e:  # noqa: BLE001 - a file-system error: one message naming the path
-        raise WeightsError(f"--checkpoint: cannot read {checkpoints}: {_reason(e)}") from None
+        raise WeightsError(f"--checkpoint: cannot read {checkpoints}: {short_reason(e)}") from None
     try:
         step = manager.latest_step()
         if step is None:
@@ -153,7 +153,7 @@ def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[
         try:
             restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
         except Exception as e:  # noqa: BLE001 - tensorstore and file errors alike
-            raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: {_reason(e)}") from None
+            raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: {short_reason(e)}") from None
         restored = {k: dict(restored[k]) for k in target}
         if target is not wanted:
             from trainer.checkpoint import stacked_layout
@@ -179,13 +179,13 @@ def _layout_of(manager, step: int, model: ServingModel, wanted: dict) -> dict:
 def _check_shapes(manager, step: int, target: dict, checkpoints: str) -> None:
     """Compares the saved arrays' shapes with the config's before reading: another model's checkpoint
     fails here with the array's name rather than deep in tensorstore, and a truncated one with its step."""
-    from trainer.checkpoint import _reason
+    from trainer.checkpoint import short_reason
 
     try:
         saved = manager.item_metadata(step)["state"]
     except Exception as e:  # noqa: BLE001 - orbax's JSON, tensorstore and file errors alike
         raise WeightsError(f"--checkpoint: the metadata of step {step} in {checkpoints} cannot be read (a truncated "
-                           f"or corrupt checkpoint?): {_reason(e)}; serve an intact one, or move step {step}'s "
+                           f"or corrupt checkpoint?): {short_reason(e)}; serve an intact one, or move step {step}'s "
                            "directory aside to serve the step before it") from None
     for group, arrays in target.items():
         held = saved.get(group) if hasattr(saved, "get") else None

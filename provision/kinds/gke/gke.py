@@ -38,15 +38,15 @@ def cluster_of(cfg, session, project: str | None = None):
     return session.container.get_cluster(gke_render.cluster_path(cfg.gke, project))
 
 
-def _labels(pool) -> dict[str, str]:
+def pool_labels(pool) -> dict[str, str]:
     return dict(pool.config.resource_labels)
 
 
-def _pool_resource(pool, zone_default: str, cluster: str) -> Resource:
+def pool_resource(pool, zone_default: str, cluster: str) -> Resource:
     acc = gke_render.accelerator_of_pool(pool)
     spot = bool(pool.config.spot)
     return Resource(kind="node_pool", name=f"{cluster}/nodePools/{pool.name}", state=pool.status.name,
-                    zone=(list(pool.locations) or [zone_default])[0], run=_labels(pool).get(RUN_LABEL),
+                    zone=(list(pool.locations) or [zone_default])[0], run=pool_labels(pool).get(RUN_LABEL),
                     accelerator=acc.name if acc else pool.config.machine_type,
                     chips=acc.chips if acc else 0,
                     price_per_chip_hour=catalogue.price_per_chip_hour("spot" if spot else "on-demand"),
@@ -58,7 +58,7 @@ def _cluster_resource(cluster, path: str) -> Resource:
                     run=dict(cluster.resource_labels).get(RUN_LABEL))
 
 
-def _jobset_resource(body: dict, cfg) -> Resource:
+def jobset_resource(body: dict, cfg) -> Resource:
     status = body.get("status") or {}
     state = status.get("terminalState") or ("Restarting" if status.get("restarts") else "Active")
     meta = body.get("metadata", {})
@@ -78,10 +78,10 @@ def managed_gke(cfg, session, run: str | None = None, project: str | None = None
     if cluster.status.name == "RUNNING" and cluster.endpoint:
         selector = f"{MANAGED_BY[0]}={MANAGED_BY[1]}" + (f",{RUN_LABEL}={run}" if run else "")
         kube = session.kube(cluster)
-        found += [_jobset_resource(j, cfg) for j in kube.list_jobsets(cfg.gke.namespace, selector)]
+        found += [jobset_resource(j, cfg) for j in kube.list_jobsets(cfg.gke.namespace, selector)]
         found += gke_serve.managed_objects(kube, cfg, run)
     pools = session.container.list_node_pools(path)
-    found += [_pool_resource(p, cfg.gke.location, path) for p in pools if is_managed(_labels(p), run)]
+    found += [pool_resource(p, cfg.gke.location, path) for p in pools if is_managed(pool_labels(p), run)]
     # A cluster made for one run is the run's only while no other run has pools on it (see gke_down).
     if is_managed(dict(cluster.resource_labels), run) and not (run and _other_runs(pools, run)):
         found.append(_cluster_resource(cluster, path))
@@ -90,8 +90,8 @@ def managed_gke(cfg, session, run: str | None = None, project: str | None = None
 
 def _other_runs(pools, run: str) -> list[str]:
     """The runs other than `run` with node pools this tool made among `pools`, sorted."""
-    return sorted({_labels(p).get(RUN_LABEL, "?") for p in pools
-                   if is_managed(_labels(p)) and _labels(p).get(RUN_LABEL) != run})
+    return sorted({pool_labels(p).get(RUN_LABEL, "?") for p in pools
+                   if is_managed(pool_labels(p)) and pool_labels(p).get(RUN_LABEL) != run})
 
 
 # --- up --------------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def pool_differences(wanted, existing) -> list[str]:
     return [f"{key} is {have[key]} (the config asks for {want[key]})" for key in want if want[key] != have[key]]
 
 
-def _delete_pool(context, project: str, name: str) -> bool:
+def delete_pool(context, project: str, name: str) -> bool:
     session = context.session
     operation = session.container.delete_node_pool(name)
     if operation is None:
@@ -172,7 +172,7 @@ def _wait_pool(context, name: str):
                     describe=lambda p, t: f"  node pool {short(name)}: {p.status.name if p else 'gone'}")
 
 
-def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
+def pool_in_zone(context, project: str, spec, existing: dict) -> None:
     """Create one node pool in its zone and wait until it runs (or adopt the one that matches).
     StockoutError when the zone has no capacity for it."""
     cfg, session, console = context.config, context.session, context.console
@@ -180,9 +180,9 @@ def _pool_in_zone(context, project: str, spec, existing: dict) -> None:
     name = f"{path}/nodePools/{spec.name}"
     request = gke_render.create_node_pool_request(cfg.gke, spec, project, context.renderer)
     pool = existing.get(spec.name)
-    if pool is not None and pool.status.name == "ERROR" and is_managed(_labels(pool), cfg.run):
+    if pool is not None and pool.status.name == "ERROR" and is_managed(pool_labels(pool), cfg.run):
         console.info(f"  node pool {spec.name} is ERROR from an earlier attempt; deleting it first")
-        _delete_pool(context, project, name)
+        delete_pool(context, project, name)
         pool = None
     if pool is not None:
         differences = pool_differences(request.node_pool, pool)
@@ -236,14 +236,14 @@ def pools_up(context, zones: list[str] | None = None) -> tuple[str, list]:
             continue  # the run's pools are already in another zone: that zone comes first
         try:
             for spec in gke_render.node_pool_specs(cfg.gke, cfg.slice, trainer_context(cfg, context.image), zone):
-                _pool_in_zone(context, project, spec, existing)
+                pool_in_zone(context, project, spec, existing)
         except StockoutError as exc:
             tried.append(f"{zone} ({exc.message})")
             console.warn(f"no capacity in {zone}: {exc.message}")
             for pool_id in own_ids:
                 pool = session.container.get_node_pool(f"{path}/nodePools/{pool_id}")
-                if pool is not None and is_managed(_labels(pool), cfg.run):
-                    _delete_pool(context, project, f"{path}/nodePools/{pool_id}")
+                if pool is not None and is_managed(pool_labels(pool), cfg.run):
+                    delete_pool(context, project, f"{path}/nodePools/{pool_id}")
             continue
         pools = [p for p in session.container.list_node_pools(path) if p.name in own_ids]
         return zone, pools
@@ -266,15 +266,15 @@ def serving_pool_up(context, zones: list[str] | None = None) -> Resource:
             continue  # the pool is in another zone already: that zone comes first
         try:
             spec = gke_serve_render.serving_pool_spec(cfg.serve, cfg.slice, trainer_context(cfg, context.image), zone)
-            _pool_in_zone(context, project, spec, existing)
+            pool_in_zone(context, project, spec, existing)
         except StockoutError as exc:
             tried.append(f"{zone} ({exc.message})")
             console.warn(f"no capacity in {zone}: {exc.message}")
             pool = session.container.get_node_pool(f"{path}/nodePools/{name}")
-            if pool is not None and is_managed(_labels(pool), cfg.run):
-                _delete_pool(context, project, f"{path}/nodePools/{name}")
+            if pool is not None and is_managed(pool_labels(pool), cfg.run):
+                delete_pool(context, project, f"{path}/nodePools/{name}")
             continue
-        return _pool_resource(session.container.get_node_pool(f"{path}/nodePools/{name}"), cfg.gke.location, path)
+        return pool_resource(session.container.get_node_pool(f"{path}/nodePools/{name}"), cfg.gke.location, path)
     raise StockoutError(f"no capacity for the serving node pool ({cfg.serve.min_replicas} x "
                         f"{cfg.serve.machine_type}) in any zone tried: {'; '.join(tried)}",
                         hint="add zones to `zones:`, or try again later")
@@ -288,7 +288,7 @@ def gke_up(context, zones: list[str] | None = None) -> list[Resource]:
     project = project_of(cfg, session)
     path = gke_render.cluster_path(cfg.gke, project)
     _, pools = pools_up(context, zones)
-    resources = [_pool_resource(p, cfg.gke.location, path) for p in pools]
+    resources = [pool_resource(p, cfg.gke.location, path) for p in pools]
     if is_managed(dict(cluster.resource_labels), cfg.run):
         resources.insert(0, _cluster_resource(cluster, path))
     return resources
@@ -386,9 +386,9 @@ def pools_down(context, pool_ids: set[str]) -> list[Resource]:
         return []
     deleted: list[Resource] = []
     for pool in session.container.list_node_pools(path):
-        if pool.name in pool_ids and is_managed(_labels(pool), cfg.run) \
-                and _delete_pool(context, project, f"{path}/nodePools/{pool.name}"):
-            deleted.append(_pool_resource(pool, cfg.gke.location, path))
+        if pool.name in pool_ids and is_managed(pool_labels(pool), cfg.run) \
+                and delete_pool(context, project, f"{path}/nodePools/{pool.name}"):
+            deleted.append(pool_resource(pool, cfg.gke.location, path))
     cluster = _unused_cluster(context, path)
     if cluster is not None:
         operation = session.container.delete_cluster(path)
@@ -408,9 +408,9 @@ def pools_left(context, pool_ids: set[str]) -> list[Resource]:
     cluster = session.container.get_cluster(path)
     if cluster is None:
         return []
-    pools = [p for p in session.container.list_node_pools(path) if is_managed(_labels(p))]
-    mine = [p for p in pools if p.name in pool_ids and is_managed(_labels(p), cfg.run)]
-    found = [_pool_resource(p, cfg.gke.location, path) for p in mine]
+    pools = [p for p in session.container.list_node_pools(path) if is_managed(pool_labels(p))]
+    mine = [p for p in pools if p.name in pool_ids and is_managed(pool_labels(p), cfg.run)]
+    found = [pool_resource(p, cfg.gke.location, path) for p in mine]
     if is_managed(dict(cluster.resource_labels)) and len(mine) == len(pools):
         found.insert(0, _cluster_resource(cluster, path))
     return found
@@ -429,7 +429,7 @@ def _unused_cluster(context, path: str) -> Resource | None:
     owner = labels.get(RUN_LABEL, "?")
     pools = session.container.list_node_pools(path)
     others = _other_runs(pools, cfg.run)
-    own = sorted(p.name for p in pools if is_managed(_labels(p), cfg.run))
+    own = sorted(p.name for p in pools if is_managed(pool_labels(p), cfg.run))
     if others or own:
         if owner == cfg.run and others:
             console.info(f"  keeping cluster {cfg.gke.cluster} (this tool created it for run {owner}): run(s) "

@@ -15,7 +15,7 @@ from provision import catalogue
 from provision.core import replica_problems
 from provision.kinds.gke import gke_lws_render, gke_serve_render
 from provision.kinds.slice_section import SliceSections
-from provision.shapes import _RFC1035, MAX_ID_LENGTH, _positive_duration, _Section, gcs_location, rule
+from provision.shapes import MAX_ID_LENGTH, RFC1035, Section, gcs_location, positive_duration, rule
 from trainer.schema import invalid
 
 # GKE names: a cluster or node pool name is at most catalogue.MAX_GKE_NAME characters (RFC 1035); a
@@ -38,7 +38,7 @@ def _dns_label(value: str, what: str) -> str:
     return value
 
 
-class PathwaysConfig(_Section):
+class PathwaysConfig(Section):
     """The Pathways head and workers (runtime: pathways only)."""
 
     server_image: str = PATHWAYS_SERVER_IMAGE
@@ -71,10 +71,10 @@ class PathwaysConfig(_Section):
     @field_validator("proxy_timeout", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> timedelta:
-        return _positive_duration(value)
+        return positive_duration(value)
 
 
-class GkeConfig(_Section):
+class GkeConfig(Section):
     """A GKE Standard cluster: TPU node pools for the slices, the run as a JobSet."""
 
     cluster: str
@@ -92,7 +92,7 @@ class GkeConfig(_Section):
     @field_validator("cluster")
     @classmethod
     def _cluster_name(cls, value: str) -> str:
-        if not _RFC1035.match(value) or len(value) > MAX_GKE_NAME:
+        if not RFC1035.match(value) or len(value) > MAX_GKE_NAME:
             raise invalid(f"cluster name {value!r} must be lowercase letters, digits and hyphens, start with a "
                         f"letter, not end with a hyphen, at most {MAX_GKE_NAME} characters")
         return value

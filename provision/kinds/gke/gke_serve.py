@@ -1,7 +1,8 @@
 """A service on GKE, the Kubernetes half: the server's Deployment, Service, PodMonitoring and
 HorizontalPodAutoscaler applied with the `kubernetes` client (a re-run adopts and replaces what this run
 made, and refuses what it did not), found by label for `list` and `status`, deleted for `down`, the
-Deployment's state as a ServiceReport, and a prediction through the Service's proxy.
+replicas' state as a ServiceReport (the Deployment's, or gke_lws's LeaderWorkerSet's), and a prediction
+through the Service's proxy.
 
 Everything here talks to one cluster's `KubeApi` (provision.cloud.kube); the serving node pool is
 provision.kinds.gke.gke's (`serving_pool_up`), like the run's other pools.
@@ -10,6 +11,7 @@ provision.kinds.gke.gke's (`serving_pool_up`), like the run's other pools.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from provision.core import Phase, ServiceReport
 from provision.errors import CloudError
@@ -95,25 +97,43 @@ def delete_objects(context, kube, run: str) -> list[Resource]:
     return deleted
 
 
-def service_report(cfg, kube, url: str) -> ServiceReport:
-    """The Deployment's state: ready once a replica is available; failed when a pod's server crashed
-    (with its last words) or the Deployment is gone; starting otherwise (with what it waits for)."""
-    name = gke_serve_render.server_name(cfg.run)
-    deployment = kube.get_object("Deployment", cfg.gke.namespace, name)
-    if deployment is None:
-        return ServiceReport(Phase.DELETED, detail=f"the Deployment {cfg.gke.namespace}/{name} is gone")
-    status = deployment.get("status") or {}
-    wanted = (deployment.get("spec") or {}).get("replicas", 1)
-    ready = status.get("availableReplicas") or 0
+@dataclass(frozen=True)
+class Replicas:
+    """Where a service's replicas are on the cluster, for its report: the object that holds them (`kind`)
+    and its status field counting those ready, the selector of their pods, what a replica with no pod
+    waits for, and what its pods do meanwhile (`{pods}`, `{wanted}`: the pods, the replicas asked for)."""
+
+    kind: str
+    ready_field: str
+    pods: str
+    waiting_for: str
+    loading: str
+
+
+def deployment_replicas(cfg) -> Replicas:
+    """A single-host service's replicas: the Deployment's pods, one a replica."""
     pod_selector = gke_serve_render.selector(labels(cfg))
-    pods = kube.list_pods(cfg.gke.namespace, ",".join(f"{k}={v}" for k, v in pod_selector.items()))
+    return Replicas("Deployment", "availableReplicas", ",".join(f"{k}={v}" for k, v in pod_selector.items()),
+                    "a node of the serving pool", "{pods} pod(s) loading the checkpoint and compiling")
+
+
+def service_report(cfg, kube, url: str, replicas: Replicas) -> ServiceReport:
+    """The state of the object holding the replicas: ready once a replica is; failed when a pod's server
+    crashed (with its last words) or the object is gone; starting otherwise (with what it waits for)."""
+    name = gke_serve_render.server_name(cfg.run)
+    held = kube.get_object(replicas.kind, cfg.gke.namespace, name)
+    if held is None:
+        return ServiceReport(Phase.DELETED, detail=f"the {replicas.kind} {cfg.gke.namespace}/{name} is gone")
+    wanted = (held.get("spec") or {}).get("replicas", 1)
+    ready = (held.get("status") or {}).get(replicas.ready_field) or 0
+    pods = kube.list_pods(cfg.gke.namespace, replicas.pods)
     crashed = [why for pod in pods if (why := _crash(pod))]
     if crashed and not ready:
         return ServiceReport(Phase.FAILED, replicas=wanted, detail=crashed[0])
     if ready:
         return ServiceReport(Phase.READY, url=url, replicas_ready=ready, replicas=wanted)
-    waiting = "no pod yet (waiting for a node of the serving pool)" if not pods else \
-        f"{len(pods)} pod(s) loading the checkpoint and compiling"
+    waiting = f"no pod yet (waiting for {replicas.waiting_for})" if not pods else \
+        replicas.loading.format(pods=len(pods), wanted=wanted)
     return ServiceReport(Phase.STARTING, replicas=wanted, detail=waiting)
 
 

@@ -89,7 +89,7 @@ class JobSet(Holding):
         """The JobSet (or the one this run submitted and that still runs)."""
         jobset = gke.submit_jobset(self.context)
         self.restarts_seen = int((jobset.get("status") or {}).get("restarts", 0))
-        return [gke._jobset_resource(jobset, self.cfg)]
+        return [gke.jobset_resource(jobset, self.cfg)]
 
     def teardown(self) -> list[Resource]:
         """The JobSet and its pods; nothing else of the run."""
@@ -99,7 +99,7 @@ class JobSet(Holding):
     def left(self) -> list[Resource]:
         kube = _kube(self)
         jobset = kube.get_jobset(self.cfg.gke.namespace, gke_render.jobset_name(self.cfg.run)) if kube else None
-        return [gke._jobset_resource(jobset, self.cfg)] if jobset is not None else []
+        return [gke.jobset_resource(jobset, self.cfg)] if jobset is not None else []
 
     def _status(self) -> dict | None:
         return self.session.storage.read_json(storage.join(self.output_dir, STATUS_FILE))
@@ -223,9 +223,9 @@ class Server(Holding):
         if cluster is None or not cluster.endpoint:
             return ServiceReport(Phase.DELETED, detail=f"the cluster {self.cfg.gke.cluster} is gone")
         url = f"https://{cluster.endpoint}{gke_serve_render.proxy_path(self.cfg.gke, self.cfg.run, '')}"
-        if gke_lws_render.multi_host(self.cfg.serve):
-            return gke_lws.service_report(self.cfg, self.session.kube(cluster), url)
-        return gke_serve.service_report(self.cfg, self.session.kube(cluster), url)
+        replicas = (gke_lws.group_replicas if gke_lws_render.multi_host(self.cfg.serve)
+                    else gke_serve.deployment_replicas)(self.cfg)
+        return gke_serve.service_report(self.cfg, self.session.kube(cluster), url, replicas)
 
     def examples(self, url: str, body: str) -> list[str]:
         """How to call it: the Service forwarded to this machine, or through the API server's proxy."""

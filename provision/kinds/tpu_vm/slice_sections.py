@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from provision import catalogue
 from provision.kinds.slice_section import SliceSections
-from provision.shapes import _ZONE, rule
+from provision.shapes import ZONE, rule
 
 
 class TpuVmSections(SliceSections):
@@ -22,7 +22,7 @@ class TpuVmSections(SliceSections):
         return [(f"zones[{i}]", f"zone {zone!r} is not in region {region!r}, where slice.subnetwork "
                                 f"{subnetwork!r} is (a subnetwork serves its own region only)")
                 for i, zone in enumerate(self.zones)
-                if isinstance(zone, str) and _ZONE.match(zone) and catalogue.zone_region(zone) != region]
+                if isinstance(zone, str) and ZONE.match(zone) and catalogue.zone_region(zone) != region]
 
     @rule("slice.accelerator", "slice.count", "trainer.output_dir")
     def _one_disk(self) -> list[tuple[str, str]]:

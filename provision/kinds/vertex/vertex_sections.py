@@ -12,18 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from provision import catalogue
 from provision.core import replica_problems
 from provision.shapes import (
-    _SERVICE_ACCOUNT,
-    _VERTEX_NETWORK,
-    _VERTEX_TENSORBOARD,
-    _brief,
-    _positive_duration,
-    _Section,
+    SERVICE_ACCOUNT,
+    VERTEX_NETWORK,
+    VERTEX_TENSORBOARD,
+    Section,
+    brief,
+    positive_duration,
     rule,
 )
 from trainer.schema import did_you_mean, invalid
 
 
-class VertexConfig(_Section):
+class VertexConfig(Section):
     machine_type: str = "ct5lp-hightpu-4t"
     topology: str = "8x8"
     scheduling: Literal["STANDARD", "SPOT", "FLEX_START"] = "STANDARD"
@@ -42,27 +42,27 @@ class VertexConfig(_Section):
     @field_validator("timeout", "max_wait", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> timedelta | None:
-        return None if value is None else _positive_duration(value)
+        return None if value is None else positive_duration(value)
 
     @field_validator("service_account")
     @classmethod
     def _service_account_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _SERVICE_ACCOUNT.match(value):
+        if value is not None and not SERVICE_ACCOUNT.match(value):
             raise invalid(f"service account {value!r} must be an email like trainer@my-project.iam.gserviceaccount.com")
         return value
 
     @field_validator("tensorboard")
     @classmethod
     def _tensorboard_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _VERTEX_TENSORBOARD.match(value):
-            raise invalid(f"tensorboard {_brief(value)} must look like "
+        if value is not None and not VERTEX_TENSORBOARD.match(value):
+            raise invalid(f"tensorboard {brief(value)} must look like "
                         "projects/PROJECT/locations/REGION/tensorboards/ID (ID: a number)")
         return value
 
     @field_validator("network")
     @classmethod
     def _network_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _VERTEX_NETWORK.match(value):
+        if value is not None and not VERTEX_NETWORK.match(value):
             raise invalid(f"network {value!r} must look like projects/PROJECT_NUMBER/global/networks/NAME")
         return value
 
