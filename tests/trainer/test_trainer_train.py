@@ -243,11 +243,78 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     ({"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["a:1"], "workerpool1": ["b:1"]}})}, True),
     ({"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["a:1"]}})}, False),
     ({"TPU_WORKER_HOSTNAMES": "w-0,w-1", "MOE_TRAIN_DISTRIBUTED": "0"}, False),
+    ({"TPU_PROCESS_ADDRESSES": "10.0.0.1:8476,10.0.0.2:8476"}, True),
+    ({"MEGASCALE_NUM_SLICES": "2"}, True),
+    ({"MEGASCALE_NUM_SLICES": "1", "TPU_WORKER_HOSTNAMES": "w-0"}, False),
+    ({"JAX_NUM_PROCESSES": "4"}, True),
+    ({"JAX_NUM_PROCESSES": "1"}, False),
+    ({"MOE_TRAIN_DISTRIBUTED": "1"}, True),
+    ({"CLUSTER_SPEC": "not json"}, False),
 ])
 def test_multi_host_detection(env, expected):
     assert distributed.wants_distributed(env) is expected
     assert distributed.initialize({}, tpu_vm=False) == "single-host"
     assert not distributed.on_tpu_vm(exists=lambda path: False)
+
+
+def test_a_tpu_vm_with_no_metadata_server_and_nothing_set_trains_alone():
+    """A one-chip TPU in a container or a workstation: no metadata server answers, nothing in the environment
+    names other hosts, so jax.distributed is not started (it would fail asking metadata.google.internal)."""
+    asked = []
+
+    def no_server(env, key):
+        asked.append(key)
+        return None
+
+    assert distributed.initialize({}, tpu_vm=True, read=no_server) == "single-host"
+    assert asked == ["worker-network-endpoints"]
+    assert distributed.initialize({"TPU_WORKER_HOSTNAMES": "w-0", "TPU_SKIP_MDS_QUERY": "true"}, tpu_vm=True,
+                                  read=no_server) == "single-host"
+    assert asked == ["worker-network-endpoints"]  # GKE's single-host pod: no metadata asked
+    # The real reader, at an address where nothing listens: None at once, no exception.
+    assert distributed.read_metadata({"GCE_METADATA_IP": "127.0.0.1:9"}, "worker-network-endpoints") is None
+
+
+def test_a_tpu_vm_slice_is_known_from_its_metadata_server():
+    """A multi-host slice made with `gcloud compute tpus` says nothing in the environment; its metadata server
+    lists the workers (a real HTTP server here, answering as the metadata server does)."""
+    import http.server
+    import threading
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            known = self.headers.get("Metadata-Flavor") == "Google" and self.path.endswith("/worker-network-endpoints")
+            body = b"w-0,w-1,w-2,w-3" if known else b"not found"
+            self.send_response(200 if known else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {"GCE_METADATA_IP": f"127.0.0.1:{server.server_port}"}
+        assert distributed.tpu_vm_evidence(env) == "the TPU VM's metadata lists 4 workers"
+        assert distributed.read_metadata(env, "agent-worker-number") is None
+        assert distributed.tpu_vm_evidence({**env, "MOE_TRAIN_DISTRIBUTED": "0"}) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_failed_multi_host_start_names_what_made_it_try():
+    jax.devices()  # a started backend: jax.distributed refuses to start, as any failure would
+    with pytest.raises(RuntimeError) as failed:
+        distributed.initialize({"TPU_WORKER_HOSTNAMES": "w-0,w-1"}, tpu_vm=False)
+    assert "(TPU_WORKER_HOSTNAMES lists 2 hosts, so this is taken for one of several hosts)" in str(failed.value)
+    assert "Set MOE_TRAIN_DISTRIBUTED=0 to train on this host alone" in str(failed.value)
+    result = CliRunner().invoke(train_command, ["--config", "tiny", "--steps", "1"],
+                                env={"MEGASCALE_NUM_SLICES": "2"})
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "multi-host start-up failed: jax.distributed.initialize() failed (MEGASCALE_NUM_SLICES=2, so" \
+        in result.output
 
 
 def test_pathways_detection():
