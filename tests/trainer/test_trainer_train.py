@@ -88,6 +88,30 @@ def test_tiny_approaches_the_entropy_floor_of_the_markov_source(trained_tiny):
     assert len(rows[-1]["expert_load"]) == 8 and sum(rows[-1]["expert_load"]) == pytest.approx(1.0)
 
 
+def test_the_loop_reads_the_devices_only_at_logged_steps(tmp_path, monkeypatch, trained_tiny):
+    """9 steps logged every 3rd: the loop reads the steps' metrics three times (one transfer each, checked for
+    divergence step by step), never waiting on a step between, and makes no implicit transfer (jax's
+    transfer guard would raise). Its rows are those of the same run logged at every step."""
+    reads = []
+    device_get = jax.device_get
+
+    def counted(tree):
+        reads.append(sorted(tree[0]) if isinstance(tree, list) and tree else tree)
+        return device_get(tree)
+
+    monkeypatch.setattr(jax, "device_get", counted)
+    with jax.transfer_guard_device_to_host("disallow"):
+        sparse = run_tiny(Reporter(str(tmp_path / "sparse.jsonl")), 9, ["train.log_every=3", "optim.decay_steps=120"])
+    monkeypatch.undo()
+    every = trained_tiny.rows  # the same model, data and schedule, logged at every step
+    assert sparse.step == 9 and sparse.loss == pytest.approx(every[8]["loss"], rel=1e-5)
+    rows = read_rows(tmp_path / "sparse.jsonl")
+    assert [r["step"] for r in rows] == [3, 6, 9]
+    np.testing.assert_allclose([r["loss"] for r in rows], [every[i]["loss"] for i in (2, 5, 8)], rtol=1e-5)
+    metric_reads = [r for r in reads if isinstance(r, list) and "loss" in r]
+    assert len(metric_reads) == 3 and len(reads) == 3 + 2, reads  # and the start step, read twice
+
+
 def test_byte_level_text_loss_falls_well_below_uniform(tmp_path):
     """Also: checkpoints every N steps keep the last K, and --profile-steps writes a trace."""
     out = tmp_path / "out"
