@@ -283,6 +283,9 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
     if init_from is not None:  # a path as given (no YAML reading of it, as --set would do)
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": init_from})})
     available = len(jax.devices())
+    from trainer.distributed import use_compilation_cache
+
+    use_compilation_cache(jax.devices()[0].platform)
     if devices is not None and devices > available:
         raise click.UsageError(f"--devices {devices}: jax already runs with {available} devices")
     count = devices if devices is not None else available

@@ -187,3 +187,25 @@ def initialize(env: MutableMapping[str, str] | None = None, *, tpu_vm: bool | No
         raise RuntimeError(f"jax.distributed.initialize() failed ({evidence}, so this is taken for one of several "
                            f"hosts): {e}. Set MOE_TRAIN_DISTRIBUTED=0 to train on this host alone") from None
     return "multi-host" if jax.process_count() > 1 else "single-host"
+
+
+def compilation_cache_dir(env: Mapping[str, str]) -> str:
+    """Where a trainer keeps jax's compiled programs when the environment names no place: the dry run's
+    ($XDG_CACHE_HOME/moe-tpu/jax, ~/.cache by default; provision/emulator/local_trainer.py)."""
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moe-tpu", "jax")
+
+
+def use_compilation_cache(platform: str, env: Mapping[str, str] | None = None) -> str | None:
+    """On an accelerator, jax's persistent compilation cache, as the dry run has it, where none is set: a
+    restarted trainer (a preemption, the next run of the same model) loads its initialisation and train step
+    instead of compiling them again. Call it before the first compile. Returns the directory, or None where
+    the environment or jax's config chose already, or on a CPU (the dry run sets its own)."""
+    import jax
+
+    env = os.environ if env is None else env
+    if platform == "cpu" or env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return None
+    path = compilation_cache_dir(env)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path

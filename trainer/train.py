@@ -28,7 +28,7 @@ from trainer.outputs import RunDirectory
 from trainer.resume import check_resumable, checkpoint_meta
 from trainer.sharding import global_batch  # noqa: F401 - the loop's callers place batches as it does
 from trainer.status import RunStatus
-from trainer.step_timing import Feed, Pending, Profiler, StepTimer
+from trainer.step_timing import Feed, Pending, Profiler, StepTimer, seconds_since_start
 
 # {"step": int32 [], "params": {name: array}, "opt_state": optax state}, and "moe_bias": {name: float32 [E]}
 # when MoE layers balance with a bias (moe.balance: bias or both).
@@ -277,6 +277,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             done = _already_finished(ckpt, spec, reporter, status)
             if done is not None:
                 return done
+        built = time.perf_counter()
         try:
             trainer = build_trainer(cfg, mesh, spec.steps)
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
@@ -284,6 +285,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         started = time.perf_counter()
         state = _initial_state(trainer, ckpt, data, spec, reporter, status)
         restore_s = time.perf_counter() - started if int(jax.device_get(state["step"])) else 0.0
+        startup = {"restore_s": restore_s, "init_s": time.perf_counter() - built}
         evaluator = None
         if eval_data is not None:
             from trainer.evaluation import Evaluator
@@ -291,7 +293,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             evaluator = Evaluator(trainer, eval_data, every=cfg.train.eval_every, batches=cfg.train.eval_batches,
                                   total_steps=spec.steps)
         return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=data.entropy_floor,
-                     evaluator=evaluator, restore_s=restore_s)
+                     evaluator=evaluator, startup=startup)
     finally:
         restore_handler()
         if ckpt is not None:
@@ -367,18 +369,21 @@ def compile_step(trainer: Trainer):
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
           reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None,
-          evaluator=None, restore_s: float = 0.0) -> RunResult:
+          evaluator=None, startup: dict | None = None) -> RunResult:
     """Steps until spec.steps or a stop. The host never waits on a step it need not read: each step is
     dispatched with the batch placed while the one before ran (Feed), and the steps' metrics are read
     together (Pending) only at a logged row, a checkpoint, an evaluation or the end, where every step read is
-    checked for divergence in order, before anything of it is saved."""
+    checked for divergence in order, before anything of it is saved. The first row also says how this process
+    started (`startup`: restore_s, init_s; compile_s, and first_step_s from the process's start to the first
+    step's dispatch)."""
     cfg = trainer.cfg
     step = saved = start_step = int(jax.device_get(state["step"]))
     if start_step:
         status.resumed(start_step)
-    step_fn = _compiled(trainer, reporter, step, spec, ckpt)
+    step_fn, compile_s = _compiled(trainer, reporter, step, spec, ckpt)
     timer = StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
-    first_row = {"start_step": start_step, "restore_s": restore_s}  # for goodput: this process's start
+    # For goodput and time to the first step: how this process started.
+    first_row = {"start_step": start_step, "restore_s": 0.0, **(startup or {}), "compile_s": compile_s}
     profiler = Profiler(spec.profile_steps, spec.output_dir)
     feed, pending, ceiling = Feed(trainer, data), Pending(), loss_ceiling(cfg.model.vocab_size)
     last_loss, stopped = None, False
@@ -388,7 +393,10 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
                 stopped = stop.acted = True
                 break
             profiler.before(step)
-            state, metrics = step_fn(state, feed.take())
+            batch = feed.take()
+            if "first_step_s" not in first_row and first_row:
+                first_row["first_step_s"] = seconds_since_start()
+            state, metrics = step_fn(state, batch)
             step += 1
             pending.add(step, metrics)
             if step < spec.steps:
@@ -440,7 +448,7 @@ def _compiled(trainer: Trainer, reporter: Reporter, step: int, spec: RunSpec, ck
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
                   f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}"
                   + ("" if ckpt is not None else f"; {NOTHING_SAVED}"))
-    return step_fn
+    return step_fn, time.perf_counter() - start
 
 
 def _read_checked(pending: Pending, ckpt: Checkpointer | None, ceiling: float) -> dict | None:

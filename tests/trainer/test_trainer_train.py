@@ -107,6 +107,9 @@ def test_the_loop_reads_the_devices_only_at_logged_steps(tmp_path, monkeypatch, 
     assert sparse.step == 9 and sparse.loss == pytest.approx(every[8]["loss"], rel=1e-5)
     rows = read_rows(tmp_path / "sparse.jsonl")
     assert [r["step"] for r in rows] == [3, 6, 9]
+    first = rows[0]  # how the process started: the state's initialisation, the compile, the first step
+    assert first["first_step_s"] >= first["init_s"] + first["compile_s"] and first["init_s"] > 0
+    assert first["compile_s"] > 0 and "init_s" not in rows[1]
     np.testing.assert_allclose([r["loss"] for r in rows], [every[i]["loss"] for i in (2, 5, 8)], rtol=1e-5)
     metric_reads = [r for r in reads if isinstance(r, list) and "loss" in r]
     assert len(metric_reads) == 3 and len(reads) == 3 + 2, reads  # and the start step, read twice
@@ -339,6 +342,19 @@ def test_a_failed_multi_host_start_names_what_made_it_try():
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "multi-host start-up failed: jax.distributed.initialize() failed (MEGASCALE_NUM_SLICES=2, so" \
         in result.output
+
+
+def test_a_trainer_on_a_chip_keeps_its_compiled_programs_where_the_dry_run_does():
+    from provision.emulator.local_trainer import compilation_cache_env
+
+    env = {"XDG_CACHE_HOME": "/var/cache/me"}
+    assert distributed.compilation_cache_dir(env) == "/var/cache/me/moe-tpu/jax"
+    assert compilation_cache_env(env) == {"JAX_COMPILATION_CACHE_DIR": distributed.compilation_cache_dir(env)}
+    assert distributed.use_compilation_cache("cpu", env) is None  # the dry run sets its own
+    assert distributed.use_compilation_cache("tpu", {**env, "JAX_COMPILATION_CACHE_DIR": "/mine"}) is None
+    before = jax.config.jax_compilation_cache_dir  # this suite's (tests/conftest.py): kept
+    assert before and distributed.use_compilation_cache("tpu", env) is None
+    assert jax.config.jax_compilation_cache_dir == before
 
 
 def test_pathways_detection():
