@@ -230,12 +230,16 @@ _is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
 
 
 def _stacked(*variables: nnx.Variable) -> nnx.Variable:
-    """One variable of the layers' values stacked (or, given one, already stacked), named for the layer axis."""
-    value = jnp.stack([v.get_value() for v in variables]) if len(variables) > 1 else variables[0].get_value()
-    names = sharding.variable_names(variables[0])
+    """One variable of the layers, their values stacked."""
+    return _named_stacked(variables[0], jnp.stack([v.get_value() for v in variables]))
+
+
+def _named_stacked(variable: nnx.Variable, value_RxN: jax.Array) -> nnx.Variable:
+    """`variable` with the layers' values, its leading axis named for the sharding rules."""
+    names = sharding.variable_names(variable)
     if names is None:
-        return variables[0].replace(value)
-    return variables[0].replace(value, out_sharding=(LAYERS_AXIS, *names))
+        return variable.replace(value_RxN)
+    return variable.replace(value_RxN, out_sharding=(LAYERS_AXIS, *names))
 
 
 def _only_stream(rngs) -> nnx.RngStream | None:
@@ -279,7 +283,8 @@ def _stacked_together(cfg: Config, stack: Stack, j: int, mesh: Mesh | None, stre
 
     states = jax.lax.map(layer, jnp.arange(stack.repeats, dtype=jnp.uint32))
     stream.count[...] = first + stack.repeats * per_layer
-    return nnx.merge(made["graphdef"], jax.tree.map(_stacked, states, is_leaf=_is_var))
+    named = jax.tree.map(lambda v: _named_stacked(v, v.get_value()), states, is_leaf=_is_var)
+    return nnx.merge(made["graphdef"], named)
 
 
 def build_model(cfg: Config, *, mesh: Mesh | None = None, seed: int = 0) -> Transformer:
