@@ -72,7 +72,8 @@ def tokens_BxT(cfg, rows=4, seed=0):
 
 def logits_of(trainer, params, tokens):
     def forward(params, tokens):
-        model = nnx.merge(trainer.graphdef, trainer.codec.unflatten(params), step_rngs(trainer.rest, jnp.zeros((), jnp.int32)))
+        rest = step_rngs(trainer.rest, jnp.zeros((), jnp.int32))
+        model = nnx.merge(trainer.graphdef, trainer.codec.unflatten(params), rest)
         return model(tokens, train=False)[0]
 
     return jax.jit(forward)(params, tokens)
