@@ -3,6 +3,7 @@
     python benchmarks/train_step.py [--steps 30] [--json]            # tiny on 1 and 8 fake CPU devices
     python benchmarks/train_step.py --accelerator [--config moe-1b]  # a ~1B-parameter MoE on GPU/TPU
     ... --json-out FIGURES.json                                      # the figures also to a file
+    ... --accelerator --paths capacity,dropless                      # each MoE path on the chip
 
 Each case runs `python -m trainer` in a fresh process (fake device counts are fixed at jax start-up),
 skips the first steps (warm-up), and reports the median step time, tokens/s and, where the device's
@@ -29,6 +30,9 @@ WARMUP = 5  # steps left out of the medians (a row past them counts: a whole row
 ONE_CHIP = ["param_dtype=bfloat16", "model.remat=true"]
 LOG_EVERY = 5  # on an accelerator: each row's step time is the mean of its LOG_EVERY steps
 STARTUP = ("first_step_s", "init_s", "compile_s")
+# The MoE paths an accelerator run can measure (--paths): the config's own (capacity), and dropless through
+# jax.lax.ragged_dot.
+PATHS = {"capacity": [], "dropless": ["moe.capacity_factor=0", "moe.grouped_matmul=ragged_dot"]}
 
 CPU_CASES = [
     ("tiny, 1 device", "tiny", ["--devices", "1", "--mesh", "data=1,expert=1"]),
@@ -63,13 +67,18 @@ def main() -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--json-out", metavar="PATH", help="also write the figures to PATH as JSON")
+    parser.add_argument("--paths", default="capacity", help=f"with --accelerator, the MoE paths to run, "
+                        f"comma-separated, of {', '.join(PATHS)} [capacity]")
     args = parser.parse_args()
-    if args.accelerator:
-        cases = [(f"{args.config}, default backend", args.config, [])]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if unknown := [p for p in paths if p not in PATHS]:
+        parser.error(f"--paths: unknown {', '.join(unknown)}; known: {', '.join(PATHS)}")
+    if args.accelerator:  # (name, config, flags, overrides)
+        cases = [(f"{args.config}, {path}, default backend", args.config, [], PATHS[path]) for path in paths]
     else:
-        cases = CPU_CASES
+        cases = [(name, config, flags, []) for name, config, flags in CPU_CASES]
     overrides = ([*ONE_CHIP, f"train.log_every={LOG_EVERY}"] if args.accelerator else []) + args.overrides
-    results = {name: measure(config, flags, args.steps, overrides) for name, config, flags in cases}
+    results = {name: measure(config, flags, args.steps, [*path, *overrides]) for name, config, flags, path in cases}
     if not args.accelerator:
         base = results[CPU_CASES[0][0]]["tokens_per_s"]
         for r in results.values():
