@@ -394,7 +394,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
                 break
             profiler.before(step)
             batch = feed.take()
-            if "first_step_s" not in first_row and first_row:
+            if step == start_step:  # this process's first step: how long it took to get here
                 first_row["first_step_s"] = seconds_since_start()
             state, metrics = step_fn(state, batch)
             step += 1
