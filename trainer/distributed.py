@@ -1,7 +1,8 @@
 """Multi-host start-up: jax.distributed on TPU VM slices and Vertex multi-host jobs, Pathways when in use.
 
-Must run before anything touches a jax backend. Decisions are pure functions of the environment so that
-tests can check them without a cluster.
+Must run before anything touches a jax backend. Decisions are pure functions of the environment (and, on a
+TPU VM that says nothing, of its metadata server's list of workers) so that tests can check them without a
+cluster. Also where a trainer on an accelerator keeps its compiled programs (use_compilation_cache).
 """
 
 from __future__ import annotations
@@ -157,9 +158,9 @@ def initialize(env: MutableMapping[str, str] | None = None, *, tpu_vm: bool | No
     """Initialises what the environment asks for; returns "pathways", "multi-host" or "single-host".
 
     jax.distributed starts only where something says there are several hosts (cluster_evidence, else on a
-    TPU VM its metadata: tpu_vm_evidence): one host (a
-    single-host TPU VM, a container with a chip, a workstation) trains alone with nothing set and no metadata
-    server. Where it fails, the RuntimeError names what made it try. Under Pathways (one controller: no
+    TPU VM its metadata: tpu_vm_evidence): one host (a single-host TPU VM, a container with a chip, a
+    workstation) trains alone with nothing set and no metadata server. Where it fails, the RuntimeError
+    names what made it try. Under Pathways (one controller: no
     jax.distributed) the proxy must answer within PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS (set here when
     unset, so that the IFRT proxy client gives up as soon).
     """
