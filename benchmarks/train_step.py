@@ -8,10 +8,12 @@
 Each case runs `python -m trainer` in a fresh process (fake device counts are fixed at jax start-up),
 skips the first steps (warm-up), and reports the median step time, tokens/s and, where the device's
 peak is known, MFU, and the time to the first step with its parts (the state's initialisation, the
-train step's compile; the rest is imports, the run's spec and the data); the CPU table ends with the
-8-device / 1-device throughput ratio. On an accelerator the run uses the one-chip settings (ONE_CHIP:
-moe-1b's float32 state does not fit one 15.75 GiB v5e chip, bfloat16 with remat does; a --set of the same
-key wins) and logs every LOG_EVERY steps, so that the loop reads the device only there, as in training.
+train step's compile; the rest is imports, the run's spec and the data): on an accelerator from an empty
+compilation cache of the case's own, then again (a short run) from the cache that filled (`warm_*`). The
+CPU table ends with the 8-device / 1-device throughput ratio. On an accelerator the run uses the one-chip
+settings (ONE_CHIP: moe-1b's float32 state does not fit one 15.75 GiB v5e chip, bfloat16 with remat does;
+a --set of the same key wins) and logs every LOG_EVERY steps, so that the loop reads the device only there,
+as in training.
 """
 
 from __future__ import annotations
@@ -41,21 +43,32 @@ CPU_CASES = [
 ]
 
 
-def measure(config: str, flags: list[str], steps: int, overrides: list[str]) -> dict:
+def train(config: str, flags: list[str], steps: int, overrides: list[str], env: dict | None = None) -> list:
+    """The metric rows of one `python -m trainer` run."""
     with tempfile.TemporaryDirectory() as work:
         metrics = os.path.join(work, "m.jsonl")
         cmd = [sys.executable, "-m", "trainer", "--config", config, "--steps", str(steps), "--metrics", metrics,
                *flags, *(x for o in overrides for x in ("--set", o))]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        rows = [json.loads(line) for line in open(metrics) if line.startswith("{")]
+        return [json.loads(line) for line in open(metrics) if line.startswith("{")]
+
+
+def measure(config: str, flags: list[str], steps: int, overrides: list[str], warm: bool = False) -> dict:
+    """One case's figures. With `warm`, in a compilation cache of its own: the run, from an empty cache, then
+    a short one from the cache it filled (warm_*: the start-up's figures then)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache) if warm else None
+        rows = train(config, flags, steps, overrides, env)
+        again = train(config, flags, LOG_EVERY, overrides, env)[0] if warm else {}
     timed = [r for r in rows if r["step"] > WARMUP] or rows
     step_time = statistics.median(r["step_time_s"] for r in timed)
     mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
     return {"step_time_s": step_time, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "mfu": statistics.median(mfus) if mfus else None, "final_loss": rows[-1]["loss"],
-            "overrides": overrides, **{k: rows[0].get(k) for k in STARTUP}}
+            "overrides": overrides, **{k: rows[0].get(k) for k in STARTUP},
+            **{f"warm_{k}": again[k] for k in STARTUP if k in again}}
 
 
 def main() -> int:
@@ -78,7 +91,8 @@ def main() -> int:
     else:
         cases = [(name, config, flags, []) for name, config, flags in CPU_CASES]
     overrides = ([*ONE_CHIP, f"train.log_every={LOG_EVERY}"] if args.accelerator else []) + args.overrides
-    results = {name: measure(config, flags, args.steps, [*path, *overrides]) for name, config, flags, path in cases}
+    results = {name: measure(config, flags, args.steps, [*path, *overrides], warm=args.accelerator)
+               for name, config, flags, path in cases}
     if not args.accelerator:
         base = results[CPU_CASES[0][0]]["tokens_per_s"]
         for r in results.values():
@@ -95,12 +109,13 @@ def main() -> int:
 def table(results: dict) -> str:
     seconds = lambda v: f"{v:.1f}" if v is not None else "n/a"  # noqa: E731
     lines = [f"{'case':40s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>7s} {'vs 1 dev':>9s} "
-             f"{'1st step s':>10s} {'init s':>7s} {'compile s':>9s}"]
+             f"{'1st step s':>10s} {'init s':>7s} {'compile s':>9s} {'warm 1st s':>10s}"]
     for name, r in results.items():
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         ratio = f"{r['throughput_vs_1_device']:.2f}x" if "throughput_vs_1_device" in r else ""
         lines.append(f"{name:40s} {r['step_time_s'] * 1e3:9.1f} {r['tokens_per_s']:10,.0f} {mfu:>7s} {ratio:>9s} "
-                     f"{seconds(r['first_step_s']):>10s} {seconds(r['init_s']):>7s} {seconds(r['compile_s']):>9s}")
+                     f"{seconds(r['first_step_s']):>10s} {seconds(r['init_s']):>7s} {seconds(r['compile_s']):>9s} "
+                     f"{seconds(r.get('warm_first_step_s')):>10s}")
     return "\n".join(lines)
 
 
