@@ -2,10 +2,18 @@
 
     python benchmarks/train_step.py [--steps 30] [--json]            # tiny on 1 and 8 fake CPU devices
     python benchmarks/train_step.py --accelerator [--config moe-1b]  # a ~1B-parameter MoE on GPU/TPU
+    ... --json-out FIGURES.json                                      # the figures also to a file
+    ... --accelerator --paths capacity,dropless                      # each MoE path on the chip
 
 Each case runs `python -m trainer` in a fresh process (fake device counts are fixed at jax start-up),
 skips the first steps (warm-up), and reports the median step time, tokens/s and, where the device's
-peak is known, MFU; the CPU table ends with the 8-device / 1-device throughput ratio.
+peak is known, MFU, and the time to the first step with its parts (the state's initialisation, the
+train step's compile; the rest is imports, the run's spec and the data): on an accelerator from an empty
+compilation cache of the case's own, then again (a short run) from the cache that filled (`warm_*`). The
+CPU table ends with the 8-device / 1-device throughput ratio. On an accelerator the run uses the one-chip
+settings (ONE_CHIP: moe-1b's float32 state does not fit one 15.75 GiB v5e chip, bfloat16 with remat does;
+a --set of the same key wins) and logs every LOG_EVERY steps, so that the loop reads the device only there,
+as in training.
 """
 
 from __future__ import annotations
@@ -20,7 +28,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WARMUP = 3
+WARMUP = 5  # steps left out of the medians (a row past them counts: a whole row of LOG_EVERY)
+ONE_CHIP = ["param_dtype=bfloat16", "model.remat=true"]
+LOG_EVERY = 5  # on an accelerator: each row's step time is the mean of its LOG_EVERY steps
+STARTUP = ("first_step_s", "init_s", "compile_s")
+# The MoE paths an accelerator run can measure (--paths): the config's own (capacity), and dropless through
+# jax.lax.ragged_dot.
+PATHS = {"capacity": [], "dropless": ["moe.capacity_factor=0", "moe.grouped_matmul=ragged_dot"]}
 
 CPU_CASES = [
     ("tiny, 1 device", "tiny", ["--devices", "1", "--mesh", "data=1,expert=1"]),
@@ -29,20 +43,32 @@ CPU_CASES = [
 ]
 
 
-def measure(config: str, flags: list[str], steps: int, overrides: list[str]) -> dict:
+def train(config: str, flags: list[str], steps: int, overrides: list[str], env: dict | None = None) -> list:
+    """The metric rows of one `python -m trainer` run."""
     with tempfile.TemporaryDirectory() as work:
         metrics = os.path.join(work, "m.jsonl")
         cmd = [sys.executable, "-m", "trainer", "--config", config, "--steps", str(steps), "--metrics", metrics,
                *flags, *(x for o in overrides for x in ("--set", o))]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        rows = [json.loads(line) for line in open(metrics) if line.startswith("{")]
-    timed = rows[WARMUP:] or rows
+        return [json.loads(line) for line in open(metrics) if line.startswith("{")]
+
+
+def measure(config: str, flags: list[str], steps: int, overrides: list[str], warm: bool = False) -> dict:
+    """One case's figures. With `warm`, in a compilation cache of its own: the run, from an empty cache, then
+    a short one from the cache it filled (warm_*: the start-up's figures then)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache) if warm else None
+        rows = train(config, flags, steps, overrides, env)
+        again = train(config, flags, LOG_EVERY, overrides, env)[0] if warm else {}
+    timed = [r for r in rows if r["step"] > WARMUP] or rows
     step_time = statistics.median(r["step_time_s"] for r in timed)
     mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
     return {"step_time_s": step_time, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "mfu": statistics.median(mfus) if mfus else None, "final_loss": rows[-1]["loss"]}
+            "mfu": statistics.median(mfus) if mfus else None, "final_loss": rows[-1]["loss"],
+            "overrides": overrides, **{k: rows[0].get(k) for k in STARTUP},
+            **{f"warm_{k}": again[k] for k in STARTUP if k in again}}
 
 
 def main() -> int:
@@ -53,26 +79,44 @@ def main() -> int:
     parser.add_argument("--config", default="moe-1b", help="the config for --accelerator [moe-1b]")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--json-out", metavar="PATH", help="also write the figures to PATH as JSON")
+    parser.add_argument("--paths", default="capacity", help=f"with --accelerator, the MoE paths to run, "
+                        f"comma-separated, of {', '.join(PATHS)} [capacity]")
     args = parser.parse_args()
-    if args.accelerator:
-        cases = [(f"{args.config}, default backend", args.config, [])]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if unknown := [p for p in paths if p not in PATHS]:
+        parser.error(f"--paths: unknown {', '.join(unknown)}; known: {', '.join(PATHS)}")
+    if args.accelerator:  # (name, config, flags, overrides)
+        cases = [(f"{args.config}, {path}, default backend", args.config, [], PATHS[path]) for path in paths]
     else:
-        cases = CPU_CASES
-    overrides = (["train.log_every=1"] if args.accelerator else []) + args.overrides
-    results = {name: measure(config, flags, args.steps, overrides) for name, config, flags in cases}
+        cases = [(name, config, flags, []) for name, config, flags in CPU_CASES]
+    overrides = ([*ONE_CHIP, f"train.log_every={LOG_EVERY}"] if args.accelerator else []) + args.overrides
+    results = {name: measure(config, flags, args.steps, [*path, *overrides], warm=args.accelerator)
+               for name, config, flags, path in cases}
     if not args.accelerator:
         base = results[CPU_CASES[0][0]]["tokens_per_s"]
         for r in results.values():
             r["throughput_vs_1_device"] = r["tokens_per_s"] / base
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"{'case':40s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>7s} {'vs 1 dev':>9s}")
+    print(table(results))
+    return 0
+
+
+def table(results: dict) -> str:
+    seconds = lambda v: f"{v:.1f}" if v is not None else "n/a"  # noqa: E731
+    lines = [f"{'case':40s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>7s} {'vs 1 dev':>9s} "
+             f"{'1st step s':>10s} {'init s':>7s} {'compile s':>9s} {'warm 1st s':>10s}"]
     for name, r in results.items():
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         ratio = f"{r['throughput_vs_1_device']:.2f}x" if "throughput_vs_1_device" in r else ""
-        print(f"{name:40s} {r['step_time_s'] * 1e3:9.1f} {r['tokens_per_s']:10,.0f} {mfu:>7s} {ratio:>9s}")
-    return 0
+        lines.append(f"{name:40s} {r['step_time_s'] * 1e3:9.1f} {r['tokens_per_s']:10,.0f} {mfu:>7s} {ratio:>9s} "
+                     f"{seconds(r['first_step_s']):>10s} {seconds(r['init_s']):>7s} {seconds(r['compile_s']):>9s} "
+                     f"{seconds(r.get('warm_first_step_s')):>10s}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ _flags = re.sub(r"--xla_cpu_use_fusion_emitters=\S+|--xla_backend_optimization_l
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8"
                            " --xla_cpu_parallel_codegen_split_count=1"
                            " --xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1").strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+# CPU only, but for the `tpu` tests on a chip (MOE_TPU_TESTS=1, tests/trainer/test_tpu.py): the chip, and the
+# CPU beside it for their references. MOE_TPU_TESTS=cpu runs those tests with a CPU device for the chip.
+os.environ["JAX_PLATFORMS"] = "tpu,cpu" if os.environ.get("MOE_TPU_TESTS") == "1" else "cpu"
 # gcsfs reads this once, at import, and with it on asks a real GCS endpoint over gRPC for a bucket's type: off
 # for the whole run, so that the fake GCS server's tests pass whichever test imported gcsfs first.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
@@ -142,3 +144,8 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: within a file and among the rest, the collected order stays
+    if os.environ.get("MOE_TPU_TESTS") not in ("1", "cpu"):
+        skip = pytest.mark.skip(reason="a TPU test: set MOE_TPU_TESTS=1 on a machine with a chip")
+        for item in items:
+            if item.get_closest_marker("tpu") is not None:
+                item.add_marker(skip)

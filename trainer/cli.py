@@ -308,6 +308,9 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": init_from})})
     cfg = with_absolute_paths(cfg)  # the run's config.json then works from any directory
     available = len(jax.devices())
+    from trainer.distributed import use_compilation_cache
+
+    use_compilation_cache(jax.devices()[0].platform)
     if devices is not None and devices > available:
         raise click.UsageError(f"--devices {devices}: jax already runs with {available} devices")
     count = devices if devices is not None else available

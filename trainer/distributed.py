@@ -1,7 +1,8 @@
 """Multi-host start-up: jax.distributed on TPU VM slices and Vertex multi-host jobs, Pathways when in use.
 
-Must run before anything touches a jax backend. Decisions are pure functions of the environment so that
-tests can check them without a cluster.
+Must run before anything touches a jax backend. Decisions are pure functions of the environment (and, on a
+TPU VM that says nothing, of its metadata server's list of workers) so that tests can check them without a
+cluster. Also where a trainer on an accelerator keeps its compiled programs (use_compilation_cache).
 """
 
 from __future__ import annotations
@@ -71,23 +72,52 @@ def check_proxy(env: Mapping[str, str], connect: Callable = socket.create_connec
             sleep(PROXY_RETRY_S)
 
 
-def wants_distributed(env: Mapping[str, str]) -> bool:
-    """Whether this process is one of several hosts that must call jax.distributed.initialize()."""
+METADATA_TIMEOUT_S = 2.0  # a TPU VM's metadata server answers in milliseconds; a machine without one never
+
+
+def _count(text: str | None) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
+
+
+def _hosts(text: str | None) -> int:
+    return len([h for h in (text or "").split(",") if h.strip()])
+
+
+def _cluster_spec_workers(text: str | None) -> int:
+    try:
+        spec = json.loads(text or "{}").get("cluster", {})
+    except (ValueError, AttributeError):
+        return 0
+    return sum(len(v) for v in spec.values() if isinstance(v, list)) if isinstance(spec, dict) else 0
+
+
+def cluster_evidence(env: Mapping[str, str]) -> str | None:
+    """What in the environment says this process is one of several hosts (words for a message), else None.
+    MOE_TRAIN_DISTRIBUTED=0 says it is alone, whatever else is set."""
     forced = env.get("MOE_TRAIN_DISTRIBUTED")
     if forced in ("0", "1"):
-        return forced == "1"
-    if env.get("JAX_COORDINATOR_ADDRESS") or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
-        return True
-    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1:
-        return True
-    cluster = env.get("CLUSTER_SPEC")  # Vertex AI multi-worker jobs
-    if cluster:
-        try:
-            spec = json.loads(cluster).get("cluster", {})
-        except (ValueError, AttributeError):
-            return False
-        return sum(len(v) for v in spec.values() if isinstance(v, list)) > 1
-    return False
+        return "MOE_TRAIN_DISTRIBUTED=1" if forced == "1" else None
+    for name in ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS"):
+        if env.get(name):
+            return f"{name}={env[name]}"
+    if _count(env.get("MEGASCALE_NUM_SLICES")) > 1:
+        return f"MEGASCALE_NUM_SLICES={env['MEGASCALE_NUM_SLICES']}"
+    for name in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES"):
+        if _hosts(env.get(name)) > 1:
+            return f"{name} lists {_hosts(env.get(name))} hosts"
+    if _count(env.get("JAX_NUM_PROCESSES")) > 1:
+        return f"JAX_NUM_PROCESSES={env['JAX_NUM_PROCESSES']}"
+    if _cluster_spec_workers(env.get("CLUSTER_SPEC")) > 1:
+        return f"CLUSTER_SPEC (Vertex AI) lists {_cluster_spec_workers(env.get('CLUSTER_SPEC'))} workers"
+    return None
+
+
+def wants_distributed(env: Mapping[str, str]) -> bool:
+    """Whether this process is one of several hosts that must call jax.distributed.initialize()."""
+    return cluster_evidence(env) is not None
 
 
 def on_tpu_vm(exists=os.path.exists) -> bool:
@@ -95,13 +125,44 @@ def on_tpu_vm(exists=os.path.exists) -> bool:
     return any(exists(p) for p in ("/dev/accel0", "/dev/vfio/0")) and importlib.util.find_spec("libtpu") is not None
 
 
-def initialize(env: MutableMapping[str, str] | None = None, *, tpu_vm: bool | None = None) -> str:
+def read_metadata(env: Mapping[str, str], key: str) -> str | None:
+    """The TPU VM's metadata attribute `key`, or None where no metadata server answers it within
+    METADATA_TIMEOUT_S (a container, a TPU workstation) or it has no such attribute."""
+    import http.client
+    import urllib.request
+
+    host = env.get("GCE_METADATA_IP") or "169.254.169.254"  # the link-local address: no name to resolve
+    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/{key}",
+                                     headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=METADATA_TIMEOUT_S) as answer:
+            return answer.read().decode("utf-8", "replace")
+    except (OSError, ValueError, http.client.HTTPException):
+        return None
+
+
+def tpu_vm_evidence(env: Mapping[str, str], read: Callable[[Mapping[str, str], str], str | None] = read_metadata
+                    ) -> str | None:
+    """On a TPU VM whose environment says nothing: whether its metadata lists several workers (a multi-host
+    slice made with `gcloud compute tpus`), as jax.distributed would find them. None where the metadata
+    server does not answer (no slice to join) or lists one worker; GKE's pods say so in their environment
+    (TPU_SKIP_MDS_QUERY), so none is asked there."""
+    if env.get("MOE_TRAIN_DISTRIBUTED") == "0" or env.get("TPU_SKIP_MDS_QUERY") is not None:
+        return None
+    workers = _hosts(read(env, "worker-network-endpoints"))
+    return f"the TPU VM's metadata lists {workers} workers" if workers > 1 else None
+
+
+def initialize(env: MutableMapping[str, str] | None = None, *, tpu_vm: bool | None = None,
+               read: Callable[[Mapping[str, str], str], str | None] = read_metadata) -> str:
     """Initialises what the environment asks for; returns "pathways", "multi-host" or "single-host".
 
-    On a TPU VM without explicit settings jax.distributed.initialize() finds the slice's workers in the
-    VM metadata; where it finds no cluster (ValueError) the VM trains alone. Under Pathways (one
-    controller: no jax.distributed) the proxy must answer within PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS
-    (set here when unset, so that the IFRT proxy client gives up as soon).
+    jax.distributed starts only where something says there are several hosts (cluster_evidence, else on a
+    TPU VM its metadata: tpu_vm_evidence): one host (a single-host TPU VM, a container with a chip, a
+    workstation) trains alone with nothing set and no metadata server. Where it fails, the RuntimeError
+    names what made it try. Under Pathways (one controller: no
+    jax.distributed) the proxy must answer within PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS (set here when
+    unset, so that the IFRT proxy client gives up as soon).
     """
     env = os.environ if env is None else env
     if wants_pathways(env):
@@ -114,17 +175,38 @@ def initialize(env: MutableMapping[str, str] | None = None, *, tpu_vm: bool | No
                                "pathwaysutils)") from None
         pathwaysutils.initialize()
         return "pathways"
-    if wants_distributed(env):
-        import jax
+    evidence = cluster_evidence(env)
+    if evidence is None and (on_tpu_vm() if tpu_vm is None else tpu_vm):
+        evidence = tpu_vm_evidence(env, read)
+    if evidence is None:
+        return "single-host"
+    import jax
 
+    try:
         jax.distributed.initialize()
-        return "multi-host"
-    if env.get("MOE_TRAIN_DISTRIBUTED") != "0" and (on_tpu_vm() if tpu_vm is None else tpu_vm):
-        import jax
+    except Exception as e:  # noqa: BLE001 - whatever jax raises, the message says why it was tried
+        raise RuntimeError(f"jax.distributed.initialize() failed ({evidence}, so this is taken for one of several "
+                           f"hosts): {e}. Set MOE_TRAIN_DISTRIBUTED=0 to train on this host alone") from None
+    return "multi-host" if jax.process_count() > 1 else "single-host"
 
-        try:
-            jax.distributed.initialize()
-        except ValueError:  # no cluster detected: a single-host TPU VM
-            return "single-host"
-        return "multi-host" if jax.process_count() > 1 else "single-host"
-    return "single-host"
+
+def compilation_cache_dir(env: Mapping[str, str]) -> str:
+    """Where a trainer keeps jax's compiled programs when the environment names no place: the dry run's
+    ($XDG_CACHE_HOME/moe-tpu/jax, ~/.cache by default; provision/emulator/local_trainer.py)."""
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moe-tpu", "jax")
+
+
+def use_compilation_cache(platform: str, env: Mapping[str, str] | None = None) -> str | None:
+    """On an accelerator, jax's persistent compilation cache, as the dry run has it, where none is set: a
+    restarted trainer (a preemption, the next run of the same model) loads its initialisation and train step
+    instead of compiling them again. Call it before the first compile. Returns the directory, or None where
+    the environment or jax's config chose already, or on a CPU (the dry run sets its own)."""
+    import jax
+
+    env = os.environ if env is None else env
+    if platform == "cpu" or env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return None
+    path = compilation_cache_dir(env)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path

@@ -1,8 +1,9 @@
 """When training has diverged: the loss or the gradient norm no longer finite, or the loss finite but far
 above what guessing every token uniformly costs (ln vocab_size nats): a model blown up by its learning rate
 often stays finite for thousands of steps at losses of 10**5, and trained to the end saying "finished". The
-loop checks both after every step, before anything of that step is saved, and stops with a message that
-names the step and the last good checkpoint (exit 1)."""
+loop checks both for every step, in order, where it reads the steps' metrics (a logged step, a checkpoint,
+an evaluation, the end: never after anything of that step is saved), and stops with a message that names
+the first bad step and the last good checkpoint (exit 1)."""
 
 from __future__ import annotations
 

@@ -69,10 +69,33 @@ def check_fits(cfg: Config, mesh_shape: dict[str, int], devices) -> None:
     logits = logits_bytes_per_device(cfg, mesh_shape)
     if memory is None or rough_state_bytes(cfg) // max(len(devices), 1) + logits < memory[0] // 4:
         return
+    problem = fit_problem(cfg, mesh_shape, *memory)
+    if problem:
+        raise ConfigError(problem)
+
+
+# What makes a float32-parameter model fit where it does not: bfloat16 parameters and optimizer state (half
+# the state's bytes), with the blocks' activations recomputed in the backward pass (one v5e chip with moe-1b:
+# bfloat16 alone passes this count but XLA then wants 46.7 GiB of temporaries; with remat 6.7 GiB).
+SMALLER_STATE = {"param_dtype": "bfloat16"}
+SMALLER_STATE_FLAGS = "--set param_dtype=bfloat16 --set model.remat=true"
+
+
+def fit_problem(cfg: Config, mesh_shape: dict[str, int], memory_bytes: int, memory_name: str) -> str | None:
+    """Why the state and one batch's logits cannot fit in `memory_bytes` per device (None: they can), naming
+    the change that makes them fit where bfloat16 parameters would."""
+    logits = logits_bytes_per_device(cfg, mesh_shape)
     need = state_bytes_per_device(cfg, mesh_shape) + logits
-    if need > memory[0]:
-        raise ConfigError(f"the model cannot fit: its parameters, gradients and optimizer state and one batch's "
-                          f"logits need {need / GIB:,.1f} GiB per device on the mesh {mesh_shape}, more than "
-                          f"{memory[1]} "
-                          f"({memory[0] / GIB:,.1f} GiB); make the model or the batch smaller (model.d_model, "
-                          "model.num_layers, moe.num_experts, data.global_batch_size) or use more devices")
+    if need <= memory_bytes:
+        return None
+    remedy = ("make the model or the batch smaller (model.d_model, model.num_layers, moe.num_experts, "
+              "data.global_batch_size) or use more devices")
+    if cfg.param_dtype == "float32":
+        smaller = cfg.model_copy(update=SMALLER_STATE)
+        half = state_bytes_per_device(smaller, mesh_shape) + logits
+        if half <= memory_bytes:
+            remedy = (f"{SMALLER_STATE_FLAGS} make it fit ({half / GIB:,.1f} GiB: bfloat16 parameters and "
+                      f"optimizer state, the activations recomputed in the backward pass), or {remedy}")
+    return (f"the model cannot fit: its parameters, gradients and optimizer state and one batch's logits need "
+            f"{need / GIB:,.1f} GiB per device on the mesh {mesh_shape}, more than {memory_name} "
+            f"({memory_bytes / GIB:,.1f} GiB); {remedy}")

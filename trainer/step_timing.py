@@ -1,5 +1,6 @@
-"""Around the train step: a logged row per report (throughput, MFU from the one FLOP inventory in
-trainer.flops) and a profiler trace of chosen steps."""
+"""Around the train step: the next batch on the device before the step that needs it (Feed), the steps'
+metrics read together at the steps that need them (Pending), a logged row per report (throughput, MFU from
+the one FLOP inventory in trainer.flops) and a profiler trace of chosen steps."""
 
 from __future__ import annotations
 
@@ -11,6 +12,67 @@ import numpy as np
 
 from trainer import flops
 from trainer.config import Config
+from trainer.sharding import global_batch
+
+
+class Feed:
+    """The next batch, placed on the devices while the step before it runs (a prefetch of one).
+
+    state() is the data position of the batches handed to steps, not counting the one waiting: what a
+    checkpoint records, so that a resumed run takes the waiting batch next, as an unbroken one does."""
+
+    def __init__(self, trainer, data):
+        self.trainer, self.data = trainer, data
+        self.waiting: jax.Array | None = None
+        self.before: dict | None = None  # the data's state before the waiting batch was pulled
+
+    def fill(self) -> None:
+        if self.waiting is None:
+            self.before = self.data.state()
+            self.waiting = global_batch(self.trainer, next(self.data))
+
+    def take(self) -> jax.Array:
+        self.fill()
+        batch, self.waiting = self.waiting, None
+        return batch
+
+    def state(self) -> dict:
+        return self.before if self.waiting is not None else self.data.state()
+
+
+class Pending:
+    """The metrics of the steps dispatched since the last read, still on the devices. The loop reads them
+    together (one device-to-host transfer) only where it needs them: a logged row, a checkpoint, an
+    evaluation, the end. Between those the host never waits for a step, so it dispatches the next one while
+    the last runs."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+        self.metrics: list[dict] = []
+
+    def add(self, step: int, metrics: dict) -> None:
+        self.steps.append(step)
+        self.metrics.append(metrics)
+
+    def read(self) -> list[tuple[int, dict]]:
+        """(step, its metrics on the host) for every step since the last read, in step order."""
+        host = jax.device_get(self.metrics) if self.metrics else []
+        read = list(zip(self.steps, host, strict=True))
+        self.steps, self.metrics = [], []
+        return read
+
+
+def seconds_since_start() -> float | None:
+    """Seconds since this process started (Linux's /proc: the kernel's start time in clock ticks since boot,
+    the boot time to the second), None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return max(0.0, time.time() - boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 class StepTimer:

@@ -26,9 +26,9 @@ from trainer.model import ParamCodec, Transformer, cross_entropy, step_rngs
 from trainer.moe.layer import ExpertBias
 from trainer.outputs import RunDirectory
 from trainer.resume import check_resumable, checkpoint_meta
-from trainer.sharding import global_batch
+from trainer.sharding import global_batch  # noqa: F401 - the loop's callers place batches as it does
 from trainer.status import RunStatus
-from trainer.step_timing import Profiler, StepTimer
+from trainer.step_timing import Feed, Pending, Profiler, StepTimer, seconds_since_start
 
 # {"step": int32 [], "params": {name: array}, "opt_state": optax state}, and "moe_bias": {name: float32 [E]}
 # when MoE layers balance with a bias (moe.balance: bias or both).
@@ -277,6 +277,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             done = _already_finished(ckpt, spec, reporter, status)
             if done is not None:
                 return done
+        built = time.perf_counter()
         try:
             trainer = build_trainer(cfg, mesh, spec.steps)
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
@@ -284,6 +285,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         started = time.perf_counter()
         state = _initial_state(trainer, ckpt, data, spec, reporter, status)
         restore_s = time.perf_counter() - started if int(jax.device_get(state["step"])) else 0.0
+        startup = {"restore_s": restore_s, "init_s": time.perf_counter() - built}
         evaluator = None
         if eval_data is not None:
             from trainer.evaluation import Evaluator
@@ -291,7 +293,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             evaluator = Evaluator(trainer, eval_data, every=cfg.train.eval_every, batches=cfg.train.eval_batches,
                                   total_steps=spec.steps)
         return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=data.entropy_floor,
-                     evaluator=evaluator, restore_s=restore_s)
+                     evaluator=evaluator, startup=startup)
     finally:
         restore_handler()
         if ckpt is not None:
@@ -380,11 +382,77 @@ def compile_step(trainer: Trainer):
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
           reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None,
-          evaluator=None, restore_s: float = 0.0) -> RunResult:
+          evaluator=None, startup: dict | None = None) -> RunResult:
+    """Steps until spec.steps or a stop. The host never waits on a step it need not read: each step is
+    dispatched with the batch placed while the one before ran (Feed), and the steps' metrics are read
+    together (Pending) only at a logged row, a checkpoint, an evaluation or the end, where every step read is
+    checked for divergence in order, before anything of it is saved. The first row also says how this process
+    started (`startup`: restore_s, init_s; compile_s, and first_step_s from the process's start to the first
+    step's dispatch)."""
     cfg = trainer.cfg
     step = saved = start_step = int(jax.device_get(state["step"]))
     if start_step:
         status.resumed(start_step)
+    step_fn, compile_s = _compiled(trainer, reporter, step, spec, ckpt)
+    timer = StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
+    # For goodput and time to the first step: how this process started.
+    first_row = {"start_step": start_step, "restore_s": 0.0, **(startup or {}), "compile_s": compile_s}
+    profiler = Profiler(spec.profile_steps, spec.output_dir)
+    feed, pending, ceiling = Feed(trainer, data), Pending(), loss_ceiling(cfg.model.vocab_size)
+    last_loss, stopped = None, False
+    try:
+        while step < spec.steps:
+            if should_stop(stop, step):
+                stopped = stop.acted = True
+                break
+            profiler.before(step)
+            batch = feed.take()
+            if step == start_step:  # this process's first step: how long it took to get here
+                first_row["first_step_s"] = seconds_since_start()
+            state, metrics = step_fn(state, batch)
+            step += 1
+            pending.add(step, metrics)
+            if step < spec.steps:
+                feed.fill()  # the next batch goes to the devices while this step runs
+            evaluate = evaluator is not None and evaluator.due(step)
+            checkpoint = ckpt is not None and step % cfg.train.checkpoint_every == 0
+            log = step % cfg.train.log_every == 0 or step == spec.steps or evaluate
+            host = _read_checked(pending, ckpt, ceiling) if log or checkpoint else None
+            if log:
+                row = timer.row(step, host, entropy_floor)
+                if evaluate:
+                    row.update(evaluator(state))
+                    status.evaluated(step, row["eval_loss"])
+                    timer.restart()  # the evaluation's time is no step's
+                row.update(first_row)
+                first_row, last_loss = {}, row["loss"]
+                _report(reporter, status, row, spec.steps)
+            profiler.after(step)
+            if checkpoint:
+                ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, feed), force=True)
+                saved = step
+                reporter.checkpointed(step)
+        _read_checked(pending, ckpt, ceiling)  # the steps since the last read, before the last save
+    finally:
+        profiler.close()
+    if ckpt is not None:
+        if saved != step or ckpt.latest_step() is None:
+            ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, feed), force=True)
+        ckpt.wait()
+        ckpt.verify(step)
+    _report_end(reporter, ckpt, step, spec.steps, stop.reason if stopped else None, last_loss)
+    return RunResult(step=step, loss=last_loss, stopped_by_signal=stopped,
+                     checkpoint_step=step if ckpt is not None else None, start_step=start_step,
+                     stop_reason=stop.reason if stopped else None)
+
+
+def _report(reporter: Reporter, status: RunStatus, row: dict, total: int) -> None:
+    reporter.metrics(row)
+    reporter.progress(row, total)
+    status.running(row["step"], row["loss"], row["tokens_per_s"])
+
+
+def _compiled(trainer: Trainer, reporter: Reporter, step: int, spec: RunSpec, ckpt: Checkpointer | None):
     start = time.perf_counter()
     try:
         step_fn = compile_step(trainer)
@@ -393,50 +461,17 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
                   f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}"
                   + ("" if ckpt is not None else f"; {NOTHING_SAVED}"))
-    timer = StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
-    first_row = {"start_step": start_step, "restore_s": restore_s}  # for goodput: this process's start
-    profiler = Profiler(spec.profile_steps, spec.output_dir)
-    last_loss, stopped, ceiling = None, False, loss_ceiling(cfg.model.vocab_size)
-    try:
-        while step < spec.steps:
-            if should_stop(stop, step):
-                stopped = stop.acted = True
-                break
-            profiler.before(step)
-            state, metrics = step_fn(state, global_batch(trainer, next(data)))
-            step += 1
-            finite, loss = jax.device_get((metrics["finite"], metrics["loss"]))
-            if not finite or loss > ceiling:  # before anything of this step is saved
-                raise Diverged(step, jax.device_get(metrics), ckpt, ceiling)
-            evaluate = evaluator is not None and evaluator.due(step)
-            if step % cfg.train.log_every == 0 or step == spec.steps or evaluate:
-                row = timer.row(step, jax.device_get(metrics), entropy_floor)
-                if evaluate:
-                    row.update(evaluator(state))
-                    status.evaluated(step, row["eval_loss"])
-                    timer.restart()  # the evaluation's time is no step's
-                row.update(first_row)
-                first_row = {}
-                last_loss = row["loss"]
-                reporter.metrics(row)
-                reporter.progress(row, spec.steps)
-                status.running(step, row["loss"], row["tokens_per_s"])
-            profiler.after(step)
-            if ckpt is not None and step % cfg.train.checkpoint_every == 0:
-                ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, data), force=True)
-                saved = step
-                reporter.checkpointed(step)
-    finally:
-        profiler.close()
-    if ckpt is not None:
-        if saved != step or ckpt.latest_step() is None:
-            ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, data), force=True)
-        ckpt.wait()
-        ckpt.verify(step)
-    _report_end(reporter, ckpt, step, spec.steps, stop.reason if stopped else None, last_loss)
-    return RunResult(step=step, loss=last_loss, stopped_by_signal=stopped,
-                     checkpoint_step=step if ckpt is not None else None, start_step=start_step,
-                     stop_reason=stop.reason if stopped else None)
+    return step_fn, time.perf_counter() - start
+
+
+def _read_checked(pending: Pending, ckpt: Checkpointer | None, ceiling: float) -> dict | None:
+    """Reads the pending steps' metrics; Diverged at the first step whose loss or gradient norm is not finite
+    or whose loss passed `ceiling`. Returns the last step's metrics (None: none pending)."""
+    host = None
+    for step, host in pending.read():
+        if not host["finite"] or host["loss"] > ceiling:
+            raise Diverged(step, host, ckpt, ceiling)
+    return host
 
 
 NOTHING_SAVED = "no checkpoint is saved (no --output-dir: give one to keep the run and resume it)"

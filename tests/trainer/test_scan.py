@@ -115,3 +115,35 @@ def test_a_checkpoint_of_the_per_layer_layout_restores_stacked(tmp_path):
     for weights in (tuned, served):
         for part in ("params", "moe_bias"):
             assert all(np.array_equal(weights[part][n], state[part][n]) for n in state[part]), part
+
+
+def test_the_layers_made_in_one_loop_are_those_made_one_by_one_to_the_bit():
+    """The initialisation builds a stack's layers in one jax.lax.map (one Block in the program however deep):
+    every parameter, bias and RNG stream equals what building the layers one after another gave, with the
+    same logical axes, in the program the trainer jits."""
+    from flax import nnx
+
+    from trainer.model import Transformer
+
+    # MLA; a dense stack of one layer, a MoE stack of several; the balancing bias; jitter's forked streams
+    cfg = load_config("deepseek-tiny", ["moe.jitter=0.1", "param_dtype=bfloat16"])
+    assert [s.repeats for s in stacks.layer_stacks(cfg.model)] == [2]
+
+    def build(together: bool):
+        with nnx.use_eager_sharding(False):
+            return Transformer(cfg, mesh=None, rngs=nnx.Rngs(cfg.train.seed), layers_together=together)
+
+    def made(together: bool):
+        state = jax.jit(lambda: nnx.state(build(together))).lower().compile(compiler_options=CPU_FAST_COMPILE)()
+        return {path: (type(var).__name__, sharding.variable_names(var), raw(var.get_value()))
+                for path, var in nnx.to_flat_state(state)}
+
+    def raw(value):
+        keys = jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+        return np.asarray(jax.random.key_data(value) if keys else value)
+
+    together, one_by_one = made(True), made(False)
+    assert together.keys() == one_by_one.keys()
+    for path, (kind, names, value) in one_by_one.items():
+        assert together[path][:2] == (kind, names), path
+        assert together[path][2].dtype == value.dtype and np.array_equal(together[path][2], value), path

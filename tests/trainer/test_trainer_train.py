@@ -88,6 +88,33 @@ def test_tiny_approaches_the_entropy_floor_of_the_markov_source(trained_tiny):
     assert len(rows[-1]["expert_load"]) == 8 and sum(rows[-1]["expert_load"]) == pytest.approx(1.0)
 
 
+def test_the_loop_reads_the_devices_only_at_logged_steps(tmp_path, monkeypatch, trained_tiny):
+    """9 steps logged every 3rd: the loop reads the steps' metrics three times (one transfer each, checked for
+    divergence step by step), never waiting on a step between, and makes no implicit transfer (jax's
+    transfer guard would raise). Its rows are those of the same run logged at every step."""
+    reads = []
+    device_get = jax.device_get
+
+    def counted(tree):
+        reads.append(sorted(tree[0]) if isinstance(tree, list) and tree else tree)
+        return device_get(tree)
+
+    monkeypatch.setattr(jax, "device_get", counted)
+    with jax.transfer_guard_device_to_host("disallow"):
+        sparse = run_tiny(Reporter(str(tmp_path / "sparse.jsonl")), 9, ["train.log_every=3", "optim.decay_steps=120"])
+    monkeypatch.undo()
+    every = trained_tiny.rows  # the same model, data and schedule, logged at every step
+    assert sparse.step == 9 and sparse.loss == pytest.approx(every[8]["loss"], rel=1e-5)
+    rows = read_rows(tmp_path / "sparse.jsonl")
+    assert [r["step"] for r in rows] == [3, 6, 9]
+    first = rows[0]  # how the process started: the state's initialisation, the compile, the first step
+    assert first["first_step_s"] >= first["init_s"] + first["compile_s"] and first["init_s"] > 0
+    assert first["compile_s"] > 0 and "init_s" not in rows[1]
+    np.testing.assert_allclose([r["loss"] for r in rows], [every[i]["loss"] for i in (2, 5, 8)], rtol=1e-5)
+    metric_reads = [r for r in reads if isinstance(r, list) and "loss" in r]
+    assert len(metric_reads) == 3 and len(reads) == 3 + 2, reads  # and the start step, read twice
+
+
 def test_byte_level_text_loss_falls_well_below_uniform(tmp_path):
     """Also: checkpoints every N steps keep the last K, and --profile-steps writes a trace."""
     out = tmp_path / "out"
@@ -243,11 +270,91 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     ({"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["a:1"], "workerpool1": ["b:1"]}})}, True),
     ({"CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["a:1"]}})}, False),
     ({"TPU_WORKER_HOSTNAMES": "w-0,w-1", "MOE_TRAIN_DISTRIBUTED": "0"}, False),
+    ({"TPU_PROCESS_ADDRESSES": "10.0.0.1:8476,10.0.0.2:8476"}, True),
+    ({"MEGASCALE_NUM_SLICES": "2"}, True),
+    ({"MEGASCALE_NUM_SLICES": "1", "TPU_WORKER_HOSTNAMES": "w-0"}, False),
+    ({"JAX_NUM_PROCESSES": "4"}, True),
+    ({"JAX_NUM_PROCESSES": "1"}, False),
+    ({"MOE_TRAIN_DISTRIBUTED": "1"}, True),
+    ({"CLUSTER_SPEC": "not json"}, False),
 ])
 def test_multi_host_detection(env, expected):
     assert distributed.wants_distributed(env) is expected
     assert distributed.initialize({}, tpu_vm=False) == "single-host"
     assert not distributed.on_tpu_vm(exists=lambda path: False)
+
+
+def test_a_tpu_vm_with_no_metadata_server_and_nothing_set_trains_alone():
+    """A one-chip TPU in a container or a workstation: no metadata server answers, nothing in the environment
+    names other hosts, so jax.distributed is not started (it would fail asking metadata.google.internal)."""
+    asked = []
+
+    def no_server(env, key):
+        asked.append(key)
+        return None
+
+    assert distributed.initialize({}, tpu_vm=True, read=no_server) == "single-host"
+    assert asked == ["worker-network-endpoints"]
+    assert distributed.initialize({"TPU_WORKER_HOSTNAMES": "w-0", "TPU_SKIP_MDS_QUERY": "true"}, tpu_vm=True,
+                                  read=no_server) == "single-host"
+    assert asked == ["worker-network-endpoints"]  # GKE's single-host pod: no metadata asked
+    # The real reader, at an address where nothing listens: None at once, no exception.
+    assert distributed.read_metadata({"GCE_METADATA_IP": "127.0.0.1:9"}, "worker-network-endpoints") is None
+
+
+def test_a_tpu_vm_slice_is_known_from_its_metadata_server():
+    """A multi-host slice made with `gcloud compute tpus` says nothing in the environment; its metadata server
+    lists the workers (a real HTTP server here, answering as the metadata server does)."""
+    import http.server
+    import threading
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            known = self.headers.get("Metadata-Flavor") == "Google" and self.path.endswith("/worker-network-endpoints")
+            body = b"w-0,w-1,w-2,w-3" if known else b"not found"
+            self.send_response(200 if known else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {"GCE_METADATA_IP": f"127.0.0.1:{server.server_port}"}
+        assert distributed.tpu_vm_evidence(env) == "the TPU VM's metadata lists 4 workers"
+        assert distributed.read_metadata(env, "agent-worker-number") is None
+        assert distributed.tpu_vm_evidence({**env, "MOE_TRAIN_DISTRIBUTED": "0"}) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_failed_multi_host_start_names_what_made_it_try():
+    jax.devices()  # a started backend: jax.distributed refuses to start, as any failure would
+    with pytest.raises(RuntimeError) as failed:
+        distributed.initialize({"TPU_WORKER_HOSTNAMES": "w-0,w-1"}, tpu_vm=False)
+    assert "(TPU_WORKER_HOSTNAMES lists 2 hosts, so this is taken for one of several hosts)" in str(failed.value)
+    assert "Set MOE_TRAIN_DISTRIBUTED=0 to train on this host alone" in str(failed.value)
+    result = CliRunner().invoke(train_command, ["--config", "tiny", "--steps", "1"],
+                                env={"MEGASCALE_NUM_SLICES": "2"})
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "multi-host start-up failed: jax.distributed.initialize() failed (MEGASCALE_NUM_SLICES=2, so" \
+        in result.output
+
+
+def test_a_trainer_on_a_chip_keeps_its_compiled_programs_where_the_dry_run_does():
+    from provision.emulator.local_trainer import compilation_cache_env
+
+    env = {"XDG_CACHE_HOME": "/var/cache/me"}
+    assert distributed.compilation_cache_dir(env) == "/var/cache/me/moe-tpu/jax"
+    assert compilation_cache_env(env) == {"JAX_COMPILATION_CACHE_DIR": distributed.compilation_cache_dir(env)}
+    assert distributed.use_compilation_cache("cpu", env) is None  # the dry run sets its own
+    assert distributed.use_compilation_cache("tpu", {**env, "JAX_COMPILATION_CACHE_DIR": "/mine"}) is None
+    before = jax.config.jax_compilation_cache_dir  # this suite's (tests/conftest.py): kept
+    assert before and distributed.use_compilation_cache("tpu", env) is None
+    assert jax.config.jax_compilation_cache_dir == before
 
 
 def test_pathways_detection():

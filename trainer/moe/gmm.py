@@ -23,7 +23,12 @@ def grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, block_group_NB: jax.Arr
     )
     # Rows past the used blocks are zeros; give them to the last group so every row is in one.
     sizes_G = sizes_G.at[-1].add(x_MxK.shape[0] - jnp.sum(sizes_G))
-    out = jax.lax.ragged_dot(x_MxK, w_GxKxN, sizes_G, preferred_element_type=jnp.float32)
+    # bfloat16 operands' products are exact in float32 at any precision, so one pass is stated for them: under
+    # jax.default_matmul_precision('highest') the TPU's grouped-matmul kernel (Mosaic) refuses float32 contract
+    # precision on bfloat16 operands. float32 operands keep the context's precision.
+    bf16 = x_MxK.dtype == jnp.bfloat16 and w_GxKxN.dtype == jnp.bfloat16
+    precision = jax.lax.Precision.DEFAULT if bf16 else None
+    out = jax.lax.ragged_dot(x_MxK, w_GxKxN, sizes_G, precision=precision, preferred_element_type=jnp.float32)
     return out.astype(x_MxK.dtype)
 
 

@@ -1,0 +1,183 @@
+"""On a TPU chip, against the same computation on the CPU: the model's logits, every MoE path, a few training
+steps, and ragged_dot under 'highest' precision. Marked `tpu`: skipped unless the run asks for the chip
+(MOE_TPU_TESTS=1, tests/conftest.py) and one is there; nothing here compiles at collection.
+
+    MOE_TPU_TESTS=1 python -m pytest -q -n 0 -m tpu tests/trainer/test_tpu.py
+
+One process holds the chip, so these run in one pytest process (-n 0). MOE_TPU_TESTS=cpu runs the same
+comparisons with a second CPU device standing in for the chip: a check of the tests themselves.
+"""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from moe_oracle import oracle_moe
+
+from trainer import sharding
+from trainer.config import load_config
+from trainer.model import step_rngs
+from trainer.moe import MoEBlock, MoEConfig, core
+from trainer.moe.experts import ExpertWeights
+from trainer.moe.parallel import moe_apply, moe_groups
+from trainer.train import build_trainer
+
+pytestmark = pytest.mark.tpu
+
+B, L, D = 4, 64, 128  # MoE block inputs: 256 tokens, lane-sized rows
+RELATIVE = 1e-5  # float32 at 'highest' precision, TPU vs CPU
+BF16_LOSS = 2e-2  # a few training steps in bfloat16: the losses' relative agreement
+
+
+@pytest.fixture(scope="module")
+def chip():
+    """The TPU device (with MOE_TPU_TESTS=cpu: the last CPU device, standing in)."""
+    if os.environ.get("MOE_TPU_TESTS") == "cpu":
+        return jax.devices("cpu")[-1]
+    try:
+        return jax.devices("tpu")[0]
+    except RuntimeError as e:
+        pytest.skip(f"no TPU here: {e}")
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return jax.devices("cpu")[0]
+
+
+def mesh_of(device):
+    return sharding.make_mesh({"data": 1, "expert": 1, "model": 1}, [device])
+
+
+def relative_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@functools.cache
+def tiny_trainers(chip, cpu, overrides=()):
+    cfg = load_config("tiny", list(overrides))
+    return build_trainer(cfg, mesh_of(chip), 10), build_trainer(cfg, mesh_of(cpu), 10), cfg
+
+
+def tokens_BxT(cfg, rows=4, seed=0):
+    return jax.random.randint(jax.random.key(seed), (rows, cfg.data.seq_len + 1), 0, cfg.model.vocab_size)
+
+
+def logits_of(trainer, params, tokens):
+    def forward(params, tokens):
+        rest = step_rngs(trainer.rest, jnp.zeros((), jnp.int32))
+        model = nnx.merge(trainer.graphdef, trainer.codec.unflatten(params), rest)
+        return model(tokens, train=False)[0]
+
+    return jax.jit(forward)(params, tokens)
+
+
+def test_logits_and_greedy_tokens_match_the_cpu_on_the_same_weights(chip, cpu):
+    on_chip, on_cpu, cfg = tiny_trainers(chip, cpu)
+    with jax.default_matmul_precision("highest"):
+        state = on_cpu.initial_state()
+        params_chip = jax.device_put(state["params"], on_chip.state_shardings["params"])
+        tokens = tokens_BxT(cfg)[:, :-1]
+        want = logits_of(on_cpu, state["params"], jax.device_put(tokens, cpu))
+        got = logits_of(on_chip, params_chip, jax.device_put(tokens, chip))
+    assert relative_error(got, want) < RELATIVE
+    np.testing.assert_array_equal(np.argmax(np.asarray(got), -1), np.argmax(np.asarray(want), -1))
+
+
+def block_inputs(cfg: MoEConfig, dtype=jnp.float32):
+    block = MoEBlock(cfg, D, mesh=None, rngs=nnx.Rngs(0))
+    params = {n: getattr(block, n)[...] for n in ("router", "w_in", "w_gate", "w_out")}
+    x = jax.random.normal(jax.random.key(1), (B, L, D), jnp.float32).astype(dtype)
+    return x, params
+
+
+def on_device(device, tree):
+    return jax.device_put(tree, device)
+
+
+def apply_on(device, x, params, cfg, topo=None):
+    """The MoE block's output and aux on `device`: moe_apply's own layout choice, or `topo` under shard_map
+    over a mesh of that one device (the expert-parallel code path, exchanges included)."""
+    x, params = on_device(device, (x, params))
+    w = ExpertWeights(params["w_in"], params["w_gate"], params["w_out"])
+    if topo is None:
+        return jax.jit(lambda x, r, w: moe_apply(x, r, w, cfg, None, train=True))(x, params["router"], w)
+    mesh = jax.make_mesh((1,), ("expert",), devices=[device], axis_types=(AxisType.Auto,))
+
+    def local(x, r, w):
+        y, aux = moe_groups(x.reshape(1, -1, D), r, w.cast(x.dtype), cfg, topo, True, None)
+        return y.reshape(x.shape).astype(x.dtype), aux
+
+    spec = P("expert")
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), ExpertWeights(spec, spec, spec)),
+                            out_specs=(spec, P()))
+    return jax.jit(sharded)(x, params["router"], w)
+
+
+PATHS = {
+    "capacity": dict(capacity_factor=1.25),
+    "dropless ragged_dot": dict(capacity_factor=0.0, grouped_matmul="ragged_dot"),
+    "dropless tiled": dict(capacity_factor=0.0, grouped_matmul="tiled"),
+    "capacity, expert-parallel": dict(capacity_factor=1.25),
+    "dropless, expert-parallel": dict(capacity_factor=0.0, grouped_matmul="ragged_dot"),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_every_moe_path_matches_its_cpu_reference(chip, cpu, path):
+    """Each path on the chip against the same block on the CPU (XLA's CPU program; the per-expert loop of
+    moe_oracle for the dropless paths, which drop nothing), float32 at 'highest' precision."""
+    cfg = MoEConfig(num_experts=8, top_k=2, d_ff=256, min_capacity=1, **PATHS[path])
+    topo = None
+    if "expert-parallel" in path:
+        topo = core.Topology(expert_axis="expert", num_expert_shards=1, token_axes=("expert",),
+                             exchange="padded" if chip.platform == "cpu" else "ragged",
+                             grouped_matmul=cfg.grouped_matmul if cfg.grouped_matmul != "auto" else "ragged_dot")
+    x, params = block_inputs(cfg)
+    with jax.default_matmul_precision("highest"):
+        got, aux = apply_on(chip, x, params, cfg, topo)
+        want, want_aux = apply_on(cpu, x, params, cfg)
+        if cfg.capacity_factor <= 0:
+            oracle = oracle_moe(jax.device_put(x, cpu).reshape(-1, D), on_device(cpu, params), cfg)
+            assert relative_error(got.reshape(-1, D), oracle) < RELATIVE
+    assert relative_error(got, want) < RELATIVE
+    assert float(aux["drop_fraction"]) == pytest.approx(float(want_aux["drop_fraction"]), abs=1e-6)
+    np.testing.assert_allclose(np.asarray(aux["expert_load"]), np.asarray(want_aux["expert_load"]), atol=1e-6)
+
+
+def test_ragged_dot_in_bfloat16_under_highest_precision_works(chip, cpu):
+    """A user's jax.default_matmul_precision('highest') must not take the dropless path away: bfloat16 rows and
+    weights under it compile and agree with the CPU (XLA's Mosaic kernel refuses fp32 contract precision on
+    bf16 operands, so gmm.grouped_matmul states the precision of a bf16 product itself)."""
+    cfg = MoEConfig(num_experts=8, top_k=2, d_ff=256, min_capacity=1, capacity_factor=0.0,
+                    grouped_matmul="ragged_dot")
+    x, params = block_inputs(cfg, jnp.bfloat16)
+    with jax.default_matmul_precision("highest"):
+        got, _ = apply_on(chip, x, params, cfg)
+        want, _ = apply_on(cpu, x, params, cfg)
+    assert got.dtype == jnp.bfloat16
+    assert relative_error(got, want) < 2e-2
+
+
+def test_a_few_training_steps_match_the_cpu_within_bfloat16(chip, cpu):
+    """Three steps of tiny in bfloat16 from the same initial state and batches: the chip's losses within
+    bfloat16's tolerance of the CPU's."""
+    on_chip, on_cpu, cfg = tiny_trainers(chip, cpu, ("dtype=bfloat16",))
+    state_cpu = on_cpu.initial_state()
+    state_chip = jax.device_put(state_cpu, on_chip.state_shardings)
+    losses = {"chip": [], "cpu": []}
+    for step in range(3):
+        batch = tokens_BxT(cfg, cfg.data.global_batch_size, seed=step)
+        state_chip, metrics = on_chip.step_fn(state_chip, jax.device_put(batch, on_chip.batch_sharding))
+        losses["chip"].append(float(metrics["loss"]))
+        state_cpu, metrics = on_cpu.step_fn(state_cpu, jax.device_put(batch, on_cpu.batch_sharding))
+        losses["cpu"].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses["chip"], losses["cpu"], rtol=BF16_LOSS)
+    assert losses["chip"][-1] < losses["chip"][0]
