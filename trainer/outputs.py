@@ -9,6 +9,7 @@ trainer writes and something else reads is named here; its contents are document
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from enum import StrEnum
 
@@ -25,6 +26,32 @@ HUB_DIR = "hf"
 def join(base: str, name: str) -> str:
     """`name` in the directory `base`, local or a URL (gs://)."""
     return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
+
+
+def fetched(remote: str, names: tuple[str, ...] | None = None) -> str | None:
+    """The files of the remote directory `remote` (gs://; those of `names` alone, where given), copied into a
+    new local directory, removed when the process ends; None where it holds none."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from etils import epath  # the trainer's dependency: the control plane never fetches a run's files
+
+    source = epath.Path(remote)
+    try:
+        files = ([source / name for name in names] if names is not None else
+                 list(source.iterdir()) if source.is_dir() else [])
+        files = [f for f in files if f.is_file()]
+    except FileNotFoundError:
+        files = []
+    if not files:
+        return None
+    local = tempfile.mkdtemp(prefix="moe-tpu-hf-")
+    atexit.register(shutil.rmtree, local, ignore_errors=True)
+    for file in files:
+        with open(os.path.join(local, file.name), "wb") as f:
+            f.write(file.read_bytes())
+    return local
 
 
 class NoRun(ValueError):
@@ -71,12 +98,14 @@ class RunDirectory:
         """The trainer config the run trained with (CONFIG_FILE), which rebuilds its model."""
         return join(self.path, CONFIG_FILE)
 
-    @property
+    @functools.cached_property
     def hub(self) -> str | None:
-        """An imported model's own files (HUB_DIR), or None: not an import, or a run in gs:// (an import is
-        written locally)."""
+        """A local directory of the model's own files (HUB_DIR: an import's, a fine-tune of one's), or None: a
+        run with none. A run in gs:// (a copy of an import, a fine-tune written there) has them fetched once
+        into a local directory (a tokenizer and its configs: kilobytes to megabytes), so every reader opens a
+        path as it does for a local run."""
         if "://" in self.path:
-            return None
+            return fetched(join(self.path, HUB_DIR))
         side = os.path.join(self.path, HUB_DIR)
         return side if os.path.isdir(side) else None
 

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from trainer.outputs import HUB_DIR, NoRun, RunDirectory
+from trainer.outputs import HUB_DIR, NoRun, RunDirectory, fetched, join
 
 CONFIG = "config.json"  # the Hugging Face model's own config.json (its token ids, max_position_embeddings)
 TOKENIZER = "tokenizer.json"
@@ -45,24 +45,27 @@ def copy_files(source: str, target: str) -> list[str]:
 
 
 def of_source(init_from: str) -> str | None:
-    """The directory holding the side files of what `--init-from` named (and the fine-tune read): a run's (an
-    import's, a fine-tune's) HUB_DIR, or a Hugging Face directory itself; None where there are none, or they
-    are remote."""
-    if "://" in init_from or not os.path.isdir(init_from):
-        return None
+    """A local directory holding the side files of what `--init-from` named (and the fine-tune read): a run's
+    (an import's, a fine-tune's) HUB_DIR, or a Hugging Face directory itself, local or gs:// (fetched); None
+    where there are none."""
     try:
         return RunDirectory.find(init_from, "--init-from").hub
     except NoRun:  # no run: the Hugging Face directory the fine-tune read
+        if "://" in init_from:
+            return fetched(init_from, TOKENIZER_FILES + (CONFIG,))
         return init_from if os.path.isfile(os.path.join(init_from, CONFIG)) else None
 
 
 def carry(init_from: str, output_dir: str) -> list[str]:
     """A fine-tune's side files: those of its source (`of_source`) copied into OUTPUT_DIR/HUB_DIR, replacing
-    any there (a first start that failed); their names, none when the source has none or the run is remote.
-    Written beside it and renamed, so a reader never sees half of them."""
+    any there (a first start that failed); their names, none when the source has none. Written beside it and
+    renamed, so a reader never sees half of them; into gs:// a file at a time (read once the run has
+    checkpoints)."""
     source = of_source(init_from)
-    if source is None or "://" in output_dir:
+    if source is None:
         return []
+    if "://" in output_dir:
+        return _upload(source, join(output_dir, HUB_DIR))
     target = os.path.join(output_dir, HUB_DIR)
     staging = tempfile.mkdtemp(prefix=f".{HUB_DIR}.partial-", dir=output_dir)
     try:
@@ -73,6 +76,21 @@ def carry(init_from: str, output_dir: str) -> list[str]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return copied
+
+
+def _upload(source: str, target: str) -> list[str]:
+    from etils import epath
+
+    remote = epath.Path(target)
+    remote.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in TOKENIZER_FILES + (CONFIG,):
+        path = os.path.join(source, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                (remote / name).write_bytes(f.read())
+            copied.append(name)
     return copied
 
 

@@ -136,3 +136,34 @@ def test_prepare_into_gcs_takes_a_lock_publishes_the_manifest_last_and_never_rep
     assert out["manifest"]["documents"] == 2 and not out["shard"].startswith("left by")  # the leftover replaced
     assert out["again"] == 2 and "gs://data/ds already holds a dataset" in done.stderr
     assert out["after_again"] == out["files"]  # no lock left behind, nothing replaced
+
+
+def test_a_models_own_files_travel_with_fine_tunes_through_gcs(fake_gcs, tmp_path):
+    """A fine-tune of an import written to gs:// carries the model's own files (tokenizer, configs) there; a
+    reader of that run (`sample`, `serve`, `hf export`: RunDirectory.hub) finds them; a fine-tune from it takes
+    them back to a local run; and a Hugging Face directory in gs:// gives its side files, not its weights."""
+    from etils import epath
+
+    from trainer import sidefiles
+    from trainer.outputs import RunDirectory
+
+    imported = tmp_path / "imported"
+    (imported / "checkpoints" / "0").mkdir(parents=True)
+    (imported / "hf").mkdir()
+    (imported / "hf" / "tokenizer.json").write_text('{"model": "ours"}')
+    (imported / "hf" / "config.json").write_text('{"eos_token_id": 7, "max_position_embeddings": 512}')
+    assert sidefiles.carry(str(imported), "gs://data/tuned") == ["tokenizer.json", "config.json"]
+    epath.Path("gs://data/tuned/checkpoints/20/_CHECKPOINT_METADATA").write_text("{}")  # the run's checkpoint
+    run = RunDirectory.find("gs://data/tuned", "--checkpoint")
+    assert open(sidefiles.tokenizer_file(run)).read() == '{"model": "ours"}'
+    assert sidefiles.eos_token_id(run) == 7 and not run.hub.startswith("gs://")
+
+    again = tmp_path / "again"
+    again.mkdir()
+    assert sidefiles.carry("gs://data/tuned", str(again)) == ["tokenizer.json", "config.json"]
+    assert (again / "hf" / "config.json").read_text() == (imported / "hf" / "config.json").read_text()
+
+    for name, text in (("config.json", "{}"), ("tokenizer.json", "{}"), ("model.safetensors", "weights")):
+        epath.Path(f"gs://data/hub/{name}").write_text(text)
+    assert sorted(os.listdir(sidefiles.of_source("gs://data/hub"))) == ["config.json", "tokenizer.json"]
+    assert RunDirectory.at("gs://data/nothing").hub is None
