@@ -54,8 +54,9 @@ class ServingModel:
     def module(self, weights: dict[str, Any]) -> Transformer:
         """The model with `weights`, for use inside jit."""
         biases = (self.bias_codec.unflatten(weights["moe_bias"]),) if self.bias_codec.names else ()
-        params = {n: dequantized(weights["params"][n]) for n in self.codec.names}
-        return nnx.merge(self.graphdef, self.codec.unflatten(params), *biases,
+        # int8 and int4 weights (trainer/serve/quant.py, quant4.py) stand as they are: each layer widens its own
+        # slice where it reads it, never a float copy of the whole stack
+        return nnx.merge(self.graphdef, self.codec.unflatten(weights["params"]), *biases,
                          step_rngs(self.rest, jnp.zeros((), jnp.int32)))
 
     def abstract(self) -> dict[str, Any]:
@@ -69,14 +70,6 @@ class ServingModel:
             tree["moe_bias"] = {n: spec(self.bias_codec.variables[n], self.shardings["moe_bias"][n])
                                 for n in self.bias_codec.names}
         return tree
-
-
-def dequantized(value):
-    """A parameter as the model uses it: int8 and int4 weights (trainer.serve.quant, quant4) come back to float."""
-    from trainer.serve.quant import Int8Weight
-    from trainer.serve.quant4 import Int4Weight
-
-    return value.dequantize() if isinstance(value, (Int8Weight, Int4Weight)) else value
 
 
 def build_serving_model(cfg: Config, mesh: Mesh) -> ServingModel:
@@ -204,5 +197,11 @@ def decode_weight_bytes(model: ServingModel, weights: dict[str, Any], tokens: in
             for shard in leaf.addressable_shards:
                 # experts on this device (a stacked weight's: of each of its layers)
                 held = shard.data.shape[names.index("expert")] if "expert" in names else 1
-                per_device[shard.device] += shard.data.nbytes * min(touched, held) / held
+                per_device[shard.device] += stored_bytes(shard.data) * min(touched, held) / held
     return round(max(per_device.values()))
+
+
+def stored_bytes(x: jax.Array) -> int:
+    """An array's bytes as a device stores it: jnp.int4's two values a byte (jax reports a byte a value)."""
+    bits = 4 if x.dtype in (jnp.int4, jnp.uint4) else 8 * x.dtype.itemsize
+    return x.size * bits // 8
