@@ -79,7 +79,8 @@ def touched_bytes(model, engine, slots: int) -> int:
     runner = engine.runner
     cache = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.cache))
     live = runner.span_for(runner.max_len)  # the longest timed run reaches the end of the cache
-    return decode_weight_bytes(model, engine.weights, slots) + round(cache * slots / runner.slots * live / runner.max_len)
+    cache_read = round(cache * slots / runner.slots * live / runner.max_len)
+    return decode_weight_bytes(model, engine.weights, slots) + cache_read
 
 
 def measure(model, weights, fmt: str, slots: int, args, bandwidth: float | None) -> dict:

@@ -13,6 +13,7 @@ shows the decode program's scratch).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -77,12 +78,17 @@ def quantize_params(params: dict[str, jax.Array]) -> dict:
 
 
 def quantize_array(name: str, p: jax.Array):
-    """Weight `name` as int8 (an Int8Weight), or `p` itself where it stays float (input_axes)."""
+    """Weight `name` as int8 (an Int8Weight), or `p` itself where it stays float (input_axes). A stacked
+    weight is quantized a layer at a time (its scratch: one layer's)."""
     axes = input_axes(name, p.ndim)
-    return p if axes is None else _quantize(p, axes)
+    return p if axes is None else _quantize(p, axes, is_stacked(name))
 
 
-_quantize = jax.jit(quantize_weight, static_argnums=1)  # one compilation per shape and axes
+@functools.partial(jax.jit, static_argnums=(1, 2))  # one compilation per shape and axes
+def _quantize(p: jax.Array, axes: tuple[int, ...], stacked: bool) -> Int8Weight:
+    if not stacked:
+        return quantize_weight(p, axes)
+    return jax.lax.map(lambda w: quantize_weight(w, tuple(a - 1 for a in axes)), p)
 
 
 def weight_bytes(params: dict) -> int:

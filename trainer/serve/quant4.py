@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer.serve.quant import input_axes
+from trainer.stacks import is_stacked
 
 GROUP = 128
 LEVELS = 7  # symmetric: -7..7 (the 16th code, -8, is never written)
@@ -147,6 +148,8 @@ def spec_for(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec
         names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
         ways = math.prod(mesh.shape[n] for n in names)
         out.append(entry if ways and size % ways == 0 else None)
+    while out and out[-1] is None:  # as jax writes a spec: P(None, "expert"), not P(None, "expert", None)
+        out.pop()
     return PartitionSpec(*out)
 
 
@@ -218,13 +221,21 @@ def quantize_array(name: str, p: jax.Array, storage: str | None = None):
     storage = storage or storage_for(next(iter(p.devices())).platform)
     if storage not in STORAGES:
         raise ValueError(f"int4 storage {storage!r}: one of {', '.join(STORAGES)}")
-    return _quantize(p, axis, storage, _shardings(p, axis, storage))
+    return _quantizer(axis, storage, _shardings(p, axis, storage), p.ndim, jnp.dtype(p.dtype).name,
+                      is_stacked(name))(p)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize(p: jax.Array, axis: int, storage: str, placed):
-    out = quantize_weight(p, axis, storage)
+@functools.lru_cache(maxsize=None)
+def _quantizer(axis: int, storage: str, placed, ndim: int, dtype: str, stacked: bool):
+    """The jitted quantization of a weight of `ndim` axes and `dtype` grouped along `axis`, its values and
+    scales placed by `placed` (two shardings, or None); a stacked weight a layer at a time (its scratch: one
+    layer's)."""
+    def quantize(p):
+        if stacked:
+            return jax.lax.map(lambda w: quantize_weight(w, axis - 1, storage), p)
+        return quantize_weight(p, axis, storage)
+
     if placed is None:
-        return out
-    values, scale = (jax.lax.with_sharding_constraint(a, s) for a, s in zip(out.arrays_of(), placed, strict=True))
-    return dataclasses.replace(out, **dict(zip(out.arrays, (values, scale), strict=True)))
+        return jax.jit(quantize)
+    kind = Int4Native if storage == "native" else Int4Weight
+    return jax.jit(quantize, out_shardings=kind(*placed, axis - ndim, dtype))  # the output's tree, static fields too

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import click
 
-from trainer.serve.memory import HEADROOM, device_memory, memory_plan
+from trainer.serve.memory import HEADROOM, device_memory, load_peak, memory_plan
 from trainer.status import EXIT_USAGE
 
 
@@ -38,7 +38,6 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
 
     from trainer import meshspec, sharding
     from trainer.run_loader import Codec, find_run, load_run_config
-    from trainer.serve import quant, quant4
     from trainer.serve.engine import Engine, RequestError
     from trainer.serve.prefix import BLOCK
     from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
@@ -80,12 +79,10 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     check_fits(plan, limit, slots, max_len, kv, quantized)
     progress(f"reading the parameters from {checkpoints}")
     try:
-        weights, step = restore_weights(model, checkpoints)
+        weights, step = restore_weights(model, checkpoints, quantized)  # int8, int4 (--weights): array by array
     except WeightsError as e:
         raise ServeError(str(e)) from None
     progress(f"read the checkpoint at step {step}")
-    if quantized:  # int8 or int4 (--weights)
-        weights = {**weights, "params": {"int8": quant, "int4": quant4}[quantized].quantize_params(weights["params"])}
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
                         detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens)
@@ -146,10 +143,12 @@ def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, 
         return
     if isinstance(limit, float):  # --device-memory-gb
         limit = int(limit * 2**30)
-    need = plan["weights"] + plan["kv_cache"] + plan.get("prefix_cache", 0)
-    if need <= limit * (1 - HEADROOM):
+    if load_peak(plan) <= limit * (1 - HEADROOM):
         return
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    loading = ""
+    if plan.get("loading", 0) > plan["kv_cache"] + plan.get("prefix_cache", 0):
+        loading = f" (loading: one float weight of {gib(plan['loading'])} beside the weights, before the caches)"
     advice = ["lower --slots or --max-len (the cache is slots x max-len)"]
     if plan.get("prefix_cache"):
         advice.append("lower --prefix-cache-tokens or --no-enable-prefix-caching")
@@ -160,6 +159,6 @@ def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, 
     advice.append("or put more devices on `expert` (--mesh) to split the experts")
     raise ServeError(f"the model does not fit a device: weights {gib(plan['weights'])} + KV cache "
                      f"{gib(plan['kv_cache'])} ({slots} slots x {max_len} tokens, {kv_dtype}) + prefix cache "
-                     f"{gib(plan.get('prefix_cache', 0))} > "
+                     f"{gib(plan.get('prefix_cache', 0))}{loading} > "
                      f"{gib(limit * (1 - HEADROOM))} ({100 - HEADROOM * 100:.0f}% of the device's {gib(limit)}); "
                      + "; ".join(advice))

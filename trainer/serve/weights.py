@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -105,18 +106,22 @@ def init_weights(model: ServingModel) -> dict[str, Any]:
     return jax.jit(init, out_shardings=out_shardings)()
 
 
-def restore_weights(model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
+def restore_weights(model: ServingModel, checkpoints: str, quantized: str | None = None,
+                    on_array: Callable[[str], None] | None = None) -> tuple[dict[str, Any], int]:
     """(the latest checkpoint's parameters and biases, its step), read straight onto the mesh; the
-    optimizer state in the checkpoint is not read. Raises WeightsError naming what is wrong."""
+    optimizer state in the checkpoint is not read. `quantized` ("int8", "int4" or None: as saved) reads the
+    parameters one array at a time, each quantized as it arrives, so the device never holds more than the
+    quantized model and one float array (memory_plan's "loading"); `on_array(name)` is called after each.
+    Raises WeightsError naming what is wrong."""
     import orbax.checkpoint as ocp
 
     from trainer.checkpoint import _reason, quiet_orbax
 
     with quiet_orbax():
-        return _restore(ocp, _reason, model, checkpoints)
+        return _restore(ocp, _reason, model, checkpoints, quantized, on_array)
 
 
-def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
+def _restore(ocp, _reason, model: ServingModel, checkpoints: str, quantized, on_array) -> tuple[dict[str, Any], int]:
     if "://" not in checkpoints:  # orbax takes absolute paths only; a user types a relative one
         checkpoints = os.path.abspath(checkpoints)
     try:
@@ -131,20 +136,49 @@ def _restore(ocp, _reason, model: ServingModel, checkpoints: str) -> tuple[dict[
         wanted = model.abstract()
         target = _layout_of(manager, step, model, wanted)
         _check_shapes(manager, step, target, checkpoints)
-        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                      partial_restore=True)
-        try:
-            restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
-        except Exception as e:  # noqa: BLE001 - tensorstore and file errors alike
-            raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: {_reason(e)}") from None
-        restored = {k: dict(restored[k]) for k in target}
-        if target is not wanted:
+
+        def read(tree: dict) -> dict:
+            args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                                          partial_restore=True)
+            try:
+                restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+            except Exception as e:  # noqa: BLE001 - tensorstore and file errors alike
+                raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: {_reason(e)}") from None
+            return {k: dict(restored[k]) for k in tree}
+
+        if target is wanted and quantized:
+            return _read_quantized(read, wanted, quantized, on_array), step
+        restored = read(target)
+        if target is not wanted:  # a checkpoint of the per-layer layout: read whole, stacked, then quantized
             from trainer.checkpoint import stacked_layout
 
             restored = stacked_layout(model.cfg.model, restored, wanted)
+        if quantized:
+            restored["params"] = {n: quantizer(quantized)(n, p) for n, p in restored["params"].items()}
         return restored, step
     finally:
         manager.close()
+
+
+def quantizer(quantized: str) -> Callable[[str, jax.Array], Any]:
+    """quantize_array of `quantized`'s module ("int8": trainer/serve/quant.py, "int4": quant4.py, its storage
+    the backend's: quant4.storage_for)."""
+    from trainer.serve import quant, quant4
+
+    return {"int8": quant.quantize_array, "int4": quant4.quantize_array}[quantized]
+
+
+def _read_quantized(read, wanted: dict, quantized: str, on_array) -> dict[str, Any]:
+    """The weights read a parameter at a time, each quantized on its devices before the next is read."""
+    out = {k: read({k: v})[k] for k, v in wanted.items() if k != "params"}
+    out["params"] = {}
+    for name, spec in wanted["params"].items():
+        value = quantizer(quantized)(name, read({"params": {name: spec}})["params"][name])
+        out["params"][name] = jax.block_until_ready(value)  # the float array is freed before the next is read
+        del value
+        if on_array is not None:
+            on_array(name)
+    return out
 
 
 def _layout_of(manager, step: int, model: ServingModel, wanted: dict) -> dict:
