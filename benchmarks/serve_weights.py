@@ -92,6 +92,11 @@ def measure(model, weights, fmt: str, slots: int, args, bandwidth: float | None)
     engine = Engine(model, stored_weights(weights, fmt), slots=slots, max_len=16 + 8 + args.steps, chunk=16)
     compiled, name = decode_program(engine, slots)
     temp = compiled.memory_analysis().temp_size_in_bytes
+    leaves = jax.tree.leaves(engine.weights["params"])
+    row = {"weights": fmt, "slots": slots, "weight_bytes": sum(stored_bytes(x) for x in leaves),
+           "decode_program": name, "temp_bytes": temp, "temp_mib": round(temp / 2**20, 2)}
+    if args.memory_only:
+        return row
     engine.warm_up()
     timed_run(engine, slots, 8 + args.steps)  # the first run of each program
     steps = []
@@ -100,10 +105,7 @@ def measure(model, weights, fmt: str, slots: int, args, bandwidth: float | None)
         steps.append((long - short) / args.steps)
     step = statistics.median(steps)
     touched = touched_bytes(model, engine, slots)
-    leaves = jax.tree.leaves(engine.weights["params"])
-    return {"weights": fmt, "slots": slots, "weight_bytes": sum(stored_bytes(x) for x in leaves),
-            "decode_program": name, "temp_bytes": temp, "temp_mib": round(temp / 2**20, 2),
-            "decode_step_ms": round(1e3 * step, 3), "decode_step_ms_runs": [round(1e3 * s, 3) for s in steps],
+    return {**row, "decode_step_ms": round(1e3 * step, 3), "decode_step_ms_runs": [round(1e3 * s, 3) for s in steps],
             "tokens_per_s": round(slots / step, 1), "touched_bytes": touched,
             "bound_ms": None if bandwidth is None else round(1e3 * touched / bandwidth, 4),
             "over_bound": None if bandwidth is None else round(step / (touched / bandwidth), 2)}
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth (GB/s) where not known")
+    p.add_argument("--memory-only", action="store_true", help="the bytes and the compiled scratch, no timing")
     p.add_argument("--json", dest="json_path", default=None, help="write the results to this path")
     args = p.parse_args(argv)
     formats = args.formats.split(",")
