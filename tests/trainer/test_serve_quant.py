@@ -118,9 +118,9 @@ def test_quantized_weights_are_widened_a_layer_at_a_time_inside_the_compiled_ste
 
 
 def test_a_quantized_load_holds_less_than_the_float_model_and_what_the_fit_check_counts(restored, trained_tiny):
-    """Loading at int8 reads and quantizes one array at a time: the device buffers alive after each array
-    (jax.live_arrays) stay within the start-up plan's weights + loading and below the float model's size,
-    and the weights are the float ones quantized."""
+    """Loading at int8 reads and quantizes one array at a time: the device buffers alive as each float array
+    arrives (jax.live_arrays: the quantized ones before it and itself) stay within the start-up plan's weights
+    + loading, below the float model's size, and the weights are the float ones quantized."""
     model, weights, _ = restored
     gc.collect()
     before = {id(a) for a in jax.live_arrays()}

@@ -111,7 +111,8 @@ def restore_weights(model: ServingModel, checkpoints: str, quantized: str | None
     """(the latest checkpoint's parameters and biases, its step), read straight onto the mesh; the
     optimizer state in the checkpoint is not read. `quantized` ("int8", "int4" or None: as saved) reads the
     parameters one array at a time, each quantized as it arrives, so the device never holds more than the
-    quantized model and one float array (memory_plan's "loading"); `on_array(name)` is called after each.
+    quantized model and one float array (memory_plan's "loading"); `on_array(name)` is called as each float
+    array arrives, before it is quantized.
     Raises WeightsError naming what is wrong."""
     import orbax.checkpoint as ocp
 
@@ -173,11 +174,12 @@ def _read_quantized(read, wanted: dict, quantized: str, on_array) -> dict[str, A
     out = {k: read({k: v})[k] for k, v in wanted.items() if k != "params"}
     out["params"] = {}
     for name, spec in wanted["params"].items():
-        value = quantizer(quantized)(name, read({"params": {name: spec}})["params"][name])
+        value = read({"params": {name: spec}})["params"][name]
+        if on_array is not None:  # the most the load holds: the quantized arrays so far and this float one
+            on_array(name)
+        value = quantizer(quantized)(name, value)
         out["params"][name] = jax.block_until_ready(value)  # the float array is freed before the next is read
         del value
-        if on_array is not None:
-            on_array(name)
     return out
 
 
