@@ -3,7 +3,7 @@ compiled decode program's scratch, the engine's decode step and its ratio to the
 
     python benchmarks/serve_weights.py                          # a small model on the CPU (a minute or two)
     python benchmarks/serve_weights.py --accelerator --json out.json   # moe-1b on the default backend (TPU)
-    python benchmarks/serve_weights.py --formats int4-nibbles,int4-native --slots 1,8,32
+    python benchmarks/serve_weights.py --formats int4-nibbles,int4-native --slots 1,8,32 --memory-only
 
 One model, one set of fresh weights: stored as they are (bfloat16), then quantized as the server quantizes
 them (trainer/serve/quant.py, quant4.py): int8, and int4 in each storage quant4 offers (`int4-nibbles`, two
@@ -11,9 +11,9 @@ values a byte, what the CPU wants; `int4-native`, jnp.int4, what XLA packs on a 
 would choose. For each format and slot count:
   - temp_bytes: XLA's compiled memory analysis of the decode program (its scratch). A float copy of the
     whole weight stack shows here (on a v5e chip int8's was 2,488 MiB, float32's 2,487 MiB).
-  - decode_step_ms: an engine decodes `slots` greedy requests of a 16-token prompt; the step is (a run of
-    8 + --steps tokens - a run of 8) / --steps, so prefill and the first steps fall out; the median of
-    --repeats such differences.
+  - decode_step_ms: an engine (one a format, of the most slots) decodes `slots` greedy requests of a 16-token
+    prompt; the step is (a run of 8 + --steps tokens - a run of 8) / --steps, so prefill and the first steps
+    fall out; the median of --repeats such differences.
   - touched_bytes: the weights the step reads (trainer.serve.weights.decode_weight_bytes: the experts its
     tokens route to) and the KV cache rows and span it attends over; over_bound: the step over
     touched_bytes / the memory bandwidth (819 GB/s on a v5e chip, --hbm-gbps elsewhere; none on a CPU
@@ -83,21 +83,29 @@ def touched_bytes(model, engine, slots: int) -> int:
     return decode_weight_bytes(model, engine.weights, slots) + cache_read
 
 
-def measure(model, weights, fmt: str, slots: int, args, bandwidth: float | None) -> dict:
+def measure(model, weights, fmt: str, slot_counts: list[int], args, bandwidth: float | None) -> list[dict]:
+    """One row per slot count, from one engine of the most slots (a step of fewer live slots runs the decode
+    program of fewer rows: it reads only theirs)."""
     import jax
 
     from trainer.serve.engine import Engine
     from trainer.serve.weights import stored_bytes
 
-    engine = Engine(model, stored_weights(weights, fmt), slots=slots, max_len=16 + 8 + args.steps, chunk=16)
-    compiled, name = decode_program(engine, slots)
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    leaves = jax.tree.leaves(engine.weights["params"])
-    row = {"weights": fmt, "slots": slots, "weight_bytes": sum(stored_bytes(x) for x in leaves),
-           "decode_program": name, "temp_bytes": temp, "temp_mib": round(temp / 2**20, 2)}
-    if args.memory_only:
-        return row
-    engine.warm_up()
+    engine = Engine(model, stored_weights(weights, fmt), slots=max(slot_counts), max_len=16 + 8 + args.steps,
+                    chunk=16)
+    held = sum(stored_bytes(x) for x in jax.tree.leaves(engine.weights["params"]))
+    rows = []
+    for slots in slot_counts:
+        compiled, name = decode_program(engine, slots)
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        rows.append({"weights": fmt, "slots": slots, "weight_bytes": held, "decode_program": name,
+                     "temp_bytes": temp, "temp_mib": round(temp / 2**20, 2)})
+        if not args.memory_only:
+            rows[-1].update(timed(model, engine, slots, args, bandwidth))
+    return rows
+
+
+def timed(model, engine, slots: int, args, bandwidth: float | None) -> dict:
     timed_run(engine, slots, 8 + args.steps)  # the first run of each program
     steps = []
     for _ in range(args.repeats):
@@ -105,7 +113,7 @@ def measure(model, weights, fmt: str, slots: int, args, bandwidth: float | None)
         steps.append((long - short) / args.steps)
     step = statistics.median(steps)
     touched = touched_bytes(model, engine, slots)
-    return {**row, "decode_step_ms": round(1e3 * step, 3), "decode_step_ms_runs": [round(1e3 * s, 3) for s in steps],
+    return {"decode_step_ms": round(1e3 * step, 3), "decode_step_ms_runs": [round(1e3 * s, 3) for s in steps],
             "tokens_per_s": round(slots / step, 1), "touched_bytes": touched,
             "bound_ms": None if bandwidth is None else round(1e3 * touched / bandwidth, 4),
             "over_bound": None if bandwidth is None else round(step / (touched / bandwidth), 2)}
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="the config [tiny with CPU_OVERRIDES; moe-1b with --accelerator]")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
-    p.add_argument("--slots", default="1,8", help="comma-separated slot counts [1,8]")
+    p.add_argument("--slots", default=None, help="comma-separated slot counts [1,8; 1,8,32 with --accelerator]")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth (GB/s) where not known")
@@ -153,11 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = bandwidth_of(device, args.hbm_gbps)
     head = {"config": config, "overrides": overrides, "platform": device.platform, "device_kind": device.device_kind,
             "parameters": sum(x.size for x in weights["params"].values()), "bandwidth_bytes_per_s": bandwidth}
+    slot_counts = [int(s) for s in (args.slots or ("1,8,32" if args.accelerator else "1,8")).split(",")]
     rows = []
     for fmt in formats:
-        for slots in (int(s) for s in args.slots.split(",")):
-            rows.append(measure(model, weights, fmt, slots, args, bandwidth))
-            print(json.dumps({**head, **rows[-1]}), flush=True)
+        for row in measure(model, weights, fmt, slot_counts, args, bandwidth):
+            rows.append(row)
+            print(json.dumps({**head, **row}), flush=True)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({**head, "results": rows}, f, indent=2)
