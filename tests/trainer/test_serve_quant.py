@@ -84,6 +84,7 @@ def test_int8_weights_predict_as_float_on_held_out_text_of_a_prepared_corpus(pre
 
 def test_int4_weights_take_under_0_3x_of_bfloat16_and_predict_as_float_on_held_out_text(prepared):
     model, weights, forward, rows = prepared
+    assert (quant4.storage_for("cpu"), quant4.storage_for("tpu")) == ("nibbles", "native")
     int4 = {**weights, "params": quant4.quantize_params(weights["params"])}  # the CPU's storage: nibbles
     w_in = int4["params"]["stacks.0.0.ffn.w_in"]  # [layers, E, D, F], 2 x 8 x 64 x 64: grouped along D, 2 a byte
     assert isinstance(w_in, quant4.Int4Weight) and w_in.packed.dtype == jnp.uint8

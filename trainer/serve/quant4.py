@@ -148,7 +148,7 @@ def spec_for(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec
         names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
         ways = math.prod(mesh.shape[n] for n in names)
         out.append(entry if ways and size % ways == 0 else None)
-    while out and out[-1] is None:  # as jax writes a spec: P(None, "expert"), not P(None, "expert", None)
+    while out and out[-1] is None:  # trailing whole axes left out: P(None, "expert"), not P(None, "expert", None)
         out.pop()
     return PartitionSpec(*out)
 
