@@ -1,15 +1,24 @@
-"""Serving weights at bfloat16, int8 and int4 (`--weights`), side by side in one run: their bytes and the
-engine's decode step.
+"""Serving weights at bfloat16, int8 and int4 (both storages), side by side in one run: their bytes, the
+compiled decode program's scratch, the engine's decode step and its ratio to the memory-bandwidth bound.
 
-    python benchmarks/serve_weights.py                       # a config of about 100M parameters, bfloat16
-    python benchmarks/serve_weights.py --steps 64 --slots 8 --overrides "model.num_layers=2 ..."
+    python benchmarks/serve_weights.py                          # a small model on the CPU (a minute or two)
+    python benchmarks/serve_weights.py --accelerator --json out.json   # moe-1b on the default backend (TPU)
+    python benchmarks/serve_weights.py --formats int4-nibbles,int4-native --slots 1,8,32 --memory-only
 
-One model, one set of fresh weights: stored as they are (bfloat16), then quantized on load as the server
-quantizes them (trainer/serve/quant.py, quant4.py). Each engine decodes `--slots` greedy requests of a
-16-token prompt; the decode step is (a run of 8 + `--steps` tokens - a run of 8) / `--steps`, so prefill
-and the first steps fall out, the median of `--repeats` such differences. Every format computes in the
-config's dtype (its weights dequantized inside the compiled step): the figures differ by what is stored
-and unpacked. One JSON line per format.
+One model, one set of fresh weights: stored as they are (bfloat16), then quantized as the server quantizes
+them (trainer/serve/quant.py, quant4.py): int8, and int4 in each storage quant4 offers (`int4-nibbles`, two
+values a byte, what the CPU wants; `int4-native`, jnp.int4, what XLA packs on a TPU), whatever the backend
+would choose. For each format and slot count:
+  - temp_bytes: XLA's compiled memory analysis of the decode program (its scratch). A float copy of the
+    whole weight stack shows here (on a v5e chip int8's was 2,488 MiB, float32's 2,487 MiB).
+  - decode_step_ms: an engine (one a format, of the most slots) decodes `slots` greedy requests of a 16-token
+    prompt; the step is (a run of 8 + --steps tokens - a run of 8) / --steps, so prefill and the first steps
+    fall out; the median of --repeats such differences.
+  - touched_bytes: the weights the step reads (trainer.serve.weights.decode_weight_bytes: the experts its
+    tokens route to) and the KV cache rows and span it attends over; over_bound: the step over
+    touched_bytes / the memory bandwidth (819 GB/s on a v5e chip, --hbm-gbps elsewhere; none on a CPU
+    unless given).
+One JSON line per format and slot count on stdout; --json PATH writes them all as one object.
 """
 
 from __future__ import annotations
@@ -20,9 +29,14 @@ import statistics
 import sys
 import time
 
-OVERRIDES = ["dtype=bfloat16", "param_dtype=bfloat16", "model.vocab_size=32768", "model.d_model=512",
-             "model.num_layers=6", "model.num_heads=8", "model.d_ff=2048", "moe.d_ff=1024", "moe.num_experts=8",
-             "moe.top_k=2"]
+# A small MoE for the CPU (about 20M parameters, bfloat16): a minute or two for every format.
+CPU_OVERRIDES = ["dtype=bfloat16", "param_dtype=bfloat16", "model.vocab_size=8192", "model.d_model=256",
+                 "model.num_layers=4", "model.num_heads=4", "model.d_ff=1024", "moe.d_ff=512", "moe.num_experts=8",
+                 "moe.top_k=2"]
+ACCELERATOR_OVERRIDES = ["dtype=bfloat16", "param_dtype=bfloat16"]
+FORMATS = ("bf16", "int8", "int4-nibbles", "int4-native")
+# Memory bandwidth per chip by the start of jax's device_kind (bytes/s): v5e's from provision/catalogue.py.
+BANDWIDTH = {"TPU v5 lite": 819e9, "TPU v5e": 819e9}
 
 
 def timed_run(engine, slots: int, tokens: int) -> float:
@@ -35,51 +49,129 @@ def timed_run(engine, slots: int, tokens: int) -> float:
     return time.perf_counter() - started
 
 
-def measure(model, weights, args) -> dict:
-    from trainer.serve.engine import Engine
+def stored_weights(weights: dict, fmt: str) -> dict:
+    """The weights as `fmt` stores them (bf16: as they are)."""
+    from trainer.serve import quant, quant4
 
-    engine = Engine(model, weights, slots=args.slots, max_len=16 + 8 + args.steps, chunk=16)
-    engine.warm_up()
-    timed_run(engine, args.slots, 8 + args.steps)  # the first run of each program
+    if fmt == "bf16":
+        return weights
+    if fmt == "int8":
+        return {**weights, "params": quant.quantize_params(weights["params"])}
+    return {**weights, "params": quant4.quantize_params(weights["params"], storage=fmt.split("-")[1])}
+
+
+def decode_program(engine, slots: int):
+    """(the engine's decode program for `slots` live slots at its longest span, compiled; its name)."""
+    runner = engine.runner
+    rows, span = runner.rows_for(slots), runner.spans()[-1]
+    name = f"decode/{span}/{rows}"
+    compiled = runner.program(name).lower(runner.weights, runner.cache, *runner.decode_inputs(rows, False)).compile()
+    return compiled, name
+
+
+def touched_bytes(model, engine, slots: int) -> int:
+    """Bytes a decode step of `slots` rows reads: the weights its tokens touch and its rows of the KV cache
+    over the span the steps attend (the longest the timed runs reach)."""
+    import jax
+
+    from trainer.serve.weights import decode_weight_bytes
+
+    runner = engine.runner
+    cache = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.cache))
+    live = runner.span_for(runner.max_len)  # the longest timed run reaches the end of the cache
+    cache_read = round(cache * slots / runner.slots * live / runner.max_len)
+    return decode_weight_bytes(model, engine.weights, slots) + cache_read
+
+
+def measure(model, weights, fmt: str, slot_counts: list[int], args, bandwidth: float | None) -> list[dict]:
+    """One row per slot count, from one engine of the most slots (a step of fewer live slots runs the decode
+    program of fewer rows: it reads only theirs)."""
+    import jax
+
+    from trainer.serve.engine import Engine
+    from trainer.serve.weights import stored_bytes
+
+    engine = Engine(model, stored_weights(weights, fmt), slots=max(slot_counts), max_len=16 + 8 + args.steps,
+                    chunk=16)
+    held = sum(stored_bytes(x) for x in jax.tree.leaves(engine.weights["params"]))
+    rows = []
+    for slots in slot_counts:
+        compiled, name = decode_program(engine, slots)
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        rows.append({"weights": fmt, "slots": slots, "weight_bytes": held, "decode_program": name,
+                     "temp_bytes": temp, "temp_mib": round(temp / 2**20, 2)})
+        if not args.memory_only:
+            rows[-1].update(timed(model, engine, slots, args, bandwidth))
+    return rows
+
+
+def timed(model, engine, slots: int, args, bandwidth: float | None) -> dict:
+    timed_run(engine, slots, 8 + args.steps)  # the first run of each program
     steps = []
     for _ in range(args.repeats):
-        long, short = timed_run(engine, args.slots, 8 + args.steps), timed_run(engine, args.slots, 8)
+        long, short = timed_run(engine, slots, 8 + args.steps), timed_run(engine, slots, 8)
         steps.append((long - short) / args.steps)
-    return {"decode_step_ms": 1e3 * statistics.median(steps),
-            "decode_step_ms_runs": [round(1e3 * s, 3) for s in steps]}
+    step = statistics.median(steps)
+    touched = touched_bytes(model, engine, slots)
+    return {"decode_step_ms": round(1e3 * step, 3), "decode_step_ms_runs": [round(1e3 * s, 3) for s in steps],
+            "tokens_per_s": round(slots / step, 1), "touched_bytes": touched,
+            "bound_ms": None if bandwidth is None else round(1e3 * touched / bandwidth, 4),
+            "over_bound": None if bandwidth is None else round(step / (touched / bandwidth), 2)}
 
 
-def main(argv: list[str] | None = None) -> None:
+def bandwidth_of(device, given: float | None) -> float | None:
+    if given:
+        return given * 1e9
+    return next((bw for kind, bw in BANDWIDTH.items() if device.device_kind.startswith(kind)), None)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tiny")
-    p.add_argument("--overrides", type=lambda t: t.split(), default=OVERRIDES)
-    p.add_argument("--slots", type=int, default=1)
+    p.add_argument("--accelerator", action="store_true",
+                   help="--config on the default backend (TPU, GPU) at bfloat16 instead of the small CPU model")
+    p.add_argument("--config", default=None, help="the config [tiny with CPU_OVERRIDES; moe-1b with --accelerator]")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    p.add_argument("--slots", default=None, help="comma-separated slot counts [1,8; 1,8,32 with --accelerator]")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth (GB/s) where not known")
+    p.add_argument("--memory-only", action="store_true", help="the bytes and the compiled scratch, no timing")
+    p.add_argument("--json", dest="json_path", default=None, help="write the results to this path")
     args = p.parse_args(argv)
+    formats = args.formats.split(",")
+    if unknown := [f for f in formats if f not in FORMATS]:
+        p.error(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
 
     import jax
 
     from trainer import sharding
     from trainer.config import load_config
-    from trainer.serve import quant, quant4
-    from trainer.serve.memory import memory_plan
     from trainer.serve.weights import build_serving_model, init_weights
 
-    cfg = load_config(args.config, args.overrides)
-    model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+    config = args.config or ("moe-1b" if args.accelerator else "tiny")
+    overrides = (ACCELERATOR_OVERRIDES if args.accelerator else CPU_OVERRIDES if args.config is None else []) \
+        + args.overrides
+    if not args.accelerator:
+        jax.config.update("jax_platforms", "cpu")
+    device = jax.devices()[0]
+    cfg = load_config(config, overrides)
+    model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, [device]))
     weights = init_weights(model)
-    float_bytes = sum(p.nbytes for p in weights["params"].values())
-    formats = {"bf16": (weights, None), "int8": (quant, "int8"), "int4": (quant4, "int4")}
-    for name, (source, planned) in formats.items():
-        stored = source if planned is None else {**weights, "params": source.quantize_params(weights["params"])}
-        held = sum(leaf.nbytes for leaf in jax.tree.leaves(stored["params"]))
-        assert held == memory_plan(model, 1, 1, cfg.dtype, planned)["weights"]  # what start-up counts
-        print(json.dumps({"weights": name, "config": args.config, "overrides": args.overrides,
-                          "parameters": sum(p.size for p in weights["params"].values()), "weight_bytes": held,
-                          "of_bf16": held / float_bytes, "slots": args.slots, "platform": jax.devices()[0].platform,
-                          **measure(model, stored, args)}), flush=True)
+    bandwidth = bandwidth_of(device, args.hbm_gbps)
+    head = {"config": config, "overrides": overrides, "platform": device.platform, "device_kind": device.device_kind,
+            "parameters": sum(x.size for x in weights["params"].values()), "bandwidth_bytes_per_s": bandwidth}
+    slot_counts = [int(s) for s in (args.slots or ("1,8,32" if args.accelerator else "1,8")).split(",")]
+    rows = []
+    for fmt in formats:
+        for row in measure(model, weights, fmt, slot_counts, args, bandwidth):
+            rows.append(row)
+            print(json.dumps({**head, **row}), flush=True)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({**head, "results": rows}, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -92,7 +92,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict]:
         with sharding.logical_mesh(self.mesh):  # where the layers' `sharding.constrain` lays activations out
-            x_BxLxD = self._constrain(jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype))
+            x_BxLxD = self._constrain(self._embedded(tokens_BxL).astype(self.dtype))
             auxes = []
             for s in range(len(self.layout)):
                 x_BxLxD, _, stack_auxes = self._run_stack(s, x_BxLxD, train=train)
@@ -106,7 +106,7 @@ class Transformer(nnx.Module):
         positions of the slots (a static length past every token's position; None: all). The same blocks
         as training; MoE layers in their evaluation mode. Returns (logits_BxLxV float32, the updated cache)."""
         with sharding.logical_mesh(self.mesh):  # tensor parallelism's activation layouts, as in training
-            x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
+            x_BxLxD = self._embedded(tokens_BxL).astype(self.dtype)
             for s in range(len(self.layout)):
                 x_BxLxD, cache, _ = self._run_stack(s, x_BxLxD, train=False, cache=(cache, starts_B, rows_B, span))
             return self._logits(x_BxLxD), cache
@@ -166,6 +166,10 @@ class Transformer(nnx.Module):
                 period = nnx.merge(graphdef, jax.tree.map(lambda a, r=r: a[r], state))
                 out.update({stack.layer(j, r): block for j, block in enumerate(period)})
         return [out[i] for i in sorted(out)]
+
+    def _embedded(self, tokens_BxL: jax.Array) -> jax.Array:
+        """The tokens' rows of the embedding (of a quantized one, trainer/serve/quant.py, only those rows widened)."""
+        return self.embed.get_value().take(tokens_BxL, axis=0)
 
     def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = self.final_norm(x_BxLxD)

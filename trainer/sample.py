@@ -86,16 +86,16 @@ def restore_params(cfg, checkpoints: str, prompt: int, tokens: int, quantized: s
     import jax
 
     from trainer import sharding
-    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights, stored_as
+    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
     mesh = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
     try:
         model = build_serving_model(cfg, mesh)
         check_memory(model, prompt, tokens, quantized)
-        weights, step = restore_weights(model, checkpoints)
+        weights, step = restore_weights(model, checkpoints, quantized)  # as `serve --weights` reads them
     except WeightsError as e:
         raise SampleError(str(e)) from None
-    return model, stored_as(weights, quantized), step
+    return model, weights, step
 
 
 def generate(model, weights, prompt: list[int], tokens: int, *, temperature: float, top_k: int,

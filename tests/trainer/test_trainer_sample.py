@@ -15,7 +15,7 @@ def test_a_trained_tiny_continues_the_source_with_allowed_transitions(trained_ti
     """A seed of any size and sign is taken (this one draws as seed 1: the engine keeps its low 31 bits); the
     checkpoint is named by a relative path, as a user types it (orbax itself takes absolute ones only). Through
     `moe-tpu --output json sample --weights int4` (the global flag reaches it; the weights stored as
-    `serve --weights int4` stores them, trainer.serve.weights.stored_as): the prompt's and the new ids, and
+    `serve --weights int4` stores them, trainer.serve.weights.restore_weights): the prompt's and the new ids, and
     their text."""
     from provision.cli import cli
 

@@ -23,10 +23,20 @@ def memory_plan(model, slots: int, max_len: int, kv_dtype, quantized) -> dict[st
     from trainer.serve.latentcache import CacheLayout
 
     quantized = "int8" if quantized is True else quantized or None
-    weights = sum(weight_shard_bytes(name, var.get_value(), model.shardings["params"][name], quantized)
-                  for name, var in model.codec.variables.items())
+    held = {name: (weight_shard_bytes(name, var.get_value(), model.shardings["params"][name], quantized),
+                   weight_shard_bytes(name, var.get_value(), model.shardings["params"][name], None))
+            for name, var in model.codec.variables.items()}
     cache = CacheLayout.of(model.cfg.model).device_bytes(model.mesh, slots, max_len, kv_dtype)
-    return {"weights": weights, "kv_cache": cache}
+    plan = {"weights": sum(q for q, _ in held.values()), "kv_cache": cache}
+    if quantized:  # a quantized load reads one float array at a time beside the quantized ones (restore_weights)
+        plan["loading"] = max((f for q, f in held.values() if q != f), default=0)
+    return plan
+
+
+def load_peak(plan: dict[str, int]) -> int:
+    """The most bytes a device holds: while loading (the weights and one float array being quantized) or
+    while serving (the weights, the KV cache and the prefix cache, allocated after loading)."""
+    return plan["weights"] + max(plan["kv_cache"] + plan.get("prefix_cache", 0), plan.get("loading", 0))
 
 
 def weight_shard_bytes(name: str, value, sharding, quantized: str | None) -> int:

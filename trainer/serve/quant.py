@@ -2,11 +2,18 @@
 
 A v5e chip has 16 GB of HBM; int8 halves the weights against bfloat16. The router and the norms stay
 in float: they are tiny, and the router's top-k is what a rounding error would flip.
+
+A quantized weight stands where the float one stood in the model's parameters (an nnx.Param's value) and
+travels as integers and scales into the layer scan, which slices one layer's of each; a layer reading its
+weight (`self.w[...]`) widens that layer's slice right before its matmul, where XLA fuses the convert
+into the dot's operand on a TPU. No float copy of the whole stack is ever made (benchmarks/serve_weights.py
+shows the decode program's scratch).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +30,17 @@ class Int8Weight:
 
     def dequantize(self) -> jax.Array:
         return (self.values.astype(jnp.float32) * self.scale).astype(self.dtype)
+
+    def __getitem__(self, index) -> jax.Array:
+        """What a layer reads (`self.w[...]`): the weight widened where the layer uses it."""
+        return self.dequantize()[index]
+
+    def take(self, indices: jax.Array, axis: int = 0) -> jax.Array:
+        """jnp.take of the widened weight along an output axis (the embedding's rows), widening only those."""
+        if self.scale.shape[axis] != self.values.shape[axis]:
+            raise ValueError(f"take along axis {axis}: the weight's scales are reduced over it")
+        return Int8Weight(jnp.take(self.values, indices, axis), jnp.take(self.scale, indices, axis),
+                          self.dtype).dequantize()
 
     @property
     def nbytes(self) -> int:
@@ -55,10 +73,22 @@ def quantize_weight(w: jax.Array, axes: tuple[int, ...]) -> Int8Weight:
 
 
 def quantize_params(params: dict[str, jax.Array]) -> dict:
-    """{name: Int8Weight or the float array}, computed on the arrays' devices."""
-    axes = {n: input_axes(n, p.ndim) for n, p in params.items()}
-    return jax.jit(lambda ps: {n: p if axes[n] is None else quantize_weight(p, axes[n]) for n, p in ps.items()})(
-        params)
+    """{name: Int8Weight or the float array}, computed on the arrays' devices, one array at a time."""
+    return {n: quantize_array(n, p) for n, p in params.items()}
+
+
+def quantize_array(name: str, p: jax.Array):
+    """Weight `name` as int8 (an Int8Weight), or `p` itself where it stays float (input_axes). A stacked
+    weight is quantized a layer at a time (its scratch: one layer's)."""
+    axes = input_axes(name, p.ndim)
+    return p if axes is None else _quantize(p, axes, is_stacked(name))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))  # one compilation per shape and axes
+def _quantize(p: jax.Array, axes: tuple[int, ...], stacked: bool) -> Int8Weight:
+    if not stacked:
+        return quantize_weight(p, axes)
+    return jax.lax.map(lambda w: quantize_weight(w, tuple(a - 1 for a in axes)), p)
 
 
 def weight_bytes(params: dict) -> int:

@@ -9,15 +9,22 @@ scales add 4 / 128 bytes a weight to the packed half byte, 0.27x of bfloat16 in 
 shorter than GROUP, or one it does not divide, takes groups of the largest power of two dividing both
 (`tiny`'s 64 wide rows: 64).
 
-The values are packed two a byte (uint8, the group's values 2i and 2i+1 in the low and the high nibble),
-along the same axis, so a weight keeps its rank and its sharding: jax's own int4 arrays take a whole byte
-a value on CPU (measured: a 1024 x 1024 jnp.int4 array holds 1,048,576 bytes). The compiled step unpacks
-and scales them (dequantize), as it does int8 weights. The router and the norms stay in float, as for int8.
+Two storages of the values (storage_for picks by backend; quantize_params takes either):
+  - "nibbles" (Int4Weight): packed two a byte (uint8, the group's values 2i and 2i+1 in the low and the
+    high nibble), along the same axis, so a weight keeps its rank and its sharding: what the CPU wants, where
+    jax's own int4 arrays take a whole byte a value (measured: a 1024 x 1024 jnp.int4 array holds 1,048,576
+    bytes).
+  - "native" (Int4Native): a jnp.int4 array of the weight's shape, which XLA packs two a byte on a TPU and
+    widens inside the dot.
+Either travels into the layer scan as integers and scales and is widened a layer at a time where the
+layer reads it (trainer/serve/quant.py says how), as int8 weights are. Each keeps its grouped axis counted
+from the end, so a layer's slice of a stacked weight keeps it. The router and the norms stay in float.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -25,32 +32,89 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer.serve.quant import input_axes
+from trainer.stacks import is_stacked
 
 GROUP = 128
 LEVELS = 7  # symmetric: -7..7 (the 16th code, -8, is never written)
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # a group's scale: absmax / 7 times the best of these
 
 
+STORAGES = ("nibbles", "native")
+
+
+def storage_for(platform: str) -> str:
+    """The int4 storage a backend wants: "native" (jnp.int4) on a TPU, where XLA packs it two a byte and
+    converts it inside the matmul; "nibbles" elsewhere (on CPU jnp.int4 takes a byte a value, twice the
+    packed nibbles)."""
+    return "native" if platform == "tpu" else "nibbles"
+
+
+def _widen(q: jax.Array, scale: jax.Array, axis: int, dtype: str) -> jax.Array:
+    """q (integers, the weight's shape) times its groups' scales along `axis` (< 0), in `dtype`."""
+    a = axis % q.ndim
+    shape, groups = q.shape, scale.shape[a]
+    x = q.reshape(*shape[:a], groups, shape[a] // groups, *shape[a + 1:]).astype(jnp.float32)
+    return (x * jnp.expand_dims(scale, a + 1)).reshape(shape).astype(dtype)
+
+
+class _Widened:
+    """What a layer reads of an int4 weight (`self.w[...]`, and the embedding's rows by take)."""
+
+    def __getitem__(self, index) -> jax.Array:
+        return self.dequantize()[index]
+
+    def arrays_of(self) -> tuple[jax.Array, jax.Array]:
+        return tuple(getattr(self, f) for f in self.arrays)
+
+    def take(self, indices: jax.Array, axis: int = 0) -> jax.Array:
+        """jnp.take of the widened weight along an axis other than the grouped one, widening only those."""
+        if axis % self.scale.ndim == self.axis % self.scale.ndim:
+            raise ValueError(f"take along axis {axis}: the weight's groups run along it")
+        return dataclasses.replace(self, **{f: jnp.take(getattr(self, f), indices, axis)
+                                            for f in self.arrays}).dequantize()
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Int4Weight:
+class Int4Weight(_Widened):
+    """The "nibbles" storage."""
+
     packed: jax.Array  # uint8, the weight's shape with its grouped axis halved
     scale: jax.Array  # float32, the weight's shape with its grouped axis of length groups
-    axis: int = dataclasses.field(metadata={"static": True}, default=0)  # the grouped (input) axis
+    axis: int = dataclasses.field(metadata={"static": True}, default=-1)  # the grouped (input) axis, from the end
     dtype: str = dataclasses.field(metadata={"static": True}, default="float32")
+    arrays = ("packed", "scale")
 
     def dequantize(self) -> jax.Array:
-        a, shape = self.axis, self.packed.shape
+        a, shape = self.axis % self.packed.ndim, self.packed.shape
         byte = jax.lax.bitcast_convert_type(self.packed, jnp.int8)
         low, high = jnp.right_shift(jnp.left_shift(byte, 4), 4), jnp.right_shift(byte, 4)  # sign-extended
-        length, groups = 2 * shape[a], self.scale.shape[a]
-        q = jnp.stack([low, high], axis=a + 1).reshape(*shape[:a], groups, length // groups, *shape[a + 1:])
-        x = q.astype(jnp.float32) * jnp.expand_dims(self.scale, a + 1)
-        return x.reshape(*shape[:a], length, *shape[a + 1:]).astype(self.dtype)
+        q = jnp.stack([low, high], axis=a + 1).reshape(*shape[:a], 2 * shape[a], *shape[a + 1:])
+        return _widen(q, self.scale, self.axis, self.dtype)
 
     @property
     def nbytes(self) -> int:
         return self.packed.size + self.scale.size * 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Int4Native(_Widened):
+    """The "native" storage."""
+
+    values: jax.Array  # jnp.int4, the weight's shape
+    scale: jax.Array  # float32, the weight's shape with its grouped axis of length groups
+    axis: int = dataclasses.field(metadata={"static": True}, default=-1)  # the grouped (input) axis, from the end
+    dtype: str = dataclasses.field(metadata={"static": True}, default="float32")
+    arrays = ("values", "scale")
+
+    def dequantize(self) -> jax.Array:
+        return _widen(self.values, self.scale, self.axis, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Two values a byte, as a TPU holds them (jax reports a byte a value)."""
+        return (self.values.size + 1) // 2 + self.scale.size * 4
 
 
 def group_axis(name: str, shape: tuple[int, ...]) -> int | None:
@@ -84,6 +148,8 @@ def spec_for(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec
         names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
         ways = math.prod(mesh.shape[n] for n in names)
         out.append(entry if ways and size % ways == 0 else None)
+    while out and out[-1] is None:  # trailing whole axes left out: P(None, "expert"), not P(None, "expert", None)
+        out.pop()
     return PartitionSpec(*out)
 
 
@@ -114,41 +180,62 @@ def shard_bytes(shape: tuple[int, ...], axis: int, sharding: NamedSharding) -> i
     return held[0] + 4 * held[1]
 
 
-def quantize_weight(w: jax.Array, axis: int) -> Int4Weight:
+def quantize_weight(w: jax.Array, axis: int, storage: str = "nibbles") -> Int4Weight | Int4Native:
     shape = w.shape
+    axis %= w.ndim
     length = shape[axis]
     group = group_size(length)
     x = w.astype(jnp.float32).reshape(*shape[:axis], length // group, group, *shape[axis + 1:])
     scale = group_scales(x, axis)
     q = jnp.clip(jnp.round(x / scale), -LEVELS, LEVELS).astype(jnp.int8)
+    scale, dtype, from_end = jnp.squeeze(scale, axis + 1), jnp.dtype(w.dtype).name, axis - w.ndim
+    if storage == "native":
+        return Int4Native(q.reshape(shape).astype(jnp.int4), scale, from_end, dtype)
     pairs = q.reshape(*shape[:axis], length // 2, 2, *shape[axis + 1:])
     low, high = jnp.take(pairs, 0, axis=axis + 1), jnp.take(pairs, 1, axis=axis + 1)
     byte = jnp.bitwise_or(jnp.bitwise_and(low, 0x0F), jnp.left_shift(high, 4))
-    return Int4Weight(jax.lax.bitcast_convert_type(byte, jnp.uint8), jnp.squeeze(scale, axis + 1), axis,
-                      jnp.dtype(w.dtype).name)
+    return Int4Weight(jax.lax.bitcast_convert_type(byte, jnp.uint8), scale, from_end, dtype)
 
 
-def _shardings(name: str, p: jax.Array, axis: int):
-    """Where the packed values and the scales go: the weight's own spec where the mesh divides them."""
+def _shardings(p: jax.Array, axis: int, storage: str) -> tuple[NamedSharding, NamedSharding] | None:
+    """Where the values and the scales go: the weight's own spec where the mesh divides them."""
     if not isinstance(p.sharding, NamedSharding):
         return None
     mesh, spec = p.sharding.mesh, p.sharding.spec
     packed, scale = layout(p.shape, axis)
-    return Int4Weight(NamedSharding(mesh, spec_for(spec, packed, mesh)),
-                      NamedSharding(mesh, spec_for(spec, scale, mesh)), axis, jnp.dtype(p.dtype).name)
+    values = p.shape if storage == "native" else packed
+    return NamedSharding(mesh, spec_for(spec, values, mesh)), NamedSharding(mesh, spec_for(spec, scale, mesh))
 
 
-def quantize_params(params: dict[str, jax.Array]) -> dict:
-    """{name: Int4Weight or the float array}, computed on the arrays' devices and sharded as they are."""
-    axes = {n: group_axis(n, p.shape) for n, p in params.items()}
+def quantize_params(params: dict[str, jax.Array], storage: str | None = None) -> dict:
+    """{name: Int4Weight or Int4Native (`storage`, None: storage_for the arrays' backend) or the float array},
+    computed on the arrays' devices and sharded as they are, one array at a time."""
+    return {n: quantize_array(n, p, storage) for n, p in params.items()}
 
-    def quantize(ps):
-        out = {}
-        for n, p in ps.items():
-            out[n] = p if axes[n] is None else quantize_weight(p, axes[n])
-            placed = None if axes[n] is None else _shardings(n, params[n], axes[n])
-            if placed is not None:
-                out[n] = jax.lax.with_sharding_constraint(out[n], placed)
-        return out
 
-    return jax.jit(quantize)(params)
+def quantize_array(name: str, p: jax.Array, storage: str | None = None):
+    """Weight `name` in int4 (Int4Weight or Int4Native, as quantize_params), or `p` itself where it stays float."""
+    axis = group_axis(name, p.shape)
+    if axis is None:
+        return p
+    storage = storage or storage_for(next(iter(p.devices())).platform)
+    if storage not in STORAGES:
+        raise ValueError(f"int4 storage {storage!r}: one of {', '.join(STORAGES)}")
+    return _quantizer(axis, storage, _shardings(p, axis, storage), p.ndim, jnp.dtype(p.dtype).name,
+                      is_stacked(name))(p)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(axis: int, storage: str, placed, ndim: int, dtype: str, stacked: bool):
+    """The jitted quantization of a weight of `ndim` axes and `dtype` grouped along `axis`, its values and
+    scales placed by `placed` (two shardings, or None); a stacked weight a layer at a time (its scratch: one
+    layer's)."""
+    def quantize(p):
+        if stacked:
+            return jax.lax.map(lambda w: quantize_weight(w, axis - 1, storage), p)
+        return quantize_weight(p, axis, storage)
+
+    if placed is None:
+        return jax.jit(quantize)
+    kind = Int4Native if storage == "native" else Int4Weight
+    return jax.jit(quantize, out_shardings=kind(*placed, axis - ndim, dtype))  # the output's tree, static fields too

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import click
 
 from trainer.run_loader import end_of_document  # noqa: F401 - the server's stop, read where `sample` reads it
-from trainer.serve.memory import HEADROOM, device_memory, memory_plan
+from trainer.serve.memory import HEADROOM, device_memory, load_peak, memory_plan
 from trainer.status import EXIT_USAGE
 
 
@@ -41,7 +41,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     from trainer.run_loader import Codec, context_of, find_run, load_run_config
     from trainer.serve.engine import Engine, RequestError
     from trainer.serve.prefix import BLOCK
-    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights, stored_as
+    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
     run = find_run(directory, progress=progress)  # a Hugging Face directory: its import (trainer/hf/cache.py)
     checkpoints, cfg = run.checkpoints, load_run_config(run.config)
@@ -84,11 +84,10 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     check_fits(plan, limit, slots, max_len, kv, quantized)
     progress(f"reading the parameters from {checkpoints}")
     try:
-        weights, step = restore_weights(model, checkpoints)
+        weights, step = restore_weights(model, checkpoints, quantized)  # int8, int4 (--weights): array by array
     except WeightsError as e:
         raise ServeError(str(e)) from None
     progress(f"read the checkpoint at step {step}")
-    weights = stored_as(weights, quantized)  # int8 or int4 (--weights), as `sample --weights` stores them
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
                         detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens)
@@ -124,10 +123,12 @@ def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, 
         return
     if isinstance(limit, float):  # --device-memory-gb
         limit = int(limit * 2**30)
-    need = plan["weights"] + plan["kv_cache"] + plan.get("prefix_cache", 0)
-    if need <= limit * (1 - HEADROOM):
+    if load_peak(plan) <= limit * (1 - HEADROOM):
         return
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    loading = ""
+    if plan.get("loading", 0) > plan["kv_cache"] + plan.get("prefix_cache", 0):
+        loading = f" (loading: one float weight of {gib(plan['loading'])} beside the weights, before the caches)"
     advice = ["lower --slots or --max-len (the cache is slots x max-len)"]
     if plan.get("prefix_cache"):
         advice.append("lower --prefix-cache-tokens or --no-enable-prefix-caching")
@@ -138,6 +139,6 @@ def check_fits(plan: dict[str, int], limit, slots: int, max_len: int, kv_dtype, 
     advice.append("or put more devices on `expert` (--mesh) to split the experts")
     raise ServeError(f"the model does not fit a device: weights {gib(plan['weights'])} + KV cache "
                      f"{gib(plan['kv_cache'])} ({slots} slots x {max_len} tokens, {kv_dtype}) + prefix cache "
-                     f"{gib(plan.get('prefix_cache', 0))} > "
+                     f"{gib(plan.get('prefix_cache', 0))}{loading} > "
                      f"{gib(limit * (1 - HEADROOM))} ({100 - HEADROOM * 100:.0f}% of the device's {gib(limit)}); "
                      + "; ".join(advice))

@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -54,8 +55,9 @@ class ServingModel:
     def module(self, weights: dict[str, Any]) -> Transformer:
         """The model with `weights`, for use inside jit."""
         biases = (self.bias_codec.unflatten(weights["moe_bias"]),) if self.bias_codec.names else ()
-        params = {n: dequantized(weights["params"][n]) for n in self.codec.names}
-        return nnx.merge(self.graphdef, self.codec.unflatten(params), *biases,
+        # int8 and int4 weights (trainer/serve/quant.py, quant4.py) stand as they are: each layer widens its own
+        # slice where it reads it, never a float copy of the whole stack
+        return nnx.merge(self.graphdef, self.codec.unflatten(weights["params"]), *biases,
                          step_rngs(self.rest, jnp.zeros((), jnp.int32)))
 
     def abstract(self) -> dict[str, Any]:
@@ -69,24 +71,6 @@ class ServingModel:
             tree["moe_bias"] = {n: spec(self.bias_codec.variables[n], self.shardings["moe_bias"][n])
                                 for n in self.bias_codec.names}
         return tree
-
-
-def stored_as(weights: dict[str, Any], quantized: str | None) -> dict[str, Any]:
-    """The weights as the engine holds them for `--weights` (one path for `serve` and `sample`): "int8" or
-    "int4" quantizes the parameters (trainer/serve/quant.py, quant4.py), None keeps the checkpoint's dtype."""
-    if not quantized:
-        return weights
-    from trainer.serve import quant, quant4
-
-    return {**weights, "params": {"int8": quant, "int4": quant4}[quantized].quantize_params(weights["params"])}
-
-
-def dequantized(value):
-    """A parameter as the model uses it: int8 and int4 weights (trainer.serve.quant, quant4) come back to float."""
-    from trainer.serve.quant import Int8Weight
-    from trainer.serve.quant4 import Int4Weight
-
-    return value.dequantize() if isinstance(value, (Int8Weight, Int4Weight)) else value
 
 
 def build_serving_model(cfg: Config, mesh: Mesh) -> ServingModel:
@@ -122,18 +106,24 @@ def init_weights(model: ServingModel) -> dict[str, Any]:
     return jax.jit(init, out_shardings=out_shardings)()
 
 
-def restore_weights(model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
+def restore_weights(model: ServingModel, checkpoints: str, quantized: str | None = None,
+                    on_array: Callable[[str], None] | None = None) -> tuple[dict[str, Any], int]:
     """(the latest checkpoint's parameters and biases, its step), read straight onto the mesh; the
-    optimizer state in the checkpoint is not read. Raises WeightsError naming what is wrong."""
+    optimizer state in the checkpoint is not read. `quantized` ("int8", "int4" or None: as saved) reads the
+    parameters one array at a time, each quantized as it arrives, so the device never holds more than the
+    quantized model and one float array (memory_plan's "loading"); `on_array(name)` is called as each float
+    array arrives, before it is quantized.
+    Raises WeightsError naming what is wrong."""
     import orbax.checkpoint as ocp
 
     from trainer.checkpoint import quiet_orbax, short_reason
 
     with quiet_orbax():
-        return _restore(ocp, short_reason, model, checkpoints)
+        return _restore(ocp, short_reason, model, checkpoints, quantized, on_array)
 
 
-def _restore(ocp, short_reason, model: ServingModel, checkpoints: str) -> tuple[dict[str, Any], int]:
+def _restore(ocp, short_reason, model: ServingModel, checkpoints: str, quantized,
+             on_array) -> tuple[dict[str, Any], int]:
     if "://" not in checkpoints:  # orbax takes absolute paths only; a user types a relative one
         checkpoints = os.path.abspath(checkpoints)
     try:
@@ -148,20 +138,50 @@ def _restore(ocp, short_reason, model: ServingModel, checkpoints: str) -> tuple[
         wanted = model.abstract()
         target = _layout_of(manager, step, model, wanted)
         _check_shapes(manager, step, target, checkpoints)
-        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                      partial_restore=True)
-        try:
-            restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
-        except Exception as e:  # noqa: BLE001 - tensorstore and file errors alike
-            raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: {short_reason(e)}") from None
-        restored = {k: dict(restored[k]) for k in target}
-        if target is not wanted:
+
+        def read(tree: dict) -> dict:
+            args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                                          partial_restore=True)
+            try:
+                restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+            except Exception as e:  # noqa: BLE001 - tensorstore and file errors alike
+                raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: {short_reason(e)}") from None
+            return {k: dict(restored[k]) for k in tree}
+
+        if target is wanted and quantized:
+            return _read_quantized(read, wanted, quantized, on_array), step
+        restored = read(target)
+        if target is not wanted:  # a checkpoint of the per-layer layout: read whole, stacked, then quantized
             from trainer.checkpoint import stacked_layout
 
             restored = stacked_layout(model.cfg.model, restored, wanted)
+        if quantized:
+            restored["params"] = {n: quantizer(quantized)(n, p) for n, p in restored["params"].items()}
         return restored, step
     finally:
         manager.close()
+
+
+def quantizer(quantized: str) -> Callable[[str, jax.Array], Any]:
+    """quantize_array of `quantized`'s module ("int8": trainer/serve/quant.py, "int4": quant4.py, its storage
+    the backend's: quant4.storage_for)."""
+    from trainer.serve import quant, quant4
+
+    return {"int8": quant.quantize_array, "int4": quant4.quantize_array}[quantized]
+
+
+def _read_quantized(read, wanted: dict, quantized: str, on_array) -> dict[str, Any]:
+    """The weights read a parameter at a time, each quantized on its devices before the next is read."""
+    out = {k: read({k: v})[k] for k, v in wanted.items() if k != "params"}
+    out["params"] = {}
+    for name, spec in wanted["params"].items():
+        value = read({"params": {name: spec}})["params"][name]
+        if on_array is not None:  # the most the load holds: the quantized arrays so far and this float one
+            on_array(name)
+        value = quantizer(quantized)(name, value)
+        out["params"][name] = jax.block_until_ready(value)  # the float array is freed before the next is read
+        del value
+    return out
 
 
 def _layout_of(manager, step: int, model: ServingModel, wanted: dict) -> dict:
@@ -214,5 +234,11 @@ def decode_weight_bytes(model: ServingModel, weights: dict[str, Any], tokens: in
             for shard in leaf.addressable_shards:
                 # experts on this device (a stacked weight's: of each of its layers)
                 held = shard.data.shape[names.index("expert")] if "expert" in names else 1
-                per_device[shard.device] += shard.data.nbytes * min(touched, held) / held
+                per_device[shard.device] += stored_bytes(shard.data) * min(touched, held) / held
     return round(max(per_device.values()))
+
+
+def stored_bytes(x: jax.Array) -> int:
+    """An array's bytes as a device stores it: jnp.int4's two values a byte (jax reports a byte a value)."""
+    bits = 4 if x.dtype in (jnp.int4, jnp.uint4) else 8 * x.dtype.itemsize
+    return x.size * bits // 8
