@@ -9,6 +9,7 @@ ServerState.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -16,7 +17,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from trainer.serve import chat, responses, tokenizer_routes
@@ -210,6 +211,10 @@ async def _answer(state, body, prompts: list[list[int]], max_tokens, request: Re
         await asyncio.wait({task}, timeout=0.5)
         if not task.done() and await request.is_disconnected():
             task.cancel()
+            await asyncio.wait({task})
+            with contextlib.suppress(asyncio.CancelledError):
+                task.exception()  # retrieved: asyncio logs one never retrieved as a traceback
+            return Response(status_code=499)  # to no one: nginx's "client closed request", and no traceback
     done = task.result()
     choices = [_choice(state, req, i, chat, logprobs, echo) for i, req in enumerate(done)]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
