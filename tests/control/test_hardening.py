@@ -526,3 +526,12 @@ def test_commands_that_only_read_leave_the_remembered_config_as_it_was(workdir):
         code, _, err = invoke("--dry-run", *args, "-c", str(other))
         assert code in (0, 1), (args, err)  # `logs` of a run that never started: exit 1, said so
         assert remembered.read_text().strip() == str(acting.resolve()), args
+
+
+@pytest.mark.parametrize("example", ["serve-vertex.yaml", "serve-gke.yaml"])
+def test_a_serve_max_len_whose_cache_fits_nowhere_is_refused_naming_the_key(workdir, example):
+    """serve.max_len 10**9: the weights fit, their KV cache cannot; the refusal names the keys to lower."""
+    config = _config(workdir, example, serve__max_len=10**9)
+    code, out, err = invoke("--dry-run", "deploy", "-c", str(config))
+    _no_traceback(code, err)
+    assert "serve.max_len 1,000,000,000" in err and "lower serve.max_len or serve.slots" in err, err

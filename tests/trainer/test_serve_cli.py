@@ -53,6 +53,7 @@ def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path)
         (["--checkpoint", str(run), "--chunk", "64", "--max-len", "32"], "--chunk 64 must not exceed --max-len 32"),
         (["--checkpoint", str(run), "--mesh", "data=1,expert=3"], "--mesh"),
         (["--checkpoint", str(run), "--slots", "0"], "'--slots'"),
+        (["--checkpoint", str(run), "--max-waiting", "0"], "'--max-waiting'"),  # every request would be a 429
         (["--checkpoint", str(run), "--chat-template", str(no_content)], "'message' has no {content}"),
         (["--checkpoint", str(truncated)], f"the metadata of step {latest.name} in"),
         # The socket is bound before the weights are read: no minutes of loading for a port in use.

@@ -113,7 +113,7 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Prompt plus generated tokens per request (the KV cache's length).")
 @click.option("--chunk", type=click.IntRange(min=1), default=DEFAULT_CHUNK, show_default=True,
               help="Prompt tokens prefilled per engine step, between decode steps.")
-@click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
+@click.option("--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests queued for a slot; beyond them 429 with Retry-After.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True, show_default=True,
               help="Prompts sharing a prefix with an earlier one copy its cached keys and values rather than "
