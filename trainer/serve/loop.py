@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 
-from trainer.serve.engine import Engine, Request
+from trainer.serve.engine import Engine, Request, Snapshot
 
 log = logging.getLogger("trainer.serve")
 
@@ -18,6 +18,11 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
+        self.submitted = 0  # requests ever submitted (counted before they are queued)
+        self.taken = 0  # of those, the requests the engine's thread has taken from the inbox
+        # The engine's snapshot after a step with the count taken before that step, published as one tuple:
+        # the requests taken since count as waiting, so that no scrape sees a request twice or not at all.
+        self.view: tuple[Snapshot, int] = (Snapshot(), 0)
         self.thread = threading.Thread(target=self._run, name="moe-tpu-engine", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -45,23 +50,36 @@ class EngineLoop:
 
     def submit(self, request: Request) -> None:
         """Queues a request the caller has checked (Engine.check); thread-safe."""
+        self.submitted += 1
         self.inbox.put(request)
         self._wake.set()
 
+    def counts(self) -> tuple[int, int, int]:
+        """(running, waiting, cache positions in use), from one view: the engine's snapshot after its last step,
+        and as waiting beside its own, every request submitted since the requests taken before that step."""
+        snapshot, taken = self.view
+        return snapshot.running, snapshot.waiting + self.submitted - taken, snapshot.used_positions
+
     def waiting(self) -> int:
-        """Requests not yet in a decode slot (the engine's as of its last step: its snapshot)."""
-        return self.inbox.qsize() + self.engine.snapshot.waiting
+        """Requests not yet in a decode slot."""
+        return self.counts()[1]
 
     def running(self) -> int:
-        return self.engine.snapshot.running
+        return self.view[0].running
+
+    def take(self) -> None:
+        """Moves what the inbox holds to the scheduler's queue (the engine's thread, before each step)."""
+        while True:
+            try:
+                self.engine.scheduler.waiting.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+            self.taken += 1
 
     def _run(self) -> None:
         while not self._stop:
-            while True:
-                try:
-                    self.engine.scheduler.waiting.append(self.inbox.get_nowait())
-                except queue.Empty:
-                    break
+            self.take()
+            taken = self.taken
             if not self.engine.busy:
                 self._wake.wait()
                 self._wake.clear()
@@ -73,3 +91,4 @@ class EngineLoop:
                     break
                 log.exception("engine step failed")
                 self.engine.fail_in_flight(f"{type(e).__name__}: {e}")
+            self.view = (self.engine.snapshot, taken)
