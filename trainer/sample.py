@@ -21,6 +21,7 @@ import sys
 
 import click
 
+from trainer.config import MAX_SEED
 from trainer.run_loader import Codec, RunError, find_run, load_run_config
 
 # Positions are int32 in the engine's decode step.
@@ -119,7 +120,8 @@ def generate(model, weights, prompt: list[int], tokens: int, *, temperature: flo
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True, help="How many tokens to add.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True, help="0: greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: the whole vocabulary.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+              help=f"The sampling's seed, 0 to {MAX_SEED}.")
 @click.option("--tokenizer", "tokenizer_path", default=None, metavar="FILE",
               help="A tokenizer.json [the run's dataset's].")
 @click.option("--any-tokenizer", is_flag=True,
