@@ -535,3 +535,13 @@ def test_a_serve_max_len_whose_cache_fits_nowhere_is_refused_naming_the_key(work
     code, out, err = invoke("--dry-run", "deploy", "-c", str(config))
     _no_traceback(code, err)
     assert "serve.max_len 1,000,000,000" in err and "lower serve.max_len or serve.slots" in err, err
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": ' * 100_000 + "1" + "}" * 100_000])
+def test_an_emulator_state_nested_too_deep_is_a_usage_error_naming_the_file(workdir, text):
+    _config(workdir)
+    (workdir / ".moe-tpu").mkdir()
+    (workdir / ".moe-tpu" / "emulator.json").write_text(text)
+    code, out, err = invoke("--dry-run", "slice", "status")
+    _no_traceback(code, err)
+    assert "emulator.json: it nests lists or objects deeper than a world this tool writes" in err, err
