@@ -545,3 +545,19 @@ def test_an_emulator_state_nested_too_deep_is_a_usage_error_naming_the_file(work
     code, out, err = invoke("--dry-run", "slice", "status")
     _no_traceback(code, err)
     assert "emulator.json: it nests lists or objects deeper than a world this tool writes" in err, err
+
+
+@pytest.mark.parametrize("keys, needle", [
+    (150_000, "a config file is at most 1,048,576 (they are a few kilobytes)"),  # 2 MB of one flow mapping
+    (50_000, "more problems past the first 50 (fix those first)"),  # 0.7 MB: read, its problems counted
+])
+def test_a_config_of_one_huge_flow_mapping_is_answered_at_once(workdir, keys, needle):
+    """A message for each of 100,000 unknown keys (with its closest key) took minutes; a 50 MB file seemed to hang."""
+    import time
+
+    (workdir / "moe-tpu.yaml").write_text("{" + ", ".join(f"k{i}: {i}" for i in range(keys)) + "}\n")
+    started = time.perf_counter()
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert needle in err and time.perf_counter() - started < 20, err[-2000:]
+    assert len(err.splitlines()) < 60
