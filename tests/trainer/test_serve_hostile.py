@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from trainer.serve.loop import EngineLoop
 from trainer.serve.server import ServerState, create_app
 
 pytestmark = pytest.mark.compile_bound
@@ -100,7 +101,7 @@ def test_a_non_streaming_client_that_vanishes_leaves_no_traceback_and_frees_its_
     _, state = served
     gone = ServerState("tiny", encode=state.encode, decode=state.decode)
     app = create_app(gone)
-    gone.loop = state.loop
+    gone.loop = EngineLoop(state.loop.engine)  # not started: the request waits until its client goes away
     body = b'{"prompt": "a", "max_tokens": 250, "temperature": 0, "ignore_eos": true}'
     messages = [{"type": "http.request", "body": body, "more_body": False}]
     sent, seen = [], []
