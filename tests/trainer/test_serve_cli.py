@@ -82,7 +82,8 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
     script.write_text(
         "import socket, sys, threading, types\n"
         "from trainer.serve import cli\n"
-        "engine = types.SimpleNamespace(slots=1, max_len=2, warm_up=lambda every_span, between: threading.Event().wait())\n"
+        "engine = types.SimpleNamespace(slots=1, max_len=2,\n"
+        "                               warm_up=lambda every_span, between: threading.Event().wait())\n"
         "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None, eos_token=None,\n"
         "                                tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
