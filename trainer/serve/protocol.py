@@ -2,7 +2,9 @@
 
 Every field of OpenAI's (and the few of vLLM's) that the server knows is either honoured or refused with a
 400 naming it when asked for; a key it does not know is a 400 naming it and the closest known key. Nothing
-is silently ignored.
+is silently ignored, but for what asks for nothing, as OpenAI takes it: an optional field sent as null (the
+value OpenAI's clients send for one left unset) and an empty stop string (which would end every completion
+before its first character).
 """
 
 from __future__ import annotations
