@@ -530,11 +530,15 @@ def test_commands_that_only_read_leave_the_remembered_config_as_it_was(workdir):
 
 @pytest.mark.parametrize("example", ["serve-vertex.yaml", "serve-gke.yaml"])
 def test_a_serve_max_len_whose_cache_fits_nowhere_is_refused_naming_the_key(workdir, example):
-    """serve.max_len 10**9: the weights fit, their KV cache cannot; the refusal names the keys to lower."""
+    """serve.max_len 10**9: the weights fit, their KV cache cannot; the refusal names the keys to lower. Past
+    the server's int32 positions it is a config error naming the key."""
     config = _config(workdir, example, serve__max_len=10**9)
     code, out, err = invoke("--dry-run", "deploy", "-c", str(config))
     _no_traceback(code, err)
     assert "serve.max_len 1,000,000,000" in err and "lower serve.max_len or serve.slots" in err, err
+    code, out, err = invoke("validate", "-c", str(_config(workdir, example, serve__max_len=2**31)))
+    _no_traceback(code, err)
+    assert "serve.max_len:" in err and "2147483646" in err, err
 
 
 @pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": ' * 100_000 + "1" + "}" * 100_000])
