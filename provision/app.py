@@ -19,7 +19,9 @@ from provision.errors import ConfigError, MoeTpuError, UsageError
 LOCAL_STATE_DIR = ".moe-tpu"
 LAST_CONFIG = "last-config"
 # A config is a few kilobytes; past this a file is not one (and is not read whole).
-MAX_CONFIG_BYTES = 64 * 1024 * 1024
+# A config is a few kilobytes; past a mebibyte, reading it (YAML in Python, a message for each unknown key) would
+# take minutes: a 50 MB flow mapping seemed to hang.
+MAX_CONFIG_BYTES = 1 << 20
 # Commands that only read: a look at another config (`plan -c other.yaml`) must not change which run a
 # later `down` without --config finds, so these leave .moe-tpu/last-config as it was.
 READ_ONLY_COMMANDS = frozenset({"logs", "list", "render", "plan", "validate"})

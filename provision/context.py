@@ -48,6 +48,8 @@ class RunContext:
     console: Console
     open_session: Callable[[], Session] = field(repr=False)
     templates_dir: Path | None = None
+    # `down --delete-user-pools`: a cluster this tool made goes even with node pools a user added on it.
+    delete_user_pools: bool = False
 
     @classmethod
     def on(cls, config: Config, session: Session, console: Console,

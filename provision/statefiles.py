@@ -73,7 +73,7 @@ def input_problem(path: Path, max_bytes: int) -> str | None:
     if kind is not None:
         return f"is {kind}, not a file"
     if st.st_size > max_bytes:
-        return f"is {st.st_size >> 20} MiB; a config file is at most {max_bytes >> 20} MiB"
+        return f"is {st.st_size:,} bytes; a config file is at most {max_bytes:,} (they are a few kilobytes)"
     if not os.access(path, os.R_OK):
         return "cannot read it: permission denied"
     return None

@@ -35,10 +35,29 @@ def quiet_orbax():
     log = logging.getLogger("absl")
     level = log.level
     log.setLevel(logging.ERROR)
+    quiet_late_callbacks()
     try:
         yield
     finally:
         log.setLevel(level)
+
+
+def quiet_late_callbacks() -> None:
+    """A read that fails part-way (a damaged step) leaves tensorstore's other reads of it running; each, when it
+    ends, calls back into the event loop orbax ran them on and has closed since, and Python prints that as
+    a traceback ("Event loop is closed", many of them, after the message naming the step). Those alone are
+    dropped, for the rest of the process (they may come at exit); anything else goes to the hook there was."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop", False):
+        return
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_closed_loop = True
+    sys.unraisablehook = hook
 
 
 def check_directory(path: str) -> str:
@@ -319,6 +338,7 @@ class Checkpointer:
         that the config matches): it is renamed `STEP.unreadable-TIME`, out of the way of the step that
         training saves again. When none restores, nothing moves and `CheckpointError` lists each reason.
         """
+        quiet_late_callbacks()
         unreadable: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
             restored, reason = self._try_restore(step, abstract_state, model)

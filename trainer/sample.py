@@ -26,6 +26,7 @@ import sys
 
 import click
 
+from trainer.config import MAX_SEED
 from trainer.run_loader import Codec, RunError, context_of, end_of_document, find_run, load_run_config
 from trainer.serve.memory import QUANTIZED_WEIGHTS
 
@@ -128,7 +129,8 @@ def generate(model, weights, prompt: list[int], tokens: int, *, temperature: flo
               help="How many tokens to add (fewer where the model ends its text, as the server stops).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True, help="0: greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: the whole vocabulary.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+              help=f"The sampling's seed, 0 to {MAX_SEED}.")
 @click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
               show_default=True, help="int8 or int4: the weights quantized as `serve --weights` quantizes them, so "
                                       "that greedy tokens are those of a deployment with the same --weights.")

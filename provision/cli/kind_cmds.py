@@ -42,7 +42,8 @@ def _command(kind, verb) -> click.Command:
         elif verb.does == "status":
             show_status(app, cfg, kind)
         elif verb.does == "down":
-            delete_run(app, config_path, command, kinds=(kind.name,))
+            delete_run(app, config_path, command, kinds=(kind.name,),
+                       delete_user_pools=flags.get("delete_user_pools", False))
         else:
             resources, lines = kind.act(verb.does, app.context(cfg))
             for line in lines:

@@ -13,6 +13,10 @@ from provision.cli.options import config_option
 from provision.errors import UsageError
 
 
+DELETE_USER_POOLS = ("target: gke: delete a cluster this tool created even when node pools a user added are on it "
+                     "(they go with it; without the flag the cluster is kept, naming them)")
+
+
 def kind_flags(function):
     """The flags that a kind's `up` takes (Kind.up_flags), offered by the generic `up` for the kinds
     that declare them."""
@@ -81,9 +85,13 @@ def show_status(app, cfg, kind) -> None:
     finish(app, resources)
 
 
-def delete_run(app, config_path: str, command: str, kinds: tuple[str, ...] | None = None) -> None:
+def delete_run(app, config_path: str, command: str, kinds: tuple[str, ...] | None = None,
+               delete_user_pools: bool = False) -> None:
     """Delete the run's resources of `kinds` (None: of every kind, whatever the config's target) and
-    stop a dry run's local trainer; says what went."""
+    stop a dry run's local trainer; says what went. `delete_user_pools`: a GKE cluster this tool made goes
+    even with node pools a user added on it."""
+    import dataclasses
+
     from provision.kinds import KINDS
 
     app.command = command
@@ -92,7 +100,8 @@ def delete_run(app, config_path: str, command: str, kinds: tuple[str, ...] | Non
     where = " and ".join([", ".join(cfg.zones), *filter(None, (kind.where(cfg) for kind in chosen))])
     app.console.info(f"{command}: deleting every resource of run {cfg.run} in {where}"
                      + (" [dry run]" if app.dry_run else ""))
-    deleted = [res for kind in chosen for res in kind.teardown(app.context(cfg))]
+    context = dataclasses.replace(app.context(cfg), delete_user_pools=delete_user_pools)
+    deleted = [res for kind in chosen for res in kind.teardown(context)]
     if app.dry_run:  # the trainer that a killed dry run left running on this machine
         from provision.emulator.local_trainer import stop_recorded
 
@@ -106,8 +115,9 @@ def delete_run(app, config_path: str, command: str, kinds: tuple[str, ...] | Non
 
 @click.command("down")
 @config_option
+@click.option("--delete-user-pools", is_flag=True, help=DELETE_USER_POOLS)
 @click.pass_obj
-def down(app, config_path: str) -> None:
+def down(app, config_path: str, delete_user_pools: bool) -> None:
     """Delete every resource of the run, also after a crash, and verify nothing is left.
 
     \b
@@ -115,7 +125,7 @@ def down(app, config_path: str) -> None:
       moe-tpu down -c examples/v5e-64.yaml
       moe-tpu --dry-run down
     """
-    delete_run(app, config_path, "down")
+    delete_run(app, config_path, "down", delete_user_pools=delete_user_pools)
 
 
 @click.command("list")

@@ -19,6 +19,8 @@ from provision.kinds import KINDS
 from provision.shapes import DEFAULT_CONFIG, RULES, brief, check
 from trainer import safeyaml, schema
 
+MAX_PROBLEMS = 50  # listed of a config's schema errors; the rest are counted
+
 # --- loading ---------------------------------------------------------------------------
 
 def _key_lines(root: yaml.Node | None, lines: dict[str, int]) -> list[tuple[str, int]]:
@@ -278,6 +280,10 @@ def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: di
         errors += [{**err, "loc": tuple(err["loc"])[member:]} for err in exc.errors()]
     failed: set[str] = set()
     found: list[tuple[str, str]] = []
+    if len(errors) > MAX_PROBLEMS:  # each is a message with its closest key: a file of 100,000 keys took minutes
+        problems.append(Problem(file, "", f"{len(errors) - MAX_PROBLEMS:,} more problems past the first "
+                                          f"{MAX_PROBLEMS} (fix those first)"))
+        errors = errors[:MAX_PROBLEMS]
     for err in errors:
         key = _dotted(err["loc"])
         if err["type"] == RULES:

@@ -72,7 +72,8 @@ class ServeConfig(Section):
     # GKE, the requests waiting for a decode slot (vllm:num_requests_waiting) per replica.
     autoscale_target: Positive = 60
     slots: Positive = 8
-    max_len: Annotated[StrictInt, Field(ge=2)] = 1024
+    # At most the server's --max-len: positions are int32 in its steps, an idle slot's at max_len + 1.
+    max_len: Annotated[StrictInt, Field(ge=2, le=2**31 - 2)] = 1024
     weights: Literal["auto", "int8", "int4"] = "auto"  # trainer/serve/memory.py QUANTIZED_WEIGHTS
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     spot: bool = False

@@ -125,6 +125,10 @@ class Store:
         text = raw.decode("utf-8", errors="replace")
         try:
             world = parse(json.loads(text))
+        except RecursionError:
+            raise UsageError(f"cannot read the emulator state {echo(self.path)}: it nests lists or objects deeper "
+                             "than a world this tool writes",
+                             hint=f"delete {self.path} to start a fresh emulated world") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UsageError(f"cannot read the emulator state {echo(self.path)}: {echo(exc)}",
                              hint=f"delete {self.path} to start a fresh emulated world") from exc

@@ -109,6 +109,21 @@ def smallest_shape(plan: ServePlan, multi_host: bool = False) -> Shape | None:
     return None
 
 
+def _cache_problem(plan: ServePlan) -> str | None:
+    """Where the weights fit at a precision the engine serves but not with the KV cache beside them: the
+    cache's keys (serve.slots x serve.max_len), to lower; None otherwise."""
+    served = [row for row in plan.rows if _engine_serves(row.name) and row.serving.memory(0) <= row.serving.usable()]
+    if not served:
+        return None
+    row = min(served, key=lambda r: r.serving.kv_cache_bytes(plan.slots))
+    room = row.serving.largest_batch()
+    per_slot = int((row.serving.usable() - row.serving.weights.held) // max(row.serving.kv_cache_bytes(1) /
+                                                                          row.serving.max_len, 1))
+    return (f"its KV cache of serve.slots {plan.slots} x serve.max_len {plan.max_len:,} tokens does not fit beside "
+            f"the weights ({row.name}: room for {room} slot(s) of that length, or {per_slot:,} tokens in all): lower "
+            "serve.max_len or serve.slots")
+
+
 def placement_problem(plan: ServePlan, multi_host: bool) -> str | None:
     """Why `deploy` cannot serve the plan's replica, naming the shape that can (and, where the config's kind
     serves no replica over several hosts, `multi_host` False, the kind that does); None when a precision the
@@ -118,13 +133,16 @@ def placement_problem(plan: ServePlan, multi_host: bool) -> str | None:
     acc = plan.accelerator
     head = (f"{plan.plan.model_name} fits one replica of {acc.topology} ({acc.chips} chips) at no precision the "
             "engine serves (`moe-tpu plan --serve` shows each)")
+    cache = _cache_problem(plan)
+    if cache is not None:
+        head += f": {cache}"
     shape = smallest_shape(plan)
     if shape is None:
-        return f"{head}, nor any v5e shape up to 16x16"
+        return head if cache else f"{head}, nor any v5e shape up to 16x16"
     where = shape.accelerator
     setting = (f"serve.topology: {where.topology} (serve.machine_type: {where.vertex_machine_type})" if where.multi_host
                else f"serve.machine_type: {where.vertex_machine_type} (serve.topology unset)")
-    text = (f"{head}; the smallest shape that holds it is {where.topology} ({where.chips} chips on {where.vms} "
+    text = (f"{head}; {'or: ' if cache else ''}the smallest shape that holds it is {where.topology} ({where.chips} chips on {where.vms} "
             f"host{'s' if where.vms > 1 else ''}) at {shape.precision}: set {setting}")
     if where.multi_host and not multi_host:
         text += " on target: gke (a LeaderWorkerSet serves a replica over several hosts; Vertex AI serves one)"

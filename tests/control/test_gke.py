@@ -327,3 +327,32 @@ def test_run_preempt_without_restarts_fails_and_leaves_nothing(tmp_path):
     assert "recovery.max_restarts is 0" in result["error"]
     assert [e["event"] for e in result["timeline"]].count("preempted") == 1
     assert nothing_left(tmp_path)
+
+
+def test_a_cluster_made_for_the_run_is_kept_with_a_users_node_pool_on_it_unless_asked(tmp_path, emulated, capsys):
+    """Deleting a cluster deletes every node pool on it: one a user added is named, and the cluster kept,
+    unless `down --delete-user-pools` asks for it."""
+    import dataclasses
+
+    from google.cloud import container_v1
+
+    from provision.cloud.messages import create_node_pool_request
+    from provision.kinds.gke import gke_render
+    from provision.kinds.gke.gke import project_of
+
+    app = emulated()
+    made = make_config(tmp_path, JAX, name="jax.yaml")
+    gke_up(app.context(made))
+    path = gke_render.cluster_path(made.gke, project_of(made, app.session))
+    pool = container_v1.NodePool(name="users-own", initial_node_count=1,
+                                 config=container_v1.NodeConfig(machine_type="e2-standard-4"))
+    operation = app.session.container.create_node_pool(create_node_pool_request(path, pool))
+    app.session.container.wait(operation, path.rsplit("/clusters/", 1)[0], "create users-own")
+    kept = gke_down(app.context(made))
+    assert [r.kind for r in kept] == ["node_pool"]
+    assert cluster_of(made, app.session) is not None
+    assert [p.name for p in app.session.container.list_node_pools(path)] == ["users-own"]
+    said = capsys.readouterr().err
+    assert "node pool(s) users-own on it were not made by this tool" in said and "--delete-user-pools" in said
+    asked = gke_down(dataclasses.replace(app.context(made), delete_user_pools=True))
+    assert [r.kind for r in asked] == ["gke_cluster"] and cluster_of(made, app.session) is None

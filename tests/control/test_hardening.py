@@ -50,7 +50,7 @@ def _alias_bomb(levels: int = 25) -> str:
     ("region: " + "[" * 200_000 + "\n", "nested more than 64 levels deep"),
     ("region: " + "{" * 200_000 + "\n", "nested more than 64 levels deep"),
     ("region: " + "[" * 500 + "]" * 500 + "\n", "nested more than 64 levels deep"),
-    ("".join(" " * i + f"k{i}:\n" for i in range(10_000)), "nested more than 64 levels deep"),
+    ("".join(" " * i + f"k{i}:\n" for i in range(1_000)), "nested more than 64 levels deep"),  # 0.5 MB
     ("a0: &a0 [x]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}]\n" for i in range(1, 10_000)),
      "aliases nest it more than 64 levels deep"),
 ], ids=["alias fan-out", "self alias", "deep [", "deep {", "deep [ closed", "deep block", "alias chain"])
@@ -526,3 +526,42 @@ def test_commands_that_only_read_leave_the_remembered_config_as_it_was(workdir):
         code, _, err = invoke("--dry-run", *args, "-c", str(other))
         assert code in (0, 1), (args, err)  # `logs` of a run that never started: exit 1, said so
         assert remembered.read_text().strip() == str(acting.resolve()), args
+
+
+@pytest.mark.parametrize("example", ["serve-vertex.yaml", "serve-gke.yaml"])
+def test_a_serve_max_len_whose_cache_fits_nowhere_is_refused_naming_the_key(workdir, example):
+    """serve.max_len 10**9: the weights fit, their KV cache cannot; the refusal names the keys to lower. Past
+    the server's int32 positions it is a config error naming the key."""
+    config = _config(workdir, example, serve__max_len=10**9)
+    code, out, err = invoke("--dry-run", "deploy", "-c", str(config))
+    _no_traceback(code, err)
+    assert "serve.max_len 1,000,000,000" in err and "lower serve.max_len or serve.slots" in err, err
+    code, out, err = invoke("validate", "-c", str(_config(workdir, example, serve__max_len=2**31)))
+    _no_traceback(code, err)
+    assert "serve.max_len:" in err and "2147483646" in err, err
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": ' * 100_000 + "1" + "}" * 100_000])
+def test_an_emulator_state_nested_too_deep_is_a_usage_error_naming_the_file(workdir, text):
+    _config(workdir)
+    (workdir / ".moe-tpu").mkdir()
+    (workdir / ".moe-tpu" / "emulator.json").write_text(text)
+    code, out, err = invoke("--dry-run", "slice", "status")
+    _no_traceback(code, err)
+    assert "emulator.json: it nests lists or objects deeper than a world this tool writes" in err, err
+
+
+@pytest.mark.parametrize("keys, needle", [
+    (150_000, "a config file is at most 1,048,576 (they are a few kilobytes)"),  # 2 MB of one flow mapping
+    (50_000, "more problems past the first 50 (fix those first)"),  # 0.7 MB: read, its problems counted
+])
+def test_a_config_of_one_huge_flow_mapping_is_answered_at_once(workdir, keys, needle):
+    """A message for each of 100,000 unknown keys (with its closest key) took minutes; a 50 MB file seemed to hang."""
+    import time
+
+    (workdir / "moe-tpu.yaml").write_text("{" + ", ".join(f"k{i}: {i}" for i in range(keys)) + "}\n")
+    started = time.perf_counter()
+    code, out, err = invoke("validate")
+    _no_traceback(code, err)
+    assert needle in err and time.perf_counter() - started < 20, err[-2000:]
+    assert len(err.splitlines()) < 60

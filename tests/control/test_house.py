@@ -213,7 +213,7 @@ LAYERS = (
     ("lifecycle", ("provision.runs", "provision.services", "provision.context", "provision.goodput",
                    "provision.kinds.tpu_vm.slices", "provision.kinds.vertex.jobs", "provision.kinds.vertex.endpoints",
                    "provision.kinds.gke.gke", "provision.kinds.gke.gke_serve",
-                   "provision.kinds.gke.gke_lws")),
+                   "provision.kinds.gke.gke_lws", "provision.kinds.gke.gke_pools")),
     ("render", ("provision.rendering", "provision.container", "provision.templates", "provision.image",
                 "provision.kinds.tpu_vm.slice_render", "provision.kinds.vertex.vertex_render",
                 "provision.kinds.gke.gke_render", "provision.kinds.gke.gke_serve_render",

@@ -36,6 +36,8 @@ def refused(result, *needles):
     (["--prompt", "1 2 x " + "3 " * 5000], ["got 'x' (word 3 of 5003)"]),
     (["--tokens", 2**40], [f"--tokens {2**40}", "2,147,483,647 positions"]),
     (["--tokens", 10**9], [f"--tokens {10**9}", "key/value cache", "can hold"]),
+    (["--seed", 2**70], ["'--seed'", str(2**70)]),
+    (["--seed", -1], ["'--seed'"]),
 ])
 def test_limits_are_refused_naming_the_flag_and_value(trained_tiny, args, needles):
     prompt = [] if "--prompt" in args else ["--prompt", "1 2 3"]

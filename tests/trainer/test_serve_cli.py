@@ -53,6 +53,7 @@ def test_bad_flags_and_checkpoints_exit_2_with_a_message(trained_tiny, tmp_path)
         (["--checkpoint", str(run), "--chunk", "64", "--max-len", "32"], "--chunk 64 must not exceed --max-len 32"),
         (["--checkpoint", str(run), "--mesh", "data=1,expert=3"], "--mesh"),
         (["--checkpoint", str(run), "--slots", "0"], "'--slots'"),
+        (["--checkpoint", str(run), "--max-waiting", "0"], "'--max-waiting'"),  # every request would be a 429
         (["--checkpoint", str(run), "--chat-template", str(no_content)], "'message' has no {content}"),
         (["--checkpoint", str(truncated)], f"the metadata of step {latest.name} in"),
         # The socket is bound before the weights are read: no minutes of loading for a port in use.
@@ -83,7 +84,8 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
     script.write_text(
         "import socket, sys, threading, types\n"
         "from trainer.serve import cli\n"
-        "engine = types.SimpleNamespace(slots=1, max_len=2, warm_up=lambda every_span: threading.Event().wait())\n"
+        "engine = types.SimpleNamespace(slots=1, max_len=2,\n"
+        "                               warm_up=lambda every_span, between: threading.Event().wait())\n"
         "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None, eos_token=None,\n"
         "                                tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
@@ -97,6 +99,27 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         assert "stopped before the steps were compiled" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_sigint_while_the_checkpoint_is_read_stops_the_server_before_it_compiles(trained_tiny):
+    """The signal handler only notes the signal (a KeyboardInterrupt raised inside the checkpoint's reading was
+    swallowed there, and the server went on to compile and serve); loading checks it between its stages."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    process = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--checkpoint", str(trained_tiny.output_dir),
+                                "--port", str(free_port()), "--warm-up", "smallest"],
+                               env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if "reading the parameters" in line:
+                break
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        said = process.stderr.read()
+        assert "stopped by SIGINT before serving" in said and "compiling" not in said, said
     finally:
         if process.poll() is None:
             process.kill()

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from trainer.serve.loop import EngineLoop
 from trainer.serve.server import ServerState, create_app
 
 pytestmark = pytest.mark.compile_bound
@@ -92,3 +93,68 @@ def test_a_slow_tokenizer_on_a_huge_prompt_does_not_stall_health(served):
     health, waited, huge = asyncio.run(scenario())
     assert health.status_code == 200 and waited < 0.5
     assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt"
+
+
+def test_a_non_streaming_client_that_vanishes_leaves_no_traceback_and_frees_its_slot(served, caplog):
+    """A completion whose client goes away mid-answer is cancelled: nothing raised out of the app (a server logs
+    that as a traceback), nothing sent, its request cancelled."""
+    _, state = served
+    gone = ServerState("tiny", encode=state.encode, decode=state.decode)
+    app = create_app(gone)
+    gone.loop = EngineLoop(state.loop.engine)  # not started: the request waits until its client goes away
+    body = b'{"prompt": "a", "max_tokens": 250, "temperature": 0, "ignore_eos": true}'
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent, seen = [], []
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        seen.extend(gone.open)
+        if seen:
+            return {"type": "http.disconnect"}  # the client went away once its request was queued
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"} if seen else await receive()
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+             "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(app(scope, receive, send))
+    assert not [rec for rec in caplog.records if rec.exc_info], "a traceback in the log"
+    assert seen and all(req.cancelled for req in seen) and not gone.open
+    assert all(message.get("status", 499) == 499 for message in sent)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "n", "stream", "stream_options", "max_tokens", "seed",
+                                   "stop", "logprobs", "echo", "best_of", "user", "top_k", "ignore_eos", "suffix",
+                                   "logit_bias", "presence_penalty", "response_format"])
+def test_optional_fields_sent_as_null_are_fields_not_given(served, field):
+    """OpenAI's clients send null for what their caller left unset."""
+    client, _ = served
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, field: None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_fields_sent_as_null_are_fields_not_given_and_a_required_one_is_refused(served):
+    client, _ = served
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "logprobs": None, "top_logprobs": None,
+             "max_completion_tokens": None, "stop": None, "seed": None, "tools": None, "tool_choice": None}
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a", "name": None}],
+                                                  "max_tokens": 2, **nulls})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    r = client.post("/v1/completions", json={"prompt": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["", "\x00\x01never"]])
+def test_an_empty_stop_string_is_no_stop_string(served, stop):
+    client, _ = served
+    plain = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 6, "temperature": 0}).json()
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 6, "temperature": 0, "stop": stop})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"] == plain["choices"][0]["text"]

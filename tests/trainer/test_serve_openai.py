@@ -221,12 +221,13 @@ def test_a_grace_period_that_runs_out_ends_each_stream_with_an_error_event_and_l
     assert not closing.open
 
 
-def test_metrics_under_64_concurrent_streams_never_errors(served):
-    """/metrics reads the snapshot the engine publishes after each step, never its slots mid-step."""
+def test_metrics_under_100_concurrent_streams_never_errors_and_each_scrape_agrees_with_itself(served):
+    """/metrics reads one view of the engine per scrape (the snapshot it publishes after each step, never its
+    slots mid-step): running, waiting and the cache's usage agree within a scrape."""
     from prometheus_client.parser import text_string_to_metric_families
 
     _, state = served
-    busy = ServerState("tiny", encode=state.encode, decode=state.decode, max_waiting=64)
+    busy = ServerState("tiny", encode=state.encode, decode=state.decode, max_waiting=100)
     app = create_app(busy)
     busy.loop = state.loop
 
@@ -237,7 +238,7 @@ def test_metrics_under_64_concurrent_streams_never_errors(served):
                 async with c.stream("POST", "/v1/completions", json=body) as r:
                     return r.status_code, [line async for line in r.aiter_lines() if line][-1]
 
-            streams = asyncio.ensure_future(asyncio.gather(*(stream(i) for i in range(64))))
+            streams = asyncio.ensure_future(asyncio.gather(*(stream(i) for i in range(100))))
             scrapes = []
             while not streams.done():
                 scrapes.append(await c.get("/metrics"))
@@ -245,11 +246,16 @@ def test_metrics_under_64_concurrent_streams_never_errors(served):
             return await streams, scrapes
 
     ended, scrapes = asyncio.run(scenario())
-    assert ended == [(200, "data: [DONE]")] * 64
+    assert ended == [(200, "data: [DONE]")] * 100
     assert len(scrapes) > 5 and all(r.status_code == 200 for r in scrapes)
-    running = [next(s.value for s in f.samples) for r in scrapes for f in text_string_to_metric_families(r.text)
-               if f.name == "vllm:num_requests_running"]
-    assert max(running) == 8  # every slot was busy at some scrape
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    seen = [{f.name: f.samples[0].value for f in text_string_to_metric_families(r.text) if f.name in names}
+            for r in scrapes]
+    assert max(s[names[0]] for s in seen) == 8  # every slot was busy at some scrape
+    for s in seen:
+        running, waiting, usage = (s[n] for n in names)
+        assert 0 <= running <= 8 and 0 <= waiting and running + waiting <= 100, s
+        assert (usage > 0) >= (running > 0), s  # a running request holds cache positions
 
 
 def test_lm_evaluation_harness_scores_continuations_as_the_full_forward_pass(served, teacher):

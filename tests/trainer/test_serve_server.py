@@ -425,3 +425,29 @@ def test_a_predict_refused_part_way_leaves_nothing_queued(served):
     while not paused.inbox.empty():
         queued.append(paused.inbox.get_nowait())
     assert all(req.cancelled for req in queued), queued
+
+
+def test_a_scrape_counts_each_request_once_while_the_engine_holds_them_between_its_inbox_and_its_next_step(served):
+    """Requests the engine's thread took from the inbox for a step that has not yet published its snapshot are
+    waiting, in the same scrape as that snapshot's running count and cache usage (they were counted nowhere)."""
+    from fastapi.testclient import TestClient
+
+    from trainer.serve.engine import Request as EngineRequest
+    from trainer.serve.engine import SamplingParams
+
+    _, state = served
+    scraped = ServerState("tiny", encode=state.encode, decode=state.decode)
+    app = create_app(scraped)
+    scraped.loop = held = EngineLoop(state.loop.engine)  # not started: the test takes its inbox as its thread would
+    requests = [EngineRequest([97 + i], SamplingParams(max_tokens=1)) for i in range(3)]
+    for req in requests:
+        held.submit(req)
+    try:
+        held.take()  # the engine's thread, before its next step
+        families = {f.name: f for f in text_string_to_metric_families(TestClient(app).get("/metrics").text)}
+        value = lambda name: families[name].samples[0].value  # noqa: E731
+        assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (0, 3)
+        assert value("vllm:kv_cache_usage_perc") == 0
+    finally:
+        for req in requests:
+            state.loop.engine.scheduler.waiting.remove(req)

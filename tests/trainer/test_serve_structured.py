@@ -88,3 +88,39 @@ def test_what_cannot_be_compiled_is_a_400_naming_it(client, body, param, words):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_grammar_compiles_off_the_event_loop_so_health_answers_meanwhile(served):
+    """A grammar, and the first one's tables of the tokenizer's tokens (about a second for a large vocabulary:
+    here a sleep stands in for it), compile on a worker thread, as tokenizing does."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from trainer.serve.structured import Grammars
+
+    class SlowGrammars(Grammars):
+        def grammar(self, response_format, structured_outputs):
+            time.sleep(1.0)
+            return super().grammar(response_format, structured_outputs)
+
+    _, state = served
+    slow = ServerState("tiny", encode=state.encode, decode=state.decode)
+    app = create_app(slow)
+    slow.loop = state.loop
+    engine = state.loop.engine
+    slow.grammars = SlowGrammars("bytes", engine.model.cfg.model.vocab_size, engine.eos_id)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body = {"prompt": "a", "max_tokens": 3, "structured_outputs": {"regex": "[0-9]{3}"}}
+            held = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            started = time.perf_counter()  # before the sleep: a compile on the loop would hold the sleep too
+            await asyncio.sleep(0.2)
+            health = await c.get("/health")
+            return health, time.perf_counter() - started, await held
+
+    health, waited, held = asyncio.run(scenario())
+    assert health.status_code == 200 and waited < 0.7, waited
+    assert held.status_code == 200 and re.fullmatch("[0-9]{3}", held.json()["choices"][0]["text"]), held.text

@@ -318,15 +318,20 @@ def open_run(run: str, step: int | None) -> SavedRun:
     with quiet_orbax():
         manager = ocp.CheckpointManager(checkpoints, item_handlers={"state": ocp.PyTreeCheckpointHandler()},
                                         options=ocp.CheckpointManagerOptions(read_only=True))
-        steps = list(manager.all_steps())
-        if not steps:
-            raise HFError(f"--checkpoint {checkpoints} holds no finished checkpoint")
-        if step is not None and step not in steps:
-            raise HFError(f"--step {step}: {checkpoints} holds steps {sorted(steps)}")
-        step = max(steps) if step is None else step
+        # Closed once the metadata is read, also on an error: a manager left open had its threads call into
+        # an event loop closed at exit (a traceback after the message). The arrays are read by tensorstore.
         try:
-            state = manager.item_metadata(step)["state"]
-            saved = {**state["params"], **(state.get("moe_bias") or {})}
-        except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
-            raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: {short_reason(e)}") from None
+            steps = list(manager.all_steps())
+            if not steps:
+                raise HFError(f"--checkpoint {checkpoints} holds no finished checkpoint")
+            if step is not None and step not in steps:
+                raise HFError(f"--step {step}: {checkpoints} holds steps {sorted(steps)}")
+            step = max(steps) if step is None else step
+            try:
+                state = manager.item_metadata(step)["state"]
+                saved = {**state["params"], **(state.get("moe_bias") or {})}
+            except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
+                raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: {short_reason(e)}") from None
+        finally:
+            manager.close()
     return SavedRun(run, cfg, step, manager, {n: tuple(meta.shape) for n, meta in saved.items()})

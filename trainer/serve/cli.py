@@ -27,6 +27,7 @@ from trainer.serve.memory import QUANTIZED_WEIGHTS
 from trainer.serve.loop import STEP_TIMEOUT_S
 from trainer.serve.spans import DEFAULT_CHUNK
 from trainer.serve.startup import ServeError, load
+from trainer.serve.stopping import Stop, Stopped
 from trainer.serve.streams import STREAM_INTERVAL
 
 EXIT_RUNTIME = 1
@@ -114,7 +115,7 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Prompt plus generated tokens per request (the KV cache's length).")
 @click.option("--chunk", type=click.IntRange(min=1), default=DEFAULT_CHUNK, show_default=True,
               help="Prompt tokens prefilled per engine step, between decode steps.")
-@click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
+@click.option("--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests queued for a slot; beyond them 429 with Retry-After.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True, show_default=True,
               help="Prompts sharing a prefix with an earlier one copy its cached keys and values rather than "
@@ -177,6 +178,21 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
     template = _chat_template(chat_template_path)
     if chunk > max_len:
         raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
+    with Stop() as stop:  # SIGTERM/SIGINT noted; loading and compiling check between their stages
+        try:
+            code = _start(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching,
+                          prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text, devices, tokenizer_path,
+                          template, model_name, warm_up, grace_seconds, stream_interval, step_timeout,
+                          device_memory_gb, stop)
+        except Stopped:
+            _progress(f"stopped by {stop.name} before serving")
+            code = 0
+    sys.exit(code)
+
+
+def _start(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching, prefix_cache_tokens,
+           kv_cache_dtype, weight_format, mesh_text, devices, tokenizer_path, template, model_name, warm_up,
+           grace_seconds, stream_interval, step_timeout, device_memory_gb, stop) -> int:
     group = _group(devices)
     sock = _listen(host, port) if group is None or group.is_leader else None  # workers serve no HTTP
     _start_processes(group, devices)
@@ -190,14 +206,14 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
                   chunk=chunk, prefix_tokens=prefix_tokens,
                   kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
-                  progress=_progress)
+                  progress=lambda message: (stop.check(), _progress(message)))
     if group is not None and not group.is_leader:
         sys.exit(_follow(loaded, group))
     leader = _lead(loaded, group) if group is not None else None
     template = template or loaded.chat_template  # --chat-template, else an imported model's own
-    code = _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
-                  leader, every_span=warm_up == "all", stream_interval=stream_interval, step_timeout=step_timeout)
-    sys.exit(code)
+    return _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
+                  leader, every_span=warm_up == "all", stream_interval=stream_interval, step_timeout=step_timeout,
+                  stop=stop)
 
 
 def _group(devices: int | None):
@@ -275,7 +291,7 @@ def _check_server_packages() -> None:
 
 def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
            grace_seconds: float, leader=None, every_span: bool = True, stream_interval: float = STREAM_INTERVAL,
-           step_timeout: float = STEP_TIMEOUT_S) -> int:
+           step_timeout: float = STEP_TIMEOUT_S, stop: Stop | None = None) -> int:
     import uvicorn
 
     from trainer.serve.loop import EngineLoop
@@ -289,7 +305,8 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
     # uvicorn's own limit is a backstop past ours: by then every open request has had its error (expire).
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", http=http_protocol(),
                             timeout_graceful_shutdown=grace_seconds + 5, lifespan="off")
-    server = _draining_server(config, state, grace_seconds)
+    stop = stop or Stop().install()
+    server = _draining_server(config, state, grace_seconds, stop)
     failed: list[str] = []
     group_failed = _watch_group(leader, state, server) if leader is not None else None
 
@@ -298,25 +315,27 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
             started = time.perf_counter()
             _progress(f"compiling the prefill and decode steps ({loaded.engine.slots} slots x "
                       f"{loaded.engine.max_len} tokens, {'every span' if every_span else 'the first span'})")
-            loaded.engine.warm_up(every_span)
+            loaded.engine.warm_up(every_span, stop.check)
+            stop.check()
             state.loop = EngineLoop(loaded.engine, step_timeout=step_timeout, on_failed_step=group_failed).start()
             _progress(f"compiled in {time.perf_counter() - started:.1f}s")
             _progress(f"ready: {name} at http://{host}:{port}/v1 (health /health, metrics /metrics)")
+        except Stopped:  # a signal before uvicorn took its own handlers: the server stops, nothing served
+            server.should_exit = True
         except Exception as e:  # noqa: BLE001 - reported, and the server stops with exit code 1
             failed.append(f"{type(e).__name__}: {e}")
             server.should_exit = True
 
     compiling = threading.Thread(target=compile_then_serve, name="moe-tpu-compile", daemon=True)
     compiling.start()
-    # uvicorn raises the signal it stopped for again once it has shut down, for the handler it found:
-    # with the default one SIGTERM would end the process by the signal rather than with exit code 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+    # uvicorn raises the signal it stopped for again once it has shut down, for the handler it found (`stop`'s,
+    # which notes it): with the default one SIGTERM would end the process by the signal, not with exit code 0.
     try:
         server.run(sockets=[sock])
     finally:
         if state.loop is not None:
             state.loop.stop()
+    compiling.join(timeout=0.5)  # stopped between two programs: it ends at once
     if compiling.is_alive():  # stopped while XLA compiles: exiting past it aborts the process (SIGABRT, 134)
         _progress("stopped before the steps were compiled")
         if leader is not None:
@@ -325,6 +344,11 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
         sys.stderr.flush()
         os._exit(0)
     code = 0
+    if state.loop is None and not failed and stop.signal is not None:
+        _progress("stopped before the steps were compiled")
+        if leader is not None:
+            leader.stop(timeout=0)
+        return 0
     if failed:
         click.echo(f"serve: compiling failed: {failed[0]}", err=True)
         code = EXIT_RUNTIME
@@ -384,7 +408,7 @@ def _group_failed(state, reason: str, server) -> None:
     multihost.exit_now(EXIT_RUNTIME)
 
 
-def _draining_server(config, state, grace_seconds: float):
+def _draining_server(config, state, grace_seconds: float, stop: Stop):
     """uvicorn's server for `state`. On SIGTERM/SIGINT uvicorn closes its socket and waits for the connections in
     flight; this one also answers 503 to requests arriving meanwhile on connections kept alive, and when the
     grace period runs out ends the requests still open with an error (an event on a stream) rather than
@@ -409,7 +433,13 @@ def _draining_server(config, state, grace_seconds: float):
 
         def handle_exit(self, sig, frame):
             state.draining = True
+            stop.note(sig)  # the warm-up, if it still runs, stops at its next program
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if stop.signal is not None:  # it came before these handlers were installed
+                self.should_exit = True
 
         async def shutdown(self, sockets=None):
             _progress("stopping: no new requests; finishing those in flight")

@@ -126,10 +126,11 @@ class Engine:
     def compilations(self) -> int:
         return self.runner.compilations()
 
-    def warm_up(self, every_span: bool = False) -> None:
-        """Compiles the steps before the first request (ModelRunner.warm_up)."""
-        self.runner.warm_up(every_span)
+    def warm_up(self, every_span: bool = False, between=None) -> None:
+        """Compiles the steps before the first request (ModelRunner.warm_up; `between()` before each program)."""
+        self.runner.warm_up(every_span, between)
         if self.prefix is not None:
+            (between or (lambda: None))()
             self.runner.cache = self.prefix.warm_up(self.runner.cache)
 
     def used_positions(self) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # not imported: the command line reads STEP_TIMEOUT_S before jax may load
-    from trainer.serve.engine import Engine, Request
+    from trainer.serve.engine import Engine, Request, Snapshot
 
 log = logging.getLogger("trainer.serve")
 
@@ -41,6 +41,11 @@ class EngineLoop:
         self._failure: str | None = None  # set by `fail`: the engine's thread fails every request with it
         self.progress = time.monotonic()  # the last step completed, or the last turn with nothing to do
         self._programs = len(engine.runner.programs)  # the runner's programs when the step under way began
+        self.submitted = 0  # requests ever submitted (counted before they are queued)
+        self.taken = 0  # of those, the requests the engine's thread has taken from the inbox
+        # The engine's snapshot after a step with the count taken before that step, published as one tuple:
+        # the requests taken since count as waiting, so that no scrape sees a request twice or not at all.
+        self.view: tuple[Snapshot, int] = (engine.snapshot, 0)
         self.thread = threading.Thread(target=self._run, name="moe-tpu-engine", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -75,26 +80,36 @@ class EngineLoop:
 
     def submit(self, request: Request) -> None:
         """Queues a request the caller has checked (Engine.check); thread-safe."""
+        self.submitted += 1
         self.inbox.put(request)
         self._wake.set()
 
+    def counts(self) -> tuple[int, int, int]:
+        """(running, waiting, cache positions in use), from one view: the engine's snapshot after its last step,
+        and as waiting beside its own, every request submitted since the requests taken before that step."""
+        snapshot, taken = self.view
+        return snapshot.running, snapshot.waiting + self.submitted - taken, snapshot.used_positions
+
     def waiting(self) -> int:
-        """Requests not yet in a decode slot (the engine's as of its last step: its snapshot)."""
-        return self.inbox.qsize() + self.engine.snapshot.waiting
+        """Requests not yet in a decode slot."""
+        return self.counts()[1]
 
     def running(self) -> int:
-        return self.engine.snapshot.running
+        return self.view[0].running
 
-    def _take_inbox(self) -> None:
+    def take(self) -> None:
+        """Moves what the inbox holds to the scheduler's queue (the engine's thread, before each step)."""
         while True:
             try:
                 self.engine.scheduler.waiting.append(self.inbox.get_nowait())
             except queue.Empty:
-                return
+                break
+            self.taken += 1
 
     def _run(self) -> None:
         while not self._stop:
-            self._take_inbox()
+            self.take()
+            taken = self.taken
             if not self.engine.busy:
                 self.progress = time.monotonic()
                 self._wake.wait(min(IDLE_TICK_S, self.step_timeout / 4))
@@ -108,8 +123,9 @@ class EngineLoop:
                     return
             else:
                 self.progress = time.monotonic()
+            self.view = (self.engine.snapshot, taken)
         if self._failure is not None:
-            self._take_inbox()
+            self.take()
             self.engine.fail_all(self._failure)
 
     def _on_failed_step(self, e: Exception) -> bool:
@@ -122,7 +138,7 @@ class EngineLoop:
             return False
         if self._failure is None:
             log.exception("engine step failed")
-        self._take_inbox()
+        self.take()
         self.engine.fail_all(self._failure or reason)
         if self._failure is None:
             self.on_failed_step(reason)

@@ -3,6 +3,8 @@ HPA on vllm:num_requests_waiting) read this server unchanged."""
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -26,9 +28,8 @@ class ServingMetrics:
         usage = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache's positions in use (1 = full).", labels,
                       registry=registry)
         name = state.model_name
-        running.labels(name).set_function(lambda: state.loop.running() if state.loop else 0)
-        waiting.labels(name).set_function(lambda: state.loop.waiting() if state.loop else 0)
-        usage.labels(name).set_function(self._kv_usage)
+        self.gauges = (running.labels(name), waiting.labels(name), usage.labels(name))
+        self.scraping = threading.Lock()  # two scrapes at once would set each other's gauges
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to the first token.", labels,
                               buckets=LATENCY_BUCKETS, registry=registry).labels(name)
         self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.",
@@ -45,13 +46,14 @@ class ServingMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
                                          registry=registry).labels(name)
 
-    def _kv_usage(self) -> float:
-        """From the snapshot the engine publishes after each step: its slots are never read mid-step."""
+    def _set_gauges(self) -> None:
+        """The gauges from one view of the engine (EngineLoop.counts, from the snapshot it publishes after each
+        step: its slots are never read mid-step), so that one scrape's running, waiting and cache usage agree."""
         loop = self.state.loop
-        if loop is None:
-            return 0.0
-        engine = loop.engine
-        return engine.snapshot.used_positions / (engine.slots * engine.max_len)
+        running, waiting, used = loop.counts() if loop is not None else (0, 0, 0)
+        positions = loop.engine.slots * loop.engine.max_len if loop is not None else 1
+        for gauge, value in zip(self.gauges, (running, waiting, used / positions), strict=True):
+            gauge.set(value)
 
     def finished(self, req) -> None:
         if getattr(req, "counted", False):
@@ -71,4 +73,6 @@ class ServingMetrics:
         self.e2e.observe(times[-1] - req.arrival)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        with self.scraping:
+            self._set_gauges()
+            return generate_latest(self.registry)

@@ -2,7 +2,9 @@
 
 Every field of OpenAI's (and the few of vLLM's) that the server knows is either honoured or refused with a
 400 naming it when asked for; a key it does not know is a 400 naming it and the closest known key. Nothing
-is silently ignored.
+is silently ignored, but for what asks for nothing, as OpenAI takes it: an optional field sent as null (the
+value OpenAI's clients send for one left unset) and an empty stop string (which would end every completion
+before its first character).
 """
 
 from __future__ import annotations
@@ -34,8 +36,23 @@ class APIError(Exception):
                         media_type="application/json")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Strict(BaseModel):
+    """Strict, as OpenAI's API is; an optional field sent as null is a field not given (OpenAI's clients send
+    null for what their caller left unset), while a required one sent as null is refused naming it."""
+
+    # Numbers finite: a NaN (which Python's JSON reads) is no temperature, and no bound names what is wrong with it.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()}
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
@@ -46,10 +63,8 @@ NOT_OFFERED = {"logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "fr
                "function_call": (None, "none"), "parallel_tool_calls": (None,), "suffix": (None, "")}
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Strict):
     # Strict, as OpenAI's API is: "5" is no max_tokens and true no token id (pydantic's lax mode took both).
-    # Numbers finite: a NaN (which Python's JSON reads) is no temperature, and no bound names what is wrong with it.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -77,6 +92,15 @@ class _Sampling(BaseModel):
     @classmethod
     def _not_offered(cls, value: Any, info: ValidationInfo) -> Any:
         return _neutral_or_refused(value, info.field_name)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        """An empty stop string would end every completion before its first character: it is no stop string
+        (as OpenAI ignores it)."""
+        if isinstance(value, str):
+            return value or None
+        return [s for s in value if s] if value is not None else None
 
     @model_validator(mode="after")
     def _stream_options_with_stream(self):
@@ -113,8 +137,7 @@ class CompletionRequest(_Sampling):
         return value
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatMessage(_Strict):
     role: str
     content: str
     name: str | None = None

@@ -9,6 +9,7 @@ ServerState.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -16,7 +17,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from trainer.serve import chat, responses, tokenizer_routes
@@ -90,11 +91,12 @@ async def prompt_ids(state, prompt) -> list[list[int]]:
 
 
 def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *, index: int = 0,
-          logprobs: int | None = None, echo: bool = False, chat: bool = False):
+          logprobs: int | None = None, echo: bool = False, chat: bool = False, constraint=None):
     """A request checked and queued in the engine, with an asyncio queue its listener signals on: at each token
     when it streams, else once, when it is done (an answer waits for the whole text: a wake-up a token would
     be the event loop's work for nothing, on the engine's interpreter lock). Choice `index` of a request with a
-    seed draws with seed + index: the same request gets the same choices."""
+    seed draws with seed + index: the same request gets the same choices. `constraint`: its structured output's
+    matcher (`constraints`, compiled off the event loop)."""
     from trainer.serve.engine import Request as EngineRequest
     from trainer.serve.engine import RequestError, SamplingParams
 
@@ -120,7 +122,6 @@ def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *
     except RequestError as e:
         param = "messages" if chat and e.param == "prompt" else e.param
         raise APIError(400, str(e), param=param) from None
-    constraint = _constraint(state, body)
     events: asyncio.Queue = asyncio.Queue()
     wake = Wake(asyncio.get_running_loop(), events, state.stream_interval)
     streams = bool(body.stream)
@@ -132,15 +133,23 @@ def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *
     return req
 
 
-def _constraint(state, body):
-    """The matcher of the grammar the request's response_format or structured_outputs asks for, or None."""
+async def constraints(state, body, count: int) -> list:
+    """`count` matchers of the grammar the request's response_format or structured_outputs asks for (Nones for
+    none), compiled on a worker thread as tokenizing is: a grammar, and the first one's tables of the
+    tokenizer's tokens (about a second for a large vocabulary), would stall every open stream on the event
+    loop. Nothing is compiled while the server cannot serve (admit answers 503)."""
+    if (body.response_format is None and body.structured_outputs is None) or not state.ready or \
+            (body.model and body.model != state.model_name):  # admit refuses it
+        return [None] * count
+    return await asyncio.to_thread(_compile, state, body, count)
+
+
+def _compile(state, body, count: int) -> list:
     from trainer.serve.structured import StructuredError
 
-    if body.response_format is None and body.structured_outputs is None:
-        return None
     try:
         grammar = state.grammars.grammar(body.response_format, body.structured_outputs)
-        return state.grammars.constraint(grammar) if grammar is not None else None
+        return [state.grammars.constraint(grammar) if grammar is not None else None for _ in range(count)]
     except StructuredError as e:
         raise APIError(400, str(e), param=e.param) from None
 
@@ -204,7 +213,9 @@ async def _answer(state, body, prompts: list[list[int]], max_tokens, request: Re
                   logprobs: int | None, echo: bool):
     _check_choices(state, body, prompts, logprobs, echo)
     options = {"logprobs": logprobs, "echo": echo, "chat": chat}
-    parsed = [(body, ids, max_tokens, {**options, "index": i}) for ids in prompts for i in range(body.n)]
+    matchers = iter(await constraints(state, body, len(prompts) * body.n))
+    parsed = [(body, ids, max_tokens, {**options, "index": i, "constraint": next(matchers)}) for ids in prompts
+              for i in range(body.n)]
     reqs = admit_all(state, parsed, request.state.arrival)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].id}"
     if body.stream:
@@ -216,6 +227,10 @@ async def _answer(state, body, prompts: list[list[int]], max_tokens, request: Re
         await asyncio.wait({task}, timeout=0.5)
         if not task.done() and await request.is_disconnected():
             task.cancel()
+            await asyncio.wait({task})
+            with contextlib.suppress(asyncio.CancelledError):
+                task.exception()  # retrieved: asyncio logs one never retrieved as a traceback
+            return Response(status_code=499)  # to no one: nginx's "client closed request", and no traceback
     done = task.result()
     choices = [_choice(state, req, i, chat, logprobs, echo) for i, req in enumerate(done)]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -371,9 +386,10 @@ async def _predict_instance(state, instance: Any, index: int) -> tuple:
             ids = prompts[0]
         if body.n != 1:
             raise APIError(400, "n: one choice per instance; send an instance for each", param="n")
+        constraint = (await constraints(state, body, 1))[0]
     except APIError as e:
         raise _of_instance(e, index) from None
-    return body, ids, limit, {"logprobs": logprobs, "chat": chat}
+    return body, ids, limit, {"logprobs": logprobs, "chat": chat, "constraint": constraint}
 
 
 def _of_instance(error: APIError, index: int) -> APIError:

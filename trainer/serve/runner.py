@@ -130,21 +130,25 @@ class ModelRunner:
         smallest warm-up; at most programs_bound() however long the server runs)."""
         return sum(program._cache_size() for program in self.programs.values())
 
-    def warm_up(self, every_span: bool = False) -> None:
+    def warm_up(self, every_span: bool = False, between=None) -> None:
         """Compiles both steps at the smallest span, the one short requests use, the decode for the fewest rows,
         a lone request's, and with `every_span` at every span (a long prompt's later chunks reach each as a long
         output's steps do) and the decode at every row count, so that no request waits on a compilation, nor
         any stream between two of its tokens (an idle decode step writes nothing; the prefill's writes into
         slot 0 are overwritten by its next request before they are read). Without it the other spans and row
-        counts compile when a step first reaches them."""
+        counts compile when a step first reaches them. `between()` is called before each program (it raises to
+        stop the warm-up: a signal came)."""
+        between = between or (lambda: None)
         sampling = sampling_arrays([(0.0, 0, 1.0, 0)])
         spans = self.spans() if every_span else self.spans()[:1]
         for span in spans:
+            between()
             self.run(f"prefill/{span}", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
                      np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False),
                      self.mask_SxW[:1])
         for span in spans:
             for rows in self.rows() if every_span else self.rows()[:1]:
+                between()
                 tokens = self.run(f"decode/{span}/{rows}", *self.decode_inputs(rows, False))
         jax.block_until_ready(tokens)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from provision import catalogue
 from provision.errors import CloudError, StockoutError, UsageError, WaitTimeout
 from provision.kinds.gke import gke_render, gke_serve, gke_serve_render
+from provision.kinds.gke.gke_pools import cluster_kept, other_runs, user_pools
 from provision.rendering import trainer_context
 from provision.resources import (
     MANAGED_BY,
@@ -82,16 +83,10 @@ def managed_gke(cfg, session, run: str | None = None, project: str | None = None
         found += gke_serve.managed_objects(kube, cfg, run)
     pools = session.container.list_node_pools(path)
     found += [pool_resource(p, cfg.gke.location, path) for p in pools if is_managed(pool_labels(p), run)]
-    # A cluster made for one run is the run's only while no other run has pools on it (see gke_down).
-    if is_managed(dict(cluster.resource_labels), run) and not (run and _other_runs(pools, run)):
+    # A cluster made for one run is the run's only while no other run, nor a user, has pools on it (see gke_down).
+    if is_managed(dict(cluster.resource_labels), run) and not (run and (other_runs(pools, run) or user_pools(pools))):
         found.append(_cluster_resource(cluster, path))
     return found
-
-
-def _other_runs(pools, run: str) -> list[str]:
-    """The runs other than `run` with node pools this tool made among `pools`, sorted."""
-    return sorted({pool_labels(p).get(RUN_LABEL, "?") for p in pools
-                   if is_managed(pool_labels(p)) and pool_labels(p).get(RUN_LABEL) != run})
 
 
 # --- up --------------------------------------------------------------------------------------------
@@ -408,19 +403,20 @@ def pools_left(context, pool_ids: set[str]) -> list[Resource]:
     cluster = session.container.get_cluster(path)
     if cluster is None:
         return []
-    pools = [p for p in session.container.list_node_pools(path) if is_managed(pool_labels(p))]
+    every = session.container.list_node_pools(path)
+    pools = [p for p in every if is_managed(pool_labels(p))]
     mine = [p for p in pools if p.name in pool_ids and is_managed(pool_labels(p), cfg.run)]
     found = [pool_resource(p, cfg.gke.location, path) for p in mine]
-    if is_managed(dict(cluster.resource_labels)) and len(mine) == len(pools):
+    if is_managed(dict(cluster.resource_labels)) and len(mine) == len(pools) and \
+            (context.delete_user_pools or not user_pools(every)):
         found.insert(0, _cluster_resource(cluster, path))
     return found
 
 
 def _unused_cluster(context, path: str) -> Resource | None:
     """The cluster as a Resource when it is to go: this tool created it (for this run, or for one that
-    has left it) and no node pool this tool made, of any run, is left on it. Runs rehearsed side by side
-    share one cluster, so the last of them to end deletes it; the others say they keep it; so does a run
-    whose other workload (a service beside a training job) still has its pool there."""
+    has left it) and no node pool of any run, nor one a user added (unless asked), is left on it
+    (gke_pools.cluster_kept says why it stays)."""
     cfg, session, console = context.config, context.session, context.console
     cluster = session.container.get_cluster(path)
     labels = dict(cluster.resource_labels) if cluster is not None else {}
@@ -428,17 +424,11 @@ def _unused_cluster(context, path: str) -> Resource | None:
         return None
     owner = labels.get(RUN_LABEL, "?")
     pools = session.container.list_node_pools(path)
-    others = _other_runs(pools, cfg.run)
-    own = sorted(p.name for p in pools if is_managed(pool_labels(p), cfg.run))
-    if others or own:
-        if owner == cfg.run and others:
-            console.info(f"  keeping cluster {cfg.gke.cluster} (this tool created it for run {owner}): run(s) "
-                         f"{', '.join(others)} still have node pools on it; the last of them to end deletes it")
-        elif own:
-            console.info(f"  keeping cluster {cfg.gke.cluster}: run {cfg.run}'s node pool(s) {', '.join(own)} "
-                         "are still on it; `moe-tpu down` deletes them and it")
+    if cluster_kept(context, owner, pools):
         return None
+    users = user_pools(pools)
     whose = "" if owner == cfg.run else ", which no run uses any more"
+    whose += f", with node pool(s) {', '.join(users)} that a user added" if users else ""
     console.info(f"  deleting cluster {cfg.gke.cluster} (this tool created it for run {owner}{whose})")
     return _cluster_resource(cluster, path)
 

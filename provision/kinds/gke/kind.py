@@ -18,6 +18,7 @@ from provision.core import (
     ENDED,
     STATUS_FILE,
     Deployment,
+    Flag,
     Holding,
     Kind,
     Phase,
@@ -278,7 +279,10 @@ class GkeKind(Kind):
                          "is refused.", trainer=True),
         Verb("status", "status", "Show the run's JobSet, node pools and (when this tool made it) cluster, with state "
                                  "and cost."),
-        Verb("down", "down", "Delete the run's JobSet and node pools, and the cluster only when this tool created it."),
+        Verb("down", "down", "Delete the run's JobSet and node pools, and the cluster only when this tool created it "
+                             "(and no node pool a user added is on it, unless --delete-user-pools).",
+             flags=(Flag("delete-user-pools", "Delete the cluster this tool created with the node pools a user added "
+                                              "on it."),)),
     )
     up_command = "gke up"
     sections = GkeSections
