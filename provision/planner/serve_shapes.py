@@ -142,7 +142,8 @@ def placement_problem(plan: ServePlan, multi_host: bool) -> str | None:
     where = shape.accelerator
     setting = (f"serve.topology: {where.topology} (serve.machine_type: {where.vertex_machine_type})" if where.multi_host
                else f"serve.machine_type: {where.vertex_machine_type} (serve.topology unset)")
-    text = (f"{head}; {'or: ' if cache else ''}the smallest shape that holds it is {where.topology} ({where.chips} chips on {where.vms} "
+    text = (f"{head}; {'or: ' if cache else ''}the smallest shape that holds it is {where.topology} "
+            f"({where.chips} chips on {where.vms} "
             f"host{'s' if where.vms > 1 else ''}) at {shape.precision}: set {setting}")
     if where.multi_host and not multi_host:
         text += " on target: gke (a LeaderWorkerSet serves a replica over several hosts; Vertex AI serves one)"

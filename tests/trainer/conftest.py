@@ -55,7 +55,8 @@ def trained_on_prepared(tmp_path_factory, worker_id):
     """`tiny` trained 150 steps through the command line on a corpus that `data prepare` made (4,000 short
     English-like documents, a byte-level BPE of 320 tokens, 5% held out and evaluated every 50 steps, steps
     3-5 profiled; data.path given relative to the directory it trained in): its dataset, its output directory
-    and the records arguments it trained with (data.path absolute). Read them, never write into them. Trained once per test run (once_per_run)."""
+    and the records arguments it trained with (data.path absolute). Read them, never write into them. Trained once
+    per test run (once_per_run)."""
     from text_corpus import corpus
     from trainer.cli import train_command
     from trainer.prepare import prepare_command

@@ -238,7 +238,8 @@ def test_import_makes_the_directory_of_its_output_and_a_failed_one_leaves_none(h
 def test_serve_takes_a_hugging_face_directory_through_an_import_it_caches(hub, tmp_path, monkeypatch):
     """`serve --checkpoint HF_DIR` exited 2, "holds no checkpoint": now the directory is imported once into the
     cache ($MOE_TPU_CACHE) and served from there, with its tokenizer and chat template (here the server stops
-    at its --mesh, past the import and the chat template); a second start reads the cached import, the same parameters."""
+    at its --mesh, past the import and the chat template); a second start reads the cached import, the same
+    parameters."""
     import os
     import shutil
     import socket

@@ -183,10 +183,12 @@ def test_a_worker_killed_mid_stream_fails_the_requests_turns_health_503_and_the_
     assert "the group cannot go on; failing every request and exiting" in group.log(0)
 
 
+# The leader's own step failing alone ("fail:fault" on process 0) ends the group the same way (measured: 503
+# within 0.2 s, exit in 5 s); the loop's side of it is test_serve_server.py's on_failed_step test, and the
+# suite's 10 minutes keep one group start here.
 @pytest.mark.parametrize("small_group", [
     {"args": ("--step-timeout", "3"), "envs": ({}, {"MOE_SERVE_FAULT": "hold:fault"})},
-    {"envs": ({"MOE_SERVE_FAULT": "fail:fault"}, {})},
-], indirect=True, ids=["worker-held-in-its-step", "leaders-step-fails-alone"])
+], indirect=True, ids=["worker-held-in-its-step"])
 def test_a_group_that_stops_stepping_answers_503_and_every_process_exits_non_zero(small_group):
     """A worker held inside its step while its heartbeat goes on (the leader then waits in a collective), or a
     leader whose own step fails after it handed the call to the worker (which then waits for it): the leader

@@ -331,7 +331,8 @@ def open_run(run: str, step: int | None) -> SavedRun:
                 state = manager.item_metadata(step)["state"]
                 saved = {**state["params"], **(state.get("moe_bias") or {})}
             except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
-                raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: {short_reason(e)}") from None
+                raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: "
+                              f"{short_reason(e)}") from None
         finally:
             manager.close()
     return SavedRun(run, cfg, step, manager, {n: tuple(meta.shape) for n, meta in saved.items()})

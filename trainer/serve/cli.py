@@ -427,16 +427,13 @@ def _draining_server(config, state, grace_seconds: float, stop: Stop):
     class DrainingServer(uvicorn.Server):
         event_loop = None  # the server's, once it starts: where other threads hand it work
 
-        async def startup(self, sockets=None):
-            self.event_loop = asyncio.get_running_loop()
-            await super().startup(sockets)
-
         def handle_exit(self, sig, frame):
             state.draining = True
             stop.note(sig)  # the warm-up, if it still runs, stops at its next program
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
+            self.event_loop = asyncio.get_running_loop()
             await super().startup(sockets)
             if stop.signal is not None:  # it came before these handlers were installed
                 self.should_exit = True

@@ -145,7 +145,8 @@ def _restore(ocp, short_reason, model: ServingModel, checkpoints: str, quantized
             try:
                 restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
             except Exception as e:  # noqa: BLE001 - tensorstore and file errors alike
-                raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: {short_reason(e)}") from None
+                raise WeightsError(f"--checkpoint: cannot read step {step} in {checkpoints}: "
+                                   f"{short_reason(e)}") from None
             return {k: dict(restored[k]) for k in tree}
 
         if target is wanted and quantized:
