@@ -31,17 +31,19 @@ TOKENIZER_FILES = (TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json", "toke
 MAX_JSON_BYTES = 64 << 20  # a tokenizer_config.json with its chat templates is kilobytes to a few megabytes
 
 
+def present(source: str) -> list[str]:
+    """The side files (TOKENIZER_FILES and config.json) there are in the local directory `source`."""
+    return [name for name in TOKENIZER_FILES + (CONFIG,) if os.path.isfile(os.path.join(source, name))]
+
+
 def copy_files(source: str, target: str) -> list[str]:
-    """The side files (TOKENIZER_FILES and config.json) there are in the directory `source`, copied into
-    `target` (made if need be); their names."""
+    """The side files there are in the directory `source`, copied into `target` (made if need be); their
+    names."""
     os.makedirs(target, exist_ok=True)
-    copied = []
-    for name in TOKENIZER_FILES + (CONFIG,):
-        path = os.path.join(source, name)
-        if os.path.isfile(path):
-            shutil.copyfile(path, os.path.join(target, name))
-            copied.append(name)
-    return copied
+    names = present(source)
+    for name in names:
+        shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
+    return names
 
 
 def of_source(init_from: str) -> str | None:
@@ -84,14 +86,11 @@ def _upload(source: str, target: str) -> list[str]:
 
     remote = epath.Path(target)
     remote.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for name in TOKENIZER_FILES + (CONFIG,):
-        path = os.path.join(source, name)
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                (remote / name).write_bytes(f.read())
-            copied.append(name)
-    return copied
+    names = present(source)
+    for name in names:
+        with open(os.path.join(source, name), "rb") as f:
+            (remote / name).write_bytes(f.read())
+    return names
 
 
 def read_json(path: str) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from provision import catalogue
 from provision.errors import CloudError, StockoutError, UsageError, WaitTimeout
 from provision.kinds.gke import gke_render, gke_serve, gke_serve_render
-from provision.kinds.gke.gke_pools import cluster_kept, other_runs, user_pools
+from provision.kinds.gke.gke_pools import cluster_kept, other_runs, pool_labels, user_pools
 from provision.rendering import trainer_context
 from provision.resources import (
     MANAGED_BY,
@@ -37,10 +37,6 @@ def cluster_of(cfg, session, project: str | None = None):
     """The run's cluster (a container_v1.Cluster), None when it does not exist."""
     project = project or project_of(cfg, session)
     return session.container.get_cluster(gke_render.cluster_path(cfg.gke, project))
-
-
-def pool_labels(pool) -> dict[str, str]:
-    return dict(pool.config.resource_labels)
 
 
 def pool_resource(pool, zone_default: str, cluster: str) -> Resource:

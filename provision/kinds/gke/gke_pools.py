@@ -6,19 +6,20 @@ from __future__ import annotations
 from provision.resources import RUN_LABEL, is_managed
 
 
-def labels(pool) -> dict[str, str]:
+def pool_labels(pool) -> dict[str, str]:
+    """A node pool's resource labels (this tool's say which run made it)."""
     return dict(pool.config.resource_labels)
 
 
 def other_runs(pools, run: str) -> list[str]:
     """The runs other than `run` with node pools this tool made among `pools`, sorted."""
-    return sorted({labels(p).get(RUN_LABEL, "?") for p in pools
-                   if is_managed(labels(p)) and labels(p).get(RUN_LABEL) != run})
+    return sorted({pool_labels(p).get(RUN_LABEL, "?") for p in pools
+                   if is_managed(pool_labels(p)) and pool_labels(p).get(RUN_LABEL) != run})
 
 
 def user_pools(pools) -> list[str]:
     """The node pools among `pools` that this tool did not make (a user added them to its cluster), sorted."""
-    return sorted(p.name for p in pools if not is_managed(labels(p)))
+    return sorted(p.name for p in pools if not is_managed(pool_labels(p)))
 
 
 def cluster_kept(context, owner: str, pools) -> bool:
@@ -27,7 +28,7 @@ def cluster_kept(context, owner: str, pools) -> bool:
     are, which would go with it (unless `down --delete-user-pools`: context.delete_user_pools)."""
     cfg, console = context.config, context.console
     others = other_runs(pools, cfg.run)
-    own = sorted(p.name for p in pools if is_managed(labels(p), cfg.run))
+    own = sorted(p.name for p in pools if is_managed(pool_labels(p), cfg.run))
     if owner == cfg.run and others:
         console.info(f"  keeping cluster {cfg.gke.cluster} (this tool created it for run {owner}): run(s) "
                      f"{', '.join(others)} still have node pools on it; the last of them to end deletes it")
