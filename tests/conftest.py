@@ -1,5 +1,6 @@
 """Test-wide setup: CPU only, eight fake XLA devices and a compilation cache, set before anything imports jax."""
 
+import importlib.util
 import os
 import re
 
@@ -124,10 +125,11 @@ LONGEST_FIRST = (
     "trainer/test_moe_routing.py", "trainer/test_trainer_sample.py", "control/test_image.py")
 
 
-def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: a worker more than the cores. Many tests spend much of their time waiting (on a trainer or
-    server subprocess, an emulator's poll, a lock), and a worker that waits leaves its core idle."""
-    return (os.cpu_count() or 1) + 1
+if importlib.util.find_spec("xdist") is not None:  # a TPU host runs the `tpu` tests with plain pytest
+    def pytest_xdist_auto_num_workers(config) -> int:
+        """`-n auto`: a worker more than the cores. Many tests spend much of their time waiting (on a trainer
+        or server subprocess, an emulator's poll, a lock), and a worker that waits leaves its core idle."""
+        return (os.cpu_count() or 1) + 1
 
 
 def pytest_configure(config):

@@ -95,6 +95,15 @@ class ModelConfig(Section):
     # together ("full", OLMoE), or none.
     qk_norm: Literal["none", "head", "full"] = "none"
     remat: Flag = False  # rematerialise each block in the backward pass
+    # Causal attention over whole sequences (training, evaluation): "splash", jax's Pallas kernel for TPUs (on a
+    # CPU through Pallas' interpreter, for tests); "xla", XLA's fused attention; "auto", splash on a TPU where
+    # the length is a multiple of 128, else XLA's (trainer/attention.py).
+    attention: Literal["auto", "xla", "splash"] = "auto"
+    # With remat: what each block keeps from its forward pass: nothing ("full": the whole block again in the
+    # backward pass), attention's inputs and output ("attention": its kernel does not run again; 130 MiB a
+    # layer for moe-1b), those and the dense FFN's two hidden products ("attention_ffn"), every matmul's
+    # output ("dots"), or those without batch dimensions ("dots_no_batch").
+    remat_policy: Literal["full", "attention", "attention_ffn", "dots", "dots_no_batch"] = "full"
     # Scan over each repeating pattern of layers (one block compiled a pattern: trainer/stacks.py); false runs
     # the same stacked parameters a layer at a time (each layer compiled apart; the reference in tests).
     scan_layers: Flag = True
@@ -226,6 +235,9 @@ class TrainConfig(Section):
     fsdp: Flag = False  # shard the non-expert weights' embed axis over the data axis
     # split the vocabulary (embedding rows, the head's columns, the logits) over the mesh's model axis
     shard_vocab: Flag = False
+    # Positions per chunk of the loss (a divisor of data.seq_len): the float32 logits are made a chunk at a
+    # time and again in the backward pass, never all at once; 0: all at once.
+    loss_chunk: NonNegative = 0
     eval_every: NonNegative = 0  # evaluate every N steps (and at the last step); 0: never
     eval_batches: Positive = 4  # global batches per evaluation (the same ones every time)
     profile_steps: tuple[Integer, Integer] | None = None  # [A, B]: a jax profiler trace of steps A..B (1-based)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from trainer.attention import causal_attention
 from trainer.sharding import constrain, model_ways
 
 lecun = nnx.initializers.lecun_normal()
@@ -64,7 +66,7 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, kv_heads: int, head_dim: int, *, rope_theta: float,
                  dtype, param_dtype, rngs: nnx.Rngs, bias: bool = False, qk_norm: str = "none",
-                 norm_eps: float = 1e-6):
+                 norm_eps: float = 1e-6, attention: str = "auto"):
         D, N, K, H = d_model, num_heads, kv_heads, head_dim
         self.wq = named_param(rngs, lecun, (D, N, H), ("embed", "heads", "kv"), param_dtype)
         self.wk = named_param(rngs, lecun, (D, K, H), ("embed", "kv_heads", "kv"), param_dtype)
@@ -84,7 +86,7 @@ class Attention(nnx.Module):
                                                names=(name, "kv") if whole else ("norm",))
             self.q_norm, self.k_norm = norm(N, "heads"), norm(K, "kv_heads")
         self.bias, self.qk_norm = bias, qk_norm
-        self.rope_theta, self.dtype = rope_theta, dtype
+        self.rope_theta, self.dtype, self.attention = rope_theta, dtype, attention
 
     def __call__(self, x_BxLxD: jax.Array, cache=None):
         """The attention output [B, L, D]; with `cache` (trainer.serve.kvcache.LayerCache) the L tokens
@@ -102,7 +104,7 @@ class Attention(nnx.Module):
         k_BxLxKxH = constrain(rotary(k_BxLxKxH, self.rope_theta, offset), ("batch", "length", "kv_heads", "kv"))
         v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "kv"))
         if cache is None:
-            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True)
+            o_BxLxNxH = causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, impl=self.attention)
         else:
             cache, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS = cache.append(k_BxLxKxH, v_BxLxKxH)
             o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxSxKxH.astype(self.dtype),
@@ -133,6 +135,8 @@ class Attention(nnx.Module):
 class DenseFFN(nnx.Module):
     """Gated (SwiGLU) feed-forward: (silu(x W_gate) * x W_in) W_out."""
 
+    SAVED = ("ffn_gate", "ffn_in")  # the hidden products, named for a remat policy (trainer/model.py)
+
     def __init__(self, d_model: int, d_ff: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.w_in = named_param(rngs, lecun, (d_model, d_ff), ("embed", "mlp"), param_dtype)
         self.w_gate = named_param(rngs, lecun, (d_model, d_ff), ("embed", "mlp"), param_dtype)
@@ -141,6 +145,7 @@ class DenseFFN(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         x = x_BxLxD.astype(self.dtype)
-        gate_BxLxF = jax.nn.silu(x @ self.w_gate[...].astype(self.dtype))
-        h_BxLxF = constrain(gate_BxLxF * (x @ self.w_in[...].astype(self.dtype)), ("batch", "length", "mlp"))
+        gate_BxLxF = jax.nn.silu(checkpoint_name(x @ self.w_gate[...].astype(self.dtype), "ffn_gate"))
+        in_BxLxF = checkpoint_name(x @ self.w_in[...].astype(self.dtype), "ffn_in")
+        h_BxLxF = constrain(gate_BxLxF * in_BxLxF, ("batch", "length", "mlp"))
         return h_BxLxF @ self.w_out[...].astype(self.dtype)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trainer.attention import causal_attention
 from trainer.config import MLAConfig, YarnConfig
 from trainer.layers import RMSNorm, lecun, named_param, rotary
 from trainer.sharding import constrain
@@ -69,7 +70,7 @@ class MLAttention(nnx.Module):
     """Causal multi-head latent attention; `__call__(x_BxLxD, cache=None)` as trainer.layers.Attention's."""
 
     def __init__(self, d_model: int, num_heads: int, mla: MLAConfig, *, rope_theta: float, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, attention: str = "auto"):
         D, N, C, R = d_model, num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
         Q, V = mla.qk_head_dim, mla.v_head_dim
 
@@ -88,7 +89,7 @@ class MLAttention(nnx.Module):
         self.wkv_b = named_param(rngs, to_heads, (C, N, mla.qk_nope_head_dim + V), (None, "heads", "kv"),
                                  param_dtype)
         self.wo = named_param(rngs, _init((0, 1), 2), (N, V, D), ("heads", "kv", "embed"), param_dtype)
-        self.mla, self.rope_theta, self.dtype = mla, rope_theta, dtype
+        self.mla, self.rope_theta, self.dtype, self.attention = mla, rope_theta, dtype, attention
         self.head_size = max(Q, V)  # the key/value cache's (ModelConfig.head_size)
         self.inv_freq, self.rope_factor, softmax = None, 1.0, 1.0
         if mla.yarn is not None:
@@ -105,7 +106,7 @@ class MLAttention(nnx.Module):
         q_BxLxNxQ, k_BxLxNxQ, v_BxLxNxV = self._heads(x_BxLxD)
         pad = lambda a: jnp.pad(a, ((0, 0),) * 3 + ((0, self.head_size - a.shape[-1]),))  # noqa: E731
         q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = (constrain(pad(a), _HEADS_OUT) for a in (q_BxLxNxQ, k_BxLxNxQ, v_BxLxNxV))
-        o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, scale=self.scale, is_causal=True)
+        o_BxLxNxH = causal_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, impl=self.attention, scale=self.scale)
         o_BxLxNxV = o_BxLxNxH[..., :self.mla.v_head_dim]  # scale above: of the unpadded heads
         return jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(self.dtype))
 

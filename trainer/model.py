@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from trainer import sharding
+from trainer import attention, sharding
 from trainer.config import Config
 from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
 from trainer.mla import MLAttention
@@ -26,11 +26,11 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         if m.mla is not None:  # multi-head latent attention (DeepSeek)
             self.attn = MLAttention(m.d_model, m.num_heads, m.mla, rope_theta=m.rope_theta, dtype=dtype,
-                                    param_dtype=pdtype, rngs=rngs)
+                                    param_dtype=pdtype, rngs=rngs, attention=m.attention)
         else:
             self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_size, rope_theta=m.rope_theta,
                                   dtype=dtype, param_dtype=pdtype, rngs=rngs, bias=m.qkv_bias, qk_norm=m.qk_norm,
-                                  norm_eps=m.norm_eps)
+                                  norm_eps=m.norm_eps, attention=m.attention)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         self.is_moe = m.is_moe_layer(layer)
         if self.is_moe:
@@ -76,6 +76,7 @@ class Transformer(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         self.mesh = mesh
         self.remat = m.remat
+        self.remat_policy = REMAT_POLICIES[m.remat_policy]
         self.scan_layers = m.scan_layers
         self.num_experts = cfg.moe.num_experts
         self.vocab = sharding.vocab_axis(cfg.train.shard_vocab)
@@ -91,13 +92,40 @@ class Transformer(nnx.Module):
             rngs, lecun, (m.d_model, m.vocab_size), ("embed", self.vocab), pdtype)
 
     def __call__(self, tokens_BxL: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict]:
+        x_BxLxD, aux = self.features(tokens_BxL, train=train)
+        with sharding.logical_mesh(self.mesh):
+            return self._logits(x_BxLxD), aux
+
+    def features(self, tokens_BxL: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict]:
+        """The last layer's output [B, L, D] (before the final norm and the head) and the MoE aux."""
         with sharding.logical_mesh(self.mesh):  # where the layers' `sharding.constrain` lays activations out
             x_BxLxD = self._constrain(self._embedded(tokens_BxL).astype(self.dtype))
             auxes = []
             for s in range(len(self.layout)):
                 x_BxLxD, _, stack_auxes = self._run_stack(s, x_BxLxD, train=train)
                 auxes += stack_auxes
-            return self._logits(x_BxLxD), combine_aux(sorted(auxes, key=lambda a: a[0]), self.num_experts)
+            return x_BxLxD, combine_aux(sorted(auxes, key=lambda a: a[0]), self.num_experts)
+
+    def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, chunk: int = 0) -> jax.Array:
+        """Mean next-token cross-entropy (float32) of the logits of `features`' output. With `chunk` (a
+        divisor of L below it) the positions go chunk by chunk, each chunk's float32 logits made again in the
+        backward pass: peak memory holds one chunk's logits, not all of them (moe-1b's batch of 16 x 1,024
+        over 32,768 tokens: 2 GiB each for the logits, their softmax and its gradient)."""
+        batch, length, width = x_BxLxD.shape
+        with sharding.logical_mesh(self.mesh):
+            if not chunk or chunk >= length or length % chunk:
+                return cross_entropy(self._logits(x_BxLxD), targets_BxL)
+            x_CxBxKxD = x_BxLxD.reshape(batch, length // chunk, chunk, width).swapaxes(0, 1)
+            t_CxBxK = targets_BxL.reshape(batch, length // chunk, chunk).swapaxes(0, 1)
+
+            @jax.checkpoint
+            def chunk_sum(x_BxKxD, t_BxK):
+                logp_BxKxV = jax.nn.log_softmax(self._logits(x_BxKxD), axis=-1)
+                return -jnp.sum(jnp.take_along_axis(logp_BxKxV, t_BxK[..., None], axis=-1))
+
+            total, _ = jax.lax.scan(lambda acc, xt: (acc + chunk_sum(*xt), None), jnp.zeros((), jnp.float32),
+                                    (x_CxBxKxD, t_CxBxK))
+            return total / (batch * length)
 
     def decode(self, tokens_BxL: jax.Array, cache, starts_B: jax.Array, rows_B: jax.Array | None = None,
                span: int | None = None):
@@ -135,7 +163,7 @@ class Transformer(nnx.Module):
                     kv = view.cache
                     continue
                 if self.remat:
-                    x, aux, _ = nnx.remat(lambda blk, h: blk(h, train=train))(block, x)
+                    x, aux, _ = nnx.remat(lambda blk, h: blk(h, train=train), policy=self.remat_policy)(block, x)
                 else:
                     x, aux, _ = block(x, train=train)
                 x = self._constrain(x)
@@ -190,6 +218,13 @@ class Transformer(nnx.Module):
 
 # Each MoE layer's own balance, reported per layer as "moe.{layer}.{name}" (float32 scalars).
 LAYER_METRICS = ("load_max_over_mean", "load_min_over_mean", "load_cv", "drop_fraction", "groups_per_token")
+
+
+# model.remat_policy -> what a rematerialised block keeps from its forward pass (jax.checkpoint_policies).
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_saveable,
+                  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "attention": jax.checkpoint_policies.save_only_these_names(*attention.SAVED),
+                  "attention_ffn": jax.checkpoint_policies.save_only_these_names(*attention.SAVED, *DenseFFN.SAVED)}
 
 
 def combine_aux(layer_auxes: list[tuple[int, dict]], num_experts: int) -> dict[str, jax.Array]:

@@ -120,6 +120,11 @@ def logical_mesh(mesh: Mesh | None):
         _MESH.reset(token)
 
 
+def current_mesh() -> Mesh | None:
+    """The mesh of the current `logical_mesh` (None outside one)."""
+    return _MESH.get()
+
+
 def model_ways() -> int:
     """The size of the current `logical_mesh`'s model axis (1 without one)."""
     mesh = _MESH.get()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import signal
@@ -22,7 +23,7 @@ from trainer.data import DataIterator, open_data
 from trainer.divergence import Diverged, loss_ceiling
 from trainer.fits import check_fits
 from trainer.metrics import Reporter
-from trainer.model import ParamCodec, Transformer, cross_entropy, step_rngs
+from trainer.model import ParamCodec, Transformer, step_rngs
 from trainer.moe.layer import ExpertBias
 from trainer.outputs import RunDirectory
 from trainer.resume import check_resumable, checkpoint_meta
@@ -113,6 +114,7 @@ class Trainer:
     batch_sharding: NamedSharding
     init_fn: Callable[[], State]
     step_fn: Callable[[State, jax.Array], tuple[State, dict]]
+    step_compiling: concurrent.futures.Future | None = None  # compile_in_background's
 
     def initial_state(self) -> State:
         """Step 0's state, from `init_fn`. On a CPU (dry runs, tests) its program is compiled with XLA's
@@ -151,7 +153,7 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
                                   abstract_state, state_shardings)
     batch_sharding = sharding.batch_sharding(mesh)
     schedule = lr_schedule(cfg.optim, total_steps)
-    step = make_train_step(graphdef, codec, rest, optimizer, schedule, bias_codec)
+    step = make_train_step(graphdef, codec, rest, optimizer, schedule, bias_codec, cfg.train.loss_chunk)
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=graphdef, codec=codec, rest=rest, optimizer=optimizer,
         schedule=schedule, state_shardings=state_shardings, abstract_state=abstract_state,
@@ -174,7 +176,8 @@ def _state_shardings(abstract_state: State, codec: ParamCodec, optimizer, mesh: 
 
 
 def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
-                    optimizer: optax.GradientTransformation, schedule: Callable, bias_codec: ParamCodec | None = None):
+                    optimizer: optax.GradientTransformation, schedule: Callable, bias_codec: ParamCodec | None = None,
+                    loss_chunk: int = 0):
     """train_step(state, batch_BxT) -> (state, metrics); pure, for jax.jit.
 
     The MoE balancing biases (state["moe_bias"]) are no argument of the gradient: the forward
@@ -185,8 +188,8 @@ def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
     def loss_fn(params: dict, tokens_BxT: jax.Array, step: jax.Array, biases: dict):
         model = nnx.merge(graphdef, codec.unflatten(params), *(c.unflatten(biases) for c in bias_states),
                           step_rngs(rest, step))
-        logits_BxLxV, aux = model(tokens_BxT[:, :-1], train=True)
-        ce = cross_entropy(logits_BxLxV, tokens_BxT[:, 1:])
+        x_BxLxD, aux = model.features(tokens_BxT[:, :-1], train=True)
+        ce = model.cross_entropy(x_BxLxD, tokens_BxT[:, 1:], loss_chunk)
         new_biases = {n: v for c in bias_states for n, v in c.flatten(nnx.state(model, ExpertBias)).items()}
         return ce + aux["aux_loss"] + aux["z_loss"], (ce, aux, new_biases)
 
@@ -283,6 +286,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
             raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
         started = time.perf_counter()
+        trainer.step_compiling = compile_in_background(trainer)
         state = _initial_state(trainer, ckpt, data, spec, reporter, status)
         restore_s = time.perf_counter() - started if int(jax.device_get(state["step"])) else 0.0
         startup = {"restore_s": restore_s, "init_s": time.perf_counter() - built}
@@ -374,10 +378,32 @@ def _fresh_state(trainer: Trainer, init_from: str | None, reporter: Reporter, st
 
 
 def compile_step(trainer: Trainer):
-    """The train step compiled ahead of the loop, so that no logged step time includes compilation."""
+    """The train step compiled ahead of the loop, so that no logged step time includes compilation (the one
+    `compile_in_background` started, where it did)."""
+    if trainer.step_compiling is not None:
+        future, trainer.step_compiling = trainer.step_compiling, None
+        return future.result()
+    return _lowered_step(trainer).compile()
+
+
+def _lowered_step(trainer: Trainer):
     batch = jax.ShapeDtypeStruct((trainer.cfg.data.global_batch_size, trainer.cfg.data.seq_len + 1),
                                  jnp.int32, sharding=trainer.batch_sharding)
-    return trainer.step_fn.lower(trainer.abstract_state, batch).compile()
+    return trainer.step_fn.lower(trainer.abstract_state, batch)
+
+
+def compile_in_background(trainer: Trainer) -> concurrent.futures.Future | None:
+    """On an accelerator, the train step's XLA compilation started on a thread of its own (traced here), so
+    that it runs while the initial state's program compiles and runs: on one v5e chip moe-1b's two compiles
+    took 28 and 30 s one after the other (benchmarks/train_step.py, 2026-12-06). Not on a CPU, where the
+    compiles share the cores the tests run on."""
+    if trainer.mesh.devices.flat[0].platform == "cpu":
+        return None
+    try:
+        lowered = _lowered_step(trainer)
+    except ValueError:  # a shape check at trace time: compile_step raises it again where it is reported
+        return None
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-step").submit(lowered.compile)
 
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from moe_oracle import oracle_moe
 
 from trainer import sharding
+from trainer.attention import causal_attention
 from trainer.config import load_config
 from trainer.model import step_rngs
 from trainer.moe import MoEBlock, MoEConfig, core
@@ -127,6 +128,7 @@ PATHS = {
     "dropless tiled": dict(capacity_factor=0.0, grouped_matmul="tiled"),
     "capacity, expert-parallel": dict(capacity_factor=1.25),
     "dropless, expert-parallel": dict(capacity_factor=0.0, grouped_matmul="ragged_dot"),
+    "dropless megablox": dict(capacity_factor=0.0, grouped_matmul="megablox"),
 }
 
 
@@ -143,7 +145,9 @@ def test_every_moe_path_matches_its_cpu_reference(chip, cpu, path):
     x, params = block_inputs(cfg)
     with jax.default_matmul_precision("highest"):
         got, aux = apply_on(chip, x, params, cfg, topo)
-        want, want_aux = apply_on(cpu, x, params, cfg)
+        # a Pallas kernel runs on the chip only: the CPU's reference takes the tiled path for it
+        cpu_cfg = cfg.model_copy(update={"grouped_matmul": "tiled"}) if cfg.grouped_matmul == "megablox" else cfg
+        want, want_aux = apply_on(cpu, x, params, cpu_cfg)
         if cfg.capacity_factor <= 0:
             oracle = oracle_moe(jax.device_put(x, cpu).reshape(-1, D), on_device(cpu, params), cfg)
             assert relative_error(got.reshape(-1, D), oracle) < RELATIVE
@@ -181,3 +185,41 @@ def test_a_few_training_steps_match_the_cpu_within_bfloat16(chip, cpu):
         losses["cpu"].append(float(metrics["loss"]))
     np.testing.assert_allclose(losses["chip"], losses["cpu"], rtol=BF16_LOSS)
     assert losses["chip"][-1] < losses["chip"][0]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_splash_attention_matches_xla_forward_and_backward(chip, cpu, kv_heads):
+    """The splash kernel on the chip against XLA's attention on the CPU, float32 at 'highest' precision: the
+    output and the gradients of q, k and v (grouped-query too)."""
+    shape = lambda heads: (2, 256, heads, 64)  # noqa: E731
+    q, k, v = (jax.random.normal(jax.random.key(i), shape(h), jnp.float32) for i, h in ((0, 4), (1, kv_heads),
+                                                                                          (2, kv_heads)))
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(causal_attention(q, k, v, impl=impl) ** 2)
+
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(jax.value_and_grad(loss("splash"), argnums=(0, 1, 2)))(*on_device(chip, (q, k, v)))
+        want = jax.jit(jax.value_and_grad(loss("xla"), argnums=(0, 1, 2)))(*on_device(cpu, (q, k, v)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert relative_error(g, w) < 1e-4
+
+
+def test_chunked_loss_and_the_chip_kernels_train_as_the_cpu(chip, cpu):
+    """tiny at length 128 with splash attention, megablox and the loss in chunks on the chip: its losses
+    within bfloat16's tolerance of XLA's attention, ragged_dot's reference and the whole loss on the CPU."""
+    common = ("dtype=bfloat16", "data.seq_len=128", "moe.capacity_factor=0")
+    chip_cfg = load_config("tiny", [*common, "model.attention=splash", "moe.grouped_matmul=megablox",
+                                    "train.loss_chunk=32"])
+    cpu_cfg = load_config("tiny", [*common, "model.attention=xla", "moe.grouped_matmul=tiled"])
+    on_chip, on_cpu = build_trainer(chip_cfg, mesh_of(chip), 10), build_trainer(cpu_cfg, mesh_of(cpu), 10)
+    state_cpu = on_cpu.initial_state()
+    state_chip = jax.device_put(state_cpu, on_chip.state_shardings)
+    losses = {"chip": [], "cpu": []}
+    for step in range(3):
+        batch = tokens_BxT(cpu_cfg, cpu_cfg.data.global_batch_size, seed=step)
+        state_chip, metrics = on_chip.step_fn(state_chip, jax.device_put(batch, on_chip.batch_sharding))
+        losses["chip"].append(float(metrics["loss"]))
+        state_cpu, metrics = on_cpu.step_fn(state_cpu, jax.device_put(batch, on_cpu.batch_sharding))
+        losses["cpu"].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses["chip"], losses["cpu"], rtol=BF16_LOSS)

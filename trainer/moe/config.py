@@ -59,7 +59,7 @@ class MoEConfig(Section):
     exchange: Literal["auto", "ragged", "padded"] = "auto"
     # Dropless grouped matmul: jax.lax.ragged_dot, or token blocks per expert ("tiled");
     # "auto" picks tiled on CPU, where ragged_dot is a masked dense product.
-    grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = "auto"
+    grouped_matmul: Literal["auto", "ragged_dot", "tiled", "megablox"] = "auto"
     # Rows per block of the grouped matmul; each expert's rows are padded to a multiple.
     # 0 picks half the expected rows per expert, a power of two in [8, 512]: bigger blocks
     # run faster matmuls, smaller ones waste less padding.

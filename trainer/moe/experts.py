@@ -44,9 +44,9 @@ def grouped_ffn(x_SxD, w: ExpertWeights, layout: BlockLayout, *, impl: str) -> j
                          layout.num_out, layout.block_rows, layout.save_rows)
     x_MxD = take_rows(x_SxD, layout.src_M, layout.src_rows_KxS)
     group_NB, num_blocks = layout.blocks.group_NB, layout.blocks.num_blocks
-    h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, group_NB, num_blocks)
-    g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, group_NB, num_blocks)
-    out_MxD = grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, group_NB, num_blocks)
+    h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, group_NB, num_blocks, impl)
+    g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, group_NB, num_blocks, impl)
+    out_MxD = grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, group_NB, num_blocks, impl)
     return take_rows(out_MxD, inverse_index(layout.dst_M, layout.num_out), layout.dst_M[None])
 
 

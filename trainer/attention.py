@@ -1,0 +1,99 @@
+"""Causal self-attention over a whole sequence (training, evaluation): XLA's fused attention or the splash
+kernel (Pallas, TPU).
+
+XLA's `dot_product_attention` materialises each head's [L, L] scores in float32 (1 GiB a layer for moe-1b's
+batch of 16 x 1,024) and, under remat, computes them twice. jax's own splash kernel
+(`jax.experimental.pallas.ops.tpu.splash_attention`) keeps the scores in VMEM block by block, skips the
+blocks above the diagonal, and has a fused backward pass: it is what a TPU should run. "auto" takes it on a
+TPU where its blocks fit the shapes (length a multiple of 128, the same head size for keys and values) and
+XLA's elsewhere (the CPU path every test compares against). On a CPU "splash" runs the same kernel through
+Pallas' interpreter, so its tests need no chip.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from trainer import sharding
+
+IMPLS = ("auto", "xla", "splash")
+# What attention's backward pass needs, by name, for a remat policy that keeps it (trainer/model.py's
+# REMAT_POLICIES "attention"): XLA's q, k, v and output, or the splash kernel's residuals (the same and the
+# softmax's log-sum-exp).
+SAVED = ("attention_q", "attention_k", "attention_v", "attention_out", "attention_residuals")
+
+
+def resolve(impl: str, length: int, qk_size: int, v_size: int) -> str:
+    """The implementation "auto" stands for here: splash on a TPU where its blocks fit, else XLA's."""
+    if impl != "auto":
+        return impl
+    fits = length % 128 == 0 and qk_size == v_size
+    return "splash" if fits and _platform() == "tpu" else "xla"
+
+
+def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *, impl: str = "auto",
+                     scale: float | None = None) -> jax.Array:
+    """softmax(q k^T * scale, causal) v for [batch, length, heads, size] q and [batch, length, kv heads, size]
+    k and v (grouped-query: each of the K key/value heads serves N/K query heads); scale defaults to
+    size**-0.5."""
+    length, size = q_BxLxNxH.shape[1], q_BxLxNxH.shape[-1]
+    if resolve(impl, length, size, v_BxLxKxH.shape[-1]) == "xla":
+        q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = (checkpoint_name(a, n) for a, n in zip(
+            (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH), SAVED, strict=False))
+        out_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True, scale=scale)
+        return checkpoint_name(out_BxLxNxH, "attention_out")
+    if length % 128:
+        raise ValueError(f"splash attention needs a length that is a multiple of 128, got {length}")
+    q_BxLxNxH = q_BxLxNxH * jnp.asarray(size ** -0.5 if scale is None else scale, q_BxLxNxH.dtype)
+    local = functools.partial(_splash, interpret=_platform() != "tpu")
+    mesh = sharding.current_mesh()
+    if mesh is None or mesh.size == 1:
+        return local(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+    # A Pallas call is opaque to XLA's partitioner: each device runs it on its own rows (and its own heads
+    # where the mesh splits them over `model`).
+    ways = dict(mesh.shape).get("model", 1)
+    heads = "model" if q_BxLxNxH.shape[2] % ways == 0 and k_BxLxKxH.shape[2] % ways == 0 else None
+    spec = P(sharding.BATCH_AXES, None, heads, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         check_vma=False)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+
+
+def block_sizes(length: int):
+    """Splash's tiles for a sequence of `length`: the largest of 512, 256 and 128 that divides it, for the
+    forward pass and the fused backward pass alike."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    b = next(b for b in (512, 256, 128) if length % b == 0)
+    return sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                         block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
+
+
+def _splash(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *, interpret: bool) -> jax.Array:
+    """The splash kernel on one device's rows; q already scaled. Grouped-query attention runs the kernel's
+    multi-query form once per key/value head, over that head's N/K query heads."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    batch, length, heads, size = q_BxLxNxH.shape
+    kv_heads = k_BxLxKxH.shape[2]
+    group = heads // kv_heads
+    mask = sa.MultiHeadMask([sa.CausalMask((length, length)) for _ in range(group)])
+    make = sa.make_splash_mha if group == 1 else sa.make_splash_mqa
+    kernel = make(mask, block_sizes=block_sizes(length), head_shards=1, q_seq_shards=1, interpret=interpret,
+                  residual_checkpoint_name="attention_residuals")
+    k_BxKxLxH, v_BxKxLxH = k_BxLxKxH.transpose(0, 2, 1, 3), v_BxLxKxH.transpose(0, 2, 1, 3)
+    if group == 1:
+        o_BxNxLxH = jax.vmap(kernel)(q_BxLxNxH.transpose(0, 2, 1, 3), k_BxKxLxH, v_BxKxLxH)
+        return o_BxNxLxH.transpose(0, 2, 1, 3)
+    q_BxKxGxLxH = q_BxLxNxH.reshape(batch, length, kv_heads, group, size).transpose(0, 2, 3, 1, 4)
+    o_BxKxGxLxH = jax.vmap(jax.vmap(kernel))(q_BxKxGxLxH, k_BxKxLxH, v_BxKxLxH)
+    return o_BxKxGxLxH.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, size)
+
+
+def _platform() -> str:
+    mesh = sharding.current_mesh()
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
