@@ -75,13 +75,14 @@ def main() -> int:
     import jax
 
     results = {"device": jax.devices()[0].device_kind, "variants": {}, "gmm": {}}
-    state = None
+    held = []  # the state, handed from variant to variant; emptied before a state of another shape is made
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
         try:
-            row, state = measure(args.config, [*ONE_CHIP, *VARIANTS[name], *args.overrides], args.steps, state)
+            row = measure(args.config, [*ONE_CHIP, *VARIANTS[name], *args.overrides], args.steps, held)
         except Exception as e:  # noqa: BLE001 - a variant's failure is a figure too
             row = {"error": f"{type(e).__name__}: {str(e)[:600]}", "trace": traceback.format_exc()[-1500:]}
-            state = None if "RESOURCE_EXHAUSTED" in str(e) or "memory" in str(e).lower() else state
+            if "RESOURCE_EXHAUSTED" in str(e) or "memory" in str(e).lower():
+                held.clear()
         results["variants"][name] = row
         print(name, json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
         _save(args.json_out, results)
@@ -101,9 +102,8 @@ def _save(path: str | None, results: dict) -> None:
         Path(path).write_text(json.dumps(results, indent=2) + "\n")
 
 
-def measure(config: str, overrides: list[str], steps: int, state):
+def measure(config: str, overrides: list[str], steps: int, held: list) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from trainer import flops, sharding
@@ -115,8 +115,9 @@ def measure(config: str, overrides: list[str], steps: int, state):
     trainer = build_trainer(cfg, mesh, 1000)
     row = {"overrides": overrides}
     shapes = lambda tree: [(a.shape, a.dtype) for a in jax.tree.leaves(tree)]  # noqa: E731
-    if state is not None and shapes(state) != shapes(trainer.abstract_state):
-        state = None  # another shape of model: a state of its own
+    if held and shapes(held[0]) != shapes(trainer.abstract_state):
+        held.clear()  # another shape of model: a state of its own, the last one's memory freed first
+    state = held.pop() if held else None
     if state is None:
         t = time.perf_counter()
         init = trainer.init_fn.lower().compile()
@@ -148,8 +149,8 @@ def measure(config: str, overrides: list[str], steps: int, state):
                flops_per_step=flops.flops_per_step(cfg))
     stats = jax.devices()[0].memory_stats() or {}
     row["peak_hbm_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
-    del jnp
-    return row, state
+    held.append(state)
+    return row
 
 
 def _timed(fn, *args, repeats: int = 5) -> float:

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from trainer import sharding
+from trainer.kernels import tpu_attention
 
 IMPLS = ("auto", "xla", "splash")
 # What attention's backward pass needs, by name, for a remat policy that keeps it (trainer/model.py's
@@ -29,11 +30,13 @@ SAVED = ("attention_q", "attention_k", "attention_v", "attention_out", "attentio
 
 
 def resolve(impl: str, length: int, qk_size: int, v_size: int) -> str:
-    """The implementation "auto" stands for here: splash on a TPU where its blocks fit, else XLA's."""
+    """The implementation "auto" stands for here: splash on a TPU where its blocks fit
+    (ModelConfig.attention_on_tpu), else XLA's."""
     if impl != "auto":
         return impl
-    fits = length % 128 == 0 and qk_size == v_size
-    return "splash" if fits and _platform() == "tpu" else "xla"
+    if qk_size != v_size or _platform() != "tpu":
+        return "xla"
+    return tpu_attention("auto", length)
 
 
 def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *, impl: str = "auto",

@@ -293,6 +293,13 @@ class Config(Section):
                              f"{'' if self.data.source == 'text' else ' or data.eval_share'}")
         if self.data.source == "text" and self.model.vocab_size < 256:
             raise ValueError(f"byte-level text needs model.vocab_size >= 256, got {self.model.vocab_size}")
+        seq_len, chunk = self.data.seq_len, self.train.loss_chunk
+        if chunk and (chunk > seq_len or seq_len % chunk):
+            raise ValueError(f"train.loss_chunk ({chunk}) must divide data.seq_len ({seq_len}); 0 computes the "
+                             "loss at once")
+        if self.model.attention == "splash" and seq_len % 128:
+            raise ValueError(f"model.attention=splash needs data.seq_len a multiple of 128, got {seq_len}: set "
+                             "model.attention=auto (XLA's attention for such lengths) or another data.seq_len")
         return self
 
     def to_dict(self) -> dict[str, Any]:

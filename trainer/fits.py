@@ -36,10 +36,11 @@ def state_bytes_per_device(cfg: Config, mesh_shape: dict[str, int]) -> int:
 
 
 def logits_bytes_per_device(cfg: Config, mesh_shape: dict[str, int]) -> int:
-    """One batch's float32 logits and their gradient on one device (the batch is split over data x expert):
-    the smallest part of the activations, and alone enough to refuse a batch far too big."""
+    """One batch's float32 logits and their gradient on one device (the batch is split over data x expert), or
+    one chunk's with train.loss_chunk: the smallest part of the activations, and alone enough to refuse a
+    batch far too big."""
     rows = -(-cfg.data.global_batch_size // (mesh_shape.get("data", 1) * mesh_shape.get("expert", 1)))
-    return 2 * 4 * rows * cfg.data.seq_len * cfg.model.vocab_size
+    return 2 * 4 * rows * (cfg.train.loss_chunk or cfg.data.seq_len) * cfg.model.vocab_size
 
 
 def device_memory(devices) -> tuple[int, str] | None:

@@ -16,6 +16,7 @@ from trainer.flops import ParamCounts
 from trainer.flops import model_flops_per_token as flops_per_token
 from trainer.meshspec import filled, mesh_axes, text_of
 from trainer.moe.config import expert_capacity
+from trainer.kernels import tpu_attention
 from trainer.params import DTYPE_BYTES, ParamInfo
 
 if TYPE_CHECKING:
@@ -164,13 +165,32 @@ def param_bytes_per_chip(params: Sequence[ParamInfo], mesh: Mesh, fsdp: bool) ->
 
 def attention_activation_bytes(cfg: trainer_config.Config, layout: Layout) -> int:
     """Kept for the backward pass by one attention sub-block: the residual (float32 in RMSNorm) and its
-    normalised copy, q/k/v and the rotated q/k, the softmax (float32 and its compute-dtype copy), the
-    attention output and its projection."""
+    normalised copy, q/k/v and the rotated q/k, the softmax (XLA's attention: float32 and its compute-dtype
+    copy; the splash kernel: its log-sum-exp), the attention output and its projection."""
     m, c, t = cfg.model, _bytes(cfg.dtype), layout.tokens
     n, k = _split(m.num_heads, layout.model), _split(m.kv_heads, layout.model)  # heads on this chip
     heads = m.head_size * (n + 2 * k) + m.head_size * (n + k)
-    probs = layout.rows * n * layout.seq_len ** 2 * (4 + c)
+    if tpu_attention(m.attention, layout.seq_len) == "splash":
+        probs = t * n * 4
+    else:
+        probs = layout.rows * n * layout.seq_len ** 2 * (4 + c)
     return t * m.d_model * (4 + c) + t * heads * c + probs + t * (n * m.head_size + m.d_model) * c
+
+
+def saved_by_policy(cfg: trainer_config.Config, layout: Layout, moe: bool) -> int:
+    """What a rematerialised block keeps beside its input under model.remat_policy: attention's q, k, v,
+    output and log-sum-exp ("attention"), and the dense FFN's two hidden products ("attention_ffn"); "dots"
+    keeps every matmul's output, counted as the whole block (a bound)."""
+    m, c, t, policy = cfg.model, _bytes(cfg.dtype), layout.tokens, cfg.model.remat_policy
+    if policy in ("dots", "dots_no_batch"):
+        return attention_activation_bytes(cfg, layout) + ffn_activation_bytes(cfg, layout, moe)
+    if policy == "full":
+        return 0
+    n, k = _split(m.num_heads, layout.model), _split(m.kv_heads, layout.model)
+    kept = t * m.head_size * (2 * n + 2 * k) * c + t * n * 4
+    if policy == "attention_ffn" and not moe:
+        kept += 2 * t * _split(m.d_ff, layout.model) * c
+    return kept
 
 
 def _split(size: int, ways: int) -> int:
@@ -195,9 +215,11 @@ def ffn_activation_bytes(cfg: trainer_config.Config, layout: Layout, moe: bool) 
 
 
 def head_activation_bytes(cfg: trainer_config.Config, layout: Layout) -> int:
-    """The final norm, and the float32 logits, their log-softmax and its gradient ([T, V] each)."""
+    """The final norm, and the float32 logits, their log-softmax and its gradient ([T, V] each; with
+    train.loss_chunk, one chunk's: [rows x chunk, V])."""
     t = layout.tokens
-    return t * cfg.model.d_model * (4 + _bytes(cfg.dtype)) + 3 * t * cfg.model.vocab_size * 4
+    logits = layout.rows * (cfg.train.loss_chunk or layout.seq_len) * cfg.model.vocab_size
+    return t * cfg.model.d_model * (4 + _bytes(cfg.dtype)) + 3 * logits * 4
 
 
 def activation_bytes(cfg: trainer_config.Config, layout: Layout, remat: bool) -> int:
@@ -209,8 +231,9 @@ def activation_bytes(cfg: trainer_config.Config, layout: Layout, remat: bool) ->
     moe_layers = m.num_moe_layers
     count = {True: moe_layers, False: m.num_layers - moe_layers}
     block = {moe: attention + ffn_activation_bytes(cfg, layout, moe) for moe, n in count.items() if n}
-    if remat:  # block inputs only, and one block's activations recomputed at a time
-        kept = m.num_layers * layout.tokens * m.d_model * _bytes(cfg.dtype) + max(block.values())
+    if remat:  # block inputs and what the policy keeps, and one block's activations recomputed at a time
+        kept = (m.num_layers * layout.tokens * m.d_model * _bytes(cfg.dtype) + max(block.values())
+                + sum(count[moe] * saved_by_policy(cfg, layout, moe) for moe in block))
     else:
         kept = sum(count[moe] * size for moe, size in block.items())
     return kept + head_activation_bytes(cfg, layout)
@@ -349,6 +372,12 @@ def traffic_per_chip(params: Sequence[ParamInfo], cfg: trainer_config.Config, me
     return Traffic(hbm=hbm, all_to_all=a2a, ici=a2a + ici + tp, dcn=dcn, tensor_parallel=tp)
 
 
+# The share of the chip's peak bf16 FLOP/s the train step reaches in its compute-bound part (the plan's
+# hardware FLOPs over the measured step): moe-1b as written on one v5e chip, 378.8 ms a step against the
+# plan's 209 ms bound (benchmarks/train_step.py --accelerator --config moe-1b, 2026-12-06).
+COMPUTE_EFFICIENCY = 0.55
+
+
 @dataclasses.dataclass(frozen=True)
 class StepBounds:
     compute_s: float
@@ -359,6 +388,12 @@ class StepBounds:
     @property
     def lower_bound_s(self) -> float:
         return max(self.compute_s, self.hbm_s, self.ici_s, self.dcn_s)
+
+    @property
+    def expected_s(self) -> float:
+        """The step to expect: the compute bound at the share of peak the trainer's step was measured to
+        reach (COMPUTE_EFFICIENCY), or a traffic bound where that is longer."""
+        return max(self.compute_s / COMPUTE_EFFICIENCY, self.hbm_s, self.ici_s, self.dcn_s)
 
     @property
     def bound_by(self) -> str:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from provision import catalogue
 from provision.console import table_lines
-from provision.planner.estimates import GIB, MAX_SLICES
+from provision.planner.estimates import COMPUTE_EFFICIENCY, GIB, MAX_SLICES
 from provision.planner.plan import Advice, Hardware, Plan, plan_for
 from trainer.flops import attention_flops_per_token
 
@@ -114,6 +114,7 @@ def plan_document(plan: Plan) -> dict[str, Any]:
         "step_time_compute_bound_s": b.compute_s, "step_time_hbm_bound_s": b.hbm_s,
         "step_time_ici_bound_s": b.ici_s, "step_time_dcn_bound_s": b.dcn_s,
         "step_time_lower_bound_s": b.lower_bound_s, "step_time_bound_by": b.bound_by,
+        "step_time_expected_s": b.expected_s,
         "mfu_ceiling_fraction": plan.mfu_ceiling, "tokens_per_s_upper_bound": plan.tokens_per_s,
         "price_per_chip_hour_usd": catalogue.price_per_chip_hour(c.capacity),
         "cost_per_hour_usd": c.per_hour, "cost_per_hour_on_demand_usd": c.per_hour_on_demand,
@@ -187,7 +188,7 @@ def _memory_lines(plan: Plan) -> list[str]:
 def _speed_lines(plan: Plan) -> list[str]:
     b, t, acc = plan.bounds, plan.traffic, plan.target.accelerator
     dcn = ("DCN between slices", human_seconds(b.dcn_s), f"{human_bytes(t.dcn)} per chip")
-    return ["", "speed (lower bounds per step)", *_rows(
+    return ["", "speed (per step: lower bounds, then what to expect)", *_rows(
         ("FLOPs per token", human_flops(plan.flops_per_token),
          f"matmuls {human_flops(6.0 * plan.counts.matmul_active)}, "
          f"attention {human_flops(attention_flops_per_token(plan.model))}"),
@@ -198,6 +199,8 @@ def _speed_lines(plan: Plan) -> list[str]:
          + (f", tensor-parallel {human_bytes(t.tensor_parallel)}" if plan.mesh.model > 1 else "")),
         *([dcn] if plan.mesh.slices > 1 else []),
         ("step time", human_seconds(b.lower_bound_s), f"bound by {b.bound_by}"),
+        ("expected step", human_seconds(b.expected_s),
+         f"compute at {COMPUTE_EFFICIENCY:.0%} of peak, as measured on a v5e chip"),
         ("MFU ceiling", f"{plan.mfu_ceiling:.1%}", f"{human_count(plan.tokens_per_s)} tokens/s at most"),
     )]
 

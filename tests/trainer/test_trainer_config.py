@@ -214,17 +214,20 @@ def test_the_count_of_moe_layers_is_the_layers_is_moe_layer_names(layers, every,
 
 
 def test_a_model_too_big_in_float32_is_told_the_change_that_makes_it_fit():
-    """moe-1b on one v5e chip (15.75 GiB): float32 parameters, Adam and the logits need 19.3 GiB; bfloat16
-    parameters with remat fit, and the refusal says so. A model that fits neither way is told to shrink."""
+    """moe-1b on one v5e chip (15.75 GiB) with float32 parameters and its whole loss at once: parameters, Adam
+    and the logits need 19.3 GiB; bfloat16 parameters with remat fit, and the refusal says so. moe-1b as
+    written fits. A model that fits neither way is told to shrink."""
     from trainer import fits
 
     v5e = int(15.75 * fits.GIB)
     one = {"data": 1, "expert": 1, "model": 1}
-    problem = fits.fit_problem(load_config("moe-1b"), one, v5e, "the TPU v5 lite device's memory")
+    as_first_written = ["param_dtype=float32", "model.remat=false", "train.loss_chunk=0"]
+    problem = fits.fit_problem(load_config("moe-1b", as_first_written), one, v5e, "the TPU v5 lite device's memory")
     assert problem.startswith("the model cannot fit: its parameters, gradients and optimizer state and one "
                               "batch's logits need 19.3 GiB per device on the mesh")
     assert "; --set param_dtype=bfloat16 --set model.remat=true make it fit (11.6 GiB: " in problem
     assert fits.fit_problem(load_config("moe-1b", ["param_dtype=bfloat16"]), one, v5e, "one chip") is None
+    assert fits.fit_problem(load_config("moe-1b"), one, v5e, "one chip") is None
     tiny = load_config("tiny")
     small = fits.state_bytes_per_device(load_config("tiny", ["param_dtype=bfloat16"]), one)
     hopeless = fits.fit_problem(tiny, one, small, "one chip")  # not even the logits beside it

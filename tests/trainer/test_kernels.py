@@ -1,0 +1,90 @@
+"""The TPU kernels' paths against their XLA references, on the CPU: splash attention and megablox through
+Pallas' interpreter, the loss in chunks, and the remat policies (tests/trainer/test_tpu.py holds the same on a
+chip)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trainer.attention import causal_attention, resolve
+from trainer.config import ConfigError, load_config
+from trainer.model import build_model
+from trainer.moe.gmm import grouped_matmul, tiling
+
+
+def relative_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_splash_attention_matches_xla_with_its_gradients(kv_heads):
+    """Multi-head and grouped-query (two query heads a key/value head): output and the q, k, v gradients."""
+    q = jax.random.normal(jax.random.key(0), (2, 128, 4, 32))
+    k, v = (jax.random.normal(jax.random.key(i), (2, 128, kv_heads, 32)) for i in (1, 2))
+    target = jax.random.normal(jax.random.key(3), q.shape)
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(causal_attention(q, k, v, impl=impl, scale=0.3) * target)
+
+    got = jax.jit(jax.value_and_grad(loss("splash"), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert relative_error(g, w) < 1e-5
+
+
+def test_auto_attention_is_xla_off_a_tpu_and_splash_refuses_ragged_lengths():
+    assert resolve("auto", 1024, 128, 128) == "xla"  # this CPU
+    assert resolve("splash", 100, 64, 64) == "splash"
+    with pytest.raises(ValueError, match="multiple of 128"):
+        causal_attention(*(jnp.zeros((1, 100, 2, 16)),) * 3, impl="splash")
+    with pytest.raises(ConfigError, match="model.attention=splash needs data.seq_len a multiple of 128"):
+        load_config("tiny", ["model.attention=splash"])
+    with pytest.raises(ConfigError, match=r"train.loss_chunk \(48\) must divide data.seq_len \(64\)"):
+        load_config("tiny", ["train.loss_chunk=48"])
+
+
+def test_megablox_matches_ragged_dot_with_empty_groups():
+    """Blocks of 128 rows over four experts, one with none, rows past the used blocks zero: forward and the
+    gradients of rows and weights."""
+    x = jax.random.normal(jax.random.key(0), (1024, 256))
+    w = jax.random.normal(jax.random.key(1), (4, 256, 384))
+    block_group, used = jnp.array([0, 0, 1, 3, 3, 3, 0, 0], jnp.int32), jnp.array(6)
+    x = x * (jnp.arange(1024) < 6 * 128)[:, None]
+
+    def run(impl):
+        return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(grouped_matmul(x, w, block_group, used, impl) ** 2),
+                                          argnums=(0, 1)))(x, w)
+
+    for g, want in zip(jax.tree.leaves(run("megablox")), jax.tree.leaves(run("ragged_dot")), strict=True):
+        assert relative_error(g, want) < 1e-5
+    assert tiling(36864, 1024, 2816) == (512, 1024, 512)
+    assert tiling(40, 64, 2816) == (40, 64, 512)
+
+
+def loss_and_grads(overrides, chunk=0):
+    cfg = load_config("tiny", ["model.moe_every=2", *overrides])
+    model = build_model(cfg, seed=0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.random.randint(jax.random.key(1), (2, cfg.data.seq_len + 1), 0, cfg.model.vocab_size)
+
+    def loss(params):
+        m = nnx.merge(graphdef, params, rest)
+        x, _ = m.features(tokens[:, :-1], train=False)
+        return m.cross_entropy(x, tokens[:, 1:], chunk)
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_the_loss_in_chunks_and_every_remat_policy_give_the_whole_loss_and_its_gradients():
+    (want, want_grads) = loss_and_grads(["model.remat=false"])
+    cases = [(["model.remat=false"], 16), (["model.remat=true", "model.remat_policy=full"], 0),
+             (["model.remat=true", "model.remat_policy=attention"], 32),
+             (["model.remat=true", "model.remat_policy=attention_ffn"], 0)]
+    for overrides, chunk in cases:
+        got, grads = loss_and_grads(overrides, chunk)
+        assert float(got) == pytest.approx(float(want), rel=1e-6), (overrides, chunk)
+        for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            assert relative_error(g, w) < 1e-5, (overrides, chunk)
