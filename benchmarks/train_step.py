@@ -7,8 +7,8 @@
 
 Each case runs `python -m trainer` in a fresh process (fake device counts are fixed at jax start-up),
 skips the first steps (warm-up), and reports the median step time, tokens/s and, where the device's
-peak is known, MFU, and the time to the first step with its parts (the state's initialisation, the
-train step's compile; the rest is imports, the run's spec and the data): on an accelerator from an empty
+peak is known, MFU, the accelerator's peak memory, and the time to the first step with its parts (the
+state's initialisation, the train step's compile; the rest is imports, the run's spec and the data): on an accelerator from an empty
 compilation cache of the case's own, then again (a short run) from the cache that filled (`warm_*`). The
 CPU table ends with the 8-device / 1-device throughput ratio. On an accelerator the run takes the config as
 written (moe-1b is set for one v5e chip) and logs every LOG_EVERY steps, so that the loop reads the device
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 5  # steps left out of the medians (a row past them counts: a whole row of LOG_EVERY)
 LOG_EVERY = 5  # on an accelerator: each row's step time is the mean of its LOG_EVERY steps
-STARTUP = ("first_step_s", "init_s", "compile_s")
+STARTUP = ("first_step_s", "init_s", "compile_s", "peak_hbm_gib")
 # The MoE paths an accelerator run can measure (--paths): the config's own (capacity), and dropless through
 # jax.lax.ragged_dot or the megablox kernel.
 PATHS = {"capacity": [], "dropless": ["moe.capacity_factor=0", "moe.grouped_matmul=ragged_dot"],
@@ -108,13 +108,13 @@ def main() -> int:
 def table(results: dict) -> str:
     seconds = lambda v: f"{v:.1f}" if v is not None else "n/a"  # noqa: E731
     lines = [f"{'case':40s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>7s} {'vs 1 dev':>9s} "
-             f"{'1st step s':>10s} {'init s':>7s} {'compile s':>9s} {'warm 1st s':>10s}"]
+             f"{'1st step s':>10s} {'init s':>7s} {'compile s':>9s} {'warm 1st s':>10s} {'peak GiB':>8s}"]
     for name, r in results.items():
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         ratio = f"{r['throughput_vs_1_device']:.2f}x" if "throughput_vs_1_device" in r else ""
         lines.append(f"{name:40s} {r['step_time_s'] * 1e3:9.1f} {r['tokens_per_s']:10,.0f} {mfu:>7s} {ratio:>9s} "
                      f"{seconds(r['first_step_s']):>10s} {seconds(r['init_s']):>7s} {seconds(r['compile_s']):>9s} "
-                     f"{seconds(r.get('warm_first_step_s')):>10s}")
+                     f"{seconds(r.get('warm_first_step_s')):>10s} {seconds(r.get('peak_hbm_gib')):>8s}")
     return "\n".join(lines)
 
 

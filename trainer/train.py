@@ -406,6 +406,16 @@ def compile_in_background(trainer: Trainer) -> concurrent.futures.Future | None:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-step").submit(lowered.compile)
 
 
+def peak_memory_gib(mesh: Mesh) -> float | None:
+    """The most memory one of this process's accelerators has held (GiB); None on a CPU or where the platform
+    keeps no such count."""
+    device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
+    if device is None or device.platform == "cpu":
+        return None
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
           reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None,
           evaluator=None, startup: dict | None = None) -> RunResult:
@@ -450,6 +460,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
                     row.update(evaluator(state))
                     status.evaluated(step, row["eval_loss"])
                     timer.restart()  # the evaluation's time is no step's
+                if first_row and (peak := peak_memory_gib(trainer.mesh)) is not None:
+                    first_row["peak_hbm_gib"] = peak  # the accelerator's peak so far: the steps' own, by now
                 row.update(first_row)
                 first_row, last_loss = {}, row["loss"]
                 _report(reporter, status, row, spec.steps)
