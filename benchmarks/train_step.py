@@ -10,9 +10,9 @@ skips the first steps (warm-up), and reports the median step time, tokens/s and,
 peak is known, MFU, the accelerator's peak memory, and the time to the first step with its parts (the
 state's initialisation, the train step's compile; the rest is imports, the run's spec and the data): on
 an accelerator from an empty compilation cache of the case's own, then again (a short run) from the cache
-that filled (`warm_*`). The CPU table ends with the 8-device / 1-device throughput ratio. On an accelerator the run takes the config as
-written (moe-1b is set for one v5e chip) and logs every LOG_EVERY steps, so that the loop reads the device
-only there, as in training.
+that filled (`warm_*`). The CPU table ends with the 8-device / 1-device throughput ratio. On an accelerator
+the run takes the config as written (moe-1b is set for one v5e chip) and logs every LOG_EVERY steps, so that
+the loop reads the device only there, as in training.
 """
 
 from __future__ import annotations
