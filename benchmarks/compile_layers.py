@@ -36,7 +36,7 @@ def compile_seconds(config: str, layers: int, scan: bool, overrides: list[str]) 
     from trainer.config import load_config
     from trainer.serve.kvcache import KVCache
     from trainer.serve.weights import build_serving_model
-    from trainer.train import build_trainer, compile_step
+    from trainer.step import build_trainer, compile_step
 
     cfg = load_config(config, [*overrides, f"model.num_layers={layers}", f"model.scan_layers={str(scan).lower()}"])
     mesh = sharding.make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1])

@@ -46,7 +46,7 @@ def main() -> None:
     from trainer import sharding
     from trainer.config import load_config
     from trainer.params import param_inventory
-    from trainer.train import build_trainer
+    from trainer.step import build_trainer
 
     jax.config.update("jax_disable_most_optimizations", args.fast)
     cfg = load_config(args.config, args.overrides)

@@ -108,7 +108,7 @@ def measure(config: str, overrides: list[str], steps: int, held: list) -> dict:
 
     from trainer import flops, sharding
     from trainer.config import load_config
-    from trainer.train import build_trainer, compile_step
+    from trainer.step import build_trainer, compile_step
 
     cfg = load_config(config, overrides)
     mesh = sharding.make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1])

@@ -1,39 +1,28 @@
-"""The train step (pure, jitted once with explicit shardings) and the loop around it (all the I/O)."""
+"""The training loop (all the I/O) around the jitted pieces of trainer/step.py."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import math
 import signal
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import jax
-import jax.numpy as jnp
-import optax
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
 
 from trainer import meshspec, sharding
 from trainer.checkpoint import Checkpointer
-from trainer.config import Config, ConfigError, OptimConfig
+from trainer.config import Config, ConfigError
 from trainer.data import DataIterator, open_data
 from trainer.divergence import Diverged, loss_ceiling
 from trainer.fits import check_fits
 from trainer.metrics import Reporter
-from trainer.model import ParamCodec, Transformer, step_rngs
-from trainer.moe.layer import ExpertBias
 from trainer.outputs import RunDirectory
 from trainer.resume import check_resumable, checkpoint_meta
 from trainer.sharding import global_batch  # noqa: F401 - the loop's callers place batches as it does
 from trainer.status import RunStatus
+from trainer.step import State, Trainer, build_trainer, compile_in_background, compile_step, peak_memory_gib
 from trainer.step_timing import Feed, Pending, Profiler, StepTimer, seconds_since_start
-
-# {"step": int32 [], "params": {name: array}, "opt_state": optax state}, and "moe_bias": {name: float32 [E]}
-# when MoE layers balance with a bias (moe.balance: bias or both).
-State = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,155 +48,6 @@ class RunResult:
     checkpoint_step: int | None
     start_step: int = 0  # the checkpoint it resumed from (0: fresh)
     stop_reason: str | None = None  # "SIGTERM", "SIGINT" or "a preemption notice"
-
-
-# ----------------------------------------------------------------------------- optimizer
-
-
-def lr_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[jax.Array], jax.Array]:
-    """Linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at `decay_steps`."""
-    decay_steps = cfg.decay_steps or total_steps
-    warmup = cfg.warmup_steps
-
-    def schedule(step):
-        s = jnp.asarray(step, jnp.float32)
-        warm = cfg.lr * jnp.minimum(1.0, (s + 1.0) / max(warmup, 1))
-        progress = jnp.clip((s - warmup) / max(decay_steps - warmup, 1), 0.0, 1.0)
-        cosine = cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
-        return jnp.where(s < warmup, warm, cfg.lr * cosine)
-
-    return schedule
-
-
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW (no decay on vectors: norms) after global-norm clipping."""
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    adamw = optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=decay_mask)
-    clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity()
-    return optax.chain(clip, adamw)
-
-
-# ----------------------------------------------------------------------------- model state
-
-# XLA's options for a program that runs once on a CPU, where optimising it costs more than it saves: most
-# optimisation passes off (what `jax_disable_most_optimizations` sets), and XLA's older CPU code generator,
-# which compiles unoptimised programs about three times faster than its fusion emitters (measured: 5.1 ->
-# 1.7 CPU s for tiny's dropless step on data=2,model=4).
-CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                    "xla_cpu_use_fusion_emitters": False}
-
-
-@dataclasses.dataclass
-class Trainer:
-    """The jitted pieces of a run: state init, train step, and their shardings."""
-
-    cfg: Config
-    mesh: Mesh
-    graphdef: nnx.GraphDef
-    codec: ParamCodec
-    rest: nnx.State
-    optimizer: optax.GradientTransformation
-    schedule: Callable
-    state_shardings: Any
-    abstract_state: Any
-    batch_sharding: NamedSharding
-    init_fn: Callable[[], State]
-    step_fn: Callable[[State, jax.Array], tuple[State, dict]]
-    step_compiling: concurrent.futures.Future | None = None  # compile_in_background's
-
-    def initial_state(self) -> State:
-        """Step 0's state, from `init_fn`. On a CPU (dry runs, tests) its program is compiled with XLA's
-        optimisations off: it runs once, in milliseconds either way, and compiling it optimised took 3 to 5
-        times as long (measured on 2 cores: tiny 5.0 -> 1.0 CPU s, deepseek-tiny 7.6 -> 1.5; the values
-        differ by float rounding only). Elsewhere it is compiled as usual: on a TPU
-        its fusions keep a large model's initialisation within memory, and compiling is not the cost."""
-        if self.mesh.devices.flat[0].platform != "cpu":
-            return self.init_fn()
-        return self.init_fn.lower().compile(compiler_options=CPU_FAST_COMPILE)()
-
-
-def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
-    def make_model():
-        with nnx.use_eager_sharding(False):
-            return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
-
-    graphdef, abstract_params, abstract_biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
-    codec = ParamCodec(abstract_params)
-    bias_codec = ParamCodec(abstract_biases)  # no names unless moe.balance uses the bias
-    optimizer = make_optimizer(cfg.optim, total_steps)
-
-    def init() -> State:
-        _, params, biases, _ = nnx.split(make_model(), nnx.Param, ExpertBias, ...)
-        flat = codec.flatten(params)
-        state = {"step": jnp.zeros((), jnp.int32), "params": flat, "opt_state": optimizer.init(flat)}
-        if bias_codec.names:
-            state["moe_bias"] = bias_codec.flatten(biases)
-        return state
-
-    # Non-parameter state: only RNG streams (MoE router jitter); the step folds into their keys.
-    rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
-    abstract_state = jax.eval_shape(init)
-    state_shardings = _state_shardings(abstract_state, codec, optimizer, mesh, cfg.train.fsdp)
-    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                  abstract_state, state_shardings)
-    batch_sharding = sharding.batch_sharding(mesh)
-    schedule = lr_schedule(cfg.optim, total_steps)
-    step = make_train_step(graphdef, codec, rest, optimizer, schedule, bias_codec, cfg.train.loss_chunk)
-    return Trainer(
-        cfg=cfg, mesh=mesh, graphdef=graphdef, codec=codec, rest=rest, optimizer=optimizer,
-        schedule=schedule, state_shardings=state_shardings, abstract_state=abstract_state,
-        batch_sharding=batch_sharding, init_fn=jax.jit(init, out_shardings=state_shardings),
-        step_fn=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
-                        out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
-    )
-
-
-def _state_shardings(abstract_state: State, codec: ParamCodec, optimizer, mesh: Mesh, fsdp: bool) -> State:
-    specs = sharding.param_specs(codec.variables, mesh, fsdp)
-    params = {name: NamedSharding(mesh, specs[name]) for name in codec.names}
-    replicated = sharding.replicated(mesh)
-    opt_state = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state["opt_state"], params,
-                                      transform_non_params=lambda _: replicated)
-    shardings = {"step": replicated, "params": params, "opt_state": opt_state}
-    if "moe_bias" in abstract_state:
-        shardings["moe_bias"] = {name: replicated for name in abstract_state["moe_bias"]}
-    return shardings
-
-
-def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
-                    optimizer: optax.GradientTransformation, schedule: Callable, bias_codec: ParamCodec | None = None,
-                    loss_chunk: int = 0):
-    """train_step(state, batch_BxT) -> (state, metrics); pure, for jax.jit.
-
-    The MoE balancing biases (state["moe_bias"]) are no argument of the gradient: the forward
-    pass routes with them and returns them moved towards that step's load (trainer/moe/layer.py).
-    """
-    bias_states = (bias_codec,) if bias_codec is not None and bias_codec.names else ()
-
-    def loss_fn(params: dict, tokens_BxT: jax.Array, step: jax.Array, biases: dict):
-        model = nnx.merge(graphdef, codec.unflatten(params), *(c.unflatten(biases) for c in bias_states),
-                          step_rngs(rest, step))
-        x_BxLxD, aux = model.features(tokens_BxT[:, :-1], train=True)
-        ce = model.cross_entropy(x_BxLxD, tokens_BxT[:, 1:], loss_chunk)
-        new_biases = {n: v for c in bias_states for n, v in c.flatten(nnx.state(model, ExpertBias)).items()}
-        return ce + aux["aux_loss"] + aux["z_loss"], (ce, aux, new_biases)
-
-    def train_step(state: State, tokens_BxT: jax.Array) -> tuple[State, dict]:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (total, (ce, aux, biases)), grads = grad_fn(state["params"], tokens_BxT, state["step"],
-                                                    state.get("moe_bias", {}))
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        grad_norm = optax.tree.norm(grads)
-        metrics = {"loss": ce, "total_loss": total, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-                   "finite": jnp.isfinite(total) & jnp.isfinite(grad_norm), **aux}
-        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-        if bias_states:
-            new_state["moe_bias"] = biases
-        return new_state, metrics
-
-    return train_step
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -376,44 +216,6 @@ def _fresh_state(trainer: Trainer, init_from: str | None, reporter: Reporter, st
                   "a fresh optimizer and data stream from step 0")
     return state
 
-
-def compile_step(trainer: Trainer):
-    """The train step compiled ahead of the loop, so that no logged step time includes compilation (the one
-    `compile_in_background` started, where it did)."""
-    if trainer.step_compiling is not None:
-        future, trainer.step_compiling = trainer.step_compiling, None
-        return future.result()
-    return _lowered_step(trainer).compile()
-
-
-def _lowered_step(trainer: Trainer):
-    batch = jax.ShapeDtypeStruct((trainer.cfg.data.global_batch_size, trainer.cfg.data.seq_len + 1),
-                                 jnp.int32, sharding=trainer.batch_sharding)
-    return trainer.step_fn.lower(trainer.abstract_state, batch)
-
-
-def compile_in_background(trainer: Trainer) -> concurrent.futures.Future | None:
-    """On an accelerator, the train step's XLA compilation started on a thread of its own (traced here), so
-    that it runs while the initial state's program compiles and runs: on one v5e chip moe-1b's two compiles
-    took 28 and 30 s one after the other (benchmarks/train_step.py, 2026-12-06). Not on a CPU, where the
-    compiles share the cores the tests run on."""
-    if trainer.mesh.devices.flat[0].platform == "cpu":
-        return None
-    try:
-        lowered = _lowered_step(trainer)
-    except ValueError:  # a shape check at trace time: compile_step raises it again where it is reported
-        return None
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-step").submit(lowered.compile)
-
-
-def peak_memory_gib(mesh: Mesh) -> float | None:
-    """The most memory one of this process's accelerators has held (GiB); None on a CPU or where the platform
-    keeps no such count."""
-    device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
-    if device is None or device.platform == "cpu":
-        return None
-    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
-    return None if peak is None else peak / 2**30
 
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,

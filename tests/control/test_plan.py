@@ -78,7 +78,7 @@ def test_the_inventory_lists_each_parameter_as_the_model_built_with_its_rngs_hol
 def tiny_trainer(*overrides: str):
     """The trainer's jitted pieces for tiny on the mesh the planner picks for a v5litepod-8, and that plan."""
     from trainer import sharding
-    from trainer.train import build_trainer
+    from trainer.step import build_trainer
 
     cfg = load_config("tiny", overrides)
     plan = planner.make_plan(inventory("tiny", *overrides), cfg, planner.Hardware(V5E_8, 1, "on-demand"), 10)
@@ -274,7 +274,7 @@ def test_memory_per_chip_adds_grads_and_adam_moments():
 def _xla_peak_bytes(*overrides: str) -> tuple[int, int]:
     """(XLA's peak bytes per device for the compiled train step, the planner's estimate), tiny on the 8 fake
     devices as on a v5litepod-8: arguments + outputs - donated (aliased) + temporaries."""
-    from trainer.train import compile_step
+    from trainer.step import compile_step
 
     trainer, plan = tiny_trainer(*overrides)
     stats = compile_step(trainer).memory_analysis()

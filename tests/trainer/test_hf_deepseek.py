@@ -307,7 +307,7 @@ def test_init_from_the_hub_directory_reads_parameters_and_selection_bias_onto_th
 
     from trainer import init_from, sharding
     from trainer.hf.orbax_io import open_run
-    from trainer.train import build_trainer
+    from trainer.step import build_trainer
 
     name, _, tmp = imported
     run = open_run(str(tmp / "imported"), None)

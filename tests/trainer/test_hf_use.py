@@ -72,7 +72,7 @@ def test_init_from_a_hub_directory_reads_its_parameters_onto_the_mesh(hub):
     from trainer import init_from, sharding
     from trainer.hf.families import load_trainer_config
     from trainer.hf.orbax_io import open_run
-    from trainer.train import build_trainer
+    from trainer.step import build_trainer
 
     cfg = load_trainer_config(str(hub / "imported" / "config.json"))
     trainer = build_trainer(cfg, sharding.make_mesh({"data": 2, "expert": 4}, jax.devices()[:8]), 10)

@@ -309,7 +309,8 @@ def test_rematerialised_blocks_step_the_bias_as_plain_ones_do():
     """nnx.remat recomputes the block in the backward pass; the stepped bias still comes out of it."""
     from trainer import sharding
     from trainer.data import DataIterator, make_source
-    from trainer.train import build_trainer, global_batch
+    from trainer.step import build_trainer
+    from trainer.train import global_batch
 
     states = []
     for remat in ("false", "true"):

@@ -11,7 +11,7 @@ import pytest
 from trainer import sharding, stacks
 from trainer.config import load_config
 from trainer.data import open_data
-from trainer.train import CPU_FAST_COMPILE, build_trainer
+from trainer.step import CPU_FAST_COMPILE, build_trainer
 
 pytestmark = pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
 

@@ -33,7 +33,7 @@ from trainer.data import open_data
 from trainer.meshspec import MESH_AXES, config_problems
 from trainer.params import param_inventory
 from trainer.resume import checkpoint_meta
-from trainer.train import build_trainer
+from trainer.step import build_trainer
 
 pytestmark = pytest.mark.compile_bound  # compiling dominates (tests/trainer/conftest.py)
 

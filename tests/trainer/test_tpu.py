@@ -27,7 +27,7 @@ from trainer.model import step_rngs
 from trainer.moe import MoEBlock, MoEConfig, core
 from trainer.moe.experts import ExpertWeights
 from trainer.moe.parallel import moe_apply, moe_groups
-from trainer.train import build_trainer
+from trainer.step import build_trainer
 
 pytestmark = pytest.mark.tpu
 

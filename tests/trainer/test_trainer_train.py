@@ -22,7 +22,8 @@ from trainer.config import ConfigError, load_config
 from trainer.data import DataIterator, make_source
 from trainer.metrics import Reporter
 from trainer.status import RunStatus
-from trainer.train import RunSpec, StopSignal, build_trainer, global_batch, lr_schedule, run
+from trainer.step import build_trainer, lr_schedule
+from trainer.train import RunSpec, StopSignal, global_batch, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
