@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from trainer.attention import causal_attention
-from trainer.config import MLAConfig, YarnConfig
+from trainer.model_config import MLAConfig, YarnConfig
 from trainer.layers import RMSNorm, lecun, named_param, rotary
 from trainer.sharding import constrain
 
