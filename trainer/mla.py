@@ -25,8 +25,8 @@ import numpy as np
 from flax import nnx
 
 from trainer.attention import causal_attention
-from trainer.model_config import MLAConfig, YarnConfig
 from trainer.layers import RMSNorm, lecun, named_param, rotary
+from trainer.model_config import MLAConfig, YarnConfig
 from trainer.sharding import constrain
 
 # The latents' RMSNorms keep this epsilon whatever the layers' norm_eps (as DeepSeek's checkpoints have them).
