@@ -16,7 +16,8 @@ from typing import Protocol
 import numpy as np
 
 from trainer.config import NO_DATA, Config, DataConfig
-from trainer.datasets import DataError, open_datasets, regular_file
+from trainer.datasets import open_datasets
+from trainer.manifest import DataError, regular_file
 
 
 class Source(Protocol):

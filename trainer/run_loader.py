@@ -51,7 +51,7 @@ def load_run_config(path: str):
         raise RunError(f"{path} does not exist: the run's config is needed to rebuild its model (the trainer "
                           "writes it to OUTPUT_DIR/config.json)")
     if "://" not in path:
-        from trainer.datasets import DataError, regular_file
+        from trainer.manifest import DataError, regular_file
 
         try:  # found without opening it: a FIFO would wait for a writer for ever, a device never end
             size = regular_file(path, "the run's config")
@@ -94,7 +94,7 @@ def end_of_document(cfg, codec, run=None) -> tuple[int | None, str | None]:
         return hub, codec.decode([hub]) if codec.tokenizer is not None else None
     if cfg.data.source != "records":
         return None, None
-    from trainer.datasets import DataError, load_manifest
+    from trainer.manifest import DataError, load_manifest
 
     try:
         manifest = load_manifest(cfg.data.path)
@@ -120,7 +120,7 @@ class Codec:
         if self.dataset is not None and checkpoints is not None and not any_tokenizer:
             check_trained_on(cfg, checkpoints, self.dataset)
         if tokenizer_path is None and manifest is not None:
-            from trainer.datasets import join
+            from trainer.manifest import join
 
             tokenizer_path = join(manifest["directory"], manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
         if tokenizer_path is not None:
@@ -169,7 +169,7 @@ def check_trained_on(cfg, checkpoints: str, manifest: dict) -> None:
     """The dataset whose tokenizer decodes is the one the run trained on: one prepared again at data.path
     since (another tokenizer, say) would give the model's ids other text, silently. Its fingerprint
     (trainer/datasets.py: the tokenizer's among its content) against the latest checkpoint's."""
-    from trainer.datasets import dataset_fingerprint
+    from trainer.manifest import dataset_fingerprint
 
     trained = _trained_on(checkpoints)
     if trained is None or not trained.startswith("dataset:sha256:"):
@@ -207,7 +207,7 @@ def _manifest(cfg, needed: bool):
     tokenizer is `needed` (no --tokenizer given)."""
     if cfg.data.source != "records":
         return None
-    from trainer.datasets import DataError, load_manifest
+    from trainer.manifest import DataError, load_manifest
 
     try:
         return load_manifest(cfg.data.path)

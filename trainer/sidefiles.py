@@ -164,7 +164,7 @@ def export(run: RunDirectory, cfg, target: str) -> dict:
         where = "the model's own files hold none and " if run.hub else ""
         return {"files": own, "eos_token_id": None, "note": f"{where}the run's data (data.source={cfg.data.source}) "
                                                             "has none"}
-    from trainer.datasets import inside, load_manifest
+    from trainer.manifest import inside, load_manifest
 
     try:
         manifest = load_manifest(cfg.data.path)

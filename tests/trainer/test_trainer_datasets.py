@@ -187,7 +187,7 @@ def test_a_shard_truncated_to_half_is_a_data_error_naming_it(tmp_path):
     """ArrayRecord's reader refuses it with an empty message: that was 'training failed: IndexError' (exit 1)."""
     import os
 
-    from trainer.datasets import DataError
+    from trainer.manifest import DataError
 
     ds = write_dataset(tmp_path / "ds", [[1, 2, 3, 4] * 50 for _ in range(200)], vocab=50)
     shard = sorted(ds.glob("*.array_record"))[0]

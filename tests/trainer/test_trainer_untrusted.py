@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from trainer.cli import train_command
 from trainer.config import ConfigError, load_config
 from trainer.data import open_data
-from trainer.datasets import DataError, dataset_fingerprint, load_manifest
+from trainer.manifest import DataError, dataset_fingerprint, load_manifest
 from trainer.metrics import Reporter
 from trainer.resume import check_resumable
 
