@@ -186,12 +186,13 @@ def _lowered_step(trainer: Trainer):
     return trainer.step_fn.lower(trainer.abstract_state, batch)
 
 
-def compile_in_background(trainer: Trainer) -> concurrent.futures.Future | None:
+def compile_in_background(trainer: Trainer, on_cpu: bool = False) -> concurrent.futures.Future | None:
     """On an accelerator, the train step's XLA compilation started on a thread of its own (traced here), so
     that it runs while the initial state's program compiles and runs: on one v5e chip moe-1b's two compiles
-    took 28 and 30 s one after the other (benchmarks/train_step.py, 2026-12-06). Not on a CPU, where the
-    compiles share the cores the tests run on."""
-    if trainer.mesh.devices.flat[0].platform == "cpu":
+    took 28 and 30 s one after the other, 51 s to the first step; 37 s for both together (2026-12-06,
+    benchmarks/train_step.py). Not on a CPU (unless `on_cpu`), where the compiles share the cores the tests
+    run on."""
+    if trainer.mesh.devices.flat[0].platform == "cpu" and not on_cpu:
         return None
     try:
         lowered = _lowered_step(trainer)

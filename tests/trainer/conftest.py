@@ -101,7 +101,7 @@ def trained_on_prepared(tmp_path_factory, worker_id):
 # compiled in 53 s with them, far longer than its steps run).
 COMPILE_BOUND = {"test_moe_parallel", "test_moe_structure", "test_moe_layer", "test_moe_routing",
                  "test_trainer_model", "test_trainer_cli", "test_trainer_multiprocess", "test_trainer_sample",
-                 "test_hf_use"}
+                 "test_hf_use", "test_kernels"}
 
 
 @contextlib.contextmanager

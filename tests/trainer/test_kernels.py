@@ -12,6 +12,8 @@ from trainer.attention import causal_attention, resolve
 from trainer.config import ConfigError, load_config
 from trainer.model import build_model
 from trainer.moe.gmm import grouped_matmul, tiling
+from trainer.sharding import make_mesh
+from trainer.step import build_trainer, compile_in_background, compile_step
 
 
 def relative_error(got, want) -> float:
@@ -88,3 +90,23 @@ def test_the_loss_in_chunks_and_every_remat_policy_give_the_whole_loss_and_its_g
         assert float(got) == pytest.approx(float(want), rel=1e-6), (overrides, chunk)
         for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
             assert relative_error(g, w) < 1e-5, (overrides, chunk)
+
+
+def test_the_step_compiled_in_the_background_is_the_step():
+    """The train step compiled on its thread while the state is made (as on an accelerator) takes the same
+    step as one compiled in line: the same loss and parameters after it."""
+    cfg = load_config("tiny", ["model.num_layers=1"])
+    trainer = build_trainer(cfg, make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1]), 10)
+    assert compile_in_background(trainer) is None  # a CPU, by default
+    trainer.step_compiling = compile_in_background(trainer, on_cpu=True)
+    state = trainer.initial_state()
+    background = compile_step(trainer)
+    assert trainer.step_compiling is None
+    tokens = jax.random.randint(jax.random.key(0), (cfg.data.global_batch_size, cfg.data.seq_len + 1), 0, 64)
+    batch = jax.device_put(tokens, trainer.batch_sharding)
+    again = jax.tree.map(jnp.copy, state)
+    got, got_metrics = background(state, batch)
+    want, want_metrics = compile_step(trainer)(again, batch)
+    assert float(got_metrics["loss"]) == float(want_metrics["loss"])
+    for g, w in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(want["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
