@@ -69,8 +69,10 @@ def start(checkpoint: str, mode: str, cache: str, max_len: int, timeout: float) 
             time.sleep(0.05)
         out["ready_s"] = round(time.perf_counter() - started, 2)
         asked = time.perf_counter()
-        body = {"prompt": "7" * (max_len - 40), "max_tokens": 8, "temperature": 0}
-        httpx.post(f"{base}/v1/completions", json=body, timeout=timeout).raise_for_status()
+        body = {"prompt": " ".join(["7"] * (max_len - 40)), "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(f"{base}/v1/completions", json=body, timeout=timeout)
+        if answer.status_code != 200:
+            raise RuntimeError(f"the long request failed: {answer.status_code} {answer.text}")
         out["first_long_request_s"] = round(time.perf_counter() - asked, 2)
         if mode == "background":
             while "compiled the other" not in _read(log):
