@@ -43,8 +43,9 @@ class ModelRunner:
         self.programs: dict = {}
         self.calls: collections.Counter = collections.Counter()
         # The programs compiled (or being compiled) by a call or ahead of one (compile_ahead), those compile_ahead
-        # is compiling now (a call waits for it rather than compile it twice), and the calls that compiled or
-        # waited (the engine's loop allows such a step longer: trainer/serve/loop.py).
+        # is compiling now (a call waits for it rather than compile it twice), and the programs' first calls,
+        # which may compile or wait for a compilation (the engine's loop allows such a step longer:
+        # trainer/serve/loop.py).
         self.compiled: set[str] = set()
         self._ahead: dict[str, threading.Event] = {}
         self.first_calls = 0
@@ -78,11 +79,10 @@ class ModelRunner:
             self.on_call(name, inputs)
         with self._lock:
             ahead = self._ahead.get(name)
-            if name not in self.compiled:
-                self.compiled.add(name)
-                self.first_calls += 1
-        if ahead is not None:
+            self.compiled.add(name)
+        if not self.calls[name]:  # compiled here, or by compile_ahead, or (in a group) still on a worker
             self.first_calls += 1
+        if ahead is not None:
             ahead.wait()
         if self._spans_processes:
             inputs = jax.tree.map(
