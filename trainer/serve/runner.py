@@ -50,6 +50,8 @@ class ModelRunner:
         self._ahead: dict[str, threading.Event] = {}
         self.first_calls = 0
         self._lock = threading.Lock()  # compile_ahead runs on a thread of its own
+        self._not_compiling = threading.Event()  # cleared while a call compiles its program
+        self._not_compiling.set()
         self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.cache)
         # A multi-host group's leader hands each call to its workers first (trainer.serve.multihost).
@@ -79,6 +81,7 @@ class ModelRunner:
             self.on_call(name, inputs)
         with self._lock:
             ahead = self._ahead.get(name)
+            compiles = name not in self.compiled
             self.compiled.add(name)
         if not self.calls[name]:  # compiled here, or by compile_ahead, or (in a group) still on a worker
             self.first_calls += 1
@@ -87,7 +90,12 @@ class ModelRunner:
         if self._spans_processes:
             inputs = jax.tree.map(
                 lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), inputs)
-        outputs, self.cache = self.program(name)(self.weights, self.cache, *inputs)
+        if compiles:  # compile_ahead waits meanwhile: the cores go to the program a request waits for
+            self._not_compiling.clear()
+        try:
+            outputs, self.cache = self.program(name)(self.weights, self.cache, *inputs)
+        finally:
+            self._not_compiling.set()
         self.calls[name] += 1
         return outputs
 
@@ -174,11 +182,13 @@ class ModelRunner:
     def compile_ahead(self, between=None) -> int:
         """Compiles, without running them, the programs that no call has compiled yet, in warm_up_order; meant
         for a thread of its own while the engine serves (a step reaching a program this is compiling waits for
-        it rather than compile it twice; one reaching a later one compiles it itself). `between()` is called
-        before each (it raises to stop). Returns how many it compiled."""
+        it rather than compile it twice; one reaching a later one compiles it itself, and this waits until it
+        has before the next). `between()` is called before each (it raises to stop). Returns how many it
+        compiled."""
         done = 0
         for name in self.warm_up_order():
             (between or (lambda: None))()
+            self._not_compiling.wait()
             with self._lock:
                 if name in self.compiled:
                     continue
