@@ -197,15 +197,16 @@ def compilation_cache_dir(env: Mapping[str, str]) -> str:
     return os.path.join(base, "moe-tpu", "jax")
 
 
-def use_compilation_cache(platform: str, env: Mapping[str, str] | None = None) -> str | None:
-    """On an accelerator, jax's persistent compilation cache, as the dry run has it, where none is set: a
-    restarted trainer (a preemption, the next run of the same model) loads its initialisation and train step
-    instead of compiling them again. Call it before the first compile. Returns the directory, or None where
-    the environment or jax's config chose already, or on a CPU (the dry run sets its own)."""
+def use_compilation_cache(platform: str, env: Mapping[str, str] | None = None, *, cpu: bool = False) -> str | None:
+    """On an accelerator (and with `cpu` on a CPU too: the server's), jax's persistent compilation cache, as the
+    dry run has it, where none is set: a restarted trainer (a preemption, the next run of the same model) or
+    server loads its programs instead of compiling them again. Call it before the first compile. Returns the
+    directory, or None where the environment or jax's config chose already, or on a CPU without `cpu` (the dry
+    run sets its own)."""
     import jax
 
     env = os.environ if env is None else env
-    if platform == "cpu" or env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+    if (platform == "cpu" and not cpu) or env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return None
     path = compilation_cache_dir(env)
     jax.config.update("jax_compilation_cache_dir", path)

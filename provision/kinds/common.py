@@ -5,12 +5,12 @@ never another kind."""
 from __future__ import annotations
 
 from provision import planner
-from trainer.serve.spans import DEFAULT_CHUNK, programs
+from trainer.serve.spans import DEFAULT_CHUNK, DEFAULT_WARM_UP, programs_before_ready
 
 # The serving container's start, for the startup probe: the weights read from Cloud Storage at about this
-# rate per host, then the prefill step compiled at every span of the cache and the decode step at every span
-# and row count (a few minutes a span on TPU for a large model: `serve --warm-up all`, the deployed default,
-# compiles them all before the server is ready); the probe allows twice the estimate. Plausible figures, not
+# rate per host, then the programs compiled before /health says ready (a few minutes each on TPU for a large
+# model; `serve --warm-up background`, the deployed default: a short request's prefill and a lone stream's
+# decode, the others compiling while it serves); the probe allows twice the estimate. Plausible figures, not
 # measured.
 LOAD_BYTES_PER_S = 200e6
 COMPILE_S = 150.0  # one step at one span (and, the decode, one row count)
@@ -20,9 +20,9 @@ BYTES_PER_WEIGHT = {"auto": 2, "int8": 1, "int4": 0.5}
 def startup_estimate_s(cfg) -> float:
     """Seconds the server needs to load its weights and compile, from the planner's parameter count (the
     compile time alone where the model's size is unknown)."""
-    # The row counts of one device's mesh (two unless one slot): a mesh whose devices split the slots has no
-    # more, so this is the most its server compiles.
-    compile_s = COMPILE_S * programs(DEFAULT_CHUNK, cfg.serve.max_len, cfg.serve.slots)
+    # The deployed argv leaves --warm-up and --chunk at their defaults (provision/container.py).
+    compile_s = COMPILE_S * programs_before_ready(DEFAULT_CHUNK, cfg.serve.max_len, cfg.serve.slots,
+                                                  warm_up=DEFAULT_WARM_UP)
     try:
         total = planner.plan_for(cfg).counts.total
     except Exception:  # noqa: BLE001 - no plan (a model the planner cannot read): the probe still gets its floor

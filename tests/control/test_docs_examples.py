@@ -82,7 +82,7 @@ RUN_BY = {
     "moe-tpu train --config runs/qwen3/config.json --init-from runs/qwen3 --output-dir runs/qwen3-tuned --set "
     "data.source=records --set data.path=data/corpus --steps 200": HF_TUNE,
     "moe-tpu eval --checkpoint runs/qwen3-tuned --tasks arc_easy --limit 100": DEPLOYED,
-    "moe-tpu serve --checkpoint runs/qwen3-tuned --warm-up smallest": SERVED,
+    "moe-tpu serve --checkpoint runs/qwen3-tuned": SERVED,
     "moe-tpu --dry-run deploy -c serve.yaml": DEPLOYED,
     "moe-tpu --dry-run predict -c serve.yaml --prompt 'The cat' --max-tokens 16":
         DEPLOYED,
@@ -128,6 +128,7 @@ RUN_BY = {
     # docs/serving.md
     "python -m trainer.serve --checkpoint runs/demo": SERVED,
     "moe-tpu serve --checkpoint runs/demo --warm-up smallest --port 8000": SERVED,
+    "moe-tpu serve --checkpoint runs/demo --warm-up all": SERVED,
     "moe-tpu eval --checkpoint runs/demo --tasks arc_easy,hellaswag --limit 100": DEPLOYED,
     # docs/training.md
     "python -m trainer --config tiny --steps 20": TRAINED,

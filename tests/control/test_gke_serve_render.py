@@ -144,14 +144,25 @@ def test_the_startup_probe_waits_the_load_and_compile_estimate(loaded):
     estimate = startup_estimate_s(loaded)
     assert estimate > 300 and probe["periodSeconds"] * probe["failureThreshold"] >= estimate
     assert probe["periodSeconds"] * (probe["failureThreshold"] - 1) < estimate
-    # The server compiles the prefill at every span before it is ready, and the decode at every span for one
-    # slot and for all (serve --warm-up all): a cache of twice the length is one span more, and the estimate
-    # grows by that span's three compilations, twice over.
+    # The server says ready once a short request's prefill and a lone stream's decode are compiled (serve
+    # --warm-up background: the deployed argv leaves the default), the other spans compiling while it serves:
+    # a cache of twice the length, one span more, starts no later; with --warm-up all it would be that span's
+    # three compilations later.
     from provision.kinds.common import COMPILE_S
+    from trainer.serve.spans import DEFAULT_CHUNK, programs_before_ready
 
+    container = yaml.safe_load(files["deployment.yaml"])["spec"]["template"]["spec"]["containers"][0]
+    assert "--warm-up" not in container["args"]
     longer = loaded.model_copy(update={"serve": loaded.serve.model_copy(update={"max_len": 2 * loaded.serve.max_len})})
     assert loaded.serve.slots > 1
-    assert startup_estimate_s(longer) - estimate == pytest.approx(2 * 3 * COMPILE_S)
+    assert startup_estimate_s(longer) == pytest.approx(estimate)
+    assert programs_before_ready(DEFAULT_CHUNK, loaded.serve.max_len, loaded.serve.slots) == 2
+    every = [programs_before_ready(DEFAULT_CHUNK, cfg.serve.max_len, cfg.serve.slots, warm_up="all")
+             for cfg in (loaded, longer)]
+    assert every[1] - every[0] == 3 and every[0] > 2
+    no_plan = startup_estimate_s(loaded.model_copy(update={"trainer": loaded.trainer.model_copy(
+        update={"config": "no-such-config"})}))
+    assert no_plan == pytest.approx(2 * 2 * COMPILE_S)
 
 
 def test_deploy_without_a_serve_section_names_it(tmp_path):

@@ -105,6 +105,46 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
             process.wait()
 
 
+def test_the_server_is_ready_while_it_compiles_ahead_and_a_sigterm_then_exits_0(tmp_path):
+    """--warm-up background: /health says ready once the first programs ran, while the others still compile
+    on a thread (here one that never ends stands in for XLA compiling); SIGTERM then exits 0 at once, not past
+    the compiling thread (an abort)."""
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import sys, threading, types\n"
+        "from trainer.serve import cli\n"
+        "def warm_up(every_span, between):\n"
+        "    print(f'warm_up every_span={every_span}', file=sys.stderr, flush=True)\n"
+        "def compile_ahead(between):\n"
+        "    print('compiling ahead', file=sys.stderr, flush=True)\n"
+        "    threading.Event().wait()\n"
+        "engine = types.SimpleNamespace(slots=1, max_len=2, warm_up=warm_up, compile_ahead=compile_ahead,\n"
+        "                               runner=types.SimpleNamespace(first_calls=0), snapshot=None, busy=False)\n"
+        "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None, eos_token=None,\n"
+        "                                tokenizer_class='ids', tokenizer=None)\n"
+        "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
+        "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 1, None, 'tiny', 1.0, "
+        "warm_up='background'))\n")
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(script), str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        said = []
+        for line in process.stderr:
+            said.append(line)
+            if "compiling ahead" in line:
+                break
+        assert "warm_up every_span=False" in "".join(said) and "ready: tiny" in "".join(said), said
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        rest = process.stderr.read()
+        assert "stopped\n" in rest and "compiled the other" not in rest and "Traceback" not in rest, rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_sigint_while_the_checkpoint_is_read_stops_the_server_before_it_compiles(trained_tiny):
     """The signal handler only notes the signal (a KeyboardInterrupt raised inside the checkpoint's reading was
     swallowed there, and the server went on to compile and serve); loading checks it between its stages."""
@@ -216,7 +256,7 @@ def test_a_grace_period_that_runs_out_sends_each_stream_an_error_event_and_logs_
         "                               tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
         "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 8, None, 'tiny', 0.5, "
-        "every_span=False))\n")  # the quick start: 4,096 tokens are six spans, and the test needs none warm
+        "warm_up='smallest'))\n")  # the quick start: 4,096 tokens are six spans, and the test needs none warm
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
            "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}

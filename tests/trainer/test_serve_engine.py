@@ -2,6 +2,7 @@
 forward pass does; concurrent requests get what they get alone; the two steps compile once."""
 
 import collections
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from trainer.serve.engine import Engine, Request, RequestError, SamplingParams
 from trainer.serve.kvcache import KVCache
 from trainer.serve.latentcache import CacheLayout
 from trainer.serve.memory import memory_plan
+from trainer.serve.spans import FIRST_PROGRAMS
 from trainer.serve.weights import build_serving_model, init_weights
 
 pytestmark = pytest.mark.compile_bound  # small programs, each compiled once: XLA's optimisations cost more
@@ -177,6 +179,39 @@ def test_concurrent_greedy_requests_return_what_they_return_alone_and_compile_on
     assert engine.compilations() == len(runner.programs) == runner.programs_bound()
     assert {name.split("/")[2] for name in runner.calls if name.startswith("decode/")} == {"1", str(engine.slots)}
     assert engine.free and sorted(engine.free) == list(range(engine.slots)) and not engine.busy
+
+
+def test_compiling_ahead_serves_meanwhile_and_leaves_nothing_to_compile(tiny, tiny_engine):
+    """serve --warm-up background: ready once the first two programs ran, the rest compiled on a thread while a
+    request reaching the longest span is answered as on an engine warmed at every span (its step compiles what
+    the thread has not reached, or waits for the one it is compiling); then no request traces or compiles."""
+    engine = Engine(*tiny[:2], slots=8, max_len=288, chunk=16)
+    runner = engine.runner
+    engine.warm_up()
+    order = runner.warm_up_order()
+    assert order[:FIRST_PROGRAMS] == ["prefill/128", "decode/128/1"] and runner.compiled == set(order[:2])
+    assert sorted(order) == sorted(tiny_engine.runner.programs)
+    ahead = threading.Thread(target=engine.compile_ahead)
+    ahead.start()
+    prompt = np.random.RandomState(3).randint(0, 256, 270).tolist()  # its chunks reach every span
+    request = engine.submit(Request(prompt, SamplingParams(max_tokens=8)))
+    engine.run()
+    ahead.join(timeout=300)
+    assert not ahead.is_alive() and runner.compiled == set(order) and not runner._ahead
+    reference = tiny_engine.submit(Request(prompt, SamplingParams(max_tokens=8)))
+    tiny_engine.run()
+    assert request.output == reference.output and len(request.output) == 8
+    compiled = []
+    listener = lambda name, *_, **__: compiled.append(name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for r in random_requests(np.random.RandomState(4), 4, 256, 280, 8):
+            engine.submit(r)
+        engine.run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [name for name in compiled if "/jax/core/compile/" in name] == []
+    assert set(runner.calls) <= set(order) and runner.first_calls == len(runner.calls)  # loop.stuck's count
 
 
 def test_a_lone_request_decodes_on_one_row_and_returns_what_it_returns_beside_another(tiny_engine):

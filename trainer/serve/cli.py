@@ -23,9 +23,9 @@ import time
 
 import click
 
-from trainer.serve.memory import QUANTIZED_WEIGHTS
 from trainer.serve.loop import STEP_TIMEOUT_S
-from trainer.serve.spans import DEFAULT_CHUNK
+from trainer.serve.memory import QUANTIZED_WEIGHTS
+from trainer.serve.spans import DEFAULT_CHUNK, DEFAULT_WARM_UP, WARM_UPS
 from trainer.serve.startup import ServeError, load
 from trainer.serve.stopping import Stop, Stopped
 from trainer.serve.streams import STREAM_INTERVAL
@@ -138,11 +138,13 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--chat-template", "chat_template_path", default=None, metavar="FILE",
               help='JSON {"message": "{role}: {content}\\n", "generation": "assistant:"} [that one].')
 @click.option("--model-name", default=None, help="The model's id in the API [the config's name].")
-@click.option("--warm-up", "warm_up", type=click.Choice(["all", "smallest"]), default="all", show_default=True,
-              help="The steps compiled before the server says it is ready: all: every span of the cache a request "
-                   "can reach and, decoding, one slot's and every slot's, so no request waits on a compilation; "
-                   "smallest: the shortest span's and one slot's alone (a quicker start; a request reaching a longer "
-                   "span, or decoding beside another, compiles it, and every stream waits meanwhile).")
+@click.option("--warm-up", "warm_up", type=click.Choice(WARM_UPS), default=DEFAULT_WARM_UP, show_default=True,
+              help="What compiles before the server says it is ready (/health 200). background: a short "
+                   "request's prefill and a lone stream's decode (the shortest span of the cache, one slot), then "
+                   "every other span and slot count on a thread while it serves (a request reaching one still "
+                   "compiling waits for it); all: every one first, so no request ever waits on a compilation (a "
+                   "slower start); smallest: the first two alone, the others compiling when a step first needs "
+                   "them (every stream waits meanwhile). E.g. --warm-up all.")
 @click.option("--grace-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="After SIGTERM, how long requests in flight may take to finish.")
 @click.option("--stream-interval", type=click.FloatRange(min=0, max=1), default=STREAM_INTERVAL, show_default=True,
@@ -164,6 +166,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
     \b
     Examples:
       python -m trainer.serve --checkpoint runs/demo
+      python -m trainer.serve --checkpoint runs/demo --warm-up all  # ready once nothing is left to compile
       python -m trainer.serve --checkpoint gs://BUCKET/runs/demo --host 0.0.0.0 --weights int8
       curl localhost:8000/v1/completions -H 'content-type: application/json' \\
            -d '{"prompt": "The cat", "max_tokens": 20}'
@@ -208,11 +211,11 @@ def _start(directory, host, port, slots, max_len, chunk, max_waiting, prefix_cac
                   quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
                   progress=lambda message: (stop.check(), _progress(message)))
     if group is not None and not group.is_leader:
-        sys.exit(_follow(loaded, group))
+        sys.exit(_follow(loaded, group, ahead=warm_up == "background"))
     leader = _lead(loaded, group) if group is not None else None
     template = template or loaded.chat_template  # --chat-template, else an imported model's own
     return _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
-                  leader, every_span=warm_up == "all", stream_interval=stream_interval, step_timeout=step_timeout,
+                  leader, warm_up=warm_up, stream_interval=stream_interval, step_timeout=step_timeout,
                   stop=stop)
 
 
@@ -250,9 +253,10 @@ def _start_processes(group, devices: int | None) -> None:
             raise ServeError(str(e)) from None
 
 
-def _follow(loaded, group) -> int:
+def _follow(loaded, group, ahead: bool = False) -> int:
     """A worker of a multi-host group: runs each program call the leader hands over until it says stop (0);
-    the leader gone: 1."""
+    the leader gone: 1. With `ahead` it compiles the programs the leader's warm-up leaves on a thread meanwhile,
+    as the leader does (a program compiles on each process: a call the leader hands over finds it compiled)."""
     from trainer.serve import multihost
 
     # A group being deleted gets SIGTERM in every process: the leader drains its requests, then stops the
@@ -260,11 +264,40 @@ def _follow(loaded, group) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     worker = multihost.Worker(group).connect()
     _progress(f"worker {group.index} of {group.size}: following the leader at {group.leader}")
+    compiling = _compile_ahead(loaded.engine, None) if ahead else None
+    code = 0
     if worker.follow(loaded.engine.runner.run):
         _progress("the leader is gone: exiting")
-        return EXIT_RUNTIME
-    _progress("stopped by the leader")
-    return 0
+        code = EXIT_RUNTIME
+    else:
+        _progress("stopped by the leader")
+    if compiling is not None and compiling.is_alive():  # inside XLA: exiting past it would abort the process
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _compile_ahead(engine, between) -> threading.Thread:
+    """A thread compiling the engine's programs not compiled yet (Engine.compile_ahead), saying when it is done;
+    a failure is said, not raised: each program then compiles when a step first needs it."""
+    from trainer.serve.stopping import Stopped
+
+    def run():
+        started = time.perf_counter()
+        try:
+            count = engine.compile_ahead(between)
+        except Stopped:
+            return
+        except Exception as e:  # noqa: BLE001 - the steps compile what is missing when they reach it
+            _progress(f"compiling ahead failed ({type(e).__name__}: {e}); each step compiles its program when "
+                      "first needed")
+            return
+        _progress(f"compiled the other {count} programs in the background in {time.perf_counter() - started:.1f}s")
+
+    thread = threading.Thread(target=run, name="moe-tpu-compile-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def _lead(loaded, group):
@@ -290,7 +323,7 @@ def _check_server_packages() -> None:
 
 
 def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
-           grace_seconds: float, leader=None, every_span: bool = True, stream_interval: float = STREAM_INTERVAL,
+           grace_seconds: float, leader=None, warm_up: str = "all", stream_interval: float = STREAM_INTERVAL,
            step_timeout: float = STEP_TIMEOUT_S, stop: Stop | None = None) -> int:
     import uvicorn
 
@@ -310,9 +343,12 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
     failed: list[str] = []
     group_failed = _watch_group(leader, state, server) if leader is not None else None
 
+    ahead: list[threading.Thread] = []  # the programs compiling while it serves (--warm-up background)
+
     def compile_then_serve():
         try:
             started = time.perf_counter()
+            every_span = warm_up == "all"
             _progress(f"compiling the prefill and decode steps ({loaded.engine.slots} slots x "
                       f"{loaded.engine.max_len} tokens, {'every span' if every_span else 'the first span'})")
             loaded.engine.warm_up(every_span, stop.check)
@@ -320,6 +356,8 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
             state.loop = EngineLoop(loaded.engine, step_timeout=step_timeout, on_failed_step=group_failed).start()
             _progress(f"compiled in {time.perf_counter() - started:.1f}s")
             _progress(f"ready: {name} at http://{host}:{port}/v1 (health /health, metrics /metrics)")
+            if warm_up == "background":
+                ahead.append(_compile_ahead(loaded.engine, stop.check))
         except Stopped:  # a signal before uvicorn took its own handlers: the server stops, nothing served
             server.should_exit = True
         except Exception as e:  # noqa: BLE001 - reported, and the server stops with exit code 1
@@ -359,6 +397,12 @@ def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, 
         _stop_group(leader, code)
     if not code:
         _progress("stopped")
+    if ahead:  # stopped at its next program; inside XLA's compiler, exiting past it would abort the process
+        ahead[0].join(timeout=0.5)
+        if ahead[0].is_alive():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     return code
 
 

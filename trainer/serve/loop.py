@@ -23,7 +23,8 @@ log = logging.getLogger("trainer.serve")
 
 IDLE_TICK_S = 1.0  # an idle engine's thread marks its progress this often
 STEP_TIMEOUT_S = 20.0  # `serve --step-timeout`'s default: a step running longer is stuck
-# A step that compiles a program (one a request reaches first, past --warm-up smallest's) may take minutes.
+# A step that compiles a program (one a request reaches first, not compiled yet by the warm-up or ahead of it)
+# may take minutes.
 COMPILE_TIMEOUT_S = 900.0
 
 
@@ -40,7 +41,7 @@ class EngineLoop:
         self._stop = False
         self._failure: str | None = None  # set by `fail`: the engine's thread fails every request with it
         self.progress = time.monotonic()  # the last step completed, or the last turn with nothing to do
-        self._programs = len(engine.runner.programs)  # the runner's programs when the step under way began
+        self._first_calls = engine.runner.first_calls  # the runner's compiling calls when the step under way began
         self.submitted = 0  # requests ever submitted (counted before they are queued)
         self.taken = 0  # of those, the requests the engine's thread has taken from the inbox
         # The engine's snapshot after a step with the count taken before that step, published as one tuple:
@@ -71,7 +72,7 @@ class EngineLoop:
         """Why the engine counts as stuck, or None: no step completed for --step-timeout seconds while it had
         work (COMPILE_TIMEOUT_S for a step that compiles a program); any thread may ask."""
         waited = (time.monotonic() if now is None else now) - self.progress
-        compiling = len(self.engine.runner.programs) > self._programs
+        compiling = self.engine.runner.first_calls > self._first_calls
         limit = COMPILE_TIMEOUT_S if compiling else self.step_timeout
         if waited <= limit:
             return None
@@ -115,7 +116,7 @@ class EngineLoop:
                 self._wake.wait(min(IDLE_TICK_S, self.step_timeout / 4))
                 self._wake.clear()
                 continue
-            self._programs = len(self.engine.runner.programs)
+            self._first_calls = self.engine.runner.first_calls
             try:
                 self.engine.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the server

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ import numpy as np
 from trainer.serve.latentcache import CacheLayout
 from trainer.serve.logprobs import Logprob, records, token_logprobs
 from trainer.serve.sampling import allowed, sample_tokens
-from trainer.serve.spans import MIN_SPAN, ladder, programs, row_counts
+from trainer.serve.spans import FIRST_PROGRAMS, MIN_SPAN, ladder, programs, row_counts
 from trainer.serve.structured import words
 from trainer.serve.weights import ServingModel
 
@@ -41,6 +42,18 @@ class ModelRunner:
         # "prefill/<span>" and "decode/<span>/<rows>", made on first use (program), and how often each ran.
         self.programs: dict = {}
         self.calls: collections.Counter = collections.Counter()
+        # The programs compiled (or being compiled) by a call or ahead of one (compile_ahead), those compile_ahead
+        # is compiling now (a call waits for it rather than compile it twice), and the programs' first calls,
+        # which may compile or wait for a compilation (the engine's loop allows such a step longer:
+        # trainer/serve/loop.py).
+        self.compiled: set[str] = set()
+        self._ahead: dict[str, threading.Event] = {}
+        self.first_calls = 0
+        self._lock = threading.Lock()  # compile_ahead runs on a thread of its own
+        self._not_compiling = threading.Event()  # cleared while a call compiles its program
+        self._not_compiling.set()
+        self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                        self.cache)
         # A multi-host group's leader hands each call to its workers first (trainer.serve.multihost).
         self.on_call = None
         self._replicated = replicated
@@ -66,10 +79,23 @@ class ModelRunner:
         (each call's inputs are then global arrays, the same on every process)."""
         if self.on_call is not None:
             self.on_call(name, inputs)
+        with self._lock:
+            ahead = self._ahead.get(name)
+            compiles = name not in self.compiled
+            self.compiled.add(name)
+        if not self.calls[name]:  # compiled here, or by compile_ahead, or (in a group) still on a worker
+            self.first_calls += 1
+        if ahead is not None:
+            ahead.wait()
         if self._spans_processes:
             inputs = jax.tree.map(
                 lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), inputs)
-        outputs, self.cache = self.program(name)(self.weights, self.cache, *inputs)
+        if compiles:  # compile_ahead waits meanwhile: the cores go to the program a request waits for
+            self._not_compiling.clear()
+        try:
+            outputs, self.cache = self.program(name)(self.weights, self.cache, *inputs)
+        finally:
+            self._not_compiling.set()
         self.calls[name] += 1
         return outputs
 
@@ -79,13 +105,14 @@ class ModelRunner:
         on first use, on a group's workers as on its leader. Steps read only their live span and rows, so a
         short request's step costs what its tokens need whatever max_len is, and a lone stream's what one
         row needs whatever the slots; the buckets keep the programs few (programs_bound)."""
-        if name not in self.programs:
-            step, span = name.split("/")[:2]
-            fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn}[step], span=int(span))
-            # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
-            self.programs[name] = jax.jit(fn, donate_argnums=(1,),
-                                          out_shardings=(self._replicated, self._cache_sharding))
-        return self.programs[name]
+        with self._lock:  # one jit a name: compile_ahead's thread and the engine's share it
+            if name not in self.programs:
+                step, span = name.split("/")[:2]
+                fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn}[step], span=int(span))
+                # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
+                self.programs[name] = jax.jit(fn, donate_argnums=(1,),
+                                              out_shardings=(self._replicated, self._cache_sharding))
+            return self.programs[name]
 
     def spans(self) -> list[int]:
         """The spans a step may read (trainer/serve/spans.py)."""
@@ -130,27 +157,74 @@ class ModelRunner:
         smallest warm-up; at most programs_bound() however long the server runs)."""
         return sum(program._cache_size() for program in self.programs.values())
 
+    def warm_up_order(self) -> list[str]:
+        """Every program a step may run, in the order traffic first needs them: at the shortest span a short
+        request's prefill, a lone stream's decode (the two FIRST_PROGRAMS), the decode of every slot, then the
+        same at each longer span."""
+        return [name for span in self.spans()
+                for name in (f"prefill/{span}", *(f"decode/{span}/{rows}" for rows in self.rows()))]
+
     def warm_up(self, every_span: bool = False, between=None) -> None:
-        """Compiles both steps at the smallest span, the one short requests use, the decode for the fewest rows,
+        """Runs both steps at the smallest span, the one short requests use, the decode for the fewest rows,
         a lone request's, and with `every_span` at every span (a long prompt's later chunks reach each as a long
         output's steps do) and the decode at every row count, so that no request waits on a compilation, nor
         any stream between two of its tokens (an idle decode step writes nothing; the prefill's writes into
         slot 0 are overwritten by its next request before they are read). Without it the other spans and row
-        counts compile when a step first reaches them. `between()` is called before each program (it raises to
-        stop the warm-up: a signal came)."""
+        counts compile ahead (compile_ahead) or when a step first reaches them. `between()` is called before
+        each program (it raises to stop the warm-up: a signal came)."""
         between = between or (lambda: None)
-        sampling = sampling_arrays([(0.0, 0, 1.0, 0)])
-        spans = self.spans() if every_span else self.spans()[:1]
-        for span in spans:
+        order = self.warm_up_order()
+        for name in order if every_span else order[:FIRST_PROGRAMS]:
             between()
-            self.run(f"prefill/{span}", np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32),
-                     np.zeros(1, np.int32), np.zeros(1, np.int32), np.int32(0), sampling, np.bool_(False),
-                     self.mask_SxW[:1])
-        for span in spans:
-            for rows in self.rows() if every_span else self.rows()[:1]:
-                between()
-                tokens = self.run(f"decode/{span}/{rows}", *self.decode_inputs(rows, False))
-        jax.block_until_ready(tokens)
+            outputs = self.run(name, *self.example_inputs(name))
+        jax.block_until_ready(outputs)
+
+    def compile_ahead(self, between=None) -> int:
+        """Compiles, without running them, the programs that no call has compiled yet, in warm_up_order; meant
+        for a thread of its own while the engine serves (a step reaching a program this is compiling waits for
+        it rather than compile it twice; one reaching a later one compiles it itself, and this waits until it
+        has before the next). `between()` is called before each (it raises to stop). Returns how many it
+        compiled."""
+        done = 0
+        for name in self.warm_up_order():
+            (between or (lambda: None))()
+            self._not_compiling.wait()
+            with self._lock:
+                if name in self.compiled:
+                    continue
+                self.compiled.add(name)
+                ahead = self._ahead[name] = threading.Event()
+            try:
+                self.program(name).lower(self.weights, self._cache_spec, *self._abstract(
+                    self.example_inputs(name))).compile()  # jax keeps it: the program's first call finds it
+                done += 1
+            except BaseException:
+                with self._lock:
+                    self.compiled.discard(name)  # a call compiles it then
+                raise
+            finally:
+                with self._lock:
+                    del self._ahead[name]
+                ahead.set()
+        return done
+
+    def example_inputs(self, name: str) -> tuple:
+        """Host inputs of program `name` as its steps pass them: a prefill of padding into slot 0, a decode of
+        the idle slots (positions max_len: it writes nothing)."""
+        step, _, *rows = name.split("/")
+        if step == "decode":
+            return tuple(jax.tree.map(np.array, self.decode_inputs(int(rows[0]), False)))
+        return (np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
+                np.zeros(1, np.int32), np.int32(0), sampling_arrays([(0.0, 0, 1.0, 0)]), np.bool_(False),
+                self.mask_SxW[:1].copy())
+
+    def _abstract(self, inputs: tuple) -> tuple:
+        """What jax lowers a call of `inputs` with: the arrays themselves, or across processes the global
+        arrays `run` makes of them."""
+        if not self._spans_processes:
+            return inputs
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                           sharding=self._replicated), inputs)
 
     # ------------------------------------------------------------------ steps
 

@@ -9,6 +9,12 @@ from __future__ import annotations
 # attention, and fewer spans compile fewer programs.
 MIN_SPAN = 128
 DEFAULT_CHUNK = 64  # `serve --chunk`'s default: the deployed servers' argv leaves it so
+# What a server compiles before /health says ready (`serve --warm-up`): `background` the FIRST_PROGRAMS (a short
+# request's prefill and a lone stream's decode at the shortest span), then the others on a thread while it
+# serves; `smallest` the same first ones alone (the others when a step first reaches them); `all` every one.
+WARM_UPS = ("background", "all", "smallest")
+DEFAULT_WARM_UP = "background"  # the deployed servers' argv leaves it so
+FIRST_PROGRAMS = 2
 
 
 def ladder(chunk: int, max_len: int, min_span: int = MIN_SPAN) -> list[int]:
@@ -32,3 +38,11 @@ def programs(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: in
     """The programs a server compiles at every span (serve --warm-up all): the prefill and a decode a row
     count, at each span."""
     return len(ladder(chunk, max_len, min_span)) * (1 + len(row_counts(slots, shards)))
+
+
+def programs_before_ready(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: int = MIN_SPAN,
+                          warm_up: str = DEFAULT_WARM_UP) -> int:
+    """The programs a server compiles before /health says ready, with `serve --warm-up warm_up`."""
+    if warm_up not in WARM_UPS:
+        raise ValueError(f"warm_up must be one of {', '.join(WARM_UPS)}, got {warm_up!r}")
+    return programs(chunk, max_len, slots, shards, min_span) if warm_up == "all" else FIRST_PROGRAMS

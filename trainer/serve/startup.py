@@ -55,6 +55,11 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
         progress(f"note: --max-len {max_len:,} reaches past the model's context ({what}); a request may use "
                  "positions the model never learnt")
     devices = jax.devices()
+    from trainer.distributed import use_compilation_cache
+
+    # The trainer's persistent compilation cache (~/.cache/moe-tpu/jax, or JAX_COMPILATION_CACHE_DIR): a
+    # restarted server, on a CPU too, loads the programs it compiled before.
+    use_compilation_cache(devices[0].platform, cpu=True)
     # By default the experts spread over as many devices as divide them; the rest replicate them (data).
     expert = math.gcd(len(devices), cfg.moe.num_experts)
     try:
