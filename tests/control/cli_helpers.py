@@ -98,13 +98,17 @@ def write_config(tmp_path: Path, target: str, **changes) -> Path:
 
 
 def run_json(tmp_path: Path, scenario: str = "happy") -> tuple[int, dict, str]:
-    """`moe-tpu --dry-run --scenario SCENARIO --output json run` in tmp_path: (exit code, document, stderr)."""
-    out = run_process(["--dry-run", "--scenario", scenario, "--output", "json", "run"], tmp_path, timeout=240)
+    """`moe-tpu --dry-run --scenario SCENARIO --output json run` in tmp_path: (exit code, document, stderr).
+    Run in this process (its trainer is a process of its own all the same): an interpreter of its own for
+    the command costs about a second of imports each time. The tests that signal or kill a run start it as
+    a process (test_run.py's start_run)."""
+    with contextlib.chdir(tmp_path):
+        code, out, err = invoke("--dry-run", "--scenario", scenario, "--output", "json", "run")
     try:
-        doc = json.loads(out.stdout)
+        doc = json.loads(out)
     except ValueError:
-        pytest.fail(f"no JSON document (exit {out.returncode}): {out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return out.returncode, doc, out.stderr
+        pytest.fail(f"no JSON document (exit {code}): {out[-2000:]}\n{err[-4000:]}")
+    return code, doc, err
 
 
 def nothing_left(cwd: Path) -> bool:
