@@ -64,6 +64,15 @@ def run_process(args: list[str], cwd: Path, env: dict | None = None,
     return result
 
 
+def run_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """run_process's answer for `moe-tpu ARGS` in `cwd`, run in this process through the real entry point
+    (invoke): for the commands a test neither signals nor kills, whose interpreter of their own would cost
+    about a second of imports each."""
+    with contextlib.chdir(cwd):
+        code, out, err = invoke(*args)
+    return subprocess.CompletedProcess(["moe-tpu", *args], code, out, err)
+
+
 def changed(doc: dict, **changes) -> dict:
     """`doc` with dotted__keys changed in place (value None deletes the key); returns it."""
     for dotted, value in changes.items():

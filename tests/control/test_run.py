@@ -10,7 +10,6 @@ that several tests read is done once (the `dry_run` fixture).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import ROOT, SMALL, invoke, nothing_left, run_json, write_config
+from cli_helpers import ROOT, SMALL, nothing_left, run_here, run_json, write_config
 
 CREATES = ("Tpu/CreateQueuedResource", "JobService/CreateCustomJob")
 # A run that trains on while a test signals or kills it; its learning rate decays over SMALL's steps, as
@@ -30,11 +29,7 @@ CREATES = ("Tpu/CreateQueuedResource", "JobService/CreateCustomJob")
 LONG = {"dry_run__steps": 400, "trainer__overrides__optim.decay_steps": SMALL["steps"]}
 
 
-def moe(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """`moe-tpu ARGS` in `cwd`, in this process (cli_helpers.invoke)."""
-    with contextlib.chdir(cwd):
-        code, out, err = invoke(*args)
-    return subprocess.CompletedProcess(["moe-tpu", *args], code, out, err)
+moe = run_here  # in this process
 
 
 def events(doc: dict) -> list[str]:
