@@ -64,6 +64,15 @@ def run_process(args: list[str], cwd: Path, env: dict | None = None,
     return result
 
 
+def run_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """run_process's answer for `moe-tpu ARGS` in `cwd`, run in this process through the real entry point
+    (invoke): for the commands a test neither signals nor kills, whose interpreter of their own would cost
+    about a second of imports each."""
+    with contextlib.chdir(cwd):
+        code, out, err = invoke(*args)
+    return subprocess.CompletedProcess(["moe-tpu", *args], code, out, err)
+
+
 def changed(doc: dict, **changes) -> dict:
     """`doc` with dotted__keys changed in place (value None deletes the key); returns it."""
     for dotted, value in changes.items():
@@ -98,13 +107,17 @@ def write_config(tmp_path: Path, target: str, **changes) -> Path:
 
 
 def run_json(tmp_path: Path, scenario: str = "happy") -> tuple[int, dict, str]:
-    """`moe-tpu --dry-run --scenario SCENARIO --output json run` in tmp_path: (exit code, document, stderr)."""
-    out = run_process(["--dry-run", "--scenario", scenario, "--output", "json", "run"], tmp_path, timeout=240)
+    """`moe-tpu --dry-run --scenario SCENARIO --output json run` in tmp_path: (exit code, document, stderr).
+    Run in this process (its trainer is a process of its own all the same): an interpreter of its own for
+    the command costs about a second of imports each time. The tests that signal or kill a run start it as
+    a process (test_run.py's start_run)."""
+    with contextlib.chdir(tmp_path):
+        code, out, err = invoke("--dry-run", "--scenario", scenario, "--output", "json", "run")
     try:
-        doc = json.loads(out.stdout)
+        doc = json.loads(out)
     except ValueError:
-        pytest.fail(f"no JSON document (exit {out.returncode}): {out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return out.returncode, doc, out.stderr
+        pytest.fail(f"no JSON document (exit {code}): {out[-2000:]}\n{err[-4000:]}")
+    return code, doc, err
 
 
 def nothing_left(cwd: Path) -> bool:

@@ -1,4 +1,7 @@
-"""The `moe-tpu` command from the outside: exit codes, the JSON document, no tracebacks, no network."""
+"""The `moe-tpu` command: exit codes, the JSON document, no tracebacks, no network. A slice's lifecycle, the
+bad inputs, the audit and two commands at once run as processes of their own (from the outside); the other
+commands in this process through the real entry point (cli_helpers.invoke: an interpreter each would cost
+about a second of imports)."""
 
 from __future__ import annotations
 
@@ -12,13 +15,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_process
+from cli_helpers import run_here, run_process
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "v5e-64.yaml"
 
 
 moe = run_process
+
+here = run_here  # in this process
 
 
 @pytest.fixture
@@ -60,18 +65,18 @@ def test_the_example_fails_over_to_its_second_zone_on_stockout(workdir):
     stockout scenario shows the failover it exists for."""
     zones = yaml.safe_load(EXAMPLE.read_text())["zones"]
     assert len(zones) == 2
-    up = moe(["--dry-run", "--scenario", "stockout", "--output", "json", "slice", "up"], workdir)
+    up = here(["--dry-run", "--scenario", "stockout", "--output", "json", "slice", "up"], workdir)
     assert up.returncode == 0, up.stderr
     assert f"no capacity in {zones[0]}" in up.stderr
     creates = [c["request"]["parent"] for c in json.loads(up.stdout)["calls"]
                if c["rpc"].endswith("Tpu/CreateQueuedResource")]
     assert creates == [f"projects/my-project/locations/{zone}" for zone in zones]
-    assert moe(["--dry-run", "down"], workdir).returncode == 0
-    assert json.loads(moe(["--dry-run", "--output", "json", "list"], workdir).stdout)["resources"] == []
+    assert here(["--dry-run", "down"], workdir).returncode == 0
+    assert json.loads(here(["--dry-run", "--output", "json", "list"], workdir).stdout)["resources"] == []
 
 
 def test_text_mode_reports_the_slice_and_its_workers(workdir):
-    up = moe(["--dry-run", "slice", "up"], workdir)
+    up = here(["--dry-run", "slice", "up"], workdir)
     assert up.returncode == 0, up.stderr
     lines = up.stdout.splitlines()
     assert lines[0].startswith("slice ready: ") and lines[0].endswith(" in us-west4-a")
@@ -80,7 +85,7 @@ def test_text_mode_reports_the_slice_and_its_workers(workdir):
 
 
 def test_quota_exits_1_with_the_quota_named_and_a_json_error(workdir):
-    res = moe(["--dry-run", "--scenario", "quota", "--output", "json", "slice", "up"], workdir)
+    res = here(["--dry-run", "--scenario", "quota", "--output", "json", "slice", "up"], workdir)
     assert res.returncode == 1
     assert "Traceback" not in res.stderr + res.stdout
     doc = json.loads(res.stdout)
@@ -149,13 +154,13 @@ def test_down_without_config_finds_the_run_that_slice_up_started(tmp_path):
     example = tmp_path / "configs" / "v5e-64.yaml"
     example.parent.mkdir()
     shutil.copy(EXAMPLE, example)
-    up = moe(["--dry-run", "slice", "up", "--config", str(example)], tmp_path)
+    up = here(["--dry-run", "slice", "up", "--config", str(example)], tmp_path)
     assert up.returncode == 0, up.stderr
-    down = moe(["--dry-run", "--output", "json", "down"], tmp_path)  # no moe-tpu.yaml here
+    down = here(["--dry-run", "--output", "json", "down"], tmp_path)  # no moe-tpu.yaml here
     assert down.returncode == 0, down.stderr
     assert f"using {example} (the config last used in this directory)" in down.stderr
     assert [d["kind"] for d in json.loads(down.stdout)["deleted"]] == ["queued_resource"]
-    listed = moe(["--dry-run", "--output", "json", "list"], tmp_path)
+    listed = here(["--dry-run", "--output", "json", "list"], tmp_path)
     assert json.loads(listed.stdout)["resources"] == []
 
 
@@ -172,7 +177,7 @@ def test_two_runs_provisioned_at_once_in_one_directory_both_keep_their_resources
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         assert "slice ready" in out
-    listed = moe(["--dry-run", "--output", "json", "list", "-c", "run-a.yaml"], tmp_path)
+    listed = here(["--dry-run", "--output", "json", "list", "-c", "run-a.yaml"], tmp_path)
     runs = sorted({r["run"] for r in json.loads(listed.stdout)["resources"]})
     assert runs == ["run-a", "run-b"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import SMALL, loaded_config, nothing_left, run_process
+from cli_helpers import SMALL, loaded_config, nothing_left, run_here
 
 from provision.context import renderer_for
 from provision.errors import CloudError, QuotaError, StockoutError, UsageError
@@ -136,8 +136,7 @@ def test_quota_names_the_quota_and_creates_nothing(tmp_path, emulated):
     with pytest.raises(QuotaError, match="PREEMPTIBLE_TPU_LITE_PODSLICE_V5"):
         gke_up(app.context(cfg))
     assert gke_status(app.context(cfg)) == []
-    proc = run_process(["--dry-run", "--scenario", "quota", "gke", "up", "-c", str(tmp_path / "moe-tpu.yaml")],
-                       tmp_path)
+    proc = run_here(["--dry-run", "--scenario", "quota", "gke", "up", "-c", str(tmp_path / "moe-tpu.yaml")], tmp_path)
     assert proc.returncode == 1 and "quota exceeded (PREEMPTIBLE_TPU_LITE_PODSLICE_V5)" in proc.stderr
 
 
@@ -281,13 +280,13 @@ def test_the_head_completing_completes_a_pathways_jobset(tmp_path, emulated):
 # --- run, end to end ---------------------------------------------------------------------------
 
 def _run(tmp_path: Path, *args: str, config: Path = PATHWAYS) -> tuple[int, dict, str]:
-    """`moe-tpu --dry-run ARGS --output json run` of tmp_path/moe-tpu.yaml (`config` where there is none),
-    its trainer the size of test_run's (cli_helpers.SMALL)."""
+    """`moe-tpu --dry-run ARGS --output json run` of tmp_path/moe-tpu.yaml (`config` where there is none), in this
+    process (cli_helpers.run_here), its trainer the size of test_run's (cli_helpers.SMALL)."""
     path = tmp_path / "moe-tpu.yaml"
     if not path.exists():
         path.write_text(config.read_text())
     path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "dry_run": dict(SMALL)}))
-    proc = run_process(["--dry-run", *args, "--output", "json", "run", "-c", str(path)], tmp_path, timeout=300)
+    proc = run_here(["--dry-run", *args, "--output", "json", "run", "-c", str(path)], tmp_path)  # its trainer a process
     return proc.returncode, json.loads(proc.stdout or "{}"), proc.stderr
 
 

@@ -345,7 +345,8 @@ def isolated_python(code: str, blocked: tuple[str, ...] = ()) -> subprocess.Comp
         "        if any(name == b or name.startswith(b + '.') for b in self.names):\n"
         "            raise ImportError(f'{name} is not installed (blocked)')\n"
         "sys.meta_path.insert(0, Block())\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # XLA_FLAGS kept: the suite's compiler flags (tests/conftest.py), which the compilation cache's keys hold
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     return subprocess.run([sys.executable, "-S", "-c", prelude + code], capture_output=True, text=True,
                           env=env, timeout=300)
 

@@ -1,4 +1,6 @@
-"""The Vertex AI custom job lifecycle through the real aiplatform_v1 JobServiceClient against the emulator."""
+"""The Vertex AI custom job lifecycle through the real aiplatform_v1 JobServiceClient against the emulator.
+`job submit --wait` runs as a process of its own (and one is killed); the other commands in this process through
+the real entry point (cli_helpers.run_here)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import loaded_config, run_process
+from cli_helpers import loaded_config, run_here, run_process
 
 from provision.app import App
 from provision.errors import CloudError, QuotaError, UsageError
@@ -116,9 +118,9 @@ def test_stockout_fails_with_code_8(tmp_path, session_in):
 def test_slice_commands_refuse_a_vertex_config_and_back(tmp_path):
     shutil.copy(EXAMPLE, tmp_path / "vertex.yaml")
     shutil.copy(ROOT / "examples" / "v5e-64.yaml", tmp_path / "slice.yaml")
-    up = run_process(["--dry-run", "slice", "up", "-c", "vertex.yaml"], tmp_path)
+    up = run_here(["--dry-run", "slice", "up", "-c", "vertex.yaml"], tmp_path)
     assert up.returncode == 2 and "job submit" in up.stderr and "Traceback" not in up.stderr
-    submit = run_process(["--dry-run", "job", "submit", "-c", "slice.yaml"], tmp_path)
+    submit = run_here(["--dry-run", "job", "submit", "-c", "slice.yaml"], tmp_path)
     assert submit.returncode == 2 and "slice up" in submit.stderr and "Traceback" not in submit.stderr
 
 
@@ -129,16 +131,16 @@ def test_cli_submit_wait_then_status_down_list(tmp_path):
     doc = json.loads(sub.stdout)
     assert [c["rpc"] for c in doc["calls"]].count(CREATE) == 1
     assert doc["resources"][0]["kind"] == "custom_job" and doc["resources"][0]["state"] == "JOB_STATE_SUCCEEDED"
-    status = json.loads(run_process(["--dry-run", "--output", "json", "job", "status"], tmp_path).stdout)
+    status = json.loads(run_here(["--dry-run", "--output", "json", "job", "status"], tmp_path).stdout)
     assert [r["state"] for r in status["resources"]] == ["JOB_STATE_SUCCEEDED"]
-    assert run_process(["--dry-run", "down"], tmp_path).returncode == 0
-    listed = run_process(["--dry-run", "--output", "json", "list"], tmp_path)
+    assert run_here(["--dry-run", "down"], tmp_path).returncode == 0
+    listed = run_here(["--dry-run", "--output", "json", "list"], tmp_path)
     assert listed.returncode == 0 and json.loads(listed.stdout)["resources"] == []
 
 
 def test_quota_exits_1_naming_the_quota(tmp_path):
     shutil.copy(EXAMPLE, tmp_path / "moe-tpu.yaml")
-    out = run_process(["--dry-run", "--scenario", "quota", "job", "submit"], tmp_path)
+    out = run_here(["--dry-run", "--scenario", "quota", "job", "submit"], tmp_path)
     assert out.returncode == 1 and "quota" in out.stderr and "aiplatform.googleapis.com/" in out.stderr
 
 
@@ -148,7 +150,7 @@ def test_validate_names_a_bad_machine_type_or_topology(tmp_path, change, key):
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["vertex"].update(change)
     (tmp_path / "moe-tpu.yaml").write_text(yaml.safe_dump(doc))
-    out = run_process(["validate"], tmp_path)
+    out = run_here(["validate"], tmp_path)
     assert out.returncode == 2 and key in out.stderr and "Traceback" not in out.stderr
 
 
@@ -164,13 +166,13 @@ def test_killed_while_waiting_a_rerun_sends_no_second_create(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    again = run_process(["--dry-run", "--output", "json", "job", "submit", "--wait"], tmp_path)
+    again = run_here(["--dry-run", "--output", "json", "job", "submit", "--wait"], tmp_path)
     assert again.returncode == 0, again.stderr
     assert [c["rpc"] for c in json.loads(again.stdout)["calls"]].count(CREATE) == 0
 
 
 def test_job_commands_exit_2_on_a_missing_config(tmp_path):
-    out = run_process(["--dry-run", "job", "status", "-c", "nope.yaml"], tmp_path)
+    out = run_here(["--dry-run", "job", "status", "-c", "nope.yaml"], tmp_path)
     assert out.returncode == 2 and "nope.yaml" in out.stderr
 
 

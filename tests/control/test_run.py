@@ -1,9 +1,11 @@
 """`moe-tpu run` end to end in dry run: the emulator provisions, the trainer really trains on this CPU.
 
-Each run is a real `moe-tpu` process; the trainer is made smaller than the examples' dry_run
-section (cli_helpers.SMALL: fewer steps, two fake devices), the same for every run, so that the
-session's compilation cache (conftest) compiles its train step once per target's model. A run that
-several tests read is done once (the `dry_run` fixture).
+A run that a test signals or kills is a real `moe-tpu` process; the other commands run in this process
+through the real entry point (cli_helpers.invoke: an interpreter of their own would cost about a second of
+imports each), their trainers processes of their own all the same. The trainer is made smaller than the
+examples' dry_run section (cli_helpers.SMALL: fewer steps, two fake devices), the same for every run, so
+that the session's compilation cache (conftest) compiles its train step once per target's model. A run
+that several tests read is done once (the `dry_run` fixture).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import ROOT, SMALL, nothing_left, run_json, run_process, write_config
+from cli_helpers import ROOT, SMALL, nothing_left, run_here, run_json, write_config
 
 CREATES = ("Tpu/CreateQueuedResource", "JobService/CreateCustomJob")
 # A run that trains on while a test signals or kills it; its learning rate decays over SMALL's steps, as
@@ -27,8 +29,7 @@ CREATES = ("Tpu/CreateQueuedResource", "JobService/CreateCustomJob")
 LONG = {"dry_run__steps": 400, "trainer__overrides__optim.decay_steps": SMALL["steps"]}
 
 
-def moe(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run_process(args, cwd, timeout=timeout)
+moe = run_here  # in this process
 
 
 def events(doc: dict) -> list[str]:

@@ -10,6 +10,7 @@ compiled with XLA's optimisations off (compiling dominates here)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 
 import pytest
@@ -35,6 +36,7 @@ def rpcs(doc: dict, word: str) -> list[str]:
     return [c["rpc"] for c in doc["calls"] if word in c["rpc"] and c["status"] == "OK"]
 
 
+@functools.cache  # both deploys serve the module's one checkpoint
 def sample(work) -> str:
     """What `sample` gives for the run's checkpoint, greedy (its command, in this process), compiled as the
     server compiles."""

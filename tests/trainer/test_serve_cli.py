@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from trainer.cli import set_fake_devices
 from trainer.config import load_config
 from trainer.serve.cli import serve_command
 
@@ -148,7 +149,7 @@ def test_the_server_is_ready_while_it_compiles_ahead_and_a_sigterm_then_exits_0(
 def test_sigint_while_the_checkpoint_is_read_stops_the_server_before_it_compiles(trained_tiny):
     """The signal handler only notes the signal (a KeyboardInterrupt raised inside the checkpoint's reading was
     swallowed there, and the server went on to compile and serve); loading checks it between its stages."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = one_device_env()
     process = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--checkpoint", str(trained_tiny.output_dir),
                                 "--port", str(free_port()), "--warm-up", "smallest"],
                                env=env, stderr=subprocess.PIPE, text=True)
@@ -166,6 +167,14 @@ def test_sigint_while_the_checkpoint_is_read_stops_the_server_before_it_compiles
             process.wait()
 
 
+def one_device_env() -> dict[str, str]:
+    """This environment with one CPU device: the suite's XLA flags kept (tests/conftest.py: compiling is what
+    costs here), only the device count replaced."""
+    env = dict(os.environ)
+    set_fake_devices(1, env)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -180,7 +189,7 @@ def generated_and_running(base: str) -> tuple[float, float]:
 
 def test_a_served_process_frees_a_gone_clients_slot_and_drains_on_sigterm(trained_tiny):
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = one_device_env()
     process = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--checkpoint", str(trained_tiny.output_dir),
                                 "--port", str(port), "--slots", "8", "--max-len", "512", "--chunk", "16",
                                 "--warm-up", "smallest",  # its requests are short: the other spans never compile
@@ -258,8 +267,7 @@ def test_a_grace_period_that_runs_out_sends_each_stream_an_error_event_and_logs_
         "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 8, None, 'tiny', 0.5, "
         "warm_up='smallest'))\n")  # the quick start: 4,096 tokens are six spans, and the test needs none warm
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-           "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    env = {**one_device_env(), "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
     process = subprocess.Popen([sys.executable, str(script), str(port)], env=env, stderr=subprocess.PIPE, text=True)
     try:
         for line in process.stderr:

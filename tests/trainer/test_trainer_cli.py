@@ -33,14 +33,16 @@ def finish(proc, timeout=240):
 
 
 def test_expert_parallel_invariance_through_the_command_line(tmp_path):
-    """tiny in float32 with ample capacity: the same losses on 1 device, 1x8 and 2x4 meshes."""
+    """tiny in float32 with ample capacity: the same losses on 1 device, 1x8 and 2x4 meshes. The command runs
+    in this process (its 8 fake devices; `--devices` takes the first N), not an interpreter each: the
+    process's own start-up and signals are the next test's."""
     meshes = {"1x1": ("1", "data=1,expert=1"), "1x8": ("8", "data=1,expert=8"), "2x4": ("8", "data=2,expert=4")}
-    procs = {name: subprocess.Popen(
-        trainer_cmd("--steps", "5", "--devices", d, "--mesh", m, "--set", "moe.capacity_factor=8",
-                    "--set", "dtype=float32", "--metrics", str(tmp_path / f"{name}.jsonl")),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name, (d, m) in meshes.items()}
-    for proc in procs.values():
-        finish(proc)
+    jax.devices()  # jax started with the session's 8 fake devices, as --devices expects in-process
+    for name, (d, m) in meshes.items():
+        result = CliRunner().invoke(train_command, [
+            "--config", "tiny", "--steps", "5", "--devices", d, "--mesh", m, "--set", "moe.capacity_factor=8",
+            "--set", "dtype=float32", "--metrics", str(tmp_path / f"{name}.jsonl")])
+        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
     losses = {name: [r["loss"] for r in rows(tmp_path / f"{name}.jsonl")] for name in meshes}
     assert len(losses["1x1"]) == 5 and losses["1x1"][-1] < losses["1x1"][0]
     np.testing.assert_allclose(losses["1x8"], losses["1x1"], atol=1e-4)

@@ -11,6 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from trainer.cli import set_fake_devices
+
 DRIVER = textwrap.dedent("""
     import os, sys
     import jax
@@ -31,8 +33,8 @@ def test_two_processes_write_events_from_process_0_only_and_save_both_hosts_posi
     (np.arange(20000) % 256).astype(np.uint16).tofile(tmp_path / "t.bin")
     (tmp_path / "driver.py").write_text(DRIVER)
     out = tmp_path / "out"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-           "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    set_fake_devices(1, env)  # one CPU device each, the suite's XLA flags kept (tests/conftest.py)
     args = ["--config", "tiny", "--steps", "4", "--set", "data.source=tokens", "--set", f"data.path={tmp_path}/t.bin",
             "--set", "train.checkpoint_every=2", "--output-dir", str(out)]
     address = f"127.0.0.1:{free_port()}"
