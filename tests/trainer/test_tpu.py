@@ -174,6 +174,13 @@ def test_a_few_training_steps_match_the_cpu_within_bfloat16(chip, cpu):
     """Three steps of tiny in bfloat16 from the same initial state and batches: the chip's losses within
     bfloat16's tolerance of the CPU's."""
     on_chip, on_cpu, cfg = tiny_trainers(chip, cpu, ("dtype=bfloat16",))
+    losses = three_steps_each(on_chip, on_cpu, cfg)
+    np.testing.assert_allclose(losses["chip"], losses["cpu"], rtol=BF16_LOSS)
+    assert losses["chip"][-1] < losses["chip"][0]
+
+
+def three_steps_each(on_chip, on_cpu, cfg) -> dict[str, list[float]]:
+    """The losses of three steps on the chip and on the CPU from the CPU's initial state, on the same batches."""
     state_cpu = on_cpu.initial_state()
     state_chip = jax.device_put(state_cpu, on_chip.state_shardings)
     losses = {"chip": [], "cpu": []}
@@ -183,8 +190,7 @@ def test_a_few_training_steps_match_the_cpu_within_bfloat16(chip, cpu):
         losses["chip"].append(float(metrics["loss"]))
         state_cpu, metrics = on_cpu.step_fn(state_cpu, jax.device_put(batch, on_cpu.batch_sharding))
         losses["cpu"].append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses["chip"], losses["cpu"], rtol=BF16_LOSS)
-    assert losses["chip"][-1] < losses["chip"][0]
+    return losses
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -213,13 +219,5 @@ def test_chunked_loss_and_the_chip_kernels_train_as_the_cpu(chip, cpu):
                                     "train.loss_chunk=32"])
     cpu_cfg = load_config("tiny", [*common, "model.attention=xla", "moe.grouped_matmul=tiled"])
     on_chip, on_cpu = build_trainer(chip_cfg, mesh_of(chip), 10), build_trainer(cpu_cfg, mesh_of(cpu), 10)
-    state_cpu = on_cpu.initial_state()
-    state_chip = jax.device_put(state_cpu, on_chip.state_shardings)
-    losses = {"chip": [], "cpu": []}
-    for step in range(3):
-        batch = tokens_BxT(cpu_cfg, cpu_cfg.data.global_batch_size, seed=step)
-        state_chip, metrics = on_chip.step_fn(state_chip, jax.device_put(batch, on_chip.batch_sharding))
-        losses["chip"].append(float(metrics["loss"]))
-        state_cpu, metrics = on_cpu.step_fn(state_cpu, jax.device_put(batch, on_cpu.batch_sharding))
-        losses["cpu"].append(float(metrics["loss"]))
+    losses = three_steps_each(on_chip, on_cpu, cpu_cfg)
     np.testing.assert_allclose(losses["chip"], losses["cpu"], rtol=BF16_LOSS)
