@@ -336,25 +336,31 @@ def all_to_all_bytes(cfg: trainer_config.Config, layout: Layout, mesh: Mesh) -> 
 
 
 def collective_bytes(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh) -> tuple[float, float]:
-    """(ICI, DCN) bytes per chip of the data-axis collectives: weights FSDP shards over data are
-    all-gathered for the forward and backward passes (and the recompute) and their gradients
-    reduce-scattered; weights replicated over data get their gradients all-reduced. Hierarchical:
-    inside a slice over ICI, between slices over DCN."""
-    d_ici, slices, c = mesh.data_per_slice, mesh.slices, _bytes(cfg.dtype)
-    gathers = 2 + (1 if cfg.model.remat else 0)
+    """(ICI, DCN) bytes per chip of the gradient and FSDP collectives over the token shards (data x expert):
+    weights FSDP shards over data are all-gathered in the compute dtype twice a step (the forward pass, and
+    the backward pass with its recompute: XLA gathers once for both) and their gradients, the compute-dtype
+    copy's, reduce-scattered; weights replicated over data get their gradients all-reduced; a weight the
+    expert axis does not split has its gradient (its data shard's) all-reduced over expert too, the batch
+    being split over it. Hierarchical: inside a slice over ICI, between slices over DCN. As XLA compiled it
+    for v5e-64 on a v5litepod-64 and a v5litepod-8 ahead of time (benchmarks/aot_topology.py, 2026-12-06)."""
+    d_ici, slices, c, experts = mesh.data_per_slice, mesh.slices, _bytes(cfg.dtype), mesh.expert
     ici = dcn = 0.0
     for p in params:
         whole = shard_ways(p.axes, p.shape, mesh.shape(), False)
         ways = shard_ways(p.axes, p.shape, mesh.shape(), cfg.train.fsdp)
         gathered = p.size / whole  # elements per chip once gathered over data
         if ways > whole:  # sharded over data: gather in compute dtype, reduce-scatter the gradient
-            moved = gathered * (gathers * c + _bytes(p.dtype))
+            moved = gathered * 3 * c
             ici += moved * (d_ici - 1) / d_ici
             dcn += moved * (slices - 1) / mesh.data
+            shard = gathered * c * whole / ways
         else:
             grad = gathered * _bytes(p.dtype)
             ici += 2 * grad * (d_ici - 1) / d_ici
             dcn += 2 * grad * (slices - 1) / slices / d_ici
+            shard = grad
+        if experts > 1 and shard_ways(p.axes, p.shape, (("expert", experts),), False) == 1:
+            ici += 2 * shard * (experts - 1) / experts
     return ici, dcn
 
 

@@ -315,7 +315,9 @@ def test_collective_bytes_by_hand():
     ici, dcn = planner.collective_bytes(params, cfg, mesh)
     # w: FSDP over 4 data ways; gathered 8192 floats, twice (fwd, bwd) + one reduce-scatter = 3 x 32 KiB.
     # s: replicated, gradient of 256 bytes all-reduced: 2 x 256 x (1/2) on ICI, 2 x 256 x (1/2) / 2 on DCN.
-    assert ici == 3 * 32768 * (1 / 2) + 2 * 256 * (1 / 2)
+    # Neither is split over expert (2 ways), which splits the batch: each gradient's data shard (w's a quarter,
+    # 8 KiB; s's whole) all-reduced over it too, 2 x shard x (1/2), on ICI.
+    assert ici == 3 * 32768 * (1 / 2) + 2 * 256 * (1 / 2) + 2 * 8192 * (1 / 2) + 2 * 256 * (1 / 2)
     assert dcn == 3 * 32768 * (1 / 4) + 2 * 256 * (1 / 2) / 2
 
 
