@@ -14,9 +14,9 @@ from provision import catalogue
 from provision.planner.params_cache import shard_ways
 from trainer.flops import ParamCounts
 from trainer.flops import model_flops_per_token as flops_per_token
+from trainer.kernels import tpu_attention
 from trainer.meshspec import filled, mesh_axes, text_of
 from trainer.moe.config import expert_capacity
-from trainer.kernels import tpu_attention
 from trainer.params import DTYPE_BYTES, ParamInfo
 
 if TYPE_CHECKING:
