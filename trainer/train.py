@@ -257,13 +257,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             log = step % cfg.train.log_every == 0 or step == spec.steps or evaluate
             host = _read_checked(pending, ckpt, ceiling) if log or checkpoint else None
             if log:
-                row = timer.row(step, host, entropy_floor)
-                if evaluate:
-                    row.update(evaluator(state))
-                    status.evaluated(step, row["eval_loss"])
-                    timer.restart()  # the evaluation's time is no step's
-                if first_row and (peak := peak_memory_gib(trainer.mesh)) is not None:
-                    first_row["peak_hbm_gib"] = peak  # the accelerator's peak so far: the steps' own, by now
+                row = _row(trainer, timer, step, host, entropy_floor, state, evaluator if evaluate else None, status,
+                           first=bool(first_row))
                 row.update(first_row)
                 first_row, last_loss = {}, row["loss"]
                 _report(reporter, status, row, spec.steps)
@@ -276,14 +271,33 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
     finally:
         profiler.close()
     if ckpt is not None:
-        if saved != step or ckpt.latest_step() is None:
-            ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, feed), force=True)
-        ckpt.wait()
-        ckpt.verify(step)
+        _save_last(ckpt, step, saved, state, checkpoint_meta(cfg, spec.steps, feed))
     _report_end(reporter, ckpt, step, spec.steps, stop.reason if stopped else None, last_loss)
     return RunResult(step=step, loss=last_loss, stopped_by_signal=stopped,
                      checkpoint_step=step if ckpt is not None else None, start_step=start_step,
                      stop_reason=stop.reason if stopped else None)
+
+
+def _row(trainer: Trainer, timer: StepTimer, step: int, host: dict | None, entropy_floor: float | None, state: State,
+         evaluator, status: RunStatus, first: bool) -> dict:
+    """A logged step's row: its timing and metrics, the evaluation where one is due (`evaluator`), and on the
+    process's first row the accelerator's peak memory so far (by then the steps' own)."""
+    row = timer.row(step, host, entropy_floor)
+    if evaluator is not None:
+        row.update(evaluator(state))
+        status.evaluated(step, row["eval_loss"])
+        timer.restart()  # the evaluation's time is no step's
+    if first and (peak := peak_memory_gib(trainer.mesh)) is not None:
+        row["peak_hbm_gib"] = peak
+    return row
+
+
+def _save_last(ckpt: Checkpointer, step: int, saved: int, state: State, meta: dict) -> None:
+    """The last step saved, unless it already was, then every save finished and the last one verified."""
+    if saved != step or ckpt.latest_step() is None:
+        ckpt.save(step, state, meta, force=True)
+    ckpt.wait()
+    ckpt.verify(step)
 
 
 def _report(reporter: Reporter, status: RunStatus, row: dict, total: int) -> None:

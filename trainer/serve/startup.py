@@ -37,7 +37,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
          quantized: str | None, device_memory_gb, progress, prefix_tokens: int = 0) -> Loaded:
     import jax
 
-    from trainer import meshspec, sharding
+    from trainer import sharding
     from trainer.run_loader import Codec, context_of, find_run, load_run_config
     from trainer.serve.engine import Engine, RequestError
     from trainer.serve.prefix import BLOCK
@@ -60,18 +60,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     # The trainer's persistent compilation cache (~/.cache/moe-tpu/jax, or JAX_COMPILATION_CACHE_DIR): a
     # restarted server, on a CPU too, loads the programs it compiled before.
     use_compilation_cache(devices[0].platform, cpu=True)
-    # By default the experts spread over as many devices as divide them; the rest replicate them (data).
-    expert = math.gcd(len(devices), cfg.moe.num_experts)
-    try:
-        mesh_shape = sharding.parse_mesh(mesh_text or f"data={len(devices) // expert},expert={expert}", len(devices))
-    except ValueError as e:
-        raise ServeError((str(e) if str(e).startswith("--mesh") else f"--mesh: {e}")
-                         + sharding.devices_hint(mesh_text, len(devices))) from None
-    if cfg.moe.num_experts % mesh_shape["expert"]:
-        raise ServeError(f"--mesh expert={mesh_shape['expert']} must divide moe.num_experts={cfg.moe.num_experts}")
-    problems = meshspec.tensor_problems(cfg, mesh_shape["model"])  # heads and hidden sizes over `model`
-    if problems:
-        raise ServeError(f"--mesh model={mesh_shape['model']}: " + "; ".join(problems))
+    mesh_shape = serving_mesh(cfg, mesh_text, len(devices))
     mesh = sharding.make_mesh(mesh_shape, devices)
     try:
         model = build_serving_model(cfg, mesh)
@@ -99,6 +88,25 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
     return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template, codec.tokenizer)
+
+
+def serving_mesh(cfg, mesh_text: str | None, devices: int) -> dict[str, int]:
+    """The server's mesh: --mesh, or by default the experts spread over as many devices as divide them and the
+    rest replicating them (data); ServeError where the model cannot be split so."""
+    from trainer import meshspec, sharding
+
+    expert = math.gcd(devices, cfg.moe.num_experts)
+    try:
+        mesh_shape = sharding.parse_mesh(mesh_text or f"data={devices // expert},expert={expert}", devices)
+    except ValueError as e:
+        raise ServeError((str(e) if str(e).startswith("--mesh") else f"--mesh: {e}")
+                         + sharding.devices_hint(mesh_text, devices)) from None
+    if cfg.moe.num_experts % mesh_shape["expert"]:
+        raise ServeError(f"--mesh expert={mesh_shape['expert']} must divide moe.num_experts={cfg.moe.num_experts}")
+    problems = meshspec.tensor_problems(cfg, mesh_shape["model"])  # heads and hidden sizes over `model`
+    if problems:
+        raise ServeError(f"--mesh model={mesh_shape['model']}: " + "; ".join(problems))
+    return mesh_shape
 
 
 def memory_of(devices) -> int | None:
