@@ -110,3 +110,16 @@ def test_the_step_compiled_in_the_background_is_the_step():
     assert float(got_metrics["loss"]) == float(want_metrics["loss"])
     for g, w in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(want["params"]), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_splash_attention_on_a_mesh_runs_each_devices_rows_and_heads():
+    """On a mesh of four devices (batch over data, heads over model) the kernel runs per device under
+    shard_map and gives XLA's attention over the whole arrays."""
+    from trainer import sharding
+
+    mesh = make_mesh({"data": 2, "expert": 1, "model": 2}, jax.devices()[:4])
+    q, k, v = (jax.random.normal(jax.random.key(i), (4, 128, 4, 16)) for i in range(3))
+    with sharding.logical_mesh(mesh):
+        got = jax.jit(lambda q, k, v: causal_attention(q, k, v, impl="splash"))(q, k, v)
+    want = causal_attention(q, k, v, impl="xla")
+    assert relative_error(got, want) < 1e-5
