@@ -170,17 +170,14 @@ def attention_activation_bytes(cfg: trainer_config.Config, layout: Layout) -> in
     m, c, t = cfg.model, _bytes(cfg.dtype), layout.tokens
     n, k = _split(m.num_heads, layout.model), _split(m.kv_heads, layout.model)  # heads on this chip
     heads = m.head_size * (n + 2 * k) + m.head_size * (n + k)
-    if tpu_attention(m.attention, layout.seq_len) == "splash":
-        probs = t * n * 4
-    else:
-        probs = layout.rows * n * layout.seq_len ** 2 * (4 + c)
+    splash = tpu_attention(m.attention, layout.seq_len) == "splash"
+    probs = t * n * 4 if splash else layout.rows * n * layout.seq_len ** 2 * (4 + c)
     return t * m.d_model * (4 + c) + t * heads * c + probs + t * (n * m.head_size + m.d_model) * c
 
 
 def saved_by_policy(cfg: trainer_config.Config, layout: Layout, moe: bool) -> int:
     """What a rematerialised block keeps beside its input under model.remat_policy: attention's q, k, v,
-    output and log-sum-exp ("attention"), and the dense FFN's two hidden products ("attention_ffn"); "dots"
-    keeps every matmul's output, counted as the whole block (a bound)."""
+    output and log-sum-exp, the dense FFN's hidden products too ("attention_ffn"); "dots*": the whole block."""
     m, c, t, policy = cfg.model, _bytes(cfg.dtype), layout.tokens, cfg.model.remat_policy
     if policy in ("dots", "dots_no_batch"):
         return attention_activation_bytes(cfg, layout) + ffn_activation_bytes(cfg, layout, moe)
@@ -336,13 +333,11 @@ def all_to_all_bytes(cfg: trainer_config.Config, layout: Layout, mesh: Mesh) -> 
 
 
 def collective_bytes(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh) -> tuple[float, float]:
-    """(ICI, DCN) bytes per chip of the gradient and FSDP collectives over the token shards (data x expert):
-    weights FSDP shards over data are all-gathered in the compute dtype twice a step (the forward pass, and
-    the backward pass with its recompute: XLA gathers once for both) and their gradients, the compute-dtype
-    copy's, reduce-scattered; weights replicated over data get their gradients all-reduced; a weight the
-    expert axis does not split has its gradient (its data shard's) all-reduced over expert too, the batch
-    being split over it. Hierarchical: inside a slice over ICI, between slices over DCN. As XLA compiled it
-    for v5e-64 on a v5litepod-64 and a v5litepod-8 ahead of time (benchmarks/aot_topology.py, 2026-12-06)."""
+    """(ICI, DCN) bytes per chip of the gradient and FSDP collectives, as XLA compiles them for a v5e slice
+    (benchmarks/aot_topology.py): FSDP's weights gathered in the compute dtype twice a step (the backward
+    pass and its recompute share one) and the compute-dtype gradients reduce-scattered; replicated weights'
+    gradients all-reduced; those the expert axis does not split all-reduced over it too (it splits the
+    batch). Inside a slice over ICI, between slices over DCN."""
     d_ici, slices, c, experts = mesh.data_per_slice, mesh.slices, _bytes(cfg.dtype), mesh.expert
     ici = dcn = 0.0
     for p in params:
@@ -378,9 +373,8 @@ def traffic_per_chip(params: Sequence[ParamInfo], cfg: trainer_config.Config, me
     return Traffic(hbm=hbm, all_to_all=a2a, ici=a2a + ici + tp, dcn=dcn, tensor_parallel=tp)
 
 
-# The share of the chip's peak bf16 FLOP/s the train step reaches in its compute-bound part (the plan's
-# hardware FLOPs over the measured step): moe-1b as written on one v5e chip, 378.8 ms a step against the
-# plan's 209 ms bound (benchmarks/train_step.py --accelerator --config moe-1b, 2026-12-06).
+# The share of peak bf16 FLOP/s the train step reached where compute-bound: moe-1b on one v5e chip, 378.8 ms
+# against the plan's 209 ms bound (benchmarks/train_step.py --accelerator --config moe-1b, 2026-12-06).
 COMPUTE_EFFICIENCY = 0.55
 
 
@@ -397,8 +391,7 @@ class StepBounds:
 
     @property
     def expected_s(self) -> float:
-        """The step to expect: the compute bound at the share of peak the trainer's step was measured to
-        reach (COMPUTE_EFFICIENCY), or a traffic bound where that is longer."""
+        """The step to expect: the compute bound at COMPUTE_EFFICIENCY, or a longer traffic bound."""
         return max(self.compute_s / COMPUTE_EFFICIENCY, self.hbm_s, self.ici_s, self.dcn_s)
 
     @property
