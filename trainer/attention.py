@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 from trainer import sharding
 from trainer.kernels import tpu_attention
 
-IMPLS = ("auto", "xla", "splash")
 # What attention's backward pass needs, by name, for a remat policy that keeps it (trainer/model.py's
 # REMAT_POLICIES "attention"): XLA's q, k, v and output, or the splash kernel's residuals (the same and the
 # softmax's log-sum-exp).
@@ -31,10 +30,10 @@ SAVED = ("attention_q", "attention_k", "attention_v", "attention_out", "attentio
 
 def resolve(impl: str, length: int, qk_size: int, v_size: int) -> str:
     """The implementation "auto" stands for here: splash on a TPU where its blocks fit
-    (ModelConfig.attention_on_tpu), else XLA's."""
+    (trainer/kernels.py's tpu_attention), else XLA's."""
     if impl != "auto":
         return impl
-    if qk_size != v_size or _platform() != "tpu":
+    if qk_size != v_size or sharding.current_platform() != "tpu":
         return "xla"
     return tpu_attention("auto", length)
 
@@ -53,7 +52,7 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
     if length % 128:
         raise ValueError(f"splash attention needs a length that is a multiple of 128, got {length}")
     q_BxLxNxH = q_BxLxNxH * jnp.asarray(size ** -0.5 if scale is None else scale, q_BxLxNxH.dtype)
-    local = functools.partial(_splash, interpret=_platform() != "tpu")
+    local = functools.partial(_splash, interpret=sharding.current_platform() != "tpu")
     mesh = sharding.current_mesh()
     if mesh is None or mesh.size == 1:
         return local(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
@@ -95,8 +94,3 @@ def _splash(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *,
     q_BxKxGxLxH = q_BxLxNxH.reshape(batch, length, kv_heads, group, size).transpose(0, 2, 3, 1, 4)
     o_BxKxGxLxH = jax.vmap(jax.vmap(kernel))(q_BxKxGxLxH, k_BxKxLxH, v_BxKxLxH)
     return o_BxKxGxLxH.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, size)
-
-
-def _platform() -> str:
-    mesh = sharding.current_mesh()
-    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()

@@ -125,6 +125,13 @@ def current_mesh() -> Mesh | None:
     return _MESH.get()
 
 
+def current_platform() -> str:
+    """The platform the model being traced runs on: its `logical_mesh`'s devices', else the default backend's
+    (the TPU kernels pick by it: the kernel on a TPU, Pallas' interpreter elsewhere)."""
+    mesh = _MESH.get()
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def model_ways() -> int:
     """The size of the current `logical_mesh`'s model axis (1 without one)."""
     mesh = _MESH.get()

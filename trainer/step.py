@@ -25,6 +25,7 @@ from trainer.moe.layer import ExpertBias
 # when MoE layers balance with a bias (moe.balance: bias or both).
 State = dict[str, Any]
 
+
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[jax.Array], jax.Array]:
     """Linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at `decay_steps`."""
     decay_steps = cfg.decay_steps or total_steps
@@ -81,8 +82,9 @@ class Trainer:
         """Step 0's state, from `init_fn`. On a CPU (dry runs, tests) its program is compiled with XLA's
         optimisations off: it runs once, in milliseconds either way, and compiling it optimised took 3 to 5
         times as long (measured on 2 cores: tiny 5.0 -> 1.0 CPU s, deepseek-tiny 7.6 -> 1.5; the values
-        differ by float rounding only). Elsewhere it is compiled as usual: on a TPU
-        its fusions keep a large model's initialisation within memory, and compiling is not the cost."""
+        differ by float rounding only). Elsewhere it is compiled as usual: on a TPU its fusions keep a large
+        model's initialisation within memory (moe-1b's compile took 28 s on a v5e chip, which is why the train
+        step compiles beside it: compile_in_background)."""
         if self.mesh.devices.flat[0].platform != "cpu":
             return self.init_fn()
         return self.init_fn.lower().compile(compiler_options=CPU_FAST_COMPILE)()
@@ -198,7 +200,10 @@ def compile_in_background(trainer: Trainer, on_cpu: bool = False) -> concurrent.
         lowered = _lowered_step(trainer)
     except ValueError:  # a shape check at trace time: compile_step raises it again where it is reported
         return None
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-step").submit(lowered.compile)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-step")
+    future = pool.submit(lowered.compile)
+    pool.shutdown(wait=False)  # its thread ends with the compile
+    return future
 
 
 def peak_memory_gib(mesh: Mesh) -> float | None:

@@ -51,8 +51,10 @@ def tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
 def _megablox(x_MxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array) -> jax.Array:
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+    from trainer.sharding import current_platform
+
     m, k = x_MxK.shape
-    interpret = jax.default_backend() != "tpu"
+    interpret = current_platform() != "tpu"
     out = gmm(x_MxK, w_GxKxN, sizes_G, jnp.float32, tiling(m, k, w_GxKxN.shape[2]), None, None, False, interpret)
     return out.astype(x_MxK.dtype)
 
