@@ -12,6 +12,7 @@ from trainer.config import Config
 from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
 from trainer.mla import MLAttention
 from trainer.moe import MoEBlock
+from trainer.moe.stacked import split_stacks, with_layer
 from trainer.stacks import Stack, layer_stacks
 
 LAYERS_AXIS = "layers"  # the logical name of the stacked parameters' leading axis (trainer/sharding.py)
@@ -151,11 +152,14 @@ class Transformer(nnx.Module):
         layers_RxP = jnp.asarray([[stack.layer(j, r) for j in range(stack.period)] for r in range(stack.repeats)],
                                  jnp.int32)
         kv, starts_B, rows_B, span = cache if cache is not None else (None, None, None, None)
+        # Decoding, the routed experts' weights stay whole and each layer reads them through its index
+        # (trainer/moe/stacked.py: a grouped-matmul kernel then fetches only the experts the tokens route to)
+        params, whole = split_stacks(params, stack.repeats) if kv is not None else (params, {})
 
         def step(carry, xs):
             x, kv = carry
-            layer_params, layer_state, layers_P = xs
-            period = nnx.merge(graphdef, layer_params, layer_state)
+            layer_params, layer_state, layers_P, r = xs
+            period = nnx.merge(graphdef, with_layer(layer_params, whole, r) if whole else layer_params, layer_state)
             auxes = []
             for j, block in enumerate(period):
                 if kv is not None:
@@ -170,7 +174,7 @@ class Transformer(nnx.Module):
                 auxes.append(aux)
             return (x, kv), (nnx.state(period, nnx.Not(nnx.Param)), auxes)
 
-        xs = (params, state, layers_RxP)
+        xs = (params, state, layers_RxP, jnp.arange(stack.repeats, dtype=jnp.int32))
         if self.scan_layers:
             (x_BxLxD, kv), (state, auxes) = jax.lax.scan(step, (x_BxLxD, kv), xs)
         else:  # the reference: the same step a layer at a time, its outputs stacked as the scan stacks them

@@ -205,3 +205,31 @@ def test_int4_weights_split_over_expert_and_model_as_the_float_ones_and_predict_
     logits = [jax.jit(lambda w, t, m=m: m.module(w)(t, train=False)[0])(w, tokens_BxL)
               for m, w in ((one, int4), (tp, tp_int4))]
     np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-native"])
+def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_same_tokens(restored, fmt):
+    """Through the grouped matmul that takes a layer of the stacked expert weights whole (trainer/moe/stacked.py:
+    tokamax's ragged dot over [layers * experts] groups, its XLA reference on a CPU, the Mosaic kernel on a
+    TPU) the engine draws the tokens it draws reading each layer's slice (the CPU's tiled loop), with the experts
+    held as int8 or int4 integers and scales (a float stack takes the same path with a plain array)."""
+    model, weights, _ = restored
+    params = {"int8": quantize_params,
+              "int4-native": lambda p: quant4.quantize_params(p, storage="native")}[fmt](weights["params"])
+    cfg = model.cfg.model_copy(update={"moe": model.cfg.moe.model_copy(update={"grouped_matmul": "ragged_dot"})})
+    stacked = build_serving_model(cfg, model.mesh)
+
+    def tokens(serving_model):
+        engine = Engine(serving_model, {**weights, "params": params}, slots=4, max_len=32, chunk=16, min_span=32)
+        requests = [engine.submit(Request(row.tolist(), SamplingParams(max_tokens=12))) for row in held_out(4, 12)]
+        engine.run()
+        return engine, [r.output for r in requests]
+
+    engine, whole = tokens(stacked)
+    assert whole == tokens(model)[1]
+    runner = engine.runner
+    decode = runner.program(f"decode/{runner.spans()[-1]}/4").lower(runner.weights, runner.cache,
+                                                                  *runner.decode_inputs(4, False))
+    m = cfg.model  # the kernel's weight: every MoE layer's experts (tiny: one stack) as one [layers * experts] operand
+    text = decode.as_text(debug_info=True)
+    assert "tokamax" in text and f"tensor<{m.num_moe_layers * cfg.moe.num_experts}x{m.d_model}x" in text

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from trainer.moe.dispatch import BlockLayout, inverse_index, take_rows
 from trainer.moe.gmm import grouped_matmul
+from trainer.moe.stacked import read
 from trainer.moe.tiled import tiled_ffn
 
 
@@ -22,6 +23,10 @@ class ExpertWeights(NamedTuple):
 
     def cast(self, dtype) -> ExpertWeights:
         return ExpertWeights(*(w.astype(dtype) for w in self))
+
+    def read(self) -> ExpertWeights:
+        """The weights as arrays (a layer of stacked weights, trainer/moe/stacked.py, read as its slice)."""
+        return ExpertWeights(*(read(w) for w in self))
 
 
 def batched_ffn(x_ExCxD: jax.Array, w: ExpertWeights) -> jax.Array:
@@ -39,7 +44,7 @@ def grouped_ffn(x_SxD, w: ExpertWeights, layout: BlockLayout, *, impl: str) -> j
     way the gradients are gathers or block-local updates, never a full-size scatter-add.
     """
     if impl == "tiled":
-        b = layout.blocks
+        w, b = w.read(), layout.blocks
         return tiled_ffn(x_SxD, *w, layout.src_M, layout.dst_M, b.span_start_NS, b.span_group_NS, b.span_count_C,
                          layout.num_out, layout.block_rows, layout.save_rows)
     x_MxD = take_rows(x_SxD, layout.src_M, layout.src_rows_KxS)

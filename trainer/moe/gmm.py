@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from trainer.moe.stacked import LayerOf
+
 
 def grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, block_group_NB: jax.Array, num_blocks: jax.Array,
                    impl: str = "ragged_dot") -> jax.Array:
@@ -24,6 +26,11 @@ def grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, block_group_NB: jax.Arr
     sizes_G = jnp.zeros((num_groups,), jnp.int32).at[block_group_NB].add(
         jnp.where(jnp.arange(block_group_NB.shape[0]) < num_blocks, block_rows, 0)
     )
+    if isinstance(w_GxKxN, LayerOf):
+        out = stacked_matmul(x_MxK, w_GxKxN, sizes_G)
+        if out is not None:
+            return out
+        w_GxKxN = w_GxKxN.read()
     # Rows past the used blocks are zeros; give them to the last group so every row is in one.
     sizes_G = sizes_G.at[-1].add(x_MxK.shape[0] - jnp.sum(sizes_G))
     # bfloat16 operands' products are exact in float32 at any precision, so one pass is stated for them: under
@@ -57,6 +64,57 @@ def _megablox(x_MxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array) -> jax.A
     interpret = current_platform() != "tpu"
     out = gmm(x_MxK, w_GxKxN, sizes_G, jnp.float32, tiling(m, k, w_GxKxN.shape[2]), None, None, False, interpret)
     return out.astype(x_MxK.dtype)
+
+
+MIN_KERNEL_ROWS = 128  # tokamax's Mosaic grouped matmul refuses fewer rows (or contraction, or columns)
+
+
+def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Array | None:
+    """x @ w's layer, grouped by `sizes_G` (the layer's experts), read from the whole stack by tokamax's ragged
+    dot: the stack is one weight of [layers * experts] groups (LayerOf.groups) and the other layers' groups get
+    no rows, so a kernel reads only the tiles of the experts rows go to, a quantized stack as integers and
+    scales. On a TPU the kernel is tokamax's Mosaic grouped matmul, with tiles for the step's shape
+    (stacked_tiling); elsewhere tokamax's XLA reference (widened weights and a masked dense product: tests).
+    None where the stack has no grouped form (int4 nibbles): the caller reads the layer."""
+    import tokamax
+
+    from trainer.sharding import current_platform
+
+    groups = w.groups()
+    if groups is None:
+        return None
+    sizes = jax.lax.dynamic_update_slice(jnp.zeros((groups.shape[0],), jnp.int32), sizes_G.astype(jnp.int32),
+                                         (w.group_offset(),))
+    m = x_MxK.shape[0]
+    x = x_MxK if w.dtype is None else x_MxK.astype(w.dtype)
+    implementation = ["xla"]
+    if current_platform() == "tpu":
+        x = jnp.pad(x, ((0, max(MIN_KERNEL_ROWS - m, 0)), (0, 0)))  # the kernel takes 128 rows or more
+        implementation = [tpu_ragged_dot(*stacked_tiling(x.shape[0], *groups.shape[1:])), "xla"]
+    out = tokamax.ragged_dot(x, groups, sizes, preferred_element_type=jnp.float32, implementation=implementation)
+    # Rows past the groups (the layout's unused blocks, the padding) are in no group: no expert's tiles are read
+    # for them, and the kernel leaves them unwritten.
+    in_groups = jnp.arange(m) < jnp.sum(sizes_G)
+    return jnp.where(in_groups[:, None], out[:m], 0).astype(x_MxK.dtype)
+
+
+def stacked_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(rows, contraction, columns) of a grouped-matmul tile for a decode or prefill step: rows the largest
+    power of two up to 512 dividing m (the kernel needs m a multiple of them; a decode step has few rows a
+    group), 1,024 of the contraction (eight int4 groups of 128) and 512 columns, or the whole dimension where
+    it is smaller: the training kernel's tiles (tiling) where they divide."""
+    rows = next(t for t in (512, 256, 128, 64, 32, 16, 8) if m % t == 0) if m % 8 == 0 else m
+    return rows, min(k, 1024), min(n, 512)
+
+
+@functools.cache
+def tpu_ragged_dot(rows: int, contraction: int, columns: int):
+    """tokamax's Mosaic TPU grouped matmul with these tiles. Its tile config is only reachable through the
+    module that defines it (tokamax 0.0.12's `_src` path, pinned in pyproject.toml): the public entry point
+    picks 128 x 128 x 128, which both refuses a decode step's rows and fetches tiles too small to keep HBM busy."""
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as mosaic
+
+    return mosaic.PallasMosaicTpuRaggedDot(config=mosaic.Config(tile_m=rows, tile_k=contraction, tile_n=columns))
 
 
 @functools.cache

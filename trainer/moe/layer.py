@@ -11,6 +11,7 @@ from trainer.moe.config import MoEConfig
 from trainer.moe.experts import ExpertWeights, shared_ffn
 from trainer.moe.parallel import expert_shards, model_shards, moe_apply
 from trainer.moe.routing import updated_bias
+from trainer.moe.stacked import LayerOf
 
 
 class ExpertBias(nnx.Variable):
@@ -79,7 +80,7 @@ class MoEBlock(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
         x_BxLxD = x_BxLxD.astype(self.dtype)
         key = self.jitter_rngs.default() if (train and self.jitter_rngs is not None) else None
-        weights = ExpertWeights(self.w_in[...], self.w_gate[...], self.w_out[...])
+        weights = ExpertWeights(*(expert_weight(w) for w in (self.w_in, self.w_gate, self.w_out)))
         bias = self.expert_bias[...] if self.cfg.uses_bias else None
         y_BxLxD, aux = moe_apply(x_BxLxD, self.router[...], weights, self.cfg, self.mesh, train=train, key=key,
                                  bias_E=bias)
@@ -93,3 +94,9 @@ class MoEBlock(nnx.Module):
                 shared_BxLxD = jax.nn.sigmoid(x_BxLxD @ self.shared_gate[...].astype(self.dtype)) * shared_BxLxD
             y_BxLxD = y_BxLxD + shared_BxLxD
         return y_BxLxD, aux
+
+
+def expert_weight(var: nnx.Variable):
+    """What the experts read of a routed weight: its value, or a LayerOf kept whole (trainer/moe/stacked.py)."""
+    value = var.get_value()
+    return value if isinstance(value, LayerOf) else var[...]

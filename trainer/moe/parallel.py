@@ -97,6 +97,14 @@ def moe_groups(x_GxTxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, topo: core
     return y_GxTxD, core.finish_stats(stats, cfg)
 
 
+def keeps_stacks(cfg: MoEConfig, topo: core.Topology, train: bool) -> bool:
+    """Whether the experts take a layer of stacked weights whole (trainer/moe/stacked.py): on one device's
+    dropless path through a grouped kernel, where a slice would be copied out before the kernel; every other
+    path reads the layer's slice."""
+    return (not train and cfg.is_dropless(train) and topo.expert_axis is None and topo.model_axis is None
+            and topo.grouped_matmul == "ragged_dot")
+
+
 def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh | None, *, train: bool, key=None,
               bias_E=None):
     """The routed experts' output [B, L, D] in x's dtype, and the aux dict (core.finish_stats).
@@ -113,13 +121,17 @@ def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh 
         x_GxTxD = x_bxLxD.reshape(num_groups, -1, d_model)
         if key is not None and topo.token_axes:
             key = jax.random.fold_in(key, jax.lax.axis_index(topo.token_axes))
-        y_GxTxD, aux = moe_groups(x_GxTxD, router, w_local.cast(x_bxLxD.dtype), cfg, topo, train, key, bias)
+        w_cast = w_local.cast(x_bxLxD.dtype)
+        if not keeps_stacks(cfg, topo, train):
+            w_cast = w_cast.read()
+        y_GxTxD, aux = moe_groups(x_GxTxD, router, w_cast, cfg, topo, train, key, bias)
         if topo.model_axis is not None:  # each device of the group holds its hidden slice's partial sums
             y_GxTxD = jax.lax.psum(y_GxTxD, topo.model_axis)
         return y_GxTxD.reshape(x_bxLxD.shape).astype(x_bxLxD.dtype), aux
 
     if topo.expert_axis is None and topo.model_axis is None:
         return local(x_BxLxD, router_DxE, w, key, bias_E)
+    w = w.read()  # a layer of stacked weights (trainer/moe/stacked.py) goes into shard_map as its own slice
     experts, hidden = topo.expert_axis, topo.model_axis
     in_spec, out_spec = P(experts, None, hidden), P(experts, hidden, None)
     # Optional arguments (the jitter key, the bias) go in only when given: shard_map takes arrays.

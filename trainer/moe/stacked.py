@@ -1,0 +1,128 @@
+"""One layer of a stacked expert weight, held as the whole stack and the layer's index (LayerOf): what the
+serving steps hand the grouped matmul.
+
+The layers run in a scan over stacked weights ([layers, experts, in, out], trainer/stacks.py). A scan step's
+slice of a weight is a dynamic slice, which XLA fuses into its own matmuls but writes out whole before a
+custom call such as a grouped-matmul kernel: compiled for a v5e chip, moe-1b's decode program copied each
+MoE layer's three expert weights (92 MB each, all 16 experts) to read the two a token routes to, and an
+int8 or int4 weight was widened to a float copy first (benchmarks/serve_aot.py counts these copies).
+
+A LayerOf keeps the stack whole. The grouped matmul (trainer/moe/gmm.py) reads it as one weight of
+[layers * experts] groups whose groups outside the layer hold no rows, so the kernel fetches only the
+experts the step's tokens route to, straight from the stack, and a quantized stack as its integers and
+scales (tokamax's ragged dot takes them as a qwix QArray and widens each tile inside the kernel). Every other
+reader (the CPU's tiled loop, the batched capacity path, an expert-parallel shard_map) takes `read()`: the
+layer's slice as the scan would have handed it, so what a step computes is the same either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")  # the routed experts' weights of an MoE layer (trainer/moe/layer.py)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerOf:
+    stack: Any  # [layers, experts, in, out]: an array, or an int8/int4 weight of that shape (trainer/serve/quant*.py)
+    index: jax.Array  # int32 scalar: the layer's row of the stack
+    dtype: str | None = dataclasses.field(metadata={"static": True}, default=None)  # read()'s dtype (None: as held)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The layer's weight's shape, [experts, in, out]."""
+        return stack_shape(self.stack)[1:]
+
+    def astype(self, dtype) -> LayerOf:
+        """The same layer, read as `dtype` (the stack itself is never converted whole)."""
+        return dataclasses.replace(self, dtype=jnp.dtype(dtype).name)
+
+    def read(self) -> jax.Array:
+        """The layer's weight as the layer would read its own slice (widened, in `dtype`)."""
+        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False), self.stack)
+        value = layer if isinstance(layer, jax.Array) else layer[...]
+        return value if self.dtype is None else value.astype(self.dtype)
+
+    def groups(self):
+        """The stack as one weight of [layers * experts] groups, [G, in, out]: an array, or a qwix QArray of its
+        integers and scales; None for a storage no grouped kernel takes (int4 packed as nibbles)."""
+        import qwix
+
+        layers, experts = stack_shape(self.stack)[:2]
+
+        def flat(a):
+            return a.reshape(layers * experts, *a.shape[2:])
+
+        if isinstance(self.stack, jax.Array):
+            return flat(self.stack)
+        # int8 (one scale an output channel) and int4 in jnp.int4 (a scale a group of inputs) hold integers of the
+        # weight's shape and scales of its rank: a QArray's own layout. int4 packed as nibbles has no such form.
+        if hasattr(self.stack, "values") and hasattr(self.stack, "scale"):
+            return qwix.QArray(flat(self.stack.values), flat(self.stack.scale).astype(jnp.float32))
+        return None
+
+    def group_offset(self) -> jax.Array:
+        """The layer's first group in groups()."""
+        return self.index * stack_shape(self.stack)[1]
+
+
+def stack_shape(stack) -> tuple[int, ...]:
+    """The shape of the weight a stack holds (an int4 nibble stack holds two values a byte along its groups)."""
+    if isinstance(stack, jax.Array | jax.ShapeDtypeStruct):
+        return tuple(stack.shape)
+    values = getattr(stack, "values", None)
+    if values is not None:
+        return tuple(values.shape)
+    packed, axis = stack.packed.shape, stack.axis % stack.packed.ndim
+    return (*packed[:axis], 2 * packed[axis], *packed[axis + 1:])
+
+
+def read(w):
+    """A weight as an array: a LayerOf's layer read, anything else as it is."""
+    return w.read() if isinstance(w, LayerOf) else w
+
+
+def is_expert_stack(path: tuple[str, ...]) -> bool:
+    """Whether the parameter at `path` (within a stack's blocks) is a routed experts' stacked weight."""
+    return len(path) >= 2 and path[-2] == "ffn" and path[-1] in EXPERT_WEIGHTS
+
+
+def path_names(path) -> tuple[str, ...]:
+    """A pytree key path as plain names: ("0", "ffn", "w_in")."""
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def split_stacks(params, repeats: int):
+    """(params with each routed experts' weight replaced by a [repeats] placeholder the layer scan slices for
+    nothing, {path: the whole stacked weight}); `params` is an nnx.State of a stack's blocks."""
+    from flax import nnx
+
+    whole = {}
+
+    def apart(path, var):
+        names = path_names(path)
+        if not isinstance(var, nnx.Variable) or not is_expert_stack(names):
+            return var
+        whole[names] = var.get_value()
+        return var.replace(jnp.zeros((repeats,), jnp.int8))
+
+    kept = jax.tree_util.tree_map_with_path(apart, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return kept, whole
+
+
+def with_layer(layer_params, whole: dict, index: jax.Array):
+    """A scan step's parameters with each routed experts' weight put back as LayerOf(its whole stack, index)."""
+    from flax import nnx
+
+    def back(path, var):
+        names = path_names(path)
+        if not isinstance(var, nnx.Variable) or names not in whole:
+            return var
+        return var.replace(LayerOf(whole[names], index))
+
+    return jax.tree_util.tree_map_with_path(back, layer_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
