@@ -12,7 +12,7 @@ from provision.planner.plan import Advice, Hardware, Plan, plan_for
 from trainer.flops import attention_flops_per_token
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.config_sections import Config
 
 # ----------------------------------------------------------------------------- output
 

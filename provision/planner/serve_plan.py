@@ -24,7 +24,7 @@ from provision.planner.serving import (
 )
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.config_sections import Config
 
 # The serving engine's own defaults (trainer/serve/cli.py) where the config has no serve section.
 ENGINE_SLOTS, ENGINE_MAX_LEN = 8, 1024

@@ -51,22 +51,10 @@ def own_modules() -> dict[str, Path]:
     return modules
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, except those under `if TYPE_CHECKING:` (never run)."""
-    found = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
+def all_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth: at the top, in a function, and under `if TYPE_CHECKING:` (never
+    run, but a dependence all the same: a circle closed only there is a circle of the house)."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def import_base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -78,9 +66,9 @@ def import_base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 
 def imported_names(module: str, path: Path) -> set[str]:
-    """The dotted names a module imports at run time (relative imports made absolute)."""
+    """The dotted names a module imports, anywhere in it (relative imports made absolute)."""
     names = set()
-    for node in _runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in all_imports(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
             continue
@@ -186,6 +174,7 @@ def test_no_cycle_through_a_package_init_and_no_package_cycle():
 def test_no_import_cycle_among_the_projects_modules(tmp_path):
     graph = import_graph()
     assert "provision.kinds" in graph["provision.cli.config_cmds"]  # the walk sees function-level imports
+    assert "provision.config_sections" in graph["provision.rendering"]  # and those under TYPE_CHECKING
     assert cycles(graph) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # it finds one
     # Planted: provision.errors importing the CLI inside a function, and a module importing a name (not a
@@ -195,21 +184,25 @@ def test_no_import_cycle_among_the_projects_modules(tmp_path):
     with_cli = {**graph, "provision.errors": graph["provision.errors"] | {
         o for o in imported_names("provision.errors", planted) if o in graph}}
     assert any("provision.errors" in cycle and "provision.cli" in cycle for cycle in cycles(with_cli))
+    planted.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from provision.cli import main\n")
+    assert "provision.cli" in imported_names("provision.errors", planted)  # never run, a circle all the same
     planted.write_text("from provision.cloud import storage, Session\n")
     names = imported_names("provision.cloud.storage", planted)
     assert {"provision.cloud", "provision.cloud.storage"} <= names
 
 
 # The layers of the house, highest first: a module may import its own layer's and lower layers' modules
-# (function-level imports too), never a higher one's. A kind of target (provision.kinds) is one unit
-# that the spec asks (its checks, sections, files); the core it and the lifecycle share (provision.core:
-# placement, workload, deployment, reports, Kind) is a leaf of the base.
+# (function-level and TYPE_CHECKING imports too), never a higher one's. A kind of target (provision.kinds)
+# is one unit that the spec asks (its checks, sections, files); the config's models (the common sections,
+# provision.config_sections, and each kind's) lie below everything that reads a config, the config's
+# composition root (provision.config: the registry and the planner handed to the loader) above the kinds;
+# the core the kinds and the lifecycle share (provision.core: placement, workload, deployment, reports,
+# Kind) is a leaf of the base.
 LAYERS = (
     ("cli", ("provision.cli", "provision.app", "provision.__main__")),
     ("spec", ("provision.config", "provision.planner", "provision.kinds", "provision.kinds.common",
-              "provision.kinds.slice_section", "provision.kinds.tpu_vm.kind", "provision.kinds.tpu_vm.slice_sections",
-              "provision.kinds.vertex.kind", "provision.kinds.vertex.vertex_sections", "provision.kinds.gke.kind",
-              "provision.kinds.gke.gke_sections", "provision.foundation")),
+              "provision.kinds.tpu_vm.kind", "provision.kinds.vertex.kind", "provision.kinds.gke.kind",
+              "provision.foundation")),
     ("lifecycle", ("provision.runs", "provision.services", "provision.context", "provision.goodput",
                    "provision.kinds.tpu_vm.slices", "provision.kinds.vertex.jobs", "provision.kinds.vertex.endpoints",
                    "provision.kinds.gke.gke", "provision.kinds.gke.gke_serve",
@@ -218,6 +211,9 @@ LAYERS = (
                 "provision.kinds.tpu_vm.slice_render", "provision.kinds.vertex.vertex_render",
                 "provision.kinds.gke.gke_render", "provision.kinds.gke.gke_serve_render",
                 "provision.kinds.gke.gke_lws_render")),
+    ("sections", ("provision.config_sections", "provision.kinds.slice_section",
+                  "provision.kinds.tpu_vm.slice_sections", "provision.kinds.vertex.vertex_sections",
+                  "provision.kinds.gke.gke_sections")),
     ("cloud", ("provision.cloud",)),
     ("adapters", ("provision.cloud.api", "provision.cloud.calls", "provision.cloud.messages",
                   "provision.cloud.credentials", "provision.cloud.tpu", "provision.cloud.vertex",
