@@ -274,6 +274,21 @@ def test_the_layers_of_the_house():
         "trainer.train (the trainer) imports the control plane (provision.config)"]
 
 
+
+def test_the_config_loader_is_handed_the_kinds_and_the_gke_world_is_a_layer_over_its_controllers():
+    """The arrows that closed the house's two circles run one way: the config's root (provision.config) hands
+    the loader the registry and calls the planner, the loader and the models import neither; the emulator's
+    GKE world imports its controllers, which take GKE's records (gke_state) and never see the world."""
+    graph = import_graph()
+    assert {"provision.kinds", "provision.config.loading"} <= graph["provision.config"]
+    assert "provision.planner" in graph["provision.config.meshes"]
+    assert [m for module in ("provision.config.loading", "provision.config_sections") for m in graph[module]
+            if m.startswith(("provision.kinds", "provision.planner"))] == []
+    emulator = "provision.emulator."
+    assert {emulator + "gke_lws", emulator + "gke_serving", emulator + "gke_state"} <= graph[emulator + "gke_world"]
+    assert [m for m in ("gke_state", "gke_serving", "gke_lws", "local_server", "local_trainer")
+            if emulator + "gke_world" in graph[emulator + m]] == []
+
 def documented_layers(text: str) -> dict[str, set[str]]:
     """The layers table of docs/architecture.md: layer -> the modules its second column names (paths under
     provision/: `a/` and `a/__init__.py` a package, `a/b.py` a module)."""
