@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.config_sections import Config
 
 TRAINER_COMMAND = ("python", "-m", "trainer")
 SERVER_COMMAND = ("python", "-m", "trainer.serve")

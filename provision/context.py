@@ -26,7 +26,7 @@ from provision.rendering import Renderer
 
 if TYPE_CHECKING:
     from provision.cloud import Session
-    from provision.config import Config
+    from provision.config_sections import Config
     from provision.console import Console
 
 

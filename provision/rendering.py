@@ -18,7 +18,7 @@ from provision.container import Container, server_container, trainer_container
 from provision.resources import MANAGED_BY, RUN_LABEL
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.config_sections import Config
 
 
 def labels(cfg: Config) -> dict[str, str]:

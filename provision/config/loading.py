@@ -1,11 +1,15 @@
 """Reading a config file: the bounded YAML (trainer/safeyaml.py), the keys' lines, the config validated
-as the union of the registry's kinds' configs (provision.config.sections.config_union), the pydantic errors
-and the broken rules between keys as messages naming the dotted key, and the trainer's own checks."""
+as the union of the kinds' configs it is handed (provision.config_sections.config_union), the pydantic errors
+and the broken rules between keys as messages naming the dotted key.
+
+It imports no kind and no planner: the composition root (provision/config/__init__.py) hands it the registry's
+kinds (`kinds`, read afresh at each call), and decides the meshes with the planner after it (meshes.py)."""
 
 from __future__ import annotations
 
 import functools
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,13 +17,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from provision.config.sections import DEFAULT_TARGET, Config, config_union, kind_config, target_problem
+from provision.config_sections import DEFAULT_TARGET, Config, config_union, kind_config, target_problem
+from provision.core import Kind
 from provision.errors import ConfigError, Problem
-from provision.kinds import KINDS
 from provision.shapes import DEFAULT_CONFIG, RULES, brief, check
 from trainer import safeyaml, schema
 
 MAX_PROBLEMS = 50  # listed of a config's schema errors; the rest are counted
+Kinds = Mapping[str, Kind]  # the config's `target` -> its kind (provision.kinds.KINDS, handed in)
 
 # --- loading ---------------------------------------------------------------------------
 
@@ -77,11 +82,11 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _kind_sections() -> dict[str, Any]:
+def _kind_sections(kinds: Kinds) -> dict[str, Any]:
     """Each section a kind brings to the config (Kind.sections' fields), by key: the kind's sections
     model, the first kind's of those that read it (the slice section: two kinds')."""
     found: dict[str, Any] = {}
-    for kind in KINDS.values():
+    for kind in kinds.values():
         fields = kind.sections.model_fields if kind.sections is not None else {}
         for key, field in fields.items():
             if _model_of(field.annotation) is not None:
@@ -89,11 +94,11 @@ def _kind_sections() -> dict[str, Any]:
     return found
 
 
-def _section_models() -> dict[str, type[BaseModel]]:
+def _section_models(kinds: Kinds) -> dict[str, type[BaseModel]]:
     """Every section's model by its key, the common ones, the kinds' and those within them (gke.pathways)."""
     models: dict[str, type[BaseModel]] = {}
     fields = [*Config.model_fields.items(), *((key, sections.model_fields[key])
-                                               for key, sections in _kind_sections().items())]
+                                               for key, sections in _kind_sections(kinds).items())]
     while fields:
         key, field = fields.pop(0)
         model = _model_of(field.annotation)
@@ -103,33 +108,33 @@ def _section_models() -> dict[str, type[BaseModel]]:
     return models
 
 
-def top_sections() -> dict[str, type[BaseModel]]:
+def top_sections(kinds: Kinds) -> dict[str, type[BaseModel]]:
     """The sections a config file may have at its top, by key: the common ones and every kind's."""
-    return {key: _model_of(field.annotation) for key, field in _top_keys().model_fields.items()
+    return {key: _model_of(field.annotation) for key, field in _top_keys(kinds).model_fields.items()
             if _model_of(field.annotation) is not None}
 
 
-def _top_keys() -> Any:
+def _top_keys(kinds: Kinds) -> Any:
     """The keys a config file may have at its top (for an unknown one's hint): the common ones, with
     every kind's sections after `target`."""
     common = [(key, field) for key, field in Config.model_fields.items() if not field.exclude]
     at = next(i for i, (key, _) in enumerate(common) if key == "target") + 1
-    kinds = [(key, sections.model_fields[key]) for key, sections in _kind_sections().items()]
-    return SimpleNamespace(model_fields=dict([*common[:at], *kinds, *common[at:]]))
+    theirs = [(key, sections.model_fields[key]) for key, sections in _kind_sections(kinds).items()]
+    return SimpleNamespace(model_fields=dict([*common[:at], *theirs, *common[at:]]))
 
 
-def _model_at(loc: tuple[Any, ...]) -> Any:
-    if not loc:
-        return _top_keys()
-    sections = _section_models()
-    if loc[-1] in sections and all(isinstance(part, str) for part in loc):
-        return sections[loc[-1]]
-    return None
-
-
-def _message(err: Any) -> str:
+def _message(err: Any, kinds: Kinds) -> str:
     """A pydantic error in the project's words (trainer.schema.explain: the trainer's config says the same)."""
-    return schema.explain(err, _model_at, show=brief)
+
+    def model_at(loc: tuple[Any, ...]) -> Any:
+        if not loc:
+            return _top_keys(kinds)
+        sections = _section_models(kinds)
+        if loc[-1] in sections and all(isinstance(part, str) for part in loc):
+            return sections[loc[-1]]
+        return None
+
+    return schema.explain(err, model_at, show=brief)
 
 
 @functools.cache
@@ -137,15 +142,15 @@ def _union(kinds: tuple[Any, ...]) -> Any:
     return config_union(kinds)
 
 
-def _as_kind(raw: dict[str, Any], file: str) -> tuple[type[Config], dict[str, Any], dict[str, Any], list[Any],
-                                                   list[Problem]]:
+def _as_kind(raw: dict[str, Any], file: str, kinds: Kinds) -> tuple[type[Config], dict[str, Any], dict[str, Any],
+                                                                 list[Any], list[Problem]]:
     """The config `raw` is of (the kind's config, or where `target` names no kind the common one alone),
     its data, the sections of other kinds left in the file (key -> the model of the kind that reads it), the
     errors of those (each validated by that model) and a bad `target`'s problem."""
     target = raw["target"] if "target" in raw else DEFAULT_TARGET
-    why = target_problem(target, list(KINDS))
-    model = kind_config(KINDS[target]) if why is None else Config
-    foreign = {key: sections for key, sections in _kind_sections().items()
+    why = target_problem(target, list(kinds))
+    model = kind_config(kinds[target]) if why is None else Config
+    foreign = {key: sections for key, sections in _kind_sections(kinds).items()
                if key in raw and key not in model.model_fields}
     others, errors = {}, []
     for key, sections in foreign.items():
@@ -198,37 +203,15 @@ def _rules_of_failed(model: type[Config], data: dict[str, Any], raw: dict[str, A
     return found
 
 
-def trainer_problems(cfg: Config) -> list[Problem]:
-    """The trainer section checked by the trainer's own config code (which imports no jax)."""
-    try:
-        from trainer import config as trainer_config
-    except ImportError:  # an install without the trainer package: the container will check it
-        return []
-    overrides = [flag for flag in cfg.trainer.set_flags() if flag != "--set"]
-    try:
-        trainer_config.check(cfg.trainer.config, overrides, cfg.trainer.steps)
-    except trainer_config.ConfigError as exc:
-        message = str(exc)
-        key = next((f"trainer.overrides.{k}" for k in cfg.trainer.overrides if k in message), None)
-        if key is None:
-            key = "trainer.steps" if "steps" in message and cfg.trainer.steps is not None else "trainer.config"
-        return [Problem(str(cfg.source), key, f"the trainer rejects it: {message}")]
-    try:
-        from provision.planner import mesh_problems
-    except ImportError:  # the planner needs the trainer's packages too
-        return []
-    return [Problem(str(cfg.source), key, message) for key, message in mesh_problems(cfg)]
-
-
-def config_from_dict(raw: Any, source: Path | str = DEFAULT_CONFIG) -> Config:
-    """Validate already-parsed YAML; ConfigError lists every problem."""
+def validated(raw: Any, kinds: Kinds, source: Path | str = DEFAULT_CONFIG) -> Config:
+    """Already-parsed YAML validated as the union of `kinds`' configs; ConfigError lists every problem."""
     file = str(source)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError([Problem(file, "", "the config must be a YAML mapping of keys "
                                              "(project, region, zones, run, ...)")])
-    return _validate(dict(raw), file, [], {})
+    return _validate(dict(raw), file, [], {}, kinds)
 
 
 def _control_characters(raw: Any, path: str = "") -> list[tuple[str, str]]:
@@ -264,18 +247,18 @@ def _in_file_order(problems: list[Problem], lines: dict[str, int]) -> list[Probl
     return sorted(problems, key=line)
 
 
-def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: dict[str, int]) -> Config:
+def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: dict[str, int], kinds: Kinds) -> Config:
     for internal in (key for key, field in Config.model_fields.items() if field.exclude):
         if internal in raw:
             raw.pop(internal)
             problems.append(Problem(file, internal, f"unknown key {internal!r}"))
-    model, data, foreign, errors, target = _as_kind(raw, file)
+    model, data, foreign, errors, target = _as_kind(raw, file, kinds)
     problems += target
-    kinds = tuple(KINDS.values())
-    member = int(model is not Config and len(kinds) > 1)  # the union's errors name its member first
+    members = tuple(kinds.values())
+    member = int(model is not Config and len(members) > 1)  # the union's errors name its member first
     config: Config | None = None
     try:
-        config = _union(kinds).validate_python(data) if member else model.model_validate(data)
+        config = _union(members).validate_python(data) if member else model.model_validate(data)
     except ValidationError as exc:
         errors += [{**err, "loc": tuple(err["loc"])[member:]} for err in exc.errors()]
     failed: set[str] = set()
@@ -290,7 +273,7 @@ def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: di
             found += [(f"{key}.{below}" if key else below, message) for below, message in err["ctx"]["found"]]
         else:
             failed.add(key)
-            problems.append(Problem(file, key, _message(err)))
+            problems.append(Problem(file, key, _message(err, kinds)))
     problems += [Problem(file, key, msg) for key, msg in _control_characters(raw) if key not in failed]
     if failed:
         found = _rules_of_failed(model, data, raw, foreign, frozenset(failed))
@@ -300,70 +283,9 @@ def _validate(raw: dict[str, Any], file: str, problems: list[Problem], lines: di
     return config
 
 
-def mesh_problem(cfg: Config, why: str) -> Problem:
-    """trainer.mesh is unset and the plan cannot choose a mesh: say what to set."""
-    target = cfg.kind.hardware(cfg)
-    chips = target[0].chips * target[1]
-    return Problem(str(cfg.source), "trainer.mesh",
-                   f"not set, and {why}: set `trainer.mesh: data=D,expert=E` (D x E = the target's {chips} chips; "
-                   "`moe-tpu plan --mesh ...` checks a choice), or a trainer config and target that fit")
-
-
-def with_planned_mesh(cfg: Config) -> Config:
-    """The config with the mesh its trainer is started with decided, once, here: trainer.mesh, or where it
-    is unset the plan's choice for the config's own target (Config.planned_mesh, which every renderer
-    reads through Config.trainer_mesh). ConfigError naming trainer.mesh where the plan cannot choose."""
-    if cfg.trainer.mesh is not None or cfg.planned_mesh is not None:
-        return cfg
-    try:
-        from provision.planner import mesh_choice
-    except ImportError as exc:  # the planner needs the trainer's packages
-        raise ConfigError([mesh_problem(cfg, f"the plan needs the trainer's packages ({exc.name} is missing)")]) \
-            from None
-    mesh, why = mesh_choice(cfg)
-    if mesh is None:
-        raise ConfigError([mesh_problem(cfg, why)])
-    return cfg.model_copy(update={"planned_mesh": mesh})
-
-
-def with_serving_mesh(cfg: Config) -> Config:
-    """The config with the serving replica's mesh decided, once, here, as `plan --serve` states it:
-    serve.mesh filled out on the replica's chips, or where it is unset the plan's choice for the replica
-    (Config.planned_serve_mesh, which every serving container's argv reads through Config.serve_mesh).
-    ConfigError naming serve.mesh where it does not fit the replica or the plan cannot choose."""
-    if cfg.serve is None or cfg.planned_serve_mesh is not None:
-        return cfg
-    from provision.errors import MoeTpuError
-
-    try:
-        from provision.planner import plan_for, serve_plan_for
-
-        served = serve_plan_for(cfg, plan_for(cfg))
-    except ImportError as exc:  # the planner needs the trainer's packages
-        why = f"the plan needs the trainer's packages to choose one ({exc.name or 'jax'} is missing)"
-        raise ConfigError([_serve_mesh_problem(cfg, why)]) from None
-    except MoeTpuError as exc:
-        raise ConfigError([_serve_mesh_problem(cfg, exc.message.removeprefix("cannot plan serving: "))]) from None
-    return cfg.model_copy(update={"planned_serve_mesh": served.mesh.text()})
-
-
-def _serve_mesh_problem(cfg: Config, why: str) -> Problem:
-    if cfg.serve.mesh is not None:
-        return Problem(str(cfg.source), "serve.mesh", f"{why} (`moe-tpu plan --serve` checks a mesh)")
-    return Problem(str(cfg.source), "serve.mesh",
-                   f"not set, and {why}: set `serve.mesh: data=D,expert=E,model=T` on the replica's chips "
-                   "(`moe-tpu plan --serve --mesh ...` checks a choice)")
-
-
-def load_config(path: Path | str, check_trainer: bool = False, plan_mesh: bool = False,
-                serve_mesh: bool = False) -> Config:
-    """Read and validate a config file. ConfigError (exit 2) lists every problem at once.
-
-    `check_trainer` also runs the trainer's own checks on the trainer section and decides the mesh the
-    trainer is started with (`with_planned_mesh`): commands that start training ask for it; `down` and
-    `list` must work whatever the trainer thinks. `plan_mesh` decides the mesh alone (`render`). Each
-    also decides the serving replica's mesh where the config has a serve section (`with_serving_mesh`),
-    and `serve_mesh` that alone (`deploy`)."""
+def read_config(path: Path | str, kinds: Kinds) -> Config:
+    """Read a config file and validate it as the union of `kinds`' configs. ConfigError (exit 2) lists every
+    problem at once."""
     path = Path(path)
     file = str(path)
     try:
@@ -384,14 +306,4 @@ def load_config(path: Path | str, check_trainer: bool = False, plan_mesh: bool =
     if not isinstance(raw, dict):
         raise ConfigError(problems + [Problem(file, "", "the config must be a YAML mapping of keys "
                                                         "(project, region, zones, run, ...)")])
-    cfg = _validate(raw, file, problems, lines).model_copy(update={"serve_mesh_decider": with_serving_mesh})
-    if check_trainer and (trainer := trainer_problems(cfg)):
-        if cfg.trainer.mesh is None and any(p.key.startswith("trainer.") and p.key != "trainer.mesh"
-                                            for p in trainer):
-            trainer.append(mesh_problem(cfg, "the plan cannot choose one while the trainer config is refused"))
-        raise ConfigError(trainer)
-    if check_trainer or plan_mesh:
-        cfg = with_planned_mesh(cfg)
-    return with_serving_mesh(cfg) if check_trainer or plan_mesh or serve_mesh else cfg
-
-
+    return _validate(raw, file, problems, lines, kinds)

@@ -1,7 +1,7 @@
 """The emulated GKE world's records: clusters, node pools and Container operations (what was asked
 and when; their states are read off the clock, like world.py's), and the Kubernetes objects a run
-uses (JobSets, their pods, events). Plain data; the GkeWorld that holds them and its JobSet
-controller live in gke_world.py.
+uses (JobSets, their pods, events). Plain data; what holds them is gke_state.py's GkeState, and the
+JobSet controller over it gke_world.py's GkeWorld.
 """
 
 from __future__ import annotations

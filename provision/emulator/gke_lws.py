@@ -26,7 +26,7 @@ from provision.emulator.gke_serving import CRASH_REASON, SERVER_READY_S, end_pod
 from trainer.outputs import Phase
 
 if TYPE_CHECKING:
-    from provision.emulator.gke_world import GkeWorld
+    from provision.emulator.gke_state import GkeState
 
 LWS = "LeaderWorkerSet"
 DRY_RUN_PROCESSES = 2
@@ -36,7 +36,7 @@ GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
 WORKER_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
-def served(gke: GkeWorld) -> bool:
+def served(gke: GkeState) -> bool:
     """Whether the emulated API serves LeaderWorkerSets: a cluster the project had is there (its
     controller installed)."""
     return any(c.preexisting for c in gke.clusters.values())
@@ -55,7 +55,7 @@ def check(spec: dict, invalid) -> None:
         raise invalid("spec.replicas", f"Invalid value: {replicas!r}: must be greater than or equal to 0")
 
 
-def sets(gke: GkeWorld) -> list[KubeObject]:
+def sets(gke: GkeState) -> list[KubeObject]:
     return [o for _, o in sorted(gke.objects.items()) if o.kind == LWS]
 
 
@@ -64,7 +64,7 @@ def template(lws: KubeObject, worker: int) -> dict:
     return (spec.get("leaderTemplate") if worker == 0 else None) or spec["workerTemplate"]
 
 
-def group_pods(gke: GkeWorld, lws: KubeObject, now: float) -> dict[int, list[PodRecord]]:
+def group_pods(gke: GkeState, lws: KubeObject, now: float) -> dict[int, list[PodRecord]]:
     """The LeaderWorkerSet's live pods by group, each group's leader first."""
     groups: dict[int, list[PodRecord]] = {}
     for pod in sorted(gke.pods.values(), key=lambda p: (p.job_index, p.pod_index)):
@@ -73,7 +73,7 @@ def group_pods(gke: GkeWorld, lws: KubeObject, now: float) -> dict[int, list[Pod
     return groups
 
 
-def reconcile(gke: GkeWorld, now: float) -> None:
+def reconcile(gke: GkeState, now: float) -> None:
     """Bring every LeaderWorkerSet's groups up to `now`: a group from an old template or beyond the
     replicas goes, a missing one is placed where its slice is free, running groups' servers are watched."""
     for pod in [p for p in gke.pods.values() if p.lws and p.ended_at is not None and p.ended_at <= now]:
@@ -98,12 +98,12 @@ def _group_template(lws: KubeObject) -> KubeObject:
                       manifest={"spec": {"template": lws.manifest["spec"]["leaderWorkerTemplate"]}})
 
 
-def _free(gke: GkeWorld, selector: dict, now: float, taken: set[str]) -> list[tuple[str, Any]]:
+def _free(gke: GkeState, selector: dict, now: float, taken: set[str]) -> list[tuple[str, Any]]:
     return [(node, pool) for node, pool in gke.nodes(now) if node not in taken
             and all(pool.node_labels(node).get(k) == v for k, v in selector.items())]
 
 
-def _placement(gke: GkeWorld, lws: KubeObject, now: float) -> list[str] | None:
+def _placement(gke: GkeState, lws: KubeObject, now: float) -> list[str] | None:
     """The nodes of a new group, the leader's first: the workers on one pool's free nodes; None: no room."""
     size = int(lws.manifest["spec"]["leaderWorkerTemplate"].get("size", 1))
     taken = {p.node for p in gke.pods.values() if p.ended_at is None or p.ended_at > now}
@@ -119,7 +119,7 @@ def _placement(gke: GkeWorld, lws: KubeObject, now: float) -> list[str] | None:
     return None
 
 
-def _new_group(gke: GkeWorld, lws: KubeObject, group: int, wanted: str, now: float) -> list[PodRecord] | None:
+def _new_group(gke: GkeState, lws: KubeObject, group: int, wanted: str, now: float) -> list[PodRecord] | None:
     nodes = _placement(gke, lws, now)
     if nodes is None:
         return None
@@ -143,12 +143,10 @@ def _server(lws: KubeObject, pod: PodRecord) -> dict | None:
     return next((c for c in containers if c.get("name") == SERVER_CONTAINER), None)
 
 
-def _start(gke: GkeWorld, lws: KubeObject, pods: list[PodRecord], now: float) -> None:
+def _start(gke: GkeState, lws: KubeObject, pods: list[PodRecord], now: float) -> None:
     """The group's servers as local processes (the first DRY_RUN_PROCESSES of its server pods)."""
-    from provision.emulator.local_server import free_port
-
     playing = [p for p in pods if _server(lws, p) is not None][:DRY_RUN_PROCESSES]
-    coordinator = f"127.0.0.1:{free_port()}"
+    coordinator = f"127.0.0.1:{gke.servers.free_port()}"
     for index, pod in enumerate(playing):
         main = _server(lws, pod)
         env = {e["name"]: str(e.get("value", "")) for e in main.get("env") or [] if "value" in e}
@@ -162,7 +160,7 @@ def _start(gke: GkeWorld, lws: KubeObject, pods: list[PodRecord], now: float) ->
         pod.log_path = pod.log_path or ""  # started: the ones without a process are played as running
 
 
-def _watch_group(gke: GkeWorld, lws: KubeObject, pods: list[PodRecord], now: float) -> None:
+def _watch_group(gke: GkeState, lws: KubeObject, pods: list[PodRecord], now: float) -> None:
     """A group's servers: started together once every pod runs; the group Ready when its leader answers;
     a server that exits crashes its pod (CrashLoopBackOff) and stops the group's others."""
     servers = gke.servers
@@ -187,12 +185,12 @@ def _watch_group(gke: GkeWorld, lws: KubeObject, pods: list[PodRecord], now: flo
             pod.ready_at = now
 
 
-def delete(gke: GkeWorld, lws: KubeObject, now: float) -> None:
+def delete(gke: GkeState, lws: KubeObject, now: float) -> None:
     for pod in [p for p in gke.pods.values() if p.namespace == lws.namespace and p.lws == lws.name]:
         end_pod(gke, pod, now, "the LeaderWorkerSet was deleted")
 
 
-def status(gke: GkeWorld, lws: KubeObject, now: float) -> dict:
+def status(gke: GkeState, lws: KubeObject, now: float) -> dict:
     """replicas, readyReplicas (groups whose every pod is Ready), the leaders' selector for an HPA."""
     groups = group_pods(gke, lws, now)
     size = int(lws.manifest["spec"]["leaderWorkerTemplate"].get("size", 1))
@@ -206,7 +204,7 @@ def status(gke: GkeWorld, lws: KubeObject, now: float) -> dict:
                             "lastTransitionTime": iso(lws.create_time)}]}
 
 
-def pod_labels(gke: GkeWorld, pod: PodRecord) -> dict[str, str] | None:
+def pod_labels(gke: GkeState, pod: PodRecord) -> dict[str, str] | None:
     """The labels a LeaderWorkerSet's pod carries (its template's and the controller's); None: not one."""
     lws = gke.objects.get(f"{LWS}/{pod.namespace}/{pod.lws}") if pod.lws else None
     if lws is None:

@@ -3,7 +3,7 @@ nodeSelector picks and no other pod holds (a pod asking for TPU chips takes its 
 once the node is there, Ready once its server answers /health.
 
 In a dry run the server is real: when a pod's container starts, the dry run's local servers
-(local_server.LocalServers, `GkeWorld.servers`) start `python -m trainer.serve` from the container's own
+(local_server.LocalServers, `GkeState.servers`) start `python -m trainer.serve` from the container's own
 command and args, keyed by the pod; the pod is Ready while it answers /health, and when it exits the
 pod's container is in CrashLoopBackOff with the server's last words as its last state's message (the
 emulator does not restart it: a server that crashed once on a dry run's checkpoint crashes again).
@@ -21,7 +21,7 @@ from provision.emulator.gke import POD_STARTING_S, KubeObject, PodRecord, short_
 from trainer.outputs import Phase
 
 if TYPE_CHECKING:
-    from provision.emulator.gke_world import GkeWorld
+    from provision.emulator.gke_state import GkeState
 
 DEPLOYMENT = "Deployment"
 # A server's load and compile when no local server plays it (simulated seconds; plausible, not measured).
@@ -40,11 +40,11 @@ def template_hash(dep: KubeObject) -> str:
     return short_hash(json.dumps(template, sort_keys=True), 10)
 
 
-def deployments(gke: GkeWorld) -> list[KubeObject]:
+def deployments(gke: GkeState) -> list[KubeObject]:
     return [o for _, o in sorted(gke.objects.items()) if o.kind == DEPLOYMENT]
 
 
-def pods_of(gke: GkeWorld, dep: KubeObject, now: float) -> list[PodRecord]:
+def pods_of(gke: GkeState, dep: KubeObject, now: float) -> list[PodRecord]:
     """The Deployment's pods that have not ended, oldest first."""
     return sorted((p for p in gke.pods.values() if p.namespace == dep.namespace and p.deployment == dep.name
                    and (p.ended_at is None or p.ended_at > now)), key=lambda p: (p.created_at, p.name))
@@ -55,7 +55,7 @@ def container(dep: KubeObject) -> dict:
     return (dep.manifest["spec"]["template"]["spec"].get("containers") or [{}])[0]
 
 
-def reconcile(gke: GkeWorld, now: float) -> None:
+def reconcile(gke: GkeState, now: float) -> None:
     """Bring every Deployment's pods up to `now`: a pod from an old template goes, missing replicas are
     placed where there is a node for them, running pods' servers are started and watched."""
     for pod in [p for p in gke.pods.values() if p.deployment and p.ended_at is not None and p.ended_at <= now]:
@@ -75,7 +75,7 @@ def reconcile(gke: GkeWorld, now: float) -> None:
             _watch_server(gke, dep, pod, now)
 
 
-def _new_pod(gke: GkeWorld, dep: KubeObject, wanted: str, now: float) -> PodRecord | None:
+def _new_pod(gke: GkeState, dep: KubeObject, wanted: str, now: float) -> PodRecord | None:
     """A pod of `dep` on a free node its nodeSelector picks; None when no node is free (it waits)."""
     spec = dep.manifest["spec"]["template"]["spec"]
     selector = spec.get("nodeSelector") or {}
@@ -96,7 +96,7 @@ def _new_pod(gke: GkeWorld, dep: KubeObject, wanted: str, now: float) -> PodReco
     return pod
 
 
-def _watch_server(gke: GkeWorld, dep: KubeObject, pod: PodRecord, now: float) -> None:
+def _watch_server(gke: GkeState, dep: KubeObject, pod: PodRecord, now: float) -> None:
     """A running pod's server: started from the container's command when the container starts; Ready
     when it answers; crashed (the pod's container in CrashLoopBackOff) when it exits."""
     servers = gke.servers
@@ -121,7 +121,7 @@ def _watch_server(gke: GkeWorld, dep: KubeObject, pod: PodRecord, now: float) ->
                                                              f"{pod.name}", now, "Warning")
 
 
-def end_pod(gke: GkeWorld, pod: PodRecord, now: float, message: str) -> None:
+def end_pod(gke: GkeState, pod: PodRecord, now: float, message: str) -> None:
     """The pod is deleted now (its server stopped, a Deployment's or a LeaderWorkerSet's); it is gone from the API."""
     if gke.servers is not None and (pod.deployment or pod.lws):
         gke.servers.stop(server_key(pod))
@@ -129,7 +129,7 @@ def end_pod(gke: GkeWorld, pod: PodRecord, now: float, message: str) -> None:
     gke.event(pod.namespace, "Pod", pod.name, "Killing", f"Stopping container server: {message}", now)
 
 
-def delete_deployment(gke: GkeWorld, dep: KubeObject, now: float) -> None:
+def delete_deployment(gke: GkeState, dep: KubeObject, now: float) -> None:
     for pod in [p for p in gke.pods.values() if p.namespace == dep.namespace and p.deployment == dep.name]:
         end_pod(gke, pod, now, "the Deployment was deleted")
 

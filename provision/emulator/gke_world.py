@@ -1,8 +1,8 @@
-"""The emulated GKE world: clusters, node pools and Container operations as records (gke.py), the
-Kubernetes objects a run uses (JobSets, their pods, nodes, events), and a small JobSet controller.
-No gRPC, no HTTP.
+"""The emulated GKE world, a layer over the shared world (world.py, which holds it as GKE's part) and over
+GKE's records (gke_state.py): a small JobSet controller, and every controller of the cluster reconciled
+together (the Deployment's, gke_serving.py; the LeaderWorkerSet's, gke_lws.py). No gRPC, no HTTP.
 
-Kubernetes objects change with the controller: `reconcile(now)` brings pods and JobSets up to `now`
+Kubernetes objects change with the controllers: `reconcile(now)` brings pods and JobSets up to `now`
 (pods start once their nodes exist, InOrder startup, a failed job restarts the JobSet under its
 failure policy or fails it, the success policy completes it) and runs at the start of every
 Kubernetes request and every look of a dry run's local trainer. The Pathways runtime itself is not
@@ -11,8 +11,7 @@ emulated: its containers are pods that run until the JobSet ends.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
+from provision.emulator import gke_lws, gke_serving
 from provision.emulator.gke import (
     ALL_JOBS_COMPLETED,
     NODE_RECREATE_S,
@@ -21,109 +20,26 @@ from provision.emulator.gke import (
     PREEMPTED_MESSAGE,
     PREEMPTED_REASON,
     REACHED_MAX_RESTARTS,
-    ClusterRecord,
-    ContainerOperation,
-    Event,
     JobSetRecord,
-    KubeObject,
     PodRecord,
-    PoolRecord,
     TrainerPod,
-    preexisting_clusters,
-    short_hash,
     tpu_accelerator,
 )
+from provision.emulator.gke_state import GkeState
 from provision.emulator.world import World, register_part
 
 
 @register_part
-class GkeWorld:
-    """Everything GKE in the emulated world (its part, saved under "gke"); changed only inside an Emulator
-    transaction."""
+class GkeWorld(GkeState):
+    """Everything GKE in the emulated world (its part, saved under "gke"): its records (GkeState), the JobSet
+    controller, and the Deployment's and LeaderWorkerSet's controllers reconciled with it; changed only
+    inside an Emulator transaction."""
 
     KEY = "gke"
-
-    def __init__(self) -> None:
-        self.clusters: dict[str, ClusterRecord] = {}
-        self.pools: dict[str, PoolRecord] = {}
-        self.operations: dict[str, ContainerOperation] = {}
-        self.first_zone: str | None = None  # the zone `stockout` keeps out of TPU capacity
-        self.jobsets: dict[str, JobSetRecord] = {}  # "NAMESPACE/NAME"
-        self.pods: dict[str, PodRecord] = {}  # "NAMESPACE/NAME"
-        self.events: list[Event] = []
-        self.objects: dict[str, KubeObject] = {}  # Deployments, LeaderWorkerSets, Services, PodMonitorings, HPAs
-        self.counter = 0
-        # Set by the emulator for each transaction, not saved: whether a dry run's local trainer drives
-        # the trainer pods, and the dry run's local servers (local_server.LocalServers) that play a
-        # Deployment's pods (None: a pod's server answers after gke_serving.SERVER_READY_S).
-        self.held = False
-        self.servers = None
 
     @classmethod
     def of(cls, world: World) -> GkeWorld:
         return world.part(cls.KEY)
-
-    # --- persistence -------------------------------------------------------------------
-    def to_json(self) -> dict:
-        return {"clusters": [asdict(c) for c in self.clusters.values()],
-                "pools": [asdict(p) for p in self.pools.values()],
-                "operations": [asdict(o) for o in self.operations.values()], "first_zone": self.first_zone,
-                "jobsets": [asdict(j) for j in self.jobsets.values()],
-                "pods": [asdict(p) for p in self.pods.values()],
-                "events": [asdict(e) for e in self.events[-500:]], "counter": self.counter,
-                "objects": [asdict(o) for o in self.objects.values()]}
-
-    @classmethod
-    def from_json(cls, d: dict | None) -> GkeWorld:
-        world = cls()
-        if not d:
-            return world
-        world.clusters = {c["name"]: ClusterRecord(**c) for c in d["clusters"]}
-        world.pools = {p["name"]: PoolRecord(**p) for p in d["pools"]}
-        # keyed as container._operation keys them (GetOperation's full name): a world reloaded from the
-        # file, as every transaction after another process's does, must still find them
-        world.operations = {f"{o['location']}/operations/{o['name']}": ContainerOperation(**o) for o in d["operations"]}
-        world.first_zone = d.get("first_zone")
-        world.jobsets = {f"{j['namespace']}/{j['name']}": JobSetRecord(**j) for j in d["jobsets"]}
-        world.pods = {f"{p['namespace']}/{p['name']}": PodRecord(**p) for p in d["pods"]}
-        world.events = [Event(**e) for e in d["events"]]
-        world.counter = int(d["counter"])
-        world.objects = {o.key: o for o in (KubeObject(**o) for o in d.get("objects", []))}
-        return world
-
-    def prune(self, now: float) -> None:
-        for name in [n for n, c in self.clusters.items() if c.status(now) is None]:
-            del self.clusters[name]
-        for name in [n for n, p in self.pools.items() if p.status(now) is None or p.cluster not in self.clusters]:
-            del self.pools[name]
-
-    def token(self) -> str:
-        self.counter += 1
-        return short_hash(f"gke/{self.counter}", 16)
-
-    # --- clusters the project already has -----------------------------------------------------
-    def ensure_preexisting(self, name: str, now: float) -> None:
-        """Materialise a cluster the emulated project is configured to have (CLUSTERS_ENV)."""
-        if name in self.clusters:
-            return
-        parts = name.split("/")
-        if len(parts) != 6 or f"{parts[3]}/{parts[5]}" not in preexisting_clusters():
-            return
-        created = now - 30 * 86400
-        self.clusters[name] = ClusterRecord(
-            name=name, request={"name": parts[5], "network": "default", "node_pools": [
-                {"name": "default-pool", "initial_node_count": 3, "config": {"machine_type": "e2-standard-4"}}]},
-            create_time=created, ready_at=created, preexisting=True)
-
-    # --- nodes ---------------------------------------------------------------------------------
-    def nodes(self, now: float) -> list[tuple[str, PoolRecord]]:
-        """Every node that exists now (of RUNNING pools, not reclaimed), with its pool."""
-        found = []
-        for pool in sorted(self.pools.values(), key=lambda p: p.name):
-            for node in pool.node_names():
-                if pool.node_up(node, now):
-                    found.append((node, pool))
-        return found
 
     def preempt_node(self, node: str, now: float) -> bool:
         """Reclaim a spot node now: it is gone for NODE_RECREATE_S; the pods on it fail."""
@@ -138,14 +54,8 @@ class GkeWorld:
                 return True
         return False
 
-    def event(self, namespace: str, kind: str, name: str, reason: str, message: str, now: float,
-              type_: str = "Normal") -> None:
-        self.events.append(Event(namespace, kind, name, reason, message, now, type_))
-
     # --- the JobSet controller --------------------------------------------------------------
     def reconcile(self, now: float) -> None:
-        from provision.emulator import gke_lws, gke_serving
-
         for jobset in list(self.jobsets.values()):
             if jobset.terminal is None:
                 self._reconcile(jobset, now)

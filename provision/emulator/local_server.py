@@ -98,6 +98,11 @@ class LocalServers:
         self.adapt = adapt
         self._children: dict[str, subprocess.Popen] = {}  # started here: polled, so that none is a zombie
 
+    @staticmethod
+    def free_port() -> int:
+        """A port free on the loopback now (a multi-host group's JAX coordinator's, gke_lws.py)."""
+        return free_port()
+
     # --- the emulated clock's gate (provision.clock.SimClock.gate) ---------------------------
     def active(self) -> bool:
         """Real time counts while a server is starting: its load and compile take what they take here."""

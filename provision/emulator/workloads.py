@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from provision import guest_attributes
+from provision.emulator.gke_world import GkeWorld
 from provision.emulator.vertex_world import CustomJobs
 
 if TYPE_CHECKING:
     from provision.emulator.gke import TrainerPod
-    from provision.emulator.gke_world import GkeWorld
     from provision.emulator.vertex_world import RunningJob
     from provision.emulator.world import RunningNode, World
 
@@ -173,14 +173,14 @@ class GkeHooks(Hooks):
     """GKE: the trainer pods Running, ending one (the JobSet follows), and reclaiming a spot node."""
 
     def trainer_pods(self) -> list[TrainerPod]:
-        return self._call(lambda world, now: _gke(world).trainer_pods(now))
+        return self._call(lambda world, now: GkeWorld.of(world).trainer_pods(now))
 
     def end_trainer_pod(self, namespace: str, name: str, code: int, message: str = "",
                         log_path: str | None = None) -> None:
-        self._call(lambda world, now: _gke(world).end_trainer(namespace, name, code, now, message, log_path))
+        self._call(lambda world, now: GkeWorld.of(world).end_trainer(namespace, name, code, now, message, log_path))
 
     def preempt_node(self, node: str) -> bool:
-        return self._call(lambda world, now: _gke(world).preempt_node(node, now))
+        return self._call(lambda world, now: GkeWorld.of(world).preempt_node(node, now))
 
 
 class GkePlay:
@@ -194,10 +194,10 @@ class GkePlay:
 
     def placed(self, world, now: float, run: str) -> list[Placed]:
         return [Placed(key=f"pod/{p.namespace}/{p.name}", argv=(*p.command, *p.args))
-                for p in _gke(world).trainer_pods(now) if p.run == run]
+                for p in GkeWorld.of(world).trainer_pods(now) if p.run == run]
 
     def started(self, world, now: float, placed: Placed, log_path: str) -> None:
-        _gke(world).set_log(*_pod_of(placed), log_path)
+        GkeWorld.of(world).set_log(*_pod_of(placed), log_path)
 
     def publish(self, world, now: float, placed: Placed, status: dict) -> None:
         pass
@@ -206,15 +206,9 @@ class GkePlay:
               log_path: str) -> None:
         namespace, name = _pod_of(placed)
         if preempted:  # the spot node under the run goes; the trainer's pod fails with it
-            _gke(world).preempt_trainer(namespace, name, code, now)
+            GkeWorld.of(world).preempt_trainer(namespace, name, code, now)
         else:
-            _gke(world).end_trainer(namespace, name, code, now, final.get("error") or "", log_path)
-
-
-def _gke(world: World) -> GkeWorld:
-    """The world's GKE part (gke_world's, found by its key: that module imports the local runners, which
-    import this one)."""
-    return world.part("gke")
+            GkeWorld.of(world).end_trainer(namespace, name, code, now, final.get("error") or "", log_path)
 
 
 def _pod_of(placed: Placed) -> tuple[str, str]:

@@ -37,7 +37,7 @@ from trainer.flops import model_flops_per_token as flops_per_token
 from trainer.params import ParamInfo
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.config_sections import Config
     from trainer import config as trainer_config
 
 # ----------------------------------------------------------------------------- target, advice, warnings

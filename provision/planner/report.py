@@ -12,7 +12,7 @@ from provision.planner.plan import Advice, Hardware, Plan, plan_for
 from trainer.flops import attention_flops_per_token
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.config_sections import Config
 
 # ----------------------------------------------------------------------------- output
 
@@ -162,7 +162,7 @@ def mesh_source_text(plan: Plan) -> str:
     return f"chosen by the plan (trainer.mesh is not set): the trainer is started with {flag}"
 
 
-def _rows(*rows: tuple[str, ...]) -> list[str]:
+def plan_rows(*rows: tuple[str, ...]) -> list[str]:
     """(label, value[, note]) rows in the plan's columns: labels at least 30 wide, values right-aligned
     in at least 12, then the note."""
     cells = [(label, value, f"   {note[0]}" if note and note[0] else "") for label, value, *note in rows]
@@ -175,7 +175,7 @@ def _memory_lines(plan: Plan) -> list[str]:
     other_bytes = mem.activations_no_remat if m.model.remat else mem.activations_remat
     status = (f"FITS ({human_bytes(mem.hbm - mem.total)} free)" if plan.fits
               else f"DOES NOT FIT ({human_bytes(mem.shortfall)} over)")
-    return ["", "memory per chip", *_rows(
+    return ["", "memory per chip", *plan_rows(
         (f"parameters ({m.param_dtype})", human_bytes(mem.params)),
         ("gradients", human_bytes(mem.grads)),
         ("optimizer (AdamW mu, nu)", human_bytes(mem.optimizer)),
@@ -188,7 +188,7 @@ def _memory_lines(plan: Plan) -> list[str]:
 def _speed_lines(plan: Plan) -> list[str]:
     b, t, acc = plan.bounds, plan.traffic, plan.target.accelerator
     dcn = ("DCN between slices", human_seconds(b.dcn_s), f"{human_bytes(t.dcn)} per chip")
-    return ["", "speed (per step: lower bounds, then what to expect)", *_rows(
+    return ["", "speed (per step: lower bounds, then what to expect)", *plan_rows(
         ("FLOPs per token", human_flops(plan.flops_per_token),
          f"matmuls {human_flops(6.0 * plan.counts.matmul_active)}, "
          f"attention {human_flops(attention_flops_per_token(plan.model))}"),
@@ -207,7 +207,7 @@ def _speed_lines(plan: Plan) -> list[str]:
 
 def _cost_lines(plan: Plan) -> list[str]:
     c = plan.cost
-    return ["", "cost", *_rows(
+    return ["", "cost", *plan_rows(
         (f"per hour ({c.capacity})", usd(c.per_hour),
          f"on demand {usd(c.per_hour_on_demand)}, spot {usd(c.per_hour_spot)}"),
         (f"{c.steps} steps", f">= {human_seconds(c.run_s)}",

@@ -24,7 +24,7 @@ from provision.planner.serving import (
 )
 
 if TYPE_CHECKING:
-    from provision.config import Config
+    from provision.config_sections import Config
 
 # The serving engine's own defaults (trainer/serve/cli.py) where the config has no serve section.
 ENGINE_SLOTS, ENGINE_MAX_LEN = 8, 1024
@@ -102,8 +102,8 @@ def _configured(cfg: Config, model_cfg) -> tuple[str, str]:
     return weights, precision_name(kv)
 
 
-def _rows(params, model_cfg, mesh: Mesh, acc, pairs: Sequence[tuple[str, str]], slots: int, max_len: int,
-          headroom: float) -> tuple[Row, ...]:
+def serving_rows(params, model_cfg, mesh: Mesh, acc, pairs: Sequence[tuple[str, str]], slots: int, max_len: int,
+                 headroom: float) -> tuple[Row, ...]:
     rows = []
     for weights, kv in pairs:
         s = serving(params, model_cfg, mesh, acc, weights, kv_precision=kv, max_len=max_len, headroom=headroom)
@@ -205,11 +205,11 @@ def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, m
     if given or (hardware_source == "plan" and plan.mesh.chips == chips):
         mesh, mesh_source = _given_mesh(plan, given, source, chips)
     else:
-        candidates = [(m, _rows(params, model_cfg, m, acc, pairs, slots, max_len, HEADROOM))
+        candidates = [(m, serving_rows(params, model_cfg, m, acc, pairs, slots, max_len, HEADROOM))
                       for m in serving_meshes(model_cfg, chips, slots, model_ways(model_cfg))]
         mesh, why = best_mesh(candidates, row_name(*configured))
         mesh, mesh_source = dataclasses.replace(mesh, reason=why), "serving"
-    rows = _rows(params, model_cfg, mesh, acc, pairs, slots, max_len, HEADROOM)
+    rows = serving_rows(params, model_cfg, mesh, acc, pairs, slots, max_len, HEADROOM)
     capacity = ("spot" if serve.spot else "on-demand") if serve is not None else plan.target.capacity
     return ServePlan(plan=plan, accelerator=acc, mesh=mesh, mesh_source=mesh_source,
                      hardware_source=hardware_source, slots=slots, max_len=max_len,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from provision.planner.report import _rows, human_bytes, human_count, human_seconds
+from provision.planner.report import human_bytes, human_count, human_seconds, plan_rows
 from provision.planner.report import usd as _usd
 from provision.planner.serve_plan import Row, ServePlan
 from provision.planner.serve_shapes import hosts_document, hosts_line
@@ -201,7 +201,7 @@ def _row_lines(plan: ServePlan, row: Row) -> list[str]:
     conf = " (configured)" if row.name == plan.configured else ""
     largest = (f"{row.largest_batch} slots: {row.step_largest.tokens_per_s_per_chip:,.1f} tokens/s per chip, "
                f"{usd(plan.cost_per_million(row.step_largest))}/M" if row.step_largest else "none")
-    return ["", f"  {row.name}{conf}: {status}", *_rows(
+    return ["", f"  {row.name}{conf}: {status}", *plan_rows(
         ("weights + KV cache per chip", human_bytes(s.memory(row.slots)),
          f"{human_bytes(s.weights.held)} + {human_bytes(s.kv_cache_bytes(row.slots))} of "
          f"{human_bytes(s.usable())} usable"),

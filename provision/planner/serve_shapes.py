@@ -10,7 +10,7 @@ import dataclasses
 
 from provision import catalogue
 from provision.planner.plan import model_ways
-from provision.planner.serve_plan import ServePlan, _rows, best_mesh
+from provision.planner.serve_plan import ServePlan, best_mesh, serving_rows
 from provision.planner.serving import PRECISIONS, serving_meshes
 
 # The largest v5e shape on one host (what a Vertex AI endpoint or a GKE Deployment's pod can hold).
@@ -86,7 +86,7 @@ def shape_fit(plan: ServePlan, acc: catalogue.AcceleratorType) -> Shape:
     configured = next(row for row in plan.rows if row.name == plan.configured)
     if (configured.serving.weight_precision, configured.serving.kv_precision) not in pairs:
         pairs.append((configured.serving.weight_precision, configured.serving.kv_precision))
-    candidates = [(m, _rows(params, model_cfg, m, acc, pairs, plan.slots, plan.max_len, HEADROOM))
+    candidates = [(m, serving_rows(params, model_cfg, m, acc, pairs, plan.slots, plan.max_len, HEADROOM))
                   for m in serving_meshes(model_cfg, acc.chips, plan.slots, model_ways(model_cfg))]
     if not candidates:
         return Shape(acc, None, "")

@@ -270,6 +270,10 @@ class _Servers:
     def stop(self, key) -> bool:
         return self.phase.pop(key, None) is not None
 
+    @staticmethod
+    def free_port() -> int:
+        return 29999
+
 
 def test_the_emulator_starts_a_group_with_the_controllers_environment_and_a_dead_worker_fails_it(loaded):
     from provision.emulator import gke_lws, kube_objects

@@ -31,13 +31,13 @@ from provision.container import SERVER_PORT
 from provision.errors import UsageError
 from provision.kinds.gke import gke_render, gke_serve_render
 from provision.kinds.gke.gke_render import NodePoolSpec, create_node_pool_request, node_pool_body
+from provision.kinds.gke.gke_sections import CPU_POOL_SUFFIX, GROUP_POOL_SUFFIX, GkeConfig
 from provision.rendering import RenderContext, Renderer
 from provision.resources import resolve_project
 from provision.templates import render
 
 if TYPE_CHECKING:
-    from provision.config.sections import ServeConfig
-    from provision.kinds.gke.gke_sections import GkeConfig
+    from provision.config_sections import ServeConfig
     from provision.kinds.slice_section import SliceConfig
 
 LWS_KIND = "LeaderWorkerSet"
@@ -57,8 +57,6 @@ LWS_RELEASE = "v0.9.0"
 LWS_INSTALL = ("kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/download/"
                f"{LWS_RELEASE}/manifests.yaml")
 WORKER_ROLE = "server-worker"  # the workers' app.kubernetes.io/component (the leaders': gke_serve_render's)
-GROUP_POOL_SUFFIX = "-serve-"  # RUN-serve-0, RUN-serve-1, ...: one slice per group
-CPU_POOL_SUFFIX = "-serve-cpu"  # Pathways: the leaders' CPU pool
 
 
 @dataclass(frozen=True)

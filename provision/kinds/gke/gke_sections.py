@@ -13,7 +13,6 @@ from pydantic import field_validator
 
 from provision import catalogue
 from provision.core import replica_problems
-from provision.kinds.gke import gke_lws_render, gke_serve_render
 from provision.kinds.slice_section import SliceSections
 from provision.shapes import MAX_ID_LENGTH, RFC1035, Section, gcs_location, positive_duration, rule
 from trainer.schema import invalid
@@ -29,6 +28,12 @@ _MACHINE_TYPE = re.compile(r"^[a-z][a-z0-9]*-[a-z0-9-]*[a-z0-9]$")
 # The images Google publishes for Pathways on GKE (the server also runs the resource manager).
 PATHWAYS_SERVER_IMAGE = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/server:latest"
 PATHWAYS_PROXY_IMAGE = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/proxy_server:latest"
+# The serving pools' names, RUN plus a suffix (their renderers name them; the rules here bound their length):
+# a Deployment's one pool, a LeaderWorkerSet's pool per group (RUN-serve-0, RUN-serve-1, ...: one slice
+# each) and, with Pathways, its leaders' CPU pool.
+SERVE_POOL_SUFFIX = "-serve"
+GROUP_POOL_SUFFIX = "-serve-"
+CPU_POOL_SUFFIX = "-serve-cpu"
 
 
 def _dns_label(value: str, what: str) -> str:
@@ -212,11 +217,11 @@ class GkeSections(SliceSections):
         if not self._serving():
             return []
         acc = catalogue.accelerator_for_topology(self.serve.topology) if self.serve.topology is not None else None
-        if len(self.run) + len(gke_serve_render.SERVE_POOL_SUFFIX) <= catalogue.MAX_GKE_NAME \
+        if len(self.run) + len(SERVE_POOL_SUFFIX) <= catalogue.MAX_GKE_NAME \
                 or (acc is not None and acc.multi_host):
             return []
         return [("run", f"run name {self.run!r} is too long to serve on GKE: the serving node pool is named "
-                        f"RUN{gke_serve_render.SERVE_POOL_SUFFIX}, at most {catalogue.MAX_GKE_NAME} characters")]
+                        f"RUN{SERVE_POOL_SUFFIX}, at most {catalogue.MAX_GKE_NAME} characters")]
 
     @rule("serve.checkpoint")
     def _serve_checkpoint(self) -> list[tuple[str, str]]:
@@ -234,10 +239,10 @@ def _group_rules(run: str, serve, acc: catalogue.AcceleratorType) -> list[tuple[
         found.append(("serve.machine_type", f"topology {acc.topology} is a multi-host slice of "
                                             f"{acc.vertex_machine_type} hosts ({acc.chips_per_vm} chips each), not "
                                             f"{serve.machine_type}: set serve.machine_type: {acc.vertex_machine_type}"))
-    longest = max(len(f"{gke_lws_render.GROUP_POOL_SUFFIX}{serve.max_replicas - 1}"),
-                  len(gke_lws_render.CPU_POOL_SUFFIX))
+    longest = max(len(f"{GROUP_POOL_SUFFIX}{serve.max_replicas - 1}"),
+                  len(CPU_POOL_SUFFIX))
     if len(run) + longest > catalogue.MAX_GKE_NAME:
         found.append(("run", f"run name {run!r} is too long to serve on GKE: the groups' node pools are named "
-                             f"RUN{gke_lws_render.GROUP_POOL_SUFFIX}N, at most {catalogue.MAX_GKE_NAME} "
+                             f"RUN{GROUP_POOL_SUFFIX}N, at most {catalogue.MAX_GKE_NAME} "
                              f"characters (use at most {catalogue.MAX_GKE_NAME - longest})"))
     return found

@@ -22,13 +22,13 @@ from provision.cloud.messages import proto_dict
 from provision.container import SERVER_PORT
 from provision.errors import UsageError
 from provision.kinds.gke.gke_render import NodePoolSpec, create_node_pool_request, node_pool_body
+from provision.kinds.gke.gke_sections import SERVE_POOL_SUFFIX, GkeConfig
 from provision.rendering import RenderContext, Renderer
 from provision.resources import resolve_project
 from provision.templates import render
 
 if TYPE_CHECKING:
-    from provision.config.sections import ServeConfig
-    from provision.kinds.gke.gke_sections import GkeConfig
+    from provision.config_sections import ServeConfig
     from provision.kinds.slice_section import SliceConfig
 
 # Object -> (its template, the file `render` writes, the kubernetes client's model; None: a CRD).
@@ -38,7 +38,6 @@ OBJECTS: dict[str, tuple[str, str, str | None]] = {
     "PodMonitoring": ("gke_podmonitoring.yaml.j2", "podmonitoring.yaml", None),
     "HorizontalPodAutoscaler": ("gke_hpa.yaml.j2", "hpa.yaml", "V2HorizontalPodAutoscaler"),
 }
-SERVE_POOL_SUFFIX = "-serve"
 SERVICE_PORT = 8000  # the Service's port, in front of the container's SERVER_PORT
 HEALTH_PATH = "/health"
 # The server's liveness route: 503 once its engine has completed no step for --step-timeout seconds while it

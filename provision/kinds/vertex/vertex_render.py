@@ -16,7 +16,7 @@ from provision.resources import location_path, resolve_project
 from provision.templates import render
 
 if TYPE_CHECKING:
-    from provision.config.sections import ServeConfig
+    from provision.config_sections import ServeConfig
     from provision.kinds.vertex.vertex_sections import VertexConfig
 
 

@@ -289,13 +289,13 @@ class Config(BaseModel):
     other_sections: dict[str, Any] = Field(default_factory=dict, exclude=True)
     source: Path = Field(default=Path(DEFAULT_CONFIG), exclude=True)
     # Where trainer.mesh is unset: the mesh the plan chose for this config's target, decided once by
-    # provision.config.loading.with_planned_mesh (never read from the file); see `trainer_mesh`.
+    # provision.config.meshes.with_planned_mesh (never read from the file); see `trainer_mesh`.
     planned_mesh: str | None = Field(default=None, exclude=True)
     # Where a serve section is present: the serving replica's mesh as `plan --serve` states it (serve.mesh
-    # filled out, or the plan's choice), decided once by provision.config.loading.with_serving_mesh.
+    # filled out, or the plan's choice), decided once by provision.config.meshes.with_serving_mesh.
     planned_serve_mesh: str | None = Field(default=None, exclude=True)
     # How a config loaded without its serving mesh decided gets it when a renderer needs it: load_config
-    # sets it to provision.config.loading.with_serving_mesh (a value, so the renderers, a layer below the
+    # sets it to provision.config.meshes.with_serving_mesh (a value, so the renderers, a layer below the
     # config, import neither it nor the planner). See `with_serve_mesh`.
     serve_mesh_decider: Callable[[Any], Any] | None = Field(default=None, exclude=True, repr=False)
 
