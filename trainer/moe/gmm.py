@@ -80,9 +80,10 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
 
     from trainer.sharding import current_platform
 
-    groups = w.groups()
-    if groups is None:
+    held = w.groups()
+    if held is None:
         return None
+    groups, row_scales_GxN = held
     sizes = jax.lax.dynamic_update_slice(jnp.zeros((groups.shape[0],), jnp.int32), sizes_G.astype(jnp.int32),
                                          (w.group_offset(),))
     m = x_MxK.shape[0]
@@ -94,8 +95,12 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
     out = tokamax.ragged_dot(x, groups, sizes, preferred_element_type=jnp.float32, implementation=implementation)
     # Rows past the groups (the layout's unused blocks, the padding) are in no group: no expert's tiles are read
     # for them, and the kernel leaves them unwritten.
-    in_groups = jnp.arange(m) < jnp.sum(sizes_G)
-    return jnp.where(in_groups[:, None], out[:m], 0).astype(x_MxK.dtype)
+    rows_M = jnp.arange(m)
+    out = out[:m]
+    if row_scales_GxN is not None:  # int8: each row times its expert's output-channel scales
+        group_M = jnp.searchsorted(jnp.cumsum(sizes), rows_M, side="right")
+        out = out * jnp.take(row_scales_GxN, group_M, axis=0, mode="clip")
+    return jnp.where((rows_M < jnp.sum(sizes_G))[:, None], out, 0).astype(x_MxK.dtype)
 
 
 def stacked_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:

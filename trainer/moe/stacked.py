@@ -49,8 +49,11 @@ class LayerOf:
         return value if self.dtype is None else value.astype(self.dtype)
 
     def groups(self):
-        """The stack as one weight of [layers * experts] groups, [G, in, out]: an array, or a qwix QArray of its
-        integers and scales; None for a storage no grouped kernel takes (int4 packed as nibbles)."""
+        """(the stack as one weight of [layers * experts] groups, [G, in, out]; the scales to multiply each output
+        row by, [G, out], or None). A float stack is itself; an int8 stack (a scale an output channel) its
+        integers, its scales applied after the product, row by row; an int4 stack in jnp.int4 (a scale a group
+        of inputs) a qwix QArray, widened tile by tile inside the kernel. None for int4 packed as nibbles, which
+        no grouped kernel takes."""
         import qwix
 
         layers, experts = stack_shape(self.stack)[:2]
@@ -59,12 +62,14 @@ class LayerOf:
             return a.reshape(layers * experts, *a.shape[2:])
 
         if isinstance(self.stack, jax.Array):
-            return flat(self.stack)
-        # int8 (one scale an output channel) and int4 in jnp.int4 (a scale a group of inputs) hold integers of the
-        # weight's shape and scales of its rank: a QArray's own layout. int4 packed as nibbles has no such form.
-        if hasattr(self.stack, "values") and hasattr(self.stack, "scale"):
-            return qwix.QArray(flat(self.stack.values), flat(self.stack.scale).astype(jnp.float32))
-        return None
+            return flat(self.stack), None
+        values, scale = getattr(self.stack, "values", None), getattr(self.stack, "scale", None)
+        if values is None:
+            return None
+        if scale.shape[-2] == 1:  # int8: one scale an output channel, [layers, experts, 1, out]
+            return flat(values), flat(scale)[:, 0]
+        # int4's scales go in as bfloat16: the kernel's operand broadcasts them over its sublanes per call
+        return qwix.QArray(flat(values), flat(scale).astype(jnp.bfloat16)), None
 
     def group_offset(self) -> jax.Array:
         """The layer's first group in groups()."""
@@ -87,9 +92,10 @@ def read(w):
     return w.read() if isinstance(w, LayerOf) else w
 
 
-def is_expert_stack(path: tuple[str, ...]) -> bool:
-    """Whether the parameter at `path` (within a stack's blocks) is a routed experts' stacked weight."""
-    return len(path) >= 2 and path[-2] == "ffn" and path[-1] in EXPERT_WEIGHTS
+def is_expert_stack(path: tuple[str, ...], value) -> bool:
+    """Whether the parameter at `path` (within a stack's blocks) holding `value` is a routed experts' stacked
+    weight, [layers, experts, in, out] (a dense FFN's weights go by the same names, one axis fewer)."""
+    return len(path) >= 2 and path[-2] == "ffn" and path[-1] in EXPERT_WEIGHTS and len(stack_shape(value)) == 4
 
 
 def path_names(path) -> tuple[str, ...]:
@@ -106,7 +112,7 @@ def split_stacks(params, repeats: int):
 
     def apart(path, var):
         names = path_names(path)
-        if not isinstance(var, nnx.Variable) or not is_expert_stack(names):
+        if not isinstance(var, nnx.Variable) or not is_expert_stack(names, var.get_value()):
             return var
         whole[names] = var.get_value()
         return var.replace(jnp.zeros((repeats,), jnp.int8))
