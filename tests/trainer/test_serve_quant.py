@@ -208,12 +208,13 @@ def test_int4_weights_split_over_expert_and_model_as_the_float_ones_and_predict_
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4-native"])
-def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_same_tokens(restored, fmt):
+def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_same_tokens(restored, fmt, monkeypatch):
     """Through the grouped matmul that takes a layer of the stacked expert weights whole (trainer/moe/stacked.py:
     tokamax's ragged dot over [layers * experts] groups, its XLA reference on a CPU, the Mosaic kernel on a
     TPU) the engine draws the tokens it draws reading each layer's slice (the CPU's tiled loop), with the experts
     held as int8 or int4 integers and scales (a float stack takes the same path with a plain array)."""
     model, weights, _ = restored
+    monkeypatch.setattr("sys.argv", ["moe-tpu", "serve", "--checkpoint", "ckpt"])  # the kernel library reads no argv
     params = {"int8": quantize_params,
               "int4-native": lambda p: quant4.quantize_params(p, storage="native")}[fmt](weights["params"])
     cfg = model.cfg.model_copy(update={"moe": model.cfg.moe.model_copy(update={"grouped_matmul": "ragged_dot"})})

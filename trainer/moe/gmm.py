@@ -80,6 +80,7 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
 
     from trainer.sharding import current_platform
 
+    tokamax_without_argv()
     held = w.groups()
     if held is None:
         return None
@@ -101,6 +102,16 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
         group_M = jnp.searchsorted(jnp.cumsum(sizes), rows_M, side="right")
         out = out * jnp.take(row_scales_GxN, group_M, axis=0, mode="clip")
     return jnp.where((rows_M < jnp.sum(sizes_G))[:, None], out, 0).astype(x_MxK.dtype)
+
+
+def tokamax_without_argv() -> None:
+    """tokamax reads its options as absl flags and, the first time it reads one, parses sys.argv for them: the
+    server's own arguments (`--checkpoint`, `--port`) would stop it with an unknown-flag error. The process uses
+    no absl flags of its own, so they are marked parsed as they stand (tokamax's defaults)."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 def stacked_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:

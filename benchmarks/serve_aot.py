@@ -1,0 +1,160 @@
+"""The engine's decode program compiled ahead of time for one TPU v5e chip, on this CPU: XLA's scratch, and the
+large copies the compiled program makes (a weight or cache slice written out before a kernel reads it).
+
+    /tmp/aotvenv/bin/python benchmarks/serve_aot.py                       # moe-1b, bf16/int8/int4, 8 slots
+    /tmp/aotvenv/bin/python benchmarks/serve_aot.py --formats int8 --rows 1,8,32 --json out.json
+
+The venv is benchmarks/aot_topology.py's (jax with libtpu, which holds the TPU compiler). The serving model is
+built on a one-chip v5e topology (jax.experimental.topologies), its weights and cache as abstract arrays
+(bf16, or int8/int4 as trainer/serve/quant.py and quant4.py lay them out, int4 in jnp.int4 as on a TPU), and
+ModelRunner's decode step lowered and compiled for that chip. tokamax's Mosaic grouped matmul asks the
+default device for its TPU generation and refuses a CPU device; here, and only here, it is told the chip is
+a v5e (there is none to ask).
+
+Measured 2026-12-06 (jax 0.10.2, libtpu 0.0.42.1), moe-1b, 8 slots x 1,024 positions, bf16: before the
+experts were read from the whole stack (trainer/moe/stacked.py) the program wrote out each MoE layer's three
+expert weights (bf16[16, 1024, 2816], 92 MB each) before the ragged dot, 3.3 GB of copies a step beside 2 GB
+of weights, 90 MiB of scratch; after, the kernels take the stacks by bitcast: 6.8 MiB of scratch (bf16 and
+int8; int8 no longer widened to a float copy), 133 MiB for int4 (tokamax broadcasts the int4 scales over
+the TPU's sublanes each call). Left: each layer's K and V rows relaid out for attention
+(bf16[8, 1024, 8, 128] a layer each), listed under "copies".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import types
+
+BIG = re.compile(r"= (bf16|s8|s4|f32)\[((?:\d+,){2,3}\d+)\]\{[^}]*\}\s+(copy|fusion)\(")
+DTYPE_BITS = {"bf16": 16, "s8": 8, "s4": 4, "f32": 32}
+
+
+def large_copies(hlo: str, floor_mb: float = 1.0) -> list[str]:
+    """HBM arrays of rank 3 or more that a copy or loop fusion writes (VMEM ones, S(1), left out)."""
+    out = []
+    for line in hlo.splitlines():
+        m = BIG.search(line)
+        if not m or "S(1)" in line.split("=", 1)[1][:120] or "kind=kOutput" in line:
+            continue
+        size = 1
+        for d in m.group(2).split(","):
+            size *= int(d)
+        mb = size * DTYPE_BITS[m.group(1)] / 8 / 1e6
+        if mb >= floor_mb:
+            out.append(f"{m.group(1)}[{m.group(2)}] {m.group(3)} {mb:.1f} MB")
+    return out
+
+
+def chip_is_v5e() -> None:
+    """tokamax's kernel asks the default device for its TPU generation: here there is no TPU, so say v5e."""
+    from jax._src.pallas.mosaic import tpu_info
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu
+
+    tpu_info.registry["cpu"] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    pallas_mosaic_tpu.PallasMosaicTpuRaggedDot.supported_on = lambda self, device: True
+
+
+def abstract_weights(model, fmt: str, sharding):
+    import jax
+    import jax.numpy as jnp
+
+    from trainer.serve import quant, quant4
+
+    def place(tree):
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+
+    w = model.abstract()
+    if fmt == "int8":
+        w["params"] = {n: jax.eval_shape(lambda p, n=n: quant.quantize_array(n, p), s) for n, s in w["params"].items()}
+    elif fmt == "int4":
+        def int4(name, s):
+            axis = quant4.group_axis(name, s.shape)
+            if axis is None:
+                return s
+            scale = list(s.shape)
+            scale[axis] //= quant4.group_size(s.shape[axis])
+            return quant4.Int4Native(jax.ShapeDtypeStruct(s.shape, jnp.int4),
+                                     jax.ShapeDtypeStruct(tuple(scale), jnp.float32), axis - len(s.shape), s.dtype.name)
+        w["params"] = {n: int4(n, s) for n, s in w["params"].items()}
+    return place(w)
+
+
+def compile_decode(cfg, fmt: str, rows: int, max_len: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from trainer import sharding
+    from trainer.serve.latentcache import CacheLayout
+    from trainer.serve.runner import ModelRunner
+    from trainer.serve.structured import words
+    from trainer.serve.weights import build_serving_model
+
+    devices = topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu",
+                                           chips_per_host_bounds=(1, 1, 1)).devices
+    mesh = sharding.make_mesh({"data": 1, "expert": 1, "model": 1}, devices)
+    model = build_serving_model(cfg, mesh)
+    rep = NamedSharding(mesh, PartitionSpec())
+    weights = abstract_weights(model, fmt, rep)
+    layout = CacheLayout.of(model.cfg.model)
+    cache = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
+                         jax.eval_shape(lambda: layout.empty(rows, max_len, jnp.bfloat16)))
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    vec = (rows,)
+    inputs = (spec(vec, jnp.int32), spec(vec, jnp.int32),
+              (spec(vec, jnp.float32), spec(vec, jnp.int32), spec(vec, jnp.float32), spec(vec, jnp.int32)),
+              spec((), jnp.bool_), spec((rows, words(cfg.model.vocab_size)), jnp.int32))
+    runner = types.SimpleNamespace(model=model)  # what the decode step reads of its runner
+
+    def decode(w, c, *args):
+        return ModelRunner._decode_fn(runner, w, c, *args, span=max_len)
+
+    started = time.perf_counter()
+    compiled = jax.jit(decode, donate_argnums=(1,), out_shardings=(rep, rep)).lower(weights, cache, *inputs).compile()
+    hlo = compiled.as_text()
+    return {"weights": fmt, "rows": rows, "max_len": max_len, "compile_s": round(time.perf_counter() - started, 1),
+            "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 2),
+            "custom_calls": hlo.count("tpu_custom_call"), "copies": large_copies(hlo)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="moe-1b")
+    p.add_argument("--formats", default="bf16,int8,int4")
+    p.add_argument("--rows", default="8", help="comma-separated decode rows (slots)")
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    try:
+        chip_is_v5e()
+    except ImportError as e:
+        print(f"serve_aot: {e}: run it with a venv holding libtpu (benchmarks/aot_topology.py says how)",
+              file=sys.stderr)
+        return 2
+    from trainer.config import load_config
+
+    cfg = load_config(args.config, ["dtype=bfloat16", "param_dtype=bfloat16"])
+    rows = []
+    for fmt in args.formats.split(","):
+        for r in (int(x) for x in args.rows.split(",")):
+            rows.append(compile_decode(cfg, fmt, r, args.max_len))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
