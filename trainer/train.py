@@ -14,7 +14,7 @@ from trainer import meshspec, sharding
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError
 from trainer.data import DataIterator, open_data
-from trainer.divergence import Diverged, loss_ceiling
+from trainer.divergence import Diverged, check_state, loss_ceiling
 from trainer.fits import check_fits
 from trainer.metrics import Reporter
 from trainer.outputs import RunDirectory
@@ -264,7 +264,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
                 _report(reporter, status, row, spec.steps)
             profiler.after(step)
             if checkpoint:
-                ckpt.save(step, state, checkpoint_meta(cfg, spec.steps, feed), force=True)
+                _save(ckpt, step, state, checkpoint_meta(cfg, spec.steps, feed))
                 saved = step
                 reporter.checkpointed(step)
         _read_checked(pending, ckpt, ceiling)  # the steps since the last read, before the last save
@@ -295,9 +295,16 @@ def _row(trainer: Trainer, timer: StepTimer, step: int, host: dict | None, entro
 def _save_last(ckpt: Checkpointer, step: int, saved: int, state: State, meta: dict) -> None:
     """The last step saved, unless it already was, then every save finished and the last one verified."""
     if saved != step or ckpt.latest_step() is None:
-        ckpt.save(step, state, meta, force=True)
+        _save(ckpt, step, state, meta)
     ckpt.wait()
     ckpt.verify(step)
+
+
+def _save(ckpt: Checkpointer, step: int, state: State, meta: dict) -> None:
+    """A checkpoint of a state whose every value is finite (check_state), never of one that is not: its save
+    would rotate a good checkpoint out."""
+    check_state(step, state, ckpt)
+    ckpt.save(step, state, meta, force=True)
 
 
 def _report(reporter: Reporter, status: RunStatus, row: dict, total: int) -> None:

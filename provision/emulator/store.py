@@ -31,6 +31,7 @@ PID_BYTES = 16
 # not a run beside this one. Whoever waits hears of it then and gives up after the bound.
 LOCK_NOTICE_S = 2.0
 LOCK_WAIT_S = 60.0
+LOCK_WAIT_ENV = "MOE_TPU_LOCK_WAIT"  # seconds to wait instead of LOCK_WAIT_S
 # The world is a few kilobytes per resource; a file past this is not one (and is not read whole).
 MAX_STATE_BYTES = 64 * 1024 * 1024
 
@@ -44,6 +45,7 @@ class Store:
 
     def __init__(self, path: Path | None, notice: Callable[[str], None] | None = None) -> None:
         self.path = path
+        self.lock_wait = lock_wait_from(os.environ)  # None: LOCK_WAIT_S
         self.notice = notice or (lambda message: print(f"warning: {message}", file=sys.stderr, flush=True))
         self.lock_path = path.with_name(path.name + ".lock") if path is not None else None
         self._fd: int | None = None
@@ -66,8 +68,10 @@ class Store:
             os.close(fd)  # closing the last descriptor releases the lock
 
     def _acquire(self, fd: int) -> None:
-        """The exclusive flock; a holder that does not let go is named within LOCK_NOTICE_S and given up
-        on after LOCK_WAIT_S (LockTimeout)."""
+        """The exclusive flock; a holder that does not let go is named (pid and command) within LOCK_NOTICE_S,
+        given up on at once when it is stopped (Ctrl-Z: it would never let go), else after the bound
+        (MOE_TPU_LOCK_WAIT, or LOCK_WAIT_S): LockTimeout, exit 1."""
+        limit = self.lock_wait if self.lock_wait is not None else LOCK_WAIT_S
         start, told = time.monotonic(), False
         while True:
             try:
@@ -77,17 +81,27 @@ class Store:
                 pass
             waited = time.monotonic() - start
             holder = os.pread(fd, PID_BYTES, TOKEN_BYTES).decode("ascii", errors="replace").strip()
-            who = f"another moe-tpu command (pid {holder})" if holder.isdigit() else "another moe-tpu command"
-            if waited >= LOCK_WAIT_S:
-                raise LockTimeout(f"gave up after {LOCK_WAIT_S:g}s waiting for {who} that holds {self.lock_path}",
-                                  hint=f"resume or end that command (`fg`, or `kill {holder}` if it is stuck), "
-                                       "then run this one again" if holder.isdigit() else
-                                       "resume or end that command, then run this one again")
+            pid = int(holder) if holder.isdigit() else None
+            if waited >= limit or (waited >= min(LOCK_NOTICE_S, limit) and process_state(pid) in STOPPED):
+                raise self._given_up(pid, waited, limit)
             if not told and waited >= LOCK_NOTICE_S:
                 told = True
-                self.notice(f"waiting for {who} that holds {self.lock_path} (at most {LOCK_WAIT_S:g}s)")
+                self.notice(f"waiting for {holder_words(pid)} that holds {self.lock_path} (at most {limit:g}s; "
+                            f"{LOCK_WAIT_ENV} sets how long)")
             time.sleep(0.05)
         self._write_pid(fd)
+
+    def _given_up(self, pid: int | None, waited: float, limit: float) -> LockTimeout:
+        who, where = holder_words(pid), self.lock_path
+        resume = f"`fg` in its terminal, or `kill -CONT {pid}`" if pid else "`fg` in its terminal"
+        end = f"`kill {pid}`" if pid else "end it"
+        if process_state(pid) in STOPPED:
+            return LockTimeout(f"{who} holds {where} and is stopped (Ctrl-Z or SIGSTOP): it lets go only once it "
+                               f"runs again; gave up after {waited:.0f}s",
+                               hint=f"resume that command ({resume}) or end it ({end}), then run this one again")
+        return LockTimeout(f"gave up after {limit:g}s waiting for {who} that holds {where}",
+                           hint=f"resume or end that command ({resume}; {end} if it is stuck), then run this one "
+                                f"again; {LOCK_WAIT_ENV}=SECONDS waits longer")
 
     @staticmethod
     def _write_pid(fd: int) -> None:
@@ -164,3 +178,50 @@ class Store:
         except FileNotFoundError:
             return token, None
         return token, (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+STOPPED = ("T", "t")  # /proc/PID/stat's states of a process stopped by a signal or a tracer
+
+
+def lock_wait_from(env) -> float | None:
+    """The seconds MOE_TPU_LOCK_WAIT asks to wait for another command's lock (None: unset); a UsageError
+    naming the variable when it is no number of seconds."""
+    text = env.get(LOCK_WAIT_ENV)
+    if text is None or not text.strip():
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 86_400:
+        raise UsageError(f"{LOCK_WAIT_ENV}={echo(text, 40)}: give the seconds to wait for another command's lock, "
+                         "0 to 86400", hint=f"e.g. {LOCK_WAIT_ENV}=120, or unset it for {LOCK_WAIT_S:g}s")
+    return seconds
+
+
+def process_state(pid: int | None) -> str | None:
+    """The state letter /proc gives the process (R, S, T: stopped, Z, ...); None where it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def holder_words(pid: int | None) -> str:
+    """The command holding a lock, for a message: its pid and command line (as far as /proc tells)."""
+    if pid is None:
+        return "another moe-tpu command"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        argv = []
+    argv = [a for a in argv if a]
+    if len(argv) > 2 and argv[1:3] == ["-m", "provision"]:  # the entry point run as a module
+        argv = ["moe-tpu", *argv[3:]]
+    elif argv:
+        argv[0] = os.path.basename(argv[0])
+    return f"another moe-tpu command (pid {pid}: {echo(' '.join(argv), 100)})" if argv else \
+        f"another moe-tpu command (pid {pid})"
+

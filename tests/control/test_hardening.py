@@ -364,6 +364,59 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
     assert invoke("--dry-run", "slice", "status")[0] == 0  # once it lets go, all is well
 
 
+# Takes the world's lock as a moe-tpu command does (a token, then its pid), says so, and stops itself as Ctrl-Z
+# would; once continued it holds the lock until killed.
+_HOLD = """
+import fcntl, os, signal, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.pwrite(fd, b"0" * 64 + f"{os.getpid():<15}\\n".encode(), 0)
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(600)
+"""
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_lock_held_by_a_stopped_command_is_given_up_at_once_naming_it_and_the_wait_is_bounded(workdir):
+    """A command stopped with Ctrl-Z inside a transaction never lets go of the world's lock: the next one
+    named its pid only and waited out a fixed minute. Now it names the command, sees that it is stopped and
+    gives up at once (exit 1, how to resume it); a holder that runs is waited for MOE_TPU_LOCK_WAIT seconds."""
+    import signal
+    import sys
+    import time
+
+    _config(workdir)
+    (workdir / ".moe-tpu").mkdir()
+    lock = workdir / ".moe-tpu" / "emulator.json.lock"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        deadline = time.monotonic() + 10
+        while _state(holder.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        code, out, err = invoke("--dry-run", "slice", "status", env={"MOE_TPU_LOCK_WAIT": "30"})
+        took = time.monotonic() - started
+        _no_traceback(code, err, expected_code=1)
+        assert f"another moe-tpu command (pid {holder.pid}: python" in err and " -c " in err, err
+        assert "is stopped (Ctrl-Z or SIGSTOP)" in err and f"kill -CONT {holder.pid}" in err and took < 15, err
+        holder.send_signal(signal.SIGCONT)  # it runs now, and holds on
+        code, out, err = invoke("--dry-run", "slice", "status", env={"MOE_TPU_LOCK_WAIT": "1"})
+        _no_traceback(code, err, expected_code=1)
+        assert f"gave up after 1s waiting for another moe-tpu command (pid {holder.pid}: python" in err, err
+        code, out, err = invoke("--dry-run", "slice", "status", env={"MOE_TPU_LOCK_WAIT": "soon"})
+        _no_traceback(code, err)
+        assert "MOE_TPU_LOCK_WAIT=soon: give the seconds to wait for another command's lock" in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert invoke("--dry-run", "slice", "status")[0] == 0  # once it is gone, all is well
+
+
 # --- 11. caught at validate, not after provisioning --------------------------------------------
 
 @pytest.mark.parametrize("changes, needle", [

@@ -234,6 +234,26 @@ def test_a_killed_run_is_followed_by_its_rerun_and_down_stops_its_trainer(tmp_pa
     assert gone(trainer) and nothing_left(tmp_path)
 
 
+def test_a_run_killed_right_after_provisioning_is_found_by_status_and_taken_down_by_down(tmp_path):
+    """kill -9 leaves the queued resource and its node up (nothing runs to delete them): the next `status`
+    lists them by the run's labels and `down` deletes them, and a trainer started meanwhile with them."""
+    write_config(tmp_path, "tpu-vm", **LONG)
+    run = start_run(tmp_path)
+    seen = ""
+    while "provisioned:" not in seen and (line := run.stderr.readline()):
+        seen += line
+    run.kill()
+    run.wait(timeout=30)
+    assert "provisioned:" in seen, seen[-3000:]
+    status = moe(["--dry-run", "--output", "json", "status"], tmp_path)
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert {(r["kind"], r["state"]) for r in json.loads(status.stdout)["resources"]} == {
+        ("queued_resource", "ACTIVE"), ("node", "READY")}
+    down = moe(["--dry-run", "down"], tmp_path)
+    assert down.returncode == 0 and "nothing of run moe-demo is left" in down.stdout, down.stderr[-2000:]
+    assert nothing_left(tmp_path) and not (tmp_path / RECORD).exists()
+
+
 def test_the_users_own_down_during_a_run_is_not_a_preemption(tmp_path):
     write_config(tmp_path, "tpu-vm", **LONG)
     proc = start_run(tmp_path)

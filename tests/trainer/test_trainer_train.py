@@ -404,6 +404,27 @@ def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_pa
     assert status["state"] == "failed" and status["exit_code"] == 1 and f"step {step}" in status["error"]
 
 
+def test_a_resumed_run_whose_state_goes_nan_under_a_finite_loss_keeps_its_good_checkpoints(trained_tiny, tmp_path):
+    """optim.eps 0: the embedding rows of tokens the data never holds get 0/0 updates, NaN, while the loss stays
+    finite (nothing reads them). Every save then wrote NaN parameters and, with keep 3, rotated the three good
+    checkpoints out ("finished", exit 0). Now the first save of a non-finite state stops the run: exit 1 naming
+    the step and the arrays, the good checkpoints as they were."""
+    shutil.copytree(trained_tiny.output_dir, tmp_path / "run")
+    good = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(good) == 3
+    result = CliRunner().invoke(train_command, [
+        "--config", "tiny", "--devices", "1", "--steps", "124", "--set", "optim.eps=0", "--set",
+        "train.checkpoint_every=1", "--output-dir", str(tmp_path / "run"), "--metrics", str(tmp_path / "m.jsonl")])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert ("training diverged at step 121: its loss and gradient norm are finite, but the parameters or optimizer "
+            "state after it hold NaN or infinite values (params.embed") in result.output
+    assert f"the last good checkpoint, step {good[-1]} in {tmp_path / 'run' / 'checkpoints'}, is kept" in result.output
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == good
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 1 and "step 121" in status["error"]
+
+
 def test_resuming_another_models_checkpoint_is_refused_naming_the_difference(tmp_path):
     args = ["--config", "tiny", "--devices", "1", "--set", "train.checkpoint_every=1", "--output-dir", str(tmp_path)]
     first = CliRunner().invoke(train_command, [*args, "--steps", "2", "--metrics", str(tmp_path / "a.jsonl")])
