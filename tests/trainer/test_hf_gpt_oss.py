@@ -1,0 +1,184 @@
+"""GPT-OSS held to transformers: a tiny random GptOssForCausalLM (four layers, sliding windows of 8 and full
+attention alternating, attention sinks, q/k/v/o biases, YaRN, experts with biases and the clamped SwiGLU, a
+router with a bias) is imported and must give transformers' logits over sequences five windows long, and its
+greedy continuations through the serving engine; bfloat16 import then export gives back every tensor bit for
+bit, and MXFP4 experts import as transformers dequantises them."""
+
+import functools
+import json
+
+import numpy as np
+import pytest
+from hf_models import VOCAB, hf_model, safetensors_of, tokenizer_json, trainer_model, unoptimised
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from trainer.hf.convert import export_checkpoint, import_checkpoint  # noqa: E402
+from trainer.hf.errors import HFError  # noqa: E402
+
+pytestmark = pytest.mark.compile_bound
+LENGTH, WINDOW = 40, 8  # five sliding windows
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """(the transformers model, the directory holding its save `hub` and the import of it `imported`)."""
+    tmp = tmp_path_factory.mktemp("gpt_oss")
+    model = hf_model("gpt_oss")
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    model.save_pretrained(tmp / "hub")
+    tokenizer_json(tmp / "hub" / "tokenizer.json", VOCAB - 8)
+    done = import_checkpoint(str(tmp / "hub"), str(tmp / "imported"))
+    assert done["family"] == "gpt_oss" and done["layouts"] == ["fused"]
+    return model, tmp
+
+
+@functools.cache
+def _forward():
+    """One jitted forward for the module's models (one shape: compiled once)."""
+    import jax
+    from flax import nnx
+
+    return jax.jit(lambda graphdef, state, tokens: nnx.merge(graphdef, state)(tokens, train=False)[0],
+                   static_argnums=0)
+
+
+def _logits(run_dir, tokens) -> np.ndarray:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    graphdef, state = nnx.split(trainer_model(str(run_dir))[0])
+    with unoptimised():
+        return np.asarray(_forward()(graphdef, state, jnp.asarray(tokens)))
+
+
+def _theirs(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def test_logits_equal_transformers(imported):
+    model, tmp = imported
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, LENGTH))
+    ours, theirs = _logits(tmp / "imported", tokens), _theirs(model, tokens)
+    assert np.abs(ours - theirs).max() <= 1e-4 and np.array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_logits_at_initializer_range_0_2_stay_within_1e_3(tmp_path):
+    """Weights ten times larger: sharper attention (sinks included), routing and clamped experts."""
+    model = hf_model("gpt_oss", seed=6, initializer_range=0.2)
+    model.save_pretrained(tmp_path / "hub")
+    import_checkpoint(str(tmp_path / "hub"), str(tmp_path / "imported"))
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (2, LENGTH))
+    ours, theirs = _logits(tmp_path / "imported", tokens), _theirs(model, tokens)
+    assert np.abs(ours - theirs).max() <= 1e-3 and np.array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_greedy_generation_through_the_serving_engine_equals_transformers(imported):
+    """4 prompts of 12 tokens (longer than the window), prefilled in chunks of 8, then 32 greedy tokens each
+    through the key/value cache, against transformers' generate(do_sample=False)."""
+    import jax
+
+    from trainer import sharding
+    from trainer.hf.orbax_io import open_run
+    from trainer.serve.engine import Engine, Request, SamplingParams
+    from trainer.serve.weights import build_serving_model, restore_weights
+
+    model, tmp = imported
+    prompts, new = np.random.default_rng(5).integers(0, VOCAB, (4, 12)), 32
+    with torch.no_grad():
+        expected = model.generate(torch.tensor(prompts), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
+                                  do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    served = build_serving_model(open_run(str(tmp / "imported"), None).cfg,
+                                 sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+    weights, _ = restore_weights(served, str(tmp / "imported" / "checkpoints"))
+    max_len = prompts.shape[1] + new
+    engine = Engine(served, weights, slots=4, max_len=max_len, chunk=WINDOW, min_span=max_len)  # one span
+    requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=new, temperature=0.0))) for p in prompts]
+    engine.run()
+    assert [r.output for r in requests] == expected[:, prompts.shape[1]:].tolist()
+
+
+def test_bfloat16_import_then_export_gives_every_tensor_back_bit_for_bit(tmp_path):
+    """bfloat16 both ways, gate_up_proj's interleaved halves and the sinks included; transformers reads the
+    exported config.json as the original's."""
+    model = hf_model("gpt_oss", seed=4).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "hub")
+    import_checkpoint(str(tmp_path / "hub"), str(tmp_path / "imported"))
+    export_checkpoint(str(tmp_path / "imported"), str(tmp_path / "exported"))
+    source, exported = safetensors_of(tmp_path / "hub"), safetensors_of(tmp_path / "exported")
+    assert sorted(source) == sorted(exported) and any(k.endswith("sinks") for k in source)
+    assert all(exported[k].dtype == source[k].dtype == np.dtype("bfloat16") for k in source)
+    assert all(exported[k].tobytes() == source[k].tobytes() for k in source)
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "exported")
+    for key in ("layer_types", "sliding_window", "num_local_experts", "num_experts_per_tok", "intermediate_size",
+                "head_dim", "num_key_value_heads", "swiglu_limit", "attention_bias", "rms_norm_eps"):
+        assert getattr(back, key) == getattr(model.config, key), key
+    theirs = {k: v for k, v in model.config.rope_parameters.items()}
+    assert back.rope_parameters == theirs
+
+
+def test_mxfp4_experts_import_as_transformers_dequantises_them(tmp_path):
+    """A checkpoint laid out as the Hub's: each expert matrix as MXFP4 `_blocks` (uint8, two FP4 values a byte)
+    and `_scales` (uint8, a power of two a block of 32), everything else bfloat16, config.json's
+    quantization_config mxfp4. The import's experts are transformers' own dequantisation of those bytes, bit for
+    bit (gate and up taken from the interleaved columns)."""
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from trainer import stacks
+    from trainer.hf import mxfp4
+    from trainer.hf.orbax_io import open_run
+
+    hf_model("gpt_oss", seed=7).to(torch.bfloat16).save_pretrained(tmp_path / "hub")
+    tensors, expected = load_file(tmp_path / "hub" / "model.safetensors"), {}
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        blocks, scales = mxfp4.quantized(tensors.pop(name).astype(np.float32))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        dequantized = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                 dtype=torch.bfloat16)
+        expected[name] = dequantized.view(torch.int16).numpy()
+    save_file(tensors, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    assert import_checkpoint(str(tmp_path / "hub"), str(tmp_path / "imported"))["layouts"] == ["mxfp4"]
+    run = open_run(str(tmp_path / "imported"), None)
+    params = run.read(set(run.shapes))
+    for i in range(4):
+        hub = f"model.layers.{i}.mlp.experts"
+        got = {k: params[p][r].view(np.int16) for k in ("w_gate", "w_in", "w_out")
+               for p, r in [stacks.locate(run.cfg.model, f"blocks.{i}.ffn.{k}")]}
+        assert np.array_equal(got["w_gate"], expected[f"{hub}.gate_up_proj"][..., 0::2])
+        assert np.array_equal(got["w_in"], expected[f"{hub}.gate_up_proj"][..., 1::2])
+        assert np.array_equal(got["w_out"], expected[f"{hub}.down_proj"])
+    export_checkpoint(str(tmp_path / "imported"), str(tmp_path / "exported"))  # bfloat16, not MXFP4
+    assert "quantization_config" not in json.loads((tmp_path / "exported" / "config.json").read_text())
+    exported = safetensors_of(tmp_path / "exported")
+    assert exported["model.layers.0.mlp.experts.gate_up_proj"].view(np.int16).tobytes() == \
+        expected["model.layers.0.mlp.experts.gate_up_proj"].tobytes()
+
+
+def _saved_config(tmp_path, **changes) -> str:
+    hf_model("gpt_oss").save_pretrained(tmp_path / "hub")
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    config.update(changes)
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    return str(tmp_path / "hub")
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(layer_types=["sliding_attention", "chunked_attention"] * 2), "'layer_types' must name 4 layers"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "'rope_parameters.rope_type'"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                           "attention_factor": 2.0}), "'rope_parameters.attention_factor' is not supported"),
+    (dict(quantization_config={"quant_method": "bitsandbytes"}), "'quantization_config'"),
+])
+def test_a_gpt_oss_config_the_trainer_cannot_build_is_refused_naming_its_key(tmp_path, changes, message):
+    with pytest.raises(HFError, match=message):
+        import_checkpoint(_saved_config(tmp_path, **changes), str(tmp_path / "imported"))
+    assert not (tmp_path / "imported").exists()
