@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from hf_models import VOCAB, hf_model, safetensors_of, tokenizer_json, trainer_model, unoptimised
+from hf_models import VOCAB, hf_model, safetensors_of, trainer_model, unoptimised
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -19,6 +19,20 @@ from trainer.hf.errors import HFError  # noqa: E402
 
 pytestmark = pytest.mark.compile_bound
 LENGTH, WINDOW = 40, 8  # five sliding windows
+# Harmony's special tokens at the top of the tiny vocabulary (o200k_harmony's ids are 200002 and on).
+HARMONY = {"<|return|>": VOCAB - 7, "<|start|>": VOCAB - 6, "<|end|>": VOCAB - 5, "<|message|>": VOCAB - 4,
+           "<|channel|>": VOCAB - 3, "<|call|>": VOCAB - 2}
+
+
+def harmony_tokenizer(path) -> None:
+    """A word-level tokenizer.json whose ids below the harmony tokens are words w1, w2, ..."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, min(HARMONY.values()))}, **HARMONY}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in HARMONY])
+    tokenizer.save(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +42,8 @@ def imported(tmp_path_factory):
     model = hf_model("gpt_oss")
     assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
     model.save_pretrained(tmp / "hub")
-    tokenizer_json(tmp / "hub" / "tokenizer.json", VOCAB - 8)
+    harmony_tokenizer(tmp / "hub" / "tokenizer.json")
+    (tmp / "hub" / "tokenizer_config.json").write_text(json.dumps({"chat_template": HARMONY_TEMPLATE}))
     done = import_checkpoint(str(tmp / "hub"), str(tmp / "imported"))
     assert done["family"] == "gpt_oss" and done["layouts"] == ["fused"]
     return model, tmp
@@ -99,7 +114,70 @@ def test_greedy_generation_through_the_serving_engine_equals_transformers(import
     engine = Engine(served, weights, slots=4, max_len=max_len, chunk=WINDOW, min_span=max_len)  # one span
     requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=new, temperature=0.0))) for p in prompts]
     engine.run()
-    assert [r.output for r in requests] == expected[:, prompts.shape[1]:].tolist()
+    expected = expected[:, prompts.shape[1]:].tolist()
+    assert [r.output for r in requests] == expected
+    # A further end token (as <|call|> is GPT-OSS's) ends a request where it is drawn, as the eos does.
+    engine.output.stop_ids = frozenset({expected[0][5]})
+    again = engine.submit(Request(prompts[0].tolist(), SamplingParams(max_tokens=new, temperature=0.0)))
+    engine.run()
+    assert again.output == expected[0][:expected[0].index(expected[0][5]) + 1] and again.eos
+
+
+def test_return_and_call_stop_generation_besides_the_eos(imported):
+    """The import keeps generation_config.json's eos list; `<|return|>` and `<|call|>` stop generation (the
+    list's others and harmony's turn ends found in the tokenizer), `<|return|>` the eos."""
+    from tokenizers import Tokenizer
+
+    from trainer.outputs import RunDirectory
+    from trainer.sidefiles import eos_token_id, stop_token_ids
+
+    _, tmp = imported
+    run = RunDirectory.at(str(tmp / "imported"))
+    (tmp / "imported" / "hf" / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [HARMONY["<|return|>"], 3, HARMONY["<|call|>"]], "pad_token_id": 3}))
+    assert eos_token_id(run) == HARMONY["<|return|>"]
+    assert stop_token_ids(run) == (3, HARMONY["<|call|>"])
+    (tmp / "imported" / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+    tokenizer = Tokenizer.from_file(str(tmp / "imported" / "hf" / "tokenizer.json"))
+    assert stop_token_ids(run, tokenizer) == (HARMONY["<|return|>"], HARMONY["<|call|>"])
+
+
+HARMONY_TEMPLATE = (
+    "{%- set ns = namespace(system=none) -%}"
+    "<|start|>system<|message|>Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' -%}{%- set ns.system = message.content -%}{%- continue -%}{%- endif -%}"
+    "{%- if message.role not in ['user', 'assistant'] -%}{{ raise_exception('unknown role ' + message.role) }}"
+    "{%- endif -%}"
+    "{%- if message.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ message.content }}"
+    "{%- if loop.last -%}<|return|>{%- break -%}{%- endif -%}<|end|>"
+    "{%- else -%}<|start|>user<|message|>{{ message.content | tojson }}<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if ns.system -%}<|start|>developer<|message|>{{ ns.system }}<|end|>{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+@pytest.mark.parametrize("conversation", [
+    [{"role": "user", "content": "w1 w2 <é>"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "w3"},
+     {"role": "assistant", "content": "w4"}, {"role": "user", "content": "w5"}]])
+def test_a_harmony_style_chat_template_renders_as_transformers_renders_it(imported, conversation):
+    """A template written as GPT-OSS's (strftime_now, namespace, loop controls, tojson) through the import's
+    sandboxed renderer, and the rendered prompt through the import's tokenizer."""
+    from types import SimpleNamespace
+
+    from trainer.serve.chat import hub_chat_template, render
+
+    _, tmp = imported
+    side = str(tmp / "imported" / "hf")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=f"{side}/tokenizer.json",
+                                                     chat_template=HARMONY_TEMPLATE)
+    expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    got = render(hub_chat_template(side), [SimpleNamespace(**m) for m in conversation])
+    assert got == expected and "Current date: 2" in got
+    ids = tokenizer(got)["input_ids"]
+    assert ids[0] == HARMONY["<|start|>"] and ids.count(HARMONY["<|message|>"]) == got.count("<|message|>") >= 2
 
 
 def test_bfloat16_import_then_export_gives_every_tensor_back_bit_for_bit(tmp_path):
