@@ -12,11 +12,12 @@ from trainer.schema import Flag, NonNegative, Number, Positive, Section
 
 class YarnConfig(Section):
     """YaRN's extension of the rotary positions past the length a model was trained at (arXiv 2309.00071), as
-    DeepSeek-V2/V3 (model.mla.yarn) and GPT-OSS (model.yarn) use it: the slow rotary frequencies divided by `factor`, the fast ones kept, a ramp between
-    (beta_fast and beta_slow rotations over original_max_position_embeddings); the rotary values scaled by
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (else mscale(factor, 1)), and
-    the softmax scale by mscale(factor, mscale_all_dim)**2 when it is set, with mscale(s, m) = 0.1 * m *
-    ln(s) + 1 (1 for s <= 1). 0 stands for a key the checkpoint leaves out."""
+    DeepSeek-V2/V3 (model.mla.yarn) and GPT-OSS (model.yarn) use it: the slow rotary frequencies divided by
+    `factor`, the fast ones kept, a ramp between (beta_fast and beta_slow rotations over
+    original_max_position_embeddings); the rotary values scaled by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set (else mscale(factor, 1)), and the softmax scale by mscale(factor,
+    mscale_all_dim)**2 when it is set, with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1). 0 stands for
+    a key the checkpoint leaves out."""
 
     factor: Number = Field(gt=0)
     original_max_position_embeddings: Positive
