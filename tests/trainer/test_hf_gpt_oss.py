@@ -260,3 +260,61 @@ def test_a_gpt_oss_config_the_trainer_cannot_build_is_refused_naming_its_key(tmp
     with pytest.raises(HFError, match=message):
         import_checkpoint(_saved_config(tmp_path, **changes), str(tmp_path / "imported"))
     assert not (tmp_path / "imported").exists()
+
+
+def test_biased_clamped_experts_give_the_same_outputs_and_gradients_on_every_path():
+    """The tiled dropless path's hand-written backward pass (the CPU's) against autodiff of ragged_dot's and
+    of the capacity buffers' (no token dropped), with the experts' biases, the clamped SwiGLU (its clamps
+    reached) and the router's bias."""
+    import jax
+    import jax.numpy as jnp
+
+    from trainer.moe.config import MoEConfig
+    from trainer.moe.experts import Activation, ExpertWeights
+    from trainer.moe.parallel import moe_apply
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    e, d, f = 4, 8, 6
+    keys = jax.random.split(jax.random.key(0), 9)
+    shapes = [(e, d, f), (e, d, f), (e, f, d), (e, f), (e, f), (e, d)]
+    w = ExpertWeights(*(jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=False)),
+                      activation=Activation(clamped=True))
+    x, router, router_bias = (jax.random.normal(keys[6], (2, 16, d)), jax.random.normal(keys[7], (d, e)),
+                              jax.random.normal(keys[8], (e,)))
+
+    def loss(impl, capacity, *args):
+        cfg = MoEConfig(num_experts=e, top_k=2, d_ff=f, capacity_factor=capacity, eval_capacity_factor=capacity,
+                        grouped_matmul=impl, activation="clamped_swiglu", router_bias=True, ffn_bias=True,
+                        softmax_before_topk=False)
+        y, _ = moe_apply(args[0], args[1], args[2], cfg, None, train=True, router_bias_E=args[3])
+        return jnp.sum(jnp.sin(y))
+
+    assert float(jnp.max(jnp.abs(x @ w.w_gate_ExDxF[0]))) > 7  # the gate's clamp is reached
+    with unoptimised():
+        runs = {case: jax.jit(jax.value_and_grad(lambda *a, c=case: loss(*c, *a), argnums=(0, 1, 2, 3)))(
+            x, router, w, router_bias) for case in (("tiled", 0.0), ("ragged_dot", 0.0), ("tiled", 16.0))}
+    (value, grads), others = runs[("tiled", 0.0)], [runs[("ragged_dot", 0.0)], runs[("tiled", 16.0)]]
+    for other_value, other_grads in others:
+        assert abs(float(value - other_value)) <= 1e-4 * abs(float(value))
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(other_grads), strict=True):
+            assert float(jnp.max(jnp.abs(a - b))) <= 1e-4 * float(jnp.max(jnp.abs(b))) + 1e-6
+
+
+def test_the_model_options_refuse_what_does_not_fit():
+    from trainer.model_config import ModelConfig
+    from trainer.moe.config import MoEConfig
+
+    cases = [(dict(layer_types=("sliding", "full")), "model.sliding_window"),
+             (dict(layer_types=("sliding",), sliding_window=4), "names 1 layers, but the model has 2"),
+             (dict(sliding_window=4, layer_types=("full", "full")), "no layer of model.layer_types is 'sliding'"),
+             (dict(attention_sinks=True, attention="splash"), "splash has no sliding windows nor attention sinks"),
+             (dict(attention_sinks=True, mla={}), "model.attention_sinks"),
+             (dict(yarn={"factor": 4, "original_max_position_embeddings": 8, "mscale_all_dim": 1.0}),
+              "mscale_all_dim")]
+    for keys, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(**keys)
+    with pytest.raises(ValueError, match="apply to activation='clamped_swiglu' only"):
+        MoEConfig(swiglu_limit=5.0)
+    assert ModelConfig().layer_kind(1) == (True, 0) and ModelConfig(
+        layer_types=("sliding", "full"), sliding_window=4).window(0) == 4
