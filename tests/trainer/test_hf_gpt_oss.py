@@ -94,7 +94,9 @@ def test_logits_at_initializer_range_0_2_stay_within_1e_3(tmp_path):
 
 def test_greedy_generation_through_the_serving_engine_equals_transformers(imported):
     """4 prompts of 12 tokens (longer than the window), prefilled in chunks of 8, then 32 greedy tokens each
-    through the key/value cache, against transformers' generate(do_sample=False)."""
+    through the key/value cache, against transformers' generate(do_sample=False); on 4 devices, the experts
+    split over `expert` and the heads (their sinks too) and the experts' hidden units over `model` (the down
+    projection's bias added once)."""
     import jax
 
     from trainer import sharding
@@ -108,7 +110,7 @@ def test_greedy_generation_through_the_serving_engine_equals_transformers(import
         expected = model.generate(torch.tensor(prompts), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
                                   do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
     served = build_serving_model(open_run(str(tmp / "imported"), None).cfg,
-                                 sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+                                 sharding.make_mesh({"data": 1, "expert": 2, "model": 2}, jax.devices()[:4]))
     weights, _ = restore_weights(served, str(tmp / "imported" / "checkpoints"))
     max_len = prompts.shape[1] + new
     engine = Engine(served, weights, slots=4, max_len=max_len, chunk=WINDOW, min_span=max_len)  # one span
