@@ -7,7 +7,8 @@ batch of 16 x 1,024) and, under remat, computes them twice. jax's own splash ker
 blocks above the diagonal, and has a fused backward pass: it is what a TPU should run. "auto" takes it on a
 TPU where its blocks fit the shapes (length a multiple of 128, the same head size for keys and values) and
 XLA's elsewhere (the CPU path every test compares against). On a CPU "splash" runs the same kernel through
-Pallas' interpreter, so its tests need no chip.
+Pallas' interpreter, so its tests need no chip. Sliding windows and attention sinks (GPT-OSS) run in XLA
+(local_attention), with their [L, L] scores materialised.
 """
 
 from __future__ import annotations
@@ -63,6 +64,51 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
     spec = P(sharding.BATCH_AXES, None, heads, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                          check_vma=False)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+
+
+def window_mask(positions_BxL: jax.Array, length: int, window: int) -> jax.Array:
+    """[B, 1, L, S]: which of the positions 0..S-1 each query (at positions_BxL) attends to: its own and those
+    before it, and with `window` only the last `window` of them (its own included; 0: all)."""
+    s_S = jnp.arange(length)
+    causal = s_S[None, None, None, :] <= positions_BxL[:, None, :, None]
+    if not window:
+        return causal
+    return causal & (s_S[None, None, None, :] > positions_BxL[:, None, :, None] - window)
+
+
+def sink_attention(q_BxLxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, mask_Bx1xLxS: jax.Array,
+                   sinks_N: jax.Array | None = None, scale: float | None = None) -> jax.Array:
+    """softmax(q k^T * scale) v over the masked-in keys, in XLA with float32 scores, where each head's softmax
+    may take one more logit, sinks_N[n], that no value goes with (GPT-OSS's attention sinks: the head's
+    weights on its keys then sum to less than 1). Grouped-query as causal_attention's: query head n reads key
+    head n // (N / K)."""
+    batch, length, heads, size = q_BxLxNxH.shape
+    kv_heads = k_BxSxKxH.shape[2]
+    q_BxLxKxGxH = q_BxLxNxH.reshape(batch, length, kv_heads, heads // kv_heads, size)
+    scores_BxKxGxLxS = jnp.einsum("blkgh,bskh->bkgls", q_BxLxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
+    scores_BxKxGxLxS = scores_BxKxGxLxS * jnp.float32(size ** -0.5 if scale is None else scale)
+    scores_BxKxGxLxS = jnp.where(mask_Bx1xLxS[:, :, None], scores_BxKxGxLxS, jnp.finfo(jnp.float32).min)
+    if sinks_N is not None:
+        sinks_BxKxGxLx1 = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(1, kv_heads, -1, 1, 1),
+                                           (*scores_BxKxGxLxS.shape[:-1], 1))
+        scores_BxKxGxLxS = jnp.concatenate([scores_BxKxGxLxS, sinks_BxKxGxLx1], axis=-1)
+    probs_BxKxGxLxS = jax.nn.softmax(scores_BxKxGxLxS, axis=-1)
+    if sinks_N is not None:
+        probs_BxKxGxLxS = probs_BxKxGxLxS[..., :-1]
+    out_BxLxKxGxH = jnp.einsum("bkgls,bskh->blkgh", probs_BxKxGxLxS.astype(v_BxSxKxH.dtype), v_BxSxKxH)
+    return out_BxLxKxGxH.reshape(batch, length, heads, size)
+
+
+def local_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *, window: int = 0,
+                    sinks_N: jax.Array | None = None) -> jax.Array:
+    """Causal attention over whole sequences (training) with a sliding window (0: none) and attention sinks
+    (sink_attention), named for the remat policies as causal_attention's XLA path is."""
+    q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = (checkpoint_name(a, n) for a, n in zip(
+        (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH), SAVED, strict=False))
+    length = q_BxLxNxH.shape[1]
+    mask_1x1xLxL = window_mask(jnp.arange(length)[None], length, window)
+    out_BxLxNxH = sink_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask_1x1xLxL, sinks_N)
+    return checkpoint_name(out_BxLxNxH, "attention_out")
 
 
 def block_sizes(length: int):

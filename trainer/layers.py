@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from trainer.attention import causal_attention
+from trainer.attention import causal_attention, local_attention, sink_attention, window_mask
+from trainer.rope import yarn_frequencies
 from trainer.sharding import constrain, model_ways
 
 lecun = nnx.initializers.lecun_normal()
@@ -61,12 +62,15 @@ class Attention(nnx.Module):
 
     Options the open checkpoints need: `bias` on q, k and v (Qwen2-MoE); `qk_norm` an RMSNorm of q and k
     before the rotary positions, over each head ("head", Qwen3-MoE) or over all heads at once ("full",
-    OLMoE), with epsilon `norm_eps`.
+    OLMoE), with epsilon `norm_eps`; GPT-OSS's `out_bias` on the output projection, attention `sinks` (a
+    learned logit per head in the softmax, trainer/attention.py's sink_attention), a sliding `window` (the
+    positions a token attends to, its own included; 0: all before it) and YaRN rotary scaling (`yarn`).
     """
 
     def __init__(self, d_model: int, num_heads: int, kv_heads: int, head_dim: int, *, rope_theta: float,
                  dtype, param_dtype, rngs: nnx.Rngs, bias: bool = False, qk_norm: str = "none",
-                 norm_eps: float = 1e-6, attention: str = "auto"):
+                 norm_eps: float = 1e-6, attention: str = "auto", out_bias: bool = False, sinks: bool = False,
+                 window: int = 0, yarn=None):
         D, N, K, H = d_model, num_heads, kv_heads, head_dim
         self.wq = named_param(rngs, lecun, (D, N, H), ("embed", "heads", "kv"), param_dtype)
         self.wk = named_param(rngs, lecun, (D, K, H), ("embed", "kv_heads", "kv"), param_dtype)
@@ -85,8 +89,15 @@ class Attention(nnx.Module):
                                                param_dtype=param_dtype, rngs=rngs,
                                                names=(name, "kv") if whole else ("norm",))
             self.q_norm, self.k_norm = norm(N, "heads"), norm(K, "kv_heads")
-        self.bias, self.qk_norm = bias, qk_norm
+        if out_bias:
+            self.bo = named_param(rngs, nnx.initializers.zeros, (D,), ("embed",), param_dtype)
+        if sinks:
+            self.sinks = named_param(rngs, nnx.initializers.zeros, (N,), ("heads",), param_dtype)
+        self.bias, self.qk_norm, self.out_bias, self.has_sinks, self.window = bias, qk_norm, out_bias, sinks, window
         self.rope_theta, self.dtype, self.attention = rope_theta, dtype, attention
+        self.inv_freq, self.rope_factor = None, 1.0
+        if yarn is not None:
+            self.inv_freq, self.rope_factor, _ = yarn_frequencies(H, rope_theta, yarn)
 
     def __call__(self, x_BxLxD: jax.Array, cache=None):
         """The attention output [B, L, D]; with `cache` (trainer.serve.kvcache.LayerCache) the L tokens
@@ -100,17 +111,37 @@ class Attention(nnx.Module):
             q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
         offset = 0 if cache is None else cache.starts_B
         # Tensor parallelism: heads split over `model` (KV heads replicated when fewer); trainer/sharding.py.
-        q_BxLxNxH = constrain(rotary(q_BxLxNxH, self.rope_theta, offset), ("batch", "length", "heads", "kv"))
-        k_BxLxKxH = constrain(rotary(k_BxLxKxH, self.rope_theta, offset), ("batch", "length", "kv_heads", "kv"))
+        q_BxLxNxH = constrain(self._rotary(q_BxLxNxH, offset), ("batch", "length", "heads", "kv"))
+        k_BxLxKxH = constrain(self._rotary(k_BxLxKxH, offset), ("batch", "length", "kv_heads", "kv"))
         v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "kv"))
-        if cache is None:
+        sinks_N = self.sinks[...] if self.has_sinks else None
+        if cache is None and (self.window or self.has_sinks):
+            o_BxLxNxH = local_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, window=self.window, sinks_N=sinks_N)
+        elif cache is None:
             o_BxLxNxH = causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, impl=self.attention)
         else:
             cache, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS = cache.append(k_BxLxKxH, v_BxLxKxH)
-            o_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxSxKxH.astype(self.dtype),
-                                                     v_BxSxKxH.astype(self.dtype), mask=mask_Bx1xLxS)
+            o_BxLxNxH = self._cached(q_BxLxNxH, k_BxSxKxH.astype(self.dtype), v_BxSxKxH.astype(self.dtype),
+                                     mask_Bx1xLxS, cache.starts_B, sinks_N)
         out_BxLxD = jnp.einsum("blnh,nhd->bld", o_BxLxNxH, self.wo[...].astype(self.dtype))
+        if self.out_bias:
+            out_BxLxD = out_BxLxD + self.bo[...].astype(self.dtype)
         return out_BxLxD if cache is None else (out_BxLxD, cache)
+
+    def _rotary(self, x_BxLxNxH: jax.Array, offset) -> jax.Array:
+        """Rotary positions from `offset`; YaRN also scales the rotated values (its cos and sin)."""
+        x_BxLxNxH = rotary(x_BxLxNxH, self.rope_theta, offset, self.inv_freq)
+        return x_BxLxNxH * self.rope_factor if self.rope_factor != 1.0 else x_BxLxNxH
+
+    def _cached(self, q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS, starts_B, sinks_N):
+        """Attention over the cached positions the mask lets in; a sliding layer's over its window only (the
+        cache keeps every position: those before the window are masked out)."""
+        if not self.window and sinks_N is None:
+            return jax.nn.dot_product_attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask_Bx1xLxS)
+        if self.window:
+            positions_BxL = starts_B[:, None] + jnp.arange(q_BxLxNxH.shape[1], dtype=starts_B.dtype)
+            mask_Bx1xLxS = mask_Bx1xLxS & window_mask(positions_BxL, k_BxSxKxH.shape[1], self.window)
+        return sink_attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS, sinks_N)
 
     def _project(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q, k and v. Split over `model` (T devices, KV heads too), as one product with the three weights

@@ -31,7 +31,8 @@ class Block(nnx.Module):
         else:
             self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_size, rope_theta=m.rope_theta,
                                   dtype=dtype, param_dtype=pdtype, rngs=rngs, bias=m.qkv_bias, qk_norm=m.qk_norm,
-                                  norm_eps=m.norm_eps, attention=m.attention)
+                                  norm_eps=m.norm_eps, attention=m.attention, out_bias=m.out_bias,
+                                  sinks=m.attention_sinks, window=m.window(layer), yarn=m.yarn)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         self.is_moe = m.is_moe_layer(layer)
         if self.is_moe:

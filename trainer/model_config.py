@@ -12,11 +12,12 @@ from trainer.schema import Flag, NonNegative, Number, Positive, Section
 
 class YarnConfig(Section):
     """YaRN's extension of the rotary positions past the length a model was trained at (arXiv 2309.00071), as
-    DeepSeek-V2/V3 use it: the slow rotary frequencies divided by `factor`, the fast ones kept, a ramp between
-    (beta_fast and beta_slow rotations over original_max_position_embeddings); the rotary values scaled by
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (else mscale(factor, 1)), and
-    the softmax scale by mscale(factor, mscale_all_dim)**2 when it is set, with mscale(s, m) = 0.1 * m *
-    ln(s) + 1 (1 for s <= 1). 0 stands for a key the checkpoint leaves out."""
+    DeepSeek-V2/V3 (model.mla.yarn) and GPT-OSS (model.yarn) use it: the slow rotary frequencies divided by
+    `factor`, the fast ones kept, a ramp between (beta_fast and beta_slow rotations over
+    original_max_position_embeddings); the rotary values scaled by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set (else mscale(factor, 1)), and the softmax scale by mscale(factor,
+    mscale_all_dim)**2 when it is set, with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1). 0 stands for
+    a key the checkpoint leaves out."""
 
     factor: Number = Field(gt=0)
     original_max_position_embeddings: Positive
@@ -88,6 +89,15 @@ class ModelConfig(Section):
     scan_layers: Flag = True
     # Multi-head latent attention in place of multi-head attention (DeepSeek); none: today's attention.
     mla: MLAConfig | None = None
+    out_bias: Flag = False  # a bias on the attention's output projection (GPT-OSS)
+    # A learned logit per head that joins the softmax's denominator as one more key with no value (GPT-OSS's
+    # attention sinks): a head may then give its keys less than all of its attention.
+    attention_sinks: Flag = False
+    # Each layer's attention: "full" (causal over every earlier position) or "sliding" (the last sliding_window
+    # positions, its own included); empty: every layer full.
+    layer_types: tuple[Literal["full", "sliding"], ...] = ()
+    sliding_window: NonNegative = 0  # positions a "sliding" layer attends to; 0: no sliding layer
+    yarn: YarnConfig | None = None  # YaRN rotary scaling of multi-head attention (model.mla takes its own)
 
     @model_validator(mode="after")
     def _valid(self) -> Self:
@@ -101,6 +111,7 @@ class ModelConfig(Section):
                              f"({self.num_kv_heads})")
         if self.mla is None and self.head_size % 2:
             raise ValueError(f"the head size must be even for rotary positions, got {self.head_size}")
+        self._valid_attention_kinds()
         beyond = [i for i in self.dense_layers if i >= self.num_layers]
         if beyond:
             raise ValueError(f"model.dense_layers names layer {beyond[0]}, but the model has {self.num_layers} "
@@ -110,10 +121,31 @@ class ModelConfig(Section):
     def _valid_mla(self) -> None:
         clashes = [(self.num_kv_heads not in (0, self.num_heads), "model.num_kv_heads (every head has its own "
                     "keys and values)"), (self.head_dim != 0, "model.head_dim (model.mla sets the head sizes)"),
-                   (self.qk_norm != "none", "model.qk_norm"), (self.qkv_bias, "model.qkv_bias")]
+                   (self.qk_norm != "none", "model.qk_norm"), (self.qkv_bias, "model.qkv_bias"),
+                   (self.out_bias, "model.out_bias"), (self.attention_sinks, "model.attention_sinks"),
+                   (bool(self.layer_types), "model.layer_types (its attention is full)"),
+                   (self.yarn is not None, "model.yarn (it takes model.mla.yarn)")]
         for bad, key in clashes:
             if bad:
                 raise ValueError(f"model.mla (multi-head latent attention) does not take {key}")
+
+    def _valid_attention_kinds(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"model.layer_types names {len(self.layer_types)} layers, but the model has "
+                             f"{self.num_layers}")
+        sliding = "sliding" in self.layer_types
+        if sliding and not self.sliding_window:
+            raise ValueError("model.layer_types has sliding layers: set model.sliding_window (the positions they "
+                             "attend to)")
+        if self.sliding_window and not sliding:
+            raise ValueError(f"model.sliding_window = {self.sliding_window}, but no layer of model.layer_types is "
+                             "'sliding'")
+        if self.yarn is not None and self.yarn.mscale_all_dim:
+            raise ValueError("model.yarn.mscale_all_dim scales latent attention's softmax (model.mla.yarn): "
+                             "multi-head attention's YaRN takes factor, mscale and the ramp only")
+        if self.attention == "splash" and (sliding or self.attention_sinks):
+            raise ValueError("model.attention = splash has no sliding windows nor attention sinks: take 'auto' or "
+                             "'xla' (their attention runs in XLA)")
 
     @property
     def kv_heads(self) -> int:
@@ -129,6 +161,16 @@ class ModelConfig(Section):
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe_every > 0 and (i + 1) % self.moe_every == 0 and i not in self.dense_layers
+
+    def window(self, i: int) -> int:
+        """The positions layer i attends to (its own included): sliding_window for a sliding layer, 0 (all
+        earlier positions) for a full one."""
+        return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding" else 0
+
+    def layer_kind(self, i: int) -> tuple[bool, int]:
+        """What makes layer i's structure: MoE or dense, and its attention window (trainer/stacks.py scans
+        layers of one kind together)."""
+        return self.is_moe_layer(i), self.window(i)
 
     @property
     def num_moe_layers(self) -> int:

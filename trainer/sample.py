@@ -100,16 +100,16 @@ def restore_params(cfg, checkpoints: str, prompt: int, tokens: int, quantized: s
 
 
 def generate(model, weights, prompt: list[int], tokens: int, *, temperature: float, top_k: int,
-             seed: int, eos_id: int | None = None) -> tuple[list[int], float]:
-    """(the new ids, at most `tokens`, the last one `eos_id` where generation stopped at it, as the server's
-    do; tokens per second after the first one), through the serving engine with one slot: the prompt
-    prefilled, then one token per step through the key/value cache."""
+             seed: int, eos_id: int | None = None, stop_ids: tuple[int, ...] = ()) -> tuple[list[int], float]:
+    """(the new ids, at most `tokens`, the last one `eos_id` (or one of `stop_ids`) where generation stopped at
+    it, as the server's do; tokens per second after the first one), through the serving engine with one slot:
+    the prompt prefilled, then one token per step through the key/value cache."""
     from trainer.serve.engine import Engine, Request, SamplingParams
 
     chunk = min(len(prompt), 256)
     # One span, the whole length: one slot's shorter reads save little, and each span is a compilation.
     engine = Engine(model, weights, slots=1, max_len=len(prompt) + tokens, chunk=chunk,
-                    min_span=len(prompt) + tokens, eos_id=eos_id)
+                    min_span=len(prompt) + tokens, eos_id=eos_id, stop_ids=stop_ids)
     engine.warm_up(every_span=True)  # compiled before the first token, so that the rate counts decoding only
     request = engine.submit(Request(prompt, SamplingParams(max_tokens=tokens, temperature=temperature,
                                                            top_k=top_k, seed=seed)))
@@ -153,7 +153,7 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, weight_f
     """
     run = find_run(directory)
     cfg = load_run_config(run.config)
-    from trainer.sidefiles import tokenizer_file  # the model's own (an import, a fine-tune of one)
+    from trainer.sidefiles import stop_token_ids, tokenizer_file  # the model's own (an import, a fine-tune of one)
 
     codec = Codec(cfg, tokenizer_path or tokenizer_file(run), any_tokenizer, checkpoints=run.checkpoints)
     ids = codec.encode(prompt)
@@ -164,15 +164,17 @@ def sample_command(directory, prompt, tokens, temperature, top_k, seed, weight_f
     quantized = None if weight_format == "auto" else weight_format
     model, weights, step = restore_params(cfg, run.checkpoints, len(ids), tokens, quantized)
     eos_id, _ = end_of_document(cfg, codec, run)  # where the server stops, this stops
-    out, rate = generate(model, weights, ids, tokens, temperature=temperature, top_k=top_k, seed=seed, eos_id=eos_id)
-    stopped = eos_id is not None and out[-1] == eos_id
+    stop_ids = stop_token_ids(run, codec.tokenizer)
+    out, rate = generate(model, weights, ids, tokens, temperature=temperature, top_k=top_k, seed=seed, eos_id=eos_id,
+                         stop_ids=stop_ids)
+    stopped = bool(out) and (out[-1] == eos_id or out[-1] in stop_ids)
     text = codec.decode(out[:-1] if stopped else out)
     if output_format == "json":
         click.echo(json.dumps({"model": cfg.name, "step": step, "weights": weight_format, "prompt_ids": ids,
                                "ids": out, "text": text, "finish_reason": "stop" if stopped else "length"}))
     else:  # the text alone: a newline after it would read as one the model wrote (stderr ends the line)
         click.echo(text, nl=False)
-    ended = f", ended by the end-of-document token {eos_id}" if stopped else ""
+    ended = f", ended by the end token {out[-1]}" if stopped else ""
     line_end = "\n" if output_format == "text" and text and not text.endswith("\n") else ""
     stored = f", {quantized} weights" if quantized else ""
     click.echo(f"{line_end}{len(out)} tokens from the checkpoint at step {step} ({cfg.name}{stored}){ended}, "

@@ -121,6 +121,30 @@ def eos_token_id(run: RunDirectory) -> int | None:
     return None
 
 
+# Tokens that end an assistant's turn in a family's chat format, beside its eos_token_id (GPT-OSS's harmony:
+# the answer ends at <|return|>, a tool call at <|call|>).
+TURN_ENDS = {"gpt_oss": ("<|return|>", "<|call|>")}
+
+
+def stop_token_ids(run: RunDirectory, tokenizer=None) -> tuple[int, ...]:
+    """Every token id generation stops at besides the first eos_token_id (eos_token_id): the rest of a list
+    in generation_config.json or config.json (GPT-OSS names three), and the family's turn ends (TURN_ENDS)
+    that `tokenizer` (a tokenizers.Tokenizer) holds. Sorted, without duplicates."""
+    found: set[int] = set()
+    for name in (GENERATION_CONFIG, CONFIG) if run.hub else ():
+        config = read_json(os.path.join(run.hub, name)) or {}
+        value = config.get("eos_token_id") if isinstance(config, dict) else None
+        found.update(v for v in (value if isinstance(value, list) else [value])
+                     if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+    model_type = hub_config(run).get("model_type")
+    for text in TURN_ENDS.get(model_type, ()) if tokenizer is not None else ():
+        token = tokenizer.token_to_id(text)
+        if token is not None:
+            found.add(token)
+    found.discard(eos_token_id(run))
+    return tuple(sorted(found))
+
+
 def token_id(config: Any, key: str) -> int | None:
     """config[key] as one token id (the first of a list), or None."""
     value = config.get(key) if isinstance(config, dict) else None

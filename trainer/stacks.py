@@ -3,10 +3,11 @@
 The model compiles one block per repeating pattern of its layers and scans it (trainer/model.py), so that
 compile time does not grow with depth. A *stack* is a run of layers that repeats one period of structures:
 layers start, start + 1, ... start + period * repeats - 1, where layer start + j + period * r has the structure
-of layer start + j (dense or MoE: ModelConfig.is_moe_layer). Its parameters are stacked with a leading layer
-axis of length `repeats`: layer start + j + period * r is index r of `stacks.{s}.{j}.<name in the block>`.
-DeepSeek's first dense layers then MoE are two stacks of period 1; a dense/MoE alternation is one stack of
-period 2; Qwen's mlp_only_layers cut the runs where they fall.
+of layer start + j (dense or MoE, full or sliding attention: ModelConfig.layer_kind). Its parameters are
+stacked with a leading layer axis of length `repeats`: layer start + j + period * r is index r of
+`stacks.{s}.{j}.<name in the block>`. DeepSeek's first dense layers then MoE are two stacks of period 1; a
+dense/MoE alternation is one stack of period 2 (and so is GPT-OSS's sliding/full one); Qwen's mlp_only_layers
+cut the runs where they fall.
 
 A layer's own parameter names, `blocks.{i}.<name in the block>`, are those of the layout before stacking
 (checkpoints of that layout still restore: `stack_flat` converts them) and those trainer/hf names its
@@ -65,8 +66,8 @@ def plan_stacks(kinds: tuple) -> tuple[Stack, ...]:
 
 
 def layer_stacks(model) -> tuple[Stack, ...]:
-    """The stacks of a ModelConfig's layers (dense or MoE by its layer pattern)."""
-    return _stacks_of(tuple(model.is_moe_layer(i) for i in range(model.num_layers)))
+    """The stacks of a ModelConfig's layers (dense or MoE by its layer pattern, and their attention window)."""
+    return _stacks_of(tuple(model.layer_kind(i) for i in range(model.num_layers)))
 
 
 @functools.lru_cache(maxsize=64)

@@ -49,12 +49,24 @@ DEEPSEEK = {
 }
 
 
+# GPT-OSS: four layers alternating sliding (a window of 8) and full attention, YaRN over an original length of
+# 32 that the tests' sequences pass; widths multiples of 32 (MXFP4's blocks).
+GPT_OSS = {
+    "gpt_oss": ("GptOssConfig", dict(hidden_size=64, num_hidden_layers=4, head_dim=16, intermediate_size=32,
+                                     num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                     max_position_embeddings=256,
+                                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                                          beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                          original_max_position_embeddings=32))),
+}
+
+
 def hf_model(name: str, seed: int = 0, initializer_range: float = 0.02, **extra):
     """A random model of family `name` in float32 with eager attention and eager experts."""
     import torch
     import transformers
 
-    cls, keys = FAMILIES[name] if name in FAMILIES else DEEPSEEK[name]
+    cls, keys = {**FAMILIES, **DEEPSEEK, **GPT_OSS}[name]
     config = getattr(transformers, cls)(**{**COMMON, **keys}, initializer_range=initializer_range, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",

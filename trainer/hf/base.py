@@ -2,7 +2,8 @@
 (Keys), and a trainer parameter's Hub tensors with their transforms (Spec and its common shapes).
 
 families.py and names.py describe Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE with these, and hand DeepSeek's
-models to deepseek.py, which builds on this module alone: none of the three imports another that imports it.
+models to deepseek.py and GPT-OSS's to gpt_oss.py, which build on this module alone: none of them imports
+another that imports it.
 Importing this module imports no jax.
 """
 
@@ -34,6 +35,7 @@ class Family:
     norm_topk_key: str | None = "norm_topk_prob"  # None: always renormalised
     shared_name: str = "shared_expert"  # the shared expert's module in the MoE block
     mla: bool = False  # multi-head latent attention and DeepSeek's routing (trainer/hf/deepseek.py)
+    gpt_oss: bool = False  # attention sinks, expert biases, the clamped SwiGLU (trainer/hf/gpt_oss.py)
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -48,6 +50,8 @@ FAMILIES = {f.model_type: f for f in (
     *(Family(t, a, "n_routed_experts", "mlp", ("gate_proj", "up_proj", "down_proj"), 1e4, 1e-6, "moe_intermediate_size",
              shared_expert=True, shared_name="shared_experts", mla=True)
       for t, a in (("deepseek_v2", "DeepseekV2ForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"))),
+    Family("gpt_oss", "GptOssForCausalLM", "num_local_experts", "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"),
+           150000.0, 1e-5, "intermediate_size", gpt_oss=True),
 )}
 
 # Keys written from the trainer's config on export; every other key of the imported config.json (token ids,
@@ -106,7 +110,16 @@ class Spec:
     shape: tuple[int, ...]
     hub: dict[str, tuple[int, ...]]
     to_trainer: Callable[[list[np.ndarray]], np.ndarray]  # the hub tensors, in `hub`'s order
-    to_hub: Callable[[np.ndarray], list[np.ndarray]]
+    to_hub: Callable[..., list[np.ndarray]]  # the parameter's value, then those of `needs`
+    # Where two parameters make one Hub tensor (GPT-OSS's interleaved gate_up_proj): the other parameters whose
+    # values the export's to_hub takes too, and the Hub tensors it writes (None: all of `hub`; a spec whose
+    # partner writes the shared tensor writes none).
+    needs: tuple[str, ...] = ()
+    written: tuple[str, ...] | None = None
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return tuple(self.hub) if self.written is None else self.written
 
 
 def transposed(x: np.ndarray) -> np.ndarray:

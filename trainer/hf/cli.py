@@ -17,7 +17,7 @@ MB = 10**6
 
 @click.group("hf")
 def hf_group() -> None:
-    """Hugging Face checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3): import and export."""
+    """Hugging Face checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GPT-OSS): import and export."""
 
 
 @hf_group.command("import")

@@ -22,7 +22,7 @@ import numpy as np
 
 from trainer import sidefiles, signals
 from trainer.config import Config, DataConfig
-from trainer.hf import deepseek, families, fp8, names
+from trainer.hf import deepseek, families, fp8, gpt_oss, mxfp4, names
 from trainer.hf.errors import HFError, WriteError
 from trainer.hf.orbax_io import BIAS_SUFFIX, open_run, save_params
 from trainer.hf.safetensors_io import CONFIG, DTYPES, INDEX, SINGLE, HubReader, ShardWriter, read_json
@@ -64,6 +64,8 @@ def open_hub(source: str) -> HubModel:
     cfg = families.trainer_config(hub, config_path, dtype)
     fused = lambda i: f"model.layers.{i}.mlp.experts.gate_up_proj" in reader.names()  # noqa: E731
     layouts = [names.FUSED if fused(i) else names.PER_EXPERT for i in range(cfg.model.num_layers)]
+    if fam.gpt_oss:  # fused on disk, its experts' matrices in bfloat16 or MXFP4
+        layouts = [names.MXFP4 if mxfp4.is_mxfp4(hub) else names.FUSED] * cfg.model.num_layers
     check_tokenizer(source, cfg.model.vocab_size)
     return HubModel(source, hub, cfg, fam, layouts, reader)
 
@@ -88,20 +90,23 @@ def check_tokenizer(directory: str, vocab_size: int) -> None:
 def read_param(model: HubModel, spec: names.Spec) -> np.ndarray:
     """One trainer parameter from its Hub tensors, each checked for shape and dtype before it is read."""
     want_dtype, bias = model.cfg.param_dtype, spec.param.endswith(BIAS_SUFFIX)  # a bias is float32 state
-    block = fp8.block_size(model.hub, os.path.join(model.directory, CONFIG))
+    block = None if model.family.gpt_oss else fp8.block_size(model.hub, os.path.join(model.directory, CONFIG))
     quantized = {name for name, shape in spec.hub.items()
                  if block and len(shape) == 2 and model.reader.dtype(name) == fp8.FP8}
+    packed = {name for name in spec.hub if model.family.gpt_oss and gpt_oss.is_packed(name)}  # MXFP4, uint8
     for name, shape in spec.hub.items():
         got = model.reader.shape(name)
         if got != shape:
             raise HFError(f"{model.reader.where_is(name)}: '{name}' has shape {list(got)}; config.json makes it "
                           f"{list(shape)}")
-        if DTYPES.get(model.reader.dtype(name)) != want_dtype and not bias and name not in quantized:
+        wrong = model.reader.dtype(name) != "U8" if name in packed else \
+            DTYPES.get(model.reader.dtype(name)) != want_dtype and not bias and name not in quantized
+        if wrong:
             raise HFError(f"{model.reader.where_is(name)}: '{name}' is {model.reader.dtype(name)}, the checkpoint's "
-                          f"other tensors are {want_dtype}")
-    if quantized and want_dtype != "bfloat16":
-        raise HFError(f"{model.reader.where_is(min(quantized))}: FP8 weights dequantise to bfloat16, but the "
-                      f"checkpoint's other tensors are {want_dtype}")
+                          f"other tensors are {'uint8 (MXFP4)' if name in packed else want_dtype}")
+    if (quantized or packed) and want_dtype != "bfloat16":
+        raise HFError(f"{model.reader.where_is(min(quantized | packed))}: {'FP8' if quantized else 'MXFP4'} "
+                      f"weights dequantise to bfloat16, but the checkpoint's other tensors are {want_dtype}")
     value = spec.to_trainer(Tensors(list(spec.hub), lambda name: fp8.dequantized(model.reader, name, block)
                                     if name in quantized else model.reader.tensor(name)))
     return value.astype(np.float32) if bias else value
@@ -307,10 +312,11 @@ def export_checkpoint(run: str, output: str, step: int | None = None, max_shard_
     with staged(output) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         for group in names.all_specs(saved.cfg, fam):
-            values = saved.read({spec.param for spec in group})
+            values = saved.read({spec.param for spec in group} | {n for spec in group for n in spec.needs})
             for spec in group:
                 signals.checkpoint()  # a recorded Ctrl-C or SIGTERM is acted on between two tensors
-                for name, tensor in zip(spec.hub, spec.to_hub(values[spec.param]), strict=True):
+                tensors = spec.to_hub(values[spec.param], *(values[n] for n in spec.needs))
+                for name, tensor in zip(spec.writes, tensors, strict=True):
                     writer.add(name, tensor)
         shards = writer.finish()
         side = sidefiles.export(found, saved.cfg, tmp)

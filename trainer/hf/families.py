@@ -6,7 +6,8 @@ sigmoid-gated shared expert; Qwen3-MoE an RMSNorm of each head's q and k; OLMoE 
 of k. The Qwen families interleave dense layers (`decoder_sparse_step`, `mlp_only_layers`) and, with OLMoE,
 renormalise the top k only with `norm_topk_prob`. A feature the trainer does not implement (a sliding window
 in use, a RoPE scaling, `clip_qkv`, biases on the output projection) is refused naming its key. DeepSeek-V2
-and V3 (latent attention, their routing) are described in deepseek.py, which the functions here hand them to.
+and V3 (latent attention, their routing) are described in deepseek.py and GPT-OSS (attention sinks, sliding
+layers, expert biases, the clamped SwiGLU, MXFP4 experts) in gpt_oss.py, which the functions here hand them to.
 Importing this module imports no jax.
 """
 
@@ -62,6 +63,10 @@ def trainer_config(hf: dict, where: str, dtype: str) -> Config:
         from trainer.hf import deepseek
 
         return deepseek.trainer_config(keys, fam, dtype)
+    if fam.gpt_oss:
+        from trainer.hf import gpt_oss
+
+        return gpt_oss.trainer_config(keys, fam, dtype)
     d_model, heads = keys.positive("hidden_size"), keys.positive("num_attention_heads")
     max_positions = keys.get("max_position_embeddings", int, 4096)
     _refuse_unsupported(keys, fam, max_positions)
@@ -105,6 +110,10 @@ def family_of(cfg: Config, hinted: str | None = None) -> Family:
         from trainer.hf import deepseek
 
         return deepseek.family_of(cfg)
+    from trainer.hf import gpt_oss
+
+    if hinted == "gpt_oss" or gpt_oss.is_gpt_oss(cfg):
+        return gpt_oss.family_of(cfg)
     beyond = [(e.routing != "token_choice", f"moe.routing={e.routing}"), (e.score != "softmax", f"moe.score={e.score}"),
               (not e.softmax_before_topk, "moe.softmax_before_topk=false"), (e.route_scale != 1, "moe.route_scale"),
               (e.uses_bias, f"moe.balance={e.balance}"), (e.routing_groups_limit > 0, "moe.routing_groups_limit"),
@@ -114,7 +123,7 @@ def family_of(cfg: Config, hinted: str | None = None) -> Family:
     for bad, what in beyond:
         if bad:
             raise HFError(f"the model has {what}, which none of the families (Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                          "OLMoE, DeepSeek) has: it cannot be exported")
+                          "OLMoE, DeepSeek, GPT-OSS) has: it cannot be exported")
     fits = [f for f in FAMILIES.values() if _fits(f, cfg)]
     if not fits:
         raise HFError(f"no family has this combination: q/k norm {m.qk_norm!r}, q/k/v bias {m.qkv_bias}, "
@@ -126,7 +135,8 @@ def family_of(cfg: Config, hinted: str | None = None) -> Family:
 def _fits(fam: Family, cfg: Config) -> bool:
     m, e = cfg.model, cfg.moe
     patterned = m.moe_every != 1 or bool(m.dense_layers)
-    return (not fam.mla and fam.qk_norm == m.qk_norm and (m.qkv_bias <= (fam.qkv_bias_key is not None))
+    return (not fam.mla and not fam.gpt_oss and fam.qk_norm == m.qk_norm
+            and (m.qkv_bias <= (fam.qkv_bias_key is not None))
             and (e.num_shared_experts > 0) == fam.shared_expert and (not patterned or fam.sparse_pattern)
             and (fam.norm_topk_key is not None or e.renormalize) and (e.num_shared_experts <= 1)
             and (fam.qk_norm != "full" or m.head_size * m.num_heads == m.d_model))  # OLMoE derives the head size
@@ -141,6 +151,10 @@ def hub_config(cfg: Config, fam: Family, carried: dict | None = None) -> dict[st
         from trainer.hf import deepseek
 
         return deepseek.hub_config(cfg, fam, carried)
+    if fam.gpt_oss:
+        from trainer.hf import gpt_oss
+
+        return gpt_oss.hub_config(cfg, fam, carried)
     out = {k: v for k, v in (carried or {}).items() if k not in STRUCTURAL}
     out.update({"architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": m.vocab_size,
                 "hidden_size": m.d_model, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,

@@ -18,7 +18,7 @@ import numpy as np
 from trainer.config import Config
 from trainer.hf.base import Family, Spec, heads_in, heads_out, linear, same, transposed  # noqa: F401 (names' API)
 
-PER_EXPERT, FUSED = "per-expert", "fused"
+PER_EXPERT, FUSED, MXFP4 = "per-expert", "fused", "mxfp4"
 
 
 def _experts(param: str, hubs: list[str], e: int, d_in: int, d_out: int) -> Spec:
@@ -112,7 +112,11 @@ def _dense(cfg: Config, i: int) -> list[Spec]:
 
 
 def layer_specs(cfg: Config, fam: Family, i: int, layout: str = PER_EXPERT) -> list[Spec]:
-    """Layer i's parameters, with routed experts in `layout` (PER_EXPERT or FUSED)."""
+    """Layer i's parameters, with routed experts in `layout` (PER_EXPERT, FUSED, or GPT-OSS's MXFP4)."""
+    if fam.gpt_oss:
+        from trainer.hf.gpt_oss import layer_specs as gpt_oss_specs
+
+        return gpt_oss_specs(cfg, i, packed=layout == MXFP4)
     d = cfg.model.d_model
     hub = f"model.layers.{i}"
     ffn = _moe(cfg, fam, i, layout) if cfg.model.is_moe_layer(i) else _dense(cfg, i)

@@ -89,6 +89,13 @@ class MoEConfig(Section):
     # A group's score when routing_groups_limit keeps the best groups: the sum of its two best selection
     # scores (DeepSeek-V3), or its best one ("max", DeepSeek-V2's group_limited_greedy).
     group_score: Literal["top2_sum", "max"] = "top2_sum"
+    router_bias: Flag = False  # a learned bias on the router logits (GPT-OSS)
+    ffn_bias: Flag = False  # a bias on each routed expert's gate, up and down products (GPT-OSS)
+    # The routed experts' gating: "swiglu", silu(gate) * up; "clamped_swiglu" (GPT-OSS), with gate clamped to at
+    # most swiglu_limit and up to [-swiglu_limit, swiglu_limit], (up + 1) * gate * sigmoid(swiglu_alpha * gate).
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    swiglu_alpha: Number = Field(1.702, gt=0)
+    swiglu_limit: Number = Field(7.0, gt=0)
 
     @model_validator(mode="after")
     def _valid(self) -> MoEConfig:
@@ -111,6 +118,8 @@ class MoEConfig(Section):
                 f"routing_groups_limit ({self.routing_groups_limit}) must be >= top_k / (num_experts / "
                 f"expert_groups) = {self.top_k}/{per_group}: the kept groups must hold top_k experts",
             )
+        _check(self.activation == "clamped_swiglu" or (self.swiglu_alpha, self.swiglu_limit) == (1.702, 7.0),
+               "swiglu_alpha and swiglu_limit apply to activation='clamped_swiglu' only")
         _check(self.num_shared_experts or not self.shared_gate, "shared_gate needs num_shared_experts >= 1 "
                "(the shared experts it gates)")
         if self.score == "sigmoid":

@@ -56,11 +56,11 @@ class Stats(NamedTuple):
     group_sum: jax.Array  # distinct expert groups per token, summed over tokens (token choice)
 
 
-def route_tokens(x_GxTxD, router_DxE, cfg: MoEConfig, train: bool, key):
+def route_tokens(x_GxTxD, router_DxE, cfg: MoEConfig, train: bool, key, router_bias_E=None):
     """Router logits per group (float32), with multiplicative jitter when training."""
     if train and cfg.jitter > 0 and key is not None:
         x_GxTxD = routing.multiplicative_jitter(x_GxTxD, key, cfg.jitter)
-    return jax.vmap(routing.router_logits, in_axes=(0, None))(x_GxTxD, router_DxE)
+    return jax.vmap(routing.router_logits, in_axes=(0, None, None))(x_GxTxD, router_DxE, router_bias_E)
 
 
 def token_choice(logits_GxTxE, cfg: MoEConfig, bias_E=None):

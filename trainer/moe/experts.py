@@ -1,39 +1,92 @@
-"""Gated SiLU experts: batched over capacity buffers, or grouped over expert-sorted rows.
+"""Gated experts: batched over capacity buffers, or grouped over expert-sorted rows.
 
-Parameters stay float32; matmuls run in the compute dtype (bfloat16 on TPU).
+Parameters stay float32; matmuls run in the compute dtype (bfloat16 on TPU). An expert is
+act(x W_gate + b_gate, x W_in + b_in) W_out + b_out, the biases optional (GPT-OSS has them) and act
+the SwiGLU silu(gate) * up or GPT-OSS's clamped one (Activation).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from trainer.moe.dispatch import BlockLayout, inverse_index, take_rows
 from trainer.moe.gmm import grouped_matmul
-from trainer.moe.stacked import read
+from trainer.moe.stacked import LayerOf, read
 from trainer.moe.tiled import tiled_ffn
 
 
-class ExpertWeights(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """The experts' gating of their two hidden products: silu(gate) * up, or with `clamped` (GPT-OSS) gate
+    clamped to at most `limit` and up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    clamped: bool = False
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, g_xF: jax.Array, h_xF: jax.Array) -> jax.Array:
+        if not self.clamped:
+            return jax.nn.silu(g_xF) * h_xF
+        g_xF = jnp.minimum(g_xF, jnp.asarray(self.limit, g_xF.dtype))
+        h_xF = jnp.clip(h_xF, -self.limit, self.limit).astype(h_xF.dtype)
+        return (h_xF + 1) * (g_xF * jax.nn.sigmoid(g_xF * jnp.asarray(self.alpha, g_xF.dtype)))
+
+    @staticmethod
+    def of(cfg) -> Activation:
+        """A MoEConfig's."""
+        return Activation(cfg.activation == "clamped_swiglu", cfg.swiglu_alpha, cfg.swiglu_limit)
+
+
+SWIGLU = Activation()
+_ARRAYS = ["w_in_ExDxF", "w_gate_ExDxF", "w_out_ExFxD", "b_in_ExF", "b_gate_ExF", "b_out_ExD"]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=_ARRAYS, meta_fields=["activation"])
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    """The routed experts' weights (a pytree: the biases None where the experts have none) and their gating
+    (static)."""
+
     w_in_ExDxF: jax.Array
     w_gate_ExDxF: jax.Array
     w_out_ExFxD: jax.Array
+    b_in_ExF: jax.Array | None = None
+    b_gate_ExF: jax.Array | None = None
+    b_out_ExD: jax.Array | None = None
+    activation: Activation = SWIGLU
 
     def cast(self, dtype) -> ExpertWeights:
-        return ExpertWeights(*(w.astype(dtype) for w in self))
+        # a layer of stacked weights (trainer/moe/stacked.py) is cast as a whole: never its stack or its index
+        return jax.tree.map(lambda w: w.astype(dtype), self, is_leaf=lambda w: isinstance(w, LayerOf))
+
+    @property
+    def biased(self) -> bool:
+        return self.b_in_ExF is not None
+
+    def specs(self, in_spec, out_spec, bias_spec, out_bias_spec) -> ExpertWeights:
+        """The same tree of partition specs: `in_spec` for W_in and W_gate, `out_spec` for W_out, `bias_spec`
+        for their biases and `out_bias_spec` for W_out's."""
+        if not self.biased:
+            return ExpertWeights(in_spec, in_spec, out_spec, activation=self.activation)
+        return ExpertWeights(in_spec, in_spec, out_spec, bias_spec, bias_spec, out_bias_spec, self.activation)
 
     def read(self) -> ExpertWeights:
         """The weights as arrays (a layer of stacked weights, trainer/moe/stacked.py, read as its slice)."""
-        return ExpertWeights(*(read(w) for w in self))
+        return dataclasses.replace(self, **{f: read(getattr(self, f)) for f in _ARRAYS[:3]})
 
 
 def batched_ffn(x_ExCxD: jax.Array, w: ExpertWeights) -> jax.Array:
-    """Each expert's FFN on its own [C, D] buffer: silu(x W_gate) * (x W_in) W_out."""
+    """Each expert's FFN on its own [C, D] buffer: act(x W_gate, x W_in) W_out (with the biases, where there are)."""
     h_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w.w_in_ExDxF)
     g_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w.w_gate_ExDxF)
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(g_ExCxF) * h_ExCxF, w.w_out_ExFxD)
+    if w.biased:
+        h_ExCxF, g_ExCxF = h_ExCxF + w.b_in_ExF[:, None], g_ExCxF + w.b_gate_ExF[:, None]
+    out_ExCxD = jnp.einsum("ecf,efd->ecd", w.activation(g_ExCxF, h_ExCxF), w.w_out_ExFxD)
+    return out_ExCxD + w.b_out_ExD[:, None] if w.biased else out_ExCxD
 
 
 def grouped_ffn(x_SxD, w: ExpertWeights, layout: BlockLayout, *, impl: str) -> jax.Array:
@@ -45,13 +98,18 @@ def grouped_ffn(x_SxD, w: ExpertWeights, layout: BlockLayout, *, impl: str) -> j
     """
     if impl == "tiled":
         w, b = w.read(), layout.blocks
-        return tiled_ffn(x_SxD, *w, layout.src_M, layout.dst_M, b.span_start_NS, b.span_group_NS, b.span_count_C,
+        return tiled_ffn(x_SxD, w, layout.src_M, layout.dst_M, b.span_start_NS, b.span_group_NS, b.span_count_C,
                          layout.num_out, layout.block_rows, layout.save_rows)
     x_MxD = take_rows(x_SxD, layout.src_M, layout.src_rows_KxS)
     group_NB, num_blocks = layout.blocks.group_NB, layout.blocks.num_blocks
     h_MxF = grouped_matmul(x_MxD, w.w_in_ExDxF, group_NB, num_blocks, impl)
     g_MxF = grouped_matmul(x_MxD, w.w_gate_ExDxF, group_NB, num_blocks, impl)
-    out_MxD = grouped_matmul(jax.nn.silu(g_MxF) * h_MxF, w.w_out_ExFxD, group_NB, num_blocks, impl)
+    if w.biased:  # each row's expert's (rows past the blocks in use are never read back)
+        group_M = jnp.repeat(group_NB, layout.block_rows, total_repeat_length=x_MxD.shape[0])
+        h_MxF, g_MxF = h_MxF + w.b_in_ExF[group_M], g_MxF + w.b_gate_ExF[group_M]
+    out_MxD = grouped_matmul(w.activation(g_MxF, h_MxF), w.w_out_ExFxD, group_NB, num_blocks, impl)
+    if w.biased:
+        out_MxD = out_MxD + w.b_out_ExD[group_M]
     return take_rows(out_MxD, inverse_index(layout.dst_M, layout.num_out), layout.dst_M[None])
 
 

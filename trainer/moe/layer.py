@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from trainer.moe.config import MoEConfig
-from trainer.moe.experts import ExpertWeights, shared_ffn
+from trainer.moe.experts import Activation, ExpertWeights, shared_ffn
 from trainer.moe.parallel import expert_shards, model_shards, moe_apply
 from trainer.moe.routing import updated_bias
 from trainer.moe.stacked import LayerOf
@@ -72,6 +72,13 @@ class MoEBlock(nnx.Module):
             self.shared_w_out = _param(rngs, (fs, d), fs, ("mlp", "embed"), param_dtype)
             if cfg.shared_gate:
                 self.shared_gate = _param(rngs, (d, 1), d, ("embed", None), param_dtype)
+        zeros = lambda shape, names: nnx.Param(jnp.zeros(shape, param_dtype), out_sharding=names,  # noqa: E731
+                                               eager_sharding=False)
+        if cfg.router_bias:
+            self.router_bias = zeros((e,), (None,))
+        if cfg.ffn_bias:  # the experts' biases (GPT-OSS), split as the products they add to
+            self.b_in, self.b_gate = zeros((e, f), ("expert", "mlp")), zeros((e, f), ("expert", "mlp"))
+            self.b_out = zeros((e, d), ("expert", "embed"))
         if cfg.uses_bias:
             self.expert_bias = ExpertBias(jnp.zeros((e,), jnp.float32))
         # Jitter needs fresh noise every call, so only then does the block keep an RNG stream.
@@ -80,10 +87,13 @@ class MoEBlock(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array, *, train: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
         x_BxLxD = x_BxLxD.astype(self.dtype)
         key = self.jitter_rngs.default() if (train and self.jitter_rngs is not None) else None
-        weights = ExpertWeights(*(expert_weight(w) for w in (self.w_in, self.w_gate, self.w_out)))
+        biases = (self.b_in[...], self.b_gate[...], self.b_out[...]) if self.cfg.ffn_bias else (None,) * 3
+        weights = ExpertWeights(*(expert_weight(w) for w in (self.w_in, self.w_gate, self.w_out)), *biases,
+                                activation=Activation.of(self.cfg))
         bias = self.expert_bias[...] if self.cfg.uses_bias else None
+        router_bias = self.router_bias[...] if self.cfg.router_bias else None
         y_BxLxD, aux = moe_apply(x_BxLxD, self.router[...], weights, self.cfg, self.mesh, train=train, key=key,
-                                 bias_E=bias)
+                                 bias_E=bias, router_bias_E=router_bias)
         counts_E = aux.pop("expert_counts")
         if train and bias is not None:
             self.expert_bias[...] = updated_bias(bias, jax.lax.stop_gradient(counts_E), self.cfg.bias_rate)

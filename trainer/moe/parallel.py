@@ -13,7 +13,10 @@ over all tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -74,9 +77,9 @@ def make_topology(cfg: MoEConfig, mesh: Mesh | None) -> core.Topology:
 
 
 def moe_groups(x_GxTxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, topo: core.Topology, train: bool, key,
-               bias_E=None):
+               bias_E=None, router_bias_E=None):
     """Routed-expert output (float32) and aux for the token groups this device holds."""
-    logits_GxTxE = core.route_tokens(x_GxTxD, router_DxE, cfg, train, key)
+    logits_GxTxE = core.route_tokens(x_GxTxD, router_DxE, cfg, train, key, router_bias_E)
     if topo.model_axis is not None:
         # The rows the experts see vary over `model` from here (each device runs its hidden slice), so
         # the backward pass sums their gradient over `model` once, on these [G, T, D] rows (the
@@ -106,45 +109,51 @@ def keeps_stacks(cfg: MoEConfig, topo: core.Topology, train: bool) -> bool:
 
 
 def moe_apply(x_BxLxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, mesh: Mesh | None, *, train: bool, key=None,
-              bias_E=None):
+              bias_E=None, router_bias_E=None):
     """The routed experts' output [B, L, D] in x's dtype, and the aux dict (core.finish_stats).
 
     Expert weights are cast to x's dtype where they are used (on their shard). bias_E (float32
-    [E], replicated) shifts the selection scores only (auxiliary-loss-free balancing).
+    [E], replicated) shifts the selection scores only (auxiliary-loss-free balancing); router_bias_E
+    ([E], replicated) is the router's own bias, part of its logits.
     """
     batch, length, d_model = x_BxLxD.shape
     groups = routing_groups(cfg, mesh, batch * length)
     topo = make_topology(cfg, mesh)
 
-    def local(x_bxLxD, router, w_local, key, bias):
+    def local(x_bxLxD, router, w_local, key, bias, router_bias):
         num_groups = groups // (jax.lax.axis_size(topo.token_axes) if topo.token_axes else 1)
         x_GxTxD = x_bxLxD.reshape(num_groups, -1, d_model)
         if key is not None and topo.token_axes:
             key = jax.random.fold_in(key, jax.lax.axis_index(topo.token_axes))
+        if topo.model_axis is not None and w_local.biased:  # the partial sums are added over `model`: one bias
+            first = jax.lax.axis_index(topo.model_axis) == 0
+            w_local = dataclasses.replace(w_local, b_out_ExD=jnp.where(first, w_local.b_out_ExD, 0))
         w_cast = w_local.cast(x_bxLxD.dtype)
         if not keeps_stacks(cfg, topo, train):
             w_cast = w_cast.read()
-        y_GxTxD, aux = moe_groups(x_GxTxD, router, w_cast, cfg, topo, train, key, bias)
+        y_GxTxD, aux = moe_groups(x_GxTxD, router, w_cast, cfg, topo, train, key, bias, router_bias)
         if topo.model_axis is not None:  # each device of the group holds its hidden slice's partial sums
             y_GxTxD = jax.lax.psum(y_GxTxD, topo.model_axis)
         return y_GxTxD.reshape(x_bxLxD.shape).astype(x_bxLxD.dtype), aux
 
     if topo.expert_axis is None and topo.model_axis is None:
-        return local(x_BxLxD, router_DxE, w, key, bias_E)
+        return local(x_BxLxD, router_DxE, w, key, bias_E, router_bias_E)
     w = w.read()  # a layer of stacked weights (trainer/moe/stacked.py) goes into shard_map as its own slice
     experts, hidden = topo.expert_axis, topo.model_axis
     in_spec, out_spec = P(experts, None, hidden), P(experts, hidden, None)
     # Optional arguments (the jitter key, the bias) go in only when given: shard_map takes arrays.
-    optional = {name: a for name, a in (("key", key), ("bias", bias_E)) if a is not None}
+    optional = {name: a for name, a in (("key", key), ("bias", bias_E), ("router_bias", router_bias_E))
+                if a is not None}
     args = (x_BxLxD, router_DxE, w, *optional.values())
-    specs = (P(topo.token_axes), P(), ExpertWeights(in_spec, in_spec, out_spec)) + (P(),) * len(optional)
+    specs = (P(topo.token_axes), P(), w.specs(in_spec, out_spec, P(experts, hidden), P(experts, None)),
+             *(P(),) * len(optional))
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         # Explicit-sharding meshes want arguments already laid out as the specs say.
         args = jax.tree.map(lambda a, s: jax.sharding.reshard(a, NamedSharding(mesh, s)), args, specs)
 
     def run(x, r, w_local, *rest):
         given = dict(zip(optional, rest, strict=True))
-        return local(x, r, w_local, given.get("key"), given.get("bias"))
+        return local(x, r, w_local, given.get("key"), given.get("bias"), given.get("router_bias"))
 
     sharded = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=(P(topo.token_axes), P()))
     return sharded(*args)

@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 
 
-def router_logits(x_TxD: jax.Array, router_DxE: jax.Array) -> jax.Array:
-    """Router logits in float32 whatever the compute dtype: top-k is sensitive to rounding."""
-    return jnp.einsum(
+def router_logits(x_TxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array | None = None) -> jax.Array:
+    """Router logits in float32 whatever the compute dtype: top-k is sensitive to rounding. bias_E: the
+    router's own learned bias (GPT-OSS), not the balancing one."""
+    logits_TxE = jnp.einsum(
         "td,de->te", x_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32),
         precision=jax.lax.Precision.HIGHEST,
     )
+    return logits_TxE if bias_E is None else logits_TxE + bias_E.astype(jnp.float32)
 
 
 def multiplicative_jitter(x_TxD: jax.Array, key: jax.Array, eps: float) -> jax.Array:

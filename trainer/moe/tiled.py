@@ -5,17 +5,22 @@ out of full-size elementwise passes, and one loop per span size runs only over t
 spans in use (a dynamic trip count), so the worst-case row buffer of the dropless
 exchange costs memory, not compute. The backward pass is a second loop; it reuses the
 hidden activations of the spans that usually arrive and recomputes any beyond;
-weight gradients accumulate per expert.
+weight gradients accumulate per expert. The experts' biases and gating are ExpertWeights'.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from trainer.moe.dispatch import span_sizes, span_slots
+
+if TYPE_CHECKING:  # experts.py imports this module
+    from trainer.moe.experts import ExpertWeights
 
 _MM = (((1,), (0,)), ((), ()))  # [B, K] x [K, N]
 _MM_T = (((1,), (1,)), ((), ()))  # [B, N] x [K, N]^T
@@ -62,19 +67,26 @@ def _spans_of_size(span_count_C, block_rows, total_blocks, num_groups):
             for c, (size, first, n) in enumerate(zip(sizes, firsts, slots, strict=True)) if n and size <= total_blocks]
 
 
-def _hidden(x_BxD, w_in, w_gate, e, dtype):
-    h_BxF = _dot(x_BxD, w_in[e], _MM).astype(dtype)
-    g_BxF = _dot(x_BxD, w_gate[e], _MM).astype(dtype)
+def _hidden(x_BxD, w: ExpertWeights, e, dtype):
+    h_BxF = _dot(x_BxD, w.w_in_ExDxF[e], _MM).astype(dtype)
+    g_BxF = _dot(x_BxD, w.w_gate_ExDxF[e], _MM).astype(dtype)
+    if w.biased:
+        h_BxF, g_BxF = h_BxF + w.b_in_ExF[e], g_BxF + w.b_gate_ExF[e]
     return h_BxF, g_BxF
 
 
-def _forward(x_SxD, w_in, w_gate, w_out, src_M, dst_M, span_start_NS, span_group_NS, span_count_C, num_out,
+def _output(a_BxF, w: ExpertWeights, e, dtype):
+    y_BxD = _dot(a_BxF, w.w_out_ExFxD[e], _MM).astype(dtype)
+    return y_BxD + w.b_out_ExD[e] if w.biased else y_BxD
+
+
+def _forward(x_SxD, w: ExpertWeights, src_M, dst_M, span_start_NS, span_group_NS, span_count_C, num_out,
              block_rows, save_rows, keep_hidden):
     """Span i of rows R reads rows src[start:start+R] of x (start = span_start[i] * B) and writes
     rows dst[...] of the output; indices past the end stand for padding (read as zeros, never
     written). With keep_hidden it also returns the hidden activations of the spans within the
     first save_rows rows (plus a scratch span that the others overwrite), for the backward pass."""
-    ins = (x_SxD, w_in, w_gate, w_out, src_M, span_group_NS)
+    ins = (x_SxD, *jax.tree.leaves(w), src_M, span_group_NS)
     # Spans past save_rows write their activations to a scratch span at its end (none when all fit).
     max_rows = min(span_sizes()[0] * block_rows, src_M.shape[0]) if save_rows < src_M.shape[0] else 0
 
@@ -83,8 +95,8 @@ def _forward(x_SxD, w_in, w_gate, w_out, src_M, dst_M, span_start_NS, span_group
             out_OxD, saved = carry
             e, start = span_group_NS[i], span_start_NS[i] * block_rows
             x_BxD = x_SxD.at[jax.lax.dynamic_slice_in_dim(src_M, start, rows)].get(mode="fill", fill_value=0)
-            h_BxF, g_BxF = _hidden(x_BxD, w_in, w_gate, e, x_SxD.dtype)
-            y_BxD = _dot(jax.nn.silu(g_BxF) * h_BxF, w_out[e], _MM).astype(x_SxD.dtype)
+            h_BxF, g_BxF = _hidden(x_BxD, w, e, x_SxD.dtype)
+            y_BxD = _output(w.activation(g_BxF, h_BxF), w, e, x_SxD.dtype)
             dst_B = jax.lax.dynamic_slice_in_dim(dst_M, start, rows)
             out_OxD = out_OxD.at[dst_B].set(y_BxD, mode="drop", unique_indices=True)
             if keep_hidden:
@@ -95,17 +107,18 @@ def _forward(x_SxD, w_in, w_gate, w_out, src_M, dst_M, span_start_NS, span_group
         return run
 
     out = _zeros_like_all((num_out, x_SxD.shape[1]), x_SxD.dtype, *ins)
-    saved_shape = (save_rows + max_rows, w_in.shape[-1])
+    saved_shape = (save_rows + max_rows, w.w_in_ExDxF.shape[-1])
     saved = tuple(_zeros_like_all(saved_shape, x_SxD.dtype, *ins) for _ in range(2)) if keep_hidden else ()
     carry = (out, saved)
-    for rows, first, count in _spans_of_size(span_count_C, block_rows, src_M.shape[0] // block_rows, w_in.shape[0]):
+    for rows, first, count in _spans_of_size(span_count_C, block_rows, src_M.shape[0] // block_rows,
+                                             w.w_in_ExDxF.shape[0]):
         carry = jax.lax.fori_loop(first, first + count, body(rows), carry)
     return carry
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def tiled_ffn(x_SxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, src_M, dst_M, span_start_NS, span_group_NS,
-              span_count_C, num_out, block_rows, save_rows=0):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def tiled_ffn(x_SxD, w: ExpertWeights, src_M, dst_M, span_start_NS, span_group_NS, span_count_C, num_out,
+              block_rows, save_rows=0):
     """Grouped gated FFN straight from source rows to destination rows.
 
     Row m of the block layout (blocks of B rows, grouped by expert into spans of up to
@@ -116,24 +129,53 @@ def tiled_ffn(x_SxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, src_M, dst_M, span_s
     rows and recomputes the rest: saving all would take a buffer sized (and zeroed) for the
     worst case of the dropless exchange, several times the rows that usually arrive.
     """
-    args = (x_SxD, w_in_GxDxF, w_gate_GxDxF, w_out_GxFxD, src_M, dst_M, span_start_NS, span_group_NS, span_count_C)
+    args = (x_SxD, w, src_M, dst_M, span_start_NS, span_group_NS, span_count_C)
     return _forward(*args, num_out, block_rows, save_rows, False)[0]
 
 
-def _tiled_ffn_fwd(x_SxD, w_in, w_gate, w_out, src_M, dst_M, span_start_NS, span_group_NS, span_count_C, num_out,
-                   block_rows, save_rows):
-    args = (x_SxD, w_in, w_gate, w_out, src_M, dst_M, span_start_NS, span_group_NS, span_count_C)
+def _tiled_ffn_fwd(x_SxD, w, src_M, dst_M, span_start_NS, span_group_NS, span_count_C, num_out, block_rows,
+                   save_rows):
+    args = (x_SxD, w, src_M, dst_M, span_start_NS, span_group_NS, span_count_C)
     out_OxD, saved = _forward(*args, num_out, block_rows, save_rows, save_rows > 0)
     return out_OxD, args + (saved,)
 
 
+def _gated_grads(g_BxF, h_BxF, da_BxF, act):
+    """(act(g, h), its gradient in h, in g) for the output's gradient da, in float32: silu's written out,
+    another gating's by autodiff."""
+    if not act.clamped:
+        sig_BxF = jax.nn.sigmoid(g_BxF)
+        silu_BxF = g_BxF * sig_BxF
+        return silu_BxF * h_BxF, da_BxF * silu_BxF, da_BxF * h_BxF * sig_BxF * (1.0 + g_BxF * (1.0 - sig_BxF))
+    a_BxF, pull = jax.vjp(act, g_BxF, h_BxF)
+    dg_BxF, dh_BxF = pull(da_BxF)
+    return a_BxF, dh_BxF, dg_BxF
+
+
+def _span_grads(dw: ExpertWeights, w: ExpertWeights, e, x_BxD, dy_BxD, h_BxF, g_BxF, dtype):
+    """(this span's input gradient, the weights' gradients with its expert's share added)."""
+    da_BxF = _dot(dy_BxD, w.w_out_ExFxD[e], _MM_T)
+    a_BxF, dh_BxF, dg_BxF = _gated_grads(h_BxF=h_BxF, g_BxF=g_BxF, da_BxF=da_BxF, act=w.activation)
+    dh_BxF, dg_BxF = dh_BxF.astype(dtype), dg_BxF.astype(dtype)
+    dx_BxD = (_dot(dh_BxF, w.w_in_ExDxF[e], _MM_T) + _dot(dg_BxF, w.w_gate_ExDxF[e], _MM_T)).astype(dtype)
+    new = dict(w_out_ExFxD=_add_expert(dw.w_out_ExFxD, e, _dot(a_BxF.astype(dtype), dy_BxD, _T_MM)),
+               w_in_ExDxF=_add_expert(dw.w_in_ExDxF, e, _dot(x_BxD, dh_BxF, _T_MM)),
+               w_gate_ExDxF=_add_expert(dw.w_gate_ExDxF, e, _dot(x_BxD, dg_BxF, _T_MM)))
+    if w.biased:  # padding rows have no gradient (dy reads zeros there)
+        column = lambda a: jnp.sum(a.astype(jnp.float32), axis=0)  # noqa: E731
+        new.update(b_in_ExF=_add_expert(dw.b_in_ExF, e, column(dh_BxF)),
+                   b_gate_ExF=_add_expert(dw.b_gate_ExF, e, column(dg_BxF)),
+                   b_out_ExD=_add_expert(dw.b_out_ExD, e, column(dy_BxD)))
+    return dx_BxD, dataclasses.replace(dw, **new)
+
+
 def _tiled_ffn_bwd(num_out, block_rows, save_rows, res, dout_OxD):
-    x_SxD, w_in, w_gate, w_out, src_M, dst_M, span_start_NS, span_group_NS, span_count_C, saved = res
+    x_SxD, w, src_M, dst_M, span_start_NS, span_group_NS, span_count_C, saved = res
     dout_OxD = dout_OxD.astype(x_SxD.dtype)
 
     def body(rows):
         def hidden(start, x_BxD, e):
-            recompute = lambda: _hidden(x_BxD, w_in, w_gate, e, x_SxD.dtype)
+            recompute = lambda: _hidden(x_BxD, w, e, x_SxD.dtype)
             if not save_rows:
                 return recompute()
             load = lambda: tuple(jax.lax.dynamic_slice_in_dim(s, start, rows) for s in saved)
@@ -142,35 +184,26 @@ def _tiled_ffn_bwd(num_out, block_rows, save_rows, res, dout_OxD):
             return jax.lax.cond(start + rows <= save_rows, load, recompute)
 
         def run(i, carry):
-            dx_SxD, dw_in, dw_gate, dw_out = carry
+            dx_SxD, dw = carry
             e, start = span_group_NS[i], span_start_NS[i] * block_rows
             src_B = jax.lax.dynamic_slice_in_dim(src_M, start, rows)
             x_BxD = x_SxD.at[src_B].get(mode="fill", fill_value=0)
             dy_BxD = dout_OxD.at[jax.lax.dynamic_slice_in_dim(dst_M, start, rows)].get(mode="fill", fill_value=0)
             h_BxF, g_BxF = (a.astype(jnp.float32) for a in hidden(start, x_BxD, e))
-            sig_BxF = jax.nn.sigmoid(g_BxF)
-            silu_BxF = g_BxF * sig_BxF
-            dw_out = _add_expert(dw_out, e, _dot((silu_BxF * h_BxF).astype(x_SxD.dtype), dy_BxD, _T_MM))
-            da_BxF = _dot(dy_BxD, w_out[e], _MM_T)
-            dh_BxF = (da_BxF * silu_BxF).astype(x_SxD.dtype)
-            dg_BxF = (da_BxF * h_BxF * sig_BxF * (1.0 + g_BxF * (1.0 - sig_BxF))).astype(x_SxD.dtype)
-            dx_BxD = (_dot(dh_BxF, w_in[e], _MM_T) + _dot(dg_BxF, w_gate[e], _MM_T)).astype(x_SxD.dtype)
+            dx_BxD, dw = _span_grads(dw, w, e, x_BxD, dy_BxD, h_BxF, g_BxF, x_SxD.dtype)
             # A source row may feed several spans (a token's k experts): accumulate.
-            dx_SxD = dx_SxD.at[src_B].add(dx_BxD, mode="drop")
-            dw_in = _add_expert(dw_in, e, _dot(x_BxD, dh_BxF, _T_MM))
-            dw_gate = _add_expert(dw_gate, e, _dot(x_BxD, dg_BxF, _T_MM))
-            return dx_SxD, dw_in, dw_gate, dw_out
+            return dx_SxD.at[src_B].add(dx_BxD, mode="drop"), dw
         return run
 
     ins = (x_SxD, dout_OxD, src_M, span_group_NS)
-    carry = (_zeros_like_all(x_SxD.shape, x_SxD.dtype, *ins),) + tuple(
-        _zeros_like_all(w.shape, jnp.float32, *ins) for w in (w_in, w_gate, w_out)
-    )
-    for rows, first, count in _spans_of_size(span_count_C, block_rows, src_M.shape[0] // block_rows, w_in.shape[0]):
+    carry = (_zeros_like_all(x_SxD.shape, x_SxD.dtype, *ins),
+             jax.tree.map(lambda a: _zeros_like_all(a.shape, jnp.float32, *ins), w))
+    for rows, first, count in _spans_of_size(span_count_C, block_rows, src_M.shape[0] // block_rows,
+                                             w.w_in_ExDxF.shape[0]):
         carry = jax.lax.fori_loop(first, first + count, body(rows), carry)
-    dx_SxD, *dws = carry
-    dws = [_sum_to_axes_of(dw.astype(w.dtype), w) for dw, w in zip(dws, (w_in, w_gate, w_out), strict=True)]
-    return (_sum_to_axes_of(dx_SxD, x_SxD), *dws, None, None, None, None, None)
+    dx_SxD, dw = carry
+    dw = jax.tree.map(lambda d, p: _sum_to_axes_of(d.astype(p.dtype), p), dw, w)
+    return (_sum_to_axes_of(dx_SxD, x_SxD), dw, None, None, None, None, None)
 
 
 tiled_ffn.defvjp(_tiled_ffn_fwd, _tiled_ffn_bwd)

@@ -5,11 +5,14 @@ and a generation prefix), or an imported Hugging Face model's chat template (its
 The sandbox is not optional: a template comes with a downloaded checkpoint, and an unsandboxed one could
 reach Python's internals from its expressions. The names a Hugging Face template may use are those
 transformers gives it: `messages`, `add_generation_prompt`, the special tokens (`bos_token`, `eos_token`,
-...) and `raise_exception(message)`, with blocks trimmed (trim_blocks, lstrip_blocks), as it renders them.
+...), `raise_exception(message)` and `strftime_now(format)` (GPT-OSS's harmony template dates its system
+message), `{% break %}` and `{% continue %}`, and a `tojson` that leaves HTML characters and non-ASCII text as
+they are, with blocks trimmed (trim_blocks, lstrip_blocks), as it renders them.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from typing import Any
@@ -31,8 +34,11 @@ class HubChatTemplate:
         def raise_exception(message):
             raise ChatTemplateError(str(message))
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+        env.filters["tojson"] = _tojson
         try:
             self.template = env.from_string(source)
         except TemplateError as e:
@@ -49,6 +55,11 @@ class HubChatTemplate:
             raise
         except (TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
             raise ChatTemplateError(f"the model's chat template ({self.where}) fails on these messages: {e}") from None
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """JSON as transformers' templates get it: no HTML escaping, non-ASCII kept."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def render(template, messages, add_generation_prompt: bool = True) -> str:

@@ -99,9 +99,10 @@ class Snapshot:
 class Engine:
     def __init__(self, model: ServingModel, weights: dict, *, slots: int = 8, max_len: int = 512, chunk: int = 64,
                  kv_dtype=None, detokenize: Callable[[list[int]], str] | None = None, eos_id: int | None = None,
-                 prefix_cache: int = 0, min_span: int = MIN_SPAN):
+                 prefix_cache: int = 0, min_span: int = MIN_SPAN, stop_ids: tuple[int, ...] = ()):
         """`prefix_cache`: the tokens of prompt prefixes kept for later prompts (trainer.serve.prefix; 0: none);
-        `min_span`: the shortest span of the cache a step reads (trainer.serve.runner.ModelRunner.spans)."""
+        `min_span`: the shortest span of the cache a step reads (trainer.serve.runner.ModelRunner.spans);
+        `stop_ids`: tokens that end a request as eos_id does (trainer.serve.output.OutputProcessor)."""
         shards = model.mesh.shape.get("expert", 1) * model.mesh.shape.get("data", 1)
         if slots % shards or chunk % shards:
             raise RequestError(f"slots ({slots}) and the prefill chunk ({chunk}) must be multiples of the mesh's "
@@ -109,7 +110,7 @@ class Engine:
         self.runner = ModelRunner(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv_dtype,
                                   min_span=min_span)
         self.scheduler = Scheduler(slots)
-        self.output = OutputProcessor(detokenize, eos_id)
+        self.output = OutputProcessor(detokenize, eos_id, stop_ids)
         self.prefix = PrefixCache(self.runner.cache, prefix_cache) if prefix_cache else None
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
         self.snapshot = Snapshot()

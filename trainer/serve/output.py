@@ -62,8 +62,11 @@ class OutputProcessor:
     """Decides when a request is done. With a detokenize its text grows in `req.detokenizer.pieces` as it is
     made, and `req.text` is set once it is done (cut before a stop string)."""
 
-    def __init__(self, detokenize: Callable[[list[int]], str] | None = None, eos_id: int | None = None):
-        self.detokenize, self.eos_id = detokenize, eos_id
+    def __init__(self, detokenize: Callable[[list[int]], str] | None = None, eos_id: int | None = None,
+                 stop_ids: tuple[int, ...] = ()):
+        """`stop_ids`: tokens that end generation as eos_id does (a family's other end tokens, e.g. GPT-OSS's
+        <|call|>)."""
+        self.detokenize, self.eos_id, self.stop_ids = detokenize, eos_id, frozenset(stop_ids)
 
     def on_token(self, req, token: int, record=None) -> str | None:
         """Records `token` as the request's next; returns its finish reason, or None while it goes on."""
@@ -71,7 +74,7 @@ class OutputProcessor:
         if record is not None:
             req.logprobs.append(record)
         s = req.sampling
-        if token == self.eos_id and not s.ignore_eos:  # the token has no text
+        if (token == self.eos_id or token in self.stop_ids) and not s.ignore_eos:  # the token has no text
             req.eos = True
             self._finish_text(req)
             return "stop"

@@ -47,13 +47,18 @@ class Int8Weight:
         return self.values.size + self.scale.size * 4
 
 
+# Kept in float whatever their rank: the router and the norms, and every bias and attention sink (small, and
+# added to the products as they are: a rounded bias shifts every token's output alike).
+FLOAT_LEAVES = ("router", "scale", "router_bias", "sinks", "bq", "bk", "bv", "bo", "b_in", "b_gate", "b_out")
+
+
 def input_axes(name: str, ndim: int) -> tuple[int, ...] | None:
     """The axes a weight contracts over (reduced for its scale), or None: kept in float."""
     leaf = name.rsplit(".", 1)[-1]
     if is_stacked(name):  # the stacked layers' weight [layers, ...] (trainer/stacks.py): its layers' axes, one on
         axes = input_axes(leaf, ndim - 1)
         return None if axes is None else tuple(a + 1 for a in axes)
-    if ndim < 2 or leaf in ("router", "scale"):
+    if ndim < 2 or leaf in FLOAT_LEAVES:
         return None
     if leaf == "embed":  # [V, D]: a row per token, and the tied head's output channel
         return (1,)

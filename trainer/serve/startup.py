@@ -45,11 +45,12 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
 
     run = find_run(directory, progress=progress)  # a Hugging Face directory: its import (trainer/hf/cache.py)
     checkpoints, cfg = run.checkpoints, load_run_config(run.config)
-    from trainer.sidefiles import tokenizer_file  # the model's own (an import, a fine-tune of one)
+    from trainer.sidefiles import stop_token_ids, tokenizer_file  # the model's own (an import, a fine-tune of one)
 
     codec = Codec(cfg, tokenizer_path or tokenizer_file(run), checkpoints=checkpoints)
     chat_template = _hub_chat_template(run)
     eos_id, eos_token = end_of_document(cfg, codec, run)
+    stop_ids = stop_token_ids(run, codec.tokenizer)  # a family's other end tokens (GPT-OSS's <|call|>)
     context, what = context_of(cfg, run)  # as `sample` reads it
     if max_len > context:
         progress(f"note: --max-len {max_len:,} reaches past the model's context ({what}); a request may use "
@@ -84,7 +85,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     progress(f"read the checkpoint at step {step}")
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
-                        detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens)
+                        detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens, stop_ids=stop_ids)
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
     return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template, codec.tokenizer)
