@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from trainer.moe.dispatch import span_sizes, span_slots
-
-if TYPE_CHECKING:  # experts.py imports this module
-    from trainer.moe.experts import ExpertWeights
+from trainer.moe.weights import ExpertWeights
 
 _MM = (((1,), (0,)), ((), ()))  # [B, K] x [K, N]
 _MM_T = (((1,), (1,)), ((), ()))  # [B, N] x [K, N]^T
