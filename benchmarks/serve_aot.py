@@ -34,19 +34,31 @@ BIG = re.compile(r"= (bf16|s8|s4|f32)\[((?:\d+,){2,3}\d+)\]\{[^}]*\}\s+(copy|fus
 DTYPE_BITS = {"bf16": 16, "s8": 8, "s4": 4, "f32": 32}
 
 
-def large_copies(hlo: str, floor_mb: float = 1.0) -> list[str]:
-    """HBM arrays of rank 3 or more that a copy or loop fusion writes (VMEM ones, S(1), left out)."""
-    out = []
+FUSED = re.compile(r" fusion\(.*?calls=(%[\w.\-]+)")
+COMPUTATION = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s.*\{\s*$")
+
+
+def large_copies(hlo: str, floor_mb: float = 1.0) -> list[tuple[str, float]]:
+    """Arrays of rank 3 or more that a copy or a loop fusion writes out, in HBM or in the chip's other memory
+    space (S(1)), each once as the program text holds it (an op of the layer loop runs once a layer); the ops
+    inside a fusion's own computation, which write nothing out, are left out. (text, megabytes) each."""
+    fused = set(FUSED.findall(hlo))
+    out, inside = [], None
     for line in hlo.splitlines():
+        head = COMPUTATION.match(line)
+        if head:
+            inside = head.group(1)
+            continue
         m = BIG.search(line)
-        if not m or "S(1)" in line.split("=", 1)[1][:120] or "kind=kOutput" in line:
+        if not m or inside in fused or "kind=kOutput" in line:
             continue
         size = 1
         for d in m.group(2).split(","):
             size *= int(d)
         mb = size * DTYPE_BITS[m.group(1)] / 8 / 1e6
         if mb >= floor_mb:
-            out.append(f"{m.group(1)}[{m.group(2)}] {m.group(3)} {mb:.1f} MB")
+            space = " (memory space 1)" if "S(1)" in line.split("=", 1)[1][:160] else ""
+            out.append((f"{m.group(1)}[{m.group(2)}] {m.group(3)} {mb:.1f} MB{space}", mb))
     return out
 
 
@@ -121,9 +133,11 @@ def compile_decode(cfg, fmt: str, rows: int, max_len: int) -> dict:
     started = time.perf_counter()
     compiled = jax.jit(decode, donate_argnums=(1,), out_shardings=(rep, rep)).lower(weights, cache, *inputs).compile()
     hlo = compiled.as_text()
+    copies = large_copies(hlo)
     return {"weights": fmt, "rows": rows, "max_len": max_len, "compile_s": round(time.perf_counter() - started, 1),
             "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 2),
-            "custom_calls": hlo.count("tpu_custom_call"), "copies": large_copies(hlo)}
+            "custom_calls": hlo.count("tpu_custom_call"), "written_mb": round(sum(mb for _, mb in copies), 1),
+            "copies": [text for text, _ in copies]}
 
 
 def main(argv: list[str] | None = None) -> int:

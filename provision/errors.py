@@ -91,7 +91,7 @@ EXTRA_OF_MODULE = {
     "jax": "trainer", "jaxlib": "trainer", "flax": "trainer", "optax": "trainer", "orbax": "trainer",
     "numpy": "trainer", "etils": "trainer", "tensorstore": "trainer", "gcsfs": "trainer", "fsspec": "trainer",
     "grain": "trainer", "array_record": "trainer", "tokenizers": "trainer", "tensorboardX": "trainer",
-    "safetensors": "trainer", "ml_dtypes": "trainer",
+    "safetensors": "trainer", "ml_dtypes": "trainer", "tokamax": "trainer", "qwix": "trainer", "absl": "trainer",
     "matplotlib": "plot", "pyarrow": "data",
     "pathwaysutils": "pathways",
     "kubernetes": "control", "urllib3": "control", "cryptography": "control",
