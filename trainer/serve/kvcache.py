@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from trainer.attention import window_mask
 
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
