@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from trainer.attention import causal_attention, local_attention, sink_attention, window_mask
+from trainer.attention import causal_attention, local_attention, sink_attention
 from trainer.rope import yarn_frequencies
 from trainer.sharding import constrain, model_ways
 
@@ -122,7 +122,7 @@ class Attention(nnx.Module):
         else:
             cache, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS = cache.append(k_BxLxKxH, v_BxLxKxH)
             o_BxLxNxH = self._cached(q_BxLxNxH, k_BxSxKxH.astype(self.dtype), v_BxSxKxH.astype(self.dtype),
-                                     mask_Bx1xLxS, cache.starts_B, sinks_N)
+                                     mask_Bx1xLxS, sinks_N)
         out_BxLxD = jnp.einsum("blnh,nhd->bld", o_BxLxNxH, self.wo[...].astype(self.dtype))
         if self.out_bias:
             out_BxLxD = out_BxLxD + self.bo[...].astype(self.dtype)
@@ -133,14 +133,11 @@ class Attention(nnx.Module):
         x_BxLxNxH = rotary(x_BxLxNxH, self.rope_theta, offset, self.inv_freq)
         return x_BxLxNxH * self.rope_factor if self.rope_factor != 1.0 else x_BxLxNxH
 
-    def _cached(self, q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS, starts_B, sinks_N):
-        """Attention over the cached positions the mask lets in; a sliding layer's over its window only (the
-        cache keeps every position: those before the window are masked out)."""
+    def _cached(self, q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS, sinks_N):
+        """Attention over the cached keys the mask lets in: the cache's view masks a sliding layer's keys
+        before its window (the model asks it for the layer's window: trainer/serve/kvcache.py, ringcache.py)."""
         if not self.window and sinks_N is None:
             return jax.nn.dot_product_attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask_Bx1xLxS)
-        if self.window:
-            positions_BxL = starts_B[:, None] + jnp.arange(q_BxLxNxH.shape[1], dtype=starts_B.dtype)
-            mask_Bx1xLxS = mask_Bx1xLxS & window_mask(positions_BxL, k_BxSxKxH.shape[1], self.window)
         return sink_attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS, sinks_N)
 
     def _project(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

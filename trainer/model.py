@@ -85,6 +85,7 @@ class Transformer(nnx.Module):
         self.embed = named_param(rngs, nnx.initializers.normal(1.0), (m.vocab_size, m.d_model),
                                  (self.vocab, "embed"), pdtype)
         self.layout = layer_stacks(m)
+        self.windows = tuple(m.window(i) for i in range(m.num_layers))  # each layer's sliding window (0: none)
         self.stacks = nnx.List([nnx.List([_stacked_block(cfg, stack, j, mesh, rngs, layers_together)
                                             for j in range(stack.period)])
                                 for stack in self.layout])
@@ -130,15 +131,18 @@ class Transformer(nnx.Module):
             return total / (batch * length)
 
     def decode(self, tokens_BxL: jax.Array, cache, starts_B: jax.Array, rows_B: jax.Array | None = None,
-               span: int | None = None):
-        """Inference through a key/value cache (trainer.serve.kvcache.KVCache): batch row b holds tokens
-        at positions starts_B[b].. of cache slot rows_B[b] (None: slot b), attending over the first `span`
-        positions of the slots (a static length past every token's position; None: all). The same blocks
-        as training; MoE layers in their evaluation mode. Returns (logits_BxLxV float32, the updated cache)."""
+               span: int | None = None, lengths_B: jax.Array | None = None):
+        """Inference through a key/value cache (trainer.serve.kvcache.KVCache, or another of
+        trainer/serve/latentcache.py's CacheLayout): batch row b holds tokens at positions starts_B[b].. of
+        cache slot rows_B[b] (None: slot b), the first lengths_B[b] of them real, the rest padding (None: all
+        real), attending over the first `span` positions of the slots (a static length past every token's
+        position; None: all). The same blocks as training; MoE layers in their evaluation mode. Returns
+        (logits_BxLxV float32, the updated cache)."""
         with sharding.logical_mesh(self.mesh):  # tensor parallelism's activation layouts, as in training
             x_BxLxD = self._embedded(tokens_BxL).astype(self.dtype)
             for s in range(len(self.layout)):
-                x_BxLxD, cache, _ = self._run_stack(s, x_BxLxD, train=False, cache=(cache, starts_B, rows_B, span))
+                x_BxLxD, cache, _ = self._run_stack(s, x_BxLxD, train=False,
+                                                    cache=(cache, starts_B, rows_B, span, lengths_B))
             return self._logits(x_BxLxD), cache
 
     def _run_stack(self, s: int, x_BxLxD: jax.Array, *, train: bool, cache=None):
@@ -152,7 +156,7 @@ class Transformer(nnx.Module):
         graphdef, params, state = nnx.split(blocks, nnx.Param, ...)
         layers_RxP = jnp.asarray([[stack.layer(j, r) for j in range(stack.period)] for r in range(stack.repeats)],
                                  jnp.int32)
-        kv, starts_B, rows_B, span = cache if cache is not None else (None, None, None, None)
+        kv, starts_B, rows_B, span, lengths_B = cache if cache is not None else (None,) * 5
         # Decoding, the routed experts' weights stay whole and each layer reads them through its index
         # (trainer/moe/stacked.py: a grouped-matmul kernel then fetches only the experts the tokens route to)
         params, whole = split_stacks(params, stack.repeats) if kv is not None else (params, {})
@@ -164,7 +168,8 @@ class Transformer(nnx.Module):
             auxes = []
             for j, block in enumerate(period):
                 if kv is not None:
-                    x, view = block.decode(x, kv.layer(layers_P[j], starts_B, rows_B, span))
+                    x, view = block.decode(x, kv.layer(layers_P[j], starts_B, rows_B, span, lengths_B=lengths_B,
+                                                       window=self.windows[stack.layer(j, 0)]))
                     kv = view.cache
                     continue
                 if self.remat:

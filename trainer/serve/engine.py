@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 
 from trainer.serve.logprobs import TOP, Logprob
 from trainer.serve.output import OutputProcessor
-from trainer.serve.prefix import PrefixCache
+from trainer.serve.prefix import PrefixCache, unsupported
 from trainer.serve.runner import MIN_SPAN, ModelRunner
 from trainer.serve.scheduler import Scheduler
 from trainer.serve.weights import ServingModel
+
+log = logging.getLogger("trainer.serve")
 
 
 class RequestError(ValueError):
@@ -111,6 +114,9 @@ class Engine:
                                   min_span=min_span)
         self.scheduler = Scheduler(slots)
         self.output = OutputProcessor(detokenize, eos_id, stop_ids)
+        if prefix_cache and unsupported(model.cfg.model):
+            log.warning("%s", unsupported(model.cfg.model))
+            prefix_cache = 0
         self.prefix = PrefixCache(self.runner.cache, prefix_cache) if prefix_cache else None
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
         self.snapshot = Snapshot()

@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from trainer.attention import window_mask
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -63,9 +65,13 @@ class KVCache:
     def quantized(self) -> bool:
         return self.k_scale is not None
 
-    def layer(self, index: int, starts_B: jax.Array, rows_B: jax.Array | None = None,
-              span: int | None = None) -> LayerCache:
-        return LayerCache(self, index, starts_B, rows_B, span)
+    def layer(self, index: int, starts_B: jax.Array, rows_B: jax.Array | None = None, span: int | None = None,
+              *, window: int = 0, lengths_B: jax.Array | None = None) -> LayerCache:
+        """Layer `index`'s view (LayerCache); `window` its sliding window (0: none), `lengths_B` the real
+        tokens of each row (the rest padding; this cache writes padding where it falls, since a later token
+        overwrites it before any reads it)."""
+        del lengths_B
+        return LayerCache(self, index, starts_B, rows_B, span, window)
 
 
 def quantize(x_BxLxKxH: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -88,13 +94,16 @@ class LayerCache:
     """One layer's view of the cache for one call: batch row b holds the tokens at positions
     starts_B[b].. of slot rows_B[b] (rows_B None: row b is slot b, the first B slots in the batch). Attention reads
     the first `span` positions of each slot (None: all max_len), a static length covering every position
-    the call's tokens attend to: a step then costs what its live positions need, not the whole cache."""
+    the call's tokens attend to: a step then costs what its live positions need, not the whole cache. With a
+    `window` a token attends to the last `window` positions only (its own included): this cache keeps every
+    position, those before the window masked out (trainer/serve/ringcache.py keeps the window alone)."""
 
     cache: KVCache
     index: int
     starts_B: jax.Array
     rows_B: jax.Array | None
     span: int | None = None
+    window: int = 0
 
     def append(self, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array):
         """(the updated view, keys [B, span, K, H], values, mask [B, 1, L, span]): the new keys and
@@ -114,8 +123,8 @@ class LayerCache:
             c = KVCache(c.k.at[at].set(k_BxLxKxH.astype(c.k.dtype), mode="drop"),
                         c.v.at[at].set(v_BxLxKxH.astype(c.v.dtype), mode="drop"))
         keys, values = self._read(c, "k", batch), self._read(c, "v", batch)
-        mask_Bx1xLxS = jnp.arange(keys.shape[1])[None, None, None, :] <= positions_BxL[:, None, :, None]
-        return LayerCache(c, self.index, self.starts_B, self.rows_B, self.span), keys, values, mask_Bx1xLxS
+        mask_Bx1xLxS = window_mask(positions_BxL, keys.shape[1], self.window)
+        return dataclasses.replace(self, cache=c), keys, values, mask_Bx1xLxS
 
     def _read(self, c: KVCache, name: str, batch: int) -> jax.Array:
         sel = read_at(self.index, self.rows_B, self.span, batch)

@@ -10,7 +10,8 @@ heads' up-projections into the query and the output (MLAttention), so attention 
 are: DeepSeek-V3 keeps 576 values a token and layer, against its 128 heads' 40,960 keys and values. The
 latent serves every head, so it is whole on every device (not split over `model`).
 
-`CacheLayout.of(model config)` is the one place that chooses between this cache and KVCache.
+`CacheLayout.of(model config)` is the one place that chooses between this cache, KVCache and (a model with
+sliding-window layers) trainer/serve/ringcache.py's WindowedCache.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from trainer.serve.kvcache import KVCache, quantize, read_at
+from trainer.serve.ringcache import WindowedCache
 
 
 @jax.tree_util.register_dataclass
@@ -60,8 +62,12 @@ class LatentCache:
     def quantized(self) -> bool:
         return self.latent_scale is not None
 
-    def layer(self, index: int, starts_B: jax.Array, rows_B: jax.Array | None = None,
-              span: int | None = None) -> LatentLayerCache:
+    def layer(self, index: int, starts_B: jax.Array, rows_B: jax.Array | None = None, span: int | None = None,
+              *, window: int = 0, lengths_B: jax.Array | None = None) -> LatentLayerCache:
+        """Layer `index`'s view, as KVCache.layer's (latent attention has no sliding window: `window` is 0)."""
+        if window:
+            raise ValueError("latent attention has no sliding window")
+        del lengths_B
         return LatentLayerCache(self, index, starts_B, rows_B, span)
 
 
@@ -109,37 +115,54 @@ class LatentLayerCache:
 class CacheLayout:
     """A model's serving cache, chosen from its config: latent attention's LatentCache (`latent` and `rope`
     values a position and layer), every other attention's KVCache (`kv_heads` x `head_size` keys and as
-    many values)."""
+    many values), or with sliding-window layers (`windows`: each layer's, 0 for a full one) a WindowedCache,
+    the sliding layers holding their window's positions alone."""
 
     layers: int
     kv_heads: int = 0
     head_size: int = 0
     latent: int = 0
     rope: int = 0
+    windows: tuple[int, ...] = ()
 
     @staticmethod
     def of(m) -> CacheLayout:
         """The layout of a trainer.config.ModelConfig's cache."""
         if m.mla is not None:
             return CacheLayout(m.num_layers, latent=m.mla.kv_lora_rank, rope=m.mla.qk_rope_head_dim)
-        return CacheLayout(m.num_layers, kv_heads=m.kv_heads, head_size=m.head_size)
+        windows = tuple(m.window(i) for i in range(m.num_layers))
+        return CacheLayout(m.num_layers, kv_heads=m.kv_heads, head_size=m.head_size,
+                           windows=windows if any(windows) else ())
 
     @property
     def is_latent(self) -> bool:
         return self.latent > 0
 
-    def empty(self, slots: int, max_len: int, dtype) -> KVCache | LatentCache:
+    @property
+    def is_windowed(self) -> bool:
+        """Whether sliding layers keep their window alone (WindowedCache)."""
+        return bool(self.windows)
+
+    def empty(self, slots: int, max_len: int, dtype) -> KVCache | LatentCache | WindowedCache:
         if self.is_latent:
             return LatentCache.empty(self.layers, slots, max_len, self.latent, self.rope, dtype)
+        if self.is_windowed:
+            return WindowedCache.empty(self.windows, slots, max_len, self.kv_heads, self.head_size, dtype)
         return KVCache.empty(self.layers, slots, max_len, self.kv_heads, self.head_size, dtype)
 
-    def sharding(self, mesh, dtype) -> KVCache | LatentCache:
-        return LatentCache.sharding(mesh, dtype) if self.is_latent else KVCache.sharding(mesh, self.kv_heads, dtype)
+    def sharding(self, mesh, dtype) -> KVCache | LatentCache | WindowedCache:
+        if self.is_latent:
+            return LatentCache.sharding(mesh, dtype)
+        if self.is_windowed:
+            return WindowedCache.sharding(mesh, self.windows, self.kv_heads, dtype)
+        return KVCache.sharding(mesh, self.kv_heads, dtype)
 
     def nbytes(self, slots: int, max_len: int, dtype) -> int:
         """Bytes of the whole cache (every device's part together)."""
         if self.is_latent:
             return LatentCache.nbytes(self.layers, slots, max_len, self.latent, self.rope, dtype)
+        if self.is_windowed:
+            return WindowedCache.nbytes(self.windows, slots, max_len, self.kv_heads, self.head_size, dtype)
         return KVCache.nbytes(self.layers, slots, max_len, self.kv_heads, self.head_size, dtype)
 
     def split_ways(self, mesh) -> int:

@@ -18,8 +18,8 @@ HEADROOM = 0.10
 
 def memory_plan(model, slots: int, max_len: int, kv_dtype, quantized) -> dict[str, int]:
     """Bytes on the busiest device: its shard of each weight, and its part of the KV cache (latent attention's
-    latents: all of them). `quantized`: "int8" or "int4" (True: int8), or None (False): the checkpoint's own
-    dtype."""
+    latents: all of them; a sliding layer's: its window's positions a slot, trainer/serve/ringcache.py).
+    `quantized`: "int8" or "int4" (True: int8), or None (False): the checkpoint's own dtype."""
     from trainer.serve.latentcache import CacheLayout
 
     quantized = "int8" if quantized is True else quantized or None

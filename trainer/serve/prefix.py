@@ -30,6 +30,20 @@ import numpy as np
 BLOCK = 16  # tokens a block (vLLM's default block size)
 
 
+def unsupported(model_config) -> str | None:
+    """Why prefix caching cannot serve this model (trainer.config.ModelConfig), or None where it can.
+
+    A model with sliding-window layers keeps only their window's positions, in a ring (trainer/serve/ringcache.py).
+    A cached prefix of P tokens would have to bring the sliding layers' keys and values of positions P - window
+    to P, but once a prompt runs a window past P its ring holds later positions: the blocks a later prompt
+    shares (a system prompt) are gone from the ring by the time the prompt is stored. Rather than keep full-length
+    sliding caches for it, the engine serves such a model without a prefix cache."""
+    if any(model_config.window(i) for i in range(model_config.num_layers)):
+        return (f"prefix caching is off: the model's sliding-window layers keep only their last "
+                f"{model_config.sliding_window} positions, not the prefix's keys and values it would reuse")
+    return None
+
+
 def _load(cache, pool, slot, ids_N, positions_NxB):
     """The cache with pool blocks ids_N written at positions_NxB of `slot` (positions past max_len dropped)."""
     def one(c, p):

@@ -139,7 +139,8 @@ class ModelRunner:
                     *, span):
         """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
         its target, the token after it (a target < 0: the token drawn here)."""
-        logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1, span)
+        logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1, span,
+                                                                lengths_B=(last + 1)[None])
         logits_1xV = jax.lax.dynamic_index_in_dim(logits_1xCxV, last, axis=1, keepdims=False)
         token_1 = sample_tokens(allowed(logits_1xV, mask_1xW), *sampling, start_1 + last + 1)
         targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)

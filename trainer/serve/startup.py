@@ -40,7 +40,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     from trainer import sharding
     from trainer.run_loader import Codec, context_of, find_run, load_run_config
     from trainer.serve.engine import Engine, RequestError
-    from trainer.serve.prefix import BLOCK
+    from trainer.serve.prefix import BLOCK, unsupported
     from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
     run = find_run(directory, progress=progress)  # a Hugging Face directory: its import (trainer/hf/cache.py)
@@ -68,6 +68,9 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     except WeightsError as e:
         raise ServeError(str(e)) from None
     kv = kv_dtype or cfg.dtype
+    if prefix_tokens and unsupported(cfg.model):
+        progress(f"note: {unsupported(cfg.model)}")
+        prefix_tokens = 0
     plan = memory_plan(model, slots, max_len, kv, quantized)
     plan["prefix_cache"] = plan["kv_cache"] // (slots * max_len) * (prefix_tokens // BLOCK * BLOCK)  # its own pool
     stored = f" ({quantized})" if quantized else ""
