@@ -1,6 +1,6 @@
 """`moe-tpu plan --serve`: the serving decode step, per chip, at bfloat16, int8 and int4.
 
-Pure arithmetic over the trainer's parameter inventory (trainer.params), a mesh and a chip (a catalogue
+Pure arithmetic over the trainer's parameter inventory (trainer/arith/params.py), a mesh and a chip (a catalogue
 entry): nothing is compiled. The model behind the figures, for one replica decoding a batch of B slots
 whose attention spans `max_len` positions (the engine's fixed-shape step attends over its whole cache):
 - memory per chip: the chip's shard of every weight (as trainer.sharding splits them; int8 adds a float32
@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 from provision import catalogue
 from provision.planner.estimates import Mesh, hbm_bytes_per_s, ici_bytes_per_s, mesh_options
-from provision.planner.params_cache import shard_ways
-from trainer.params import DTYPE_BYTES, ParamInfo
+from trainer.arith import quant
+from trainer.arith.mesh import shard_ways
+from trainer.arith.params import DTYPE_BYTES, ParamInfo
 
 if TYPE_CHECKING:
     from trainer import config as trainer_config
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 PRECISION_BYTES: dict[str, float] = {"float32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 PRECISIONS = ("bf16", "int8", "int4")
 # A quantized weight keeps float32 scales (int8: one per output channel, int4: one per group of input values),
-# a quantized cache one per position and KV head (trainer/serve/quant.py, quant4.py, kvcache.py).
+# a quantized cache one per position and KV head (trainer/arith/quant.py, kvcache.py).
 SCALE_BYTES = 4
 _NAMES = {"bfloat16": "bf16", "float32": "float32", "float16": "bf16", "int8": "int8"}
 
@@ -76,9 +77,7 @@ class ChipWeights:
 
 
 def _quantized_axes(p: ParamInfo) -> tuple[int, ...] | None:
-    from trainer.serve.quant import input_axes  # which weights the engine quantizes, and over which axes
-
-    return input_axes(p.name, len(p.shape))
+    return quant.input_axes(p.name, len(p.shape))  # which weights the engine quantizes, and over which axes
 
 
 def _value_bytes(p: ParamInfo, precision: str | None) -> float:
@@ -86,16 +85,14 @@ def _value_bytes(p: ParamInfo, precision: str | None) -> float:
     over the whole parameter and split with its values: exact where the mesh splits output channels; where
     it splits the input axes, each chip really keeps every channel's scale (a 4 / width share more, a few
     hundredths of a percent at a real model's width)."""
-    from trainer.serve import quant4  # int4's groups, as the engine cuts them
-
     axes = None if precision is None else _quantized_axes(p)
-    if axes is None or (precision == "int4" and quant4.group_axis(p.name, p.shape) is None):
+    if axes is None or (precision == "int4" and quant.group_axis(p.name, p.shape) is None):
         return float(p.nbytes)
     values = p.size * PRECISION_BYTES[precision]
     if precision in ("bf16", "float32"):
         return values
     if precision == "int4":
-        return values + SCALE_BYTES * p.size / quant4.group_size(p.shape[quant4.group_axis(p.name, p.shape)])
+        return values + SCALE_BYTES * p.size / quant.group_size(p.shape[quant.group_axis(p.name, p.shape)])
     return values + SCALE_BYTES * p.size / math.prod(p.shape[a] for a in axes)
 
 
@@ -229,7 +226,7 @@ class Serving:
 def serving(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh, acc: catalogue.AcceleratorType,
             precision: str, *, max_len: int, kv_precision: str | None = None, kv: KvLayout | None = None,
             headroom: float = 0.0, hbm_bytes: float = 0.0, slot_multiple: int = 0) -> Serving:
-    from trainer.flops import count_params
+    from trainer.arith.counts import count_params
 
     kv_precision = kv_precision or precision
     return Serving(cfg=cfg, mesh=mesh, acc=acc, weights=chip_weights(params, cfg, mesh, precision),
