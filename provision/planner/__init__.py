@@ -98,6 +98,7 @@ from provision.planner.serving import (  # noqa: F401 - the serving arithmetic
     decode_weight_bytes_per_chip,
     engine_kv_layout,
     experts_touched,
+    kv_bytes_per_slot,
     kv_bytes_per_token,
     serving,
 )

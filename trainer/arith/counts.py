@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from trainer.arith.kv import slot_positions
 from trainer.arith.params import ParamInfo
 
 
@@ -36,21 +37,14 @@ def count_params(params: Sequence[ParamInfo], cfg) -> ParamCounts:
     )
 
 
-def attended_positions(model, layer: int, seq_len: int) -> int:
-    """The keys one query of layer `layer` is counted against over a sequence of `seq_len`: the whole sequence
-    (the PaLM convention counts it so for causal attention), a sliding layer's window where that is shorter."""
-    window = model.window(layer)
-    return min(window, seq_len) if window else seq_len
-
-
 def attention_flops_per_token(cfg) -> float:
     """Training FLOPs of the attention scores and their weighted sum: 12 x seq_len x heads x head_size a layer
-    (the PaLM convention), a sliding layer's window in place of seq_len; with latent attention the scores take
+    (the PaLM convention, which counts every position for causal attention too), a sliding layer's window in
+    place of seq_len where it is shorter (kv.py); with latent attention the scores take
     the q/k head size and the sum the value head size, 6 x ... x each."""
     m = cfg.model
     width = m.head_size if m.mla is None else (m.mla.qk_head_dim + m.mla.v_head_dim) / 2
-    positions = sum(attended_positions(m, i, cfg.data.seq_len) for i in range(m.num_layers))
-    return 12.0 * positions * m.num_heads * width
+    return 12.0 * slot_positions(m, cfg.data.seq_len) * m.num_heads * width
 
 
 def model_flops_per_token(counts: ParamCounts, cfg) -> float:
