@@ -14,10 +14,10 @@ from provision import catalogue
 from trainer.arith.counts import ParamCounts
 from trainer.arith.counts import model_flops_per_token as flops_per_token
 from trainer.arith.mesh import shard_ways
+from trainer.arith.params import DTYPE_BYTES, ParamInfo
 from trainer.kernels import tpu_attention
 from trainer.meshspec import filled, mesh_axes, text_of
 from trainer.moe.config import expert_capacity
-from trainer.arith.params import DTYPE_BYTES, ParamInfo
 
 if TYPE_CHECKING:
     from trainer import config as trainer_config

@@ -20,8 +20,8 @@ from cli_helpers import invoke as moe
 
 from provision import catalogue, planner
 from provision.config import load_config as load_run_config
-from trainer.config import load_config, named_configs
 from trainer.arith.params import inventory as listed
+from trainer.config import load_config, named_configs
 from trainer.params import ParamInfo, param_inventory, shard_ways
 
 ROOT = Path(__file__).resolve().parents[2]
