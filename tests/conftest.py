@@ -52,17 +52,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# The same for the planner's cache of the trainer's parameter inventory (provision/planner/params_cache.py):
-# one for the run, not the user's, so that the suite starts cold and leaves nothing in ~/.cache.
-if "MOE_TPU_PLAN_CACHE" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    _plan_cache = tempfile.mkdtemp(prefix="moe-tpu-plan-cache-")
-    os.environ["MOE_TPU_PLAN_CACHE"] = _plan_cache
-    atexit.register(shutil.rmtree, _plan_cache, ignore_errors=True)
-
 
 # --- the suite never writes into the checkout ------------------------------------------------
 import subprocess  # noqa: E402

@@ -8,14 +8,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from trainer import attention, sharding
+from trainer.arith.params import LAYERS_AXIS  # the stacked parameters' leading axis (trainer/sharding.py)
 from trainer.config import Config
 from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
 from trainer.mla import MLAttention
 from trainer.moe import MoEBlock
 from trainer.moe.stacked import split_stacks, with_layer
 from trainer.stacks import Stack, layer_stacks
-
-LAYERS_AXIS = "layers"  # the logical name of the stacked parameters' leading axis (trainer/sharding.py)
 
 
 class Block(nnx.Module):

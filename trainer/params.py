@@ -2,58 +2,22 @@
 
 `param_inventory(cfg)` builds the trainer's own `Transformer` abstractly (`nnx.eval_shape`: shapes and
 dtypes, no memory), so every count derived from it (the planner's totals, per-expert and embedding sizes,
-bytes per chip) is the model's, not a second formula. `shard_ways` asks trainer.sharding how many ways a
-parameter is split on a mesh of a given shape. Importing this module imports no jax: the control plane
-reads `ParamInfo` cheaply, and jax starts only inside the two functions.
+bytes per chip) is the model's. trainer/arith/params.py lists the same parameters from the config alone, for
+the planner without jax (a test holds the two equal); `shard_ways` (trainer/arith/mesh.py) says how many
+ways a parameter is split on a mesh of a given shape. Importing this module imports no jax: jax starts
+only inside param_inventory.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
+
+from trainer.arith.mesh import shard_ways  # noqa: F401 - how the mesh splits a parameter (no jax)
+from trainer.arith.params import DTYPE_BYTES, ParamInfo  # noqa: F401 - what the inventory lists, one place
 
 if TYPE_CHECKING:
     from trainer.config import Config
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamInfo:
-    """One parameter: its dotted name (as ParamCodec names it), shape, dtype and logical axis names."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    axes: tuple[str | None, ...]
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * DTYPE_BYTES[self.dtype]
-
-    @property
-    def is_expert(self) -> bool:
-        """A routed expert's weight: one slice per expert along the "expert" axis."""
-        return "expert" in self.axes
-
-    @property
-    def is_matrix(self) -> bool:
-        """A weight tokens are multiplied by: two axes or more besides the stacked layers' (trainer/stacks.py),
-        where a norm's scale is one."""
-        return sum(a != "layers" for a in self.axes) >= 2
-
-    @property
-    def is_vocab(self) -> bool:
-        """The embedding table or the output head."""
-        return "vocab" in self.axes
-
 
 class _ShapeOnlyRngs:
     """What the model's constructor asks of its nnx.Rngs, for a build that only wants shapes: one fixed
@@ -98,23 +62,3 @@ def param_inventory(cfg: Config) -> tuple[ParamInfo, ...]:
         infos.append(ParamInfo(name=name, shape=tuple(int(d) for d in value.shape),
                                dtype=jax.numpy.dtype(value.dtype).name, axes=tuple(names)))
     return tuple(infos)
-
-
-@functools.lru_cache(maxsize=65536)
-def shard_ways(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh_shape: tuple[tuple[str, int], ...],
-               fsdp: bool) -> int:
-    """How many ways trainer.sharding splits an array with these logical axes on a mesh of this shape
-    (`(("data", D), ("expert", E))`): the number of distinct shards, so its bytes per device are
-    nbytes / shard_ways."""
-    import jax
-
-    from trainer import sharding
-
-    mesh = jax.sharding.AbstractMesh(tuple(n for _, n in mesh_shape), tuple(a for a, _ in mesh_shape))
-    spec = sharding.logical_to_spec(axes, shape, mesh, fsdp)
-    sizes: Mapping[str, int] = dict(mesh_shape)
-    ways = 1
-    for entry in spec:
-        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
-            ways *= sizes[axis]
-    return ways

@@ -1,7 +1,8 @@
 """The one place where logical axis names meet the device mesh.
 
-Layers name their parameter axes ("embed", "mlp", "vocab", "heads", "kv", "expert", ...); this module maps
-those names to the mesh axes "data", "expert" and "model". Experts go over `expert`, the batch over data
+Layers name their parameter axes ("embed", "mlp", "vocab", "heads", "kv", "expert", ...); the rules
+(trainer/arith/mesh.py, jax-free for the planner) map those names to the mesh axes "data", "expert" and
+"model", and this module applies them to jax's meshes. Experts go over `expert`, the batch over data
 and expert, and with FSDP the `embed` axis over `data`. Tensor parallelism (Megatron-style) is the `model`
 axis: the FFNs' hidden dimension (dense and each expert's) and attention's heads and KV heads (replicated
 when fewer than the axis). Activations between layers are whole on `model`; inside a layer its hidden
@@ -23,50 +24,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trainer.arith.mesh import BATCH_AXES, FSDP_RULES, RULES, rules, spec_entries  # noqa: F401 - the rules, one place
+from trainer.arith.params import vocab_axis  # noqa: F401 - the vocabulary's logical name
 from trainer.meshspec import MESH_AXES, mesh_size, parse_mesh  # noqa: F401 - the mesh text, read once
-
-BATCH_AXES = ("data", "expert")
-
-# Logical name -> mesh axis (or axes, or None: replicated).
-RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": BATCH_AXES,
-    "expert": "expert",
-    "embed": None,
-    "mlp": "model",
-    "vocab": None,
-    # The vocabulary when `train.shard_vocab` is set: the model names its vocabulary axis so (vocab_axis),
-    # and every reader of the rules (parameters, optimiser state, serving, the planner) follows.
-    "sharded_vocab": "model",
-    "heads": "model",
-    "kv_heads": "model",
-    "kv": None,
-    "norm": None,
-    "length": None,
-    "layers": None,  # the stacked layers' leading axis (trainer/stacks.py): each device holds every layer
-}
-FSDP_RULES = {**RULES, "embed": "data"}
-
-
-def rules(fsdp: bool) -> dict[str, str | tuple[str, ...] | None]:
-    return FSDP_RULES if fsdp else RULES
 
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, fsdp: bool = False) -> P:
     """The PartitionSpec for an array with logical axis `names`; a dim the mesh cannot divide stays whole."""
-    table = rules(fsdp)
-    used: set[str] = set()
-    spec = []
-    for name, size in zip(names, shape, strict=True):
-        axes = table.get(name) if name is not None else None
-        axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        if axes_t and not used.intersection(axes_t):
-            ways = int(np.prod([dict(mesh.shape).get(a, 1) for a in axes_t]))
-            if ways > 1 and size % ways == 0:
-                spec.append(axes_t[0] if len(axes_t) == 1 else axes_t)
-                used.update(axes_t)
-                continue
-        spec.append(None)
-    return P(*spec)
+    return P(*spec_entries(names, shape, dict(mesh.shape), fsdp))
 
 
 def variable_names(var: nnx.Variable) -> tuple[str | None, ...] | None:
@@ -86,11 +51,6 @@ def param_specs(variables: Mapping[str, nnx.Variable], mesh: Mesh, fsdp: bool = 
             raise ValueError(f"param {name}: logical names {names} do not match shape {shape}")
         specs[name] = P() if names is None else logical_to_spec(names, shape, mesh, fsdp)
     return specs
-
-
-def vocab_axis(shard_vocab: bool) -> str:
-    """The logical name of the vocabulary axis: split over `model` with `train.shard_vocab`, else whole."""
-    return "sharded_vocab" if shard_vocab else "vocab"
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

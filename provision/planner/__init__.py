@@ -1,9 +1,9 @@
 """`moe-tpu plan`: will this MoE fit on this slice, how fast can it go, what will it cost.
 
 Pure functions over typed inputs: the trainer's model config, the parameters the trainer instantiates
-(trainer.params, built abstractly), a mesh and a catalogue entry. Only `plan_for` and `verdict` read
-files. jax starts lazily, inside trainer.params and the trainer's config loader, so importing this module
-(and `moe-tpu --help`) stays cheap.
+(listed from the config by trainer/arith/params.py, the jax-free arithmetic the trainer shares), a mesh and
+a catalogue entry. Only `plan_for` and `verdict` read files. Nothing here imports jax: `plan` and
+`plan --serve` run where only the control plane is installed.
 
 The model behind the figures, per chip and per train step:
 - memory: parameters, gradients (param dtype) and AdamW's mu and nu (param dtype, as optax keeps
@@ -98,8 +98,9 @@ from provision.planner.serving import (  # noqa: F401 - the serving arithmetic
     decode_weight_bytes_per_chip,
     engine_kv_layout,
     experts_touched,
+    kv_bytes_per_slot,
     kv_bytes_per_token,
     serving,
 )
-from trainer.flops import ParamCounts, count_params  # noqa: F401 - the trainer's own count (trainer/flops.py)
-from trainer.flops import model_flops_per_token as flops_per_token  # noqa: F401
+from trainer.arith.counts import ParamCounts, count_params  # noqa: F401 - the trainer's own count (trainer/arith/counts.py)
+from trainer.arith.counts import model_flops_per_token as flops_per_token  # noqa: F401

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from provision import catalogue
-from provision.planner.params_cache import shard_ways
-from trainer.flops import ParamCounts
-from trainer.flops import model_flops_per_token as flops_per_token
+from trainer.arith.counts import ParamCounts
+from trainer.arith.counts import model_flops_per_token as flops_per_token
+from trainer.arith.mesh import shard_ways
+from trainer.arith.params import DTYPE_BYTES, ParamInfo
 from trainer.kernels import tpu_attention
 from trainer.meshspec import filled, mesh_axes, text_of
 from trainer.moe.config import expert_capacity
-from trainer.params import DTYPE_BYTES, ParamInfo
 
 if TYPE_CHECKING:
     from trainer import config as trainer_config
@@ -37,7 +37,7 @@ DROP_WARNING = 0.1
 # ----------------------------------------------------------------------------- parameters
 
 
-# ParamCounts and count_params live with the trainer's MFU (trainer/flops.py): one count for both.
+# ParamCounts and count_params live with the trainer's MFU (trainer/arith/counts.py): one count for both.
 
 
 # ----------------------------------------------------------------------------- mesh

@@ -31,10 +31,10 @@ from provision.planner.estimates import (
     target_mesh,
     traffic_per_chip,
 )
-from trainer.flops import ParamCounts, count_params
+from trainer.arith.counts import ParamCounts, count_params
+from trainer.arith.counts import model_flops_per_token as flops_per_token
+from trainer.arith.params import ParamInfo
 from trainer.meshspec import tensor_problems
-from trainer.flops import model_flops_per_token as flops_per_token
-from trainer.params import ParamInfo
 
 if TYPE_CHECKING:
     from provision.config_sections import Config
@@ -299,7 +299,7 @@ def mesh_choice(cfg: Config) -> tuple[str | None, str]:
     the mesh `plan` shows and the trainer is then started with) and ""; or None and why the plan
     cannot choose one (the trainer config cannot be read, or no mesh of the target fits the model)."""
     try:
-        from provision.planner.params_cache import param_inventory
+        from trainer.arith.params import inventory as param_inventory
         from trainer.config import ConfigError
 
         target = target_of(cfg)
@@ -339,7 +339,7 @@ def plan_for(cfg: Config, *, model: str | None = None, accelerator: str | None =
     """The plan for a control-plane config. A model or mesh that cannot be used raises UsageError
     (exit 2); without the trainer's dependencies, MissingDependency."""
     try:
-        from provision.planner.params_cache import param_inventory
+        from trainer.arith.params import inventory as param_inventory
         from trainer.config import ConfigError
     except ImportError as exc:
         raise MissingDependency(exc.name or "jax", "trainer") from exc

@@ -9,7 +9,7 @@ from provision import catalogue
 from provision.console import table_lines
 from provision.planner.estimates import COMPUTE_EFFICIENCY, GIB, MAX_SLICES
 from provision.planner.plan import Advice, Hardware, Plan, plan_for
-from trainer.flops import attention_flops_per_token
+from trainer.arith.counts import attention_flops_per_token
 
 if TYPE_CHECKING:
     from provision.config_sections import Config

@@ -188,8 +188,8 @@ def serve_plan_for(cfg: Config, plan: Plan, *, accelerator: str | None = None, m
     """The serving plan for a config whose training plan is `plan` (`plan_for` with the same options):
     the serve section's replica (else the plan's target) on the mesh given, the plan's, or the best for
     serving."""
-    from provision.planner.params_cache import param_inventory
-    from trainer.serve.memory import HEADROOM
+    from trainer.arith.params import inventory as param_inventory
+    from trainer.arith.quant import HEADROOM
 
     params, model_cfg = param_inventory(plan.model), plan.model
     acc, hardware_source = _hardware(cfg, plan, accelerator)

@@ -10,8 +10,7 @@ from provision.planner.report import usd as _usd
 from provision.planner.serve_plan import Row, ServePlan
 from provision.planner.serve_shapes import hosts_document, hosts_line
 from provision.planner.serving import DecodeStep, latent_capacity
-
-from trainer.serve.memory import QUANTIZED_WEIGHTS
+from trainer.arith.quant import QUANTIZED_WEIGHTS
 
 # The weight precisions trainer/serve loads: the checkpoint's float dtype (--weights auto) and those it
 # quantizes to on load (the engine's own list).

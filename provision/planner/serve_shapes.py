@@ -26,7 +26,7 @@ class Shape:
 
 def _engine_serves(name: str) -> bool:
     """A row's weights are a precision trainer/serve loads (serve_report.engine_serves, by name)."""
-    from trainer.serve.memory import QUANTIZED_WEIGHTS
+    from trainer.arith.quant import QUANTIZED_WEIGHTS
 
     return name.split("/", 1)[0] in {"bf16", "float32", *QUANTIZED_WEIGHTS}
 
@@ -77,8 +77,8 @@ def hosts_line(plan: ServePlan, document: dict) -> str:
 
 def shape_fit(plan: ServePlan, acc: catalogue.AcceleratorType) -> Shape:
     """The best mesh of `acc`'s chips for the plan's model, slots and length, and what fits on it."""
-    from provision.planner.params_cache import param_inventory
-    from trainer.serve.memory import HEADROOM
+    from trainer.arith.params import inventory as param_inventory
+    from trainer.arith.quant import HEADROOM
 
     model_cfg = plan.plan.model
     params = param_inventory(model_cfg)

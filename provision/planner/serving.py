@@ -1,8 +1,9 @@
 """`moe-tpu plan --serve`: the serving decode step, per chip, at bfloat16, int8 and int4.
 
-Pure arithmetic over the trainer's parameter inventory (trainer.params), a mesh and a chip (a catalogue
+Pure arithmetic over the trainer's parameter inventory (trainer/arith/params.py), a mesh and a chip (a catalogue
 entry): nothing is compiled. The model behind the figures, for one replica decoding a batch of B slots
-whose attention spans `max_len` positions (the engine's fixed-shape step attends over its whole cache):
+whose attention spans `max_len` positions (the engine's fixed-shape step attends over its whole cache; a
+sliding layer over its window, the most positions its cache holds):
 - memory per chip: the chip's shard of every weight (as trainer.sharding splits them; int8 adds a float32
   scale per output channel, int4 one per group of 128 input values, router and norms stay in float) plus
   its part of the KV cache;
@@ -24,8 +25,10 @@ from typing import TYPE_CHECKING
 
 from provision import catalogue
 from provision.planner.estimates import Mesh, hbm_bytes_per_s, ici_bytes_per_s, mesh_options
-from provision.planner.params_cache import shard_ways
-from trainer.params import DTYPE_BYTES, ParamInfo
+from trainer.arith import quant
+from trainer.arith.kv import slot_positions
+from trainer.arith.mesh import shard_ways
+from trainer.arith.params import DTYPE_BYTES, ParamInfo
 
 if TYPE_CHECKING:
     from trainer import config as trainer_config
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 PRECISION_BYTES: dict[str, float] = {"float32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 PRECISIONS = ("bf16", "int8", "int4")
 # A quantized weight keeps float32 scales (int8: one per output channel, int4: one per group of input values),
-# a quantized cache one per position and KV head (trainer/serve/quant.py, quant4.py, kvcache.py).
+# a quantized cache one per position and KV head (trainer/arith/quant.py, kvcache.py).
 SCALE_BYTES = 4
 _NAMES = {"bfloat16": "bf16", "float32": "float32", "float16": "bf16", "int8": "int8"}
 
@@ -76,9 +79,7 @@ class ChipWeights:
 
 
 def _quantized_axes(p: ParamInfo) -> tuple[int, ...] | None:
-    from trainer.serve.quant import input_axes  # which weights the engine quantizes, and over which axes
-
-    return input_axes(p.name, len(p.shape))
+    return quant.input_axes(p.name, len(p.shape))  # which weights the engine quantizes, and over which axes
 
 
 def _value_bytes(p: ParamInfo, precision: str | None) -> float:
@@ -86,16 +87,14 @@ def _value_bytes(p: ParamInfo, precision: str | None) -> float:
     over the whole parameter and split with its values: exact where the mesh splits output channels; where
     it splits the input axes, each chip really keeps every channel's scale (a 4 / width share more, a few
     hundredths of a percent at a real model's width)."""
-    from trainer.serve import quant4  # int4's groups, as the engine cuts them
-
     axes = None if precision is None else _quantized_axes(p)
-    if axes is None or (precision == "int4" and quant4.group_axis(p.name, p.shape) is None):
+    if axes is None or (precision == "int4" and quant.group_axis(p.name, p.shape) is None):
         return float(p.nbytes)
     values = p.size * PRECISION_BYTES[precision]
     if precision in ("bf16", "float32"):
         return values
     if precision == "int4":
-        return values + SCALE_BYTES * p.size / quant4.group_size(p.shape[quant4.group_axis(p.name, p.shape)])
+        return values + SCALE_BYTES * p.size / quant.group_size(p.shape[quant.group_axis(p.name, p.shape)])
     return values + SCALE_BYTES * p.size / math.prod(p.shape[a] for a in axes)
 
 
@@ -166,6 +165,12 @@ def kv_bytes_per_token(cfg: trainer_config.Config, precision: str) -> float:
     return 2 * m.num_layers * per_layer
 
 
+def kv_bytes_per_slot(cfg: trainer_config.Config, precision: str, max_len: int) -> float:
+    """One slot's cache of `max_len` positions: kv_bytes_per_token's share of a layer for each position a layer
+    holds, a sliding layer's window at most (trainer/arith/kv.py)."""
+    return kv_bytes_per_token(cfg, precision) * slot_positions(cfg.model, max_len) / cfg.model.num_layers
+
+
 def uncompressed_kv_bytes_per_token(cfg: trainer_config.Config, precision: str) -> float:
     """Latent attention's keys and values expanded: every head's key (qk_nope_head_dim + qk_rope_head_dim)
     and value (v_head_dim) of one position in every layer, as a cache of heads would keep them (a float32
@@ -189,7 +194,8 @@ class Serving:
     acc: catalogue.AcceleratorType
     weights: ChipWeights
     kv: KvLayout
-    kv_per_token: float  # bytes
+    kv_per_token: float  # bytes, a position of every layer
+    kv_per_slot: float  # bytes, a slot of max_len positions (a sliding layer's window at most)
     matmul_params: int  # weights one token multiplies by (ParamCounts.matmul_active)
     max_len: int
     weight_precision: str
@@ -204,7 +210,7 @@ class Serving:
 
     def kv_cache_bytes(self, slots: int) -> float:
         """Per chip, for `slots` slots of max_len positions."""
-        return slots * self.max_len * self.kv_per_token / self.kv.hold_ways
+        return slots * self.kv_per_slot / self.kv.hold_ways
 
     def memory(self, slots: int) -> float:
         return self.weights.held + self.kv_cache_bytes(slots)
@@ -219,7 +225,7 @@ class Serving:
         """The most slots whose cache fits beside the weights (a multiple of `slot_multiple`: the engine
         splits its slots over the token shards); 0 when none fits."""
         free = self.usable() - self.weights.held
-        slot = self.max_len * self.kv_per_token / self.kv.hold_ways
+        slot = self.kv_per_slot / self.kv.hold_ways
         if free < slot:
             return 0
         multiple = self.slot_multiple or self.mesh.token_shards
@@ -229,11 +235,12 @@ class Serving:
 def serving(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh, acc: catalogue.AcceleratorType,
             precision: str, *, max_len: int, kv_precision: str | None = None, kv: KvLayout | None = None,
             headroom: float = 0.0, hbm_bytes: float = 0.0, slot_multiple: int = 0) -> Serving:
-    from trainer.flops import count_params
+    from trainer.arith.counts import count_params
 
     kv_precision = kv_precision or precision
     return Serving(cfg=cfg, mesh=mesh, acc=acc, weights=chip_weights(params, cfg, mesh, precision),
                    kv=kv or engine_kv_layout(cfg, mesh), kv_per_token=kv_bytes_per_token(cfg, kv_precision),
+                   kv_per_slot=kv_bytes_per_slot(cfg, kv_precision, max_len),
                    matmul_params=count_params(params, cfg).matmul_active, max_len=max_len,
                    weight_precision=precision, kv_precision=kv_precision, headroom=headroom, hbm_bytes=hbm_bytes,
                    slot_multiple=slot_multiple)
@@ -282,8 +289,8 @@ def decode_step(s: Serving, batch: int) -> DecodeStep:
     m, e, chips = s.cfg.model, s.cfg.moe, s.mesh.chips
     touched = experts_touched(e.num_experts, e.top_k, batch) if m.num_moe_layers else 0.0
     weights = s.weights.read(touched)
-    kv = batch * s.max_len * s.kv_per_token / s.kv.read_ways
-    attention = batch * s.max_len * m.num_layers * attention_flops_per_position(s.cfg)
+    kv = batch * s.kv_per_slot / s.kv.read_ways
+    attention = batch * slot_positions(m, s.max_len) * attention_flops_per_position(s.cfg)
     flops = (2.0 * s.matmul_params * batch + attention) / chips
     ici = decode_ici_bytes(s, batch)
     return DecodeStep(batch=batch, experts_touched=touched, weight_read_bytes=weights, kv_read_bytes=kv,

@@ -229,12 +229,15 @@ LAYERS = (
     ("base", ("provision.core", "provision.errors", "provision.console", "provision.clock", "provision.catalogue",
               "provision.resources", "provision.statefiles", "provision.waiting", "provision.guest_attributes",
               "provision.shapes")),
+    # The arithmetic the planner and the trainer share (parameters, counts, mesh rules, quantized layouts, KV
+    # positions): below every layer, and importing nothing but the standard library and itself (ARITH_OWN).
+    ("arith", ("trainer.arith",)),
 )
 
 
 def layer_of(module: str) -> str | None:
-    """The layer of a module of provision/ (the longest prefix that names it); None: the emulator, the
-    package itself, or the trainer."""
+    """The layer of a module of provision/ or of the arithmetic core (the longest prefix that names it); None:
+    the emulator, the package itself, or the rest of the trainer."""
     found = [(len(prefix), name) for name, prefixes in LAYERS for prefix in prefixes
              if module == prefix or module.startswith(prefix + ".")]
     return max(found)[1] if found else None
@@ -291,14 +294,16 @@ def test_the_config_loader_is_handed_the_kinds_and_the_gke_world_is_a_layer_over
 
 def documented_layers(text: str) -> dict[str, set[str]]:
     """The layers table of docs/architecture.md: layer -> the modules its second column names (paths under
-    provision/: `a/` and `a/__init__.py` a package, `a/b.py` a module)."""
+    provision/, or from the root where they start with trainer/: `a/` and `a/__init__.py` a package, `a/b.py`
+    a module)."""
     section = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (\w+) \| (.*?) \|[^|]*\|$", section, re.M)
     names = {}
     for layer, cell in rows[1:]:  # the header's row first
         paths = [p.removesuffix("/").removesuffix("/__init__.py").removesuffix(".py")
                  for p in re.findall(r"`([^`]+)`", cell)]
-        names[layer] = {"provision." + p.replace("/", ".") for p in paths}
+        names[layer] = {p.replace("/", ".") if p.startswith("trainer/") else "provision." + p.replace("/", ".")
+                        for p in paths}
     return names
 
 
@@ -323,6 +328,32 @@ def test_the_emulators_services_import_by_name_and_never_see_the_emulator():
     sees_server = sorted(p.name for p in emulator.glob("*.py") if p.name not in ("__init__.py", "server.py")
                          and "provision.emulator.server" in p.read_text(encoding="utf-8"))
     assert sees_server == []
+
+
+# The arithmetic core imports the standard library, its own modules and these (themselves standard-library only):
+# the planner runs it where jax, numpy, flax or a cloud SDK is not installed (tests/control/test_arith.py).
+ARITH_OWN = ("trainer.arith", "trainer.stacks")
+
+
+def arith_imports(modules: dict[str, Path]) -> list[str]:
+    """Each import of a module of the arithmetic core (and of what it may import) beyond the standard library and
+    ARITH_OWN, as "MODULE: NAME"."""
+    return sorted(f"{module}: {name}" for module, path in modules.items()
+                  if module.startswith(ARITH_OWN) for name in imported_names(module, path)
+                  if name.split(".")[0] not in sys.stdlib_module_names
+                  and not any(name == own or name.startswith(own + ".") for own in ARITH_OWN))
+
+
+def test_the_arithmetic_core_imports_only_the_standard_library(tmp_path):
+    modules = own_modules()
+    assert {"trainer.arith.params", "trainer.arith.mesh", "trainer.arith.quant"} <= set(modules)
+    assert arith_imports(modules) == []
+    planted = tmp_path / "mesh.py"
+    planted.write_text("import math\nfrom trainer.stacks import is_stacked\ndef f():\n    import numpy as np\n"
+                       "    from trainer import sharding\n    from pydantic import BaseModel\n")
+    assert arith_imports({"trainer.arith.mesh": planted}) == [
+        "trainer.arith.mesh: numpy", "trainer.arith.mesh: pydantic", "trainer.arith.mesh: pydantic.BaseModel",
+        "trainer.arith.mesh: trainer.sharding"]
 
 
 # --- private names --------------------------------------------------------------------------------------

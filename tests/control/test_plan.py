@@ -20,6 +20,7 @@ from cli_helpers import invoke as moe
 
 from provision import catalogue, planner
 from provision.config import load_config as load_run_config
+from trainer.arith.params import inventory as listed
 from trainer.config import load_config, named_configs
 from trainer.params import ParamInfo, param_inventory, shard_ways
 
@@ -49,11 +50,23 @@ def test_params_total_is_what_the_trainer_instantiates(name):
     from trainer.model import build_model
 
     cfg = load_config(name)
+    assert listed(cfg) == inventory(name)  # the planner's list from the config alone: the model's, row for row
     total = planner.count_params(inventory(name), cfg).total
     assert total == flops.counts_of(cfg).total
     if total < 1e11:  # building a 1.2T model abstractly a second time takes seconds; the inventory did once
         built = nnx.state(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param)
         assert total == sum(leaf.size for leaf in jax.tree.leaves(built))
+
+
+@pytest.mark.parametrize("overrides", [
+    ("moe.num_shared_experts=1", "moe.shared_gate=true", "model.qkv_bias=true", "model.qk_norm=full",
+     "train.shard_vocab=true", "model.tie_embeddings=true"),
+    ("model.qk_norm=head", "model.out_bias=true", "model.attention_sinks=true", "moe.router_bias=true",
+     "moe.ffn_bias=true", "param_dtype=bfloat16", "model.layer_types=[sliding,full]", "model.sliding_window=8")])
+def test_the_config_alone_lists_the_parameters_the_model_holds_with_each_option(overrides):
+    """trainer/arith/params.py lists the parameters without jax: those the model builds under jax, with the
+    options the named configs leave out."""
+    assert listed(load_config("tiny", overrides)) == inventory("tiny", *overrides)
 
 
 @pytest.mark.parametrize("overrides", [(), ("moe.jitter=0.01", "moe.num_shared_experts=1")])

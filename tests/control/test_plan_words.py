@@ -12,7 +12,7 @@ import pytest
 
 from provision import catalogue, planner
 from provision.config import load_config
-from provision.planner.params_cache import param_inventory
+from trainer.arith.params import inventory as param_inventory
 from trainer.config import load_config as load_trainer_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """The named configs of the open models (mixtral-8x7b, qwen3-30b-a3b, qwen2-57b-a14b, olmoe-1b-7b,
-deepseek-v3-671b, deepseek-v2-lite) are the shapes transformers builds from their config.json: the same
-parameter count, parameter for parameter, and an import of that config.json gives the named config's model
+deepseek-v3-671b, deepseek-v2-lite, gpt-oss-20b, gpt-oss-120b) are the shapes transformers builds from their
+config.json: the same parameter count, parameter for parameter, and an import of that config.json gives the named config's model
 back."""
 
 import pytest
@@ -15,7 +15,8 @@ from trainer.hf.families import family_of, hub_config, trainer_config  # noqa: E
 # name -> (family, the total parameters the model's card publishes, in billions)
 NAMED = {"mixtral-8x7b": ("mixtral", 46.7), "qwen3-30b-a3b": ("qwen3_moe", 30.5),
          "qwen2-57b-a14b": ("qwen2_moe", 57.4), "olmoe-1b-7b": ("olmoe", 6.9),
-         "deepseek-v3-671b": ("deepseek_v3", 671.0), "deepseek-v2-lite": ("deepseek_v2", 15.7)}
+         "deepseek-v3-671b": ("deepseek_v3", 671.0), "deepseek-v2-lite": ("deepseek_v2", 15.7),
+         "gpt-oss-20b": ("gpt_oss", 20.9), "gpt-oss-120b": ("gpt_oss", 116.8)}
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))

@@ -7,13 +7,9 @@ from __future__ import annotations
 import math
 import os
 
-# The weight formats the engine quantizes to on load (`--weights`, trainer/serve/quant.py and quant4.py); `auto`
-# keeps the checkpoint's float dtype. The one list: the server's flag and the planner's serve verdict read it.
-QUANTIZED_WEIGHTS = ("int8", "int4")
-
-# Beyond weights and cache: logits, activations of a prefill chunk, XLA's scratch. A share of the device
-# memory, since what it covers grows with the model.
-HEADROOM = 0.10
+# The weight formats the engine quantizes to on load (QUANTIZED_WEIGHTS) and the share of memory beyond
+# weights and cache (HEADROOM): jax-free, for the planner too.
+from trainer.arith.quant import HEADROOM, QUANTIZED_WEIGHTS  # noqa: F401
 
 
 def memory_plan(model, slots: int, max_len: int, kv_dtype, quantized) -> dict[str, int]:

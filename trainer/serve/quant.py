@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from trainer.arith.quant import FLOAT_LEAVES, input_axes  # noqa: F401 - which weights stay float, one place
 from trainer.stacks import is_stacked
 
 
@@ -45,28 +46,6 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.values.size + self.scale.size * 4
-
-
-# Kept in float whatever their rank: the router and the norms, and every bias and attention sink (small, and
-# added to the products as they are: a rounded bias shifts every token's output alike).
-FLOAT_LEAVES = ("router", "scale", "router_bias", "sinks", "bq", "bk", "bv", "bo", "b_in", "b_gate", "b_out")
-
-
-def input_axes(name: str, ndim: int) -> tuple[int, ...] | None:
-    """The axes a weight contracts over (reduced for its scale), or None: kept in float."""
-    leaf = name.rsplit(".", 1)[-1]
-    if is_stacked(name):  # the stacked layers' weight [layers, ...] (trainer/stacks.py): its layers' axes, one on
-        axes = input_axes(leaf, ndim - 1)
-        return None if axes is None else tuple(a + 1 for a in axes)
-    if ndim < 2 or leaf in FLOAT_LEAVES:
-        return None
-    if leaf == "embed":  # [V, D]: a row per token, and the tied head's output channel
-        return (1,)
-    if leaf == "wo":  # [N, H, D]
-        return (0, 1)
-    if ndim == 3 and leaf in ("w_in", "w_gate", "w_out"):  # routed experts [E, in, out]
-        return (1,)
-    return (0,)
 
 
 def quantize_weight(w: jax.Array, axes: tuple[int, ...]) -> Int8Weight:

@@ -31,10 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer.serve.quant import input_axes
+from trainer.arith.quant import GROUP, group_axis, group_size, layout  # noqa: F401 - int4's layout, one place
 from trainer.stacks import is_stacked
 
-GROUP = 128
 LEVELS = 7  # symmetric: -7..7 (the 16th code, -8, is never written)
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # a group's scale: absmax / 7 times the best of these
 
@@ -115,28 +114,6 @@ class Int4Native(_Widened):
     def nbytes(self) -> int:
         """Two values a byte, as a TPU holds them (jax reports a byte a value)."""
         return (self.values.size + 1) // 2 + self.scale.size * 4
-
-
-def group_axis(name: str, shape: tuple[int, ...]) -> int | None:
-    """The input axis a weight's groups run along (the last it contracts over), or None: kept in float
-    (the router, the norms, and a weight whose input axis has an odd length, which cannot be packed)."""
-    axes = input_axes(name, len(shape))
-    if axes is None or shape[axes[-1]] % 2:
-        return None
-    return axes[-1]
-
-
-def group_size(length: int) -> int:
-    """The values a scale covers along an input axis of `length` (even): GROUP, or the largest power of
-    two dividing both."""
-    return math.gcd(length, GROUP)
-
-
-def layout(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(the packed values' shape, the scales' shape) of a weight of `shape` grouped along `axis`."""
-    length = shape[axis]
-    packed = (*shape[:axis], length // 2, *shape[axis + 1:])
-    return packed, (*shape[:axis], length // group_size(length), *shape[axis + 1:])
 
 
 def spec_for(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec:
