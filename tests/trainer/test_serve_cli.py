@@ -84,13 +84,13 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
     script = tmp_path / "serve.py"
     script.write_text(
         "import socket, sys, threading, types\n"
-        "from trainer.serve import cli\n"
+        "from trainer.serve import cli, http_serve\n"
         "engine = types.SimpleNamespace(slots=1, max_len=2,\n"
         "                               warm_up=lambda every_span, between: threading.Event().wait())\n"
         "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None, eos_token=None,\n"
         "                                tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
-        "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 1, None, 'tiny', 1.0))\n")
+        "sys.exit(http_serve.serve_http(loaded, sock, '127.0.0.1', int(sys.argv[1]), 1, None, 'tiny', 1.0))\n")
     process = subprocess.Popen([sys.executable, str(script), str(free_port())], stderr=subprocess.PIPE, text=True)
     try:
         for line in process.stderr:
@@ -113,7 +113,7 @@ def test_the_server_is_ready_while_it_compiles_ahead_and_a_sigterm_then_exits_0(
     script = tmp_path / "serve.py"
     script.write_text(
         "import sys, threading, types\n"
-        "from trainer.serve import cli\n"
+        "from trainer.serve import cli, http_serve\n"
         "def warm_up(every_span, between):\n"
         "    print(f'warm_up every_span={every_span}', file=sys.stderr, flush=True)\n"
         "def compile_ahead(between):\n"
@@ -125,7 +125,7 @@ def test_the_server_is_ready_while_it_compiles_ahead_and_a_sigterm_then_exits_0(
         "loaded = types.SimpleNamespace(engine=engine, encode=None, decode=None, eos_token=None,\n"
         "                                tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
-        "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 1, None, 'tiny', 1.0, "
+        "sys.exit(http_serve.serve_http(loaded, sock, '127.0.0.1', int(sys.argv[1]), 1, None, 'tiny', 1.0, "
         "warm_up='background'))\n")
     port = free_port()
     process = subprocess.Popen([sys.executable, str(script), str(port)], stderr=subprocess.PIPE, text=True)
@@ -255,7 +255,7 @@ def test_a_grace_period_that_runs_out_sends_each_stream_an_error_event_and_logs_
         "import sys, types, jax\n"
         "from trainer import sharding\n"
         "from trainer.config import load_config\n"
-        "from trainer.serve import cli\n"
+        "from trainer.serve import cli, http_serve\n"
         "from trainer.serve.engine import Engine\n"
         "from trainer.serve.weights import build_serving_model, init_weights\n"
         "model = build_serving_model(load_config('tiny', []), sharding.make_mesh({'data': 1, 'expert': 1}, "
@@ -265,7 +265,7 @@ def test_a_grace_period_that_runs_out_sends_each_stream_an_error_event_and_logs_
         "                               decode=lambda ids: ' '.join(map(str, ids)), eos_token=None,\n"
         "                               tokenizer_class='ids', tokenizer=None)\n"
         "sock = cli._listen('127.0.0.1', int(sys.argv[1]))\n"
-        "sys.exit(cli._serve(loaded, sock, '127.0.0.1', int(sys.argv[1]), 8, None, 'tiny', 0.5, "
+        "sys.exit(http_serve.serve_http(loaded, sock, '127.0.0.1', int(sys.argv[1]), 8, None, 'tiny', 0.5, "
         "warm_up='smallest'))\n")  # the quick start: 4,096 tokens are six spans, and the test needs none warm
     port = free_port()
     env = {**one_device_env(), "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}

@@ -18,11 +18,10 @@ import os
 import signal
 import socket
 import sys
-import threading
-import time
 
 import click
 
+from trainer.serve.http_serve import EXIT_RUNTIME, compile_ahead_thread, progress, serve_http
 from trainer.serve.loop import STEP_TIMEOUT_S
 from trainer.serve.memory import QUANTIZED_WEIGHTS
 from trainer.serve.spans import DEFAULT_CHUNK, DEFAULT_WARM_UP, WARM_UPS
@@ -30,15 +29,8 @@ from trainer.serve.startup import ServeError, load
 from trainer.serve.stopping import Stop, Stopped
 from trainer.serve.streams import STREAM_INTERVAL
 
-EXIT_RUNTIME = 1
-# After a multi-host group lost a process: how long /health answers 503 before the leader exits.
-FAILED_HEALTH_S = 5.0
 # Positions are int32 in the steps, and an idle slot sits at position max_len, drawing at max_len + 1.
 POSITIONS_MAX = 2**31 - 2
-
-
-def _progress(message: str) -> None:
-    click.echo(f"serve: {message}", err=True)
 
 
 def _default_port() -> int:
@@ -188,7 +180,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
                           template, model_name, warm_up, grace_seconds, stream_interval, step_timeout,
                           device_memory_gb, stop)
         except Stopped:
-            _progress(f"stopped by {stop.name} before serving")
+            progress(f"stopped by {stop.name} before serving")
             code = 0
     sys.exit(code)
 
@@ -203,18 +195,18 @@ def _start(directory, host, port, slots, max_len, chunk, max_waiting, prefix_cac
     if group is not None and prefix_tokens:
         # The prefix cache's copies are programs the leader runs outside ModelRunner.run, which its workers
         # would not follow: a group serves without it rather than with caches that differ between hosts.
-        _progress("prefix caching is off in a multi-host group (each host would need the same copies)")
+        progress("prefix caching is off in a multi-host group (each host would need the same copies)")
         prefix_tokens = 0
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
                   chunk=chunk, prefix_tokens=prefix_tokens,
                   kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
-                  progress=lambda message: (stop.check(), _progress(message)))
+                  progress=lambda message: (stop.check(), progress(message)))
     if group is not None and not group.is_leader:
         sys.exit(_follow(loaded, group, ahead=warm_up == "background"))
     leader = _lead(loaded, group) if group is not None else None
     template = template or loaded.chat_template  # --chat-template, else an imported model's own
-    return _serve(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
+    return serve_http(loaded, sock, host, port, max_waiting, template, model_name or loaded.cfg.name, grace_seconds,
                   leader, warm_up=warm_up, stream_interval=stream_interval, step_timeout=step_timeout,
                   stop=stop)
 
@@ -244,7 +236,7 @@ def _start_processes(group, devices: int | None) -> None:
     if local is not None:
         set_fake_devices(local)
     if group is not None:
-        _progress(f"process {group.index} of a group of {group.size}: joining the coordinator at {group.coordinator}")
+        progress(f"process {group.index} of a group of {group.size}: joining the coordinator at {group.coordinator}")
         multihost.start(group)
     elif distributed.wants_pathways(os.environ):
         try:
@@ -263,14 +255,14 @@ def _follow(loaded, group, ahead: bool = False) -> int:
     # workers, which must keep stepping with it until then.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     worker = multihost.Worker(group).connect()
-    _progress(f"worker {group.index} of {group.size}: following the leader at {group.leader}")
-    compiling = _compile_ahead(loaded.engine, None) if ahead else None
+    progress(f"worker {group.index} of {group.size}: following the leader at {group.leader}")
+    compiling = compile_ahead_thread(loaded.engine, None) if ahead else None
     code = 0
     if worker.follow(loaded.engine.runner.run):
-        _progress("the leader is gone: exiting")
+        progress("the leader is gone: exiting")
         code = EXIT_RUNTIME
     else:
-        _progress("stopped by the leader")
+        progress("stopped by the leader")
     if compiling is not None and compiling.is_alive():  # inside XLA: exiting past it would abort the process
         sys.stdout.flush()
         sys.stderr.flush()
@@ -278,33 +270,11 @@ def _follow(loaded, group, ahead: bool = False) -> int:
     return code
 
 
-def _compile_ahead(engine, between) -> threading.Thread:
-    """A thread compiling the engine's programs not compiled yet (Engine.compile_ahead), saying when it is done;
-    a failure is said, not raised: each program then compiles when a step first needs it."""
-    from trainer.serve.stopping import Stopped
-
-    def run():
-        started = time.perf_counter()
-        try:
-            count = engine.compile_ahead(between)
-        except Stopped:
-            return
-        except Exception as e:  # noqa: BLE001 - the steps compile what is missing when they reach it
-            _progress(f"compiling ahead failed ({type(e).__name__}: {e}); each step compiles its program when "
-                      "first needed")
-            return
-        _progress(f"compiled the other {count} programs in the background in {time.perf_counter() - started:.1f}s")
-
-    thread = threading.Thread(target=run, name="moe-tpu-compile-ahead", daemon=True)
-    thread.start()
-    return thread
-
-
 def _lead(loaded, group):
     """The leader of a multi-host group: its workers joined, each program call handed to them."""
     from trainer.serve import multihost
 
-    _progress(f"waiting for the group's {group.size - 1} worker(s)")
+    progress(f"waiting for the group's {group.size - 1} worker(s)")
     leader = multihost.Leader(group).connect()
     loaded.engine.runner.on_call = leader.mirror
     return leader
@@ -320,177 +290,6 @@ def _check_server_packages() -> None:
         except ImportError:
             raise ServeError(f"serving needs the Python package {module!r}, which is not installed: "
                              "pip install 'moe-tpu[serve]'") from None
-
-
-def _serve(loaded, sock: socket.socket, host: str, port: int, max_waiting: int, template, name: str,
-           grace_seconds: float, leader=None, warm_up: str = "all", stream_interval: float = STREAM_INTERVAL,
-           step_timeout: float = STEP_TIMEOUT_S, stop: Stop | None = None) -> int:
-    import uvicorn
-
-    from trainer.serve.loop import EngineLoop
-    from trainer.serve.server import ServerState, create_app, http_protocol
-
-    state = ServerState(name, encode=loaded.encode, decode=loaded.decode, max_waiting=max_waiting,
-                        eos_token=loaded.eos_token, tokenizer_class=loaded.tokenizer_class,
-                        tokenizer=loaded.tokenizer, stream_interval=stream_interval)
-    if template is not None:
-        state.chat_template = template
-    # uvicorn's own limit is a backstop past ours: by then every open request has had its error (expire).
-    config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", http=http_protocol(),
-                            timeout_graceful_shutdown=grace_seconds + 5, lifespan="off")
-    stop = stop or Stop().install()
-    server = _draining_server(config, state, grace_seconds, stop)
-    failed: list[str] = []
-    group_failed = _watch_group(leader, state, server) if leader is not None else None
-
-    ahead: list[threading.Thread] = []  # the programs compiling while it serves (--warm-up background)
-
-    def compile_then_serve():
-        try:
-            started = time.perf_counter()
-            every_span = warm_up == "all"
-            _progress(f"compiling the prefill and decode steps ({loaded.engine.slots} slots x "
-                      f"{loaded.engine.max_len} tokens, {'every span' if every_span else 'the first span'})")
-            loaded.engine.warm_up(every_span, stop.check)
-            stop.check()
-            state.loop = EngineLoop(loaded.engine, step_timeout=step_timeout, on_failed_step=group_failed).start()
-            _progress(f"compiled in {time.perf_counter() - started:.1f}s")
-            _progress(f"ready: {name} at http://{host}:{port}/v1 (health /health, metrics /metrics)")
-            if warm_up == "background":
-                ahead.append(_compile_ahead(loaded.engine, stop.check))
-        except Stopped:  # a signal before uvicorn took its own handlers: the server stops, nothing served
-            server.should_exit = True
-        except Exception as e:  # noqa: BLE001 - reported, and the server stops with exit code 1
-            failed.append(f"{type(e).__name__}: {e}")
-            server.should_exit = True
-
-    compiling = threading.Thread(target=compile_then_serve, name="moe-tpu-compile", daemon=True)
-    compiling.start()
-    # uvicorn raises the signal it stopped for again once it has shut down, for the handler it found (`stop`'s,
-    # which notes it): with the default one SIGTERM would end the process by the signal, not with exit code 0.
-    try:
-        server.run(sockets=[sock])
-    finally:
-        if state.loop is not None:
-            state.loop.stop()
-    compiling.join(timeout=0.5)  # stopped between two programs: it ends at once
-    if compiling.is_alive():  # stopped while XLA compiles: exiting past it aborts the process (SIGABRT, 134)
-        _progress("stopped before the steps were compiled")
-        if leader is not None:
-            leader.stop(timeout=0)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    code = 0
-    if state.loop is None and not failed and stop.signal is not None:
-        _progress("stopped before the steps were compiled")
-        if leader is not None:
-            leader.stop(timeout=0)
-        return 0
-    if failed:
-        click.echo(f"serve: compiling failed: {failed[0]}", err=True)
-        code = EXIT_RUNTIME
-    elif not server.started:
-        click.echo(f"serve: cannot listen on {host}:{port}", err=True)
-        code = EXIT_RUNTIME
-    if leader is not None:
-        _stop_group(leader, code)
-    if not code:
-        _progress("stopped")
-    if ahead:  # stopped at its next program; inside XLA's compiler, exiting past it would abort the process
-        ahead[0].join(timeout=0.5)
-        if ahead[0].is_alive():
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    return code
-
-
-def _stop_group(leader, code: int) -> None:
-    """Tells the workers to stop; exits at once (past jax's exit handlers, whose barrier would wait for them)
-    unless they all did and this process ends well."""
-    from trainer.serve import multihost
-
-    if leader.stop():
-        _progress(f"stopped the group's {len(leader.workers)} worker(s)")
-        if not code:
-            return
-    else:
-        _progress(f"the group's workers did not stop within {multihost.STOP_TIMEOUT_S:g} s")
-    multihost.exit_now(code or EXIT_RUNTIME)
-
-
-def _watch_group(leader, state, server):
-    """Hands the channel's watchdog the engine's progress (a group whose step is stuck fails) and the group's
-    failure, which it returns for the engine's loop (a step that raised on the leader fails the group too)."""
-    leader.stuck = lambda: state.loop.stuck() if state.loop is not None else None
-    leader.on_failure = lambda reason: _group_failed(state, reason, server)
-    return leader.on_failure
-
-
-_failing = threading.Lock()
-
-
-def _group_failed(state, reason: str, server) -> None:
-    """The multi-host group cannot step any more (a process gone or not stepping, found by the channel's
-    watchdog, or a step that raised on the engine's thread); the first call acts, once: the engine's thread is
-    told to fail every request (it does when its step returns), the server ends the open ones now on its event
-    loop, /health answers 503 for FAILED_HEALTH_S so that probes see why, then the process exits 1 without
-    waiting for the engine's thread, which a step blocked in a collective holds for good."""
-    from trainer.serve import multihost
-
-    if not _failing.acquire(blocking=False):
-        return
-    _progress(f"{reason}: the group cannot go on; failing every request and exiting")
-    state.failed = reason
-    state.draining = True
-    if state.loop is not None:
-        state.loop.fail(f"the serving group failed: {reason}")
-    if server.event_loop is not None:
-        server.event_loop.call_soon_threadsafe(state.expire)
-    time.sleep(FAILED_HEALTH_S)
-    multihost.exit_now(EXIT_RUNTIME)
-
-
-def _draining_server(config, state, grace_seconds: float, stop: Stop):
-    """uvicorn's server for `state`. On SIGTERM/SIGINT uvicorn closes its socket and waits for the connections in
-    flight; this one also answers 503 to requests arriving meanwhile on connections kept alive, and when the
-    grace period runs out ends the requests still open with an error (an event on a stream) rather than
-    dropping their connections, in one line of its log. The signal handler only sets flags; what follows runs
-    on the event loop."""
-    import asyncio
-
-    import uvicorn
-
-    def grace_ran_out():
-        cut = state.expire()
-        if cut:
-            _progress(f"--grace-seconds {grace_seconds:g} ran out: {cut} request(s) still running ended with an "
-                      "error")
-
-    class DrainingServer(uvicorn.Server):
-        event_loop = None  # the server's, once it starts: where other threads hand it work
-
-        def handle_exit(self, sig, frame):
-            state.draining = True
-            stop.note(sig)  # the warm-up, if it still runs, stops at its next program
-            super().handle_exit(sig, frame)
-
-        async def startup(self, sockets=None):
-            self.event_loop = asyncio.get_running_loop()
-            await super().startup(sockets)
-            if stop.signal is not None:  # it came before these handlers were installed
-                self.should_exit = True
-
-        async def shutdown(self, sockets=None):
-            _progress("stopping: no new requests; finishing those in flight")
-            cutoff = asyncio.get_running_loop().call_later(grace_seconds, grace_ran_out)
-            try:
-                await super().shutdown(sockets)
-            finally:
-                cutoff.cancel()
-
-    return DrainingServer(config)
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

@@ -67,7 +67,7 @@ class ServingMetrics:
         if not times:
             return
         # A stream's first token counts when its text leaves (what the client sees), else when it is made.
-        self.ttft.observe((req.first_sent or times[0]) - req.arrival)
+        self.ttft.observe((getattr(req, "first_sent", None) or times[0]) - req.arrival)
         if len(times) > 1:
             self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
         self.e2e.observe(times[-1] - req.arrival)

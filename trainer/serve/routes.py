@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from trainer.serve import chat, responses, tokenizer_routes
 from trainer.serve.protocol import APIError, ChatRequest, CompletionRequest, invalid
+from trainer.serve.request import Request as EngineRequest
 from trainer.serve.streams import Wake
 from trainer.serve.tokenizer_routes import encode
 
@@ -90,6 +92,16 @@ async def prompt_ids(state, prompt) -> list[list[int]]:
     return [await encode(state, text) for text in texts]
 
 
+@dataclasses.dataclass(eq=False)
+class ServedRequest(EngineRequest):
+    """An engine request with what the HTTP front end keeps beside it (the engine never reads these)."""
+
+    events: asyncio.Queue | None = None  # what its listener signals on, from the engine's thread
+    wake: Wake | None = None  # and how (trainer/serve/streams.py: at most one wake-up an interval)
+    counted: bool = False  # in the server's metrics already
+    first_sent: float | None = None  # when the first token's text left (streaming): the TTFT a client sees
+
+
 def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *, index: int = 0,
           logprobs: int | None = None, echo: bool = False, chat: bool = False, constraint=None):
     """A request checked and queued in the engine, with an asyncio queue its listener signals on: at each token
@@ -97,7 +109,6 @@ def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *
     be the event loop's work for nothing, on the engine's interpreter lock). Choice `index` of a request with a
     seed draws with seed + index: the same request gets the same choices. `constraint`: its structured output's
     matcher (`constraints`, compiled off the event loop)."""
-    from trainer.serve.engine import Request as EngineRequest
     from trainer.serve.engine import RequestError, SamplingParams
 
     if body.model and body.model != state.model_name:
@@ -125,9 +136,9 @@ def admit(state, body, ids: list[int], max_tokens: int | None, arrival: float, *
     events: asyncio.Queue = asyncio.Queue()
     wake = Wake(asyncio.get_running_loop(), events, state.stream_interval)
     streams = bool(body.stream)
-    req = EngineRequest(ids, sampling, listener=lambda r: wake(r.finish_reason is not None) if streams or
-                        r.finish_reason is not None else None)
-    req.events, req.arrival, req.constraint, req.wake = events, arrival, constraint, wake
+    req = ServedRequest(ids, sampling, listener=lambda r: wake(r.finish_reason is not None) if streams or
+                        r.finish_reason is not None else None, arrival=arrival, constraint=constraint,
+                        events=events, wake=wake)
     state.open.add(req)
     state.loop.submit(req)
     return req
