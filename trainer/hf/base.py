@@ -147,3 +147,28 @@ def heads_out(param: str, hub: str, d: int, n: int, h: int) -> Spec:
     """o: the Hub's [d, n*h] as [n, h, d]."""
     return Spec(param, (n, h, d), {hub: (d, n * h)}, lambda ts: transposed(ts[0]).reshape(n, h, d),
                 lambda w: [transposed(w.reshape(n * h, d))])
+
+
+def attention_specs(cfg, i: int) -> list[Spec]:
+    """Layer i's attention tensors in the Hub's q/k/v/o layout, with whichever of the model's options it has:
+    q/k/v biases, an output bias, attention sinks (GPT-OSS), q/k norms."""
+    m = cfg.model
+    d, n, k, h = m.d_model, m.num_heads, m.kv_heads, m.head_size
+    at, hub = f"blocks.{i}.attn", f"model.layers.{i}.self_attn"
+    specs = [heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, h),
+             heads_in(f"{at}.wk", f"{hub}.k_proj.weight", d, k, h),
+             heads_in(f"{at}.wv", f"{hub}.v_proj.weight", d, k, h),
+             heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, h)]
+    if m.qkv_bias:
+        specs += [same(f"{at}.b{x}", f"{hub}.{x}_proj.bias", (heads, h), (heads * h,))
+                  for x, heads in (("q", n), ("k", k), ("v", k))]
+    if m.out_bias:
+        specs.append(same(f"{at}.bo", f"{hub}.o_proj.bias", (d,)))
+    if m.attention_sinks:
+        specs.append(same(f"{at}.sinks", f"{hub}.sinks", (n,)))
+    if m.qk_norm == "head":
+        specs += [same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (h,)) for x in "qk"]
+    elif m.qk_norm == "full":
+        specs += [same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (heads, h), (heads * h,))
+                  for x, heads in (("q", n), ("k", k))]
+    return specs

@@ -18,7 +18,7 @@ import numpy as np
 
 from trainer.config import Config
 from trainer.hf import base, mxfp4
-from trainer.hf.base import Spec, heads_in, heads_out, linear, same
+from trainer.hf.base import Spec, linear, same
 from trainer.hf.errors import HFError
 
 # transformers' GptOssConfig defaults where config.json leaves a key out
@@ -156,21 +156,6 @@ def hub_config(cfg: Config, fam: base.Family, carried: dict | None = None) -> di
     return out
 
 
-def _attention_specs(cfg: Config, i: int) -> list[Spec]:
-    m = cfg.model
-    d, n, k, h = m.d_model, m.num_heads, m.kv_heads, m.head_size
-    at, hub = f"blocks.{i}.attn", f"model.layers.{i}.self_attn"
-    specs = [heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, h),
-             heads_in(f"{at}.wk", f"{hub}.k_proj.weight", d, k, h),
-             heads_in(f"{at}.wv", f"{hub}.v_proj.weight", d, k, h),
-             heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, h), same(f"{at}.sinks", f"{hub}.sinks", (n,))]
-    if m.qkv_bias:
-        specs += [same(f"{at}.b{x}", f"{hub}.{x}_proj.bias", (heads, h), (heads * h,))
-                  for x, heads in (("q", n), ("k", k), ("v", k))]
-        specs.append(same(f"{at}.bo", f"{hub}.o_proj.bias", (d,)))
-    return specs
-
-
 def _interleaved(param: str, partner: str, hub: dict[str, tuple[int, ...]], read, half: int, shape) -> Spec:
     """One half (0: even columns, gate; 1: odd, up) of an interleaved Hub tensor, read by `read` from the
     tensors of `hub`; half 0 writes the tensor back with its partner's values in the odd columns."""
@@ -215,7 +200,7 @@ def _moe_specs(cfg: Config, i: int, packed: bool) -> list[Spec]:
 def layer_specs(cfg: Config, i: int, packed: bool = False) -> list[Spec]:
     """Layer i's parameters; with `packed` its experts' matrices are read from MXFP4 blocks and scales."""
     d, hub = cfg.model.d_model, f"model.layers.{i}"
-    return [same(f"blocks.{i}.attn_norm.scale", f"{hub}.input_layernorm.weight", (d,)), *_attention_specs(cfg, i),
+    return [same(f"blocks.{i}.attn_norm.scale", f"{hub}.input_layernorm.weight", (d,)), *base.attention_specs(cfg, i),
             same(f"blocks.{i}.ffn_norm.scale", f"{hub}.post_attention_layernorm.weight", (d,)),
             *_moe_specs(cfg, i, packed)]
 

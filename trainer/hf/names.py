@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from trainer.config import Config
-from trainer.hf.base import Family, Spec, heads_in, heads_out, linear, same, transposed  # noqa: F401 (names' API)
+from trainer.hf.base import Family, Spec, attention_specs, heads_in, heads_out, linear, same, transposed  # noqa: F401 (names' API)
 
 PER_EXPERT, FUSED, MXFP4 = "per-expert", "fused", "mxfp4"
 
@@ -50,25 +50,6 @@ def _fused_half(param: str, hub: str, e: int, d: int, f: int, half: int) -> Spec
 
 def fused_gate_up(w_gate_ExDxF: np.ndarray, w_in_ExDxF: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([w_gate_ExDxF, w_in_ExDxF], axis=2).transpose(0, 2, 1))
-
-
-def _attention(cfg: Config, i: int) -> list[Spec]:
-    m = cfg.model
-    d, n, k, h = m.d_model, m.num_heads, m.kv_heads, m.head_size
-    at, hub = f"blocks.{i}.attn", f"model.layers.{i}.self_attn"
-    specs = [heads_in(f"{at}.wq", f"{hub}.q_proj.weight", d, n, h),
-             heads_in(f"{at}.wk", f"{hub}.k_proj.weight", d, k, h),
-             heads_in(f"{at}.wv", f"{hub}.v_proj.weight", d, k, h),
-             heads_out(f"{at}.wo", f"{hub}.o_proj.weight", d, n, h)]
-    if m.qkv_bias:
-        specs += [same(f"{at}.b{x}", f"{hub}.{x}_proj.bias", (heads, h), (heads * h,))
-                  for x, heads in (("q", n), ("k", k), ("v", k))]
-    if m.qk_norm == "head":
-        specs += [same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (h,)) for x in "qk"]
-    elif m.qk_norm == "full":
-        specs += [same(f"{at}.{x}_norm.scale", f"{hub}.{x}_norm.weight", (heads, h), (heads * h,))
-                  for x, heads in (("q", n), ("k", k))]
-    return specs
 
 
 def _moe(cfg: Config, fam: Family, i: int, layout: str) -> list[Spec]:
@@ -125,7 +106,7 @@ def layer_specs(cfg: Config, fam: Family, i: int, layout: str = PER_EXPERT) -> l
 
         attention = mla_specs(cfg, i)
     else:
-        attention = _attention(cfg, i)
+        attention = attention_specs(cfg, i)
     return [same(f"blocks.{i}.attn_norm.scale", f"{hub}.input_layernorm.weight", (d,)), *attention,
             same(f"blocks.{i}.ffn_norm.scale", f"{hub}.post_attention_layernorm.weight", (d,)), *ffn]
 
