@@ -74,7 +74,7 @@ class ServeConfig(Section):
     slots: Positive = 8
     # At most the server's --max-len: positions are int32 in its steps, an idle slot's at max_len + 1.
     max_len: Annotated[StrictInt, Field(ge=2, le=2**31 - 2)] = 1024
-    weights: Literal["auto", "int8", "int4"] = "auto"  # trainer/arith/quant.py QUANTIZED_WEIGHTS
+    weights: Literal["auto", "int8", "int4", "mxfp4"] = "auto"  # trainer/arith/quant.py QUANTIZED_WEIGHTS
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     spot: bool = False
     # The server's device mesh on one replica (`--mesh`, e.g. model=4); unset: the mesh `plan --serve`

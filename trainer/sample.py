@@ -9,7 +9,7 @@ text, and token ids written as numbers otherwise. Prints the continuation on std
 its own: the line is ended on stderr), or with --output json the prompt's and the new ids with the text, and
 the speed on stderr. As the server does, it stops at the end-of-document token and keeps the prompt whole up
 to the model's context (trainer/run_loader.py context_of; a longer prompt's last tokens are continued), and
-`--weights int8|int4` stores the weights as `serve --weights` does.
+`--weights int8|int4|mxfp4` stores the weights as `serve --weights` does.
 
 Every limit is checked before anything is allocated: the prompt and --tokens against the positions and
 the memory the key/value cache needs, --top-k against the vocabulary, the temperature finite, the prompt's
@@ -94,7 +94,7 @@ def restore_params(cfg, checkpoints: str, prompt: int, tokens: int, quantized: s
         model = build_serving_model(cfg, mesh)
         check_memory(model, prompt, tokens, quantized)
         weights, step = restore_weights(model, checkpoints, quantized)  # as `serve --weights` reads them
-    except WeightsError as e:
+    except ValueError as e:  # a WeightsError, or --weights mxfp4 on experts not in whole blocks of 32
         raise SampleError(str(e)) from None
     return model, weights, step
 
@@ -132,7 +132,7 @@ def generate(model, weights, prompt: list[int], tokens: int, *, temperature: flo
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
               help=f"The sampling's seed, 0 to {MAX_SEED}.")
 @click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
-              show_default=True, help="int8 or int4: the weights quantized as `serve --weights` quantizes them, so "
+              show_default=True, help="int8, int4 or mxfp4: the weights quantized as `serve --weights` quantizes them, so "
                                       "that greedy tokens are those of a deployment with the same --weights.")
 @click.option("--output", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="text: the continuation on stdout, exactly (no newline added); json: one object with the "

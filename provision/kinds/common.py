@@ -14,7 +14,7 @@ from trainer.serve.spans import DEFAULT_CHUNK, DEFAULT_WARM_UP, programs_before_
 # measured.
 LOAD_BYTES_PER_S = 200e6
 COMPILE_S = 150.0  # one step at one span (and, the decode, one row count)
-BYTES_PER_WEIGHT = {"auto": 2, "int8": 1, "int4": 0.5}
+BYTES_PER_WEIGHT = {"auto": 2, "int8": 1, "int4": 0.5, "mxfp4": 0.5}  # mxfp4: the experts, most of an MoE
 
 
 def startup_estimate_s(cfg) -> float:

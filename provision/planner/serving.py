@@ -87,6 +87,8 @@ def _value_bytes(p: ParamInfo, precision: str | None) -> float:
     over the whole parameter and split with its values: exact where the mesh splits output channels; where
     it splits the input axes, each chip really keeps every channel's scale (a 4 / width share more, a few
     hundredths of a percent at a real model's width)."""
+    if precision == "mxfp4":  # the routed experts' weights only (the engine refuses ones not in whole blocks)
+        return p.size * quant.MXFP4_BITS / 8 if quant.is_routed_expert(p.name, len(p.shape)) else float(p.nbytes)
     axes = None if precision is None else _quantized_axes(p)
     if axes is None or (precision == "int4" and quant.group_axis(p.name, p.shape) is None):
         return float(p.nbytes)

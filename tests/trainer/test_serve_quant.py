@@ -1,6 +1,7 @@
 """int8 and int4 weights and the int8 KV cache: half (int8) or under 0.3x (int4) of bfloat16's bytes, and a
 trained `tiny` predicts what it predicts in float on held-out sequences of its source, and on held-out text
-of a corpus that `data prepare` made."""
+of a corpus that `data prepare` made. MXFP4 experts hold MXFP4's grid exactly (a GPT-OSS served with them:
+tests/trainer/test_hf_gpt_oss.py)."""
 
 import gc
 
@@ -13,7 +14,7 @@ from trainer import sharding
 from trainer.config import load_config
 from trainer.data import make_source, open_data
 from trainer.run_loader import load_run_config
-from trainer.serve import quant4
+from trainer.serve import mxfp4, quant4
 from trainer.serve.engine import Engine, Request, SamplingParams
 from trainer.serve.kvcache import KVCache
 from trainer.serve.memory import memory_plan
@@ -207,16 +208,17 @@ def test_int4_weights_split_over_expert_and_model_as_the_float_ones_and_predict_
     np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-native"])
+@pytest.mark.parametrize("fmt", ["int8", "int4-native", "mxfp4"])
 def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_same_tokens(restored, fmt, monkeypatch):
     """Through the grouped matmul that takes a layer of the stacked expert weights whole (trainer/moe/stacked.py:
     tokamax's ragged dot over [layers * experts] groups, its XLA reference on a CPU, the Mosaic kernel on a
     TPU) the engine draws the tokens it draws reading each layer's slice (the CPU's tiled loop), with the experts
-    held as int8 or int4 integers and scales (a float stack takes the same path with a plain array)."""
+    held as int8 or int4 integers and scales, or as MXFP4's FP4 values and scales (a float stack takes the same
+    path with a plain array)."""
     model, weights, _ = restored
     monkeypatch.setattr("sys.argv", ["moe-tpu", "serve", "--checkpoint", "ckpt"])  # the kernel library reads no argv
-    params = {"int8": quantize_params,
-              "int4-native": lambda p: quant4.quantize_params(p, storage="native")}[fmt](weights["params"])
+    params = {"int8": quantize_params, "int4-native": lambda p: quant4.quantize_params(p, storage="native"),
+              "mxfp4": mxfp4.quantize_params}[fmt](weights["params"])
     cfg = model.cfg.model_copy(update={"moe": model.cfg.moe.model_copy(update={"grouped_matmul": "ragged_dot"})})
     stacked = build_serving_model(cfg, model.mesh)
 
@@ -234,3 +236,42 @@ def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_s
     m = cfg.model  # the kernel's weight: every MoE layer's experts (tiny: one stack) as one [layers * experts] operand
     text = decode.as_text(debug_info=True)
     assert "tokamax" in text and f"tensor<{m.num_moe_layers * cfg.moe.num_experts}x{m.d_model}x" in text
+
+
+def test_mxfp4_weights_on_the_grid_come_back_exactly_and_as_the_hub_dequantises_them():
+    """A stacked experts' weight whose every block of 32 inputs is a power of two times FP4 values, a 6 or a 4
+    among them, is its own MXFP4: its values and scale bytes come back bit for bit; Hub bytes dequantised as
+    trainer/hf/mxfp4.py does (transformers' way) come back as the same bfloat16 values; anything else stays."""
+    from trainer.hf import mxfp4 as hub
+
+    rng = np.random.default_rng(0)
+    layers, experts, inputs, outputs = 2, 3, 96, 5
+    codes = rng.integers(0, 16, (layers, experts, inputs // 32, 32, outputs))
+    codes[:, :, :, 0] = rng.choice([6, 7, 14, 15], (layers, experts, inputs // 32, outputs))  # 4 or 6, signed
+    exponents = rng.integers(-12, 3, (layers, experts, inputs // 32, 1, outputs))
+    w = jnp.asarray((hub.FP4_VALUES[codes] * 2.0 ** exponents).reshape(layers, experts, inputs, outputs))
+    held = mxfp4.quantize_array("stacks.0.0.ffn.w_in", w)
+    assert held.values.dtype == jnp.float4_e2m1fn and held.scale.dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(held.scale), exponents[:, :, :, 0] + 127)
+    np.testing.assert_array_equal(np.asarray(held.dequantize()), np.asarray(w))
+    assert held.nbytes * 8 == w.size * 4.25
+    assert memory_plan_bytes("stacks.0.0.ffn.w_in", w) == held.nbytes
+    # The Hub's layout: blocks [E, out, in / 32, 16] and scales [E, out, in / 32], any bytes
+    blocks = rng.integers(0, 256, (experts, outputs, inputs // 32, 16), dtype=np.uint8)
+    scales = rng.integers(100, 140, (experts, outputs, inputs // 32), dtype=np.uint8)
+    theirs = hub.dequantized(blocks, scales)  # bfloat16 [E, in, out]
+    ours = mxfp4.quantize_array("blocks.0.ffn.w_out", jnp.asarray(theirs)).dequantize()
+    assert ours.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(ours).view(np.int16), theirs.view(np.int16))
+    dense = jnp.ones((64, 8), jnp.bfloat16)
+    assert mxfp4.quantize_array("blocks.0.ffn.w_in", dense) is dense  # a dense FFN's weight: kept
+    with pytest.raises(ValueError, match=r"blocks.0.ffn.w_in \[4, 48, 8\] has 48 inputs an output"):
+        mxfp4.quantize_array("blocks.0.ffn.w_in", jnp.ones((4, 48, 8)))
+
+
+def memory_plan_bytes(name: str, w: jax.Array) -> int:
+    """What the start-up memory check counts of one weight held in MXFP4 on one device."""
+    from trainer.serve.memory import weight_shard_bytes
+
+    one = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
+    return weight_shard_bytes(name, w, jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec()), "mxfp4")

@@ -1,9 +1,12 @@
-"""Which weights serving quantizes and how: the layouts trainer/serve/quant.py (int8) and quant4.py (int4) cut,
-and the serving memory's constants (trainer/serve/memory.py), jax-free for the planner's `plan --serve`.
+"""Which weights serving quantizes and how: the layouts trainer/serve/quant.py (int8), quant4.py (int4) and
+mxfp4.py (MXFP4) cut, and the serving memory's constants (trainer/serve/memory.py), jax-free for the planner's
+`plan --serve`.
 
 int8: per output channel, symmetric, one float32 scale per channel (the input axes reduced). int4: each output
 channel's last input axis cut into groups of GROUP values (or the largest power of two dividing both), each
-with a float32 scale, two values a byte.
+with a float32 scale, two values a byte. mxfp4: the routed experts' weights only, as GPT-OSS's Hub checkpoints
+hold them: FP4 (e2m1) values, two a byte, and a power-of-two scale (one byte) a block of MXFP4_BLOCK values
+along the input axis, MXFP4_BITS bits a weight; every other weight stays in the checkpoint's float dtype.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from trainer.stacks import is_stacked
 
 # The weight formats the engine quantizes to on load (`--weights`); `auto` keeps the checkpoint's float dtype.
 # The one list: the server's flag and the planner's serve verdict read it.
-QUANTIZED_WEIGHTS = ("int8", "int4")
+QUANTIZED_WEIGHTS = ("int8", "int4", "mxfp4")
 
 # Beyond weights and cache: logits, activations of a prefill chunk, XLA's scratch. A share of the device
 # memory, since what it covers grows with the model.
@@ -25,6 +28,11 @@ HEADROOM = 0.10
 FLOAT_LEAVES = ("router", "scale", "router_bias", "sinks", "bq", "bk", "bv", "bo", "b_in", "b_gate", "b_out")
 
 GROUP = 128  # int4's values a scale, where the input axis allows (group_size)
+
+MXFP4_BLOCK = 32  # MXFP4's values a scale, along the input axis
+MXFP4_SCALE_BIAS = 127  # a scale byte s stands for 2^(s - 127)
+MXFP4_BITS = 4 + 8 / MXFP4_BLOCK  # a weight's bits: its FP4 value and its share of its block's scale byte
+EXPERT_LEAVES = ("w_in", "w_gate", "w_out")  # the routed experts' weights [experts, in, out] (and a dense FFN's)
 
 
 def input_axes(name: str, ndim: int) -> tuple[int, ...] | None:
@@ -39,7 +47,7 @@ def input_axes(name: str, ndim: int) -> tuple[int, ...] | None:
         return (1,)
     if leaf == "wo":  # [N, H, D]
         return (0, 1)
-    if ndim == 3 and leaf in ("w_in", "w_gate", "w_out"):  # routed experts [E, in, out]
+    if ndim == 3 and leaf in EXPERT_LEAVES:  # routed experts [E, in, out]
         return (1,)
     return (0,)
 
@@ -64,3 +72,21 @@ def layout(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], tuple[in
     length = shape[axis]
     packed = (*shape[:axis], length // 2, *shape[axis + 1:])
     return packed, (*shape[:axis], length // group_size(length), *shape[axis + 1:])
+
+
+def is_routed_expert(name: str, ndim: int) -> bool:
+    """Whether weight `name` of `ndim` axes is a routed experts' weight, [experts, in, out] (stacked: [layers,
+    experts, in, out]); a dense FFN's weights go by the same names with one axis fewer."""
+    return name.rsplit(".", 1)[-1] in EXPERT_LEAVES and ndim - is_stacked(name) == 3
+
+
+def mxfp4_axis(name: str, shape: tuple[int, ...]) -> int | None:
+    """The input axis a routed experts' weight's MXFP4 blocks run along, or None: kept in float (every weight
+    but the routed experts'). ValueError where that axis is not a whole number of blocks."""
+    if not is_routed_expert(name, len(shape)):
+        return None
+    axis = len(shape) - 2
+    if shape[axis] % MXFP4_BLOCK:
+        raise ValueError(f"--weights mxfp4: {name} {list(shape)} has {shape[axis]} inputs an output, not a multiple "
+                         f"of MXFP4's blocks of {MXFP4_BLOCK}; serve it with --weights int4, int8 or auto")
+    return axis

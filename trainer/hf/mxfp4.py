@@ -4,22 +4,26 @@ block of 32 values (16 bytes) shares the power-of-two scale 2^(s - 127). Dequant
 (../shared/HF-FACTS.md): each FP4 value times 2^(s - 127) in float32, rounded once to bfloat16, and each expert's
 [R, C] transposed to [C, R] (the Hub's MXFP4 files hold [out, in]; GPT-OSS's bfloat16 tensors are [in, out]).
 
-`quantized` is the inverse for tests' fixtures: the nearest FP4 value of each entry over the smallest scale
-that keeps its block within FP4's range (6).
+`fp4_blocks` quantizes to MXFP4, the one implementation: each block's scale the smallest power of two that keeps
+it within FP4's range (6), each value the nearest FP4 value (ties to even). A weight already on MXFP4's grid (a
+checkpoint imported from MXFP4 blocks) comes back exactly: a block's FP4 values times a power of two up to 6
+are FP4 values again. Serving's `--weights mxfp4` (trainer/serve/mxfp4.py) runs it on the device inside jit;
+`quantized` lays its result out as the Hub's bytes (tests' fixtures).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from trainer.arith.quant import MXFP4_BLOCK as BLOCK  # values a scale
+from trainer.arith.quant import MXFP4_SCALE_BIAS as SCALE_BIAS
 from trainer.hf.errors import HFError
 
 BLOCKS, SCALES = "_blocks", "_scales"
-BLOCK = 32  # values a scale
 # The sixteen FP4 (e2m1) codes' values: sign bit 8, then exponent and mantissa.
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                       np.float32)
-SCALE_BIAS = 127
+FP4_MAX = 6.0
 
 
 def is_mxfp4(hub: dict) -> bool:
@@ -57,15 +61,35 @@ def dequantized(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values.transpose(0, 2, 1))
 
 
+def fp4_blocks(x, axis: int):
+    """(the FP4 values, jnp.float4_e2m1fn of x's shape; the blocks' scale bytes, uint8 of x's shape with `axis`
+    cut to one a block) of x, its blocks of 32 running along `axis`. A jax computation (jit and lax.map trace it);
+    ValueError where `axis` is not a whole number of blocks."""
+    import jax.numpy as jnp
+
+    axis %= x.ndim
+    shape, length = x.shape, x.shape[axis]
+    if length % BLOCK:
+        raise ValueError(f"MXFP4 blocks of {BLOCK} along axis {axis} of {list(shape)}: {length} is not a multiple")
+    x = x.astype(jnp.float32).reshape(*shape[:axis], length // BLOCK, BLOCK, *shape[axis + 1:])
+    top = jnp.max(jnp.abs(x), axis=axis + 1, keepdims=True)
+    # The smallest e with top <= 6 * 2^e, from top's binary exponent (top = m * 2^k, m in [0.5, 1), and
+    # 6 * 2^(k - 3) = 0.75 * 2^k): exact, where a logarithm's rounding could pick the next power of two.
+    mantissa, k = jnp.frexp(top)
+    e = jnp.where(top > 0, k - jnp.where(mantissa <= FP4_MAX / 8, 3, 2), 0)
+    e = jnp.clip(e, -SCALE_BIAS, SCALE_BIAS)
+    values = jnp.ldexp(x, -e).astype(jnp.float4_e2m1fn)  # x / 2^e is exact; the cast rounds to nearest, ties even
+    return values.reshape(shape), jnp.squeeze(e + SCALE_BIAS, axis + 1).astype(jnp.uint8)
+
+
 def quantized(w_ExCxR: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(blocks, scales) of [E, C, R] values (a test fixture's): each expert's [R, C] in blocks of 32 along C."""
-    experts, cols, rows = w_ExCxR.shape
-    x = np.asarray(w_ExCxR, np.float32).transpose(0, 2, 1).reshape(experts, rows, cols // BLOCK, BLOCK)
-    top = np.max(np.abs(x), axis=-1)
-    exponent = np.where(top > 0, np.ceil(np.log2(np.maximum(top, 1e-30) / 6.0)), 0).astype(np.int32)
-    exponent = np.clip(exponent, -SCALE_BIAS, 255 - SCALE_BIAS - 1)
-    scaled = x / np.ldexp(np.float32(1.0), exponent)[..., None]
-    codes = np.argmin(np.abs(np.abs(scaled)[..., None] - FP4_VALUES[:8]), axis=-1).astype(np.uint8)
-    codes = np.where(scaled < 0, codes | 8, codes).astype(np.uint8)
+    """(blocks, scales) as the Hub lays them out of [E, C, R] values (a test fixture's): fp4_blocks of each
+    expert's [R, C] in blocks of 32 along C, two FP4 codes a byte, the low nibble first."""
+    import jax.numpy as jnp
+
+    values, scales = fp4_blocks(jnp.asarray(w_ExCxR, jnp.float32), axis=1)
+    codes = np.asarray(values).view(np.uint8).transpose(0, 2, 1)  # a code a byte (ml_dtypes), [E, R, C]
+    experts, rows, cols = codes.shape
+    codes = codes.reshape(experts, rows, cols // BLOCK, BLOCK)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-    return np.ascontiguousarray(blocks), np.ascontiguousarray(exponent + SCALE_BIAS, np.uint8)
+    return np.ascontiguousarray(blocks), np.ascontiguousarray(np.asarray(scales).transpose(0, 2, 1))

@@ -29,7 +29,7 @@ EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")  # the routed experts' weights of a
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerOf:
-    stack: Any  # [layers, experts, in, out]: an array, or an int8/int4 weight of that shape (trainer/serve/quant*.py)
+    stack: Any  # [layers, experts, in, out]: an array, or an int8/int4/MXFP4 weight of that shape (trainer/serve/)
     index: jax.Array  # int32 scalar: the layer's row of the stack
     dtype: str | None = dataclasses.field(metadata={"static": True}, default=None)  # read()'s dtype (None: as held)
 
@@ -52,8 +52,8 @@ class LayerOf:
         """(the stack as one weight of [layers * experts] groups, [G, in, out]; the scales to multiply each output
         row by, [G, out], or None). A float stack is itself; an int8 stack (a scale an output channel) its
         integers, its scales applied after the product, row by row; an int4 stack in jnp.int4 (a scale a group
-        of inputs) a qwix QArray, widened tile by tile inside the kernel. None for int4 packed as nibbles, which
-        no grouped kernel takes."""
+        of inputs) or an MXFP4 stack (FP4 values, a power of two a block of 32 inputs) a qwix QArray, widened
+        tile by tile inside the kernel. None for int4 packed as nibbles, which no grouped kernel takes."""
         import qwix
 
         layers, experts = stack_shape(self.stack)[:2]
@@ -66,6 +66,8 @@ class LayerOf:
         values, scale = getattr(self.stack, "values", None), getattr(self.stack, "scale", None)
         if values is None:
             return None
+        if hasattr(self.stack, "factors"):  # MXFP4: its scale bytes as the powers of two they stand for (exact)
+            return qwix.QArray(flat(values), flat(self.stack.factors()).astype(jnp.bfloat16)), None
         if scale.shape[-2] == 1:  # int8: one scale an output channel, [layers, experts, 1, out]
             return flat(values), flat(scale)[:, 0]
         # int4's scales go in as bfloat16: the kernel's operand broadcasts them over its sublanes per call

@@ -120,7 +120,9 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
               show_default=True,
               help="int8: per-channel symmetric int8 weights (about half of bfloat16); int4: symmetric, a scale "
-                   "per group of 128 input values, two a byte (about 0.27x).")
+                   "per group of 128 input values, two a byte (about 0.27x); mxfp4: the routed experts as FP4 "
+                   "values with a power-of-two scale a block of 32 inputs (4.25 bits; an MXFP4 checkpoint's "
+                   "experts exactly as the Hub holds them), every other weight as saved.")
 @click.option("--mesh", "mesh_text", default=None, metavar="data=D,expert=E,model=T",
               help="model=T splits each expert and attention's heads T ways [as many devices on expert as "
                    "divide the experts]")

@@ -15,7 +15,7 @@ from trainer.arith.quant import HEADROOM, QUANTIZED_WEIGHTS  # noqa: F401
 def memory_plan(model, slots: int, max_len: int, kv_dtype, quantized) -> dict[str, int]:
     """Bytes on the busiest device: its shard of each weight, and its part of the KV cache (latent attention's
     latents: all of them; a sliding layer's: its window's positions a slot, trainer/serve/ringcache.py).
-    `quantized`: "int8" or "int4" (True: int8), or None (False): the checkpoint's own dtype."""
+    `quantized`: "int8", "int4" or "mxfp4" (True: int8), or None (False): the checkpoint's own dtype."""
     from trainer.serve.latentcache import CacheLayout
 
     quantized = "int8" if quantized is True else quantized or None
@@ -37,15 +37,18 @@ def load_peak(plan: dict[str, int]) -> int:
 
 def weight_shard_bytes(name: str, value, sharding, quantized: str | None) -> int:
     """A device's bytes of one weight: its shard in its own dtype, or quantized as trainer/serve/quant.py
-    (int8: a float32 scale per output channel) or quant4.py (int4: packed, a float32 scale per group)."""
+    (int8: a float32 scale per output channel), quant4.py (int4: packed, a float32 scale per group) or mxfp4.py
+    (the routed experts: FP4 values, a scale byte a block of 32)."""
     import jax.numpy as jnp
 
-    from trainer.serve import quant, quant4
+    from trainer.serve import mxfp4, quant, quant4
 
     shard = sharding.shard_shape(value.shape)
     count = math.prod(shard)
     if quantized == "int4" and quant4.group_axis(name, value.shape) is not None:
         return quant4.shard_bytes(value.shape, quant4.group_axis(name, value.shape), sharding)
+    if quantized == "mxfp4" and mxfp4.mxfp4_axis(name, value.shape) is not None:
+        return mxfp4.shard_bytes(value.shape, mxfp4.mxfp4_axis(name, value.shape), sharding)
     axes = quant.input_axes(name, value.ndim) if quantized == "int8" else None
     if axes is None:
         return count * jnp.dtype(value.dtype).itemsize

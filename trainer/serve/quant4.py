@@ -48,7 +48,7 @@ def storage_for(platform: str) -> str:
     return "native" if platform == "tpu" else "nibbles"
 
 
-def _widen(q: jax.Array, scale: jax.Array, axis: int, dtype: str) -> jax.Array:
+def widen(q: jax.Array, scale: jax.Array, axis: int, dtype: str) -> jax.Array:
     """q (integers, the weight's shape) times its groups' scales along `axis` (< 0), in `dtype`."""
     a = axis % q.ndim
     shape, groups = q.shape, scale.shape[a]
@@ -56,8 +56,9 @@ def _widen(q: jax.Array, scale: jax.Array, axis: int, dtype: str) -> jax.Array:
     return (x * jnp.expand_dims(scale, a + 1)).reshape(shape).astype(dtype)
 
 
-class _Widened:
-    """What a layer reads of an int4 weight (`self.w[...]`, and the embedding's rows by take)."""
+class Widened:
+    """What a layer reads of a weight scaled by groups along an axis (int4 here, MXFP4 in mxfp4.py): `self.w[...]`,
+    and the embedding's rows by take."""
 
     def __getitem__(self, index) -> jax.Array:
         return self.dequantize()[index]
@@ -75,7 +76,7 @@ class _Widened:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Int4Weight(_Widened):
+class Int4Weight(Widened):
     """The "nibbles" storage."""
 
     packed: jax.Array  # uint8, the weight's shape with its grouped axis halved
@@ -89,7 +90,7 @@ class Int4Weight(_Widened):
         byte = jax.lax.bitcast_convert_type(self.packed, jnp.int8)
         low, high = jnp.right_shift(jnp.left_shift(byte, 4), 4), jnp.right_shift(byte, 4)  # sign-extended
         q = jnp.stack([low, high], axis=a + 1).reshape(*shape[:a], 2 * shape[a], *shape[a + 1:])
-        return _widen(q, self.scale, self.axis, self.dtype)
+        return widen(q, self.scale, self.axis, self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +99,7 @@ class Int4Weight(_Widened):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Int4Native(_Widened):
+class Int4Native(Widened):
     """The "native" storage."""
 
     values: jax.Array  # jnp.int4, the weight's shape
@@ -108,7 +109,7 @@ class Int4Native(_Widened):
     arrays = ("values", "scale")
 
     def dequantize(self) -> jax.Array:
-        return _widen(self.values, self.scale, self.axis, self.dtype)
+        return widen(self.values, self.scale, self.axis, self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -71,7 +71,10 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     if prefix_tokens and unsupported(cfg.model):
         progress(f"note: {unsupported(cfg.model)}")
         prefix_tokens = 0
-    plan = memory_plan(model, slots, max_len, kv, quantized)
+    try:
+        plan = memory_plan(model, slots, max_len, kv, quantized)
+    except ValueError as e:  # --weights mxfp4 on experts whose inputs are not whole blocks of 32
+        raise ServeError(str(e)) from None
     plan["prefix_cache"] = plan["kv_cache"] // (slots * max_len) * (prefix_tokens // BLOCK * BLOCK)  # its own pool
     stored = f" ({quantized})" if quantized else ""
     progress(f"{cfg.name}: {plan['weights'] / 2**20:,.1f} MiB of weights a device"
@@ -82,7 +85,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     check_fits(plan, limit, slots, max_len, kv, quantized)
     progress(f"reading the parameters from {checkpoints}")
     try:
-        weights, step = restore_weights(model, checkpoints, quantized)  # int8, int4 (--weights): array by array
+        weights, step = restore_weights(model, checkpoints, quantized)  # int8, int4, mxfp4 (--weights): array by array
     except WeightsError as e:
         raise ServeError(str(e)) from None
     progress(f"read the checkpoint at step {step}")

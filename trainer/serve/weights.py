@@ -55,7 +55,7 @@ class ServingModel:
     def module(self, weights: dict[str, Any]) -> Transformer:
         """The model with `weights`, for use inside jit."""
         biases = (self.bias_codec.unflatten(weights["moe_bias"]),) if self.bias_codec.names else ()
-        # int8 and int4 weights (trainer/serve/quant.py, quant4.py) stand as they are: each layer widens its own
+        # int8, int4 and MXFP4 weights (trainer/serve/quant.py, quant4.py, mxfp4.py) stand as they are: each layer widens its own
         # slice where it reads it, never a float copy of the whole stack
         return nnx.merge(self.graphdef, self.codec.unflatten(weights["params"]), *biases,
                          step_rngs(self.rest, jnp.zeros((), jnp.int32)))
@@ -109,7 +109,7 @@ def init_weights(model: ServingModel) -> dict[str, Any]:
 def restore_weights(model: ServingModel, checkpoints: str, quantized: str | None = None,
                     on_array: Callable[[str], None] | None = None) -> tuple[dict[str, Any], int]:
     """(the latest checkpoint's parameters and biases, its step), read straight onto the mesh; the
-    optimizer state in the checkpoint is not read. `quantized` ("int8", "int4" or None: as saved) reads the
+    optimizer state in the checkpoint is not read. `quantized` ("int8", "int4", "mxfp4" or None: as saved) reads the
     parameters one array at a time, each quantized as it arrives, so the device never holds more than the
     quantized model and one float array (memory_plan's "loading"); `on_array(name)` is called as each float
     array arrives, before it is quantized.
@@ -165,10 +165,10 @@ def _restore(ocp, short_reason, model: ServingModel, checkpoints: str, quantized
 
 def quantizer(quantized: str) -> Callable[[str, jax.Array], Any]:
     """quantize_array of `quantized`'s module ("int8": trainer/serve/quant.py, "int4": quant4.py, its storage
-    the backend's: quant4.storage_for)."""
-    from trainer.serve import quant, quant4
+    the backend's: quant4.storage_for; "mxfp4": mxfp4.py, the routed experts only)."""
+    from trainer.serve import mxfp4, quant, quant4
 
-    return {"int8": quant.quantize_array, "int4": quant4.quantize_array}[quantized]
+    return {"int8": quant.quantize_array, "int4": quant4.quantize_array, "mxfp4": mxfp4.quantize_array}[quantized]
 
 
 def _read_quantized(read, wanted: dict, quantized: str, on_array) -> dict[str, Any]:
@@ -240,6 +240,7 @@ def decode_weight_bytes(model: ServingModel, weights: dict[str, Any], tokens: in
 
 
 def stored_bytes(x: jax.Array) -> int:
-    """An array's bytes as a device stores it: jnp.int4's two values a byte (jax reports a byte a value)."""
-    bits = 4 if x.dtype in (jnp.int4, jnp.uint4) else 8 * x.dtype.itemsize
+    """An array's bytes as a device stores it: jnp.int4's and FP4's two values a byte (jax reports a byte a
+    value)."""
+    bits = 4 if x.dtype in (jnp.int4, jnp.uint4, jnp.float4_e2m1fn) else 8 * x.dtype.itemsize
     return x.size * bits // 8
