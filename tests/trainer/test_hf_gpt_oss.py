@@ -205,13 +205,18 @@ def test_mxfp4_experts_import_as_transformers_dequantises_them(tmp_path):
     """A checkpoint laid out as the Hub's: each expert matrix as MXFP4 `_blocks` (uint8, two FP4 values a byte)
     and `_scales` (uint8, a power of two a block of 32), everything else bfloat16, config.json's
     quantization_config mxfp4. The import's experts are transformers' own dequantisation of those bytes, bit for
-    bit (gate and up taken from the interleaved columns)."""
+    bit (gate and up taken from the interleaved columns), and served with `--weights mxfp4` they are MXFP4 again:
+    their FP4 values times their scales are that dequantisation, bit for bit."""
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    import jax
+    import jax.numpy as jnp
 
     from trainer import stacks
     from trainer.hf import mxfp4
     from trainer.hf.orbax_io import open_run
+    from trainer.serve.weights import quantizer
 
     hf_model("gpt_oss", seed=7).to(torch.bfloat16).save_pretrained(tmp_path / "hub")
     tensors, expected = load_file(tmp_path / "hub" / "model.safetensors"), {}
@@ -236,11 +241,55 @@ def test_mxfp4_experts_import_as_transformers_dequantises_them(tmp_path):
         assert np.array_equal(got["w_gate"], expected[f"{hub}.gate_up_proj"][..., 0::2])
         assert np.array_equal(got["w_in"], expected[f"{hub}.gate_up_proj"][..., 1::2])
         assert np.array_equal(got["w_out"], expected[f"{hub}.down_proj"])
+    # `serve --weights mxfp4` quantizes each array so as it reads it: the Hub's values come back exactly
+    served = {p: quantizer("mxfp4")(p, jnp.asarray(v)) for p, v in params.items()}
+    widened = jax.jit(lambda w: w.dequantize())
+    for i in range(4):
+        hub = f"model.layers.{i}.mlp.experts"
+        for k, want in (("w_gate", expected[f"{hub}.gate_up_proj"][..., 0::2]),
+                        ("w_in", expected[f"{hub}.gate_up_proj"][..., 1::2]), ("w_out", expected[f"{hub}.down_proj"])):
+            p, r = stacks.locate(run.cfg.model, f"blocks.{i}.ffn.{k}")
+            assert served[p].values.dtype == jnp.float4_e2m1fn and served[p].dtype == "bfloat16"
+            assert np.array_equal(np.asarray(widened(served[p])[r]).view(np.int16), want)
     export_checkpoint(str(tmp_path / "imported"), str(tmp_path / "exported"))  # bfloat16, not MXFP4
     assert "quantization_config" not in json.loads((tmp_path / "exported" / "config.json").read_text())
     exported = safetensors_of(tmp_path / "exported")
     assert exported["model.layers.0.mlp.experts.gate_up_proj"].view(np.int16).tobytes() == \
         expected["model.layers.0.mlp.experts.gate_up_proj"].tobytes()
+
+
+def test_mxfp4_experts_draw_the_float_models_greedy_tokens(imported):
+    """The tiny GPT-OSS served with its routed experts in MXFP4 (every other weight as imported, float32)
+    through the engine: 32 prompts of 8 tokens, 64 greedy tokens each; at least 80% of them are the float
+    model's greedy choice after the same tokens (teacher forcing through the float forward pass)."""
+    import jax
+    import jax.numpy as jnp
+
+    from trainer import sharding
+    from trainer.hf.orbax_io import open_run
+    from trainer.serve import mxfp4
+    from trainer.serve.engine import Engine, Request, SamplingParams
+    from trainer.serve.memory import memory_plan
+    from trainer.serve.quant import weight_bytes
+    from trainer.serve.weights import build_serving_model, restore_weights
+
+    _, tmp = imported
+    served = build_serving_model(open_run(str(tmp / "imported"), None).cfg,
+                                 sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
+    checkpoints = str(tmp / "imported" / "checkpoints")
+    (floats, _), (mx, _) = (restore_weights(served, checkpoints, q) for q in (None, "mxfp4"))  # `--weights`
+    assert isinstance(mx["params"]["stacks.0.0.ffn.w_in"], mxfp4.Mxfp4Weight)
+    assert memory_plan(served, 1, 1, "float32", "mxfp4")["weights"] == weight_bytes(mx["params"])
+    prompts, new = np.random.default_rng(8).integers(0, VOCAB, (32, 8)), 64
+    max_len = prompts.shape[1] + new
+    engine = Engine(served, mx, slots=32, max_len=max_len, chunk=WINDOW, min_span=max_len)  # one span
+    requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=new, temperature=0.0))) for p in prompts]
+    engine.run()
+    tokens_BxL = jnp.asarray([r.prompt + r.output for r in requests], jnp.int32)
+    logits = jax.jit(lambda w, t: served.module(w)(t, train=False)[0])(floats, tokens_BxL)
+    best_BxN = np.asarray(jnp.argmax(logits, -1))[:, prompts.shape[1] - 1:-1]
+    agree = float(np.mean(best_BxN == np.asarray([r.output for r in requests])))
+    assert agree >= 0.8, agree
 
 
 def _saved_config(tmp_path, **changes) -> str:

@@ -85,11 +85,12 @@ def fp4_blocks(x, axis: int):
 def quantized(w_ExCxR: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(blocks, scales) as the Hub lays them out of [E, C, R] values (a test fixture's): fp4_blocks of each
     expert's [R, C] in blocks of 32 along C, two FP4 codes a byte, the low nibble first."""
+    import jax
     import jax.numpy as jnp
 
-    values, scales = fp4_blocks(jnp.asarray(w_ExCxR, jnp.float32), axis=1)
+    values, scales = jax.jit(fp4_blocks, static_argnums=1)(jnp.asarray(w_ExCxR, jnp.float32), 1)
     codes = np.asarray(values).view(np.uint8).transpose(0, 2, 1)  # a code a byte (ml_dtypes), [E, R, C]
     experts, rows, cols = codes.shape
     codes = codes.reshape(experts, rows, cols // BLOCK, BLOCK)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-    return np.ascontiguousarray(blocks), np.ascontiguousarray(np.asarray(scales).transpose(0, 2, 1))
+    return np.ascontiguousarray(blocks), np.asarray(scales).transpose(0, 2, 1).copy()
