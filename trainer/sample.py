@@ -87,7 +87,7 @@ def restore_params(cfg, checkpoints: str, prompt: int, tokens: int, quantized: s
     import jax
 
     from trainer import sharding
-    from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
+    from trainer.serve.weights import build_serving_model, restore_weights
 
     mesh = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
     try:
@@ -132,8 +132,8 @@ def generate(model, weights, prompt: list[int], tokens: int, *, temperature: flo
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
               help=f"The sampling's seed, 0 to {MAX_SEED}.")
 @click.option("--weights", "weight_format", type=click.Choice(["auto", *QUANTIZED_WEIGHTS]), default="auto",
-              show_default=True, help="int8, int4 or mxfp4: the weights quantized as `serve --weights` quantizes them, so "
-                                      "that greedy tokens are those of a deployment with the same --weights.")
+              show_default=True, help="int8, int4 or mxfp4: the weights quantized as `serve --weights` quantizes "
+                                      "them, so that greedy tokens are those of a deployment with the same --weights.")
 @click.option("--output", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="text: the continuation on stdout, exactly (no newline added); json: one object with the "
                    "prompt's and the new token ids, the text and why it ended.")

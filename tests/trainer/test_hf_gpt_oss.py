@@ -207,11 +207,10 @@ def test_mxfp4_experts_import_as_transformers_dequantises_them(tmp_path):
     quantization_config mxfp4. The import's experts are transformers' own dequantisation of those bytes, bit for
     bit (gate and up taken from the interleaved columns), and served with `--weights mxfp4` they are MXFP4 again:
     their FP4 values times their scales are that dequantisation, bit for bit."""
-    from safetensors.numpy import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
     import jax
     import jax.numpy as jnp
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from trainer import stacks
     from trainer.hf import mxfp4

@@ -78,7 +78,7 @@ def quantize_array(name: str, p: jax.Array):
     return _quantizer(axis, placed, p.ndim, jnp.dtype(p.dtype).name, is_stacked(name))(p)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _quantizer(axis: int, placed, ndim: int, dtype: str, stacked: bool):
     """The jitted quantization of a weight of `ndim` axes blocked along `axis`; a stacked weight a layer at a
     time (its scratch: one layer's)."""

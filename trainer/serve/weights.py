@@ -55,8 +55,8 @@ class ServingModel:
     def module(self, weights: dict[str, Any]) -> Transformer:
         """The model with `weights`, for use inside jit."""
         biases = (self.bias_codec.unflatten(weights["moe_bias"]),) if self.bias_codec.names else ()
-        # int8, int4 and MXFP4 weights (trainer/serve/quant.py, quant4.py, mxfp4.py) stand as they are: each layer widens its own
-        # slice where it reads it, never a float copy of the whole stack
+        # int8, int4 and MXFP4 weights (trainer/serve/quant.py, quant4.py, mxfp4.py) stand as they are: each layer
+        # widens its own slice where it reads it, never a float copy of the whole stack
         return nnx.merge(self.graphdef, self.codec.unflatten(weights["params"]), *biases,
                          step_rngs(self.rest, jnp.zeros((), jnp.int32)))
 
