@@ -221,3 +221,29 @@ def test_chunked_loss_and_the_chip_kernels_train_as_the_cpu(chip, cpu):
     on_chip, on_cpu = build_trainer(chip_cfg, mesh_of(chip), 10), build_trainer(cpu_cfg, mesh_of(cpu), 10)
     losses = three_steps_each(on_chip, on_cpu, cpu_cfg)
     np.testing.assert_allclose(losses["chip"], losses["cpu"], rtol=BF16_LOSS)
+
+
+def test_the_stacked_grouped_matmul_reads_an_mxfp4_stack_as_the_cpu(chip, cpu, monkeypatch):
+    """A layer of an MXFP4 expert stack (FP4 values, a scale a block of 32 inputs: trainer/serve/mxfp4.py) through
+    tokamax's ragged dot: on the chip its Mosaic kernel (a scale block of 32 inputs, at least the 8 sublanes
+    it addresses), on the CPU the XLA reference; the same rows out."""
+    from trainer.moe.gmm import stacked_matmul
+    from trainer.moe.stacked import LayerOf
+    from trainer.serve import mxfp4
+
+    monkeypatch.setattr("sys.argv", ["pytest"])  # the kernel library parses no test runner's flags
+    keys = jax.random.split(jax.random.key(0), 2)
+    w = jax.random.normal(keys[0], (2, 8, 256, 256), jnp.bfloat16) * 0.05  # [layers, experts, in, out]
+    x_MxK = jax.random.normal(keys[1], (128, 256), jnp.bfloat16)
+    sizes_G = jnp.full((8,), 16, jnp.int32)  # layer 1's experts, 16 rows each
+
+    def run(device):
+        stack = jax.device_put(mxfp4.quantize_array("stacks.0.0.ffn.w_in", w), device)
+        step = jax.jit(lambda s, x, g: stacked_matmul(x, LayerOf(s, jnp.int32(1)), g))
+        out = step(stack, jax.device_put(x_MxK, device), jax.device_put(sizes_G, device))
+        return out, step.lower(stack, x_MxK, sizes_G).compile().as_text()
+
+    (got, program), (want, _) = run(chip), run(cpu)
+    if chip.platform == "tpu":
+        assert "tpu_custom_call" in program  # the Mosaic kernel, not the reference's widened dense product
+    assert relative_error(got, want) < 1e-2
