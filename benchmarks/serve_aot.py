@@ -11,13 +11,12 @@ ModelRunner's decode step lowered and compiled for that chip. tokamax's Mosaic g
 default device for its TPU generation and refuses a CPU device; here, and only here, it is told the chip is
 a v5e (there is none to ask).
 
-Measured 2026-12-06 (jax 0.10.2, libtpu 0.0.42.1), moe-1b, 8 slots x 1,024 positions, bf16: before the
-experts were read from the whole stack (trainer/moe/stacked.py) the program wrote out each MoE layer's three
-expert weights (bf16[16, 1024, 2816], 92 MB each) before the ragged dot, 3.3 GB of copies a step beside 2 GB
-of weights, 90 MiB of scratch; after, the kernels take the stacks by bitcast: 6.8 MiB of scratch (bf16 and
-int8; int8 no longer widened to a float copy), 133 MiB for int4 (tokamax broadcasts the int4 scales over
-the TPU's sublanes each call). Left: each layer's K and V rows relaid out for attention
-(bf16[8, 1024, 8, 128] a layer each), listed under "copies".
+Measured 2026-12-06 (jax 0.10.2, libtpu 0.0.42.1), moe-1b, 8 slots x 1,024 positions: before the experts were
+read from the whole stack (trainer/moe/stacked.py) the program wrote out each MoE layer's three expert weights
+(bf16[16, 1024, 2816], 92 MB each; at int8 and int4 widened to bf16) before the grouped matmul, at 1 slot as at
+8; scratch 90.1 MiB (bf16), 6.1 (int8), 178.6 (int4). After, the kernels take the stacks by bitcast: scratch
+6.8, 6.9 and 132.8 MiB (tokamax broadcasts int4's scales over the TPU's sublanes each call). docs/performance.md
+has the table.
 """
 
 from __future__ import annotations

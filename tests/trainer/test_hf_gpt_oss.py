@@ -201,6 +201,39 @@ def test_bfloat16_import_then_export_gives_every_tensor_back_bit_for_bit(tmp_pat
     assert back.rope_parameters == theirs
 
 
+def test_a_fine_tune_from_the_hub_directory_exports_what_transformers_continues_as_sample_does(imported, tmp_path):
+    """`train --init-from` the Hub directory (3 steps, the import's config, synthetic tokens asked for by name),
+    `hf export` of the run: transformers loads the export, and its greedy continuation of a prompt longer than
+    the window is the one `sample` draws from the run's checkpoint."""
+    from click.testing import CliRunner
+
+    from trainer.cli import train_command
+    from trainer.hf.cli import hf_group
+    from trainer.sample import sample_command
+
+    _, tmp = imported
+    run, exported = tmp_path / "tuned", tmp_path / "exported"
+    trained = CliRunner().invoke(train_command, [
+        "--config", str(tmp / "imported" / "config.json"), "--devices", "1", "--steps", "3", "--output-dir", str(run),
+        "--init-from", str(tmp / "hub"), "--set", "data.source=synthetic", "--set", "data.seq_len=16",
+        "--set", "data.global_batch_size=2", "--set", "optim.lr=0.01"])
+    assert trained.exit_code == 0, trained.output
+    done = CliRunner().invoke(hf_group, ["export", "--checkpoint", str(run), "-o", str(exported)])
+    assert done.exit_code == 0, done.output
+    ids = np.random.default_rng(6).integers(1, min(HARMONY.values()), 12).tolist()  # words w1.. of its tokenizer
+    drawn = CliRunner().invoke(sample_command, ["--checkpoint", str(run), "--prompt", " ".join(f"w{i}" for i in ids),
+                                                "--tokens", "10", "--temperature", "0", "--output", "json"])
+    assert drawn.exit_code == 0, drawn.output
+    ours = json.loads(drawn.stdout.splitlines()[-1])
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+                              do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+    expected = out[0, len(ids):].tolist()  # sample stops early only at an end token it draws
+    assert ours["prompt_ids"] == ids and ours["ids"] == expected[:len(ours["ids"])]
+    assert len(ours["ids"]) == 10 or ours["finish_reason"] == "stop"
+
+
 def test_mxfp4_experts_import_as_transformers_dequantises_them(tmp_path):
     """A checkpoint laid out as the Hub's: each expert matrix as MXFP4 `_blocks` (uint8, two FP4 values a byte)
     and `_scales` (uint8, a power of two a block of 32), everything else bfloat16, config.json's

@@ -208,17 +208,14 @@ def test_int4_weights_split_over_expert_and_model_as_the_float_ones_and_predict_
     np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-native", "mxfp4"])
-def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_same_tokens(restored, fmt, monkeypatch):
+def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_same_tokens(restored, monkeypatch):
     """Through the grouped matmul that takes a layer of the stacked expert weights whole (trainer/moe/stacked.py:
     tokamax's ragged dot over [layers * experts] groups, its XLA reference on a CPU, the Mosaic kernel on a
-    TPU) the engine draws the tokens it draws reading each layer's slice (the CPU's tiled loop), with the experts
-    held as int8 or int4 integers and scales, or as MXFP4's FP4 values and scales (a float stack takes the same
-    path with a plain array)."""
+    TPU) the engine draws the tokens it draws reading each layer's slice (the CPU's tiled loop), the experts held
+    as int8 integers and scales (the other formats: the next test, a layer's product alone)."""
     model, weights, _ = restored
     monkeypatch.setattr("sys.argv", ["moe-tpu", "serve", "--checkpoint", "ckpt"])  # the kernel library reads no argv
-    params = {"int8": quantize_params, "int4-native": lambda p: quant4.quantize_params(p, storage="native"),
-              "mxfp4": mxfp4.quantize_params}[fmt](weights["params"])
+    params = quantize_params(weights["params"])
     cfg = model.cfg.model_copy(update={"moe": model.cfg.moe.model_copy(update={"grouped_matmul": "ragged_dot"})})
     stacked = build_serving_model(cfg, model.mesh)
 
@@ -236,6 +233,31 @@ def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_s
     m = cfg.model  # the kernel's weight: every MoE layer's experts (tiny: one stack) as one [layers * experts] operand
     text = decode.as_text(debug_info=True)
     assert "tokamax" in text and f"tensor<{m.num_moe_layers * cfg.moe.num_experts}x{m.d_model}x" in text
+
+
+@pytest.mark.parametrize("fmt", ["float", "int8", "int4-native", "mxfp4"])
+def test_a_layers_grouped_product_from_the_whole_stack_is_the_product_with_its_own_slice(fmt):
+    """stacked_matmul (the stack as [layers * experts] groups, other layers' groups empty; int8's row scales
+    applied after, int4 and MXFP4 as QArrays) against ragged_dot over the layer's widened slice, for each
+    layer; rows past the groups come back zero."""
+    from trainer.moe.gmm import stacked_matmul
+    from trainer.moe.stacked import LayerOf
+
+    rng = np.random.default_rng(1)
+    layers, experts, inputs, outputs, rows = 3, 4, 64, 48, 40
+    w = jnp.asarray(rng.normal(0, 0.05, (layers, experts, inputs, outputs)), jnp.float32)
+    held = {"float": lambda a: a, "int8": lambda a: quantize_params({"stacks.0.0.ffn.w_in": a})["stacks.0.0.ffn.w_in"],
+            "int4-native": lambda a: quant4.quantize_params({"stacks.0.0.ffn.w_in": a}, storage="native")["stacks.0.0.ffn.w_in"],
+            "mxfp4": lambda a: mxfp4.quantize_params({"stacks.0.0.ffn.w_in": a})["stacks.0.0.ffn.w_in"]}[fmt](w)
+    x = jnp.asarray(rng.normal(0, 1, (rows, inputs)), jnp.float32)
+    sizes = jnp.asarray([9, 0, 17, 6], jnp.int32)  # 32 rows in groups, 8 past them
+    for layer in range(layers):
+        stacked = LayerOf(held, jnp.int32(layer))
+        got = stacked_matmul(x, stacked, sizes)
+        want = jax.lax.ragged_dot(x, stacked.read().astype(jnp.float32), sizes.at[-1].add(rows - 32),
+                                  precision="highest")
+        np.testing.assert_allclose(np.asarray(got[:32]), np.asarray(want[:32]), rtol=1e-5, atol=1e-5)
+        assert not np.any(np.asarray(got[32:]))
 
 
 def test_mxfp4_weights_on_the_grid_come_back_exactly_and_as_the_hub_dequantises_them():
