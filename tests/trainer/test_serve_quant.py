@@ -246,9 +246,10 @@ def test_a_layers_grouped_product_from_the_whole_stack_is_the_product_with_its_o
     rng = np.random.default_rng(1)
     layers, experts, inputs, outputs, rows = 3, 4, 64, 48, 40
     w = jnp.asarray(rng.normal(0, 0.05, (layers, experts, inputs, outputs)), jnp.float32)
-    held = {"float": lambda a: a, "int8": lambda a: quantize_params({"stacks.0.0.ffn.w_in": a})["stacks.0.0.ffn.w_in"],
-            "int4-native": lambda a: quant4.quantize_params({"stacks.0.0.ffn.w_in": a}, storage="native")["stacks.0.0.ffn.w_in"],
-            "mxfp4": lambda a: mxfp4.quantize_params({"stacks.0.0.ffn.w_in": a})["stacks.0.0.ffn.w_in"]}[fmt](w)
+    name = "stacks.0.0.ffn.w_in"  # a routed experts' stacked weight, [layers, experts, in, out]
+    held = {"float": lambda a: a, "int8": lambda a: quantize_params({name: a})[name],
+            "int4-native": lambda a: quant4.quantize_params({name: a}, storage="native")[name],
+            "mxfp4": lambda a: mxfp4.quantize_params({name: a})[name]}[fmt](w)
     x = jnp.asarray(rng.normal(0, 1, (rows, inputs)), jnp.float32)
     sizes = jnp.asarray([9, 0, 17, 6], jnp.int32)  # 32 rows in groups, 8 past them
     for layer in range(layers):
