@@ -33,6 +33,19 @@ class Loaded:
     tokenizer: object = None  # the codec's tokenizers.Tokenizer, if it has one (structured output)
 
 
+def planned(model, slots: int, max_len: int, kv, quantized: str | None, prefix_tokens: int) -> dict[str, int]:
+    """memory_plan's bytes a device, with the prefix cache's own pool; ServeError for weights the format cannot
+    hold (--weights mxfp4 on experts whose inputs are not whole blocks of 32)."""
+    from trainer.serve.prefix import BLOCK
+
+    try:
+        plan = memory_plan(model, slots, max_len, kv, quantized)
+    except ValueError as e:
+        raise ServeError(str(e)) from None
+    plan["prefix_cache"] = plan["kv_cache"] // (slots * max_len) * (prefix_tokens // BLOCK * BLOCK)
+    return plan
+
+
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
          quantized: str | None, device_memory_gb, progress, prefix_tokens: int = 0) -> Loaded:
     import jax
@@ -40,7 +53,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     from trainer import sharding
     from trainer.run_loader import Codec, context_of, find_run, load_run_config
     from trainer.serve.engine import Engine, RequestError
-    from trainer.serve.prefix import BLOCK, unsupported
+    from trainer.serve.prefix import unsupported
     from trainer.serve.weights import WeightsError, build_serving_model, restore_weights
 
     run = find_run(directory, progress=progress)  # a Hugging Face directory: its import (trainer/hf/cache.py)
@@ -71,16 +84,11 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     if prefix_tokens and unsupported(cfg.model):
         progress(f"note: {unsupported(cfg.model)}")
         prefix_tokens = 0
-    try:
-        plan = memory_plan(model, slots, max_len, kv, quantized)
-    except ValueError as e:  # --weights mxfp4 on experts whose inputs are not whole blocks of 32
-        raise ServeError(str(e)) from None
-    plan["prefix_cache"] = plan["kv_cache"] // (slots * max_len) * (prefix_tokens // BLOCK * BLOCK)  # its own pool
-    stored = f" ({quantized})" if quantized else ""
+    plan = planned(model, slots, max_len, kv, quantized, prefix_tokens)
     progress(f"{cfg.name}: {plan['weights'] / 2**20:,.1f} MiB of weights a device"
-             f"{stored}; KV cache {slots} slots x {max_len} tokens = {slots * max_len:,} "
-             f"positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); prefix cache {prefix_tokens:,} tokens, "
-             f"{plan['prefix_cache'] / 2**20:,.1f} MiB; mesh {mesh_shape}")
+             f"{f' ({quantized})' if quantized else ''}; KV cache {slots} slots x {max_len} tokens = "
+             f"{slots * max_len:,} positions, {plan['kv_cache'] / 2**20:,.1f} MiB ({kv}); prefix cache "
+             f"{prefix_tokens:,} tokens, {plan['prefix_cache'] / 2**20:,.1f} MiB; mesh {mesh_shape}")
     limit = device_memory_gb if device_memory_gb else memory_of(jax.local_devices())  # this process's devices
     check_fits(plan, limit, slots, max_len, kv, quantized)
     progress(f"reading the parameters from {checkpoints}")
