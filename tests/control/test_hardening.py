@@ -350,7 +350,9 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
     (workdir / ".moe-tpu").mkdir()
     lock = workdir / ".moe-tpu" / "emulator.json.lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT)
-    os.pwrite(fd, b"0" * store.TOKEN_BYTES + b"4242\n", 0)
+    # A pid no process can have (past the kernel's largest): one that exists would be named with its command.
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    os.pwrite(fd, b"0" * store.TOKEN_BYTES + f"{pid}\n".encode(), 0)
     fcntl.flock(fd, fcntl.LOCK_EX)  # what a suspended `moe-tpu` holds mid-transaction
     monkeypatch.setattr(store, "LOCK_WAIT_S", 2.0)
     monkeypatch.setattr(store, "LOCK_NOTICE_S", 0.5)
@@ -359,7 +361,7 @@ def test_a_lock_held_by_a_stuck_command_is_named_at_once_and_given_up(workdir, m
     finally:
         os.close(fd)
     _no_traceback(code, err, expected_code=1)
-    assert "waiting for another moe-tpu command (pid 4242) that holds" in err and "emulator.json.lock" in err
+    assert f"waiting for another moe-tpu command (pid {pid}) that holds" in err and "emulator.json.lock" in err
     assert "gave up after 2s" in err
     assert invoke("--dry-run", "slice", "status")[0] == 0  # once it lets go, all is well
 
