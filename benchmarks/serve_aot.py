@@ -87,10 +87,9 @@ def abstract_weights(model, fmt: str, sharding):
             axis = quant4.group_axis(name, s.shape)
             if axis is None:
                 return s
-            scale = list(s.shape)
-            scale[axis] //= quant4.group_size(s.shape[axis])
+            scale = quant4.layout(s.shape, axis)[1]  # int4's groups along the input axis, as the engine cuts them
             return quant4.Int4Native(jax.ShapeDtypeStruct(s.shape, jnp.int4),
-                                     jax.ShapeDtypeStruct(tuple(scale), jnp.float32), axis - len(s.shape), s.dtype.name)
+                                     jax.ShapeDtypeStruct(scale, jnp.float32), axis - len(s.shape), s.dtype.name)
         w["params"] = {n: int4(n, s) for n, s in w["params"].items()}
     return place(w)
 
