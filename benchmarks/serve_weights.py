@@ -102,7 +102,53 @@ def measure(model, weights, fmt: str, slot_counts: list[int], args, bandwidth: f
                      "temp_bytes": temp, "temp_mib": round(temp / 2**20, 2)})
         if not args.memory_only:
             rows[-1].update(timed(model, engine, slots, args, bandwidth))
+            rows[-1]["program_ms"] = round(1e3 * program_alone(engine, compiled, slots, args.steps), 3)
+            rows[-1]["engine_over_program"] = round(rows[-1]["decode_step_ms"] / rows[-1]["program_ms"], 3)
+            if args.profile:
+                from profile_ops import op_table
+
+                rows[-1]["profile"] = op_table(lambda: program_alone(engine, compiled, slots, 1, warm=0), calls=8)
     return rows
+
+
+def program_alone(engine, compiled, slots: int, steps: int, warm: int = 2) -> float:
+    """Seconds a step of the compiled decode program alone: `steps` calls back to back on inputs already on
+    the device, the cache threaded through (donated, as the engine does), one wait at the end. Against the
+    engine's step, what the host adds (uploads, reading the tokens back, the scheduler)."""
+    import jax
+    import numpy as np
+
+    runner = engine.runner
+    rows = runner.rows_for(slots)
+    tokens, positions, sampling, want, mask = runner.decode_inputs(rows, False)
+    positions = np.where(np.arange(rows) < slots, runner.max_len - 1, runner.max_len).astype(np.int32)
+    inputs = jax.device_put((tokens.copy(), positions, tuple(a.copy() for a in sampling), want, mask.copy()))
+    cache = runner.cache
+    for _ in range(warm):
+        (out, _), cache = compiled(runner.weights, cache, *inputs)
+    jax.block_until_ready(cache)
+    started = time.perf_counter()
+    for _ in range(steps):
+        (out, _), cache = compiled(runner.weights, cache, *inputs)
+    out.block_until_ready()
+    elapsed = time.perf_counter() - started
+    runner.cache = cache
+    return elapsed / steps
+
+
+def weights_read_s(weights: dict) -> float:
+    """Seconds one program takes to read every weight once (a max over each): the chip's own memory bandwidth
+    measured beside the steps, the physical bound the ratios could use in place of the data sheet's."""
+    import jax
+    import jax.numpy as jnp
+
+    read = jax.jit(lambda w: [jnp.max(x) for x in jax.tree.leaves(w)])
+    jax.block_until_ready(read(weights))
+    started = time.perf_counter()
+    for _ in range(5):
+        out = read(weights)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - started) / 5
 
 
 def timed(model, engine, slots: int, args, bandwidth: float | None) -> dict:
@@ -137,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth (GB/s) where not known")
     p.add_argument("--memory-only", action="store_true", help="the bytes and the compiled scratch, no timing")
+    p.add_argument("--profile", action="store_true",
+                   help="with each timing, the decode program's device ops by time (benchmarks/profile_ops.py)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results to this path")
     args = p.parse_args(argv)
     formats = args.formats.split(",")
@@ -161,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = bandwidth_of(device, args.hbm_gbps)
     head = {"config": config, "overrides": overrides, "platform": device.platform, "device_kind": device.device_kind,
             "parameters": sum(x.size for x in weights["params"].values()), "bandwidth_bytes_per_s": bandwidth}
+    if args.accelerator:
+        seconds = weights_read_s(weights["params"])
+        head["weights_read_ms"] = round(1e3 * seconds, 3)
+        head["measured_read_gbps"] = round(sum(x.nbytes for x in jax.tree.leaves(weights["params"])) / seconds / 1e9, 1)
     slot_counts = [int(s) for s in (args.slots or ("1,8,32" if args.accelerator else "1,8")).split(",")]
     rows = []
     for fmt in formats:

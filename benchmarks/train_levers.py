@@ -50,6 +50,9 @@ VARIANTS = {
     "h8+dropless_megablox+splash+chunk+attention": ["model.attention=splash", CHUNK, "model.num_heads=8",
                                                     "model.remat_policy=attention", DROPLESS,
                                                     "moe.grouped_matmul=megablox"],
+    "h8+dropless_tokamax+splash+chunk+attention": ["model.attention=splash", CHUNK, "model.num_heads=8",
+                                                   "model.remat_policy=attention", DROPLESS,
+                                                   "moe.grouped_matmul=tokamax"],
     "b8+dropless_megablox+splash+chunk+dots": ["model.attention=splash", CHUNK, "data.global_batch_size=8",
                                                "model.remat_policy=dots", DROPLESS, "moe.grouped_matmul=megablox"],
 }
@@ -67,6 +70,8 @@ def main() -> int:
                         help="also time each part of the step alone (a dense and an MoE block, attention, the "
                              "head and loss), forward and forward+backward")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="each variant's device ops by time over 3 steps (benchmarks/profile_ops.py)")
     parser.add_argument("--json-out", metavar="PATH")
     args = parser.parse_args()
     if args.list:
@@ -78,7 +83,8 @@ def main() -> int:
     held = []  # the state, handed from variant to variant; emptied before a state of another shape is made
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
         try:
-            row = measure(args.config, [*ONE_CHIP, *VARIANTS[name], *args.overrides], args.steps, held)
+            row = measure(args.config, [*ONE_CHIP, *VARIANTS[name], *args.overrides], args.steps, held,
+                          args.profile)
         except Exception as e:  # noqa: BLE001 - a variant's failure is a figure too
             row = {"error": f"{type(e).__name__}: {str(e)[:600]}", "trace": traceback.format_exc()[-1500:]}
             if "RESOURCE_EXHAUSTED" in str(e) or "memory" in str(e).lower():
@@ -102,7 +108,7 @@ def _save(path: str | None, results: dict) -> None:
         Path(path).write_text(json.dumps(results, indent=2) + "\n")
 
 
-def measure(config: str, overrides: list[str], steps: int, held: list) -> dict:
+def measure(config: str, overrides: list[str], steps: int, held: list, profile: bool = False) -> dict:
     import jax
     import numpy as np
 
@@ -147,6 +153,17 @@ def measure(config: str, overrides: list[str], steps: int, held: list) -> dict:
     row.update(step_ms=step_s * 1e3, tokens_per_s=batch * length / step_s, loss=loss,
                mfu=flops.mfu(cfg, step_s, 1, jax.devices()[0].device_kind),
                flops_per_step=flops.flops_per_step(cfg))
+    if profile:
+        from profile_ops import op_table
+
+        box = [state]
+
+        def once():
+            box[0], out = step(box[0], tokens)
+            float(out["loss"])
+
+        row["profile"] = op_table(once, calls=3, top=30)
+        state = box[0]
     stats = jax.devices()[0].memory_stats() or {}
     row["peak_hbm_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
     held.append(state)

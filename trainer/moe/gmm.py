@@ -38,6 +38,8 @@ def grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, block_group_NB: jax.Arr
     # precision on bfloat16 operands. float32 operands keep the context's precision.
     if impl == "megablox":
         return _megablox(x_MxK, w_GxKxN, sizes_G)
+    if impl == "tokamax":
+        return _tokamax(x_MxK, w_GxKxN, sizes_G)
     bf16 = x_MxK.dtype == jnp.bfloat16 and w_GxKxN.dtype == jnp.bfloat16
     precision = jax.lax.Precision.DEFAULT if bf16 else None
     out = jax.lax.ragged_dot(x_MxK, w_GxKxN, sizes_G, precision=precision, preferred_element_type=jnp.float32)
@@ -63,6 +65,23 @@ def _megablox(x_MxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array) -> jax.A
     m, k = x_MxK.shape
     interpret = current_platform() != "tpu"
     out = gmm(x_MxK, w_GxKxN, sizes_G, jnp.float32, tiling(m, k, w_GxKxN.shape[2]), None, None, False, interpret)
+    return out.astype(x_MxK.dtype)
+
+
+def _tokamax(x_MxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array) -> jax.Array:
+    """tokamax's ragged dot (its own backward kernels): on a TPU its Mosaic grouped matmul with megablox's
+    tiles (tiling), elsewhere its XLA reference (tests)."""
+    import tokamax
+
+    from trainer.sharding import current_platform
+
+    tokamax_without_argv()
+    m, k = x_MxK.shape
+    implementation = ["xla"]
+    if current_platform() == "tpu":
+        implementation = [tpu_ragged_dot(*tiling(m, k, w_GxKxN.shape[2])), "xla"]
+    out = tokamax.ragged_dot(x_MxK, w_GxKxN, sizes_G, preferred_element_type=jnp.float32,
+                             implementation=implementation)
     return out.astype(x_MxK.dtype)
 
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One chip session's measurements in one command, each stage's figures and log under $OUT (at most 8 files
+# come back), every stage cut at a shared deadline so the whole stays inside a 10-minute call:
+#   source .whl-tpu/setup.sh && bash benchmarks/on_chip.sh [STAGE ...]
+# Stages (default: serve tests levers): serve (benchmarks/serve_weights.py, moe-1b, each weight format at
+# 1/8/32 slots, with the decode program's ops), tests (the `tpu` tests), levers (benchmarks/train_levers.py:
+# moe-1b as written and its dropless kernels, with the step's ops), step (benchmarks/train_step.py).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+deadline=$((SECONDS + ${CHIP_SECONDS:-560}))
+left() { echo $((deadline - SECONDS)); }
+stage() {  # name seconds-at-most command...
+  local name=$1 most=$2; shift 2
+  local t=$(left); [ "$t" -gt "$most" ] && t=$most
+  if [ "$t" -lt 20 ]; then echo "== $name: skipped, ${t}s left" | tee -a "$OUT/summary.txt"; return; fi
+  echo "== $name (${t}s at most): $*" | tee -a "$OUT/summary.txt"
+  local start=$SECONDS
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: rc $? in $((SECONDS - start))s" | tee -a "$OUT/summary.txt"
+  tail -5 "$OUT/$name.log"
+}
+for s in "${@:-serve tests levers}"; do for s1 in $s; do case $s1 in
+  serve) stage serve 240 python benchmarks/serve_weights.py --accelerator --steps 64 --repeats 3 \
+           --formats bf16,int8,int4-native --profile --json "$OUT/serve_weights.json" ;;
+  tests) MOE_TPU_TESTS=1 stage tests 200 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
+           tests/trainer/test_tpu.py ;;
+  levers) stage levers 240 python benchmarks/train_levers.py --no-gmm --profile --steps 10 \
+            --variants h8+splash+chunk+attention,h8+dropless_tokamax+splash+chunk+attention,h8+dropless_megablox+splash+chunk+attention \
+            --json-out "$OUT/levers.json" ;;
+  step) stage step 300 python benchmarks/train_step.py --accelerator --config moe-1b --json-out "$OUT/train_step.json" ;;
+  *) echo "unknown stage $s1"; exit 2 ;;
+esac; done; done
