@@ -210,12 +210,18 @@ class Transformer(nnx.Module):
 
     def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = self.final_norm(x_BxLxD)
-        if self.head is None:  # tied: by default scaled so that unit-variance embeddings give unit-variance logits
-            w_DxV = self.embed[...].T if self.tied_scale == 1.0 else self.embed[...].T * self.tied_scale
+        held = (self.embed if self.head is None else self.head).get_value()
+        if hasattr(held, "contract"):  # an int4 weight (trainer/serve/quant4.py): group by group, never widened
+            logits_BxLxV = held.contract(x_BxLxD, self.dtype)
+            if self.head is None and self.tied_scale != 1.0:
+                logits_BxLxV = logits_BxLxV * self.tied_scale
         else:
-            w_DxV = self.head[...]
-        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype),
-                                  preferred_element_type=jnp.float32)
+            if self.head is None:  # tied: by default scaled so that unit-variance embeddings give unit-variance logits
+                w_DxV = self.embed[...].T if self.tied_scale == 1.0 else self.embed[...].T * self.tied_scale
+            else:
+                w_DxV = self.head[...]
+            logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype),
+                                      preferred_element_type=jnp.float32)
         if self.vocab == "vocab":  # whole: XLA lays the logits out as their batch
             return logits_BxLxV
         return sharding.constrain(logits_BxLxV, ("batch", "length", self.vocab))

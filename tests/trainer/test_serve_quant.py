@@ -298,3 +298,20 @@ def memory_plan_bytes(name: str, w: jax.Array) -> int:
 
     one = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
     return weight_shard_bytes(name, w, jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec()), "mxfp4")
+
+
+@pytest.mark.parametrize("storage", quant4.STORAGES)
+@pytest.mark.parametrize("name", ["head", "embed"])
+def test_an_int4_heads_group_by_group_product_is_the_widened_weights(storage, name):
+    """The head's logits from an int4 weight group by group (Widened.contract: integers in the matmul, scales
+    after) against the widened weight's product, for the head [d_model, vocab] and the tied embedding [vocab,
+    d_model] read transposed."""
+    rng = np.random.default_rng(2)
+    shape = (256, 96) if name == "head" else (96, 256)
+    w = jnp.asarray(rng.normal(0, 0.05, shape), jnp.float32)
+    held = quant4.quantize_params({name: w}, storage=storage)[name]
+    x = jnp.asarray(rng.normal(0, 1, (3, 2, 256)), jnp.float32)
+    widened = held[...] if name == "head" else held[...].T
+    want = jnp.einsum("bld,dv->blv", x, widened, precision="highest")
+    got = held.contract(x, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

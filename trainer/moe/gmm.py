@@ -94,12 +94,19 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
     no rows, so a kernel reads only the tiles of the experts rows go to, a quantized stack as integers and
     scales. On a TPU the kernel is tokamax's Mosaic grouped matmul, with tiles for the step's shape
     (stacked_tiling); elsewhere tokamax's XLA reference (widened weights and a masked dense product: tests).
-    None where the stack has no grouped form (int4 nibbles): the caller reads the layer."""
+    None where the stack has no grouped form (int4 nibbles) or the kernel takes none (MXFP4 on a TPU): the
+    caller reads the layer."""
     import tokamax
 
     from trainer.sharding import current_platform
 
     tokamax_without_argv()
+    on_tpu = current_platform() == "tpu"
+    if on_tpu and hasattr(w.stack, "factors"):
+        # MXFP4 on a TPU: the Mosaic kernel hands its FP4 tiles to the matrix unit as they are, and a v5e's
+        # takes no FP4 operand (on the chip, 2026-12-06: "Bad lhs/rhs type ... f4E2M1FN"); the caller reads
+        # the layer widened instead: exact, at the cost of the widened copy.
+        return None
     held = w.groups()
     if held is None:
         return None
@@ -109,7 +116,7 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
     m = x_MxK.shape[0]
     x = x_MxK if w.dtype is None else x_MxK.astype(w.dtype)
     implementation = ["xla"]
-    if current_platform() == "tpu":
+    if on_tpu:
         x = jnp.pad(x, ((0, max(MIN_KERNEL_ROWS - m, 0)), (0, 0)))  # the kernel takes 128 rows or more
         implementation = [tpu_ragged_dot(*stacked_tiling(x.shape[0], *groups.shape[1:])), "xla"]
     out = tokamax.ragged_dot(x, groups, sizes, preferred_element_type=jnp.float32, implementation=implementation)
@@ -118,8 +125,11 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
     rows_M = jnp.arange(m)
     out = out[:m]
     if row_scales_GxN is not None:  # int8: each row times its expert's output-channel scales
-        group_M = jnp.searchsorted(jnp.cumsum(sizes), rows_M, side="right")
-        out = out * jnp.take(row_scales_GxN, group_M, axis=0, mode="clip")
+        # The row's expert: how many of the layer's groups end at or before it (a compare over the layer's few
+        # experts; jnp.searchsorted's loop over all [layers * experts] groups cost more on the chip).
+        ends_E = jnp.cumsum(sizes_G.astype(jnp.int32))
+        expert_M = jnp.sum(ends_E[None, :] <= rows_M[:, None], axis=1)
+        out = out * jnp.take(row_scales_GxN, w.group_offset() + expert_M, axis=0, mode="clip")
     return jnp.where((rows_M < jnp.sum(sizes_G))[:, None], out, 0).astype(x_MxK.dtype)
 
 
@@ -134,11 +144,19 @@ def tokamax_without_argv() -> None:
 
 
 def stacked_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """(rows, contraction, columns) of a grouped-matmul tile for a decode or prefill step: rows the largest
-    power of two up to 512 dividing m (the kernel needs m a multiple of them; a decode step has few rows a
-    group), 1,024 of the contraction (eight int4 groups of 128) and 512 columns, or the whole dimension where
-    it is smaller: the training kernel's tiles (tiling) where they divide."""
-    rows = next(t for t in (512, 256, 128, 64, 32, 16, 8) if m % t == 0) if m % 8 == 0 else m
+    """(rows, contraction, columns) of a grouped-matmul tile for a decode or prefill step: all m rows in one
+    tile up to 512 (else the largest power of two dividing m), 1,024 of the contraction (eight int4 groups of
+    128) and 512 columns, or the whole dimension where it is smaller.
+
+    One tile of rows means each expert the rows route to is fetched once, however its rows fall, and the
+    kernel's tile bookkeeping (tokamax computes it per call, over every group of the stack) has one tile to
+    place. Measured on a v5e chip (2026-12-06, benchmarks/serve_weights.py --profile, moe-1b, 1 slot): with
+    8-row tiles over 17 row tiles that bookkeeping took 0.62 ms of a 1.94 ms decode step, the three kernels
+    0.32 ms; at 32 slots 64-row tiles fetched an expert again for each tile its rows reached."""
+    if m <= 512 and m % 8 == 0:
+        rows = m
+    else:
+        rows = next(t for t in (512, 256, 128, 64, 32, 16, 8) if m % t == 0) if m % 8 == 0 else m
     return rows, min(k, 1024), min(n, 512)
 
 
