@@ -100,7 +100,7 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         # The engine's MXFP4 fallback on a TPU: the layer read widened, then the grouped product.
-        layer = jax.jit(lambda x, v, s, sizes: jax.lax.ragged_dot(
+        layer = jax.jit(lambda x, v, s, sizes, m=m, routed=routed: jax.lax.ragged_dot(
             x, (v.astype(jnp.bfloat16).reshape(LAYERS, EXPERTS, K // 32, 32, N)[2]
                 * s.reshape(LAYERS, EXPERTS, K // 32, 1, N)[2]).reshape(EXPERTS, K, N),
             sizes[2 * EXPERTS:3 * EXPERTS].at[-1].add(m - routed), preferred_element_type=jnp.float32))
