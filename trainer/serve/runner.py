@@ -296,6 +296,8 @@ class ModelRunner:
         outputs = self.run(f"decode/{span}/{rows}", *jax.tree.map(np.array, inputs[:5]), *inputs[5:])
         if not self._spans_processes:
             self.last_S = outputs[0]
+            for x in jax.tree.leaves(outputs) if want else outputs[:1]:
+                x.copy_to_host_async()  # on the host as soon as the step ends, not when collect asks
         self.follow_S[:] = False
         return outputs
 
