@@ -122,7 +122,8 @@ def compile_decode(cfg, fmt: str, rows: int, max_len: int) -> dict:
     vec = (rows,)
     inputs = (spec(vec, jnp.int32), spec(vec, jnp.int32),
               (spec(vec, jnp.float32), spec(vec, jnp.int32), spec(vec, jnp.float32), spec(vec, jnp.int32)),
-              spec((), jnp.bool_), spec((rows, words(cfg.model.vocab_size)), jnp.int32))
+              spec((), jnp.bool_), spec((rows, words(cfg.model.vocab_size)), jnp.int32),
+              spec(vec, jnp.int32), spec(vec, jnp.bool_))  # the last step's tokens (as many slots) and followers
     runner = types.SimpleNamespace(model=model)  # what the decode step reads of its runner
 
     def decode(w, c, *args):

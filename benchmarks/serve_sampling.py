@@ -105,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         def step():
             runner.temperature_S[:], runner.top_p_S[:] = temperature, top_p
             decode = runner.program(f"decode/{runner.max_len}/{slots}")  # the whole cache, as the forward reads
-            (tokens, _), runner.cache = decode(peaked, runner.cache, runner.tokens_S, runner.positions_S,
-                                               runner.slot_sampling(), np.bool_(False), runner.mask_SxW)
+            (tokens, _), runner.cache = decode(peaked, runner.cache, *runner.decode_inputs(slots, False))
             jax.block_until_ready(tokens)
 
         return step

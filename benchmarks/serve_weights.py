@@ -121,17 +121,18 @@ def program_alone(engine, compiled, slots: int, steps: int, warm: int = 2) -> fl
 
     runner = engine.runner
     rows = runner.rows_for(slots)
-    tokens, positions, sampling, want, mask = runner.decode_inputs(rows, False)
+    tokens, positions, sampling, want, mask, last, _ = runner.decode_inputs(rows, False)
     positions = np.where(np.arange(rows) < slots, runner.max_len - 1, runner.max_len).astype(np.int32)
     inputs = jax.device_put((tokens.copy(), positions, tuple(a.copy() for a in sampling), want, mask.copy()))
+    follow = jax.device_put(np.arange(rows) < slots)  # as the engine's steps: each live row takes its last token
     cache = runner.cache
     for _ in range(warm):
-        (out, _), cache = compiled(runner.weights, cache, *inputs)
+        (last, _), cache = compiled(runner.weights, cache, *inputs, last, follow)
     jax.block_until_ready(cache)
     started = time.perf_counter()
     for _ in range(steps):
-        (out, _), cache = compiled(runner.weights, cache, *inputs)
-    out.block_until_ready()
+        (last, _), cache = compiled(runner.weights, cache, *inputs, last, follow)
+    last.block_until_ready()
     elapsed = time.perf_counter() - started
     runner.cache = cache
     return elapsed / steps

@@ -2,6 +2,7 @@
 forward pass does; concurrent requests get what they get alone; the two steps compile once."""
 
 import collections
+import re
 import threading
 
 import jax
@@ -303,6 +304,80 @@ def test_a_cancelled_request_frees_its_slot_and_a_failing_one_fails_alone(tiny_e
     assert cancelled.finish_reason == "cancelled" and len(cancelled.output) < 50
     assert fine.finish_reason == "length" and len(fine.output) == 5
     assert sorted(tiny_engine.free) == list(range(tiny_engine.slots))
+
+
+def decode_calls(runner) -> int:
+    return sum(n for name, n in runner.calls.items() if name.startswith("decode/"))
+
+
+def test_the_next_decode_step_is_dispatched_before_the_last_ones_tokens_are_read(tiny_engine):
+    """After each step of a lone request one decode step is in flight, its token not yet read: the request
+    holds as many tokens as steps dispatched (the prefill's first one and every step's but the last). Its last
+    token known ahead (max_tokens), no step runs past it."""
+    runner, before = tiny_engine.runner, decode_calls(tiny_engine.runner)
+    request = tiny_engine.submit(Request([3, 1, 4, 1, 5], SamplingParams(max_tokens=10)))
+    held = []
+    while tiny_engine.busy:
+        tiny_engine.step()
+        in_flight = tiny_engine.flight is not None and tiny_engine.flight.ran == {request.slot: request}
+        held.append((len(request.output), decode_calls(runner) - before, in_flight))
+    assert held == [(n, n, True) for n in range(1, 10)] + [(10, 9, False)]
+    assert request.finish_reason == "length" and tiny_engine.flight is None
+
+
+def test_a_request_ended_by_its_end_token_emits_nothing_after_it_and_its_slot_serves_the_next(tiny_engine):
+    """A request ending at its end token ran in the step dispatched before that token was read: that step's
+    token for it is dropped, and the request taking its slot meanwhile (while the step still runs) takes its
+    first input from its own prefill, not from that step, and decodes what it decodes alone."""
+    first, second, third = [7, 7, 2], [1, 9, 9, 6], [30, 31]
+    probe = tiny_engine.submit(Request(first, SamplingParams(max_tokens=12)))
+    tiny_engine.run()
+    end = next(i for i in range(2, 12) if probe.output[i] not in probe.output[:i])
+    tiny_engine.eos_id = probe.output[end]
+    try:
+        alone = []
+        for prompt, most in ((first, 12), (second, 10), (third, 24)):
+            alone.append(tiny_engine.submit(Request(prompt, SamplingParams(max_tokens=most))))
+            tiny_engine.run()
+        ending = tiny_engine.submit(Request(first, SamplingParams(max_tokens=12)))
+        beside = tiny_engine.submit(Request(third, SamplingParams(max_tokens=24)))
+        while ending.finish_reason is None:
+            tiny_engine.step()
+        assert tiny_engine.flight.ran.get(0) is ending and ending.slot is None  # a step ran it past its end
+        following = tiny_engine.submit(Request(second, SamplingParams(max_tokens=10)))
+        tiny_engine.step()
+        assert following.slot == 0
+        tiny_engine.run()
+    finally:
+        tiny_engine.eos_id = None
+    assert ending.output == alone[0].output == probe.output[:end + 1] and ending.finish_reason == "stop"
+    assert following.output == alone[1].output and beside.output == alone[2].output
+
+
+def test_a_constrained_request_steps_synchronously_and_the_others_decode_as_alone(tiny_engine):
+    """A grammar's mask of a slot's next token needs its last token on the host: while a constrained request
+    runs no step is left in flight; once it ended the steps overlap again, and every request returns what it
+    returns alone."""
+    from trainer.serve.structured import Grammars
+
+    grammars = Grammars("bytes", 256, None)
+    grammar = grammars.grammar(None, {"regex": "[a-d]{6}"})
+    plain = [Request([2, 7, 1], SamplingParams(max_tokens=16)), Request([8, 2, 8], SamplingParams(max_tokens=5))]
+    alone = []
+    for r in plain:
+        alone.append(tiny_engine.submit(Request(r.prompt, r.sampling)))
+        tiny_engine.run()
+    constrained = Request([5, 5], SamplingParams(max_tokens=12), constraint=grammars.constraint(grammar))
+    for r in (*plain, constrained):
+        tiny_engine.submit(r)
+    flights = []  # after each step: (whether the constrained request decodes, whether a step is in flight)
+    while tiny_engine.busy:
+        tiny_engine.step()
+        flights.append((constrained in tiny_engine.scheduler.active.values(), tiny_engine.flight is not None))
+    assert re.fullmatch("[a-d]{6}", bytes(constrained.output).decode()) and constrained.finish_reason == "stop"
+    assert [r.output for r in plain] == [r.output for r in alone]
+    assert all(not flying for running, flying in flights if running)
+    assert any(flying for running, flying in flights if not running)
 
 
 def test_experts_over_8_devices_serve_concurrent_requests_as_one_device_alone(tiny, alone):

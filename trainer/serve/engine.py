@@ -5,6 +5,13 @@ decoding, per row count: a lone request's step runs its slot's row alone).
 Verbs: `submit` a request (it waits), `step` (one prefill chunk of the request being admitted into a free
 slot, then one decode step for every slot), and `run` (steps until every request is done). A step never
 waits on a long prompt: it prefills at most one chunk, so the running streams get a token each step.
+
+The host stays off the device's critical path: a step dispatches the next decode step, its continuing slots'
+input tokens taken on the device from the step before (trainer.serve.runner's follow), and only then reads
+that step's tokens and emits them, while the new one runs. A slot's next input that needs the host first
+keeps the step synchronous (decode, read, emit): a grammar's mask of the next token, and a group over several
+processes, whose inputs travel from host data (see _overlaps).
+
 The engine is synchronous and single-threaded; trainer.serve.loop drives it from a thread, and after each
 step it publishes a `Snapshot` (running, waiting, cache positions held) that other threads read whole.
 
@@ -31,6 +38,16 @@ from trainer.serve.scheduler import Scheduler
 from trainer.serve.weights import ServingModel
 
 log = logging.getLogger("trainer.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flight:
+    """A decode step dispatched and not yet read: its outputs on the device, the requests it ran by slot, the
+    slots whose log-probability records it returns (slot -> how many alternatives)."""
+
+    outputs: tuple
+    ran: dict
+    wanted: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +80,7 @@ class Engine:
         self.prefix = PrefixCache(self.runner.cache, prefix_cache) if prefix_cache else None
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
         self.snapshot = Snapshot()
+        self.flight: Flight | None = None  # the decode step dispatched and not yet read
 
     # The parts' state that callers read: the runner's weights and cache, the output's codec and end token.
     weights = property(lambda self: self.runner.weights, lambda self, v: setattr(self.runner, "weights", v))
@@ -136,7 +154,7 @@ class Engine:
         req = self.scheduler.next_prefill()
         if req is not None:
             self._prefill_chunk(req)
-        if self.scheduler.active:
+        if self.scheduler.active or self.flight is not None:
             self._decode_all()
         self.publish()
 
@@ -171,14 +189,56 @@ class Engine:
         self._emit(req, token, scored[-1] if scored else None)
 
     def _decode_all(self) -> None:
-        active = self.scheduler.active
-        self._fill_masks()
-        if not active:
+        """One decode step. Overlapped: the next step dispatched, then the one in flight read and its tokens
+        emitted while the new one runs. Otherwise the one in flight read first, then a step run and read."""
+        previous, self.flight = self.flight, None
+        if self._overlaps():
+            self.flight = self._dispatch(previous)
+            self._read(previous)
+            if self.flight is not None and not any(self.scheduler.active.get(slot) is req
+                                                   for slot, req in self.flight.ran.items()):
+                self.flight = None  # every request it ran has ended: nothing of it is read
             return
-        wanted = {slot: req.sampling.logprobs for slot, req in active.items() if req.sampling.logprobs is not None}
-        tokens_S, scored = self.runner.decode(wanted)
-        for slot, req in list(active.items()):
-            self._emit(req, int(tokens_S[slot]), scored.get(slot))
+        self._read(previous)
+        self._fill_masks()
+        self._read(self._dispatch(None))
+
+    def _overlaps(self) -> bool:
+        """Whether the next step may be dispatched before the last one's tokens are read: not with a grammar's
+        mask to fill (the mask of a slot's next token depends on its last), nor across processes (the inputs
+        are made global from host data: ModelRunner.run)."""
+        return self.runner.can_follow and all(
+            req.constraint is None for req in self.scheduler.active.values())
+
+    def _dispatch(self, previous: Flight | None) -> Flight | None:
+        """Dispatches a decode step of the running requests. A request that `previous` (still in flight) ran
+        follows it: its input is the token that step draws, on the device. One whose token there is its last
+        (max_tokens) sits this step out. One whose token there ends it otherwise (eos, a stop string) runs
+        here too, unknown yet: its token here is never emitted (_read), and its cache write, past its last
+        position, lands before anything its slot's next request writes there (that request's prefill is
+        dispatched later, and the device runs the steps in the order dispatched), so no request reads it."""
+        ran = {}
+        for slot, req in self.scheduler.active.items():
+            if previous is not None and previous.ran.get(slot) is req:
+                if len(req.output) + 1 >= req.sampling.max_tokens:
+                    self.runner.hold(slot)
+                    continue
+                self.runner.follow(slot)
+            ran[slot] = req
+        if not ran:
+            return None
+        wanted = {slot: req.sampling.logprobs for slot, req in ran.items() if req.sampling.logprobs is not None}
+        return Flight(self.runner.dispatch(bool(wanted)), ran, wanted)
+
+    def _read(self, flight: Flight | None) -> None:
+        """Reads a dispatched step's tokens (waiting for it) and emits those of the requests still running in
+        the slots it ran (one ended since, by a token read before or a cancellation, gets nothing)."""
+        if flight is None:
+            return
+        tokens_S, scored = self.runner.collect(flight.outputs, flight.wanted)
+        for slot, req in flight.ran.items():
+            if self.scheduler.active.get(slot) is req:
+                self._emit(req, int(tokens_S[slot]), scored.get(slot))
 
     def _fill_masks(self) -> None:
         """Each constrained slot's mask of its next token, after the token it took, written in place into the
@@ -229,6 +289,7 @@ class Engine:
 
     def fail_in_flight(self, reason: str) -> None:
         """Fails every request holding a slot (a step that raised): each ends with `reason` as its error."""
+        self.flight = None
         for req in self.scheduler.in_flight():
             req.error = reason
             self._end(req, "error")

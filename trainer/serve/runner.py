@@ -2,6 +2,11 @@
 into one slot, a decode step for the first slots, each in one program per span of the cache it reads and, for
 the decode, per row count) and the host copies of each slot's decode inputs.
 
+A decode step is dispatched (`dispatch`) apart from reading its tokens back (`collect`), so that the engine
+can dispatch the next step before it reads this one's: a slot that `follow`s takes its next input token from
+the previous step's output on the device (each step returns every slot's last token, S wide whatever rows it
+ran), never from the host.
+
 It runs what the scheduler asks and returns tokens and log-probability records; it knows nothing of requests'
 lifetimes, text or stop strings (trainer.serve.output).
 """
@@ -69,6 +74,13 @@ class ModelRunner:
         # Each slot's mask of the tokens it may draw next (trainer.serve.structured); all set: any.
         self.mask_SxW = np.full((slots, words(m.vocab_size)), -1, np.int32)
         self.any_1xW = self.mask_SxW[:1].copy()
+        # A slot whose next input is the token the last dispatched step drew for it (follow): that step's
+        # output, on the device, rather than tokens_S. A group over several processes never follows (its
+        # inputs are made global from host data: run), so it passes host zeros in their place.
+        self.can_follow = not self._spans_processes
+        self.follow_S = np.zeros(slots, np.bool_)
+        self.last_S = (np.zeros(slots, np.int32) if self._spans_processes
+                       else jax.device_put(np.zeros(slots, np.int32), replicated))
 
     # ------------------------------------------------------------------ the jitted programs
 
@@ -146,12 +158,19 @@ class ModelRunner:
         targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
         return (token_1, token_logprobs(logits_1xCxV[0], targets_C, want)), cache
 
-    def _decode_fn(self, weights, cache, tokens_R, positions_R, sampling, want, mask_RxW, *, span):
+    def _decode_fn(self, weights, cache, tokens_R, positions_R, sampling, want, mask_RxW, last_S, follow_R, *,
+                   span):
         """The next token of each of the first R slots (R: the inputs' rows), written into their cache rows in
-        place (the cache is donated; the other slots' rows are neither read nor copied)."""
+        place (the cache is donated; the other slots' rows are neither read nor copied). A row in `follow_R`
+        takes as its input its slot's token in `last_S` (the previous step's output) instead of `tokens_R`.
+        Returns every slot's last token, S wide: these R rows' new ones over `last_S`'s, so that the next step
+        finds its followers' inputs whatever rows either ran (one shape: no more programs than before)."""
+        rows = tokens_R.shape[0]
+        tokens_R = jnp.where(follow_R, last_S[:rows], tokens_R)
         logits_Rx1xV, cache = self.model.module(weights).decode(tokens_R[:, None], cache, positions_R, span=span)
         next_R = sample_tokens(allowed(logits_Rx1xV[:, 0], mask_RxW), *sampling, positions_R + 1)
-        return (next_R, token_logprobs(logits_Rx1xV[:, 0], next_R, want)), cache
+        next_S = jax.lax.dynamic_update_slice_in_dim(last_S, next_R.astype(last_S.dtype), 0, axis=0)
+        return (next_S, token_logprobs(logits_Rx1xV[:, 0], next_R, want)), cache
 
     def compilations(self) -> int:
         """Programs compiled so far by the steps: one a step, span and (decode) row count used (2 after the
@@ -210,11 +229,12 @@ class ModelRunner:
         return done
 
     def example_inputs(self, name: str) -> tuple:
-        """Host inputs of program `name` as its steps pass them: a prefill of padding into slot 0, a decode of
-        the idle slots (positions max_len: it writes nothing)."""
+        """Inputs of program `name` as its steps pass them: a prefill of padding into slot 0, a decode of the
+        idle slots (positions max_len: it writes nothing)."""
         step, _, *rows = name.split("/")
         if step == "decode":
-            return tuple(jax.tree.map(np.array, self.decode_inputs(int(rows[0]), False)))
+            inputs = self.decode_inputs(int(rows[0]), False)
+            return (*jax.tree.map(np.array, inputs[:5]), *inputs[5:])  # the last tokens as the steps pass them
         return (np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
                 np.zeros(1, np.int32), np.int32(0), sampling_arrays([(0.0, 0, 1.0, 0)]), np.bool_(False),
                 self.mask_SxW[:1].copy())
@@ -260,12 +280,31 @@ class ModelRunner:
         return token, records(rows, *scored, top or 0)
 
     def decode(self, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
-        """One decode step of the first slots, as many as cover every live one (rows_for): (each of those
-        slots' next token, the records of the slots in `wanted`, a slot -> how many alternatives)."""
+        """One decode step of the first slots, as many as cover every live one (rows_for): (each slot's last
+        token, the records of the slots in `wanted`, a slot -> how many alternatives). `dispatch` then
+        `collect`."""
+        return self.collect(self.dispatch(bool(wanted)), wanted)
+
+    def dispatch(self, want: bool):
+        """Starts one decode step of the first slots, as many as cover every live one (rows_for), and returns
+        its outputs, still on the device (collect reads them). The host inputs go as copies: jax may alias a
+        host array on the CPU, and the engine writes the next step's inputs while this one runs."""
         live_S = np.flatnonzero(self.positions_S < self.max_len)  # an idle slot's position is max_len
         span = self.span_for(int(self.positions_S[live_S].max()) + 1 if live_S.size else 1)
         rows = self.rows_for(int(live_S[-1]) + 1 if live_S.size else 1)
-        tokens_S, scored = self.run(f"decode/{span}/{rows}", *self.decode_inputs(rows, bool(wanted)))
+        inputs = self.decode_inputs(rows, want)
+        outputs = self.run(f"decode/{span}/{rows}", *jax.tree.map(np.array, inputs[:5]), *inputs[5:])
+        if not self._spans_processes:
+            self.last_S = outputs[0]
+            for x in jax.tree.leaves(outputs) if want else outputs[:1]:
+                x.copy_to_host_async()  # on the host as soon as the step ends, not when collect asks
+        self.follow_S[:] = False
+        return outputs
+
+    def collect(self, outputs, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
+        """A dispatched step's tokens on the host (this waits for the step), every slot's last one, and the
+        records of the slots in `wanted`."""
+        tokens_S, scored = outputs
         tokens_S = host(tokens_S)
         if not wanted:
             return tokens_S, {}
@@ -279,10 +318,23 @@ class ModelRunner:
         self.temperature_S[slot], self.top_k_S[slot], self.top_p_S[slot], self.seed_S[slot] = sampling
 
     def advance(self, slot: int, token: int, position: int) -> None:
-        """The slot's next decode input: `token` at `position`."""
+        """The slot's next decode input: `token` at `position`. Written after the slot's next step was
+        dispatched (follow) it changes nothing that step reads: the same position, and a token it ignores."""
         self.tokens_S[slot], self.positions_S[slot] = token, position
 
+    def follow(self, slot: int) -> None:
+        """The slot's next decode input: the token the last dispatched step draws for it, on the device, at the
+        position after that step's."""
+        self.follow_S[slot] = True
+        self.positions_S[slot] += 1
+
+    def hold(self, slot: int) -> None:
+        """The slot sits out the next decode step (its request ends with the token the step in flight draws)."""
+        self.follow_S[slot] = False
+        self.positions_S[slot] = self.max_len
+
     def vacate(self, slot: int) -> None:
+        self.follow_S[slot] = False
         self.positions_S[slot] = self.max_len
         self.temperature_S[slot] = 0
         self.mask_SxW[slot] = -1
@@ -291,9 +343,10 @@ class ModelRunner:
         return self.temperature_S, self.top_k_S, self.top_p_S, self.seed_S
 
     def decode_inputs(self, rows: int, want: bool) -> tuple:
-        """The decode step's host inputs for the first `rows` slots (views, not copies)."""
+        """The decode step's inputs for the first `rows` slots: the host arrays (views, not copies), then the
+        last step's tokens (on the device, S wide) and which rows follow them."""
         return (self.tokens_S[:rows], self.positions_S[:rows], tuple(a[:rows] for a in self.slot_sampling()),
-                np.bool_(want), self.mask_SxW[:rows])
+                np.bool_(want), self.mask_SxW[:rows], self.last_S, self.follow_S[:rows].copy())
 
 
 def host(x) -> np.ndarray:
