@@ -102,25 +102,25 @@ def measure(model, weights, fmt: str, slot_counts: list[int], args, bandwidth: f
                      "temp_bytes": temp, "temp_mib": round(temp / 2**20, 2)})
         if not args.memory_only:
             rows[-1].update(timed(model, engine, slots, args, bandwidth))
-            rows[-1]["program_ms"] = round(1e3 * program_alone(engine, compiled, slots, args.steps), 3)
+            rows[-1]["program_ms"] = round(1e3 * program_alone(engine, name, slots, args.steps), 3)
             rows[-1]["engine_over_program"] = round(rows[-1]["decode_step_ms"] / rows[-1]["program_ms"], 3)
             if args.profile:
                 from profile_ops import op_table
 
-                once = lambda c=compiled, n=slots: program_alone(engine, c, n, 1, warm=0)  # noqa: E731
+                once = lambda c=name, n=slots: program_alone(engine, c, n, 1, warm=0)  # noqa: E731
                 rows[-1]["profile"] = op_table(once, calls=8)
     return rows
 
 
-def program_alone(engine, compiled, slots: int, steps: int, warm: int = 2) -> float:
-    """Seconds a step of the compiled decode program alone: `steps` calls back to back on inputs already on
+def program_alone(engine, name: str, slots: int, steps: int, warm: int = 2) -> float:
+    """Seconds a step of the engine's decode program `name` alone: `steps` calls back to back on inputs already on
     the device, the cache threaded through (donated, as the engine does), one wait at the end. Against the
     engine's step, what the host adds (uploads, reading the tokens back, the scheduler)."""
     import jax
     import numpy as np
 
     runner = engine.runner
-    rows = runner.rows_for(slots)
+    compiled, rows = runner.program(name), runner.rows_for(slots)
     tokens, positions, sampling, want, mask, last, _ = runner.decode_inputs(rows, False)
     positions = np.where(np.arange(rows) < slots, runner.max_len - 1, runner.max_len).astype(np.int32)
     inputs = jax.device_put((tokens.copy(), positions, tuple(a.copy() for a in sampling), want, mask.copy()))

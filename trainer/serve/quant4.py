@@ -72,6 +72,10 @@ class Widened:
         scales, summed over the groups. The widened weight (`self[...]`) would broadcast the scales to the
         weight's size in float32 first: on a v5e chip moe-1b's int4 head wrote 128 MB a decode step that way,
         0.41 ms against int8's 0.05 (benchmarks/serve_weights.py --profile, 2026-12-06)."""
+        from trainer.sharding import current_platform
+
+        if current_platform() == "cpu":  # XLA's CPU runtime has no bfloat16 batched product into float32
+            dtype = jnp.float32
         q, scale = self.codes(), self.scale.astype(jnp.float32)
         if self.axis % 2 == 1:  # [out, in]: the tied embedding read as the head
             q, scale = q.T, scale.T
