@@ -60,9 +60,6 @@ VARIANTS = {
                                              "moe.dispatch=einsum"],
     "h8+splash+chunk+attention+cf1": ["model.attention=splash", CHUNK, "model.num_heads=8",
                                       "model.remat_policy=attention", "moe.capacity_factor=1.0"],
-    "h8+dropless_tokamax+splash+chunk+attention": ["model.attention=splash", CHUNK, "model.num_heads=8",
-                                                   "model.remat_policy=attention", DROPLESS,
-                                                   "moe.grouped_matmul=tokamax"],
     "b8+dropless_megablox+splash+chunk+dots": ["model.attention=splash", CHUNK, "data.global_batch_size=8",
                                                "model.remat_policy=dots", DROPLESS, "moe.grouped_matmul=megablox"],
 }

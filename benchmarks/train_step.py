@@ -33,8 +33,7 @@ STARTUP = ("first_step_s", "init_s", "compile_s", "peak_hbm_gib")
 # The MoE paths an accelerator run can measure (--paths): the config's own (capacity), and dropless through
 # jax.lax.ragged_dot or the megablox kernel.
 PATHS = {"capacity": [], "dropless": ["moe.capacity_factor=0", "moe.grouped_matmul=ragged_dot"],
-         "megablox": ["moe.capacity_factor=0", "moe.grouped_matmul=megablox"],
-         "tokamax": ["moe.capacity_factor=0", "moe.grouped_matmul=tokamax"]}
+         "megablox": ["moe.capacity_factor=0", "moe.grouped_matmul=megablox"]}
 
 CPU_CASES = [
     ("tiny, 1 device", "tiny", ["--devices", "1", "--mesh", "data=1,expert=1"]),

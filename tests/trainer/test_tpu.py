@@ -129,7 +129,6 @@ PATHS = {
     "capacity, expert-parallel": dict(capacity_factor=1.25),
     "dropless, expert-parallel": dict(capacity_factor=0.0, grouped_matmul="ragged_dot"),
     "dropless megablox": dict(capacity_factor=0.0, grouped_matmul="megablox"),
-    "dropless tokamax": dict(capacity_factor=0.0, grouped_matmul="tokamax"),
 }
 
 
@@ -147,8 +146,7 @@ def test_every_moe_path_matches_its_cpu_reference(chip, cpu, path):
     with jax.default_matmul_precision("highest"):
         got, aux = apply_on(chip, x, params, cfg, topo)
         # a Pallas kernel runs on the chip only: the CPU's reference takes the tiled path for it
-        cpu_cfg = cfg.model_copy(update={"grouped_matmul": "tiled"}) \
-            if cfg.grouped_matmul in ("megablox", "tokamax") else cfg
+        cpu_cfg = cfg.model_copy(update={"grouped_matmul": "tiled"}) if cfg.grouped_matmul == "megablox" else cfg
         want, want_aux = apply_on(cpu, x, params, cpu_cfg)
         if cfg.capacity_factor <= 0:
             oracle = oracle_moe(jax.device_put(x, cpu).reshape(-1, D), on_device(cpu, params), cfg)

@@ -38,8 +38,6 @@ def grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, block_group_NB: jax.Arr
     # precision on bfloat16 operands. float32 operands keep the context's precision.
     if impl == "megablox":
         return _megablox(x_MxK, w_GxKxN, sizes_G)
-    if impl == "tokamax":
-        return _tokamax(x_MxK, w_GxKxN, sizes_G)
     bf16 = x_MxK.dtype == jnp.bfloat16 and w_GxKxN.dtype == jnp.bfloat16
     precision = jax.lax.Precision.DEFAULT if bf16 else None
     out = jax.lax.ragged_dot(x_MxK, w_GxKxN, sizes_G, precision=precision, preferred_element_type=jnp.float32)
@@ -68,23 +66,7 @@ def _megablox(x_MxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array) -> jax.A
     return out.astype(x_MxK.dtype)
 
 
-def _tokamax(x_MxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array) -> jax.Array:
-    """tokamax's ragged dot (its own backward kernels): on a TPU its Mosaic grouped matmul with megablox's
-    tiles (tiling), elsewhere its XLA reference (tests)."""
-    import tokamax
-
-    from trainer.sharding import current_platform
-
-    tokamax_without_argv()
-    m, k = x_MxK.shape
-    implementation = ["xla"]
-    if current_platform() == "tpu":
-        implementation = [tpu_ragged_dot(*tiling(m, k, w_GxKxN.shape[2])), "xla"]
-    out = tokamax.ragged_dot(x_MxK, w_GxKxN, sizes_G, preferred_element_type=jnp.float32,
-                             implementation=implementation)
-    return out.astype(x_MxK.dtype)
-
-
+MAX_ROW_TILES = 4  # a decode step's tiles of rows at most (stacked_tiling)
 MIN_KERNEL_ROWS = 128  # tokamax's Mosaic grouped matmul refuses fewer rows (or contraction, or columns)
 
 
@@ -117,7 +99,10 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
     x = x_MxK if w.dtype is None else x_MxK.astype(w.dtype)
     implementation = ["xla"]
     if on_tpu:
-        x = jnp.pad(x, ((0, max(MIN_KERNEL_ROWS - m, 0)), (0, 0)))  # the kernel takes 128 rows or more
+        # The kernel takes 128 rows or more; past 512, whole tiles of 512 (stacked_tiling). Padding rows are
+        # in no group: no tile of theirs is visited.
+        rows = max(MIN_KERNEL_ROWS, m) if m <= 512 else -(-m // 512) * 512
+        x = jnp.pad(x, ((0, rows - m), (0, 0)))
         implementation = [tpu_ragged_dot(*stacked_tiling(x.shape[0], *groups.shape[1:])), "xla"]
     out = tokamax.ragged_dot(x, groups, sizes, preferred_element_type=jnp.float32, implementation=implementation)
     # Rows past the groups (the layout's unused blocks, the padding) are in no group: no expert's tiles are read
@@ -144,18 +129,22 @@ def tokamax_without_argv() -> None:
 
 
 def stacked_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """(rows, contraction, columns) of a grouped-matmul tile for a decode or prefill step: all m rows in one
-    tile up to 512 (else the largest power of two dividing m), 1,024 of the contraction (eight int4 groups of
-    128) and 512 columns, or the whole dimension where it is smaller.
+    """(rows, contraction, columns) of a grouped-matmul tile for a decode or prefill step: rows the smallest
+    power of two from 8 that leaves at most MAX_ROW_TILES tiles of rows (up to 512 rows, all m in one tile
+    where none does; beyond, 512), 1,024 of the contraction (eight int4 groups of 128) and 512 columns, or
+    the whole dimension where it is smaller.
 
-    One tile of rows means each expert the rows route to is fetched once, however its rows fall, and the
-    kernel's tile bookkeeping (tokamax computes it per call, over every group of the stack) has one tile to
-    place. Measured on a v5e chip (2026-12-06, benchmarks/serve_weights.py --profile, moe-1b, 1 slot): with
-    8-row tiles over 17 row tiles that bookkeeping took 0.62 ms of a 1.94 ms decode step, the three kernels
-    0.32 ms; at 32 slots 64-row tiles fetched an expert again for each tile its rows reached."""
-    if m <= 512 and m % 8 == 0:
+    Both ends cost on a v5e chip (2026-12-06, benchmarks/serve_weights.py --profile, moe-1b): tokamax places
+    tiles with a search per call over the tiles of rows, a loop that cost 0.62 ms of a 1.94 ms decode step at
+    one slot with 8-row tiles (17 tiles of its 136 rows; one tile of 136 rows: none, the step 1.15 ms); and
+    each expert's visit fetches its tile's rows for every tile of columns, so at 32 slots one tile of all 192
+    rows ran the three kernels in 2.67 ms against 2.35 for 64-row tiles (int8: 2.14 against 1.46)."""
+    power = next((t for t in (8, 16, 32, 64, 128, 256, 512) if m % t == 0 and m // t <= MAX_ROW_TILES), None)
+    if power is not None:
+        rows = power
+    elif m <= 512 and m % 8 == 0:
         rows = m
-    else:
+    else:  # stacked_matmul pads past 512 rows to whole tiles of 512
         rows = next(t for t in (512, 256, 128, 64, 32, 16, 8) if m % t == 0) if m % 8 == 0 else m
     return rows, min(k, 1024), min(n, 512)
 
