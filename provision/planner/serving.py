@@ -248,6 +248,15 @@ def serving(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh,
                    slot_multiple=slot_multiple)
 
 
+# The decode step to expect from the engine, fitted to its steps on one v5e chip (benchmarks/serve_weights.py
+# --accelerator, moe-1b at 1, 8 and 32 slots, 2026-12-06): a fixed cost a layer (the step's small ops, and what
+# the host adds) plus the bytes the step reads at the share of the HBM's bandwidth each weight format's
+# grouped-matmul kernel reached. The fit is within 11% of every one of those nine steps. MXFP4 is not measured
+# (a TPU reads its experts widened): int4's share stands for it.
+DECODE_LAYER_S = 0.85e-3 / 12
+DECODE_HBM_SHARE = {"bf16": 0.91, "float32": 0.91, "int8": 0.58, "int4": 0.31, "mxfp4": 0.31}
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeStep:
     batch: int
@@ -260,6 +269,7 @@ class DecodeStep:
     compute_s: float
     ici_s: float
     chips: int
+    expected_s: float = 0.0  # the step to expect (DECODE_LAYER_S, DECODE_HBM_SHARE)
 
     @property
     def lower_bound_s(self) -> float:
@@ -295,10 +305,14 @@ def decode_step(s: Serving, batch: int) -> DecodeStep:
     attention = batch * slot_positions(m, s.max_len) * attention_flops_per_position(s.cfg)
     flops = (2.0 * s.matmul_params * batch + attention) / chips
     ici = decode_ici_bytes(s, batch)
+    hbm_s = (weights + kv) / hbm_bytes_per_s(s.acc)
+    compute_s = flops / (s.acc.peak_bf16_tflops_per_chip * 1e12)
+    ici_s = ici / ici_bytes_per_s(s.acc)
+    share = DECODE_HBM_SHARE.get(s.weight_precision, DECODE_HBM_SHARE["bf16"])
+    expected = max(m.num_layers * DECODE_LAYER_S + hbm_s / share, compute_s, ici_s)
     return DecodeStep(batch=batch, experts_touched=touched, weight_read_bytes=weights, kv_read_bytes=kv,
-                      flops=flops, ici_bytes=ici, hbm_s=(weights + kv) / hbm_bytes_per_s(s.acc),
-                      compute_s=flops / (s.acc.peak_bf16_tflops_per_chip * 1e12),
-                      ici_s=ici / ici_bytes_per_s(s.acc), chips=chips)
+                      flops=flops, ici_bytes=ici, hbm_s=hbm_s, compute_s=compute_s, ici_s=ici_s, chips=chips,
+                      expected_s=expected)
 
 
 def attention_flops_per_position(cfg: trainer_config.Config) -> float:
