@@ -5,7 +5,8 @@ each weight format a kernel could take and each tile of rows, side by side in on
     python benchmarks/gmm_formats.py [--json PATH]
 
 Rows: a decode step's at 1 and 32 slots (2 or 64 routed rows in the dispatch layout, 136 and 192 rows).
-Formats: bf16; int8 (a scale an output channel, applied after); int4 (a bf16 scale a group of 128 inputs);
+Formats: bf16; int8 (a scale an output channel, applied after); int8-w8a8 (the same weights, the rows quantized
+to int8 as well: the MXU's int8 product); int4 (a bf16 scale a group of 128 inputs);
 and the candidates for MXFP4's blocks of 32 (FP4 values the v5e's matrix unit refuses): int8 holding twice
 each FP4 value (exact), float8_e4m3fn (exact for FP4's values), each with a bf16 scale a block of 32; and the
 fallback the engine takes now, the layer read widened. Each figure is the median of 5 timings of 20 calls
@@ -67,6 +68,9 @@ def main() -> int:
         "int8": (jnp.round(w / s8[:, None]).astype(jnp.int8), s8, w.size),
         "int4": (qwix.QArray(jnp.round(blocks(128) / s4[:, :, None]).reshape(w.shape).astype(jnp.int4),
                              s4.astype(jnp.bfloat16)), None, w.size // 2),
+        # w8a8: the rows quantized to int8 too (a scale a row, outside the kernel), int8 x int8 on the MXU
+        "int8-w8a8": (qwix.QArray(jnp.round(w / s8[:, None]).astype(jnp.int8), s8[:, None].astype(jnp.float32)),
+                      None, w.size),
         "mxfp4-as-int8x2": (qwix.QArray((fp4.astype(jnp.float32) * 2).astype(jnp.int8).reshape(w.shape),
                                         (s32 / 2).astype(jnp.bfloat16)), None, w.size),
         "mxfp4-as-fp8": (qwix.QArray(fp4.astype(jnp.float8_e4m3fn).reshape(w.shape), s32.astype(jnp.bfloat16)),
@@ -85,6 +89,10 @@ def main() -> int:
                 try:
                     tiling = (tile_m, min(K, 1024), min(N, 512))
                     impl = gmm.tpu_ragged_dot(*tiling) if jax.devices()[0].platform == "tpu" else "xla"
+                    if name == "int8-w8a8" and impl != "xla":
+                        from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as mosaic
+
+                        impl = mosaic.PallasMosaicTpuRaggedDot(qdtype=jnp.int8, config=impl.config)
 
                     def f(x, weight, sizes, impl=impl, scale=scale):
                         out = tokamax.ragged_dot(x, weight, sizes, preferred_element_type=jnp.float32,

@@ -2,7 +2,7 @@
 # One chip session's measurements in one command, each stage's figures and log under $OUT (at most 8 files
 # come back), every stage cut at a shared deadline so the whole stays inside a 10-minute call:
 #   source .whl-tpu/setup.sh && bash benchmarks/on_chip.sh [STAGE ...]
-# Stages (default: serve tests levers gmm): serve (benchmarks/serve_weights.py, moe-1b, each weight format at
+# Stages (default: serve gmm tests): serve (benchmarks/serve_weights.py, moe-1b, each weight format at
 # 1/8/32 slots, with the decode program's ops), gmm (benchmarks/gmm_formats.py), tests (the `tpu` tests),
 # levers (benchmarks/train_levers.py: moe-1b as written and the variants in $LEVERS), step (train_step.py).
 set -u
@@ -19,7 +19,7 @@ stage() {  # name seconds-at-most command...
   echo "== $name: rc $? in $((SECONDS - start))s" | tee -a "$OUT/summary.txt"
   tail -5 "$OUT/$name.log"
 }
-for s in "${@:-serve tests levers gmm}"; do for s1 in $s; do case $s1 in
+for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   serve) stage serve 240 python benchmarks/serve_weights.py --accelerator --steps 64 --repeats 3 \
            --formats bf16,int8,int4-native --profile --json "$OUT/serve_weights.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
