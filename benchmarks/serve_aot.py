@@ -119,12 +119,11 @@ def compile_decode(cfg, fmt: str, rows: int, max_len: int) -> dict:
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
 
-    vec = (rows,)
-    inputs = (spec(vec, jnp.int32), spec(vec, jnp.int32),
+    vec = (rows,)  # as many slots as rows
+    inputs = (spec((4, rows), jnp.int32),  # the step's tokens, positions, followers, want (ModelRunner.step_inputs)
               (spec(vec, jnp.float32), spec(vec, jnp.int32), spec(vec, jnp.float32), spec(vec, jnp.int32)),
-              spec((), jnp.bool_), spec((rows, words(cfg.model.vocab_size)), jnp.int32),
-              spec(vec, jnp.int32), spec(vec, jnp.bool_))  # the last step's tokens (as many slots) and followers
-    runner = types.SimpleNamespace(model=model)  # what the decode step reads of its runner
+              spec((rows, words(cfg.model.vocab_size)), jnp.int32), spec(vec, jnp.int32))  # masks, last tokens
+    runner = types.SimpleNamespace(model=model, max_len=max_len)  # what the decode step reads of its runner
 
     def decode(w, c, *args):
         return ModelRunner._decode_fn(runner, w, c, *args, span=max_len)

@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> None:
 
         def step():
             runner.temperature_S[:], runner.top_p_S[:] = temperature, top_p
+            runner.changed()  # the device's copies of the sampling rows too
             decode = runner.program(f"decode/{runner.max_len}/{slots}")  # the whole cache, as the forward reads
-            (tokens, _), runner.cache = decode(peaked, runner.cache, *runner.decode_inputs(slots, False))
+            (tokens, _, _), runner.cache = decode(peaked, runner.cache, *runner.decode_inputs(slots, False))
             jax.block_until_ready(tokens)
 
         return step

@@ -121,17 +121,18 @@ def program_alone(engine, name: str, slots: int, steps: int, warm: int = 2) -> f
 
     runner = engine.runner
     compiled, rows = runner.program(name), runner.rows_for(slots)
-    tokens, positions, sampling, want, mask, last, _ = runner.decode_inputs(rows, False)
-    positions = np.where(np.arange(rows) < slots, runner.max_len - 1, runner.max_len).astype(np.int32)
-    inputs = jax.device_put((tokens.copy(), positions, tuple(a.copy() for a in sampling), want, mask.copy()))
-    follow = jax.device_put(np.arange(rows) < slots)  # as the engine's steps: each live row takes its last token
+    _, sampling, mask, last = runner.decode_inputs(rows, False)
+    step_4xR, live = runner.step_inputs(rows, False), np.arange(rows) < slots
+    step_4xR[1] = np.where(live, runner.max_len - 1, runner.max_len)
+    step_4xR[2] = live  # as the engine's steps: each live row takes its last token
+    step_4xR = jax.device_put(step_4xR, last.sharding)
     cache = runner.cache
     for _ in range(warm):
-        (last, _), cache = compiled(runner.weights, cache, *inputs, last, follow)
+        (last, _, _), cache = compiled(runner.weights, cache, step_4xR, sampling, mask, last)
     jax.block_until_ready(cache)
     started = time.perf_counter()
     for _ in range(steps):
-        (last, _), cache = compiled(runner.weights, cache, *inputs, last, follow)
+        (last, _, _), cache = compiled(runner.weights, cache, step_4xR, sampling, mask, last)
     last.block_until_ready()
     elapsed = time.perf_counter() - started
     runner.cache = cache

@@ -325,6 +325,32 @@ def test_the_next_decode_step_is_dispatched_before_the_last_ones_tokens_are_read
     assert request.finish_reason == "length" and tiny_engine.flight is None
 
 
+def test_a_steady_decode_step_sends_the_device_nothing(tiny_engine):
+    """Once every live slot follows the step before (none starting or ending, no grammar), a decode step moves
+    nothing from the host to the device, implicitly or explicitly: its packed inputs are those the step before
+    returned (ModelRunner.step_inputs, following), the slots' sampling rows and masks those uploaded when the
+    requests started. The tokens are those of the requests alone."""
+    requests = [Request([3 + i, 1, 4], SamplingParams(max_tokens=30, temperature=0.5 * i, seed=i,
+                                                      logprobs=2 if i == 1 else None)) for i in range(3)]
+    alone, together = [], [tiny_engine.submit(Request(r.prompt, r.sampling)) for r in requests]
+    while tiny_engine.scheduler.waiting or tiny_engine.scheduler.admitting is not None:
+        tiny_engine.step()
+    tiny_engine.step()  # every slot follows from here
+    outputs = [len(r.output) for r in together]
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        for _ in range(8):
+            tiny_engine.step()
+    assert [len(r.output) for r in together] == [n + 8 for n in outputs]
+    tiny_engine.run()
+    for r in requests:
+        alone.append(tiny_engine.submit(r))
+        tiny_engine.run()
+    assert [r.output for r in together] == [r.output for r in alone] and all(len(r.output) == 30 for r in alone)
+    assert [len(r.logprobs) for r in together] == [0, 30, 0]
+    np.testing.assert_allclose([x.logprob for x in together[1].logprobs], [x.logprob for x in alone[1].logprobs],
+                               atol=1e-5, rtol=0)  # 8 rows against 1: the float sums may differ in the last bits
+
+
 def test_a_request_ended_by_its_end_token_emits_nothing_after_it_and_its_slot_serves_the_next(tiny_engine):
     """A request ending at its end token ran in the step dispatched before that token was read: that step's
     token for it is dropped, and the request taking its slot meanwhile (while the step still runs) takes its

@@ -7,6 +7,14 @@ can dispatch the next step before it reads this one's: a slot that `follow`s tak
 the previous step's output on the device (each step returns every slot's last token, S wide whatever rows it
 ran), never from the host.
 
+A steady decode step (every live slot following, none starting or ending, no grammar) sends the device
+nothing. What changes from step to step, each row's input token, position, whether it follows and whether the
+step wants log-probabilities, is packed in one small array (`step_inputs`), and each step returns on the
+device the array the next step would pass if every live row follows (`following`); the host passes that one
+where its own packed array equals it, else uploads its own (a slot started, ended or took a host token). What
+a slot keeps, its sampling and its mask of allowed tokens, stays on the device S wide, uploaded again only
+after its host copy changed (occupy, vacate, fill_mask); each program reads its rows of it.
+
 It runs what the scheduler asks and returns tokens and log-probability records; it knows nothing of requests'
 lifetimes, text or stop strings (trainer.serve.output).
 """
@@ -74,6 +82,12 @@ class ModelRunner:
         # Each slot's mask of the tokens it may draw next (trainer.serve.structured); all set: any.
         self.mask_SxW = np.full((slots, words(m.vocab_size)), -1, np.int32)
         self.any_1xW = self.mask_SxW[:1].copy()
+        # The device copies of the sampling rows and the masks, S wide (resident); a name in `_stale`: its host
+        # copy changed since its upload, which the next decode step makes.
+        self._resident: dict[str, object] = {}
+        self._stale = {"sampling", "mask"}
+        # The last dispatched step's `following` inputs: (their host copy's bytes, on the device); None before one.
+        self._next_step: tuple | None = None
         # A slot whose next input is the token the last dispatched step drew for it (follow): that step's
         # output, on the device, rather than tokens_S. A group over several processes never follows (its
         # inputs are made global from host data: run), so it passes host zeros in their place.
@@ -158,19 +172,24 @@ class ModelRunner:
         targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
         return (token_1, token_logprobs(logits_1xCxV[0], targets_C, want)), cache
 
-    def _decode_fn(self, weights, cache, tokens_R, positions_R, sampling, want, mask_RxW, last_S, follow_R, *,
-                   span):
-        """The next token of each of the first R slots (R: the inputs' rows), written into their cache rows in
-        place (the cache is donated; the other slots' rows are neither read nor copied). A row in `follow_R`
-        takes as its input its slot's token in `last_S` (the previous step's output) instead of `tokens_R`.
-        Returns every slot's last token, S wide: these R rows' new ones over `last_S`'s, so that the next step
-        finds its followers' inputs whatever rows either ran (one shape: no more programs than before)."""
+    def _decode_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, *, span):
+        """The next token of each of the first R slots (R: `step_4xR`'s rows, step_inputs: each row's input
+        token, position, whether it follows, whether the step wants log-probabilities), written into their
+        cache rows in place (the cache is donated; the other slots' rows are neither read nor copied), drawn
+        with the first R rows of the slots' sampling and masks (S wide). A following row takes as its input its
+        slot's token in `last_S` (the previous step's output). Returns every slot's last token, S wide: these R
+        rows' new ones over `last_S`'s, so that the next step finds its followers' inputs whatever rows either
+        ran (one shape: no more programs than before); the log-probability records; the next step's inputs
+        where every live row follows (`following`)."""
+        tokens_R, positions_R, follow_R, want_R = step_4xR
         rows = tokens_R.shape[0]
-        tokens_R = jnp.where(follow_R, last_S[:rows], tokens_R)
+        tokens_R = jnp.where(follow_R != 0, last_S[:rows], tokens_R)
         logits_Rx1xV, cache = self.model.module(weights).decode(tokens_R[:, None], cache, positions_R, span=span)
-        next_R = sample_tokens(allowed(logits_Rx1xV[:, 0], mask_RxW), *sampling, positions_R + 1)
+        sampling_R = tuple(a[:rows] for a in sampling_S)
+        next_R = sample_tokens(allowed(logits_Rx1xV[:, 0], mask_SxW[:rows]), *sampling_R, positions_R + 1)
         next_S = jax.lax.dynamic_update_slice_in_dim(last_S, next_R.astype(last_S.dtype), 0, axis=0)
-        return (next_S, token_logprobs(logits_Rx1xV[:, 0], next_R, want)), cache
+        scored = token_logprobs(logits_Rx1xV[:, 0], next_R, want_R[0] != 0)
+        return (next_S, scored, following(step_4xR, self.max_len)), cache
 
     def compilations(self) -> int:
         """Programs compiled so far by the steps: one a step, span and (decode) row count used (2 after the
@@ -232,9 +251,11 @@ class ModelRunner:
         """Inputs of program `name` as its steps pass them: a prefill of padding into slot 0, a decode of the
         idle slots (positions max_len: it writes nothing)."""
         step, _, *rows = name.split("/")
-        if step == "decode":
-            inputs = self.decode_inputs(int(rows[0]), False)
-            return (*jax.tree.map(np.array, inputs[:5]), *inputs[5:])  # the last tokens as the steps pass them
+        if step == "decode":  # as decode_inputs passes them, none kept (this may run on another thread)
+            inputs = (self.step_inputs(int(rows[0]), False), self.slot_sampling(), self.mask_SxW, self.last_S)
+            if self._spans_processes:
+                return jax.tree.map(np.array, inputs)
+            return (*jax.device_put(jax.tree.map(np.array, inputs[:3]), self._replicated), inputs[3])
         return (np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
                 np.zeros(1, np.int32), np.int32(0), sampling_arrays([(0.0, 0, 1.0, 0)]), np.bool_(False),
                 self.mask_SxW[:1].copy())
@@ -287,16 +308,15 @@ class ModelRunner:
 
     def dispatch(self, want: bool):
         """Starts one decode step of the first slots, as many as cover every live one (rows_for), and returns
-        its outputs, still on the device (collect reads them). The host inputs go as copies: jax may alias a
-        host array on the CPU, and the engine writes the next step's inputs while this one runs."""
+        its outputs, still on the device (collect reads them)."""
         live_S = np.flatnonzero(self.positions_S < self.max_len)  # an idle slot's position is max_len
         span = self.span_for(int(self.positions_S[live_S].max()) + 1 if live_S.size else 1)
         rows = self.rows_for(int(live_S[-1]) + 1 if live_S.size else 1)
-        inputs = self.decode_inputs(rows, want)
-        outputs = self.run(f"decode/{span}/{rows}", *jax.tree.map(np.array, inputs[:5]), *inputs[5:])
+        step_4xR = self.step_inputs(rows, want)
+        outputs = self.run(f"decode/{span}/{rows}", *self._inputs(step_4xR))
         if not self._spans_processes:
-            self.last_S = outputs[0]
-            for x in jax.tree.leaves(outputs) if want else outputs[:1]:
+            self.last_S, self._next_step = outputs[0], (following(step_4xR, self.max_len).tobytes(), outputs[2])
+            for x in jax.tree.leaves(outputs[:2]) if want else outputs[:1]:
                 x.copy_to_host_async()  # on the host as soon as the step ends, not when collect asks
         self.follow_S[:] = False
         return outputs
@@ -304,7 +324,7 @@ class ModelRunner:
     def collect(self, outputs, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
         """A dispatched step's tokens on the host (this waits for the step), every slot's last one, and the
         records of the slots in `wanted`."""
-        tokens_S, scored = outputs
+        tokens_S, scored, _ = outputs
         tokens_S = host(tokens_S)
         if not wanted:
             return tokens_S, {}
@@ -316,6 +336,7 @@ class ModelRunner:
 
     def occupy(self, slot: int, sampling: tuple) -> None:
         self.temperature_S[slot], self.top_k_S[slot], self.top_p_S[slot], self.seed_S[slot] = sampling
+        self._stale.add("sampling")
 
     def advance(self, slot: int, token: int, position: int) -> None:
         """The slot's next decode input: `token` at `position`. Written after the slot's next step was
@@ -338,15 +359,68 @@ class ModelRunner:
         self.positions_S[slot] = self.max_len
         self.temperature_S[slot] = 0
         self.mask_SxW[slot] = -1
+        self._stale.update(("sampling", "mask"))
+
+    def fill_mask(self, slot: int, fill) -> bool:
+        """`fill(row)` writes the slot's mask of its next token into its host row; returns what it returns."""
+        self._stale.add("mask")
+        return fill(self.mask_SxW[slot])
 
     def slot_sampling(self):
+        """The host copies of each slot's sampling, S wide. The device keeps the rows of the last upload until
+        occupy or vacate changes one: a caller writing them directly calls `changed` after."""
         return self.temperature_S, self.top_k_S, self.top_p_S, self.seed_S
 
+    def changed(self) -> None:
+        """The host copies of the slots' sampling or masks were written directly: the next step uploads both."""
+        self._stale.update(("sampling", "mask"))
+
+    def step_inputs(self, rows: int, want: bool) -> np.ndarray:
+        """What changes every decode step, packed in one new int32 array [4, rows]: each of the first `rows`
+        slots' input token (0 where it follows: the step takes the last one's), position and whether it
+        follows (1), and in every column whether the step wants log-probabilities (1)."""
+        step_4xR = np.empty((4, rows), np.int32)
+        follow_R = self.follow_S[:rows]
+        step_4xR[0], step_4xR[1] = np.where(follow_R, 0, self.tokens_S[:rows]), self.positions_S[:rows]
+        step_4xR[2], step_4xR[3] = follow_R, want
+        return step_4xR
+
     def decode_inputs(self, rows: int, want: bool) -> tuple:
-        """The decode step's inputs for the first `rows` slots: the host arrays (views, not copies), then the
-        last step's tokens (on the device, S wide) and which rows follow them."""
-        return (self.tokens_S[:rows], self.positions_S[:rows], tuple(a[:rows] for a in self.slot_sampling()),
-                np.bool_(want), self.mask_SxW[:rows], self.last_S, self.follow_S[:rows].copy())
+        """The decode step's inputs for the first `rows` slots: step_inputs, every slot's sampling and mask
+        (S wide), the last step's tokens (S wide)."""
+        return self._inputs(self.step_inputs(rows, want))
+
+    def _inputs(self, step_4xR: np.ndarray) -> tuple:
+        """The decode inputs of `step_4xR`. On one process all on the device: the last step's `following`
+        inputs where they equal `step_4xR` (no transfer), else `step_4xR` uploaded; the sampling and masks as
+        last uploaded (again where a host copy changed). Across processes host copies (`run` makes them
+        global), the last tokens zeros (no slot follows)."""
+        if self._spans_processes:
+            return step_4xR, tuple(a.copy() for a in self.slot_sampling()), self.mask_SxW.copy(), self.last_S
+        for name in self._stale:  # copies: jax may alias a host array on the CPU, and the host writes these
+            arrays = tuple(a.copy() for a in self.slot_sampling()) if name == "sampling" else self.mask_SxW.copy()
+            self._resident[name] = jax.device_put(arrays, self._replicated)
+        self._stale.clear()
+        if self._next_step is not None and self._next_step[0] == step_4xR.tobytes():  # as many rows: as many bytes
+            step = self._next_step[1]
+        else:
+            step = jax.device_put(step_4xR, self._replicated)
+        return step, self._resident["sampling"], self._resident["mask"], self.last_S
+
+
+# What `following` does to a live row of step_inputs, by row (token, position, follow, want): the rows it clears,
+# then what it adds (so: token 0, position + 1, follow 1, want as it was).
+_CLEARED_4x1 = np.array([[1], [0], [1], [0]], np.int32)
+_ADDED_4x1 = np.array([[0], [1], [1], [0]], np.int32)
+
+
+def following(step_4xR, max_len: int):
+    """The inputs (ModelRunner.step_inputs) that a decode step of `step_4xR` leaves the next one when each of
+    its live rows (position < max_len) follows it: token 0, the next position, following; the other rows as
+    they were. The decode program computes them on the device, the runner on the host (numpy arrays or jax's:
+    the same int32 arithmetic)."""
+    live_R = step_4xR[1] < max_len
+    return step_4xR + live_R * (_ADDED_4x1 - step_4xR * _CLEARED_4x1)
 
 
 def host(x) -> np.ndarray:
