@@ -147,7 +147,7 @@ def spec_for(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec
     mesh does not divide evenly any more is kept whole on every device."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     out = []
-    for size, entry in zip(shape, entries):
+    for size, entry in zip(shape, entries, strict=False):
         names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
         ways = math.prod(mesh.shape[n] for n in names)
         out.append(entry if ways and size % ways == 0 else None)
@@ -228,7 +228,7 @@ def quantize_array(name: str, p: jax.Array, storage: str | None = None):
                       is_stacked(name))(p)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _quantizer(axis: int, storage: str, placed, ndim: int, dtype: str, stacked: bool):
     """The jitted quantization of a weight of `ndim` axes and `dtype` grouped along `axis`, its values and
     scales placed by `placed` (two shardings, or None); a stacked weight a layer at a time (its scratch: one
