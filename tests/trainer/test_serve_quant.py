@@ -300,9 +300,10 @@ def memory_plan_bytes(name: str, w: jax.Array) -> int:
     return weight_shard_bytes(name, w, jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec()), "mxfp4")
 
 
+@pytest.mark.parametrize("rows", [2, 300])  # a decode step's few rows; a prefill's, more than a group's values
 @pytest.mark.parametrize("storage", quant4.STORAGES)
 @pytest.mark.parametrize("name", ["head", "embed"])
-def test_an_int4_heads_group_by_group_product_is_the_widened_weights(storage, name):
+def test_an_int4_heads_group_by_group_product_is_the_widened_weights(storage, name, rows):
     """The head's logits from an int4 weight group by group (Widened.contract: integers in the matmul, scales
     after) against the widened weight's product, for the head [d_model, vocab] and the tied embedding [vocab,
     d_model] read transposed."""
@@ -310,7 +311,7 @@ def test_an_int4_heads_group_by_group_product_is_the_widened_weights(storage, na
     shape = (256, 96) if name == "head" else (96, 256)
     w = jnp.asarray(rng.normal(0, 0.05, shape), jnp.float32)
     held = quant4.quantize_params({name: w}, storage=storage)[name]
-    x = jnp.asarray(rng.normal(0, 1, (3, 2, 256)), jnp.float32)
+    x = jnp.asarray(rng.normal(0, 1, (3, rows, 256)), jnp.float32)
     widened = held[...] if name == "head" else held[...].T
     want = jnp.einsum("bld,dv->blv", x, widened, precision="highest")
     got = held.contract(x, jnp.float32)

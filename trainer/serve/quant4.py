@@ -69,9 +69,11 @@ class Widened:
     def contract(self, x: jax.Array, dtype) -> jax.Array:
         """x's last axis contracted with a 2-D weight's grouped (input) axis, in float32: a product of x's
         slice and the integer values a group (widened to `dtype` inside the matmul), times the group's
-        scales, summed over the groups. The widened weight (`self[...]`) would broadcast the scales to the
-        weight's size in float32 first: on a v5e chip moe-1b's int4 head wrote 128 MB a decode step that way,
-        0.41 ms against int8's 0.05 (benchmarks/serve_weights.py --profile, 2026-12-06)."""
+        scales, summed over the groups; for more rows than a group has values (a long prefill chunk), whose
+        partial products would outgrow the weight, the widened weight's product. The widened weight
+        (`self[...]`) broadcasts the scales to the weight's size in float32 first: on a v5e chip moe-1b's int4
+        head wrote 128 MB a decode step that way, 0.41 ms against int8's 0.05 (benchmarks/serve_weights.py
+        --profile, 2026-12-06)."""
         from trainer.sharding import current_platform
 
         if current_platform() == "cpu":  # XLA's CPU runtime has no bfloat16 batched product into float32
@@ -80,6 +82,9 @@ class Widened:
         if self.axis % 2 == 1:  # [out, in]: the tied embedding read as the head
             q, scale = q.T, scale.T
         groups, inputs = scale.shape[0], q.shape[0]
+        if math.prod(x.shape[:-1]) * groups > inputs:  # the partial products would outgrow the widened weight
+            w = (self.dequantize() if self.axis % 2 == 0 else self.dequantize().T).astype(dtype)
+            return jnp.einsum("...k,kn->...n", x.astype(dtype), w, preferred_element_type=jnp.float32)
         x_g = x.reshape(*x.shape[:-1], groups, inputs // groups).astype(dtype)
         partial = jnp.einsum("...gk,gkn->...gn", x_g, q.reshape(groups, inputs // groups, -1).astype(dtype),
                              preferred_element_type=jnp.float32)
