@@ -193,11 +193,18 @@ async def run_to_end(state, req) -> Any:
         if req.finish_reason is None:
             req.cancelled = True  # the client went away (or the grace ran out): its slot frees at the next step
     state.metrics.finished(req)
-    if req.finish_reason is None:
+    if cut_short(state, req):
         raise APIError(503, _cut_short(state, "request"), kind="service_unavailable")
     if req.finish_reason == "error":
         raise APIError(500, f"the request failed: {req.error}", kind="server_error")
     return req
+
+
+def cut_short(state, req) -> bool:
+    """Whether the server ended the request before the engine finished it: still open, or ended by the engine
+    as cancelled after the server cut it (expire marks it cancelled, and the engine's next step may end it
+    before the route reads its event)."""
+    return req.finish_reason is None or (state.expired and req.finish_reason == "cancelled")
 
 
 def _cut_short(state, what: str) -> str:
@@ -305,8 +312,8 @@ async def _events(state, req, rid: str, chat: bool, include_usage: bool, logprob
         if req.finish_reason is None:
             req.cancelled = True
     state.metrics.finished(req)
-    if req.finish_reason in (None, "error"):
-        message = f"the request failed: {req.error}" if req.finish_reason else _cut_short(state, "stream")
+    if req.finish_reason == "error" or cut_short(state, req):
+        message = f"the request failed: {req.error}" if req.finish_reason == "error" else _cut_short(state, "stream")
         error = {"message": message, "type": "server_error", "param": None, "code": None}
         yield f"data: {json.dumps({'error': error})}\n\n"
     else:
