@@ -211,7 +211,7 @@ class Transformer(nnx.Module):
     def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = self.final_norm(x_BxLxD)
         held = (self.embed if self.head is None else self.head).get_value()
-        if hasattr(held, "contract"):  # an int4 weight (trainer/serve/quant4.py): group by group, never widened
+        if hasattr(held, "contract"):  # int4 (trainer/serve/quant4.py): group by group, never widened
             logits_BxLxV = held.contract(x_BxLxD, self.dtype)
             if self.head is None and self.tied_scale != 1.0:
                 logits_BxLxV = logits_BxLxV * self.tied_scale

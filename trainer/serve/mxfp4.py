@@ -40,6 +40,9 @@ class Mxfp4Weight(Widened):
         """The blocks' scales as float32 powers of two, the scale's shape."""
         return jnp.ldexp(jnp.float32(1.0), self.scale.astype(jnp.int32) - MXFP4_SCALE_BIAS)
 
+    def scales(self) -> jax.Array:
+        return self.factors()
+
     def dequantize(self) -> jax.Array:
         return widen(self.values, self.factors(), self.axis, self.dtype)
 

@@ -78,7 +78,7 @@ class Widened:
 
         if current_platform() == "cpu":  # XLA's CPU runtime has no bfloat16 batched product into float32
             dtype = jnp.float32
-        q, scale = self.codes(), self.scale.astype(jnp.float32)
+        q, scale = self.codes(), self.scales().astype(jnp.float32)
         if self.axis % 2 == 1:  # [out, in]: the tied embedding read as the head
             q, scale = q.T, scale.T
         groups, inputs = scale.shape[0], q.shape[0]
@@ -89,6 +89,14 @@ class Widened:
         partial = jnp.einsum("...gk,gkn->...gn", x_g, q.reshape(groups, inputs // groups, -1).astype(dtype),
                              preferred_element_type=jnp.float32)
         return jnp.einsum("...gn,gn->...n", partial, scale)
+
+    def codes(self) -> jax.Array:
+        """The values, the weight's shape (integers, or MXFP4's FP4 values)."""
+        return self.values
+
+    def scales(self) -> jax.Array:
+        """Each group's scale as a number, the scale's shape."""
+        return self.scale
 
     def take(self, indices: jax.Array, axis: int = 0) -> jax.Array:
         """jnp.take of the widened weight along an axis other than the grouped one, widening only those."""
@@ -134,9 +142,6 @@ class Int4Native(Widened):
     axis: int = dataclasses.field(metadata={"static": True}, default=-1)  # the grouped (input) axis, from the end
     dtype: str = dataclasses.field(metadata={"static": True}, default="float32")
     arrays = ("values", "scale")
-
-    def codes(self) -> jax.Array:
-        return self.values
 
     def dequantize(self) -> jax.Array:
         return widen(self.values, self.scale, self.axis, self.dtype)
