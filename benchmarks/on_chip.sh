@@ -4,7 +4,8 @@
 #   source .whl-tpu/setup.sh && bash benchmarks/on_chip.sh [STAGE ...]
 # Stages (default: serve gmm tests): serve (benchmarks/serve_weights.py, moe-1b, each weight format at
 # 1/8/32 slots, with the decode program's ops), gmm (benchmarks/gmm_formats.py), tests (the `tpu` tests),
-# levers (benchmarks/train_levers.py: moe-1b as written and the variants in $LEVERS), step (train_step.py).
+# levers (benchmarks/train_levers.py: moe-1b as written and the variants in $LEVERS; PROFILE=1: each one's
+# device ops), step (train_step.py). SLOTS: the serve stage's slot counts (1,8,32).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 deadline=$((SECONDS + ${CHIP_SECONDS:-560}))
@@ -21,13 +22,13 @@ stage() {  # name seconds-at-most command...
 }
 for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   serve) stage serve 240 python benchmarks/serve_weights.py --accelerator --steps 64 --repeats 3 \
-           --formats bf16,int8,int4-native --profile --json "$OUT/serve_weights.json" ;;
+           --formats bf16,int8,int4-native --slots "${SLOTS:-1,8,32}" --profile --json "$OUT/serve_weights.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
   tests) MOE_TPU_TESTS=1 stage tests 200 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
            tests/trainer/test_tpu.py ;;
   levers) stage levers 240 python benchmarks/train_levers.py --no-gmm --steps 10 \
             --variants ${LEVERS:-h8+splash+chunk+attention,h8+splash+chunk+attention+einsum_g16,h8+splash+chunk+attention+g16,h8+splash+attention,h8+splash+chunk+attention+cf1} \
-            --json-out "$OUT/levers.json" ;;
+            ${PROFILE:+--profile} --json-out "$OUT/levers.json" ;;
   step) stage step 300 python benchmarks/train_step.py --accelerator --config moe-1b --json-out "$OUT/train_step.json" ;;
   *) echo "unknown stage $s1"; exit 2 ;;
 esac; done; done

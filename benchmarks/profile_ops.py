@@ -44,9 +44,17 @@ def op_table(run, calls: int, top: int = 20) -> dict:
                     described[event.name] = (str(stats.get("long_name", stats.get("hlo_op", "")))[:200],
                                              str(stats.get("hlo_category", stats.get("category", ""))))
                 categories[described[event.name][1]] += event.duration_ns
-    device_ns = sum(totals.values())
+    # A loop's event spans the ops inside it, which have their own: the device's time counts the ops alone.
+    loops = {name for name in totals if name.startswith(("%while", "while", "%conditional", "conditional"))}
+    device_ns = sum(ns for name, ns in totals.items() if name not in loops)
+    listed = totals.most_common(top)
+    rest = [(name, ns) for name, ns in totals.items() if name not in loops and name not in dict(listed)]
     return {"device_ms_per_call": round(device_ns / calls / 1e6, 4),
             "categories": {c or "?": round(ns / calls / 1e6, 4) for c, ns in categories.most_common()},
-            "ops": [{"name": name, "ms": round(ns / calls / 1e6, 4), "count": counts[name] // calls,
-                     "hlo": described[name][0]} for name, ns in totals.most_common(top)],
+            "ops": [{"name": name[:300], "ms": round(ns / calls / 1e6, 4), "count": counts[name] // calls,
+                     "hlo": described[name][0]} for name, ns in listed],
+            # what the table leaves out: how many ops, their time and launches a call
+            "rest": {"ops": len(rest), "ms": round(sum(ns for _, ns in rest) / calls / 1e6, 4),
+                     "launches": sum(counts[name] for name, _ in rest) // calls},
+            "launches": sum(c for name, c in counts.items() if name not in loops) // calls,
             "lines": sorted(set(lines))}

@@ -94,7 +94,7 @@ def abstract_weights(model, fmt: str, sharding):
     return place(w)
 
 
-def compile_decode(cfg, fmt: str, rows: int, max_len: int) -> dict:
+def compile_decode(cfg, fmt: str, rows: int, max_len: int, hlo_dir: str | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
@@ -131,6 +131,10 @@ def compile_decode(cfg, fmt: str, rows: int, max_len: int) -> dict:
     started = time.perf_counter()
     compiled = jax.jit(decode, donate_argnums=(1,), out_shardings=(rep, rep)).lower(weights, cache, *inputs).compile()
     hlo = compiled.as_text()
+    if hlo_dir:  # the compiled program, to read what XLA made of it
+        os.makedirs(hlo_dir, exist_ok=True)
+        with open(os.path.join(hlo_dir, f"decode-{fmt}-{rows}.hlo.txt"), "w") as f:
+            f.write(hlo)
     copies = large_copies(hlo)
     return {"weights": fmt, "rows": rows, "max_len": max_len, "compile_s": round(time.perf_counter() - started, 1),
             "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 2),
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="8", help="comma-separated decode rows (slots)")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--hlo-dir", default=None, help="write each compiled program's HLO text here")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -156,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from trainer.config import load_config
 
-    cfg = load_config(args.config, ["dtype=bfloat16", "param_dtype=bfloat16"])
+    cfg = load_config(args.config, ["dtype=bfloat16", "param_dtype=bfloat16", *args.overrides])
     rows = []
     for fmt in args.formats.split(","):
         for r in (int(x) for x in args.rows.split(",")):
-            rows.append(compile_decode(cfg, fmt, r, args.max_len))
+            rows.append(compile_decode(cfg, fmt, r, args.max_len, args.hlo_dir))
             print(json.dumps(rows[-1]), flush=True)
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -108,7 +108,7 @@ def measure(model, weights, fmt: str, slot_counts: list[int], args, bandwidth: f
                 from profile_ops import op_table
 
                 once = lambda c=name, n=slots: program_alone(engine, c, n, 1, warm=0)  # noqa: E731
-                rows[-1]["profile"] = op_table(once, calls=8)
+                rows[-1]["profile"] = op_table(once, calls=8, top=60)
     return rows
 
 

@@ -60,6 +60,8 @@ VARIANTS = {
                                              "moe.dispatch=einsum"],
     "h8+splash+chunk+attention+cf1": ["model.attention=splash", CHUNK, "model.num_heads=8",
                                       "model.remat_policy=attention", "moe.capacity_factor=1.0"],
+    "h8+splash+chunk+attention+position": ["model.attention=splash", CHUNK, "model.num_heads=8",
+                                           "model.remat_policy=attention", "moe.drop_priority=position"],
     "b8+dropless_megablox+splash+chunk+dots": ["model.attention=splash", CHUNK, "data.global_batch_size=8",
                                                "model.remat_policy=dots", DROPLESS, "moe.grouped_matmul=megablox"],
 }
@@ -169,7 +171,7 @@ def measure(config: str, overrides: list[str], steps: int, held: list, profile: 
             box[0], out = step(box[0], tokens)
             float(out["loss"])
 
-        row["profile"] = op_table(once, calls=3, top=30)
+        row["profile"] = op_table(once, calls=3, top=80)
         state = box[0]
     stats = jax.devices()[0].memory_stats() or {}
     row["peak_hbm_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
