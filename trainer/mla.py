@@ -10,8 +10,10 @@ Training expands the heads: q, k and v are padded to one head size (the larger o
 change no dot product) and go through the same attention as trainer/layers.py's. Decoding caches the
 latent (c, r) alone (trainer/serve/latentcache.py) and absorbs the up-projections (DeepSeek-V2's "weight
 absorption"): a head's score q_nope . (c W_k) is (q_nope W_k^T) . c, a query in latent space, and its
-output (sum_s p_s c_s) W_v, the weighted latents up-projected once per query; so attention runs over the
-cached latents, never over expanded keys and values. Heads split over the mesh's `model` axis as there;
+output (sum_s p_s c_s) W_v, the weighted latents up-projected once per query; so a decode step attends over
+the cached latents, never over expanded keys and values. A long prefill chunk, whose many queries would each
+pay the latent's width, expands the span's keys and values from the cache instead, where that costs fewer
+FLOPs (MLAttention.expands). Heads split over the mesh's `model` axis as there;
 the latent, which every head reads, is whole on every device.
 """
 
@@ -89,6 +91,10 @@ class MLAttention(nnx.Module):
         cache, latent_BxSxC, rope_BxSxR, mask_Bx1xLxS = cache.append(latent_BxLxC, rope_BxLxR)
         latent_BxSxC, rope_BxSxR = latent_BxSxC.astype(dtype), rope_BxSxR.astype(dtype)
         wkv_b_CxNxF = self.wkv_b[...].astype(dtype)
+        if self.expands(x_BxLxD.shape[1], latent_BxSxC.shape[1]):
+            o_BxLxNxV = self._expanded(q_nope_BxLxNxP, q_rope_BxLxNxR, latent_BxSxC, rope_BxSxR, mask_Bx1xLxS,
+                                       wkv_b_CxNxF)
+            return jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(dtype)), cache
         q_BxLxNxC = constrain(jnp.einsum("blnp,cnp->blnc", q_nope_BxLxNxP, wkv_b_CxNxF[..., :P]), _HEADS_OUT)
         scores_BxNxLxS = (jnp.einsum("blnc,bsc->bnls", q_BxLxNxC, latent_BxSxC, preferred_element_type=jnp.float32)
                           + jnp.einsum("blnr,bsr->bnls", q_rope_BxLxNxR, rope_BxSxR,
@@ -98,6 +104,31 @@ class MLAttention(nnx.Module):
         o_BxLxNxC = constrain(jnp.einsum("bnls,bsc->blnc", probs_BxNxLxS, latent_BxSxC), _HEADS_OUT)
         o_BxLxNxV = jnp.einsum("blnc,cnv->blnv", o_BxLxNxC, wkv_b_CxNxF[..., P:])
         return jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(dtype)), cache
+
+    def expands(self, length: int, span: int) -> bool:
+        """Whether L new tokens attending over a span of S cached positions cost fewer FLOPs (a head's) with the
+        span's keys and values expanded from its latents, S C (P + V) for the expansion and L S (P + R + V) for
+        the attention, than absorbed, L P C + L C V for the projections and L S (2C + R) for the attention. A
+        decode step (L = 1) never does; a long prefill chunk does: DeepSeek-V3's shapes (C 512, P 128, R 64,
+        V 128) past about 171 tokens a chunk; a whole 2,048-token prompt in a third of the absorbed FLOPs."""
+        m = self.mla
+        C, P, R, V = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        expanded = span * C * (P + V) + length * span * (P + R + V)
+        absorbed = length * C * (P + V) + length * span * (2 * C + R)
+        return expanded < absorbed
+
+    def _expanded(self, q_nope_BxLxNxP, q_rope_BxLxNxR, latent_BxSxC, rope_BxSxR, mask_Bx1xLxS, wkv_b_CxNxF):
+        """Each head's output [B, L, N, V] over the span's keys and values expanded from its latents (as
+        training computes them), in float32 softmax."""
+        P = self.mla.qk_nope_head_dim
+        k_BxSxNxP = constrain(jnp.einsum("bsc,cnp->bsnp", latent_BxSxC, wkv_b_CxNxF[..., :P]), _HEADS_OUT)
+        v_BxSxNxV = constrain(jnp.einsum("bsc,cnv->bsnv", latent_BxSxC, wkv_b_CxNxF[..., P:]), _HEADS_OUT)
+        scores_BxNxLxS = (jnp.einsum("blnp,bsnp->bnls", q_nope_BxLxNxP, k_BxSxNxP, preferred_element_type=jnp.float32)
+                          + jnp.einsum("blnr,bsr->bnls", q_rope_BxLxNxR, rope_BxSxR,
+                                       preferred_element_type=jnp.float32)) * self.scale
+        scores_BxNxLxS = jnp.where(mask_Bx1xLxS, scores_BxNxLxS, jnp.finfo(jnp.float32).min)
+        probs_BxNxLxS = jax.nn.softmax(scores_BxNxLxS, axis=-1).astype(v_BxSxNxV.dtype)
+        return jnp.einsum("bnls,bsnv->blnv", probs_BxNxLxS, v_BxSxNxV)
 
     def _queries(self, x_BxLxD: jax.Array, offset) -> tuple[jax.Array, jax.Array]:
         """Each head's query without positions [B, L, N, P] and its rotary part [B, L, N, R], rotated."""

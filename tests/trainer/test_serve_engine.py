@@ -89,6 +89,20 @@ def test_latent_attention_decodes_through_its_latents_as_the_full_forward(latent
     assert not any(np.any(np.asarray(a[:, [0, 1]])) for a in jax.tree.leaves(cache)), "other slots untouched"
 
 
+def test_a_long_latent_prefill_chunk_expands_the_heads_and_gives_the_full_forward_logits(latent):
+    """A prompt prefilled as one chunk of LENGTH tokens, long enough that expanding the span's keys and values
+    from their latents costs fewer FLOPs than absorbing the up-projections (MLAttention.expands; the test
+    above decodes chunks of 8 and single tokens absorbed), gives the full forward's logits too."""
+    model, weights, forward, decode = latent
+    m = model.cfg.model
+    attention = model.module(weights).layers()[0].attn
+    assert attention.expands(LENGTH, 32) and not attention.expands(8, 32) and not attention.expands(1, 32)
+    tokens_1xL = jnp.asarray(np.random.RandomState(1).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
+    logits, _ = decode(weights, CacheLayout.of(m).empty(3, 32, jnp.float32), tokens_1xL, jnp.asarray([0]),
+                       jnp.asarray([1]))
+    np.testing.assert_allclose(logits[0], forward(weights, tokens_1xL)[0], atol=1e-5, rtol=0)
+
+
 def test_the_int8_latent_cache_attends_close_to_float(latent):
     """int8 latents and rotary keys with a float32 scale each a position: under a third of float32's bytes,
     and one layer's attention through it (two prefill chunks, then a token at a time) within 2% of the
