@@ -277,7 +277,9 @@ def compile_case(case: Case, hlo_out: str | None) -> dict:
 
     cfg, acc, pmesh = model_and_target(case)
     topology = f"{acc.generation}:{acc.topology}"
-    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    # a one-chip host (v5litepod-1) is its own host's bounds; the default bounds are a 4-chip host's
+    bounds = {"chips_per_host_bounds": (1, 1, 1)} if acc.chips == 1 else {}
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu", **bounds).devices
     shape = {"data": pmesh.data, "expert": pmesh.expert, "model": pmesh.model}
     started = time.perf_counter()
     tr = build_trainer(cfg, sharding.make_mesh(shape, devices), cfg.train.steps)

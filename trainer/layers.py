@@ -12,15 +12,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from trainer import initializers
 from trainer.attention import causal_attention, local_attention, sink_attention
 from trainer.rope import yarn_frequencies
 from trainer.sharding import constrain, model_ways
 
-lecun = nnx.initializers.lecun_normal()
+lecun = initializers.lecun
 
 
-def named_param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...], dtype) -> nnx.Param:
-    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+def named_param(rngs: nnx.Rngs, init: initializers.Init, shape: tuple[int, ...], names: tuple[str, ...], dtype,
+                **metadata) -> nnx.Param:
+    """A Param drawn by `init` (trainer/initializers.py's: it takes the axes' names, to draw in slabs along
+    the axes the mesh leaves whole), its logical axis names for the sharding rules."""
+    return nnx.Param(init(rngs.params(), shape, dtype, names), out_sharding=names, **metadata)
 
 
 class RMSNorm(nnx.Module):
@@ -75,11 +79,10 @@ class Attention(nnx.Module):
         self.wq = named_param(rngs, lecun, (D, N, H), ("embed", "heads", "kv"), param_dtype)
         self.wk = named_param(rngs, lecun, (D, K, H), ("embed", "kv_heads", "kv"), param_dtype)
         self.wv = named_param(rngs, lecun, (D, K, H), ("embed", "kv_heads", "kv"), param_dtype)
-        out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=(0, 1),
-                                                     out_axis=2)
+        out_init = initializers.variance_scaling(in_axis=(0, 1), out_axis=2)
         self.wo = named_param(rngs, out_init, (N, H, D), ("heads", "kv", "embed"), param_dtype)
         if bias:
-            zeros = nnx.initializers.zeros
+            zeros = initializers.zeros
             self.bq = named_param(rngs, zeros, (N, H), ("heads", "kv"), param_dtype)
             self.bk = named_param(rngs, zeros, (K, H), ("kv_heads", "kv"), param_dtype)
             self.bv = named_param(rngs, zeros, (K, H), ("kv_heads", "kv"), param_dtype)
@@ -90,9 +93,9 @@ class Attention(nnx.Module):
                                                names=(name, "kv") if whole else ("norm",))
             self.q_norm, self.k_norm = norm(N, "heads"), norm(K, "kv_heads")
         if out_bias:
-            self.bo = named_param(rngs, nnx.initializers.zeros, (D,), ("embed",), param_dtype)
+            self.bo = named_param(rngs, initializers.zeros, (D,), ("embed",), param_dtype)
         if sinks:
-            self.sinks = named_param(rngs, nnx.initializers.zeros, (N,), ("heads",), param_dtype)
+            self.sinks = named_param(rngs, initializers.zeros, (N,), ("heads",), param_dtype)
         self.bias, self.qk_norm, self.out_bias, self.has_sinks, self.window = bias, qk_norm, out_bias, sinks, window
         self.rope_theta, self.dtype, self.attention = rope_theta, dtype, attention
         self.inv_freq, self.rope_factor = None, 1.0

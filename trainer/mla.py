@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer import initializers
 from trainer.attention import causal_attention
 from trainer.layers import RMSNorm, lecun, named_param, rotary
 from trainer.model_config import MLAConfig
@@ -35,7 +36,7 @@ _HEADS_OUT = ("batch", "length", "heads", "kv")
 
 
 def _init(in_axis, out_axis):
-    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+    return initializers.variance_scaling(in_axis=in_axis, out_axis=out_axis)
 
 
 class MLAttention(nnx.Module):

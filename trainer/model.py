@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from trainer import attention, sharding
+from trainer import attention, initializers, sharding
 from trainer.arith.params import LAYERS_AXIS  # the stacked parameters' leading axis (trainer/sharding.py)
 from trainer.config import Config
 from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
@@ -81,7 +81,7 @@ class Transformer(nnx.Module):
         self.scan_layers = m.scan_layers
         self.num_experts = cfg.moe.num_experts
         self.vocab = sharding.vocab_axis(cfg.train.shard_vocab)
-        self.embed = named_param(rngs, nnx.initializers.normal(1.0), (m.vocab_size, m.d_model),
+        self.embed = named_param(rngs, initializers.normal(1.0), (m.vocab_size, m.d_model),
                                  (self.vocab, "embed"), pdtype)
         self.layout = layer_stacks(m)
         self.windows = tuple(m.window(i) for i in range(m.num_layers))  # each layer's sliding window (0: none)

@@ -83,16 +83,17 @@ class Trainer:
         optimisations off: it runs once, in milliseconds either way, and compiling it optimised took 3 to 5
         times as long (measured on 2 cores: tiny 5.0 -> 1.0 CPU s, deepseek-tiny 7.6 -> 1.5; the values
         differ by float rounding only). Elsewhere it is compiled as usual: on a TPU its fusions keep a large
-        model's initialisation within memory (moe-1b's compile took 28 s on a v5e chip, which is why the train
-        step compiles beside it: compile_in_background)."""
+        model's initialisation within memory (moe-1b's compile took 28 s on a v5e chip before its draws went in
+        slabs, trainer/initializers.py: 19 -> 6 s of CPU ahead of time; the train step compiles beside it,
+        compile_in_background)."""
         if self.mesh.devices.flat[0].platform != "cpu":
             return self.init_fn()
         return self.init_fn.lower().compile(compiler_options=CPU_FAST_COMPILE)()
 
 
 def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
-    def make_model():
-        with nnx.use_eager_sharding(False):
+    def make_model():  # on the mesh: the draws loop over the axes it leaves whole (trainer/initializers.py)
+        with nnx.use_eager_sharding(False), sharding.logical_mesh(mesh):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
     graphdef, abstract_params, abstract_biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from trainer import initializers
+from trainer.layers import named_param
 from trainer.moe.config import MoEConfig
 from trainer.moe.experts import Activation, ExpertWeights, shared_ffn
 from trainer.moe.parallel import expert_shards, model_shards, moe_apply
@@ -22,8 +24,7 @@ class ExpertBias(nnx.Variable):
 def _param(rngs: nnx.Rngs, shape, fan_in: int, names: tuple[str, ...], dtype) -> nnx.Param:
     """Truncated-normal init scaled by 1/sqrt(fan_in); `out_sharding` carries logical axis names
     (not applied here: the trainer's sharding module maps them onto the mesh)."""
-    init = jax.nn.initializers.truncated_normal(stddev=fan_in**-0.5)
-    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+    return named_param(rngs, initializers.truncated_normal(fan_in**-0.5), shape, names, dtype, eager_sharding=False)
 
 
 class MoEBlock(nnx.Module):

@@ -76,8 +76,8 @@ class ServingModel:
 def build_serving_model(cfg: Config, mesh: Mesh) -> ServingModel:
     cfg = serving_config(cfg)
 
-    def make_model():
-        with nnx.use_eager_sharding(False):
+    def make_model():  # on the mesh: the draws loop over the axes it leaves whole (trainer/initializers.py)
+        with nnx.use_eager_sharding(False), sharding.logical_mesh(mesh):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
     graphdef, params, biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
@@ -91,10 +91,15 @@ def build_serving_model(cfg: Config, mesh: Mesh) -> ServingModel:
 
 def init_weights(model: ServingModel) -> dict[str, Any]:
     """Fresh weights (tests and benchmarks without a checkpoint), laid out on the mesh."""
+    return init_program(model)()
+
+
+def init_program(model: ServingModel) -> Callable[[], dict[str, Any]]:
+    """The jitted program that makes `init_weights`' weights (its compile: benchmarks/init_compile.py)."""
     cfg = model.cfg
 
     def init():
-        with nnx.use_eager_sharding(False):
+        with nnx.use_eager_sharding(False), sharding.logical_mesh(model.mesh):
             m = Transformer(cfg, mesh=model.mesh, rngs=nnx.Rngs(cfg.train.seed))
         _, params, biases, _ = nnx.split(m, nnx.Param, ExpertBias, ...)
         out = {"params": model.codec.flatten(params)}
@@ -103,7 +108,7 @@ def init_weights(model: ServingModel) -> dict[str, Any]:
         return out
 
     out_shardings = {k: v for k, v in model.shardings.items() if k == "params" or model.bias_codec.names}
-    return jax.jit(init, out_shardings=out_shardings)()
+    return jax.jit(init, out_shardings=out_shardings)
 
 
 def restore_weights(model: ServingModel, checkpoints: str, quantized: str | None = None,
