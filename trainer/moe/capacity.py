@@ -23,15 +23,14 @@ def flatten_choices(x_TxK: jax.Array) -> jax.Array:
 def slot_positions(experts_N: jax.Array, priority_N: jax.Array, num_experts: int, by_probability: bool) -> jax.Array:
     """Each assignment's rank among the assignments of its expert, in priority order.
 
-    Two stable sorts instead of a [N, E] cumulative sum: first by priority, then
-    by expert, so each expert's run lists its assignments in priority order.
+    One stable sort instead of a [N, E] cumulative sum: by expert, then (by_probability) by descending
+    priority, ties in assignment order, so each expert's run lists its assignments in priority order. (Two
+    stable sorts, by priority and then by expert, give the same order at twice the sorting.)
     """
     num = experts_N.shape[0]
-    if by_probability:
-        served_N = jnp.argsort(-priority_N, stable=True)
-    else:
-        served_N = jnp.arange(num, dtype=jnp.int32)
-    by_expert_N = served_N[jnp.argsort(experts_N[served_N], stable=True)]
+    iota_N = jnp.arange(num, dtype=jnp.int32)
+    keys = (experts_N.astype(jnp.int32), -priority_N) if by_probability else (experts_N.astype(jnp.int32),)
+    by_expert_N = jax.lax.sort((*keys, iota_N), num_keys=len(keys), is_stable=True)[-1]
     counts_E = jnp.bincount(experts_N, length=num_experts)
     starts_E = jnp.cumsum(counts_E) - counts_E
     rank_sorted_N = jnp.arange(num, dtype=jnp.int32) - starts_E[experts_N[by_expert_N]].astype(jnp.int32)
