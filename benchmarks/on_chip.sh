@@ -6,7 +6,7 @@
 # 1/8/32 slots, with the decode program's ops), interference (benchmarks/serve_interference.py: 8 streams
 # decoding while a 2,000-token prompt arrives), gmm (benchmarks/gmm_formats.py), tests (the `tpu` tests),
 # levers (benchmarks/train_levers.py: moe-1b as written and the variants in $LEVERS; PROFILE=1: each one's
-# device ops), step (train_step.py). SLOTS: the serve stage's slot counts (1,8,32).
+# device ops), step (train_step.py). SLOTS: the serve stage's slot counts (1,8,32); CHUNKS: interference's (64).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 deadline=$((SECONDS + ${CHIP_SECONDS:-560}))
@@ -24,7 +24,7 @@ stage() {  # name seconds-at-most command...
 for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   serve) stage serve 240 python benchmarks/serve_weights.py --accelerator --steps 64 --repeats 3 \
            --formats bf16,int8,int4-native --slots "${SLOTS:-1,8,32}" --profile --json "$OUT/serve_weights.json" ;;
-  interference) stage interference 240 python benchmarks/serve_interference.py --accelerator --chunks 64,256 \
+  interference) stage interference 240 python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
                   --json "$OUT/interference.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
   tests) MOE_TPU_TESTS=1 stage tests 200 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
