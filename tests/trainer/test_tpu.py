@@ -171,7 +171,7 @@ def test_ragged_dot_in_bfloat16_under_highest_precision_works(chip, cpu):
 
 
 def test_a_few_training_steps_match_the_cpu_within_bfloat16(chip, cpu):
-    """Three steps of tiny in bfloat16 from the same initial state and batches: the chip's losses within
+    """Three steps of tiny in bfloat16 from the same initial state on the same batch: the chip's losses within
     bfloat16's tolerance of the CPU's."""
     on_chip, on_cpu, cfg = tiny_trainers(chip, cpu, ("dtype=bfloat16",))
     losses = three_steps_each(on_chip, on_cpu, cfg)
@@ -180,12 +180,14 @@ def test_a_few_training_steps_match_the_cpu_within_bfloat16(chip, cpu):
 
 
 def three_steps_each(on_chip, on_cpu, cfg) -> dict[str, list[float]]:
-    """The losses of three steps on the chip and on the CPU from the CPU's initial state, on the same batches."""
+    """The losses of three steps on the chip and on the CPU from the CPU's initial state, on one batch thrice: its
+    loss falls as the model fits it (random batches of uniform tokens differ from each other by more than three
+    steps of warm-up learn: whether their losses fell depended on the initial draw)."""
     state_cpu = on_cpu.initial_state()
     state_chip = jax.device_put(state_cpu, on_chip.state_shardings)
     losses = {"chip": [], "cpu": []}
-    for step in range(3):
-        batch = tokens_BxT(cfg, cfg.data.global_batch_size, seed=step)
+    batch = tokens_BxT(cfg, cfg.data.global_batch_size, seed=0)
+    for _ in range(3):
         state_chip, metrics = on_chip.step_fn(state_chip, jax.device_put(batch, on_chip.batch_sharding))
         losses["chip"].append(float(metrics["loss"]))
         state_cpu, metrics = on_cpu.step_fn(state_cpu, jax.device_put(batch, on_cpu.batch_sharding))

@@ -124,13 +124,21 @@ def expert_choice_routing(logits_TxE: jax.Array, capacity: int) -> tuple[jax.Arr
     return tokens_ExC.astype(jnp.int32), weights_ExC, probs_TxE
 
 
+def expert_counts(experts: jax.Array, num_experts: int, dtype=jnp.int32) -> jax.Array:
+    """How many of `experts` (any shape) name each expert, [E]: a compare with each expert and a sum, where a
+    scatter-add or jnp.bincount of every assignment into E counters took 0.29 ms on a v5e chip for moe-1b's
+    32,768 assignments (benchmarks/train_levers.py --profile, 2026-12-06; the compare and sum fuse into one
+    pass)."""
+    return jnp.sum(experts.reshape(-1, 1) == jnp.arange(num_experts, dtype=experts.dtype), axis=0, dtype=dtype)
+
+
 def balance_stats(experts_NK: jax.Array, probs_TxE: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per-expert assignment counts and summed router probabilities, float32 [E] each.
 
     Kept as sums so that shards can add them up before the loss is formed.
     """
     num_experts = probs_TxE.shape[-1]
-    counts_E = jnp.zeros((num_experts,), jnp.float32).at[experts_NK.reshape(-1)].add(1.0)
+    counts_E = expert_counts(experts_NK, num_experts, jnp.float32)
     return counts_E, jnp.sum(probs_TxE, axis=0)
 
 
