@@ -66,6 +66,9 @@ def test_megablox_matches_ragged_dot_with_empty_groups():
     assert tiling(40, 64, 2816) == (40, 64, 512)
     # a decode step's rows: at most 4 tiles of them, or one tile (136 = 8 x 17); a long prefill's, 512 a tile
     assert [stacked_tiling(m, 1024, 2816)[0] for m in (136, 192, 256, 4608)] == [136, 64, 64, 512]
+    # 1,024 columns for tiles of up to 256 rows, 512 for larger ones; never more than the weight has
+    assert [stacked_tiling(m, 2816, 1024)[1:] for m in (136, 4608)] == [(1024, 1024), (1024, 512)]
+    assert stacked_tiling(192, 1024, 2816)[2] == 1024 and stacked_tiling(8, 64, 256)[1:] == (64, 256)
 
 
 def loss_and_grads(overrides, chunk=0):

@@ -131,18 +131,22 @@ def tokamax_without_argv() -> None:
 def stacked_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     """(rows, contraction, columns) of a grouped-matmul tile for a decode or prefill step: rows the smallest
     power of two from 8 that leaves at most MAX_ROW_TILES tiles of rows (up to 512 rows, all m in one tile
-    where none does; beyond, 512), 1,024 of the contraction (eight int4 groups of 128) and 512 columns, or
-    the whole dimension where it is smaller.
+    where none does; beyond, 512), 1,024 of the contraction (eight int4 groups of 128), and 1,024 columns for
+    tiles of up to 256 rows (512 for larger ones, whose tiles would crowd the kernel's VMEM), or the whole
+    dimension where it is smaller.
 
-    Both ends cost on a v5e chip (2026-12-06, benchmarks/serve_weights.py --profile, moe-1b): tokamax places
-    tiles with a search per call over the tiles of rows, a loop that cost 0.62 ms of a 1.94 ms decode step at
-    one slot with 8-row tiles (17 tiles of its 136 rows; one tile of 136 rows: none, the step 1.15 ms); and
-    each expert's visit fetches its tile's rows for every tile of columns, so at 32 slots one tile of all 192
-    rows ran the three kernels in 2.67 ms against 2.35 for 64-row tiles (int8: 2.14 against 1.46)."""
+    Measured on a v5e chip (2026-12-06, benchmarks/serve_weights.py --profile and benchmarks/gmm_formats.py's
+    device times, moe-1b's experts read from the stack): tokamax places tiles with a search per call over the
+    tiles of rows, a loop that cost 0.62 ms of a 1.94 ms decode step at one slot with 8-row tiles (17 tiles
+    of its 136 rows; one tile of 136 rows: none, the step 1.15 ms); each expert's visit fetches its tile's rows
+    for every tile of columns, so at 32 slots (192 rows, 64 routed) one tile of all rows took 157, 132 and
+    138 us a call (bf16, int8, int4) with 512 columns where 64-row tiles with 1,024 columns took 143, 88 and
+    75; at one slot 1,024 columns against 512: 28.4 against 28.7 us (bf16), 23.3 against 24.4 (int8), 26.6
+    against 28.2 (int4)."""
     power = next((t for t in (8, 16, 32, 64, 128, 256, 512) if m % t == 0 and m // t <= MAX_ROW_TILES), None)
     # past 512 rows stacked_matmul pads to whole tiles of 512
     rows = power or (512 if m > 512 and m % 512 == 0 else m)
-    return rows, min(k, 1024), min(n, 512)
+    return rows, min(k, 1024), min(n, 1024 if rows <= 256 else 512)
 
 
 @functools.cache
