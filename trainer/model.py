@@ -13,6 +13,7 @@ from trainer.config import Config
 from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
 from trainer.mla import MLAttention
 from trainer.moe import MoEBlock
+from trainer.moe import core as moe_core
 from trainer.moe.stacked import split_stacks, with_layer
 from trainer.stacks import Stack, layer_stacks
 
@@ -239,7 +240,8 @@ LAYER_METRICS = ("load_max_over_mean", "load_min_over_mean", "load_cv", "drop_fr
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_saveable,
                   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                   "attention": jax.checkpoint_policies.save_only_these_names(*attention.SAVED),
-                  "attention_ffn": jax.checkpoint_policies.save_only_these_names(*attention.SAVED, *DenseFFN.SAVED)}
+                  "attention_ffn": jax.checkpoint_policies.save_only_these_names(*attention.SAVED, *DenseFFN.SAVED),
+                  "attention_moe": jax.checkpoint_policies.save_only_these_names(*attention.SAVED, *moe_core.SAVED)}
 
 
 def combine_aux(layer_auxes: list[tuple[int, dict]], num_experts: int) -> dict[str, jax.Array]:

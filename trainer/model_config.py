@@ -81,9 +81,10 @@ class ModelConfig(Section):
     attention: Literal["auto", "xla", "splash"] = "auto"
     # With remat: what each block keeps from its forward pass: nothing ("full": the whole block again in the
     # backward pass), attention's inputs and output ("attention": its kernel does not run again; 130 MiB a
-    # layer for moe-1b), those and the dense FFN's two hidden products ("attention_ffn"), every matmul's
-    # output ("dots"), or those without batch dimensions ("dots_no_batch").
-    remat_policy: Literal["full", "attention", "attention_ffn", "dots", "dots_no_batch"] = "full"
+    # layer for moe-1b), those and the dense FFN's two hidden products ("attention_ffn"), those and the MoE
+    # capacity path's slots, its tokens in them and the experts' outputs ("attention_moe": no sort, gather or
+    # down projection again), every matmul's output ("dots"), or those without batch dimensions ("dots_no_batch").
+    remat_policy: Literal["full", "attention", "attention_ffn", "attention_moe", "dots", "dots_no_batch"] = "full"
     # Scan over each repeating pattern of layers (one block compiled a pattern: trainer/stacks.py); false runs
     # the same stacked parameters a layer at a time (each layer compiled apart; the reference in tests).
     scan_layers: Flag = True

@@ -164,9 +164,9 @@ def param_bytes_per_chip(params: Sequence[ParamInfo], mesh: Mesh, fsdp: bool) ->
 
 
 def attention_activation_bytes(cfg: trainer_config.Config, layout: Layout) -> int:
-    """Kept for the backward pass by one attention sub-block: the residual (float32 in RMSNorm) and its
-    normalised copy, q/k/v and the rotated q/k, the softmax (XLA's attention: float32 and its compute-dtype
-    copy; the splash kernel: its log-sum-exp), the attention output and its projection."""
+    """Kept for the backward pass by one attention sub-block: the residual (float32 in RMSNorm) and its normalised
+    copy, q/k/v and the rotated q/k, the softmax (XLA's attention: float32 and its compute-dtype copy; the
+    splash kernel: its log-sum-exp), the attention output and its projection."""
     m, c, t = cfg.model, _bytes(cfg.dtype), layout.tokens
     n, k = _split(m.num_heads, layout.model), _split(m.kv_heads, layout.model)  # heads on this chip
     heads = m.head_size * (n + 2 * k) + m.head_size * (n + k)
@@ -176,18 +176,18 @@ def attention_activation_bytes(cfg: trainer_config.Config, layout: Layout) -> in
 
 
 def saved_by_policy(cfg: trainer_config.Config, layout: Layout, moe: bool) -> int:
-    """What a rematerialised block keeps beside its input under model.remat_policy: attention's q, k, v,
-    output and log-sum-exp, the dense FFN's hidden products too ("attention_ffn"); "dots*": the whole block."""
+    """What a rematerialised block keeps beside its input under model.remat_policy: attention's q, k, v, output and
+    log-sum-exp, and the dense FFN's hidden products ("attention_ffn") or the MoE capacity path's slots, their
+    tokens and the experts' outputs ("attention_moe"); "dots*": the whole block."""
     m, c, t, policy = cfg.model, _bytes(cfg.dtype), layout.tokens, cfg.model.remat_policy
-    if policy in ("dots", "dots_no_batch"):
-        return attention_activation_bytes(cfg, layout) + ffn_activation_bytes(cfg, layout, moe)
-    if policy == "full":
-        return 0
+    if policy in ("dots", "dots_no_batch", "full"):  # the whole block, or nothing
+        return (policy != "full") * (attention_activation_bytes(cfg, layout) + ffn_activation_bytes(cfg, layout, moe))
     n, k = _split(m.num_heads, layout.model), _split(m.kv_heads, layout.model)
     kept = t * m.head_size * (2 * n + 2 * k) * c + t * n * 4
     if policy == "attention_ffn" and not moe:
         kept += 2 * t * _split(m.d_ff, layout.model) * c
-    return kept
+    moe_kept = layout.assignments * 9 + 2 * layout.expert_rows * m.d_model * c  # slots, keep, gates; tokens, outputs
+    return kept + (moe_kept if policy == "attention_moe" and moe else 0)
 
 
 def _split(size: int, ways: int) -> int:

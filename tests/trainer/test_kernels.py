@@ -85,11 +85,28 @@ def loss_and_grads(overrides, chunk=0):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
+def test_the_attention_moe_policy_keeps_the_capacity_paths_slots_tokens_and_outputs():
+    """Under remat "attention_moe" the backward pass does not redo the MoE layer's sort, its gather of the
+    tokens into their slots or its down projection: the gradient's program holds one sort where "attention"
+    holds two (the forward's, and its rematerialised copy's), and fewer gathers and matmuls."""
+    def counts(policy):
+        cfg = load_config("tiny", ["model.moe_every=2", "model.remat=true", f"model.remat_policy={policy}"])
+        graphdef, params, rest = nnx.split(build_model(cfg, seed=0), nnx.Param, ...)
+        tokens = jax.random.randint(jax.random.key(1), (2, cfg.data.seq_len), 0, cfg.model.vocab_size)
+        loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens, train=True)[0])  # noqa: E731
+        text = jax.jit(jax.grad(loss)).lower(params).as_text()
+        return [text.count(f"stablehlo.{op}") for op in ("sort", "gather", "dot_general")]
+
+    (sorts, gathers, dots), (kept_sorts, kept_gathers, kept_dots) = counts("attention"), counts("attention_moe")
+    assert (sorts, kept_sorts) == (2, 1) and kept_gathers < gathers and kept_dots < dots
+
+
 def test_the_loss_in_chunks_and_every_remat_policy_give_the_whole_loss_and_its_gradients():
     (want, want_grads) = loss_and_grads(["model.remat=false"])
     cases = [(["model.remat=false"], 16), (["model.remat=true", "model.remat_policy=full"], 0),
              (["model.remat=true", "model.remat_policy=attention"], 32),
-             (["model.remat=true", "model.remat_policy=attention_ffn"], 0)]
+             (["model.remat=true", "model.remat_policy=attention_ffn"], 0),
+             (["model.remat=true", "model.remat_policy=attention_moe"], 0)]
     for overrides, chunk in cases:
         got, grads = loss_and_grads(overrides, chunk)
         assert float(got) == pytest.approx(float(want), rel=1e-6), (overrides, chunk)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from trainer.moe import capacity as cap
 from trainer.moe import dispatch, routing
@@ -78,6 +79,10 @@ def experts_per_group(cfg: MoEConfig) -> int:
     return cfg.num_experts // (cfg.expert_groups or 1)
 
 
+# The capacity path's arrays the remat policy "attention_moe" keeps (trainer/model.py REMAT_POLICIES).
+SAVED = ("moe_slots", "moe_keep", "moe_gates", "moe_dispatched", "moe_out")
+
+
 def capacity_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capacity: int, topo: Topology,
                  bias_E=None):
     """Token choice with C slots per expert and group; overflow assignments are dropped."""
@@ -86,7 +91,10 @@ def capacity_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capaci
     experts_GxTxK, weights_GxTxK, priority_GxTxK, probs_GxTxE = token_choice(logits_GxTxE, cfg, bias_E)
     assign = lambda e, p: cap.assign_slots(e, p, num_experts, capacity, cfg.drop_priority)
     slot_GxN, keep_GxN = jax.vmap(assign)(experts_GxTxK, priority_GxTxK)
-    gate_GxN = jax.vmap(cap.flatten_choices)(weights_GxTxK) * keep_GxN
+    # Named for the remat policy "attention_moe" (trainer/model.py), which keeps them: the backward pass then
+    # neither sorts nor gathers the tokens into their slots again, nor runs the experts' down projection.
+    slot_GxN, keep_GxN = checkpoint_name(slot_GxN, "moe_slots"), checkpoint_name(keep_GxN, "moe_keep")
+    gate_GxN = checkpoint_name(jax.vmap(cap.flatten_choices)(weights_GxTxK) * keep_GxN, "moe_gates")
     if cfg.dispatch == "einsum":
         tensors = lambda s, g: dispatch.einsum_dispatch_combine_tensors(s, g, num_tokens, num_experts, capacity, k)
         dispatch_GxTxExC, combine_GxTxExC = jax.vmap(tensors)(slot_GxN, gate_GxN)
@@ -94,7 +102,8 @@ def capacity_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, capaci
     else:
         to_slots = lambda x, s: dispatch.dispatch_to_slots(x, s, num_experts * capacity, k)
         buf_GxExCxD = jax.vmap(to_slots)(x_GxTxD, slot_GxN).reshape(num_groups, num_experts, capacity, d_model)
-    out_GxExCxD = experts_on_buffers(buf_GxExCxD, w, topo)
+    buf_GxExCxD = checkpoint_name(buf_GxExCxD, "moe_dispatched")
+    out_GxExCxD = checkpoint_name(experts_on_buffers(buf_GxExCxD, w, topo), "moe_out")
     if cfg.dispatch == "einsum":
         y_GxTxD = jax.vmap(dispatch.einsum_combine)(out_GxExCxD, combine_GxTxExC)
     else:
