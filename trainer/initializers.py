@@ -71,8 +71,9 @@ def _fan_in(shape: tuple[int, ...], in_axis, out_axis) -> int:
 
 def _draw(key, shape, dtype, names, stddev: float, bound: float | None) -> jax.Array:
     shape = tuple(int(d) for d in shape)
-    if math.prod(shape[1:]) >= 2**32:
-        raise ValueError(f"a parameter of shape {shape}: its rows hold more than 2**32 elements")
+    if math.prod(shape[1:]) >= 2**32:  # rows past the 32-bit counters (8 GB a row in bfloat16): jax's own draw
+        z = jax.random.normal(key, shape) if bound is None else jax.random.truncated_normal(key, -bound, bound, shape)
+        return (z * stddev).astype(dtype)
     k1, k2 = jax.random.bits(key, (2,), jnp.uint32)
     lo, hi = (-1.0, 1.0) if bound is None else (math.erf(-bound / math.sqrt(2)), math.erf(bound / math.sqrt(2)))
 
