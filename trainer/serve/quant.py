@@ -29,12 +29,10 @@ def take_rows(a: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
     XLA on a TPU relays the whole table out before taking from an int8 or int4 one (on a v5e chip, 2026-12-06:
     moe-1b's embedding, 0.05 ms of a 1.1 ms step), for SUBLANES or more it reads only the rows (its compiled
     program, benchmarks/serve_aot.py)."""
-    flat = indices.reshape(-1)
-    padded = jnp.pad(flat, (0, max(0, SUBLANES - flat.size)))
-    rows = jnp.take(a, padded, axis=axis)
-    rows = jax.lax.slice_in_dim(rows, 0, flat.size, axis=axis % a.ndim)
-    a_axis = axis % a.ndim
-    return rows.reshape(*a.shape[:a_axis], *indices.shape, *a.shape[a_axis + 1:])
+    axis, flat = axis % a.ndim, indices.reshape(-1)
+    rows = jnp.take(a, jnp.pad(flat, (0, max(0, SUBLANES - flat.size))), axis=axis)
+    rows = jax.lax.slice_in_dim(rows, 0, flat.size, axis=axis)
+    return rows.reshape(*a.shape[:axis], *indices.shape, *a.shape[axis + 1:])
 
 
 @jax.tree_util.register_dataclass
