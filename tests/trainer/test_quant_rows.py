@@ -1,5 +1,5 @@
 """The quantized weights' row reads and products that pad a step's few rows for the TPU's sake
-(trainer/serve/quant.py take_rows, quant4.py Widened.contract) give what the plain forms give."""
+(trainer/serve/quant.py take_padded, quant4.py Widened.contract) give what the plain forms give."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from trainer.serve import quant, quant4
     ((4, 50, 6), 1, (2,)),  # another axis
     ((4, 50, 6), -2, (1, 3)),
 ])
-def test_take_rows_is_jnp_take(shape, axis, index_shape):
+def test_take_padded_is_jnp_take(shape, axis, index_shape):
     a = jax.random.normal(jax.random.key(0), shape)
     indices = jax.random.randint(jax.random.key(1), index_shape, 0, shape[axis])
-    np.testing.assert_array_equal(quant.take_rows(a, indices, axis), jnp.take(a, indices, axis))
+    np.testing.assert_array_equal(quant.take_padded(a, indices, axis), jnp.take(a, indices, axis))
 
 
 @pytest.mark.parametrize("lead", [(1, 1), (3, 2), (2, 9)])

@@ -24,7 +24,7 @@ from trainer.stacks import is_stacked
 SUBLANES = 8  # a TPU vector register's rows of 32-bit values
 
 
-def take_rows(a: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
+def take_padded(a: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
     """jnp.take(a, indices, axis), at least SUBLANES indices at a time: for fewer (a decode step of one slot)
     XLA on a TPU relays the whole table out before taking from an int8 or int4 one (on a v5e chip, 2026-12-06:
     moe-1b's embedding, 0.05 ms of a 1.1 ms step), for SUBLANES or more it reads only the rows (its compiled
@@ -53,7 +53,7 @@ class Int8Weight:
         """jnp.take of the widened weight along an output axis (the embedding's rows), widening only those."""
         if self.scale.shape[axis] != self.values.shape[axis]:
             raise ValueError(f"take along axis {axis}: the weight's scales are reduced over it")
-        return Int8Weight(take_rows(self.values, indices, axis), take_rows(self.scale, indices, axis),
+        return Int8Weight(take_padded(self.values, indices, axis), take_padded(self.scale, indices, axis),
                           self.dtype).dequantize()
 
     @property

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer.arith.quant import GROUP, group_axis, group_size, layout  # noqa: F401 - int4's layout, one place
-from trainer.serve.quant import SUBLANES, take_rows
+from trainer.serve.quant import SUBLANES, take_padded
 from trainer.stacks import is_stacked
 
 LEVELS = 7  # symmetric: -7..7 (the 16th code, -8, is never written)
@@ -107,7 +107,7 @@ class Widened:
         """jnp.take of the widened weight along an axis other than the grouped one, widening only those."""
         if axis % self.scale.ndim == self.axis % self.scale.ndim:
             raise ValueError(f"take along axis {axis}: the weight's groups run along it")
-        return dataclasses.replace(self, **{f: take_rows(getattr(self, f), indices, axis)
+        return dataclasses.replace(self, **{f: take_padded(getattr(self, f), indices, axis)
                                             for f in self.arrays}).dequantize()
 
 
