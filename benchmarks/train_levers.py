@@ -62,6 +62,8 @@ VARIANTS = {
                                       "model.remat_policy=attention", "moe.capacity_factor=1.0"],
     "h8+splash+chunk+attention_moe": ["model.attention=splash", CHUNK, "model.num_heads=8",
                                       "model.remat_policy=attention_moe"],
+    "h8+splash+chunk512+attention_moe": ["model.attention=splash", "train.loss_chunk=512", "model.num_heads=8",
+                                         "model.remat_policy=attention_moe"],
     "h8+splash+chunk+attention+position": ["model.attention=splash", CHUNK, "model.num_heads=8",
                                            "model.remat_policy=attention", "moe.drop_priority=position"],
     "b8+dropless_megablox+splash+chunk+dots": ["model.attention=splash", CHUNK, "data.global_batch_size=8",

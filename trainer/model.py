@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from trainer import attention, initializers, sharding
+from trainer import attention, initializers, loss, sharding
 from trainer.arith.params import LAYERS_AXIS  # the stacked parameters' leading axis (trainer/sharding.py)
 from trainer.config import Config
 from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
@@ -116,16 +116,17 @@ class Transformer(nnx.Module):
         over 32,768 tokens: 2 GiB each for the logits, their softmax and its gradient)."""
         batch, length, width = x_BxLxD.shape
         with sharding.logical_mesh(self.mesh):
-            if not chunk or chunk >= length or length % chunk:
+            w_DxV = self._head_weight()
+            if w_DxV is None:  # an int4 head (serving's evaluation): its own contraction, through autodiff
                 return cross_entropy(self._logits(x_BxLxD), targets_BxL)
+
+            def chunk_sum(x_BxKxD, t_BxK):  # trainer/loss.py: the backward pass makes the logits again
+                return loss.nll_sum(self.final_norm(x_BxKxD), w_DxV, t_BxK, self.mesh, self.vocab)
+
+            if not chunk or chunk >= length or length % chunk:
+                return chunk_sum(x_BxLxD, targets_BxL) / (batch * length)
             x_CxBxKxD = x_BxLxD.reshape(batch, length // chunk, chunk, width).swapaxes(0, 1)
             t_CxBxK = targets_BxL.reshape(batch, length // chunk, chunk).swapaxes(0, 1)
-
-            @jax.checkpoint
-            def chunk_sum(x_BxKxD, t_BxK):
-                logp_BxKxV = jax.nn.log_softmax(self._logits(x_BxKxD), axis=-1)
-                return -jnp.sum(jnp.take_along_axis(logp_BxKxV, t_BxK[..., None], axis=-1))
-
             total, _ = jax.lax.scan(lambda acc, xt: (acc + chunk_sum(*xt), None), jnp.zeros((), jnp.float32),
                                     (x_CxBxKxD, t_CxBxK))
             return total / (batch * length)
@@ -209,20 +210,26 @@ class Transformer(nnx.Module):
         """The tokens' rows of the embedding (of a quantized one, trainer/serve/quant.py, only those rows widened)."""
         return self.embed.get_value().take(tokens_BxL, axis=0)
 
+    def _head_weight(self) -> jax.Array | None:
+        """The head's [D, V] weight in the compute dtype (the tied embedding's transpose, scaled); None for an
+        int4 head, which contracts group by group (trainer/serve/quant4.py) and is never widened."""
+        if hasattr((self.embed if self.head is None else self.head).get_value(), "contract"):
+            return None
+        if self.head is None:  # tied: by default scaled so that unit-variance embeddings give unit-variance logits
+            w_DxV = self.embed[...].T if self.tied_scale == 1.0 else self.embed[...].T * self.tied_scale
+        else:
+            w_DxV = self.head[...]
+        return w_DxV.astype(self.dtype)
+
     def _logits(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = self.final_norm(x_BxLxD)
-        held = (self.embed if self.head is None else self.head).get_value()
-        if hasattr(held, "contract"):  # int4 (trainer/serve/quant4.py): group by group, never widened
-            logits_BxLxV = held.contract(x_BxLxD, self.dtype)
+        w_DxV = self._head_weight()
+        if w_DxV is None:
+            logits_BxLxV = (self.embed if self.head is None else self.head).get_value().contract(x_BxLxD, self.dtype)
             if self.head is None and self.tied_scale != 1.0:
                 logits_BxLxV = logits_BxLxV * self.tied_scale
         else:
-            if self.head is None:  # tied: by default scaled so that unit-variance embeddings give unit-variance logits
-                w_DxV = self.embed[...].T if self.tied_scale == 1.0 else self.embed[...].T * self.tied_scale
-            else:
-                w_DxV = self.head[...]
-            logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(self.dtype),
-                                      preferred_element_type=jnp.float32)
+            logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV, preferred_element_type=jnp.float32)
         if self.vocab == "vocab":  # whole: XLA lays the logits out as their batch
             return logits_BxLxV
         return sharding.constrain(logits_BxLxV, ("batch", "length", self.vocab))

@@ -11,6 +11,7 @@ from flax import nnx
 from trainer.attention import causal_attention, resolve
 from trainer.config import ConfigError, load_config
 from trainer.model import build_model
+from trainer.model import cross_entropy as model_cross_entropy
 from trainer.moe.gmm import grouped_matmul, stacked_tiling, tiling
 from trainer.sharding import make_mesh
 from trainer.step import build_trainer, compile_in_background, compile_step
@@ -71,7 +72,7 @@ def test_megablox_matches_ragged_dot_with_empty_groups():
     assert stacked_tiling(192, 1024, 2816)[2] == 1024 and stacked_tiling(8, 64, 256)[1:] == (64, 256)
 
 
-def loss_and_grads(overrides, chunk=0):
+def loss_and_grads(overrides, chunk=0, autodiff=False):
     cfg = load_config("tiny", ["model.moe_every=2", *overrides])
     model = build_model(cfg, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -80,6 +81,8 @@ def loss_and_grads(overrides, chunk=0):
     def loss(params):
         m = nnx.merge(graphdef, params, rest)
         x, _ = m.features(tokens[:, :-1], train=False)
+        if autodiff:  # the whole logits' loss as autodiff differentiates it: the reference
+            return model_cross_entropy(m._logits(x), tokens[:, 1:])
         return m.cross_entropy(x, tokens[:, 1:], chunk)
 
     return jax.jit(jax.value_and_grad(loss))(params)
@@ -102,8 +105,11 @@ def test_the_attention_moe_policy_keeps_the_capacity_paths_slots_tokens_and_outp
 
 
 def test_the_loss_in_chunks_and_every_remat_policy_give_the_whole_loss_and_its_gradients():
-    (want, want_grads) = loss_and_grads(["model.remat=false"])
-    cases = [(["model.remat=false"], 16), (["model.remat=true", "model.remat_policy=full"], 0),
+    """The loss's written-out backward pass (trainer/loss.py), whole or in chunks, under every remat policy:
+    the loss and the gradients autodiff gives for the whole float32 logits."""
+    (want, want_grads) = loss_and_grads(["model.remat=false"], autodiff=True)
+    cases = [(["model.remat=false"], 0), (["model.remat=false"], 16),
+             (["model.remat=true", "model.remat_policy=full"], 0),
              (["model.remat=true", "model.remat_policy=attention"], 32),
              (["model.remat=true", "model.remat_policy=attention_ffn"], 0),
              (["model.remat=true", "model.remat_policy=attention_moe"], 0)]
