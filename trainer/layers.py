@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from trainer import initializers
 from trainer.attention import causal_attention, local_attention, sink_attention
-from trainer.rope import yarn_frequencies
+from trainer.rope import turn, yarn_frequencies
 from trainer.sharding import constrain, model_ways
 
 lecun = initializers.lecun
@@ -55,10 +55,8 @@ def rotary(x_BxLxNxH: jax.Array, theta: float, offset: int | jax.Array = 0,
     # offset is a scalar or one start per batch row ([B]): positions are [L] or [B, L].
     positions = jnp.arange(length, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)[..., None]
     angle = positions[..., None] * inv_freq_K
-    sin, cos = jnp.sin(angle)[..., None, :], jnp.cos(angle)[..., None, :]
-    x = x_BxLxNxH.astype(jnp.float32)
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxLxNxH.dtype)
+    sin_H, cos_H = (jnp.concatenate([f(angle)] * 2, axis=-1)[..., None, :] for f in (jnp.sin, jnp.cos))
+    return turn(x_BxLxNxH, cos_H, sin_H)
 
 
 class Attention(nnx.Module):
@@ -176,7 +174,15 @@ class DenseFFN(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         x = x_BxLxD.astype(self.dtype)
-        gate_BxLxF = jax.nn.silu(checkpoint_name(x @ self.w_gate[...].astype(self.dtype), "ffn_gate"))
-        in_BxLxF = checkpoint_name(x @ self.w_in[...].astype(self.dtype), "ffn_in")
+        gate_BxLxF = jax.nn.silu(checkpoint_name(self._times(x, self.w_gate), "ffn_gate"))
+        in_BxLxF = checkpoint_name(self._times(x, self.w_in), "ffn_in")
         h_BxLxF = constrain(gate_BxLxF * in_BxLxF, ("batch", "length", "mlp"))
-        return h_BxLxF @ self.w_out[...].astype(self.dtype)
+        return self._times(h_BxLxF, self.w_out)
+
+    def _times(self, x: jax.Array, w: nnx.Param) -> jax.Array:
+        """x @ w; an int4 weight (serving, trainer/serve/quant4.py) contracted group by group, never widened
+        whole (at one decode row XLA widened its scales to the weight's size in float32 first)."""
+        held = w.get_value()
+        if hasattr(held, "contract"):
+            return held.contract(x, self.dtype).astype(self.dtype)
+        return x @ w[...].astype(self.dtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from trainer.model_config import YarnConfig
@@ -36,3 +38,43 @@ def yarn_frequencies(dim: int, theta: float, yarn: YarnConfig) -> tuple[tuple[fl
         values = mscale(yarn.factor, 1.0)
     softmax = mscale(yarn.factor, yarn.mscale_all_dim) ** 2 if yarn.mscale_all_dim else 1.0
     return tuple(float(f) for f in inv_freq), float(values), softmax
+
+
+def _swap_halves(h: int, dtype, transpose: bool = False) -> jax.Array:
+    """[h, h]: x @ it is (-x2, x1) for x = (x1, x2), each value moved whole (its transpose moves them back)."""
+    half, m = h // 2, np.zeros((h, h), np.float32)
+    m[np.arange(half) + half, np.arange(half)] = -1.0
+    m[np.arange(half), np.arange(half) + half] = 1.0
+    return jnp.asarray(m.T if transpose else m, dtype)
+
+
+def _turned(x: jax.Array, cos_H: jax.Array, sin_H: jax.Array, transpose: bool = False) -> jax.Array:
+    # x times its cosines plus its halves swapped (one a sign) times the sines, in float32, rounded once. The swap
+    # is a product with a signed permutation: exact (each output one input; in float32 at 'highest'), and
+    # a matmul whose epilogue XLA fuses the rest into, so the values stay whole rows of 128 lanes on a TPU.
+    precision = None if x.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
+    swapped = jnp.einsum("...h,hk->...k", x, _swap_halves(x.shape[-1], x.dtype, transpose),
+                         preferred_element_type=jnp.float32, precision=precision)
+    return (x.astype(jnp.float32) * cos_H + swapped * sin_H).astype(x.dtype)
+
+
+@jax.custom_vjp
+def turn(x: jax.Array, cos_H: jax.Array, sin_H: jax.Array) -> jax.Array:
+    """Rotates each feature pair (i, i + H/2) of x [..., H] by the angles whose cosines and sines (each of the H/2
+    repeated twice, [..., H], broadcasting against x) are given: (x1 cos - x2 sin, x2 cos + x1 sin), computed in
+    float32. Written with its backward pass (the same rotation, reversed) because autodiff's of the
+    halves-and-concatenate form moved float32 halves of 64 lanes through memory: on a v5e chip moe-1b's
+    step spent about 19 ms a step in those passes."""
+    return _turned(x, cos_H, sin_H)
+
+
+def _turn_forward(x, cos_H, sin_H):
+    return _turned(x, cos_H, sin_H), (cos_H, sin_H)
+
+
+def _turn_backward(residuals, g):
+    cos_H, sin_H = residuals
+    return _turned(g, cos_H, sin_H, transpose=True), None, None  # the angles are no parameter
+
+
+turn.defvjp(_turn_forward, _turn_backward)
