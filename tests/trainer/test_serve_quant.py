@@ -261,6 +261,30 @@ def test_a_layers_grouped_product_from_the_whole_stack_is_the_product_with_its_o
         assert not np.any(np.asarray(got[32:]))
 
 
+def test_int4_grouped_kernel_reads_the_held_scales_and_equals_the_exact_product():
+    """The TPU's int4 grouped matmul (gmm.int4_grouped_matmul, through Pallas' interpreter) over float32 scales
+    as the stack holds them: each row's product with its group's integers times their scales rounded to
+    bfloat16, to float32's precision, with a last tile of inputs that holds one scale of its eight, empty
+    groups and groups sharing a tile of rows; the shapes it takes (a tile's scales: 8 rows, or all)."""
+    from trainer.moe.gmm import int4_grouped_matmul, int4_kernel_fits
+
+    rng = np.random.default_rng(2)
+    groups, inputs, outputs, rows = 4, 1152, 128, 16
+    q = rng.integers(-7, 8, (groups, inputs, outputs))
+    scale = rng.uniform(1e-3, 2e-2, (groups, inputs // 128, outputs)).astype(np.float32)
+    x = jnp.asarray(rng.normal(0, 1, (rows, inputs)), jnp.bfloat16)
+    sizes = np.array([5, 0, 6, 3])
+    got = int4_grouped_matmul(x, jnp.asarray(q, jnp.int4), jnp.asarray(scale), jnp.asarray(sizes, jnp.int32),
+                              (8, 1024, 128), interpret=True)
+    group = np.repeat(np.arange(groups), sizes)
+    rounded = np.asarray(jnp.asarray(scale, jnp.bfloat16), np.float64)
+    w = q[group] * np.repeat(rounded[group], 128, axis=1)
+    want = np.einsum("mk,mkn->mn", np.asarray(x, np.float64)[:sizes.sum()], w)
+    np.testing.assert_allclose(np.asarray(got[:sizes.sum()]), want, rtol=0, atol=1e-6 * np.abs(want).max())
+    assert int4_kernel_fits(1024, 8, 1024) and int4_kernel_fits(2816, 22, 1024) and int4_kernel_fits(512, 4, 512)
+    assert not int4_kernel_fits(384, 3, 256) and not int4_kernel_fits(192, 3, 192)  # 2 scales a tile; 64 inputs
+
+
 def test_mxfp4_weights_on_the_grid_come_back_exactly_and_as_the_hub_dequantises_them():
     """A stacked experts' weight whose every block of 32 inputs is a power of two times FP4 values, a 6 or a 4
     among them, is its own MXFP4: its values and scale bytes come back bit for bit; Hub bytes dequantised as

@@ -225,12 +225,24 @@ def test_chunked_loss_and_the_chip_kernels_train_as_the_cpu(chip, cpu):
     np.testing.assert_allclose(losses["chip"], losses["cpu"], rtol=BF16_LOSS)
 
 
+def stacked_on(device, stack, x_MxK, block_group_NB):
+    """Layer 1 of `stack` times x through the grouped matmul, traced on `device`'s own mesh: the kernels pick
+    their path by the traced mesh's platform (the chip's Mosaic kernel, the CPU's XLA reference), not by the
+    process's default backend, which on a TPU host is the chip's even for the CPU device's arrays."""
+    from trainer.moe.gmm import grouped_matmul
+    from trainer.moe.stacked import LayerOf
+
+    def layer(s, x):
+        with sharding.logical_mesh(mesh_of(device)):
+            return grouped_matmul(x, LayerOf(s, jnp.int32(1)), block_group_NB, jnp.int32(8))
+
+    return jax.jit(layer)(stack, jax.device_put(x_MxK, device))
+
+
 def test_the_stacked_grouped_matmul_reads_an_mxfp4_stack_as_the_cpu(chip, cpu, monkeypatch):
     """A layer of an MXFP4 expert stack (FP4 values, a scale a block of 32 inputs: trainer/serve/mxfp4.py): on
     the chip the layer read widened (the Mosaic kernel's matrix unit takes no FP4 operand on a v5e), on the CPU
     tokamax's XLA reference; the same rows out."""
-    from trainer.moe.gmm import grouped_matmul
-    from trainer.moe.stacked import LayerOf
     from trainer.serve import mxfp4
 
     monkeypatch.setattr("sys.argv", ["pytest"])  # the kernel library parses no test runner's flags
@@ -241,7 +253,25 @@ def test_the_stacked_grouped_matmul_reads_an_mxfp4_stack_as_the_cpu(chip, cpu, m
 
     def run(device):
         stack = jax.device_put(mxfp4.quantize_array("stacks.0.0.ffn.w_in", w), device)
-        step = jax.jit(lambda s, x: grouped_matmul(x, LayerOf(s, jnp.int32(1)), block_group_NB, jnp.int32(8)))
-        return step(stack, jax.device_put(x_MxK, device))
+        return stacked_on(device, stack, x_MxK, block_group_NB)
+
+    assert relative_error(run(chip), run(cpu)) < 1e-2
+
+
+def test_the_stacked_grouped_matmul_reads_an_int4_stack_as_the_cpu(chip, cpu, monkeypatch):
+    """A layer of an int4 expert stack in jnp.int4 (a float32 scale a group of 128 inputs, 9 groups: the last
+    tile of 1,024 inputs holds one): on the chip gmm.int4_grouped_matmul reading the scales as held, on the
+    CPU tokamax's XLA reference (which rounds each widened weight to bfloat16); the same rows out."""
+    from trainer.serve import quant4
+
+    monkeypatch.setattr("sys.argv", ["pytest"])  # the kernel library parses no test runner's flags
+    keys = jax.random.split(jax.random.key(0), 2)
+    w = jax.random.normal(keys[0], (2, 8, 1152, 256), jnp.bfloat16) * 0.05  # [layers, experts, in, out]
+    x_MxK = jax.random.normal(keys[1], (128, 1152), jnp.bfloat16)
+    block_group_NB = jnp.arange(8, dtype=jnp.int32)  # blocks of 16 rows, one an expert of layer 1
+
+    def run(device):
+        stack = jax.device_put(quant4.quantize_array("stacks.0.0.ffn.w_in", w, storage="native"), device)
+        return stacked_on(device, stack, x_MxK, block_group_NB)
 
     assert relative_error(run(chip), run(cpu)) < 1e-2

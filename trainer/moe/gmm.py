@@ -74,10 +74,12 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
     """x @ w's layer, grouped by `sizes_G` (the layer's experts), read from the whole stack by tokamax's ragged
     dot: the stack is one weight of [layers * experts] groups (LayerOf.groups) and the other layers' groups get
     no rows, so a kernel reads only the tiles of the experts rows go to, a quantized stack as integers and
-    scales. On a TPU the kernel is tokamax's Mosaic grouped matmul, with tiles for the step's shape
-    (stacked_tiling); elsewhere tokamax's XLA reference (widened weights and a masked dense product: tests).
+    scales. On a TPU the kernel is tokamax's Mosaic grouped matmul, or for an int4 stack int4_grouped_matmul,
+    with tiles for the step's shape (stacked_tiling); elsewhere tokamax's XLA reference (widened weights and a
+    masked dense product: tests).
     None where the stack has no grouped form (int4 nibbles) or the kernel takes none (MXFP4 on a TPU): the
     caller reads the layer."""
+    import qwix
     import tokamax
 
     from trainer.sharding import current_platform
@@ -97,13 +99,20 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
                                          (w.group_offset(),))
     m = x_MxK.shape[0]
     x = x_MxK if w.dtype is None else x_MxK.astype(w.dtype)
+    int4 = isinstance(groups, qwix.QArray) and groups.qvalue.dtype == jnp.int4
     implementation = ["xla"]
     if on_tpu:
         # The kernel takes 128 rows or more; past 512, whole tiles of 512 (stacked_tiling). Padding rows are
         # in no group: no tile of theirs is visited.
         rows = max(MIN_KERNEL_ROWS, m) if m <= 512 else -(-m // 512) * 512
         x = jnp.pad(x, ((0, rows - m), (0, 0)))
-        implementation = [tpu_ragged_dot(*stacked_tiling(x.shape[0], *groups.shape[1:])), "xla"]
+        tiles = stacked_tiling(x.shape[0], *groups.shape[1:])
+        if int4 and int4_kernel_fits(groups.shape[1], groups.scale.shape[1], tiles[1]):
+            out = int4_grouped_matmul(x, groups.qvalue, groups.scale, sizes, tiles)
+            return _rows_in_groups(out[:m], sizes_G, x_MxK.dtype)
+        implementation = [tpu_ragged_dot(*tiles), "xla"]
+    if int4:  # the XLA reference, and tokamax's kernel where ours does not fit, take bfloat16 scales
+        groups = qwix.QArray(groups.qvalue, groups.scale.astype(jnp.bfloat16))
     out = tokamax.ragged_dot(x, groups, sizes, preferred_element_type=jnp.float32, implementation=implementation)
     # Rows past the groups (the layout's unused blocks, the padding) are in no group: no expert's tiles are read
     # for them, and the kernel leaves them unwritten.
@@ -115,7 +124,13 @@ def stacked_matmul(x_MxK: jax.Array, w: LayerOf, sizes_G: jax.Array) -> jax.Arra
         ends_E = jnp.cumsum(sizes_G.astype(jnp.int32))
         expert_M = jnp.sum(ends_E[None, :] <= rows_M[:, None], axis=1)
         out = out * jnp.take(row_scales_GxN, w.group_offset() + expert_M, axis=0, mode="clip")
-    return jnp.where((rows_M < jnp.sum(sizes_G))[:, None], out, 0).astype(x_MxK.dtype)
+    return _rows_in_groups(out, sizes_G, x_MxK.dtype)
+
+
+def _rows_in_groups(out_MxN: jax.Array, sizes_G: jax.Array, dtype) -> jax.Array:
+    """The product's rows in the layer's groups; rows past them, which no kernel writes, as zeros."""
+    rows_M = jnp.arange(out_MxN.shape[0])
+    return jnp.where((rows_M < jnp.sum(sizes_G))[:, None], out_MxN, 0).astype(dtype)
 
 
 def tokamax_without_argv() -> None:
@@ -147,6 +162,114 @@ def stacked_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     # past 512 rows stacked_matmul pads to whole tiles of 512
     rows = power or (512 if m > 512 and m % 512 == 0 else m)
     return rows, min(k, 1024), min(n, 1024 if rows <= 256 else 512)
+
+
+def int4_kernel_fits(k: int, scales: int, tile_k: int) -> bool:
+    """Whether int4_grouped_matmul takes a contraction of k inputs with `scales` scales along it in tiles of
+    tile_k: whole lane tiles of inputs a scale, whole scales a tile, and a tile's scales a whole number of
+    sublane tiles (8 rows of float32) or all of them."""
+    step = k // scales
+    return step % 128 == 0 and tile_k % step == 0 and ((tile_k // step) % 8 == 0 or tile_k // step == scales)
+
+
+# Why stacked_matmul's int4 stacks have a kernel of their own: tokamax's Mosaic wrapper (0.0.12,
+# tokamax/_src/mosaic_tpu.py quant_block_spec) takes a QArray's scales along the contraction only repeated 8
+# times, one row per 16 inputs, so that each scale fills the v5e's 8 sublanes, and it repeats them with a
+# jnp.repeat of the whole operand on every call, whatever shape they come in. For the stack of every MoE
+# layer's experts that is every layer's scales in every layer: compiled for a v5e chip, moe-1b's decode step
+# wrote bf16[96, 64, 2816] twice and bf16[96, 176, 1024] (34.6 MB each) in each of the layer loop's 6 steps,
+# which XLA does not hoist (benchmarks/serve_aot.py). Holding the scales repeated would add a quarter of the
+# int4 bytes to HBM (104 MB for moe-1b) and still be repeated again by that wrapper. int4_grouped_matmul runs
+# tokamax's schedule instead (its group metadata, grid and tiles: only the routed experts' tiles are visited)
+# and reads each tile's scales as the stack holds them, an [8, columns] float32 block per 1,024 inputs (a
+# quarter of the bytes of the repeated bfloat16 block), broadcasting one row over the tile's rows in VMEM for
+# each group of inputs, where tokamax's kernel multiplies by its repeated rows.
+
+
+def int4_grouped_matmul(x_MxK: jax.Array, values_GxKxN: jax.Array, scale_GxCxN: jax.Array, sizes_G: jax.Array,
+                        tiles: tuple[int, int, int], interpret: bool = False) -> jax.Array:
+    """float32 out[m] = x[m] @ (values[g] times its scales) for each row m of group g (sizes_G, in order), each
+    of the C scales along the K inputs (one a K / C of them) read as held (float32) and rounded to bfloat16
+    where it multiplies, as tokamax's kernel was handed them; rows in no group are left unwritten. Each group
+    of inputs' partial product times its scale, summed in float32 in tokamax's order: on the CPU (Pallas'
+    interpreter) the exact product to float32's precision (tests/trainer/test_serve_quant.py)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu_kernel as mosaic
+
+    m, k = x_MxK.shape
+    groups, _, n = values_GxKxN.shape
+    step = k // scale_GxCxN.shape[1]
+    tm, tk, tn = tiles
+    metadata, active = mosaic.make_group_metadata(group_sizes=sizes_G.astype(jnp.int32), m=m, tm=tm, start_group=0,
+                                                  num_nonzero_groups=groups, visit_empty_groups=False)
+
+    def rows_map(n_i, grid_id, k_i, metadata):
+        return metadata[2][grid_id], k_i
+
+    def group_map(n_i, grid_id, k_i, metadata):
+        return metadata[1][grid_id], k_i, n_i
+
+    def out_map(n_i, grid_id, k_i, metadata):
+        return metadata[2][grid_id], n_i
+
+    call = pl.pallas_call(
+        _int4_tile_kernel(k, step, tiles),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            in_specs=[pl.BlockSpec((tm, tk), rows_map), pl.BlockSpec((None, tk, tn), group_map),
+                      pl.BlockSpec((None, tk // step, tn), group_map)],
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            grid=(pl.cdiv(n, tn), active, pl.cdiv(k, tk)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="int4_grouped_matmul",
+    )
+    return call(metadata, x_MxK, values_GxKxN, scale_GxCxN)
+
+
+def _int4_tile_kernel(k: int, step: int, tiles: tuple[int, int, int]):
+    """int4_grouped_matmul's body for one (columns, group's row tile, inputs) tile: the tile's partial products,
+    a group of `step` inputs at a time, times their scales into the accumulator; at the last tile of inputs
+    the accumulator's rows of this group into the output (its other rows are another group's)."""
+    from jax.experimental import pallas as pl
+
+    tm, tk, tn = tiles
+    tiles_k = -(-k // tk)
+    per_tile, in_last = tk // step, (k - (tiles_k - 1) * tk) // step
+
+    def kernel(metadata, x_ref, q_ref, s_ref, out_ref, acc_ref):
+        grid_id, k_i = pl.program_id(1), pl.program_id(2)
+
+        @pl.when(k_i == 0)
+        def _zero():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        def accumulate(scales: int):
+            for j in range(scales):
+                inputs = slice(j * step, (j + 1) * step)
+                # the int4 operand as it is, as tokamax's kernel hands it over: Mosaic widens it on the way in
+                part = jax.lax.dot_general(x_ref[:, inputs], q_ref[inputs, :], (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+                acc_ref[...] += part * s_ref[j:j + 1, :].astype(jnp.bfloat16).astype(jnp.float32)
+
+        if in_last == per_tile:
+            accumulate(per_tile)
+        else:  # the last tile of inputs runs past k: only its scales that hold inputs
+            jax.lax.cond(k_i == tiles_k - 1, lambda: accumulate(in_last), lambda: accumulate(per_tile))
+
+        @pl.when(k_i == tiles_k - 1)
+        def _store():
+            offsets, group_ids, m_tile_ids = metadata
+            group = group_ids[grid_id]
+            row = jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0) + m_tile_ids[grid_id] * tm
+            mine = (row >= offsets[group]) & (row < offsets[group + 1])
+            out_ref[...] = jnp.where(mine, acc_ref[...], out_ref[...])
+
+    return kernel
 
 
 @functools.cache

@@ -10,7 +10,8 @@ int8 or int4 weight was widened to a float copy first (benchmarks/serve_aot.py c
 A LayerOf keeps the stack whole. The grouped matmul (trainer/moe/gmm.py) reads it as one weight of
 [layers * experts] groups whose groups outside the layer hold no rows, so the kernel fetches only the
 experts the step's tokens route to, straight from the stack, and a quantized stack as its integers and
-scales (tokamax's ragged dot takes them as a qwix QArray and widens each tile inside the kernel). Every other
+scales (tokamax's ragged dot takes them as a qwix QArray and widens each tile inside the kernel; an int4 stack
+goes to gmm.int4_grouped_matmul, which reads its scales as held). Every other
 reader (the CPU's tiled loop, the batched capacity path, an expert-parallel shard_map) takes `read()`: the
 layer's slice as the scan would have handed it, so what a step computes is the same either way.
 """
@@ -70,8 +71,9 @@ class LayerOf:
             return qwix.QArray(flat(values), flat(self.stack.factors()).astype(jnp.bfloat16)), None
         if scale.shape[-2] == 1:  # int8: one scale an output channel, [layers, experts, 1, out]
             return flat(values), flat(scale)[:, 0]
-        # int4's scales go in as bfloat16: the kernel's operand broadcasts them over its sublanes per call
-        return qwix.QArray(flat(values), flat(scale).astype(jnp.bfloat16)), None
+        # int4: the scales as held (float32, one a group of inputs); the grouped matmul rounds them to bfloat16
+        # where it multiplies, and on a TPU reads them in this shape (gmm.py int4_grouped_matmul says why)
+        return qwix.QArray(flat(values), flat(scale)), None
 
     def group_offset(self) -> jax.Array:
         """The layer's first group in groups()."""
