@@ -14,10 +14,14 @@ output (sum_s p_s c_s) W_v, the weighted latents up-projected once per query; so
 the cached latents, never over expanded keys and values. A long prefill chunk, whose many queries would each
 pay the latent's width, expands the span's keys and values from the cache instead, where that costs fewer
 FLOPs (MLAttention.expands). Heads split over the mesh's `model` axis as there;
-the latent, which every head reads, is whole on every device.
+the cached latent, which every head reads, is split by position over it instead: each device attends over its
+own positions for every head and the softmax's parts are merged (latent_softmax_parts,
+trainer/serve/latentcache.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -85,24 +89,20 @@ class MLAttention(nnx.Module):
 
     def _absorbed(self, x_BxLxD: jax.Array, cache):
         """(output [B, L, D], the updated cache): attention over the cached latents, W_k folded into the
-        query and W_v into the output (the module's docstring), in float32 softmax."""
+        query and W_v into the output (the module's docstring), in float32 softmax; each device of a cache
+        split by position attends over its own positions (trainer/serve/latentcache.py merges them)."""
         P, dtype = self.mla.qk_nope_head_dim, self.dtype
         q_nope_BxLxNxP, q_rope_BxLxNxR = self._queries(x_BxLxD, cache.starts_B)
-        latent_BxLxC, rope_BxLxR = self._latent(x_BxLxD, cache.starts_B)
-        cache, latent_BxSxC, rope_BxSxR, mask_Bx1xLxS = cache.append(latent_BxLxC, rope_BxLxR)
-        latent_BxSxC, rope_BxSxR = latent_BxSxC.astype(dtype), rope_BxSxR.astype(dtype)
+        cache = cache.write(*self._latent(x_BxLxD, cache.starts_B))
         wkv_b_CxNxF = self.wkv_b[...].astype(dtype)
-        if self.expands(x_BxLxD.shape[1], latent_BxSxC.shape[1]):
-            o_BxLxNxV = self._expanded(q_nope_BxLxNxP, q_rope_BxLxNxR, latent_BxSxC, rope_BxSxR, mask_Bx1xLxS,
-                                       wkv_b_CxNxF)
+        if self.expands(x_BxLxD.shape[1], cache.positions):
+            latent_BxSxC, rope_BxSxR, mask_Bx1xLxS = cache.read(x_BxLxD.shape[1])
+            o_BxLxNxV = self._expanded(q_nope_BxLxNxP, q_rope_BxLxNxR, latent_BxSxC.astype(dtype),
+                                       rope_BxSxR.astype(dtype), mask_Bx1xLxS, wkv_b_CxNxF)
             return jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(dtype)), cache
         q_BxLxNxC = constrain(jnp.einsum("blnp,cnp->blnc", q_nope_BxLxNxP, wkv_b_CxNxF[..., :P]), _HEADS_OUT)
-        scores_BxNxLxS = (jnp.einsum("blnc,bsc->bnls", q_BxLxNxC, latent_BxSxC, preferred_element_type=jnp.float32)
-                          + jnp.einsum("blnr,bsr->bnls", q_rope_BxLxNxR, rope_BxSxR,
-                                       preferred_element_type=jnp.float32)) * self.scale
-        scores_BxNxLxS = jnp.where(mask_Bx1xLxS, scores_BxNxLxS, jnp.finfo(jnp.float32).min)
-        probs_BxNxLxS = jax.nn.softmax(scores_BxNxLxS, axis=-1).astype(dtype)
-        o_BxLxNxC = constrain(jnp.einsum("bnls,bsc->blnc", probs_BxNxLxS, latent_BxSxC), _HEADS_OUT)
+        parts = functools.partial(latent_softmax_parts, scale=self.scale)
+        o_BxLxNxC = constrain(cache.attend(parts, q_BxLxNxC, q_rope_BxLxNxR).astype(dtype), _HEADS_OUT)
         o_BxLxNxV = jnp.einsum("blnc,cnv->blnv", o_BxLxNxC, wkv_b_CxNxF[..., P:])
         return jnp.einsum("blnv,nvd->bld", o_BxLxNxV, self.wo[...].astype(dtype)), cache
 
@@ -166,3 +166,20 @@ class MLAttention(nnx.Module):
         q_BxLxNxQ = jnp.concatenate([q_nope_BxLxNxP, q_rope_BxLxNxR], axis=-1)
         k_BxLxNxQ = jnp.concatenate([k_nope_BxLxNxP, k_rope_BxLxNxR], axis=-1)
         return q_BxLxNxQ, k_BxLxNxQ, kv_BxLxNxF[..., P:]
+
+
+def latent_softmax_parts(q_BxLxNxC: jax.Array, q_rope_BxLxNxR: jax.Array, latent_BxSxC: jax.Array,
+                         rope_BxSxR: jax.Array, mask_Bx1xLxS: jax.Array, *, scale: float):
+    """Softmax's parts over S positions of the cache, to be merged with other positions' or normalised alone
+    (trainer/serve/latentcache.py's attend): each query's highest score [B, N, L], the sum of its exponentials
+    relative to it [B, N, L] and the latents they weigh [B, L, N, C], all float32. A masked position weighs
+    nothing, so a query with none of the S positions to attend to contributes nothing to the merge."""
+    latent_BxSxC, rope_BxSxR = latent_BxSxC.astype(q_BxLxNxC.dtype), rope_BxSxR.astype(q_BxLxNxC.dtype)
+    scores_BxNxLxS = (jnp.einsum("blnc,bsc->bnls", q_BxLxNxC, latent_BxSxC, preferred_element_type=jnp.float32)
+                      + jnp.einsum("blnr,bsr->bnls", q_rope_BxLxNxR, rope_BxSxR,
+                                   preferred_element_type=jnp.float32)) * scale
+    max_BxNxL = jnp.max(jnp.where(mask_Bx1xLxS, scores_BxNxLxS, jnp.finfo(jnp.float32).min), axis=-1)
+    exp_BxNxLxS = jnp.where(mask_Bx1xLxS, jnp.exp(scores_BxNxLxS - max_BxNxL[..., None]), 0.0)
+    weighted_BxLxNxC = jnp.einsum("bnls,bsc->blnc", exp_BxNxLxS.astype(latent_BxSxC.dtype), latent_BxSxC,
+                                  preferred_element_type=jnp.float32)
+    return max_BxNxL, jnp.sum(exp_BxNxLxS, axis=-1), weighted_BxLxNxC

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from provision import catalogue
 from provision.planner.estimates import Mesh, hbm_bytes_per_s, ici_bytes_per_s, mesh_options
 from trainer.arith import quant
-from trainer.arith.kv import slot_positions
+from trainer.arith.kv import latent_split_ways, slot_positions
 from trainer.arith.mesh import shard_ways
 from trainer.arith.params import DTYPE_BYTES, ParamInfo
 
@@ -139,14 +139,17 @@ class KvLayout:
     note: str = ""
 
 
-def engine_kv_layout(cfg: trainer_config.Config, mesh: Mesh) -> KvLayout:
+def engine_kv_layout(cfg: trainer_config.Config, mesh: Mesh, max_len: int | None = None) -> KvLayout:
     """As trainer/serve/engine.py lays it out (KVCache.sharding): the KV heads split over `model` where it
     divides them, else every chip holding all of them; each chip attending for its own batch rows
-    (data x expert) and its heads. Latent attention's cache (LatentCache.sharding) is whole on every chip:
-    each head reads every latent."""
+    (data x expert) and its heads. Latent attention's cache (LatentCache.sharding), which every head reads,
+    is split by position over `model` (latent_split_ways; max_len None: one it divides), each chip attending
+    over its own positions."""
     if cfg.model.mla is not None:
-        return KvLayout(hold_ways=1, read_ways=mesh.token_shards,
-                        note="latent attention's latents whole on every chip, as the engine holds them")
+        ways = latent_split_ways(mesh.model, max_len or 0)
+        note = (f"latent attention's positions split over model={mesh.model}, as the engine holds them" if ways > 1
+                else "latent attention's latents whole on every chip, as the engine holds them")
+        return KvLayout(hold_ways=ways, read_ways=mesh.token_shards * ways, note=note)
     heads = mesh.model if cfg.model.kv_heads % mesh.model == 0 else 1
     note = (f"KV heads split over model={mesh.model}, as the engine holds them" if heads > 1
             else "every chip holds all KV heads, as the engine does")
@@ -241,7 +244,7 @@ def serving(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh,
 
     kv_precision = kv_precision or precision
     return Serving(cfg=cfg, mesh=mesh, acc=acc, weights=chip_weights(params, cfg, mesh, precision),
-                   kv=kv or engine_kv_layout(cfg, mesh), kv_per_token=kv_bytes_per_token(cfg, kv_precision),
+                   kv=kv or engine_kv_layout(cfg, mesh, max_len), kv_per_token=kv_bytes_per_token(cfg, kv_precision),
                    kv_per_slot=kv_bytes_per_slot(cfg, kv_precision, max_len),
                    matmul_params=count_params(params, cfg).matmul_active, max_len=max_len,
                    weight_precision=precision, kv_precision=kv_precision, headroom=headroom, hbm_bytes=hbm_bytes,
@@ -343,8 +346,8 @@ class LatentCapacity:
 
 def latent_capacity(s: Serving, tokens: int = 2048) -> LatentCapacity | None:
     """For latent attention (None otherwise): the sequences one chip holds with the engine's latent cache
-    (whole on every chip) and with the heads' keys and values (split over `model` where it divides the
-    heads, as the engine splits a cache of heads)."""
+    (split by position over `model` as the engine splits it: engine_kv_layout) and with the heads' keys and
+    values (split over `model` where it divides the heads, as the engine splits a cache of heads)."""
     m = s.cfg.model
     if m.mla is None:
         return None

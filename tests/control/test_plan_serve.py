@@ -182,8 +182,8 @@ def test_the_kv_cache_is_the_engines():
 def test_latent_attentions_kv_bytes_and_decode_flops_are_the_engines():
     """deepseek-v3-671b (not built: the cache's bytes from its config): the engine's latent cache keeps
     (kv_lora_rank + qk_rope_head_dim) values a token and layer (int8: a float32 scale for each of the two),
-    which is what the planner counts; the decode step's attention is absorbed (scores over the latent and
-    the rotary key, the weighted sum over the latent), whole on every chip."""
+    which is what the planner counts, split by position over `model` as the engine splits it; the decode
+    step's attention is absorbed (scores over the latent and the rotary key, the weighted sum over the latent)."""
     from provision.planner.serve_report import latent_capacity_document, latent_capacity_rows
     from provision.planner.serving import attention_flops_per_position, latent_capacity
     from trainer.serve.latentcache import CacheLayout
@@ -192,7 +192,9 @@ def test_latent_attentions_kv_bytes_and_decode_flops_are_the_engines():
     layout = CacheLayout.of(cfg.model)
     assert planner.kv_bytes_per_token(cfg, "bf16") == (512 + 64) * 61 * 2 == layout.nbytes(1, 1, "bfloat16")
     assert planner.kv_bytes_per_token(cfg, "int8") == (512 + 64 + 8) * 61 == layout.nbytes(1, 1, "int8")
-    assert planner.engine_kv_layout(cfg, planner.Mesh(1, 64, model=4)).hold_ways == 1
+    # The engine splits the latents' positions over `model` (where it divides max_len): a quarter on each chip.
+    assert planner.engine_kv_layout(cfg, planner.Mesh(1, 64, model=4), 2048).hold_ways == 4
+    assert planner.engine_kv_layout(cfg, planner.Mesh(1, 64, model=3), 2048).hold_ways == 1
     assert attention_flops_per_position(cfg) == 2 * 128 * (2 * 512 + 64)
     s = planner.serving(param_inventory(cfg), cfg, planner.Mesh(1, 64, model=4), catalogue.accelerator("v5litepod-256"),
                         "int8", max_len=2048, headroom=0.1)
@@ -201,9 +203,9 @@ def test_latent_attentions_kv_bytes_and_decode_flops_are_the_engines():
     cap = latent_capacity(s)
     assert cap.leftover == s.usable() - s.weights.held > 0 and cap.latent_per_token == (512 + 64 + 8) * 61
     assert cap.uncompressed_per_token == 61 * 128 * ((128 + 64 + 128) + 2 * 4)
-    assert cap.latent_sequences == int(cap.leftover // (2048 * cap.latent_per_token)) > 50
+    assert cap.latent_sequences == int(cap.leftover // (2048 * cap.latent_per_token / 4)) > 200
     assert cap.uncompressed_sequences == int(cap.leftover // (2048 * cap.uncompressed_per_token / 4)) > 0
-    assert cap.latent_sequences >= 17 * cap.uncompressed_sequences  # 71 times the bytes, split 4 ways
+    assert cap.latent_sequences >= 70 * cap.uncompressed_sequences  # a 71st of the bytes, both split 4 ways
     row = planner.Row(serving=s, slots=8, step=step, step_batch_1=step, largest_batch=0, step_largest=None)
     assert latent_capacity_document(row)["latent_cache"] == {
         "context_tokens": 2048, "leftover_hbm_bytes_per_chip": cap.leftover,

@@ -231,7 +231,7 @@ def test_greedy_generation_through_the_serving_engine_equals_transformers(v3_gen
     """8 prompts, 32 greedy tokens each, through the engine's prefill and decode over the latent cache (the
     latent and the rotary key a token, the heads' up-projections absorbed; V3's selection bias restored with
     the weights) against transformers' generate(do_sample=False); on one device and on 8 with the experts
-    split over `expert`, then the heads over `model` too (the latent whole on every device). One engine a
+    split over `expert`, then the heads over `model` too (the latent's positions split over it). One engine a
     mesh: the prefill and a decode a row count compiled each."""
     import math
 
@@ -249,8 +249,9 @@ def test_greedy_generation_through_the_serving_engine_equals_transformers(v3_gen
     bias, layer = stacks.locate(served.cfg.model, "blocks.1.ffn.expert_bias")
     assert np.abs(np.asarray(weights["moe_bias"][bias][layer])).max() > 0  # the file's bias
     engine = Engine(served, weights, slots=8, max_len=prompts.shape[1] + NEW, chunk=16)
-    assert sorted(vars(engine.cache)) == ["latent", "latent_scale", "rope", "rope_scale"] and \
-        engine.cache.latent.sharding.is_fully_replicated
+    assert sorted(vars(engine.cache)) == ["latent", "latent_scale", "rope", "rope_scale"]
+    positions = "model" if "model" in mesh else None  # the latent's positions split over `model`
+    assert engine.cache.latent.sharding.spec == jax.sharding.PartitionSpec(None, None, positions, None)
     requests = [engine.submit(Request(p.tolist(), SamplingParams(max_tokens=NEW, temperature=0.0))) for p in prompts]
     engine.run()
     assert [r.output for r in requests] == expected

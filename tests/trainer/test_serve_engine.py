@@ -103,6 +103,36 @@ def test_a_long_latent_prefill_chunk_expands_the_heads_and_gives_the_full_forwar
     np.testing.assert_allclose(logits[0], forward(weights, tokens_1xL)[0], atol=1e-5, rtol=0)
 
 
+def test_the_latent_cache_split_by_position_over_model_decodes_as_the_full_forward(latent):
+    """On data=2,model=4 the latent cache holds a quarter of the positions on each device (max_len / 4, as the
+    start-up memory check counts it). Two rows (over `data`) prefill 17 tokens in one chunk, written over
+    three devices' positions and expanded from the latents gathered, then decode a token at a time over a span
+    of 24, each device's softmax over its own positions (the last device's all outside the span) merged: every
+    position's logits are the full forward's, and a decode step gathers no part of the cache."""
+    one, one_weights, forward, _ = latent
+    m = one.cfg.model
+    model = build_serving_model(one.cfg, sharding.make_mesh({"data": 2, "expert": 1, "model": 4}, jax.devices()[:8]))
+    weights = jax.device_put(one_weights, {k: model.shardings[k] for k in one_weights})
+    layout = CacheLayout.of(m)
+    cache = jax.device_put(layout.empty(2, 32, jnp.float32), layout.sharding(model.mesh, jnp.float32, 32))
+    assert cache.latent.sharding.spec[2] == "model" and cache.latent.addressable_shards[0].data.shape[2] == 8
+    assert memory_plan(model, 2, 32, "float32", None)["kv_cache"] == sum(
+        a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(cache)) == layout.nbytes(2, 32, "float32") // 4
+    decode = jax.jit(lambda w, c, t, s, span: model.module(w).decode(t, c, s, span=span), static_argnums=4)
+    tokens_2xL = jnp.asarray(np.random.RandomState(2).randint(0, m.vocab_size, (2, LENGTH)), jnp.int32)
+    assert model.module(weights).layers()[0].attn.expands(17, 32)
+    logits, cache = decode(weights, cache, tokens_2xL[:, :17], jnp.asarray([0, 0]), None)
+    pieces, step = [logits], decode.lower(weights, cache, tokens_2xL[:, 17:18], jnp.asarray([17, 17]), 24).compile()
+    for position in range(17, LENGTH):
+        logits, cache = step(weights, cache, tokens_2xL[:, position:position + 1], jnp.asarray([position] * 2))
+        pieces.append(logits)
+    expected = [forward(one_weights, tokens_2xL[row:row + 1])[0] for row in range(2)]
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), np.stack(expected), atol=1e-5, rtol=0)
+    gathered = [np.prod([int(d) for d in dims.split(",")]) for dims in
+                re.findall(r"f32\[([\d,]+)\]\S* all-gather(?:-start)?\(", step.as_text())]
+    assert gathered and max(gathered) < 2 * 32 * m.mla.kv_lora_rank  # a layer's latents of the two slots
+
+
 def test_the_int8_latent_cache_attends_close_to_float(latent):
     """int8 latents and rotary keys with a float32 scale each a position: under a third of float32's bytes,
     and one layer's attention through it (two prefill chunks, then a token at a time) within 2% of the

@@ -14,7 +14,8 @@ from trainer.arith.quant import HEADROOM, QUANTIZED_WEIGHTS  # noqa: F401
 
 def memory_plan(model, slots: int, max_len: int, kv_dtype, quantized) -> dict[str, int]:
     """Bytes on the busiest device: its shard of each weight, and its part of the KV cache (latent attention's
-    latents: all of them; a sliding layer's: its window's positions a slot, trainer/serve/ringcache.py).
+    latents: the positions it holds, trainer/serve/latentcache.py; a sliding layer's: its window's positions a
+    slot, trainer/serve/ringcache.py).
     `quantized`: "int8", "int4" or "mxfp4" (True: int8), or None (False): the checkpoint's own dtype."""
     from trainer.serve.latentcache import CacheLayout
 

@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 16  # tokens a block (vLLM's default block size)
+from trainer.arith.kv import PREFIX_BLOCK
+
+BLOCK = PREFIX_BLOCK  # tokens a block
 
 
 def unsupported(model_config) -> str | None:

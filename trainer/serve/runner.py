@@ -47,7 +47,7 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(kv_dtype or model.cfg.dtype)
         replicated = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
         layout = CacheLayout.of(m)  # keys and values per head, or latent attention's latents
-        cache_sharding = layout.sharding(model.mesh, self.kv_dtype)
+        cache_sharding = layout.sharding(model.mesh, self.kv_dtype, max_len)
         self.cache = jax.jit(lambda: layout.empty(slots, max_len, self.kv_dtype), out_shardings=cache_sharding)()
         self._cache_sharding = cache_sharding
         # The data and expert axes split a step's tokens: a decode step runs a multiple of their devices' rows.
