@@ -253,13 +253,13 @@ def serving(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh,
 
 # The decode step to expect from the engine, fitted to its steps on one v5e chip (benchmarks/serve_weights.py
 # --accelerator, moe-1b at 1, 8 and 32 slots, the steps attending over 88 positions; the chip session of
-# 2026-12-06 13:30 UTC, after the engine overlapped the host at one slot): a fixed cost a layer (the step's small
-# ops, and what the host adds) plus the bytes the step reads at the share of the HBM's bandwidth each weight
-# format's grouped-matmul kernel reached. The fit (benchmarks/fit_decode.py) is within 19% of every one of
-# those nine steps; the furthest, int4 at one slot (1.21 ms against 1.48), predates the int4 head's fix (its
-# 0.41 ms of float32 widening). MXFP4 is not measured (a TPU reads its experts widened): int4's share stands for it.
-DECODE_LAYER_S = 0.575e-3 / 12
-DECODE_HBM_SHARE = {"bf16": 0.91, "float32": 0.91, "int8": 0.62, "int4": 0.31, "mxfp4": 0.31}
+# 2026-12-06 evening, call 3, int4 experts through trainer/moe/gmm.py's int4 kernel): a fixed cost a layer (the
+# step's small ops, and what the host adds) plus the bytes the step reads at the share of the HBM's bandwidth
+# each weight format reached. The fit (benchmarks/fit_decode.py) is within 11% of every one of those nine
+# steps (the furthest: bf16 at one slot, 1.37 ms against 1.24). MXFP4 is not measured (a TPU reads its experts
+# widened): int4's share stands for it.
+DECODE_LAYER_S = 0.590e-3 / 12
+DECODE_HBM_SHARE = {"bf16": 0.94, "float32": 0.94, "int8": 0.69, "int4": 0.48, "mxfp4": 0.48}
 
 
 @dataclasses.dataclass(frozen=True)
