@@ -239,39 +239,24 @@ def stacked_on(device, stack, x_MxK, block_group_NB):
     return jax.jit(layer)(stack, jax.device_put(x_MxK, device))
 
 
-def test_the_stacked_grouped_matmul_reads_an_mxfp4_stack_as_the_cpu(chip, cpu, monkeypatch):
-    """A layer of an MXFP4 expert stack (FP4 values, a scale a block of 32 inputs: trainer/serve/mxfp4.py): on
-    the chip the layer read widened (the Mosaic kernel's matrix unit takes no FP4 operand on a v5e), on the CPU
-    tokamax's XLA reference; the same rows out."""
-    from trainer.serve import mxfp4
+@pytest.mark.parametrize("fmt, inputs", [("mxfp4", 256), ("int4", 1152)])
+def test_the_stacked_grouped_matmul_reads_a_quantized_stack_as_the_cpu(chip, cpu, monkeypatch, fmt, inputs):
+    """A layer of a quantized expert stack, on the chip and on the CPU (tokamax's XLA reference there); the same
+    rows out. MXFP4 (FP4 values, a scale a block of 32 inputs: trainer/serve/mxfp4.py): on the chip the layer
+    read widened (the Mosaic kernel's matrix unit takes no FP4 operand on a v5e). int4 in jnp.int4 (a float32
+    scale a group of 128 inputs, 9 groups: the last tile of 1,024 inputs holds one): on the chip
+    gmm.int4_grouped_matmul reading the scales as held."""
+    from trainer.serve import mxfp4, quant4
 
     monkeypatch.setattr("sys.argv", ["pytest"])  # the kernel library parses no test runner's flags
     keys = jax.random.split(jax.random.key(0), 2)
-    w = jax.random.normal(keys[0], (2, 8, 256, 256), jnp.bfloat16) * 0.05  # [layers, experts, in, out]
-    x_MxK = jax.random.normal(keys[1], (128, 256), jnp.bfloat16)
+    w = jax.random.normal(keys[0], (2, 8, inputs, 256), jnp.bfloat16) * 0.05  # [layers, experts, in, out]
+    x_MxK = jax.random.normal(keys[1], (128, inputs), jnp.bfloat16)
     block_group_NB = jnp.arange(8, dtype=jnp.int32)  # blocks of 16 rows, one an expert of layer 1
 
     def run(device):
-        stack = jax.device_put(mxfp4.quantize_array("stacks.0.0.ffn.w_in", w), device)
-        return stacked_on(device, stack, x_MxK, block_group_NB)
-
-    assert relative_error(run(chip), run(cpu)) < 1e-2
-
-
-def test_the_stacked_grouped_matmul_reads_an_int4_stack_as_the_cpu(chip, cpu, monkeypatch):
-    """A layer of an int4 expert stack in jnp.int4 (a float32 scale a group of 128 inputs, 9 groups: the last
-    tile of 1,024 inputs holds one): on the chip gmm.int4_grouped_matmul reading the scales as held, on the
-    CPU tokamax's XLA reference (which rounds each widened weight to bfloat16); the same rows out."""
-    from trainer.serve import quant4
-
-    monkeypatch.setattr("sys.argv", ["pytest"])  # the kernel library parses no test runner's flags
-    keys = jax.random.split(jax.random.key(0), 2)
-    w = jax.random.normal(keys[0], (2, 8, 1152, 256), jnp.bfloat16) * 0.05  # [layers, experts, in, out]
-    x_MxK = jax.random.normal(keys[1], (128, 1152), jnp.bfloat16)
-    block_group_NB = jnp.arange(8, dtype=jnp.int32)  # blocks of 16 rows, one an expert of layer 1
-
-    def run(device):
-        stack = jax.device_put(quant4.quantize_array("stacks.0.0.ffn.w_in", w, storage="native"), device)
-        return stacked_on(device, stack, x_MxK, block_group_NB)
+        held = (mxfp4.quantize_array("stacks.0.0.ffn.w_in", w) if fmt == "mxfp4"
+                else quant4.quantize_array("stacks.0.0.ffn.w_in", w, storage="native"))
+        return stacked_on(device, jax.device_put(held, device), x_MxK, block_group_NB)
 
     assert relative_error(run(chip), run(cpu)) < 1e-2
