@@ -64,7 +64,7 @@ def turn(x: jax.Array, cos_H: jax.Array, sin_H: jax.Array) -> jax.Array:
     repeated twice, [..., H], broadcasting against x) are given: (x1 cos - x2 sin, x2 cos + x1 sin), computed in
     float32. Written with its backward pass (the same rotation, reversed) because autodiff's of the
     halves-and-concatenate form moved float32 halves of 64 lanes through memory: on a v5e chip moe-1b's
-    step spent about 19 ms a step in those passes."""
+    step took 317.3 ms this way against 343.4 (`bash benchmarks/on_chip.sh levers`, 2026-12-06)."""
     return _turned(x, cos_H, sin_H)
 
 

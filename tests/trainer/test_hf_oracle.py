@@ -243,3 +243,28 @@ def test_logits_equal_transformers_at_a_wider_initialisation(tmp_path):
     graphdef, state = nnx.split(ours)
     got = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, train=False)[0])(state, jnp.asarray(tokens)))
     assert np.abs(got - theirs).max() <= 1e-3 and np.array_equal(got.argmax(-1), theirs.argmax(-1))
+
+
+def test_the_rotary_positions_and_their_gradient_are_transformers_own():
+    """trainer.layers.rotary (its backward pass written out, trainer/rope.py) against transformers' rotary
+    positions and torch's autograd of them, in float32: the same rotated values and the same gradient, for one
+    offset and for one start a batch row (decoding)."""
+    import jax
+    import jax.numpy as jnp
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from trainer.layers import rotary
+
+    x_BxLxNxH = np.asarray(jax.random.normal(jax.random.key(0), (2, 6, 3, 16)), np.float32)
+    g_BxLxNxH = np.asarray(jax.random.normal(jax.random.key(1), x_BxLxNxH.shape), np.float32)
+    for offset in (5, np.array([0, 9])):
+        got, grad = jax.vjp(lambda x, offset=offset: rotary(x, 100.0, offset), jnp.asarray(x_BxLxNxH))
+        inv_freq = 100.0 ** (-torch.arange(8, dtype=torch.float32) / 8)
+        positions = torch.arange(6, dtype=torch.float32) + torch.as_tensor(offset, dtype=torch.float32).reshape(-1, 1)
+        angle = torch.cat([positions[..., None] * inv_freq] * 2, dim=-1).expand(2, 6, 16)
+        x = torch.tensor(x_BxLxNxH).transpose(1, 2).requires_grad_()  # transformers' [B, N, L, H]
+        want, _ = apply_rotary_pos_emb(x, x, angle.cos(), angle.sin())
+        want.backward(torch.tensor(g_BxLxNxH).transpose(1, 2))
+        np.testing.assert_allclose(np.asarray(got), want.detach().transpose(1, 2).numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(grad(jnp.asarray(g_BxLxNxH))[0]), x.grad.transpose(1, 2).numpy(),
+                                   rtol=1e-6, atol=1e-6)
