@@ -30,7 +30,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   tests) MOE_TPU_TESTS=1 stage tests 200 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
            tests/trainer/test_tpu.py ;;
   levers) stage levers 240 python benchmarks/train_levers.py --no-gmm --steps 10 \
-            --variants ${LEVERS:-h8+splash+chunk+attention,h8+splash+chunk+attention_moe,h8+dropless_megablox+splash+chunk+attention} \
+            --variants ${LEVERS:-h8+splash+chunk+attention_moe,h8+dropless_megablox+splash+chunk+attention_moe} \
             ${PROFILE:+--profile} --json-out "$OUT/levers.json" ;;
   step) stage step 300 python benchmarks/train_step.py --accelerator --config moe-1b --json-out "$OUT/train_step.json" ;;
   *) echo "unknown stage $s1"; exit 2 ;;
