@@ -32,6 +32,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   levers) stage levers 240 python benchmarks/train_levers.py --no-gmm --steps 10 \
             --variants ${LEVERS:-h8+splash+chunk+attention_moe,h8+dropless_megablox+splash+chunk+attention_moe} \
             ${PROFILE:+--profile} --json-out "$OUT/levers.json" ;;
-  step) stage step 300 python benchmarks/train_step.py --accelerator --config moe-1b --json-out "$OUT/train_step.json" ;;
+  step) stage step 300 python benchmarks/train_step.py --accelerator --config moe-1b --log-compiles --paths "${PATHS_:-capacity}" \
+          --json-out "$OUT/train_step.json" ;;
   *) echo "unknown stage $s1"; exit 2 ;;
 esac; done; done

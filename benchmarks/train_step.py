@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 5  # steps left out of the medians (a row past them counts: a whole row of LOG_EVERY)
 LOG_EVERY = 5  # on an accelerator: each row's step time is the mean of its LOG_EVERY steps
-STARTUP = ("first_step_s", "init_s", "compile_s", "peak_hbm_gib")
+STARTUP = ("first_step_s", "init_s", "compile_s", "peak_hbm_gib", "compile_log")
 # The MoE paths an accelerator run can measure (--paths): the config's own (capacity), and dropless through
 # jax.lax.ragged_dot or the megablox kernel.
 PATHS = {"capacity": [], "dropless": ["moe.capacity_factor=0", "moe.grouped_matmul=ragged_dot"],
@@ -43,7 +44,8 @@ CPU_CASES = [
 
 
 def train(config: str, flags: list[str], steps: int, overrides: list[str], env: dict | None = None) -> list:
-    """The metric rows of one `python -m trainer` run."""
+    """The metric rows of one `python -m trainer` run; with JAX_LOG_COMPILES=1 in `env`, the first row also
+    holds `compile_log`: jax's lines on each program's tracing, compile or cache hit, with their seconds."""
     with tempfile.TemporaryDirectory() as work:
         metrics = os.path.join(work, "m.jsonl")
         cmd = [sys.executable, "-m", "trainer", "--config", config, "--steps", str(steps), "--metrics", metrics,
@@ -51,14 +53,29 @@ def train(config: str, flags: list[str], steps: int, overrides: list[str], env: 
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in open(metrics) if line.startswith("{")]
+        rows = [json.loads(line) for line in open(metrics) if line.startswith("{")]
+        if env and env.get("JAX_LOG_COMPILES") == "1" and rows:
+            rows[0]["compile_log"] = [line.strip()[-240:] for line in proc.stderr.splitlines() if _telling(line)]
+        return rows
 
 
-def measure(config: str, flags: list[str], steps: int, overrides: list[str], warm: bool = False) -> dict:
+def _telling(line: str) -> bool:
+    """A compile-log line worth keeping: a cache hit or miss, or a step of 0.05 s or more."""
+    if "cache" in line.lower():
+        return True
+    m = re.search(r"Finished .* in ([0-9.]+) sec", line)
+    return bool(m) and float(m.group(1)) >= 0.05
+
+
+def measure(config: str, flags: list[str], steps: int, overrides: list[str], warm: bool = False,
+            log_compiles: bool = False) -> dict:
     """One case's figures. With `warm`, in a compilation cache of its own: the run, from an empty cache, then
-    a short one from the cache it filled (warm_*: the start-up's figures then)."""
+    a short one from the cache it filled (warm_*: the start-up's figures then). With `log_compiles`, each
+    run's compile log (`compile_log`, `warm_compile_log`)."""
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache) if warm else None
+        if log_compiles:
+            env = dict(env or os.environ, JAX_LOG_COMPILES="1")
         rows = train(config, flags, steps, overrides, env)
         again = train(config, flags, LOG_EVERY, overrides, env)[0] if warm else {}
     timed = [r for r in rows if r["step"] > WARMUP] or rows
@@ -67,7 +84,9 @@ def measure(config: str, flags: list[str], steps: int, overrides: list[str], war
     return {"step_time_s": step_time, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "mfu": statistics.median(mfus) if mfus else None, "final_loss": rows[-1]["loss"],
             "overrides": overrides, **{k: rows[0].get(k) for k in STARTUP},
-            **{f"warm_{k}": again[k] for k in STARTUP if k in again}}
+            **{f"warm_{k}": again[k] for k in STARTUP if k in again},
+            **{k: v for k, v in rows[0].items() if k.startswith("startup_")},  # trainer/startup.py's marks
+            **{f"warm_{k}": v for k, v in again.items() if k.startswith("startup_")}}
 
 
 def main() -> int:
@@ -79,6 +98,9 @@ def main() -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--json-out", metavar="PATH", help="also write the figures to PATH as JSON")
+    parser.add_argument("--log-compiles", action="store_true",
+                        help="keep jax's log of each program's tracing, compile and cache hit, with seconds, in "
+                             "the JSON (compile_log, warm_compile_log) and print it")
     parser.add_argument("--paths", default="capacity", help=f"with --accelerator, the MoE paths to run, "
                         f"comma-separated, of {', '.join(PATHS)} [capacity]")
     args = parser.parse_args()
@@ -90,8 +112,18 @@ def main() -> int:
     else:
         cases = [(name, config, flags, []) for name, config, flags in CPU_CASES]
     overrides = ([f"train.log_every={LOG_EVERY}"] if args.accelerator else []) + args.overrides
-    results = {name: measure(config, flags, args.steps, [*path, *overrides], warm=args.accelerator)
+    results = {name: measure(config, flags, args.steps, [*path, *overrides], warm=args.accelerator,
+                             log_compiles=args.log_compiles)
                for name, config, flags, path in cases}
+    for name, r in results.items():
+        for prefix in ("", "warm_"):
+            marks = {k[len(prefix) + 8:-2]: v for k, v in r.items() if k.startswith(f"{prefix}startup_")}
+            if marks:
+                print(f"-- {name}: {prefix}start-up (s since the process started): "
+                      + ", ".join(f"{k} {v}" for k, v in marks.items()), file=sys.stderr)
+        for key in ("compile_log", "warm_compile_log"):
+            if r.get(key):
+                print(f"-- {name}: {key}\n" + "\n".join(r[key]), file=sys.stderr)
     if not args.accelerator:
         base = results[CPU_CASES[0][0]]["tokens_per_s"]
         for r in results.values():

@@ -19,6 +19,7 @@ import time
 
 import click
 
+from trainer import startup
 from trainer.config import MAX_SEED, MAX_STEPS, NAMED_CONFIGS, printable
 from trainer.outputs import STATUS_FILE, RunDirectory, join
 from trainer.status import (
@@ -140,6 +141,7 @@ def stopped_exit_code(reason: str | None) -> int:
 
 def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir, resume, metrics_path, seed,
            profile_steps, init_from=None, allow_data_change=False):
+    startup.mark("cli")
     profile = parse_profile_steps(profile_steps)
     if init_from is not None and not init_from.strip():
         raise click.BadParameter("an empty path names no run", param_hint="--init-from")
@@ -151,6 +153,7 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
             set_fake_devices(devices)
     else:
         _initialize_distributed()
+        startup.mark("distributed")
     output_dir = _check_output_dir(output_dir, status)
     _check_path(metrics_path, "--metrics", writes=True)
     if os.sep in config_name or os.path.exists(config_name):
@@ -158,6 +161,7 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
     spec = _build_spec(config_name, overrides, steps, num_devices or devices, mesh_text, output_dir, resume,
                        metrics_path, seed, profile, in_process=num_devices is not None, init_from=init_from)
     spec = dataclasses.replace(spec, allow_data_change=allow_data_change)
+    startup.mark("spec")
     try:
         status.start(spec.steps)
         _save_config(spec)
@@ -307,7 +311,9 @@ def _build_spec(config_name, overrides, steps, devices, mesh_text, output_dir, r
     if init_from is not None:  # a path as given (no YAML reading of it, as --set would do)
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": init_from})})
     cfg = with_absolute_paths(cfg)  # the run's config.json then works from any directory
+    startup.mark("config")
     available = len(jax.devices())
+    startup.mark("backend")
     from trainer.distributed import use_compilation_cache
 
     use_compilation_cache(jax.devices()[0].platform)

@@ -62,19 +62,6 @@ class Pending:
         return read
 
 
-def seconds_since_start() -> float | None:
-    """Seconds since this process started (Linux's /proc: the kernel's start time in clock ticks since boot,
-    the boot time to the second), None where unknown."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return max(0.0, time.time() - boot - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 class StepTimer:
     """Turns the train step's device metrics into a logged row with throughput and MFU."""
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 import jax
 
-from trainer import meshspec, sharding
+from trainer import meshspec, sharding, startup
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError
 from trainer.data import DataIterator, open_data
@@ -22,7 +22,7 @@ from trainer.resume import check_resumable, checkpoint_meta
 from trainer.sharding import global_batch  # noqa: F401 - the loop's callers place batches as it does
 from trainer.status import RunStatus
 from trainer.step import State, Trainer, build_trainer, compile_in_background, compile_step, peak_memory_gib
-from trainer.step_timing import Feed, Pending, Profiler, StepTimer, seconds_since_start
+from trainer.step_timing import Feed, Pending, Profiler, StepTimer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +111,11 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
         mesh_shape = spec.mesh_shape or {"data": len(devices), "expert": 1, "model": 1}
         check_divisibility(cfg, mesh_shape)
         check_fits(cfg, mesh_shape, devices)
+        startup.mark("fit_checked")
         mesh = sharding.make_mesh(mesh_shape, devices)
         data, eval_data = open_data(cfg, cfg.train.seed, process_index=jax.process_index(),
                                     process_count=jax.process_count(), with_eval=cfg.train.eval_every > 0)
+        startup.mark("data")
         if spec.output_dir:
             ckpt = Checkpointer(RunDirectory.at(spec.output_dir).checkpoints,
                                 every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
@@ -125,11 +127,14 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             trainer = build_trainer(cfg, mesh, spec.steps)
         except ValueError as e:  # the MoE block and shape checks reject configs that cannot work
             raise ConfigError(f"the model cannot be built from this config and mesh: {e}") from None
+        startup.mark("built")
         started = time.perf_counter()
         trainer.step_compiling = compile_in_background(trainer)
+        startup.mark("step_lowered")
         state = _initial_state(trainer, ckpt, data, spec, reporter, status)
+        startup.mark("state")
         restore_s = time.perf_counter() - started if int(jax.device_get(state["step"])) else 0.0
-        startup = {"restore_s": restore_s, "init_s": time.perf_counter() - built}
+        begun = {"restore_s": restore_s, "init_s": time.perf_counter() - built}
         evaluator = None
         if eval_data is not None:
             from trainer.evaluation import Evaluator
@@ -137,7 +142,7 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
             evaluator = Evaluator(trainer, eval_data, every=cfg.train.eval_every, batches=cfg.train.eval_batches,
                                   total_steps=spec.steps)
         return _loop(trainer, state, data, ckpt, spec, reporter, stop, status, entropy_floor=data.entropy_floor,
-                     evaluator=evaluator, startup=startup)
+                     evaluator=evaluator, begun=begun)
     finally:
         restore_handler()
         if ckpt is not None:
@@ -220,21 +225,22 @@ def _fresh_state(trainer: Trainer, init_from: str | None, reporter: Reporter, st
 
 def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer | None, spec: RunSpec,
           reporter: Reporter, stop: StopSignal, status: RunStatus, entropy_floor: float | None,
-          evaluator=None, startup: dict | None = None) -> RunResult:
+          evaluator=None, begun: dict | None = None) -> RunResult:
     """Steps until spec.steps or a stop. The host never waits on a step it need not read: each step is
     dispatched with the batch placed while the one before ran (Feed), and the steps' metrics are read
     together (Pending) only at a logged row, a checkpoint, an evaluation or the end, where every step read is
     checked for divergence in order, before anything of it is saved. The first row also says how this process
-    started (`startup`: restore_s, init_s; compile_s, and first_step_s from the process's start to the first
-    step's dispatch)."""
+    started (`begun`: restore_s, init_s; compile_s, first_step_s from the process's start to the first step's
+    dispatch, and trainer.startup's marks on the way)."""
     cfg = trainer.cfg
     step = saved = start_step = int(jax.device_get(state["step"]))
     if start_step:
         status.resumed(start_step)
     step_fn, compile_s = _compiled(trainer, reporter, step, spec, ckpt)
+    startup.mark("compiled")
     timer = StepTimer(cfg, trainer.mesh.size, jax.devices()[0].device_kind, start_step)
     # For goodput and time to the first step: how this process started.
-    first_row = {"start_step": start_step, "restore_s": 0.0, **(startup or {}), "compile_s": compile_s}
+    first_row = {"start_step": start_step, "restore_s": 0.0, **(begun or {}), "compile_s": compile_s}
     profiler = Profiler(spec.profile_steps, spec.output_dir)
     feed, pending, ceiling = Feed(trainer, data), Pending(), loss_ceiling(cfg.model.vocab_size)
     last_loss, stopped = None, False
@@ -246,7 +252,8 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             profiler.before(step)
             batch = feed.take()
             if step == start_step:  # this process's first step: how long it took to get here
-                first_row["first_step_s"] = seconds_since_start()
+                first_row["first_step_s"] = startup.seconds_since_start()
+                first_row.update(startup.marks())
             state, metrics = step_fn(state, batch)
             step += 1
             pending.add(step, metrics)

@@ -182,6 +182,31 @@ def test_searchsorted_right_counts_the_sorted_values_at_most_each_query(counts, 
     np.testing.assert_array_equal(got, np.searchsorted(ends, queries, side="right"))
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 80), st.integers(0, 2**31 - 1))
+def test_lookup_reads_a_table_as_a_gather_does(size, seed):
+    """Small tables by comparison, large ones by a gather: both table[index], 0 past the table's end."""
+    rng = np.random.default_rng(seed)
+    table = rng.integers(-1000, 1000, size).astype(np.int32)
+    index = rng.integers(0, size + 2, 50).astype(np.int32)
+    expected = np.where(index < size, table[np.minimum(index, size - 1)], 0)
+    np.testing.assert_array_equal(dispatch.lookup(jnp.asarray(table), jnp.asarray(index)), expected)
+
+
+@pytest.mark.parametrize("experts,block_rows", [(4, 8), (16, 8), (16, 64)])
+def test_an_assignments_row_from_its_expert_is_the_row_through_the_sorted_order(experts, block_rows):
+    """The dropless layout's row of each assignment, from its expert's offset (no permutation gathered), is the
+    row aligned_layout gives its place in the expert-sorted order; skewed routing leaves some experts empty."""
+    rng = np.random.default_rng(experts + block_rows)
+    experts_N = jnp.asarray(np.minimum(rng.geometric(0.3, 300) - 1, experts - 1), jnp.int32)
+    order_N, counts_E = dispatch.sort_by_expert(experts_N, experts)
+    rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
+    dest_1xN, _ = dispatch.aligned_layout(counts_E[None], 300, block_rows)
+    direct_N = rank_N + dispatch.lookup(dispatch.aligned_offsets(counts_E[None], block_rows)[0], experts_N)
+    np.testing.assert_array_equal(direct_N, dest_1xN[0][rank_N])
+    assert np.any(np.asarray(counts_E) == 0) or experts == 4
+
+
 def test_spans_cover_every_experts_blocks_once_largest_first():
     """Each expert's blocks run as full spans of SPAN_BLOCKS blocks, then its remainder's binary digits,
     largest first; every block in use lies in exactly one span, of its own expert."""

@@ -111,6 +111,8 @@ def test_the_loop_reads_the_devices_only_at_logged_steps(tmp_path, monkeypatch, 
     first = rows[0]  # how the process started: the state's initialisation, the compile, the first step
     assert first["first_step_s"] >= first["init_s"] + first["compile_s"] and first["init_s"] > 0
     assert first["compile_s"] > 0 and "init_s" not in rows[1]
+    marks = [v for k, v in first.items() if k.startswith("startup_")]  # trainer/startup.py's stages, in order
+    assert "startup_state_s" in first and marks == sorted(marks) and marks[-1] <= first["first_step_s"]
     np.testing.assert_allclose([r["loss"] for r in rows], [every[i]["loss"] for i in (2, 5, 8)], rtol=1e-5)
     metric_reads = [r for r in reads if isinstance(r, list) and "loss" in r]
     assert len(metric_reads) == 3 and len(reads) == 3 + 2, reads  # and the start step, read twice

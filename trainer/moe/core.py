@@ -150,7 +150,7 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
     rank_N = dispatch.inverse_index(order_N, order_N.shape[0])
     stats, counts_AxSxE = summed_stats(stats, topo, counts_E if topo.expert_axis is not None else None)
     assignments = Assignments(order_N=order_N, rank_N=rank_N, counts_E=counts_E, top_k=k,
-                              counts_AxSxE=counts_AxSxE)
+                              counts_AxSxE=counts_AxSxE, experts_N=experts_N.astype(jnp.int32))
     out_NxD = dropless_experts(x_TxD, assignments, w, block_rows, topo)
     y_TxD = dispatch.weighted_sum(out_NxD.reshape(k, -1, d_model), gate_N.reshape(k, -1))
     return y_TxD.reshape(num_groups, num_tokens, d_model), stats
