@@ -11,9 +11,9 @@ values a byte, what the CPU wants; `int4-native`, jnp.int4, what XLA packs on a 
 would choose. For each format and slot count:
   - temp_bytes: XLA's compiled memory analysis of the decode program (its scratch). A float copy of the
     whole weight stack shows here (on a v5e chip int8's was 2,488 MiB, float32's 2,487 MiB).
-  - decode_step_ms: an engine (one a format, of the most slots) decodes `slots` greedy requests of a 16-token
-    prompt; the step is (a run of 8 + --steps tokens - a run of 8) / --steps, so prefill and the first steps
-    fall out; the median of --repeats such differences.
+  - decode_step_ms: an engine (one a format and --decode-steps, of the most slots) decodes `slots` greedy
+    requests of a 16-token prompt; the step is (a run of 8 + --steps tokens - a run of 8) / --steps, so
+    prefill and the first steps fall out; the median of --repeats such differences.
   - touched_bytes: the weights the step reads (trainer.serve.weights.decode_weight_bytes: the experts its
     tokens route to) and the KV cache rows and span it attends over; over_bound: the step over
     touched_bytes / the memory bandwidth (819 GB/s on a v5e chip, --hbm-gbps elsewhere; none on a CPU
@@ -83,22 +83,32 @@ def touched_bytes(model, engine, slots: int) -> int:
     return decode_weight_bytes(model, engine.weights, slots) + cache_read
 
 
-def measure(model, weights, fmt: str, slot_counts: list[int], args, bandwidth: float | None) -> list[dict]:
+def measure(model, weights, fmt: str, slot_counts: list[int], args, bandwidth: float | None,
+            decode_steps: int = 1, single: dict | None = None) -> list[dict]:
     """One row per slot count, from one engine of the most slots (a step of fewer live slots runs the decode
-    program of fewer rows: it reads only theirs)."""
+    program of fewer rows: it reads only theirs). With `decode_steps` > 1 the engine runs bursts of that many
+    steps (serve --decode-steps), timed against the single step's program alone (`single`: slots -> the rows
+    of the same format at one step)."""
     import jax
 
     from trainer.serve.engine import Engine
     from trainer.serve.weights import stored_bytes
 
     engine = Engine(model, stored_weights(weights, fmt), slots=max(slot_counts), max_len=16 + 8 + args.steps,
-                    chunk=16)
+                    chunk=16, decode_steps=decode_steps)
     held = sum(stored_bytes(x) for x in jax.tree.leaves(engine.weights["params"]))
     rows = []
     for slots in slot_counts:
+        if decode_steps > 1:
+            row = {"weights": fmt, "slots": slots, "decode_steps": decode_steps, "weight_bytes": held,
+                   **timed(model, engine, slots, args, bandwidth)}
+            if single and single.get(slots, {}).get("program_ms"):
+                row["engine_over_program"] = round(row["decode_step_ms"] / single[slots]["program_ms"], 3)
+            rows.append(row)
+            continue
         compiled, name = decode_program(engine, slots)
         temp = compiled.memory_analysis().temp_size_in_bytes
-        rows.append({"weights": fmt, "slots": slots, "weight_bytes": held, "decode_program": name,
+        rows.append({"weights": fmt, "slots": slots, "decode_steps": 1, "weight_bytes": held, "decode_program": name,
                      "temp_bytes": temp, "temp_mib": round(temp / 2**20, 2)})
         if not args.memory_only:
             rows[-1].update(timed(model, engine, slots, args, bandwidth))
@@ -186,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth (GB/s) where not known")
+    p.add_argument("--decode-steps", default="1",
+                   help="comma-separated: the engine's decode steps a program (serve --decode-steps), each timed "
+                        "(bursts against the single step's program alone) [1]")
     p.add_argument("--memory-only", action="store_true", help="the bytes and the compiled scratch, no timing")
     p.add_argument("--profile", action="store_true",
                    help="with each timing, the decode program's device ops by time (benchmarks/profile_ops.py)")
@@ -223,10 +236,15 @@ def main(argv: list[str] | None = None) -> int:
         head["measured_read_gbps"] = round(sum(x.nbytes for x in jax.tree.leaves(weights["params"])) / seconds / 1e9, 1)
     slot_counts = [int(s) for s in (args.slots or ("1,8,32" if args.accelerator else "1,8")).split(",")]
     rows = []
+    bursts = [int(k) for k in args.decode_steps.split(",")]
     for fmt in formats:
-        for row in measure(model, weights, fmt, slot_counts, args, bandwidth):
-            rows.append(row)
-            print(json.dumps({**head, **row}), flush=True)
+        single = {}
+        for steps in bursts if not args.memory_only else [1]:
+            for row in measure(model, weights, fmt, slot_counts, args, bandwidth, steps, single):
+                if steps == 1:
+                    single[row["slots"]] = row
+                rows.append(row)
+                print(json.dumps({**head, **row}), flush=True)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({**head, "results": rows}, f, indent=2)

@@ -490,3 +490,37 @@ def test_the_model_runner_scores_a_prompt_in_chunks_as_the_full_forward_pass(tin
     assert all(r.top_ids[0] == expected[i].argmax() and len(r.top_ids) == 2 for i, r in enumerate(scored))
     assert token == expected[len(prompt) - 1].argmax()
     assert runner.compilations() == len(runner.programs) <= runner.programs_bound()
+
+
+def test_bursts_of_decode_steps_return_what_single_steps_do(tiny):
+    """serve --decode-steps 4: while nothing waits, a program runs 4 decode steps (the host dispatches and reads
+    once), and every request, greedy or sampled, ended by max_tokens (fewer than a burst's too) or by its end
+    token inside a burst, returns what an engine of single steps returns; requests waiting for a slot get
+    their prefill between single steps. The bursts' programs are within programs_bound."""
+    model, weights, _ = tiny
+    engines = {steps: Engine(model, weights, slots=4, max_len=96, chunk=16, decode_steps=steps) for steps in (4, 1)}
+
+    def served(steps, eos=None):
+        engine = engines[steps]
+        engine.eos_id = eos
+        rng = np.random.RandomState(5)
+        sampling = zip([30, 3, 17, 40, 9, 25], [0.0, 0.0, 1.0, 0.8, 0.0, 1.2], strict=True)
+        requests = [Request(rng.randint(0, 256, int(rng.randint(1, 40))).tolist(),
+                            SamplingParams(max_tokens=int(n), temperature=t, seed=i))
+                    for i, (n, t) in enumerate(sampling)]
+        for r in requests:  # six requests for four slots: two wait, then come in between steps
+            engine.submit(r)
+        engine.run()
+        return [(r.output, r.finish_reason) for r in requests]
+
+    first = served(1)
+    eos = first[0][0][10]  # a token the first (greedy) request draws at its 11th: it then ends there
+    single = served(1, eos)
+    assert single[0][0] == first[0][0][:first[0][0].index(eos) + 1] and single[0][1] == "stop"
+    assert served(4, eos) == single and served(4) == first
+    assert len(first[1][0]) == 3 and first[1][1] == "length"
+    calls = {steps: sum(n for name, n in e.runner.calls.items() if name.startswith("decode/"))
+             for steps, e in engines.items()}
+    bursts = engines[4].runner
+    assert any(name.count("/") == 3 for name in bursts.calls) and calls[4] < calls[1]
+    assert engines[4].compilations() == len(bursts.programs) <= bursts.programs_bound()

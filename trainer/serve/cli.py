@@ -107,6 +107,11 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Prompt plus generated tokens per request (the KV cache's length).")
 @click.option("--chunk", type=click.IntRange(min=1), default=DEFAULT_CHUNK, show_default=True,
               help="Prompt tokens prefilled per engine step, between decode steps.")
+@click.option("--decode-steps", type=click.IntRange(min=1, max=64), default=1, show_default=True,
+              help="Decode steps one program runs while no request waits for a slot: the host's work a step "
+                   "(dispatch, reading the tokens back) done once for them all, for more tokens/s where a step is "
+                   "short (few slots, quantized weights); a stream's tokens then come in bursts of this many. "
+                   "E.g. --decode-steps 8.")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests queued for a slot; beyond them 429 with Retry-After.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True, show_default=True,
@@ -151,8 +156,8 @@ def _listen(host: str, port: int) -> socket.socket:
                    "minutes): /health answers 503 and, in a multi-host group, every process exits 1.")
 @click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,
               help="The memory per device to plan for [what the device reports].")
-def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching, prefix_cache_tokens,
-                  kv_cache_dtype, weight_format, mesh_text,
+def serve_command(directory, host, port, slots, max_len, chunk, decode_steps, max_waiting, prefix_caching,
+                  prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text,
                   devices, tokenizer_path, chat_template_path, model_name, warm_up, grace_seconds, stream_interval,
                   step_timeout, device_memory_gb):
     """Serve a training run's latest checkpoint over an OpenAI-compatible HTTP API.
@@ -177,7 +182,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
         raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
     with Stop() as stop:  # SIGTERM/SIGINT noted; loading and compiling check between their stages
         try:
-            code = _start(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching,
+            code = _start(directory, host, port, slots, max_len, chunk, decode_steps, max_waiting, prefix_caching,
                           prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text, devices, tokenizer_path,
                           template, model_name, warm_up, grace_seconds, stream_interval, step_timeout,
                           device_memory_gb, stop)
@@ -187,7 +192,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, max_waiting, pre
     sys.exit(code)
 
 
-def _start(directory, host, port, slots, max_len, chunk, max_waiting, prefix_caching, prefix_cache_tokens,
+def _start(directory, host, port, slots, max_len, chunk, decode_steps, max_waiting, prefix_caching, prefix_cache_tokens,
            kv_cache_dtype, weight_format, mesh_text, devices, tokenizer_path, template, model_name, warm_up,
            grace_seconds, stream_interval, step_timeout, device_memory_gb, stop) -> int:
     group = _group(devices)
@@ -200,7 +205,7 @@ def _start(directory, host, port, slots, max_len, chunk, max_waiting, prefix_cac
         progress("prefix caching is off in a multi-host group (each host would need the same copies)")
         prefix_tokens = 0
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
-                  chunk=chunk, prefix_tokens=prefix_tokens,
+                  chunk=chunk, prefix_tokens=prefix_tokens, decode_steps=decode_steps,
                   kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
                   progress=lambda message: (stop.check(), progress(message)))

@@ -32,15 +32,20 @@ import numpy as np
 from trainer.serve.latentcache import CacheLayout
 from trainer.serve.logprobs import Logprob, records, token_logprobs
 from trainer.serve.sampling import allowed, sample_tokens
-from trainer.serve.spans import FIRST_PROGRAMS, MIN_SPAN, ladder, programs, row_counts
+from trainer.serve.spans import MIN_SPAN, ladder, programs, row_counts
 from trainer.serve.structured import words
 from trainer.serve.weights import ServingModel
 
 
 class ModelRunner:
     def __init__(self, model: ServingModel, weights: dict, *, slots: int, max_len: int, chunk: int, kv_dtype,
-                 min_span: int = MIN_SPAN):
+                 min_span: int = MIN_SPAN, decode_steps: int = 1):
+        """`decode_steps`: the most decode steps one program runs (a burst, "decode/<span>/<rows>/<steps>":
+        the host's work a step, dispatching and reading, done once for them all; 1: none)."""
         m = model.cfg.model
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
+        self.decode_steps = decode_steps
         self.model, self.weights = model, weights
         self.slots, self.max_len, self.chunk = slots, max_len, chunk
         self.min_span = min_span  # the shortest span (spans); max_len or more: one span, every step reads it all
@@ -133,8 +138,10 @@ class ModelRunner:
         row needs whatever the slots; the buckets keep the programs few (programs_bound)."""
         with self._lock:  # one jit a name: compile_ahead's thread and the engine's share it
             if name not in self.programs:
-                step, span = name.split("/")[:2]
+                step, span, *rest = name.split("/")
                 fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn}[step], span=int(span))
+                if len(rest) > 1:  # a burst of decode steps
+                    fn = functools.partial(self._burst_fn, span=int(span), steps=int(rest[1]))
                 # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
                 self.programs[name] = jax.jit(fn, donate_argnums=(1,),
                                               out_shardings=(self._replicated, self._cache_sharding))
@@ -158,8 +165,9 @@ class ModelRunner:
 
     def programs_bound(self) -> int:
         """The most programs the steps compile however long the server runs: the prefill at every span, the
-        decode at every span and row count (trainer/serve/spans.py, as a deploy's startup estimate counts them)."""
-        return programs(self.chunk, self.max_len, self.slots, self._shards, self.min_span)
+        decode (and a burst's) at every span and row count (trainer/serve/spans.py, as a deploy's startup
+        estimate counts them)."""
+        return programs(self.chunk, self.max_len, self.slots, self._shards, self.min_span, self.decode_steps)
 
     def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW,
                     *, span):
@@ -191,6 +199,23 @@ class ModelRunner:
         scored = token_logprobs(logits_Rx1xV[:, 0], next_R, want_R[0] != 0)
         return (next_S, scored, following(step_4xR, self.max_len)), cache
 
+    def _burst_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, *, span, steps):
+        """`steps` decode steps in one program (a scan of _decode_fn, each step's rows following the one
+        before), for the host to dispatch and read once: the same tokens as `steps` programs of one step (each
+        token is drawn with its position's key). Returns the last step's outputs (log-probability records are
+        never asked of a burst) and each step's tokens of the R rows, [steps, R]."""
+        rows = step_4xR.shape[1]
+
+        def one(carry, _):
+            cache, last_S, step_4xR = carry
+            (next_S, scored, after_4xR), cache = self._decode_fn(weights, cache, step_4xR, sampling_S, mask_SxW,
+                                                                 last_S, span=span)
+            return (cache, next_S, after_4xR), (next_S[:rows], scored)
+
+        (cache, last_S, after_4xR), (tokens_KxR, scored) = jax.lax.scan(one, (cache, last_S, step_4xR), None,
+                                                                       length=steps)
+        return (last_S, jax.tree.map(lambda a: a[-1], scored), after_4xR, tokens_KxR), cache
+
     def compilations(self) -> int:
         """Programs compiled so far by the steps: one a step, span and (decode) row count used (2 after the
         smallest warm-up; at most programs_bound() however long the server runs)."""
@@ -200,8 +225,17 @@ class ModelRunner:
         """Every program a step may run, in the order traffic first needs them: at the shortest span a short
         request's prefill, a lone stream's decode (the two FIRST_PROGRAMS), the decode of every slot, then the
         same at each longer span."""
+        bursts = [f"/{self.decode_steps}"] if self.decode_steps > 1 else []
         return [name for span in self.spans()
-                for name in (f"prefill/{span}", *(f"decode/{span}/{rows}" for rows in self.rows()))]
+                for name in (f"prefill/{span}", *(f"decode/{span}/{rows}{burst}" for burst in ["", *bursts]
+                                                  for rows in self.rows()))]
+
+    def first_programs(self) -> list[str]:
+        """The programs a short request and a lone stream need first, at the shortest span: the prefill, the lone
+        decode, and its burst where the engine runs them (spans.programs_before_ready counts them)."""
+        span, rows = self.spans()[0], self.rows()[0]
+        burst = [f"decode/{span}/{rows}/{self.decode_steps}"] if self.decode_steps > 1 else []
+        return [f"prefill/{span}", f"decode/{span}/{rows}", *burst]
 
     def warm_up(self, every_span: bool = False, between=None) -> None:
         """Runs both steps at the smallest span, the one short requests use, the decode for the fewest rows,
@@ -213,7 +247,7 @@ class ModelRunner:
         each program (it raises to stop the warm-up: a signal came)."""
         between = between or (lambda: None)
         order = self.warm_up_order()
-        for name in order if every_span else order[:FIRST_PROGRAMS]:
+        for name in order if every_span else self.first_programs():
             between()
             outputs = self.run(name, *self.example_inputs(name))
         jax.block_until_ready(outputs)
@@ -306,24 +340,30 @@ class ModelRunner:
         `collect`."""
         return self.collect(self.dispatch(bool(wanted)), wanted)
 
-    def dispatch(self, want: bool):
-        """Starts one decode step of the first slots, as many as cover every live one (rows_for), and returns
-        its outputs, still on the device (collect reads them)."""
+    def dispatch(self, want: bool, steps: int = 1):
+        """Starts one decode step of the first slots, as many as cover every live one (rows_for), or a burst of
+        `steps` (decode_steps; never with `want`), and returns its outputs, still on the device (collect reads
+        them)."""
+        if steps not in (1, self.decode_steps) or (want and steps > 1):
+            raise ValueError(f"a decode runs 1 or {self.decode_steps} steps, log-probabilities in 1; got {steps}")
         live_S = np.flatnonzero(self.positions_S < self.max_len)  # an idle slot's position is max_len
-        span = self.span_for(int(self.positions_S[live_S].max()) + 1 if live_S.size else 1)
+        span = self.span_for(int(self.positions_S[live_S].max()) + steps if live_S.size else 1)
         rows = self.rows_for(int(live_S[-1]) + 1 if live_S.size else 1)
         step_4xR = self.step_inputs(rows, want)
-        outputs = self.run(f"decode/{span}/{rows}", *self._inputs(step_4xR))
+        outputs = self.run(f"decode/{span}/{rows}" + (f"/{steps}" if steps > 1 else ""), *self._inputs(step_4xR))
         if not self._spans_processes:
-            self.last_S, self._next_step = outputs[0], (following(step_4xR, self.max_len).tobytes(), outputs[2])
-            for x in jax.tree.leaves(outputs[:2]) if want else outputs[:1]:
+            after = following(step_4xR, self.max_len, steps)
+            self.last_S, self._next_step = outputs[0], (after.tobytes(), outputs[2])
+            for x in (jax.tree.leaves(outputs[:2]) if want else [outputs[0]]) + list(outputs[3:]):
                 x.copy_to_host_async()  # on the host as soon as the step ends, not when collect asks
         self.follow_S[:] = False
         return outputs
 
     def collect(self, outputs, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
         """A dispatched step's tokens on the host (this waits for the step), every slot's last one, and the
-        records of the slots in `wanted`."""
+        records of the slots in `wanted`; a burst's, [steps, R]: each step's token of each row it ran."""
+        if len(outputs) > 3:
+            return host(outputs[3]), {}
         tokens_S, scored, _ = outputs
         tokens_S = host(tokens_S)
         if not wanted:
@@ -343,11 +383,11 @@ class ModelRunner:
         dispatched (follow) it changes nothing that step reads: the same position, and a token it ignores."""
         self.tokens_S[slot], self.positions_S[slot] = token, position
 
-    def follow(self, slot: int) -> None:
-        """The slot's next decode input: the token the last dispatched step draws for it, on the device, at the
-        position after that step's."""
+    def follow(self, slot: int, steps: int = 1) -> None:
+        """The slot's next decode input: the token the last dispatched step (a burst of `steps`) draws last for
+        it, on the device, at the position after that step's."""
         self.follow_S[slot] = True
-        self.positions_S[slot] += 1
+        self.positions_S[slot] += steps
 
     def hold(self, slot: int) -> None:
         """The slot sits out the next decode step (its request ends with the token the step in flight draws)."""
@@ -414,13 +454,15 @@ _CLEARED_4x1 = np.array([[1], [0], [1], [0]], np.int32)
 _ADDED_4x1 = np.array([[0], [1], [1], [0]], np.int32)
 
 
-def following(step_4xR, max_len: int):
-    """The inputs (ModelRunner.step_inputs) that a decode step of `step_4xR` leaves the next one when each of
-    its live rows (position < max_len) follows it: token 0, the next position, following; the other rows as
-    they were. The decode program computes them on the device, the runner on the host (numpy arrays or jax's:
-    the same int32 arithmetic)."""
-    live_R = step_4xR[1] < max_len
-    return step_4xR + live_R * (_ADDED_4x1 - step_4xR * _CLEARED_4x1)
+def following(step_4xR, max_len: int, steps: int = 1):
+    """The inputs (ModelRunner.step_inputs) that a decode step of `step_4xR` (or `steps` of them, each
+    following the one before) leaves the next one when each of its live rows (position < max_len) follows it:
+    token 0, the next position, following; the other rows as they were. The decode program computes them on
+    the device, the runner on the host (numpy arrays or jax's: the same int32 arithmetic)."""
+    for _ in range(steps):
+        live_R = step_4xR[1] < max_len
+        step_4xR = step_4xR + live_R * (_ADDED_4x1 - step_4xR * _CLEARED_4x1)
+    return step_4xR
 
 
 def host(x) -> np.ndarray:

@@ -34,15 +34,20 @@ def row_counts(slots: int, shards: int = 1) -> list[int]:
     return sorted({min(shards, slots), slots})
 
 
-def programs(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: int = MIN_SPAN) -> int:
+def programs(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: int = MIN_SPAN,
+             decode_steps: int = 1) -> int:
     """The programs a server compiles at every span (serve --warm-up all): the prefill and a decode a row
-    count, at each span."""
-    return len(ladder(chunk, max_len, min_span)) * (1 + len(row_counts(slots, shards)))
+    count, at each span, and a burst of decode steps a row count where it runs them (serve --decode-steps)."""
+    decodes = len(row_counts(slots, shards)) * (2 if decode_steps > 1 else 1)
+    return len(ladder(chunk, max_len, min_span)) * (1 + decodes)
 
 
 def programs_before_ready(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: int = MIN_SPAN,
-                          warm_up: str = DEFAULT_WARM_UP) -> int:
-    """The programs a server compiles before /health says ready, with `serve --warm-up warm_up`."""
+                          warm_up: str = DEFAULT_WARM_UP, decode_steps: int = 1) -> int:
+    """The programs a server compiles before /health says ready, with `serve --warm-up warm_up` (and
+    `--decode-steps`: a lone stream's burst is one of the first)."""
     if warm_up not in WARM_UPS:
         raise ValueError(f"warm_up must be one of {', '.join(WARM_UPS)}, got {warm_up!r}")
-    return programs(chunk, max_len, slots, shards, min_span) if warm_up == "all" else FIRST_PROGRAMS
+    if warm_up == "all":
+        return programs(chunk, max_len, slots, shards, min_span, decode_steps)
+    return FIRST_PROGRAMS + (decode_steps > 1)

@@ -47,7 +47,7 @@ def planned(model, slots: int, max_len: int, kv, quantized: str | None, prefix_t
 
 
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
-         quantized: str | None, device_memory_gb, progress, prefix_tokens: int = 0) -> Loaded:
+         quantized: str | None, device_memory_gb, progress, prefix_tokens: int = 0, decode_steps: int = 1) -> Loaded:
     import jax
 
     from trainer import sharding
@@ -99,7 +99,8 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     progress(f"read the checkpoint at step {step}")
     try:
         engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
-                        detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens, stop_ids=stop_ids)
+                        detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens, stop_ids=stop_ids,
+                        decode_steps=decode_steps)
     except RequestError as e:
         raise ServeError(f"--slots/--chunk: {e}") from None
     return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template, codec.tokenizer)
