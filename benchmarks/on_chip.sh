@@ -2,11 +2,16 @@
 # One chip session's measurements in one command, each stage's figures and log under $OUT (at most 8 files
 # come back), every stage cut at a shared deadline so the whole stays inside a 10-minute call:
 #   source .whl-tpu/setup.sh && bash benchmarks/on_chip.sh [STAGE ...]
-# Stages (default: serve gmm tests): serve (benchmarks/serve_weights.py, moe-1b, each weight format at
-# 1/8/32 slots, with the decode program's ops), interference (benchmarks/serve_interference.py: 8 streams
-# decoding while a 2,000-token prompt arrives), gmm (benchmarks/gmm_formats.py), tests (the `tpu` tests),
-# levers (benchmarks/train_levers.py: moe-1b as written and the variants in $LEVERS; PROFILE=1: each one's
-# device ops), step (train_step.py). SLOTS: the serve stage's slot counts (1,8,32); CHUNKS: interference's (64).
+# Stages (default: serve gmm tests):
+#   serve         benchmarks/serve_weights.py: moe-1b, each weight format at 1/8/32 slots (SLOTS) and at 1 and
+#                 8 decode steps a program (DECODE_STEPS); PROFILE=1: the decode program's ops
+#   interference  benchmarks/serve_interference.py: 8 streams decoding while a 2,000-token prompt arrives
+#                 (CHUNKS: the prefill chunks tried, 64)
+#   gmm           benchmarks/gmm_formats.py
+#   tests         the `tpu` tests
+#   levers        benchmarks/train_levers.py: moe-1b as written and the variants in $LEVERS; PROFILE=1: each
+#                 one's device ops
+#   step          benchmarks/train_step.py: time to the first step, cold and warm, with the start-up's stages
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 deadline=$((SECONDS + ${CHIP_SECONDS:-560}))
@@ -22,8 +27,9 @@ stage() {  # name seconds-at-most command...
   tail -5 "$OUT/$name.log"
 }
 for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
-  serve) stage serve 240 python benchmarks/serve_weights.py --accelerator --steps 64 --repeats 3 \
-           --formats bf16,int8,int4-native --slots "${SLOTS:-1,8,32}" --profile --json "$OUT/serve_weights.json" ;;
+  serve) stage serve 330 python benchmarks/serve_weights.py --accelerator --steps 64 --repeats 3 \
+           --formats bf16,int8,int4-native --slots "${SLOTS:-1,8,32}" --decode-steps "${DECODE_STEPS:-1,8}" \
+           ${PROFILE:+--profile} --json "$OUT/serve_weights.json" ;;
   interference) stage interference 240 python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
                   --json "$OUT/interference.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
