@@ -3,8 +3,8 @@
 # come back), every stage cut at a shared deadline so the whole stays inside a 10-minute call:
 #   source .whl-tpu/setup.sh && bash benchmarks/on_chip.sh [STAGE ...]
 # Stages (default: serve gmm tests):
-#   serve         benchmarks/serve_weights.py: moe-1b, each weight format at 1/8/32 slots (SLOTS) and at 1 and
-#                 8 decode steps a program (DECODE_STEPS); PROFILE=1: the decode program's ops
+#   serve         benchmarks/serve_weights.py: moe-1b, each weight format at 1/8/32 slots (SLOTS), and a lone
+#                 stream at 8 decode steps a program (DECODE_STEPS); PROFILE=1: the decode program's ops
 #   interference  benchmarks/serve_interference.py: 8 streams decoding while a 2,000-token prompt arrives
 #                 (CHUNKS: the prefill chunks tried, 64)
 #   gmm           benchmarks/gmm_formats.py

@@ -99,6 +99,8 @@ def measure(model, weights, fmt: str, slot_counts: list[int], args, bandwidth: f
     held = sum(stored_bytes(x) for x in jax.tree.leaves(engine.weights["params"]))
     rows = []
     for slots in slot_counts:
+        if decode_steps > 1 and slots > engine.runner.rows()[0]:
+            continue  # bursts run a lone stream's row alone (ModelRunner.burst_fits)
         if decode_steps > 1:
             row = {"weights": fmt, "slots": slots, "decode_steps": decode_steps, "weight_bytes": held,
                    **timed(model, engine, slots, args, bandwidth)}

@@ -493,10 +493,11 @@ def test_the_model_runner_scores_a_prompt_in_chunks_as_the_full_forward_pass(tin
 
 
 def test_bursts_of_decode_steps_return_what_single_steps_do(tiny):
-    """serve --decode-steps 4: while nothing waits, a program runs 4 decode steps (the host dispatches and reads
-    once), and every request, greedy or sampled, ended by max_tokens (fewer than a burst's too) or by its end
-    token inside a burst, returns what an engine of single steps returns; requests waiting for a slot get
-    their prefill between single steps. The bursts' programs are within programs_bound."""
+    """serve --decode-steps 4: while a lone stream decodes and nothing waits, a program runs 4 decode steps (the
+    host dispatches and reads once), and every request, greedy or sampled, ended by max_tokens (fewer than a
+    burst's too) or by its end token inside a burst, returns what an engine of single steps returns; requests
+    waiting for a slot get their prefill between single steps. The bursts' programs are within
+    programs_bound."""
     model, weights, _ = tiny
     engines = {steps: Engine(model, weights, slots=4, max_len=96, chunk=16, decode_steps=steps) for steps in (4, 1)}
 
@@ -511,6 +512,9 @@ def test_bursts_of_decode_steps_return_what_single_steps_do(tiny):
         for r in requests:  # six requests for four slots: two wait, then come in between steps
             engine.submit(r)
         engine.run()
+        for r in requests[2:4]:  # alone, one after the other: a lone stream in slot 0
+            requests.append(engine.submit(Request(r.prompt, r.sampling)))
+            engine.run()
         return [(r.output, r.finish_reason) for r in requests]
 
     first = served(1)

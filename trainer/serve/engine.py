@@ -11,9 +11,10 @@ input tokens taken on the device from the step before (trainer.serve.runner's fo
 that step's tokens and emits them, while the new one runs. A slot's next input that needs the host first
 keeps the step synchronous (decode, read, emit): a grammar's mask of the next token, and a group over several
 processes, whose inputs travel from host data (see _overlaps). With `decode_steps` > 1 (serve --decode-steps),
-while nothing waits for a slot, one program runs that many steps (a burst, trainer.serve.runner's _burst_fn):
-where a step is shorter than the host's work for it (one v5e chip, moe-1b, one slot: the engine's step 1.06-
-1.24 ms against 0.77-1.06 ms of the device's) the device, not the host, then sets the pace.
+while a lone stream decodes and nothing waits for a slot, one program runs that many steps (a burst,
+trainer.serve.runner's _burst_fn): there a step is shorter than the host's work for it (one v5e chip, moe-1b:
+the engine's step 1.02-1.21 ms against 0.77-1.06 ms of the device's), and with bursts of 8 the device, not
+the host, sets the pace (bf16 1.21 -> 1.11 ms a token, int8 1.09 -> 0.86).
 
 The engine is synchronous and single-threaded; trainer.serve.loop drives it from a thread, and after each
 step it publishes a `Snapshot` (running, waiting, cache positions held) that other threads read whole.
@@ -241,13 +242,14 @@ class Engine:
         return Flight(self.runner.dispatch(bool(wanted), steps), ran, wanted, steps)
 
     def _steps(self, ran: dict, done: dict) -> int:
-        """The steps of the next decode: a burst (the runner's decode_steps) when nothing waits for a slot or
-        its prefill (a burst would hold it back) and every request it runs wants at least that many more
+        """The steps of the next decode: a burst (the runner's decode_steps) when the requests fit the fewest
+        rows (a lone stream: ModelRunner.burst_fits), nothing waits for a slot or its prefill (a burst would
+        hold it back) and every request it runs wants at least that many more
         tokens (so none is drawn past a request's max_tokens, nor its position past the cache); else one. A
         burst's tokens past a request's end (eos, a stop string, a cancellation) are never emitted, as a
         step's past the end are not (_dispatch)."""
         steps = self.runner.decode_steps
-        if steps == 1 or self.scheduler.waiting or self.scheduler.admitting is not None:
+        if not self.runner.burst_fits(ran) or self.scheduler.waiting or self.scheduler.admitting is not None:
             return 1
         return steps if all(req.sampling.max_tokens - done[slot] >= steps for slot, req in ran.items()) else 1
 

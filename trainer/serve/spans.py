@@ -37,8 +37,8 @@ def row_counts(slots: int, shards: int = 1) -> list[int]:
 def programs(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: int = MIN_SPAN,
              decode_steps: int = 1) -> int:
     """The programs a server compiles at every span (serve --warm-up all): the prefill and a decode a row
-    count, at each span, and a burst of decode steps a row count where it runs them (serve --decode-steps)."""
-    decodes = len(row_counts(slots, shards)) * (2 if decode_steps > 1 else 1)
+    count, at each span, and a lone stream's burst of decode steps where it runs them (serve --decode-steps)."""
+    decodes = len(row_counts(slots, shards)) + (decode_steps > 1)
     return len(ladder(chunk, max_len, min_span)) * (1 + decodes)
 
 
