@@ -6,10 +6,12 @@ a catalogue entry. Only `plan_for` and `verdict` read files. Nothing here import
 `plan --serve` run where only the control plane is installed.
 
 The model behind the figures, per chip and per train step:
-- memory: parameters, gradients (param dtype) and AdamW's mu and nu (param dtype, as optax keeps
-  them), sharded as trainer.sharding shards them; activations from the shapes the trainer's layers
-  create (`attention_activation_bytes`, `ffn_activation_bytes`, `head_activation_bytes`); with remat
-  only the block inputs are kept, plus one block recomputed at a time.
+- memory: parameters and AdamW's mu and nu (param dtype, as optax keeps them), sharded as
+  trainer.sharding shards them; gradients as the backward pass holds them (`gradient_bytes`) and FSDP's
+  gathered weights (`gathered_weight_bytes`); activations from the shapes the trainer's layers create
+  (`attention_activation_bytes`, `ffn_activation_bytes`, `head_activation_bytes`), at the later of two
+  peaks: the head's forward, before any gradient, or the layers' backward beside the gradients; with
+  remat only the block inputs are kept, plus one block recomputed at a time.
 - time: lower bounds, each resource used at its peak and perfectly overlapped: matmul FLOPs over the
   bf16 peak, bytes that must cross HBM, bytes of the expert all-to-all and the data-parallel
   collectives over ICI, and over DCN between slices. The step can be no faster than the slowest.
@@ -40,8 +42,13 @@ from provision.planner.estimates import (  # noqa: F401 - the planner's API, one
     collective_bytes,
     cost,
     ffn_activation_bytes,
+    gathered_weight_bytes,
+    gradient_bytes,
     hardware_flops_per_chip,
     head_activation_bytes,
+    head_kept_bytes,
+    kept_bytes,
+    logits_bytes,
     memory_per_chip,
     mesh_options,
     mfu_ceiling,

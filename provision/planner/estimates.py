@@ -14,7 +14,7 @@ from provision import catalogue
 from trainer.arith.counts import ParamCounts
 from trainer.arith.counts import model_flops_per_token as flops_per_token
 from trainer.arith.mesh import shard_ways
-from trainer.arith.params import DTYPE_BYTES, ParamInfo
+from trainer.arith.params import DTYPE_BYTES, LAYERS_AXIS, ParamInfo
 from trainer.kernels import tpu_attention
 from trainer.meshspec import filled, mesh_axes, text_of
 from trainer.moe.config import expert_capacity
@@ -212,15 +212,31 @@ def ffn_activation_bytes(cfg: trainer_config.Config, layout: Layout, moe: bool) 
 
 
 def head_activation_bytes(cfg: trainer_config.Config, layout: Layout) -> int:
-    """The final norm, and the float32 logits, their log-softmax and its gradient ([T, V] each; with
-    train.loss_chunk, one chunk's: [rows x chunk, V])."""
-    t = layout.tokens
-    logits = layout.rows * (cfg.train.loss_chunk or layout.seq_len) * cfg.model.vocab_size
-    return t * cfg.model.d_model * (4 + _bytes(cfg.dtype)) + 3 * logits * 4
+    """The head's peak: the final norm, and the float32 logits, their log-softmax and its gradient ([T, V]
+    each; with train.loss_chunk, one chunk's: [rows x chunk, V]). It comes before any layer's gradient
+    exists (v5e-64's 2 layers on v5litepod-8 peak there, in the forward, with two of the three,
+    benchmarks/aot_topology.py; XLA:CPU holds the three in the loss's backward)."""
+    return norm_bytes(cfg, layout) + 3 * logits_bytes(cfg, layout)
 
 
-def activation_bytes(cfg: trainer_config.Config, layout: Layout, remat: bool) -> int:
-    """Activations alive at the peak of the backward pass on one chip."""
+def norm_bytes(cfg: trainer_config.Config, layout: Layout) -> int:
+    """The final norm's float32 input and its normalised copy."""
+    return layout.tokens * cfg.model.d_model * (4 + _bytes(cfg.dtype))
+
+
+def logits_bytes(cfg: trainer_config.Config, layout: Layout) -> int:
+    """One float32 [tokens, V] array (one chunk's with train.loss_chunk)."""
+    return layout.rows * (cfg.train.loss_chunk or layout.seq_len) * cfg.model.vocab_size * 4
+
+
+def head_kept_bytes(cfg: trainer_config.Config, layout: Layout) -> int:
+    """What the head keeps through the layers' backward pass: the whole loss's float32 log-softmax (XLA
+    forms the head's weight gradient from it late); a chunked loss makes each chunk's again and keeps none."""
+    return 0 if cfg.train.loss_chunk else logits_bytes(cfg, layout)
+
+
+def kept_bytes(cfg: trainer_config.Config, layout: Layout, remat: bool) -> tuple[int, int]:
+    """(kept for the backward pass by the blocks, one block's activations recomputed at a time under remat)."""
     m = cfg.model
     attention = attention_activation_bytes(cfg, layout)
     # A block keeps what its kind keeps: one figure a kind, times its layers (the planner asks this for
@@ -229,11 +245,51 @@ def activation_bytes(cfg: trainer_config.Config, layout: Layout, remat: bool) ->
     count = {True: moe_layers, False: m.num_layers - moe_layers}
     block = {moe: attention + ffn_activation_bytes(cfg, layout, moe) for moe, n in count.items() if n}
     if remat:  # block inputs and what the policy keeps, and one block's activations recomputed at a time
-        kept = (m.num_layers * layout.tokens * m.d_model * _bytes(cfg.dtype) + max(block.values())
-                + sum(count[moe] * saved_by_policy(cfg, layout, moe) for moe in block))
-    else:
-        kept = sum(count[moe] * size for moe, size in block.items())
-    return kept + head_activation_bytes(cfg, layout)
+        return (m.num_layers * layout.tokens * m.d_model * _bytes(cfg.dtype)
+                + sum(count[moe] * saved_by_policy(cfg, layout, moe) for moe in block)), max(block.values())
+    return sum(count[moe] * size for moe, size in block.items()), 0
+
+
+def activation_bytes(cfg: trainer_config.Config, layout: Layout, remat: bool, grads: int = 0) -> int:
+    """Activations at the step's peak on one chip, beside `grads` bytes of gradients: the later of two
+    peaks. The head's forward (what the blocks kept, and the head's logits) comes before any gradient;
+    the layers' backward holds the gradients, what the blocks kept, one block recomputed under remat and
+    what the head keeps (`head_kept_bytes`). Returned as that peak less `grads`."""
+    kept, recomputed = kept_bytes(cfg, layout, remat)
+    backward = kept + recomputed + head_kept_bytes(cfg, layout)
+    return max(backward, kept + head_activation_bytes(cfg, layout) - grads)
+
+
+def gradient_bytes(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh) -> int:
+    """Gradients one chip holds in the layers' backward pass. A scanned stack's (its leading axis the
+    layers', more than one) are the backward scan's ys: a zero-filled buffer and the loop's own, both in
+    the param dtype as sharded (moe-1b's 1.81 GiB of zeros, benchmarks/stack_grads.py; v5e-64's float32
+    expert stacks twice at its peak); a stack of one is not looped: its gradient once, in the compute dtype
+    where that is narrower. The embedding's and the head's are formed whole (before any reduce-scatter over
+    data) in the param dtype."""
+    c, total = _bytes(cfg.dtype), 0
+    for p in params:
+        if p.axes and p.axes[0] == LAYERS_AXIS:
+            ways = shard_ways(p.axes, p.shape, mesh.shape(), cfg.train.fsdp)
+            total += 2 * p.nbytes // ways if p.shape[0] > 1 else p.size * min(c, _bytes(p.dtype)) // ways
+        else:
+            total += p.nbytes // shard_ways(p.axes, p.shape, mesh.shape(), False)
+    return total
+
+
+def gathered_weight_bytes(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh) -> int:
+    """FSDP's weights gathered over data in the compute dtype: the layer being computed and the next one's,
+    fetched ahead (two layers' worth, the largest layer's; v5e-64's expert weights, two layers' at once
+    in its compiled step)."""
+    if not cfg.train.fsdp or mesh.data <= 1:
+        return 0
+    layers: dict[str, float] = {}
+    for p in params:
+        if p.axes and p.axes[0] == LAYERS_AXIS:
+            layer = ".".join(p.name.split(".")[:3])  # stacks.<stack>.<position in the period>
+            whole = shard_ways(p.axes, p.shape, mesh.shape(), False)
+            layers[layer] = layers.get(layer, 0) + p.size // p.shape[0] // whole * _bytes(cfg.dtype)
+    return 2 * int(max(layers.values(), default=0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,10 +301,11 @@ class Memory:
     activations_remat: int
     activations_no_remat: int
     hbm: int
+    gathered: int = 0  # FSDP's layer weights gathered over data
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.gathered
 
     @property
     def fits(self) -> bool:
@@ -262,14 +319,17 @@ class Memory:
 
 def memory_per_chip(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh,
                     acc: catalogue.AcceleratorType) -> Memory:
-    """Gradients are in the param dtype; AdamW keeps mu and nu in it too (optax's default)."""
+    """AdamW keeps mu and nu in the param dtype (optax's default); gradients as `gradient_bytes` counts
+    them, FSDP's gathered weights as `gathered_weight_bytes`, activations at the step's peak beside them."""
     weights = param_bytes_per_chip(params, mesh, cfg.train.fsdp)
     layout = chip_layout(cfg, mesh)
-    with_remat, without = activation_bytes(cfg, layout, True), activation_bytes(cfg, layout, False)
-    return Memory(params=weights, grads=weights, optimizer=2 * weights,
+    grads, gathered = gradient_bytes(params, cfg, mesh), gathered_weight_bytes(params, cfg, mesh)
+    with_remat = activation_bytes(cfg, layout, True, grads + gathered)
+    without = activation_bytes(cfg, layout, False, grads + gathered)
+    return Memory(params=weights, grads=grads, optimizer=2 * weights,
                   activations=with_remat if cfg.model.remat else without,
                   activations_remat=with_remat, activations_no_remat=without,
-                  hbm=int(acc.hbm_gib_per_chip * GIB))
+                  hbm=int(acc.hbm_gib_per_chip * GIB), gathered=gathered)
 
 
 # ----------------------------------------------------------------------------- speed
