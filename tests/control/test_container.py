@@ -112,7 +112,7 @@ def test_a_config_whose_mesh_the_plan_cannot_choose_is_refused_saying_what_to_se
 
     code, _, err = invoke("validate", "-c", str(tmp_path / "huge.yaml"))
     assert code == 2 and "trainer.mesh: not set, and no mesh of the target's 64 chips fits moe-1.2t" in err
-    assert "set `trainer.mesh: data=D,expert=E`" in err and "fits on 16 x v5litepod-64" in err
+    assert "set `trainer.mesh: data=D,expert=E`" in err and "fits on 64 x v5litepod-64" in err
     code, _, err = invoke("render", "-c", str(tmp_path / "huge.yaml"), "--out", str(tmp_path / "out"))
     assert code == 2 and "trainer.mesh: not set" in err and not (tmp_path / "out").exists()
     code, _, err = invoke("validate", "-c", str(tmp_path / "refused.yaml"))

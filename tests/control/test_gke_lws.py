@@ -180,7 +180,7 @@ def test_plan_serve_names_the_hosts_and_that_the_model_needs_several():
 
 def test_deploy_refuses_a_shape_the_platform_cannot_place_naming_the_one_that_can(tmp_path):
     single = config_from(ROOT / "examples" / "serve-gke.yaml", tmp_path, "single.yaml", trainer__config="moe-1.2t",
-                         slice={"accelerator": "v5litepod-64", "count": 16}, trainer__mesh="data=128,expert=8")
+                         slice={"accelerator": "v5litepod-64", "count": 64}, trainer__mesh="data=64,expert=64")
     with contextlib.chdir(tmp_path):
         code, out, err = invoke("--dry-run", "deploy", "-c", str(single))
     assert code == 2 and "the smallest shape that holds it is 8x8 (64 chips on 16 hosts)" in err, err

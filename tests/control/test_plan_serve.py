@@ -161,12 +161,12 @@ def test_the_1_2t_verdict_says_which_precisions_fit_and_which_bounds_22_ms_meets
 def test_a_mesh_for_the_serving_replica_and_one_that_is_not(huge_plan):
     code, out, _ = moe("--output", "json", "plan", "-c", str(HUGE), "--serve", "--mesh", "expert=8,model=8")
     doc = json.loads(out)
-    # --mesh is the replica's: the training plan keeps the config's trainer.mesh on its 1,024 chips.
-    assert code == 0 and doc["mesh"]["trainer_flag"] == "--mesh data=128,expert=8"
+    # --mesh is the replica's: the training plan keeps the config's trainer.mesh on its 4,096 chips.
+    assert code == 0 and doc["mesh"]["trainer_flag"] == "--mesh data=64,expert=64"
     assert doc["serve"]["mesh"]["source"] == "--mesh"
     assert doc["serve"]["mesh"]["server_flag"] == "--mesh data=1,expert=8,model=8"
-    code, out, err = moe("plan", "-c", str(HUGE), "--serve", "--mesh", "data=128,expert=8")  # the training mesh
-    assert (code, out) == (2, "") and "covers 1024 chips, but the serving replica has 64" in err
+    code, out, err = moe("plan", "-c", str(HUGE), "--serve", "--mesh", "data=64,expert=64")  # the training mesh
+    assert (code, out) == (2, "") and "covers 4096 chips, but the serving replica has 64" in err
 
 
 def test_the_kv_cache_is_the_engines():
