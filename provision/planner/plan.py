@@ -15,14 +15,12 @@ from provision.planner.estimates import (
     MAX_SLICES,
     Cost,
     Layout,
-    Memory,
     Mesh,
     StepBounds,
     Traffic,
     chip_layout,
     cost,
     hardware_flops_per_chip,
-    memory_per_chip,
     mesh_options,
     mfu_ceiling,
     min_drop_fraction,
@@ -31,6 +29,7 @@ from provision.planner.estimates import (
     target_mesh,
     traffic_per_chip,
 )
+from provision.planner.memory import Memory, memory_per_chip
 from trainer.arith.counts import ParamCounts, count_params
 from trainer.arith.counts import model_flops_per_token as flops_per_token
 from trainer.arith.params import ParamInfo
