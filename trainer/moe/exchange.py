@@ -43,22 +43,21 @@ class Assignments(NamedTuple):
 
     order_N: jax.Array  # assignments sorted by expert (stable)
     rank_N: jax.Array  # each assignment's place in that order
+    experts_N: jax.Array  # each assignment's expert
     counts_E: jax.Array  # assignments per expert
     top_k: int
     # Every token shard's counts_E, [A, S, E] (core.summed_stats), or None: the plan all-gathers them.
     counts_AxSxE: jax.Array | None = None
-    experts_N: jax.Array | None = None  # each assignment's expert (None: found through rank_N)
 
 
 def dropless_experts(x_TxD, a: Assignments, w: ExpertWeights, block_rows: int, topo) -> jax.Array:
     """Every assignment's expert output, [N, D] choice-major."""
     if topo.expert_axis is None or topo.num_expert_shards == 1:
-        dest_1xN, blocks = dispatch.aligned_layout(a.counts_E[None], a.order_N.shape[0], block_rows)
-        if a.experts_N is None:
-            dest_N = dest_1xN[0][a.rank_N]
-        else:  # the same rows from the assignment's expert: no gather of a permutation (1.4 ms a step, moe-1b)
-            dest_N = a.rank_N + dispatch.lookup(dispatch.aligned_offsets(a.counts_E[None], block_rows)[0], a.experts_N)
-        dest_KxT = dest_N.reshape(a.top_k, -1)
+        _, blocks = dispatch.aligned_layout(a.counts_E[None], a.order_N.shape[0], block_rows)
+        # Each assignment's row from its expert's offset: what aligned_layout gives its place in the sorted order,
+        # without a gather through the sort's permutation (1.4 ms a step, moe-1b on a v5e chip).
+        offset_G = dispatch.aligned_offsets(a.counts_E[None], block_rows)[0]
+        dest_KxT = (a.rank_N + dispatch.lookup(offset_G, a.experts_N)).reshape(a.top_k, -1)
         layout = dispatch.block_layout(dest_KxT, blocks, block_rows, num_out=dest_KxT.size)
         return grouped_ffn(x_TxD, w, layout, impl=topo.grouped_matmul)  # saves all: no worst case here
     if topo.exchange == "ragged":

@@ -202,19 +202,19 @@ class ModelRunner:
     def _burst_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, *, span, steps):
         """`steps` decode steps in one program (a scan of _decode_fn, each step's rows following the one
         before), for the host to dispatch and read once: the same tokens as `steps` programs of one step (each
-        token is drawn with its position's key). Returns the last step's outputs (log-probability records are
-        never asked of a burst) and each step's tokens of the R rows, [steps, R]."""
+        token is drawn with its position's key). Returns the last step's tokens and `following` inputs as a step
+        does, no log-probability records (a burst never asks for them: collect reads none), and each step's
+        tokens of the R rows, [steps, R]."""
         rows = step_4xR.shape[1]
 
         def one(carry, _):
             cache, last_S, step_4xR = carry
-            (next_S, scored, after_4xR), cache = self._decode_fn(weights, cache, step_4xR, sampling_S, mask_SxW,
-                                                                 last_S, span=span)
-            return (cache, next_S, after_4xR), (next_S[:rows], scored)
+            (next_S, _, after_4xR), cache = self._decode_fn(weights, cache, step_4xR, sampling_S, mask_SxW, last_S,
+                                                            span=span)
+            return (cache, next_S, after_4xR), next_S[:rows]
 
-        (cache, last_S, after_4xR), (tokens_KxR, scored) = jax.lax.scan(one, (cache, last_S, step_4xR), None,
-                                                                       length=steps)
-        return (last_S, jax.tree.map(lambda a: a[-1], scored), after_4xR, tokens_KxR), cache
+        (cache, last_S, after_4xR), tokens_KxR = jax.lax.scan(one, (cache, last_S, step_4xR), None, length=steps)
+        return (last_S, (), after_4xR, tokens_KxR), cache
 
     def compilations(self) -> int:
         """Programs compiled so far by the steps: one a step, span and (decode) row count used (2 after the
@@ -225,17 +225,19 @@ class ModelRunner:
         """Every program a step may run, in the order traffic first needs them: at the shortest span a short
         request's prefill, a lone stream's decode (the two FIRST_PROGRAMS), the decode of every slot, then the
         same at each longer span."""
-        burst = [f"/{self.rows()[0]}/{self.decode_steps}"] if self.decode_steps > 1 else []
         return [name for span in self.spans()
                 for name in (f"prefill/{span}", *(f"decode/{span}/{rows}" for rows in self.rows()),
-                             *(f"decode/{span}{b}" for b in burst))]
+                             *self._burst(span))]
+
+    def _burst(self, span: int) -> list[str]:
+        """The burst's program at `span` (a lone stream's rows: burst_fits), where the engine runs them."""
+        return [f"decode/{span}/{self.rows()[0]}/{self.decode_steps}"] if self.decode_steps > 1 else []
 
     def first_programs(self) -> list[str]:
         """The programs a short request and a lone stream need first, at the shortest span: the prefill, the lone
         decode, and its burst where the engine runs them (spans.programs_before_ready counts them)."""
-        span, rows = self.spans()[0], self.rows()[0]
-        burst = [f"decode/{span}/{rows}/{self.decode_steps}"] if self.decode_steps > 1 else []
-        return [f"prefill/{span}", f"decode/{span}/{rows}", *burst]
+        span = self.spans()[0]
+        return [f"prefill/{span}", f"decode/{span}/{self.rows()[0]}", *self._burst(span)]
 
     def warm_up(self, every_span: bool = False, between=None) -> None:
         """Runs both steps at the smallest span, the one short requests use, the decode for the fewest rows,
