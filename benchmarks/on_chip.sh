@@ -4,7 +4,9 @@
 #   source .whl-tpu/setup.sh && bash benchmarks/on_chip.sh [STAGE ...]
 # Stages (default: serve gmm tests):
 #   serve         benchmarks/serve_weights.py: moe-1b, each weight format at 1/8/32 slots (SLOTS), and a lone
-#                 stream at 8 decode steps a program (DECODE_STEPS); PROFILE=1: the decode program's ops
+#                 stream at 8 decode steps a program (DECODE_STEPS; FORMATS: the weight formats); PROFILE=1:
+#                 the decode program's ops;
+#                 VARIANTS="moe.direct_assignments=8 moe.direct_assignments=0": each format with each side by side
 #   interference  benchmarks/serve_interference.py: 8 streams decoding while a 2,000-token prompt arrives
 #                 (CHUNKS: the prefill chunks tried, 64)
 #   gmm           benchmarks/gmm_formats.py
@@ -28,8 +30,9 @@ stage() {  # name seconds-at-most command...
 }
 for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   serve) stage serve 330 python benchmarks/serve_weights.py --accelerator --steps 64 --repeats 3 \
-           --formats bf16,int8,int4-native --slots "${SLOTS:-1,8,32}" --decode-steps "${DECODE_STEPS:-1,8}" \
-           ${PROFILE:+--profile} --json "$OUT/serve_weights.json" ;;
+           --formats "${FORMATS:-bf16,int8,int4-native}" --slots "${SLOTS:-1,8,32}" --decode-steps "${DECODE_STEPS:-1,8}" \
+           $(for v in ${VARIANTS:-}; do printf -- '--variant %s ' "$v"; done) ${PROFILE:+--profile} \
+           --json "$OUT/serve_weights.json" ;;
   interference) stage interference 240 python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
                   --json "$OUT/interference.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;

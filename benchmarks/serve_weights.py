@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", default="1",
                    help="comma-separated: the engine's decode steps a program (serve --decode-steps), each timed "
                         "(bursts against the single step's program alone) [1]")
+    p.add_argument("--variant", dest="variants", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="config overrides of one variant of the model (repeat it: each format is timed with each side "
+                        "by side, e.g. moe.direct_assignments=0, every step through the grouped matmul); the "
+                        "bursts of --decode-steps for the first only [the config as it is]")
     p.add_argument("--memory-only", action="store_true", help="the bytes and the compiled scratch, no timing")
     p.add_argument("--profile", action="store_true",
                    help="with each timing, the decode program's device ops by time (benchmarks/profile_ops.py)")
@@ -239,14 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     slot_counts = [int(s) for s in (args.slots or ("1,8,32" if args.accelerator else "1,8")).split(",")]
     rows = []
     bursts = [int(k) for k in args.decode_steps.split(",")]
+    # each variant's model over the same weights (the overrides change how the model computes, not its parameters)
+    variants = {"": model} if not args.variants else {
+        v: build_serving_model(load_config(config, overrides + v.split(",")), model.mesh) for v in args.variants}
     for fmt in formats:
-        single = {}
-        for steps in bursts if not args.memory_only else [1]:
-            for row in measure(model, weights, fmt, slot_counts, args, bandwidth, steps, single):
-                if steps == 1:
-                    single[row["slots"]] = row
-                rows.append(row)
-                print(json.dumps({**head, **row}), flush=True)
+        for first, (name, variant) in enumerate(variants.items()):
+            single = {}
+            for steps in bursts if not args.memory_only and first == 0 else [1]:
+                for row in measure(variant, weights, fmt, slot_counts, args, bandwidth, steps, single):
+                    if steps == 1:
+                        single[row["slots"]] = row
+                    row = {"variant": name, **row}
+                    rows.append(row)
+                    print(json.dumps({**head, **row}), flush=True)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({**head, "results": rows}, f, indent=2)

@@ -180,9 +180,13 @@ class DenseFFN(nnx.Module):
         return self._times(h_BxLxF, self.w_out)
 
     def _times(self, x: jax.Array, w: nnx.Param) -> jax.Array:
-        """x @ w; an int4 weight (serving, trainer/serve/quant4.py) contracted group by group, never widened
-        whole (at one decode row XLA widened its scales to the weight's size in float32 first)."""
-        held = w.get_value()
-        if hasattr(held, "contract"):
-            return held.contract(x, self.dtype).astype(self.dtype)
-        return x @ w[...].astype(self.dtype)
+        return times(x, w.get_value(), self.dtype)
+
+
+def times(x: jax.Array, held, dtype) -> jax.Array:
+    """x @ a 2-D weight as held, in `dtype`: an array, or a serving weight (trainer/serve/) widened where it is
+    used; an int4 weight (quant4.py) contracted group by group, never widened whole (at one decode row XLA
+    widened its scales to the weight's size in float32 first)."""
+    if hasattr(held, "contract"):
+        return held.contract(x, dtype).astype(dtype)
+    return x @ (held if isinstance(held, jax.Array) else held[...]).astype(dtype)

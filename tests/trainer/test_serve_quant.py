@@ -211,12 +211,15 @@ def test_int4_weights_split_over_expert_and_model_as_the_float_ones_and_predict_
 def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_same_tokens(restored, monkeypatch):
     """Through the grouped matmul that takes a layer of the stacked expert weights whole (trainer/moe/stacked.py:
     tokamax's ragged dot over [layers * experts] groups, its XLA reference on a CPU, the Mosaic kernel on a
-    TPU) the engine draws the tokens it draws reading each layer's slice (the CPU's tiled loop), the experts held
-    as int8 integers and scales (the other formats: the next test, a layer's product alone)."""
+    TPU) the engine draws the tokens it draws with each assignment's expert read directly (trainer/moe/direct.py,
+    the default at 4 slots of top-2: 8 assignments), the experts held as int8 integers and scales (the other
+    formats: the next tests, a layer's product alone)."""
     model, weights, _ = restored
     monkeypatch.setattr("sys.argv", ["moe-tpu", "serve", "--checkpoint", "ckpt"])  # the kernel library reads no argv
     params = quantize_params(weights["params"])
-    cfg = model.cfg.model_copy(update={"moe": model.cfg.moe.model_copy(update={"grouped_matmul": "ragged_dot"})})
+    assert model.cfg.moe.direct_assignments >= 4 * model.cfg.moe.top_k
+    cfg = model.cfg.model_copy(update={"moe": model.cfg.moe.model_copy(update={"grouped_matmul": "ragged_dot",
+                                                                                "direct_assignments": 0})})
     stacked = build_serving_model(cfg, model.mesh)
 
     def tokens(serving_model):
@@ -259,6 +262,66 @@ def test_a_layers_grouped_product_from_the_whole_stack_is_the_product_with_its_o
                                   precision="highest")
         np.testing.assert_allclose(np.asarray(got[:32]), np.asarray(want[:32]), rtol=1e-5, atol=1e-5)
         assert not np.any(np.asarray(got[32:]))
+
+
+@pytest.mark.parametrize("fmt, kernel", [("float", False), ("int8", False), ("int8", True), ("int4-native", False),
+                                         ("int4-native", True), ("int4-nibbles", False), ("mxfp4", False)])
+def test_a_few_assignments_read_their_experts_directly_as_the_exact_ffn(fmt, kernel):
+    """direct_ffn (each assignment's expert sliced from the whole stack, in the form it is held; int8 and int4
+    stacks also through the TPU's kernel, in Pallas' interpreter) against the FFN of float64 products with the
+    layer's widened slice, for every layer; with the experts' biases and GPT-OSS's clamped gating as plain
+    [experts, ...] arrays."""
+    from trainer.moe.direct import direct_ffn
+    from trainer.moe.stacked import LayerOf
+    from trainer.moe.weights import Activation, ExpertWeights
+
+    rng = np.random.default_rng(2)
+    layers, experts, d, f = 3, 4, 256, 384  # int4: 2 and 3 groups of 128 inputs
+    names = ("stacks.0.0.ffn.w_in", "stacks.0.0.ffn.w_gate", "stacks.0.0.ffn.w_out")
+    stacks = [jnp.asarray(rng.normal(0, 0.05, shape), jnp.float32)
+              for shape in ((layers, experts, d, f), (layers, experts, d, f), (layers, experts, f, d))]
+    quantized = {"float": lambda n, a: a, "int8": lambda n, a: quantize_params({n: a})[n],
+                 "int4-native": lambda n, a: quant4.quantize_params({n: a}, storage="native")[n],
+                 "int4-nibbles": lambda n, a: quant4.quantize_params({n: a}, storage="nibbles")[n],
+                 "mxfp4": lambda n, a: mxfp4.quantize_params({n: a})[n]}[fmt]
+    held = [quantized(n, a) for n, a in zip(names, stacks)]
+    x = jnp.asarray(rng.normal(0, 1, (3, d)), jnp.float32)
+    experts_TxK = jnp.asarray([[1, 3], [2, 1], [0, 0]], jnp.int32)  # the last token twice the same expert
+    gates_TxK = jnp.asarray([[0.7, 0.3], [0.4, 0.6], [0.5, 0.5]], jnp.float32)
+
+    def want(ws, activation=lambda g, h: g / (1 + np.exp(-g)) * h, biases=None):
+        out = np.zeros((x.shape[0], d))
+        for t in range(x.shape[0]):
+            for k in range(2):
+                e, x64 = int(experts_TxK[t, k]), np.asarray(x[t], np.float64)
+                h, g = x64 @ ws[0][e], x64 @ ws[1][e]
+                if biases is not None:
+                    h, g = h + biases[0][e], g + biases[1][e]
+                y = activation(g, h) @ ws[2][e] + (0 if biases is None else biases[2][e])
+                out[t] += float(gates_TxK[t, k]) * y
+        return out
+
+    for layer in range(layers):
+        layer_of = [LayerOf(h, jnp.int32(layer)).astype(jnp.float32) for h in held]
+        args = (x, experts_TxK, gates_TxK, ExpertWeights(*layer_of), "kernel" if kernel else "xla")
+        got = jax.jit(direct_ffn, static_argnums=4)(*args)
+        assert ("pallas_call" in str(jax.make_jaxpr(direct_ffn, static_argnums=4)(*args))) == kernel
+        widened = [np.asarray(w.read(), np.float64) for w in layer_of]
+        np.testing.assert_allclose(np.asarray(got), want(widened), rtol=1e-5, atol=1e-6)
+    if fmt == "float":  # GPT-OSS: biases and the clamped gating, the weights as one layer's arrays
+        biases = [jnp.asarray(rng.normal(0, 0.5, (experts, n)), jnp.float32) for n in (f, f, d)]
+        clamped = Activation(clamped=True, alpha=1.702, limit=0.5)
+        arrays = [a[1] for a in stacks]
+        got = jax.jit(direct_ffn, static_argnums=4)(x, experts_TxK, gates_TxK,
+                                                    ExpertWeights(*arrays, *biases, activation=clamped), "kernel")
+
+        def gpt_oss(g, h):
+            g, h = np.minimum(g, 0.5), np.clip(h, -0.5, 0.5)
+            return (h + 1) * g / (1 + np.exp(-1.702 * g))
+
+        np.testing.assert_allclose(np.asarray(got), want([np.asarray(a, np.float64) for a in arrays], gpt_oss,
+                                                         [np.asarray(b, np.float64) for b in biases]),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_int4_grouped_kernel_reads_the_held_scales_and_equals_the_exact_product():

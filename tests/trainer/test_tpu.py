@@ -260,3 +260,36 @@ def test_the_stacked_grouped_matmul_reads_a_quantized_stack_as_the_cpu(chip, cpu
         return stacked_on(device, jax.device_put(held, device), x_MxK, block_group_NB)
 
     assert relative_error(run(chip), run(cpu)) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_few_assignments_through_the_direct_kernel_match_the_cpu(chip, cpu, fmt):
+    """A decode step's few assignments, each through its expert read from a quantized stack (trainer/moe/direct.py):
+    on the chip by stacked_rows_product (int8: a scale an output channel; int4 in jnp.int4: a scale a group of 128
+    inputs, 12 groups for the down projection), on the CPU by XLA's product of each expert's slice; the same
+    output. One of the tokens routes twice to the same expert."""
+    from trainer.moe.direct import direct_ffn
+    from trainer.moe.stacked import LayerOf
+    from trainer.serve import quant, quant4
+
+    keys = jax.random.split(jax.random.key(1), 4)
+    layers, experts, d, f = 2, 8, 1024, 1536
+    shapes = ((layers, experts, d, f), (layers, experts, d, f), (layers, experts, f, d))
+    stacks = [jax.random.normal(key, shape, jnp.bfloat16) * 0.05 for key, shape in zip(keys, shapes)]
+    names = ("stacks.0.0.ffn.w_in", "stacks.0.0.ffn.w_gate", "stacks.0.0.ffn.w_out")
+    x_TxD = jax.random.normal(keys[3], (2, d), jnp.bfloat16)
+    experts_TxK = jnp.asarray([[3, 5], [6, 6]], jnp.int32)
+    gates_TxK = jnp.asarray([[0.6, 0.4], [0.5, 0.5]], jnp.float32)
+
+    def run(device, kernel):
+        held = [quant.quantize_array(n, s) if fmt == "int8" else quant4.quantize_array(n, s, storage="native")
+                for n, s in zip(names, stacks)]
+
+        def step(held, x):
+            with sharding.logical_mesh(mesh_of(device)):
+                w = ExpertWeights(*(LayerOf(h, jnp.int32(1)).astype(jnp.bfloat16) for h in held))
+                return direct_ffn(x, experts_TxK, gates_TxK, w, "kernel" if kernel else "xla")
+
+        return jax.jit(step)(jax.device_put(held, device), jax.device_put(x_TxD, device))
+
+    assert relative_error(run(chip, True), run(cpu, False)) < 1e-2

@@ -72,6 +72,14 @@ class MoEConfig(Section):
     # can reach fewer devices than it has experts (routing_groups_limit over groups that tile the
     # devices, or k > devices), and "assignment" with the padded one (CPU), where it is faster.
     exchange_rows: Literal["auto", "assignment", "device"] = "auto"
+    # A serving step of at most this many assignments (tokens x top_k) on one device's experts reads each one's
+    # expert weights directly instead of sorting them for the grouped matmul (trainer/moe/direct.py): a decode
+    # step of a slot or a few. 0: always grouped.
+    direct_assignments: NonNegative = 8
+    # Those products of an int8 or int4 expert stack: "kernel", a Pallas kernel that reads each assignment's
+    # expert from the stack (direct.stacked_rows_product); "xla", XLA's product of the expert's slice; "auto":
+    # the kernel for int4 on a TPU, where XLA copies the slice first (direct.uses_kernel), XLA's elsewhere.
+    direct_products: Literal["auto", "xla", "kernel"] = "auto"
     # Router scores: softmax over the experts, or each expert's own sigmoid (DeepSeek-V3). With
     # sigmoid and top_k > 1 the k chosen scores are normalised to sum to 1 (with renormalize).
     score: Literal["softmax", "sigmoid"] = "softmax"

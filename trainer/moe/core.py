@@ -29,6 +29,7 @@ from trainer.moe.exchange import (
     exchange_to_experts,
     max_devices_per_token,
 )
+from trainer.moe.direct import direct_ffn, direct_fits
 from trainer.moe.experts import ExpertWeights, batched_ffn
 
 
@@ -122,8 +123,10 @@ def experts_on_buffers(buf_GxExCxD, w: ExpertWeights, topo: Topology):
     return exchange_from_experts(out_ElxRxD, buf_GxExCxD.shape, topo.expert_axis, topo.num_expert_shards)
 
 
-def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: Topology, bias_E=None):
-    """Token choice that computes every assignment: rows grouped by expert, grouped matmul."""
+def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: Topology, bias_E=None,
+                 train: bool = True):
+    """Token choice that computes every assignment: rows grouped by expert, grouped matmul; in serving, a step of
+    a few assignments through their experts' weights directly (direct.py)."""
     num_groups, num_tokens, d_model = x_GxTxD.shape
     k = cfg.top_k
     experts_GxTxK, weights_GxTxK, _, probs_GxTxE = token_choice(logits_GxTxE, cfg, bias_E)
@@ -131,6 +134,11 @@ def dropless_moe(x_GxTxD, logits_GxTxE, w: ExpertWeights, cfg: MoEConfig, topo: 
     keep_GxN = jnp.ones((num_groups, num_tokens * k), bool)
     stats = token_choice_stats(experts_GxTxK, probs_GxTxE, logits_GxTxE, keep_GxN, experts_per_group(cfg))
     num_rows = num_groups * num_tokens * k
+    if direct_fits(num_rows, cfg.direct_assignments, train,
+                   topo.expert_axis is not None or topo.model_axis is not None):
+        y_TxD = direct_ffn(x_TxD, experts_GxTxK.reshape(-1, k), weights_GxTxK.reshape(-1, k), w,
+                           cfg.direct_products)
+        return y_TxD.reshape(num_groups, num_tokens, d_model), stats
     block_rows = cfg.block_rows or auto_block_rows(num_rows * topo.num_expert_shards / cfg.num_experts)
     devices = max_devices_per_token(k, topo.num_expert_shards, cfg.expert_groups, cfg.routing_groups_limit)
     # auto: once per device where rows cross an interconnect (the ragged exchange) and a token reaches

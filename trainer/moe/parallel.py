@@ -86,7 +86,7 @@ def moe_groups(x_GxTxD, router_DxE, w: ExpertWeights, cfg: MoEConfig, topo: core
         # transpose of this cast), not on every expert's received buffer; routing stays invariant.
         x_GxTxD = jax.lax.pcast(x_GxTxD, topo.model_axis, to="varying")
     if cfg.is_dropless(train):
-        y_GxTxD, stats = core.dropless_moe(x_GxTxD, logits_GxTxE, w, cfg, topo, bias_E)
+        y_GxTxD, stats = core.dropless_moe(x_GxTxD, logits_GxTxE, w, cfg, topo, bias_E, train=train)
     elif cfg.routing == "expert_choice":
         capacity = expert_capacity(
             x_GxTxD.shape[1], cfg.top_k, cfg.capacity_factor_for(train), cfg.num_experts, cfg.min_capacity

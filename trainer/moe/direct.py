@@ -1,0 +1,164 @@
+"""A serving step's few assignments, each through its expert's weights read directly: no sort by expert, no
+grouped-matmul kernel.
+
+A decode step of one slot has top_k assignments. The grouped path (core.dropless_moe) sorts them by expert,
+lays their rows out in blocks, pads them to the kernel's 128 rows and runs three grouped-matmul kernels over
+the layer's experts, then gathers the rows back: on a v5e chip each kernel cost 15-21 us at one slot where its
+experts' bytes take 4-14 us, and the sort and layout were most of the step's ~300 small ops. Here each
+assignment's three products read their expert's slice of the weight (from the whole stack where the layer
+holds it, trainer/moe/stacked.py: a dynamic slice that XLA fuses into the product, so only that expert's
+bytes are read), and the outputs are summed by their gates. An assignment reads its expert once, so past a
+few assignments (two tokens routed to the same expert read it twice) the grouped path wins:
+MoEConfig.direct_assignments sets where the one gives way to the other.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trainer.moe.stacked import LayerOf
+
+
+def direct_fits(assignments: int, limit: int, train: bool, sharded: bool) -> bool:
+    """Whether a step of `assignments` (tokens x top_k) on one device's experts takes the direct path: in
+    serving (never in training, whose backward pass wants the grouped layout) and at most `limit` of them."""
+    return not train and not sharded and 0 < assignments <= limit
+
+
+def expert_of(w, expert: jax.Array):
+    """Expert `expert`'s 2-D weight as held: its slice of a LayerOf's whole stack (an array, or an int8/int4/MXFP4
+    weight of the same kind), or of an [experts, ...] array."""
+    if isinstance(w, LayerOf):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
+            jax.lax.dynamic_index_in_dim(a, w.index, 0, keepdims=False), expert, 0, keepdims=False), w.stack)
+    return jax.lax.dynamic_index_in_dim(w, expert, 0, keepdims=False)
+
+
+def direct_ffn(x_TxD: jax.Array, experts_TxK: jax.Array, gates_TxK: jax.Array, w, products: str = "xla") -> jax.Array:
+    """sum_k gate[t, k] * expert[t, k]'s FFN of x[t], float32 [T, D]; `w` an ExpertWeights whose weights are arrays
+    or LayerOfs. Each product runs over the step's T x K assignments (few, by direct_fits), one expert each,
+    `products` as MoEConfig.direct_products says (uses_kernel)."""
+    tokens, k = experts_TxK.shape
+    dtype = x_TxD.dtype
+    experts_A = experts_TxK.reshape(-1)
+    x_AxD = jnp.repeat(x_TxD, k, axis=0)  # each token's row once an assignment, in the order of experts_A
+    h_AxF = product(x_AxD, w.w_in_ExDxF, experts_A, dtype, products)
+    g_AxF = product(x_AxD, w.w_gate_ExDxF, experts_A, dtype, products)
+    if w.biased:
+        h_AxF, g_AxF = h_AxF + w.b_in_ExF[experts_A], g_AxF + w.b_gate_ExF[experts_A]
+    out_AxD = product(w.activation(g_AxF, h_AxF), w.w_out_ExFxD, experts_A, dtype, products)
+    if w.biased:
+        out_AxD = out_AxD + w.b_out_ExD[experts_A]
+    weighted = gates_TxK.reshape(-1, 1).astype(jnp.float32) * out_AxD.astype(jnp.float32)
+    return jnp.sum(weighted.reshape(tokens, k, -1), axis=1)
+
+
+def uses_kernel(w, products: str) -> bool:
+    """Whether a weight's direct products go through stacked_rows_product: "kernel", wherever the weight has
+    kernel_operands; "auto", an int4 stack on a TPU. Measured on a v5e chip (2026-12-06, moe-1b at one slot,
+    benchmarks/serve_weights.py --variant moe.direct_products=kernel --variant moe.direct_products=xla): XLA
+    copies each int4 expert's slice out of the stack before its product (the decode program 0.681 ms, the
+    kernel's 0.618), and reads an int8 slice in place as fast as the kernel does (0.709 and 0.704 ms)."""
+    from trainer.serve.quant4 import Int4Native
+    from trainer.sharding import current_platform
+
+    if products == "kernel":
+        return kernel_operands(w) is not None
+    return (products == "auto" and isinstance(w, LayerOf) and isinstance(w.stack, Int4Native)
+            and current_platform() == "tpu" and kernel_operands(w) is not None)
+
+
+def product(x_AxK: jax.Array, w, experts_A: jax.Array, dtype, products: str) -> jax.Array:
+    """Each assignment's row times its expert's weight, [A, N] in `dtype`: through stacked_rows_product where
+    uses_kernel says, else one product a row, XLA's, of the expert's slice as held (trainer.layers.times)."""
+    from trainer.layers import times
+
+    if uses_kernel(w, products):
+        from trainer.sharding import current_platform
+
+        values, scale = kernel_operands(w)
+        rows = jnp.pad(x_AxK.astype(dtype)[:, None, :], ((0, 0), (0, KERNEL_ROWS - 1), (0, 0)))
+        out = stacked_rows_product(rows, values, scale, w.group_offset() + experts_A,
+                                   interpret=current_platform() != "tpu")
+        return out[:, 0].astype(dtype)
+    return jnp.concatenate([times(x_AxK[a:a + 1], expert_of(w, experts_A[a]), dtype)
+                            for a in range(x_AxK.shape[0])])
+
+
+KERNEL_ROWS = 8  # a row padded to a vector register's sublanes: the kernel's product stays a matrix product
+
+
+def kernel_operands(w):
+    """(values [layers * experts, in, out], scales [layers * experts, groups, out] float32) of a LayerOf's int8
+    stack (one scale an output channel: groups 1) or int4 stack held as jnp.int4 (a scale a group of inputs);
+    None for anything else (floats, whose sliced product XLA fuses as it is; int4 nibbles; MXFP4)."""
+    from trainer.serve.quant import Int8Weight
+    from trainer.serve.quant4 import Int4Native
+
+    if not isinstance(w, LayerOf) or not isinstance(w.stack, Int8Weight | Int4Native):
+        return None
+    stack = w.stack
+    if isinstance(stack, Int4Native) and stack.axis % stack.values.ndim != stack.values.ndim - 2:
+        return None  # grouped along another axis than the inputs
+
+    def flat(a):
+        return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+    return flat(stack.values), flat(stack.scale).astype(jnp.float32)
+
+
+def stacked_rows_product(x_AxRxK: jax.Array, values_GxKxN: jax.Array, scale_GxCxN: jax.Array, groups_A: jax.Array,
+                         interpret: bool = False) -> jax.Array:
+    """float32 out[a] = x[a] @ (values[groups[a]] times its scales), the scales along the K inputs (C of them, one
+    a K / C inputs; C = 1: one an output channel, applied to the sum). A Pallas kernel for the TPU: each
+    assignment's tiles of its group's weight read straight from the stack, widened in VMEM.
+
+    Why by hand: XLA reads an int8 expert's slice of the stack inside its product, but copies an int4 slice out
+    of the stack before each product (on a v5e chip, 2026-12-06: 141 us of moe-1b's 587 us decode step at one
+    slot, benchmarks/serve_weights.py --profile); the grouped-matmul kernels (gmm.py) need group metadata and
+    rows sorted by group, which is the work a few assignments should not pay for."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    assignments, rows, k = x_AxRxK.shape
+    _, groups, n = scale_GxCxN.shape
+    tn = min(n, 1024 if k <= 1024 else 512)  # the whole contraction a tile: no ragged last tile of inputs
+    call = pl.pallas_call(
+        _rows_kernel(k // groups, groups),
+        out_shape=jax.ShapeDtypeStruct((assignments, rows, n), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            in_specs=[pl.BlockSpec((None, rows, k), lambda a, j, g: (a, 0, 0)),
+                      pl.BlockSpec((None, k, tn), lambda a, j, g: (g[a], 0, j)),
+                      pl.BlockSpec((None, groups, tn), lambda a, j, g: (g[a], 0, j))],
+            out_specs=pl.BlockSpec((None, rows, tn), lambda a, j, g: (a, 0, j)),
+            grid=(assignments, pl.cdiv(n, tn)),
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="stacked_rows_product",
+    )
+    return call(groups_A.astype(jnp.int32), x_AxRxK, values_GxKxN, scale_GxCxN)
+
+
+def _rows_kernel(step: int, groups: int):
+    """stacked_rows_product's body for one (assignment, tile of columns): the rows times the tile, a group of
+    `step` inputs at a time, each partial product times its group's scales (one group: the scales after)."""
+
+    def kernel(groups_ref, x_ref, q_ref, s_ref, out_ref):
+        if groups == 1:
+            product = jax.lax.dot_general(x_ref[...], q_ref[...].astype(x_ref.dtype), (((1,), (0,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+            out_ref[...] = product * s_ref[...]
+            return
+        total = jnp.zeros(out_ref.shape, jnp.float32)
+        for j in range(groups):
+            inputs = slice(j * step, (j + 1) * step)
+            # the int4 operand as it is: Mosaic widens it on the way into the product (gmm.int4_grouped_matmul)
+            part = jax.lax.dot_general(x_ref[:, inputs], q_ref[inputs, :], (((1,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+            total = total + part * s_ref[j:j + 1, :]
+        out_ref[...] = total
+
+    return kernel
