@@ -284,7 +284,7 @@ def test_a_few_assignments_read_their_experts_directly_as_the_exact_ffn(fmt, ker
                  "int4-native": lambda n, a: quant4.quantize_params({n: a}, storage="native")[n],
                  "int4-nibbles": lambda n, a: quant4.quantize_params({n: a}, storage="nibbles")[n],
                  "mxfp4": lambda n, a: mxfp4.quantize_params({n: a})[n]}[fmt]
-    held = [quantized(n, a) for n, a in zip(names, stacks)]
+    held = [quantized(n, a) for n, a in zip(names, stacks, strict=True)]
     x = jnp.asarray(rng.normal(0, 1, (3, d)), jnp.float32)
     experts_TxK = jnp.asarray([[1, 3], [2, 1], [0, 0]], jnp.int32)  # the last token twice the same expert
     gates_TxK = jnp.asarray([[0.7, 0.3], [0.4, 0.6], [0.5, 0.5]], jnp.float32)

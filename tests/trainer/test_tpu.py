@@ -275,7 +275,7 @@ def test_a_few_assignments_through_the_direct_kernel_match_the_cpu(chip, cpu, fm
     keys = jax.random.split(jax.random.key(1), 4)
     layers, experts, d, f = 2, 8, 1024, 1536
     shapes = ((layers, experts, d, f), (layers, experts, d, f), (layers, experts, f, d))
-    stacks = [jax.random.normal(key, shape, jnp.bfloat16) * 0.05 for key, shape in zip(keys, shapes)]
+    stacks = [jax.random.normal(key, shape, jnp.bfloat16) * 0.05 for key, shape in zip(keys[:3], shapes, strict=True)]
     names = ("stacks.0.0.ffn.w_in", "stacks.0.0.ffn.w_gate", "stacks.0.0.ffn.w_out")
     x_TxD = jax.random.normal(keys[3], (2, d), jnp.bfloat16)
     experts_TxK = jnp.asarray([[3, 5], [6, 6]], jnp.int32)
@@ -283,7 +283,7 @@ def test_a_few_assignments_through_the_direct_kernel_match_the_cpu(chip, cpu, fm
 
     def run(device, kernel):
         held = [quant.quantize_array(n, s) if fmt == "int8" else quant4.quantize_array(n, s, storage="native")
-                for n, s in zip(names, stacks)]
+                for n, s in zip(names, stacks, strict=True)]
 
         def step(held, x):
             with sharding.logical_mesh(mesh_of(device)):

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from trainer.moe import capacity as cap
 from trainer.moe import dispatch, routing
 from trainer.moe.config import MoEConfig
+from trainer.moe.direct import direct_ffn, direct_fits
 from trainer.moe.exchange import (
     Assignments,
     device_pairs,
@@ -29,7 +30,6 @@ from trainer.moe.exchange import (
     exchange_to_experts,
     max_devices_per_token,
 )
-from trainer.moe.direct import direct_ffn, direct_fits
 from trainer.moe.experts import ExpertWeights, batched_ffn
 
 
