@@ -9,6 +9,7 @@
 #                 VARIANTS="moe.direct_assignments=8 moe.direct_assignments=0": each format with each side by side
 #   interference  benchmarks/serve_interference.py: 8 streams decoding while a 2,000-token prompt arrives
 #                 (CHUNKS: the prefill chunks tried, 64)
+#   ready         benchmarks/serve_ready.py: a server of moe-1b (trained one step here) ready, cold and warm cache
 #   gmm           benchmarks/gmm_formats.py
 #   tests         the `tpu` tests
 #   levers        benchmarks/train_levers.py: moe-1b as written and the variants in $LEVERS; PROFILE=1: each
@@ -35,6 +36,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
            --json "$OUT/serve_weights.json" ;;
   interference) stage interference 240 python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
                   --json "$OUT/interference.json" ;;
+  ready) stage ready 240 python benchmarks/serve_ready.py --accelerator --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
   tests) MOE_TPU_TESTS=1 stage tests 200 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
            tests/trainer/test_tpu.py ;;

@@ -1,0 +1,112 @@
+"""A server's start where it runs, in process (the chip's machine has no TCP sockets, so no /health to poll): from
+a new process to the engine ready as `serve --warm-up background` has it before /health answers 200 (the
+checkpoint read by the server's own start-up, trainer/serve/startup.py load, and the programs the first requests
+need compiled), first with an empty persistent compilation cache (cold), then with the one that start left
+(warm: a restarted server).
+
+    python benchmarks/serve_ready.py --accelerator --json ready.json     # moe-1b, trained one step here first
+    python benchmarks/serve_ready.py --checkpoint runs/demo              # a run of yours, on the default backend
+
+Each start is a process of its own (`--child`), with the server's defaults (8 slots x 1,024 tokens, chunks of 64,
+the prefix cache); it prints its stages' seconds since its interpreter started (`imports`, `loaded`: the
+checkpoint read and the engine built, `ready`), and the parent the wall time from its launch. One JSON line a
+start; --json writes them all. benchmarks/serve_startup.py measures the same over HTTP on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def since_start() -> float:
+    """Seconds since this process's interpreter started (its start time in /proc, where there is one)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter()
+
+
+def child(checkpoint: str, slots: int, max_len: int) -> int:
+    """One start, as `python -m trainer.serve --checkpoint DIR` makes it up to ready (no socket)."""
+    marks = {}
+    from trainer.serve.spans import DEFAULT_CHUNK
+    from trainer.serve.startup import load
+
+    marks["imports"] = since_start()
+    loaded = load(checkpoint, tokenizer_path=None, mesh_text=None, slots=slots, max_len=max_len, chunk=DEFAULT_CHUNK,
+                  kv_dtype=None, quantized=None, device_memory_gb=None, progress=lambda message: None,
+                  prefix_tokens=max(16, slots * max_len // 4))
+    marks["loaded"] = since_start()
+    loaded.engine.warm_up(False)  # what --warm-up background compiles before ready
+    marks["ready"] = since_start()
+    marks["programs"] = loaded.engine.compilations()
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in marks.items()}), flush=True)
+    return 0
+
+
+def start(checkpoint: str, cache: str, slots: int, max_len: int, env: dict) -> dict:
+    launched = time.perf_counter()
+    done = subprocess.run([sys.executable, __file__, "--child", checkpoint, "--slots", str(slots), "--max-len",
+                           str(max_len)], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(env, JAX_COMPILATION_CACHE_DIR=cache, PYTHONPATH=str(ROOT)))
+    wall = time.perf_counter() - launched
+    if done.returncode:
+        raise RuntimeError(f"the start failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    marks = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"wall_s": round(wall, 2), **marks}
+
+
+def train_one_step(config: str, out: Path, env: dict) -> Path:
+    """A run of `config` trained one step, its checkpoint written: what the server reads."""
+    devices = ["--devices", "1"] if env.get("JAX_PLATFORMS") == "cpu" else []  # one CPU device, as the server's
+    done = subprocess.run([sys.executable, "-m", "trainer", "--config", config, "--steps", "1", *devices,
+                           "--output-dir", str(out)], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(env, PYTHONPATH=str(ROOT)))
+    if done.returncode:
+        raise RuntimeError(f"training {config} one step failed:\n{done.stderr[-3000:]}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", default=None, help="a run's directory [--config trained one step here]")
+    p.add_argument("--accelerator", action="store_true", help="the default backend (TPU) rather than the CPU")
+    p.add_argument("--config", default="moe-1b", help="what to train one step where no --checkpoint is given")
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args.child, args.slots, args.max_len)
+    env = dict(os.environ) if args.accelerator else dict(os.environ, JAX_PLATFORMS="cpu")
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        checkpoint = args.checkpoint
+        if checkpoint is None:
+            started = time.perf_counter()
+            checkpoint = str(train_one_step(args.config, Path(work) / "run", env))
+            print(json.dumps({"trained_one_step_s": round(time.perf_counter() - started, 1)}), flush=True)
+        cache = str(Path(work) / "cache")  # empty: the cold start's, then the warm one's
+        for which in ("cold", "warm"):
+            rows.append({"cache": which, **start(checkpoint, cache, args.slots, args.max_len, env)})
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"checkpoint": args.checkpoint or args.config, "starts": rows},
+                                                   indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
