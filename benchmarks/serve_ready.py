@@ -27,6 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def python_path(env: dict) -> str:
+    """The checkout first, then whatever the environment's own path holds (where its packages may be)."""
+    return os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+
+
 def since_start() -> float:
     """Seconds since this process's interpreter started (its start time in /proc, where there is one)."""
     try:
@@ -59,7 +64,7 @@ def start(checkpoint: str, cache: str, slots: int, max_len: int, env: dict) -> d
     launched = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, "--child", checkpoint, "--slots", str(slots), "--max-len",
                            str(max_len)], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(env, JAX_COMPILATION_CACHE_DIR=cache, PYTHONPATH=str(ROOT)))
+                          env=dict(env, JAX_COMPILATION_CACHE_DIR=cache, PYTHONPATH=python_path(env)))
     wall = time.perf_counter() - launched
     if done.returncode:
         raise RuntimeError(f"the start failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -72,7 +77,7 @@ def train_one_step(config: str, out: Path, env: dict) -> Path:
     devices = ["--devices", "1"] if env.get("JAX_PLATFORMS") == "cpu" else []  # one CPU device, as the server's
     done = subprocess.run([sys.executable, "-m", "trainer", "--config", config, "--steps", "1", *devices,
                            "--output-dir", str(out)], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(env, PYTHONPATH=str(ROOT)))
+                          env=dict(env, PYTHONPATH=python_path(env)))
     if done.returncode:
         raise RuntimeError(f"training {config} one step failed:\n{done.stderr[-3000:]}")
     return out
