@@ -151,6 +151,30 @@ def test_slots_match_the_naive_loop_and_never_collide(shape, capacity, priority,
     assert np.all(kept_slots // capacity == np.asarray(cap.flatten_choices(experts_TxK))[np.asarray(keep_N)])
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, 0.25, -0.25, 1e-30, -1e-30, 3.5, -3.5, np.inf, -np.inf, np.nan, -np.nan,
+                                 1e30, -1e30]), min_size=1, max_size=40))
+def test_the_integer_sort_keys_order_floats_as_the_sort_does(values):
+    """ordered_int's keys, the index a last key, give the stable order lax.sort gives the floats themselves:
+    -0 tied with 0, every NaN tied with every other, after +inf."""
+    x = jnp.asarray(values, jnp.float32)
+    iota = jnp.arange(x.shape[0], dtype=jnp.int32)
+    want = jax.lax.sort((x, iota), num_keys=1, is_stable=True)[1]
+    got = jax.lax.sort((cap.ordered_int(x), iota), num_keys=2, is_stable=False)[1]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_tied_priorities_keep_the_assignment_order():
+    """Equal probabilities: the earlier assignment (choice-major: first choices in token order, then second
+    choices) keeps its slot, as the naive loop has it."""
+    experts_TxK = jnp.asarray([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]], jnp.int32)
+    priority_TxK = jnp.full((5, 2), 0.5, jnp.float32)
+    _, keep_N = _assign_slots(experts_TxK, priority_TxK, 2, 3, "probability")
+    cfg = MoEConfig(num_experts=2, top_k=2, drop_priority="probability")
+    np.testing.assert_array_equal(np.asarray(keep_N).reshape(2, 5).T,
+                                  oracle_keep(experts_TxK, priority_TxK, cfg, 1, 3))
+
+
 def test_dispatch_and_combine_move_rows_without_one_hot_and_match_the_gshard_einsum():
     x_TxD = jax.random.normal(jax.random.key(1), (4, 3))
     slot_N, keep_N = cap.assign_slots(EXPERTS_TxK, PRIORITY_TxK, 2, 3, "position")

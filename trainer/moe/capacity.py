@@ -21,6 +21,14 @@ def flatten_choices(x_TxK: jax.Array) -> jax.Array:
     return x_TxK.T.reshape(-1)
 
 
+def ordered_int(x: jax.Array) -> jax.Array:
+    """int32 keys in the order lax.sort gives float32 x: -0 as 0, every NaN as one, after +inf."""
+    x = x.astype(jnp.float32)
+    x = jnp.where(jnp.isnan(x), jnp.nan, jnp.where(x == 0, 0.0, x))
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
 def slot_positions(experts_N: jax.Array, priority_N: jax.Array, num_experts: int, by_probability: bool) -> jax.Array:
     """Each assignment's rank among the assignments of its expert, in priority order.
 
@@ -30,8 +38,13 @@ def slot_positions(experts_N: jax.Array, priority_N: jax.Array, num_experts: int
     """
     num = experts_N.shape[0]
     iota_N = jnp.arange(num, dtype=jnp.int32)
-    keys = (experts_N.astype(jnp.int32), -priority_N) if by_probability else (experts_N.astype(jnp.int32),)
-    ordered = jax.lax.sort((*keys, iota_N), num_keys=len(keys), is_stable=True)
+    keys = (experts_N.astype(jnp.int32), ordered_int(-priority_N)) if by_probability else (experts_N.astype(jnp.int32),)
+    # Integer keys, the assignment's index the last of them: the stable order, with no float compare in the sort.
+    # A float key is compared in a total order inside the sort's comparator at every step; compiled for a v5e
+    # (ahead of time on a CPU, 2026-12-06), moe-1b's capacity sort was the train step's costliest unit of
+    # backend compile, 12.4 s of ~100 CPU s, and as integers with the index a key it compiled in 9.0 s against
+    # 14.9 s alone (the whole step about 10% less CPU).
+    ordered = jax.lax.sort((*keys, iota_N), num_keys=len(keys) + 1, is_stable=False)
     expert_sorted_N, by_expert_N = ordered[0], ordered[-1]
     # Each sorted assignment's rank: its place less its expert's first place (the assignments of the experts
     # before it), by a compare over the few experts: on a v5e chip each element gather of 32,768 assignments

@@ -60,13 +60,12 @@ def uses_kernel(w, products: str) -> bool:
     benchmarks/serve_weights.py --variant moe.direct_products=kernel --variant moe.direct_products=xla): XLA
     copies each int4 expert's slice out of the stack before its product (the decode program 0.681 ms, the
     kernel's 0.618), and reads an int8 slice in place as fast as the kernel does (0.709 and 0.704 ms)."""
-    from trainer.serve.quant4 import Int4Native
     from trainer.sharding import current_platform
 
-    if products == "kernel":
-        return kernel_operands(w) is not None
-    return (products == "auto" and isinstance(w, LayerOf) and isinstance(w.stack, Int4Native)
-            and current_platform() == "tpu" and kernel_operands(w) is not None)
+    operands = kernel_operands(w) if products in ("kernel", "auto") else None
+    if operands is None or products == "kernel":
+        return operands is not None
+    return operands[0].dtype == jnp.int4 and current_platform() == "tpu"
 
 
 def product(x_AxK: jax.Array, w, experts_A: jax.Array, dtype, products: str) -> jax.Array:
@@ -92,15 +91,15 @@ KERNEL_ROWS = 8  # a row padded to a vector register's sublanes: the kernel's pr
 def kernel_operands(w):
     """(values [layers * experts, in, out], scales [layers * experts, groups, out] float32) of a LayerOf's int8
     stack (one scale an output channel: groups 1) or int4 stack held as jnp.int4 (a scale a group of inputs);
-    None for anything else (floats, whose sliced product XLA fuses as it is; int4 nibbles; MXFP4)."""
-    from trainer.serve.quant import Int8Weight
-    from trainer.serve.quant4 import Int4Native
-
-    if not isinstance(w, LayerOf) or not isinstance(w.stack, Int8Weight | Int4Native):
+    None for anything else (floats, whose sliced product XLA fuses as it is; int4 nibbles; MXFP4). The serving
+    weights (trainer/serve/quant.py, quant4.py) are told apart by what they hold, as LayerOf.groups does."""
+    if not isinstance(w, LayerOf) or getattr(w.stack, "values", None) is None or hasattr(w.stack, "factors"):
         return None
     stack = w.stack
-    if isinstance(stack, Int4Native) and stack.axis % stack.values.ndim != stack.values.ndim - 2:
-        return None  # grouped along another axis than the inputs
+    int8 = stack.values.dtype == jnp.int8 and stack.scale.shape[-2] == 1  # a scale an output channel
+    int4 = stack.values.dtype == jnp.int4 and stack.axis % stack.values.ndim == stack.values.ndim - 2  # by inputs
+    if not (int8 or int4):
+        return None
 
     def flat(a):
         return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
@@ -115,7 +114,7 @@ def stacked_rows_product(x_AxRxK: jax.Array, values_GxKxN: jax.Array, scale_GxCx
     assignment's tiles of its group's weight read straight from the stack, widened in VMEM.
 
     Why by hand: XLA reads an int8 expert's slice of the stack inside its product, but copies an int4 slice out
-    of the stack before each product (on a v5e chip, 2026-12-06: 141 us of moe-1b's 587 us decode step at one
+    of the stack before each product (on a v5e chip, 2026-12-06: 81 us of moe-1b's 0.58 ms decode program at one
     slot, benchmarks/serve_weights.py --profile); the grouped-matmul kernels (gmm.py) need group metadata and
     rows sorted by group, which is the work a few assignments should not pay for."""
     from jax.experimental import pallas as pl
