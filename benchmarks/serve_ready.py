@@ -9,7 +9,8 @@ need compiled), first with an empty persistent compilation cache (cold), then wi
 
 Each start is a process of its own (`--child`), with the server's defaults (8 slots x 1,024 tokens, chunks of 64,
 the prefix cache); it prints its stages' seconds since its interpreter started (`imports`, `loaded`: the
-checkpoint read and the engine built, `ready`), and the parent the wall time from its launch. One JSON line a
+checkpoint read and the engine built, with the start-up's progress lines on the way in `stages`; `ready`), and
+the parent the wall time from its launch. One JSON line a
 start; --json writes them all. benchmarks/serve_startup.py measures the same over HTTP on the CPU.
 """
 
@@ -49,13 +50,16 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
     from trainer.serve.startup import load
 
     marks["imports"] = since_start()
+    stages = []  # the start-up's own progress lines, each with its seconds since the start: where `loaded` goes
     loaded = load(checkpoint, tokenizer_path=None, mesh_text=None, slots=slots, max_len=max_len, chunk=DEFAULT_CHUNK,
-                  kv_dtype=None, quantized=None, device_memory_gb=None, progress=lambda message: None,
+                  kv_dtype=None, quantized=None, device_memory_gb=None,
+                  progress=lambda message: stages.append([round(since_start(), 2), message[:80]]),
                   prefix_tokens=max(16, slots * max_len // 4))
     marks["loaded"] = since_start()
     loaded.engine.warm_up(False)  # what --warm-up background compiles before ready
     marks["ready"] = since_start()
     marks["programs"] = loaded.engine.compilations()
+    marks["stages"] = stages
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in marks.items()}), flush=True)
     return 0
 
