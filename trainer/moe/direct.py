@@ -97,7 +97,8 @@ def kernel_operands(w):
         return None
     stack = w.stack
     int8 = stack.values.dtype == jnp.int8 and stack.scale.shape[-2] == 1  # a scale an output channel
-    int4 = stack.values.dtype == jnp.int4 and stack.axis % stack.values.ndim == stack.values.ndim - 2  # by inputs
+    int4 = (stack.values.dtype == jnp.int4 and stack.axis % stack.values.ndim == stack.values.ndim - 2  # by inputs
+            and (stack.values.shape[-2] // stack.scale.shape[-2]) % 128 == 0)  # whole lane tiles of inputs a scale
     if not (int8 or int4):
         return None
 
