@@ -78,7 +78,7 @@ class MoEConfig(Section):
     direct_assignments: NonNegative = 8
     # Those products of an int8 or int4 expert stack: "kernel", a Pallas kernel that reads each assignment's
     # expert from the stack (direct.stacked_rows_product); "xla", XLA's product of the expert's slice; "auto":
-    # the kernel for int4 on a TPU, where XLA copies the slice first (direct.uses_kernel), XLA's elsewhere.
+    # the kernel for int4 on a TPU, where XLA copies the slice first (direct.kernel_operands), XLA's elsewhere.
     direct_products: Literal["auto", "xla", "kernel"] = "auto"
     # Router scores: softmax over the experts, or each expert's own sigmoid (DeepSeek-V3). With
     # sigmoid and top_k > 1 the k chosen scores are normalised to sum to 1 (with renormalize).

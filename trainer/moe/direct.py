@@ -38,7 +38,7 @@ def expert_of(w, expert: jax.Array):
 def direct_ffn(x_TxD: jax.Array, experts_TxK: jax.Array, gates_TxK: jax.Array, w, products: str = "xla") -> jax.Array:
     """sum_k gate[t, k] * expert[t, k]'s FFN of x[t], float32 [T, D]; `w` an ExpertWeights whose weights are arrays
     or LayerOfs. Each product runs over the step's T x K assignments (few, by direct_fits), one expert each,
-    `products` as MoEConfig.direct_products says (uses_kernel)."""
+    `products` as MoEConfig.direct_products says (kernel_operands)."""
     tokens, k = experts_TxK.shape
     dtype = x_TxD.dtype
     experts_A = experts_TxK.reshape(-1)
@@ -54,31 +54,42 @@ def direct_ffn(x_TxD: jax.Array, experts_TxK: jax.Array, gates_TxK: jax.Array, w
     return jnp.sum(weighted.reshape(tokens, k, -1), axis=1)
 
 
-def uses_kernel(w, products: str) -> bool:
-    """Whether a weight's direct products go through stacked_rows_product: "kernel", wherever the weight has
-    kernel_operands; "auto", an int4 stack on a TPU. Measured on a v5e chip (2026-12-06, moe-1b at one slot,
-    benchmarks/serve_weights.py --variant moe.direct_products=kernel --variant moe.direct_products=xla): XLA
-    copies each int4 expert's slice out of the stack before its product (the decode program 0.681 ms, the
-    kernel's 0.618), and reads an int8 slice in place as fast as the kernel does (0.709 and 0.704 ms)."""
+def kernel_operands(w, products: str):
+    """(values [layers * experts, in, out], scales [layers * experts, groups, out] float32) where a weight's
+    direct products go through stacked_rows_product, else None. "kernel": a LayerOf's int8 stack (groups 1, a
+    scale an output channel) or int4 stack (a scale a group of inputs, each whole lane tiles of them), as
+    LayerOf.groups holds them; "auto": its int4 stack on a TPU alone. Measured on a v5e chip (2026-12-06,
+    moe-1b at one slot, benchmarks/serve_weights.py --variant moe.direct_products=kernel --variant
+    moe.direct_products=xla): XLA copies each int4 expert's slice out of the stack before its product (the
+    decode program 0.681 ms, the kernel's 0.618), and reads an int8 slice in place as fast as the kernel does
+    (0.709 and 0.704 ms). Floats (whose sliced product XLA fuses as it is), int4 nibbles and MXFP4 never."""
     from trainer.sharding import current_platform
 
-    operands = kernel_operands(w) if products in ("kernel", "auto") else None
-    if operands is None or products == "kernel":
-        return operands is not None
-    return operands[0].dtype == jnp.int4 and current_platform() == "tpu"
+    if products == "xla" or not isinstance(w, LayerOf) or (held := w.groups()) is None:
+        return None
+    groups, row_scales_GxN = held
+    if row_scales_GxN is not None:  # int8
+        return None if products == "auto" else (groups, row_scales_GxN[:, None, :].astype(jnp.float32))
+    values, scale = getattr(groups, "qvalue", None), getattr(groups, "scale", None)
+    if values is None or values.dtype != jnp.int4 or (values.shape[-2] // scale.shape[-2]) % 128:
+        return None  # floats, MXFP4, int4 groups narrower than a lane tile
+    if products == "auto" and current_platform() != "tpu":
+        return None
+    return values, scale.astype(jnp.float32)
 
 
 def product(x_AxK: jax.Array, w, experts_A: jax.Array, dtype, products: str) -> jax.Array:
     """Each assignment's row times its expert's weight, [A, N] in `dtype`: through stacked_rows_product where
-    uses_kernel says, else one product a row, XLA's, of the expert's slice as held (trainer.layers.times)."""
+    kernel_operands gives its operands, else one product a row, XLA's, of the expert's slice as held
+    (trainer.layers.times)."""
     from trainer.layers import times
 
-    if uses_kernel(w, products):
+    operands = kernel_operands(w, products)
+    if operands is not None:
         from trainer.sharding import current_platform
 
-        values, scale = kernel_operands(w)
         rows = jnp.pad(x_AxK.astype(dtype)[:, None, :], ((0, 0), (0, KERNEL_ROWS - 1), (0, 0)))
-        out = stacked_rows_product(rows, values, scale, w.group_offset() + experts_A,
+        out = stacked_rows_product(rows, *operands, w.group_offset() + experts_A,
                                    interpret=current_platform() != "tpu")
         return out[:, 0].astype(dtype)
     return jnp.concatenate([times(x_AxK[a:a + 1], expert_of(w, experts_A[a]), dtype)
@@ -86,26 +97,6 @@ def product(x_AxK: jax.Array, w, experts_A: jax.Array, dtype, products: str) -> 
 
 
 KERNEL_ROWS = 8  # a row padded to a vector register's sublanes: the kernel's product stays a matrix product
-
-
-def kernel_operands(w):
-    """(values [layers * experts, in, out], scales [layers * experts, groups, out] float32) of a LayerOf's int8
-    stack (one scale an output channel: groups 1) or int4 stack held as jnp.int4 (a scale a group of inputs);
-    None for anything else (floats, whose sliced product XLA fuses as it is; int4 nibbles; MXFP4). The serving
-    weights (trainer/serve/quant.py, quant4.py) are told apart by what they hold, as LayerOf.groups does."""
-    if not isinstance(w, LayerOf) or getattr(w.stack, "values", None) is None or hasattr(w.stack, "factors"):
-        return None
-    stack = w.stack
-    int8 = stack.values.dtype == jnp.int8 and stack.scale.shape[-2] == 1  # a scale an output channel
-    int4 = (stack.values.dtype == jnp.int4 and stack.axis % stack.values.ndim == stack.values.ndim - 2  # by inputs
-            and (stack.values.shape[-2] // stack.scale.shape[-2]) % 128 == 0)  # whole lane tiles of inputs a scale
-    if not (int8 or int4):
-        return None
-
-    def flat(a):
-        return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-
-    return flat(stack.values), flat(stack.scale).astype(jnp.float32)
 
 
 def stacked_rows_product(x_AxRxK: jax.Array, values_GxKxN: jax.Array, scale_GxCxN: jax.Array, groups_A: jax.Array,
