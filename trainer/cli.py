@@ -154,7 +154,7 @@ def _train(status, config_name, overrides, steps, devices, mesh_text, output_dir
     else:
         _initialize_distributed()
         startup.mark("distributed")
-        _start_backend()
+        startup.start_backend()  # on a thread, while the trainer's modules import
     output_dir = _check_output_dir(output_dir, status)
     _check_path(metrics_path, "--metrics", writes=True)
     if os.sep in config_name or os.path.exists(config_name):
@@ -283,22 +283,6 @@ def _hold_output_dir(output_dir: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held.append(fd)
-
-
-def _start_backend() -> None:
-    """jax's backend started on a thread of its own, while this one imports the trainer's modules: on one v5e
-    chip the accelerator's runtime took 6.3 s to start and the imports 5 s, one after the other
-    (trainer/startup.py's marks, 2026-12-06). Whatever it raises is raised again where the run first asks for
-    the devices (jax keeps the backends' errors)."""
-    import jax
-
-    def start():
-        try:
-            jax.devices()
-        except Exception:  # noqa: BLE001 - _build_spec's jax.devices() raises it again, reported there
-            pass
-
-    threading.Thread(target=start, name="start-backend", daemon=True).start()
 
 
 def _initialize_distributed() -> None:
