@@ -15,6 +15,9 @@
 #   levers        benchmarks/train_levers.py: moe-1b as written and the variants in $LEVERS; PROFILE=1: each
 #                 one's device ops
 #   step          benchmarks/train_step.py: time to the first step, cold and warm, with the start-up's stages
+#   startup       benchmarks/startup_parts.py: a process's first seconds taken apart (python, import jax, the
+#                 runtime's start alone, the trainer's and the server's imports alone and beside the runtime
+#                 started on a thread), REPEAT rounds (1), with the slowest imports (-X importtime)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 deadline=$((SECONDS + ${CHIP_SECONDS:-560}))
@@ -45,5 +48,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
             ${PROFILE:+--profile} --json-out "$OUT/levers.json" ;;
   step) stage step 300 python benchmarks/train_step.py --accelerator --config moe-1b --log-compiles --paths "${PATHS_:-capacity}" \
           --json-out "$OUT/train_step.json" ;;
+  startup) stage startup 90 python benchmarks/startup_parts.py --repeat "${REPEAT:-1}" --importtime \
+             --json "$OUT/startup_parts.json" ;;
   *) echo "unknown stage $s1"; exit 2 ;;
 esac; done; done
