@@ -4,7 +4,9 @@ engine. Every problem a user can fix raises ServeError (exit 2) naming the flag,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import threading
 from collections.abc import Callable
 
 import click
@@ -48,6 +50,9 @@ def planned(model, slots: int, max_len: int, kv, quantized: str | None, prefix_t
 
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
          quantized: str | None, device_memory_gb, progress, prefix_tokens: int = 0, decode_steps: int = 1) -> Loaded:
+    from trainer.startup import start_backend
+
+    start_backend()  # the accelerator's runtime starts while the server's modules import and the run is read
     import jax
 
     from trainer import sharding
@@ -92,18 +97,91 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     limit = device_memory_gb if device_memory_gb else memory_of(jax.local_devices())  # this process's devices
     check_fits(plan, limit, slots, max_len, kv, quantized)
     progress(f"reading the parameters from {checkpoints}")
+
+    def make_engine(weights):
+        try:
+            return Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
+                          detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens, stop_ids=stop_ids,
+                          decode_steps=decode_steps)
+        except RequestError as e:
+            raise ServeError(f"--slots/--chunk: {e}") from None
+
+    early = EarlyEngine(model, make_engine, alone=jax.process_count() == 1)
     try:
-        weights, step = restore_weights(model, checkpoints, quantized)  # int8, int4, mxfp4 (--weights): array by array
+        weights, step = restore_weights(model, checkpoints, quantized,  # int8, int4, mxfp4 (--weights): by array
+                                        on_checked=early.start)
+        engine = early.take(weights) or make_engine(weights)
+        progress(f"read the checkpoint at step {step}")
     except WeightsError as e:
+        early.halt()
         raise ServeError(str(e)) from None
-    progress(f"read the checkpoint at step {step}")
-    try:
-        engine = Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
-                        detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens, stop_ids=stop_ids,
-                        decode_steps=decode_steps)
-    except RequestError as e:
-        raise ServeError(f"--slots/--chunk: {e}") from None
+    except BaseException:
+        early.halt()
+        raise
+    early.let_go()
     return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template, codec.tokenizer)
+
+
+class _Enough(Exception):
+    """Raised between two programs to end EarlyEngine's compile."""
+
+
+class EarlyEngine:
+    """The engine built on the weights' shapes while the checkpoint is read, its first programs (the ones its
+    warm-up runs first: a short request's prefill, a lone stream's decode) compiling on a thread meanwhile
+    (Engine.compile_ahead), then handed the weights read: the restore's seconds and the programs' tracing,
+    lowering and compiling (or loading from the persistent cache) side by side rather than one after the other.
+    The warm-up then finds them compiled, or waits for the one still compiling. Only in a process of its own
+    (`alone`: a group's processes load as before) and where restore_weights says the checkpoint holds the arrays
+    as the model does (on_checked): a refused checkpoint is refused before anything compiles."""
+
+    def __init__(self, model, make_engine: Callable, alone: bool):
+        self.model, self.make_engine, self.alone = model, make_engine, alone
+        self.engine = None
+        self.thread: threading.Thread | None = None
+        self.stop = threading.Event()
+
+    def start(self, step: int) -> None:
+        """restore_weights' on_checked: the engine on abstract weights, its first programs compiling."""
+        if not self.alone:
+            return
+        self.engine = self.make_engine(self.model.abstract())
+        runner = self.engine.runner
+        first = set(runner.first_programs())
+        leading = len(list(itertools.takewhile(first.__contains__, runner.warm_up_order())))
+        asked = itertools.count()
+
+        def between():  # before each program compile_ahead takes up: the leading first ones, until stopped
+            if self.stop.is_set() or next(asked) >= leading:
+                raise _Enough
+
+        def run():
+            try:
+                self.engine.compile_ahead(between)
+            except _Enough:
+                pass
+            except Exception:  # noqa: BLE001 - the warm-up compiles the program again and reports it as it would
+                pass
+
+        self.thread = threading.Thread(target=run, name="moe-tpu-compile-first", daemon=True)
+        self.thread.start()
+
+    def take(self, weights):
+        """The engine, now holding the weights read (None: none was built early)."""
+        if self.engine is not None:
+            self.engine.weights = weights
+        return self.engine
+
+    def let_go(self) -> None:
+        """No program after the one compiling now (the warm-up waits for that one, or compiles it)."""
+        self.stop.set()
+
+    def halt(self) -> None:
+        """The load failed: the compile ends after its program now (exiting inside XLA's compiler would abort
+        the process), and is waited for."""
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
 
 
 def serving_mesh(cfg, mesh_text: str | None, devices: int) -> dict[str, int]:

@@ -112,23 +112,28 @@ def init_program(model: ServingModel) -> Callable[[], dict[str, Any]]:
 
 
 def restore_weights(model: ServingModel, checkpoints: str, quantized: str | None = None,
-                    on_array: Callable[[str], None] | None = None) -> tuple[dict[str, Any], int]:
+                    on_array: Callable[[str], None] | None = None,
+                    on_checked: Callable[[int], None] | None = None) -> tuple[dict[str, Any], int]:
     """(the latest checkpoint's parameters and biases, its step), read straight onto the mesh; the
     optimizer state in the checkpoint is not read. `quantized` ("int8", "int4", "mxfp4" or None: as saved) reads the
     parameters one array at a time, each quantized as it arrives, so the device never holds more than the
     quantized model and one float array (memory_plan's "loading"); `on_array(name)` is called as each float
-    array arrives, before it is quantized.
+    array arrives, before it is quantized. `on_checked(step)` is called once the checkpoint's arrays are known to
+    be the config's, before any is read, where they are read as the model holds them, model.abstract() (not
+    quantized, not a checkpoint of the per-layer layout, which is converted after reading): what the caller
+    does meanwhile (trainer/serve/startup.py compiles the first programs) never waits on a checkpoint that a
+    quick look refuses.
     Raises WeightsError naming what is wrong."""
     import orbax.checkpoint as ocp
 
     from trainer.checkpoint import quiet_orbax, short_reason
 
     with quiet_orbax():
-        return _restore(ocp, short_reason, model, checkpoints, quantized, on_array)
+        return _restore(ocp, short_reason, model, checkpoints, quantized, on_array, on_checked)
 
 
 def _restore(ocp, short_reason, model: ServingModel, checkpoints: str, quantized,
-             on_array) -> tuple[dict[str, Any], int]:
+             on_array, on_checked=None) -> tuple[dict[str, Any], int]:
     if "://" not in checkpoints:  # orbax takes absolute paths only; a user types a relative one
         checkpoints = os.path.abspath(checkpoints)
     try:
@@ -156,6 +161,8 @@ def _restore(ocp, short_reason, model: ServingModel, checkpoints: str, quantized
 
         if target is wanted and quantized:
             return _read_quantized(read, wanted, quantized, on_array), step
+        if target is wanted and on_checked is not None:
+            on_checked(step)
         restored = read(target)
         if target is not wanted:  # a checkpoint of the per-layer layout: read whole, stacked, then quantized
             from trainer.checkpoint import stacked_layout

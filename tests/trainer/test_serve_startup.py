@@ -1,0 +1,90 @@
+"""trainer/serve/startup.py load: the checkpoint read while the engine's first programs compile beside it."""
+
+import contextlib
+import threading
+
+import jax
+import pytest
+
+from trainer.serve.engine import Request, SamplingParams
+from trainer.serve.startup import ServeError, load
+
+EARLY = "moe-tpu-compile-first"  # EarlyEngine's thread
+
+
+def compiles_by_thread(events: list[str]):
+    """A listener that appends the name of the thread each XLA compile ran on to `events`."""
+
+    def listener(name, *_, **__):
+        if "/jax/core/compile/backend" in name:
+            events.append(threading.current_thread().name)
+
+    return listener
+
+
+@contextlib.contextmanager
+def compiles(events: list[str]):
+    """XLA's compiles meanwhile, each as the name of the thread it ran on, appended to `events`."""
+    listener = compiles_by_thread(events)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def loaded_engine(run, **extra):
+    return load(str(run), tokenizer_path=None, mesh_text=None, slots=8, max_len=64, chunk=16, kv_dtype=None,
+                quantized=None, device_memory_gb=None, progress=lambda _: None, **extra).engine
+
+
+def test_the_first_programs_compile_on_a_thread_on_the_weights_shapes_and_the_warm_up_finds_them(trained_tiny):
+    """EarlyEngine as load starts it once the checkpoint's shapes match (here left to finish): the first programs
+    compiled on abstract weights, then the weights read handed over; the warm-up compiles none of them again,
+    and the engine answers."""
+    from trainer import sharding
+    from trainer.run_loader import find_run, load_run_config
+    from trainer.serve.engine import Engine
+    from trainer.serve.startup import EarlyEngine, serving_mesh
+    from trainer.serve.weights import build_serving_model, restore_weights
+
+    run = find_run(str(trained_tiny.output_dir), progress=lambda _: None)
+    cfg = load_run_config(run.config)
+    mesh = sharding.make_mesh(serving_mesh(cfg, None, len(jax.devices())), jax.devices())
+    model = build_serving_model(cfg, mesh)
+    early = EarlyEngine(model, lambda w: Engine(model, w, slots=8, max_len=64, chunk=16), alone=True)
+    with compiles([]) as ahead:
+        weights, step = restore_weights(model, run.checkpoints, on_checked=early.start)
+        early.thread.join(timeout=300)
+    engine = early.take(weights)
+    first = engine.runner.first_programs()
+    assert ahead.count(EARLY) == len(first) and step == 120  # no burst: the first programs lead the warm-up's order
+    with compiles([]) as warming:
+        engine.warm_up()
+    assert warming == []
+    request = engine.submit(Request([3, 17, 9], SamplingParams(max_tokens=4)))
+    engine.run()
+    assert len(request.output) == 4 and request.finish_reason == "length"
+
+
+def test_load_compiles_each_first_program_once_on_the_thread_or_in_the_warm_up(trained_tiny):
+    with compiles([]) as events:
+        engine = loaded_engine(trained_tiny.output_dir)
+        for thread in [t for t in threading.enumerate() if t.name == EARLY]:
+            thread.join(timeout=300)
+        loaded = len(events)
+        engine.warm_up()
+    assert all(not isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(engine.weights))
+    assert events.count(EARLY) + len(events[loaded:]) == len(engine.runner.first_programs())
+
+
+def test_a_checkpoint_of_another_shape_is_refused_before_anything_compiles_early(trained_tiny, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_tiny.output_dir, run, ignore=shutil.ignore_patterns(".lock"))
+    config = (run / "config.json").read_text()
+    (run / "config.json").write_text(config.replace('"vocab_size": 256', '"vocab_size": 512'))
+    with compiles([]) as events, pytest.raises(ServeError, match="the run's config needs"):
+        loaded_engine(run)
+    assert EARLY not in events and not [t for t in threading.enumerate() if t.name == EARLY]
