@@ -41,19 +41,35 @@ class Ran(NamedTuple):
 
 
 @pytest.fixture(scope="session")
-def dry_run(tmp_path_factory):
+def dry_run(tmp_path_factory, worker_id):
     """dry_run(target, scenario, **changes): `moe-tpu --dry-run --scenario SCENARIO --output json run` of
-    the target's example made small (cli_helpers.write_config), done once a session for each such
-    argument list. The tests of one run only read what it left in its directory; a test that goes on
-    from there (another command that changes the state) copies the directory first."""
+    the target's example made small (cli_helpers.write_config), done once a test run for each such
+    argument list, not once per pytest-xdist worker: the first worker to ask runs it in the directory all
+    workers share, under a lock the others wait on (test_goodput_plot.py reads test_run.py's preempted run,
+    and the two files mostly run on different workers). The tests of one run only read what it left in its
+    directory; a test that goes on from there (another command that changes the state) copies the directory
+    first."""
+    import hashlib
+    import json
+
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
     done: dict[str, Ran] = {}
 
     def run(target: str = "tpu-vm", scenario: str = "happy", **changes) -> Ran:
         key = repr((target, scenario, sorted(changes.items())))
         if key not in done:
-            where = tmp_path_factory.mktemp(f"run-{target}-{scenario}")
-            write_config(where, target, **changes)
-            done[key] = Ran(where, *run_json(where, scenario))
+            name = f"run-{target}-{scenario}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+            where, answered = shared / name, shared / f"{name}.json"
+            with open(shared / f"{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                if not answered.exists():
+                    shutil.rmtree(where, ignore_errors=True)  # a worker that failed halfway
+                    where.mkdir()
+                    write_config(where, target, **changes)
+                    code, doc, err = run_json(where, scenario)
+                    answered.write_text(json.dumps({"returncode": code, "doc": doc, "stderr": err}))
+            ran = json.loads(answered.read_text())
+            done[key] = Ran(where, ran["returncode"], ran["doc"], ran["stderr"])
         return done[key]
 
     return run
