@@ -8,7 +8,8 @@
 #                 the decode program's ops;
 #                 VARIANTS="moe.direct_assignments=8 moe.direct_assignments=0": each format with each side by side
 #   interference  benchmarks/serve_interference.py: 8 streams decoding while a 2,000-token prompt arrives
-#                 (CHUNKS: the prefill chunks tried, 64)
+#                 (CHUNKS: the prefill chunks tried, 64; MIXED: the chunk in its own program and/or with the
+#                 decode step, off,on)
 #   ready         benchmarks/serve_ready.py: a server of moe-1b (trained one step here) ready, cold and warm cache
 #   gmm           benchmarks/gmm_formats.py
 #   tests         the `tpu` tests
@@ -37,8 +38,8 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
            --formats "${FORMATS:-bf16,int8,int4-native}" --slots "${SLOTS:-1,8,32}" --decode-steps "${DECODE_STEPS:-1,8}" \
            $(for v in ${VARIANTS:-}; do printf -- '--variant %s ' "$v"; done) ${PROFILE:+--profile} \
            --json "$OUT/serve_weights.json" ;;
-  interference) stage interference 240 python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
-                  --json "$OUT/interference.json" ;;
+  interference) stage interference "${INTERFERENCE_S:-300}" python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
+                  --mixed "${MIXED:-off,on}" --json "$OUT/interference.json" ;;
   ready) stage ready 240 python benchmarks/serve_ready.py --accelerator --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
   tests) MOE_TPU_TESTS=1 stage tests 200 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \

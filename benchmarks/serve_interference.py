@@ -5,6 +5,10 @@ raise their inter-token latency p99 at most 2x.
     python benchmarks/serve_interference.py                          # a small model on the CPU
     python benchmarks/serve_interference.py --accelerator --json out.json   # moe-1b on the default backend (TPU)
     python benchmarks/serve_interference.py --chunks 64,256 --streams 8 --prompt 2000
+    python benchmarks/serve_interference.py --mixed off,on      # the chunk in its own program, then with the step
+
+--mixed: whether a prefill chunk goes with the decode step in one program (serve --mixed-prefill; the
+engine's default: on an accelerator only), each setting side by side on the same weights.
 
 For each prefill chunk: an engine (trainer/serve/engine.py, the server's) of --streams + 1 slots decodes
 --streams greedy requests of a 16-token prompt; once each has --warm tokens, their token times over --base
@@ -62,7 +66,7 @@ def scenario(engine, args) -> dict:
     engine.run()  # the rest: every request to its end, the engine idle again
     base = [g for r in streams for g in gaps(r.token_times, base_start, submitted)]
     window = [g for r in streams for g in gaps(r.token_times, submitted, first)]
-    row = {"chunk": engine.runner.chunk, "streams": args.streams, "prompt": args.prompt,
+    row = {"chunk": engine.runner.chunk, "mixed": engine.runner.mixed, "streams": args.streams, "prompt": args.prompt,
            "ttft_s": round(first - submitted, 4), "window_steps": len(window) // max(1, args.streams),
            "itl_base_p50_ms": round(1e3 * quantile(base, 0.5), 3),
            "itl_base_p99_ms": round(1e3 * quantile(base, 0.99), 3),
@@ -78,6 +82,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config", default=None)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--chunks", default="64", help="comma-separated prefill chunks [64, the server's default]")
+    p.add_argument("--mixed", default="off,on", help="comma-separated: off (the chunk in its own program), on "
+                   "(with the decode step) [off,on]")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--prompt", type=int, default=2000, help="the arriving prompt's tokens")
     p.add_argument("--warm", type=int, default=4, help="each stream's tokens before the baseline")
@@ -101,10 +107,11 @@ def main(argv: list[str]) -> int:
     model = build_serving_model(cfg, sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1]))
     weights = init_weights(model)
     rows = []
-    for chunk in (int(c) for c in args.chunks.split(",")):
+    settings = [(int(c), {"on": True, "off": False}[m]) for c in args.chunks.split(",") for m in args.mixed.split(",")]
+    for chunk, mixed in settings:
         max_len = -(-(args.prompt + 2 + 16 + args.warm + args.base + args.prompt // chunk + args.tail + 16) // chunk) \
             * chunk
-        engine = Engine(model, weights, slots=args.streams + 1, max_len=max_len, chunk=chunk)
+        engine = Engine(model, weights, slots=args.streams + 1, max_len=max_len, chunk=chunk, mixed_prefill=mixed)
         started = time.perf_counter()
         scenario(engine, args)  # compiles every program the scenario runs
         row = {"config": config, "device_kind": jax.devices()[0].device_kind, "max_len": max_len,

@@ -63,6 +63,26 @@ class Block(nnx.Module):
         x_BxLxD, _, cache = self(x_BxLxD, train=False, cache=cache)
         return x_BxLxD, cache
 
+    def decode_groups(self, xs: tuple, kv, view) -> tuple[tuple, object]:
+        """The block at inference over groups of tokens that attend apart, each through its own view of the
+        whole cache `kv` (`view(kv, g)`: group g's LayerCache, made after the groups before it wrote theirs),
+        and go through the FFN together: a prefill chunk and a decode step in one program read the FFN's and
+        the experts' weights once. Returns (each group's output, the cache). One group: `decode`."""
+        if len(xs) == 1:
+            x_BxLxD, layer = self.decode(xs[0], view(kv, 0))
+            return (x_BxLxD,), layer.cache
+        attended = []
+        for g, x_BxLxD in enumerate(xs):
+            attn_BxLxD, layer = self.attn(self.attn_norm(x_BxLxD), cache=view(kv, g))
+            kv = layer.cache
+            attended.append(x_BxLxD + attn_BxLxD)
+        d_model = attended[0].shape[-1]
+        x_TxD = jnp.concatenate([x.reshape(-1, d_model) for x in attended])
+        h_Tx1xD = self.ffn_norm(x_TxD)[:, None]  # one token a row, as decoding routes them
+        y_Tx1xD = self.ffn(h_Tx1xD) if not self.is_moe else self.ffn(h_Tx1xD, train=False)[0]
+        x_TxD = x_TxD + y_Tx1xD[:, 0].astype(x_TxD.dtype)
+        return _split_rows(x_TxD, [x.shape for x in attended]), kv
+
 
 class Transformer(nnx.Module):
     """`model(tokens_BxL, train=...) -> (logits_BxLxV float32, aux)`; aux sums/averages the MoE layers'.
@@ -139,15 +159,30 @@ class Transformer(nnx.Module):
         real), attending over the first `span` positions of the slots (a static length past every token's
         position; None: all). The same blocks as training; MoE layers in their evaluation mode. Returns
         (logits_BxLxV float32, the updated cache)."""
-        with sharding.logical_mesh(self.mesh):  # tensor parallelism's activation layouts, as in training
-            x_BxLxD = self._embedded(tokens_BxL).astype(self.dtype)
-            for s in range(len(self.layout)):
-                x_BxLxD, cache, _ = self._run_stack(s, x_BxLxD, train=False,
-                                                    cache=(cache, starts_B, rows_B, span, lengths_B))
-            return self._logits(x_BxLxD), cache
+        (logits_BxLxV,), cache = self.decode_groups([(tokens_BxL, starts_B, rows_B, lengths_B)], cache, span)
+        return logits_BxLxV, cache
 
-    def _run_stack(self, s: int, x_BxLxD: jax.Array, *, train: bool, cache=None):
+    def decode_groups(self, groups: list[tuple], cache, span: int | None = None) -> tuple[list[jax.Array], object]:
+        """`decode` of several groups of tokens in one pass, each group (tokens_BxL, starts_B, rows_B,
+        lengths_B) as `decode` takes them, into other slots of the cache than the others': each layer attends
+        group by group, in order, and runs its FFN and the head over all their tokens at once (Block's
+        decode_groups), so that a prefill chunk fused with a decode step reads the weights once. Returns (each
+        group's logits [B, L, V] float32, the updated cache)."""
+        with sharding.logical_mesh(self.mesh):  # tensor parallelism's activation layouts, as in training
+            xs = tuple(self._embedded(tokens_BxL).astype(self.dtype) for tokens_BxL, *_ in groups)
+            views = [tuple(rest) for _, *rest in groups]
+            for s in range(len(self.layout)):
+                xs, cache, _ = self._run_stack(s, xs, train=False, cache=(cache, views, span))
+            if len(xs) == 1:
+                return [self._logits(xs[0])], cache
+            d_model = xs[0].shape[-1]
+            logits_1xTxV = self._logits(jnp.concatenate([x.reshape(1, -1, d_model) for x in xs], axis=1))
+            return list(_split_rows(logits_1xTxV[0], [x.shape[:2] for x in xs])), cache
+
+    def _run_stack(self, s: int, x_BxLxD, *, train: bool, cache=None):
         """Stack s's layers over x: (x after them, the updated cache or None, [(layer, its MoE aux)]).
+        Decoding (`cache`: the cache, each group's (starts_B, rows_B, lengths_B), the span), x is a tuple of
+        the groups' activations (Transformer.decode_groups).
 
         One step runs a period of layers on that step's slice of the stacked parameters (and, decoding, on
         the whole cache, each layer through its own view: trainer.serve.kvcache.KVCache.layer). What the
@@ -157,7 +192,7 @@ class Transformer(nnx.Module):
         graphdef, params, state = nnx.split(blocks, nnx.Param, ...)
         layers_RxP = jnp.asarray([[stack.layer(j, r) for j in range(stack.period)] for r in range(stack.repeats)],
                                  jnp.int32)
-        kv, starts_B, rows_B, span, lengths_B = cache if cache is not None else (None,) * 5
+        kv, views, span = cache if cache is not None else (None,) * 3
         # Decoding, the routed experts' weights stay whole and each layer reads them through its index
         # (trainer/moe/stacked.py: a grouped-matmul kernel then fetches only the experts the tokens route to)
         params, whole = split_stacks(params, stack.repeats) if kv is not None else (params, {})
@@ -169,9 +204,13 @@ class Transformer(nnx.Module):
             auxes = []
             for j, block in enumerate(period):
                 if kv is not None:
-                    x, view = block.decode(x, kv.layer(layers_P[j], starts_B, rows_B, span, lengths_B=lengths_B,
-                                                       window=self.windows[stack.layer(j, 0)]))
-                    kv = view.cache
+                    window = self.windows[stack.layer(j, 0)]
+
+                    def view(kv, g, index=layers_P[j], window=window):
+                        starts_B, rows_B, lengths_B = views[g]
+                        return kv.layer(index, starts_B, rows_B, span, lengths_B=lengths_B, window=window)
+
+                    x, kv = block.decode_groups(x, kv, view)
                     continue
                 if self.remat:
                     x, aux, _ = nnx.remat(lambda blk, h: blk(h, train=train), policy=self.remat_policy)(block, x)
@@ -237,6 +276,17 @@ class Transformer(nnx.Module):
     def _constrain(self, x_BxLxD: jax.Array) -> jax.Array:
         spec = sharding.activation_spec(self.mesh)
         return x_BxLxD if spec is None else jax.lax.with_sharding_constraint(x_BxLxD, spec)
+
+
+def _split_rows(x_TxN, shapes) -> tuple:
+    """x's leading rows cut in turn into arrays of `shapes` (whose leading axes' sizes multiply to the rows
+    each takes), the trailing axes kept."""
+    out, at = [], 0
+    for shape in shapes:
+        rows = shape[0] * shape[1]
+        out.append(x_TxN[at:at + rows].reshape(*shape[:2], *x_TxN.shape[1:]))
+        at += rows
+    return tuple(out)
 
 
 # Each MoE layer's own balance, reported per layer as "moe.{layer}.{name}" (float32 scalars).

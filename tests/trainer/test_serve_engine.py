@@ -528,3 +528,43 @@ def test_bursts_of_decode_steps_return_what_single_steps_do(tiny):
     bursts = engines[4].runner
     assert any(name.count("/") == 3 for name in bursts.calls) and calls[4] < calls[1]
     assert engines[4].compilations() == len(bursts.programs) <= bursts.programs_bound()
+
+
+def test_a_prefill_chunk_taken_along_by_the_decode_step_returns_what_its_own_program_does(tiny, tiny_engine, alone):
+    """serve --mixed-prefill (an accelerator's default): while requests decode, the admitted request's prefill
+    chunks go with the decode step in one program ("mixed/<span>": the weights read once for both). Every
+    request returns what it returns alone; a sampled one and one scoring its prompt (echo with logprobs) what
+    they return beside others with chunks in programs of their own; the mixed programs ran, one a span at
+    most, within programs_bound; a request cancelled while its last chunk is in flight frees its slot."""
+    engine = Engine(*tiny[:2], slots=8, max_len=288, chunk=16, mixed_prefill=True)
+    runner = engine.runner
+    assert runner.mixed and not tiny_engine.runner.mixed  # a CPU's default: off
+    requests = thirty_two_requests()
+    extra = lambda: [Request(list(range(1, 60)), SamplingParams(max_tokens=5, temperature=0.8, seed=3)),  # noqa: E731
+                     Request(list(range(60, 100)), SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=True))]
+    mine, theirs = extra(), extra()
+    for r in requests + mine:
+        engine.submit(r)
+    engine.run()
+    assert [r.output for r in requests] == alone
+    for r in requests[:3] + theirs:
+        tiny_engine.submit(Request(r.prompt, r.sampling) if r in requests else r)
+    tiny_engine.run()
+    assert [r.output for r in mine] == [r.output for r in theirs]
+    assert [r.token for r in mine[1].prompt_logprobs] == list(range(61, 100))
+    np.testing.assert_allclose([r.logprob for r in mine[1].prompt_logprobs + mine[1].logprobs],
+                               [r.logprob for r in theirs[1].prompt_logprobs + theirs[1].logprobs], atol=1e-4)
+    mixed = {name for name in runner.calls if name.startswith("mixed/")}
+    assert mixed and mixed <= {f"mixed/{span}" for span in runner.spans()}
+    assert engine.compilations() == len(runner.programs) <= runner.programs_bound()
+    assert set(runner.warm_up_order()) >= mixed and len(runner.warm_up_order()) == runner.programs_bound()
+    # Cancelled while its last chunk is in flight: nothing of it is emitted, and its slot serves the next.
+    streaming = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=20)))
+    engine.step()
+    cancelled = engine.submit(Request([9, 10, 11], SamplingParams(max_tokens=4)))
+    engine.step()  # its one chunk goes with the step
+    assert engine.flight is not None and engine.flight.chunk is not None and engine.flight.chunk[0] is cancelled
+    cancelled.cancelled = True
+    engine.run()
+    assert cancelled.finish_reason == "cancelled" and not cancelled.output and len(streaming.output) == 20
+    assert sorted(engine.free) == list(range(engine.slots)) and not engine.busy

@@ -112,6 +112,11 @@ def _listen(host: str, port: int) -> socket.socket:
                    "work a step (dispatch, reading the tokens back) done once for them all, where it is longer "
                    "than the device's (one v5e chip, a 1B MoE: 1.09x the tokens/s in bfloat16, 1.27x in int8); "
                    "the stream's tokens then come in bursts of this many. E.g. --decode-steps 8.")
+@click.option("--mixed-prefill", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="While requests decode, the admitted prompt's next chunk goes with their decode step in one "
+                   "program, which reads the weights once for both: a long prompt then barely slows the streams "
+                   "(off: in a program of its own between decode steps; one more program a span to compile). "
+                   "auto: on an accelerator, off on a CPU.")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests queued for a slot; beyond them 429 with Retry-After.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True, show_default=True,
@@ -156,8 +161,8 @@ def _listen(host: str, port: int) -> socket.socket:
                    "minutes): /health answers 503 and, in a multi-host group, every process exits 1.")
 @click.option("--device-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None, hidden=True,
               help="The memory per device to plan for [what the device reports].")
-def serve_command(directory, host, port, slots, max_len, chunk, decode_steps, max_waiting, prefix_caching,
-                  prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text,
+def serve_command(directory, host, port, slots, max_len, chunk, decode_steps, mixed_prefill, max_waiting,
+                  prefix_caching, prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text,
                   devices, tokenizer_path, chat_template_path, model_name, warm_up, grace_seconds, stream_interval,
                   step_timeout, device_memory_gb):
     """Serve a training run's latest checkpoint over an OpenAI-compatible HTTP API.
@@ -182,9 +187,9 @@ def serve_command(directory, host, port, slots, max_len, chunk, decode_steps, ma
         raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
     with Stop() as stop:  # SIGTERM/SIGINT noted; loading and compiling check between their stages
         try:
-            code = _start(directory, host, port, slots, max_len, chunk, decode_steps, max_waiting, prefix_caching,
-                          prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text, devices, tokenizer_path,
-                          template, model_name, warm_up, grace_seconds, stream_interval, step_timeout,
+            code = _start(directory, host, port, slots, max_len, chunk, (decode_steps, mixed_prefill), max_waiting,
+                          prefix_caching, prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text, devices,
+                          tokenizer_path, template, model_name, warm_up, grace_seconds, stream_interval, step_timeout,
                           device_memory_gb, stop)
         except Stopped:
             progress(f"stopped by {stop.name} before serving")
@@ -192,7 +197,7 @@ def serve_command(directory, host, port, slots, max_len, chunk, decode_steps, ma
     sys.exit(code)
 
 
-def _start(directory, host, port, slots, max_len, chunk, decode_steps, max_waiting, prefix_caching, prefix_cache_tokens,
+def _start(directory, host, port, slots, max_len, chunk, steps, max_waiting, prefix_caching, prefix_cache_tokens,
            kv_cache_dtype, weight_format, mesh_text, devices, tokenizer_path, template, model_name, warm_up,
            grace_seconds, stream_interval, step_timeout, device_memory_gb, stop) -> int:
     group = _group(devices)
@@ -205,7 +210,8 @@ def _start(directory, host, port, slots, max_len, chunk, decode_steps, max_waiti
         progress("prefix caching is off in a multi-host group (each host would need the same copies)")
         prefix_tokens = 0
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
-                  chunk=chunk, prefix_tokens=prefix_tokens, decode_steps=decode_steps,
+                  chunk=chunk, prefix_tokens=prefix_tokens, decode_steps=steps[0],
+                  mixed_prefill={"auto": None, "on": True, "off": False}[steps[1]],
                   kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
                   progress=lambda message: (stop.check(), progress(message)))

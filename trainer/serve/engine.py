@@ -53,6 +53,7 @@ class Flight:
     ran: dict
     wanted: dict
     steps: int = 1  # a burst's steps (ModelRunner.decode_steps): as many tokens for each slot it ran
+    chunk: tuple | None = None  # (the request being admitted, the prefill chunk of it the step took along)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +69,21 @@ class Engine:
     def __init__(self, model: ServingModel, weights: dict, *, slots: int = 8, max_len: int = 512, chunk: int = 64,
                  kv_dtype=None, detokenize: Callable[[list[int]], str] | None = None, eos_id: int | None = None,
                  prefix_cache: int = 0, min_span: int = MIN_SPAN, stop_ids: tuple[int, ...] = (),
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, mixed_prefill: bool | None = None):
         """`prefix_cache`: the tokens of prompt prefixes kept for later prompts (trainer.serve.prefix; 0: none);
         `min_span`: the shortest span of the cache a step reads (trainer.serve.runner.ModelRunner.spans);
         `stop_ids`: tokens that end a request as eos_id does (trainer.serve.output.OutputProcessor);
-        `decode_steps`: decode steps a program may run when nothing waits (_steps; 1: one a program)."""
+        `decode_steps`: decode steps a program may run when nothing waits (_steps; 1: one a program);
+        `mixed_prefill`: a prefill chunk goes with the decode step while requests decode (one program, the
+        weights read once for both: a long prompt admitted barely slows the streams), None: where the model
+        runs on an accelerator (mixed_default)."""
         shards = model.mesh.shape.get("expert", 1) * model.mesh.shape.get("data", 1)
         if slots % shards or chunk % shards:
             raise RequestError(f"slots ({slots}) and the prefill chunk ({chunk}) must be multiples of the mesh's "
                                f"{shards} devices (the MoE layers split tokens over them)")
         self.runner = ModelRunner(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv_dtype,
-                                  min_span=min_span, decode_steps=decode_steps)
+                                  min_span=min_span, decode_steps=decode_steps,
+                                  mixed=mixed_default(model) if mixed_prefill is None else mixed_prefill)
         self.scheduler = Scheduler(slots)
         self.output = OutputProcessor(detokenize, eos_id, stop_ids)
         if prefix_cache and unsupported(model.cfg.model):
@@ -159,10 +164,15 @@ class Engine:
         for req in self.scheduler.cancelled():
             self._end(req, "cancelled")
         req = self.scheduler.next_prefill()
-        if req is not None:
-            self._prefill_chunk(req)
-        if self.scheduler.active or self.flight is not None:
-            self._decode_all()
+        if req is not None and req.prefilled == len(req.prompt):
+            req = None  # its last chunk went with the step in flight: it decodes once that step is read
+        if req is not None and self.runner.mixed and self.scheduler.active:
+            self._decode_all(req)  # the chunk goes with the decode step: the weights read once for both
+        else:
+            if req is not None:
+                self._prefill_chunk(req)
+            if self.scheduler.active or self.flight is not None:
+                self._decode_all()
         self.publish()
 
     def publish(self) -> None:
@@ -170,21 +180,31 @@ class Engine:
         self.snapshot = Snapshot(len(s.active), len(s.waiting) + (s.admitting is not None), s.used_positions())
 
     def _prefill_chunk(self, req: Request) -> None:
+        """The request's next prefill chunk, in a program of its own."""
+        chunk = self._next_chunk(req)
+        self._chunk_done(req, chunk, *self.runner.run_chunk(chunk))
+
+    def _next_chunk(self, req: Request):
+        """The request's next prefill chunk (trainer.serve.runner.Chunk), counted as prefilled."""
         s = req.sampling
         if req.prefilled == 0 and self.prefix is not None and not s.prompt_logprobs and not req.prefix_queried:
             # Admission: the longest cached prefix is copied in, and the prefill goes on after it.
             req.prefix_queried = len(req.prompt)
             self.runner.cache, req.cached_tokens = self.prefix.load(self.runner.cache, req.prompt, req.slot)
             req.prefilled = req.cached_tokens
-        start = req.prefilled
-        token, scored = self.runner.prefill(req.prompt, start, req.slot, _row(s), top=s.logprobs,
-                                            prompt_scores=s.prompt_logprobs,
-                                            mask_W=req.constraint.row if req.constraint is not None else None)
-        req.prefilled = min(start + self.chunk, len(req.prompt))
-        final = req.prefilled == len(req.prompt)
+        chunk = self.runner.chunk_of(req.prompt, req.prefilled, req.slot, _row(s), top=s.logprobs,
+                                     prompt_scores=s.prompt_logprobs,
+                                     mask_W=req.constraint.row if req.constraint is not None else None)
+        req.prefilled = min(req.prefilled + self.chunk, len(req.prompt))
+        return chunk
+
+    def _chunk_done(self, req: Request, chunk, token: int, scored) -> None:
+        """A prefill chunk's results: its prompt log-probabilities kept; after the last chunk the request
+        decodes from the next step, its first token emitted."""
+        s = req.sampling
         if s.prompt_logprobs:
-            req.prompt_logprobs.extend(scored[:len(scored) - final])
-        if not final:
+            req.prompt_logprobs.extend(scored[:len(scored) - chunk.final])
+        if not chunk.final:
             return
         if self.prefix is not None:
             self.prefix.store(self.runner.cache, req.prompt, req.slot)
@@ -195,20 +215,21 @@ class Engine:
             return
         self._emit(req, token, scored[-1] if scored else None)
 
-    def _decode_all(self) -> None:
-        """One decode step. Overlapped: the next step dispatched, then the one in flight read and its tokens
-        emitted while the new one runs. Otherwise the one in flight read first, then a step run and read."""
+    def _decode_all(self, admitting: Request | None = None) -> None:
+        """One decode step (with `admitting`, the request's next prefill chunk in the same program). Overlapped:
+        the next step dispatched, then the one in flight read and its tokens emitted while the new one runs.
+        Otherwise the one in flight read first, then a step run and read."""
         previous, self.flight = self.flight, None
         if self._overlaps():
-            self.flight = self._dispatch(previous, bursts=True)
+            self.flight = self._dispatch(previous, bursts=True, admitting=admitting)
             self._read(previous)
-            if self.flight is not None and not any(self.scheduler.active.get(slot) is req
-                                                   for slot, req in self.flight.ran.items()):
+            if self.flight is not None and self.flight.chunk is None and not any(
+                    self.scheduler.active.get(slot) is req for slot, req in self.flight.ran.items()):
                 self.flight = None  # every request it ran has ended: nothing of it is read
             return
         self._read(previous)
         self._fill_masks()
-        self._read(self._dispatch(None))
+        self._read(self._dispatch(None, admitting=admitting))
 
     def _overlaps(self) -> bool:
         """Whether the next step may be dispatched before the last one's tokens are read: not with a grammar's
@@ -217,14 +238,16 @@ class Engine:
         return self.runner.can_follow and all(
             req.constraint is None for req in self.scheduler.active.values())
 
-    def _dispatch(self, previous: Flight | None, bursts: bool = False) -> Flight | None:
+    def _dispatch(self, previous: Flight | None, bursts: bool = False,
+                  admitting: Request | None = None) -> Flight | None:
         """Dispatches a decode step of the running requests. A request that `previous` (still in flight) ran
         follows it: its input is the token that step draws, on the device. One whose token there is its last
         (max_tokens) sits this step out. One whose token there ends it otherwise (eos, a stop string) runs
         here too, unknown yet: its token here is never emitted (_read), and its cache write, past its last
         position, lands before anything its slot's next request writes there (that request's prefill is
         dispatched later, and the device runs the steps in the order dispatched), so no request reads it.
-        With `bursts`, a burst of steps where _steps allows one."""
+        With `bursts`, a burst of steps where _steps allows one. With `admitting`, that request's next prefill
+        chunk goes in the same program (ModelRunner.dispatch; in a program of its own when no request runs)."""
         ran, done = {}, {}
         for slot, req in self.scheduler.active.items():
             done[slot] = len(req.output)
@@ -236,10 +259,14 @@ class Engine:
                 self.runner.follow(slot, previous.steps)
             ran[slot] = req
         if not ran:
+            if admitting is not None:
+                self._prefill_chunk(admitting)
             return None
         wanted = {slot: req.sampling.logprobs for slot, req in ran.items() if req.sampling.logprobs is not None}
         steps = self._steps(ran, done) if bursts and not wanted else 1
-        return Flight(self.runner.dispatch(bool(wanted), steps), ran, wanted, steps)
+        chunk = self._next_chunk(admitting) if admitting is not None else None
+        return Flight(self.runner.dispatch(bool(wanted), steps, chunk), ran, wanted, steps,
+                      (admitting, chunk) if chunk is not None else None)
 
     def _steps(self, ran: dict, done: dict) -> int:
         """The steps of the next decode: a burst (the runner's decode_steps) when the requests fit the fewest
@@ -265,6 +292,11 @@ class Engine:
                 if self.scheduler.active.get(slot) is not req:
                     break  # ended by a token before, or cancelled
                 self._emit(req, int(tokens_KxS[k, slot]), scored.get(slot))
+        if flight.chunk is not None:
+            req, chunk = flight.chunk
+            token, records = self.runner.chunk_result(chunk)
+            if self.scheduler.admitting is req:  # not cancelled since
+                self._chunk_done(req, chunk, token, records)
 
     def _fill_masks(self) -> None:
         """Each constrained slot's mask of its next token, after the token it took, written in place into the
@@ -321,6 +353,14 @@ class Engine:
             req.error = reason
             self._end(req, "error")
         self.publish()
+
+
+def mixed_default(model: ServingModel) -> bool:
+    """Whether a prefill chunk goes with the decode step by default: on an accelerator, where a step's time is
+    the weights it reads, so that admitting a prompt while streams decode does not read them twice (on one
+    v5e chip, moe-1b, 8 streams: benchmarks/serve_interference.py); not on a CPU, where the tests and the dry
+    runs serve and the fused step would be one more program a span to compile."""
+    return model.mesh.devices.flat[0].platform != "cpu"
 
 
 def _row(s: SamplingParams) -> tuple:

@@ -22,6 +22,7 @@ lifetimes, text or stop strings (trainer.serve.output).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import threading
 
@@ -37,15 +38,30 @@ from trainer.serve.structured import words
 from trainer.serve.weights import ServingModel
 
 
+@dataclasses.dataclass
+class Chunk:
+    """A prefill chunk's inputs to its program (ModelRunner.chunk_of) and, once run, its outputs there."""
+
+    inputs: tuple
+    start: int  # the chunk's first position
+    size: int  # its prompt's tokens (the rest of the chunk is padding)
+    final: bool  # it ends the prompt
+    want: bool  # it returns log-probability records
+    prompt_scores: bool  # each position's (else the drawn token's alone)
+    top: int | None
+    outputs: tuple | None = None
+
+
 class ModelRunner:
     def __init__(self, model: ServingModel, weights: dict, *, slots: int, max_len: int, chunk: int, kv_dtype,
-                 min_span: int = MIN_SPAN, decode_steps: int = 1):
+                 min_span: int = MIN_SPAN, decode_steps: int = 1, mixed: bool = False):
         """`decode_steps`: the most decode steps one program runs (a burst, "decode/<span>/<rows>/<steps>":
-        the host's work a step, dispatching and reading, done once for them all; 1: none)."""
+        the host's work a step, dispatching and reading, done once for them all; 1: none). `mixed`: a decode
+        step may take a prefill chunk along ("mixed/<span>", dispatch), one more program a span."""
         m = model.cfg.model
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
-        self.decode_steps = decode_steps
+        self.decode_steps, self.mixed = decode_steps, mixed
         self.model, self.weights = model, weights
         self.slots, self.max_len, self.chunk = slots, max_len, chunk
         self.min_span = min_span  # the shortest span (spans); max_len or more: one span, every step reads it all
@@ -139,7 +155,8 @@ class ModelRunner:
         with self._lock:  # one jit a name: compile_ahead's thread and the engine's share it
             if name not in self.programs:
                 step, span, *rest = name.split("/")
-                fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn}[step], span=int(span))
+                fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn,
+                                        "mixed": self._mixed_fn}[step], span=int(span))
                 if len(rest) > 1:  # a burst of decode steps
                     fn = functools.partial(self._burst_fn, span=int(span), steps=int(rest[1]))
                 # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
@@ -167,7 +184,8 @@ class ModelRunner:
         """The most programs the steps compile however long the server runs: the prefill at every span, the
         decode (and a burst's) at every span and row count (trainer/serve/spans.py, as a deploy's startup
         estimate counts them)."""
-        return programs(self.chunk, self.max_len, self.slots, self._shards, self.min_span, self.decode_steps)
+        return programs(self.chunk, self.max_len, self.slots, self._shards, self.min_span, self.decode_steps,
+                        self.mixed)
 
     def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW,
                     *, span):
@@ -175,10 +193,7 @@ class ModelRunner:
         its target, the token after it (a target < 0: the token drawn here)."""
         logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1, span,
                                                                 lengths_B=(last + 1)[None])
-        logits_1xV = jax.lax.dynamic_index_in_dim(logits_1xCxV, last, axis=1, keepdims=False)
-        token_1 = sample_tokens(allowed(logits_1xV, mask_1xW), *sampling, start_1 + last + 1)
-        targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
-        return (token_1, token_logprobs(logits_1xCxV[0], targets_C, want)), cache
+        return _chunk_outputs(logits_1xCxV, targets_C, start_1, last, sampling, want, mask_1xW), cache
 
     def _decode_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, *, span):
         """The next token of each of the first R slots (R: `step_4xR`'s rows, step_inputs: each row's input
@@ -189,15 +204,31 @@ class ModelRunner:
         rows' new ones over `last_S`'s, so that the next step finds its followers' inputs whatever rows either
         ran (one shape: no more programs than before); the log-probability records; the next step's inputs
         where every live row follows (`following`)."""
-        tokens_R, positions_R, follow_R, want_R = step_4xR
-        rows = tokens_R.shape[0]
-        tokens_R = jnp.where(follow_R != 0, last_S[:rows], tokens_R)
+        tokens_R, positions_R = _step_tokens(step_4xR, last_S), step_4xR[1]
         logits_Rx1xV, cache = self.model.module(weights).decode(tokens_R[:, None], cache, positions_R, span=span)
+        return self._step_outputs(logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S), cache
+
+    def _step_outputs(self, logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S) -> tuple:
+        """A decode step's outputs from its rows' logits (_decode_fn)."""
+        rows, positions_R, want_R = step_4xR.shape[1], step_4xR[1], step_4xR[3]
         sampling_R = tuple(a[:rows] for a in sampling_S)
         next_R = sample_tokens(allowed(logits_Rx1xV[:, 0], mask_SxW[:rows]), *sampling_R, positions_R + 1)
         next_S = jax.lax.dynamic_update_slice_in_dim(last_S, next_R.astype(last_S.dtype), 0, axis=0)
         scored = token_logprobs(logits_Rx1xV[:, 0], next_R, want_R[0] != 0)
-        return (next_S, scored, following(step_4xR, self.max_len)), cache
+        return next_S, scored, following(step_4xR, self.max_len)
+
+    def _mixed_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, tokens_1xC, targets_C, start_1,
+                  slot_1, last, sampling_1, want, mask_1xW, *, span):
+        """A prefill chunk (_prefill_fn's inputs, into a slot no row of the step decodes) and a decode step of
+        every slot (_decode_fn's) in one pass over the weights (Transformer.decode_groups: the chunk attends
+        first, as when its own program ran before the step's; the FFNs, the experts and the head take both's
+        tokens at once): a step that admits a request reads its weights once, not twice. Returns the decode
+        step's outputs then the chunk's."""
+        (logits_1xCxV, logits_Rx1xV), cache = self.model.module(weights).decode_groups(
+            [(tokens_1xC, start_1, slot_1, (last + 1)[None]),
+             (_step_tokens(step_4xR, last_S)[:, None], step_4xR[1], None, None)], cache, span)
+        return (*self._step_outputs(logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S),
+                _chunk_outputs(logits_1xCxV, targets_C, start_1, last, sampling_1, want, mask_1xW)), cache
 
     def _burst_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, *, span, steps):
         """`steps` decode steps in one program (a scan of _decode_fn, each step's rows following the one
@@ -227,7 +258,7 @@ class ModelRunner:
         same at each longer span."""
         return [name for span in self.spans()
                 for name in (f"prefill/{span}", *(f"decode/{span}/{rows}" for rows in self.rows()),
-                             *self._burst(span))]
+                             *self._burst(span), *([f"mixed/{span}"] if self.mixed else []))]
 
     def _burst(self, span: int) -> list[str]:
         """The burst's program at `span` (a lone stream's rows: burst_fits), where the engine runs them."""
@@ -287,14 +318,19 @@ class ModelRunner:
         """Inputs of program `name` as its steps pass them: a prefill of padding into slot 0, a decode of the
         idle slots (positions max_len: it writes nothing)."""
         step, _, *rows = name.split("/")
-        if step == "decode":  # as decode_inputs passes them, none kept (this may run on another thread)
-            inputs = (self.step_inputs(int(rows[0]), False), self.slot_sampling(), self.mask_SxW, self.last_S)
-            if self._spans_processes:
-                return jax.tree.map(np.array, inputs)
-            return (*jax.device_put(jax.tree.map(np.array, inputs[:3]), self._replicated), inputs[3])
-        return (np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
-                np.zeros(1, np.int32), np.int32(0), sampling_arrays([(0.0, 0, 1.0, 0)]), np.bool_(False),
-                self.mask_SxW[:1].copy())
+        chunk = (np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
+                 np.zeros(1, np.int32), np.int32(0), sampling_arrays([(0.0, 0, 1.0, 0)]), np.bool_(False),
+                 self.mask_SxW[:1].copy())
+        if step == "prefill":
+            return chunk
+        # as decode_inputs passes them, none kept (this may run on another thread)
+        inputs = (self.step_inputs(int(rows[0]) if rows else self.slots, False), self.slot_sampling(), self.mask_SxW,
+                  self.last_S)
+        if self._spans_processes:
+            inputs = jax.tree.map(np.array, inputs)
+        else:
+            inputs = (*jax.device_put(jax.tree.map(np.array, inputs[:3]), self._replicated), inputs[3])
+        return (*inputs, *chunk) if step == "mixed" else inputs
 
     def _abstract(self, inputs: tuple) -> tuple:
         """What jax lowers a call of `inputs` with: the arrays themselves, or across processes the global
@@ -308,10 +344,22 @@ class ModelRunner:
 
     def prefill(self, prompt: list[int], start: int, slot: int, sampling: tuple, *, top: int | None,
                 prompt_scores: bool, mask_W: np.ndarray | None = None) -> tuple[int, list[Logprob] | None]:
-        """One chunk of `prompt` from `start` into `slot`: (the token drawn after the chunk, which counts only
-        when the chunk ends the prompt, among those `mask_W` allows; each position's record of the token after
-        it when `prompt_scores`, or the drawn token's alone when `top` is not None and the chunk is the last,
-        else None)."""
+        """One chunk of `prompt` from `start` into `slot`, in a program of its own: (the token drawn after the
+        chunk, which counts only when the chunk ends the prompt, among those `mask_W` allows; each position's
+        record of the token after it when `prompt_scores`, or the drawn token's alone when `top` is not None
+        and the chunk is the last, else None)."""
+        return self.run_chunk(self.chunk_of(prompt, start, slot, sampling, top=top, prompt_scores=prompt_scores,
+                                            mask_W=mask_W))
+
+    def run_chunk(self, chunk: Chunk) -> tuple[int, list[Logprob] | None]:
+        """Runs `chunk` (chunk_of) in its own program and returns what `prefill` does."""
+        chunk.outputs = self.run(f"prefill/{self.span_for(chunk.start + self.chunk)}", *chunk.inputs)
+        return self.chunk_result(chunk)
+
+    def chunk_of(self, prompt: list[int], start: int, slot: int, sampling: tuple, *, top: int | None,
+                 prompt_scores: bool, mask_W: np.ndarray | None = None) -> Chunk:
+        """The prefill chunk of `prompt` from `start` into `slot` (`prefill`'s arguments), for `prefill` or
+        for a decode step to take along (dispatch)."""
         piece = prompt[start:start + self.chunk]
         final = start + len(piece) == len(prompt)
         tokens = np.zeros((1, self.chunk), np.int32)
@@ -322,19 +370,23 @@ class ModelRunner:
         if final:
             targets[len(piece) - 1] = -1
         want = prompt_scores or (final and top is not None)
-        span = self.span_for(start + self.chunk)  # covers the chunk's every position, its padding's too
-        token_1, scored = self.run(f"prefill/{span}", tokens, targets, np.asarray([start], np.int32),
-                                   np.asarray([slot], np.int32), np.int32(len(piece) - 1),
-                                   sampling_arrays([sampling]), np.bool_(want),
-                                   self.any_1xW if mask_W is None else mask_W[None])
+        inputs = (tokens, targets, np.asarray([start], np.int32), np.asarray([slot], np.int32),
+                  np.int32(len(piece) - 1), sampling_arrays([sampling]), np.bool_(want),
+                  self.any_1xW if mask_W is None else mask_W[None])
+        return Chunk(inputs, start, len(piece), final, want, prompt_scores, top)
+
+    def chunk_result(self, chunk: Chunk) -> tuple[int, list[Logprob] | None]:
+        """A run chunk's token and records (`prefill` says which), read from the device (this waits)."""
+        token_1, scored = chunk.outputs
         token = int(host(token_1)[0])
-        if not want:
+        if not chunk.want:
             return token, None
-        if final:
-            targets[len(piece) - 1] = token
-        rows = targets[:len(piece)] if prompt_scores else targets[len(piece) - 1:len(piece)]
-        scored = [host(a)[:len(piece)] if prompt_scores else host(a)[len(piece) - 1:len(piece)] for a in scored]
-        return token, records(rows, *scored, top or 0)
+        targets, size = chunk.inputs[1].copy(), chunk.size
+        if chunk.final:
+            targets[size - 1] = token
+        rows = targets[:size] if chunk.prompt_scores else targets[size - 1:size]
+        scored = [host(a)[:size] if chunk.prompt_scores else host(a)[size - 1:size] for a in scored]
+        return token, records(rows, *scored, chunk.top or 0)
 
     def decode(self, wanted: dict[int, int]) -> tuple[np.ndarray, dict[int, Logprob]]:
         """One decode step of the first slots, as many as cover every live one (rows_for): (each slot's last
@@ -342,19 +394,29 @@ class ModelRunner:
         `collect`."""
         return self.collect(self.dispatch(bool(wanted)), wanted)
 
-    def dispatch(self, want: bool, steps: int = 1):
+    def dispatch(self, want: bool, steps: int = 1, chunk: Chunk | None = None):
         """Starts one decode step of the first slots, as many as cover every live one (rows_for), or a burst of
         `steps` (decode_steps, of the fewest rows only: burst_fits; never with `want`), and returns its outputs,
-        still on the device (collect reads them)."""
-        if steps not in (1, self.decode_steps) or (want and steps > 1):
-            raise ValueError(f"a decode runs 1 or {self.decode_steps} steps, log-probabilities in 1; got {steps}")
+        still on the device (collect reads them). With `chunk` (chunk_of, into a slot that does not decode) the
+        step runs every slot's row and the chunk in one program ("mixed/<span>", _mixed_fn), the chunk's
+        outputs left in it (chunk_result reads them)."""
+        if steps not in (1, self.decode_steps) or (want and steps > 1) or (chunk is not None and steps > 1):
+            raise ValueError(f"a decode runs 1 or {self.decode_steps} steps, log-probabilities or a prefill chunk "
+                             f"in 1; got {steps}")
         live_S = np.flatnonzero(self.positions_S < self.max_len)  # an idle slot's position is max_len
-        span = self.span_for(int(self.positions_S[live_S].max()) + steps if live_S.size else 1)
+        reach = int(self.positions_S[live_S].max()) + steps if live_S.size else 1
         rows = self.rows_for(int(live_S[-1]) + 1 if live_S.size else 1)
         if steps > 1 and rows != self.rows()[0]:
             raise ValueError(f"a burst runs the fewest rows ({self.rows()[0]}), not {rows}")
+        if chunk is None:
+            name = f"decode/{self.span_for(reach)}/{rows}" + (f"/{steps}" if steps > 1 else "")
+        else:  # one program a span: every slot's row (an idle one writes nothing), the chunk's reach too
+            name, rows = f"mixed/{self.span_for(max(reach, chunk.start + self.chunk))}", self.slots
         step_4xR = self.step_inputs(rows, want)
-        outputs = self.run(f"decode/{span}/{rows}" + (f"/{steps}" if steps > 1 else ""), *self._inputs(step_4xR))
+        outputs = self.run(name, *self._inputs(step_4xR), *(chunk.inputs if chunk is not None else ()))
+        if chunk is not None:
+            outputs, chunk.outputs = outputs[:3], outputs[3]
+            chunk.outputs[0].copy_to_host_async()
         if not self._spans_processes:
             after = following(step_4xR, self.max_len, steps)
             self.last_S, self._next_step = outputs[0], (after.tobytes(), outputs[2])
@@ -474,6 +536,21 @@ def following(step_4xR, max_len: int, steps: int = 1):
         live_R = step_4xR[1] < max_len
         step_4xR = step_4xR + live_R * (_ADDED_4x1 - step_4xR * _CLEARED_4x1)
     return step_4xR
+
+
+def _step_tokens(step_4xR, last_S):
+    """Each decode row's input token: its own, or where it follows, its slot's last token on the device."""
+    tokens_R, follow_R = step_4xR[0], step_4xR[2]
+    return jnp.where(follow_R != 0, last_S[:tokens_R.shape[0]], tokens_R)
+
+
+def _chunk_outputs(logits_1xCxV, targets_C, start_1, last, sampling, want, mask_1xW) -> tuple:
+    """A prefill chunk's outputs from its logits (ModelRunner._prefill_fn): the token drawn after position
+    `last`, and each position's log-probability records of its target (the drawn token where it is < 0)."""
+    logits_1xV = jax.lax.dynamic_index_in_dim(logits_1xCxV, last, axis=1, keepdims=False)
+    token_1 = sample_tokens(allowed(logits_1xV, mask_1xW), *sampling, start_1 + last + 1)
+    targets_C = jnp.where(targets_C < 0, token_1[0], targets_C)
+    return token_1, token_logprobs(logits_1xCxV[0], targets_C, want)
 
 
 def host(x) -> np.ndarray:

@@ -35,10 +35,11 @@ def row_counts(slots: int, shards: int = 1) -> list[int]:
 
 
 def programs(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: int = MIN_SPAN,
-             decode_steps: int = 1) -> int:
+             decode_steps: int = 1, mixed: bool = False) -> int:
     """The programs a server compiles at every span (serve --warm-up all): the prefill and a decode a row
-    count, at each span, and a lone stream's burst of decode steps where it runs them (serve --decode-steps)."""
-    decodes = len(row_counts(slots, shards)) + (decode_steps > 1)
+    count, at each span, a lone stream's burst of decode steps where it runs them (serve --decode-steps), and
+    the decode step that takes a prefill chunk along where it runs (serve --mixed-prefill)."""
+    decodes = len(row_counts(slots, shards)) + (decode_steps > 1) + mixed
     return len(ladder(chunk, max_len, min_span)) * (1 + decodes)
 
 

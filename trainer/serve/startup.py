@@ -49,7 +49,8 @@ def planned(model, slots: int, max_len: int, kv, quantized: str | None, prefix_t
 
 
 def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int, chunk: int, kv_dtype,
-         quantized: str | None, device_memory_gb, progress, prefix_tokens: int = 0, decode_steps: int = 1) -> Loaded:
+         quantized: str | None, device_memory_gb, progress, prefix_tokens: int = 0, decode_steps: int = 1,
+         mixed_prefill: bool | None = None) -> Loaded:
     from trainer.startup import start_backend
 
     start_backend()  # the accelerator's runtime starts while the server's modules import and the run is read
@@ -102,7 +103,7 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
         try:
             return Engine(model, weights, slots=slots, max_len=max_len, chunk=chunk, kv_dtype=kv,
                           detokenize=codec.decode, eos_id=eos_id, prefix_cache=prefix_tokens, stop_ids=stop_ids,
-                          decode_steps=decode_steps)
+                          decode_steps=decode_steps, mixed_prefill=mixed_prefill)
         except RequestError as e:
             raise ServeError(f"--slots/--chunk: {e}") from None
 
