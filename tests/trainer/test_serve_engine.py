@@ -75,6 +75,39 @@ def test_chunked_prefill_then_decode_gives_the_full_forward_logits(tiny):
     assert not np.any(np.asarray(cache.k[:, [0, 1]])), "other slots' rows are untouched"
 
 
+@pytest.mark.parametrize("name", ["tiny", "latent"])
+def test_a_chunk_and_decode_rows_in_one_pass_equal_the_two_passes(name, tiny, latent):
+    """Transformer.decode_groups (a serving step that takes a prefill chunk along): the chunk into slot 2 and
+    single tokens of slots 0 and 1 in one pass give the logits and the cache of the chunk's pass then the rows'
+    (grouped key/value heads, and latent attention, which expands its heads for the chunk and absorbs them
+    for the rows)."""
+    model, weights = (tiny if name == "tiny" else latent)[:2]
+    m = model.cfg.model
+    rng = np.random.RandomState(5)
+    chunk_1xC = jnp.asarray(rng.randint(0, m.vocab_size, (1, 8)), jnp.int32)
+    rows_2x1 = jnp.asarray(rng.randint(0, m.vocab_size, (2, 1)), jnp.int32)
+    start_1, slot_1, positions_2, lengths_1 = jnp.asarray([4]), jnp.asarray([2]), jnp.asarray([3, 6]), jnp.asarray([6])
+    cache = CacheLayout.of(m).empty(3, 32, jnp.float32)
+    cache = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), cache)  # earlier tokens
+
+    @jax.jit
+    def apart(w, c):
+        chunk_logits, c = model.module(w).decode(chunk_1xC, c, start_1, slot_1, 16, lengths_1)
+        rows_logits, c = model.module(w).decode(rows_2x1, c, positions_2, span=16)
+        return chunk_logits, rows_logits, c
+
+    @jax.jit
+    def together(w, c):
+        (chunk_logits, rows_logits), c = model.module(w).decode_groups(
+            [(chunk_1xC, start_1, slot_1, lengths_1), (rows_2x1, positions_2, None, None)], c, 16)
+        return chunk_logits, rows_logits, c
+
+    want, got = apart(weights, cache), together(weights, cache)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        assert w.shape == g.shape
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-5)
+
+
 def test_latent_attention_decodes_through_its_latents_as_the_full_forward(latent):
     """Every position's logits through the latent cache (the latent and the rotary key a token and layer,
     nothing per head; decoding absorbs the heads' up-projections, trainer/mla.py) equal the full forward's."""

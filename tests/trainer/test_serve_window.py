@@ -79,18 +79,22 @@ def test_tokens_and_chunks_longer_than_the_window_give_the_full_forward_logits(w
     assert not any(np.any(np.asarray(a[:, [0, 2]])) for a in jax.tree.leaves(cache)), "other slots untouched"
 
 
-def test_the_engines_greedy_tokens_are_the_full_forwards(windowed):
+@pytest.mark.parametrize("mixed", [False, True], ids=["chunks-apart", "chunks-with-the-step"])
+def test_the_engines_greedy_tokens_are_the_full_forwards(windowed, mixed):
     """Three requests on two slots, prompts prefilled in chunks of 8 (the last padded), then decoded past several
     windows: each token the full forward's argmax after the tokens before it. The first ends early, and while
     the third is prefilled into its slot 0 the decode step runs that slot (at max_len: idle) beside the second's,
-    which must write nothing into the ring being prefilled."""
+    which must write nothing into the ring being prefilled: with the chunk in its own program, and with it
+    taken along by the decode step (serve --mixed-prefill)."""
     model, weights, forward = windowed
-    engine = Engine(model, weights, slots=2, max_len=MAX_LEN, chunk=8, min_span=MAX_LEN)  # one span
+    engine = Engine(model, weights, slots=2, max_len=MAX_LEN, chunk=8, min_span=MAX_LEN,  # one span
+                    mixed_prefill=mixed)
     prompts = np.random.RandomState(1).randint(0, model.cfg.model.vocab_size, (3, 11))
     requests = [engine.submit(Request(p[:n].tolist(), SamplingParams(max_tokens=new, temperature=0.0)))
                 for p, n, new in zip(prompts, (11, 9, 10), (3, LENGTH - 9, LENGTH - 10), strict=True)]
     engine.run()
     assert [r.slot for r in requests] == [None] * 3 and engine.runner.calls["decode/32/2"]
+    assert bool(engine.runner.calls["mixed/32"]) == mixed
     tokens_3xL = np.zeros((3, LENGTH), np.int32)  # zeros after the first's: later positions change no earlier one
     for row, r in enumerate(requests):
         tokens_3xL[row, :len(r.prompt) + len(r.output)] = r.prompt + r.output
