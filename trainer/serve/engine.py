@@ -4,7 +4,10 @@ decoding, per row count: a lone request's step runs its slot's row alone).
 
 Verbs: `submit` a request (it waits), `step` (one prefill chunk of the request being admitted into a free
 slot, then one decode step for every slot), and `run` (steps until every request is done). A step never
-waits on a long prompt: it prefills at most one chunk, so the running streams get a token each step.
+waits on a long prompt: it prefills at most one chunk, so the running streams get a token each step. With
+`mixed_prefill` (an accelerator's default) the chunk of a request admitted while others decode goes with
+their decode step in one program (trainer.serve.runner's dispatch with a Chunk), which reads the weights once
+for both; the request then starts decoding once that step is read.
 
 The host stays off the device's critical path: a step dispatches the next decode step, its continuing slots'
 input tokens taken on the device from the step before (trainer.serve.runner's follow), and only then reads

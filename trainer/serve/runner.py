@@ -416,7 +416,8 @@ class ModelRunner:
         outputs = self.run(name, *self._inputs(step_4xR), *(chunk.inputs if chunk is not None else ()))
         if chunk is not None:
             outputs, chunk.outputs = outputs[:3], outputs[3]
-            chunk.outputs[0].copy_to_host_async()
+            if not self._spans_processes:
+                chunk.outputs[0].copy_to_host_async()  # its token, on the host when the step ends
         if not self._spans_processes:
             after = following(step_4xR, self.max_len, steps)
             self.last_S, self._next_step = outputs[0], (after.tobytes(), outputs[2])

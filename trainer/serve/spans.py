@@ -1,5 +1,6 @@
 """The spans of the cache a serving step reads and the rows a decode step runs: one compiled program of the
-prefill per span, and of the decode per span and row count; the spans the chunk (at least MIN_SPAN) doubled
+prefill per span, of the decode per span and row count, and (serve --mixed-prefill) of the decode step that
+takes a prefill chunk along per span; the spans the chunk (at least MIN_SPAN) doubled
 until it reaches max_len. Light (no jax), so that a deploy's startup estimate (provision/kinds/common.py)
 counts the programs the server it starts compiles before it is ready."""
 
