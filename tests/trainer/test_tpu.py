@@ -293,3 +293,28 @@ def test_a_few_assignments_through_the_direct_kernel_match_the_cpu(chip, cpu, fm
         return jax.jit(step)(jax.device_put(held, device), jax.device_put(x_TxD, device))
 
     assert relative_error(run(chip, True), run(cpu, False)) < 1e-2
+
+
+def test_the_engine_draws_the_cpus_greedy_tokens_with_chunks_taken_along(chip, cpu):
+    """The serving engine on the chip, where a prompt admitted while others decode goes with their decode step
+    (serve --mixed-prefill's accelerator default), against the engine on the CPU with chunks in programs of
+    their own: the same float32 weights at 'highest' precision, the same greedy tokens for every request."""
+    from trainer.serve.engine import Engine, Request, SamplingParams
+    from trainer.serve.weights import build_serving_model, init_weights
+
+    cfg = load_config("tiny", [])
+    rng = np.random.RandomState(7)
+    prompts = [rng.randint(0, cfg.model.vocab_size, n).tolist() for n in (5, 70, 3, 130, 40, 9)]
+    outputs = {}
+    with jax.default_matmul_precision("highest"):
+        on_cpu = build_serving_model(cfg, mesh_of(cpu))
+        weights = init_weights(on_cpu)
+        for device, mixed in ((cpu, False), (chip, True)):
+            model = build_serving_model(cfg, mesh_of(device))
+            placed = jax.device_put(weights, jax.tree.map(lambda a: a.sharding, model.abstract()))
+            engine = Engine(model, placed, slots=4, max_len=192, chunk=16, mixed_prefill=mixed)
+            requests = [engine.submit(Request(p, SamplingParams(max_tokens=12))) for p in prompts]
+            engine.run()
+            assert bool(any(name.startswith("mixed/") for name in engine.runner.calls)) == mixed
+            outputs[mixed] = [r.output for r in requests]
+    assert outputs[True] == outputs[False] and all(len(o) == 12 for o in outputs[True])
