@@ -451,3 +451,25 @@ def test_a_scrape_counts_each_request_once_while_the_engine_holds_them_between_i
     finally:
         for req in requests:
             state.loop.engine.scheduler.waiting.remove(req)
+
+
+def test_a_request_is_counted_gone_by_the_time_its_end_is_heard(served):
+    """The waiting queue's limit (429) and /metrics count a request gone by the time anyone hears of its end: a
+    client answered may send its next request at once (lm-eval's batches do) and must not find its last one
+    still counted waiting or running. One request ends in its prefill (a prompt scored, echo), one in a decode
+    step."""
+    _, state = served
+    heard = []
+
+    def listener(req):
+        if req.finish_reason is not None:
+            heard.append((req.finish_reason, state.loop.counts()[:2]))
+
+    for sampling in (SamplingParams(max_tokens=0, logprobs=0, prompt_logprobs=True), SamplingParams(max_tokens=3)):
+        req = Request([97, 98, 99], sampling)
+        req.listener = listener
+        state.loop.submit(req)
+        deadline = time.monotonic() + 60
+        while req.finish_reason is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert heard == [("length", (0, 0)), ("length", (0, 0))]

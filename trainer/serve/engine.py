@@ -95,6 +95,7 @@ class Engine:
         self.prefix = PrefixCache(self.runner.cache, prefix_cache) if prefix_cache else None
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
         self.snapshot = Snapshot()
+        self.on_publish: Callable[[Snapshot], None] | None = None  # told each snapshot (trainer.serve.loop)
         self.flight: Flight | None = None  # the decode step dispatched and not yet read
 
     # The parts' state that callers read: the runner's weights and cache, the output's codec and end token.
@@ -181,6 +182,8 @@ class Engine:
     def publish(self) -> None:
         s = self.scheduler
         self.snapshot = Snapshot(len(s.active), len(s.waiting) + (s.admitting is not None), s.used_positions())
+        if self.on_publish is not None:
+            self.on_publish(self.snapshot)
 
     def _prefill_chunk(self, req: Request) -> None:
         """The request's next prefill chunk, in a program of its own."""
@@ -334,6 +337,9 @@ class Engine:
         slot = self.scheduler.release(req)
         if slot is not None:
             self.runner.vacate(slot)
+        # Counted as gone before anyone hears of its end: a client answered here may send its next request at
+        # once, and the waiting queue's limit (429) must not count this one still waiting or running.
+        self.publish()
         if req.listener is not None:
             try:
                 req.listener(req)

@@ -47,10 +47,15 @@ class EngineLoop:
         # The engine's snapshot after a step with the count taken before that step, published as one tuple:
         # the requests taken since count as waiting, so that no scrape sees a request twice or not at all.
         self.view: tuple[Snapshot, int] = (engine.snapshot, 0)
+        # The count taken before the step under way: a snapshot the engine publishes within it (a request ended)
+        # pairs with it, as every request taken by then is in the engine's own counts (start: the loop that
+        # steps the engine hears its snapshots).
+        self._step_taken = 0
         self.thread = threading.Thread(target=self._run, name="moe-tpu-engine", daemon=True)
 
     def start(self) -> EngineLoop:
         self.progress = time.monotonic()
+        self.engine.on_publish = lambda snapshot: setattr(self, "view", (snapshot, self._step_taken))
         self.thread.start()
         return self
 
@@ -110,7 +115,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop:
             self.take()
-            taken = self.taken
+            taken = self._step_taken = self.taken
             if not self.engine.busy:
                 self.progress = time.monotonic()
                 self._wake.wait(min(IDLE_TICK_S, self.step_timeout / 4))
