@@ -38,21 +38,15 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_ready import since_start  # noqa: E402 - one clock for both benchmarks' marks
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER_MODULES = ("trainer.cli", "trainer.train", "trainer.checkpoint", "trainer.metrics")
 SERVER_MODULES = ("trainer.serve.cli", "trainer.serve.startup", "trainer.serve.engine", "trainer.serve.weights",
                   "trainer.run_loader", "trainer.serve.server", "orbax.checkpoint", "uvicorn")
 PARTS = ("python", "import_jax", "devices", "trainer_imports", "server_imports", "trainer_both", "server_both")
-
-
-def since_start() -> float:
-    """Seconds since this process's interpreter started (its start time in /proc, where there is one)."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
 
 
 def backend_started() -> bool:
