@@ -100,6 +100,10 @@ def main(argv: list[str]) -> int:
 
     if not args.accelerator:
         jax.config.update("jax_platforms", "cpu")
+    else:  # as a server does: each setting's engine then loads the programs another compiled (one call, both)
+        from trainer.distributed import use_compilation_cache
+
+        use_compilation_cache(jax.devices()[0].platform)
     config = args.config or ("moe-1b" if args.accelerator else "tiny")
     overrides = (ACCELERATOR_OVERRIDES if args.accelerator else CPU_OVERRIDES if args.config is None else []) \
         + args.overrides

@@ -68,14 +68,16 @@ def test_the_first_programs_compile_on_a_thread_on_the_weights_shapes_and_the_wa
 
 
 def test_load_compiles_each_first_program_once_on_the_thread_or_in_the_warm_up(trained_tiny):
+    """(serve --mixed-prefill on: the engine takes chunks along with its decode steps; not a first program.)"""
     with compiles([]) as events:
-        engine = loaded_engine(trained_tiny.output_dir)
+        engine = loaded_engine(trained_tiny.output_dir, mixed_prefill=True)
         for thread in [t for t in threading.enumerate() if t.name == EARLY]:
             thread.join(timeout=300)
         loaded = len(events)
         engine.warm_up()
     assert all(not isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(engine.weights))
     assert events.count(EARLY) + len(events[loaded:]) == len(engine.runner.first_programs())
+    assert engine.runner.mixed and not any(name.startswith("mixed/") for name in engine.runner.first_programs())
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_anything_compiles_early(trained_tiny, tmp_path):
