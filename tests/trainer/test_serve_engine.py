@@ -591,6 +591,10 @@ def test_a_prefill_chunk_taken_along_by_the_decode_step_returns_what_its_own_pro
     assert mixed and mixed <= {f"mixed/{span}" for span in runner.spans()}
     assert engine.compilations() == len(runner.programs) <= runner.programs_bound()
     assert set(runner.warm_up_order()) >= mixed and len(runner.warm_up_order()) == runner.programs_bound()
+    # The server's background compile and its warm-up take the mixed programs too (their example inputs).
+    engine.compile_ahead()
+    engine.warm_up(every_span=True)
+    assert engine.compilations() == len(runner.programs) == runner.programs_bound()
     # Cancelled while its last chunk is in flight: nothing of it is emitted, and its slot serves the next.
     streaming = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=20)))
     engine.step()
