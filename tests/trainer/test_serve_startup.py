@@ -7,9 +7,8 @@ import jax
 import pytest
 
 from trainer.serve.engine import Request, SamplingParams
-from trainer.serve.startup import ServeError, load
-
-EARLY = "moe-tpu-compile-first"  # EarlyEngine's thread
+from trainer.serve.startup import EARLY_THREAD as EARLY
+from trainer.serve.startup import ServeError, compiling_early, load
 
 
 def compiles_by_thread(events: list[str]):
@@ -90,3 +89,18 @@ def test_a_checkpoint_of_another_shape_is_refused_before_anything_compiles_early
     with compiles([]) as events, pytest.raises(ServeError, match="the run's config needs"):
         loaded_engine(run)
     assert EARLY not in events and not [t for t in threading.enumerate() if t.name == EARLY]
+
+
+def test_a_stop_before_serving_knows_when_the_early_compile_is_still_running():
+    """serve's exit on a signal before it serves goes past XLA's compiler (not through it, which aborts the
+    process) exactly while EarlyEngine's thread is alive."""
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, name=EARLY, daemon=True)
+    assert not compiling_early()
+    thread.start()
+    try:
+        assert compiling_early()
+    finally:
+        release.set()
+        thread.join(timeout=10)
+    assert not compiling_early()

@@ -21,7 +21,7 @@ import sys
 
 import click
 
-from trainer.serve.http_serve import EXIT_RUNTIME, compile_ahead_thread, progress, serve_http
+from trainer.serve.http_serve import EXIT_RUNTIME, compile_ahead_thread, exit_past_threads, progress, serve_http
 from trainer.serve.loop import STEP_TIMEOUT_S
 from trainer.serve.memory import QUANTIZED_WEIGHTS
 from trainer.serve.spans import DEFAULT_CHUNK, DEFAULT_WARM_UP, WARM_UPS
@@ -194,6 +194,10 @@ def serve_command(directory, host, port, slots, max_len, chunk, decode_steps, mi
         except Stopped:
             progress(f"stopped by {stop.name} before serving")
             code = 0
+            from trainer.serve.startup import compiling_early
+
+            if compiling_early():  # its program still compiling: exiting past XLA's compiler, not through it
+                exit_past_threads(code)
     sys.exit(code)
 
 

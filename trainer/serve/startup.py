@@ -123,6 +123,14 @@ def load(directory: str, *, tokenizer_path, mesh_text, slots: int, max_len: int,
     return Loaded(cfg, engine, codec.encode, codec.decode, step, eos_token, codec.kind, chat_template, codec.tokenizer)
 
 
+EARLY_THREAD = "moe-tpu-compile-first"  # EarlyEngine's compile
+
+
+def compiling_early() -> bool:
+    """Whether EarlyEngine's thread is still inside a compile (a process exiting past it would abort)."""
+    return any(t.name == EARLY_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 class _Enough(Exception):
     """Raised between two programs to end EarlyEngine's compile."""
 
@@ -164,7 +172,7 @@ class EarlyEngine:
             except Exception:  # noqa: BLE001 - the warm-up compiles the program again and reports it as it would
                 pass
 
-        self.thread = threading.Thread(target=run, name="moe-tpu-compile-first", daemon=True)
+        self.thread = threading.Thread(target=run, name=EARLY_THREAD, daemon=True)
         self.thread.start()
 
     def take(self, weights):
