@@ -187,9 +187,10 @@ def serve_command(directory, host, port, slots, max_len, chunk, decode_steps, mi
         raise ServeError(f"--chunk {chunk} must not exceed --max-len {max_len}")
     with Stop() as stop:  # SIGTERM/SIGINT noted; loading and compiling check between their stages
         try:
-            code = _start(directory, host, port, slots, max_len, chunk, (decode_steps, mixed_prefill), max_waiting,
-                          prefix_caching, prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text, devices,
-                          tokenizer_path, template, model_name, warm_up, grace_seconds, stream_interval, step_timeout,
+            code = _start(directory, host, port, slots, max_len, chunk, decode_steps,
+                          {"auto": None, "on": True, "off": False}[mixed_prefill], max_waiting, prefix_caching,
+                          prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text, devices, tokenizer_path,
+                          template, model_name, warm_up, grace_seconds, stream_interval, step_timeout,
                           device_memory_gb, stop)
         except Stopped:
             progress(f"stopped by {stop.name} before serving")
@@ -201,9 +202,9 @@ def serve_command(directory, host, port, slots, max_len, chunk, decode_steps, mi
     sys.exit(code)
 
 
-def _start(directory, host, port, slots, max_len, chunk, steps, max_waiting, prefix_caching, prefix_cache_tokens,
-           kv_cache_dtype, weight_format, mesh_text, devices, tokenizer_path, template, model_name, warm_up,
-           grace_seconds, stream_interval, step_timeout, device_memory_gb, stop) -> int:
+def _start(directory, host, port, slots, max_len, chunk, decode_steps, mixed_prefill, max_waiting, prefix_caching,
+           prefix_cache_tokens, kv_cache_dtype, weight_format, mesh_text, devices, tokenizer_path, template,
+           model_name, warm_up, grace_seconds, stream_interval, step_timeout, device_memory_gb, stop) -> int:
     group = _group(devices)
     sock = _listen(host, port) if group is None or group.is_leader else None  # workers serve no HTTP
     _start_processes(group, devices)
@@ -214,8 +215,7 @@ def _start(directory, host, port, slots, max_len, chunk, steps, max_waiting, pre
         progress("prefix caching is off in a multi-host group (each host would need the same copies)")
         prefix_tokens = 0
     loaded = load(directory, tokenizer_path=tokenizer_path, mesh_text=mesh_text, slots=slots, max_len=max_len,
-                  chunk=chunk, prefix_tokens=prefix_tokens, decode_steps=steps[0],
-                  mixed_prefill={"auto": None, "on": True, "off": False}[steps[1]],
+                  chunk=chunk, prefix_tokens=prefix_tokens, decode_steps=decode_steps, mixed_prefill=mixed_prefill,
                   kv_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
                   quantized=None if weight_format == "auto" else weight_format, device_memory_gb=device_memory_gb,
                   progress=lambda message: (stop.check(), progress(message)))

@@ -167,9 +167,7 @@ class EarlyEngine:
         def run():
             try:
                 self.engine.compile_ahead(between)
-            except _Enough:
-                pass
-            except Exception:  # noqa: BLE001 - the warm-up compiles the program again and reports it as it would
+            except Exception:  # noqa: BLE001 - _Enough ends it; a failure the warm-up meets again and reports
                 pass
 
         self.thread = threading.Thread(target=run, name=EARLY_THREAD, daemon=True)
