@@ -95,23 +95,31 @@ def _elsewhere(tmp_path_factory, monkeypatch):
 # --- the longest files start first ------------------------------------------------------------
 # pytest-xdist hands each worker whole files (--dist loadfile) in collection order; a long file handed
 # out last keeps one worker busy while the others have nothing left. Longest first keeps that tail short:
-# every file of 8 s or more (worker seconds, measured with --durations=0 on 2 cores, session fixtures
-# counted where they are first asked for), longest first; the rest keep their order after them. The
+# every file of 8 s or more (worker seconds from a whole run's --junitxml on 2 cores, session fixtures
+# counted where they are first asked for; last measured 2026-12-07, when six files of 20-91 s added since had
+# gone unlisted and so started after all of these), longest first; the rest keep their order after them. The
 # multi-host file goes first: its processes wait on each other, and the others' work fills the wait.
+# test_terraform.py (93 s on a new machine, nearly all of it making checkov's environment) is left out: that
+# is made on a thread from the session's start (below), and the file's own tests take 3 s.
 LONGEST_FIRST = (
-    "trainer/test_serve_multihost.py", "trainer/test_tensor_parallel.py", "control/test_run.py",
-    "trainer/test_hf_oracle.py", "trainer/test_moe_parallel.py", "trainer/test_moe_balance.py",
-    "trainer/test_serve_engine.py", "trainer/test_trainer_train.py", "control/test_serve_vertex.py",
-    "trainer/test_hf_deepseek.py", "trainer/test_moe_structure.py", "control/test_gke.py",
-    "control/test_serve_gke_dry_run.py", "trainer/test_trainer_cli.py", "trainer/test_hf_use.py",
-    "trainer/test_trainer_prepare.py", "control/test_plan.py", "control/test_cli.py", "control/test_two_runs.py",
-    "trainer/test_serve_cli.py", "trainer/test_serve_quant.py", "trainer/test_scan.py",
-    "control/test_run_signals.py", "trainer/test_trainer_multiprocess.py", "control/test_jobs.py",
-    "trainer/test_serve_openai.py", "trainer/test_hf_errors.py", "control/test_plan_words.py",
-    "trainer/test_trainer_finetune.py", "trainer/test_sample_limits.py", "control/test_goodput_plot.py",
-    "trainer/test_moe_layer.py", "trainer/test_trainer_model.py", "trainer/test_serve_prefix.py",
-    "control/test_gke_serve.py", "trainer/test_serve_tensor_parallel.py", "control/test_hardening.py",
-    "trainer/test_moe_routing.py", "trainer/test_trainer_sample.py", "control/test_image.py")
+    "trainer/test_serve_multihost.py", "trainer/test_tensor_parallel.py", "trainer/test_moe_parallel.py",
+    "trainer/test_hf_oracle.py", "control/test_run.py", "trainer/test_serve_engine.py",
+    "trainer/test_moe_balance.py", "trainer/test_trainer_train.py", "trainer/test_hf_deepseek.py",
+    "trainer/test_serve_quant.py", "trainer/test_hf_gpt_oss.py", "control/test_plan.py", "trainer/test_hf_use.py",
+    "control/test_serve_vertex.py", "trainer/test_moe_structure.py", "trainer/test_trainer_cli.py",
+    "control/test_gke.py", "trainer/test_serve_cli.py", "control/test_serve_gke_dry_run.py",
+    "trainer/test_scan.py", "trainer/test_trainer_prepare.py", "trainer/test_serve_window.py",
+    "control/test_run_signals.py", "trainer/test_kernels.py", "control/test_cli.py", "trainer/test_hf_errors.py",
+    "trainer/test_serve_openai.py", "control/test_hardening.py", "trainer/test_trainer_finetune.py",
+    "control/test_plan_words.py", "trainer/test_moe_layer.py", "trainer/test_moe_routing.py",
+    "trainer/test_hf_named.py", "control/test_two_runs.py", "control/test_plan_serve.py",
+    "trainer/test_trainer_multiprocess.py", "trainer/test_trainer_model.py", "trainer/test_serve_startup.py",
+    "trainer/test_sample_limits.py", "trainer/test_trainer_untrusted.py", "trainer/test_serve_structured.py",
+    "control/test_image.py", "control/test_jobs.py", "control/test_gke_serve.py",
+    "trainer/test_serve_tensor_parallel.py", "trainer/test_trainer_packaging.py", "trainer/test_trainer_gcs.py",
+    "trainer/test_serve_evaluate.py", "control/test_workload_teardown.py", "trainer/test_quant_rows.py",
+    "control/test_goodput_plot.py", "control/test_house.py", "control/test_lifecycle.py",
+    "trainer/test_trainer_sample.py", "control/test_extras.py", "control/test_docs_examples.py")
 
 
 if importlib.util.find_spec("xdist") is not None:  # a TPU host runs the `tpu` tests with plain pytest
@@ -127,6 +135,50 @@ def pytest_configure(config):
     (test_two_runs.py has 3) then starts near the end. The order below is the one wanted."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+
+
+# --- checkov's environment, made while the suite runs ----------------------------------------------
+# On a machine without it (every CI run), making checkov's environment (tests/isolated_tools.py) took 89 s
+# of one worker at test_terraform's fixture, mostly waiting on the package index, and that file is handed
+# out late. The session's first process (pytest-xdist's controller, which runs no test) starts it on a thread
+# instead, so the wait overlaps the other files' work; the fixture then finds it made, or waits on the same
+# lock for the rest. Only where the run includes test_terraform.py; the session's end waits for it (pip left
+# running would go on writing into an environment the next run makes again).
+_making_checkov: list = []
+_TERRAFORM_TESTS = Path(__file__).resolve().parent / "control" / "test_terraform.py"
+
+
+def _runs_terraform_tests(config) -> bool:
+    """Whether a path the run was given (or its testpaths, relative to the root) holds test_terraform.py."""
+    for arg in config.args:
+        for base in (Path(config.invocation_params.dir), config.rootpath):
+            path = (base / arg.split("::", 1)[0]).resolve()
+            if path == _TERRAFORM_TESTS or path in _TERRAFORM_TESTS.parents:
+                return True
+    return False
+
+
+def pytest_sessionstart(session):
+    if hasattr(session.config, "workerinput") or not _runs_terraform_tests(session.config):
+        return
+    import threading
+
+    import isolated_tools
+
+    def make():
+        try:
+            isolated_tools.executable("checkov", isolated_tools.CHECKOV)
+        except Exception:  # noqa: BLE001 - the fixture tries again and reports what fails
+            pass
+
+    thread = threading.Thread(target=make, name="make-checkov", daemon=True)
+    thread.start()
+    _making_checkov.append(thread)
+
+
+def pytest_unconfigure(config):
+    for thread in _making_checkov:
+        thread.join()
 
 
 def pytest_collection_modifyitems(items):
