@@ -638,3 +638,13 @@ def test_no_function_over_60_lines_and_no_module_over_450_in_the_control_plane()
     assert found == []
     planted = "def f():\n" + "    x = 1\n" * 60 + "\n" * 400
     assert oversized("p.py", planted) == ["p.py (461 lines)", "p.py:f (61 lines)"]
+
+
+def test_the_suites_longest_first_schedule_names_only_files_that_exist():
+    """tests/conftest.py's LONGEST_FIRST hands the long files out first; a listed file renamed or removed
+    would leave its entry dead and the file under its new name handed out last, unnoticed."""
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text(encoding="utf-8"))
+    listed = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                  and any(getattr(target, "id", None) == "LONGEST_FIRST" for target in node.targets))
+    missing = [path for path in listed if not (ROOT / "tests" / path).is_file()]
+    assert len(listed) > 20 and not missing and len(set(listed)) == len(listed), missing
