@@ -142,8 +142,8 @@ def pytest_configure(config):
 # of one worker at test_terraform's fixture, mostly waiting on the package index, and that file is handed
 # out late. The session's first process (pytest-xdist's controller, which runs no test) starts it on a thread
 # instead, so the wait overlaps the other files' work; the fixture then finds it made, or waits on the same
-# lock for the rest. Only where the run includes test_terraform.py; the session's end waits for it (pip left
-# running would go on writing into an environment the next run makes again).
+# lock for the rest. Only where the run includes test_terraform.py; the session's end waits for it unless
+# interrupted (pip left running would go on writing into an environment the next run makes again).
 _making_checkov: list = []
 _TERRAFORM_TESTS = Path(__file__).resolve().parent / "control" / "test_terraform.py"
 
@@ -176,9 +176,10 @@ def pytest_sessionstart(session):
     _making_checkov.append(thread)
 
 
-def pytest_unconfigure(config):
-    for thread in _making_checkov:
-        thread.join()
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus != pytest.ExitCode.INTERRUPTED:  # Ctrl-C is not kept waiting on the package index
+        for thread in _making_checkov:
+            thread.join()
 
 
 def pytest_collection_modifyitems(items):
