@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 VOCAB = 128
@@ -125,29 +123,15 @@ def safetensors_of(directory) -> dict[str, np.ndarray]:
     return out
 
 
-@contextlib.contextmanager
-def unoptimised():
-    """What jax compiles meanwhile in this process, without most of XLA's optimisations: compiling, not running,
-    is the oracle tests' tiny programs' cost."""
-    import jax
-
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
-
-
 def routed_outputs(model, tokens_BxL) -> tuple[np.ndarray, list[np.ndarray]]:
-    """routed_forward's logits and chosen experts on the host, compiled unoptimised."""
+    """routed_forward's logits and chosen experts on the host (its callers' modules compile without most of
+    XLA's optimisations: tests/trainer/conftest.py)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     graphdef, state = nnx.split(model)
-    with unoptimised():
-        logits, chosen = jax.jit(lambda s, t: routed_forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens_BxL))
+    logits, chosen = jax.jit(lambda s, t: routed_forward(nnx.merge(graphdef, s), t))(state, jnp.asarray(tokens_BxL))
     return np.asarray(logits), [np.asarray(c) for c in chosen]
 
 

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from hf_models import DEEPSEEK, VOCAB, hf_model, routed_outputs, safetensors_of, trainer_model, unoptimised
+from hf_models import DEEPSEEK, VOCAB, hf_model, routed_outputs, safetensors_of, trainer_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -103,8 +103,7 @@ def _jitted_logits(model, tokens) -> np.ndarray:
 
     jax.config.update("jax_default_matmul_precision", "highest")
     graphdef, state = nnx.split(model)
-    with unoptimised():
-        return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, train=False)[0])(state, jnp.asarray(tokens)))
+    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, train=False)[0])(state, jnp.asarray(tokens)))
 
 
 def _saved(tmp_path, name="deepseek_v3"):

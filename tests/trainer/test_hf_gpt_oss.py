@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from hf_models import VOCAB, hf_model, safetensors_of, trainer_model, unoptimised
+from hf_models import VOCAB, hf_model, safetensors_of, trainer_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -66,8 +66,7 @@ def _logits(run_dir, tokens) -> np.ndarray:
 
     jax.config.update("jax_default_matmul_precision", "highest")
     graphdef, state = nnx.split(trainer_model(str(run_dir))[0])
-    with unoptimised():
-        return np.asarray(_forward()(graphdef, state, jnp.asarray(tokens)))
+    return np.asarray(_forward()(graphdef, state, jnp.asarray(tokens)))
 
 
 def _theirs(model, tokens) -> np.ndarray:
@@ -373,9 +372,8 @@ def test_biased_clamped_experts_give_the_same_outputs_and_gradients_on_every_pat
         return jnp.sum(jnp.sin(y))
 
     assert float(jnp.max(jnp.abs(x @ w.w_gate_ExDxF[0]))) > 7  # the gate's clamp is reached
-    with unoptimised():
-        runs = {case: jax.jit(jax.value_and_grad(lambda *a, c=case: loss(*c, *a), argnums=(0, 1, 2, 3)))(
-            x, router, w, router_bias) for case in (("tiled", 0.0), ("ragged_dot", 0.0), ("tiled", 16.0))}
+    runs = {case: jax.jit(jax.value_and_grad(lambda *a, c=case: loss(*c, *a), argnums=(0, 1, 2, 3)))(
+        x, router, w, router_bias) for case in (("tiled", 0.0), ("ragged_dot", 0.0), ("tiled", 16.0))}
     (value, grads), others = runs[("tiled", 0.0)], [runs[("ragged_dot", 0.0)], runs[("tiled", 16.0)]]
     for other_value, other_grads in others:
         assert abs(float(value - other_value)) <= 1e-4 * abs(float(value))

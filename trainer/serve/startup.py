@@ -127,7 +127,8 @@ EARLY_THREAD = "moe-tpu-compile-first"  # EarlyEngine's compile
 
 
 def compiling_early() -> bool:
-    """Whether EarlyEngine's thread is still inside a compile (a process exiting past it would abort)."""
+    """Whether EarlyEngine's thread is still compiling (a process exiting through it would abort: exit past
+    it, http_serve.exit_past_threads)."""
     return any(t.name == EARLY_THREAD and t.is_alive() for t in threading.enumerate())
 
 
