@@ -124,7 +124,7 @@ class Attention(nnx.Module):
             cache, k_BxSxKxH, v_BxSxKxH, mask_Bx1xLxS = cache.append(k_BxLxKxH, v_BxLxKxH)
             o_BxLxNxH = self._cached(q_BxLxNxH, k_BxSxKxH.astype(self.dtype), v_BxSxKxH.astype(self.dtype),
                                      mask_Bx1xLxS, sinks_N)
-        out_BxLxD = jnp.einsum("blnh,nhd->bld", o_BxLxNxH, self.wo[...].astype(self.dtype))
+        out_BxLxD = times_leading(o_BxLxNxH, self.wo.get_value(), 2, self.dtype)
         if self.out_bias:
             out_BxLxD = out_BxLxD + self.bo[...].astype(self.dtype)
         return out_BxLxD if cache is None else (out_BxLxD, cache)
@@ -146,11 +146,13 @@ class Attention(nnx.Module):
         side by side in each device's T-th: the backward pass then sums the input's gradient over
         `model` once, not once per projection. The concatenation is each device's own slices, so it moves
         nothing; the parameters stay three (checkpoints are unchanged)."""
-        wq_DxNxH, wk_DxKxH, wv_DxKxH = (w[...].astype(self.dtype) for w in (self.wq, self.wk, self.wv))
-        (d_model, heads, size), kv_heads, ways = wq_DxNxH.shape, wk_DxKxH.shape[1], model_ways()
+        from trainer.moe.stacked import stack_shape  # a weight's shape as held (an int8/int4 one too)
+
+        held = tuple(w.get_value() for w in (self.wq, self.wk, self.wv))
+        (d_model, heads, size), kv_heads, ways = stack_shape(held[0]), stack_shape(held[1])[1], model_ways()
         if ways == 1 or heads % ways or kv_heads % ways:  # one device's whole heads, or KV replicated
-            return (jnp.einsum("bld,dnh->blnh", x_BxLxD, wq_DxNxH), jnp.einsum("bld,dkh->blkh", x_BxLxD, wk_DxKxH),
-                    jnp.einsum("bld,dkh->blkh", x_BxLxD, wv_DxKxH))
+            return tuple(times_leading(x_BxLxD, w, 1, self.dtype) for w in held)
+        wq_DxNxH, wk_DxKxH, wv_DxKxH = (w[...].astype(self.dtype) for w in (self.wq, self.wk, self.wv))
         per_device = lambda w: w.reshape(d_model, ways, w.shape[1] // ways, size)  # noqa: E731
         w_DxTxFxH = constrain(jnp.concatenate([per_device(wq_DxNxH), per_device(wk_DxKxH), per_device(wv_DxKxH)],
                                               axis=2), ("embed", "heads", None, "kv"))
@@ -181,6 +183,15 @@ class DenseFFN(nnx.Module):
 
     def _times(self, x: jax.Array, w: nnx.Param) -> jax.Array:
         return times(x, w.get_value(), self.dtype)
+
+
+def times_leading(x: jax.Array, held, n: int, dtype) -> jax.Array:
+    """x's last `n` axes contracted with a weight's first `n`, in `dtype`: an array, or a serving weight as held;
+    an int4 one (quant4.py) group by group (Widened.contract_leading), never widened whole at a decode step."""
+    if hasattr(held, "contract_leading"):
+        return held.contract_leading(x, n, dtype).astype(dtype)
+    w = held if isinstance(held, jax.Array) else held[...]
+    return jnp.tensordot(x, w.astype(dtype), n)
 
 
 def times(x: jax.Array, held, dtype) -> jax.Array:

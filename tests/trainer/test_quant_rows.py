@@ -1,5 +1,6 @@
 """The quantized weights' row reads and products that pad a step's few rows for the TPU's sake
-(trainer/serve/quant.py take_padded, quant4.py Widened.contract) give what the plain forms give."""
+(trainer/serve/quant.py take_padded, quant4.py Widened.contract and contract_leading) give what the plain forms
+give."""
 
 from __future__ import annotations
 
@@ -35,3 +36,24 @@ def test_int4_contract_at_few_and_many_rows_is_the_widened_product(lead):
     # and its columns by take (as the embedding's rows are read) are the widened weight's
     cols = jnp.asarray([3, 37, 5])
     np.testing.assert_array_equal(q.take(cols, axis=1), jnp.take(q.dequantize(), cols, axis=1))
+
+
+@pytest.mark.parametrize("name, shape, n, lead", [
+    ("wq", (256, 4, 16), 1, (1, 1)),  # an attention projection [D, N, H], grouped along D: one decode row
+    ("wq", (256, 4, 16), 1, (2, 3)),
+    ("wq", (256, 4, 16), 1, (2, 70)),  # a prefill chunk: more rows than a group has values, the widened weight
+    ("wo", (4, 128, 24), 2, (1, 1)),  # its output [N, H, D], grouped along H, one group a head
+    ("wo", (4, 128, 24), 2, (3, 5)),
+])
+@pytest.mark.parametrize("storage", ["nibbles", "native"])
+def test_int4_contract_leading_is_the_widened_product(name, shape, n, lead, storage):
+    """A projection's product group by group agrees with the widened weight's, held to float64."""
+    w = jax.random.normal(jax.random.key(4), shape)
+    q = quant4.quantize_params({name: w}, storage=storage)[name]
+    x = jax.random.normal(jax.random.key(5), (*lead, *shape[:n]))
+    want = np.tensordot(np.asarray(x, np.float64), np.asarray(q.dequantize(), np.float64), n)
+    got = q.contract_leading(x, n, jnp.float32)
+    assert got.shape == (*lead, *shape[n:])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="contract over"):
+        q.contract_leading(x[..., :1], n, jnp.float32)

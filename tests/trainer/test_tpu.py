@@ -318,3 +318,33 @@ def test_the_engine_draws_the_cpus_greedy_tokens_with_chunks_taken_along(chip, c
             assert bool(any(name.startswith("mixed/") for name in engine.runner.calls)) == mixed
             outputs[mixed] = [r.output for r in requests]
     assert outputs[True] == outputs[False] and all(len(o) == 12 for o in outputs[True])
+
+
+def test_the_engine_on_int4_weights_draws_the_cpus_greedy_tokens(chip, cpu):
+    """The engine on int4 weights (jnp.int4 values, as a TPU holds them, quantized once on the CPU), `tiny` made
+    128 wide so that its groups are whole lane tiles: on the chip the attention projections group by group
+    (Widened.contract_leading) and a decode step's few assignments through stacked_rows_product, the rest
+    XLA's int4 products; on the CPU every product XLA's. float32 at 'highest' precision, the same greedy
+    tokens for every request."""
+    from jax.sharding import NamedSharding
+
+    from trainer.serve import quant4
+    from trainer.serve.engine import Engine, Request, SamplingParams
+    from trainer.serve.weights import build_serving_model, init_weights
+
+    cfg = load_config("tiny", ["model.d_model=128", "moe.d_ff=128"])
+    rng = np.random.RandomState(11)
+    prompts = [rng.randint(0, cfg.model.vocab_size, n).tolist() for n in (4, 37, 2)]
+    outputs = []
+    with jax.default_matmul_precision("highest"):
+        on_cpu = build_serving_model(cfg, mesh_of(cpu))
+        weights = init_weights(on_cpu)
+        held = {**weights, "params": quant4.quantize_params(weights["params"], storage="native")}
+        for device in (cpu, chip):
+            model, mesh = build_serving_model(cfg, mesh_of(device)), mesh_of(device)
+            placed = jax.tree.map(lambda a, m=mesh: jax.device_put(a, NamedSharding(m, a.sharding.spec)), held)
+            engine = Engine(model, placed, slots=4, max_len=96, chunk=16)
+            requests = [engine.submit(Request(p, SamplingParams(max_tokens=10))) for p in prompts]
+            engine.run()
+            outputs.append([r.output for r in requests])
+    assert outputs[0] == outputs[1] and all(len(o) == 10 for o in outputs[0])

@@ -114,7 +114,7 @@ def stacked_rows_product(x_AxRxK: jax.Array, values_GxKxN: jax.Array, scale_GxCx
 
     assignments, rows, k = x_AxRxK.shape
     _, groups, n = scale_GxCxN.shape
-    tn = min(n, 1024 if k <= 1024 else 512)  # the whole contraction a tile: no ragged last tile of inputs
+    tn = column_tile(k, n)
     call = pl.pallas_call(
         _rows_kernel(k // groups, groups),
         out_shape=jax.ShapeDtypeStruct((assignments, rows, n), jnp.float32),
@@ -131,6 +131,18 @@ def stacked_rows_product(x_AxRxK: jax.Array, values_GxKxN: jax.Array, scale_GxCx
         name="stacked_rows_product",
     )
     return call(groups_A.astype(jnp.int32), x_AxRxK, values_GxKxN, scale_GxCxN)
+
+
+TILE_VALUES = 2 * 1024 * 1024  # a weight's tile at most: 1 MB of int4, double-buffered well inside VMEM
+
+
+def column_tile(k: int, n: int) -> int:
+    """stacked_rows_product's tile of output columns for a weight of k inputs (the whole contraction a tile: no
+    ragged last tile of inputs): the widest lane multiple dividing n whose tile holds at most TILE_VALUES, so
+    no tile is ragged either (moe-1b's 2,816-wide experts: two tiles of 1,408, not 1,024, 1,024 and 768);
+    where none divides, 1,024 columns (512 past 1,024 inputs) and a ragged last tile."""
+    fits = [t for t in range(128, n + 1, 128) if n % t == 0 and k * t <= TILE_VALUES]
+    return max(fits) if fits else min(n, 1024 if k <= 1024 else 512)
 
 
 def _rows_kernel(step: int, groups: int):

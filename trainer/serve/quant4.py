@@ -95,6 +95,39 @@ class Widened:
                              preferred_element_type=jnp.float32)
         return jnp.einsum("rgn,gn->rn", partial[:rows], scale).reshape(*x.shape[:-1], -1)
 
+    def contract_leading(self, x: jax.Array, n: int, dtype) -> jax.Array:
+        """x's last `n` axes contracted with the weight's first `n` (its input axes, the grouped one among
+        them: an attention projection's [D, N, H], or its output's [N, H, D]), in float32: as contract, a
+        product of each group's slice (the values widened to `dtype` inside the matmul) times the group's
+        scales, summed over the groups, never the widened weight's product at a decode step's few rows. At
+        one decode row the widened weight's product made XLA broadcast each int4 projection's scales to the
+        weight's size in float32 and read it whole (on a v5e chip, 2026-12-07: moe-1b's int4 q, k and v
+        products at 275 GB/s, their broadcasts 25 us of a 0.55 ms step; benchmarks/serve_weights.py
+        --profile)."""
+        from trainer.sharding import current_platform
+
+        q, scale = self.codes(), self.scales().astype(jnp.float32)
+        a = self.axis % q.ndim
+        inputs, outputs = q.shape[:n], q.shape[n:]
+        if a >= n or x.shape[-n:] != inputs:
+            raise ValueError(f"contract over {n} axes of a weight {q.shape} grouped along axis {a}")
+        groups = scale.shape[a]
+        rows = math.prod(x.shape[:-n])
+        if rows > q.shape[a] // groups:  # the partial products would outgrow the widened weight
+            w = self.dequantize().astype(dtype)
+            return jnp.tensordot(x.astype(dtype), w, n, preferred_element_type=jnp.float32)
+        if current_platform() == "cpu":  # XLA's CPU runtime has no bfloat16 batched product into float32
+            dtype = jnp.float32
+        split = (*inputs[:a], groups, inputs[a] // groups, *inputs[a + 1:])
+        x_r = jnp.pad(x.reshape(rows, *split), ((0, max(0, SUBLANES - rows)),) + ((0, 0),) * len(split))
+        letters = "abcdefghijklmnopq"[:len(split) + len(outputs)]
+        ins, outs = letters[:len(split)], letters[len(split):]
+        kept = ins[:a + 1] + ins[a + 2:]  # every input axis but the group's own values: the scale's axes
+        partial = jnp.einsum(f"z{ins},{ins}{outs}->z{kept}{outs}", x_r.astype(dtype),
+                             q.reshape(*split, *outputs).astype(dtype), preferred_element_type=jnp.float32)
+        out = jnp.einsum(f"z{kept}{outs},{kept}{outs}->z{outs}", partial[:rows], scale)
+        return out.reshape(*x.shape[:-n], *outputs)
+
     def codes(self) -> jax.Array:
         """The values, the weight's shape (integers, or MXFP4's FP4 values)."""
         return self.values
