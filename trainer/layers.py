@@ -168,11 +168,11 @@ class DenseFFN(nnx.Module):
 
     SAVED = ("ffn_gate", "ffn_in")  # the hidden products, named for a remat policy (trainer/model.py)
 
-    def __init__(self, d_model: int, d_ff: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, d_ff: int, *, dtype, param_dtype, rngs: nnx.Rngs, products: str = "auto"):
         self.w_in = named_param(rngs, lecun, (d_model, d_ff), ("embed", "mlp"), param_dtype)
         self.w_gate = named_param(rngs, lecun, (d_model, d_ff), ("embed", "mlp"), param_dtype)
         self.w_out = named_param(rngs, lecun, (d_ff, d_model), ("mlp", "embed"), param_dtype)
-        self.dtype = dtype
+        self.dtype, self.products = dtype, products  # products: MoEConfig.direct_products, for a serving step
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         x = x_BxLxD.astype(self.dtype)
@@ -182,7 +182,12 @@ class DenseFFN(nnx.Module):
         return self._times(h_BxLxF, self.w_out)
 
     def _times(self, x: jax.Array, w: nnx.Param) -> jax.Array:
-        return times(x, w.get_value(), self.dtype)
+        held = w.get_value()
+        if not isinstance(held, jax.Array) and hasattr(held, "group_offset"):  # a serving step's whole stack
+            from trainer.moe.direct import layer_product
+
+            return layer_product(x, held, self.dtype, self.products)
+        return times(x, held, self.dtype)
 
 
 def times_leading(x: jax.Array, held, n: int, dtype) -> jax.Array:

@@ -38,7 +38,8 @@ class Block(nnx.Module):
         if self.is_moe:
             self.ffn = MoEBlock(cfg.moe, m.d_model, mesh=mesh, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         else:
-            self.ffn = DenseFFN(m.d_model, m.d_ff, dtype=dtype, param_dtype=pdtype, rngs=rngs)
+            self.ffn = DenseFFN(m.d_model, m.d_ff, dtype=dtype, param_dtype=pdtype, rngs=rngs,
+                                products=cfg.moe.direct_products)
 
     def __call__(self, x_BxLxD: jax.Array, *, train: bool, cache=None) -> tuple[jax.Array, dict | None, object]:
         """(the block's output, the MoE layer's aux or None, the updated cache or None). With `cache`

@@ -324,6 +324,42 @@ def test_a_few_assignments_read_their_experts_directly_as_the_exact_ffn(fmt, ker
                                    rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4-native", "int4-nibbles"])
+@pytest.mark.parametrize("rows", [1, 11])
+def test_a_dense_layer_reads_its_quantized_stack_in_place_as_its_slice(fmt, rows):
+    """A dense FFN's weight kept as its whole quantized stack in a serving step (split_stacks: [layers, 1, in,
+    out]) and read through layer_product: with the kernel (Pallas' interpreter on a CPU) and through XLA's
+    product of the layer's slice as held, both the float64 product of the layer's widened weight; prefill's
+    rows past LAYER_ROWS go to XLA."""
+    from trainer.moe.direct import LAYER_ROWS, layer_product
+    from trainer.moe.stacked import split_stacks, with_layer
+
+    rng = np.random.default_rng(5)
+    layers, d, f = 3, 256, 384
+    name = "stacks.0.0.ffn.w_out"
+    stack = jnp.asarray(rng.normal(0, 0.05, (layers, f, d)), jnp.float32)
+    held = {"int8": lambda: quantize_params({name: stack})[name],
+            "int4-native": lambda: quant4.quantize_params({name: stack}, storage="native")[name],
+            "int4-nibbles": lambda: quant4.quantize_params({name: stack}, storage="nibbles")[name]}[fmt]()
+    from flax import nnx
+
+    params = nnx.State({"0": {"ffn": {"w_out": nnx.Param(held), "w_bias": nnx.Param(stack[:, 0])}}})
+    kept, whole = split_stacks(params, layers)
+    assert list(whole) == [("0", "ffn", "w_out")] and kept["0"]["ffn"]["w_out"].get_value().shape == (layers,)
+    x = jnp.asarray(rng.normal(0, 1, (rows, 1, f)), jnp.float32)
+    for layer in range(layers):
+        w = with_layer(kept, whole, jnp.int32(layer))["0"]["ffn"]["w_out"].get_value()
+        want = np.asarray(x, np.float64) @ np.asarray(w.read()[0], np.float64)
+        for products in ("kernel", "xla"):
+            got = jax.jit(layer_product, static_argnums=(2, 3))(x, w, jnp.float32, products)
+            jaxpr = str(jax.make_jaxpr(layer_product, static_argnums=(2, 3))(x, w, jnp.float32, products))
+            assert ("pallas_call" in jaxpr) == (products == "kernel" and fmt != "int4-nibbles")  # no nibble kernel
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    long = jnp.ones((LAYER_ROWS + 1, f), jnp.float32)
+    assert "pallas_call" not in str(jax.make_jaxpr(layer_product, static_argnums=(2, 3))(long, w, jnp.float32,
+                                                                                          "kernel"))
+
+
 def test_int4_grouped_kernel_reads_the_held_scales_and_equals_the_exact_product():
     """The TPU's int4 grouped matmul (gmm.int4_grouped_matmul, through Pallas' interpreter) over float32 scales
     as the stack holds them: each row's product with its group's integers times their scales rounded to

@@ -322,8 +322,9 @@ def test_the_engine_draws_the_cpus_greedy_tokens_with_chunks_taken_along(chip, c
 
 def test_the_engine_on_int4_weights_draws_the_cpus_greedy_tokens(chip, cpu):
     """The engine on int4 weights (jnp.int4 values, as a TPU holds them, quantized once on the CPU), `tiny` made
-    128 wide so that its groups are whole lane tiles: on the chip the attention projections group by group
-    (Widened.contract_leading) and a decode step's few assignments through stacked_rows_product, the rest
+    128 wide so that its groups are whole lane tiles, a dense layer and a MoE layer: on the chip the attention
+    projections group by group (Widened.contract_leading), a decode step's few assignments and the dense
+    FFN's products through stacked_rows_product (the dense stack read in place: layer_product), the rest
     XLA's int4 products; on the CPU every product XLA's. float32 at 'highest' precision, the same greedy
     tokens for every request."""
     from jax.sharding import NamedSharding
@@ -332,7 +333,7 @@ def test_the_engine_on_int4_weights_draws_the_cpus_greedy_tokens(chip, cpu):
     from trainer.serve.engine import Engine, Request, SamplingParams
     from trainer.serve.weights import build_serving_model, init_weights
 
-    cfg = load_config("tiny", ["model.d_model=128", "moe.d_ff=128"])
+    cfg = load_config("tiny", ["model.d_model=128", "moe.d_ff=128", "model.moe_every=2"])
     rng = np.random.RandomState(11)
     prompts = [rng.randint(0, cfg.model.vocab_size, n).tolist() for n in (4, 37, 2)]
     outputs = []

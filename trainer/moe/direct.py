@@ -97,6 +97,29 @@ def product(x_AxK: jax.Array, w, experts_A: jax.Array, dtype, products: str) -> 
 
 
 KERNEL_ROWS = 8  # a row padded to a vector register's sublanes: the kernel's product stays a matrix product
+LAYER_ROWS = 64  # layer_product's rows through the kernel at most (a decode step's; a prefill chunk's go to XLA)
+
+
+def layer_product(x: jax.Array, w: LayerOf, dtype, products: str) -> jax.Array:
+    """x @ a dense layer's weight held as its whole quantized stack (trainer/moe/stacked.py split_stacks: a
+    LayerOf of [layers, 1, in, out]), in `dtype`: through stacked_rows_product, reading the layer's tiles in
+    place, where kernel_operands gives its operands, the step has at most LAYER_ROWS rows and one device holds
+    the weight; else XLA's product of the layer's slice as held (trainer.layers.times), as the scan would
+    have handed it."""
+    import math
+
+    from trainer.layers import times
+    from trainer.sharding import current_mesh, current_platform
+
+    rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+    mesh = current_mesh()
+    operands = kernel_operands(w, products) if rows <= LAYER_ROWS and (mesh is None or mesh.size == 1) else None
+    if operands is None:
+        return times(x, jax.tree.map(lambda a: a[0], w.held()), dtype)
+    padded = -(-rows // KERNEL_ROWS) * KERNEL_ROWS
+    x_1xRxK = jnp.pad(x.astype(dtype).reshape(1, rows, k), ((0, 0), (0, padded - rows), (0, 0)))
+    out = stacked_rows_product(x_1xRxK, *operands, w.group_offset()[None], interpret=current_platform() != "tpu")
+    return out[0, :rows].reshape(*x.shape[:-1], -1).astype(dtype)
 
 
 def stacked_rows_product(x_AxRxK: jax.Array, values_GxKxN: jax.Array, scale_GxCxN: jax.Array, groups_A: jax.Array,

@@ -75,6 +75,11 @@ class LayerOf:
         # where it multiplies, and on a TPU reads them in this shape (gmm.py int4_grouped_matmul says why)
         return qwix.QArray(flat(values), flat(scale)), None
 
+    def held(self):
+        """The layer's slice as held (an array, or an int8/int4/MXFP4 weight of [experts, in, out]), not widened:
+        what the scan would have handed the layer."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False), self.stack)
+
     def group_offset(self) -> jax.Array:
         """The layer's first group in groups()."""
         return self.index * stack_shape(self.stack)[1]
@@ -102,23 +107,41 @@ def is_expert_stack(path: tuple[str, ...], value) -> bool:
     return len(path) >= 2 and path[-2] == "ffn" and path[-1] in EXPERT_WEIGHTS and len(stack_shape(value)) == 4
 
 
+def is_dense_quantized_stack(path: tuple[str, ...], value) -> bool:
+    """Whether the parameter at `path` holding `value` is a dense FFN's stacked weight, [layers, in, out], held
+    quantized (int8 or int4: a float one's slice XLA fuses into its product as it is). Kept whole for the same
+    reason as the experts': on a v5e chip XLA copied each int4 layer's slice out of the stack before its
+    product (moe-1b's three dense FFN weights, 60 us of a 0.53 ms decode step at one slot, 2026-12-07,
+    benchmarks/serve_weights.py --profile), where stacked_rows_product reads it in place (DenseFFN)."""
+    return (len(path) >= 2 and path[-2] == "ffn" and path[-1] in EXPERT_WEIGHTS
+            and not isinstance(value, jax.Array) and len(stack_shape(value)) == 3)
+
+
 def path_names(path) -> tuple[str, ...]:
     """A pytree key path as plain names: ("0", "ffn", "w_in")."""
     return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def split_stacks(params, repeats: int):
-    """(params with each routed experts' weight replaced by a [repeats] placeholder the layer scan slices for
-    nothing, {path: the whole stacked weight}); `params` is an nnx.State of a stack's blocks."""
+    """(params with each routed experts' weight, and each dense FFN's quantized one, replaced by a [repeats]
+    placeholder the layer scan slices for nothing, {path: the whole stacked weight}); `params` is an nnx.State
+    of a stack's blocks. A dense FFN's stack is kept as [layers, 1, in, out]: one expert a layer (a new
+    leading axis of one, which moves no bytes)."""
     from flax import nnx
 
     whole = {}
 
     def apart(path, var):
         names = path_names(path)
-        if not isinstance(var, nnx.Variable) or not is_expert_stack(names, var.get_value()):
+        if not isinstance(var, nnx.Variable):
             return var
-        whole[names] = var.get_value()
+        value = var.get_value()
+        if is_expert_stack(names, value):
+            whole[names] = value
+        elif is_dense_quantized_stack(names, value):
+            whole[names] = jax.tree.map(lambda a: a[:, None], value)
+        else:
+            return var
         return var.replace(jnp.zeros((repeats,), jnp.int8))
 
     kept = jax.tree_util.tree_map_with_path(apart, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
