@@ -76,9 +76,11 @@ class MoEConfig(Section):
     # expert weights directly instead of sorting them for the grouped matmul (trainer/moe/direct.py): a decode
     # step of a slot or a few. 0: always grouped.
     direct_assignments: NonNegative = 8
-    # Those products of an int8 or int4 expert stack: "kernel", a Pallas kernel that reads each assignment's
-    # expert from the stack (direct.stacked_rows_product); "xla", XLA's product of the expert's slice; "auto":
-    # the kernel for int4 on a TPU, where XLA copies the slice first (direct.kernel_operands), XLA's elsewhere.
+    # Those products of an int8 or int4 expert stack, and a serving step's dense FFN products from an int8 or
+    # int4 stack (direct.layer_product, up to 64 rows on one device): "kernel", a Pallas kernel that reads each
+    # assignment's expert, or the layer, from the stack (direct.stacked_rows_product); "xla", XLA's product of
+    # the slice; "auto": the kernel for int4 on a TPU, where XLA copies the slice first
+    # (direct.kernel_operands), XLA's elsewhere.
     direct_products: Literal["auto", "xla", "kernel"] = "auto"
     # Router scores: softmax over the experts, or each expert's own sigmoid (DeepSeek-V3). With
     # sigmoid and top_k > 1 the k chosen scores are normalised to sum to 1 (with renormalize).
