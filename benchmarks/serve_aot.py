@@ -127,6 +127,7 @@ def compile_decode(cfg, fmt: str, rows: int, max_len: int, hlo_dir: str | None =
               (spec(vec, jnp.float32), spec(vec, jnp.int32), spec(vec, jnp.float32), spec(vec, jnp.int32)),
               spec((rows, words(cfg.model.vocab_size)), jnp.int32), spec(vec, jnp.int32))  # masks, last tokens
     runner = types.SimpleNamespace(model=model, max_len=max_len)  # what the decode step reads of its runner
+    runner._step_outputs = lambda *a: ModelRunner._step_outputs(runner, *a)
 
     def decode(w, c, *args):
         return ModelRunner._decode_fn(runner, w, c, *args, span=max_len)

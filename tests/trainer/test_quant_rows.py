@@ -18,7 +18,9 @@ from trainer.serve import quant, quant4
     ((4, 50, 6), 1, (2,)),  # another axis
     ((4, 50, 6), -2, (1, 3)),
 ])
-def test_take_padded_is_jnp_take(shape, axis, index_shape):
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])  # "tpu": a narrow table's rows taken from its transpose
+def test_take_padded_is_jnp_take(shape, axis, index_shape, platform, monkeypatch):
+    monkeypatch.setattr("trainer.sharding.current_platform", lambda: platform)
     a = jax.random.normal(jax.random.key(0), shape)
     indices = jax.random.randint(jax.random.key(1), index_shape, 0, shape[axis])
     np.testing.assert_array_equal(quant.take_padded(a, indices, axis), jnp.take(a, indices, axis))

@@ -22,6 +22,7 @@ from trainer.arith.quant import FLOAT_LEAVES, input_axes  # noqa: F401 - which w
 from trainer.stacks import is_stacked
 
 SUBLANES = 8  # a TPU vector register's rows of 32-bit values
+LANES = 128  # and its columns
 
 
 def take_padded(a: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
@@ -29,8 +30,18 @@ def take_padded(a: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
     XLA on a TPU relays the whole table out before taking from an int8 or int4 one (on a v5e chip, 2026-12-06:
     moe-1b's embedding, 0.05 ms of a 1.1 ms step), for SUBLANES or more it reads only the rows (its compiled
     program, benchmarks/serve_aot.py)."""
+    from trainer.sharding import current_platform
+
     axis, flat = axis % a.ndim, indices.reshape(-1)
-    rows = jnp.take(a, jnp.pad(flat, (0, max(0, SUBLANES - flat.size))), axis=axis)
+    padded = jnp.pad(flat, (0, max(0, SUBLANES - flat.size)))
+    if a.ndim == 2 and axis == 0 and 1 < a.shape[1] < LANES and flat.size <= SUBLANES and current_platform() == "tpu":
+        # A table narrower than a lane tile (int4's embedding scales, [vocab, 8]) XLA holds with its rows as
+        # the lanes, and a gather from it (of its rows, or of its transpose's columns) laid the whole table out
+        # again first, every step (on a v5e chip, 2026-12-07: moe-1b's, 12.6 us of a 0.53 ms decode step at one
+        # slot). A decode step's few rows are sliced one by one where they lie (benchmarks/serve_aot.py).
+        rows = jnp.stack([jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for i in flat])
+        return rows.reshape(*indices.shape, a.shape[1])
+    rows = jnp.take(a, padded, axis=axis)
     rows = jax.lax.slice_in_dim(rows, 0, flat.size, axis=axis)
     return rows.reshape(*a.shape[:axis], *indices.shape, *a.shape[axis + 1:])
 
