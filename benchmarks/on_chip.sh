@@ -12,6 +12,8 @@
 #                 decode step, off,on)
 #   ready         benchmarks/serve_ready.py: a server of moe-1b (trained one step here) ready, cold and warm cache
 #   gmm           benchmarks/gmm_formats.py
+#   rows          benchmarks/rows_product.py: a few rows times one layer's weight read from its stack, the kernel
+#                 (each column tile) against XLA, bf16/int8/int4
 #   tests         the `tpu` tests
 #   levers        benchmarks/train_levers.py: moe-1b as written and the variants in $LEVERS; PROFILE=1: each
 #                 one's device ops
@@ -42,6 +44,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
                   --mixed "${MIXED:-off,on}" --json "$OUT/interference.json" ;;
   ready) stage ready 240 python benchmarks/serve_ready.py --accelerator --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
+  rows) stage rows 150 python benchmarks/rows_product.py --json "$OUT/rows_product.json" ;;
   tests) MOE_TPU_TESTS=1 stage tests 200 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
            tests/trainer/test_tpu.py ;;
   levers) stage levers 240 python benchmarks/train_levers.py --no-gmm --steps 10 \

@@ -123,7 +123,7 @@ def layer_product(x: jax.Array, w: LayerOf, dtype, products: str) -> jax.Array:
 
 
 def stacked_rows_product(x_AxRxK: jax.Array, values_GxKxN: jax.Array, scale_GxCxN: jax.Array, groups_A: jax.Array,
-                         interpret: bool = False) -> jax.Array:
+                         interpret: bool = False, columns: int | None = None) -> jax.Array:
     """float32 out[a] = x[a] @ (values[groups[a]] times its scales), the scales along the K inputs (C of them, one
     a K / C inputs; C = 1: one an output channel, applied to the sum). A Pallas kernel for the TPU: each
     assignment's tiles of its group's weight read straight from the stack, widened in VMEM.
@@ -137,7 +137,7 @@ def stacked_rows_product(x_AxRxK: jax.Array, values_GxKxN: jax.Array, scale_GxCx
 
     assignments, rows, k = x_AxRxK.shape
     _, groups, n = scale_GxCxN.shape
-    tn = column_tile(k, n)
+    tn = column_tile(k, n) if columns is None else min(n, columns)  # columns: a benchmark's tile (rows_product.py)
     call = pl.pallas_call(
         _rows_kernel(k // groups, groups),
         out_shape=jax.ShapeDtypeStruct((assignments, rows, n), jnp.float32),
