@@ -182,8 +182,10 @@ class DenseFFN(nnx.Module):
         return self._times(h_BxLxF, self.w_out)
 
     def _times(self, x: jax.Array, w: nnx.Param) -> jax.Array:
+        from trainer.moe.stacked import LayerOf
+
         held = w.get_value()
-        if not isinstance(held, jax.Array) and hasattr(held, "group_offset"):  # a serving step's whole stack
+        if isinstance(held, LayerOf):  # a serving step's whole quantized stack (stacked.split_stacks)
             from trainer.moe.direct import layer_product
 
             return layer_product(x, held, self.dtype, self.products)
