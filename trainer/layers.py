@@ -146,13 +146,13 @@ class Attention(nnx.Module):
         side by side in each device's T-th: the backward pass then sums the input's gradient over
         `model` once, not once per projection. The concatenation is each device's own slices, so it moves
         nothing; the parameters stay three (checkpoints are unchanged)."""
-        from trainer.moe.stacked import stack_shape  # a weight's shape as held (an int8/int4 one too)
-
-        held = tuple(w.get_value() for w in (self.wq, self.wk, self.wv))
-        (d_model, heads, size), kv_heads, ways = stack_shape(held[0]), stack_shape(held[1])[1], model_ways()
-        if ways == 1 or heads % ways or kv_heads % ways:  # one device's whole heads, or KV replicated
-            return tuple(times_leading(x_BxLxD, w, 1, self.dtype) for w in held)
+        ways = model_ways()
+        if ways == 1:  # one device's whole heads: each weight as held (an int4 one group by group)
+            return tuple(times_leading(x_BxLxD, w.get_value(), 1, self.dtype) for w in (self.wq, self.wk, self.wv))
         wq_DxNxH, wk_DxKxH, wv_DxKxH = (w[...].astype(self.dtype) for w in (self.wq, self.wk, self.wv))
+        (d_model, heads, size), kv_heads = wq_DxNxH.shape, wk_DxKxH.shape[1]
+        if heads % ways or kv_heads % ways:  # KV replicated
+            return tuple(jnp.tensordot(x_BxLxD, w, 1) for w in (wq_DxNxH, wk_DxKxH, wv_DxKxH))
         per_device = lambda w: w.reshape(d_model, ways, w.shape[1] // ways, size)  # noqa: E731
         w_DxTxFxH = constrain(jnp.concatenate([per_device(wq_DxNxH), per_device(wk_DxKxH), per_device(wv_DxKxH)],
                                               axis=2), ("embed", "heads", None, "kv"))
@@ -168,11 +168,16 @@ class DenseFFN(nnx.Module):
 
     SAVED = ("ffn_gate", "ffn_in")  # the hidden products, named for a remat policy (trainer/model.py)
 
-    def __init__(self, d_model: int, d_ff: int, *, dtype, param_dtype, rngs: nnx.Rngs, products: str = "auto"):
+    def __init__(self, d_model: int, d_ff: int, *, dtype, param_dtype, rngs: nnx.Rngs, products: str = "auto",
+                 layer_product=None):
         self.w_in = named_param(rngs, lecun, (d_model, d_ff), ("embed", "mlp"), param_dtype)
         self.w_gate = named_param(rngs, lecun, (d_model, d_ff), ("embed", "mlp"), param_dtype)
         self.w_out = named_param(rngs, lecun, (d_ff, d_model), ("mlp", "embed"), param_dtype)
-        self.dtype, self.products = dtype, products  # products: MoEConfig.direct_products, for a serving step
+        self.dtype = dtype
+        # A serving step's product with a weight held as its whole quantized stack (trainer/moe/stacked.py
+        # split_stacks): trainer.moe.direct.layer_product, handed in by the model (this module imports nothing
+        # of trainer.moe, which imports it), with MoEConfig.direct_products.
+        self.products, self.layer_product = products, layer_product
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         x = x_BxLxD.astype(self.dtype)
@@ -182,13 +187,9 @@ class DenseFFN(nnx.Module):
         return self._times(h_BxLxF, self.w_out)
 
     def _times(self, x: jax.Array, w: nnx.Param) -> jax.Array:
-        from trainer.moe.stacked import LayerOf
-
         held = w.get_value()
-        if isinstance(held, LayerOf):  # a serving step's whole quantized stack (stacked.split_stacks)
-            from trainer.moe.direct import layer_product
-
-            return layer_product(x, held, self.dtype, self.products)
+        if self.layer_product is not None and hasattr(held, "group_offset"):  # a stacked.LayerOf
+            return self.layer_product(x, held, self.dtype, self.products)
         return times(x, held, self.dtype)
 
 

@@ -14,6 +14,7 @@ from trainer.layers import Attention, DenseFFN, RMSNorm, lecun, named_param
 from trainer.mla import MLAttention
 from trainer.moe import MoEBlock
 from trainer.moe import core as moe_core
+from trainer.moe.direct import layer_product
 from trainer.moe.stacked import split_stacks, with_layer
 from trainer.stacks import Stack, layer_stacks
 
@@ -39,7 +40,7 @@ class Block(nnx.Module):
             self.ffn = MoEBlock(cfg.moe, m.d_model, mesh=mesh, dtype=dtype, param_dtype=pdtype, rngs=rngs)
         else:
             self.ffn = DenseFFN(m.d_model, m.d_ff, dtype=dtype, param_dtype=pdtype, rngs=rngs,
-                                products=cfg.moe.direct_products)
+                                products=cfg.moe.direct_products, layer_product=layer_product)
 
     def __call__(self, x_BxLxD: jax.Array, *, train: bool, cache=None) -> tuple[jax.Array, dict | None, object]:
         """(the block's output, the MoE layer's aux or None, the updated cache or None). With `cache`
