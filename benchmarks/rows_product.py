@@ -1,6 +1,6 @@
 """A decode step's product of a few rows with one layer's weight read from its stack of layers, on the chip:
 the project's Pallas kernel (trainer/moe/direct.py stacked_rows_product, the layer's tiles read in place)
-against XLA's product of the layer's slice as held (trainer.layers.times), for each weight format and the
+against XLA's product of the layer's slice as held (direct.layer_product with "xla"), for each weight format and the
 kernel's column tiles, side by side in one process:
 
     python benchmarks/rows_product.py [--json PATH] [--rows 1,8] [--formats bf16,int8,int4]
@@ -39,8 +39,8 @@ def main() -> int:
     import jax.numpy as jnp
     from gmm_formats import timed
 
-    from trainer.layers import times
     from trainer.moe import direct
+    from trainer.moe.stacked import LayerOf
     from trainer.serve import quant, quant4
 
     on_tpu = jax.devices()[0].platform == "tpu"
@@ -54,23 +54,18 @@ def main() -> int:
         for fmt in args.formats.split(","):
             w = held[fmt]
             nbytes = {"bf16": 2 * k * n, "int8": k * n, "int4": k * n // 2}[fmt]
-            operands = None
-            if fmt != "bf16":
-                from trainer.moe.stacked import LayerOf
-
-                operands = direct.kernel_operands(LayerOf(jax.tree.map(lambda a: a[:, None], w), jnp.int32(0)),
-                                                  "kernel")
+            whole = LayerOf(jax.tree.map(lambda a: a[:, None], w), jnp.int32(0))  # as stacked.split_stacks keeps it
+            operands = None if fmt == "bf16" else direct.kernel_operands(whole, "kernel")
             for rows in map(int, args.rows.split(",")):
                 x = jax.random.normal(jax.random.key(1), (rows, k), jnp.bfloat16)
                 layer = jnp.int32(groups // 2)
                 base = {"weight": label, "shape": [k, n], "format": fmt, "rows": rows,
                         "bound_us": round(1e6 * nbytes / HBM, 2)}
 
-                def xla(x, w, layer):
-                    return times(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, False), w),
-                                 jnp.bfloat16)
+                def xla(x, stack, layer):  # the engine's own path for a slice as held (direct.layer_product)
+                    return direct.layer_product(x, LayerOf(stack, layer), jnp.bfloat16, "xla")
 
-                variants = [("xla, the slice as held", jax.jit(xla), (x, w, layer))]
+                variants = [("xla, the slice as held", jax.jit(xla), (x, whole.stack, layer))]
                 for tile in TILES if operands is not None else ():
                     def kernel(x, values, scale, layer, tile=tile):
                         padded = jnp.pad(x, ((0, -x.shape[0] % direct.KERNEL_ROWS), (0, 0)))[None]
