@@ -9,7 +9,7 @@
 #                 VARIANTS="moe.direct_assignments=8 moe.direct_assignments=0": each format with each side by side
 #   interference  benchmarks/serve_interference.py: 8 streams decoding while a 2,000-token prompt arrives
 #                 (CHUNKS: the prefill chunks tried, 64; MIXED: the chunk in its own program and/or with the
-#                 decode step, off,on)
+#                 decode step, off,on); PROFILE=1: the decode step's and the chunk's programs' ops
 #   ready         benchmarks/serve_ready.py: a server of moe-1b (trained one step here) ready, cold and warm cache
 #   gmm           benchmarks/gmm_formats.py
 #   rows          benchmarks/rows_product.py: a few rows times one layer's weight read from its stack, the kernel
@@ -41,7 +41,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
            $(for v in ${VARIANTS:-}; do printf -- '--variant %s ' "$v"; done) ${PROFILE:+--profile} \
            --json "$OUT/serve_weights.json" ;;
   interference) stage interference "${INTERFERENCE_S:-300}" python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
-                  --mixed "${MIXED:-off,on}" --json "$OUT/interference.json" ;;
+                  --mixed "${MIXED:-off,on}" ${PROFILE:+--profile} --json "$OUT/interference.json" ;;
   ready) stage ready 240 python benchmarks/serve_ready.py --accelerator --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
   rows) stage rows 150 python benchmarks/rows_product.py --json "$OUT/rows_product.json" ;;

@@ -76,6 +76,32 @@ def scenario(engine, args) -> dict:
     return row
 
 
+def program_profiles(engine, top: int = 40) -> dict:
+    """The device ops of the programs the window ran at their longest span (the decode step's most called,
+    and the chunk's: "mixed/<span>" or "prefill/<span>"), each alone on its example inputs (benchmarks/
+    profile_ops.py): where a fused step's time goes against the decode step's."""
+    import jax
+
+    from profile_ops import op_table
+
+    runner = engine.runner
+    called = [name for name, n in runner.calls.items() if n]
+    span = lambda name: int(name.split("/")[1])  # noqa: E731
+    picks = [max((n for n in called if n.startswith("decode/")), key=lambda n: runner.calls[n], default=None),
+             max((n for n in called if n.split("/")[0] in ("mixed", "prefill")), key=span, default=None)]
+    tables = {}
+    for name in filter(None, picks):
+        inputs = runner.example_inputs(name)
+
+        def once(name=name, inputs=inputs):
+            outputs, runner.cache = runner.program(name)(runner.weights, runner.cache, *inputs)
+            jax.block_until_ready(outputs)
+
+        once()
+        tables[name] = op_table(once, calls=4, top=top)
+    return tables
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--accelerator", action="store_true", help="moe-1b on the default backend (a TPU) [tiny on the CPU]")
@@ -89,6 +115,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warm", type=int, default=4, help="each stream's tokens before the baseline")
     p.add_argument("--base", type=int, default=32, help="steps of the baseline")
     p.add_argument("--tail", type=int, default=4, help="steps after the long prompt's first token")
+    p.add_argument("--profile", action="store_true", help="then the device ops of the decode step and of the "
+                   "chunk's program at its longest span, each alone (benchmarks/profile_ops.py)")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     import jax
@@ -120,8 +148,10 @@ def main(argv: list[str]) -> int:
         scenario(engine, args)  # compiles every program the scenario runs
         row = {"config": config, "device_kind": jax.devices()[0].device_kind, "max_len": max_len,
                "first_run_s": round(time.perf_counter() - started, 1), **scenario(engine, args)}
+        if args.profile:
+            row["profile"] = program_profiles(engine)
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != 'profile'}), flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
