@@ -81,7 +81,6 @@ def program_profiles(engine, top: int = 40) -> dict:
     and the chunk's: "mixed/<span>" or "prefill/<span>"), each alone on its example inputs (benchmarks/
     profile_ops.py): where a fused step's time goes against the decode step's."""
     import jax
-
     from profile_ops import op_table
 
     runner = engine.runner

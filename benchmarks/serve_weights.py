@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(bursts against the single step's program alone) [1]")
     p.add_argument("--variant", dest="variants", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="config overrides of one variant of the model (repeat it: each format is timed with each side "
-                        "by side, e.g. moe.direct_assignments=0, every step through the grouped matmul); the "
-                        "bursts of --decode-steps for the first only [the config as it is]")
+                        "by side, e.g. moe.direct_assignments=0, every step through the grouped matmul), "
+                        "with every --decode-steps [the config as it is]")
     p.add_argument("--memory-only", action="store_true", help="the bytes and the compiled scratch, no timing")
     p.add_argument("--profile", action="store_true",
                    help="with each timing, the decode program's device ops by time (benchmarks/profile_ops.py)")
@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"": model} if not args.variants else {
         v: build_serving_model(load_config(config, overrides + v.split(",")), model.mesh) for v in args.variants}
     for fmt in formats:
-        for first, (name, variant) in enumerate(variants.items()):
+        for name, variant in variants.items():
             single = {}
-            for steps in bursts if not args.memory_only and first == 0 else [1]:
+            for steps in bursts if not args.memory_only else [1]:
                 for row in measure(variant, weights, fmt, slot_counts, args, bandwidth, steps, single):
                     if steps == 1:
                         single[row["slots"]] = row

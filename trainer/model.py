@@ -164,17 +164,23 @@ class Transformer(nnx.Module):
         (logits_BxLxV,), cache = self.decode_groups([(tokens_BxL, starts_B, rows_B, lengths_B)], cache, span)
         return logits_BxLxV, cache
 
-    def decode_groups(self, groups: list[tuple], cache, span: int | None = None) -> tuple[list[jax.Array], object]:
+    def decode_groups(self, groups: list[tuple], cache,
+                      span: int | None | tuple[int | None, ...] = None) -> tuple[list[jax.Array], object]:
         """`decode` of several groups of tokens in one pass, each group (tokens_BxL, starts_B, rows_B,
         lengths_B) as `decode` takes them, into other slots of the cache than the others': each layer attends
         group by group, in order, and runs its FFN and the head over all their tokens at once (Block's
-        decode_groups), so that a prefill chunk fused with a decode step reads the weights once. Returns (each
-        group's logits [B, L, V] float32, the updated cache)."""
+        decode_groups), so that a prefill chunk fused with a decode step reads the weights once. `span`: the
+        positions every group attends over, or a tuple of each group's (a decode step's rows then read their
+        own span of the cache, not a long prompt's). Returns (each group's logits [B, L, V] float32, the
+        updated cache)."""
+        spans = tuple(span) if isinstance(span, tuple | list) else (span,) * len(groups)
+        if len(spans) != len(groups):
+            raise ValueError(f"{len(spans)} spans for {len(groups)} groups")
         with sharding.logical_mesh(self.mesh):  # tensor parallelism's activation layouts, as in training
             xs = tuple(self._embedded(tokens_BxL).astype(self.dtype) for tokens_BxL, *_ in groups)
-            views = [tuple(rest) for _, *rest in groups]
+            views = [(*rest, spans[g]) for g, (_, *rest) in enumerate(groups)]
             for s in range(len(self.layout)):
-                xs, cache, _ = self._run_stack(s, xs, train=False, cache=(cache, views, span))
+                xs, cache, _ = self._run_stack(s, xs, train=False, cache=(cache, views))
             if len(xs) == 1:
                 return [self._logits(xs[0])], cache
             d_model = xs[0].shape[-1]
@@ -183,7 +189,7 @@ class Transformer(nnx.Module):
 
     def _run_stack(self, s: int, x_BxLxD, *, train: bool, cache=None):
         """Stack s's layers over x: (x after them, the updated cache or None, [(layer, its MoE aux)]).
-        Decoding (`cache`: the cache, each group's (starts_B, rows_B, lengths_B), the span), x is a tuple of
+        Decoding (`cache`: the cache, each group's (starts_B, rows_B, lengths_B, span)), x is a tuple of
         the groups' activations (Transformer.decode_groups).
 
         One step runs a period of layers on that step's slice of the stacked parameters (and, decoding, on
@@ -194,7 +200,7 @@ class Transformer(nnx.Module):
         graphdef, params, state = nnx.split(blocks, nnx.Param, ...)
         layers_RxP = jnp.asarray([[stack.layer(j, r) for j in range(stack.period)] for r in range(stack.repeats)],
                                  jnp.int32)
-        kv, views, span = cache if cache is not None else (None,) * 3
+        kv, views = cache if cache is not None else (None,) * 2
         # Decoding, the routed experts' weights stay whole and each layer reads them through its index
         # (trainer/moe/stacked.py: a grouped-matmul kernel then fetches only the experts the tokens route to)
         params, whole = split_stacks(params, stack.repeats) if kv is not None else (params, {})
@@ -209,7 +215,7 @@ class Transformer(nnx.Module):
                     window = self.windows[stack.layer(j, 0)]
 
                     def view(kv, g, index=layers_P[j], window=window):
-                        starts_B, rows_B, lengths_B = views[g]
+                        starts_B, rows_B, lengths_B, span = views[g]
                         return kv.layer(index, starts_B, rows_B, span, lengths_B=lengths_B, window=window)
 
                     x, kv = block.decode_groups(x, kv, view)

@@ -565,10 +565,11 @@ def test_bursts_of_decode_steps_return_what_single_steps_do(tiny):
 
 def test_a_prefill_chunk_taken_along_by_the_decode_step_returns_what_its_own_program_does(tiny, tiny_engine, alone):
     """serve --mixed-prefill (an accelerator's default): while requests decode, the admitted request's prefill
-    chunks go with the decode step in one program ("mixed/<span>": the weights read once for both). Every
-    request returns what it returns alone; a sampled one and one scoring its prompt (echo with logprobs) what
-    they return beside others with chunks in programs of their own; the mixed programs ran, one a span at
-    most, within programs_bound; a request cancelled while its last chunk is in flight frees its slot."""
+    chunks go with the decode step in one program ("mixed/<span>/<decode span>": the weights read once for
+    both, the decoding rows attending over their own span, the chunk over its). Every request returns what it
+    returns alone; a sampled one and one scoring its prompt (echo with logprobs) what they return beside
+    others with chunks in programs of their own; the mixed programs ran, some with the rows' span shorter than
+    the chunk's, within programs_bound; a request cancelled while its last chunk is in flight frees its slot."""
     engine = Engine(*tiny[:2], slots=8, max_len=288, chunk=16, mixed_prefill=True)
     runner = engine.runner
     assert runner.mixed and not tiny_engine.runner.mixed  # a CPU's default: off
@@ -588,7 +589,10 @@ def test_a_prefill_chunk_taken_along_by_the_decode_step_returns_what_its_own_pro
     np.testing.assert_allclose([r.logprob for r in mine[1].prompt_logprobs + mine[1].logprobs],
                                [r.logprob for r in theirs[1].prompt_logprobs + theirs[1].logprobs], atol=1e-4)
     mixed = {name for name in runner.calls if name.startswith("mixed/")}
-    assert mixed and mixed <= {f"mixed/{span}" for span in runner.spans()}
+    spans = {name: tuple(int(span) for span in name.split("/")[1:]) for name in mixed}
+    assert mixed and all(own <= span and span in runner.spans() and own in runner.spans()
+                         for span, own in spans.values())
+    assert any(own < span for span, own in spans.values())  # the streams over their own span, not the prompt's
     assert engine.compilations() == len(runner.programs) <= runner.programs_bound()
     assert set(runner.warm_up_order()) >= mixed and len(runner.warm_up_order()) == runner.programs_bound()
     # The server's background compile and its warm-up take the mixed programs too (their example inputs).

@@ -94,7 +94,7 @@ def test_the_engines_greedy_tokens_are_the_full_forwards(windowed, mixed):
                 for p, n, new in zip(prompts, (11, 9, 10), (3, LENGTH - 9, LENGTH - 10), strict=True)]
     engine.run()
     assert [r.slot for r in requests] == [None] * 3 and engine.runner.calls["decode/32/2"]
-    assert bool(engine.runner.calls["mixed/32"]) == mixed
+    assert bool(engine.runner.calls["mixed/32/32"]) == mixed
     tokens_3xL = np.zeros((3, LENGTH), np.int32)  # zeros after the first's: later positions change no earlier one
     for row, r in enumerate(requests):
         tokens_3xL[row, :len(r.prompt) + len(r.output)] = r.prompt + r.output

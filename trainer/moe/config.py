@@ -79,8 +79,8 @@ class MoEConfig(Section):
     # Those products of an int8 or int4 expert stack, and a serving step's dense FFN products from an int8 or
     # int4 stack (direct.layer_product, up to 64 rows on one device): "kernel", a Pallas kernel that reads each
     # assignment's expert, or the layer, from the stack (direct.stacked_rows_product); "xla", XLA's product of
-    # the slice; "auto": the kernel for int4 on a TPU, where XLA copies the slice first
-    # (direct.kernel_operands), XLA's elsewhere.
+    # the slice; "auto": the kernel on a TPU (for int4 XLA copies the slice first; int8's bursts ran faster
+    # through it: direct.kernel_operands), XLA's elsewhere.
     direct_products: Literal["auto", "xla", "kernel"] = "auto"
     # Router scores: softmax over the experts, or each expert's own sigmoid (DeepSeek-V3). With
     # sigmoid and top_k > 1 the k chosen scores are normalised to sum to 1 (with renormalize).

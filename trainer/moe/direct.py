@@ -58,23 +58,25 @@ def kernel_operands(w, products: str):
     """(values [layers * experts, in, out], scales [layers * experts, groups, out] float32) where a weight's
     direct products go through stacked_rows_product, else None. "kernel": a LayerOf's int8 stack (groups 1, a
     scale an output channel) or int4 stack (a scale a group of inputs, each whole lane tiles of them), as
-    LayerOf.groups holds them; "auto": its int4 stack on a TPU alone. Measured on a v5e chip (2026-12-06,
-    moe-1b at one slot, benchmarks/serve_weights.py --variant moe.direct_products=kernel --variant
-    moe.direct_products=xla): XLA copies each int4 expert's slice out of the stack before its product (the
-    decode program 0.681 ms, the kernel's 0.618), and reads an int8 slice in place as fast as the kernel does
-    (0.709 and 0.704 ms). Floats (whose sliced product XLA fuses as it is), int4 nibbles and MXFP4 never."""
+    LayerOf.groups holds them; "auto": both on a TPU. Measured on a v5e chip (moe-1b at one slot,
+    benchmarks/serve_weights.py --variant moe.direct_products=kernel --variant moe.direct_products=xla):
+    XLA copies each int4 expert's slice out of the stack before its product (2026-12-06: the decode program
+    0.681 ms, the kernel's 0.618); an int8 slice it reads in place, a step as fast as the kernel (0.709 and
+    0.704 ms), but a lone stream's burst of 8 steps ran 0.656 ms a step through the kernel against
+    0.688-0.696 through XLA (three calls, 2026-12-06/07). Floats (whose sliced product XLA fuses as it is),
+    int4 nibbles and MXFP4 never."""
     from trainer.sharding import current_platform
 
     if products == "xla" or not isinstance(w, LayerOf) or (held := w.groups()) is None:
         return None
     groups, row_scales_GxN = held
+    if products == "auto" and current_platform() != "tpu":
+        return None
     if row_scales_GxN is not None:  # int8
-        return None if products == "auto" else (groups, row_scales_GxN[:, None, :].astype(jnp.float32))
+        return groups, row_scales_GxN[:, None, :].astype(jnp.float32)
     values, scale = getattr(groups, "qvalue", None), getattr(groups, "scale", None)
     if values is None or values.dtype != jnp.int4 or (values.shape[-2] // scale.shape[-2]) % 128:
         return None  # floats, MXFP4, int4 groups narrower than a lane tile
-    if products == "auto" and current_platform() != "tpu":
-        return None
     return values, scale.astype(jnp.float32)
 
 

@@ -57,7 +57,8 @@ class ModelRunner:
                  min_span: int = MIN_SPAN, decode_steps: int = 1, mixed: bool = False):
         """`decode_steps`: the most decode steps one program runs (a burst, "decode/<span>/<rows>/<steps>":
         the host's work a step, dispatching and reading, done once for them all; 1: none). `mixed`: a decode
-        step may take a prefill chunk along ("mixed/<span>", dispatch), one more program a span."""
+        step may take a prefill chunk along ("mixed/<span>/<decode span>", dispatch), one more program a pair
+        of spans."""
         m = model.cfg.model
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
@@ -157,7 +158,9 @@ class ModelRunner:
                 step, span, *rest = name.split("/")
                 fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn,
                                         "mixed": self._mixed_fn}[step], span=int(span))
-                if len(rest) > 1:  # a burst of decode steps
+                if step == "mixed":  # the chunk's span, then the decode rows'
+                    fn = functools.partial(self._mixed_fn, span=int(span), decode_span=int(rest[0]))
+                elif len(rest) > 1:  # a burst of decode steps
                     fn = functools.partial(self._burst_fn, span=int(span), steps=int(rest[1]))
                 # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
                 self.programs[name] = jax.jit(fn, donate_argnums=(1,),
@@ -218,15 +221,17 @@ class ModelRunner:
         return next_S, scored, following(step_4xR, self.max_len)
 
     def _mixed_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, tokens_1xC, targets_C, start_1,
-                  slot_1, last, sampling_1, want, mask_1xW, *, span):
+                  slot_1, last, sampling_1, want, mask_1xW, *, span, decode_span):
         """A prefill chunk (_prefill_fn's inputs, into a slot no row of the step decodes) and a decode step of
         every slot (_decode_fn's) in one pass over the weights (Transformer.decode_groups: the chunk attends
         first, as when its own program ran before the step's; the FFNs, the experts and the head take both's
-        tokens at once): a step that admits a request reads its weights once, not twice. Returns the decode
-        step's outputs then the chunk's."""
+        tokens at once): a step that admits a request reads its weights once, not twice. The chunk attends
+        over `span` positions, the decode rows over `decode_span`, their own: a long prompt's chunk does not
+        make every stream read the cache up to its end (on a v5e chip that was most of the fused step at a
+        2,000-token prompt's end). Returns the decode step's outputs then the chunk's."""
         (logits_1xCxV, logits_Rx1xV), cache = self.model.module(weights).decode_groups(
             [(tokens_1xC, start_1, slot_1, (last + 1)[None]),
-             (_step_tokens(step_4xR, last_S)[:, None], step_4xR[1], None, None)], cache, span)
+             (_step_tokens(step_4xR, last_S)[:, None], step_4xR[1], None, None)], cache, (span, decode_span))
         return (*self._step_outputs(logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S),
                 _chunk_outputs(logits_1xCxV, targets_C, start_1, last, sampling_1, want, mask_1xW)), cache
 
@@ -258,7 +263,12 @@ class ModelRunner:
         same at each longer span."""
         return [name for span in self.spans()
                 for name in (f"prefill/{span}", *(f"decode/{span}/{rows}" for rows in self.rows()),
-                             *self._burst(span), *([f"mixed/{span}"] if self.mixed else []))]
+                             *self._burst(span), *self._mixed(span))]
+
+    def _mixed(self, span: int) -> list[str]:
+        """The fused steps whose chunk attends over `span` (where the engine runs them): one for each decode
+        span up to it (decode rows reaching further take the chunk's span up to theirs: dispatch)."""
+        return [f"mixed/{span}/{own}" for own in self.spans() if own <= span] if self.mixed else []
 
     def _burst(self, span: int) -> list[str]:
         """The burst's program at `span` (a lone stream's rows: burst_fits), where the engine runs them."""
@@ -318,6 +328,7 @@ class ModelRunner:
         """Inputs of program `name` as its steps pass them: a prefill of padding into slot 0, a decode of the
         idle slots (positions max_len: it writes nothing)."""
         step, _, *rows = name.split("/")
+        rows = [] if step == "mixed" else rows  # a fused step runs every slot's row
         chunk = (np.zeros((1, self.chunk), np.int32), np.zeros(self.chunk, np.int32), np.zeros(1, np.int32),
                  np.zeros(1, np.int32), np.int32(0), sampling_arrays([(0.0, 0, 1.0, 0)]), np.bool_(False),
                  self.mask_SxW[:1].copy())
@@ -398,8 +409,9 @@ class ModelRunner:
         """Starts one decode step of the first slots, as many as cover every live one (rows_for), or a burst of
         `steps` (decode_steps, of the fewest rows only: burst_fits; never with `want`), and returns its outputs,
         still on the device (collect reads them). With `chunk` (chunk_of, into a slot that does not decode) the
-        step runs every slot's row and the chunk in one program ("mixed/<span>", _mixed_fn), the chunk's
-        outputs left in it (chunk_result reads them)."""
+        step runs every slot's row and the chunk in one program ("mixed/<span>/<decode span>", _mixed_fn:
+        the chunk's span covers the decode rows' too), the chunk's outputs left in it (chunk_result reads
+        them)."""
         if steps not in (1, self.decode_steps) or (want and steps > 1) or (chunk is not None and steps > 1):
             raise ValueError(f"a decode runs 1 or {self.decode_steps} steps, log-probabilities or a prefill chunk "
                              f"in 1; got {steps}")
@@ -410,8 +422,9 @@ class ModelRunner:
             raise ValueError(f"a burst runs the fewest rows ({self.rows()[0]}), not {rows}")
         if chunk is None:
             name = f"decode/{self.span_for(reach)}/{rows}" + (f"/{steps}" if steps > 1 else "")
-        else:  # one program a span: every slot's row (an idle one writes nothing), the chunk's reach too
-            name, rows = f"mixed/{self.span_for(max(reach, chunk.start + self.chunk))}", self.slots
+        else:  # every slot's row (an idle one writes nothing) over the rows' span, the chunk over its own
+            own = self.span_for(reach)
+            name, rows = f"mixed/{self.span_for(max(reach, chunk.start + self.chunk))}/{own}", self.slots
         step_4xR = self.step_inputs(rows, want)
         outputs = self.run(name, *self._inputs(step_4xR), *(chunk.inputs if chunk is not None else ()))
         if chunk is not None:

@@ -1,6 +1,7 @@
 """The spans of the cache a serving step reads and the rows a decode step runs: one compiled program of the
 prefill per span, of the decode per span and row count, and (serve --mixed-prefill) of the decode step that
-takes a prefill chunk along per span; the spans the chunk (at least MIN_SPAN) doubled
+takes a prefill chunk along per pair of spans (the chunk's, and the decode rows' up to it); the spans the
+chunk (at least MIN_SPAN) doubled
 until it reaches max_len. Light (no jax), so that a deploy's startup estimate (provision/kinds/common.py)
 counts the programs the server it starts compiles before it is ready."""
 
@@ -39,9 +40,11 @@ def programs(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: in
              decode_steps: int = 1, mixed: bool = False) -> int:
     """The programs a server compiles at every span (serve --warm-up all): the prefill and a decode a row
     count, at each span, a lone stream's burst of decode steps where it runs them (serve --decode-steps), and
-    the decode step that takes a prefill chunk along where it runs (serve --mixed-prefill)."""
-    decodes = len(row_counts(slots, shards)) + (decode_steps > 1) + mixed
-    return len(ladder(chunk, max_len, min_span)) * (1 + decodes)
+    the decode step that takes a prefill chunk along where it runs (serve --mixed-prefill: one for each
+    decode span up to the chunk's)."""
+    spans = len(ladder(chunk, max_len, min_span))
+    decodes = len(row_counts(slots, shards)) + (decode_steps > 1)
+    return spans * (1 + decodes) + (spans * (spans + 1) // 2 if mixed else 0)
 
 
 def programs_before_ready(chunk: int, max_len: int, slots: int, shards: int = 1, min_span: int = MIN_SPAN,
