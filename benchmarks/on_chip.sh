@@ -45,7 +45,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   ready) stage ready 240 python benchmarks/serve_ready.py --accelerator --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
   rows) stage rows 150 python benchmarks/rows_product.py --json "$OUT/rows_product.json" ;;
-  tests) MOE_TPU_TESTS=1 stage tests 200 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
+  tests) MOE_TPU_TESTS=1 stage tests 300 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
            tests/trainer/test_tpu.py ;;
   levers) stage levers 240 python benchmarks/train_levers.py --no-gmm --steps 10 \
             --variants ${LEVERS:-h8+splash+chunk+attention_moe,h8+dropless_megablox+splash+chunk+attention_moe} \
