@@ -4,6 +4,7 @@ of a corpus that `data prepare` made. MXFP4 experts hold MXFP4's grid exactly (a
 tests/trainer/test_hf_gpt_oss.py)."""
 
 import gc
+import math
 
 import jax
 import jax.numpy as jnp
@@ -439,3 +440,32 @@ def test_an_int4_heads_group_by_group_product_is_the_widened_weights(storage, na
     want = jnp.einsum("bld,dv->blv", x, widened, precision="highest")
     got = held.contract(x, jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, shape, n", [("head", (256, 96), 1), ("embed", (96, 256), 1),
+                                            ("wq", (256, 4, 8), 1), ("wo", (4, 8, 64), 2)])
+def test_an_int8_weights_product_scales_after_the_integers_and_is_the_exact_product(name, shape, n):
+    """An int8 weight's product (Int8Weight.contract and contract_leading: the integers through the matmul,
+    each output channel scaled after) against a float64 product with the weight its integers and scales make:
+    the head [d_model, vocab], the tied embedding [vocab, d_model] read as the head, a q projection and wo
+    contracting two axes. Float32 out whatever the compute dtype (logits are not rounded to bfloat16)."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(0, 0.05, shape), jnp.float32)
+    held = quantize_params({name: w})[name]
+    assert isinstance(held, Int8Weight)
+    exact = np.asarray(held.values, np.float64) * np.asarray(held.scale, np.float64)
+    width = 256 if name == "embed" else math.prod(shape[:n])
+    x = rng.normal(0, 1, (3, 5, width))
+    if name == "embed":
+        want, got = x @ exact.T, held.contract(jnp.asarray(x, jnp.float32), jnp.float32)
+    elif n == 1 and len(shape) == 2:
+        want, got = x @ exact, held.contract(jnp.asarray(x, jnp.float32), jnp.float32)
+    else:
+        xs = x.reshape(3, 5, *shape[:n])
+        want = np.tensordot(xs, exact, n)
+        got = held.contract_leading(jnp.asarray(xs, jnp.float32), n, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    low = held.contract(jnp.asarray(x, jnp.bfloat16), jnp.bfloat16) if n == 1 and len(shape) == 2 else \
+        held.contract_leading(jnp.asarray(x.reshape(3, 5, *shape[:n]), jnp.bfloat16), n, jnp.bfloat16)
+    assert low.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(low), want, rtol=0.05, atol=0.05)

@@ -61,19 +61,26 @@ class Int8Weight:
         return self.dequantize()[index]
 
     def contract_leading(self, x: jax.Array, n: int, dtype) -> jax.Array:
-        """x's last `n` axes contracted with the weight's first `n` (trainer.layers.times_leading): the integers
-        (exact in bfloat16) through the product, accumulated in float32, each output channel then scaled. The
-        weight's scales multiply the product, not the weight: the product reads int8 and nothing else, and the
-        per-channel scales go to the op that consumes the product (on a v5e chip XLA had sliced each layer's
-        q, k and v scales out of their stack in ops of their own, 2 us each, 17 us of a 0.64 ms decode step at
-        one slot). Where the scales are not per output channel, the weight widened."""
+        """x's last `n` axes contracted with the weight's first `n` (trainer.layers.times_leading), float32: the
+        integers (exact in bfloat16) through the product, accumulated in float32, each output channel then
+        scaled. The scales multiply the product, not the weight: the product reads int8 and nothing else, and
+        the per-channel scales go to the op that consumes it (on a v5e chip XLA had sliced each layer's q, k
+        and v scales out of their stack in ops of their own, 17 us of a 0.64 ms decode step at one slot).
+        Where the scales are not per output channel, the widened weight's product."""
         if any(size != 1 for size in self.scale.shape[:n]):
-            return jnp.tensordot(x, self.dequantize().astype(dtype), n)
+            return jnp.tensordot(x.astype(dtype), self.dequantize().astype(dtype), n,
+                                 preferred_element_type=jnp.float32)
         product = jnp.tensordot(x.astype(dtype), self.values.astype(dtype), n, preferred_element_type=jnp.float32)
-        return (product * self.scale.reshape(self.scale.shape[n:])).astype(dtype)
+        return product * self.scale.reshape(self.scale.shape[n:])
 
     def contract(self, x: jax.Array, dtype) -> jax.Array:
-        """x @ the 2-D weight (trainer.layers.times), as contract_leading."""
+        """x's last axis contracted with a 2-D weight's input axis, float32, as contract_leading: axis 0 of an
+        [in, out] weight, or axis 1 of the embedding [vocab, d_model] read as the tied head (its scales a row's:
+        input_axes)."""
+        if self.values.ndim == 2 and self.scale.shape[1] == 1 and self.scale.shape[0] == self.values.shape[0] > 1:
+            product = jnp.einsum("...k,nk->...n", x.astype(dtype), self.values.astype(dtype),
+                                 preferred_element_type=jnp.float32)
+            return product * self.scale[:, 0]
         return self.contract_leading(x, 1, dtype)
 
     def take(self, indices: jax.Array, axis: int = 0) -> jax.Array:

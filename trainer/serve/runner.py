@@ -148,20 +148,22 @@ class ModelRunner:
         return outputs
 
     def program(self, name: str):
-        """Program `name`, "prefill/<span>" or "decode/<span>/<rows>": the step attending over the first <span>
-        positions of the cache (a bucket: span_for), the decode for the first <rows> slots (rows_for), jitted
+        """Program `name`, "prefill/<span>", "decode/<span>/<rows>[/<steps>]" or "mixed/<span>/<decode span>":
+        the step attending over the first <span> positions of the cache (a bucket: span_for), the decode for
+        the first <rows> slots (rows_for; a burst of <steps>), the fused step's rows over their own span, jitted
         on first use, on a group's workers as on its leader. Steps read only their live span and rows, so a
         short request's step costs what its tokens need whatever max_len is, and a lone stream's what one
         row needs whatever the slots; the buckets keep the programs few (programs_bound)."""
         with self._lock:  # one jit a name: compile_ahead's thread and the engine's share it
             if name not in self.programs:
                 step, span, *rest = name.split("/")
-                fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn,
-                                        "mixed": self._mixed_fn}[step], span=int(span))
                 if step == "mixed":  # the chunk's span, then the decode rows'
                     fn = functools.partial(self._mixed_fn, span=int(span), decode_span=int(rest[0]))
                 elif len(rest) > 1:  # a burst of decode steps
                     fn = functools.partial(self._burst_fn, span=int(span), steps=int(rest[1]))
+                else:
+                    fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn}[step],
+                                           span=int(span))
                 # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
                 self.programs[name] = jax.jit(fn, donate_argnums=(1,),
                                               out_shardings=(self._replicated, self._cache_sharding))

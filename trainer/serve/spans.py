@@ -1,9 +1,8 @@
 """The spans of the cache a serving step reads and the rows a decode step runs: one compiled program of the
 prefill per span, of the decode per span and row count, and (serve --mixed-prefill) of the decode step that
 takes a prefill chunk along per pair of spans (the chunk's, and the decode rows' up to it); the spans the
-chunk (at least MIN_SPAN) doubled
-until it reaches max_len. Light (no jax), so that a deploy's startup estimate (provision/kinds/common.py)
-counts the programs the server it starts compiles before it is ready."""
+chunk (at least MIN_SPAN) doubled until it reaches max_len. Light (no jax), so that a deploy's startup
+estimate (provision/kinds/common.py) counts the programs the server it starts compiles before it is ready."""
 
 from __future__ import annotations
 
