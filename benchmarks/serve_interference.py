@@ -78,8 +78,8 @@ def scenario(engine, args) -> dict:
 
 def program_profiles(engine, top: int = 40) -> dict:
     """The device ops of the programs the window ran at their longest span (the decode step's most called,
-    and the chunk's: "mixed/<span>" or "prefill/<span>"), each alone on its example inputs (benchmarks/
-    profile_ops.py): where a fused step's time goes against the decode step's."""
+    and the chunk's: "mixed/<span>/<decode span>" or "prefill/<span>"), each alone on its example inputs
+    (benchmarks/profile_ops.py): where a fused step's time goes against the decode step's."""
     import jax
     from profile_ops import op_table
 
