@@ -106,7 +106,7 @@ def _dropping_closed_loops(previous):
 
 
 @contextlib.contextmanager
-def _failures_reported_once():
+def failures_reported_once():
     """A failed restore leaves orbax's other reads failing unobserved: asyncio logs each one as it is
     collected (now or at exit) and each coroutine's collection prints a traceback. The caller reports the
     failure once, by step and path; from the first restore on, asyncio's "never retrieved" logs are dropped."""
@@ -322,7 +322,7 @@ class Checkpointer:
     def saved_meta(self, step: int) -> dict | None:
         """The JSON saved beside the state at `step` (data position, model identity); None when it cannot
         be read (then restoring decides)."""
-        with _failures_reported_once():
+        with failures_reported_once():
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
                 meta = restored["data"]
@@ -368,7 +368,7 @@ class Checkpointer:
 
     def _try_restore(self, step: int, abstract_state: Any, model=None) -> tuple[tuple[Any, dict] | None, str | None]:
         """((state, data state), None) at `step`, or (None, why they cannot be read)."""
-        with _failures_reported_once():
+        with failures_reported_once():
             try:
                 target = abstract_state
                 if model is not None and holds_per_layer_layout(self.manager.item_metadata(step)["state"]):

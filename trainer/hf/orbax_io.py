@@ -306,7 +306,7 @@ def open_run(run: str, step: int | None) -> SavedRun:
     """A run's output directory (or its checkpoints directory), at `step` or its latest."""
     import orbax.checkpoint as ocp
 
-    from trainer.checkpoint import quiet_orbax, short_reason
+    from trainer.checkpoint import failures_reported_once, quiet_orbax, short_reason
     from trainer.hf.families import load_trainer_config
 
     try:
@@ -327,12 +327,15 @@ def open_run(run: str, step: int | None) -> SavedRun:
             if step is not None and step not in steps:
                 raise HFError(f"--step {step}: {checkpoints} holds steps {sorted(steps)}")
             step = max(steps) if step is None else step
-            try:
-                state = manager.item_metadata(step)["state"]
-                saved = {**state["params"], **(state.get("moe_bias") or {})}
-            except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
-                raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: "
-                              f"{short_reason(e)}") from None
+            # A damaged directory fails one of the metadata's reads, and the others, left running, fail after:
+            # asyncio would log each as a traceback after the message (failures_reported_once drops them).
+            with failures_reported_once():
+                try:
+                    state = manager.item_metadata(step)["state"]
+                    saved = {**state["params"], **(state.get("moe_bias") or {})}
+                except Exception as e:  # noqa: BLE001 - a damaged or foreign directory
+                    raise HFError(f"cannot read the checkpoint at step {step} in {checkpoints}: "
+                                  f"{short_reason(e)}") from None
         finally:
             manager.close()
     return SavedRun(run, cfg, step, manager, {n: tuple(meta.shape) for n, meta in saved.items()})
