@@ -47,17 +47,8 @@ def quiet_late_callbacks() -> None:
     ends, calls back into the event loop orbax ran them on and has closed since, and Python prints that as
     a traceback ("Event loop is closed", many of them, after the message naming the step). Those alone are
     dropped, for the rest of the process (they may come at exit); anything else goes to the hook there was."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_closed_loop", False):
-        return
-
-    def hook(unraisable) -> None:
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-            previous(unraisable)
-
-    hook.drops_closed_loop = True
-    sys.unraisablehook = hook
+    if not getattr(sys.unraisablehook, "drops_closed_loops", False):
+        sys.unraisablehook = _dropping_closed_loops(sys.unraisablehook)
 
 
 def check_directory(path: str) -> str:
@@ -113,8 +104,7 @@ def failures_reported_once():
     log = logging.getLogger("asyncio")
     if _unretrieved not in log.filters:
         log.addFilter(_unretrieved)
-    if not getattr(sys.unraisablehook, "drops_closed_loops", False):
-        sys.unraisablehook = _dropping_closed_loops(sys.unraisablehook)
+    quiet_late_callbacks()
     hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
     try:
