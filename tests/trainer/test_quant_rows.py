@@ -18,7 +18,7 @@ from trainer.serve import quant, quant4
     ((4, 50, 6), 1, (2,)),  # another axis
     ((4, 50, 6), -2, (1, 3)),
 ])
-@pytest.mark.parametrize("platform", ["cpu", "tpu"])  # "tpu": a narrow table's rows taken from its transpose
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])  # "tpu": a narrow table's few rows sliced one by one
 def test_take_padded_is_jnp_take(shape, axis, index_shape, platform, monkeypatch):
     monkeypatch.setattr("trainer.sharding.current_platform", lambda: platform)
     a = jax.random.normal(jax.random.key(0), shape)

@@ -33,7 +33,6 @@ def take_padded(a: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
     from trainer.sharding import current_platform
 
     axis, flat = axis % a.ndim, indices.reshape(-1)
-    padded = jnp.pad(flat, (0, max(0, SUBLANES - flat.size)))
     if a.ndim == 2 and axis == 0 and 1 < a.shape[1] < LANES and flat.size <= SUBLANES and current_platform() == "tpu":
         # A table narrower than a lane tile (int4's embedding scales, [vocab, 8]) XLA holds with its rows as
         # the lanes, and a gather from it (of its rows, or of its transpose's columns) laid the whole table out
@@ -41,7 +40,7 @@ def take_padded(a: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
         # slot). A decode step's few rows are sliced one by one where they lie (benchmarks/serve_aot.py).
         rows = jnp.stack([jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for i in flat])
         return rows.reshape(*indices.shape, a.shape[1])
-    rows = jnp.take(a, padded, axis=axis)
+    rows = jnp.take(a, jnp.pad(flat, (0, max(0, SUBLANES - flat.size))), axis=axis)
     rows = jax.lax.slice_in_dim(rows, 0, flat.size, axis=axis)
     return rows.reshape(*a.shape[:axis], *indices.shape, *a.shape[axis + 1:])
 
