@@ -25,11 +25,18 @@ def seconds_since_start() -> float | None:
         return None
 
 
+def elapsed() -> float | None:
+    """seconds_since_start to the hundredth, as every start-up figure is reported: one rounding for the marks
+    and the first step, so that a mark before the first step never reads after it."""
+    t = seconds_since_start()
+    return None if t is None else round(t, 2)
+
+
 def mark(stage: str) -> None:
     """`stage` reached now; a stage already marked keeps its first time (a second run in one process, as the
     tests do, reports the first start-up's)."""
-    if stage not in _marks and (t := seconds_since_start()) is not None:
-        _marks[stage] = round(t, 2)
+    if stage not in _marks and (t := elapsed()) is not None:
+        _marks[stage] = t
 
 
 def marks() -> dict[str, float]:

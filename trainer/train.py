@@ -252,7 +252,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             profiler.before(step)
             batch = feed.take()
             if step == start_step:  # this process's first step: how long it took to get here
-                first_row["first_step_s"] = startup.seconds_since_start()
+                first_row["first_step_s"] = startup.elapsed()
                 first_row.update(startup.marks())
             state, metrics = step_fn(state, batch)
             step += 1
