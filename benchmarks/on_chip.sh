@@ -6,7 +6,8 @@
 #   serve         benchmarks/serve_weights.py: moe-1b, each weight format at 1/8/32 slots (SLOTS), and a lone
 #                 stream at 8 decode steps a program (DECODE_STEPS; FORMATS: the weight formats); PROFILE=1:
 #                 the decode program's ops;
-#                 VARIANTS="moe.direct_assignments=8 moe.direct_assignments=0": each format with each side by side
+#                 VARIANTS="moe.direct_assignments=8 moe.direct_assignments=0": each format with each side by side;
+#                 SERVE_S: its seconds at most (330)
 #   interference  benchmarks/serve_interference.py: 8 streams decoding while a 2,000-token prompt arrives
 #                 (CHUNKS: the prefill chunks tried, 64; MIXED: the chunk in its own program and/or with the
 #                 decode step, off,on); PROFILE=1: the decode step's and the chunk's programs' ops
@@ -36,7 +37,7 @@ stage() {  # name seconds-at-most command...
   tail -5 "$OUT/$name.log"
 }
 for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
-  serve) stage serve 330 python benchmarks/serve_weights.py --accelerator --steps 64 --repeats 3 \
+  serve) stage serve "${SERVE_S:-330}" python benchmarks/serve_weights.py --accelerator --steps 64 --repeats 3 \
            --formats "${FORMATS:-bf16,int8,int4-native}" --slots "${SLOTS:-1,8,32}" --decode-steps "${DECODE_STEPS:-1,8}" \
            $(for v in ${VARIANTS:-}; do printf -- '--variant %s ' "$v"; done) ${PROFILE:+--profile} \
            --json "$OUT/serve_weights.json" ;;

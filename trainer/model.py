@@ -102,6 +102,7 @@ class Transformer(nnx.Module):
         self.remat = m.remat
         self.remat_policy = REMAT_POLICIES[m.remat_policy]
         self.scan_layers = m.scan_layers
+        self.decode_layers = m.decode_layers
         self.num_experts = cfg.moe.num_experts
         self.vocab = sharding.vocab_axis(cfg.train.shard_vocab)
         self.embed = named_param(rngs, initializers.normal(1.0), (m.vocab_size, m.d_model),
@@ -229,7 +230,7 @@ class Transformer(nnx.Module):
             return (x, kv), (nnx.state(period, nnx.Not(nnx.Param)), auxes)
 
         xs = (params, state, layers_RxP, jnp.arange(stack.repeats, dtype=jnp.int32))
-        if self.scan_layers:
+        if self._scans(x_BxLxD if kv is not None else None):
             (x_BxLxD, kv), (state, auxes) = jax.lax.scan(step, (x_BxLxD, kv), xs)
         else:  # the reference: the same step a layer at a time, its outputs stacked as the scan stacks them
             outs = []
@@ -241,6 +242,16 @@ class Transformer(nnx.Module):
         layer_auxes = [(stack.layer(j, r), jax.tree.map(lambda a, r=r: a[r], aux))
                        for j, aux in enumerate(auxes) if aux is not None for r in range(stack.repeats)]
         return x_BxLxD, kv, layer_auxes
+
+    def _scans(self, groups: tuple | None) -> bool:
+        """Whether _run_stack scans over the layers: as scan_layers says, but for a decode step (`groups`, the
+        activations of a pass through the cache, every row one token) run unrolled where decode_layers says."""
+        if groups is None or any(x.shape[1] != 1 for x in groups) or self.decode_layers == "scan":
+            return self.scan_layers
+        if self.decode_layers == "unrolled":
+            return False
+        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+        return self.scan_layers and device.platform == "cpu"
 
     def layers(self) -> list[Block]:
         """Each layer's Block in order, with its own slice of the stacked variables (copies: what a call

@@ -4,6 +4,8 @@ give."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,19 @@ def test_take_padded_is_jnp_take(shape, axis, index_shape, platform, monkeypatch
     a = jax.random.normal(jax.random.key(0), shape)
     indices = jax.random.randint(jax.random.key(1), index_shape, 0, shape[axis])
     np.testing.assert_array_equal(quant.take_padded(a, indices, axis), jnp.take(a, indices, axis))
+
+
+@pytest.mark.parametrize("rows, index_shape", [(100, (1, 1)), (100, (3, 4)), (64, (2,))])
+def test_an_int8_embeddings_few_rows_read_from_their_tiles_are_its_rows(rows, index_shape, monkeypatch):
+    """Int8Weight.take of a decode step's rows on a TPU goes through take_tiles (Pallas' interpreter here): the
+    widened rows jnp.take gives, in the last, partial tile too, an index past the table clamped as jnp.take's."""
+    monkeypatch.setattr("trainer.sharding.current_platform", lambda: "tpu")
+    monkeypatch.setattr(quant, "take_tiles", functools.partial(quant.take_tiles, interpret=True))  # no TPU here
+    table = quant.quantize_weight(jax.random.normal(jax.random.key(0), (rows, 256)), (1,))
+    indices = jax.random.randint(jax.random.key(1), index_shape, 0, rows).at[(0,) * len(index_shape)].set(rows - 1)
+    np.testing.assert_array_equal(quant.take_tiles(table.values, indices), jnp.take(table.values, indices, 0))
+    np.testing.assert_array_equal(quant.take_tiles(table.values, jnp.asarray([rows + 5])), table.values[-1:])
+    np.testing.assert_array_equal(table.take(indices), jnp.take(table.dequantize(), indices, 0))
 
 
 @pytest.mark.parametrize("lead", [(1, 1), (3, 2), (2, 9)])

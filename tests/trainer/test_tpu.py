@@ -320,16 +320,29 @@ def test_the_engine_draws_the_cpus_greedy_tokens_with_chunks_taken_along(chip, c
     assert outputs[True] == outputs[False] and all(len(o) == 12 for o in outputs[True])
 
 
-def test_the_engine_on_int4_weights_draws_the_cpus_greedy_tokens(chip, cpu):
-    """The engine on int4 weights (jnp.int4 values, as a TPU holds them, quantized once on the CPU), `tiny` made
-    128 wide so that its groups are whole lane tiles, a dense layer and a MoE layer: on the chip the attention
-    projections group by group (Widened.contract_leading), a decode step's few assignments and the dense
-    FFN's products through stacked_rows_product (the dense stack read in place: layer_product), the rest
-    XLA's int4 products; on the CPU every product XLA's. float32 at 'highest' precision, the same greedy
-    tokens for every request."""
+def test_an_int8_tables_rows_read_from_their_tiles_on_the_chip_are_its_rows(chip, cpu):
+    """take_tiles (a decode step's rows of an int8 embedding, each from its memory tile, by a Pallas kernel) on
+    the chip gives jnp.take's rows on the CPU, in the last, partial tile too."""
+    from trainer.serve.quant import take_tiles
+
+    table = jax.random.randint(jax.random.key(3), (1000, 1024), -127, 128, jnp.int32).astype(jnp.int8)
+    indices = jnp.asarray([[999, 0, 517], [31, 32, 990]], jnp.int32)
+    got = jax.jit(take_tiles)(jax.device_put(table, chip), jax.device_put(indices, chip))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(jax.device_put(table, cpu), indices, 0)))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_the_engine_on_quantized_weights_draws_the_cpus_greedy_tokens(chip, cpu, fmt):
+    """The engine on int4 weights (jnp.int4 values, as a TPU holds them, quantized once on the CPU) or int8,
+    `tiny` made 128 wide so that its groups are whole lane tiles, a dense layer and a MoE layer: on the chip the
+    decode steps' layers unrolled (model.decode_layers' accelerator default), int4's attention projections
+    group by group (Widened.contract_leading), a decode step's few assignments and the dense FFN's products
+    through stacked_rows_product (the dense stack read in place: layer_product), int8's embedding rows through
+    take_tiles, the rest XLA's products; on the CPU every product XLA's, the layers scanned. float32 at
+    'highest' precision, the same greedy tokens for every request."""
     from jax.sharding import NamedSharding
 
-    from trainer.serve import quant4
+    from trainer.serve import quant, quant4
     from trainer.serve.engine import Engine, Request, SamplingParams
     from trainer.serve.weights import build_serving_model, init_weights
 
@@ -340,7 +353,8 @@ def test_the_engine_on_int4_weights_draws_the_cpus_greedy_tokens(chip, cpu):
     with jax.default_matmul_precision("highest"):
         on_cpu = build_serving_model(cfg, mesh_of(cpu))
         weights = init_weights(on_cpu)
-        held = {**weights, "params": quant4.quantize_params(weights["params"], storage="native")}
+        held = {**weights, "params": quant4.quantize_params(weights["params"], storage="native") if fmt == "int4"
+                else quant.quantize_params(weights["params"])}
         for device in (cpu, chip):
             model, mesh = build_serving_model(cfg, mesh_of(device)), mesh_of(device)
             placed = jax.tree.map(lambda a, m=mesh: jax.device_put(a, NamedSharding(m, a.sharding.spec)), held)
