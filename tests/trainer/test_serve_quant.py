@@ -247,7 +247,8 @@ def test_a_decode_step_runs_its_layers_unrolled_where_decode_layers_says_and_dra
     params = quant4.quantize_params(weights["params"], storage="native")
 
     def engine_of(decode_layers):
-        cfg = model.cfg.model_copy(update={"model": model.cfg.model.model_copy(update={"decode_layers": decode_layers})})
+        layers = model.cfg.model.model_copy(update={"decode_layers": decode_layers})
+        cfg = model.cfg.model_copy(update={"model": layers})
         return Engine(build_serving_model(cfg, model.mesh), {**weights, "params": params}, slots=2, max_len=32,
                       chunk=16, min_span=32)
 
