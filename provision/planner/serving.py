@@ -253,13 +253,13 @@ def serving(params: Sequence[ParamInfo], cfg: trainer_config.Config, mesh: Mesh,
 
 # The decode step to expect from the engine, fitted to its steps on one v5e chip (benchmarks/serve_weights.py
 # --accelerator, moe-1b at 1, 8 and 32 slots, the steps attending over 88 positions; the chip session of
-# 2026-12-06 evening, call 3, int4 experts through trainer/moe/gmm.py's int4 kernel): a fixed cost a layer (the
-# step's small ops, and what the host adds) plus the bytes the step reads at the share of the HBM's bandwidth
-# each weight format reached. The fit (benchmarks/fit_decode.py) is within 11% of every one of those nine
-# steps (the furthest: bf16 at one slot, 1.37 ms against 1.24). MXFP4 is not measured (a TPU reads its experts
-# widened): int4's share stands for it.
-DECODE_LAYER_S = 0.590e-3 / 12
-DECODE_HBM_SHARE = {"bf16": 0.94, "float32": 0.94, "int8": 0.69, "int4": 0.48, "mxfp4": 0.48}
+# 2026-12-07 afternoon, call 2, at e1a5261: a decode step's layers unrolled, an int8 embedding's rows read from
+# their tiles): a fixed cost a layer (the step's small ops, and what the host adds) plus the bytes the step reads
+# at the share of the HBM's bandwidth each weight format reached. The fit (benchmarks/fit_decode.py) is within 13%
+# of every one of those nine steps (the furthest: bf16 at one slot, 1.22 ms against 1.08). MXFP4 is not measured
+# (a TPU reads its experts widened): int4's share stands for it.
+DECODE_LAYER_S = 0.347e-3 / 12
+DECODE_HBM_SHARE = {"bf16": 0.83, "float32": 0.83, "int8": 0.63, "int4": 0.43, "mxfp4": 0.43}
 
 
 @dataclasses.dataclass(frozen=True)
