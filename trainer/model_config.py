@@ -88,12 +88,13 @@ class ModelConfig(Section):
     # Scan over each repeating pattern of layers (one block compiled a pattern: trainer/stacks.py); false runs
     # the same stacked parameters a layer at a time (each layer compiled apart; the reference in tests).
     scan_layers: Flag = True
-    # How a decode step (every row one token, through the KV cache) runs the layers: "unrolled", one after
+    # How a lone stream's decode step (one token, one row a device) runs the layers: "unrolled", one after
     # another in the program, each reading its slice of the stacked weights where it lies (a scan copies a
     # quantized layer's slices out of the stack first: on one v5e chip, moe-1b, one stream, unrolled gave int4
-    # 1.31x, int8 1.10x, bf16 1.01x the tokens/s, benchmarks/serve_weights.py), at about 1.3x the compile time;
+    # 1.31x, int8 1.10x, bf16 1.01x the tokens/s, benchmarks/serve_weights.py), at about 1.4x the compile time;
     # "scan": as scan_layers says; "auto": unrolled on an accelerator, as scan_layers says on a CPU (where the
-    # tests and dry runs compile). Prefill chunks and training keep scan_layers.
+    # tests and dry runs compile). Decode steps of more rows, prefill chunks and training keep scan_layers
+    # (Transformer._scans says why).
     decode_layers: Literal["auto", "scan", "unrolled"] = "auto"
     # Multi-head latent attention in place of multi-head attention (DeepSeek); none: today's attention.
     mla: MLAConfig | None = None

@@ -240,9 +240,10 @@ def test_decoding_reads_each_layers_experts_from_the_whole_stack_and_draws_the_s
 
 
 def test_a_decode_step_runs_its_layers_unrolled_where_decode_layers_says_and_draws_the_same_tokens(restored):
-    """model.decode_layers=unrolled: the decode programs run the layers one after another (each reading its
-    slice of the stacked int4 weights where it lies), the prefill's still scan them; the engine draws the
-    scanned decode's tokens. auto on a CPU scans (the tests' and dry runs' compile time)."""
+    """model.decode_layers=unrolled: a lone stream's decode program runs the layers one after another (each
+    reading its slice of the stacked int4 weights where it lies), every slot's and the prefill's still scan
+    them; the engine draws the scanned decode's tokens. auto on a CPU scans (the tests' and dry runs' compile
+    time)."""
     model, weights, _ = restored
     params = quant4.quantize_params(weights["params"], storage="native")
 
@@ -252,9 +253,9 @@ def test_a_decode_step_runs_its_layers_unrolled_where_decode_layers_says_and_dra
         return Engine(build_serving_model(cfg, model.mesh), {**weights, "params": params}, slots=2, max_len=32,
                       chunk=16, min_span=32)
 
-    def loops(runner):  # the while loops of the lone decode step's program and of the prefill's
+    def loops(runner):  # the while loops of the lone decode step's program, every slot's and the prefill's
         return {name: runner.program(name).lower(runner.weights, runner.cache, *runner.example_inputs(name))
-                .as_text().count("stablehlo.while") for name in (f"decode/32/{runner.rows()[0]}", "prefill/32")}
+                .as_text().count("stablehlo.while") for name in ("decode/32/1", "decode/32/2", "prefill/32")}
 
     def tokens(engine):
         requests = [engine.submit(Request(row.tolist(), SamplingParams(max_tokens=8))) for row in held_out(2, 12)]
@@ -263,8 +264,11 @@ def test_a_decode_step_runs_its_layers_unrolled_where_decode_layers_says_and_dra
 
     scanned, unrolled = engine_of("scan"), engine_of("unrolled")
     assert tokens(unrolled) == tokens(scanned)
-    (decode, prefill), ((decode_unrolled, prefill_unrolled)) = (loops(e.runner).values() for e in (scanned, unrolled))
-    assert decode_unrolled < decode and prefill_unrolled == prefill > 0, (decode_unrolled, decode, prefill)
+    (decode, both, prefill), (decode_unrolled, both_unrolled, prefill_unrolled) = (
+        loops(e.runner).values() for e in (scanned, unrolled))
+    assert unrolled.runner.rows() == [1, 2]
+    assert decode_unrolled < decode and both_unrolled == both > 0 and prefill_unrolled == prefill > 0, (
+        decode_unrolled, decode, both, prefill)
     assert loops(engine_of("auto").runner) == loops(scanned.runner)
 
 
