@@ -31,7 +31,8 @@ def test_take_padded_is_jnp_take(shape, axis, index_shape, platform, monkeypatch
 @pytest.mark.parametrize("rows, index_shape", [(100, (1, 1)), (100, (3, 4)), (64, (2,))])
 def test_an_int8_embeddings_few_rows_read_from_their_tiles_are_its_rows(rows, index_shape, monkeypatch):
     """Int8Weight.take of a decode step's rows on a TPU goes through take_tiles (Pallas' interpreter here): the
-    widened rows jnp.take gives, in the last, partial tile too, an index past the table clamped as jnp.take's."""
+    widened rows jnp.take gives, in the last, partial tile too; an index past the table reads its last row (the
+    kernel never reads outside it)."""
     monkeypatch.setattr("trainer.sharding.current_platform", lambda: "tpu")
     monkeypatch.setattr(quant, "take_tiles", functools.partial(quant.take_tiles, interpret=True))  # no TPU here
     table = quant.quantize_weight(jax.random.normal(jax.random.key(0), (rows, 256)), (1,))

@@ -66,7 +66,7 @@ def take_tiles(table: jax.Array, indices: jax.Array, interpret: bool | None = No
 
     rows, width = table.shape
     tile, flat = tile_rows(table), indices.reshape(-1).astype(jnp.int32)
-    flat = jnp.clip(flat, 0, rows - 1)  # jnp.take's clamping of an index past the table
+    flat = jnp.clip(flat, 0, rows - 1)  # the kernel never reads past the table (jnp.take would fill the row)
 
     def copy(indices_ref, tile_ref, out_ref):
         out_ref[...] = tile_ref[...]
