@@ -334,8 +334,8 @@ def test_an_int8_tables_rows_read_from_their_tiles_on_the_chip_are_its_rows(chip
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_the_engine_on_quantized_weights_draws_the_cpus_greedy_tokens(chip, cpu, fmt):
     """The engine on int4 weights (jnp.int4 values, as a TPU holds them, quantized once on the CPU) or int8,
-    `tiny` made 128 wide so that its groups are whole lane tiles, a dense layer and a MoE layer: on the chip the
-    decode steps' layers unrolled (model.decode_layers' accelerator default), int4's attention projections
+    `tiny` made 128 wide so that its groups are whole lane tiles, a dense layer and a MoE layer: on the chip a
+    lone stream's decode layers unrolled (model.decode_layers' accelerator default), int4's attention projections
     group by group (Widened.contract_leading), a decode step's few assignments and the dense FFN's products
     through stacked_rows_product (the dense stack read in place: layer_product), int8's embedding rows through
     take_tiles, the rest XLA's products; on the CPU every product XLA's, the layers scanned. float32 at
