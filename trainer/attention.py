@@ -54,9 +54,9 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
         raise ValueError(f"splash attention needs a length that is a multiple of 128, got {length}")
     q_BxLxNxH = q_BxLxNxH * jnp.asarray(size ** -0.5 if scale is None else scale, q_BxLxNxH.dtype)
     local = functools.partial(_splash, interpret=sharding.current_platform() != "tpu")
-    mesh = sharding.current_mesh()
-    if mesh is None or mesh.size == 1:
+    if sharding.on_one_device():
         return local(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+    mesh = sharding.current_mesh()
     # A Pallas call is opaque to XLA's partitioner: each device runs it on its own rows (and its own heads
     # where the mesh splits them over `model`).
     ways = dict(mesh.shape).get("model", 1)

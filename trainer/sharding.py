@@ -85,6 +85,13 @@ def current_mesh() -> Mesh | None:
     return _MESH.get()
 
 
+def on_one_device() -> bool:
+    """Whether the model being traced runs on one device (no `logical_mesh`, or one of one device): where a
+    Pallas kernel may take its operands whole, since XLA's partitioner does not split a kernel over a mesh."""
+    mesh = _MESH.get()
+    return mesh is None or mesh.size == 1
+
+
 def current_platform() -> str:
     """The platform the model being traced runs on: its `logical_mesh`'s devices', else the default backend's
     (the TPU kernels pick by it: the kernel on a TPU, Pallas' interpreter elsewhere)."""

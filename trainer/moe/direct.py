@@ -111,11 +111,10 @@ def layer_product(x: jax.Array, w: LayerOf, dtype, products: str) -> jax.Array:
     import math
 
     from trainer.layers import times
-    from trainer.sharding import current_mesh, current_platform
+    from trainer.sharding import current_platform, on_one_device
 
     rows, k = math.prod(x.shape[:-1]), x.shape[-1]
-    mesh = current_mesh()
-    operands = kernel_operands(w, products) if rows <= LAYER_ROWS and (mesh is None or mesh.size == 1) else None
+    operands = kernel_operands(w, products) if rows <= LAYER_ROWS and on_one_device() else None
     if operands is None:
         return times(x, jax.tree.map(lambda a: a[0], w.held()), dtype)
     padded = -(-rows // KERNEL_ROWS) * KERNEL_ROWS

@@ -126,13 +126,12 @@ class Int8Weight:
         """jnp.take of the widened weight along an output axis (the embedding's rows), widening only those."""
         if self.scale.shape[axis] != self.values.shape[axis]:
             raise ValueError(f"take along axis {axis}: the weight's scales are reduced over it")
-        from trainer.sharding import current_mesh, current_platform
+        from trainer.sharding import current_platform, on_one_device
 
-        values, mesh = self.values, current_mesh()
-        # On one device only, as the rows kernel (trainer/moe/direct.py): XLA does not split a kernel's operands
-        # over a mesh, and a vocabulary split over `model` would be gathered whole for it
+        values = self.values
+        # On one device only (a vocabulary split over `model` would be gathered whole for the kernel)
         if (values.ndim == 2 and axis == 0 and indices.size <= TILED_TAKE and current_platform() == "tpu"
-                and (mesh is None or mesh.size == 1)):
+                and on_one_device()):
             rows = take_tiles(values, indices)
         else:
             rows = take_padded(values, indices, axis)
