@@ -16,6 +16,9 @@ wall time from launch to exit:
   trainer_both    as `moe-train` does: the backend started on a thread (trainer/startup.py start_backend), the
                   trainer's modules imported meanwhile, then jax.devices()
   server_both     the same with the server's modules
+With --variant "LABEL K=V ...", the `devices` part once more under each environment given (the runtime's own
+variables: TPU_SKIP_MDS_QUERY, TPU_ACCELERATOR_TYPE, ...), and with --runtime-log its libtpu log lines
+(TPU_STDERR_LOG_LEVEL=0), stamped, in the row: what the runtime's start waits on.
 The `_both` parts say whether the thread overlaps: `both` near the larger of `devices` and the imports is an
 overlap; near their sum, the runtime's start holds the interpreter (the GIL) and the thread buys nothing.
 With --importtime, the trainer's and the server's imports once more under `python -X importtime`: the modules
@@ -72,6 +75,7 @@ def child(part: str) -> dict:
         devices = jax.devices()
         marks["backend_up"] = since_start()
         marks["devices"] = f"{len(devices)} x {devices[0].device_kind}"
+        marks["env"] = {k: v for k, v in os.environ.items() if k.startswith(("TPU_", "LIBTPU", "JAX_", "XLA_"))}
         return marks
     modules = TRAINER_MODULES if part.startswith("trainer") else SERVER_MODULES
     if part.endswith("_both"):
@@ -90,16 +94,28 @@ def child(part: str) -> dict:
     return marks
 
 
-def run_part(part: str, env: dict) -> dict:
+def run_part(part: str, env: dict, variant: str | None = None, log_lines: int = 0) -> dict:
     launched = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, "--child", part], capture_output=True, text=True, cwd=ROOT,
                           env=env)
     wall = time.perf_counter() - launched
+    head = {"part": part, **({"variant": variant} if variant else {}), "wall_s": round(wall, 2)}
     if done.returncode:
-        return {"part": part, "wall_s": round(wall, 2), "error": done.stderr.strip().splitlines()[-1:]}
+        return {**head, "error": done.stderr.strip().splitlines()[-1:]}
     marks = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"part": part, "wall_s": round(wall, 2),
-            **{k: round(v, 2) if isinstance(v, float) else v for k, v in marks.items()}}
+    row = {**head, **{k: round(v, 2) if isinstance(v, float) else v for k, v in marks.items()}}
+    if log_lines:
+        row["log"] = done.stderr.strip().splitlines()[-log_lines:]
+    return row
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """"LABEL K=V K=V" -> (LABEL, {K: V}); a bare LABEL is the environment as it is."""
+    label, *pairs = text.split()
+    bad = [x for x in pairs if "=" not in x]
+    if bad:
+        raise ValueError(f"--variant {text!r}: {bad[0]!r} is not KEY=VALUE")
+    return label, dict(x.split("=", 1) for x in pairs)
 
 
 def import_times(modules: tuple[str, ...], env: dict, top: int = 12) -> list[tuple[str, float]]:
@@ -139,12 +155,16 @@ def summary(rows: list[dict]) -> dict[str, dict]:
     """Each part's medians: wall, and the child's marks (seconds since its start)."""
     out: dict[str, dict] = {}
     for part in PARTS:
-        mine = [r for r in rows if r["part"] == part and "error" not in r]
+        mine = [r for r in rows if r["part"] == part and "error" not in r and "variant" not in r]
         if not mine:
             continue
         keys = [k for k, v in mine[0].items() if isinstance(v, float)]
         out[part] = {k: round(statistics.median(r[k] for r in mine), 2) for k in keys}
         out[part]["devices"] = mine[0].get("devices")
+    for label in dict.fromkeys(r["variant"] for r in rows if "variant" in r and "error" not in r):
+        mine = [r for r in rows if r.get("variant") == label and "error" not in r]
+        out[f"devices {label}"] = {k: round(statistics.median(r[k] for r in mine), 2)
+                                   for k in ("wall_s", "jax_imported", "backend_up")}
     return out
 
 
@@ -153,7 +173,7 @@ def table(med: dict[str, dict]) -> str:
              "child started)"]
     for part, m in med.items():
         cells = [m.get(k) for k in ("wall_s", "jax_imported", "modules_imported", "backend_up")]
-        lines.append(f"{part:<16} " + " ".join(f"{c:>{w}.2f}" if c is not None else f"{'':>{w}}"
+        lines.append(f"{part[:16]:<16} " + " ".join(f"{c:>{w}.2f}" if c is not None else f"{'':>{w}}"
                                                for c, w in zip(cells, (6, 6, 8, 8), strict=True)))
     verdicts = []
     for who in ("trainer", "server"):
@@ -176,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="rounds of every part, interleaved [1]")
     p.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--importtime", action="store_true", help="also the slowest modules under -X importtime")
+    p.add_argument("--variant", action="append", default=[], metavar='"LABEL K=V ..."',
+                   help="the devices part once more with these variables set (repeatable)")
+    p.add_argument("--runtime-log", type=int, default=0, metavar="LINES",
+                   help="the variants' runtime log (TPU_STDERR_LOG_LEVEL=0): its last LINES lines in each row")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     if args.child:
@@ -185,12 +209,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         p.error(f"unknown parts {unknown}; choose from {','.join(PARTS)}")
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        p.error(str(e))
     cpu = on_cpu(args)
     env = environment(cpu)
     rows = []
     for _ in range(args.repeat):
         for part in parts:
             rows.append(run_part(part, env))
+            print(json.dumps(rows[-1]), flush=True)
+        for label, extra in variants:
+            logged = {"TPU_STDERR_LOG_LEVEL": "0", "TPU_MIN_LOG_LEVEL": "0"} if args.runtime_log else {}
+            rows.append(run_part("devices", {**env, **logged, **extra}, label, args.runtime_log))
             print(json.dumps(rows[-1]), flush=True)
     result = {"backend": "cpu" if cpu else "default", "rows": rows, "medians": summary(rows)}
     if args.importtime:

@@ -59,6 +59,10 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                     "xla_cpu_use_fusion_emitters": False}
 
+# XLA's options for a program that runs once on an accelerator (the initial state's): the least effort on its
+# run time, which a program run once cannot win back.
+INIT_COMPILER_OPTIONS = {"exec_time_optimization_effort": -1.0}
+
 
 @dataclasses.dataclass
 class Trainer:
