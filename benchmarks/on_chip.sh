@@ -24,7 +24,7 @@
 #   startup       benchmarks/startup_parts.py: a process's first seconds taken apart (python, import jax, the
 #                 runtime's start alone, the trainer's and the server's imports alone and beside the runtime
 #                 started on a thread), REPEAT rounds (1), with the slowest imports (-X importtime);
-#                 STARTUP_PARTS: the parts (all); RUNTIME_VARIANTS: lines "LABEL K=V ...", the runtime's start alone under each, its log kept
+#                 STARTUP_PARTS: the parts (all); TRANSFER_MIB: copies of that size timed too; RUNTIME_VARIANTS: lines "LABEL K=V ...", the runtime's start alone under each, its log kept
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 deadline=$((SECONDS + ${CHIP_SECONDS:-560}))
@@ -54,12 +54,12 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   levers) stage levers 240 python benchmarks/train_levers.py --no-gmm --steps 10 \
             --variants ${LEVERS:-h8+splash+chunk+attention_moe,h8+dropless_megablox+splash+chunk+attention_moe} \
             ${PROFILE:+--profile} --json-out "$OUT/levers.json" ;;
-  step) stage step 300 python benchmarks/train_step.py --accelerator --config moe-1b --log-compiles --paths "${PATHS_:-capacity}" \
+  step) stage step 300 python benchmarks/train_step.py --accelerator --config moe-1b --log-compiles --steps "${STEPS:-60}" --paths "${PATHS_:-capacity}" \
           --json-out "$OUT/train_step.json" ;;
   effort) stage effort "${EFFORT_S:-200}" python benchmarks/compile_effort.py --variants "${EFFORTS:-base,effort-1,O0,O1}" \
-            --init-base --json-out "$OUT/compile_effort.json" ;;
+            --json-out "$OUT/compile_effort.json" ;;
   startup) variants=(); while IFS= read -r v; do [ -n "$v" ] && variants+=(--variant "$v"); done <<< "${RUNTIME_VARIANTS:-}"
            stage startup "${STARTUP_S:-90}" python benchmarks/startup_parts.py --repeat "${REPEAT:-1}" --importtime \
-             ${STARTUP_PARTS:+--parts "$STARTUP_PARTS"} ${variants[@]+"${variants[@]}"} ${RUNTIME_VARIANTS:+--runtime-log 400} --json "$OUT/startup_parts.json" ;;
+             ${STARTUP_PARTS:+--parts "$STARTUP_PARTS"} ${TRANSFER_MIB:+--transfer-mib "$TRANSFER_MIB"} ${variants[@]+"${variants[@]}"} ${RUNTIME_VARIANTS:+--runtime-log 400} --json "$OUT/startup_parts.json" ;;
   *) echo "unknown stage $s1"; exit 2 ;;
 esac; done; done

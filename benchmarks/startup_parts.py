@@ -16,6 +16,7 @@ wall time from launch to exit:
   trainer_both    as `moe-train` does: the backend started on a thread (trainer/startup.py start_backend), the
                   trainer's modules imported meanwhile, then jax.devices()
   server_both     the same with the server's modules
+With --transfer-mib, each `devices` part also times copies to the device and back (GB/s).
 With --variant "LABEL K=V ...", the `devices` part once more under each environment given (the runtime's own
 variables: TPU_SKIP_MDS_QUERY, TPU_ACCELERATOR_TYPE, ...), and with --runtime-log its libtpu log lines
 (TPU_STDERR_LOG_LEVEL=0), stamped, in the row: what the runtime's start waits on.
@@ -76,6 +77,8 @@ def child(part: str) -> dict:
         marks["backend_up"] = since_start()
         marks["devices"] = f"{len(devices)} x {devices[0].device_kind}"
         marks["env"] = {k: v for k, v in os.environ.items() if k.startswith(("TPU_", "LIBTPU", "JAX_", "XLA_"))}
+        if os.environ.get("STARTUP_PARTS_TRANSFER_MIB"):
+            marks.update(transfers(jax, int(os.environ["STARTUP_PARTS_TRANSFER_MIB"])))
         return marks
     modules = TRAINER_MODULES if part.startswith("trainer") else SERVER_MODULES
     if part.endswith("_both"):
@@ -92,6 +95,28 @@ def child(part: str) -> dict:
     marks["backend_up"] = since_start()
     marks["devices"] = f"{len(devices)} x {devices[0].device_kind}"
     return marks
+
+
+def transfers(jax, mib: int) -> dict:
+    """GB/s of host-to-device and device-to-host copies of `mib` MiB, as one array and as 8 (a checkpoint's
+    restore puts many), the best of 3 each: what the runtime's premapped host buffer's size costs them."""
+    import numpy as np
+
+    out = {}
+    for pieces in (1, 8):
+        hosts = [np.full(mib * 2**20 // pieces, i, np.uint8) for i in range(pieces)]
+        up = down = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            on = jax.block_until_ready([jax.device_put(h) for h in hosts])
+            up = min(up, time.perf_counter() - t)
+            t = time.perf_counter()
+            [np.asarray(x) for x in on]
+            down = min(down, time.perf_counter() - t)
+            del on
+        out[f"h2d_{pieces}_gbps"] = round(mib * 2**20 / up / 1e9, 2)
+        out[f"d2h_{pieces}_gbps"] = round(mib * 2**20 / down / 1e9, 2)
+    return out
 
 
 def run_part(part: str, env: dict, variant: str | None = None, log_lines: int = 0) -> dict:
@@ -200,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the devices part once more with these variables set (repeatable)")
     p.add_argument("--runtime-log", type=int, default=0, metavar="LINES",
                    help="the variants' runtime log (TPU_STDERR_LOG_LEVEL=0): its last LINES lines in each row")
+    p.add_argument("--transfer-mib", type=int, default=0, metavar="MIB",
+                   help="the devices parts also time copies of MIB MiB to the device and back")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     if args.child:
@@ -215,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     cpu = on_cpu(args)
     env = environment(cpu)
+    if args.transfer_mib:
+        env["STARTUP_PARTS_TRANSFER_MIB"] = str(args.transfer_mib)
     rows = []
     for _ in range(args.repeat):
         for part in parts:

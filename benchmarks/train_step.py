@@ -78,11 +78,13 @@ def measure(config: str, flags: list[str], steps: int, overrides: list[str], war
             env = dict(env or os.environ, JAX_LOG_COMPILES="1")
         rows = train(config, flags, steps, overrides, env)
         again = train(config, flags, LOG_EVERY, overrides, env)[0] if warm else {}
-    timed = [r for r in rows if r["step"] > WARMUP] or rows
+    # past the warm-up, and no row with a step on the quick program (trainer/step.py TieredStep)
+    timed = [r for r in rows if r["step"] > WARMUP and not r.get("quick_steps")] or rows
     step_time = statistics.median(r["step_time_s"] for r in timed)
     mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
     return {"step_time_s": step_time, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "mfu": statistics.median(mfus) if mfus else None, "final_loss": rows[-1]["loss"],
+            "quick_steps": sum(r.get("quick_steps", 0) for r in rows),
             "overrides": overrides, **{k: rows[0].get(k) for k in STARTUP},
             **{f"warm_{k}": again[k] for k in STARTUP if k in again},
             **{k: v for k, v in rows[0].items() if k.startswith("startup_")},  # trainer/startup.py's marks

@@ -386,6 +386,7 @@ def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
     After a failure, a library thread may still wait on work that will never come (orbax waits up to
     five minutes for a checkpoint directory that could not be made): the process exits without it.
     """
+    startup.runtime_defaults()  # before any command starts jax's backend
     try:
         train_command.main(args=args, prog_name=prog_name or os.environ.get("MOE_TRAIN_PROG", "moe-train"))
     except SystemExit as e:

@@ -44,6 +44,20 @@ def marks() -> dict[str, float]:
     return {f"startup_{stage}_s": t for stage, t in _marks.items()}
 
 
+# The TPU runtime pins a host buffer for its transfers as it starts (TPU_PREMAPPED_BUFFER_SIZE), 4 GiB unless
+# told otherwise. On a v5e host without transparent hugepages pinning it took 7.8 of the runtime's 8.2 s start
+# and its release 3.6 s at the exit; at 256 MiB the start took 1.2-2.0 s (2026-12-07, benchmarks/
+# startup_parts.py --variant, on the chip: docs/performance.md).
+PREMAPPED_BUFFER_BYTES = 256 * 2**20
+
+
+def runtime_defaults(env=None) -> None:
+    """The accelerator runtime's settings this project chooses, each only where the environment does not set
+    it already; before the backend starts (later they are not read)."""
+    env = os.environ if env is None else env
+    env.setdefault("TPU_PREMAPPED_BUFFER_SIZE", str(PREMAPPED_BUFFER_BYTES))
+
+
 def start_backend() -> threading.Thread:
     """jax's backend started on a thread of its own, while the caller goes on (importing its modules, reading
     its config and checkpoint): on one v5e chip the accelerator's runtime took 6.3 s to start and the trainer's
@@ -51,6 +65,7 @@ def start_backend() -> threading.Thread:
     before the backend (fake CPU devices in XLA_FLAGS, jax.distributed). Whatever the start raises is raised
     again where the caller first asks for the devices (jax keeps the backends' errors); benchmarks/
     startup_parts.py measures what the overlap buys."""
+    runtime_defaults()
     import jax
 
     def start():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -59,9 +60,11 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                     "xla_cpu_use_fusion_emitters": False}
 
-# XLA's options for a program that runs once on an accelerator (the initial state's): the least effort on its
-# run time, which a program run once cannot win back.
-INIT_COMPILER_OPTIONS = {"exec_time_optimization_effort": -1.0}
+# XLA's options for the first steps' program on an accelerator while the optimised one compiles (TieredStep):
+# optimisation level O1 (19 is XLA's EffortLevel O1, as jax's `jax_optimization_level` names it). moe-1b's step
+# on one v5e chip (2026-12-07, benchmarks/compile_effort.py): compiled in 13.6 s against 21.1, a step 469 ms
+# against 311; at exec_time_optimization_effort -1 or O0 12.1-12.6 s and 818 ms.
+QUICK_STEP_OPTIONS = {"optimization_level": 19}
 
 
 @dataclasses.dataclass
@@ -80,7 +83,7 @@ class Trainer:
     batch_sharding: NamedSharding
     init_fn: Callable[[], State]
     step_fn: Callable[[State, jax.Array], tuple[State, dict]]
-    step_compiling: concurrent.futures.Future | None = None  # compile_in_background's
+    step_compiling: StepCompiles | None = None  # compile_in_background's
 
     def initial_state(self) -> State:
         """Step 0's state, from `init_fn`. On a CPU (dry runs, tests) its program is compiled with XLA's
@@ -178,13 +181,65 @@ def make_train_step(graphdef: nnx.GraphDef, codec: ParamCodec, rest: nnx.State,
     return train_step
 
 
-def compile_step(trainer: Trainer):
+def compile_step(trainer: Trainer, notify: Callable[[str], None] | None = None):
     """The train step compiled ahead of the loop, so that no logged step time includes compilation (the one
-    `compile_in_background` started, where it did)."""
+    `compile_in_background` started, where it did: the optimised program, or a TieredStep that runs the first
+    steps on the quick one while it compiles; `notify` hears when the optimised one takes over)."""
     if trainer.step_compiling is not None:
-        future, trainer.step_compiling = trainer.step_compiling, None
-        return future.result()
+        compiles, trainer.step_compiling = trainer.step_compiling, None
+        return compiles.program(notify)
     return _lowered_step(trainer).compile()
+
+
+@dataclasses.dataclass
+class StepCompiles:
+    """The train step's compiles under way: the optimised program, and the quick one beside it (or None)."""
+
+    full: concurrent.futures.Future
+    quick: concurrent.futures.Future | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def program(self, notify: Callable[[str], None] | None = None):
+        """The optimised program once compiled; while a quick one is under way, a TieredStep on whichever
+        is ready first. A failed quick compile leaves the optimised one to wait for."""
+        if self.quick is None:
+            return self.full.result()
+        concurrent.futures.wait([self.full, self.quick], return_when=concurrent.futures.FIRST_COMPLETED)
+        if self.full.done() or self.quick.exception() is not None:
+            return self.full.result()
+        return TieredStep(self.full, self.quick.result(), self.started, notify)
+
+
+class TieredStep:
+    """The train step while its optimised program compiles: each call runs the quickly compiled program
+    (QUICK_STEP_OPTIONS) until the optimised one is ready, then that one for good. Both are the same step,
+    compiled from one lowering with the same shardings and donation, so the state passes from one to the
+    other; XLA's fusions differ between them, so their results may differ in the last bits (a float32
+    rounding), as two compilers' would. On one v5e chip moe-1b's first step comes after the quick program's
+    compile rather than the optimised one's: 13.6 against 21.1 s alone (benchmarks/compile_effort.py), and the
+    steps taken meanwhile are steps the run would otherwise have waited for."""
+
+    def __init__(self, full: concurrent.futures.Future, quick, started: float,
+                 notify: Callable[[str], None] | None = None):
+        self.full, self.current, self.started, self.notify = full, quick, started, notify
+        self.quick_steps = 0  # steps dispatched on the quick program
+
+    @property
+    def optimised(self) -> bool:
+        return self.full is None
+
+    def __call__(self, state, batch):
+        if self.full is not None and self.full.done():
+            self.current, self.full = self.full.result(), None
+            if self.notify:
+                self.notify(f"the optimised train step is ready {time.perf_counter() - self.started:.1f}s after its "
+                            f"compile began; the {self.quick_steps} step(s) before it ran on the quickly compiled one")
+        if self.full is not None:
+            self.quick_steps += 1
+        return self.current(state, batch)
+
+    def memory_analysis(self):
+        return self.current.memory_analysis()
 
 
 def _lowered_step(trainer: Trainer):
@@ -193,11 +248,13 @@ def _lowered_step(trainer: Trainer):
     return trainer.step_fn.lower(trainer.abstract_state, batch)
 
 
-def compile_in_background(trainer: Trainer, on_cpu: bool = False) -> concurrent.futures.Future | None:
+def compile_in_background(trainer: Trainer, on_cpu: bool = False,
+                          quick: bool | None = None) -> StepCompiles | None:
     """On an accelerator, the train step's XLA compilation started on a thread of its own (traced here), so
     that it runs while the initial state's program compiles and runs: on one v5e chip moe-1b's two compiles
     took 28 and 30 s one after the other, 51 s to the first step; 37 s for both together (2026-12-06,
-    benchmarks/train_step.py). Not on a CPU (unless `on_cpu`), where the compiles share the cores the tests
+    benchmarks/train_step.py). With train.quick_compile (or `quick`), the quick program (TieredStep) compiles
+    on a second thread beside it. Not on a CPU (unless `on_cpu`), where the compiles share the cores the tests
     run on."""
     if trainer.mesh.devices.flat[0].platform == "cpu" and not on_cpu:
         return None
@@ -205,10 +262,12 @@ def compile_in_background(trainer: Trainer, on_cpu: bool = False) -> concurrent.
         lowered = _lowered_step(trainer)
     except ValueError:  # a shape check at trace time: compile_step raises it again where it is reported
         return None
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-step")
-    future = pool.submit(lowered.compile)
-    pool.shutdown(wait=False)  # its thread ends with the compile
-    return future
+    quick = trainer.cfg.train.quick_compile if quick is None else quick
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="compile-step")
+    compiles = StepCompiles(pool.submit(lowered.compile),
+                            pool.submit(lowered.compile, compiler_options=QUICK_STEP_OPTIONS) if quick else None)
+    pool.shutdown(wait=False)  # its threads end with the compiles
+    return compiles
 
 
 def peak_memory_gib(mesh: Mesh) -> float | None:

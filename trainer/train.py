@@ -243,7 +243,7 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
     first_row = {"start_step": start_step, "restore_s": 0.0, **(begun or {}), "compile_s": compile_s}
     profiler = Profiler(spec.profile_steps, spec.output_dir)
     feed, pending, ceiling = Feed(trainer, data), Pending(), loss_ceiling(cfg.model.vocab_size)
-    last_loss, stopped = None, False
+    last_loss, stopped, quick_seen = None, False, 0
     try:
         while step < spec.steps:
             if should_stop(stop, step):
@@ -266,6 +266,9 @@ def _loop(trainer: Trainer, state: State, data: DataIterator, ckpt: Checkpointer
             if log:
                 row = _row(trainer, timer, step, host, entropy_floor, state, evaluator if evaluate else None, status,
                            first=bool(first_row))
+                quick = getattr(step_fn, "quick_steps", 0)  # a TieredStep's: steps run on its quick program
+                if quick > quick_seen:
+                    row["quick_steps"], quick_seen = quick - quick_seen, quick
                 row.update(first_row)
                 first_row, last_loss = {}, row["loss"]
                 _report(reporter, status, row, spec.steps)
@@ -323,7 +326,7 @@ def _report(reporter: Reporter, status: RunStatus, row: dict, total: int) -> Non
 def _compiled(trainer: Trainer, reporter: Reporter, step: int, spec: RunSpec, ckpt: Checkpointer | None):
     start = time.perf_counter()
     try:
-        step_fn = compile_step(trainer)
+        step_fn = compile_step(trainer, notify=reporter.info)
     except ValueError as e:  # shape checks at trace time reject configs that cannot work
         raise ConfigError(f"the train step cannot be built for this config and mesh: {e}") from None
     reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "

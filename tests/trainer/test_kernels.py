@@ -2,6 +2,8 @@
 Pallas' interpreter, the loss in chunks, and the remat policies (tests/trainer/test_tpu.py holds the same on a
 chip)."""
 
+import concurrent.futures
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from trainer.model import build_model
 from trainer.model import cross_entropy as model_cross_entropy
 from trainer.moe.gmm import grouped_matmul, stacked_tiling, tiling
 from trainer.sharding import make_mesh
-from trainer.step import build_trainer, compile_in_background, compile_step
+from trainer.step import StepCompiles, TieredStep, build_trainer, compile_in_background, compile_step
 
 
 def relative_error(got, want) -> float:
@@ -138,6 +140,49 @@ def test_the_step_compiled_in_the_background_is_the_step():
     assert float(got_metrics["loss"]) == float(want_metrics["loss"])
     for g, w in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(want["params"]), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_the_first_steps_run_on_the_quick_program_until_the_optimised_one_is_ready_and_take_the_same_steps():
+    """A TieredStep runs the quickly compiled step while the optimised compile is under way, says so once when
+    that one takes over, and then keeps to it; the state passes between them, and the steps are the ones a
+    single program takes (the same losses, the parameters within float rounding)."""
+    cfg = load_config("tiny", ["model.num_layers=1"])
+    trainer = build_trainer(cfg, make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1]), 10)
+    compiles = compile_in_background(trainer, on_cpu=True, quick=True)  # both programs, on two threads
+    full, quick = compiles.full.result(), compiles.quick.result()
+    assert quick is not full
+    held = concurrent.futures.Future()  # the optimised compile, finished when the test says
+    heard = []
+    tiered = StepCompiles(held, compiles.quick).program(heard.append)
+    assert isinstance(tiered, TieredStep) and not tiered.optimised
+    tokens = jax.random.randint(jax.random.key(0), (4, cfg.data.global_batch_size, cfg.data.seq_len + 1), 0, 64)
+    batches = [jax.device_put(t, trainer.batch_sharding) for t in tokens]
+    state = trainer.initial_state()
+    alone = jax.tree.map(jnp.copy, state)
+    losses = []
+    for i, batch in enumerate(batches):
+        if i == 2:
+            held.set_result(full)
+        state, metrics = tiered(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert tiered.optimised and tiered.quick_steps == 2 and tiered.current is full
+    assert len(heard) == 1 and "the 2 step(s) before it ran on the quickly compiled one" in heard[0]
+    want = []
+    for batch in batches:
+        alone, metrics = full(alone, batch)
+        want.append(float(metrics["loss"]))
+    assert losses == pytest.approx(want, rel=1e-6)
+    for g, w in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(alone["params"]), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_quick_compile_leaves_the_optimised_step_to_wait_for():
+    """The quick program's compile failing costs nothing but its time: the optimised program is returned."""
+    failed, full = concurrent.futures.Future(), concurrent.futures.Future()
+    failed.set_exception(RuntimeError("quick compile failed"))
+    full.set_result("the optimised program")
+    assert StepCompiles(full, failed).program() == "the optimised program"
+    assert StepCompiles(full, None).program() == "the optimised program"
 
 
 def test_splash_attention_on_a_mesh_runs_each_devices_rows_and_heads():

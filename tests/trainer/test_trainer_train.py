@@ -118,6 +118,20 @@ def test_the_loop_reads_the_devices_only_at_logged_steps(tmp_path, monkeypatch, 
     assert len(metric_reads) == 3 and len(reads) == 3 + 2, reads  # and the start step, read twice
 
 
+def test_the_runtimes_host_buffer_is_small_unless_the_environment_sets_it():
+    """The TPU runtime's pinned host buffer, which its start spends seconds pinning, is the project's size
+    unless the environment names one; the commands set it before any backend starts."""
+    from trainer import startup
+
+    env = {}
+    startup.runtime_defaults(env)
+    assert env == {"TPU_PREMAPPED_BUFFER_SIZE": str(startup.PREMAPPED_BUFFER_BYTES)}
+    assert startup.PREMAPPED_BUFFER_BYTES < 4 * 2**30  # the runtime's own default
+    mine = {"TPU_PREMAPPED_BUFFER_SIZE": "4294967296"}
+    startup.runtime_defaults(mine)
+    assert mine == {"TPU_PREMAPPED_BUFFER_SIZE": "4294967296"}
+
+
 def test_byte_level_text_loss_falls_well_below_uniform(tmp_path):
     """Also: checkpoints every N steps keep the last K, and --profile-steps writes a trace."""
     out = tmp_path / "out"
