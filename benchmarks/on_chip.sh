@@ -46,7 +46,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
            --json "$OUT/serve_weights.json" ;;
   interference) stage interference "${INTERFERENCE_S:-300}" python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
                   --mixed "${MIXED:-off,on}" ${PROFILE:+--profile} --json "$OUT/interference.json" ;;
-  ready) stage ready 240 python benchmarks/serve_ready.py --accelerator --json "$OUT/ready.json" ;;
+  ready) stage ready "${READY_S:-240}" python benchmarks/serve_ready.py --accelerator --log-compiles --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
   rows) stage rows 150 python benchmarks/rows_product.py --json "$OUT/rows_product.json" ;;
   tests) MOE_TPU_TESTS=1 stage tests 300 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \

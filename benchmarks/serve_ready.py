@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,10 @@ def since_start() -> float:
 def child(checkpoint: str, slots: int, max_len: int) -> int:
     """One start, as `python -m trainer.serve --checkpoint DIR` makes it up to ready (no socket)."""
     marks = {}
+    if os.environ.get("JAX_LOG_COMPILES") == "1":  # each compile log line stamped with ms since the start
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)7.0f ms %(message)s")
     from trainer.serve.spans import DEFAULT_CHUNK
     from trainer.serve.startup import load
 
@@ -64,6 +69,14 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
     return 0
 
 
+def telling(line: str) -> bool:
+    """A compile-log line worth keeping: a cache hit or miss, or a stage of 0.05 s or more."""
+    if "cache" in line.lower():
+        return True
+    m = re.search(r"Finished .* in ([0-9.]+) sec", line)
+    return bool(m) and float(m.group(1)) >= 0.05
+
+
 def start(checkpoint: str, cache: str, slots: int, max_len: int, env: dict) -> dict:
     launched = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, "--child", checkpoint, "--slots", str(slots), "--max-len",
@@ -73,6 +86,8 @@ def start(checkpoint: str, cache: str, slots: int, max_len: int, env: dict) -> d
     if done.returncode:
         raise RuntimeError(f"the start failed ({done.returncode}):\n{done.stderr[-3000:]}")
     marks = json.loads(done.stdout.strip().splitlines()[-1])
+    if env.get("JAX_LOG_COMPILES") == "1":
+        marks["compile_log"] = [line.strip()[-200:] for line in done.stderr.splitlines() if telling(line)]
     return {"wall_s": round(wall, 2), **marks}
 
 
@@ -95,8 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="moe-1b", help="what to train one step where no --checkpoint is given")
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--log-compiles", action="store_true",
+                   help="each start's compile log (jax's tracing, lowering, compiles and cache hits, stamped with "
+                        "ms since its start) in its row")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
+    if args.log_compiles:
+        os.environ["JAX_LOG_COMPILES"] = "1"
     if args.child:
         return child(args.child, args.slots, args.max_len)
     env = dict(os.environ) if args.accelerator else dict(os.environ, JAX_PLATFORMS="cpu")

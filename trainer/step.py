@@ -254,7 +254,7 @@ def compile_in_background(trainer: Trainer, on_cpu: bool = False,
     that it runs while the initial state's program compiles and runs: on one v5e chip moe-1b's two compiles
     took 28 and 30 s one after the other, 51 s to the first step; 37 s for both together (2026-12-06,
     benchmarks/train_step.py). With train.quick_compile (or `quick`), the quick program (TieredStep) compiles
-    on a second thread beside it. Not on a CPU (unless `on_cpu`), where the compiles share the cores the tests
+    first, on the same thread. Not on a CPU (unless `on_cpu`), where the compiles share the cores the tests
     run on."""
     if trainer.mesh.devices.flat[0].platform == "cpu" and not on_cpu:
         return None
@@ -263,10 +263,13 @@ def compile_in_background(trainer: Trainer, on_cpu: bool = False,
     except ValueError:  # a shape check at trace time: compile_step raises it again where it is reported
         return None
     quick = trainer.cfg.train.quick_compile if quick is None else quick
-    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="compile-step")
-    compiles = StepCompiles(pool.submit(lowered.compile),
-                            pool.submit(lowered.compile, compiler_options=QUICK_STEP_OPTIONS) if quick else None)
-    pool.shutdown(wait=False)  # its threads end with the compiles
+    # One thread: with a quick program, it compiles first and the optimised one after it, so that the quick
+    # one and the initial state's share the host's cores with nothing else (on one v5e chip, 2026-12-07: all
+    # three at once took 22.1, 18.8 and 29.8 s against 13.6, 13.3 and 21.1 alone).
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-step")
+    quick_future = pool.submit(lowered.compile, compiler_options=QUICK_STEP_OPTIONS) if quick else None
+    compiles = StepCompiles(pool.submit(lowered.compile), quick_future)
+    pool.shutdown(wait=False)  # its thread ends with the compiles
     return compiles
 
 

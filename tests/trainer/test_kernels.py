@@ -148,7 +148,7 @@ def test_the_first_steps_run_on_the_quick_program_until_the_optimised_one_is_rea
     single program takes (the same losses, the parameters within float rounding)."""
     cfg = load_config("tiny", ["model.num_layers=1"])
     trainer = build_trainer(cfg, make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1]), 10)
-    compiles = compile_in_background(trainer, on_cpu=True, quick=True)  # both programs, on two threads
+    compiles = compile_in_background(trainer, on_cpu=True, quick=True)  # the quick program, then the optimised one
     full, quick = compiles.full.result(), compiles.quick.result()
     assert quick is not full
     held = concurrent.futures.Future()  # the optimised compile, finished when the test says
