@@ -238,9 +238,6 @@ class TieredStep:
             self.quick_steps += 1
         return self.current(state, batch)
 
-    def memory_analysis(self):
-        return self.current.memory_analysis()
-
 
 def _lowered_step(trainer: Trainer):
     batch = jax.ShapeDtypeStruct((trainer.cfg.data.global_batch_size, trainer.cfg.data.seq_len + 1),
