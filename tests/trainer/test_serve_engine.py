@@ -214,16 +214,22 @@ def alone_then_together(engine, requests):
     return alone, [r.output for r in requests]
 
 
+# The tiny engines' context: spans 128 and 192 (trainer/serve/spans.py), the longest one capped at max_len rather
+# than doubled. Two spans are what the span tests need (a step at each, the mixed programs' rows over a span
+# shorter than the chunk's); each span is three programs more an engine (four with mixed prefill) to compile.
+MAX_LEN = 192
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(tiny):
-    engine = Engine(*tiny[:2], slots=8, max_len=288, chunk=16)
+    engine = Engine(*tiny[:2], slots=8, max_len=MAX_LEN, chunk=16)
     engine.warm_up(every_span=True)  # as a server does by default (serve --warm-up all): the requests compile nothing
     return engine
 
 
 def thirty_two_requests():
-    """Prompts of 1-256 tokens, 1-24 new ones, greedy."""
-    return random_requests(np.random.RandomState(1), 32, 256, 256, 24)
+    """Prompts of 1-168 tokens, 1-24 new ones, greedy: every span of MAX_LEN's."""
+    return random_requests(np.random.RandomState(1), 32, 256, MAX_LEN - 24, 24)
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +269,7 @@ def test_compiling_ahead_serves_meanwhile_and_leaves_nothing_to_compile(tiny, ti
     """serve --warm-up background: ready once the first two programs ran, the rest compiled on a thread while a
     request reaching the longest span is answered as on an engine warmed at every span (its step compiles what
     the thread has not reached, or waits for the one it is compiling); then no request traces or compiles."""
-    engine = Engine(*tiny[:2], slots=8, max_len=288, chunk=16)
+    engine = Engine(*tiny[:2], slots=8, max_len=MAX_LEN, chunk=16)
     runner = engine.runner
     engine.warm_up()
     order = runner.warm_up_order()
@@ -271,7 +277,7 @@ def test_compiling_ahead_serves_meanwhile_and_leaves_nothing_to_compile(tiny, ti
     assert sorted(order) == sorted(tiny_engine.runner.programs)
     ahead = threading.Thread(target=engine.compile_ahead)
     ahead.start()
-    prompt = np.random.RandomState(3).randint(0, 256, 270).tolist()  # its chunks reach every span
+    prompt = np.random.RandomState(3).randint(0, 256, MAX_LEN - 12).tolist()  # its chunks reach every span
     request = engine.submit(Request(prompt, SamplingParams(max_tokens=8)))
     engine.run()
     ahead.join(timeout=300)
@@ -283,7 +289,7 @@ def test_compiling_ahead_serves_meanwhile_and_leaves_nothing_to_compile(tiny, ti
     listener = lambda name, *_, **__: compiled.append(name)  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        for r in random_requests(np.random.RandomState(4), 4, 256, 280, 8):
+        for r in random_requests(np.random.RandomState(4), 4, 256, MAX_LEN - 8, 8):
             engine.submit(r)
         engine.run()
     finally:
@@ -355,8 +361,8 @@ def test_stop_strings_cut_the_text_and_free_the_slot(tiny_engine):
 
 
 def test_bad_requests_are_refused_with_the_limit_named(tiny_engine):
-    with pytest.raises(RequestError, match="maximum context length of 288 tokens"):
-        tiny_engine.submit(Request([1] * 282, SamplingParams(max_tokens=7)))
+    with pytest.raises(RequestError, match=f"maximum context length of {MAX_LEN} tokens"):
+        tiny_engine.submit(Request([1] * (MAX_LEN - 6), SamplingParams(max_tokens=7)))
     with pytest.raises(RequestError, match=r"token ids must be in \[0, 256\)"):
         tiny_engine.submit(Request([300], SamplingParams()))
     with pytest.raises(RequestError, match="stop strings need a tokenizer"):
@@ -494,7 +500,7 @@ def test_experts_over_8_devices_serve_concurrent_requests_as_one_device_alone(ti
     on_mesh = jax.device_put(weights, {k: model.shardings[k] for k in weights})
     w_in = on_mesh["params"]["stacks.0.0.ffn.w_in"]
     assert w_in.sharding.spec[1] == "expert"  # the experts are split over the mesh (every layer's alike)
-    engine = Engine(model, on_mesh, slots=8, max_len=288, chunk=16)
+    engine = Engine(model, on_mesh, slots=8, max_len=MAX_LEN, chunk=16)
     requests = thirty_two_requests()
     for r in requests:
         engine.submit(r)
@@ -570,7 +576,7 @@ def test_a_prefill_chunk_taken_along_by_the_decode_step_returns_what_its_own_pro
     returns alone; a sampled one and one scoring its prompt (echo with logprobs) what they return beside
     others with chunks in programs of their own; the mixed programs ran, some with the rows' span shorter than
     the chunk's, within programs_bound; a request cancelled while its last chunk is in flight frees its slot."""
-    engine = Engine(*tiny[:2], slots=8, max_len=288, chunk=16, mixed_prefill=True)
+    engine = Engine(*tiny[:2], slots=8, max_len=MAX_LEN, chunk=16, mixed_prefill=True)
     runner = engine.runner
     assert runner.mixed and not tiny_engine.runner.mixed  # a CPU's default: off
     requests = thirty_two_requests()
