@@ -47,15 +47,28 @@ def marks() -> dict[str, float]:
 # The TPU runtime pins a host buffer for its transfers as it starts (TPU_PREMAPPED_BUFFER_SIZE), 4 GiB unless
 # told otherwise. On a v5e host without transparent hugepages pinning it took 7.8 of the runtime's 8.2 s start
 # and its release 3.6 s at the exit; at 256 MiB the start took 1.2-2.0 s (2026-12-07, benchmarks/
-# startup_parts.py --variant, on the chip: docs/performance.md).
+# startup_parts.py --variant, on the chip: docs/performance.md). The smaller buffer slows large copies to the
+# device (1 GiB at once 0.30 against 5.5 GB/s there; a server's 2 GB restore took 6.0 s against 5.8), so it is
+# taken only where the pinning is slow: where transparent hugepages are not always on.
 PREMAPPED_BUFFER_BYTES = 256 * 2**20
+HUGEPAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def runtime_defaults(env=None) -> None:
+def hugepages_always() -> bool:
+    """Whether the kernel backs large allocations with transparent hugepages always ("[always]" chosen)."""
+    try:
+        with open(HUGEPAGES) as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
+def runtime_defaults(env=None, hugepages: bool | None = None) -> None:
     """The accelerator runtime's settings this project chooses, each only where the environment does not set
     it already; before the backend starts (later they are not read)."""
     env = os.environ if env is None else env
-    env.setdefault("TPU_PREMAPPED_BUFFER_SIZE", str(PREMAPPED_BUFFER_BYTES))
+    if not (hugepages_always() if hugepages is None else hugepages):
+        env.setdefault("TPU_PREMAPPED_BUFFER_SIZE", str(PREMAPPED_BUFFER_BYTES))
 
 
 def start_backend() -> threading.Thread:

@@ -118,17 +118,21 @@ def test_the_loop_reads_the_devices_only_at_logged_steps(tmp_path, monkeypatch, 
     assert len(metric_reads) == 3 and len(reads) == 3 + 2, reads  # and the start step, read twice
 
 
-def test_the_runtimes_host_buffer_is_small_unless_the_environment_sets_it():
-    """The TPU runtime's pinned host buffer, which its start spends seconds pinning, is the project's size
-    unless the environment names one; the commands set it before any backend starts."""
+def test_the_runtimes_host_buffer_is_small_where_pinning_it_is_slow_unless_the_environment_sets_it():
+    """The TPU runtime's pinned host buffer, which its start spends seconds pinning without transparent
+    hugepages, is the project's smaller size there, the runtime's own where hugepages are always on, and
+    whatever the environment names in any case."""
     from trainer import startup
 
     env = {}
-    startup.runtime_defaults(env)
+    startup.runtime_defaults(env, hugepages=False)
     assert env == {"TPU_PREMAPPED_BUFFER_SIZE": str(startup.PREMAPPED_BUFFER_BYTES)}
     assert startup.PREMAPPED_BUFFER_BYTES < 4 * 2**30  # the runtime's own default
+    with_hugepages = {}
+    startup.runtime_defaults(with_hugepages, hugepages=True)
+    assert with_hugepages == {}
     mine = {"TPU_PREMAPPED_BUFFER_SIZE": "4294967296"}
-    startup.runtime_defaults(mine)
+    startup.runtime_defaults(mine, hugepages=False)
     assert mine == {"TPU_PREMAPPED_BUFFER_SIZE": "4294967296"}
 
 
