@@ -16,6 +16,9 @@ wall time from launch to exit:
   trainer_both    as `moe-train` does: the backend started on a thread (trainer/startup.py start_backend), the
                   trainer's modules imported meanwhile, then jax.devices()
   server_both     the same with the server's modules
+`devices` starts the runtime as bare jax does, with the runtime's own settings; the `_both` parts start it
+through trainer/startup.py start_backend, with the project's (runtime_defaults: a smaller pinned host buffer
+where transparent hugepages are not always on).
 With --transfer-mib, each `devices` part also times copies to the device and back (GB/s).
 With --variant "LABEL K=V ...", the `devices` part once more under each environment given (the runtime's own
 variables: TPU_SKIP_MDS_QUERY, TPU_ACCELERATOR_TYPE, ...), and with --runtime-log its libtpu log lines

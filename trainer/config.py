@@ -110,8 +110,9 @@ class TrainConfig(Section):
     # Positions per chunk of the loss (a divisor of data.seq_len): the float32 logits are made a chunk at a
     # time and again in the backward pass, never all at once; 0: all at once.
     loss_chunk: NonNegative = 0
-    # On an accelerator, the first steps run on a program XLA compiles quickly (optimisation level O1) while
-    # the optimised one compiles beside it (trainer/step.py TieredStep); false: every step waits for the latter.
+    # On an accelerator, the first steps run on a program XLA compiles quickly (optimisation level O1) until
+    # the optimised one, compiled after it, is ready (trainer/step.py TieredStep); false: every step waits for
+    # the optimised one.
     quick_compile: Flag = True
     eval_every: NonNegative = 0  # evaluate every N steps (and at the last step); 0: never
     eval_batches: Positive = 4  # global batches per evaluation (the same ones every time)
