@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -69,14 +68,6 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
     return 0
 
 
-def telling(line: str) -> bool:
-    """A compile-log line worth keeping: a cache hit or miss, or a stage of 0.05 s or more."""
-    if "cache" in line.lower():
-        return True
-    m = re.search(r"Finished .* in ([0-9.]+) sec", line)
-    return bool(m) and float(m.group(1)) >= 0.05
-
-
 def start(checkpoint: str, cache: str, slots: int, max_len: int, env: dict) -> dict:
     launched = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, "--child", checkpoint, "--slots", str(slots), "--max-len",
@@ -87,6 +78,8 @@ def start(checkpoint: str, cache: str, slots: int, max_len: int, env: dict) -> d
         raise RuntimeError(f"the start failed ({done.returncode}):\n{done.stderr[-3000:]}")
     marks = json.loads(done.stdout.strip().splitlines()[-1])
     if env.get("JAX_LOG_COMPILES") == "1":
+        from train_step import telling  # one rule for both benchmarks' compile logs
+
         marks["compile_log"] = [line.strip()[-200:] for line in done.stderr.splitlines() if telling(line)]
     return {"wall_s": round(wall, 2), **marks}
 

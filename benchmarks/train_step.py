@@ -55,11 +55,11 @@ def train(config: str, flags: list[str], steps: int, overrides: list[str], env: 
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         rows = [json.loads(line) for line in open(metrics) if line.startswith("{")]
         if env and env.get("JAX_LOG_COMPILES") == "1" and rows:
-            rows[0]["compile_log"] = [line.strip()[-240:] for line in proc.stderr.splitlines() if _telling(line)]
+            rows[0]["compile_log"] = [line.strip()[-240:] for line in proc.stderr.splitlines() if telling(line)]
         return rows
 
 
-def _telling(line: str) -> bool:
+def telling(line: str) -> bool:
     """A compile-log line worth keeping: a cache hit or miss, or a step of 0.05 s or more."""
     if "cache" in line.lower():
         return True
