@@ -128,6 +128,31 @@ def process_runs(pid: int, marker: str) -> bool:
         return False
 
 
+def unrecorded_trainers(output_dir: Path) -> list[_Adopted]:
+    """This user's processes that train into `output_dir` (`--output-dir` it in their command line) with no
+    record naming them: a run killed in the moment between starting its trainer and recording the pid leaves
+    one (the trainer runs in a session of its own, so the kill does not reach it). Empty without /proc."""
+    recorded = recorded_trainer(output_dir)
+    skip = recorded[0].pid if recorded is not None else None
+    wanted = b"\0--output-dir\0" + os.fsencode(str(output_dir)) + b"\0"
+    found = []
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.name.isdigit() or int(entry.name) in (skip, os.getpid()):
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid() or wanted not in entry.joinpath("cmdline").read_bytes():
+                continue
+        except OSError:
+            continue  # gone meanwhile
+        if _alive(int(entry.name), Path(output_dir)):
+            found.append(_Adopted(int(entry.name), Path(output_dir)))
+    return found
+
+
 def recorded_trainer(output_dir: Path) -> tuple[_Adopted, dict] | None:
     """The trainer an earlier process of the run started, if it still runs: (process, its record)."""
     try:
@@ -145,10 +170,11 @@ def stop_recorded(state_dir: Path, run: str) -> int | None:
     stop it): SIGTERM, then SIGKILL. Returns its pid, or None when none runs."""
     output_dir = local_output_dir(state_dir, run)
     found = recorded_trainer(output_dir)
-    if found is not None:
-        _terminate(found[0])
+    stray = unrecorded_trainers(output_dir)
+    for proc in ([found[0]] if found is not None else []) + stray:
+        _terminate(proc)
     trainer_record(output_dir).unlink(missing_ok=True)
-    return found[0].pid if found is not None else None
+    return found[0].pid if found is not None else (stray[0].pid if stray else None)
 
 
 def local_argv(argv: list[str] | tuple[str, ...], cfg, output_dir: Path) -> list[str]:
@@ -337,6 +363,8 @@ class LocalTrainer:
             return
         if found is not None:  # it ran for a resource that is gone, as a deleted VM's container stops
             _terminate(found[0])
+        for stray in unrecorded_trainers(self.output_dir):  # one trainer an output directory
+            _terminate(stray)
         self.current = _Workload(placed=where, play=play, proc=self._spawn(where, play))
         log_path = str(self.output_dir / TRAINER_LOG)
         self.emulator.world_call(lambda world, now: play.started(world, now, where, log_path))

@@ -234,6 +234,25 @@ def test_a_killed_run_is_followed_by_its_rerun_and_down_stops_its_trainer(tmp_pa
     assert gone(trainer) and nothing_left(tmp_path)
 
 
+
+def test_down_stops_a_trainer_whose_run_was_killed_before_recording_it(tmp_path):
+    """A kill between starting the trainer and writing its record leaves a trainer no record names: `down`
+    finds it by the output directory in its command line, and leaves a process of another run alone."""
+    write_config(tmp_path, "tpu-vm")
+    runs = (tmp_path / RECORD).parent.parent
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)", "--output-dir"]
+    ours = subprocess.Popen([*sleep, str(runs / "moe-demo" / "output")], start_new_session=True)
+    other = subprocess.Popen([*sleep, str(runs / "another-run" / "output")], start_new_session=True)
+    try:
+        down = moe(["--dry-run", "down"], tmp_path)
+        assert down.returncode == 0, down.stderr
+        assert f"stopped the dry run's local trainer (pid {ours.pid})" in down.stderr
+        assert ours.wait(timeout=30) == -signal.SIGTERM and other.poll() is None
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait()
+
 def test_a_run_killed_right_after_provisioning_is_found_by_status_and_taken_down_by_down(tmp_path):
     """kill -9 leaves the queued resource and its node up (nothing runs to delete them): the next `status`
     lists them by the run's labels and `down` deletes them, and a trainer started meanwhile with them."""
