@@ -128,29 +128,19 @@ def process_runs(pid: int, marker: str) -> bool:
         return False
 
 
-def unrecorded_trainers(output_dir: Path) -> list[_Adopted]:
-    """This user's processes that train into `output_dir` (`--output-dir` it in their command line) with no
-    record naming them: a run killed in the moment between starting its trainer and recording the pid leaves
-    one (the trainer runs in a session of its own, so the kill does not reach it). Empty without /proc."""
-    recorded = recorded_trainer(output_dir)
-    skip = recorded[0].pid if recorded is not None else None
-    wanted = b"\0--output-dir\0" + os.fsencode(str(output_dir)) + b"\0"
-    found = []
-    try:
-        entries = list(Path("/proc").iterdir())
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.name.isdigit() or int(entry.name) in (skip, os.getpid()):
-            continue
+def unrecorded_trainers(output_dir: Path, recorded: int | None) -> list[_Adopted]:
+    """This user's processes training into `output_dir` (its `--output-dir`) that no record names: a run killed
+    between starting its trainer and recording the pid leaves one, in a session of its own. None without /proc."""
+    skip, wanted = (os.getpid(), recorded), b"\0--output-dir\0%s\0" % os.fsencode(str(output_dir))
+
+    def ours(entry: Path) -> bool:
         try:
-            if entry.stat().st_uid != os.getuid() or wanted not in entry.joinpath("cmdline").read_bytes():
-                continue
+            return entry.stat().st_uid == os.getuid() and wanted in entry.joinpath("cmdline").read_bytes()
         except OSError:
-            continue  # gone meanwhile
-        if _alive(int(entry.name), Path(output_dir)):
-            found.append(_Adopted(int(entry.name), Path(output_dir)))
-    return found
+            return False  # gone meanwhile
+
+    pids = [int(e.name) for e in Path("/proc").glob("[0-9]*") if int(e.name) not in skip and ours(e)]
+    return [_Adopted(pid, Path(output_dir)) for pid in pids if _alive(pid, Path(output_dir))]
 
 
 def recorded_trainer(output_dir: Path) -> tuple[_Adopted, dict] | None:
@@ -166,15 +156,15 @@ def recorded_trainer(output_dir: Path) -> tuple[_Adopted, dict] | None:
 
 
 def stop_recorded(state_dir: Path, run: str) -> int | None:
-    """Stop the local trainer that a dry run of `run` started and left running (killed before it could
-    stop it): SIGTERM, then SIGKILL. Returns its pid, or None when none runs."""
+    """Stop the local trainers a dry run of `run` left running, killed before it could: SIGTERM, then SIGKILL.
+    Returns the recorded one's pid (or another's), None when none runs."""
     output_dir = local_output_dir(state_dir, run)
     found = recorded_trainer(output_dir)
-    stray = unrecorded_trainers(output_dir)
-    for proc in ([found[0]] if found is not None else []) + stray:
+    running = ([found[0]] if found is not None else []) + unrecorded_trainers(output_dir, found and found[0].pid)
+    for proc in running:
         _terminate(proc)
     trainer_record(output_dir).unlink(missing_ok=True)
-    return found[0].pid if found is not None else (stray[0].pid if stray else None)
+    return running[0].pid if running else None
 
 
 def local_argv(argv: list[str] | tuple[str, ...], cfg, output_dir: Path) -> list[str]:
@@ -220,8 +210,7 @@ class _Workload:
 
 
 def others_training(state_dir: Path, run: str | None = None) -> bool:
-    """Whether a dry run's trainer of a run other than `run` runs in this state directory (its record
-    names a live process)."""
+    """Whether a dry run's trainer of a run other than `run` runs in this state directory (a record names it)."""
     try:
         names = [entry.name for entry in (Path(state_dir) / RUNS_DIR).iterdir() if entry.name != run]
     except OSError:
@@ -288,10 +277,9 @@ class LocalTrainer:
 
     # --- the clock gate --------------------------------------------------------------
     def active(self) -> bool:
-        """Real time counts while the run's slice or job is up to run a trainer, or one runs (this run's
-        or another's in this directory). Asked
-        before every sleep of the emulated clock, so it looks at the world first: a slice that just
-        came up starts its trainer now, not after simulated minutes."""
+        """Real time counts while the run's slice or job is up to run a trainer, or one runs (this run's or another's
+        in this directory). Asked before every sleep of the emulated clock, so it looks at the world first: a
+        slice that just came up starts its trainer now, not after simulated minutes."""
         self._sync_once()
         # Another run's trainer in this directory counts too (OthersGate): the clock is the world's.
         return (self.current is not None or self.expecting
@@ -361,10 +349,10 @@ class LocalTrainer:
                                   f"(pid {found[0].pid}), which an earlier `run` started")
             self._changed.set()
             return
-        if found is not None:  # it ran for a resource that is gone, as a deleted VM's container stops
-            _terminate(found[0])
-        for stray in unrecorded_trainers(self.output_dir):  # one trainer an output directory
-            _terminate(stray)
+        # One that ran for a resource now gone (as a deleted VM's container stops), or that no record names.
+        stale = [found[0]] if found is not None else []
+        for proc in stale + unrecorded_trainers(self.output_dir, found and found[0].pid):
+            _terminate(proc)
         self.current = _Workload(placed=where, play=play, proc=self._spawn(where, play))
         log_path = str(self.output_dir / TRAINER_LOG)
         self.emulator.world_call(lambda world, now: play.started(world, now, where, log_path))
