@@ -407,7 +407,8 @@ class _CountingRngs:
 
 def _stacked_together(cfg: Config, stack: Stack, j: int, mesh: Mesh | None, stream: nnx.RngStream) -> Block:
     counter = _CountingRngs()
-    nnx.eval_shape(lambda: Block(cfg, stack.layer(j, 0), mesh=mesh, rngs=counter))
+    with initializers.shapes_only():
+        nnx.eval_shape(lambda: Block(cfg, stack.layer(j, 0), mesh=mesh, rngs=counter))
     per_layer = counter.draws
     key, first = stream.key[...], stream.count[...]
     made = {}

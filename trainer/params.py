@@ -47,11 +47,11 @@ def param_inventory(cfg: Config) -> tuple[ParamInfo, ...]:
     import jax
     from flax import nnx
 
-    from trainer import sharding
+    from trainer import initializers, sharding
     from trainer.model import ParamCodec, Transformer
 
     def make_model():
-        with nnx.use_eager_sharding(False):
+        with nnx.use_eager_sharding(False), initializers.shapes_only():
             return Transformer(cfg, mesh=None, rngs=_ShapeOnlyRngs())
 
     params = nnx.state(nnx.eval_shape(make_model), nnx.Param)

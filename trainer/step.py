@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import sharding
+from trainer import initializers, sharding
 from trainer.config import Config, OptimConfig
 from trainer.model import ParamCodec, Transformer, step_rngs
 from trainer.moe.layer import ExpertBias
@@ -103,7 +103,10 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
         with nnx.use_eager_sharding(False), sharding.logical_mesh(mesh):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
-    graphdef, abstract_params, abstract_biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
+    with initializers.shapes_only():  # the shapes, and below the RNG streams: no draw traced for either
+        graphdef, abstract_params, abstract_biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias,
+                                                                  ...)
+        rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
     codec = ParamCodec(abstract_params)
     bias_codec = ParamCodec(abstract_biases)  # no names unless moe.balance uses the bias
     optimizer = make_optimizer(cfg.optim, total_steps)
@@ -116,8 +119,6 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
             state["moe_bias"] = bias_codec.flatten(biases)
         return state
 
-    # Non-parameter state: only RNG streams (MoE router jitter); the step folds into their keys.
-    rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
     abstract_state = jax.eval_shape(init)
     state_shardings = _state_shardings(abstract_state, codec, optimizer, mesh, cfg.train.fsdp)
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -70,6 +70,31 @@ def test_every_param_has_logical_names_and_codec_round_trips():
     assert all(back[k] is flat[k] for k in flat)
 
 
+def test_builds_for_shapes_draw_nothing_and_leave_the_initial_state_its_draws():
+    """The planner's, the trainer's and the engine's abstract builds trace no draw (initializers.shapes_only);
+    the trainer's initial state, made after all of them in this process, is still the eager build's, draw
+    for draw: no program traced for shapes stands in for the one that draws."""
+    from trainer import initializers
+    from trainer.params import param_inventory
+    from trainer.serve.weights import build_serving_model
+    from trainer.step import build_trainer
+
+    cfg = load_config("tiny", ["model.num_layers=2"])
+    with initializers.shapes_only():
+        assert not initializers.lecun(jax.random.key(1), (8, 4), jnp.float32).any()
+    assert initializers.lecun(jax.random.key(1), (8, 4), jnp.float32).std() > 0.1
+    mesh = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
+    assert len(param_inventory(cfg)) == len(ParamCodec(nnx.state(build_model(cfg), nnx.Param)).names)
+    build_serving_model(cfg, mesh)
+    state = jax.device_get(build_trainer(cfg, mesh, total_steps=10).initial_state())
+    eager = nnx.state(build_model(cfg, seed=cfg.train.seed), nnx.Param)
+    expected = ParamCodec(eager).flatten(eager)
+    assert state["params"].keys() == expected.keys()
+    for name, value in expected.items():  # eager and jitted draws differ by a rounding at most
+        np.testing.assert_allclose(state["params"][name], np.asarray(value), rtol=1e-5, atol=1e-6, err_msg=name)
+    assert sum(np.asarray(v).std() > 0 for v in expected.values()) >= len(expected) // 2
+
+
 def test_sharding_rules_map_names_to_the_mesh():
     mesh = sharding.make_mesh({"data": 2, "expert": 4}, jax.devices()[:8])
     variables = ParamCodec(nnx.state(build_model(load_config("tiny")), nnx.Param)).variables

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import sharding
+from trainer import initializers, sharding
 from trainer.config import Config
 from trainer.model import ParamCodec, Transformer, step_rngs
 from trainer.moe.layer import ExpertBias
@@ -80,9 +80,10 @@ def build_serving_model(cfg: Config, mesh: Mesh) -> ServingModel:
         with nnx.use_eager_sharding(False), sharding.logical_mesh(mesh):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
-    graphdef, params, biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
+    with initializers.shapes_only():  # the shapes and the RNG streams: no draw traced for either
+        graphdef, params, biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
+        rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
     codec, bias_codec = ParamCodec(params), ParamCodec(biases)
-    rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
     specs = sharding.param_specs(codec.variables, mesh, cfg.train.fsdp)
     shardings = {"params": {n: NamedSharding(mesh, specs[n]) for n in codec.names},
                  "moe_bias": {n: sharding.replicated(mesh) for n in bias_codec.names}}
