@@ -70,14 +70,17 @@ def telling(line: str) -> bool:
 def measure(config: str, flags: list[str], steps: int, overrides: list[str], warm: bool = False,
             log_compiles: bool = False) -> dict:
     """One case's figures. With `warm`, in a compilation cache of its own: the run, from an empty cache, then
-    a short one from the cache it filled (warm_*: the start-up's figures then). With `log_compiles`, each
-    run's compile log (`compile_log`, `warm_compile_log`)."""
+    a short one from the cache it filled (warm_*: the start-up's figures then), and that one again with
+    train.program_cache off (warm_traced_first_step_s: its programs traced and lowered, then found in jax's
+    cache). With `log_compiles`, each run's compile log (`compile_log`, `warm_compile_log`)."""
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache) if warm else None
         if log_compiles:
             env = dict(env or os.environ, JAX_LOG_COMPILES="1")
         rows = train(config, flags, steps, overrides, env)
         again = train(config, flags, LOG_EVERY, overrides, env)[0] if warm else {}
+        # the same warm start with its programs looked up in jax's cache alone (traced and lowered first)
+        traced = train(config, flags, LOG_EVERY, [*overrides, "train.program_cache=false"], env)[0] if warm else {}
     # past the warm-up, and no row with a step on the quick program (trainer/step.py TieredStep)
     timed = [r for r in rows if r["step"] > WARMUP and not r.get("quick_steps")] or rows
     step_time = statistics.median(r["step_time_s"] for r in timed)
@@ -87,6 +90,7 @@ def measure(config: str, flags: list[str], steps: int, overrides: list[str], war
             "quick_steps": sum(r.get("quick_steps", 0) for r in rows),
             "overrides": overrides, **{k: rows[0].get(k) for k in STARTUP},
             **{f"warm_{k}": again[k] for k in STARTUP if k in again},
+            **({"warm_traced_first_step_s": traced.get("first_step_s")} if traced else {}),
             **{k: v for k, v in rows[0].items() if k.startswith("startup_")},  # trainer/startup.py's marks
             **{f"warm_{k}": v for k, v in again.items() if k.startswith("startup_")}}
 
@@ -113,7 +117,10 @@ def main() -> int:
         cases = [(f"{args.config}, {path}, default backend", args.config, [], PATHS[path]) for path in paths]
     else:
         cases = [(name, config, flags, []) for name, config, flags in CPU_CASES]
-    overrides = ([f"train.log_every={LOG_EVERY}"] if args.accelerator else []) + args.overrides
+    # On an accelerator the warm run is a restart of the same run: its schedule (in the programs) decays over the
+    # first run's steps, whatever the few steps it runs (a program kept by trainer/program_cache.py is then its).
+    overrides = ([f"train.log_every={LOG_EVERY}", f"optim.decay_steps={args.steps}"] if args.accelerator else []
+                 ) + args.overrides
     results = {name: measure(config, flags, args.steps, [*path, *overrides], warm=args.accelerator,
                              log_compiles=args.log_compiles)
                for name, config, flags, path in cases}
@@ -141,14 +148,15 @@ def main() -> int:
 
 def table(results: dict) -> str:
     seconds = lambda v: f"{v:.1f}" if v is not None else "n/a"  # noqa: E731
-    lines = [f"{'case':40s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>7s} {'vs 1 dev':>9s} "
-             f"{'1st step s':>10s} {'init s':>7s} {'compile s':>9s} {'warm 1st s':>10s} {'peak GiB':>8s}"]
+    lines = [f"{'case':40s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>7s} {'vs 1 dev':>9s} {'1st step s':>10s} "
+             f"{'init s':>7s} {'compile s':>9s} {'warm 1st s':>10s} {'traced':>7s} {'peak GiB':>8s}"]
     for name, r in results.items():
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         ratio = f"{r['throughput_vs_1_device']:.2f}x" if "throughput_vs_1_device" in r else ""
         lines.append(f"{name:40s} {r['step_time_s'] * 1e3:9.1f} {r['tokens_per_s']:10,.0f} {mfu:>7s} {ratio:>9s} "
                      f"{seconds(r['first_step_s']):>10s} {seconds(r['init_s']):>7s} {seconds(r['compile_s']):>9s} "
-                     f"{seconds(r.get('warm_first_step_s')):>10s} {seconds(r.get('peak_hbm_gib')):>8s}")
+                     f"{seconds(r.get('warm_first_step_s')):>10s} {seconds(r.get('warm_traced_first_step_s')):>7s} "
+                     f"{seconds(r.get('peak_hbm_gib')):>8s}")
     return "\n".join(lines)
 
 

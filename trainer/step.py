@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import initializers, sharding
+from trainer import initializers, program_cache, sharding
 from trainer.config import Config, OptimConfig
 from trainer.model import ParamCodec, Transformer, step_rngs
 from trainer.moe.layer import ExpertBias
@@ -84,6 +86,22 @@ class Trainer:
     init_fn: Callable[[], State]
     step_fn: Callable[[State, jax.Array], tuple[State, dict]]
     step_compiling: StepCompiles | None = None  # compile_in_background's
+    program_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # program_cache's, where it is on
+    loaded: set[str] = dataclasses.field(default_factory=set)  # the programs program_cache gave
+
+    def cached_program(self, kind: str):
+        """Program `kind` ("init", "step") as an earlier run of the same make compiled it; None where none is kept."""
+        compiled = program_cache.load(self.program_keys[kind], self.mesh) if kind in self.program_keys else None
+        if compiled is not None:
+            self.loaded.add(kind)
+        return compiled
+
+    def keep_program(self, kind: str, compiled, wait: bool = True):
+        """Keep `compiled` for the next run (on a thread of its own unless `wait`); returns it."""
+        if kind in self.program_keys:
+            store = functools.partial(program_cache.store, self.program_keys[kind], compiled)
+            store() if wait else threading.Thread(target=store, name=f"keep-{kind}").start()
+        return compiled
 
     def initial_state(self) -> State:
         """Step 0's state, from `init_fn`. On a CPU (dry runs, tests) its program is compiled with XLA's
@@ -93,9 +111,15 @@ class Trainer:
         model's initialisation within memory (moe-1b's compile took 28 s on a v5e chip before its draws went in
         slabs, trainer/initializers.py: 19 -> 6 s of CPU ahead of time; the train step compiles beside it,
         compile_in_background)."""
-        if self.mesh.devices.flat[0].platform != "cpu":
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        if not on_cpu and "init" not in self.program_keys:
             return self.init_fn()
-        return self.init_fn.lower().compile(compiler_options=CPU_FAST_COMPILE)()
+        compiled = self.cached_program("init")
+        if compiled is None:
+            lowered = self.init_fn.lower()
+            compiled = self.keep_program("init", lowered.compile(compiler_options=CPU_FAST_COMPILE if on_cpu else None),
+                                         wait=False)
+        return compiled()
 
 
 def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
@@ -126,12 +150,17 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
     batch_sharding = sharding.batch_sharding(mesh)
     schedule = lr_schedule(cfg.optim, total_steps)
     step = make_train_step(graphdef, codec, rest, optimizer, schedule, bias_codec, cfg.train.loss_chunk)
+    # The run's length is in the programs through the schedule alone (its decay, unless optim.decay_steps is set).
+    decay = cfg.optim.decay_steps or total_steps
+    keys = ({kind: program_cache.key(kind, cfg, mesh, decay_steps=decay) for kind in ("init", "step")}
+            if program_cache.enabled(cfg, mesh) else {})
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=graphdef, codec=codec, rest=rest, optimizer=optimizer,
         schedule=schedule, state_shardings=state_shardings, abstract_state=abstract_state,
         batch_sharding=batch_sharding, init_fn=jax.jit(init, out_shardings=state_shardings),
         step_fn=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                         out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
+        program_keys=keys,
     )
 
 
@@ -189,7 +218,8 @@ def compile_step(trainer: Trainer, notify: Callable[[str], None] | None = None):
     if trainer.step_compiling is not None:
         compiles, trainer.step_compiling = trainer.step_compiling, None
         return compiles.program(notify)
-    return _lowered_step(trainer).compile()
+    cached = trainer.cached_program("step")
+    return cached if cached is not None else trainer.keep_program("step", _lowered_step(trainer).compile())
 
 
 @dataclasses.dataclass
@@ -256,6 +286,11 @@ def compile_in_background(trainer: Trainer, on_cpu: bool = False,
     run on."""
     if trainer.mesh.devices.flat[0].platform == "cpu" and not on_cpu:
         return None
+    cached = trainer.cached_program("step")  # kept by an earlier run of the same make: nothing to trace
+    if cached is not None:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(cached)
+        return StepCompiles(done)
     try:
         lowered = _lowered_step(trainer)
     except ValueError:  # a shape check at trace time: compile_step raises it again where it is reported
@@ -266,7 +301,7 @@ def compile_in_background(trainer: Trainer, on_cpu: bool = False,
     # three at once took 22.1, 18.8 and 29.8 s against 13.6, 13.3 and 21.1 alone).
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-step")
     quick_future = pool.submit(lowered.compile, compiler_options=QUICK_STEP_OPTIONS) if quick else None
-    compiles = StepCompiles(pool.submit(lowered.compile), quick_future)
+    compiles = StepCompiles(pool.submit(lambda: trainer.keep_program("step", lowered.compile())), quick_future)
     pool.shutdown(wait=False)  # its thread ends with the compiles
     return compiles
 

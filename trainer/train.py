@@ -329,7 +329,9 @@ def _compiled(trainer: Trainer, reporter: Reporter, step: int, spec: RunSpec, ck
         step_fn = compile_step(trainer, notify=reporter.info)
     except ValueError as e:  # shape checks at trace time reject configs that cannot work
         raise ConfigError(f"the train step cannot be built for this config and mesh: {e}") from None
-    reporter.info(f"compiled the train step in {time.perf_counter() - start:.1f}s; mesh "
+    made = "loaded the train step an earlier run of this config compiled" if "step" in trainer.loaded else \
+        "compiled the train step"
+    reporter.info(f"{made} in {time.perf_counter() - start:.1f}s; mesh "
                   f"{dict(trainer.mesh.shape)}; training steps {step + 1}..{spec.steps}"
                   + ("" if ckpt is not None else f"; {NOTHING_SAVED}"))
     return step_fn, time.perf_counter() - start

@@ -8,6 +8,8 @@ import os
 import pathlib
 import shutil
 import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -400,6 +402,68 @@ def test_rerunning_a_finished_run_says_so_without_compiling(tmp_path):
     status = json.loads((tmp_path / "status.json").read_text())
     assert {k: status[k] for k in ("state", "step", "total_steps", "start_step", "exit_code", "error")} == \
         {"state": "finished", "step": 2, "total_steps": 2, "start_step": 2, "exit_code": 0, "error": None}
+
+
+def test_a_restarted_run_loads_its_kept_programs_and_damaged_ones_are_compiled_again(tmp_path):
+    """train.program_cache (trainer/program_cache.py), as a user restarts a run: processes of their own, one
+    compilation cache. The first keeps its initial state's program and its train step; the second loads
+    both (it says so, and rewrites neither) and takes the same steps; entries damaged since are misses,
+    compiled and kept again, the steps the same."""
+    import time
+
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
+    kept = tmp_path / "cache" / "moe-tpu-programs"
+
+    def run(name):
+        metrics = tmp_path / f"{name}.jsonl"
+        out = subprocess.run([sys.executable, "-m", "trainer", "--config", "tiny", "--devices", "1", "--steps", "3",
+                              "--set", "train.program_cache=true", "--metrics", str(metrics)],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], out.stdout + out.stderr
+
+    def entries():  # the init's is written on a thread beside the steps: whole before the process ends
+        deadline = time.monotonic() + 30
+        while len(found := {p: p.stat() for p in kept.glob("[0-9a-f]*")}) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return {path: stat.st_mtime_ns for path, stat in found.items()}
+
+    first, said = run("first")
+    made = entries()
+    assert len(made) == 2 and "compiled the train step" in said
+    again, said = run("again")
+    assert again == first and entries() == made
+    assert "loaded the train step an earlier run of this config compiled" in said
+    for path in made:
+        path.write_bytes(b"not a program")
+    damaged, said = run("damaged")
+    assert damaged == first and "compiled the train step" in said
+    assert entries().keys() == made.keys() and all(path.stat().st_size > 1000 for path in made)  # kept again
+
+
+def test_a_kept_programs_key_changes_with_the_config_the_environment_and_the_schedule(monkeypatch):
+    from trainer import program_cache
+
+    mesh = sharding.make_mesh({"data": 1, "expert": 1}, jax.devices()[:1])
+    cfg = load_config("tiny")
+    base = program_cache.key("step", cfg, mesh, decay_steps=10)
+    assert program_cache.key("step", cfg, mesh, decay_steps=10) == base
+    assert program_cache.key("init", cfg, mesh, decay_steps=10) != base
+    assert program_cache.key("step", cfg, mesh, decay_steps=11) != base
+    assert program_cache.key("step", load_config("tiny", ["optim.lr=0.002"]), mesh, decay_steps=10) != base
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
+    assert program_cache.key("step", cfg, mesh, decay_steps=10) != base
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")  # where programs are kept is not their make
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"].replace(" --xla_cpu_enable_fast_math=false", ""))
+    assert program_cache.key("step", cfg, mesh, decay_steps=10) == base
+    # The same in every process (no object's address, no set's order in it): two of them, hashes seeded apart.
+    code = ("import jax; from trainer import program_cache, sharding; from trainer.config import load_config; "
+            "print(program_cache.key('step', load_config('tiny'), sharding.make_mesh({'data': 1, 'expert': 1}, "
+            "jax.devices()[:1]), decay_steps=10))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONHASHSEED=seed)) for seed in ("1", "2")]
+    keys = [proc.communicate(timeout=120)[0].strip() for proc in procs]
+    assert len(keys[0]) == 64 and keys[0] == keys[1]
 
 
 def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_path):
