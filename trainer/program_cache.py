@@ -6,10 +6,10 @@ the train step and the initial state's program before it can look them up: on on
 of moe-1b's 14.2 s to the first step (docs/performance.md). This keeps each compiled program in that cache's
 directory (`moe-tpu-programs/`) under a key of everything the program is made from: the run's config and the
 steps it runs (the learning-rate schedule is in the program), the mesh and its devices, this process's index,
-the versions of jax, jaxlib and the backend, the JAX_*, XLA_*, LIBTPU* and TPU_* variables and jax's own
-settings, and the trainer's source files. A change to any of them is another key, so an entry is never used
-for a program it was not compiled as; an entry that fails to load is a miss, and the program is traced and
-compiled as before (then kept again).
+the versions of jax, jaxlib, flax, optax and the backend, the JAX_*, XLA_*, LIBTPU* and TPU_* variables and
+jax's own settings, and the trainer's source files. A change to any of them is another key, so an entry is
+never used for a program it was not compiled as; an entry that fails to load is a miss, and the program is
+traced and compiled as before (then kept again).
 
 Written by hand: jax keys compiled programs by their lowered text only; the (de)serialisation is jax's own
 (jax.experimental.serialize_executable). Entries are pickles, read only from the user's own cache directory,
@@ -30,6 +30,7 @@ from typing import Any
 SUBDIR = "moe-tpu-programs"
 ENV_PREFIXES = ("JAX_", "XLA_", "LIBTPU", "TPU_")
 ENV_IGNORED = ("JAX_COMPILATION_CACHE_DIR",)  # where the programs are kept is not what they are made from
+TRACED_THROUGH = ("flax", "optax")  # libraries whose code is in the programs, beside jax and the trainer's own
 
 
 def enabled(cfg, mesh) -> bool:
@@ -61,6 +62,14 @@ def _sources() -> str:
     return digest.hexdigest()
 
 
+@functools.cache
+def _library_versions() -> tuple[str, ...]:
+    """The versions of the libraries the programs are traced through besides jax (the model's, the optimiser's)."""
+    from importlib import metadata
+
+    return tuple(metadata.version(name) for name in TRACED_THROUGH)
+
+
 def _jax_settings() -> str:
     """The settings jax keys its own traces by, without the objects' addresses (one process's alone)."""
     try:
@@ -84,7 +93,7 @@ def key(kind: str, cfg, mesh, **extra: Any) -> str:
         "kind": kind, "config": cfg.model_dump(mode="json"), "mesh": dict(mesh.shape),
         "devices": [(d.id, d.process_index, d.device_kind) for d in mesh.devices.flat],
         "process": jax.process_index(), "backend": [client.platform, client.platform_version],
-        "versions": [jax.__version__, jaxlib.__version__],
+        "versions": [jax.__version__, jaxlib.__version__, *_library_versions()],
         "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED),
         "jax": _jax_settings(), "sources": _sources(), **extra}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
