@@ -127,10 +127,12 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
         with nnx.use_eager_sharding(False), sharding.logical_mesh(mesh):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
-    with initializers.shapes_only():  # the shapes, and below the RNG streams: no draw traced for either
-        graphdef, abstract_params, abstract_biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias,
-                                                                  ...)
+    # The model's shapes, and its non-parameter state (only RNG streams, MoE router jitter; the step folds into
+    # their keys): no draw is traced for either.
+    with initializers.shapes_only():
+        abstract = nnx.eval_shape(make_model)
         rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
+    graphdef, abstract_params, abstract_biases, _ = nnx.split(abstract, nnx.Param, ExpertBias, ...)
     codec = ParamCodec(abstract_params)
     bias_codec = ParamCodec(abstract_biases)  # no names unless moe.balance uses the bias
     optimizer = make_optimizer(cfg.optim, total_steps)
