@@ -30,7 +30,7 @@ from typing import Any
 SUBDIR = "moe-tpu-programs"
 ENV_PREFIXES = ("JAX_", "XLA_", "LIBTPU", "TPU_")
 ENV_IGNORED = ("JAX_COMPILATION_CACHE_DIR",)  # where the programs are kept is not what they are made from
-TRACED_THROUGH = ("flax", "optax")  # libraries whose code is in the programs, beside jax and the trainer's own
+TRACED_THROUGH = ("jaxlib", "flax", "optax")  # whose code is in the programs, beside jax's and the trainer's own
 
 
 def enabled(cfg, mesh) -> bool:
@@ -64,7 +64,8 @@ def _sources() -> str:
 
 @functools.cache
 def _library_versions() -> tuple[str, ...]:
-    """The versions of the libraries the programs are traced through besides jax (the model's, the optimiser's)."""
+    """The versions of the libraries the programs are made through besides jax (its compiler, the model's, the
+    optimiser's); read from their metadata, so that nothing more is imported."""
     from importlib import metadata
 
     return tuple(metadata.version(name) for name in TRACED_THROUGH)
@@ -86,14 +87,13 @@ def _jax_settings() -> str:
 def key(kind: str, cfg, mesh, **extra: Any) -> str:
     """The key of program `kind` of a run of `cfg` on `mesh` (`extra`: whatever else it is made from)."""
     import jax
-    import jaxlib
 
     client = mesh.devices.flat[0].client
     parts = {
         "kind": kind, "config": cfg.model_dump(mode="json"), "mesh": dict(mesh.shape),
         "devices": [(d.id, d.process_index, d.device_kind) for d in mesh.devices.flat],
         "process": jax.process_index(), "backend": [client.platform, client.platform_version],
-        "versions": [jax.__version__, jaxlib.__version__, *_library_versions()],
+        "versions": [jax.__version__, *_library_versions()],
         "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED),
         "jax": _jax_settings(), "sources": _sources(), **extra}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
