@@ -68,7 +68,13 @@ def _library_versions() -> tuple[str, ...]:
     optimiser's); read from their metadata, so that nothing more is imported."""
     from importlib import metadata
 
-    return tuple(metadata.version(name) for name in TRACED_THROUGH)
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:  # installed under another name: its absence is part of the key
+            return f"{name}: no metadata"
+
+    return tuple(version(name) for name in TRACED_THROUGH)
 
 
 def _jax_settings() -> str:
