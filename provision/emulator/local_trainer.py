@@ -128,10 +128,12 @@ def process_runs(pid: int, marker: str) -> bool:
         return False
 
 
-def unrecorded_trainers(output_dir: Path, recorded: int | None) -> list[_Adopted]:
-    """This user's processes training into `output_dir` (its `--output-dir`) that no record names: a run killed
-    between starting its trainer and recording the pid leaves one, in a session of its own. None without /proc."""
-    skip, wanted = (os.getpid(), recorded), b"\0--output-dir\0%s\0" % os.fsencode(str(output_dir))
+def trainers_of(output_dir: Path, found: tuple[_Adopted, dict] | None) -> list[_Adopted]:
+    """The recorded trainer into `output_dir` (`found`) first, then any with it as `--output-dir` that no record
+    names (a run killed before recording its trainer's pid leaves one, in a session of its own; needs /proc)."""
+    recorded = [found[0]] if found is not None else []
+    skip = (os.getpid(), *(proc.pid for proc in recorded))
+    wanted = b"\0--output-dir\0%s\0" % os.fsencode(str(output_dir))
 
     def ours(entry: Path) -> bool:
         try:
@@ -140,7 +142,7 @@ def unrecorded_trainers(output_dir: Path, recorded: int | None) -> list[_Adopted
             return False  # gone meanwhile
 
     pids = [int(e.name) for e in Path("/proc").glob("[0-9]*") if int(e.name) not in skip and ours(e)]
-    return [_Adopted(pid, Path(output_dir)) for pid in pids if _alive(pid, Path(output_dir))]
+    return recorded + [_Adopted(pid, Path(output_dir)) for pid in pids if _alive(pid, Path(output_dir))]
 
 
 def recorded_trainer(output_dir: Path) -> tuple[_Adopted, dict] | None:
@@ -159,8 +161,7 @@ def stop_recorded(state_dir: Path, run: str) -> int | None:
     """Stop the local trainers a dry run of `run` left running, killed before it could: SIGTERM, then SIGKILL.
     Returns the recorded one's pid (or another's), None when none runs."""
     output_dir = local_output_dir(state_dir, run)
-    found = recorded_trainer(output_dir)
-    running = ([found[0]] if found is not None else []) + unrecorded_trainers(output_dir, found and found[0].pid)
+    running = trainers_of(output_dir, recorded_trainer(output_dir))
     for proc in running:
         _terminate(proc)
     trainer_record(output_dir).unlink(missing_ok=True)
@@ -350,8 +351,7 @@ class LocalTrainer:
             self._changed.set()
             return
         # One that ran for a resource now gone (as a deleted VM's container stops), or that no record names.
-        stale = [found[0]] if found is not None else []
-        for proc in stale + unrecorded_trainers(self.output_dir, found and found[0].pid):
+        for proc in trainers_of(self.output_dir, found):
             _terminate(proc)
         self.current = _Workload(placed=where, play=play, proc=self._spawn(where, play))
         log_path = str(self.output_dir / TRAINER_LOG)
