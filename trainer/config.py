@@ -115,8 +115,8 @@ class TrainConfig(Section):
     # the optimised one.
     quick_compile: Flag = True
     # The compiled train step and initial state's program kept under a key of what they are made from, so that a
-    # restarted run skips tracing and lowering them (trainer/program_cache.py); null: on an accelerator only.
-    program_cache: Flag | None = None
+    # restarted run skips tracing and lowering them (trainer/program_cache.py).
+    program_cache: Flag = True
     eval_every: NonNegative = 0  # evaluate every N steps (and at the last step); 0: never
     eval_batches: Positive = 4  # global batches per evaluation (the same ones every time)
     profile_steps: tuple[Integer, Integer] | None = None  # [A, B]: a jax profiler trace of steps A..B (1-based)

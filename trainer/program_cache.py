@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +32,13 @@ SUBDIR = "moe-tpu-programs"
 ENV_PREFIXES = ("JAX_", "XLA_", "LIBTPU", "TPU_")
 ENV_IGNORED = ("JAX_COMPILATION_CACHE_DIR",)  # where the programs are kept is not what they are made from
 TRACED_THROUGH = ("jaxlib", "flax", "optax")  # whose code is in the programs, beside jax's and the trainer's own
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # jax records it on the thread whose compile its cache served
+_heard = threading.local()
 
 
-def enabled(cfg, mesh) -> bool:
-    """train.program_cache, or where it is unset (null): on an accelerator, with jax's persistent cache in a
-    local directory. Off on a CPU unless set: its programs (dry runs, tests) are small, and one kept there
-    failed to run in a process that had compiled others before loading it ("NOT_FOUND: Function
-    broadcast.431_kernel not found": XLA's CPU kernels are looked up by name); a trainer's own process, as a
-    restart has it, loads them as compiled."""
-    wanted = cfg.train.program_cache
-    if wanted is None:
-        wanted = mesh.devices.flat[0].platform != "cpu"
-    return bool(wanted) and directory() is not None
+def enabled(cfg) -> bool:
+    """train.program_cache (on unless set false), where jax's persistent cache is a local directory."""
+    return cfg.train.program_cache is not False and directory() is not None
 
 
 def directory() -> Path | None:
@@ -121,6 +117,28 @@ def load(program_key: str, mesh):
     except Exception:  # noqa: BLE001 - a damaged or foreign entry is a miss
         path.unlink(missing_ok=True)
         return None
+
+
+@functools.cache
+def _count_cache_hits() -> None:
+    import jax.monitoring
+
+    def heard(event: str, **_) -> None:
+        if event == CACHE_HIT_EVENT:
+            _heard.hits = getattr(_heard, "hits", 0) + 1
+
+    jax.monitoring.register_event_listener(heard)
+
+
+def compile_to_keep(lowered, **options) -> tuple[Any, bool]:
+    """`lowered.compile(**options)`, and whether the program it gives may be kept: not where jax's persistent
+    cache served it. An executable loaded from that cache serializes without its code on a CPU; kept, it failed
+    when called ("NOT_FOUND: Function broadcast_reduce_fusion not found"). A program compiled here is kept the
+    first time; one jax's cache serves is traced again on the next start, as before this cache."""
+    _count_cache_hits()
+    before = getattr(_heard, "hits", 0)
+    compiled = lowered.compile(**options)
+    return compiled, getattr(_heard, "hits", 0) == before
 
 
 def store(program_key: str, compiled) -> bool:

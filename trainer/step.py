@@ -96,9 +96,11 @@ class Trainer:
             self.loaded.add(kind)
         return compiled
 
-    def keep_program(self, kind: str, compiled, wait: bool = True):
-        """Keep `compiled` for the next run (on a thread of its own unless `wait`); returns it."""
-        if kind in self.program_keys:
+    def compile_and_keep(self, kind: str, lowered, wait: bool = True, **options):
+        """`lowered` compiled with `options`, and kept for the next run where program_cache may keep it (on a
+        thread of its own unless `wait`)."""
+        compiled, keepable = program_cache.compile_to_keep(lowered, **options)
+        if keepable and kind in self.program_keys:
             store = functools.partial(program_cache.store, self.program_keys[kind], compiled)
             store() if wait else threading.Thread(target=store, name=f"keep-{kind}").start()
         return compiled
@@ -117,8 +119,8 @@ class Trainer:
         compiled = self.cached_program("init")
         if compiled is None:
             lowered = self.init_fn.lower()
-            compiled = self.keep_program("init", lowered.compile(compiler_options=CPU_FAST_COMPILE if on_cpu else None),
-                                         wait=False)
+            compiled = self.compile_and_keep("init", lowered, wait=False,
+                                             compiler_options=CPU_FAST_COMPILE if on_cpu else None)
         return compiled()
 
 
@@ -155,7 +157,7 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
     # The run's length is in the programs through the schedule alone (its decay, unless optim.decay_steps is set).
     decay = cfg.optim.decay_steps or total_steps
     keys = ({kind: program_cache.key(kind, cfg, mesh, decay_steps=decay) for kind in ("init", "step")}
-            if program_cache.enabled(cfg, mesh) else {})
+            if program_cache.enabled(cfg) else {})
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=graphdef, codec=codec, rest=rest, optimizer=optimizer,
         schedule=schedule, state_shardings=state_shardings, abstract_state=abstract_state,
@@ -221,7 +223,7 @@ def compile_step(trainer: Trainer, notify: Callable[[str], None] | None = None):
         compiles, trainer.step_compiling = trainer.step_compiling, None
         return compiles.program(notify)
     cached = trainer.cached_program("step")
-    return cached if cached is not None else trainer.keep_program("step", _lowered_step(trainer).compile())
+    return cached if cached is not None else trainer.compile_and_keep("step", _lowered_step(trainer))
 
 
 @dataclasses.dataclass
@@ -303,7 +305,7 @@ def compile_in_background(trainer: Trainer, on_cpu: bool = False,
     # three at once took 22.1, 18.8 and 29.8 s against 13.6, 13.3 and 21.1 alone).
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-step")
     quick_future = pool.submit(lowered.compile, compiler_options=QUICK_STEP_OPTIONS) if quick else None
-    compiles = StepCompiles(pool.submit(lambda: trainer.keep_program("step", lowered.compile())), quick_future)
+    compiles = StepCompiles(pool.submit(trainer.compile_and_keep, "step", lowered), quick_future)
     pool.shutdown(wait=False)  # its thread ends with the compiles
     return compiles
 
