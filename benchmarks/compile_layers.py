@@ -38,7 +38,8 @@ def compile_seconds(config: str, layers: int, scan: bool, overrides: list[str]) 
     from trainer.serve.weights import build_serving_model
     from trainer.step import build_trainer, compile_step
 
-    cfg = load_config(config, [*overrides, f"model.num_layers={layers}", f"model.scan_layers={str(scan).lower()}"])
+    cfg = load_config(config, [*overrides, f"model.num_layers={layers}", f"model.scan_layers={str(scan).lower()}",
+                               "train.program_cache=false"])  # compiled, never a kept program loaded
     mesh = sharding.make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1])
     begun = time.process_time()
     trainer = build_trainer(cfg, mesh, 100)

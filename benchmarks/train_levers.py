@@ -124,7 +124,7 @@ def measure(config: str, overrides: list[str], steps: int, held: list, profile: 
     from trainer.config import load_config
     from trainer.step import build_trainer, compile_step
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, [*overrides, "train.program_cache=false"])  # compile_s: compiled, never loaded
     mesh = sharding.make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1])
     trainer = build_trainer(cfg, mesh, 1000)
     row = {"overrides": overrides}
