@@ -100,7 +100,9 @@ def _dropping_closed_loops(previous):
 def failures_reported_once():
     """A failed restore leaves orbax's other reads failing unobserved: asyncio logs each one as it is
     collected (now or at exit) and each coroutine's collection prints a traceback. The caller reports the
-    failure once, by step and path; from the first restore on, asyncio's "never retrieved" logs are dropped."""
+    failure once, by step and path; from the first restore on, asyncio's "never retrieved" logs are dropped.
+    The failure must leave the block as an exception: only then are the failed reads collected, at once (a full
+    collection, which in a process holding many objects takes a good part of a second: not after every read)."""
     log = logging.getLogger("asyncio")
     if _unretrieved not in log.filters:
         log.addFilter(_unretrieved)
@@ -110,8 +112,11 @@ def failures_reported_once():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "coroutine ... was never awaited"
-            yield
-            gc.collect()  # the failed reads go now, while nobody listens
+            try:
+                yield
+            except BaseException:
+                gc.collect()  # the failed reads go now, while nobody listens
+                raise
     finally:
         sys.unraisablehook = hook
 
@@ -312,12 +317,11 @@ class Checkpointer:
     def saved_meta(self, step: int) -> dict | None:
         """The JSON saved beside the state at `step` (data position, model identity); None when it cannot
         be read (then restoring decides)."""
-        with failures_reported_once():
-            try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
-                meta = restored["data"]
-            except Exception:  # noqa: BLE001 - a damaged checkpoint: restore_latest reports it
-                return None
+        try:
+            with failures_reported_once():
+                meta = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+        except Exception:  # noqa: BLE001 - a damaged checkpoint: restore_latest reports it
+            return None
         return dict(meta) if isinstance(meta, dict) else None
 
     def restore_latest(self, abstract_state: Any, model=None) -> Restored | None:
@@ -358,8 +362,8 @@ class Checkpointer:
 
     def _try_restore(self, step: int, abstract_state: Any, model=None) -> tuple[tuple[Any, dict] | None, str | None]:
         """((state, data state), None) at `step`, or (None, why they cannot be read)."""
-        with failures_reported_once():
-            try:
+        try:
+            with failures_reported_once():
                 target = abstract_state
                 if model is not None and holds_per_layer_layout(self.manager.item_metadata(step)["state"]):
                     target = per_layer_layout(model, abstract_state)
@@ -372,9 +376,8 @@ class Checkpointer:
                 if int(state["step"]) != step:
                     return None, f"it holds step {int(state['step'])}"
                 return (state, data_state), None
-            except Exception as e:  # noqa: BLE001 - tensorstore, JSON and file errors alike
-                reason = short_reason(e)
-        return None, reason
+        except Exception as e:  # noqa: BLE001 - tensorstore, JSON and file errors alike
+            return None, short_reason(e)
 
     def _move_aside(self, steps: list[int]) -> list[str]:
         """Renames each step's directory (process 0 does, the others wait); returns the new paths."""

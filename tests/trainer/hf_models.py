@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -59,6 +60,19 @@ GPT_OSS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """torch on one thread for the module that imports this fixture, its module fixtures included: its models are
+    tiny, and with the suite's workers busy on every core a second thread waits more than it works (transformers'
+    greedy generation of 8 x 32 tokens: 5-6 CPU s on two threads, 0.2 on one)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def hf_model(name: str, seed: int = 0, initializer_range: float = 0.02, **extra):
     """A random model of family `name` in float32 with eager attention and eager experts."""
     import torch
@@ -84,19 +98,24 @@ def hf_model(name: str, seed: int = 0, initializer_range: float = 0.02, **extra)
 def trainer_model(run_dir: str, cfg=None):
     """(the trainer's Transformer with the parameters of the import or run at `run_dir`, its parameters);
     `cfg` replaces the run's config (the same shapes)."""
-    import jax.numpy as jnp
+    import jax
     from flax import nnx
 
+    from trainer import initializers
     from trainer.hf.orbax_io import open_run
     from trainer.model import ParamCodec, build_model
     from trainer.moe.layer import ExpertBias
 
     run = open_run(run_dir, None)
-    model = build_model(cfg or run.cfg)
-    graphdef, params, biases, rest = nnx.split(model, nnx.Param, ExpertBias, ...)
+    cfg = cfg or run.cfg
+    # Built for its structure only, as the serving engine builds it (trainer/serve/weights.py): every parameter
+    # is the run's. Built eagerly, each random draw was a program compiled (up to 256 a model, seconds of CPU).
+    with initializers.shapes_only():
+        graphdef, params, biases, _ = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param, ExpertBias, ...)
+        rest = jax.jit(lambda: nnx.split(build_model(cfg), nnx.Param, ExpertBias, ...)[3])()
     codec, bias_codec = ParamCodec(params), ParamCodec(biases)  # DeepSeek-V3's selection biases, if any
     values = run.read(set(codec.names) | set(bias_codec.names))
-    state = [c.unflatten({n: jnp.asarray(values[n]) for n in c.names}) for c in (codec, bias_codec)]
+    state = [c.unflatten({n: jax.device_put(values[n]) for n in c.names}) for c in (codec, bias_codec)]
     return nnx.merge(graphdef, *state, rest), values
 
 
@@ -111,15 +130,16 @@ def tokenizer_json(path, size: int) -> None:
 
 
 def safetensors_of(directory) -> dict[str, np.ndarray]:
-    """Every tensor of a directory's *.safetensors files, as numpy (bfloat16 through ml_dtypes)."""
+    """Every tensor of a directory's *.safetensors files, as numpy (bfloat16 through ml_dtypes); read
+    as numpy, not through jax, which compiled a program for each shape and dtype it placed on the device."""
     import pathlib
 
     from safetensors import safe_open
 
     out = {}
     for path in sorted(pathlib.Path(directory).glob("*.safetensors")):
-        with safe_open(str(path), framework="flax") as f:
-            out.update({k: np.asarray(f.get_tensor(k)) for k in f.keys()})
+        with safe_open(str(path), framework="numpy") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
 
 

@@ -7,7 +7,15 @@ import json
 
 import numpy as np
 import pytest
-from hf_models import DEEPSEEK, VOCAB, hf_model, routed_outputs, safetensors_of, trainer_model
+from hf_models import (
+    DEEPSEEK,
+    VOCAB,
+    hf_model,
+    one_torch_thread,  # noqa: F401 - autouse: torch on one thread here
+    routed_outputs,
+    safetensors_of,
+    trainer_model,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -189,7 +197,7 @@ def test_deepseek_tiny_exports_as_deepseek_v3_and_transformers_gives_its_logits(
 
     cfg = load_config("deepseek-tiny")
     assert family_of(cfg).model_type == "deepseek_v3"
-    model = build_model(cfg, seed=3)
+    model = nnx.jit(lambda: build_model(cfg, seed=3))()  # one program draws it (eagerly, each draw was one)
     for i, block in enumerate(b for period in model.stacks for b in period if b.is_moe):  # a bias that moves
         block.ffn.expert_bias[...] = jax.random.normal(jax.random.key(i), block.ffn.expert_bias.shape) * 0.05
     _, params, biases, _ = nnx.split(model, nnx.Param, ExpertBias, ...)

@@ -8,7 +8,12 @@ import shutil
 import threading
 
 import pytest
-from hf_models import VOCAB, hf_model, tokenizer_json
+from hf_models import (
+    VOCAB,
+    hf_model,
+    one_torch_thread,  # noqa: F401 - autouse: torch on one thread here
+    tokenizer_json,
+)
 
 pytest.importorskip("torch")
 

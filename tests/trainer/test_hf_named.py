@@ -1,7 +1,7 @@
 """The named configs of the open models (mixtral-8x7b, qwen3-30b-a3b, qwen2-57b-a14b, olmoe-1b-7b,
 deepseek-v3-671b, deepseek-v2-lite, gpt-oss-20b, gpt-oss-120b) are the shapes transformers builds from their
-config.json: the same parameter count, parameter for parameter, and an import of that config.json gives the named config's model
-back."""
+config.json: the same parameter count, parameter for parameter, and an import of that config.json gives the named
+config's model back."""
 
 import pytest
 

@@ -7,7 +7,16 @@ import json
 
 import numpy as np
 import pytest
-from hf_models import FAMILIES, VOCAB, hf_model, routed_outputs, safetensors_of, tokenizer_json, trainer_model
+from hf_models import (
+    FAMILIES,
+    VOCAB,
+    hf_model,
+    one_torch_thread,  # noqa: F401 - autouse: torch on one thread here
+    routed_outputs,
+    safetensors_of,
+    tokenizer_json,
+    trainer_model,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -252,15 +261,23 @@ def test_the_rotary_positions_and_their_gradient_are_transformers_own():
     positions and torch's autograd of them, in float32: the same rotated values and the same gradient, for one
     offset and for one start a batch row (decoding)."""
     import jax
-    import jax.numpy as jnp
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from trainer.layers import rotary
 
     x_BxLxNxH = np.asarray(jax.random.normal(jax.random.key(0), (2, 6, 3, 16)), np.float32)
     g_BxLxNxH = np.asarray(jax.random.normal(jax.random.key(1), x_BxLxNxH.shape), np.float32)
+
+    def rotated_and_grad(offset):
+        """The rotated values and their gradient at `offset`, one program (run eagerly, each op compiled one)."""
+        def run(x, g):
+            got, vjp = jax.vjp(lambda x: rotary(x, 100.0, offset), x)
+            return got, vjp(g)[0]
+
+        return jax.jit(run)
+
     for offset in (5, np.array([0, 9])):
-        got, grad = jax.vjp(lambda x, offset=offset: rotary(x, 100.0, offset), jnp.asarray(x_BxLxNxH))
+        got, grad = rotated_and_grad(offset)(x_BxLxNxH, g_BxLxNxH)
         inv_freq = 100.0 ** (-torch.arange(8, dtype=torch.float32) / 8)
         positions = torch.arange(6, dtype=torch.float32) + torch.as_tensor(offset, dtype=torch.float32).reshape(-1, 1)
         angle = torch.cat([positions[..., None] * inv_freq] * 2, dim=-1).expand(2, 6, 16)
@@ -268,5 +285,4 @@ def test_the_rotary_positions_and_their_gradient_are_transformers_own():
         want, _ = apply_rotary_pos_emb(x, x, angle.cos(), angle.sin())
         want.backward(torch.tensor(g_BxLxNxH).transpose(1, 2))
         np.testing.assert_allclose(np.asarray(got), want.detach().transpose(1, 2).numpy(), rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(grad(jnp.asarray(g_BxLxNxH))[0]), x.grad.transpose(1, 2).numpy(),
-                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(grad), x.grad.transpose(1, 2).numpy(), rtol=1e-6, atol=1e-6)

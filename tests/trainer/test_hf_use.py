@@ -9,7 +9,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hf_models import VOCAB, hf_model, tokenizer_json
+from hf_models import (
+    VOCAB,
+    hf_model,
+    one_torch_thread,  # noqa: F401 - autouse: torch on one thread here
+    tokenizer_json,
+)
 
 from trainer import stacks
 
@@ -170,9 +175,9 @@ def test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers
     model's template; and the run's checkpoint serves on the same 8 devices with the experts over expert=4
     (test_hf_oracle.py decodes every family there)."""
     import jax
-    import jax.numpy as jnp
     import torch
     import transformers
+    from flax import nnx
     from hf_models import trainer_model
 
     from trainer import sharding
@@ -208,7 +213,9 @@ def test_fine_tune_on_eight_devices_then_export_serves_and_loads_as_transformers
     cfg = load_trainer_config(str(run / "config.json"))
     w_in = stacks.locate(cfg.model, "blocks.1.ffn.w_in")[0]  # layer 1's, with the others of its stack
     assert not np.array_equal(values[w_in], before[w_in])  # it did train
-    assert np.abs(np.asarray(ours(jnp.asarray(tokens), train=False)[0]) - logits).max() <= 1e-4
+    graphdef, state = nnx.split(ours)
+    got = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, train=False)[0])(state, tokens)  # one program, not one an op
+    assert np.abs(np.asarray(got) - logits).max() <= 1e-4
     served = build_serving_model(cfg, sharding.make_mesh({"data": 2, "expert": 4}, jax.devices()[:8]))
     weights, _ = restore_weights(served, str(run / "checkpoints"))
     assert weights["params"][w_in].sharding.spec[1] == "expert"

@@ -108,7 +108,7 @@ def _read_onto_mesh(trainer, hub, read_param) -> tuple[dict[str, Any], dict[str,
             continue
         held = out[part].get(target)
         if held is None:
-            held = jax.jit(functools.partial(jax.numpy.zeros, want.shape, want.dtype), out_shardings=where)()
+            held = jax.numpy.zeros(want.shape, want.dtype, device=where)
         out[part][target] = _layer_writer(where)(held, jax.device_put(value, _slice_sharding(where)), index)
     return out["params"], out["moe_bias"]
 
