@@ -110,14 +110,41 @@ def block_loss(x, params, ct, cfg, mesh):
     return loss, (y, aux)
 
 
+# The block's gradient jitted once for the module: a config, mesh and input layout is traced and compiled once,
+# whichever test asks first (the float32 matrix below, the skewed and balanced routings, the all-gathered counts),
+# where a fresh jax.jit(jax.grad(...)) per call traced and lowered it again. One per core.MERGED_COUNTS_LIMIT, which
+# the block reads as it is traced: a test that lowers the limit gets a program traced under its limit.
+_block_grads = {}
+
+
+def block_grad(x, params, ct, cfg, mesh):
+    """((dx, dparams), (y, aux)) of block_loss."""
+    if core.MERGED_COUNTS_LIMIT not in _block_grads:
+        _block_grads[core.MERGED_COUNTS_LIMIT] = jax.jit(jax.grad(block_loss, argnums=(0, 1), has_aux=True),
+                                                         static_argnums=(3, 4))
+    return _block_grads[core.MERGED_COUNTS_LIMIT](x, params, ct, cfg, mesh)
+
+
 @functools.cache
 def run_block(case: str, mesh_name: str):
     cfg, mesh = make_config(case), make_mesh(mesh_name)
     x, params, ct = case_inputs(case)
     x, params = place(mesh, x, params)
-    step = jax.jit(jax.grad(block_loss, argnums=(0, 1), has_aux=True), static_argnums=(3, 4))
-    (dx, dparams), (y, aux) = step(x, params, ct, cfg, mesh)
+    (dx, dparams), (y, aux) = block_grad(x, params, ct, cfg, mesh)
     return jax.device_get((y, aux, dx, dparams))
+
+
+def oracle_loss(x, params, ct, keep_TxK, cfg):
+    """block_loss's scalar from the oracle: `keep_TxK` (oracle_keep's, all True where nothing drops) masks the
+    dropped assignments."""
+    y = oracle_moe(x.reshape(-1, D), params, cfg, keep_TxK).reshape(B, L, D)
+    aux = oracle_aux(x.reshape(-1, D), params, cfg)
+    return jnp.sum(y * ct) + aux["aux_loss"] + aux["z_loss"], (y, aux)
+
+
+# Jitted once for the module (the oracle runs op by op otherwise): one program per config, shared by every test that
+# asks for that config's reference.
+oracle_grad = jax.jit(jax.grad(oracle_loss, argnums=(0, 1), has_aux=True), static_argnums=(4,))
 
 
 @functools.cache
@@ -127,13 +154,7 @@ def run_oracle(case: str):
     x_TxD = x.reshape(-1, D)
     _, _, experts, _, priority = oracle_routing(x_TxD, params["router"], cfg, params.get("bias"))
     keep = oracle_keep(experts, priority, cfg, GROUPS, oracle_capacity(B * L // GROUPS, cfg, True))
-
-    def loss(x, params):
-        y = oracle_moe(x.reshape(-1, D), params, cfg, keep).reshape(B, L, D)
-        aux = oracle_aux(x.reshape(-1, D), params, cfg)
-        return jnp.sum(y * ct) + aux["aux_loss"] + aux["z_loss"], (y, aux)
-
-    (dx, dparams), (y, aux) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+    (dx, dparams), (y, aux) = oracle_grad(x, params, ct, keep, cfg)
     return y, aux, dx, dparams, keep
 
 
@@ -200,20 +221,13 @@ def test_bfloat16_block_is_within_rounding_of_the_float32_oracle(case):
     x, params, ct = inputs()
     x16 = x.astype(jnp.bfloat16)
     xs, ps = place(mesh, x16, params)
-    step = jax.jit(jax.grad(block_loss, argnums=(0, 1), has_aux=True), static_argnums=(3, 4))
-    (dx, dparams), (y, _) = step(xs, ps, ct, cfg, mesh)
+    (dx, dparams), (y, _) = block_grad(xs, ps, ct, cfg, mesh)
     assert y.dtype == jnp.bfloat16 and dparams["w_in"].dtype == jnp.float32
-    keep = np.ones((B * L, 2), bool)
-
-    def loss(x, params):
-        return jnp.sum(oracle_moe(x.reshape(-1, D), params, cfg, keep).reshape(B, L, D) * ct)
-
     x32 = x16.astype(jnp.float32)
-    y_ref = oracle_moe(x32.reshape(-1, D), params, cfg, keep).reshape(B, L, D)
+    (dx_ref, dparams_ref), (y_ref, _) = oracle_grad(x32, params, ct, np.ones((B * L, 2), bool), cfg)
     u = 2.0**-8
     err = np.abs(np.asarray(y, np.float32) - y_ref).max()
     assert err <= 8 * u * np.abs(y_ref).max(), err
-    dx_ref, dparams_ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(x32, params)
     assert np.abs(np.asarray(dx, np.float32) - dx_ref).max() <= 8 * u * np.abs(dx_ref).max()
     for name in ("w_in", "w_gate", "w_out"):
         g, g_ref = np.asarray(dparams[name]), np.asarray(dparams_ref[name])
@@ -283,17 +297,11 @@ def skewed_inputs():
 
 
 def assert_block_equals_oracle(x, params, ct, cfg, mesh, names=("router", "w_in", "w_gate", "w_out")):
-    """Outputs and gradients of the sharded block against the oracle; returns the block's aux.
-    Tolerances are relative to each array's scale (these inputs can be several times larger)."""
-    step = jax.jit(jax.grad(block_loss, argnums=(0, 1), has_aux=True), static_argnums=(3, 4))
-    (dx, dparams), (y, aux) = step(*place(mesh, x, params), ct, cfg, mesh)
-
-    def loss(x, params):
-        y = oracle_moe(x.reshape(-1, D), params, cfg).reshape(B, L, D)
-        aux = oracle_aux(x.reshape(-1, D), params, cfg)
-        return jnp.sum(y * ct) + aux["aux_loss"] + aux["z_loss"], y
-
-    (dx_ref, dparams_ref), y_ref = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+    """Outputs and gradients of the sharded (dropless) block against the oracle, which keeps every assignment;
+    returns the block's aux. Tolerances are relative to each array's scale (these inputs can be several times
+    larger)."""
+    (dx, dparams), (y, aux) = block_grad(*place(mesh, x, params), ct, cfg, mesh)
+    (dx_ref, dparams_ref), (y_ref, _) = oracle_grad(x, params, ct, np.ones((B * L, cfg.top_k), bool), cfg)
     close = lambda a, b, msg="": np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=msg)
     close(y, y_ref)
     close(dx, dx_ref)

@@ -95,7 +95,15 @@ def executed_collectives(hlo: str, pick=None) -> list[tuple[str, str]]:
 
 def collectives(cfg, mesh_shape, num_blocks=1, grad=False, with_aux=False):
     """The collectives of num_blocks stacked blocks (forward, or with grad forward and backward);
-    with_aux the block's losses and balance metrics are computed too, as a model's are."""
+    with_aux the block's losses and balance metrics are computed too, as a model's are. Compiled once per set of
+    arguments and value of core.MERGED_COUNTS_LIMIT (the block reads it as it is traced): the tests that ask for
+    the same program read one compile of it."""
+    return _collectives(cfg, mesh_shape, num_blocks, grad, with_aux, core.MERGED_COUNTS_LIMIT)
+
+
+@functools.cache
+def _collectives(cfg, mesh_shape, num_blocks, grad, with_aux, merged_counts_limit):
+    del merged_counts_limit  # in the cache's key only: the block reads core.MERGED_COUNTS_LIMIT as it is traced
     m = mesh(mesh_shape)
     x, router, weights = sharded_inputs(m, num_blocks)
     fn = lambda x, w: stacked_blocks(x, router, w, cfg, m)
@@ -105,7 +113,7 @@ def collectives(cfg, mesh_shape, num_blocks=1, grad=False, with_aux=False):
             return y, aux["aux_loss"] + aux["z_loss"], aux["load_max_over_mean"], aux["drop_fraction"]
     if grad:
         fn = jax.grad(lambda x, w: jnp.sum(stacked_blocks(x, router, w, cfg, m)), argnums=(0, 1))
-    return executed_collectives(jax.jit(fn).lower(x, weights).compile().as_text())
+    return tuple(executed_collectives(jax.jit(fn).lower(x, weights).compile().as_text()))
 
 
 CONFIGS = {
