@@ -30,7 +30,6 @@ import os
 import re
 import sys
 import time
-import types
 
 BIG = re.compile(r"= (bf16|s8|s4|f32)\[((?:\d+,){2,3}\d+)\]\{[^}]*\}\s+(copy|fusion)\(")
 DTYPE_BITS = {"bf16": 16, "s8": 8, "s4": 4, "f32": 32}
@@ -105,7 +104,7 @@ def compile_decode(cfg, fmt: str, rows: int, max_len: int, hlo_dir: str | None =
 
     from trainer import sharding
     from trainer.serve.latentcache import CacheLayout
-    from trainer.serve.runner import ModelRunner
+    from trainer.serve.runner import Steps
     from trainer.serve.structured import words
     from trainer.serve.weights import build_serving_model
 
@@ -126,11 +125,10 @@ def compile_decode(cfg, fmt: str, rows: int, max_len: int, hlo_dir: str | None =
     inputs = (spec((4, rows), jnp.int32),  # the step's tokens, positions, followers, want (ModelRunner.step_inputs)
               (spec(vec, jnp.float32), spec(vec, jnp.int32), spec(vec, jnp.float32), spec(vec, jnp.int32)),
               spec((rows, words(cfg.model.vocab_size)), jnp.int32), spec(vec, jnp.int32))  # masks, last tokens
-    runner = types.SimpleNamespace(model=model, max_len=max_len)  # what the decode step reads of its runner
-    runner._step_outputs = lambda *a: ModelRunner._step_outputs(runner, *a)
+    steps = Steps(model, max_len)
 
     def decode(w, c, *args):
-        return ModelRunner._decode_fn(runner, w, c, *args, span=max_len)
+        return steps.decode(w, c, *args, span=max_len)
 
     started = time.perf_counter()
     compiled = jax.jit(decode, donate_argnums=(1,), out_shardings=(rep, rep)).lower(weights, cache, *inputs).compile()

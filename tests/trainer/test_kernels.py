@@ -19,6 +19,11 @@ from trainer.sharding import make_mesh
 from trainer.step import StepCompiles, TieredStep, build_trainer, compile_in_background, compile_step
 
 
+def normal(seed, *shape):
+    """A float32 array of normal draws, numpy's: jax.random would compile programs for every shape it draws."""
+    return np.random.default_rng(seed).standard_normal(shape, np.float32)
+
+
 def relative_error(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
@@ -54,10 +59,10 @@ def test_auto_attention_is_xla_off_a_tpu_and_splash_refuses_ragged_lengths():
 def test_megablox_matches_ragged_dot_with_empty_groups():
     """Blocks of 128 rows over four experts, one with none, rows past the used blocks zero: forward and the
     gradients of rows and weights."""
-    x = jax.random.normal(jax.random.key(0), (1024, 256))
-    w = jax.random.normal(jax.random.key(1), (4, 256, 384))
+    x = normal(0, 1024, 256)
+    w = normal(1, 4, 256, 384)
     block_group, used = jnp.array([0, 0, 1, 3, 3, 3, 0, 0], jnp.int32), jnp.array(6)
-    x = x * (jnp.arange(1024) < 6 * 128)[:, None]
+    x = x * (np.arange(1024) < 6 * 128)[:, None]
 
     def run(impl):
         return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(grouped_matmul(x, w, block_group, used, impl) ** 2),
@@ -74,11 +79,13 @@ def test_megablox_matches_ragged_dot_with_empty_groups():
     assert stacked_tiling(192, 1024, 2816)[2] == 1024 and stacked_tiling(8, 64, 256)[1:] == (64, 256)
 
 
-def loss_and_grads(overrides, chunk=0, autodiff=False):
+def loss_and_grads(state, overrides, chunk=0, autodiff=False):
+    """The loss and its gradients of the model `overrides` make, on `state` (its parameters and the rest: the
+    overrides below change the model's graph, not its state)."""
     cfg = load_config("tiny", ["model.moe_every=2", *overrides])
-    model = build_model(cfg, seed=0)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tokens = jax.random.randint(jax.random.key(1), (2, cfg.data.seq_len + 1), 0, cfg.model.vocab_size)
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=0)), nnx.Param, ...)  # its shapes alone
+    params, rest = state
+    tokens = np.random.default_rng(1).integers(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1), np.int32)
 
     def loss(params):
         m = nnx.merge(graphdef, params, rest)
@@ -96,10 +103,11 @@ def test_the_attention_moe_policy_keeps_the_capacity_paths_slots_tokens_and_outp
     holds two (the forward's, and its rematerialised copy's), and fewer gathers and matmuls."""
     def counts(policy):
         cfg = load_config("tiny", ["model.moe_every=2", "model.remat=true", f"model.remat_policy={policy}"])
-        graphdef, params, rest = nnx.split(build_model(cfg, seed=0), nnx.Param, ...)
-        tokens = jax.random.randint(jax.random.key(1), (2, cfg.data.seq_len), 0, cfg.model.vocab_size)
-        loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens, train=True)[0])  # noqa: E731
-        text = jax.jit(jax.grad(loss)).lower(params).as_text()
+        # the model's shapes alone (the program is read, never run): nothing initialised op by op
+        graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=0)), nnx.Param, ...)
+        tokens = np.random.default_rng(1).integers(0, cfg.model.vocab_size, (2, cfg.data.seq_len), np.int32)
+        loss = lambda p, r: jnp.mean(nnx.merge(graphdef, p, r)(tokens, train=True)[0])  # noqa: E731
+        text = jax.jit(jax.grad(loss)).lower(params, rest).as_text()
         return [text.count(f"stablehlo.{op}") for op in ("sort", "gather", "dot_general")]
 
     (sorts, gathers, dots), (kept_sorts, kept_gathers, kept_dots) = counts("attention"), counts("attention_moe")
@@ -109,14 +117,16 @@ def test_the_attention_moe_policy_keeps_the_capacity_paths_slots_tokens_and_outp
 def test_the_loss_in_chunks_and_every_remat_policy_give_the_whole_loss_and_its_gradients():
     """The loss's written-out backward pass (trainer/loss.py), whole or in chunks, under every remat policy:
     the loss and the gradients autodiff gives for the whole float32 logits."""
-    (want, want_grads) = loss_and_grads(["model.remat=false"], autodiff=True)
+    cfg = load_config("tiny", ["model.moe_every=2"])
+    _, *state = nnx.split(nnx.jit(lambda: build_model(cfg, seed=0))(), nnx.Param, ...)  # in one program, not op by op
+    (want, want_grads) = loss_and_grads(state, ["model.remat=false"], autodiff=True)
     cases = [(["model.remat=false"], 16),
              (["model.remat=true", "model.remat_policy=full"], 0),
              (["model.remat=true", "model.remat_policy=attention"], 32),
              (["model.remat=true", "model.remat_policy=attention_ffn"], 0),
              (["model.remat=true", "model.remat_policy=attention_moe"], 0)]
     for overrides, chunk in cases:
-        got, grads = loss_and_grads(overrides, chunk)
+        got, grads = loss_and_grads(state, overrides, chunk)
         assert float(got) == pytest.approx(float(want), rel=1e-6), (overrides, chunk)
         for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
             assert relative_error(g, w) < 1e-5, (overrides, chunk)
@@ -125,7 +135,8 @@ def test_the_loss_in_chunks_and_every_remat_policy_give_the_whole_loss_and_its_g
 def test_the_step_compiled_in_the_background_is_the_step():
     """The train step compiled on its thread while the state is made (as on an accelerator) takes the same
     step as one compiled in line: the same loss and parameters after it."""
-    cfg = load_config("tiny", ["model.num_layers=1"])
+    # No kept program (trainer/program_cache.py): this compiles the step, in the background and in line.
+    cfg = load_config("tiny", ["model.num_layers=1", "train.program_cache=false"])
     trainer = build_trainer(cfg, make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1]), 10)
     assert compile_in_background(trainer) is None  # a CPU, by default
     trainer.step_compiling = compile_in_background(trainer, on_cpu=True)
@@ -146,7 +157,7 @@ def test_the_first_steps_run_on_the_quick_program_until_the_optimised_one_is_rea
     """A TieredStep runs the quickly compiled step while the optimised compile is under way, says so once when
     that one takes over, and then keeps to it; the state passes between them, and the steps are the ones a
     single program takes (the same losses, the parameters within float rounding)."""
-    cfg = load_config("tiny", ["model.num_layers=1"])
+    cfg = load_config("tiny", ["model.num_layers=1", "train.program_cache=false"])  # compiled, not a kept one
     trainer = build_trainer(cfg, make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1]), 10)
     compiles = compile_in_background(trainer, on_cpu=True, quick=True)  # the quick program, then the optimised one
     full, quick = compiles.full.result(), compiles.quick.result()
@@ -191,9 +202,9 @@ def test_splash_attention_on_a_mesh_runs_each_devices_rows_and_heads():
     from trainer import sharding
 
     mesh = make_mesh({"data": 2, "expert": 1, "model": 2}, jax.devices()[:4])
-    q, k, v = (jax.random.normal(jax.random.key(i), (4, 128, 4, 16)) for i in range(3))
+    q, k, v = (normal(i, 4, 128, 4, 16) for i in range(3))
     with sharding.logical_mesh(mesh):
         got = jax.jit(lambda q, k, v: causal_attention(q, k, v, impl="splash"))(q, k, v)
-    want = causal_attention(q, k, v, impl="xla")
+    want = jax.jit(lambda q, k, v: causal_attention(q, k, v, impl="xla"))(q, k, v)  # one program, not op by op
     assert relative_error(got, want) < 1e-5
 

@@ -2,6 +2,7 @@
 forward pass does; concurrent requests get what they get alone; the two steps compile once."""
 
 import collections
+import dataclasses
 import re
 import threading
 
@@ -52,27 +53,47 @@ def latent():
             jax.jit(lambda w, c, t, s, r: model.module(w).decode(t, c, s, r)))
 
 
+@pytest.fixture(scope="module")
+def latent_attention(latent):
+    """The latent model's first attention layer, with its slice of the stacked weights (sliced once, op by op)."""
+    model, weights, *_ = latent
+    return model.module(weights).layers()[0].attn
+
+
+def random_tokens(seed, rows, vocab):
+    """[rows, LENGTH] random tokens, a numpy array: sliced on the host, where a jax array's every slice (and every
+    index of the logits below) would compile a program of its own."""
+    return np.random.RandomState(seed).randint(0, vocab, (rows, LENGTH)).astype(np.int32)
+
+
+def placed(model, cache):
+    """A float32 cache of 32 positions laid out on the model's mesh as the engine lays it out, as the decode returns
+    it: the decode's later calls then run the program its first one compiled (a cache not placed compiles it again)."""
+    return jax.device_put(cache, CacheLayout.of(model.cfg.model).sharding(model.mesh, jnp.float32, 32))
+
+
 def chunked_then_one_by_one(decode, weights, cache, tokens_1xL):
     """The logits [L, V] of two prefill chunks of 8 tokens into slot 2, then a token at a time; the cache."""
-    slot_1, pieces = jnp.asarray([2]), []
+    slot_1, pieces = np.asarray([2], np.int32), []
     for start in (0, 8):
-        logits, cache = decode(weights, cache, tokens_1xL[:, start:start + 8], jnp.asarray([start]), slot_1)
-        pieces.append(logits[0])
+        logits, cache = decode(weights, cache, tokens_1xL[:, start:start + 8], np.asarray([start], np.int32), slot_1)
+        pieces.append(np.asarray(logits)[0])
     for position in range(16, tokens_1xL.shape[1]):
-        logits, cache = decode(weights, cache, tokens_1xL[:, position:position + 1], jnp.asarray([position]), slot_1)
-        pieces.append(logits[0])
-    return jnp.concatenate(pieces), cache
+        logits, cache = decode(weights, cache, tokens_1xL[:, position:position + 1], np.asarray([position], np.int32),
+                               slot_1)
+        pieces.append(np.asarray(logits)[0])
+    return np.concatenate(pieces), cache
 
 
 def test_chunked_prefill_then_decode_gives_the_full_forward_logits(tiny):
     model, weights, forward = tiny
     m = model.cfg.model
-    tokens_1xL = jnp.asarray(np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
+    tokens_1xL = random_tokens(0, 1, m.vocab_size)
     decode = jax.jit(lambda w, c, t, s, r: model.module(w).decode(t, c, s, r))
-    cache = KVCache.empty(m.num_layers, 3, 32, m.kv_heads, m.head_size, jnp.float32)
+    cache = placed(model, KVCache.empty(m.num_layers, 3, 32, m.kv_heads, m.head_size, jnp.float32))
     got_LxV, cache = chunked_then_one_by_one(decode, weights, cache, tokens_1xL)
-    np.testing.assert_allclose(got_LxV, forward(weights, tokens_1xL)[0], atol=1e-5, rtol=0)
-    assert not np.any(np.asarray(cache.k[:, [0, 1]])), "other slots' rows are untouched"
+    np.testing.assert_allclose(got_LxV, np.asarray(forward(weights, tokens_1xL))[0], atol=1e-5, rtol=0)
+    assert not np.any(np.asarray(cache.k)[:, [0, 1]]), "other slots' rows are untouched"
 
 
 @pytest.mark.parametrize("name", ["tiny", "latent"])
@@ -113,30 +134,30 @@ def test_latent_attention_decodes_through_its_latents_as_the_full_forward(latent
     nothing per head; decoding absorbs the heads' up-projections, trainer/mla.py) equal the full forward's."""
     model, weights, forward, decode = latent
     m = model.cfg.model
-    tokens_1xL = jnp.asarray(np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
-    cache = CacheLayout.of(m).empty(3, 32, jnp.float32)
+    tokens_1xL = random_tokens(0, 1, m.vocab_size)
+    cache = placed(model, CacheLayout.of(m).empty(3, 32, jnp.float32))
     assert cache.latent.shape == (m.num_layers, 3, 32, m.mla.kv_lora_rank)
     assert cache.rope.shape == (m.num_layers, 3, 32, m.mla.qk_rope_head_dim)
     got_LxV, cache = chunked_then_one_by_one(decode, weights, cache, tokens_1xL)
-    np.testing.assert_allclose(got_LxV, forward(weights, tokens_1xL)[0], atol=1e-5, rtol=0)
-    assert not any(np.any(np.asarray(a[:, [0, 1]])) for a in jax.tree.leaves(cache)), "other slots untouched"
+    np.testing.assert_allclose(got_LxV, np.asarray(forward(weights, tokens_1xL))[0], atol=1e-5, rtol=0)
+    assert not any(np.any(np.asarray(a)[:, [0, 1]]) for a in jax.tree.leaves(cache)), "other slots untouched"
 
 
-def test_a_long_latent_prefill_chunk_expands_the_heads_and_gives_the_full_forward_logits(latent):
+def test_a_long_latent_prefill_chunk_expands_the_heads_and_gives_the_full_forward_logits(latent, latent_attention):
     """A prompt prefilled as one chunk of LENGTH tokens, long enough that expanding the span's keys and values
     from their latents costs fewer FLOPs than absorbing the up-projections (MLAttention.expands; the test
     above decodes chunks of 8 and single tokens absorbed), gives the full forward's logits too."""
     model, weights, forward, decode = latent
     m = model.cfg.model
-    attention = model.module(weights).layers()[0].attn
+    attention = latent_attention
     assert attention.expands(LENGTH, 32) and not attention.expands(8, 32) and not attention.expands(1, 32)
-    tokens_1xL = jnp.asarray(np.random.RandomState(1).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
-    logits, _ = decode(weights, CacheLayout.of(m).empty(3, 32, jnp.float32), tokens_1xL, jnp.asarray([0]),
-                       jnp.asarray([1]))
-    np.testing.assert_allclose(logits[0], forward(weights, tokens_1xL)[0], atol=1e-5, rtol=0)
+    tokens_1xL = random_tokens(1, 1, m.vocab_size)
+    logits, _ = decode(weights, CacheLayout.of(m).empty(3, 32, jnp.float32), tokens_1xL, np.asarray([0], np.int32),
+                       np.asarray([1], np.int32))
+    np.testing.assert_allclose(np.asarray(logits)[0], np.asarray(forward(weights, tokens_1xL))[0], atol=1e-5, rtol=0)
 
 
-def test_the_latent_cache_split_by_position_over_model_decodes_as_the_full_forward(latent):
+def test_the_latent_cache_split_by_position_over_model_decodes_as_the_full_forward(latent, latent_attention):
     """On data=2,model=4 the latent cache holds a quarter of the positions on each device (max_len / 4, as the
     start-up memory check counts it). Two rows (over `data`) prefill 17 tokens in one chunk, written over
     three devices' positions and expanded from the latents gathered, then decode a token at a time over a span
@@ -152,15 +173,16 @@ def test_the_latent_cache_split_by_position_over_model_decodes_as_the_full_forwa
     assert memory_plan(model, 2, 32, "float32", None)["kv_cache"] == sum(
         a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(cache)) == layout.nbytes(2, 32, "float32") // 4
     decode = jax.jit(lambda w, c, t, s, span: model.module(w).decode(t, c, s, span=span), static_argnums=4)
-    tokens_2xL = jnp.asarray(np.random.RandomState(2).randint(0, m.vocab_size, (2, LENGTH)), jnp.int32)
-    assert model.module(weights).layers()[0].attn.expands(17, 32)
-    logits, cache = decode(weights, cache, tokens_2xL[:, :17], jnp.asarray([0, 0]), None)
-    pieces, step = [logits], decode.lower(weights, cache, tokens_2xL[:, 17:18], jnp.asarray([17, 17]), 24).compile()
+    tokens_2xL = random_tokens(2, 2, m.vocab_size)
+    assert latent_attention.expands(17, 32)  # the one-device model's layer: expands reads the config alone
+    logits, cache = decode(weights, cache, tokens_2xL[:, :17], np.asarray([0, 0], np.int32), None)
+    pieces = [np.asarray(logits)]
+    step = decode.lower(weights, cache, tokens_2xL[:, 17:18], np.asarray([17, 17], np.int32), 24).compile()
     for position in range(17, LENGTH):
-        logits, cache = step(weights, cache, tokens_2xL[:, position:position + 1], jnp.asarray([position] * 2))
-        pieces.append(logits)
-    expected = [forward(one_weights, tokens_2xL[row:row + 1])[0] for row in range(2)]
-    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), np.stack(expected), atol=1e-5, rtol=0)
+        logits, cache = step(weights, cache, tokens_2xL[:, position:position + 1], np.asarray([position] * 2, np.int32))
+        pieces.append(np.asarray(logits))
+    expected = [np.asarray(forward(one_weights, tokens_2xL[row:row + 1]))[0] for row in range(2)]
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), np.stack(expected), atol=1e-5, rtol=0)
     gathered = [np.prod([int(d) for d in dims.split(",")]) for dims in
                 re.findall(r"f32\[([\d,]+)\]\S* all-gather(?:-start)?\(", step.as_text())]
     assert gathered and max(gathered) < 2 * 32 * m.mla.kv_lora_rank  # a layer's latents of the two slots
@@ -190,7 +212,8 @@ def test_the_int8_latent_cache_attends_close_to_float(latent):
     x_1xLxD = jax.random.normal(jax.random.key(0), (1, LENGTH, m.d_model))
     got, full, cache = through_the_cache(weights, x_1xLxD, layout.empty(3, 32, "int8"))
     assert cache.latent.dtype == cache.rope.dtype == jnp.int8
-    error = float(jnp.abs(got - full).max() / jnp.abs(full).max())
+    got, full = np.asarray(got), np.asarray(full)
+    error = float(np.abs(got - full).max() / np.abs(full).max())
     assert 0 < error <= 0.02, error
     engine = Engine(model, weights, slots=2, max_len=32, chunk=8, kv_dtype="int8")  # the engine's, as laid out
     assert [a.dtype for a in jax.tree.leaves(engine.cache)] == [jnp.int8, jnp.int8, jnp.float32, jnp.float32]
@@ -269,7 +292,8 @@ def test_compiling_ahead_serves_meanwhile_and_leaves_nothing_to_compile(tiny, ti
     """serve --warm-up background: ready once the first two programs ran, the rest compiled on a thread while a
     request reaching the longest span is answered as on an engine warmed at every span (its step compiles what
     the thread has not reached, or waits for the one it is compiling); then no request traces or compiles."""
-    engine = Engine(*tiny[:2], slots=8, max_len=MAX_LEN, chunk=16)
+    model = dataclasses.replace(tiny[0])  # programs of its own (ServingModel.programs): tiny_engine's are compiled
+    engine = Engine(model, tiny[1], slots=8, max_len=MAX_LEN, chunk=16)
     runner = engine.runner
     engine.warm_up()
     order = runner.warm_up_order()

@@ -3,6 +3,7 @@ trained `tiny` predicts what it predicts in float on held-out sequences of its s
 of a corpus that `data prepare` made. MXFP4 experts hold MXFP4's grid exactly (a GPT-OSS served with them:
 tests/trainer/test_hf_gpt_oss.py)."""
 
+import functools
 import gc
 import math
 
@@ -56,10 +57,14 @@ def agreement(forward, weights, int8, rows_BxL) -> tuple[float, float]:
     """How often the int8 model's most likely next token is the float model's, and the mean KL divergence
     of its next-token distribution from the float one's, over every position of the rows."""
     rows_BxL = jnp.asarray(rows_BxL, jnp.int32)
-    logp = jax.nn.log_softmax(forward(weights, rows_BxL), axis=-1)
-    logq = jax.nn.log_softmax(forward(int8, rows_BxL), axis=-1)
-    agree = float(jnp.mean(jnp.argmax(logp, -1) == jnp.argmax(logq, -1)))
-    return agree, float(jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)))
+    agree, kl = _agreement(forward(weights, rows_BxL), forward(int8, rows_BxL))
+    return float(agree), float(kl)
+
+
+@jax.jit  # one program, where op by op each operation compiled one of its own
+def _agreement(logits_p, logits_q):
+    logp, logq = jax.nn.log_softmax(logits_p, axis=-1), jax.nn.log_softmax(logits_q, axis=-1)
+    return jnp.mean(jnp.argmax(logp, -1) == jnp.argmax(logq, -1)), jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), -1))
 
 
 @pytest.fixture(scope="module")
@@ -179,11 +184,17 @@ def test_int4_weights_on_the_grid_come_back_exactly(name, shape, storage):
     q[(slice(None),) * (axis + 1) + (0,)] = 7  # each group's first value
     scale_shape = (*shape[:axis], groups, *shape[axis + 1:])
     scale = np.repeat(2.0 ** rng.integers(-8, 0, scale_shape), group, axis=axis)
-    w = jnp.asarray(q.reshape(shape) * scale, jnp.float32)
-    stored = quant4.quantize_weight(w, axis, storage)
+    w = np.asarray(q.reshape(shape) * scale, np.float32)
+
+    @jax.jit  # as quantize_array jits it: op by op, each of its operations would compile a program of its own
+    def round_trip(w):
+        stored = quant4.quantize_weight(w, axis, storage)
+        return stored, stored.dequantize()
+
+    stored, widened = round_trip(w)
     assert stored.arrays_of()[0].size * {"nibbles": 2, "native": 1}[storage] == w.size
     assert stored.scale.shape == scale_shape
-    np.testing.assert_array_equal(np.asarray(stored.dequantize()), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(widened), w)
 
 
 def test_int4_weights_split_over_expert_and_model_as_the_float_ones_and_predict_as_on_one_device():
@@ -273,6 +284,13 @@ def test_a_decode_step_runs_its_layers_unrolled_where_decode_layers_says_and_dra
     assert loops(engine_of("auto").runner) == scanned_loops
 
 
+@jax.jit
+def widened(w):
+    """A LayerOf's layer as the layer reads its own slice (LayerOf.read), in float32: in one program, where op by op
+    every layer's read dispatched each of its operations anew."""
+    return w.read().astype(jnp.float32)
+
+
 @pytest.mark.parametrize("fmt", ["float", "int8", "int4-native", "mxfp4"])
 def test_a_layers_grouped_product_from_the_whole_stack_is_the_product_with_its_own_slice(fmt):
     """stacked_matmul (the stack as [layers * experts] groups, other layers' groups empty; int8's row scales
@@ -292,9 +310,8 @@ def test_a_layers_grouped_product_from_the_whole_stack_is_the_product_with_its_o
     sizes = jnp.asarray([9, 0, 17, 6], jnp.int32)  # 32 rows in groups, 8 past them
     for layer in range(layers):
         stacked = LayerOf(held, jnp.int32(layer))
-        got = stacked_matmul(x, stacked, sizes)
-        want = jax.lax.ragged_dot(x, stacked.read().astype(jnp.float32), sizes.at[-1].add(rows - 32),
-                                  precision="highest")
+        got = jax.jit(stacked_matmul)(x, stacked, sizes)  # one program (the layer is an operand), not op by op
+        want = jax.lax.ragged_dot(x, widened(stacked), sizes.at[-1].add(rows - 32), precision="highest")
         np.testing.assert_allclose(np.asarray(got[:32]), np.asarray(want[:32]), rtol=1e-5, atol=1e-5)
         assert not np.any(np.asarray(got[32:]))
 
@@ -340,9 +357,10 @@ def test_a_few_assignments_read_their_experts_directly_as_the_exact_ffn(fmt, ker
         layer_of = [LayerOf(h, jnp.int32(layer)).astype(jnp.float32) for h in held]
         args = (x, experts_TxK, gates_TxK, ExpertWeights(*layer_of), "kernel" if kernel else "xla")
         got = jax.jit(direct_ffn, static_argnums=4)(*args)
-        assert ("pallas_call" in str(jax.make_jaxpr(direct_ffn, static_argnums=4)(*args))) == kernel
-        widened = [np.asarray(w.read(), np.float64) for w in layer_of]
-        np.testing.assert_allclose(np.asarray(got), want(widened), rtol=1e-5, atol=1e-6)
+        if layer == 0:  # the layer is an operand (LayerOf.index): every layer's program is this one
+            assert ("pallas_call" in str(jax.make_jaxpr(direct_ffn, static_argnums=4)(*args))) == kernel
+        np.testing.assert_allclose(np.asarray(got), want([np.asarray(widened(w), np.float64) for w in layer_of]),
+                                   rtol=1e-5, atol=1e-6)
     if fmt == "float":  # GPT-OSS: biases and the clamped gating, the weights as one layer's arrays
         biases = [jnp.asarray(rng.normal(0, 0.5, (experts, n)), jnp.float32) for n in (f, f, d)]
         clamped = Activation(clamped=True, alpha=1.702, limit=0.5)
@@ -384,11 +402,12 @@ def test_a_dense_layer_reads_its_quantized_stack_in_place_as_its_slice(fmt, rows
     x = jnp.asarray(rng.normal(0, 1, (rows, 1, f)), jnp.float32)
     for layer in range(layers):
         w = with_layer(kept, whole, jnp.int32(layer))["0"]["ffn"]["w_out"].get_value()
-        want = np.asarray(x, np.float64) @ np.asarray(w.read()[0], np.float64)
+        want = np.asarray(x, np.float64) @ np.asarray(widened(w)[0], np.float64)
         for products in ("kernel", "xla"):
             got = jax.jit(layer_product, static_argnums=(2, 3))(x, w, jnp.float32, products)
-            jaxpr = str(jax.make_jaxpr(layer_product, static_argnums=(2, 3))(x, w, jnp.float32, products))
-            assert ("pallas_call" in jaxpr) == (products == "kernel" and fmt != "int4-nibbles")  # no nibble kernel
+            if layer == 0:  # every layer's slice has the same shapes: the same program
+                jaxpr = str(jax.make_jaxpr(layer_product, static_argnums=(2, 3))(x, w, jnp.float32, products))
+                assert ("pallas_call" in jaxpr) == (products == "kernel" and fmt != "int4-nibbles")  # no nibble kernel
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     long = jnp.ones((LAYER_ROWS + 1, f), jnp.float32)
     assert "pallas_call" not in str(jax.make_jaxpr(layer_product, static_argnums=(2, 3))(long, w, jnp.float32,
@@ -408,8 +427,8 @@ def test_int4_grouped_kernel_reads_the_held_scales_and_equals_the_exact_product(
     scale = rng.uniform(1e-3, 2e-2, (groups, inputs // 128, outputs)).astype(np.float32)
     x = jnp.asarray(rng.normal(0, 1, (rows, inputs)), jnp.bfloat16)
     sizes = np.array([5, 0, 6, 3])
-    got = int4_grouped_matmul(x, jnp.asarray(q, jnp.int4), jnp.asarray(scale), jnp.asarray(sizes, jnp.int32),
-                              (8, 1024, 128), interpret=True)
+    kernel = jax.jit(functools.partial(int4_grouped_matmul, tiles=(8, 1024, 128), interpret=True))  # not op by op
+    got = kernel(x, jnp.asarray(q, jnp.int4), jnp.asarray(scale), jnp.asarray(sizes, jnp.int32))
     group = np.repeat(np.arange(groups), sizes)
     rounded = np.asarray(jnp.asarray(scale, jnp.bfloat16), np.float64)
     w = q[group] * np.repeat(rounded[group], 128, axis=1)
@@ -470,9 +489,8 @@ def test_an_int4_heads_group_by_group_product_is_the_widened_weights(storage, na
     w = jnp.asarray(rng.normal(0, 0.05, shape), jnp.float32)
     held = quant4.quantize_params({name: w}, storage=storage)[name]
     x = jnp.asarray(rng.normal(0, 1, (3, rows, 256)), jnp.float32)
-    widened = held[...] if name == "head" else held[...].T
-    want = jnp.einsum("bld,dv->blv", x, widened, precision="highest")
-    got = held.contract(x, jnp.float32)
+    got, whole = jax.jit(lambda held, x: (held.contract(x, jnp.float32), held[...]))(held, x)  # not op by op
+    want = jnp.einsum("bld,dv->blv", x, whole if name == "head" else whole.T, precision="highest")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

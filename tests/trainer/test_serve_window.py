@@ -59,24 +59,29 @@ def test_tokens_and_chunks_longer_than_the_window_give_the_full_forward_logits(w
     largest logit (its keys and values rounded, the chunk's own read back as the cache holds them)."""
     model, weights, forward = windowed
     m = model.cfg.model
-    tokens_1xL = jnp.asarray(np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)), jnp.int32)
+    # numpy on the host: a jax array's every slice and index would compile a program of its own
+    tokens_1xL = np.random.RandomState(0).randint(0, m.vocab_size, (1, LENGTH)).astype(np.int32)
     decode = jax.jit(lambda w, c, t, s, n, span: model.module(w).decode(t, c, s, jnp.asarray([1]), span, n),
                      static_argnums=5)
-    cache, pieces = CacheLayout.of(m).empty(3, MAX_LEN, dtype), []
+    layout = CacheLayout.of(m)
+    # laid out as the engine lays it out, as the decode returns it: each call after the first runs its program
+    cache, pieces = jax.device_put(layout.empty(3, MAX_LEN, dtype), layout.sharding(model.mesh, dtype, MAX_LEN)), []
     for start in range(4):
-        logits, cache = decode(weights, cache, tokens_1xL[:, start:start + 1], jnp.asarray([start]), None, 4)
-        pieces.append(logits[0])
+        logits, cache = decode(weights, cache, tokens_1xL[:, start:start + 1], np.asarray([start], np.int32), None, 4)
+        pieces.append(np.asarray(logits)[0])
     for start, real in ((4, 8), (12, 5)):
-        chunk = jnp.zeros((1, 8), jnp.int32).at[:, :real].set(tokens_1xL[:, start:start + real])
-        logits, cache = decode(weights, cache, chunk, jnp.asarray([start]), jnp.asarray([real]), None)
-        pieces.append(logits[0, :real])
+        chunk = np.zeros((1, 8), np.int32)
+        chunk[:, :real] = tokens_1xL[:, start:start + real]
+        logits, cache = decode(weights, cache, chunk, np.asarray([start], np.int32), np.asarray([real], np.int32), None)
+        pieces.append(np.asarray(logits)[0, :real])
     for start in range(17, LENGTH):
-        logits, cache = decode(weights, cache, tokens_1xL[:, start:start + 1], jnp.asarray([start]), None, None)
-        pieces.append(logits[0])
-    full = forward(weights, jnp.tile(tokens_1xL, (3, 1)))[0]
-    error = float(jnp.abs(jnp.concatenate(pieces) - full).max())
-    assert error <= (1e-5 if dtype == "float32" else 0.02 * float(jnp.abs(full).max())), error
-    assert not any(np.any(np.asarray(a[:, [0, 2]])) for a in jax.tree.leaves(cache)), "other slots untouched"
+        logits, cache = decode(weights, cache, tokens_1xL[:, start:start + 1], np.asarray([start], np.int32), None,
+                               None)
+        pieces.append(np.asarray(logits)[0])
+    full = np.asarray(forward(weights, np.tile(tokens_1xL, (3, 1))))[0]
+    error = float(np.abs(np.concatenate(pieces) - full).max())
+    assert error <= (1e-5 if dtype == "float32" else 0.02 * float(np.abs(full).max())), error
+    assert not any(np.any(np.asarray(a)[:, [0, 2]]) for a in jax.tree.leaves(cache)), "other slots untouched"
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["chunks-apart", "chunks-with-the-step"])
@@ -98,6 +103,6 @@ def test_the_engines_greedy_tokens_are_the_full_forwards(windowed, mixed):
     tokens_3xL = np.zeros((3, LENGTH), np.int32)  # zeros after the first's: later positions change no earlier one
     for row, r in enumerate(requests):
         tokens_3xL[row, :len(r.prompt) + len(r.output)] = r.prompt + r.output
-    greedy_3xL = np.asarray(forward(weights, jnp.asarray(tokens_3xL)).argmax(-1))
+    greedy_3xL = np.asarray(forward(weights, tokens_3xL)).argmax(-1)
     for row, r in enumerate(requests):
         assert r.output == greedy_3xL[row, len(r.prompt) - 1:len(r.prompt) + len(r.output) - 1].tolist()

@@ -15,7 +15,7 @@ that step's tokens and emits them, while the new one runs. A slot's next input t
 keeps the step synchronous (decode, read, emit): a grammar's mask of the next token, and a group over several
 processes, whose inputs travel from host data (see _overlaps). With `decode_steps` > 1 (serve --decode-steps),
 while a lone stream decodes and nothing waits for a slot, one program runs that many steps (a burst,
-trainer.serve.runner's _burst_fn): there a step is shorter than the host's work for it (one v5e chip, moe-1b:
+trainer.serve.runner's Steps.burst): there a step is shorter than the host's work for it (one v5e chip, moe-1b:
 the engine's step 1.02-1.21 ms against 0.77-1.06 ms of the device's), and with bursts of 8 the device, not
 the host, sets the pace (bf16 1.21 -> 1.11 ms a token, int8 1.09 -> 0.86).
 

@@ -72,6 +72,11 @@ class ModelRunner:
         cache_sharding = layout.sharding(model.mesh, self.kv_dtype, max_len)
         self.cache = jax.jit(lambda: layout.empty(slots, max_len, self.kv_dtype), out_shardings=cache_sharding)()
         self._cache_sharding = cache_sharding
+        # What fixes a program's inputs and outputs besides its name: an engine of the model's with the same ones runs
+        # the jits an earlier one made (program). The weights' shapes, types and shardings count too, so that another
+        # engine's weights never add to this one's compilations().
+        self._shapes = (slots, max_len, chunk, self.kv_dtype, jax.tree.structure(weights),
+                        tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(weights)))
         # The data and expert axes split a step's tokens: a decode step runs a multiple of their devices' rows.
         self._shards = model.mesh.shape.get("expert", 1) * model.mesh.shape.get("data", 1)
         # "prefill/<span>" and "decode/<span>/<rows>", made on first use (program), and how often each ran.
@@ -153,20 +158,26 @@ class ModelRunner:
         the first <rows> slots (rows_for; a burst of <steps>), the fused step's rows over their own span, jitted
         on first use, on a group's workers as on its leader. Steps read only their live span and rows, so a
         short request's step costs what its tokens need whatever max_len is, and a lone stream's what one
-        row needs whatever the slots; the buckets keep the programs few (programs_bound)."""
+        row needs whatever the slots; the buckets keep the programs few (programs_bound). The model keeps the jit
+        (ServingModel.programs): an earlier engine of its with the same shapes may have traced and compiled it."""
         with self._lock:  # one jit a name: compile_ahead's thread and the engine's share it
             if name not in self.programs:
-                step, span, *rest = name.split("/")
-                if step == "mixed":  # the chunk's span, then the decode rows'
-                    fn = functools.partial(self._mixed_fn, span=int(span), decode_span=int(rest[0]))
-                elif len(rest) > 1:  # a burst of decode steps
-                    fn = functools.partial(self._burst_fn, span=int(span), steps=int(rest[1]))
-                else:
-                    fn = functools.partial({"prefill": self._prefill_fn, "decode": self._decode_fn}[step],
-                                           span=int(span))
-                # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step again.
-                self.programs[name] = jax.jit(fn, donate_argnums=(1,),
-                                              out_shardings=(self._replicated, self._cache_sharding))
+                key = (name, *self._shapes)
+                if key not in self.model.programs:
+                    step, span, *rest = name.split("/")
+                    steps = Steps(self.model, self.max_len)
+                    if step == "mixed":  # the chunk's span, then the decode rows'
+                        fn = functools.partial(steps.mixed, span=int(span), decode_span=int(rest[0]))
+                    elif len(rest) > 1:  # a burst of decode steps
+                        fn = functools.partial(steps.burst, span=int(span), steps=int(rest[1]))
+                    else:
+                        fn = functools.partial({"prefill": steps.prefill, "decode": steps.decode}[step],
+                                               span=int(span))
+                    # Outputs pinned to one layout: a cache coming back laid out otherwise would compile the step
+                    # again. setdefault: another engine's thread may have made it meanwhile.
+                    self.model.programs.setdefault(key, jax.jit(fn, donate_argnums=(1,),
+                                                                out_shardings=(self._replicated, self._cache_sharding)))
+                self.programs[name] = self.model.programs[key]
             return self.programs[name]
 
     def spans(self) -> list[int]:
@@ -191,68 +202,6 @@ class ModelRunner:
         estimate counts them)."""
         return programs(self.chunk, self.max_len, self.slots, self._shards, self.min_span, self.decode_steps,
                         self.mixed)
-
-    def _prefill_fn(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW,
-                    *, span):
-        """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
-        its target, the token after it (a target < 0: the token drawn here)."""
-        logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1, span,
-                                                                lengths_B=(last + 1)[None])
-        return _chunk_outputs(logits_1xCxV, targets_C, start_1, last, sampling, want, mask_1xW), cache
-
-    def _decode_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, *, span):
-        """The next token of each of the first R slots (R: `step_4xR`'s rows, step_inputs: each row's input
-        token, position, whether it follows, whether the step wants log-probabilities), written into their
-        cache rows in place (the cache is donated; the other slots' rows are neither read nor copied), drawn
-        with the first R rows of the slots' sampling and masks (S wide). A following row takes as its input its
-        slot's token in `last_S` (the previous step's output). Returns every slot's last token, S wide: these R
-        rows' new ones over `last_S`'s, so that the next step finds its followers' inputs whatever rows either
-        ran (one shape: no more programs than before); the log-probability records; the next step's inputs
-        where every live row follows (`following`)."""
-        tokens_R, positions_R = _step_tokens(step_4xR, last_S), step_4xR[1]
-        logits_Rx1xV, cache = self.model.module(weights).decode(tokens_R[:, None], cache, positions_R, span=span)
-        return self._step_outputs(logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S), cache
-
-    def _step_outputs(self, logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S) -> tuple:
-        """A decode step's outputs from its rows' logits (_decode_fn)."""
-        rows, positions_R, want_R = step_4xR.shape[1], step_4xR[1], step_4xR[3]
-        sampling_R = tuple(a[:rows] for a in sampling_S)
-        next_R = sample_tokens(allowed(logits_Rx1xV[:, 0], mask_SxW[:rows]), *sampling_R, positions_R + 1)
-        next_S = jax.lax.dynamic_update_slice_in_dim(last_S, next_R.astype(last_S.dtype), 0, axis=0)
-        scored = token_logprobs(logits_Rx1xV[:, 0], next_R, want_R[0] != 0)
-        return next_S, scored, following(step_4xR, self.max_len)
-
-    def _mixed_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, tokens_1xC, targets_C, start_1,
-                  slot_1, last, sampling_1, want, mask_1xW, *, span, decode_span):
-        """A prefill chunk (_prefill_fn's inputs, into a slot no row of the step decodes) and a decode step of
-        every slot (_decode_fn's) in one pass over the weights (Transformer.decode_groups: the chunk attends
-        first, as when its own program ran before the step's; the FFNs, the experts and the head take both's
-        tokens at once): a step that admits a request reads its weights once, not twice. The chunk attends
-        over `span` positions, the decode rows over `decode_span`, their own: a long prompt's chunk does not
-        make every stream read the cache up to its end (on a v5e chip that was most of the fused step at a
-        2,000-token prompt's end). Returns the decode step's outputs then the chunk's."""
-        (logits_1xCxV, logits_Rx1xV), cache = self.model.module(weights).decode_groups(
-            [(tokens_1xC, start_1, slot_1, (last + 1)[None]),
-             (_step_tokens(step_4xR, last_S)[:, None], step_4xR[1], None, None)], cache, (span, decode_span))
-        return (*self._step_outputs(logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S),
-                _chunk_outputs(logits_1xCxV, targets_C, start_1, last, sampling_1, want, mask_1xW)), cache
-
-    def _burst_fn(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, *, span, steps):
-        """`steps` decode steps in one program (a scan of _decode_fn, each step's rows following the one
-        before), for the host to dispatch and read once: the same tokens as `steps` programs of one step (each
-        token is drawn with its position's key). Returns the last step's tokens and `following` inputs as a step
-        does, no log-probability records (a burst never asks for them: collect reads none), and each step's
-        tokens of the R rows, [steps, R]."""
-        rows = step_4xR.shape[1]
-
-        def one(carry, _):
-            cache, last_S, step_4xR = carry
-            (next_S, _, after_4xR), cache = self._decode_fn(weights, cache, step_4xR, sampling_S, mask_SxW, last_S,
-                                                            span=span)
-            return (cache, next_S, after_4xR), next_S[:rows]
-
-        (cache, last_S, after_4xR), tokens_KxR = jax.lax.scan(one, (cache, last_S, step_4xR), None, length=steps)
-        return (last_S, (), after_4xR, tokens_KxR), cache
 
     def compilations(self) -> int:
         """Programs compiled so far by the steps: one a step, span and (decode) row count used (2 after the
@@ -411,7 +360,7 @@ class ModelRunner:
         """Starts one decode step of the first slots, as many as cover every live one (rows_for), or a burst of
         `steps` (decode_steps, of the fewest rows only: burst_fits; never with `want`), and returns its outputs,
         still on the device (collect reads them). With `chunk` (chunk_of, into a slot that does not decode) the
-        step runs every slot's row and the chunk in one program ("mixed/<span>/<decode span>", _mixed_fn:
+        step runs every slot's row and the chunk in one program ("mixed/<span>/<decode span>", Steps.mixed:
         the chunk's span covers the decode rows' too), the chunk's outputs left in it (chunk_result reads
         them)."""
         if steps not in (1, self.decode_steps) or (want and steps > 1) or (chunk is not None and steps > 1):
@@ -537,6 +486,77 @@ class ModelRunner:
         return step, self._resident["sampling"], self._resident["mask"], self.last_S
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Steps:
+    """The functions of the steps' programs (ModelRunner.program jits them), of the model and max_len alone: the
+    programs the model keeps for its engines (ServingModel.programs) hold no runner, and so no engine's cache."""
+
+    model: ServingModel
+    max_len: int
+
+    def prefill(self, weights, cache, tokens_1xC, targets_C, start_1, slot_1, last, sampling, want, mask_1xW,
+                *, span):
+        """The next token after position `last` of the chunk, and (when `want`) each position's logprob of
+        its target, the token after it (a target < 0: the token drawn here)."""
+        logits_1xCxV, cache = self.model.module(weights).decode(tokens_1xC, cache, start_1, slot_1, span,
+                                                                lengths_B=(last + 1)[None])
+        return _chunk_outputs(logits_1xCxV, targets_C, start_1, last, sampling, want, mask_1xW), cache
+
+    def decode(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, *, span):
+        """The next token of each of the first R slots (R: `step_4xR`'s rows, step_inputs: each row's input
+        token, position, whether it follows, whether the step wants log-probabilities), written into their
+        cache rows in place (the cache is donated; the other slots' rows are neither read nor copied), drawn
+        with the first R rows of the slots' sampling and masks (S wide). A following row takes as its input its
+        slot's token in `last_S` (the previous step's output). Returns every slot's last token, S wide: these R
+        rows' new ones over `last_S`'s, so that the next step finds its followers' inputs whatever rows either
+        ran (one shape: no more programs than before); the log-probability records; the next step's inputs
+        where every live row follows (`following`)."""
+        tokens_R, positions_R = _step_tokens(step_4xR, last_S), step_4xR[1]
+        logits_Rx1xV, cache = self.model.module(weights).decode(tokens_R[:, None], cache, positions_R, span=span)
+        return self.step_outputs(logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S), cache
+
+    def step_outputs(self, logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S) -> tuple:
+        """A decode step's outputs from its rows' logits (decode)."""
+        rows, positions_R, want_R = step_4xR.shape[1], step_4xR[1], step_4xR[3]
+        sampling_R = tuple(a[:rows] for a in sampling_S)
+        next_R = sample_tokens(allowed(logits_Rx1xV[:, 0], mask_SxW[:rows]), *sampling_R, positions_R + 1)
+        next_S = jax.lax.dynamic_update_slice_in_dim(last_S, next_R.astype(last_S.dtype), 0, axis=0)
+        scored = token_logprobs(logits_Rx1xV[:, 0], next_R, want_R[0] != 0)
+        return next_S, scored, following(step_4xR, self.max_len)
+
+    def mixed(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, tokens_1xC, targets_C, start_1,
+              slot_1, last, sampling_1, want, mask_1xW, *, span, decode_span):
+        """A prefill chunk (prefill's inputs, into a slot no row of the step decodes) and a decode step of
+        every slot (decode's) in one pass over the weights (Transformer.decode_groups: the chunk attends
+        first, as when its own program ran before the step's; the FFNs, the experts and the head take both's
+        tokens at once): a step that admits a request reads its weights once, not twice. The chunk attends
+        over `span` positions, the decode rows over `decode_span`, their own: a long prompt's chunk does not
+        make every stream read the cache up to its end (on a v5e chip that was most of the fused step at a
+        2,000-token prompt's end). Returns the decode step's outputs then the chunk's."""
+        (logits_1xCxV, logits_Rx1xV), cache = self.model.module(weights).decode_groups(
+            [(tokens_1xC, start_1, slot_1, (last + 1)[None]),
+             (_step_tokens(step_4xR, last_S)[:, None], step_4xR[1], None, None)], cache, (span, decode_span))
+        return (*self.step_outputs(logits_Rx1xV, step_4xR, sampling_S, mask_SxW, last_S),
+                _chunk_outputs(logits_1xCxV, targets_C, start_1, last, sampling_1, want, mask_1xW)), cache
+
+    def burst(self, weights, cache, step_4xR, sampling_S, mask_SxW, last_S, *, span, steps):
+        """`steps` decode steps in one program (a scan of decode, each step's rows following the one
+        before), for the host to dispatch and read once: the same tokens as `steps` programs of one step (each
+        token is drawn with its position's key). Returns the last step's tokens and `following` inputs as a step
+        does, no log-probability records (a burst never asks for them: collect reads none), and each step's
+        tokens of the R rows, [steps, R]."""
+        rows = step_4xR.shape[1]
+
+        def one(carry, _):
+            cache, last_S, step_4xR = carry
+            (next_S, _, after_4xR), cache = self.decode(weights, cache, step_4xR, sampling_S, mask_SxW, last_S,
+                                                        span=span)
+            return (cache, next_S, after_4xR), next_S[:rows]
+
+        (cache, last_S, after_4xR), tokens_KxR = jax.lax.scan(one, (cache, last_S, step_4xR), None, length=steps)
+        return (last_S, (), after_4xR, tokens_KxR), cache
+
+
 # What `following` does to a live row of step_inputs, by row (token, position, follow, want): the rows it clears,
 # then what it adds (so: token 0, position + 1, follow 1, want as it was).
 _CLEARED_4x1 = np.array([[1], [0], [1], [0]], np.int32)
@@ -561,7 +581,7 @@ def _step_tokens(step_4xR, last_S):
 
 
 def _chunk_outputs(logits_1xCxV, targets_C, start_1, last, sampling, want, mask_1xW) -> tuple:
-    """A prefill chunk's outputs from its logits (ModelRunner._prefill_fn): the token drawn after position
+    """A prefill chunk's outputs from its logits (Steps.prefill): the token drawn after position
     `last`, and each position's log-probability records of its target (the drawn token where it is < 0)."""
     logits_1xV = jax.lax.dynamic_index_in_dim(logits_1xCxV, last, axis=1, keepdims=False)
     token_1 = sample_tokens(allowed(logits_1xV, mask_1xW), *sampling, start_1 + last + 1)

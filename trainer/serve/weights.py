@@ -51,6 +51,10 @@ class ServingModel:
     rest: nnx.State
     shardings: dict[str, Any]
     weights: dict[str, Any] | None = None  # {"params": {name: array}, "moe_bias": {name: array}}
+    # The engines' jitted step programs (trainer.serve.runner.ModelRunner.program), one for all the engines of this
+    # model with the same shapes: a later engine runs what an earlier one traced and compiled. A copy
+    # (dataclasses.replace) starts with none.
+    programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def module(self, weights: dict[str, Any]) -> Transformer:
         """The model with `weights`, for use inside jit."""
