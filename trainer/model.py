@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -424,6 +426,18 @@ def _stacked_together(cfg: Config, stack: Stack, j: int, mesh: Mesh | None, stre
     stream.count[...] = first + stack.repeats * per_layer
     named = jax.tree.map(lambda v: _named_stacked(v, v.get_value()), states, is_leaf=_is_var)
     return nnx.merge(made["graphdef"], named)
+
+
+def abstract_split(make_model: Callable[[], Transformer]) -> tuple:
+    """(graphdef, abstract params, abstract MoE biases, non-parameter state) of the model `make_model()` builds:
+    the shapes from an abstract build, the rest (RNG streams; the step folds into their keys) made by one
+    program. No random draw is traced for either (initializers.shapes_only)."""
+    from trainer.moe.layer import ExpertBias
+
+    with initializers.shapes_only():
+        graphdef, params, biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
+        rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
+    return graphdef, params, biases, rest
 
 
 def build_model(cfg: Config, *, mesh: Mesh | None = None, seed: int = 0) -> Transformer:

@@ -19,9 +19,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import initializers, program_cache, sharding
+from trainer import program_cache, sharding
 from trainer.config import Config, OptimConfig
-from trainer.model import ParamCodec, Transformer, step_rngs
+from trainer.model import ParamCodec, Transformer, abstract_split, step_rngs
 from trainer.moe.layer import ExpertBias
 
 # {"step": int32 [], "params": {name: array}, "opt_state": optax state}, and "moe_bias": {name: float32 [E]}
@@ -129,12 +129,7 @@ def build_trainer(cfg: Config, mesh: Mesh, total_steps: int) -> Trainer:
         with nnx.use_eager_sharding(False), sharding.logical_mesh(mesh):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
-    # The model's shapes, and its non-parameter state (only RNG streams, MoE router jitter; the step folds into
-    # their keys): no draw is traced for either.
-    with initializers.shapes_only():
-        abstract = nnx.eval_shape(make_model)
-        rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
-    graphdef, abstract_params, abstract_biases, _ = nnx.split(abstract, nnx.Param, ExpertBias, ...)
+    graphdef, abstract_params, abstract_biases, rest = abstract_split(make_model)
     codec = ParamCodec(abstract_params)
     bias_codec = ParamCodec(abstract_biases)  # no names unless moe.balance uses the bias
     optimizer = make_optimizer(cfg.optim, total_steps)

@@ -101,18 +101,14 @@ def trainer_model(run_dir: str, cfg=None):
     import jax
     from flax import nnx
 
-    from trainer import initializers
     from trainer.hf.orbax_io import open_run
-    from trainer.model import ParamCodec, build_model
-    from trainer.moe.layer import ExpertBias
+    from trainer.model import ParamCodec, abstract_split, build_model
 
     run = open_run(run_dir, None)
     cfg = cfg or run.cfg
     # Built for its structure only, as the serving engine builds it (trainer/serve/weights.py): every parameter
     # is the run's. Built eagerly, each random draw was a program compiled (up to 256 a model, seconds of CPU).
-    with initializers.shapes_only():
-        graphdef, params, biases, _ = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param, ExpertBias, ...)
-        rest = jax.jit(lambda: nnx.split(build_model(cfg), nnx.Param, ExpertBias, ...)[3])()
+    graphdef, params, biases, rest = abstract_split(lambda: build_model(cfg))
     codec, bias_codec = ParamCodec(params), ParamCodec(biases)  # DeepSeek-V3's selection biases, if any
     values = run.read(set(codec.names) | set(bias_codec.names))
     state = [c.unflatten({n: jax.device_put(values[n]) for n in c.names}) for c in (codec, bias_codec)]

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import initializers, sharding
+from trainer import sharding
 from trainer.config import Config
-from trainer.model import ParamCodec, Transformer, step_rngs
+from trainer.model import ParamCodec, Transformer, abstract_split, step_rngs
 from trainer.moe.layer import ExpertBias
 
 
@@ -84,9 +84,7 @@ def build_serving_model(cfg: Config, mesh: Mesh) -> ServingModel:
         with nnx.use_eager_sharding(False), sharding.logical_mesh(mesh):
             return Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(cfg.train.seed))
 
-    with initializers.shapes_only():  # the shapes and the RNG streams: no draw traced for either
-        graphdef, params, biases, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ExpertBias, ...)
-        rest = jax.jit(lambda: nnx.split(make_model(), nnx.Param, ExpertBias, ...)[3])()
+    graphdef, params, biases, rest = abstract_split(make_model)
     codec, bias_codec = ParamCodec(params), ParamCodec(biases)
     specs = sharding.param_specs(codec.variables, mesh, cfg.train.fsdp)
     shardings = {"params": {n: NamedSharding(mesh, specs[n]) for n in codec.names},
