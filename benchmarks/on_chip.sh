@@ -11,7 +11,8 @@
 #   interference  benchmarks/serve_interference.py: 8 streams decoding while a 2,000-token prompt arrives
 #                 (CHUNKS: the prefill chunks tried, 64; MIXED: the chunk in its own program and/or with the
 #                 decode step, off,on); PROFILE=1: the decode step's and the chunk's programs' ops
-#   ready         benchmarks/serve_ready.py: a server of moe-1b (trained one step here) ready, cold and warm cache
+#   ready         benchmarks/serve_ready.py: a server of moe-1b (trained one step here) ready, cold and warm cache;
+#                 RESTORE_PARTS=1: where its checkpoint read goes
 #   gmm           benchmarks/gmm_formats.py
 #   rows          benchmarks/rows_product.py: a few rows times one layer's weight read from its stack, the kernel
 #                 (each column tile) against XLA, bf16/int8/int4
@@ -53,7 +54,8 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
            --json "$OUT/serve_weights.json" ;;
   interference) stage interference "${INTERFERENCE_S:-300}" python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
                   --mixed "${MIXED:-off,on}" ${PROFILE:+--profile} --json "$OUT/interference.json" ;;
-  ready) stage ready "${READY_S:-240}" python benchmarks/serve_ready.py --accelerator --log-compiles --json "$OUT/ready.json" ;;
+  ready) stage ready "${READY_S:-240}" python benchmarks/serve_ready.py --accelerator --log-compiles ${RESTORE_PARTS:+--restore-parts} \
+           --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
   rows) stage rows 150 python benchmarks/rows_product.py --json "$OUT/rows_product.json" ;;
   tests) MOE_TPU_TESTS=1 stage tests 300 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \

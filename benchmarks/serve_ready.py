@@ -68,6 +68,50 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
     return 0
 
 
+def restore_parts(checkpoint: str) -> int:
+    """Where a server's checkpoint read goes, in one process, each part twice (the second with the files in the
+    page cache): the checkpoint's files read whole (the bytes the disk gives), the parameters read by orbax onto
+    the host (numpy), and as the server reads them onto the devices (restore_weights). Prints one JSON line."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from trainer import sharding
+    from trainer.run_loader import find_run, load_run_config
+    from trainer.serve.startup import serving_mesh
+    from trainer.serve.weights import build_serving_model, restore_weights
+
+    run = find_run(checkpoint, progress=lambda _: None)
+    cfg = load_run_config(run.config)
+    mesh = sharding.make_mesh(serving_mesh(cfg, None, len(jax.devices())), jax.devices())
+    model = build_serving_model(cfg, mesh)
+    parts: dict = {"files": [], "host": [], "devices": []}
+    step_dir = max((p for p in Path(run.checkpoints).iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    files = [p for p in step_dir.rglob("*") if p.is_file()]
+    for _ in range(2):
+        started = time.perf_counter()
+        read = sum(len(p.read_bytes()) for p in files)
+        parts["files"].append(round(time.perf_counter() - started, 2))
+        parts["file_bytes"] = read
+        manager = ocp.CheckpointManager(run.checkpoints, item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+                                        options=ocp.CheckpointManagerOptions(read_only=True))
+        wanted = {"params": model.abstract()["params"]}
+        host = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+        started = time.perf_counter()
+        manager.restore(int(step_dir.name), args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=wanted, restore_args=host, partial_restore=True)))
+        parts["host"].append(round(time.perf_counter() - started, 2))
+        manager.close()
+        started = time.perf_counter()
+        weights, _ = restore_weights(model, run.checkpoints)
+        jax.block_until_ready(weights)
+        parts["devices"].append(round(time.perf_counter() - started, 2))
+        parts["param_bytes"] = sum(a.nbytes for a in jax.tree.leaves(weights))
+        del weights
+    print(json.dumps({"restore_parts": parts}), flush=True)
+    return 0
+
+
 def start(checkpoint: str, cache: str, slots: int, max_len: int, env: dict) -> dict:
     launched = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, "--child", checkpoint, "--slots", str(slots), "--max-len",
@@ -106,12 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-compiles", action="store_true",
                    help="each start's compile log (jax's tracing, lowering, compiles and cache hits, stamped with "
                         "ms since its start) in its row")
+    p.add_argument("--restore-parts", action="store_true",
+                   help="after the starts, where the checkpoint read goes (files, onto the host, onto the devices)")
+    p.add_argument("--restore-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     if args.log_compiles:
         os.environ["JAX_LOG_COMPILES"] = "1"
     if args.child:
         return child(args.child, args.slots, args.max_len)
+    if args.restore_child:
+        return restore_parts(args.restore_child)
     env = dict(os.environ) if args.accelerator else dict(os.environ, JAX_PLATFORMS="cpu")
     rows = []
     with tempfile.TemporaryDirectory() as work:
@@ -123,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         cache = str(Path(work) / "cache")  # empty: the cold start's, then the warm one's
         for which in ("cold", "warm"):
             rows.append({"cache": which, **start(checkpoint, cache, args.slots, args.max_len, env)})
+            print(json.dumps(rows[-1]), flush=True)
+        if args.restore_parts:
+            done = subprocess.run([sys.executable, __file__, "--restore-child", checkpoint], capture_output=True,
+                                  text=True, cwd=ROOT, env=dict(env, JAX_COMPILATION_CACHE_DIR=cache,
+                                                                PYTHONPATH=python_path(env)))
+            if done.returncode:
+                raise RuntimeError(f"the restore parts failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"checkpoint": args.checkpoint or args.config, "starts": rows},

@@ -197,16 +197,28 @@ def compilation_cache_dir(env: Mapping[str, str]) -> str:
     return os.path.join(base, "moe-tpu", "jax")
 
 
+# jax keeps only programs that took a second or more to compile unless told otherwise; on a v5e chip a warm
+# start compiled its small ones again each time: the trainer's and the server's RNG streams (0.47 s), the
+# server's prefix-cache copies (0.26-0.54 s each), about 1.4 s of a warm server's 17.5 s (2026-12-07,
+# benchmarks/serve_ready.py --log-compiles). A cache hit of such a program reads a few kilobytes.
+MIN_COMPILE_TIME_VARIABLE = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+
+
 def use_compilation_cache(platform: str, env: Mapping[str, str] | None = None, *, cpu: bool = False) -> str | None:
     """On an accelerator (and with `cpu` on a CPU too: the server's), jax's persistent compilation cache, as the
     dry run has it, where none is set: a restarted trainer (a preemption, the next run of the same model) or
-    server loads its programs instead of compiling them again. Call it before the first compile. Returns the
+    server loads its programs instead of compiling them again, the quick ones too (MIN_COMPILE_TIME_VARIABLE
+    unless set). Call it before the first compile. Returns the
     directory, or None where the environment or jax's config chose already, or on a CPU without `cpu` (the dry
     run sets its own)."""
     import jax
 
     env = os.environ if env is None else env
-    if (platform == "cpu" and not cpu) or env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+    if platform == "cpu" and not cpu:
+        return None
+    if MIN_COMPILE_TIME_VARIABLE not in env:  # every program kept, however quickly it compiles
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return None
     path = compilation_cache_dir(env)
     jax.config.update("jax_compilation_cache_dir", path)

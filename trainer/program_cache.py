@@ -25,6 +25,7 @@ import os
 import pickle
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ ENV_IGNORED = ("JAX_COMPILATION_CACHE_DIR",)  # where the programs are kept is n
 TRACED_THROUGH = ("jaxlib", "flax", "optax")  # whose code is in the programs, beside jax's and the trainer's own
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # jax records it on the thread whose compile its cache served
 _heard = threading.local()
+LOADED_EVENT = "/moe_tpu/program_cache/loaded"  # a program loaded (its seconds), where XLA would have compiled one
 
 
 def enabled(cfg) -> bool:
@@ -101,6 +103,12 @@ def key(kind: str, cfg, mesh, **extra: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
 
 
+def kept(program_key: str | None) -> bool:
+    """Whether a program is kept under `program_key` (None: none is looked for)."""
+    folder = directory()
+    return program_key is not None and folder is not None and (folder / program_key).is_file()
+
+
 def load(program_key: str, mesh):
     """The program kept under `program_key`, loaded onto `mesh`'s devices; None where there is none or it does
     not load (then it is removed, and compiled again by the caller)."""
@@ -110,13 +118,18 @@ def load(program_key: str, mesh):
     path = None if folder is None else folder / program_key
     if path is None or not path.is_file():
         return None
+    started = time.perf_counter()
     try:
         serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
-        return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
-                                                         execution_devices=list(mesh.devices.flat))
+        loaded = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                           execution_devices=list(mesh.devices.flat))
     except Exception:  # noqa: BLE001 - a damaged or foreign entry is a miss
         path.unlink(missing_ok=True)
         return None
+    import jax.monitoring
+
+    jax.monitoring.record_event_duration_secs(LOADED_EVENT, time.perf_counter() - started)
+    return loaded
 
 
 @functools.cache

@@ -12,10 +12,12 @@ from trainer.serve.startup import ServeError, compiling_early, load
 
 
 def compiles_by_thread(events: list[str]):
-    """A listener that appends the name of the thread each XLA compile ran on to `events`."""
+    """A listener that appends the name of the thread each XLA compile ran on to `events`, and each program
+    loaded instead (trainer/program_cache.py: one an earlier test's server kept)."""
+    from trainer.program_cache import LOADED_EVENT
 
     def listener(name, *_, **__):
-        if "/jax/core/compile/backend" in name:
+        if "/jax/core/compile/backend" in name or name == LOADED_EVENT:
             events.append(threading.current_thread().name)
 
     return listener
@@ -23,7 +25,8 @@ def compiles_by_thread(events: list[str]):
 
 @contextlib.contextmanager
 def compiles(events: list[str]):
-    """XLA's compiles meanwhile, each as the name of the thread it ran on, appended to `events`."""
+    """XLA's compiles (and programs loaded) meanwhile, each as the name of the thread it ran on, appended to
+    `events`."""
     listener = compiles_by_thread(events)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
@@ -77,6 +80,48 @@ def test_load_compiles_each_first_program_once_on_the_thread_or_in_the_warm_up(t
     assert all(not isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(engine.weights))
     assert events.count(EARLY) + len(events[loaded:]) == len(engine.runner.first_programs())
     assert engine.runner.mixed and not any(name.startswith("mixed/") for name in engine.runner.first_programs())
+
+
+def test_a_restarted_server_loads_the_programs_the_first_one_compiled_and_answers_the_same(trained_tiny, tmp_path):
+    """trainer/program_cache.py for the engine: a server compiles its first programs and keeps them; a second
+    one of the same run and shapes (here a new model in this process, as a restart builds it, over a
+    compilation cache of its own) loads them, compiles none of its steps, and draws the same tokens."""
+    from jax._src import compilation_cache
+
+    from trainer import program_cache
+
+    loads: list[float] = []
+    heard = lambda name, secs, **_: loads.append(secs) if name == program_cache.LOADED_EVENT else None  # noqa: E731
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))  # no other test's programs in it
+    compilation_cache.reset_cache()
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        served = []
+        for _ in range(2):
+            del loads[:]
+            with compiles([]) as events:
+                engine = loaded_engine(trained_tiny.output_dir)
+                for thread in [t for t in threading.enumerate() if t.name == EARLY]:
+                    thread.join(timeout=300)
+                warm_up = len(events)
+                engine.warm_up()
+                made = events.count(EARLY) + len(events[warm_up:])  # on the thread, or left to the warm-up
+                request = engine.submit(Request([3, 17, 9, 4], SamplingParams(max_tokens=6)))
+                engine.run()
+            for thread in [t for t in threading.enumerate() if t.name.startswith("keep-")]:
+                thread.join(timeout=60)
+            served.append((request.output, len(loads), made))
+        first = engine.runner.first_programs()
+        kept = list((tmp_path / "cache" / program_cache.SUBDIR).glob("[0-9a-f]*"))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+    (tokens, loaded, made), (again, loaded_again, made_again) = served
+    assert loaded == 0 and made == len(first) and len(kept) == len(first)
+    assert loaded_again == len(first) == made_again  # each loaded, none compiled
+    assert again == tokens and len(tokens) == 6
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_anything_compiles_early(trained_tiny, tmp_path):

@@ -379,6 +379,15 @@ def test_a_trainer_on_a_chip_keeps_its_compiled_programs_where_the_dry_run_does(
     before = jax.config.jax_compilation_cache_dir  # this suite's (tests/conftest.py): kept
     assert before and distributed.use_compilation_cache("tpu", env) is None
     assert jax.config.jax_compilation_cache_dir == before
+    # Quick programs kept too, unless the environment says otherwise (the suite's own setting is 0).
+    try:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        distributed.use_compilation_cache("tpu", {**env, distributed.MIN_COMPILE_TIME_VARIABLE: "1"})
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
+        distributed.use_compilation_cache("tpu", env)
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def test_pathways_detection():

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer import program_cache
 from trainer.serve.latentcache import CacheLayout
 from trainer.serve.logprobs import Logprob, records, token_logprobs
 from trainer.serve.sampling import allowed, sample_tokens
@@ -79,8 +80,10 @@ class ModelRunner:
                         tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(weights)))
         # The data and expert axes split a step's tokens: a decode step runs a multiple of their devices' rows.
         self._shards = model.mesh.shape.get("expert", 1) * model.mesh.shape.get("data", 1)
-        # "prefill/<span>" and "decode/<span>/<rows>", made on first use (program), and how often each ran.
+        # "prefill/<span>" and "decode/<span>/<rows>", made on first use (program), their compiled programs
+        # (executable), and how often each ran.
         self.programs: dict = {}
+        self.executables: dict = {}
         self.calls: collections.Counter = collections.Counter()
         # The programs compiled (or being compiled) by a call or ahead of one (compile_ahead), those compile_ahead
         # is compiling now (a call waits for it rather than compile it twice), and the programs' first calls,
@@ -146,7 +149,9 @@ class ModelRunner:
         if compiles:  # compile_ahead waits meanwhile: the cores go to the program a request waits for
             self._not_compiling.clear()
         try:
-            outputs, self.cache = self.program(name)(self.weights, self.cache, *inputs)
+            # Across processes the jit (its inputs are global arrays made here), else the compiled program.
+            run = self.program(name) if self._spans_processes else self.executable(name)
+            outputs, self.cache = run(self.weights, self.cache, *inputs)
         finally:
             self._not_compiling.set()
         self.calls[name] += 1
@@ -180,6 +185,41 @@ class ModelRunner:
                 self.programs[name] = self.model.programs[key]
             return self.programs[name]
 
+    def executable(self, name: str):
+        """Program `name` compiled for this runner's weights, cache and inputs: one an engine of the model's with
+        the same shapes compiled or loaded before, else one kept by an earlier process of the same make
+        (trainer/program_cache.py: on a v5e chip a warm server traced and lowered moe-1b's first two programs
+        for 7.5 s before jax's own cache could serve them), else compiled here and kept. One caller a name at a
+        time (run and compile_ahead see to it)."""
+        with self._lock:
+            found = self.executables.get(name)
+        if found is not None:
+            return found
+        jitted = self.program(name)  # every name run has its jit in `programs`, compiled here or not
+        key = (name, *self._shapes)
+        compiled = self.model.executables.get(key)
+        if compiled is None:
+            keep = self._program_key(name)
+            compiled = program_cache.load(keep, self.model.mesh) if keep else None
+            if compiled is None:
+                compiled, keepable = program_cache.compile_to_keep(jitted.lower(
+                    self.weights, self._cache_spec, *self._abstract(self.example_inputs(name))))
+                if not _lie_as_compiled(compiled, self.weights):  # the jit, which lays them out as it calls
+                    compiled, keepable = jitted, False
+                if keep and keepable:  # written beside the serving: a request waits for no disk
+                    threading.Thread(target=program_cache.store, args=(keep, compiled), name=f"keep-{name}",
+                                     daemon=True).start()
+            compiled = self.model.executables.setdefault(key, compiled)  # another engine's thread may have one
+        with self._lock:
+            self.executables[name] = compiled
+        return compiled
+
+    def _program_key(self, name: str) -> str | None:
+        """program_cache's key of program `name` at this runner's shapes; None where nothing is kept."""
+        if not program_cache.enabled(self.model.cfg):
+            return None
+        return program_cache.key(f"serve:{name}", self.model.cfg, self.model.mesh, shapes=repr(self._shapes))
+
     def spans(self) -> list[int]:
         """The spans a step may read (trainer/serve/spans.py)."""
         return ladder(self.chunk, self.max_len, self.min_span)
@@ -204,9 +244,11 @@ class ModelRunner:
                         self.mixed)
 
     def compilations(self) -> int:
-        """Programs compiled so far by the steps: one a step, span and (decode) row count used (2 after the
-        smallest warm-up; at most programs_bound() however long the server runs)."""
-        return sum(program._cache_size() for program in self.programs.values())
+        """Programs compiled (or loaded) so far by the steps: one a step, span and (decode) row count used (2
+        after the smallest warm-up; at most programs_bound() however long the server runs). Across processes
+        the jits' own count: a call with inputs of another type or layout would add one."""
+        return sum(1 if self.executables.get(name, program) is not program else program._cache_size()
+                   for name, program in self.programs.items())
 
     def warm_up_order(self) -> list[str]:
         """Every program a step may run, in the order traffic first needs them: at the shortest span a short
@@ -262,8 +304,11 @@ class ModelRunner:
                 self.compiled.add(name)
                 ahead = self._ahead[name] = threading.Event()
             try:
-                self.program(name).lower(self.weights, self._cache_spec, *self._abstract(
-                    self.example_inputs(name))).compile()  # jax keeps it: the program's first call finds it
+                if self._spans_processes:  # jax keeps it: the program's first call finds it
+                    self.program(name).lower(self.weights, self._cache_spec, *self._abstract(
+                        self.example_inputs(name))).compile()
+                else:
+                    self.executable(name)
                 done += 1
             except BaseException:
                 with self._lock:
@@ -555,6 +600,17 @@ class Steps:
 
         (cache, last_S, after_4xR), tokens_KxR = jax.lax.scan(one, (cache, last_S, step_4xR), None, length=steps)
         return (last_S, (), after_4xR, tokens_KxR), cache
+
+
+def _lie_as_compiled(compiled, weights) -> bool:
+    """Whether the weights' arrays lie as `compiled` takes them: an executable refuses arrays of another layout
+    where a jit relays them (on a CPU a jnp.int4 array lies a byte a value, and XLA compiles for two a byte).
+    Abstract weights (a server compiling while it reads them) lie as XLA's default."""
+    from jax.experimental.layout import Format
+
+    wanted = jax.tree.leaves(compiled.input_formats[0][0], is_leaf=lambda x: isinstance(x, Format))
+    return all(not isinstance(a, jax.Array) or f.layout is None or a.format.layout == f.layout
+               for f, a in zip(wanted, jax.tree.leaves(weights), strict=True))
 
 
 # What `following` does to a live row of step_inputs, by row (token, position, follow, want): the rows it clears,

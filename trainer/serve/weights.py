@@ -55,6 +55,7 @@ class ServingModel:
     # model with the same shapes: a later engine runs what an earlier one traced and compiled. A copy
     # (dataclasses.replace) starts with none.
     programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    executables: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # compiled
 
     def module(self, weights: dict[str, Any]) -> Transformer:
         """The model with `weights`, for use inside jit."""
