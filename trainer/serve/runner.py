@@ -206,9 +206,8 @@ class ModelRunner:
                     self.weights, self._cache_spec, *self._abstract(self.example_inputs(name))))
                 if not _lie_as_compiled(compiled, self.weights):  # the jit, which lays them out as it calls
                     compiled, keepable = jitted, False
-                if keep and keepable:  # written beside the serving: a request waits for no disk
-                    threading.Thread(target=program_cache.store, args=(keep, compiled), name=f"keep-{name}",
-                                     daemon=True).start()
+                if keep and keepable:  # written beside the serving (a request waits for no disk), whole at exit
+                    threading.Thread(target=program_cache.store, args=(keep, compiled), name=f"keep-{name}").start()
             compiled = self.model.executables.setdefault(key, compiled)  # another engine's thread may have one
         with self._lock:
             self.executables[name] = compiled
