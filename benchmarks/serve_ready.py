@@ -50,6 +50,18 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)7.0f ms %(message)s")
+        import threading
+
+        import jax.monitoring
+
+        from trainer.program_cache import LOADED_EVENT
+
+        def heard(event: str, seconds: float, **_) -> None:  # the kept programs' loads, in the same log
+            if event == LOADED_EVENT:
+                logging.warning("Finished loading a kept program (program cache) in %.3f sec on %s", seconds,
+                                threading.current_thread().name)
+
+        jax.monitoring.register_event_duration_secs_listener(heard)
     from trainer.serve.spans import DEFAULT_CHUNK
     from trainer.serve.startup import load
 
