@@ -14,6 +14,7 @@
 #   ready         benchmarks/serve_ready.py: a server of moe-1b (trained one step here) ready, cold and warm cache;
 #                 RESTORE_PARTS=1: where its checkpoint read goes
 #   gmm           benchmarks/gmm_formats.py
+#   codec         benchmarks/checkpoint_codec.py: 2 GiB of weights saved and restored with orbax's zstd and without
 #   rows          benchmarks/rows_product.py: a few rows times one layer's weight read from its stack, the kernel
 #                 (each column tile) against XLA, bf16/int8/int4
 #   tests         the `tpu` tests
@@ -57,6 +58,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   ready) stage ready "${READY_S:-240}" python benchmarks/serve_ready.py --accelerator --log-compiles ${RESTORE_PARTS:+--restore-parts} \
            --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
+  codec) stage codec 150 python benchmarks/checkpoint_codec.py --gib 2 --json "$OUT/checkpoint_codec.json" ;;
   rows) stage rows 150 python benchmarks/rows_product.py --json "$OUT/rows_product.json" ;;
   tests) MOE_TPU_TESTS=1 stage tests 300 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
            tests/trainer/test_tpu.py ;;
