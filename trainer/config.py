@@ -114,8 +114,9 @@ class TrainConfig(Section):
     # the optimised one, compiled after it, is ready (trainer/step.py TieredStep); false: every step waits for
     # the optimised one.
     quick_compile: Flag = True
-    # The compiled train step and initial state's program kept under a key of what they are made from, so that a
-    # restarted run skips tracing and lowering them (trainer/program_cache.py).
+    # The compiled train step and initial state's program (and a server's step programs, for the run it serves)
+    # kept under a key of what they are made from, so that a restart skips tracing and lowering them
+    # (trainer/program_cache.py).
     program_cache: Flag = True
     eval_every: NonNegative = 0  # evaluate every N steps (and at the last step); 0: never
     eval_batches: Positive = 4  # global batches per evaluation (the same ones every time)
