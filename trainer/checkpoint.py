@@ -231,14 +231,17 @@ class Checkpointer:
     synchronously, so a bad directory fails at `save` and leaves no orbax thread waiting for it.
     """
 
-    def __init__(self, directory: str, *, every: int, keep: int, async_save: bool = True):
+    def __init__(self, directory: str, *, every: int, keep: int, async_save: bool = True, compression: bool = True):
+        """`compression`: each array written with zstd (train.checkpoint_compression); a checkpoint of either
+        kind restores."""
         self.directory = check_directory(directory)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=every, max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
-                "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
+                "state": ocp.PyTreeCheckpointHandler(use_compression=compression),
+                "data": ocp.JsonCheckpointHandler()})
         except Exception as e:  # noqa: BLE001 - any file-system error: one message naming the path
             raise CheckpointError(f"cannot use {self.directory} for checkpoints: {short_reason(e)}") from None
         self._pending: int | None = None  # the step whose asynchronous write is in flight
@@ -258,7 +261,7 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
         """Starts an asynchronous save when `step` is due (or `force`); returns whether it saved."""
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state))
         try:
             if self._pending is not None:
                 self.manager.check_for_errors()
@@ -310,7 +313,9 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """The state at `step`, laid out as `abstract_state` (ShapeDtypeStructs with shardings)."""
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)  # each array's layout and type
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args),
+                                  data=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)
         return restored["state"], dict(restored["data"])
 

@@ -117,8 +117,8 @@ def run(spec: RunSpec, reporter: Reporter, stop: StopSignal | None = None,
                                     process_count=jax.process_count(), with_eval=cfg.train.eval_every > 0)
         startup.mark("data")
         if spec.output_dir:
-            ckpt = Checkpointer(RunDirectory.at(spec.output_dir).checkpoints,
-                                every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
+            ckpt = Checkpointer(RunDirectory.at(spec.output_dir).checkpoints, every=cfg.train.checkpoint_every,
+                                keep=cfg.train.keep_checkpoints, compression=cfg.train.checkpoint_compression)
             done = _already_finished(ckpt, spec, reporter, status)
             if done is not None:
                 return done

@@ -627,6 +627,36 @@ def test_saving_small_arrays_that_devices_hold_alike_compiles_no_slices(tmp_path
     assert all(np.array_equal(restored[k], state[k]) for k in state)
 
 
+def test_checkpoints_written_without_compression_take_their_arrays_bytes_and_either_kind_restores(tmp_path):
+    """train.checkpoint_compression=false: the arrays written as they lie (orbax compresses each with zstd
+    otherwise, and weights' exponents compress); a Checkpointer of either setting restores both exactly."""
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    state = {f"w{i}": (0.02 * jax.random.normal(k, (256, 256))).astype(jnp.bfloat16) for i, k in enumerate(keys)}
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+    written = {}
+    for compression in (True, False):
+        ckpt = Checkpointer(str(tmp_path / str(compression)), every=1, keep=1, async_save=False,
+                            compression=compression)
+        ckpt.save(1, state, {"position": 7}, force=True)
+        ckpt.close()
+        written[compression] = sum(f.stat().st_size for f in (tmp_path / str(compression)).rglob("*") if f.is_file())
+    arrays = sum(v.nbytes for v in state.values())
+    assert written[False] >= arrays > written[True] and written[True] < 0.95 * written[False], (written, arrays)
+    # and as this project's checkpoints were written before the choice (orbax's standard handler)
+    with ocp.CheckpointManager(str(tmp_path / "before"), item_handlers={
+            "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}) as before:
+        before.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               data=ocp.args.JsonSave({"position": 7})))
+    for name, compression in (("True", False), ("False", True), ("before", False)):  # read by the other setting
+        ckpt = Checkpointer(str(tmp_path / name), every=1, keep=1, compression=compression)
+        restored, data = ckpt.restore(1, abstract)
+        ckpt.close()
+        assert data == {"position": 7}
+        assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in state)
+
+
 def test_a_run_without_an_output_dir_says_nothing_is_saved_and_ends_with_a_summary(tmp_path):
     reporter = At(tmp_path / "m.jsonl", 0, lambda: None)
     result = run_tiny(reporter, 2)
