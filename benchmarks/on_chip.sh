@@ -12,7 +12,8 @@
 #                 (CHUNKS: the prefill chunks tried, 64; MIXED: the chunk in its own program and/or with the
 #                 decode step, off,on); PROFILE=1: the decode step's and the chunk's programs' ops
 #   ready         benchmarks/serve_ready.py: a server of moe-1b (trained one step here) ready, cold and warm cache;
-#                 RESTORE_PARTS=1: where its checkpoint read goes
+#                 RESTORE_PARTS=1: where its checkpoint read goes; READY_SET="train.checkpoint_compression=false":
+#                 overrides for the run it trains
 #   gmm           benchmarks/gmm_formats.py
 #   codec         benchmarks/checkpoint_codec.py: 2 GiB of weights saved and restored with orbax's zstd and without
 #   rows          benchmarks/rows_product.py: a few rows times one layer's weight read from its stack, the kernel
@@ -56,6 +57,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
   interference) stage interference "${INTERFERENCE_S:-300}" python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
                   --mixed "${MIXED:-off,on}" ${PROFILE:+--profile} --json "$OUT/interference.json" ;;
   ready) stage ready "${READY_S:-240}" python benchmarks/serve_ready.py --accelerator --log-compiles ${RESTORE_PARTS:+--restore-parts} \
+           $(for v in ${READY_SET:-}; do printf -- '--set %s ' "$v"; done) \
            --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
   codec) stage codec 150 python benchmarks/checkpoint_codec.py --gib 2 --json "$OUT/checkpoint_codec.json" ;;

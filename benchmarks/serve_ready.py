@@ -140,10 +140,12 @@ def start(checkpoint: str, cache: str, slots: int, max_len: int, env: dict) -> d
     return {"wall_s": round(wall, 2), **marks}
 
 
-def train_one_step(config: str, out: Path, env: dict) -> Path:
-    """A run of `config` trained one step, its checkpoint written: what the server reads."""
+def train_one_step(config: str, out: Path, env: dict, overrides: list[str] = ()) -> Path:
+    """A run of `config` (with `overrides`, KEY=VALUE) trained one step, its checkpoint written: what the server
+    reads."""
     devices = ["--devices", "1"] if env.get("JAX_PLATFORMS") == "cpu" else []  # one CPU device, as the server's
-    done = subprocess.run([sys.executable, "-m", "trainer", "--config", config, "--steps", "1", *devices,
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    done = subprocess.run([sys.executable, "-m", "trainer", "--config", config, "--steps", "1", *devices, *sets,
                            "--output-dir", str(out)], capture_output=True, text=True, cwd=ROOT,
                           env=dict(env, PYTHONPATH=python_path(env)))
     if done.returncode:
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="a run's directory [--config trained one step here]")
     p.add_argument("--accelerator", action="store_true", help="the default backend (TPU) rather than the CPU")
     p.add_argument("--config", default="moe-1b", help="what to train one step where no --checkpoint is given")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the run trained here (e.g. train.checkpoint_compression=false)")
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--log-compiles", action="store_true",
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = args.checkpoint
         if checkpoint is None:
             started = time.perf_counter()
-            checkpoint = str(train_one_step(args.config, Path(work) / "run", env))
+            checkpoint = str(train_one_step(args.config, Path(work) / "run", env, args.overrides))
             print(json.dumps({"trained_one_step_s": round(time.perf_counter() - started, 1)}), flush=True)
         cache = str(Path(work) / "cache")  # empty: the cold start's, then the warm one's
         for which in ("cold", "warm"):
