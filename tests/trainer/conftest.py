@@ -151,6 +151,24 @@ def fewer_xla_optimisations_where_compiling_dominates(request):
         yield
 
 
+@pytest.fixture
+def own_compilation_cache(tmp_path):
+    """jax's persistent compilation cache in a directory of this test's while it runs (the suite's again after):
+    what it compiles is compiled here, not served from another test's programs, so that trainer/program_cache.py
+    keeps it (it keeps only programs compiled in its process). Yields the directory."""
+    import jax
+    from jax._src import compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+    compilation_cache.reset_cache()
+    try:
+        yield tmp_path / "cache"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+
+
 def byte_codec():
     return (lambda text: list(text.encode("utf-8")),
             lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"))

@@ -153,13 +153,11 @@ def test_the_step_compiled_in_the_background_is_the_step():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def test_a_kept_step_loads_on_a_thread_beside_the_initial_state_and_takes_the_same_step(tmp_path):
+def test_a_kept_step_loads_on_a_thread_beside_the_initial_state_and_takes_the_same_step(own_compilation_cache):
     """A restart whose train step an earlier run kept (trainer/program_cache.py): compile_in_background loads
     it on a thread of its own, nothing traced, while the initial state is made, and it takes the step the
     compiled one takes."""
     import threading
-
-    from jax._src import compilation_cache
 
     from trainer import program_cache
 
@@ -168,9 +166,6 @@ def test_a_kept_step_loads_on_a_thread_beside_the_initial_state_and_takes_the_sa
     threads: list[str] = []
     heard = lambda name, *_, **__: threads.append(threading.current_thread().name) \
         if name == program_cache.LOADED_EVENT else None  # noqa: E731
-    before = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path))  # compiled here, so kept: no other test's
-    compilation_cache.reset_cache()
     jax.monitoring.register_event_duration_secs_listener(heard)
     try:
         first = build_trainer(cfg, mesh, 10)
@@ -182,8 +177,6 @@ def test_a_kept_step_loads_on_a_thread_beside_the_initial_state_and_takes_the_sa
         loaded = compile_step(again)
     finally:
         jax.monitoring.unregister_event_duration_listener(heard)
-        jax.config.update("jax_compilation_cache_dir", before)
-        compilation_cache.reset_cache()
     assert "step" in again.loaded and threads and all(t.startswith("load-step") for t in threads)
     tokens = jax.random.randint(jax.random.key(0), (cfg.data.global_batch_size, cfg.data.seq_len + 1), 0, 64)
     batch = jax.device_put(tokens, again.batch_sharding)

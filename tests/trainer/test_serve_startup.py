@@ -82,19 +82,15 @@ def test_load_compiles_each_first_program_once_on_the_thread_or_in_the_warm_up(t
     assert engine.runner.mixed and not any(name.startswith("mixed/") for name in engine.runner.first_programs())
 
 
-def test_a_restarted_server_loads_the_programs_the_first_one_compiled_and_answers_the_same(trained_tiny, tmp_path):
+def test_a_restarted_server_loads_the_programs_the_first_one_compiled_and_answers_the_same(trained_tiny,
+                                                                                          own_compilation_cache):
     """trainer/program_cache.py for the engine: a server compiles its first programs and keeps them; a second
     one of the same run and shapes (here a new model in this process, as a restart builds it, over a
     compilation cache of its own) loads them, compiles none of its steps, and draws the same tokens."""
-    from jax._src import compilation_cache
-
     from trainer import program_cache
 
     loads: list[float] = []
     heard = lambda name, secs, **_: loads.append(secs) if name == program_cache.LOADED_EVENT else None  # noqa: E731
-    before = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))  # no other test's programs in it
-    compilation_cache.reset_cache()
     jax.monitoring.register_event_duration_secs_listener(heard)
     try:
         served = []
@@ -113,11 +109,9 @@ def test_a_restarted_server_loads_the_programs_the_first_one_compiled_and_answer
                 thread.join(timeout=60)
             served.append((request.output, len(loads), made))
         first = engine.runner.first_programs()
-        kept = list((tmp_path / "cache" / program_cache.SUBDIR).glob("[0-9a-f]*"))
+        kept = list((own_compilation_cache / program_cache.SUBDIR).glob("[0-9a-f]*"))
     finally:
         jax.monitoring.unregister_event_duration_listener(heard)
-        jax.config.update("jax_compilation_cache_dir", before)
-        compilation_cache.reset_cache()
     (tokens, loaded, made), (again, loaded_again, made_again) = served
     assert loaded == 0 and made == len(first) and len(kept) == len(first)
     assert loaded_again == len(first) == made_again  # each loaded, none compiled
