@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
+import inspect
 import logging
 import os
 import re
@@ -85,11 +86,16 @@ def _unretrieved(record: logging.LogRecord) -> bool:
 
 def _dropping_closed_loops(previous):
     """An unraisable-exception hook that drops the reads of a failed restore finishing after orbax closed
-    their event loop (they arrive until the process exits) and passes on everything else."""
+    their event loop (they arrive until the process exits), and the coroutines of its reads that failed
+    collected after the restore's own collection (a later one prints each with its traceback: "Exception
+    ignored in: <coroutine object _read_array_index_and_device_put ...>"), and passes on everything else."""
 
     def hook(unraisable):
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        error, source = unraisable.exc_value, unraisable.object
+        closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        failed_read = (isinstance(error, Exception) and inspect.iscoroutine(source)
+                       and f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in source.cr_code.co_filename)
+        if not (closed_loop or failed_read):
             previous(unraisable)
 
     hook.drops_closed_loops = True
