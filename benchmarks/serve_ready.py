@@ -6,12 +6,14 @@ need compiled), first with an empty persistent compilation cache (cold), then wi
 
     python benchmarks/serve_ready.py --accelerator --json ready.json     # moe-1b, trained one step here first
     python benchmarks/serve_ready.py --checkpoint runs/demo              # a run of yours, on the default backend
+    python benchmarks/serve_ready.py --accelerator --restore-parts --set train.checkpoint_compression=false
 
 Each start is a process of its own (`--child`), with the server's defaults (8 slots x 1,024 tokens, chunks of 64,
 the prefix cache); it prints its stages' seconds since its interpreter started (`imports`, `loaded`: the
 checkpoint read and the engine built, with the start-up's progress lines on the way in `stages`; `ready`), and
-the parent the wall time from its launch. One JSON line a
-start; --json writes them all. benchmarks/serve_startup.py measures the same over HTTP on the CPU.
+the parent the wall time from its launch. One JSON line a start; --json writes them all. --restore-parts adds
+where the checkpoint's read goes (the files read whole, orbax onto the host, onto the devices); --set trains
+the run with overrides. benchmarks/serve_startup.py measures the same over HTTP on the CPU.
 """
 
 from __future__ import annotations
