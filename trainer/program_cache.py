@@ -1,5 +1,5 @@
-"""The trainer's compiled programs kept by what they are made from, so that a restarted run loads them without
-tracing and lowering them first.
+"""The trainer's and the server's compiled programs kept by what they are made from, so that a restarted run or
+server loads them without tracing and lowering them first (trainer/step.py, trainer/serve/runner.py).
 
 jax's persistent compilation cache keys a program by its lowered form, so a warm start still traces and lowers
 the train step and the initial state's program before it can look them up: on one v5e chip 3.2 s and about 3 s
@@ -152,6 +152,18 @@ def compile_to_keep(lowered, **options) -> tuple[Any, bool]:
     before = getattr(_heard, "hits", 0)
     compiled = lowered.compile(**options)
     return compiled, getattr(_heard, "hits", 0) == before
+
+
+def compile_and_keep(program_key: str | None, lowered, wait: bool = True, **options):
+    """`lowered` compiled with `options`, and kept under `program_key` where it may be (compile_to_keep; None:
+    not kept), written here or, unless `wait`, on a thread of its own that the process waits for at exit."""
+    compiled, keepable = compile_to_keep(lowered, **options)
+    if keepable and program_key is not None:
+        if wait:
+            store(program_key, compiled)
+        else:
+            threading.Thread(target=store, args=(program_key, compiled), name=f"keep-{program_key[:12]}").start()
+    return compiled
 
 
 def store(program_key: str, compiled) -> bool:

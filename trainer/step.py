@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -99,11 +97,7 @@ class Trainer:
     def compile_and_keep(self, kind: str, lowered, wait: bool = True, **options):
         """`lowered` compiled with `options`, and kept for the next run where program_cache may keep it (on a
         thread of its own unless `wait`)."""
-        compiled, keepable = program_cache.compile_to_keep(lowered, **options)
-        if keepable and kind in self.program_keys:
-            store = functools.partial(program_cache.store, self.program_keys[kind], compiled)
-            store() if wait else threading.Thread(target=store, name=f"keep-{kind}").start()
-        return compiled
+        return program_cache.compile_and_keep(self.program_keys.get(kind), lowered, wait, **options)
 
     def initial_state(self) -> State:
         """Step 0's state, from `init_fn`. On a CPU (dry runs, tests) its program is compiled with XLA's

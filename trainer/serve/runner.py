@@ -201,13 +201,11 @@ class ModelRunner:
         if compiled is None:
             keep = self._program_key(name)
             compiled = program_cache.load(keep, self.model.mesh) if keep else None
-            if compiled is None:
-                compiled, keepable = program_cache.compile_to_keep(jitted.lower(
-                    self.weights, self._cache_spec, *self._abstract(self.example_inputs(name))))
-                if not _lie_as_compiled(compiled, self.weights):  # the jit, which lays them out as it calls
-                    compiled, keepable = jitted, False
-                if keep and keepable:  # written beside the serving (a request waits for no disk), whole at exit
-                    threading.Thread(target=program_cache.store, args=(keep, compiled), name=f"keep-{name}").start()
+            if compiled is None:  # kept beside the serving (a request waits for no disk)
+                compiled = program_cache.compile_and_keep(keep, jitted.lower(
+                    self.weights, self._cache_spec, *self._abstract(self.example_inputs(name))), wait=False)
+            if not _lie_as_compiled(compiled, self.weights):  # the jit, which lays them out as it calls
+                compiled = jitted
             compiled = self.model.executables.setdefault(key, compiled)  # another engine's thread may have one
         with self._lock:
             self.executables[name] = compiled
