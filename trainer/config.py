@@ -103,9 +103,9 @@ class TrainConfig(Section):
     seed: Integer = Field(0, ge=0, le=MAX_SEED, description="it becomes a 32-bit PRNG key")
     log_every: Positive = 1
     checkpoint_every: Positive = 100
-    # Checkpoint arrays compressed with zstd (orbax's default). Weights compress little: on 2 CPU cores, 1 GiB of
-    # bfloat16 weights took 1.28x the disk without it, saved 1.78x and restored 1.6-1.7x as fast
-    # (benchmarks/checkpoint_codec.py). Either is read back whatever this says.
+    # Checkpoint arrays compressed with zstd (orbax's default). Weights compress little: without it bfloat16
+    # weights took 1.28x the disk and saved 1.6-1.8x as fast; restoring was 1.6-1.7x as fast on 2 CPU cores,
+    # 1.07x on a v5e host's 13 (benchmarks/checkpoint_codec.py). Either is read back whatever this says.
     checkpoint_compression: Flag = True
     keep_checkpoints: Positive = 3
     fsdp: Flag = False  # shard the non-expert weights' embed axis over the data axis
