@@ -11,23 +11,25 @@ from trainer.serve.startup import EARLY_THREAD as EARLY
 from trainer.serve.startup import ServeError, compiling_early, load
 
 
-def compiles_by_thread(events: list[str]):
-    """A listener that appends the name of the thread each XLA compile ran on to `events`, and each program
-    loaded instead (trainer/program_cache.py: one an earlier test's server kept)."""
+def compiles_by_thread(events: list[str], idents: list[int] | None = None):
+    """A listener that appends the name of the thread each XLA compile ran on to `events` (and its ident to
+    `idents`), and each program loaded instead (trainer/program_cache.py: one an earlier test's server kept)."""
     from trainer.program_cache import LOADED_EVENT
 
     def listener(name, *_, **__):
         if "/jax/core/compile/backend" in name or name == LOADED_EVENT:
             events.append(threading.current_thread().name)
+            if idents is not None:
+                idents.append(threading.get_ident())
 
     return listener
 
 
 @contextlib.contextmanager
-def compiles(events: list[str]):
+def compiles(events: list[str], idents: list[int] | None = None):
     """XLA's compiles (and programs loaded) meanwhile, each as the name of the thread it ran on, appended to
-    `events`."""
-    listener = compiles_by_thread(events)
+    `events` (and the thread's ident to `idents`)."""
+    listener = compiles_by_thread(events, idents)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         yield events
@@ -42,8 +44,8 @@ def loaded_engine(run, **extra):
 
 def test_the_first_programs_compile_on_a_thread_on_the_weights_shapes_and_the_warm_up_finds_them(trained_tiny):
     """EarlyEngine as load starts it once the checkpoint's shapes match (here left to finish): the first programs
-    compiled on abstract weights, then the weights read handed over; the warm-up compiles none of them again,
-    and the engine answers."""
+    compiled on abstract weights, each on a thread of its own, then the weights read handed over; the warm-up
+    compiles none of them again, and the engine answers."""
     from trainer import sharding
     from trainer.run_loader import find_run, load_run_config
     from trainer.serve.engine import Engine
@@ -55,12 +57,15 @@ def test_the_first_programs_compile_on_a_thread_on_the_weights_shapes_and_the_wa
     mesh = sharding.make_mesh(serving_mesh(cfg, None, len(jax.devices())), jax.devices())
     model = build_serving_model(cfg, mesh)
     early = EarlyEngine(model, lambda w: Engine(model, w, slots=8, max_len=64, chunk=16), alone=True)
-    with compiles([]) as ahead:
+    idents: list[int] = []
+    with compiles([], idents) as ahead:
         weights, step = restore_weights(model, run.checkpoints, on_checked=early.start)
-        early.thread.join(timeout=300)
+        for thread in early.threads:
+            thread.join(timeout=300)
     engine = early.take(weights)
     first = engine.runner.first_programs()
     assert ahead.count(EARLY) == len(first) and step == 120  # no burst: the first programs lead the warm-up's order
+    assert len({i for i, name in zip(idents, ahead, strict=True) if name == EARLY}) == len(first)  # side by side
     with compiles([]) as warming:
         engine.warm_up()
     assert warming == []

@@ -117,10 +117,10 @@ class Engine:
             (between or (lambda: None))()
             self.runner.cache = self.prefix.warm_up(self.runner.cache)
 
-    def compile_ahead(self, between=None) -> int:
-        """Compiles the steps' programs not compiled yet, without running them (ModelRunner.compile_ahead): on a
-        thread of its own while the engine serves."""
-        return self.runner.compile_ahead(between)
+    def compile_ahead(self, between=None, names=None) -> int:
+        """Compiles the steps' programs not compiled yet (or those of `names`), without running them
+        (ModelRunner.compile_ahead): on a thread of its own while the engine serves."""
+        return self.runner.compile_ahead(between, names)
 
     def used_positions(self) -> int:
         return self.scheduler.used_positions()

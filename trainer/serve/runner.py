@@ -285,14 +285,14 @@ class ModelRunner:
             outputs = self.run(name, *self.example_inputs(name))
         jax.block_until_ready(outputs)
 
-    def compile_ahead(self, between=None) -> int:
-        """Compiles, without running them, the programs that no call has compiled yet, in warm_up_order; meant
-        for a thread of its own while the engine serves (a step reaching a program this is compiling waits for
-        it rather than compile it twice; one reaching a later one compiles it itself, and this waits until it
-        has before the next). `between()` is called before each (it raises to stop). Returns how many it
-        compiled."""
+    def compile_ahead(self, between=None, names=None) -> int:
+        """Compiles, without running them, the programs that no call has compiled yet, in warm_up_order (or
+        those of `names`); meant for a thread of its own while the engine serves (a step reaching a program this
+        is compiling waits for it rather than compile it twice; one reaching a later one compiles it itself, and
+        this waits until it has before the next). Threads may share the work: each takes the programs no other
+        has. `between()` is called before each (it raises to stop). Returns how many it compiled."""
         done = 0
-        for name in self.warm_up_order():
+        for name in self.warm_up_order() if names is None else names:
             (between or (lambda: None))()
             self._not_compiling.wait()
             with self._lock:
