@@ -60,7 +60,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
            $(for v in ${READY_SET:-}; do printf -- '--set %s ' "$v"; done) \
            --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;
-  codec) stage codec 150 python benchmarks/checkpoint_codec.py --gib 2 --json "$OUT/checkpoint_codec.json" ;;
+  codec) stage codec 150 python benchmarks/checkpoint_codec.py --gib 2 --arrays 4 --chunk-mib ${CHUNKS_MIB:-8 32 128} --json "$OUT/checkpoint_codec.json" ;;
   rows) stage rows 150 python benchmarks/rows_product.py --json "$OUT/rows_product.json" ;;
   tests) MOE_TPU_TESTS=1 stage tests 300 python -m pytest -o addopts="" -q -p no:cacheprovider -m tpu \
            tests/trainer/test_tpu.py ;;

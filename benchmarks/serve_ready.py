@@ -74,6 +74,19 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
                   progress=lambda message: stages.append([round(since_start(), 2), message[:80]]),
                   prefix_tokens=max(16, slots * max_len // 4))
     marks["loaded"] = since_start()
+    if os.environ.get("JAX_LOG_COMPILES") == "1":  # each warm-up call's seconds, its outputs waited for
+        import jax
+
+        runner, plain = loaded.engine.runner, loaded.engine.runner.run
+
+        def timed(name, *inputs):
+            started = time.perf_counter()
+            outputs = plain(name, *inputs)
+            jax.block_until_ready(outputs)
+            logging.warning("Finished the warm-up call of %s in %.3f sec", name, time.perf_counter() - started)
+            return outputs
+
+        runner.run = timed
     loaded.engine.warm_up(False)  # what --warm-up background compiles before ready
     marks["ready"] = since_start()
     marks["programs"] = loaded.engine.compilations()

@@ -139,6 +139,12 @@ def _from_orbax_threads(record: logging.LogRecord) -> bool:
 # writing. Measured on 8 CPU devices, tiny on data=2,expert=4: the first save took 3.0 s, nearly all of it
 # compiling slices, against 0.1 s on one device. Parallel writing pays for large arrays only.
 REPLICA_PARALLEL_MIN_BYTES = 4 << 20
+# Each array written in chunks of at most this many bytes (orbax's SaveArgs.chunk_byte_size). Otherwise a
+# device's part of an array is one chunk, compressed on save and read and decompressed on restore by one thread:
+# moe-1b's stacked experts, hundreds of MiB an array on one chip, made its restore wait on one core while the
+# others idled. Chunks let tensorstore spread both over the host's cores (benchmarks/checkpoint_codec.py
+# --chunk-mib). A checkpoint written before, one chunk a part, restores as it was.
+CHUNK_BYTES = 32 << 20
 
 
 def _replica_parallel_for_large_arrays_only() -> None:
@@ -267,7 +273,9 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
         """Starts an asynchronous save when `step` is due (or `force`); returns whether it saved."""
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state))
+        save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state, save_args=save_args),
+                                  data=ocp.args.JsonSave(data_state))
         try:
             if self._pending is not None:
                 self.manager.check_for_errors()
