@@ -87,6 +87,10 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
             return outputs
 
         runner.run = timed
+        started = time.perf_counter()  # a read's arrays may still be on their way to the devices
+        jax.block_until_ready(loaded.engine.weights)
+        logging.warning("Finished waiting for the weights read onto the devices in %.3f sec",
+                        time.perf_counter() - started)
     loaded.engine.warm_up(False)  # what --warm-up background compiles before ready
     marks["ready"] = since_start()
     marks["programs"] = loaded.engine.compilations()
