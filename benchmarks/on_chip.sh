@@ -56,7 +56,7 @@ for s in "${@:-serve gmm tests}"; do for s1 in $s; do case $s1 in
            --json "$OUT/serve_weights.json" ;;
   interference) stage interference "${INTERFERENCE_S:-300}" python benchmarks/serve_interference.py --accelerator --chunks "${CHUNKS:-64}" \
                   --mixed "${MIXED:-off,on}" ${PROFILE:+--profile} --json "$OUT/interference.json" ;;
-  ready) stage ready "${READY_S:-240}" python benchmarks/serve_ready.py --accelerator --log-compiles ${RESTORE_PARTS:+--restore-parts} \
+  ready) stage ready "${READY_S:-240}" python benchmarks/serve_ready.py --accelerator --log-compiles ${RESTORE_PARTS:+--restore-parts} ${WARM_VARIANTS:+--warm-variants "$WARM_VARIANTS"} \
            $(for v in ${READY_SET:-}; do printf -- '--set %s ' "$v"; done) \
            --json "$OUT/ready.json" ;;
   gmm) stage gmm 120 python benchmarks/gmm_formats.py --json "$OUT/gmm_formats.json" ;;

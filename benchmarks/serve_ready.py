@@ -64,8 +64,22 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
                                 threading.current_thread().name)
 
         jax.monitoring.register_event_duration_secs_listener(heard)
+    from trainer.serve import startup
     from trainer.serve.spans import DEFAULT_CHUNK
     from trainer.serve.startup import load
+
+    variant = os.environ.get("SERVE_READY_VARIANT", "")  # --warm-variants: where the first programs load
+    if variant == "no-early":  # in the warm-up, one after the other, once the read is done
+        startup.EarlyEngine.start = lambda self, step: None
+    elif variant == "loads-first":  # on their threads, the read waiting for them
+        beside = startup.EarlyEngine.start
+
+        def first(self, step):
+            beside(self, step)
+            for thread in self.threads:
+                thread.join()
+
+        startup.EarlyEngine.start = first
 
     marks["imports"] = since_start()
     stages = []  # the start-up's own progress lines, each with its seconds since the start: where `loaded` goes
@@ -187,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                         "ms since its start) in its row")
     p.add_argument("--restore-parts", action="store_true",
                    help="after the starts, where the checkpoint read goes (files, onto the host, onto the devices)")
+    p.add_argument("--warm-variants", type=lambda v: v.split(","), default=[],
+                   help="more warm starts after the first, comma-separated: 'again' as it is, 'no-early' (the first "
+                        "programs loaded in the warm-up, after the read), 'loads-first' (loaded before the read)")
     p.add_argument("--restore-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
@@ -205,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint = str(train_one_step(args.config, Path(work) / "run", env, args.overrides))
             print(json.dumps({"trained_one_step_s": round(time.perf_counter() - started, 1)}), flush=True)
         cache = str(Path(work) / "cache")  # empty: the cold start's, then the warm one's
-        for which in ("cold", "warm"):
-            rows.append({"cache": which, **start(checkpoint, cache, args.slots, args.max_len, env)})
+        for which, variant in [("cold", ""), ("warm", ""), *(("warm", v) for v in args.warm_variants)]:
+            rows.append({"cache": which, **({"variant": variant} if variant else {}),
+                         **start(checkpoint, cache, args.slots, args.max_len, dict(env, SERVE_READY_VARIANT=variant))})
             print(json.dumps(rows[-1]), flush=True)
         if args.restore_parts:
             done = subprocess.run([sys.executable, __file__, "--restore-child", checkpoint], capture_output=True,
