@@ -173,6 +173,15 @@ def start(checkpoint: str, cache: str, slots: int, max_len: int, env: dict) -> d
     return {"wall_s": round(wall, 2), **marks}
 
 
+def variant_env(env: dict, variant: str) -> dict:
+    """The environment of a start of `variant` (--warm-variants): "env:KEY=VALUE" sets KEY, another names the
+    child's own variant (SERVE_READY_VARIANT)."""
+    if variant.startswith("env:"):
+        key, _, value = variant[4:].partition("=")
+        return dict(env, **{key: value})
+    return dict(env, SERVE_READY_VARIANT=variant)
+
+
 def train_one_step(config: str, out: Path, env: dict, overrides: list[str] = ()) -> Path:
     """A run of `config` (with `overrides`, KEY=VALUE) trained one step, its checkpoint written: what the server
     reads."""
@@ -203,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the starts, where the checkpoint read goes (files, onto the host, onto the devices)")
     p.add_argument("--warm-variants", type=lambda v: v.split(","), default=[],
                    help="more warm starts after the first, comma-separated: 'again' as it is, 'no-early' (the first "
-                        "programs loaded in the warm-up, after the read), 'loads-first' (loaded before the read)")
+                        "programs loaded in the warm-up, after the read), 'loads-first' (loaded before the read), "
+                        "'env:KEY=VALUE' (as it is, KEY set: TPU_PREMAPPED_BUFFER_SIZE=1073741824)")
     p.add_argument("--restore-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         cache = str(Path(work) / "cache")  # empty: the cold start's, then the warm one's
         for which, variant in [("cold", ""), ("warm", ""), *(("warm", v) for v in args.warm_variants)]:
             rows.append({"cache": which, **({"variant": variant} if variant else {}),
-                         **start(checkpoint, cache, args.slots, args.max_len, dict(env, SERVE_READY_VARIANT=variant))})
+                         **start(checkpoint, cache, args.slots, args.max_len, variant_env(env, variant))})
             print(json.dumps(rows[-1]), flush=True)
         if args.restore_parts:
             done = subprocess.run([sys.executable, __file__, "--restore-child", checkpoint], capture_output=True,
