@@ -664,6 +664,29 @@ def test_checkpoints_written_without_compression_take_their_arrays_bytes_and_eit
         assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in state)
 
 
+def test_arrays_are_written_in_chunks_of_at_most_chunk_bytes_and_restore_exactly(tmp_path, monkeypatch):
+    """trainer/checkpoint.py CHUNK_BYTES: an array larger than it is stored in chunks no larger (orbax had written
+    a device's part of each array as one chunk, read and decompressed on one thread), a smaller one whole; the
+    state restores bit for bit."""
+    import jax.numpy as jnp
+
+    from trainer import checkpoint
+
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 1 << 20)
+    state = {"big": (0.02 * jax.random.normal(jax.random.key(5), (1024, 1536))).astype(jnp.bfloat16),  # 3 MiB
+             "small": jnp.arange(24, dtype=jnp.float32).reshape(4, 6), "step": jnp.int32(9)}
+    ckpt = Checkpointer(str(tmp_path / "c"), every=1, keep=1, async_save=False)
+    ckpt.save(1, state, {}, force=True)
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+    restored, _ = ckpt.restore(1, abstract)
+    ckpt.close()
+    stored = ocp.PyTreeCheckpointHandler().metadata(tmp_path / "c" / "1" / "state").tree
+    big = stored["big"].storage.chunk_shape
+    assert 2 * np.prod(big) <= 1 << 20 and np.prod(big) < state["big"].size, big
+    assert stored["small"].storage.chunk_shape == (4, 6)
+    assert all(np.asarray(restored[k]).tobytes() == np.asarray(state[k]).tobytes() for k in state)
+
+
 def test_a_run_without_an_output_dir_says_nothing_is_saved_and_ends_with_a_summary(tmp_path):
     reporter = At(tmp_path / "m.jsonl", 0, lambda: None)
     result = run_tiny(reporter, 2)
