@@ -150,8 +150,9 @@ def _restore(ocp, short_reason, model: ServingModel, checkpoints: str, quantized
         if step is None:
             raise WeightsError(f"--checkpoint: {checkpoints} holds no checkpoint")
         wanted = model.abstract()
-        target = _layout_of(manager, step, model, wanted)
-        _check_shapes(manager, step, target, checkpoints)
+        saved = _saved_arrays(manager, step, checkpoints)  # read once: on a chip's host 0.1-0.2 s a time
+        target = _layout_of(saved, model, wanted)
+        _check_shapes(saved, step, target, checkpoints)
 
         def read(tree: dict) -> dict:
             args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
@@ -201,29 +202,29 @@ def _read_quantized(read, wanted: dict, quantized: str, on_array) -> dict[str, A
     return out
 
 
-def _layout_of(manager, step: int, model: ServingModel, wanted: dict) -> dict:
-    """What to read: `wanted`, or its per-layer layout for a checkpoint written before the layers were stacked
-    (converted after reading); a step whose metadata cannot be read is left to _check_shapes to report."""
-    from trainer.checkpoint import holds_per_layer_layout, per_layer_layout
-
-    try:
-        saved = manager.item_metadata(step)["state"]
-    except Exception:  # noqa: BLE001
-        return wanted
-    return per_layer_layout(model.cfg.model, wanted) if holds_per_layer_layout(saved) else wanted
-
-
-def _check_shapes(manager, step: int, target: dict, checkpoints: str) -> None:
-    """Compares the saved arrays' shapes with the config's before reading: another model's checkpoint
-    fails here with the array's name rather than deep in tensorstore, and a truncated one with its step."""
+def _saved_arrays(manager, step: int, checkpoints: str):
+    """The metadata of the arrays saved at `step` (orbax's tree of them); WeightsError where it cannot be read."""
     from trainer.checkpoint import short_reason
 
     try:
-        saved = manager.item_metadata(step)["state"]
+        return manager.item_metadata(step)["state"]
     except Exception as e:  # noqa: BLE001 - orbax's JSON, tensorstore and file errors alike
         raise WeightsError(f"--checkpoint: the metadata of step {step} in {checkpoints} cannot be read (a truncated "
                            f"or corrupt checkpoint?): {short_reason(e)}; serve an intact one, or move step {step}'s "
                            "directory aside to serve the step before it") from None
+
+
+def _layout_of(saved, model: ServingModel, wanted: dict) -> dict:
+    """What to read: `wanted`, or its per-layer layout for a checkpoint written before the layers were stacked
+    (converted after reading)."""
+    from trainer.checkpoint import holds_per_layer_layout, per_layer_layout
+
+    return per_layer_layout(model.cfg.model, wanted) if holds_per_layer_layout(saved) else wanted
+
+
+def _check_shapes(saved, step: int, target: dict, checkpoints: str) -> None:
+    """Compares the saved arrays' shapes with the config's before reading: another model's checkpoint
+    fails here with the array's name rather than deep in tensorstore."""
     for group, arrays in target.items():
         held = saved.get(group) if hasattr(saved, "get") else None
         if held is None:
