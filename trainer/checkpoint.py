@@ -367,10 +367,11 @@ class Checkpointer:
                                   f"another config?): {reasons}")
         return None
 
-    def _mismatch(self, step: int, abstract_state: Any) -> str | None:
-        """How the arrays saved at `step` differ from `abstract_state` (None: they match), read from the
-        checkpoint's metadata: a full restore of another model's checkpoint fails read by read."""
-        saved = jax.tree.leaves(self.manager.item_metadata(step)["state"])
+    @staticmethod
+    def _mismatch(saved_state: Any, abstract_state: Any) -> str | None:
+        """How the arrays saved (the step's metadata, `saved_state`) differ from `abstract_state` (None: they
+        match): a full restore of another model's checkpoint fails read by read."""
+        saved = jax.tree.leaves(saved_state)
         wanted = jax.tree.leaves(abstract_state)
         if len(saved) != len(wanted):
             return f"it holds {len(saved)} arrays, this config's state has {len(wanted)}"
@@ -384,9 +385,10 @@ class Checkpointer:
         try:
             with failures_reported_once():
                 target = abstract_state
-                if model is not None and holds_per_layer_layout(self.manager.item_metadata(step)["state"]):
+                saved = self.manager.item_metadata(step)["state"]  # read once: its layout, then its shapes
+                if model is not None and holds_per_layer_layout(saved):
                     target = per_layer_layout(model, abstract_state)
-                mismatch = self._mismatch(step, target)
+                mismatch = self._mismatch(saved, target)
                 if mismatch:
                     return None, mismatch
                 state, data_state = self.restore(step, target)
