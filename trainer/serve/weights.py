@@ -150,7 +150,7 @@ def _restore(ocp, short_reason, model: ServingModel, checkpoints: str, quantized
         if step is None:
             raise WeightsError(f"--checkpoint: {checkpoints} holds no checkpoint")
         wanted = model.abstract()
-        saved = _saved_arrays(manager, step, checkpoints)  # read once: on a chip's host 0.1-0.2 s a time
+        saved = _saved_arrays(manager, step, checkpoints)  # read once (tiny, on a CPU: 0.07 s a time)
         target = _layout_of(saved, model, wanted)
         _check_shapes(saved, step, target, checkpoints)
 
