@@ -13,7 +13,7 @@ from trainer.serve.spans import DEFAULT_CHUNK, DEFAULT_WARM_UP, programs_before_
 # decode, the others compiling while it serves); the probe allows twice the estimate. Set long on purpose: a
 # probe that gives up early kills a server that would have come up. Measured on one v5e chip (2026-12-08,
 # `benchmarks/serve_ready.py --accelerator`, docs/performance.md): moe-1b's two programs compiled in 15-18 s
-# each, side by side, and its 2.05 GB read from local disk onto the chip in 5.5-6.5 s; a slice's programs
+# each, side by side, and its 2.05 GB read from local disk onto the chip in 5.0-6.4 s; a slice's programs
 # (partitioned over its chips) and a read from Cloud Storage are not measured.
 LOAD_BYTES_PER_S = 200e6
 COMPILE_S = 150.0  # one step at one span (and, the decode, one row count)
