@@ -64,6 +64,24 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
                                 threading.current_thread().name)
 
         jax.monitoring.register_event_duration_secs_listener(heard)
+        from trainer import program_cache
+        from trainer.serve import startup as early
+
+        def timed(owner, name: str, what: str) -> None:  # the early engine's other steps, in the same log
+            plain = getattr(owner, name)
+
+            def logged(*args, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return plain(*args, **kwargs)
+                finally:
+                    logging.warning("Finished %s in %.3f sec on %s", what, time.perf_counter() - started,
+                                    threading.current_thread().name)
+
+            setattr(owner, name, logged)
+
+        timed(program_cache, "key", "a kept program's key")
+        timed(early.EarlyEngine, "start", "building the engine on the weights' shapes (the read waits)")
     from trainer.serve import startup
     from trainer.serve.spans import DEFAULT_CHUNK
     from trainer.serve.startup import load
