@@ -109,11 +109,18 @@ def test_sigterm_while_compiling_exits_0_at_once_saying_so(tmp_path):
 def test_the_server_is_ready_while_it_compiles_ahead_and_a_sigterm_then_exits_0(tmp_path):
     """--warm-up background: /health says ready once the first programs ran, while the others still compile
     on a thread (here one that never ends stands in for XLA compiling); SIGTERM then exits 0 at once, not past
-    the compiling thread (an abort)."""
+    the compiling thread (an abort). uvicorn's start is slowed here: "ready" waits for it (it had been said
+    while a request to the address was still refused)."""
     script = tmp_path / "serve.py"
     script.write_text(
-        "import sys, threading, types\n"
+        "import asyncio, sys, threading, types\n"
+        "import uvicorn\n"
         "from trainer.serve import cli, http_serve\n"
+        "quick = uvicorn.Server.startup\n"
+        "async def slow(self, sockets=None):\n"
+        "    await asyncio.sleep(1.0)\n"
+        "    await quick(self, sockets)\n"
+        "uvicorn.Server.startup = slow\n"
         "def warm_up(every_span, between):\n"
         "    print(f'warm_up every_span={every_span}', file=sys.stderr, flush=True)\n"
         "def compile_ahead(between):\n"

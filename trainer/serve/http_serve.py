@@ -108,6 +108,14 @@ class Warming:
         self.failed: list[str] = []
         self.ahead: list[threading.Thread] = []  # the programs compiling while it serves (--warm-up background)
 
+    def _listening(self, timeout: float = 60.0) -> None:
+        """Waits (at most `timeout`) until uvicorn has started on the socket: a warm-up quicker than uvicorn's
+        own start (a warm cache, a small model) said "ready" while a request to the address was still refused."""
+        deadline = time.monotonic() + timeout
+        while not self.server.started and not self.server.should_exit and time.monotonic() < deadline:
+            self.stop.check()
+            time.sleep(0.01)
+
     def run(self) -> None:
         from trainer.serve.loop import EngineLoop
 
@@ -122,6 +130,7 @@ class Warming:
             self.state.loop = EngineLoop(engine, step_timeout=self.step_timeout,
                                          on_failed_step=self.on_failed_step).start()
             progress(f"compiled in {time.perf_counter() - started:.1f}s")
+            self._listening()
             progress(f"ready: {self.where} (health /health, metrics /metrics)")
             if self.warm_up == "background":
                 self.ahead.append(compile_ahead_thread(engine, self.stop.check))
