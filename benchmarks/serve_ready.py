@@ -65,7 +65,7 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
 
         jax.monitoring.register_event_duration_secs_listener(heard)
         from trainer import program_cache
-        from trainer.serve import startup as early
+        from trainer.serve import startup
 
         def timed(owner, name: str, what: str) -> None:  # the early engine's other steps, in the same log
             plain = getattr(owner, name)
@@ -81,7 +81,7 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
             setattr(owner, name, logged)
 
         timed(program_cache, "key", "a kept program's key")
-        timed(early.EarlyEngine, "start", "building the engine on the weights' shapes (the read waits)")
+        timed(startup.EarlyEngine, "start", "building the engine on the weights' shapes (the read waits)")
     from trainer.serve import startup
     from trainer.serve.spans import DEFAULT_CHUNK
     from trainer.serve.startup import load
@@ -111,14 +111,14 @@ def child(checkpoint: str, slots: int, max_len: int) -> int:
 
         runner, plain = loaded.engine.runner, loaded.engine.runner.run
 
-        def timed(name, *inputs):
+        def waited_for(name, *inputs):
             started = time.perf_counter()
             outputs = plain(name, *inputs)
             jax.block_until_ready(outputs)
             logging.warning("Finished the warm-up call of %s in %.3f sec", name, time.perf_counter() - started)
             return outputs
 
-        runner.run = timed
+        runner.run = waited_for
         started = time.perf_counter()  # a read's arrays may still be on their way to the devices
         jax.block_until_ready(loaded.engine.weights)
         logging.warning("Finished waiting for the weights read onto the devices in %.3f sec",
